@@ -1,0 +1,119 @@
+"""Actors and their supervision.
+
+An actor is an object with a bounded inbox and an ``async run(*, task_status)`` that
+calls ``task_status.started(self)`` only when it is ready. Its state lives on the
+object, so a restarted actor keeps its queue. :func:`supervise` runs one actor in a
+nursery and restarts it when it crashes, at most ``intensity`` times in ``period``
+seconds; past that budget the failure escalates as ActorBroken.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+from typing import Any
+
+import attrs
+import trio
+
+from ._errors import ActorBroken
+
+log = logging.getLogger("trioserve")
+
+
+class ActorState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+    BROKEN = "broken"
+
+
+_ACTOR_MOVES = {
+    ActorState.STARTING: {ActorState.RUNNING, ActorState.RESTARTING, ActorState.BROKEN,
+                          ActorState.STOPPED},
+    ActorState.RUNNING: {ActorState.RESTARTING, ActorState.STOPPED, ActorState.BROKEN},
+    ActorState.RESTARTING: {ActorState.RUNNING, ActorState.BROKEN, ActorState.STOPPED},
+    ActorState.STOPPED: set(),
+    ActorState.BROKEN: set(),
+}
+
+
+@attrs.frozen(kw_only=True)
+class RestartPolicy:
+    """At most ``intensity`` restarts within ``period`` seconds, then escalate."""
+
+    intensity: int = 5
+    period: float = 10.0
+
+
+class Actor:
+    """Base class: a name, a lifecycle state, a restart count."""
+
+    name: str = "actor"
+
+    def __init__(self) -> None:
+        self.state = ActorState.STARTING
+        self.restarts = 0
+
+    def _transition(self, new: ActorState) -> None:
+        if new not in _ACTOR_MOVES[self.state]:
+            raise ActorBroken(f"{self.name}: cannot go from {self.state.value} to {new.value}")
+        self.state = new
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        raise NotImplementedError
+
+    def on_crash(self, exc: BaseException) -> None:  # noqa: B027 - optional hook
+        """Called after a crash, before the restart: fail or requeue what was in flight."""
+
+
+async def supervise(
+    actor: Actor,
+    policy: RestartPolicy,
+    *,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run ``actor`` and restart it when it crashes, within ``policy``'s budget.
+
+    Reports ``started(actor)`` once the first run is ready. Cancellation stops the actor
+    (state STOPPED) and propagates. A crash past the budget raises ActorBroken chained
+    to the last failure.
+    """
+    crashes: collections.deque[float] = collections.deque()
+    outer = task_status
+
+    class _Status:
+        # Runs the actor in this task (no nursery: its errors arrive unwrapped) and
+        # reports the first start to our own starter.
+        def started(self, value: Any = None) -> None:
+            nonlocal outer
+            actor._transition(ActorState.RUNNING)
+            if outer is not None:
+                outer.started(actor)
+                outer = None
+
+    while True:
+        try:
+            await actor.run(task_status=_Status())
+            actor._transition(ActorState.STOPPED)
+            return
+        except trio.Cancelled:
+            actor.state = ActorState.STOPPED
+            raise
+        except Exception as exc:
+            actor.on_crash(exc)
+            now = trio.current_time()
+            crashes.append(now)
+            while crashes and crashes[0] <= now - policy.period:
+                crashes.popleft()
+            if len(crashes) > policy.intensity:
+                actor._transition(ActorState.BROKEN)
+                raise ActorBroken(
+                    f"{actor.name} crashed {len(crashes)} times within {policy.period:g}s "
+                    f"(restart budget {policy.intensity}); last error: {exc!r}"
+                ) from exc
+            actor.restarts += 1
+            actor._transition(ActorState.RESTARTING)
+            log.warning("%s crashed (%r); restart %d", actor.name, exc, actor.restarts)

@@ -1,0 +1,146 @@
+"""Built-in models for demos, tests and benchmarks, and backend resolution."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ._config import ModelConfig
+from ._errors import ConfigError, InvalidInput
+from ._model import CallableBackend, Item, ModelBackend, Runner, TensorSpec, TorchBackend
+
+MLP_IN, MLP_HIDDEN, MLP_OUT = 256, 1024, 16
+
+
+def _options(cfg: ModelConfig, allowed: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(allowed)
+    for k, v in cfg.options.items():
+        if k not in allowed:
+            raise ConfigError(
+                f"models.{cfg.name}.options.{k}: unknown option for backend "
+                f"{cfg.backend!r}; expected one of {', '.join(allowed) or 'none'}"
+            )
+        want = allowed[k]
+        numeric = isinstance(want, int | float) and not isinstance(want, bool)
+        ok = (
+            isinstance(v, int | float) and not isinstance(v, bool)
+            if numeric
+            else isinstance(v, type(want))
+        )
+        if not ok:
+            raise ConfigError(
+                f"models.{cfg.name}.options.{k}: expected {type(want).__name__}, got {v!r}"
+            )
+        out[k] = v
+    return out
+
+
+def mlp_module(seed: int = 0) -> Any:
+    """The deterministic seeded MLP 256→1024→1024→16 with ReLU, float32, eval mode."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    layers = [
+        torch.nn.Linear(MLP_IN, MLP_HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(MLP_HIDDEN, MLP_HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(MLP_HIDDEN, MLP_OUT),
+    ]
+    with torch.no_grad():
+        for layer in layers:
+            if isinstance(layer, torch.nn.Linear):
+                bound = 1.0 / layer.in_features**0.5
+                layer.weight.uniform_(-bound, bound, generator=gen)
+                layer.bias.uniform_(-bound, bound, generator=gen)
+    return torch.nn.Sequential(*layers).eval()
+
+
+def mlp_backend(seed: int = 0) -> TorchBackend:
+    return TorchBackend(
+        lambda: mlp_module(seed),
+        inputs=[TensorSpec(name="x", datatype="FP32", shape=(MLP_IN,))],
+        outputs=[TensorSpec(name="y", datatype="FP32", shape=(MLP_OUT,))],
+    )
+
+
+def _echo(items: list[Item]) -> list[Item]:
+    return items
+
+
+def echo_backend() -> CallableBackend:
+    """Returns its inputs unchanged; any names and dtypes."""
+    return CallableBackend(
+        _echo,
+        inputs=[TensorSpec(name="x", datatype="FP32", shape=(-1,))],
+        outputs=[TensorSpec(name="x", datatype="FP32", shape=(-1,))],
+        open_inputs=True,
+        execution="inline",
+    )
+
+
+class SleepBackend(ModelBackend):
+    """Sleeps per batch and per item (to make stragglers); echoes ``x``.
+
+    The batch sleeps ``delay_per_batch_ms + delay_per_item_ms × items`` plus the largest
+    ``x[0]`` (in ms) of its items, so one slow item holds back its whole batch.
+    """
+
+    inputs = (TensorSpec(name="x", datatype="FP32", shape=(-1,)),)
+    outputs = (TensorSpec(name="y", datatype="FP32", shape=(-1,)),)
+
+    def __init__(self, *, delay_per_batch_ms: float = 0.0, delay_per_item_ms: float = 0.0):
+        self._per_batch = delay_per_batch_ms / 1e3
+        self._per_item = delay_per_item_ms / 1e3
+
+    def load(self, device: str, *, torch_threads: int = 1) -> Runner:
+        def run(items: list[Item]) -> list[dict[str, np.ndarray]]:
+            extra = max((float(it["x"][0]) for it in items if it["x"].size), default=0.0)
+            delay = self._per_batch + self._per_item * len(items) + max(extra, 0.0) / 1e3
+            if delay > 0:
+                threading.Event().wait(delay)  # model work: blocks its worker thread only
+            return [{"y": it["x"]} for it in items]
+
+        return run
+
+
+def resolve_backend(cfg: ModelConfig) -> ModelBackend:
+    """The ModelBackend a model config names. Raises ConfigError naming the key."""
+    b = cfg.backend
+    if isinstance(b, ModelBackend):
+        return b
+    if b == "mlp":
+        return mlp_backend(**_options(cfg, {"seed": 0}))
+    if b == "echo":
+        _options(cfg, {})
+        return echo_backend()
+    if b == "sleep":
+        return SleepBackend(
+            **_options(cfg, {"delay_per_batch_ms": 0.0, "delay_per_item_ms": 0.0})
+        )
+    if b == "minilm":
+        from ._minilm import MiniLMBackend
+
+        return MiniLMBackend(**_options(cfg, {"max_length": 256}))
+    if callable(b):
+        obj = b()
+    else:
+        module, _, attr = str(b).partition(":")
+        try:
+            obj = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"models.{cfg.name}.backend: cannot import {b!r}: {exc}") from None
+        if not isinstance(obj, ModelBackend) and callable(obj):
+            obj = obj(**cfg.options)
+    if not isinstance(obj, ModelBackend):
+        raise ConfigError(
+            f"models.{cfg.name}.backend: {b!r} is not a ModelBackend (got {type(obj).__name__})"
+        )
+    return obj
+
+
+__all__ = ["InvalidInput", "SleepBackend", "echo_backend", "mlp_backend", "resolve_backend"]

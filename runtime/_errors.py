@@ -1,0 +1,73 @@
+"""The error hierarchy. Each class has one meaning; messages say what was wrong and
+what was expected."""
+
+from __future__ import annotations
+
+
+class TrioserveError(Exception):
+    """Base class of every error trioserve raises on purpose."""
+
+    #: HTTP status the gateway answers with for this error.
+    status = 500
+
+
+class ConfigError(TrioserveError, ValueError):
+    """The configuration is invalid; the message names the key and the reason."""
+
+
+class UnknownModel(TrioserveError, LookupError):
+    """No model (or model version) of that name is served."""
+
+    status = 404
+
+
+class InvalidInput(TrioserveError, ValueError):
+    """The inputs do not match the model's signature (name, dtype, shape, budget)."""
+
+    status = 400
+
+
+class Unauthorized(TrioserveError):
+    """A missing or unknown API key."""
+
+    status = 401
+
+
+class Overloaded(TrioserveError):
+    """The runtime cannot take this request now; try again after ``retry_after`` s."""
+
+    status = 503
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QuotaExceeded(Overloaded):
+    """The tenant is over its quota; try again after ``retry_after`` s."""
+
+    status = 429
+
+
+class DeadlineExceeded(TrioserveError, TimeoutError):
+    """The request's deadline passed before it could be answered."""
+
+    status = 504
+
+
+class ModelError(TrioserveError):
+    """The model raised while running the batch that held this request."""
+
+    status = 500
+
+
+class ActorClosed(TrioserveError):
+    """The runtime (or actor) was closed by its owner; no new work is taken."""
+
+    status = 503
+
+
+class ActorBroken(TrioserveError):
+    """An actor died (crashed past its restart budget, or mid-batch)."""
+
+    status = 500

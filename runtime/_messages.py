@@ -1,0 +1,136 @@
+"""Messages between actors: a request with its one-shot reply slot.
+
+A request is an immutable value; what changes over its life (queued, dispatched,
+answered) lives in its :class:`Reply`, whose state moves only through
+:meth:`Reply._transition`, so it can never be answered twice.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+import outcome
+import trio
+
+from ._errors import ActorBroken
+
+
+class RequestState(enum.Enum):
+    QUEUED = "queued"  # waiting in a scheduler queue
+    DISPATCHED = "dispatched"  # taken into a batch; the model may be running it
+    DONE = "done"  # answered (result or error)
+    CANCELLED = "cancelled"  # the caller left before dispatch: never dispatched
+    ABANDONED = "abandoned"  # the caller left after dispatch: the answer is dropped
+
+
+_ALLOWED: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.QUEUED: frozenset(
+        {RequestState.DISPATCHED, RequestState.DONE, RequestState.CANCELLED}
+    ),
+    RequestState.DISPATCHED: frozenset({RequestState.DONE, RequestState.ABANDONED}),
+    RequestState.DONE: frozenset(),
+    RequestState.CANCELLED: frozenset(),
+    RequestState.ABANDONED: frozenset(),
+}
+_ANSWERABLE = frozenset({RequestState.QUEUED, RequestState.DISPATCHED})
+
+QUEUED = RequestState.QUEUED
+DISPATCHED = RequestState.DISPATCHED
+DONE = RequestState.DONE
+CANCELLED = RequestState.CANCELLED
+ABANDONED = RequestState.ABANDONED
+
+
+@attrs.define(eq=False, slots=True)
+class Reply:
+    """A one-shot reply slot. The batcher fills it once; the caller awaits it.
+
+    It parks the waiting task directly (``wait_task_rescheduled``): cheaper than an
+    Event, and cancelling the waiter withdraws the request when it is still queued.
+    """
+
+    state: RequestState = RequestState.QUEUED
+    _outcome: outcome.Outcome | None = None
+    _task: Any = None
+
+    def _transition(self, new: RequestState) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise ActorBroken(f"request state cannot go from {self.state.value} to {new.value}")
+        self.state = new
+
+    @property
+    def answerable(self) -> bool:
+        """True while nobody has answered and the caller still waits (or may)."""
+        return self.state in _ANSWERABLE
+
+    def dispatch(self) -> bool:
+        """Queued → dispatched. Returns False when the request was withdrawn or answered."""
+        if self.state is QUEUED:
+            self.state = DISPATCHED
+            return True
+        return False
+
+    def set_result(self, value: Any) -> bool:
+        """Answer with a value. Returns False when the answer was dropped (caller gone)."""
+        return self._answer(outcome.Value(value))
+
+    def set_error(self, error: BaseException) -> bool:
+        """Answer with an error. Returns False when the answer was dropped (caller gone)."""
+        return self._answer(outcome.Error(error))
+
+    def _answer(self, result: outcome.Outcome) -> bool:
+        if self.state is ABANDONED or self.state is CANCELLED:
+            return False
+        self._transition(DONE)
+        task = self._task
+        if task is not None:
+            self._task = None
+            trio.lowlevel.reschedule(task, result)
+        else:
+            self._outcome = result
+        return True
+
+    async def wait(self) -> Any:
+        """Wait for the answer; return the value or raise the error.
+
+        A checkpoint. Cancelling it withdraws a queued request (it will never be
+        dispatched) and makes the batcher drop the answer of a dispatched one.
+        """
+        if self._outcome is not None:
+            await trio.lowlevel.checkpoint()
+            result, self._outcome = self._outcome, None
+            return result.unwrap()
+        self._task = trio.lowlevel.current_task()
+
+        def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
+            self._task = None
+            if self.state is QUEUED:
+                self._transition(CANCELLED)
+            elif self.state is DISPATCHED:
+                self._transition(ABANDONED)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        return await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class Request:
+    """One item for one model, from one caller.
+
+    ``deadline`` is absolute trio time; ``answer_expiry`` says whether the runtime
+    answers an expired request with DeadlineExceeded (the deadline came from the
+    model's timeout) or just drops it (it came from the caller's own cancel scope,
+    which fires at the same moment).
+    """
+
+    model: str
+    item: Any = attrs.field(eq=False, repr=False)
+    cost: int = 1
+    tenant: str = "default"
+    priority: str = "default"
+    arrival: float = 0.0
+    deadline: float = float("inf")
+    answer_expiry: bool = False
+    reply: Reply = attrs.field(factory=Reply, eq=False, repr=False)

@@ -1,0 +1,264 @@
+"""What the runtime needs of a model: its signature, how to prepare one item, and a
+runner per device that maps a list of items to a list of outputs.
+
+Items are prepared on the event loop (validation, coercion, cost); runners execute
+in a worker thread (or inline) and must not touch trio.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ._errors import InvalidInput
+
+#: Open Inference Protocol v2 datatypes and their numpy dtypes.
+V2_DTYPES: dict[str, Any] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BYTES": np.dtype(object),
+}
+_NUMERIC_KINDS = {"b": "b", "u": "biu", "i": "biu", "f": "biuf"}
+
+Item = dict[str, np.ndarray]
+Runner = Callable[[list[Any]], Sequence[Mapping[str, Any]]]
+
+
+def v2_datatype(dtype: np.dtype) -> str:
+    """The v2 datatype name of a numpy dtype."""
+    for name, dt in V2_DTYPES.items():
+        if dt == dtype:
+            return name
+    if dtype.kind in "USO":
+        return "BYTES"
+    raise InvalidInput(f"numpy dtype {dtype} has no Open Inference Protocol datatype")
+
+
+@attrs.frozen(kw_only=True)
+class TensorSpec:
+    """One input or output of a model, per item (no batch dimension); -1 is dynamic."""
+
+    name: str
+    datatype: str = attrs.field(validator=attrs.validators.in_(tuple(V2_DTYPES)))
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return V2_DTYPES[self.datatype]
+
+    def accepts_shape(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == len(self.shape) and all(
+            want == -1 or want == got for want, got in zip(self.shape, shape, strict=True)
+        )
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """An array-like (numpy array, torch tensor, nested list, scalar) as a numpy array."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, any device
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def coerce(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
+    """Check one input against its spec and return it with the spec's dtype."""
+    try:
+        arr = to_numpy(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(
+            f"input {spec.name!r} of model {model!r}: not an array ({exc})"
+        ) from None
+    want = spec.dtype
+    if arr.dtype != want:
+        if want.kind == "O":
+            if arr.dtype.kind not in "USO":
+                raise InvalidInput(
+                    f"input {spec.name!r} of model {model!r}: expected {spec.datatype} "
+                    f"(strings or bytes), got {arr.dtype}"
+                )
+            arr = arr.astype(object)
+        elif arr.dtype.kind not in _NUMERIC_KINDS.get(want.kind, want.kind):
+            raise InvalidInput(
+                f"input {spec.name!r} of model {model!r}: expected {spec.datatype}, "
+                f"got {v2_datatype(arr.dtype) if arr.dtype.kind != 'O' else 'objects'}"
+            )
+        else:
+            arr = arr.astype(want)
+    if not spec.accepts_shape(arr.shape):
+        extra = " (one item: no batch dimension)" if arr.ndim == len(spec.shape) + 1 else ""
+        raise InvalidInput(
+            f"input {spec.name!r} of model {model!r}: expected shape "
+            f"{list(spec.shape)}{extra}, got {list(arr.shape)}"
+        )
+    return arr
+
+
+class ModelBackend:
+    """Base class of model backends. Subclasses set the signature and ``load``.
+
+    Attributes:
+        inputs, outputs: the per-item signature.
+        padded: True when a batch is padded to its longest item, so the cost of a batch
+            is items × longest item (token budgets count the padding).
+        open_inputs: accept any input names and dtypes (``echo``).
+        default_execution: "thread" (a worker thread per batch) or "inline".
+        supports_split: ``split``/``merge`` are implemented (oversize policy "split").
+    """
+
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    padded: bool = False
+    open_inputs: bool = False
+    default_execution: str = "thread"
+    supports_split: bool = False
+
+    def prepare(self, name: str, inputs: Any) -> tuple[Item, int]:
+        """Validate and coerce one item's inputs; return (item, cost).
+
+        Runs on the event loop: keep it cheap. Raises InvalidInput.
+        """
+        specs = self.inputs
+        if not isinstance(inputs, Mapping):
+            if len(specs) != 1:
+                raise InvalidInput(
+                    f"model {name!r} takes {len(specs)} inputs "
+                    f"({', '.join(s.name for s in specs)}): pass a mapping name -> array"
+                )
+            return {specs[0].name: coerce(specs[0], inputs, name)}, 1
+        if self.open_inputs:
+            return {str(k): to_numpy(v) for k, v in inputs.items()}, 1
+        item: Item = {}
+        for spec in specs:
+            try:
+                value = inputs[spec.name]
+            except KeyError:
+                raise InvalidInput(
+                    f"model {name!r}: missing input {spec.name!r}; expected "
+                    f"{', '.join(s.name for s in specs)}"
+                ) from None
+            item[spec.name] = coerce(spec, value, name)
+        if len(inputs) != len(specs):
+            unknown = sorted(set(map(str, inputs)) - {s.name for s in specs})
+            raise InvalidInput(
+                f"model {name!r}: unknown input {', '.join(map(repr, unknown))}; expected "
+                f"{', '.join(s.name for s in specs)}"
+            )
+        return item, 1
+
+    def load(self, device: str, *, torch_threads: int = 1) -> Runner:
+        """Load the model on ``device`` and return its runner. Runs in a worker thread."""
+        raise NotImplementedError
+
+    def split(self, item: Item, budget: int) -> list[tuple[Item, int]]:
+        """Split an oversize item into parts of cost <= budget (for ``oversize="split"``)."""
+        raise NotImplementedError
+
+    def merge(self, parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Merge the outputs of the parts of a split item into one output."""
+        raise NotImplementedError
+
+
+class CallableBackend(ModelBackend):
+    """A plain Python callable over a list of items (each a dict name -> array),
+    returning one output mapping per item."""
+
+    def __init__(
+        self,
+        fn: Callable[[list[Item]], Sequence[Mapping[str, Any]]],
+        *,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        open_inputs: bool = False,
+        execution: str = "thread",
+    ) -> None:
+        self._fn = fn
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.open_inputs = open_inputs
+        self.default_execution = execution
+
+    def load(self, device: str, *, torch_threads: int = 1) -> Runner:
+        return self._fn
+
+
+_thread_state = threading.local()
+
+
+def _set_torch_threads(torch: Any, n: int) -> None:
+    # torch's intra-op thread count is per OS thread under OpenMP: set it once per
+    # worker thread, cheaply checked on every batch.
+    if getattr(_thread_state, "torch_threads", None) != n:
+        torch.set_num_threads(n)
+        _thread_state.torch_threads = n
+
+
+class TorchBackend(ModelBackend):
+    """A torch ``nn.Module`` built by ``factory()``; batched tensors in input order,
+    a tensor (or tuple/list/dict of tensors) out, under ``inference_mode``."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        *,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+    ) -> None:
+        self._factory = factory
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+
+    def load(self, device: str, *, torch_threads: int = 1) -> Runner:
+        import torch
+
+        _set_torch_threads(torch, torch_threads)
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {device!r}: torch sees no CUDA device")
+        module = self._factory().to(dev).eval()
+        in_names = [s.name for s in self.inputs]
+        out_names = [s.name for s in self.outputs]
+        on_cpu = dev.type == "cpu"
+
+        def run(items: list[Item]) -> list[dict[str, np.ndarray]]:
+            _set_torch_threads(torch, torch_threads)
+            with torch.inference_mode():
+                args = []
+                for name in in_names:
+                    t = torch.from_numpy(np.stack([it[name] for it in items]))
+                    args.append(t if on_cpu else t.to(dev, non_blocking=True))
+                out = module(*args)
+                if isinstance(out, Mapping):
+                    outs = [out[n] for n in out_names]
+                elif isinstance(out, tuple | list):
+                    outs = list(out)
+                else:
+                    outs = [out]
+                arrays = [o.detach().cpu().numpy() for o in outs]
+            if len(arrays) != len(out_names):
+                raise RuntimeError(
+                    f"module returned {len(arrays)} outputs, signature has {len(out_names)}"
+                )
+            if len(out_names) == 1:
+                name, arr = out_names[0], arrays[0]
+                return [{name: arr[i]} for i in range(len(items))]
+            return [
+                {n: a[i] for n, a in zip(out_names, arrays, strict=True)}
+                for i in range(len(items))
+            ]
+
+        return run

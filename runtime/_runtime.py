@@ -1,0 +1,285 @@
+"""The assembly: ``open_runtime`` wires a scheduler and batchers per model under one
+supervising nursery, and ``Runtime.infer`` is the in-process front door."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from ._actor import RestartPolicy, supervise
+from ._builtin import resolve_backend
+from ._config import Config, ModelConfig, load_config
+from ._errors import ActorClosed, InvalidInput, UnknownModel
+from ._messages import Reply, Request
+from ._model import ModelBackend
+
+
+@attrs.define(eq=False)
+class ServedModel:
+    """A model as served: its config, backend, scheduler, batchers and metrics."""
+
+    config: ModelConfig
+    backend: ModelBackend
+    scheduler: Any
+    batchers: list[Any]
+    metrics: Any
+    limits: Any
+    timeout: float
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+class Runtime:
+    """A running trioserve: call :meth:`infer`. Made by :func:`open_runtime`."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.models: dict[str, ServedModel] = {}
+        self._closed = False
+        self._in_flight = 0
+        self._drained = trio.Event()
+
+    # ------------------------------------------------------------ public
+    async def infer(
+        self,
+        model: str,
+        inputs: Any,
+        *,
+        tenant: str | None = None,
+        priority: str | None = None,
+        version: str | None = None,
+    ) -> dict[str, Any]:
+        """Run one item through ``model`` and return its outputs (name -> numpy array).
+
+        ``inputs`` maps input names to array-likes for ONE item (no batch dimension);
+        a single-input model also takes the bare array. The request's deadline is the
+        caller's effective deadline (or the model's timeout, if sooner); the request is
+        never dispatched after it. A checkpoint. Cancelling it withdraws the request
+        if it has not been dispatched yet.
+
+        Raises UnknownModel, InvalidInput, Overloaded, DeadlineExceeded (the model's
+        timeout), ModelError (the model raised), ActorClosed (shut down).
+        """
+        served = self.models.get(model)
+        if served is None:
+            raise UnknownModel(self._unknown(model))
+        if version is not None and version not in served.config.versions:
+            raise UnknownModel(
+                f"model {model!r} has no version {version!r}; versions: "
+                f"{', '.join(served.config.versions)}"
+            )
+        if self._closed:
+            raise ActorClosed("the runtime is shut down")
+        item, cost = served.backend.prepare(model, inputs)
+        limits = served.limits
+        if limits.max_tokens is not None and cost > limits.max_tokens:
+            if limits.oversize == "split" and served.backend.supports_split:
+                return await self._infer_split(served, item, tenant, priority)
+            if limits.oversize != "alone":
+                raise InvalidInput(
+                    f"model {model!r}: request cost {cost} exceeds max_batch_tokens "
+                    f"{limits.max_tokens} (oversize policy {limits.oversize!r})"
+                )
+        return await self._submit(served, item, cost, tenant, priority)
+
+    def statistics(self) -> dict[str, Any]:
+        """Per-model counters and latency summaries (computed now; not for hot paths)."""
+        out = {}
+        for name, s in self.models.items():
+            m = s.metrics
+            out[name] = {
+                "queue_depth": s.scheduler.queue_depth(),
+                "batches": m.batches,
+                "items": m.items,
+                "fill_ratio": m.fill_ratio,
+                "queue_wait": m.queue_wait.summary(),
+                "batch_exec": m.batch_exec.summary(),
+                "end_to_end": m.end_to_end.summary(),
+                "statuses": dict(m.statuses),
+                "replicas": [
+                    {"name": b.name, "state": b.state.value, "restarts": b.restarts}
+                    for b in s.batchers
+                ],
+            }
+        return out
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------ internals
+    def _unknown(self, model: str) -> str:
+        return f"unknown model {model!r}; serving: {', '.join(sorted(self.models))}"
+
+    async def _submit(
+        self, served: ServedModel, item: Any, cost: int, tenant: str | None, priority: str | None
+    ) -> dict[str, Any]:
+        now = trio.current_time()
+        caller_deadline = trio.current_effective_deadline()
+        model_deadline = now + served.timeout
+        answer_expiry = model_deadline < caller_deadline
+        reply = Reply()
+        request = Request(
+            model=served.config.name,
+            item=item,
+            cost=cost,
+            tenant=tenant or "default",
+            priority=priority or "default",
+            arrival=now,
+            deadline=model_deadline if answer_expiry else caller_deadline,
+            answer_expiry=answer_expiry,
+            reply=reply,
+        )
+        served.scheduler.submit_nowait(request)
+        self._in_flight += 1
+        try:
+            result = await reply.wait()
+        finally:
+            self._in_flight -= 1
+            if self._closed and not self._in_flight:
+                self._drained.set()
+        served.metrics.end_to_end.record(trio.current_time() - now)
+        return result
+
+    async def _infer_split(
+        self, served: ServedModel, item: Any, tenant: str | None, priority: str | None
+    ) -> dict[str, Any]:
+        parts = served.backend.split(item, served.limits.max_tokens)
+        results: list[Any] = [None] * len(parts)
+
+        async def one(i: int, part: Any, cost: int) -> None:
+            results[i] = await self._submit(served, part, cost, tenant, priority)
+
+        async with trio.open_nursery() as nursery:
+            for i, (part, cost) in enumerate(parts):
+                nursery.start_soon(one, i, part, cost)
+        return served.backend.merge(results)
+
+    async def _drain(self, grace: float) -> None:
+        self._closed = True
+        if self._in_flight:
+            with trio.move_on_after(grace):
+                await self._drained.wait()
+
+
+def _limits(cfg: ModelConfig, backend: ModelBackend) -> Any:
+    from trioserve.actors import BatchLimits
+
+    return BatchLimits(
+        max_size=cfg.max_batch_size,
+        max_tokens=cfg.max_batch_tokens,
+        max_wait=cfg.max_wait_ms / 1e3,
+        padded=backend.padded,
+        oversize=cfg.oversize,
+    )
+
+
+@asynccontextmanager
+async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
+    """Start the runtime: per model a scheduler and one batcher per replica, each
+    supervised; models are loaded before this returns.
+
+    On leaving the block normally, new requests are refused (ActorClosed), requests in
+    flight get up to ``runtime.graceful_timeout_s`` to finish, then every request still
+    waiting is failed with ActorClosed: nothing hangs and nothing is lost. If the block
+    raises, or an actor escalates, everything is cancelled at once.
+    """
+    if config is None:
+        config = load_config()
+    limits_cfg = config.runtime
+    backends = {m.name: resolve_backend(m) for m in config.models}
+    policy = RestartPolicy(
+        intensity=limits_cfg.restart_intensity, period=limits_cfg.restart_period_s
+    )
+    rt = Runtime(config)
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(limits_cfg.switch_interval_us * 1e-6)
+    # The body's own exception is re-raised unwrapped after the nursery closes; only an
+    # actor's escalation comes out of the nursery itself.
+    body_error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                for m in config.models:
+                    await _start_model(nursery, rt, m, backends[m.name], policy)
+                yield rt
+                await rt._drain(limits_cfg.graceful_timeout_s)
+            except BaseException as exc:
+                body_error = exc
+            finally:
+                rt._closed = True
+                nursery.cancel_scope.cancel("runtime shutting down")
+    except BaseExceptionGroup as group:
+        leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+    finally:
+        sys.setswitchinterval(old_interval)
+        closed = ActorClosed("the runtime shut down before this request was answered")
+        for served in rt.models.values():
+            for b in served.batchers:
+                b.close()
+            served.scheduler.close(closed)
+    if body_error is not None:
+        raise body_error
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+async def _start_model(
+    nursery: trio.Nursery,
+    rt: Runtime,
+    m: ModelConfig,
+    backend: ModelBackend,
+    policy: RestartPolicy,
+) -> None:
+    from trioserve.actors import BatcherActor, FifoQueue, ModelMetrics, SchedulerActor
+
+    limits = _limits(m, backend)
+    scheduler = SchedulerActor(
+        m.name,
+        FifoQueue(limits, bound=rt.config.runtime.queue_bound, model=m.name),
+        inbox_bound=rt.config.runtime.inbox_bound,
+    )
+    metrics = ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
+    served = ServedModel(
+        config=m,
+        backend=backend,
+        scheduler=scheduler,
+        batchers=[],
+        metrics=metrics,
+        limits=limits,
+        timeout=m.timeout_ms / 1e3 if m.timeout_ms is not None else math.inf,
+    )
+    rt.models[m.name] = served
+    await nursery.start(supervise, scheduler, policy)
+    for i, device in enumerate(m.replica_devices):
+        batcher = BatcherActor(
+            model=m.name,
+            backend=backend,
+            scheduler=scheduler,
+            metrics=metrics,
+            device=device,
+            index=i,
+            execution=m.execution or backend.default_execution,
+            torch_threads=m.torch_threads,
+        )
+        served.batchers.append(batcher)
+        await nursery.start(supervise, batcher, policy)
+
+
+__all__ = ["Runtime", "ServedModel", "open_runtime"]

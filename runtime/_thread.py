@@ -1,0 +1,141 @@
+"""``serve_in_thread``: the runtime on a background trio thread, for blocking code."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import trio
+
+from ._config import Config, load_config
+from ._errors import ActorClosed, DeadlineExceeded
+from ._runtime import Runtime, open_runtime
+
+
+class Client:
+    """A blocking, thread-safe handle on a runtime running in another thread."""
+
+    def __init__(self, runtime: Runtime, token: trio.lowlevel.TrioToken) -> None:
+        self.runtime = runtime
+        self._token = token
+
+    def infer(
+        self,
+        model: str,
+        inputs: Any,
+        *,
+        tenant: str | None = None,
+        priority: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Blocking ``Runtime.infer``; ``timeout`` (seconds) raises DeadlineExceeded."""
+        return self._call(self._one, model, inputs, tenant, priority, timeout)
+
+    def infer_many(
+        self,
+        model: str,
+        inputs: Sequence[Any],
+        *,
+        tenant: str | None = None,
+        priority: str | None = None,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Run every item concurrently; return the results in input order.
+
+        With ``return_exceptions`` a failed item's exception takes its place in the
+        list; otherwise the first failure (in input order) is raised once all are done.
+        """
+        results = self._call(self._many, model, list(inputs), tenant, priority, timeout)
+        if not return_exceptions:
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        return results
+
+    def statistics(self) -> dict[str, Any]:
+        return self._call(self._stats)
+
+    # ---- trio side
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise ActorClosed("the runtime is shut down") from None
+
+    async def _stats(self) -> dict[str, Any]:
+        return self.runtime.statistics()
+
+    async def _one(
+        self, model: str, inputs: Any, tenant: Any, priority: Any, timeout: float | None
+    ) -> dict[str, Any]:
+        if timeout is None:
+            return await self.runtime.infer(model, inputs, tenant=tenant, priority=priority)
+        with trio.move_on_after(timeout):
+            return await self.runtime.infer(model, inputs, tenant=tenant, priority=priority)
+        raise DeadlineExceeded(f"model {model!r}: no answer within {timeout:g}s")
+
+    async def _many(
+        self, model: str, items: list[Any], tenant: Any, priority: Any, timeout: float | None
+    ) -> list[Any]:
+        results: list[Any] = [None] * len(items)
+
+        async def one(i: int) -> None:
+            try:
+                results[i] = await self._one(model, items[i], tenant, priority, timeout)
+            except Exception as exc:
+                results[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(items)):
+                nursery.start_soon(one, i)
+        return results
+
+
+@contextmanager
+def serve_in_thread(config: Config | None = None) -> Iterator[Client]:
+    """Run the runtime on a background trio thread; yield a blocking :class:`Client`.
+
+    Leaving the block shuts the runtime down: requests in flight are answered or
+    failed (ActorClosed), and later calls raise ActorClosed. Never hangs.
+    """
+    if config is None:
+        config = load_config()
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with open_runtime(config) as rt:
+            stop = trio.Event()
+            box["client"] = Client(rt, trio.lowlevel.current_trio_token())
+            box["stop"] = stop
+            ready.set()
+            await stop.wait()
+
+    def thread_main() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # reported to the starting thread below
+            box["error"] = exc
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=thread_main, name="trioserve-runtime", daemon=True)
+    thread.start()
+    ready.wait()
+    if "client" not in box:
+        thread.join()
+        raise box["error"]
+    client: Client = box["client"]
+    try:
+        yield client
+    finally:
+        try:
+            trio.from_thread.run_sync(box["stop"].set, trio_token=client._token)
+        except trio.RunFinishedError:
+            pass
+        thread.join()
+        if "error" in box:
+            raise box["error"]

@@ -1,0 +1,77 @@
+"""The ``trioserve`` command: ``serve`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trioserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the configured models over HTTP and WebSocket")
+    s.add_argument("--config", help="TOML config file (default: the built-in configuration)")
+    s.add_argument("--host", help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="listen port (default 8000)")
+
+    b = sub.add_parser("bench", help="closed-loop load, in process or against --url")
+    b.add_argument("--config", help="TOML config file (default: the built-in configuration)")
+    b.add_argument("--url", help="bench a running server over HTTP instead of in process")
+    b.add_argument("--model", default="mlp")
+    b.add_argument("-c", "--concurrency", type=int, default=None,
+                   help="concurrent callers (default 256 in process, 64 over HTTP)")
+    b.add_argument("-d", "--duration", type=float, default=10.0, help="seconds measured")
+    b.add_argument("--warmup", type=float, default=2.0)
+    b.add_argument("--replicas", type=int)
+    b.add_argument("--max-batch-size", type=int)
+    b.add_argument("--max-wait-ms", type=float)
+    b.add_argument("--torch-threads", type=int)
+    b.add_argument("--execution", choices=["thread", "inline"])
+    b.add_argument("--batch-dim", type=int, default=1,
+                   help="items per HTTP request (shape [N, ...]); --url only")
+    b.add_argument("--stream", action="store_true", help="--url only: use the WebSocket stream")
+    b.add_argument("--no-offline", action="store_true", help="skip the offline measurement")
+    b.add_argument("--json", help="write the figures here (default bench-results/)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            from trioserve.transport import serve_main
+
+            return serve_main(config_path=args.config, host=args.host, port=args.port)
+        if args.command == "bench":
+            if args.url:
+                from trioserve.transport import bench_http_main
+
+                return bench_http_main(args)
+            from ._bench import BenchSpec, main_in_process
+
+            spec = BenchSpec(
+                model=args.model,
+                concurrency=args.concurrency or 256,
+                duration=args.duration,
+                warmup=args.warmup,
+                replicas=args.replicas,
+                max_batch_size=args.max_batch_size,
+                max_wait_ms=args.max_wait_ms,
+                torch_threads=args.torch_threads,
+                execution=args.execution,
+                offline=not args.no_offline,
+            )
+            return main_in_process(spec, args.config, args.json)
+    except ConfigError as exc:
+        print(f"trioserve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
