@@ -92,6 +92,15 @@ class Reply:
             self._outcome = result
         return True
 
+    def withdraw(self) -> None:
+        """The caller no longer wants the answer: queued → cancelled (never dispatched),
+        dispatched → abandoned (the answer is dropped). No-op once answered."""
+        if self.state is QUEUED:
+            self._transition(CANCELLED)
+        elif self.state is DISPATCHED:
+            self._transition(ABANDONED)
+        self._outcome = None
+
     async def wait(self) -> Any:
         """Wait for the answer; return the value or raise the error.
 

@@ -68,16 +68,7 @@ class Runtime:
         Raises UnknownModel, InvalidInput, Overloaded, DeadlineExceeded (the model's
         timeout), ModelError (the model raised), ActorClosed (shut down).
         """
-        served = self.models.get(model)
-        if served is None:
-            raise UnknownModel(self._unknown(model))
-        if version is not None and version not in served.config.versions:
-            raise UnknownModel(
-                f"model {model!r} has no version {version!r}; versions: "
-                f"{', '.join(served.config.versions)}"
-            )
-        if self._closed:
-            raise ActorClosed("the runtime is shut down")
+        served = self._served(model, version)
         item, cost = served.backend.prepare(model, inputs)
         limits = served.limits
         if limits.max_tokens is not None and cost > limits.max_tokens:
@@ -89,6 +80,62 @@ class Runtime:
                     f"{limits.max_tokens} (oversize policy {limits.oversize!r})"
                 )
         return await self._submit(served, item, cost, tenant, priority)
+
+    async def infer_batch(
+        self,
+        model: str,
+        items: list[Any],
+        *,
+        tenant: str | None = None,
+        priority: str | None = None,
+        version: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Run several items (each as for :meth:`infer`) and return their outputs in
+        order. All are submitted at once, without a task per item; the first failure
+        (in item order) is raised after every item is settled. Cancelling it withdraws
+        every item not yet dispatched.
+        """
+        served = self._served(model, version)
+        if len(items) == 1:
+            return [await self.infer(model, items[0], tenant=tenant, priority=priority)]
+        prepared = [served.backend.prepare(model, x) for x in items]
+        limits = served.limits
+        if limits.max_tokens is not None and any(c > limits.max_tokens for _, c in prepared):
+            # Rare: an oversize item takes the per-item path with its policy.
+            return [
+                await self.infer(model, x, tenant=tenant, priority=priority, version=version)
+                for x in items
+            ]
+        now = trio.current_time()
+        replies = [Reply() for _ in prepared]
+        requests = [
+            self._request(served, item, cost, tenant, priority, now, reply)
+            for (item, cost), reply in zip(prepared, replies, strict=True)
+        ]
+        submitted = 0
+        self._in_flight += 1
+        try:
+            for req in requests:
+                served.scheduler.submit_nowait(req)
+                submitted += 1
+            results: list[Any] = []
+            first_error: BaseException | None = None
+            for reply in replies:
+                try:
+                    results.append(await reply.wait())
+                except Exception as exc:
+                    first_error = first_error or exc
+                    results.append(None)
+        finally:
+            for reply in replies[:submitted]:
+                reply.withdraw()
+            self._in_flight -= 1
+            if self._closed and not self._in_flight:
+                self._drained.set()
+        if first_error is not None:
+            raise first_error
+        served.metrics.end_to_end.record(trio.current_time() - now)
+        return results
 
     def statistics(self) -> dict[str, Any]:
         """Per-model counters and latency summaries (computed now; not for hot paths)."""
@@ -116,18 +163,37 @@ class Runtime:
         return self._closed
 
     # ------------------------------------------------------------ internals
-    def _unknown(self, model: str) -> str:
-        return f"unknown model {model!r}; serving: {', '.join(sorted(self.models))}"
+    def _served(self, model: str, version: str | None) -> ServedModel:
+        served = self.models.get(model)
+        if served is None:
+            raise UnknownModel(
+                f"unknown model {model!r}; serving: {', '.join(sorted(self.models))}"
+            )
+        if version is not None and version not in served.config.versions:
+            raise UnknownModel(
+                f"model {model!r} has no version {version!r}; versions: "
+                f"{', '.join(served.config.versions)}"
+            )
+        if self._closed:
+            raise ActorClosed("the runtime is shut down")
+        return served
 
-    async def _submit(
-        self, served: ServedModel, item: Any, cost: int, tenant: str | None, priority: str | None
-    ) -> dict[str, Any]:
-        now = trio.current_time()
+    @staticmethod
+    def _request(
+        served: ServedModel,
+        item: Any,
+        cost: int,
+        tenant: str | None,
+        priority: str | None,
+        now: float,
+        reply: Reply,
+    ) -> Request:
+        # The deadline is the caller's, or the model's timeout when that is sooner; in
+        # the second case the runtime answers DeadlineExceeded itself.
         caller_deadline = trio.current_effective_deadline()
         model_deadline = now + served.timeout
         answer_expiry = model_deadline < caller_deadline
-        reply = Reply()
-        request = Request(
+        return Request(
             model=served.config.name,
             item=item,
             cost=cost,
@@ -138,6 +204,13 @@ class Runtime:
             answer_expiry=answer_expiry,
             reply=reply,
         )
+
+    async def _submit(
+        self, served: ServedModel, item: Any, cost: int, tenant: str | None, priority: str | None
+    ) -> dict[str, Any]:
+        now = trio.current_time()
+        reply = Reply()
+        request = self._request(served, item, cost, tenant, priority, now, reply)
         served.scheduler.submit_nowait(request)
         self._in_flight += 1
         try:
