@@ -4,11 +4,21 @@ no lock held) or inline, and answers each request's reply slot."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import trio
 
-from trioserve import Actor, ActorBroken, ActorClosed, ModelBackend, ModelError, Request
+from trioserve import (
+    Actor,
+    ActorBroken,
+    ActorClosed,
+    ModelBackend,
+    ModelConfig,
+    ModelError,
+    Request,
+    WorkerProcess,
+)
 
 from ._metrics import ModelMetrics
 from ._scheduler import SchedulerActor
@@ -18,7 +28,7 @@ class BatcherActor(Actor):
     def __init__(
         self,
         *,
-        model: str,
+        config: ModelConfig,
         backend: ModelBackend,
         scheduler: SchedulerActor,
         metrics: ModelMetrics,
@@ -28,21 +38,35 @@ class BatcherActor(Actor):
         torch_threads: int = 1,
     ) -> None:
         super().__init__()
+        model = config.name
         self.name = f"batcher[{model}#{index}@{device}]"
         self.model = model
+        self._config = config
         self.device = device
         self.index = index
         self._backend = backend
         self._scheduler = scheduler
         self._metrics = metrics
         self._inline = execution == "inline"
+        self._process = execution == "process"
+        self._worker: WorkerProcess | None = None
         self._torch_threads = torch_threads
         self._limiter = trio.CapacityLimiter(1)
         self._runner: Any = None
-        self._current: list[Request] | None = None
+        self._in_flight: collections.deque[list[Request]] = collections.deque()
         self.busy_time = 0.0
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        if self._process:
+            try:
+                await self._start_worker()
+                task_status.started(self)
+                await self._loop_process()
+            finally:
+                if self._worker is not None:
+                    await self._worker.aclose()
+                    self._worker = None
+            return
         if self._runner is None:
             self._runner = await trio.to_thread.run_sync(
                 lambda: self._backend.load(self.device, torch_threads=self._torch_threads),
@@ -52,14 +76,63 @@ class BatcherActor(Actor):
         pull = self._scheduler.pull
         while True:
             batch = await pull()
-            self._current = batch
+            self._in_flight.append(batch)
             await self._execute(batch)
-            self._current = None
+            self._in_flight.clear()
+
+    async def _start_worker(self) -> None:
+        worker = WorkerProcess(self._config, self._backend, self.device, self._torch_threads)
+        try:
+            await worker.start()
+        except BaseException:
+            await worker.aclose()
+            raise
+        self._worker = worker
+
+    async def _loop_process(self) -> None:
+        """Two batches in flight per worker: while the worker runs one, the next is
+        already staged in its second slot, so the device never waits on the event loop.
+        The batcher still pulls only when its device has room (worker-pull)."""
+        room = trio.Semaphore(2)
+        sent_send, sent_recv = trio.open_memory_channel[tuple[list[Request], float]](2)
+        pull = self._scheduler.pull
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._collect, sent_recv, room)
+            while True:
+                await room.acquire()
+                batch = await pull()
+                self._in_flight.append(batch)
+                t0 = trio.current_time()
+                wait = self._metrics.queue_wait
+                for req in batch:
+                    wait.record(t0 - req.arrival)
+                assert self._worker is not None
+                try:
+                    await self._worker.submit([req.item for req in batch])
+                except trio.Cancelled:
+                    self._worker.kill()
+                    raise
+                await sent_send.send((batch, t0))
+
+    async def _collect(self, sent: trio.MemoryReceiveChannel, room: trio.Semaphore) -> None:
+        async for batch, t0 in sent:
+            assert self._worker is not None
+            try:
+                outputs = await self._worker.result()
+            except trio.Cancelled:
+                self._worker.kill()
+                raise
+            except WorkerProcess.Failed as exc:
+                self._fail(batch, exc)
+            else:
+                self._deliver(batch, outputs, t0)
+            if self._in_flight and self._in_flight[0] is batch:
+                self._in_flight.popleft()
+            room.release()
 
     async def _execute(self, batch: list[Request]) -> None:
-        metrics = self._metrics
         t0 = trio.current_time()
-        wait = metrics.queue_wait
+        wait = self._metrics.queue_wait
         for req in batch:
             wait.record(t0 - req.arrival)
         items = [req.item for req in batch]
@@ -70,29 +143,40 @@ class BatcherActor(Actor):
                 outputs = await trio.to_thread.run_sync(
                     self._runner, items, limiter=self._limiter, abandon_on_cancel=True
                 )
-            if len(outputs) != len(batch):
-                raise RuntimeError(f"returned {len(outputs)} outputs for {len(batch)} items")
         except trio.Cancelled:
             raise
         except Exception as exc:
-            msg = (
-                f"model {self.model!r} failed on a batch of {len(batch)} on {self.device}: "
-                f"{type(exc).__name__}: {exc}"
+            self._fail(batch, exc)
+            return
+        self._deliver(batch, outputs, t0)
+
+    def _fail(self, batch: list[Request], exc: BaseException) -> None:
+        msg = (
+            f"model {self.model!r} failed on a batch of {len(batch)} on {self.device}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        for req in batch:
+            req.reply.set_error(ModelError(msg))
+        self._metrics.statuses["model_error"] += len(batch)
+
+    def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
+        if len(outputs) != len(batch):
+            self._fail(
+                batch, RuntimeError(f"returned {len(outputs)} outputs for {len(batch)} items")
             )
-            for req in batch:
-                req.reply.set_error(ModelError(msg))
-            metrics.statuses["model_error"] += len(batch)
             return
         t1 = trio.current_time()
         self.busy_time += t1 - t0
-        metrics.record_batch(len(batch), t1 - t0)
+        self._metrics.record_batch(len(batch), t1 - t0)
         for req, out in zip(batch, outputs, strict=True):
             req.reply.set_result(out)
 
     def fail_current(self, error: BaseException) -> int:
-        """Fail every still-unanswered request of the batch in flight."""
-        batch, self._current = self._current, None
-        return sum(req.reply.set_error(error) for req in batch or ())
+        """Fail every still-unanswered request of the batches in flight."""
+        n = 0
+        while self._in_flight:
+            n += sum(req.reply.set_error(error) for req in self._in_flight.popleft())
+        return n
 
     def on_crash(self, exc: BaseException) -> None:
         self.fail_current(ActorBroken(f"{self.name} crashed mid-batch: {exc!r}"))

@@ -33,6 +33,7 @@ from ._model import CallableBackend as CallableBackend
 from ._model import ModelBackend as ModelBackend
 from ._model import TensorSpec as TensorSpec
 from ._model import TorchBackend as TorchBackend
+from ._process import WorkerProcess as WorkerProcess
 # The assembly: imports trioserve.actors, which imports the names above.
 from ._runtime import Runtime as Runtime
 from ._runtime import open_runtime as open_runtime

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 from collections.abc import Mapping
@@ -62,7 +63,7 @@ def mlp_module(seed: int = 0) -> Any:
 
 def mlp_backend(seed: int = 0) -> TorchBackend:
     return TorchBackend(
-        lambda: mlp_module(seed),
+        functools.partial(mlp_module, seed),
         inputs=[TensorSpec(name="x", datatype="FP32", shape=(MLP_IN,))],
         outputs=[TensorSpec(name="y", datatype="FP32", shape=(MLP_OUT,))],
     )

@@ -19,7 +19,7 @@ from ._errors import ConfigError
 
 BUILTIN_BACKENDS = ("mlp", "echo", "sleep", "minilm")
 OVERSIZE_POLICIES = ("reject", "alone", "split")
-EXECUTIONS = ("thread", "inline")
+EXECUTIONS = ("thread", "inline", "process")
 
 
 # ---------------------------------------------------------------- value checks
@@ -307,7 +307,9 @@ def default_config() -> Config:
     """The built-in configuration: ``echo``, ``mlp`` and (when installed) ``minilm`` on
     CPU, one open demo tenant, listening on 127.0.0.1:8000."""
     models = [
-        ModelConfig(name="mlp", backend="mlp", max_batch_size=64, max_wait_ms=2.0),
+        ModelConfig(
+            name="mlp", backend="mlp", max_batch_size=64, max_wait_ms=2.0, execution="process"
+        ),
         ModelConfig(name="echo", backend="echo", max_batch_size=64, max_wait_ms=1.0),
     ]
     if minilm_available():

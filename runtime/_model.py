@@ -261,4 +261,23 @@ class TorchBackend(ModelBackend):
                 for i in range(len(items))
             ]
 
+        def run_stacked(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            # Inputs already stacked (the worker-process path): no per-item work at all.
+            _set_torch_threads(torch, torch_threads)
+            with torch.inference_mode():
+                args = [torch.from_numpy(np.asarray(arrays[n])) for n in in_names]
+                if not on_cpu:
+                    args = [a.to(dev, non_blocking=True) for a in args]
+                out = module(*args)
+                if isinstance(out, Mapping):
+                    outs = [out[n] for n in out_names]
+                elif isinstance(out, tuple | list):
+                    outs = list(out)
+                else:
+                    outs = [out]
+                return {
+                    n: o.detach().cpu().numpy() for n, o in zip(out_names, outs, strict=True)
+                }
+
+        run.stacked = run_stacked  # type: ignore[attr-defined]
         return run

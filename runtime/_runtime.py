@@ -342,7 +342,7 @@ async def _start_model(
     await nursery.start(supervise, scheduler, policy)
     for i, device in enumerate(m.replica_devices):
         batcher = BatcherActor(
-            model=m.name,
+            config=m,
             backend=backend,
             scheduler=scheduler,
             metrics=metrics,

@@ -1,0 +1,235 @@
+"""A model replica in a worker process, fed over a pipe with inputs in shared memory.
+
+The event loop never shares a GIL with the model: the forward pass runs at its solo
+speed on another core, and a hung or crashed model can be killed and restarted
+without touching the runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+import trio
+
+from ._config import ModelConfig
+from ._model import ModelBackend
+
+_LEN = struct.Struct("<I")
+
+
+class WorkerDied(RuntimeError):
+    """The worker process exited or its pipe broke."""
+
+
+class WorkerError(RuntimeError):
+    """The model raised inside the worker process."""
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+class WorkerProcess:
+    """One worker process running one replica. Use :meth:`start`, :meth:`run`, :meth:`kill`."""
+
+    Died = WorkerDied
+    Failed = WorkerError
+
+    def __init__(
+        self, cfg: ModelConfig, backend: ModelBackend, device: str, torch_threads: int
+    ) -> None:
+        self._cfg = cfg
+        self._backend = backend
+        self._device = device
+        self._torch_threads = torch_threads
+        per_item = sum(
+            int(np.prod(s.shape)) * s.dtype.itemsize
+            for s in backend.inputs
+            if s.dtype.kind != "O" and all(d > 0 for d in s.shape)
+        )
+        # Two slots, so the next batch is staged while the worker runs this one.
+        self._slot_size = (max(1 << 20, per_item * cfg.max_batch_size * 2) + 63) & ~63
+        self._shm_size = 2 * self._slot_size
+        self._next_slot = 0
+        self.in_flight = 0
+        self._proc: trio.Process | None = None
+        self._send: trio.lowlevel.FdStream | None = None
+        self._recv: trio.lowlevel.FdStream | None = None
+        self._buf = bytearray()
+        self._shm: Any = None
+        self._shm_path: str | None = None
+        self.pid: int | None = None
+
+    async def start(self) -> None:
+        """Spawn the process and wait until its model is loaded. Raises WorkerDied."""
+        import mmap
+
+        fd, self._shm_path = tempfile.mkstemp(prefix="trioserve-", dir=_shm_dir())
+        os.ftruncate(fd, self._shm_size)
+        self._shm = mmap.mmap(fd, self._shm_size)
+        os.close(fd)
+        p2c_r, p2c_w = os.pipe()
+        c2p_r, c2p_w = os.pipe()
+        try:
+            self._proc = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "trioserve._worker", str(p2c_r), str(c2p_w)],
+                pass_fds=(p2c_r, c2p_w),
+            )
+        finally:
+            os.close(p2c_r)
+            os.close(c2p_w)
+        self._send = trio.lowlevel.FdStream(p2c_w)
+        self._recv = trio.lowlevel.FdStream(c2p_r)
+        cfg = self._cfg
+        backend = cfg.backend if isinstance(cfg.backend, str) else self._backend
+        try:
+            init = pickle.dumps(
+                ("init", _portable(cfg, backend), self._device, self._torch_threads,
+                 self._shm_path, self._shm_size),
+                protocol=5,
+            )
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            self.kill()
+            raise WorkerDied(f"model {cfg.name!r}: backend cannot be sent to a worker "
+                             f"process ({exc}); use execution = \"thread\"") from None
+        await self._write(init)
+        reply = await self._read()
+        if reply[0] != "ready":
+            self.kill()
+            raise WorkerDied(f"worker for model {cfg.name!r} failed to load:\n{reply[1]}")
+        self.pid = reply[1]
+
+    async def run(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run one batch in the worker: :meth:`submit` then :meth:`result`."""
+        await self.submit(items)
+        return await self.result()
+
+    async def submit(self, items: list[dict[str, Any]]) -> None:
+        """Send a batch. At most two may be in flight (two shared-memory slots); the
+        worker runs them in order. Raises WorkerDied. Cancelling it leaves the pipe
+        mid-message: kill the worker after a cancelled call."""
+        if self.in_flight >= 2:
+            raise RuntimeError("at most two batches may be in flight per worker")
+        n = len(items)
+        layout = self._stack(items, self._next_slot * self._slot_size)
+        self._next_slot ^= 1
+        self.in_flight += 1
+        if layout is not None:
+            await self._write(pickle.dumps(("stacked", n, layout), protocol=5))
+        else:
+            await self._write(pickle.dumps(("items", n, items), protocol=5))
+
+    async def result(self) -> list[dict[str, Any]]:
+        """The outputs of the oldest batch in flight. Raises WorkerError (the model
+        raised: the worker goes on) or WorkerDied (the process is gone)."""
+        reply = await self._read()
+        self.in_flight -= 1
+        if reply[0] == "error":
+            raise WorkerError(reply[1])
+        n, out = reply[1], reply[2]
+        if isinstance(out, dict):
+            names = list(out)
+            if len(names) == 1:
+                name, arr = names[0], out[names[0]]
+                return [{name: arr[i]} for i in range(n)]
+            return [{k: out[k][i] for k in names} for i in range(n)]
+        return out
+
+    def _stack(self, items: list[dict[str, Any]], base: int) -> list[tuple] | None:
+        # Stack fixed-shape numeric inputs straight into a shared-memory slot.
+        first = items[0]
+        offset = base
+        limit = base + self._slot_size
+        layout = []
+        for name, arr in first.items():
+            if arr.dtype.kind == "O":
+                return None
+            shape = arr.shape
+            nbytes = arr.nbytes * len(items)
+            if offset + nbytes > limit:
+                return None
+            view = np.frombuffer(self._shm, dtype=arr.dtype, count=arr.size * len(items),
+                                 offset=offset).reshape((len(items), *shape))
+            try:
+                np.stack([it[name] for it in items], out=view)
+            except (ValueError, KeyError):
+                return None
+            layout.append((name, arr.dtype.str, shape, offset))
+            offset += (nbytes + 63) & ~63
+        return layout
+
+    async def _write(self, data: bytes) -> None:
+        assert self._send is not None
+        try:
+            await self._send.send_all(_LEN.pack(len(data)) + data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise WorkerDied(self._death(f"pipe broke: {exc}")) from None
+
+    async def _read(self) -> Any:
+        assert self._recv is not None
+        buf = self._buf
+        need = _LEN.size
+        while True:
+            if len(buf) >= need:
+                if need == _LEN.size:
+                    need = _LEN.size + _LEN.unpack_from(buf)[0]
+                    continue
+                frame = bytes(buf[_LEN.size:need])
+                del buf[:need]
+                return pickle.loads(frame)
+            try:
+                chunk = await self._recv.receive_some(1 << 16)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise WorkerDied(self._death(f"pipe broke: {exc}")) from None
+            if not chunk:
+                raise WorkerDied(self._death("worker process exited"))
+            buf += chunk
+
+    def _death(self, what: str) -> str:
+        code = self._proc.poll() if self._proc is not None else None
+        return f"{what} (pid {self.pid}, exit code {code})"
+
+    def kill(self) -> None:
+        """Kill the process and free its pipe and shared memory. Synchronous."""
+        if self._proc is not None and self._proc.returncode is None:
+            try:
+                self._proc.kill()
+            except ProcessLookupError:
+                pass
+        for stream in (self._send, self._recv):
+            if stream is not None:
+                stream.close()
+        self._send = self._recv = None
+        self._buf.clear()
+        if self._shm is not None:
+            try:
+                self._shm.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with it
+            self._shm = None
+        if self._shm_path is not None:
+            try:
+                os.unlink(self._shm_path)
+            except FileNotFoundError:
+                pass
+            self._shm_path = None
+
+    async def aclose(self) -> None:
+        """Kill the process and reap it (shielded, bounded)."""
+        proc = self._proc
+        self.kill()
+        if proc is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await proc.wait()
+
+
+def _portable(cfg: ModelConfig, backend: Any) -> ModelConfig:
+    import attrs
+
+    return attrs.evolve(cfg, backend=backend)

@@ -1,0 +1,105 @@
+"""The worker process side: ``python -m trioserve._worker READ_FD WRITE_FD``.
+
+Loads one model replica, then answers batches until its pipe closes. Inputs of
+fixed shape arrive stacked in a shared-memory file (no per-item pickling); the rest
+travels as pickles over the pipe. Frames are a 4-byte little-endian length + pickle.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import signal
+import struct
+import sys
+import traceback
+from typing import Any
+
+import numpy as np
+
+_LEN = struct.Struct("<I")
+
+
+def read_exact(fd: int, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = os.read(fd, n)
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd: int) -> Any:
+    (n,) = _LEN.unpack(read_exact(fd, _LEN.size))
+    return pickle.loads(read_exact(fd, n))
+
+
+def write_frame(fd: int, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    view = memoryview(_LEN.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def stack_outputs(outputs: list[dict[str, Any]]) -> Any:
+    """{name: stacked array} when every item's outputs share shapes; else the list."""
+    if not outputs:
+        return {}
+    names = list(outputs[0])
+    try:
+        return {n: np.stack([np.asarray(o[n]) for o in outputs]) for n in names}
+    except (ValueError, KeyError):
+        return [{k: np.asarray(v) for k, v in o.items()} for o in outputs]
+
+
+def serve(rfd: int, wfd: int) -> None:
+    from trioserve._builtin import resolve_backend
+
+    _, cfg, device, torch_threads, shm_path, shm_size = read_frame(rfd)
+    try:
+        backend = resolve_backend(cfg)
+        runner = backend.load(device, torch_threads=torch_threads)
+        fd = os.open(shm_path, os.O_RDWR)
+        shm = mmap.mmap(fd, shm_size)
+        os.close(fd)
+    except Exception:
+        write_frame(wfd, ("error", traceback.format_exc(limit=4)))
+        return
+    write_frame(wfd, ("ready", os.getpid()))
+    stacked_run = getattr(runner, "stacked", None)
+    while True:
+        try:
+            msg = read_frame(rfd)
+        except EOFError:
+            return
+        kind, n, payload = msg
+        try:
+            if kind == "stacked":
+                arrays = {
+                    name: np.frombuffer(shm, dtype=dtype, count=n * int(np.prod(shape)),
+                                        offset=offset).reshape((n, *shape))
+                    for name, dtype, shape, offset in payload
+                }
+                if stacked_run is not None:
+                    out: Any = stacked_run(arrays)
+                else:
+                    items = [{k: a[i] for k, a in arrays.items()} for i in range(n)]
+                    out = stack_outputs(list(runner(items)))
+                del arrays
+            else:
+                out = stack_outputs(list(runner(payload)))
+            write_frame(wfd, ("ok", n, out))
+        except Exception as exc:
+            write_frame(wfd, ("error", f"{type(exc).__name__}: {exc}"))
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    serve(int(sys.argv[1]), int(sys.argv[2]))
+
+
+if __name__ == "__main__":
+    main()
