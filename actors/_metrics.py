@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 
 import attrs
+import numpy as np
 from hdrh.histogram import HdrHistogram
 
 _MAX_US = 3_600_000_000  # one hour
@@ -23,21 +24,60 @@ class LatencySummary:
 
 
 class Latency:
-    """An hdrhistogram of microseconds; counts values above its range as overflow."""
+    """An hdrhistogram of microseconds; counts values above its range as overflow.
 
-    __slots__ = ("hist", "overflow")
+    ``record`` only appends to a buffer (~0.1 µs); the buffer is folded into the
+    histogram in bulk (vectorised, exactly what ``record_value`` would do per value)
+    when it fills or before any read. hdrh's own ``record_value`` is pure Python at
+    ~1.5 µs, which on the per-request path was 7% of the event loop's time.
+    """
+
+    __slots__ = ("_pending", "hist", "overflow")
+    _FOLD_AT = 4096
 
     def __init__(self) -> None:
         self.hist = HdrHistogram(1, _MAX_US, 2)
         self.overflow = 0
+        self._pending: list[int] = []
 
     def record(self, seconds: float) -> None:
-        us = int(seconds * 1e6)
-        if not self.hist.record_value(us if us > 0 else 1):
-            self.overflow += 1
+        pending = self._pending
+        pending.append(int(seconds * 1e6))
+        if len(pending) >= self._FOLD_AT:
+            self.fold()
+
+    def fold(self) -> None:
+        """Move buffered values into the histogram."""
+        if not self._pending:
+            return
+        values = np.maximum(np.asarray(self._pending, dtype=np.int64), 1)
+        self._pending = []
+        h = self.hist
+        # hdrh's counts index, vectorised: bit length of (v | sub_bucket_mask) gives the
+        # bucket; the sub-bucket is v shifted by the bucket's magnitude.
+        _, pow2ceiling = np.frexp((values | h.sub_bucket_mask).astype(np.float64))
+        bucket = pow2ceiling - h.unit_magnitude - (h.sub_bucket_half_count_magnitude + 1)
+        sub = values >> (bucket + h.unit_magnitude)
+        index = ((bucket + 1) << h.sub_bucket_half_count_magnitude) + sub - h.sub_bucket_half_count
+        in_range = index < h.counts_len
+        self.overflow += int(values.size - np.count_nonzero(in_range))
+        values, index = values[in_range], index[in_range]
+        if not values.size:
+            return
+        counts = np.ctypeslib.as_array(h.counts)
+        counts += np.bincount(index, minlength=h.counts_len)[: h.counts_len].astype(counts.dtype)
+        h.total_count += int(values.size)
+        h.min_value = min(h.min_value, int(values.min()))
+        h.max_value = max(h.max_value, int(values.max()))
 
     def summary(self) -> LatencySummary:
+        self.fold()
         h = self.hist
+        if not h.get_total_count():
+            return LatencySummary(
+                count=0, p50_ms=0.0, p90_ms=0.0, p99_ms=0.0, max_ms=0.0, mean_ms=0.0,
+                overflow=self.overflow,
+            )
         q = h.get_percentile_to_value_dict([50, 90, 99])
         return LatencySummary(
             count=h.get_total_count(),
@@ -45,11 +85,12 @@ class Latency:
             p90_ms=q[90] / 1e3,
             p99_ms=q[99] / 1e3,
             max_ms=h.get_max_value() / 1e3,
-            mean_ms=h.get_mean_value() / 1e3 if h.get_total_count() else 0.0,
+            mean_ms=h.get_mean_value() / 1e3,
             overflow=self.overflow,
         )
 
     def reset(self) -> None:
+        self._pending = []
         self.hist.reset()
         self.overflow = 0
 
