@@ -34,7 +34,9 @@ _ACTOR_MOVES = {
     ActorState.STARTING: {ActorState.RUNNING, ActorState.RESTARTING, ActorState.BROKEN,
                           ActorState.STOPPED},
     ActorState.RUNNING: {ActorState.RESTARTING, ActorState.STOPPED, ActorState.BROKEN},
-    ActorState.RESTARTING: {ActorState.RUNNING, ActorState.BROKEN, ActorState.STOPPED},
+    # A restarted actor may crash again before it reports started (its load failed).
+    ActorState.RESTARTING: {ActorState.RUNNING, ActorState.RESTARTING, ActorState.BROKEN,
+                            ActorState.STOPPED},
     ActorState.STOPPED: set(),
     ActorState.BROKEN: set(),
 }
@@ -77,7 +79,8 @@ async def supervise(
 ) -> None:
     """Run ``actor`` and restart it when it crashes, within ``policy``'s budget.
 
-    Reports ``started(actor)`` once the first run is ready. Cancellation stops the actor
+    Reports ``started(actor)`` once the first run is ready; a failure before that is
+    raised as it is (start-up errors are not retried). Cancellation stops the actor
     (state STOPPED) and propagates. A crash past the budget raises ActorBroken chained
     to the last failure.
     """
@@ -104,6 +107,11 @@ async def supervise(
             raise
         except Exception as exc:
             actor.on_crash(exc)
+            if outer is not None:
+                # It never started: a start-up failure (a model that cannot load) is
+                # reported to whoever started it, not retried.
+                actor._transition(ActorState.BROKEN)
+                raise
             now = trio.current_time()
             crashes.append(now)
             while crashes and crashes[0] <= now - policy.period:

@@ -15,7 +15,7 @@ import trio
 from ._actor import RestartPolicy, supervise
 from ._builtin import resolve_backend
 from ._config import Config, ModelConfig, load_config
-from ._errors import ActorClosed, InvalidInput, UnknownModel
+from ._errors import ActorClosed, ConfigError, InvalidInput, UnknownModel
 from ._messages import Reply, Request
 from ._model import ModelBackend
 
@@ -106,6 +106,19 @@ class Runtime:
                 await self.infer(model, x, tenant=tenant, priority=priority, version=version)
                 for x in items
             ]
+        return await self._submit_all(served, prepared, tenant, priority)
+
+    async def _submit_all(
+        self,
+        served: ServedModel,
+        prepared: list[tuple[Any, int]],
+        tenant: str | None,
+        priority: str | None,
+    ) -> list[Any]:
+        """Submit every prepared (item, cost) at once, without a task each, and return
+        their outputs in order; the first failure (in item order) is raised, unwrapped,
+        after every item is settled. Cancelling it withdraws every item not yet
+        dispatched."""
         now = trio.current_time()
         replies = [Reply() for _ in prepared]
         requests = [
@@ -225,15 +238,10 @@ class Runtime:
     async def _infer_split(
         self, served: ServedModel, item: Any, tenant: str | None, priority: str | None
     ) -> dict[str, Any]:
+        # The parts go in as one submission: a part's failure is raised as itself,
+        # not wrapped in a nursery's ExceptionGroup.
         parts = served.backend.split(item, served.limits.max_tokens)
-        results: list[Any] = [None] * len(parts)
-
-        async def one(i: int, part: Any, cost: int) -> None:
-            results[i] = await self._submit(served, part, cost, tenant, priority)
-
-        async with trio.open_nursery() as nursery:
-            for i, (part, cost) in enumerate(parts):
-                nursery.start_soon(one, i, part, cost)
+        results = await self._submit_all(served, parts, tenant, priority)
         return served.backend.merge(results)
 
     async def _drain(self, grace: float) -> None:
@@ -268,6 +276,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     if config is None:
         config = load_config()
     limits_cfg = config.runtime
+    _check_devices(config)
     backends = {m.name: resolve_backend(m) for m in config.models}
     policy = RestartPolicy(
         intensity=limits_cfg.restart_intensity, period=limits_cfg.restart_period_s
@@ -293,7 +302,8 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     except BaseExceptionGroup as group:
         leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
         if len(leaves) == 1:
-            raise leaves[0] from None
+            # Unwrapped, but still chained to its own cause (an escalation's last crash).
+            raise leaves[0] from leaves[0].__cause__
         raise
     finally:
         sys.setswitchinterval(old_interval)
@@ -304,6 +314,22 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
             served.scheduler.close(closed)
     if body_error is not None:
         raise body_error
+
+
+def _check_devices(config: Config) -> None:
+    wanted = {(m.name, d) for m in config.models for d in m.devices if d.startswith("cuda")}
+    if not wanted:
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for model, device in sorted(wanted):
+        index = int(device.partition(":")[2] or 0)
+        if index >= n:
+            raise ConfigError(
+                f"models.{model}.devices: {device} is not available "
+                f"(torch sees {n} CUDA device{'s' if n != 1 else ''})"
+            )
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
