@@ -49,10 +49,14 @@ class SchedulerActor(Actor):
         A checkpoint. Cancelling it takes nothing from the queue.
         """
         policy = self.policy
+        # Cancellation is checked before a batch is taken, never after: once
+        # next_batch has dispatched its requests only the caller holds them, and
+        # a cancel delivered at a later checkpoint would lose them unanswered.
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             batch = policy.next_batch(trio.current_time())
             if batch:
-                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
             with trio.move_on_at(policy.next_close_time()):
                 await self._idle.park()

@@ -129,7 +129,7 @@ class ModelConfig:
     """
 
     name: str = _field(_str)
-    backend: Any = attrs.field()
+    backend: Any = attrs.field(default=None)  # None is refused by the validator, by name
     versions: tuple[str, ...] = _field(_strs(allow_empty=False), ("1",), converter=_tuple)
     devices: tuple[str, ...] = _field(_devices, ("cpu",), converter=_tuple)
     replicas: int | None = _field(_opt_int(1), None)

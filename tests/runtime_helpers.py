@@ -1,0 +1,154 @@
+"""Small models and configs for the runtime tests (no torch): recording callables,
+a thread-run model held by a gate, and a backend whose items have costs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import trio
+import trioserve
+from trioserve import CallableBackend, ModelBackend, ModelConfig, TensorSpec
+
+X = TensorSpec(name="x", datatype="FP32", shape=(-1,))
+Y = TensorSpec(name="y", datatype="FP32", shape=(-1,))
+
+#: A safety net for gated threads, far above any test's run time; tests release the
+#: gate themselves (and the ``gate`` fixture does at teardown).
+GATE_LIMIT_S = 60.0
+
+
+def config(*models: ModelConfig, **runtime: Any) -> trioserve.Config:
+    """A config serving ``models`` to one open default tenant."""
+    return trioserve.Config(
+        models=models,
+        tenants=(trioserve.TenantConfig(name="t", default=True),),
+        runtime=trioserve.RuntimeLimits(**runtime),
+    )
+
+
+def callable_model(
+    name: str, fn: Any, *, execution: str = "inline", inputs=(X,), outputs=(Y,), **cfg: Any
+) -> ModelConfig:
+    """A model running ``fn`` over a list of items."""
+    backend = CallableBackend(fn, inputs=inputs, outputs=outputs, execution=execution)
+    return ModelConfig(name=name, backend=backend, **cfg)
+
+
+def item(value: float, n: int = 1) -> dict[str, np.ndarray]:
+    """Inputs of one item: ``x`` of length ``n`` starting with ``value``."""
+    x = np.zeros(n, dtype=np.float32)
+    x[0] = value
+    return {"x": x}
+
+
+def key(it: Mapping[str, np.ndarray]) -> float:
+    return float(it["x"][0])
+
+
+class Recorder:
+    """An inline model computing ``y = 2x + 1``; records each batch as
+    ``(trio time, [x[0] of each item])``. ``fail_on`` makes a batch holding that x[0]
+    raise ValueError."""
+
+    def __init__(self, *, fail_on: float | None = None, timed: bool = True) -> None:
+        self.batches: list[tuple[float | None, list[float]]] = []
+        self.fail_on = fail_on
+        self.timed = timed  # False when run in a worker thread (no trio clock there)
+
+    def __call__(self, items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        now = trio.current_time() if self.timed else None
+        keys = [key(it) for it in items]
+        self.batches.append((now, keys))
+        if self.fail_on is not None and self.fail_on in keys:
+            raise ValueError(f"poison item {self.fail_on:g}")
+        return [{"y": it["x"] * 2 + 1} for it in items]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(keys) for _, keys in self.batches]
+
+    @property
+    def times(self) -> list[float | None]:
+        return [t for t, _ in self.batches]
+
+    @property
+    def seen(self) -> list[float]:
+        return [k for _, keys in self.batches for k in keys]
+
+
+class Gate:
+    """A model for a worker thread that blocks every batch until released (or only
+    batches holding ``hold`` as x[0]), so a replica stays busy for as long as a test
+    needs. Records the x[0] of every item it was given."""
+
+    def __init__(self, *, hold: float | None = None) -> None:
+        self.opened = threading.Event()
+        self.hold = hold
+        self._lock = threading.Lock()
+        self.seen: list[float] = []
+
+    def __call__(self, items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        keys = [key(it) for it in items]
+        with self._lock:
+            self.seen.extend(keys)
+        if self.hold is None or self.hold in keys:
+            if not self.opened.wait(GATE_LIMIT_S):
+                raise RuntimeError("gate never opened")
+        return [{"y": it["x"] * 2 + 1} for it in items]
+
+    def release(self) -> None:
+        self.opened.set()
+
+
+class CostModel(ModelBackend):
+    """Items cost their length; an inline runner records each batch's item costs and
+    the trio time, and returns ``y = 2x``. With ``splittable`` an oversize item splits
+    into chunks within the budget and the chunk outputs are concatenated."""
+
+    inputs = (X,)
+    outputs = (Y,)
+    default_execution = "inline"
+
+    def __init__(self, *, padded: bool = False, splittable: bool = False, fail_on=None):
+        self.padded = padded
+        self.supports_split = splittable
+        self.fail_on = fail_on
+        self.batches: list[tuple[float, list[int]]] = []
+
+    def prepare(self, name: str, inputs: Any):
+        it, _ = super().prepare(name, inputs)
+        return it, int(it["x"].shape[0])
+
+    def load(self, device: str, *, torch_threads: int = 1):
+        def run(items):
+            self.batches.append((trio.current_time(), [len(it["x"]) for it in items]))
+            if self.fail_on is not None and any(key(it) == self.fail_on for it in items):
+                raise ValueError(f"poison item {self.fail_on:g}")
+            return [{"y": it["x"] * 2} for it in items]
+
+        return run
+
+    def split(self, it, budget):
+        x = it["x"]
+        chunks = [x[i : i + budget] for i in range(0, len(x), budget)]
+        return [({"x": c}, len(c)) for c in chunks]
+
+    def merge(self, parts):
+        return {"y": np.concatenate([p["y"] for p in parts])}
+
+    @property
+    def costs(self) -> list[list[int]]:
+        return [c for _, c in self.batches]
+
+    @property
+    def times(self) -> list[float]:
+        return [t for t, _ in self.batches]
+
+
+def at(actual: float | None, expected: float) -> bool:
+    """``actual`` is the trio time ``expected`` (not before it; equal up to float
+    rounding of the clock's jump)."""
+    return actual is not None and expected <= actual <= expected + 1e-9

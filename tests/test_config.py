@@ -1,0 +1,297 @@
+"""Configuration: TOML files and Python values; every bad value is a ConfigError
+naming its key."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+import trioserve
+from trioserve import Config, ConfigError, ModelConfig, RuntimeLimits, ServerConfig, TenantConfig
+from trioserve._config import minilm_available
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "trioserve.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+VALID = """
+    [models.mlp]
+    backend = "mlp"
+    devices = ["cpu", "cuda:1"]
+    replicas = 3
+    max_batch_size = 32
+    max_batch_tokens = 4096
+    max_wait_ms = 2.5
+    oversize = "alone"
+    timeout_ms = 1500
+    torch_threads = 2
+    execution = "thread"
+    options = { seed = 7 }
+
+    [models.echo]
+    backend = "echo"
+    versions = ["1", "2"]
+
+    [tenants.acme]
+    api_keys = ["key-a1", "key-a2"]
+    weight = 3.0
+
+    [tenants.demo]
+    default = true
+
+    [runtime]
+    queue_bound = 100
+    inbox_bound = 10
+    restart_intensity = 2
+    restart_period_s = 5.0
+    graceful_timeout_s = 0.5
+
+    [server]
+    host = "0.0.0.0"
+    port = 9000
+    control_port = 9001
+    max_body_bytes = 1024
+"""
+
+
+def test_load_config_reads_every_table(tmp_path):
+    cfg = trioserve.load_config(write(tmp_path, VALID))
+    assert cfg == Config(
+        models=(
+            ModelConfig(
+                name="mlp",
+                backend="mlp",
+                devices=("cpu", "cuda:1"),
+                replicas=3,
+                max_batch_size=32,
+                max_batch_tokens=4096,
+                max_wait_ms=2.5,
+                oversize="alone",
+                timeout_ms=1500,
+                torch_threads=2,
+                execution="thread",
+                options={"seed": 7},
+            ),
+            ModelConfig(name="echo", backend="echo", versions=("1", "2")),
+        ),
+        tenants=(
+            TenantConfig(name="acme", api_keys=("key-a1", "key-a2"), weight=3.0),
+            TenantConfig(name="demo", default=True),
+        ),
+        runtime=RuntimeLimits(
+            queue_bound=100,
+            inbox_bound=10,
+            restart_intensity=2,
+            restart_period_s=5.0,
+            graceful_timeout_s=0.5,
+        ),
+        server=ServerConfig(host="0.0.0.0", port=9000, control_port=9001, max_body_bytes=1024),
+    )
+    mlp = cfg.model("mlp")
+    assert mlp.replica_devices == ("cpu", "cuda:1", "cpu")
+    # Defaults fill what the file leaves out.
+    echo = cfg.model("echo")
+    assert (echo.max_batch_size, echo.max_wait_ms, echo.oversize) == (64, 2.0, "reject")
+    assert cfg.server.stream_in_flight == ServerConfig().stream_in_flight
+
+
+def test_a_minimal_file_gets_the_default_tenant_runtime_and_server(tmp_path):
+    cfg = trioserve.load_config(write(tmp_path, '[models.e]\nbackend = "echo"\n'))
+    assert cfg.tenants == (TenantConfig(name="default", default=True),)
+    assert cfg.runtime == RuntimeLimits()
+    assert cfg.server == ServerConfig()
+
+
+# ---------------------------------------------------------------- bad files
+def test_unknown_model_key_is_named(tmp_path):
+    path = write(tmp_path, '[models.mlp]\nbackend = "mlp"\nmax_batch = 8\n')
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    msg = str(excinfo.value)
+    assert msg.startswith("models.mlp.max_batch: unknown key; expected one of backend, ")
+    assert "max_batch_size" in msg
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("max_batch_size = 0", "models.mlp.max_batch_size: must be an integer >= 1, got 0"),
+        ('max_batch_size = "8"', "models.mlp.max_batch_size: must be an integer >= 1, got '8'"),
+        ("max_batch_size = true", "models.mlp.max_batch_size: must be an integer >= 1, got True"),
+        (
+            'oversize = "bogus"',
+            "models.mlp.oversize: must be one of 'reject', 'alone', 'split', got 'bogus'",
+        ),
+        ('devices = ["gpu"]', "models.mlp.devices: device 'gpu' is not 'cpu' or 'cuda:N'"),
+        ('devices = ["cuda:x"]', "models.mlp.devices: device 'cuda:x' is not 'cpu' or 'cuda:N'"),
+        ("devices = []", "models.mlp.devices: must not be empty"),
+        ("replicas = 0", "models.mlp.replicas: must be an integer >= 1, got 0"),
+        ("max_batch_tokens = 0", "models.mlp.max_batch_tokens: must be an integer >= 1, got 0"),
+        ("max_wait_ms = -1", "models.mlp.max_wait_ms: must be a finite number >= 0.0, got -1"),
+        ("max_wait_ms = nan", "models.mlp.max_wait_ms: must be a finite number >= 0.0, got nan"),
+        ("timeout_ms = 0", "models.mlp.timeout_ms: must be a finite number > 0.0, got 0"),
+        ('execution = "gpu"', "models.mlp.execution: must be one of 'thread', 'inline'"),
+        ("versions = []", "models.mlp.versions: must not be empty"),
+        ('versions = ["1", "1"]', "models.mlp.versions: has duplicates: ['1', '1']"),
+        ("options = 3", "models.mlp.options: must be a table, got 3"),
+        ('backend = "bogus"', "models.mlp.backend: 'bogus' is neither a built-in backend"),
+    ],
+)
+def test_bad_model_values_name_the_key(tmp_path, line, message):
+    key = line.split(" =")[0]
+    lines = [line] if key == "backend" else ['backend = "mlp"', line]
+    path = write(tmp_path, "[models.mlp]\n" + "\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[models.m]\nmax_batch_size = 4\n", "models.m.backend: is required"),
+        ("[modelz.m]\nbackend = 'echo'\n", "modelz: unknown key; expected one of models, "),
+        ("models = 3\n", "models: must be a table of [models.NAME] tables"),
+        ("[models]\nm = 3\n", "models.m: must be a table, got 3"),
+        ("[tenants.t]\ndefault = true\n", "models: at least one model must be configured"),
+        ("[runtime]\nqueue_bound = 1\n", "models: at least one model must be configured"),
+        (
+            "[models.m]\nbackend = 'echo'\n[runtime]\nrestart_period_s = 0\n",
+            "runtime.restart_period_s: must be a finite number > 0.0, got 0",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[runtime]\nqueue_bound = 0\n",
+            "runtime.queue_bound: must be an integer >= 1, got 0",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[runtime]\nrestarts = 3\n",
+            "runtime.restarts: unknown key; expected one of queue_bound, ",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\nport = -1\n",
+            "server.port: must be an integer >= 0, got -1",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[tenants.t]\nweight = 0\n",
+            "tenants.t.weight: must be a finite number > 0.0, got 0",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[tenants.t]\napi_keys = 'k'\n",
+            "tenants.t.api_keys: must be a list of non-empty strings, got 'k'",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[tenants.t]\napi_keys = ['k', 'k']\n",
+            "tenants.t.api_keys: has duplicates: ['k', 'k']",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[tenants.a]\ndefault = true\n"
+            "[tenants.b]\ndefault = true\n",
+            "tenants: only one tenant may be default, got ['a', 'b']",
+        ),
+    ],
+)
+def test_bad_tables_name_the_key(tmp_path, toml, message):
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(write(tmp_path, toml))
+    assert str(excinfo.value).startswith(message)
+
+
+def test_duplicate_api_keys_name_both_tenants(tmp_path):
+    toml = """
+        [models.m]
+        backend = "echo"
+        [tenants.a]
+        api_keys = ["k1", "shared"]
+        [tenants.b]
+        api_keys = ["shared"]
+    """
+    with pytest.raises(
+        ConfigError, match=r"^tenants\.b\.api_keys: key already belongs to tenant 'a'$"
+    ):
+        trioserve.load_config(write(tmp_path, toml))
+
+
+def test_unreadable_file_is_named(tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(missing)
+    assert str(excinfo.value) == f"{missing}: cannot read config file: No such file or directory"
+    with pytest.raises(ConfigError, match="cannot read config file: Is a directory"):
+        trioserve.load_config(tmp_path)
+
+
+def test_invalid_toml_is_named(tmp_path):
+    path = write(tmp_path, "[models.m\nbackend = 'echo'\n")
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value).startswith(f"{path}: invalid TOML: ")
+    assert "line 1" in str(excinfo.value)
+
+
+def test_python_values_are_checked_too():
+    with pytest.raises(ConfigError, match=r"^models\.m\.max_batch_size: must be an integer >= 1"):
+        ModelConfig(name="m", backend="echo", max_batch_size=0)
+    with pytest.raises(ConfigError, match=r"^models\.m\.backend: is required$"):
+        ModelConfig(name="m")
+    with pytest.raises(ConfigError, match=r"^models\.m: defined twice$"):
+        Config(models=(ModelConfig(name="m", backend="echo"),) * 2)
+    with pytest.raises(ConfigError, match=r"^models: must be a list of ModelConfig$"):
+        Config(models=("echo",))
+    assert issubclass(ConfigError, ValueError)
+
+
+# ---------------------------------------------------------------- at startup
+async def test_unknown_backend_option_fails_open_runtime():
+    cfg = Config(models=(ModelConfig(name="e", backend="echo", options={"bogus": 1}),))
+    with pytest.raises(
+        ConfigError,
+        match=r"^models\.e\.options\.bogus: unknown option for backend 'echo'; "
+        r"expected one of none$",
+    ):
+        async with trioserve.open_runtime(cfg):
+            pytest.fail("started with a bad option")
+
+
+async def test_backend_option_of_the_wrong_type_fails_open_runtime():
+    cfg = Config(
+        models=(ModelConfig(name="s", backend="sleep", options={"delay_per_batch_ms": "5"}),)
+    )
+    with pytest.raises(
+        ConfigError, match=r"^models\.s\.options\.delay_per_batch_ms: expected float, got '5'$"
+    ):
+        async with trioserve.open_runtime(cfg):
+            pytest.fail("started with a bad option")
+
+
+async def test_unimportable_backend_fails_open_runtime():
+    cfg = Config(models=(ModelConfig(name="x", backend="no_such_module_here:factory"),))
+    with pytest.raises(ConfigError, match=r"^models\.x\.backend: cannot import"):
+        async with trioserve.open_runtime(cfg):
+            pytest.fail("started without its model")
+
+
+# ---------------------------------------------------------------- the built-in default
+async def test_default_config_serves_the_builtin_models(mlp_input):
+    cfg = trioserve.load_config(None)
+    names = [m.name for m in cfg.models]
+    assert names[:2] == ["mlp", "echo"]
+    assert ("minilm" in names) == minilm_available()
+    assert [t.name for t in cfg.tenants] == ["demo"]
+    assert cfg.tenants[0].default
+    async with trioserve.open_runtime(cfg) as rt:
+        y = (await rt.infer("mlp", mlp_input))["y"]
+        assert y.shape == (16,)
+        assert y.dtype == np.float32
+        again = (await rt.infer("mlp", mlp_input))["y"]
+        np.testing.assert_array_equal(y, again)  # a seeded, deterministic model
+        echoed = await rt.infer("echo", {"a": [1, 2, 3]})
+        np.testing.assert_array_equal(echoed["a"], [1, 2, 3])
+        if minilm_available():
+            e = (await rt.infer("minilm", {"text": "hello world"}))["embedding"]
+            assert e.shape == (384,)
+            assert e.dtype == np.float32
+            assert abs(float(np.linalg.norm(e)) - 1.0) < 1e-5

@@ -1,0 +1,209 @@
+"""Inputs: what ``Runtime.infer`` accepts, and the precise InvalidInput / UnknownModel
+errors for what it does not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import trioserve
+from runtime_helpers import callable_model, config
+from trioserve import InvalidInput, ModelConfig, TensorSpec, UnknownModel
+
+
+class Seen:
+    """An inline model returning, per item, the sum of each input as ``y`` and
+    recording the inputs it was given (to check their coerced dtype and shape)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, np.ndarray]] = []
+
+    def __call__(self, items):
+        self.items.extend(items)
+        return [
+            {"y": np.array([sum(float(np.sum(v)) for v in it.values())], np.float32)}
+            for it in items
+        ]
+
+
+ONE = (TensorSpec(name="x", datatype="FP32", shape=(4,)),)
+TWO = (
+    TensorSpec(name="a", datatype="FP32", shape=(3,)),
+    TensorSpec(name="b", datatype="INT64", shape=(-1,)),
+)
+TEXT = (TensorSpec(name="text", datatype="BYTES", shape=(1,)),)
+OUT = (TensorSpec(name="y", datatype="FP32", shape=(1,)),)
+
+
+@pytest.fixture
+def seen():
+    return {"one": Seen(), "two": Seen(), "text": Seen()}
+
+
+@pytest.fixture
+async def rt(seen):
+    cfg = config(
+        callable_model("one", seen["one"], inputs=ONE, outputs=OUT, max_wait_ms=0),
+        callable_model(
+            "two", seen["two"], inputs=TWO, outputs=OUT, max_wait_ms=0, versions=["1", "2"]
+        ),
+        callable_model(
+            "text",
+            lambda items: [{"y": it["text"]} for it in items],
+            inputs=TEXT,
+            outputs=TEXT,
+            max_wait_ms=0,
+        ),
+        ModelConfig(name="echo", backend="echo", max_wait_ms=0),
+    )
+    async with trioserve.open_runtime(cfg) as runtime:
+        yield runtime
+
+
+# ---------------------------------------------------------------- accepted forms
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(np.array([1, 2, 3, 4], dtype=np.float32), id="numpy"),
+        pytest.param(np.array([1, 2, 3, 4], dtype=np.float64), id="numpy-fp64"),
+        pytest.param(np.array([1, 2, 3, 4], dtype=np.int32), id="numpy-int"),
+        pytest.param(torch.tensor([1.0, 2.0, 3.0, 4.0]), id="torch"),
+        pytest.param(torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True), id="torch-grad"),
+        pytest.param([1, 2, 3, 4], id="list-int"),
+        pytest.param([1.0, 2.0, 3.0, 4.0], id="list-float"),
+    ],
+)
+@pytest.mark.parametrize("bare", [True, False], ids=["bare", "mapping"])
+async def test_single_input_model_takes_arrays_tensors_lists_bare_or_named(rt, seen, value, bare):
+    out = await rt.infer("one", value if bare else {"x": value})
+    assert out["y"].tolist() == [10.0]
+    (it,) = seen["one"].items
+    assert set(it) == {"x"}
+    assert it["x"].dtype == np.float32
+    assert it["x"].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+async def test_multi_input_model_takes_a_mapping_of_mixed_forms(rt, seen):
+    out = await rt.infer("two", {"a": torch.tensor([1.0, 2.0, 3.0]), "b": [10, 20]})
+    assert out["y"].tolist() == [36.0]
+    (it,) = seen["two"].items
+    assert it["a"].dtype == np.float32
+    assert it["b"].dtype == np.int64
+    assert it["b"].tolist() == [10, 20]
+
+
+async def test_nested_lists_keep_their_shape(rt, seen):
+    spec = TensorSpec(name="m", datatype="FP32", shape=(2, -1))
+    cfg = config(callable_model("grid", seen["one"], inputs=(spec,), outputs=OUT, max_wait_ms=0))
+    async with trioserve.open_runtime(cfg) as grid_rt:
+        out = await grid_rt.infer("grid", [[1, 2, 3], [4, 5, 6]])
+    assert out["y"].tolist() == [21.0]
+    assert seen["one"].items[0]["m"].shape == (2, 3)
+
+
+async def test_strings_for_a_bytes_input(rt):
+    out = await rt.infer("text", {"text": ["hello"]})
+    assert out["y"].dtype == object
+    assert out["y"].tolist() == ["hello"]
+    out = await rt.infer("text", [b"raw"])
+    assert out["y"].tolist() == [b"raw"]
+
+
+async def test_echo_takes_any_names_and_dtypes(rt):
+    out = await rt.infer("echo", {"ints": [1, 2], "text": ["a"], "m": [[1.5], [2.5]]})
+    assert out["ints"].tolist() == [1, 2]
+    assert out["ints"].dtype.kind == "i"
+    assert out["text"].tolist() == ["a"]
+    assert out["m"].shape == (2, 1)
+
+
+async def test_a_known_version_is_served(rt):
+    out = await rt.infer("two", {"a": [1, 1, 1], "b": [1]}, version="2")
+    assert out["y"].tolist() == [4.0]
+
+
+# ---------------------------------------------------------------- errors
+async def test_wrong_shape_names_the_expected_shape(rt, seen):
+    with pytest.raises(
+        InvalidInput, match=r"^input 'x' of model 'one': expected shape \[4\], got \[3\]$"
+    ):
+        await rt.infer("one", {"x": [1, 2, 3]})
+    with pytest.raises(
+        InvalidInput,
+        match=r"^input 'x' of model 'one': expected shape \[4\] \(one item: no batch "
+        r"dimension\), got \[2, 4\]$",
+    ):
+        await rt.infer("one", np.ones((2, 4), np.float32))
+    with pytest.raises(InvalidInput, match=r"input 'a' of model 'two': expected shape \[3\]"):
+        await rt.infer("two", {"a": 1.0, "b": [1]})
+    assert seen["one"].items == []
+    assert seen["two"].items == []
+
+
+async def test_unknown_input_name_is_named(rt, seen):
+    with pytest.raises(InvalidInput, match=r"^model 'two': unknown input 'c'; expected a, b$"):
+        await rt.infer("two", {"a": [1, 2, 3], "b": [1], "c": [0]})
+    assert seen["two"].items == []
+
+
+async def test_missing_input_is_named(rt):
+    with pytest.raises(InvalidInput, match=r"^model 'two': missing input 'b'; expected a, b$"):
+        await rt.infer("two", {"a": [1, 2, 3]})
+    with pytest.raises(InvalidInput, match=r"^model 'one': missing input 'x'; expected x$"):
+        await rt.infer("one", {"y": [1, 2, 3, 4]})
+
+
+async def test_a_bare_array_for_a_multi_input_model_is_refused(rt):
+    with pytest.raises(
+        InvalidInput,
+        match=r"^model 'two' takes 2 inputs \(a, b\): pass a mapping name -> array$",
+    ):
+        await rt.infer("two", [1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs", "message"),
+    [
+        ("one", {"x": ["a", "b", "c", "d"]}, r"input 'x' of model 'one': expected FP32, got BYTES"),
+        ("one", ["a", "b", "c", "d"], r"input 'x' of model 'one': expected FP32, got BYTES"),
+        (
+            "two",
+            {"a": [1, 2, 3], "b": [1.5]},
+            r"input 'b' of model 'two': expected INT64, got FP64",
+        ),
+        (
+            "one",
+            {"x": [{"k": 1}] * 4},
+            r"input 'x' of model 'one': expected FP32, got objects",
+        ),
+        (
+            "text",
+            {"text": [1]},
+            r"input 'text' of model 'text': expected BYTES \(strings or bytes\), got int64",
+        ),
+        ("one", {"x": [[1, 2], [3]]}, r"input 'x' of model 'one': not an array"),
+    ],
+)
+async def test_wrong_dtype_is_refused_with_the_expected_datatype(rt, model, inputs, message):
+    with pytest.raises(InvalidInput, match="^" + message):
+        await rt.infer(model, inputs)
+
+
+async def test_unknown_model_and_unknown_version(rt):
+    with pytest.raises(
+        UnknownModel, match=r"^unknown model 'nope'; serving: echo, one, text, two$"
+    ) as excinfo:
+        await rt.infer("nope", [1.0])
+    assert isinstance(excinfo.value, LookupError)
+    assert excinfo.value.status == 404
+    with pytest.raises(UnknownModel, match=r"^model 'two' has no version '3'; versions: 1, 2$"):
+        await rt.infer("two", {"a": [1, 2, 3], "b": [1]}, version="3")
+    with pytest.raises(UnknownModel, match="has no version"):
+        await rt.infer_batch("two", [{"a": [1, 2, 3], "b": [1]}] * 2, version="3")
+
+
+async def test_one_bad_item_fails_infer_batch_before_anything_runs(rt, seen):
+    with pytest.raises(InvalidInput, match=r"expected shape \[4\]"):
+        await rt.infer_batch("one", [[1, 2, 3, 4], [1, 2]])
+    assert seen["one"].items == []
+    assert InvalidInput.status == 400
