@@ -8,7 +8,6 @@ import collections
 from typing import Any
 
 import trio
-
 from trioserve import (
     Actor,
     ActorBroken,

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import attrs
-
 from trioserve import DeadlineExceeded, Overloaded, Request, RequestState
 
 _QUEUED = RequestState.QUEUED

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import trio
-
-from trioserve import Actor, ActorClosed, Overloaded, Request
+from trioserve import Actor, ActorBroken, ActorClosed, Overloaded, Request
 
 from ._batching import SchedulingPolicy
 
@@ -87,6 +86,10 @@ class SchedulerActor(Actor):
             policy.offer(request, request.arrival)
         except Overloaded as exc:
             request.reply.set_error(exc)
+        except Exception as exc:
+            # A policy bug must not lose the request: answer it, then crash and restart.
+            request.reply.set_error(ActorBroken(f"scheduler failed to queue it: {exc!r}"))
+            raise
 
     def queue_depth(self) -> int:
         return len(self.policy) + self._recv.statistics().current_buffer_used

@@ -4,6 +4,17 @@ The kernel (errors, messages, config, actors, models) comes first; the assembly
 (``open_runtime``, ``serve_in_thread``) wires ``trioserve.actors`` together.
 """
 
+from ._actor import Actor as Actor
+from ._actor import ActorState as ActorState
+from ._actor import RestartPolicy as RestartPolicy
+from ._actor import supervise as supervise
+from ._config import Config as Config
+from ._config import ModelConfig as ModelConfig
+from ._config import RuntimeLimits as RuntimeLimits
+from ._config import ServerConfig as ServerConfig
+from ._config import TenantConfig as TenantConfig
+from ._config import config_from_mapping as config_from_mapping
+from ._config import load_config as load_config
 from ._errors import ActorBroken as ActorBroken
 from ._errors import ActorClosed as ActorClosed
 from ._errors import ConfigError as ConfigError
@@ -18,22 +29,12 @@ from ._errors import UnknownModel as UnknownModel
 from ._messages import Reply as Reply
 from ._messages import Request as Request
 from ._messages import RequestState as RequestState
-from ._actor import Actor as Actor
-from ._actor import ActorState as ActorState
-from ._actor import RestartPolicy as RestartPolicy
-from ._actor import supervise as supervise
-from ._config import Config as Config
-from ._config import ModelConfig as ModelConfig
-from ._config import RuntimeLimits as RuntimeLimits
-from ._config import ServerConfig as ServerConfig
-from ._config import TenantConfig as TenantConfig
-from ._config import config_from_mapping as config_from_mapping
-from ._config import load_config as load_config
 from ._model import CallableBackend as CallableBackend
 from ._model import ModelBackend as ModelBackend
 from ._model import TensorSpec as TensorSpec
 from ._model import TorchBackend as TorchBackend
 from ._process import WorkerProcess as WorkerProcess
+
 # The assembly: imports trioserve.actors, which imports the names above.
 from ._runtime import Runtime as Runtime
 from ._runtime import open_runtime as open_runtime

@@ -67,7 +67,7 @@ class Actor:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         raise NotImplementedError
 
-    def on_crash(self, exc: BaseException) -> None:  # noqa: B027 - optional hook
+    def on_crash(self, exc: BaseException) -> None:
         """Called after a crash, before the restart: fail or requeue what was in flight."""
 
 

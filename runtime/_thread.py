@@ -69,22 +69,23 @@ class Client:
         return self.runtime.statistics()
 
     async def _one(
-        self, model: str, inputs: Any, tenant: Any, priority: Any, timeout: float | None
+        self, model: str, inputs: Any, tenant: Any, priority: Any, limit: float | None
     ) -> dict[str, Any]:
-        if timeout is None:
+        # ``limit`` is the blocking caller's timeout, turned into a cancel scope here.
+        if limit is None:
             return await self.runtime.infer(model, inputs, tenant=tenant, priority=priority)
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(limit):
             return await self.runtime.infer(model, inputs, tenant=tenant, priority=priority)
-        raise DeadlineExceeded(f"model {model!r}: no answer within {timeout:g}s")
+        raise DeadlineExceeded(f"model {model!r}: no answer within {limit:g}s")
 
     async def _many(
-        self, model: str, items: list[Any], tenant: Any, priority: Any, timeout: float | None
+        self, model: str, items: list[Any], tenant: Any, priority: Any, limit: float | None
     ) -> list[Any]:
         results: list[Any] = [None] * len(items)
 
         async def one(i: int) -> None:
             try:
-                results[i] = await self._one(model, items[i], tenant, priority, timeout)
+                results[i] = await self._one(model, items[i], tenant, priority, limit)
             except Exception as exc:
                 results[i] = exc
 
