@@ -29,6 +29,7 @@ from ._errors import UnknownModel as UnknownModel
 from ._messages import Reply as Reply
 from ._messages import Request as Request
 from ._messages import RequestState as RequestState
+from ._model import V2_DTYPES as V2_DTYPES
 from ._model import CallableBackend as CallableBackend
 from ._model import ModelBackend as ModelBackend
 from ._model import TensorSpec as TensorSpec

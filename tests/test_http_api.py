@@ -1,0 +1,249 @@
+"""The v2 REST endpoints against a real server on a loopback port."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+import trio
+import trioserve
+from http_helpers import Gate, config, echo_model, held_model, mlp_model, serving, settle, v2_input
+from prometheus_client.parser import text_string_to_metric_families
+from trioserve.transport import open_http
+
+
+@pytest.fixture
+async def mlp_server():
+    async with serving(config(mlp_model(versions=("1", "2")), echo_model())) as gw:
+        yield gw
+
+
+async def test_health_and_server_metadata(mlp_server):
+    async with open_http(mlp_server.url) as http:
+        live = await http.get("/v2/health/live")
+        ready = await http.get("/v2/health/ready")
+        meta = await http.get("/v2")
+    assert (live.status, live.json()) == (200, {"live": True})
+    assert (ready.status, ready.json()) == (200, {"ready": True})
+    assert meta.status == 200
+    doc = meta.json()
+    assert doc["name"] == "trioserve"
+    assert doc["version"] == trioserve.__version__
+    assert "binary_tensor_data" in doc["extensions"]
+
+
+async def test_model_metadata_reports_a_leading_dynamic_batch_dimension(mlp_server):
+    async with open_http(mlp_server.url) as http:
+        res = await http.get("/v2/models/mlp")
+        by_version = await http.get("/v2/models/mlp/versions/2")
+        echo = await http.get("/v2/models/echo")
+    assert res.status == 200
+    doc = res.json()
+    assert doc["name"] == "mlp"
+    assert doc["versions"] == ["1", "2"]
+    assert doc["platform"] == "pytorch"
+    assert doc["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
+    assert doc["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 16]}]
+    assert by_version.json() == doc
+    assert echo.json()["inputs"][0]["shape"] == [-1, -1]
+
+
+async def test_model_ready_and_version_ready(mlp_server):
+    async with open_http(mlp_server.url) as http:
+        ready = await http.get("/v2/models/mlp/ready")
+        v_ready = await http.get("/v2/models/mlp/versions/1/ready")
+    assert (ready.status, ready.json()) == (200, {"name": "mlp", "ready": True})
+    assert v_ready.status == 200
+
+
+async def test_infer_one_item_with_a_batch_of_one(mlp_server, mlp_input):
+    rt = mlp_server.runtime
+    want = (await rt.infer("mlp", mlp_input))["y"]
+    async with open_http(mlp_server.url) as http:
+        res = await http.infer("mlp", {"x": mlp_input[None]}, id="req-7")
+    assert res.status == 200, res.body
+    doc = res.json()
+    assert doc["model_name"] == "mlp"
+    assert doc["model_version"] == "2"  # the latest when none is named
+    assert doc["id"] == "req-7"
+    (out,) = doc["outputs"]
+    assert (out["name"], out["datatype"], out["shape"]) == ("y", "FP32", [1, 16])
+    np.testing.assert_allclose(out["data"], want, rtol=1e-5, atol=1e-6)
+
+
+async def test_infer_without_a_batch_dimension_answers_without_one(mlp_server, mlp_input):
+    async with open_http(mlp_server.url) as http:
+        res = await http.infer("mlp", {"x": mlp_input}, version="1")
+    assert res.status == 200, res.body
+    doc = res.json()
+    assert doc["model_version"] == "1"
+    assert doc["outputs"][0]["shape"] == [16]
+    assert res.outputs()["y"].shape == (16,)
+
+
+async def test_a_batch_dimension_is_split_into_items_and_reassembled(mlp_server):
+    rt = mlp_server.runtime
+    x = np.random.default_rng(3).standard_normal((32, 256)).astype(np.float32)
+    want = np.stack([r["y"] for r in await rt.infer_batch("mlp", list(x))])
+    items0 = rt.models["mlp"].metrics.items
+    async with open_http(mlp_server.url) as http:
+        res = await http.infer("mlp", {"x": x})
+    assert res.status == 200, res.body
+    out = res.outputs()["y"]
+    assert out.shape == (32, 16)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    # 32 items went through the batcher, not one tensor of 32.
+    assert rt.models["mlp"].metrics.items - items0 == 32
+
+
+async def test_nested_data_is_accepted(mlp_server, mlp_input):
+    body = {"inputs": [{"name": "x", "shape": [2, 256], "datatype": "FP32",
+                        "data": [mlp_input.tolist(), mlp_input.tolist()]}]}
+    async with open_http(mlp_server.url) as http:
+        res = await http.request("POST", "/v2/models/mlp/infer", orjson.dumps(body))
+    assert res.status == 200, res.body
+    out = res.outputs()["y"]
+    np.testing.assert_allclose(out[0], out[1])
+
+
+async def test_binary_tensor_data_in_and_out(mlp_server, mlp_input):
+    x = np.stack([mlp_input, -mlp_input])
+    header = orjson.dumps({
+        "inputs": [{"name": "x", "shape": [2, 256], "datatype": "FP32",
+                    "parameters": {"binary_data_size": x.nbytes}}],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+    })
+    async with open_http(mlp_server.url) as http:
+        res = await http.request(
+            "POST", "/v2/models/mlp/infer", header + x.tobytes(),
+            headers=[("Inference-Header-Content-Length", str(len(header)))],
+        )
+        plain = await http.infer("mlp", {"x": x})
+    assert res.status == 200, res.body
+    assert res.headers["content-type"] == "application/octet-stream"
+    n = int(res.headers["inference-header-content-length"])
+    doc = orjson.loads(res.body[:n])
+    assert doc["outputs"][0]["parameters"] == {"binary_data_size": 2 * 16 * 4}
+    np.testing.assert_array_equal(res.outputs()["y"], plain.outputs()["y"])
+
+
+async def test_echo_keeps_datatypes_and_requested_outputs(mlp_server):
+    body = {"inputs": [v2_input([[1, 2, 3]], "a", "INT32"), v2_input([[0.5, 1.5]], "b")],
+            "outputs": [{"name": "a"}]}
+    async with open_http(mlp_server.url) as http:
+        res = await http.request("POST", "/v2/models/echo/infer", orjson.dumps(body))
+    assert res.status == 200, res.body
+    (out,) = res.json()["outputs"]
+    assert out == {"name": "a", "datatype": "INT32", "shape": [1, 3], "data": [1, 2, 3]}
+
+
+async def test_bytes_tensors_round_trip_through_echo(mlp_server):
+    body = {"inputs": [{"name": "s", "shape": [1, 2], "datatype": "BYTES", "data": ["hé", "x"]}]}
+    async with open_http(mlp_server.url) as http:
+        res = await http.request("POST", "/v2/models/echo/infer", orjson.dumps(body))
+    assert res.status == 200, res.body
+    assert res.json()["outputs"][0] == {"name": "s", "datatype": "BYTES", "shape": [1, 2],
+                                        "data": ["hé", "x"]}
+
+
+async def test_many_requests_on_one_keep_alive_connection(mlp_server):
+    async with open_http(mlp_server.url) as http:
+        for i in range(50):
+            res = await http.infer("echo", {"x": np.full((1, 3), i, np.float32)})
+            assert res.status == 200
+            assert res.json()["outputs"][0]["data"] == [i, i, i]
+        assert mlp_server.statistics().connections == 1
+
+
+async def test_concurrent_connections_each_get_their_own_answer(mlp_server):
+    results = {}
+
+    async def one(i: int) -> None:
+        async with open_http(mlp_server.url) as http:
+            for j in range(5):
+                res = await http.infer("echo", {"x": np.array([[i, j]], np.float32)})
+                results[i, j] = res.json()["outputs"][0]["data"]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(20):
+            nursery.start_soon(one, i)
+    assert results == {(i, j): [i, j] for i in range(20) for j in range(5)}
+
+
+async def test_priority_and_timeout_parameters_are_accepted(mlp_server):
+    async with open_http(mlp_server.url) as http:
+        res = await http.infer("echo", {"x": [[1.0]]},
+                               parameters={"priority": "batch", "timeout_ms": 5000})
+    assert res.status == 200, res.body
+
+
+async def test_api_keys_map_to_tenants_counted_in_metrics():
+    tenants = (
+        trioserve.TenantConfig(name="acme", api_keys=("k-acme",)),
+        trioserve.TenantConfig(name="open", default=True),
+    )
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        async with open_http(gw.url, api_key="k-acme") as acme, open_http(gw.url) as anon:
+            assert (await acme.infer("echo", {"x": [[1.0]]})).status == 200
+            assert (await anon.infer("echo", {"x": [[1.0]]})).status == 200
+            assert (await anon.infer("echo", {"x": [[1.0]]})).status == 200
+        assert gw.requests[("echo", "acme", 200)] == 1
+        assert gw.requests[("echo", "open", 200)] == 2
+
+
+async def test_metrics_expose_counts_latency_quantiles_fill_and_queue_depth():
+    gate = Gate()
+    async with serving(config(held_model(gate, max_batch_size=1), echo_model())) as gw:
+        async with open_http(gw.url) as http, trio.open_nursery() as nursery:
+            for _ in range(3):
+                assert (await http.infer("echo", {"x": [[1.0]]})).status == 200
+            assert (await http.infer("echo", {"y": "bad"})).status == 400
+
+            async def held() -> None:
+                async with open_http(gw.url) as h:
+                    assert (await h.infer("held", {"x": np.ones((1, 1), np.float32)})).status == 200
+
+            for _ in range(3):
+                nursery.start_soon(held)
+            await settle()
+            res = await http.get("/metrics")
+            gate.release()
+    assert res.status == 200
+    assert res.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(res.body.decode()):
+        for s in family.samples:
+            samples[s.name, tuple(sorted(s.labels.items()))] = s.value
+    assert samples["trioserve_requests_total", (("model", "echo"), ("status", "200"),
+                                                ("tenant", "t"))] == 3
+    assert samples["trioserve_requests_total", (("model", "echo"), ("status", "400"),
+                                                ("tenant", "t"))] == 1
+    e2e = ("trioserve_latency_seconds", (("model", "echo"), ("quantile", "0.99"),
+                                         ("stage", "end_to_end")))
+    assert samples[e2e] > 0
+    assert samples["trioserve_latency_seconds_count", (("model", "echo"),
+                                                       ("stage", "end_to_end"))] == 3
+    for stage in ("queue_wait", "batch_exec"):
+        assert ("trioserve_latency_seconds", (("model", "echo"), ("quantile", "0.5"),
+                                              ("stage", stage))) in samples
+    assert samples["trioserve_batch_fill_ratio", (("model", "echo"),)] > 0
+    # One held request runs, two wait in the queue.
+    assert samples["trioserve_queue_depth", (("model", "held"),)] == 2
+    assert samples["trioserve_requests_in_flight", ()] == 3
+
+
+async def test_the_control_plane_in_memory_with_quarts_test_client():
+    async with trioserve.open_runtime(config(echo_model())) as rt:
+        from trioserve.transport import Gateway
+
+        app = Gateway(rt).app
+        client = app.test_client()
+        meta = await client.get("/v2/models/echo")
+        infer = await client.post("/v2/models/echo/infer",
+                                  data=orjson.dumps({"inputs": [v2_input([[2.0]])]}))
+        missing = await client.get("/v2/models/nope")
+    assert meta.status_code == 200
+    assert (await meta.get_json())["name"] == "echo"
+    assert infer.status_code == 200
+    assert (await infer.get_json())["outputs"][0]["data"] == [2.0]
+    assert missing.status_code == 404

@@ -1,0 +1,289 @@
+"""Every error status the gateway answers, with its message; bad input never crashes
+a task or loses other requests."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import orjson
+import pytest
+import trio
+import trioserve
+from http_helpers import Gate, config, echo_model, held_model, mlp_model, serving, settle, v2_input
+from trioserve import QuotaExceeded
+from trioserve.transport import open_http
+from trioserve.transport._gateway import error_answer
+
+ONE = {"inputs": [v2_input(np.zeros((1, 256), np.float32))]}
+
+
+@pytest.fixture
+async def server():
+    cfg = config(mlp_model(), echo_model(), server={"max_body_bytes": 64 * 1024})
+    async with serving(cfg) as gw:
+        yield gw
+
+
+async def post(gw, path, body, headers=()):
+    async with open_http(gw.url) as http:
+        raw = body if isinstance(body, bytes) else orjson.dumps(body)
+        return await http.request("POST", path, raw, headers=headers)
+
+
+def error_of(res) -> str:
+    doc = res.json()
+    assert set(doc) == {"error"}
+    return doc["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "malformed JSON body"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+        ({"inputs": []}, 400, "'inputs' must be a non-empty list"),
+        ({"inputs": [{"name": "z", "shape": [1], "datatype": "FP32", "data": [1.0]}]},
+         400, "unknown input 'z'; expected x"),
+        ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "INT32",
+                      "data": [0] * 256}]},
+         400, "expected datatype FP32, got INT32"),
+        ({"inputs": [{"name": "x", "shape": [1, 255], "datatype": "FP32",
+                      "data": [0.0] * 255}]},
+         400, "expected shape [256] or [N, 256]"),
+        ({"inputs": [{"name": "x", "shape": [1, 1, 256], "datatype": "FP32",
+                      "data": [0.0] * 256}]},
+         400, "expected shape [256] or [N, 256]"),
+        ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                      "data": [0.0] * 255}]},
+         400, "shape [1, 256] holds 256 values, 'data' has 255"),
+        ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                      "data": ["a"] * 256}]},
+         400, "expected FP32 values, got strings"),
+        ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32"}]},
+         400, "no 'data'"),
+        ({"inputs": [{"name": "x", "shape": [0, 256], "datatype": "FP32", "data": []}]},
+         400, "the batch dimension is 0"),
+        ({**ONE, "outputs": [{"name": "nope"}]}, 400, "unknown output 'nope'; expected y"),
+        ({**ONE, "parameters": {"timeout_ms": -1}}, 400, "parameters.timeout_ms must be"),
+        ({**ONE, "parameters": {"priority": [1]}}, 400, "parameters.priority must be"),
+    ],
+)
+async def test_invalid_requests_are_400_with_a_precise_message(server, body, status, message):
+    res = await post(server, "/v2/models/mlp/infer", body)
+    assert res.status == status
+    assert message in error_of(res)
+
+
+async def test_integer_data_out_of_range_is_400(server):
+    body = {"inputs": [{"name": "a", "shape": [1, 1], "datatype": "INT8", "data": [300]}]}
+    res = await post(server, "/v2/models/echo/infer", body)
+    assert res.status == 400
+    assert "out of range for INT8" in error_of(res)
+
+
+async def test_bad_binary_data_is_400(server):
+    header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                                       "parameters": {"binary_data_size": 1024}}]})
+    res = await post(server, "/v2/models/mlp/infer", header + b"\0" * 100,
+                     headers=[("Inference-Header-Content-Length", str(len(header)))])
+    assert res.status == 400
+    assert "binary_data_size 1024 does not fit" in error_of(res)
+
+
+async def test_unknown_model_and_version_are_404(server):
+    res = await post(server, "/v2/models/nope/infer", ONE)
+    assert res.status == 404
+    assert error_of(res) == "unknown model 'nope'; serving: echo, mlp"
+    res = await post(server, "/v2/models/mlp/versions/9/infer", ONE)
+    assert res.status == 404
+    assert error_of(res) == "model 'mlp' has no version '9'; versions: 1"
+    async with open_http(server.url) as http:
+        meta = await http.get("/v2/models/nope")
+        meta_v = await http.get("/v2/models/mlp/versions/9")
+        ready = await http.get("/v2/models/nope/ready")
+    assert [meta.status, meta_v.status, ready.status] == [404, 404, 404]
+    assert "unknown model 'nope'" in error_of(meta)
+
+
+async def test_unknown_route_is_404_and_wrong_method_is_405(server):
+    async with open_http(server.url) as http:
+        nothing = await http.get("/v3/whatever")
+        get_infer = await http.get("/v2/models/mlp/infer")
+        delete = await http.request("DELETE", "/v2/health/live")
+        after = await http.get("/v2/health/live")  # the connection is still good
+    assert nothing.status == 404
+    assert error_of(nothing) == "no such endpoint: GET /v3/whatever"
+    assert get_infer.status == 405
+    assert "method GET is not allowed on /v2/models/mlp/infer" in error_of(get_infer)
+    assert "POST" in get_infer.headers["allow"]
+    assert delete.status == 405
+    assert after.status == 200
+
+
+async def test_a_body_over_the_limit_is_413_and_the_server_goes_on(server):
+    body = {"inputs": [v2_input(np.zeros((1, 40_000), np.float32))]}
+    res = await post(server, "/v2/models/echo/infer", body)
+    assert res.status == 413
+    assert error_of(res) == (
+        "request body too large: the limit is 65536 bytes (server.max_body_bytes)"
+    )
+    assert (await post(server, "/v2/models/mlp/infer", ONE)).status == 200
+
+
+async def test_a_chunked_body_over_the_limit_is_413(server):
+    async with trio.open_nursery():
+        stream = await trio.open_tcp_stream(*server.addresses[0])
+        chunk = b"x" * 30_000
+        head = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n")
+        await stream.send_all(head + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 3 + b"0\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(65536)
+        await stream.aclose()
+    assert data.startswith(b"HTTP/1.1 413 ")
+
+
+async def test_garbage_is_400_and_other_connections_are_unaffected(server):
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(b"THIS IS NOT HTTP\r\n\r\n")
+    data = b""
+    while True:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            break
+        data += chunk
+    await stream.aclose()
+    assert data.startswith(b"HTTP/1.1 400 ")
+    assert b'{"error":"bad HTTP request:' in data
+    assert (await post(server, "/v2/models/mlp/infer", ONE)).status == 200
+
+
+async def test_missing_or_unknown_api_key_is_401():
+    tenants = (trioserve.TenantConfig(name="acme", api_keys=("k1",)),)
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        body = orjson.dumps({"inputs": [v2_input([[1.0]])]})
+        async with open_http(gw.url) as anon, open_http(gw.url, api_key="wrong") as wrong, \
+                open_http(gw.url, api_key="k1") as good:
+            missing = await anon.request("POST", "/v2/models/echo/infer", body)
+            unknown = await wrong.request("POST", "/v2/models/echo/infer", body)
+            malformed = await anon.request("POST", "/v2/models/echo/infer", body,
+                                           headers=[("Authorization", "Basic Zm9v")])
+            ok = await good.request("POST", "/v2/models/echo/infer", body)
+        assert missing.status == 401
+        assert "missing API key" in error_of(missing)
+        assert unknown.status == 401
+        assert error_of(unknown) == "unknown API key"
+        assert malformed.status == 401
+        assert "expected 'Bearer <api key>'" in error_of(malformed)
+        assert ok.status == 200
+        assert gw.requests[("echo", "-", 401)] == 3
+
+
+async def test_overloaded_is_503_with_retry_after():
+    gate = Gate()
+    cfg = config(held_model(gate, max_batch_size=1), queue_bound=1)
+    async with serving(cfg) as gw, trio.open_nursery() as nursery:
+        statuses = []
+
+        async def one() -> None:
+            async with open_http(gw.url) as http:
+                res = await http.infer("held", {"x": np.ones((1, 1), np.float32)})
+                statuses.append((res.status, res.headers.get("retry-after"), res.body))
+
+        nursery.start_soon(one)  # runs, held by the gate
+        await settle()
+        nursery.start_soon(one)  # waits in the queue (bound 1)
+        await settle()
+        async with open_http(gw.url) as http:
+            shed = await http.infer("held", {"x": np.ones((1, 1), np.float32)})
+        gate.release()
+    assert shed.status == 503
+    assert shed.headers["retry-after"] == "1"
+    assert "queue full" in error_of(shed)
+    assert sorted(s for s, _, _ in statuses) == [200, 200]
+
+
+async def test_quota_exceeded_is_429_with_retry_after(server, monkeypatch):
+    async def over_quota(*args, **kwargs):
+        raise QuotaExceeded("tenant 't' is over its quota", retry_after=2.5)
+
+    monkeypatch.setattr(server.runtime, "infer", over_quota)
+    res = await post(server, "/v2/models/mlp/infer", ONE)
+    assert res.status == 429
+    assert res.headers["retry-after"] == "3"
+    assert error_of(res) == "tenant 't' is over its quota"
+
+
+def test_error_answers_round_retry_after_up_to_whole_seconds():
+    status, headers, body = error_answer(trioserve.Overloaded("busy", retry_after=0.05))
+    assert (status, dict(headers)[b"retry-after"], orjson.loads(body)) == (
+        503, b"1", {"error": "busy"})
+    status, headers, _ = error_answer(ValueError("boom"))
+    assert status == 500
+    assert b"retry-after" not in dict(headers)
+
+
+async def test_timeout_ms_expiry_is_504_and_the_request_is_withdrawn():
+    gate = Gate()
+    async with serving(config(held_model(gate, max_batch_size=1))) as gw:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_held_request, gw)  # occupies the model
+            await settle()
+            async with open_http(gw.url) as http:
+                res = await http.infer("held", {"x": np.ones((1, 1), np.float32)},
+                                       parameters={"timeout_ms": 50})
+            gate.release()
+        await settle()
+        # Only the first request ran: the expired one was withdrawn, never dispatched.
+        assert gw.runtime.models["held"].metrics.items == 1
+    assert res.status == 504
+    assert error_of(res) == "model 'held': no answer within the request's timeout (50 ms)"
+
+
+async def _held_request(gw) -> None:
+    async with open_http(gw.url) as http:
+        assert (await http.infer("held", {"x": np.ones((1, 1), np.float32)})).status == 200
+
+
+async def test_a_model_error_is_500_and_only_its_request_fails():
+    def fragile(items):
+        if any(float(it["x"][0]) < 0 for it in items):
+            raise ValueError("negative input")
+        return [{"y": it["x"]} for it in items]
+
+    backend = trioserve.CallableBackend(fragile, inputs=[trioserve.TensorSpec(
+        name="x", datatype="FP32", shape=(-1,))], outputs=[trioserve.TensorSpec(
+            name="y", datatype="FP32", shape=(-1,))], execution="inline")
+    model = trioserve.ModelConfig(name="fragile", backend=backend, max_batch_size=1,
+                                  max_wait_ms=0.0)
+    async with serving(config(model)) as gw, open_http(gw.url) as http:
+        bad = await http.infer("fragile", {"x": -np.ones((1, 1), np.float32)})
+        good = await http.infer("fragile", {"x": np.ones((1, 1), np.float32)})
+    assert bad.status == 500
+    assert "negative input" in error_of(bad)
+    assert good.status == 200
+
+
+async def test_bad_requests_interleaved_with_good_ones_lose_nothing(server):
+    good = orjson.dumps(ONE)
+    bads = [b"{", b'{"inputs": 3}', orjson.dumps({"inputs": [{"name": "x"}]}),
+            orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                                      "data": [[1.0]] * 256}]})]
+    results = []
+
+    async def client(i: int) -> None:
+        async with open_http(server.url) as http:
+            for j in range(10):
+                body = good if (i + j) % 2 else bads[(i + j) % len(bads)]
+                res = await http.request("POST", "/v2/models/mlp/infer", body)
+                results.append((body is good, res.status))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(client, i)
+    assert len(results) == 80
+    assert all((status == 200) == ok for ok, status in results)
+    assert all(status in (200, 400) for _, status in results)
+    assert math.isclose(sum(ok for ok, _ in results), 40)

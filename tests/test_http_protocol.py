@@ -1,0 +1,136 @@
+"""HTTP/1.1 details of the front end, over a raw socket: pipelining, Connection: close,
+HTTP/1.0, Expect: 100-continue, HEAD."""
+
+from __future__ import annotations
+
+import h11
+import orjson
+import pytest
+import trio
+from http_helpers import config, echo_model, serving, v2_input
+
+
+@pytest.fixture
+async def server():
+    async with serving(config(echo_model())) as gw:
+        yield gw
+
+
+def infer_request(value: float, *, version: bytes = b"1.1", extra: bytes = b"") -> bytes:
+    body = orjson.dumps({"inputs": [v2_input([[value]])], "id": str(value)})
+    return (
+        b"POST /v2/models/echo/infer HTTP/%s\r\nHost: t\r\nContent-Length: %d\r\n%s\r\n%s"
+        % (version, len(body), extra, body)
+    )
+
+
+async def read_responses(stream: trio.SocketStream, n: int | None = None) -> list[tuple]:
+    """Parse responses (h11, client side) until ``n`` have arrived or the server closes."""
+    h = h11.Connection(h11.CLIENT)
+    h.send(h11.Request(method="GET", target="/", headers=[("Host", "t")]))  # state only
+    h.send(h11.EndOfMessage())
+    out: list[tuple] = []
+    current: list = []
+    while n is None or len(out) < n:
+        event = h.next_event()
+        if event is h11.NEED_DATA:
+            h.receive_data(await stream.receive_some(65536))
+            continue
+        if isinstance(event, h11.InformationalResponse):
+            out.append((event.status_code, {}, b""))
+        elif isinstance(event, h11.Response):
+            current = [event.status_code, dict(event.headers), b""]
+        elif isinstance(event, h11.Data):
+            current[2] += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            out.append(tuple(current))
+            if h.our_state is h11.MUST_CLOSE or h.their_state is h11.MUST_CLOSE:
+                break
+            h.start_next_cycle()
+            h.send(h11.Request(method="GET", target="/", headers=[("Host", "t")]))
+            h.send(h11.EndOfMessage())
+        elif isinstance(event, h11.ConnectionClosed):
+            break
+    return out
+
+
+async def test_pipelined_requests_are_answered_in_order(server):
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(b"".join(infer_request(float(i)) for i in range(5)))
+    responses = await read_responses(stream, 5)
+    await stream.aclose()
+    assert [s for s, _, _ in responses] == [200] * 5
+    assert [orjson.loads(b)["id"] for _, _, b in responses] == ["0.0", "1.0", "2.0", "3.0", "4.0"]
+
+
+async def test_connection_close_and_http_1_0_close_after_the_answer(server):
+    for request in (infer_request(1.0, extra=b"Connection: close\r\n"),
+                    infer_request(2.0, version=b"1.0")):
+        stream = await trio.open_tcp_stream(*server.addresses[0])
+        await stream.send_all(request)
+        data = b""
+        while chunk := await stream.receive_some(65536):  # the server closes
+            data += chunk
+        await stream.aclose()
+        assert data.startswith(b"HTTP/1.1 200 ")
+        assert b"connection: close" in data.lower()
+
+
+async def test_expect_100_continue_gets_an_interim_response(server):
+    body = orjson.dumps({"inputs": [v2_input([[7.0]])]})
+    head = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n"
+            b"Expect: 100-continue\r\n\r\n" % len(body))
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(head)
+    interim = await stream.receive_some(65536)
+    assert interim.startswith(b"HTTP/1.1 100 ")
+    await stream.send_all(body)
+    data = await stream.receive_some(65536)
+    await stream.aclose()
+    assert data.startswith(b"HTTP/1.1 200 ")
+    assert data.endswith(b"[7.0]}]}")
+
+
+async def test_head_has_the_length_of_get_and_no_body(server):
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(b"HEAD /v2/models/echo HTTP/1.1\r\nHost: t\r\n\r\n"
+                          b"GET /v2/models/echo HTTP/1.1\r\nHost: t\r\n\r\n")
+    h = h11.Connection(h11.CLIENT)
+    events = []
+    for method in ("HEAD", "GET"):
+        h.send(h11.Request(method=method, target="/v2/models/echo", headers=[("Host", "t")]))
+        h.send(h11.EndOfMessage())
+        while True:
+            event = h.next_event()
+            if event is h11.NEED_DATA:
+                h.receive_data(await stream.receive_some(65536))
+                continue
+            events.append(event)
+            if isinstance(event, h11.EndOfMessage):
+                break
+        h.start_next_cycle()
+    await stream.aclose()
+    head, get = events[0], events[2]
+    assert head.status_code == get.status_code == 200
+    assert dict(head.headers)[b"content-length"] == dict(get.headers)[b"content-length"]
+    assert isinstance(events[1], h11.EndOfMessage)  # HEAD: no body
+    assert orjson.loads(events[3].data)["name"] == "echo"
+
+
+async def test_a_bug_in_a_handler_fails_its_connection_not_the_server(server, monkeypatch):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server, "infer", broken)
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(infer_request(1.0))
+    (status, _, body), = await read_responses(stream)
+    await stream.aclose()
+    assert status == 500
+    assert orjson.loads(body) == {"error": "internal error: RuntimeError: a bug"}
+    monkeypatch.undo()
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(infer_request(2.0))
+    (status, _, _), = await read_responses(stream, 1)
+    await stream.aclose()
+    assert status == 200

@@ -1,0 +1,146 @@
+"""The v2 wire format, sans IO: parsing, validation, batch splitting, encoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+import trioserve
+from hypothesis import given
+from hypothesis import strategies as st
+from trioserve import InvalidInput, TensorSpec
+from trioserve.transport import InferRequest, ModelSignature, encode_response
+from trioserve.transport._v2 import decode_outputs, dumps, encode_inputs
+
+
+class _Served:
+    def __init__(self, backend, **cfg):
+        self.backend = backend
+        self.config = trioserve.ModelConfig(name=cfg.pop("name", "m"), backend=backend, **cfg)
+
+
+def signature(inputs, outputs=None, *, open_inputs=False, **cfg) -> ModelSignature:
+    backend = trioserve.CallableBackend(
+        lambda items: items, inputs=inputs, outputs=outputs or inputs, open_inputs=open_inputs
+    )
+    return ModelSignature.of(_Served(backend, **cfg))
+
+
+VEC = signature([TensorSpec(name="x", datatype="FP32", shape=(4,))],
+                [TensorSpec(name="y", datatype="FP32", shape=(2,))], versions=("1", "3"))
+TWO = signature([TensorSpec(name="a", datatype="INT64", shape=(-1,)),
+                 TensorSpec(name="b", datatype="FP16", shape=(2, 2))])
+OPEN = signature([TensorSpec(name="x", datatype="FP32", shape=(-1,))], open_inputs=True)
+
+
+def parse(doc, sig=VEC, **kw) -> InferRequest:
+    return InferRequest.from_v2_json(dumps(doc), sig, **kw)
+
+
+def test_metadata_has_a_leading_batch_dimension_and_the_latest_version_answers():
+    meta = orjson.loads(VEC.metadata_json)
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    assert meta["versions"] == ["1", "3"]
+    req = parse({"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4]}]})
+    body, _ = encode_response(req, [{"y": np.zeros(2, np.float32)}], VEC)
+    assert orjson.loads(body)["model_version"] == "3"
+
+
+def test_a_batch_dimension_splits_into_views_one_per_item():
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    req = parse({"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32",
+                             "data": data.tolist()}]})
+    assert req.batched
+    assert len(req.items) == 3
+    for i, item in enumerate(req.items):
+        assert item["x"].dtype == np.float32
+        np.testing.assert_array_equal(item["x"], data[i])
+
+
+def test_several_inputs_must_agree_on_the_batch_dimension():
+    ok = parse({"inputs": [
+        {"name": "a", "shape": [2, 3], "datatype": "INT64", "data": list(range(6))},
+        {"name": "b", "shape": [2, 2, 2], "datatype": "FP16", "data": [0.5] * 8},
+    ]}, TWO)
+    assert len(ok.items) == 2
+    assert ok.items[1]["a"].tolist() == [3, 4, 5]
+    with pytest.raises(InvalidInput, match="disagree on the batch dimension"):
+        parse({"inputs": [
+            {"name": "a", "shape": [2, 3], "datatype": "INT64", "data": list(range(6))},
+            {"name": "b", "shape": [2, 2], "datatype": "FP16", "data": [0.5] * 4},
+        ]}, TWO)
+    with pytest.raises(InvalidInput, match="missing input 'b'"):
+        parse({"inputs": [{"name": "a", "shape": [3], "datatype": "INT64", "data": [1, 2, 3]}]},
+              TWO)
+    with pytest.raises(InvalidInput, match="given twice"):
+        parse({"inputs": [{"name": "a", "shape": [1], "datatype": "INT64", "data": [1]}] * 2},
+              TWO)
+
+
+def test_an_open_model_takes_any_names_and_datatypes():
+    req = parse({"inputs": [
+        {"name": "q", "shape": [2, 1], "datatype": "BOOL", "data": [True, False]},
+        {"name": "r", "shape": [2, 3], "datatype": "UINT8", "data": [1, 2, 3, 4, 5, 6]},
+    ]}, OPEN)
+    assert req.items[1]["q"].tolist() == [False]
+    assert req.items[1]["r"].dtype == np.uint8
+    with pytest.raises(InvalidInput, match="expected BOOL values, got integers"):
+        parse({"inputs": [{"name": "q", "shape": [1], "datatype": "BOOL", "data": [3]}]}, OPEN)
+
+
+def test_parameters_set_priority_and_timeout():
+    base = {"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}]}
+    req = parse({**base, "parameters": {"priority": "batch", "timeout_ms": 250}})
+    assert (req.priority, req.timeout) == ("batch", 0.25)
+    triton = parse({**base, "parameters": {"priority": 2, "timeout": 1500}})
+    assert (triton.priority, triton.timeout) == ("2", 0.0015)
+    with pytest.raises(InvalidInput, match=r"parameters\.timeout_ms must be a positive number"):
+        parse({**base, "parameters": {"timeout_ms": "soon"}})
+
+
+def test_binary_inputs_and_outputs_follow_the_json_header():
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    header = orjson.dumps({
+        "inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32",
+                    "parameters": {"binary_data_size": x.nbytes}}],
+        "parameters": {"binary_data_output": True},
+    })
+    req = InferRequest.from_v2_json(header + x.tobytes(), VEC, header_length=len(header))
+    np.testing.assert_array_equal(req.items[1]["x"], x[1])
+    results = [{"y": np.array([i, -i], np.float32)} for i in range(2)]
+    body, hlen = encode_response(req, results, VEC)
+    doc = orjson.loads(body[:hlen])
+    assert doc["outputs"][0]["parameters"] == {"binary_data_size": 16}
+    np.testing.assert_array_equal(decode_outputs(doc, body[hlen:])["y"], [[0, 0], [1, -1]])
+    # Text-only transports (the WebSocket) always get JSON data.
+    text, none = encode_response(req, results, VEC, binary=False)
+    assert none is None
+    assert orjson.loads(text)["outputs"][0]["data"] == [0, 0, 1, -1]
+
+
+def test_bytes_tensors_in_binary_are_length_prefixed():
+    values = [b"ab", b"", "é".encode()]
+    raw = b"".join(len(v).to_bytes(4, "little") + v for v in values)
+    header = orjson.dumps({"inputs": [{"name": "s", "shape": [3], "datatype": "BYTES",
+                                       "parameters": {"binary_data_size": len(raw)}}]})
+    req = InferRequest.from_v2_json(header + raw, OPEN, header_length=len(header))
+    assert req.items[0]["s"].tolist() == values
+
+
+@given(
+    rows=st.integers(min_value=1, max_value=5),
+    values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False),
+                    min_size=4, max_size=4),
+    batched=st.booleans(),
+)
+def test_json_round_trip_keeps_values_and_shape(rows, values, batched):
+    x = np.tile(np.asarray(values, np.float32), (rows, 1))
+    tensor = encode_inputs({"x": x if batched else x[0]})[0]
+    req = parse({"inputs": [tensor]})
+    assert req.batched is batched
+    assert len(req.items) == (rows if batched else 1)
+    results = [{"y": it["x"][:2]} for it in req.items]
+    body, _ = encode_response(req, results, VEC)
+    out = decode_outputs(orjson.loads(body))["y"]
+    want = x[:, :2] if batched else x[0, :2]
+    np.testing.assert_array_equal(out, want)

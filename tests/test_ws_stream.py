@@ -1,0 +1,173 @@
+"""The /v2/stream WebSocket: many requests on one socket, answered out of order and
+tagged by id; per-connection backpressure; bad messages; closing cancels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+import trioserve
+from http_helpers import Gate, config, echo_model, held_model, mlp_model, serving, settle
+from trio_websocket import ConnectionRejected
+from trioserve import InvalidInput, UnknownModel
+from trioserve.transport import open_stream
+
+
+def f32(*values: float) -> np.ndarray:
+    return np.asarray(values, np.float32)
+
+
+async def test_each_answer_is_tagged_with_its_requests_id(mlp_input):
+    async with serving(config(mlp_model(), echo_model())) as gw:
+        xs = {f"r{i}": mlp_input * i for i in range(20)}
+        want = {k: (await gw.runtime.infer("mlp", x))["y"] for k, x in xs.items()}
+        async with open_stream(gw.url) as stream:
+            for rid, x in xs.items():
+                await stream.send(rid, "mlp", {"x": x[None]})
+            replies = [await stream.receive() for _ in xs]
+    assert sorted(r.id for r in replies) == sorted(xs)
+    for r in replies:
+        assert r.error is None
+        assert r.model_name == "mlp"
+        np.testing.assert_allclose(r.outputs["y"], want[r.id][None], rtol=1e-5, atol=1e-6)
+
+
+async def test_a_slow_request_is_answered_after_a_later_fast_one():
+    # x[0] of the sleep model is an extra delay in ms; two replicas run both at once.
+    sleep = trioserve.ModelConfig(name="sleep", backend="sleep", execution="thread",
+                                  replicas=2, max_batch_size=1, max_wait_ms=0.0)
+    async with serving(config(sleep)) as gw, open_stream(gw.url) as stream:
+        await stream.send("slow", "sleep", {"x": f32(300, 1)})
+        await stream.send("fast", "sleep", {"x": f32(0, 2)})
+        first = await stream.receive()
+        second = await stream.receive()
+    assert (first.id, second.id) == ("fast", "slow")
+    np.testing.assert_array_equal(first.outputs["y"], [0, 2])
+    np.testing.assert_array_equal(second.outputs["y"], [300, 1])
+
+
+async def test_infer_matches_answers_to_concurrent_callers():
+    async with serving(config(echo_model())) as gw, open_stream(gw.url) as stream:
+        results = {}
+
+        async def caller(i: int) -> None:
+            results[i] = (await stream.infer("echo", {"x": f32(i, i + 1)}))["x"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(100):
+                nursery.start_soon(caller, i)
+    assert {i: r.tolist() for i, r in results.items()} == {i: [i, i + 1] for i in range(100)}
+
+
+async def test_a_bad_message_gets_an_error_frame_and_the_stream_goes_on():
+    async with serving(config(echo_model(), mlp_model())) as gw, open_stream(gw.url) as stream:
+        await stream.send_raw("{not json")
+        await stream.send_raw('{"model": "echo", "inputs": []}')
+        await stream.send("m1", "nope", {"x": f32(1)})
+        await stream.send("m2", "mlp", {"x": f32(1, 2, 3)})
+        await stream.send("m3", "mlp", {"x": f32(1)}, version="7")
+        await stream.send("ok", "echo", {"x": f32(4, 5)})
+        replies = {}
+        for _ in range(6):
+            r = await stream.receive()
+            replies.setdefault(r.id, []).append(r)
+        with pytest.raises(UnknownModel):
+            await stream.infer("nope", {"x": f32(1)})
+        with pytest.raises(InvalidInput, match="expected shape"):
+            await stream.infer("mlp", {"x": f32(1)})
+        assert (await stream.infer("echo", {"x": f32(6)}))["x"].tolist() == [6]
+    malformed, no_id = sorted(replies.pop(None), key=lambda r: "malformed" not in r.error)
+    assert malformed.status == 400
+    assert malformed.error.startswith("malformed JSON body")
+    assert no_id.status == 400
+    assert no_id.error == "a stream message needs an 'id' (string or integer)"
+    assert replies["m1"][0].status == 404
+    assert replies["m2"][0].status == 400
+    assert "expected shape [256] or [N, 256]" in replies["m2"][0].error
+    assert (replies["m3"][0].status, replies["m3"][0].error) == (
+        404, "model 'mlp' has no version '7'; versions: 1")
+    assert replies["ok"][0].outputs["x"].tolist() == [4, 5]
+
+
+async def test_at_the_in_flight_bound_the_server_stops_reading_the_socket():
+    gate = Gate()
+    bound, sent_total = 4, 40
+    cfg = config(held_model(gate), server={"stream_in_flight": bound})
+    big = np.ones(100_000, np.float32)  # ~0.7 MB of JSON per message
+    async with serving(cfg) as gw, open_stream(gw.url, max_in_flight=sent_total) as stream:
+        sent = 0
+
+        async def sender() -> None:
+            nonlocal sent
+            for i in range(sent_total):
+                await stream.send(i, "held", {"x": big})
+                sent += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender)
+            await settle()
+            # The server holds `bound` requests; the rest wait in socket buffers, so
+            # the client's sends block: nothing is buffered without limit.
+            assert gw.statistics().stream_in_flight_peak == bound
+            assert sent < sent_total
+            assert gw.runtime.models["held"].scheduler.queue_depth() <= bound
+            gate.release()
+            replies = [await stream.receive() for _ in range(sent_total)]
+    assert sorted(r.id for r in replies) == list(range(sent_total))
+    assert all(r.error is None for r in replies)
+    assert gw.statistics().stream_in_flight_peak == bound
+
+
+async def test_closing_the_socket_cancels_requests_not_yet_dispatched():
+    gate = Gate()
+    async with serving(config(held_model(gate, max_batch_size=1))) as gw:
+        async with open_stream(gw.url) as stream:
+            for i in range(5):
+                await stream.send(i, "held", {"x": f32(1)})
+            await settle()
+            assert gw.statistics().streams == 1
+        await settle()
+        gate.release()
+        # One replica, batches of one: this request runs after the held batch ends.
+        async with open_stream(gw.url) as stream:
+            assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
+        metrics = gw.runtime.models["held"].metrics
+        assert metrics.items == 2  # the dispatched one and the last: 4 were withdrawn
+        await settle()
+        assert gw.statistics().streams == 0
+        assert gw.statistics().connections == 0
+
+
+async def test_a_refused_api_key_rejects_the_handshake_with_401():
+    tenants = (trioserve.TenantConfig(name="acme", api_keys=("k1",)),)
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        with pytest.raises(ConnectionRejected) as refused:
+            async with open_stream(gw.url):
+                pass
+        assert refused.value.status_code == 401
+        assert b"missing API key" in refused.value.body
+        async with open_stream(gw.url, api_key="k1") as stream:
+            assert (await stream.infer("echo", {"x": f32(1)}))["x"].tolist() == [1]
+        assert gw.requests[("echo", "acme", 200)] == 1
+
+
+async def test_a_plain_get_of_the_stream_endpoint_is_426():
+    from trioserve.transport import open_http
+
+    async with serving(config(echo_model())) as gw, open_http(gw.url) as http:
+        res = await http.get("/v2/stream")
+    assert res.status == 426
+    assert res.headers["upgrade"] == "websocket"
+
+
+async def test_a_cancelled_infer_frees_its_slot_when_its_answer_comes():
+    gate = Gate()
+    async with serving(config(held_model(gate))) as gw, \
+            open_stream(gw.url, max_in_flight=1) as stream:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.infer, "held", {"x": f32(1)})
+            await settle()
+            nursery.cancel_scope.cancel()
+        gate.release()
+        # The only slot comes back when the abandoned answer arrives (and is dropped).
+        assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]

@@ -1,0 +1,129 @@
+"""The control plane: a quart-trio app for health, metadata and metrics.
+
+The h11 front end answers ``POST .../infer`` itself and hands every other request to
+this app in-process; the app also serves infer (the same core), so quart-trio's test
+client can drive the whole protocol in memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import trioserve
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from quart import request
+from quart_trio import QuartTrio
+from trioserve import ActorState, UnknownModel
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
+
+from ._gateway import Answer
+from ._v2 import error_body, server_metadata
+
+if TYPE_CHECKING:
+    from ._gateway import Gateway
+
+
+def control_app(gateway: Gateway) -> QuartTrio:
+    """The Quart app of ``gateway``'s control plane."""
+    app = QuartTrio("trioserve")
+    app.config["MAX_CONTENT_LENGTH"] = gateway.server_config.max_body_bytes
+    Response = app.response_class
+    server_doc = server_metadata(trioserve.__version__)
+
+    def json(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Any:
+        return Response(body, status=status, headers=headers, content_type="application/json")
+
+    def answer(a: Answer) -> Any:
+        status, headers, body = a
+        return Response(body, status=status, headers=[(n.decode(), v.decode()) for n, v in headers])
+
+    def signature(name: str, version: str | None) -> Any:
+        sig = gateway.signatures.get(name)
+        if sig is None:
+            raise UnknownModel(
+                f"unknown model {name!r}; serving: {', '.join(sorted(gateway.signatures))}"
+            )
+        sig.check_version(version)
+        return sig
+
+    @app.errorhandler(UnknownModel)
+    async def unknown_model(exc: UnknownModel) -> Any:
+        return json(error_body(str(exc)), exc.status)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Any:
+        headers = None
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            allowed = ", ".join(sorted(exc.valid_methods))
+            headers = {"Allow": allowed}
+            message = (
+                f"method {request.method} is not allowed on {request.path}; "
+                f"allowed: {allowed}"
+            )
+        elif exc.code == 404:
+            message = f"no such endpoint: {request.method} {request.path}"
+        else:
+            message = f"{exc.name}: {exc.description}"
+        return json(error_body(message), exc.code or 500, headers)
+
+    @app.get("/v2/health/live")
+    async def live() -> Any:
+        return json(b'{"live":true}')
+
+    @app.get("/v2/health/ready")
+    async def ready() -> Any:
+        if gateway.ready:
+            return json(b'{"ready":true}')
+        return json(error_body("not ready: the server is shutting down"), 503)
+
+    @app.get("/v2")
+    async def metadata() -> Any:
+        return json(server_doc)
+
+    @app.get("/v2/models/<name>")
+    @app.get("/v2/models/<name>/versions/<version>")
+    async def model_metadata(name: str, version: str | None = None) -> Any:
+        return json(signature(name, version).metadata_json)
+
+    @app.get("/v2/models/<name>/ready")
+    @app.get("/v2/models/<name>/versions/<version>/ready")
+    async def model_ready(name: str, version: str | None = None) -> Any:
+        signature(name, version)
+        served = gateway.runtime.models[name]
+        if gateway.ready and any(b.state is ActorState.RUNNING for b in served.batchers):
+            return json(b'{"name":%s,"ready":true}' % _quote(name))
+        return json(error_body(f"model {name!r} is not ready"), 503)
+
+    @app.post("/v2/models/<name>/infer")
+    @app.post("/v2/models/<name>/versions/<version>/infer")
+    async def infer(name: str, version: str | None = None) -> Any:
+        body = await request.get_data(cache=False)
+        return answer(
+            await gateway.infer(
+                name,
+                version,
+                body,
+                authorization=request.headers.get("Authorization"),
+                header_length=request.headers.get("Inference-Header-Content-Length"),
+            )
+        )
+
+    @app.get("/v2/stream")
+    async def stream_without_upgrade() -> Any:
+        return json(
+            error_body("/v2/stream is a WebSocket endpoint: send 'Upgrade: websocket'"),
+            426,
+            {"Upgrade": "websocket"},
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return Response(generate_latest(gateway.registry), content_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _quote(name: str) -> bytes:
+    import orjson
+
+    return orjson.dumps(name)

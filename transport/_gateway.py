@@ -1,0 +1,315 @@
+"""The gateway: one port serving the v2 REST protocol and the ``/v2/stream`` WebSocket
+over a running :class:`trioserve.Runtime`.
+
+The data plane (``POST .../infer``) is served by an h11 connection handler on
+``trio.serve_tcp``-style listeners; everything else goes to a quart-trio app called
+in-process (the control plane); ``/v2/stream`` upgrades go to trio-websocket. The
+gateway adapts the wire onto ``Runtime.infer`` / ``infer_batch`` and owns no policy:
+authenticate (API key -> tenant), validate, classify (priority, deadline), submit,
+answer, count.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+from trioserve import (
+    Config,
+    DeadlineExceeded,
+    InvalidInput,
+    Overloaded,
+    Runtime,
+    TrioserveError,
+    UnknownModel,
+)
+
+from ._auth import ANONYMOUS, Authenticator
+from ._v2 import InferRequest, ModelSignature, encode_response, error_body
+
+log = logging.getLogger("trioserve.transport")
+
+#: The model label of requests for a model that is not served (bounded label values).
+UNKNOWN_MODEL = "-"
+
+#: After the grace period, how long connections get to send their 503s and close.
+CLOSE_GRACE = 1.0
+JSON = (b"content-type", b"application/json")
+OCTETS = (b"content-type", b"application/octet-stream")
+
+Headers = list[tuple[bytes, bytes]]
+#: An HTTP answer: (status, headers without content-length, body).
+Answer = tuple[int, Headers, bytes]
+
+
+def error_answer(exc: BaseException) -> Answer:
+    """The JSON error answer of an exception: its ``status`` (500 for foreign ones),
+    ``{"error": message}`` and, with 429 and 503, a Retry-After header (whole seconds,
+    from Overloaded's ``retry_after``)."""
+    if isinstance(exc, TrioserveError):
+        headers = [JSON]
+        if exc.status in (429, 503):
+            retry_after = exc.retry_after if isinstance(exc, Overloaded) else 1.0
+            headers.append((b"retry-after", b"%d" % max(1, math.ceil(retry_after))))
+        return exc.status, headers, error_body(str(exc))
+    return 500, [JSON], error_body(f"internal error: {type(exc).__name__}: {exc}")
+
+
+@attrs.frozen(kw_only=True)
+class GatewayStatistics:
+    """A snapshot of the gateway: open connections (of which WebSocket streams), HTTP
+    infer requests being answered, the most stream requests one connection has had
+    in flight, and whether it is draining."""
+
+    connections: int
+    streams: int
+    requests_in_flight: int
+    stream_in_flight_peak: int
+    draining: bool
+
+
+@attrs.define(eq=False, slots=True)
+class _Conn:
+    """One client connection, as the drain sees it."""
+
+    scope: trio.CancelScope
+    #: between a request's first byte and its answer (an idle connection is closed at
+    #: once on drain; a busy one gets the grace period).
+    busy: bool = False
+    #: set by a WebSocket stream: called on drain to stop reading new messages, and
+    #: when the grace period ends to cancel its requests (it then closes itself).
+    stop_reading: Any = None
+    cancel_requests: Any = None
+
+
+class Gateway:
+    """The network front of a runtime. Start it with :func:`open_gateway`."""
+
+    def __init__(self, runtime: Runtime, config: Config | None = None) -> None:
+        self.runtime = runtime
+        self.config = config if config is not None else runtime.config
+        self.server_config = self.config.server
+        self.auth = Authenticator(self.config.tenants)
+        self.signatures = {n: ModelSignature.of(s) for n, s in runtime.models.items()}
+        #: answered infer requests by (model, tenant, status): the gateway's own count.
+        self.requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        self.draining = False
+        self.in_flight = 0
+        self.stream_in_flight_peak = 0
+        self._conns: set[_Conn] = set()
+        self._streams = 0
+        self._all_closed = trio.Event()
+        self._accept_scope: trio.CancelScope | None = None
+        self.addresses: list[tuple[str, int]] = []
+        from ._control import control_app
+        from ._metrics import metrics_registry
+
+        self.registry = metrics_registry(self)
+        self.app = control_app(self)
+
+    # ------------------------------------------------------------ the data plane
+    async def infer(
+        self,
+        model: str,
+        version: str | None,
+        body: bytes,
+        *,
+        authorization: bytes | str | None = None,
+        header_length: bytes | str | None = None,
+    ) -> Answer:
+        """Answer one v2 infer request (``POST /v2/models/{model}[/versions/{v}]/infer``).
+
+        Never raises for bad input: every failure is an error answer with its status.
+        A checkpoint. Cancelling it withdraws the request's items not yet dispatched.
+        """
+        tenant = ANONYMOUS
+        label = model if model in self.signatures else UNKNOWN_MODEL
+        self.in_flight += 1
+        try:
+            tenant = self.auth.tenant(authorization)
+            sig = self.signatures.get(model)
+            if sig is None:
+                raise UnknownModel(
+                    f"unknown model {model!r}; serving: {', '.join(sorted(self.signatures))}"
+                )
+            sig.check_version(version)
+            hlen = None
+            if header_length is not None:
+                try:
+                    hlen = int(header_length)
+                except ValueError:
+                    raise InvalidInput(
+                        "Inference-Header-Content-Length must be an integer"
+                    ) from None
+            request = InferRequest.from_v2_json(body, sig, version=version, header_length=hlen)
+            results = await self.run_request(request, tenant)
+            out, json_len = encode_response(request, results, sig)
+        except Exception as exc:
+            if not isinstance(exc, TrioserveError):
+                log.exception("infer %s: unexpected error", model)
+            answer = error_answer(exc)
+            self.requests[(label, tenant, answer[0])] += 1
+            return answer
+        finally:
+            self.in_flight -= 1
+        self.requests[(label, tenant, 200)] += 1
+        if json_len is None:
+            return 200, [JSON], out
+        return 200, [OCTETS, (b"inference-header-content-length", b"%d" % json_len)], out
+
+    async def run_request(self, request: InferRequest, tenant: str) -> list[Any]:
+        """Submit a validated request's items and return their outputs in order.
+
+        Its ``timeout`` (parameters.timeout_ms) bounds the wait: DeadlineExceeded (504).
+        """
+        if request.timeout is None:
+            return await self._submit(request, tenant)
+        with trio.move_on_after(request.timeout):
+            return await self._submit(request, tenant)
+        raise DeadlineExceeded(
+            f"model {request.model!r}: no answer within the request's timeout "
+            f"({request.timeout * 1e3:g} ms)"
+        )
+
+    async def _submit(self, request: InferRequest, tenant: str) -> list[Any]:
+        rt = self.runtime
+        if len(request.items) == 1:
+            out = await rt.infer(
+                request.model,
+                request.items[0],
+                tenant=tenant,
+                priority=request.priority,
+                version=request.version,
+            )
+            return [out]
+        return await rt.infer_batch(
+            request.model,
+            request.items,
+            tenant=tenant,
+            priority=request.priority,
+            version=request.version,
+        )
+
+    # ------------------------------------------------------------ connections and drain
+    def _open_conn(self, scope: trio.CancelScope) -> _Conn:
+        conn = _Conn(scope=scope)
+        self._conns.add(conn)
+        return conn
+
+    def _close_conn(self, conn: _Conn) -> None:
+        self._conns.discard(conn)
+        if self.draining and not self._conns:
+            self._all_closed.set()
+
+    @property
+    def ready(self) -> bool:
+        """Taking new requests: not draining and the runtime is open."""
+        return not self.draining and not self.runtime.closed
+
+    async def serve(
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen on ``host:port`` (the server config's by default; port 0 picks a free
+        one) and serve connections until :meth:`drain` or cancellation.
+
+        Reports ``started(addresses)`` once listening. Returns after a drain, when the
+        last connection has closed.
+        """
+        from ._http import serve_connection
+
+        host = host if host is not None else self.server_config.host
+        port = port if port is not None else self.server_config.port
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.addresses = [ls.socket.getsockname()[:2] for ls in listeners]
+
+        async def handle(stream: trio.SocketStream) -> None:
+            await serve_connection(self, stream)
+
+        async with trio.open_nursery() as connections:
+            with trio.CancelScope() as accept:
+                self._accept_scope = accept
+                task_status.started(self.addresses)
+                await trio.serve_listeners(handle, listeners, handler_nursery=connections)
+
+    async def drain(self, grace: float) -> None:
+        """Stop accepting, close idle connections, give requests in flight up to
+        ``grace`` seconds, then answer what is left with 503 and close.
+
+        Idempotent. A checkpoint. Returns when every connection has closed (or, at
+        worst, ``CLOSE_GRACE`` after the grace period, closing what is left).
+        """
+        self.draining = True
+        if self._accept_scope is not None:
+            self._accept_scope.cancel("gateway draining: stop accepting")
+        if not self._conns:
+            self._all_closed.set()
+        for conn in list(self._conns):
+            if conn.stop_reading is not None:
+                conn.stop_reading()
+            elif not conn.busy:
+                conn.scope.cancel("gateway draining: idle connection")
+        with trio.move_on_after(grace):
+            await self._all_closed.wait()
+        # Grace over: what is left is answered 503 (HTTP) or with error frames (streams).
+        for conn in list(self._conns):
+            if conn.cancel_requests is not None:
+                conn.cancel_requests()
+            else:
+                conn.scope.cancel("gateway draining: grace period over")
+        with trio.move_on_after(CLOSE_GRACE):
+            await self._all_closed.wait()
+        for conn in list(self._conns):
+            conn.scope.cancel("gateway draining: closing")
+
+    def statistics(self) -> GatewayStatistics:
+        return GatewayStatistics(
+            connections=len(self._conns),
+            streams=self._streams,
+            requests_in_flight=self.in_flight,
+            stream_in_flight_peak=self.stream_in_flight_peak,
+            draining=self.draining,
+        )
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the first listener."""
+        host, port = self.addresses[0]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+@asynccontextmanager
+async def open_gateway(
+    runtime: Runtime,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    config: Config | None = None,
+) -> AsyncIterator[Gateway]:
+    """Serve ``runtime`` over HTTP and WebSocket for the duration of the block.
+
+    Listening when it yields (``gateway.url``). Leaving the block normally drains:
+    requests in flight get ``runtime.graceful_timeout_s`` to be answered; leaving it
+    with an exception closes every connection at once.
+    """
+    gateway = Gateway(runtime, config)
+    async with trio.open_nursery() as nursery, trio.open_nursery() as app_tasks:
+        gateway.app.nursery = app_tasks  # the Quart app's background tasks
+        await gateway.app.startup()
+        try:
+            await nursery.start(gateway.serve, host, port)
+            yield gateway
+            await gateway.drain(gateway.config.runtime.graceful_timeout_s)
+        finally:
+            nursery.cancel_scope.cancel("gateway closed")
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await gateway.app.shutdown()

@@ -1,0 +1,365 @@
+"""The HTTP/1.1 connection handler: h11 over a trio stream, one task per connection,
+keep-alive.
+
+h11 parses every request. ``POST /v2/models/{name}[/versions/{v}]/infer`` (the data
+plane) is answered here directly; a ``/v2/stream`` WebSocket upgrade is handed to
+trio-websocket over the same socket; every other request goes to the control plane's
+ASGI app, called in-process. Each response leaves in one ``send_all``.
+
+The data plane's keep-alive answers (a status, the gateway's own headers, a body)
+are written from a template and the next request gets a fresh h11 state: h11's
+writer and its state machine cost ~20 µs a request, more than a fifth of the
+handler's time. Everything else (control plane, ``Connection: close``, HTTP/1.0,
+drain) is written by h11.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, unquote_to_bytes
+
+import h11
+import trio
+
+from ._gateway import JSON, Answer, Headers, error_answer
+from ._v2 import error_body
+
+if TYPE_CHECKING:
+    from ._gateway import Gateway, _Conn
+
+log = logging.getLogger("trioserve.transport")
+
+KIB = 1024
+RECEIVE_SIZE = 64 * KIB
+#: The largest request head (request line and headers) accepted.
+MAX_HEAD = 16 * KIB
+#: After an error answer, how long unread request bytes are drained before closing
+#: (closing with unread data would reset the connection before the client reads).
+LINGER = 1.0
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_NEED_DATA = h11.NEED_DATA
+_Request = h11.Request
+_Data = h11.Data
+_EndOfMessage = h11.EndOfMessage
+_DROPPED_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"connection"))
+
+
+class _Close(Exception):
+    """End the connection after answering (``linger``: drain unread request bytes)."""
+
+    def __init__(self, linger: bool = False) -> None:
+        self.linger = linger
+
+
+async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
+    """Serve one client connection until it closes, errs, or the gateway drains.
+
+    A request still unanswered when the drain's grace period ends gets a 503.
+    """
+    c = _Connection(gateway, stream)
+    linger = False
+    handed_off = False
+    with trio.CancelScope() as scope:
+        c.conn = gateway._open_conn(scope)
+        try:
+            handed_off = await c.serve()
+        except _Close as close:
+            linger = close.linger
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away
+        except h11.RemoteProtocolError as exc:
+            linger = True
+            if c.h.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                status = exc.error_status_hint
+                body = error_body(f"bad HTTP request: {exc}")
+                await _send_quietly(stream, c.h, status, [JSON], body)
+        except Exception as exc:
+            # A bug, not bad input: fail this connection only, never the server.
+            log.exception("connection %s: unexpected error", _peer(stream, local=False))
+            linger = True
+            if c.h.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                body = error_body(f"internal error: {type(exc).__name__}: {exc}")
+                await _send_quietly(stream, c.h, 500, [JSON], body)
+    try:
+        if scope.cancelled_caught and not handed_off and c.h.our_state is h11.SEND_RESPONSE:
+            # Drained past the grace period with this request unanswered: say so.
+            body = error_body("the server is shutting down; the request was not completed")
+            with trio.CancelScope(shield=True), trio.move_on_after(LINGER):
+                await _send_quietly(stream, c.h, 503, [JSON, (b"retry-after", b"1")], body)
+        if not handed_off:
+            with trio.CancelScope(shield=True), trio.move_on_after(LINGER):
+                await _close(stream, linger)
+    finally:
+        gateway._close_conn(c.conn)
+
+
+def _new_h11() -> h11.Connection:
+    return h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+
+
+class _Connection:
+    """One client connection: its stream, its h11 state, its place in the drain."""
+
+    __slots__ = ("conn", "gateway", "h", "stream")
+
+    def __init__(self, gateway: Gateway, stream: trio.SocketStream) -> None:
+        self.gateway = gateway
+        self.stream = stream
+        self.h = _new_h11()
+        self.conn: _Conn
+
+    async def serve(self) -> bool:
+        """The keep-alive loop. Returns True when a WebSocket took the connection over."""
+        gateway, stream, conn = self.gateway, self.stream, self.conn
+        receive = stream.receive_some
+        send_all = stream.send_all
+        infer = gateway.infer
+        max_body = gateway.server_config.max_body_bytes
+        h = self.h
+        while True:
+            # ---- the request head (between requests the connection is idle)
+            fresh = True
+            event = h.next_event()
+            while event is _NEED_DATA:
+                if fresh:
+                    conn.busy = False
+                    if gateway.draining:
+                        return False
+                    data = await receive(RECEIVE_SIZE)
+                    conn.busy = True
+                    fresh = False
+                else:
+                    data = await receive(RECEIVE_SIZE)
+                h.receive_data(data)  # b"" (EOF): h11 reports ConnectionClosed or raises
+                event = h.next_event()
+            if type(event) is not _Request:
+                return False  # ConnectionClosed
+            conn.busy = True
+            request = event
+            auth = hlen = upgrade = None
+            keep_alive = request.http_version == b"1.1"
+            for raw_name, value in request.headers.raw_items():
+                name = raw_name.lower()
+                if name == b"content-length":
+                    if int(value) > max_body:
+                        raise await _too_large(stream, h, max_body)
+                elif name == b"authorization":
+                    auth = value
+                elif name == b"inference-header-content-length":
+                    hlen = value
+                elif name == b"upgrade":
+                    upgrade = value
+                elif name == b"connection" and b"close" in value.lower():
+                    keep_alive = False
+
+            # ---- the body
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                event = h.next_event()
+                kind = type(event)
+                if kind is _Data:
+                    chunks.append(event.data)
+                    size += len(event.data)
+                    if size > max_body:
+                        raise await _too_large(stream, h, max_body)
+                elif kind is _EndOfMessage:
+                    break
+                elif event is _NEED_DATA:
+                    if h.they_are_waiting_for_100_continue:
+                        go_on = h11.InformationalResponse(status_code=100, headers=[])
+                        await send_all(h.send(go_on))
+                    h.receive_data(await receive(RECEIVE_SIZE))
+                else:
+                    return False
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+            # ---- route
+            method = request.method
+            target = request.target
+            if method == b"POST" and target.startswith(b"/v2/models/"):
+                route = _infer_route(target)
+                if route is not None:
+                    status, headers, out = await infer(
+                        route[0], route[1], body, authorization=auth, header_length=hlen
+                    )
+                    if keep_alive and not gateway.draining:
+                        # Written from the template (see the module's docstring); the
+                        # next request gets a fresh h11 state with the bytes already
+                        # received after this one.
+                        await send_all(_plain_response(status, headers, out))
+                        trailing = h.trailing_data[0]
+                        self.h = h = _new_h11()
+                        if trailing:
+                            h.receive_data(trailing)
+                        continue
+                    await send_all(_response(h, status, headers, out, True))
+                    raise _Close()
+            if upgrade is not None and b"websocket" in upgrade.lower() and (
+                method == b"GET" and target.partition(b"?")[0] == b"/v2/stream"
+            ):
+                from ._stream import ReplayStream, serve_stream
+
+                replay = _head_bytes(request) + h.trailing_data[0]
+                await serve_stream(gateway, ReplayStream(stream, replay), conn)
+                return True
+            status, headers, out = await _call_asgi(gateway, stream, request, body)
+            if method == b"HEAD":
+                headers.append((b"content-length", b"%d" % len(out)))
+                out = b""
+
+            # ---- answer through h11; keep the connection unless it must close
+            close = gateway.draining
+            await send_all(_response(h, status, headers, out, close))
+            if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+                raise _Close()
+            h.start_next_cycle()
+
+
+_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, phrase) for code, phrase in _REASONS.items()}
+
+
+def _plain_response(status: int, headers: Headers, body: bytes) -> bytes:
+    """A keep-alive HTTP/1.1 response with a Content-Length, from trusted parts."""
+    parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status]
+    for name, value in headers:
+        parts.append(b"%s: %s\r\n" % (name, value))
+    parts.append(b"content-length: %d\r\n\r\n" % len(body))
+    parts.append(body)
+    return b"".join(parts)
+
+
+def _response(h: h11.Connection, status: int, headers: Headers, body: bytes, close: bool) -> bytes:
+    if not any(name == b"content-length" for name, _ in headers):
+        headers.append((b"content-length", b"%d" % len(body)))
+    if close:
+        headers.append((b"connection", b"close"))
+    reason = _REASONS.get(status, b"")
+    out = h.send(h11.Response(status_code=status, headers=headers, reason=reason))
+    if body:
+        out += h.send(_Data(data=body))
+    return out + h.send(_EndOfMessage())
+
+
+async def _send_quietly(stream: trio.SocketStream, h: h11.Connection, status: int,
+                        headers: Headers, body: bytes) -> None:
+    """Send an error answer, ignoring a client that has gone."""
+    try:
+        await stream.send_all(_response(h, status, headers, body, True))
+    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
+        pass
+
+
+async def _too_large(stream: trio.SocketStream, h: h11.Connection, limit: int) -> _Close:
+    body = error_body(f"request body too large: the limit is {limit} bytes (server.max_body_bytes)")
+    await _send_quietly(stream, h, 413, [JSON], body)
+    return _Close(linger=True)
+
+
+async def _close(stream: trio.SocketStream, linger: bool) -> None:
+    """Close the connection; with ``linger``, first half-close and drain what the
+    client still sends (bounded), so it reads our answer rather than a reset."""
+    try:
+        if linger:
+            await stream.send_eof()
+            budget = 1024 * KIB
+            while budget > 0:
+                data = await stream.receive_some(RECEIVE_SIZE)
+                if not data:
+                    break
+                budget -= len(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        await stream.aclose()
+
+
+def _infer_route(target: bytes) -> tuple[str, str | None] | None:
+    """(model, version) of ``/v2/models/{name}[/versions/{v}]/infer``, else None."""
+    path = target.partition(b"?")[0] if b"?" in target else target
+    parts = path.split(b"/")
+    n = len(parts)
+    if n == 5 and parts[4] == b"infer":
+        version = None
+    elif n == 7 and parts[4] == b"versions" and parts[6] == b"infer":
+        version = _text(parts[5])
+    else:
+        return None
+    return _text(parts[3]), version
+
+
+def _text(segment: bytes) -> str:
+    if b"%" in segment:
+        segment = unquote_to_bytes(segment)
+    return segment.decode("utf-8", "replace")
+
+
+def _head_bytes(request: h11.Request) -> bytes:
+    """The request head again, as the client sent it (for the WebSocket handshake)."""
+    lines = [b"%s %s HTTP/%s\r\n" % (request.method, request.target, request.http_version)]
+    lines.extend(b"%s: %s\r\n" % (name, value) for name, value in request.headers.raw_items())
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+# ---------------------------------------------------------------- the control plane
+async def _call_asgi(
+    gateway: Gateway, stream: trio.SocketStream, request: h11.Request, body: bytes
+) -> Answer:
+    """Run one request through the ASGI app in this task; return its whole answer."""
+    raw_path, _, query = request.target.partition(b"?")
+    scope: dict[str, Any] = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": request.http_version.decode(),
+        "method": request.method.decode("ascii"),
+        "scheme": "http",
+        "path": unquote(raw_path.decode("latin-1")),
+        "raw_path": raw_path,
+        "query_string": query,
+        "root_path": "",
+        "headers": list(request.headers),
+        "client": _peer(stream, local=False),
+        "server": _peer(stream, local=True),
+        "extensions": {},
+    }
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await trio.sleep_forever()  # the app cancels its reader once it has answered
+        raise AssertionError("unreachable")
+
+    answer: dict[str, Any] = {"status": 500, "headers": [], "chunks": []}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+            answer["headers"] = [
+                (bytes(n).lower(), bytes(v))
+                for n, v in message.get("headers", ())
+                if bytes(n).lower() not in _DROPPED_HEADERS
+            ]
+        elif message["type"] == "http.response.body":
+            answer["chunks"].append(bytes(message.get("body", b"")))
+
+    try:
+        await gateway.app(scope, receive, send)
+    except Exception as exc:
+        log.exception("control plane: %s %s failed", scope["method"], scope["path"])
+        return error_answer(exc)
+    return answer["status"], answer["headers"], b"".join(answer["chunks"])
+
+
+def _peer(stream: trio.SocketStream, *, local: bool) -> tuple[str, int] | None:
+    try:
+        sock = stream.socket
+        addr = sock.getsockname() if local else sock.getpeername()
+        return addr[0], addr[1]
+    except (AttributeError, OSError, IndexError):
+        return None

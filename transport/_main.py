@@ -1,0 +1,125 @@
+"""The CLI's network entry points: ``trioserve serve`` and ``trioserve bench --url``."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+from typing import Any
+
+import trio
+import trioserve
+from trioserve import Config, ConfigError, ModelConfig, load_config, open_runtime
+
+from ._gateway import Gateway, open_gateway
+from ._v2 import dumps, sample_inputs
+
+# ---------------------------------------------------------------- serve
+
+
+def serve_main(
+    config_path: str | None = None, host: str | None = None, port: int | None = None
+) -> int:
+    """Load the config (None: the built-in one), serve it until SIGINT or SIGTERM,
+    then drain within ``runtime.graceful_timeout_s`` and return 0. A second signal
+    stops at once."""
+    config = load_config(config_path)
+    try:
+        return trio.run(serve, config, host, port)
+    except OSError as exc:
+        print(f"trioserve: cannot listen: {exc}", file=sys.stderr)
+        return 1
+
+
+async def serve(config: Config, host: str | None = None, port: int | None = None) -> int:
+    """Serve ``config`` until SIGINT/SIGTERM; drain; return 0."""
+    grace = config.runtime.graceful_timeout_s
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_runtime(config) as rt, trio.open_nursery() as nursery:
+            async with open_gateway(rt, host=host, port=port, config=config) as gateway:
+                # Everything loaded so far (torch, models, tokenizers) lives as long as
+                # the server: keep it out of the cyclic GC, whose full passes over it
+                # would otherwise stall the event loop for tens of milliseconds.
+                gc.collect()
+                gc.freeze()
+                print(banner(gateway), flush=True)
+                async for signum in signals:
+                    print(
+                        f"trioserve: {signal.Signals(signum).name}: draining "
+                        f"(up to {grace:g} s; signal again to stop now)",
+                        flush=True,
+                    )
+                    break
+                nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope)
+            nursery.cancel_scope.cancel("drained")
+    print("trioserve: stopped", flush=True)
+    return 0
+
+
+async def _stop_on_signal(signals: Any, scope: trio.CancelScope) -> None:
+    async for signum in signals:
+        print(f"trioserve: {signal.Signals(signum).name} again: stopping now", flush=True)
+        scope.cancel("second signal")
+        return
+
+
+def banner(gateway: Gateway) -> str:
+    """Where the gateway listens, and a curl line to paste."""
+    url = gateway.url
+    lines = [
+        f"trioserve {trioserve.__version__}: serving {', '.join(gateway.signatures)} on {url}",
+        f"  v2 REST at {url}/v2, WebSocket stream at {url.replace('http', 'ws', 1)}/v2/stream, "
+        f"metrics at {url}/metrics",
+    ]
+    name = "mlp" if "mlp" in gateway.signatures else next(iter(gateway.signatures))
+    sig = gateway.signatures[name]
+    if name == "mlp" and sig.by_name.get("x") is not None and sig.by_name["x"].shape == (256,):
+        data = "['\"$(python3 -c 'print(\",\".join([\"0.5\"]*256))')\"']"
+        body = '{"inputs":[{"name":"x","shape":[1,256],"datatype":"FP32","data":' + data + "}]}"
+    else:
+        body = dumps({"inputs": sample_inputs(name, sig.inputs, 1, literal=True)}).decode()
+    lines.append("  try it:")
+    lines.append(
+        f"    curl -s {url}/v2/models/{name}/infer -H 'Content-Type: application/json' "
+        f"-d '{body}'"
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- bench --url
+def bench_http_main(args: Any) -> int:
+    """``trioserve bench --url``: closed-loop load over HTTP (C keep-alive connections)
+    or over one WebSocket stream (``--stream``, C requests in flight); prints the same
+    report as the in-process bench and writes the figures as JSON."""
+    from trioserve._bench import format_report, offline_throughput, write_json
+
+    from ._bench import bench_http
+
+    offline = None
+    if not getattr(args, "no_offline", False):
+        try:  # a built-in model of that name: measure its offline limit here
+            offline = offline_throughput(ModelConfig(name=args.model, backend=args.model))
+        except ConfigError:
+            offline = None
+    res = trio.run(
+        lambda: bench_http(
+            args.url,
+            model=args.model,
+            concurrency=args.concurrency or 64,
+            duration=args.duration,
+            warmup=args.warmup,
+            batch_dim=max(1, args.batch_dim),
+            stream=args.stream,
+            progress=os.isatty(2),
+        )
+    )
+    if offline:
+        res["offline"] = offline
+        res["served_over_offline"] = res["items_per_s"] / offline["items_per_s"]
+    print(format_report(res))
+    if res["batch_dim"] > 1 or res["mode"] == "websocket":
+        print(f"  items/s        {res['items_per_s']:,.0f}  ({res['batch_dim']} per request)")
+    path = args.json or f"bench-results/bench-{res['mode']}-{res['model']}.json"
+    print(f"  json           {write_json(res, path)}")
+    return 0 if res["requests"] else 1

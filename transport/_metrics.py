@@ -1,0 +1,113 @@
+"""``GET /metrics``: the runtime's and the gateway's figures in Prometheus text format.
+
+A custom Collector on a private CollectorRegistry reads everything at scrape time:
+nothing on the request path touches prometheus_client. Latency quantiles come from
+the runtime's hdrhistograms (integer microseconds) as summaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ._gateway import Gateway
+
+QUANTILES = (0.5, 0.9, 0.99, 0.999)
+STAGES = ("queue_wait", "batch_exec", "end_to_end")
+
+
+class GatewayCollector(Collector):
+    """Collects a gateway's request counts and its runtime's per-model figures."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    def collect(self) -> Iterator[Metric]:
+        gw = self._gateway
+        requests = CounterMetricFamily(
+            "trioserve_requests",
+            "Infer requests answered by the gateway, by model, tenant and HTTP status.",
+            labels=["model", "tenant", "status"],
+        )
+        for (model, tenant, status), n in sorted(gw.requests.items()):
+            requests.add_metric([model, tenant, str(status)], n)
+        yield requests
+
+        latency = SummaryMetricFamily(
+            "trioserve_latency_seconds",
+            "Request latency by stage (queue wait, batch execution, end to end), "
+            "from hdrhistograms.",
+            labels=["model", "stage"],
+        )
+        batches = CounterMetricFamily(
+            "trioserve_batches", "Batches executed.", labels=["model"]
+        )
+        items = CounterMetricFamily(
+            "trioserve_batch_items", "Items executed in batches.", labels=["model"]
+        )
+        fill = GaugeMetricFamily(
+            "trioserve_batch_fill_ratio",
+            "Mean batch fill: items per batch over max_batch_size.",
+            labels=["model"],
+        )
+        depth = GaugeMetricFamily(
+            "trioserve_queue_depth", "Requests waiting in the model's scheduler.", labels=["model"]
+        )
+        outcomes = CounterMetricFamily(
+            "trioserve_batcher_outcomes",
+            "Items by abnormal batch outcome (model_error, ...).",
+            labels=["model", "outcome"],
+        )
+        for name, served in sorted(gw.runtime.models.items()):
+            m = served.metrics
+            for stage in STAGES:
+                lat = getattr(m, stage)
+                fold = getattr(lat, "fold", None)  # Latency buffers values before a read
+                if fold is not None:
+                    fold()
+                hist = lat.hist
+                count = hist.get_total_count()
+                values = hist.get_percentile_to_value_dict([q * 100 for q in QUANTILES])
+                for q in QUANTILES:
+                    latency.add_sample(
+                        "trioserve_latency_seconds",
+                        {"model": name, "stage": stage, "quantile": str(q)},
+                        values[q * 100] / 1e6 if count else 0.0,
+                    )
+                total = hist.get_mean_value() * count / 1e6 if count else 0.0
+                latency.add_metric([name, stage], count_value=count, sum_value=total)
+            batches.add_metric([name], m.batches)
+            items.add_metric([name], m.items)
+            fill.add_metric([name], m.fill_ratio)
+            depth.add_metric([name], served.scheduler.queue_depth())
+            for outcome, n in sorted(m.statuses.items()):
+                outcomes.add_metric([name, str(outcome)], n)
+        yield from (latency, batches, items, fill, depth, outcomes)
+
+        stats = gw.statistics()
+        for metric, doc, value in (
+            ("trioserve_connections", "Open client connections (HTTP and WebSocket).",
+             stats.connections),
+            ("trioserve_stream_connections", "Open /v2/stream WebSocket connections.",
+             stats.streams),
+            ("trioserve_requests_in_flight", "HTTP infer requests being answered.",
+             stats.requests_in_flight),
+        ):
+            yield GaugeMetricFamily(metric, doc, value=value)
+
+
+def metrics_registry(gateway: Gateway) -> CollectorRegistry:
+    """A private registry holding only ``gateway``'s collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GatewayCollector(gateway))
+    return registry

@@ -1,0 +1,535 @@
+"""``/v2/stream``: many v2 infer requests over one WebSocket, answered out of order.
+
+Each client message is a v2 infer request (JSON text) with its own ``id`` and
+``model`` (and optional ``version``); each answer is the v2 response tagged with that
+``id``, sent as soon as it is ready, or an error frame ``{"id", "error", "status"}``.
+At most ``server.stream_in_flight`` requests of one connection are in flight: at the
+bound the server stops reading the socket, so TCP pushes back on the client.
+Closing the socket cancels the connection's requests not yet dispatched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import attrs
+import numpy as np
+import orjson
+import trio
+from trio_websocket import ConnectionClosed, connect_websocket_url, wrap_server_stream
+from trioserve import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    Overloaded,
+    QuotaExceeded,
+    ServerConfig,
+    TrioserveError,
+    Unauthorized,
+    UnknownModel,
+)
+
+from ._gateway import UNKNOWN_MODEL, error_answer, log
+from ._v2 import InferRequest, decode_outputs, dumps, encode_inputs, encode_response, loads
+
+if TYPE_CHECKING:
+    from ._gateway import Gateway, _Conn
+
+KIB = 1024
+RECEIVE_SIZE = 64 * KIB
+#: How long a closing stream may take to tell its pending requests it is shutting down.
+CLOSE_GRACE = 1.0
+_NO_ID = object()
+
+
+class ReplayStream(trio.abc.HalfCloseableStream):
+    """The stream a WebSocket is served over, handed from the HTTP front end.
+
+    Reading first returns ``buffered`` (the handshake bytes the front end already
+    read), then reads ``stream``. Writing coalesces: while :meth:`run_flusher` runs,
+    ``send_all`` only queues its bytes, and the flusher sends everything queued in one
+    write, so the answers of one batch leave in one syscall. At most ``limit`` bytes
+    wait; beyond that ``send_all`` waits for the flusher (backpressure).
+    """
+
+    def __init__(
+        self, stream: trio.abc.HalfCloseableStream, buffered: bytes, *, limit: int = 256 * KIB
+    ) -> None:
+        self.transport_stream = stream
+        self._buffered = buffered
+        self._limit = limit
+        self._out: list[bytes] = []
+        self._out_size = 0
+        self._flushing = False
+        self._wake = trio.lowlevel.ParkingLot()  # the flusher waits here for bytes
+        self._room = trio.lowlevel.ParkingLot()  # writers wait here when over the limit
+        self._error: BaseException | None = None
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if not self._buffered:
+            return await self.transport_stream.receive_some(max_bytes)
+        await trio.lowlevel.checkpoint()
+        data = self._buffered
+        if max_bytes is not None and max_bytes < len(data):
+            data, self._buffered = data[:max_bytes], data[max_bytes:]
+        else:
+            self._buffered = b""
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._error is not None:
+            raise trio.BrokenResourceError("the connection failed") from self._error
+        if not self._flushing:
+            if self._out:  # left by a flusher that has stopped: keep the order
+                await self.transport_stream.send_all(self._take())
+            await self.transport_stream.send_all(data)
+            return
+        self._out.append(bytes(data))
+        self._out_size += len(data)
+        self._wake.unpark_all()
+        if self._out_size > self._limit:
+            await self._room.park()
+            if self._error is not None:
+                raise trio.BrokenResourceError("the connection failed") from self._error
+        else:
+            await trio.lowlevel.checkpoint()
+
+    async def run_flusher(self) -> None:
+        """Send queued bytes until cancelled (what is left is sent by :meth:`aclose`)."""
+        self._flushing = True
+        try:
+            while True:
+                if not self._out:
+                    await self._wake.park()
+                try:
+                    await self.transport_stream.send_all(self._take())
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self._error = exc
+                    return
+        finally:
+            self._flushing = False
+            self._room.unpark_all()
+
+    def _take(self) -> bytes:
+        """Everything queued, as one write; wakes writers waiting for room."""
+        data = b"".join(self._out)
+        self._out.clear()
+        self._out_size = 0
+        self._room.unpark_all()
+        return data
+
+    async def _flush_rest(self) -> None:
+        if self._out and self._error is None:
+            with trio.move_on_after(CLOSE_GRACE):
+                await self.transport_stream.send_all(self._take())
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.transport_stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._flush_rest()
+        await self.transport_stream.send_eof()
+
+    async def aclose(self) -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await self._flush_rest()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await self.transport_stream.aclose()
+
+
+# ---------------------------------------------------------------- the server side
+async def serve_stream(gateway: Gateway, stream: trio.abc.HalfCloseableStream, conn: _Conn) -> None:
+    """Run the WebSocket handshake on ``stream`` and serve the stream until either
+    side closes it or the gateway drains. A 401 rejects the handshake."""
+    cfg = gateway.server_config
+    try:
+        async with trio.open_nursery() as ws_tasks:  # trio-websocket's reader task
+            if isinstance(stream, ReplayStream):
+                ws_tasks.start_soon(stream.run_flusher)
+            try:
+                await _handshake_and_serve(gateway, stream, conn, ws_tasks, cfg)
+            finally:
+                ws_tasks.cancel_scope.cancel("stream closed")
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
+            await stream.aclose()
+
+
+async def _handshake_and_serve(
+    gateway: Gateway,
+    stream: trio.abc.HalfCloseableStream,
+    conn: _Conn,
+    ws_tasks: trio.Nursery,
+    cfg: ServerConfig,
+) -> None:
+    try:
+        handshake = await wrap_server_stream(
+            ws_tasks,
+            stream,
+            message_queue_size=1,
+            max_message_size=cfg.max_body_bytes,
+            receive_buffer_size=RECEIVE_SIZE,
+        )
+        authorization = None
+        for name, value in handshake.headers:
+            if name.lower() == b"authorization":
+                authorization = value
+        try:
+            tenant = gateway.auth.tenant(authorization)
+        except Unauthorized as exc:
+            await handshake.reject(
+                exc.status,
+                extra_headers=[(b"content-type", b"application/json")],
+                body=orjson.dumps({"error": str(exc)}),
+            )
+            return
+        ws = await handshake.accept()
+    except ConnectionClosed:
+        return
+    gateway._streams += 1
+    try:
+        await _Session(gateway, ws, tenant, conn).run()
+    finally:
+        gateway._streams -= 1
+
+
+class _Session:
+    """One stream connection's requests."""
+
+    def __init__(self, gateway: Gateway, ws: Any, tenant: str, conn: _Conn) -> None:
+        self.gateway = gateway
+        self.ws = ws
+        self.tenant = tenant
+        self.conn = conn
+        self.limit = trio.Semaphore(gateway.server_config.stream_in_flight)
+        self.in_flight = 0
+        self.pending: dict[int, Any] = {}  # token -> id of requests not yet answered
+        self._tokens = itertools.count()
+
+    async def run(self) -> None:
+        gateway, ws, limit = self.gateway, self.ws, self.limit
+        reading = trio.CancelScope()
+        self.conn.stop_reading = lambda: reading.cancel("gateway draining: stop reading")
+        try:
+            async with trio.open_nursery() as requests:
+                self.conn.cancel_requests = lambda: requests.cancel_scope.cancel(
+                    "gateway draining: grace period over"
+                )
+                with reading:
+                    while True:
+                        # At the bound, stop reading: trio-websocket's one-message queue
+                        # fills, its reader stops, and TCP pushes back on the client.
+                        await limit.acquire()
+                        try:
+                            message = await ws.get_message()
+                        except ConnectionClosed:
+                            limit.release()
+                            # The client is gone: withdraw what it left in flight.
+                            requests.cancel_scope.cancel("stream closed by the client")
+                            break
+                        self.in_flight += 1
+                        if self.in_flight > gateway.stream_in_flight_peak:
+                            gateway.stream_in_flight_peak = self.in_flight
+                        requests.start_soon(self._one, message)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
+                await self._close()
+
+    async def _close(self) -> None:
+        ws = self.ws
+        if ws.closed is not None:
+            return
+        # Requests cancelled by the end of a drain's grace period: tell the client.
+        for rid in self.pending.values():
+            frame = {"id": rid, "error": "the server is shutting down; request not completed",
+                     "status": 503}
+            try:
+                await ws.send_message(orjson.dumps(frame).decode())
+            except ConnectionClosed:
+                return
+        if self.gateway.draining:
+            await ws.aclose(1001, "server shutting down")
+        else:
+            await ws.aclose()
+
+    async def _one(self, message: str | bytes) -> None:
+        gateway = self.gateway
+        token = next(self._tokens)
+        rid: Any = None
+        label = UNKNOWN_MODEL
+        self.pending[token] = None
+        try:
+            try:
+                doc = loads(message)
+                if type(doc) is not dict:
+                    raise InvalidInput("a stream message must be a JSON object")
+                rid = doc.get("id")
+                self.pending[token] = rid
+                if rid is None or type(rid) not in (str, int):
+                    raise InvalidInput("a stream message needs an 'id' (string or integer)")
+                model = doc.get("model")
+                if type(model) is not str:
+                    raise InvalidInput("a stream message needs a 'model' (string)")
+                sig = gateway.signatures.get(model)
+                if sig is None:
+                    raise UnknownModel(
+                        f"unknown model {model!r}; serving: "
+                        f"{', '.join(sorted(gateway.signatures))}"
+                    )
+                label = model
+                version = doc.get("version")
+                if version is not None and type(version) is not str:
+                    raise InvalidInput("'version' must be a string")
+                sig.check_version(version)
+                request = InferRequest.from_v2_json(b"", sig, version=version, doc=doc)
+                results = await gateway.run_request(request, self.tenant)
+                frame = encode_response(request, results, sig, binary=False)[0]
+                status = 200
+            except Exception as exc:
+                if not isinstance(exc, TrioserveError):
+                    log.exception("stream request %r: unexpected error", rid)
+                status, _, _ = error_answer(exc)
+                frame = orjson.dumps({"id": rid, "error": str(exc), "status": status})
+            gateway.requests[(label, self.tenant, status)] += 1
+            try:
+                await self.ws.send_message(frame.decode())
+            except ConnectionClosed:
+                pass
+            del self.pending[token]
+        finally:
+            self.in_flight -= 1
+            self.limit.release()
+
+
+# ---------------------------------------------------------------- the client side
+ERROR_OF_STATUS: dict[int, type[TrioserveError]] = {
+    400: InvalidInput,
+    401: Unauthorized,
+    404: UnknownModel,
+    429: QuotaExceeded,
+    503: Overloaded,
+    504: DeadlineExceeded,
+}
+
+
+@attrs.frozen(kw_only=True)
+class StreamReply:
+    """One answer from the stream: outputs (name -> array) or an error."""
+
+    id: Any
+    outputs: dict[str, np.ndarray] | None = attrs.field(default=None, eq=False)
+    error: str | None = None
+    status: int = 200
+    model_name: str | None = None
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> StreamReply:
+        if "error" in doc:
+            status = int(doc.get("status", 500))
+            return cls(id=doc.get("id"), error=str(doc["error"]), status=status)
+        return cls(id=doc.get("id"), outputs=decode_outputs(doc), model_name=doc.get("model_name"))
+
+    def unwrap(self) -> dict[str, np.ndarray]:
+        """The outputs, or the error raised as its trioserve error class."""
+        if self.error is None:
+            assert self.outputs is not None
+            return self.outputs
+        cls = ERROR_OF_STATUS.get(self.status, ModelError)
+        raise cls(self.error)
+
+
+@attrs.define(eq=False, slots=True)
+class _Waiter:
+    """An :meth:`StreamClient.infer` caller waiting for the answer to its id."""
+
+    event: trio.Event = attrs.Factory(trio.Event)
+    doc: Any = None
+    #: the caller left (cancelled): its answer, when it comes, is dropped.
+    abandoned: bool = False
+
+
+def request_message(
+    id: Any,
+    model: str,
+    inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    *,
+    version: str | None = None,
+    outputs: Sequence[str] | None = None,
+    parameters: Mapping[str, Any] | None = None,
+) -> str:
+    """One stream message: a v2 infer request tagged with ``id`` and ``model``."""
+    doc: dict[str, Any] = {"id": id, "model": model, "inputs": encode_inputs(inputs)}
+    if version is not None:
+        doc["version"] = version
+    if outputs is not None:
+        doc["outputs"] = [{"name": n} for n in outputs]
+    if parameters:
+        doc["parameters"] = dict(parameters)
+    return dumps(doc).decode()
+
+
+class StreamClient:
+    """A client of ``/v2/stream``. Made by :func:`open_stream`.
+
+    Use either :meth:`infer` (matches answers to callers by id; many tasks may call
+    it at once) or :meth:`send` / :meth:`receive` (answers in completion order).
+    At most ``max_in_flight`` requests are outstanding: beyond that, sending waits.
+    """
+
+    def __init__(self, ws: Any, max_in_flight: int) -> None:
+        self.ws = ws
+        # A slot per request sent and not yet answered (and, for send, received).
+        self._slots = trio.Semaphore(max_in_flight)
+        self._waiters: dict[Any, _Waiter] = {}
+        self._send_replies, self._replies = trio.open_memory_channel[Any](max_in_flight)
+        self._ids = itertools.count()
+
+    async def send(
+        self,
+        id: Any,
+        model: str,
+        inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        **kw: Any,
+    ) -> None:
+        """Send one request (keywords: version, outputs, parameters); its answer comes
+        from :meth:`receive`. Waits while ``max_in_flight`` answers are outstanding."""
+        await self.send_raw(request_message(id, model, inputs, **kw))
+
+    async def send_raw(self, message: str | bytes) -> None:
+        """Send a message as it is (it takes an in-flight slot until answered)."""
+        await self._slots.acquire()
+        try:
+            await self.ws.send_message(message)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def receive(self) -> StreamReply:
+        """The next answer not claimed by :meth:`infer`, in completion order.
+
+        Raises trio_websocket.ConnectionClosed once the stream has closed.
+        """
+        try:
+            doc = await self._replies.receive()
+        except trio.EndOfChannel:
+            raise ConnectionClosed(self.ws.closed) from None
+        self._slots.release()
+        return StreamReply.from_doc(doc)
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        **kw: Any,
+    ) -> dict[str, np.ndarray]:
+        """Send one request (keywords: version, outputs, parameters) and wait for its
+        answer: outputs name -> array, or the error raised as its trioserve class
+        (InvalidInput, UnknownModel, ...). Cancelling it drops the answer."""
+        rid = f"c{next(self._ids)}"
+        message = request_message(rid, model, inputs, **kw)
+        await self._slots.acquire()
+        waiter = self._waiters[rid] = _Waiter()
+        try:
+            await self.ws.send_message(message)
+            await waiter.event.wait()
+        except BaseException:
+            # The answer may still come: the dispatcher then frees the slot.
+            waiter.abandoned = True
+            raise
+        if waiter.doc is None:
+            raise ConnectionClosed(self.ws.closed)
+        return StreamReply.from_doc(waiter.doc).unwrap()
+
+    async def _dispatch(self) -> None:
+        ws = self.ws
+        try:
+            while True:
+                try:
+                    message = await ws.get_message()
+                except ConnectionClosed:
+                    return
+                doc = orjson.loads(message)
+                waiter = self._waiters.pop(doc.get("id", _NO_ID), None)
+                if waiter is None:
+                    await self._send_replies.send(doc)
+                    continue
+                self._slots.release()
+                if not waiter.abandoned:
+                    waiter.doc = doc
+                    waiter.event.set()
+        finally:
+            self._send_replies.close()
+            for waiter in self._waiters.values():
+                waiter.event.set()
+
+
+def stream_url(url: str) -> str:
+    """The ``ws://`` URL of ``/v2/stream`` for a server URL (``http://host:port``)."""
+    parts = urlsplit(url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    path = parts.path if parts.path not in ("", "/") else "/v2/stream"
+    return f"{scheme}://{parts.netloc}{path}"
+
+
+@asynccontextmanager
+async def open_stream(
+    url: str,
+    *,
+    api_key: str | None = None,
+    max_in_flight: int = 256,
+    max_message_size: int = 16 * 1024 * KIB,
+) -> AsyncIterator[StreamClient]:
+    """Open a ``/v2/stream`` WebSocket to the server at ``url`` (``http://host:port``
+    or a ``ws://`` URL) and yield a :class:`StreamClient`; closed on leaving.
+
+    Raises trio_websocket.ConnectionRejected (status 401) for a refused API key.
+    """
+    headers = [(b"authorization", b"Bearer " + api_key.encode())] if api_key else None
+    try:
+        async with trio.open_nursery() as nursery:
+            ws = await connect_websocket_url(
+                nursery,
+                stream_url(url),
+                extra_headers=headers,
+                message_queue_size=max(1, max_in_flight),
+                max_message_size=max_message_size,
+                receive_buffer_size=RECEIVE_SIZE,
+            )
+            client = StreamClient(ws, max_in_flight)
+            nursery.start_soon(client._dispatch)
+            try:
+                yield client
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
+                    await ws.aclose()
+                nursery.cancel_scope.cancel("stream client closed")
+    except BaseExceptionGroup as group:
+        # A refused handshake fails trio-websocket's reader task: raise it unwrapped.
+        leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+__all__ = [
+    "ReplayStream",
+    "StreamClient",
+    "StreamReply",
+    "open_stream",
+    "request_message",
+    "serve_stream",
+]

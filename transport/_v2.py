@@ -1,0 +1,612 @@
+"""The Open Inference Protocol v2 (KServe v2 / Triton) on the wire: model metadata,
+infer requests (JSON and the binary tensor extension) and responses.
+
+Sans-IO: bytes and dicts in, values out. :meth:`InferRequest.from_v2_json` validates a
+request against the model's signature and splits a leading batch dimension into items
+for the batcher; :func:`encode_response` stacks the items' outputs back.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import orjson
+from trioserve import V2_DTYPES, InvalidInput, TensorSpec, UnknownModel
+
+#: Open Inference Protocol datatypes and their numpy dtypes (BYTES: object arrays).
+DTYPES: Mapping[str, np.dtype] = V2_DTYPES
+_DATATYPE_OF = {dt: name for name, dt in DTYPES.items() if name != "BYTES"}
+# numpy kinds a JSON list may decode to, per target kind (ints are fine as floats).
+_JSON_KINDS = {"b": "b", "u": "iu", "i": "iu", "f": "iuf"}
+_DUMPS_OPTS = orjson.OPT_SERIALIZE_NUMPY
+_LEN = struct.Struct("<I")
+
+
+def _tolist(obj: Any) -> Any:
+    # orjson serialises C-contiguous native numeric arrays itself; anything else lands here.
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind == "O":
+            return [_text(v) for v in obj.tolist()]
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, bytes):
+        return _text(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__} as JSON")
+
+
+def _text(v: Any) -> Any:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+def dumps(doc: Any) -> bytes:
+    """JSON-encode a response document (numpy arrays allowed anywhere)."""
+    return orjson.dumps(doc, default=_tolist, option=_DUMPS_OPTS)
+
+
+def error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+def datatype_of(arr: np.ndarray) -> str:
+    """The v2 datatype of an array (object and string arrays are BYTES)."""
+    name = _DATATYPE_OF.get(arr.dtype)
+    if name is not None:
+        return name
+    if arr.dtype.kind in "OSU":
+        return "BYTES"
+    raise InvalidInput(f"output dtype {arr.dtype} has no Open Inference Protocol datatype")
+
+
+# ---------------------------------------------------------------- model metadata
+@attrs.frozen(kw_only=True)
+class ModelSignature:
+    """What the gateway knows of a served model: its tensors (per item) and versions,
+    and its metadata document, encoded once."""
+
+    name: str
+    versions: tuple[str, ...]
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    open_inputs: bool = False
+    by_name: Mapping[str, TensorSpec] = attrs.field(eq=False, repr=False)
+    metadata_json: bytes = attrs.field(eq=False, repr=False)
+
+    @classmethod
+    def of(cls, served: Any) -> ModelSignature:
+        """The signature of a ``Runtime.models[name]`` entry."""
+        backend = served.backend
+        cfg = served.config
+        platform = "pytorch" if type(backend).__name__ == "TorchBackend" else "python"
+        inputs, outputs = tuple(backend.inputs), tuple(backend.outputs)
+
+        # Every served model batches, so (as Triton reports for max_batch_size > 0) each
+        # tensor's shape starts with a dynamic batch dimension.
+        def tensors(specs: tuple[TensorSpec, ...]) -> list[dict[str, Any]]:
+            return [
+                {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
+                for s in specs
+            ]
+
+        doc = {
+            "name": cfg.name,
+            "versions": list(cfg.versions),
+            "platform": platform,
+            "inputs": tensors(inputs),
+            "outputs": tensors(outputs),
+            "parameters": {"max_batch_size": cfg.max_batch_size},
+        }
+        return cls(
+            name=cfg.name,
+            versions=tuple(cfg.versions),
+            platform=platform,
+            inputs=inputs,
+            outputs=outputs,
+            open_inputs=bool(getattr(backend, "open_inputs", False)),
+            by_name={s.name: s for s in inputs},
+            metadata_json=orjson.dumps(doc),
+        )
+
+    def check_version(self, version: str | None) -> None:
+        """Raise UnknownModel (404) when ``version`` is not served."""
+        if version is not None and version not in self.versions:
+            raise UnknownModel(
+                f"model {self.name!r} has no version {version!r}; versions: "
+                f"{', '.join(self.versions)}"
+            )
+
+
+# ---------------------------------------------------------------- requests
+@attrs.frozen(kw_only=True, slots=True)
+class InferRequest:
+    """A validated v2 infer request, split into items for the batcher.
+
+    ``batched`` says whether the tensors carried a leading batch dimension (then the
+    outputs get one back); ``items`` holds one mapping name -> array per item.
+    """
+
+    model: str
+    version: str | None = None
+    id: Any = None
+    items: list[dict[str, np.ndarray]] = attrs.field(eq=False, repr=False)
+    batched: bool = False
+    #: requested output names (None: all) and whether each is sent as binary data.
+    outputs: tuple[tuple[str, bool], ...] | None = None
+    binary_outputs: bool = False
+    priority: str | None = None
+    timeout: float | None = None
+
+    @classmethod
+    def from_v2_json(
+        cls,
+        body: bytes | str,
+        signature: ModelSignature,
+        *,
+        version: str | None = None,
+        header_length: int | None = None,
+        doc: Mapping[str, Any] | None = None,
+    ) -> InferRequest:
+        """Parse and validate a v2 infer request body for ``signature``'s model.
+
+        ``header_length`` (the ``Inference-Header-Content-Length`` header) says where
+        the JSON ends and binary tensor data begins. ``doc`` is the body already
+        decoded (the WebSocket stream decodes it to find the model). Raises
+        InvalidInput with a message naming what is wrong and what was expected.
+        """
+        binary = b""
+        if doc is None:
+            if header_length is not None:
+                if not 0 <= header_length <= len(body):
+                    raise InvalidInput(
+                        f"Inference-Header-Content-Length {header_length} is outside the "
+                        f"body ({len(body)} bytes)"
+                    )
+                body, binary = body[:header_length], memoryview(body)[header_length:]
+            doc = loads(body)
+        if type(doc) is not dict:
+            raise InvalidInput("the request body must be a JSON object with 'inputs'")
+        tensors = doc.get("inputs")
+        if type(tensors) is not list or not tensors:
+            raise InvalidInput("'inputs' must be a non-empty list of tensors")
+        name = signature.name
+        params = doc.get("parameters")
+        if params is not None and type(params) is not dict:
+            raise InvalidInput("'parameters' must be a JSON object")
+
+        arrays: dict[str, np.ndarray] = {}
+        batch: int | None = None  # the batch dimension, or -1 for "no batch dimension"
+        offset = 0
+        for t in tensors:
+            if type(t) is not dict:
+                raise InvalidInput("each input must be a JSON object with name, shape, datatype")
+            arr, offset, spec_rank = _decode_tensor(t, signature, binary, offset)
+            n = arr.shape[0] if arr.ndim == spec_rank + 1 else -1
+            if batch is None:
+                batch = n
+            elif n != batch:
+                raise InvalidInput(
+                    f"model {name!r}: inputs disagree on the batch dimension "
+                    f"({_batch_text(batch)} vs {_batch_text(n)} for input {t['name']!r})"
+                )
+            if t["name"] in arrays:
+                raise InvalidInput(f"model {name!r}: input {t['name']!r} given twice")
+            arrays[t["name"]] = arr
+        if offset != len(binary):
+            raise InvalidInput(
+                f"the body has {len(binary) - offset} bytes of binary data that no input claims"
+            )
+        if not signature.open_inputs and len(arrays) != len(signature.inputs):
+            missing = [s.name for s in signature.inputs if s.name not in arrays]
+            raise InvalidInput(
+                f"model {name!r}: missing input {', '.join(map(repr, missing))}; expected "
+                f"{', '.join(s.name for s in signature.inputs)}"
+            )
+        if batch == -1:
+            items = [arrays]
+        elif batch == 0:
+            raise InvalidInput(f"model {name!r}: the batch dimension is 0 (no items)")
+        elif batch == 1:
+            items = [{k: a[0] for k, a in arrays.items()}]
+        else:
+            items = [{k: a[i] for k, a in arrays.items()} for i in range(batch)]  # type: ignore[arg-type]
+
+        if params:
+            binary_all = params.get("binary_data_output") is True
+            priority, timeout = _classify(params)
+        else:
+            binary_all, priority, timeout = False, None, None
+        outputs = None
+        requested = doc.get("outputs")
+        if requested is not None:
+            outputs = _requested_outputs(requested, signature, binary_all)
+        rid = doc.get("id")
+        if rid is not None and type(rid) not in (str, int):
+            raise InvalidInput("'id' must be a string")
+        return cls(
+            model=name,
+            version=version,
+            id=rid,
+            items=items,
+            batched=batch != -1,
+            outputs=outputs,
+            binary_outputs=binary_all,
+            priority=priority,
+            timeout=timeout,
+        )
+
+
+def loads(body: bytes | str) -> Any:
+    """Decode JSON; malformed JSON is InvalidInput (400)."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"malformed JSON body: {exc}") from None
+
+
+def _batch_text(n: int) -> str:
+    return "no batch dimension" if n == -1 else f"batch of {n}"
+
+
+def _decode_tensor(
+    t: dict[str, Any], signature: ModelSignature, binary: Any, offset: int
+) -> tuple[np.ndarray, int, int]:
+    """One input tensor as an array of its declared shape; returns (array, new binary
+    offset, rank of one item)."""
+    name = t.get("name")
+    datatype = t.get("datatype")
+    shape = t.get("shape")
+    spec = signature.by_name.get(name) if type(name) is str else None
+    dtype = DTYPES.get(datatype) if type(datatype) is str else None
+    if spec is None or dtype is None or (datatype != spec.datatype and not signature.open_inputs):
+        _check_name_and_datatype(signature, name, datatype, spec)
+    if type(shape) is not list:
+        raise InvalidInput(f"input {name!r}: 'shape' must be a list of integers, got {shape!r}")
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise InvalidInput(
+                f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}"
+            )
+        count *= d
+    # The item rank: the spec's; for an open model's unnamed inputs, a leading
+    # dimension of a tensor of rank >= 2 is the batch dimension.
+    item_shape = spec.shape if spec is not None else (-1,) * max(len(shape) - 1, 1)
+    rank = len(item_shape)
+    skip = len(shape) - rank
+    ok = skip in (0, 1)
+    if ok:
+        for i, want in enumerate(item_shape):
+            if want != -1 and want != shape[i + skip]:
+                ok = False
+                break
+    if not ok:
+        want_text = ", ".join(map(str, item_shape))
+        raise InvalidInput(
+            f"input {name!r} of model {signature.name!r}: expected shape [{want_text}] or "
+            f"[N, {want_text}] with a batch dimension, got {shape}"
+        )
+    params = t.get("parameters")
+    size = params.get("binary_data_size") if type(params) is dict else None
+    if size is None:
+        data = t.get("data")
+        if data is None:
+            raise InvalidInput(f"input {name!r}: no 'data' (and no binary_data_size)")
+        arr = _from_json(name, data, datatype, dtype, count, shape)
+    else:
+        if type(size) is not int or size < 0 or offset + size > len(binary):
+            raise InvalidInput(
+                f"input {name!r}: binary_data_size {size!r} does not fit the "
+                f"{len(binary) - offset} bytes of binary data left in the body"
+            )
+        arr = _from_binary(name, binary[offset : offset + size], dtype, count)
+        offset += size
+    return arr.reshape(shape), offset, rank
+
+
+def _check_name_and_datatype(
+    signature: ModelSignature, name: Any, datatype: Any, spec: TensorSpec | None
+) -> None:
+    """Raise InvalidInput for a bad input name or datatype (the slow path)."""
+    model = signature.name
+    if type(name) is not str:
+        raise InvalidInput(f"model {model!r}: each input needs a string 'name'")
+    if spec is None and not signature.open_inputs:
+        raise InvalidInput(
+            f"model {model!r}: unknown input {name!r}; expected "
+            f"{', '.join(s.name for s in signature.inputs)}"
+        )
+    if datatype not in DTYPES:
+        raise InvalidInput(
+            f"input {name!r}: datatype {datatype!r} is not one of {', '.join(DTYPES)}"
+        )
+    if spec is not None and not signature.open_inputs and datatype != spec.datatype:
+        raise InvalidInput(
+            f"input {name!r} of model {model!r}: expected datatype {spec.datatype}, "
+            f"got {datatype}"
+        )
+
+
+def _from_json(
+    name: str, data: Any, datatype: str, dtype: np.dtype, count: int, shape: list[int]
+) -> np.ndarray:
+    if type(data) is not list:
+        data = [data]
+    if dtype.kind == "O":
+        flat = _flatten(data)
+        if not all(isinstance(v, str) for v in flat):
+            raise InvalidInput(f"input {name!r}: BYTES data must be strings")
+        arr = np.empty(len(flat), dtype=object)
+        arr[:] = flat
+    else:
+        try:
+            arr = np.asarray(data)
+        except ValueError as exc:  # ragged nesting
+            raise InvalidInput(f"input {name!r}: data is not a regular array ({exc})") from None
+        if arr.dtype.kind not in _JSON_KINDS[dtype.kind] and arr.size:
+            raise InvalidInput(
+                f"input {name!r}: expected {datatype} values, got "
+                f"{_json_kind(arr)} in 'data'"
+            )
+        if arr.dtype != dtype:
+            cast = arr.astype(dtype)
+            if dtype.kind in "iu" and not np.array_equal(cast, arr):
+                raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
+            arr = cast
+    if arr.size != count:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} holds {count} values, 'data' has {arr.size}"
+        )
+    return arr
+
+
+def _json_kind(arr: np.ndarray) -> str:
+    return {"b": "booleans", "i": "integers", "u": "integers", "f": "floats",
+            "U": "strings"}.get(arr.dtype.kind, "mixed values")
+
+
+def _flatten(data: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for v in stack[-1]:
+            if type(v) is list:
+                stack.append(iter(v))
+                break
+            out.append(v)
+        else:
+            stack.pop()
+    return out
+
+
+def _from_binary(name: str, chunk: Any, dtype: np.dtype, count: int) -> np.ndarray:
+    if dtype.kind != "O":
+        if len(chunk) != count * dtype.itemsize:
+            raise InvalidInput(
+                f"input {name!r}: binary data is {len(chunk)} bytes, shape and datatype "
+                f"need {count * dtype.itemsize}"
+            )
+        return np.frombuffer(chunk, dtype=dtype)
+    # BYTES: each element is a 4-byte little-endian length, then the bytes.
+    values: list[bytes] = []
+    pos, end = 0, len(chunk)
+    while pos < end:
+        if pos + 4 > end:
+            raise InvalidInput(f"input {name!r}: truncated BYTES element length")
+        (n,) = _LEN.unpack_from(chunk, pos)
+        pos += 4
+        if pos + n > end:
+            raise InvalidInput(f"input {name!r}: BYTES element overruns the binary data")
+        values.append(bytes(chunk[pos : pos + n]))
+        pos += n
+    if len(values) != count:
+        raise InvalidInput(
+            f"input {name!r}: binary data holds {len(values)} BYTES elements, shape needs {count}"
+        )
+    arr = np.empty(count, dtype=object)
+    arr[:] = values
+    return arr
+
+
+def _requested_outputs(
+    requested: Any, signature: ModelSignature, binary_all: bool
+) -> tuple[tuple[str, bool], ...]:
+    if type(requested) is not list:
+        raise InvalidInput("'outputs' must be a list of {name} objects")
+    known = {s.name for s in signature.outputs}
+    out = []
+    for o in requested:
+        name = o.get("name") if type(o) is dict else None
+        if type(name) is not str:
+            raise InvalidInput("each requested output needs a string 'name'")
+        if not signature.open_inputs and name not in known:
+            raise InvalidInput(
+                f"model {signature.name!r}: unknown output {name!r}; expected "
+                f"{', '.join(sorted(known))}"
+            )
+        params = o.get("parameters")
+        binary = params.get("binary_data", binary_all) if type(params) is dict else binary_all
+        out.append((name, binary is True))
+    return tuple(out)
+
+
+def _classify(params: dict[str, Any]) -> tuple[str | None, float | None]:
+    """The priority class and the timeout (seconds) of ``parameters``.
+
+    ``timeout_ms`` is ours; ``timeout`` (microseconds) is what Triton clients send.
+    """
+    priority = params.get("priority")
+    if priority is not None:
+        if type(priority) is int:
+            priority = str(priority)
+        elif type(priority) is not str or not priority:
+            raise InvalidInput(f"parameters.priority must be a string, got {priority!r}")
+    timeout = None
+    for key, scale in (("timeout_ms", 1e-3), ("timeout", 1e-6)):
+        v = params.get(key)
+        if v is None:
+            continue
+        if type(v) not in (int, float) or not v > 0 or not math.isfinite(v):
+            raise InvalidInput(f"parameters.{key} must be a positive number, got {v!r}")
+        timeout = v * scale
+        break
+    return priority, timeout
+
+
+# ---------------------------------------------------------------- responses
+def encode_response(
+    request: InferRequest,
+    results: list[Mapping[str, Any]],
+    signature: ModelSignature,
+    *,
+    binary: bool = True,
+) -> tuple[bytes, int | None]:
+    """The v2 response for ``request``'s items' ``results``: (body, JSON header length
+    when binary output data follows the JSON, else None). With ``binary`` False every
+    output is sent as JSON data, whatever the request asked (WebSocket text frames)."""
+    if request.outputs is not None:
+        wanted = request.outputs
+    elif signature.open_inputs:
+        wanted = tuple((n, request.binary_outputs) for n in results[0])
+    else:
+        wanted = tuple((s.name, request.binary_outputs) for s in signature.outputs)
+    outs = []
+    blobs: list[bytes] = []
+    first = results[0]
+    for name, as_binary in wanted:
+        if name not in first:
+            raise InvalidInput(
+                f"model {request.model!r}: no output {name!r}; it produced "
+                f"{', '.join(map(repr, first))}"
+            )
+        if len(results) == 1:
+            arr = np.asarray(first[name])
+            if request.batched:
+                arr = arr.reshape((1, *arr.shape))
+        else:
+            arr = np.stack([r[name] for r in results])
+        datatype = datatype_of(arr)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": arr.shape}
+        if as_binary and binary:
+            raw = _to_binary(arr)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            entry["data"] = (
+                np.ascontiguousarray(arr).reshape(-1)
+                if datatype != "BYTES"
+                else [_text(v) for v in arr.reshape(-1).tolist()]
+            )
+        outs.append(entry)
+    doc: dict[str, Any] = {
+        "model_name": request.model,
+        "model_version": request.version or signature.versions[-1],
+    }
+    if request.id is not None:
+        doc["id"] = request.id
+    doc["outputs"] = outs
+    head = dumps(doc)
+    if not blobs:
+        return head, None
+    return head + b"".join(blobs), len(head)
+
+
+def _to_binary(arr: np.ndarray) -> bytes:
+    if arr.dtype.kind != "O" and arr.dtype.kind not in "SU":
+        return np.ascontiguousarray(arr).tobytes()
+    parts = []
+    for v in arr.reshape(-1).tolist():
+        b = v if isinstance(v, bytes) else str(v).encode()
+        parts.append(_LEN.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def encode_inputs(inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Any]:
+    """v2 input tensors from a mapping name -> array-like (or v2 tensors as they are)."""
+    if not isinstance(inputs, Mapping):
+        return list(inputs)
+    out = []
+    for name, value in inputs.items():
+        arr = np.asarray(value)
+        datatype = datatype_of(arr)
+        data = arr.reshape(-1)
+        if datatype == "BYTES":
+            data = [v.decode() if isinstance(v, bytes) else str(v) for v in data.tolist()]
+        else:
+            data = np.ascontiguousarray(data)
+        out.append({"name": name, "shape": list(arr.shape), "datatype": datatype, "data": data})
+    return out
+
+
+def decode_outputs(doc: Mapping[str, Any], binary: bytes = b"") -> dict[str, np.ndarray]:
+    """The outputs of a v2 response document as arrays (``binary``: the bytes after
+    its JSON, for outputs sent as binary data)."""
+    outputs = {}
+    offset = 0
+    for o in doc.get("outputs", ()):
+        dtype = DTYPES.get(o["datatype"], np.dtype(object))
+        params = o.get("parameters") or {}
+        size = params.get("binary_data_size")
+        if size is not None:
+            arr = _from_binary(o["name"], memoryview(binary)[offset : offset + size], dtype,
+                               math.prod(o["shape"]))
+            offset += size
+        else:
+            arr = np.asarray(o["data"], dtype=dtype)
+        outputs[o["name"]] = arr.reshape(o["shape"])
+    return outputs
+
+
+def sample_inputs(
+    model: str, specs: Sequence[TensorSpec], batch: int, *, literal: bool = False
+) -> list[dict[str, Any]]:
+    """v2 input tensors holding ``batch`` items for a model's input specs (dynamic
+    dimensions: 8; zeros for ``sleep``, whose x[0] is a delay)."""
+    rng = np.random.default_rng(0)
+    tensors = []
+    for spec in specs:
+        shape = [batch, *(d if d > 0 else 8 for d in spec.shape)]
+        if spec.datatype == "BYTES":
+            data: Any = ["the quick brown fox jumps over the lazy dog"] * math.prod(shape)
+        elif model == "sleep" or spec.dtype.kind != "f":
+            data = np.zeros(math.prod(shape), DTYPES[spec.datatype])
+        else:
+            data = rng.standard_normal(math.prod(shape)).astype(spec.dtype)
+        if literal and isinstance(data, np.ndarray):
+            data = [round(float(v), 3) for v in data]
+        tensors.append(
+            {"name": spec.name, "shape": shape, "datatype": spec.datatype, "data": data}
+        )
+    return tensors
+
+
+def server_metadata(version: str) -> bytes:
+    return orjson.dumps(
+        {
+            "name": "trioserve",
+            "version": version,
+            "extensions": ["binary_tensor_data", "parameters", "stream"],
+        }
+    )
+
+
+__all__ = [
+    "DTYPES",
+    "InferRequest",
+    "ModelSignature",
+    "datatype_of",
+    "decode_outputs",
+    "dumps",
+    "encode_inputs",
+    "encode_response",
+    "error_body",
+    "loads",
+    "sample_inputs",
+    "server_metadata",
+]
