@@ -54,6 +54,7 @@ class BatcherActor(Actor):
         self._runner: Any = None
         self._in_flight: collections.deque[list[Request]] = collections.deque()
         self.busy_time = 0.0
+        self._worker_seconds = 0.0  # busy seconds of workers this batcher already replaced
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         if self._process:
@@ -63,6 +64,7 @@ class BatcherActor(Actor):
                 await self._loop_process()
             finally:
                 if self._worker is not None:
+                    self._worker_seconds += self._worker.busy_seconds
                     await self._worker.aclose()
                     self._worker = None
             return
@@ -79,6 +81,15 @@ class BatcherActor(Actor):
             await self._execute(batch)
             self._in_flight.clear()
 
+    @property
+    def device_seconds(self) -> float:
+        """Seconds its device spent running batches: measured inside the worker process,
+        or around the thread/inline call."""
+        if self._process:
+            w = self._worker
+            return self._worker_seconds + (w.busy_seconds if w is not None else 0.0)
+        return self.busy_time
+
     async def _start_worker(self) -> None:
         worker = WorkerProcess(self._config, self._backend, self.device, self._torch_threads)
         try:
@@ -89,11 +100,12 @@ class BatcherActor(Actor):
         self._worker = worker
 
     async def _loop_process(self) -> None:
-        """Two batches in flight per worker: while the worker runs one, the next is
-        already staged in its second slot, so the device never waits on the event loop.
+        """Several batches in flight per worker: while the worker runs one, the next are
+        already staged in shared memory, so the device never waits on the event loop.
         The batcher still pulls only when its device has room (worker-pull)."""
-        room = trio.Semaphore(2)
-        sent_send, sent_recv = trio.open_memory_channel[tuple[list[Request], float]](2)
+        room = trio.Semaphore(WorkerProcess.SLOTS)
+        slots = WorkerProcess.SLOTS
+        sent_send, sent_recv = trio.open_memory_channel[tuple[list[Request], float]](slots)
         pull = self._scheduler.pull
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._collect, sent_recv, room)

@@ -192,7 +192,7 @@ async def bench_in_process(spec: BenchSpec, base: Config, *, progress: bool) -> 
 
         def measure_start() -> None:
             served.metrics.reset()
-            busy0[0] = sum(b.busy_time for b in served.batchers)
+            busy0[0] = sum(b.device_seconds for b in served.batchers)
 
         if bar is not None:
             bar.start()
@@ -208,6 +208,8 @@ async def bench_in_process(spec: BenchSpec, base: Config, *, progress: bool) -> 
         finally:
             if bar is not None:
                 bar.stop()
+        busy = sum(b.device_seconds for b in served.batchers) - busy0[0]
+        res["device_utilisation"] = busy / res["seconds"] / len(served.batchers)
         res["fill_ratio"] = served.metrics.fill_ratio
         res["mean_batch"] = served.metrics.items / max(served.metrics.batches, 1)
         res["batch_exec_ms"] = attrs.asdict(served.metrics.batch_exec.summary())
@@ -246,6 +248,8 @@ def format_report(res: dict[str, Any]) -> str:
         )
     if res.get("cost_us_per_request"):
         lines.append(f"  per request    {res['cost_us_per_request']:.1f} µs of wall time")
+    if "device_utilisation" in res:
+        lines.append(f"  device busy    {res['device_utilisation']:.0%} per replica")
     lines.append(
         f"  cpu            event loop {res['loop_cpu_share']:.0%} of a core, "
         f"process {res['process_cpu_share']:.0%}"

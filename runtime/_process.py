@@ -40,6 +40,8 @@ class WorkerProcess:
 
     Died = WorkerDied
     Failed = WorkerError
+    #: Batches in flight per worker (one running, the rest staged in shared memory).
+    SLOTS = 3
 
     def __init__(
         self, cfg: ModelConfig, backend: ModelBackend, device: str, torch_threads: int
@@ -53,11 +55,13 @@ class WorkerProcess:
             for s in backend.inputs
             if s.dtype.kind != "O" and all(d > 0 for d in s.shape)
         )
-        # Two slots, so the next batch is staged while the worker runs this one.
+        # SLOTS slots, so the next batches are staged while the worker runs this one.
         self._slot_size = (max(1 << 20, per_item * cfg.max_batch_size * 2) + 63) & ~63
-        self._shm_size = 2 * self._slot_size
+        self._shm_size = self.SLOTS * self._slot_size
         self._next_slot = 0
         self.in_flight = 0
+        #: Seconds the worker spent running batches (measured in the worker).
+        self.busy_seconds = 0.0
         self._proc: trio.Process | None = None
         self._send: trio.lowlevel.FdStream | None = None
         self._recv: trio.lowlevel.FdStream | None = None
@@ -114,11 +118,11 @@ class WorkerProcess:
         """Send a batch. At most two may be in flight (two shared-memory slots); the
         worker runs them in order. Raises WorkerDied. Cancelling it leaves the pipe
         mid-message: kill the worker after a cancelled call."""
-        if self.in_flight >= 2:
-            raise RuntimeError("at most two batches may be in flight per worker")
+        if self.in_flight >= self.SLOTS:
+            raise RuntimeError(f"at most {self.SLOTS} batches may be in flight per worker")
         n = len(items)
         layout = self._stack(items, self._next_slot * self._slot_size)
-        self._next_slot ^= 1
+        self._next_slot = (self._next_slot + 1) % self.SLOTS
         self.in_flight += 1
         if layout is not None:
             await self._write(pickle.dumps(("stacked", n, layout), protocol=5))
@@ -133,6 +137,7 @@ class WorkerProcess:
         if reply[0] == "error":
             raise WorkerError(reply[1])
         n, out = reply[1], reply[2]
+        self.busy_seconds += reply[3]
         if isinstance(out, dict):
             names = list(out)
             if len(names) == 1:

@@ -13,6 +13,7 @@ import pickle
 import signal
 import struct
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -76,6 +77,7 @@ def serve(rfd: int, wfd: int) -> None:
         except EOFError:
             return
         kind, n, payload = msg
+        started = time.perf_counter()  # busy time, reported back (not trio time: no loop here)
         try:
             if kind == "stacked":
                 arrays = {
@@ -91,7 +93,7 @@ def serve(rfd: int, wfd: int) -> None:
                 del arrays
             else:
                 out = stack_outputs(list(runner(payload)))
-            write_frame(wfd, ("ok", n, out))
+            write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
         except Exception as exc:
             write_frame(wfd, ("error", f"{type(exc).__name__}: {exc}"))
 
