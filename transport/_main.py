@@ -27,8 +27,14 @@ def serve_main(
     config = load_config(config_path)
     try:
         return trio.run(serve, config, host, port)
-    except OSError as exc:
-        print(f"trioserve: cannot listen: {exc}", file=sys.stderr)
+    except (OSError, BaseExceptionGroup) as exc:
+        # Listening failed (address in use, ...): say so without a traceback.
+        if isinstance(exc, BaseExceptionGroup) and exc.split(OSError)[1] is not None:
+            raise
+        first: BaseException = exc
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"trioserve: cannot listen: {first}", file=sys.stderr)
         return 1
 
 

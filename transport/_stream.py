@@ -20,7 +20,12 @@ import attrs
 import numpy as np
 import orjson
 import trio
-from trio_websocket import ConnectionClosed, connect_websocket_url, wrap_server_stream
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionTimeout,
+    connect_websocket_url,
+    wrap_server_stream,
+)
 from trioserve import (
     DeadlineExceeded,
     InvalidInput,
@@ -68,6 +73,8 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         self._wake = trio.lowlevel.ParkingLot()  # the flusher waits here for bytes
         self._room = trio.lowlevel.ParkingLot()  # writers wait here when over the limit
         self._error: BaseException | None = None
+        self._stopping = False
+        self._stopped = trio.Event()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if not self._buffered:
@@ -99,12 +106,16 @@ class ReplayStream(trio.abc.HalfCloseableStream):
             await trio.lowlevel.checkpoint()
 
     async def run_flusher(self) -> None:
-        """Send queued bytes until cancelled (what is left is sent by :meth:`aclose`)."""
+        """Send queued bytes until :meth:`stop_flusher` (or cancellation, which may
+        lose bytes taken for a write: stop it with :meth:`stop_flusher` instead)."""
         self._flushing = True
         try:
             while True:
                 if not self._out:
+                    if self._stopping:
+                        return
                     await self._wake.park()
+                    continue
                 try:
                     await self.transport_stream.send_all(self._take())
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -113,6 +124,17 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         finally:
             self._flushing = False
             self._room.unpark_all()
+            self._stopped.set()
+
+    async def stop_flusher(self) -> None:
+        """Let the flusher send everything queued, then stop; later writes go straight
+        to the transport. A checkpoint; returns once the flusher has stopped."""
+        self._stopping = True
+        self._wake.unpark_all()
+        if self._flushing:
+            await self._stopped.wait()
+        else:
+            await trio.lowlevel.checkpoint()
 
     def _take(self) -> bytes:
         """Everything queued, as one write; wakes writers waiting for room."""
@@ -156,6 +178,9 @@ async def serve_stream(gateway: Gateway, stream: trio.abc.HalfCloseableStream, c
             try:
                 await _handshake_and_serve(gateway, stream, conn, ws_tasks, cfg)
             finally:
+                if isinstance(stream, ReplayStream):
+                    with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
+                        await stream.stop_flusher()
                 ws_tasks.cancel_scope.cancel("stream closed")
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
@@ -405,11 +430,13 @@ class StreamClient:
     async def send_raw(self, message: str | bytes) -> None:
         """Send a message as it is (it takes an in-flight slot until answered)."""
         await self._slots.acquire()
+        sent = False
         try:
             await self.ws.send_message(message)
-        except BaseException:
-            self._slots.release()
-            raise
+            sent = True
+        finally:
+            if not sent:
+                self._slots.release()
 
     async def receive(self) -> StreamReply:
         """The next answer not claimed by :meth:`infer`, in completion order.
@@ -439,10 +466,10 @@ class StreamClient:
         try:
             await self.ws.send_message(message)
             await waiter.event.wait()
-        except BaseException:
-            # The answer may still come: the dispatcher then frees the slot.
-            waiter.abandoned = True
-            raise
+        finally:
+            # Left before the answer (cancelled, or the send failed): it may still
+            # come, and the dispatcher then drops it and frees the slot.
+            waiter.abandoned = waiter.doc is None
         if waiter.doc is None:
             raise ConnectionClosed(self.ws.closed)
         return StreamReply.from_doc(waiter.doc).unwrap()
@@ -485,23 +512,28 @@ async def open_stream(
     api_key: str | None = None,
     max_in_flight: int = 256,
     max_message_size: int = 16 * 1024 * KIB,
+    connect_timeout: float = 10.0,
 ) -> AsyncIterator[StreamClient]:
     """Open a ``/v2/stream`` WebSocket to the server at ``url`` (``http://host:port``
     or a ``ws://`` URL) and yield a :class:`StreamClient`; closed on leaving.
 
-    Raises trio_websocket.ConnectionRejected (status 401) for a refused API key.
+    Raises trio_websocket.ConnectionRejected (status 401) for a refused API key and
+    trio_websocket.ConnectionTimeout when the handshake takes over ``connect_timeout``.
     """
     headers = [(b"authorization", b"Bearer " + api_key.encode())] if api_key else None
     try:
         async with trio.open_nursery() as nursery:
-            ws = await connect_websocket_url(
-                nursery,
-                stream_url(url),
-                extra_headers=headers,
-                message_queue_size=max(1, max_in_flight),
-                max_message_size=max_message_size,
-                receive_buffer_size=RECEIVE_SIZE,
-            )
+            with trio.move_on_after(connect_timeout) as connecting:
+                ws = await connect_websocket_url(
+                    nursery,
+                    stream_url(url),
+                    extra_headers=headers,
+                    message_queue_size=max(1, max_in_flight),
+                    max_message_size=max_message_size,
+                    receive_buffer_size=RECEIVE_SIZE,
+                )
+            if connecting.cancelled_caught:
+                raise ConnectionTimeout(f"no WebSocket handshake within {connect_timeout:g} s")
             client = StreamClient(ws, max_in_flight)
             nursery.start_soon(client._dispatch)
             try:
