@@ -234,33 +234,6 @@ class TorchBackend(ModelBackend):
         out_names = [s.name for s in self.outputs]
         on_cpu = dev.type == "cpu"
 
-        def run(items: list[Item]) -> list[dict[str, np.ndarray]]:
-            _set_torch_threads(torch, torch_threads)
-            with torch.inference_mode():
-                args = []
-                for name in in_names:
-                    t = torch.from_numpy(np.stack([it[name] for it in items]))
-                    args.append(t if on_cpu else t.to(dev, non_blocking=True))
-                out = module(*args)
-                if isinstance(out, Mapping):
-                    outs = [out[n] for n in out_names]
-                elif isinstance(out, tuple | list):
-                    outs = list(out)
-                else:
-                    outs = [out]
-                arrays = [o.detach().cpu().numpy() for o in outs]
-            if len(arrays) != len(out_names):
-                raise RuntimeError(
-                    f"module returned {len(arrays)} outputs, signature has {len(out_names)}"
-                )
-            if len(out_names) == 1:
-                name, arr = out_names[0], arrays[0]
-                return [{name: arr[i]} for i in range(len(items))]
-            return [
-                {n: a[i] for n, a in zip(out_names, arrays, strict=True)}
-                for i in range(len(items))
-            ]
-
         def run_stacked(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             # Inputs already stacked (the worker-process path): no per-item work at all.
             _set_torch_threads(torch, torch_threads)
@@ -275,9 +248,19 @@ class TorchBackend(ModelBackend):
                     outs = list(out)
                 else:
                     outs = [out]
-                return {
-                    n: o.detach().cpu().numpy() for n, o in zip(out_names, outs, strict=True)
-                }
+                if len(outs) != len(out_names):
+                    raise RuntimeError(
+                        f"module returned {len(outs)} outputs, signature has {len(out_names)}"
+                    )
+                return {n: o.detach().cpu().numpy() for n, o in zip(out_names, outs, strict=True)}
+
+        def run(items: list[Item]) -> list[dict[str, np.ndarray]]:
+            stacked = run_stacked({n: np.stack([it[n] for it in items]) for n in in_names})
+            if len(out_names) == 1:
+                name = out_names[0]
+                arr = stacked[name]
+                return [{name: arr[i]} for i in range(len(items))]
+            return [{n: stacked[n][i] for n in out_names} for i in range(len(items))]
 
         run.stacked = run_stacked  # type: ignore[attr-defined]
         return run
