@@ -169,6 +169,7 @@ class BatcherActor(Actor):
         for req in batch:
             req.reply.set_error(ModelError(msg))
         self._metrics.statuses["model_error"] += len(batch)
+        self._scheduler.completed(batch)
 
     def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
         if len(outputs) != len(batch):
@@ -181,12 +182,15 @@ class BatcherActor(Actor):
         self._metrics.record_batch(len(batch), t1 - t0)
         for req, out in zip(batch, outputs, strict=True):
             req.reply.set_result(out)
+        self._scheduler.completed(batch)
 
     def fail_current(self, error: BaseException) -> int:
         """Fail every still-unanswered request of the batches in flight."""
         n = 0
         while self._in_flight:
-            n += sum(req.reply.set_error(error) for req in self._in_flight.popleft())
+            batch = self._in_flight.popleft()
+            n += sum(req.reply.set_error(error) for req in batch)
+            self._scheduler.completed(batch)
         return n
 
     def on_crash(self, exc: BaseException) -> None:

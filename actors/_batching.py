@@ -70,7 +70,7 @@ class BatchBuilder:
 
 
 class SchedulingPolicy(Protocol):
-    """What the scheduler actor needs of a queueing policy (FIFO now; fair later)."""
+    """What the scheduler actor needs of a queueing policy (FifoQueue, FairQueue)."""
 
     def offer(self, request: Request, now: float) -> None: ...
     def next_batch(self, now: float) -> list[Request] | None: ...
@@ -78,6 +78,7 @@ class SchedulingPolicy(Protocol):
     def expire(self, now: float) -> int: ...
     def next_expiry(self) -> float: ...
     def drain(self) -> list[Request]: ...
+    def completed(self, batch: list[Request], now: float) -> None: ...
     def __len__(self) -> int: ...
 
 
@@ -212,6 +213,9 @@ class FifoQueue:
         while h and h[0][2].reply.state is not _QUEUED:
             heapq.heappop(h)
         return h[0][0] if h else math.inf
+
+    def completed(self, batch: list[Request], now: float) -> None:
+        """A dispatched batch finished (FIFO keeps no measurements)."""
 
     def drain(self) -> list[Request]:
         """Remove and return every still-queued request (for shutdown)."""

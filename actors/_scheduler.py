@@ -60,6 +60,10 @@ class SchedulerActor(Actor):
             with trio.move_on_at(policy.next_close_time()):
                 await self._idle.park()
 
+    def completed(self, batch: list[Request]) -> None:
+        """A batcher finished a batch it pulled (answered or failed)."""
+        self.policy.completed(batch, trio.current_time())
+
     # ---- the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)

@@ -8,6 +8,7 @@ from ._actor import Actor as Actor
 from ._actor import ActorState as ActorState
 from ._actor import RestartPolicy as RestartPolicy
 from ._actor import supervise as supervise
+from ._config import ClassConfig as ClassConfig
 from ._config import Config as Config
 from ._config import ModelConfig as ModelConfig
 from ._config import RuntimeLimits as RuntimeLimits
@@ -19,6 +20,7 @@ from ._errors import ActorBroken as ActorBroken
 from ._errors import ActorClosed as ActorClosed
 from ._errors import ConfigError as ConfigError
 from ._errors import DeadlineExceeded as DeadlineExceeded
+from ._errors import Forbidden as Forbidden
 from ._errors import InvalidInput as InvalidInput
 from ._errors import ModelError as ModelError
 from ._errors import Overloaded as Overloaded

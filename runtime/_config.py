@@ -20,6 +20,7 @@ from ._errors import ConfigError
 BUILTIN_BACKENDS = ("mlp", "echo", "sleep", "minilm")
 OVERSIZE_POLICIES = ("reject", "alone", "split")
 EXECUTIONS = ("thread", "inline", "process")
+OVER_QUOTA = ("reject", "wait")
 
 
 # ---------------------------------------------------------------- value checks
@@ -88,6 +89,12 @@ def _devices(v: Any) -> None:
             raise ValueError(f"device {d!r} is not 'cpu' or 'cuda:N'")
 
 
+def _fraction(v: Any) -> None:
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and 0.0 < v <= 1.0
+    if not ok:
+        raise ValueError(f"must be a number in (0, 1], got {v!r}")
+
+
 def _bool(v: Any) -> None:
     if not isinstance(v, bool):
         raise ValueError(f"must be true or false, got {v!r}")
@@ -140,6 +147,7 @@ class ModelConfig:
     timeout_ms: float | None = _field(_number(0.0, strict=True, optional=True), 60_000.0)
     torch_threads: int = _field(_int(1), 1)
     execution: str | None = _field(_choice(EXECUTIONS, optional=True), None)
+    adaptive_limit: bool = _field(_bool, True)
     options: Mapping[str, Any] = _field(_mapping, attrs.Factory(dict))
 
     @backend.validator
@@ -164,16 +172,65 @@ class ModelConfig:
 
 
 @attrs.frozen(kw_only=True)
+class ClassConfig:
+    """A request class (priority level). Classes are ordered, highest first: strict
+    priority between them, except that a request queued longer than its class's
+    ``max_queue_wait_ms`` (its aging bound) is served as if it were in the top class.
+
+    ``timeout_ms`` is the class's default deadline (None: the model's timeout).
+    ``over_quota`` is what happens to a tenant's request when its credits are short:
+    "reject" (QuotaExceeded, 429, at once) or "wait" (until the credits refill, if that
+    is before the request's deadline).
+    """
+
+    name: str = _field(_str)
+    max_queue_wait_ms: float = _field(_number(0.0), 1000.0)
+    timeout_ms: float | None = _field(_number(0.0, strict=True, optional=True), None)
+    over_quota: str = _field(_choice(OVER_QUOTA), "reject")
+
+    def _path(self) -> str:
+        return f"classes.{self.name}"
+
+
+def default_classes() -> tuple[ClassConfig, ...]:
+    """``realtime`` (over quota: rejected) above ``batch`` (over quota: waits; promoted
+    after 1 s in the queue)."""
+    return (
+        ClassConfig(name="realtime", max_queue_wait_ms=0.0, over_quota="reject"),
+        ClassConfig(name="batch", max_queue_wait_ms=1000.0, over_quota="wait"),
+    )
+
+
+@attrs.frozen(kw_only=True)
 class TenantConfig:
-    """A tenant: its API keys and its weight. ``default`` takes requests with no key."""
+    """A tenant: its API keys, weight, allowed classes, credits and queue share.
+
+    ``default`` takes requests with no key. ``classes`` limits the tenant to some
+    request classes (empty: all); its first allowed class (in class order) is its
+    default. ``credit_rate`` / ``credit_burst`` make a token bucket in the models'
+    cost units (items, or tokens) per second (rate None: unlimited; burst None: one
+    second of rate). ``queue_share`` is the largest fraction of a model's queue its
+    requests may hold while other tenants' requests are waiting to get in.
+    """
 
     name: str = _field(_str)
     api_keys: tuple[str, ...] = _field(_strs(allow_empty=True), (), converter=_tuple)
     weight: float = _field(_number(0.0, strict=True), 1.0)
     default: bool = _field(_bool, False)
+    classes: tuple[str, ...] = _field(_strs(allow_empty=True), (), converter=_tuple)
+    credit_rate: float | None = _field(_number(0.0, strict=True, optional=True), None)
+    credit_burst: float | None = _field(_number(0.0, strict=True, optional=True), None)
+    queue_share: float = _field(_fraction, 1.0)
 
     def _path(self) -> str:
         return f"tenants.{self.name}"
+
+    @property
+    def burst(self) -> float:
+        """The bucket's size (cost units): ``credit_burst``, or one second of rate."""
+        if self.credit_burst is not None:
+            return self.credit_burst
+        return self.credit_rate if self.credit_rate is not None else math.inf
 
 
 @attrs.frozen(kw_only=True)
@@ -214,6 +271,7 @@ class Config:
         converter=_tuple,
         factory=lambda: (TenantConfig(name="default", default=True),),
     )
+    classes: tuple[ClassConfig, ...] = attrs.field(converter=_tuple, factory=default_classes)
     runtime: RuntimeLimits = attrs.field(factory=RuntimeLimits)
     server: ServerConfig = attrs.field(factory=ServerConfig)
 
@@ -221,6 +279,7 @@ class Config:
         for kind, items, cls in (
             ("models", self.models, ModelConfig),
             ("tenants", self.tenants, TenantConfig),
+            ("classes", self.classes, ClassConfig),
         ):
             if not isinstance(items, tuple) or not all(isinstance(i, cls) for i in items):
                 raise ConfigError(f"{kind}: must be a list of {cls.__name__}")
@@ -228,6 +287,17 @@ class Config:
             raise ConfigError("models: at least one model must be configured")
         _unique("models", [m.name for m in self.models])
         _unique("tenants", [t.name for t in self.tenants])
+        if not self.classes:
+            raise ConfigError("classes: at least one request class must be configured")
+        _unique("classes", [c.name for c in self.classes])
+        class_names = {c.name for c in self.classes}
+        for t in self.tenants:
+            for c in t.classes:
+                if c not in class_names:
+                    raise ConfigError(
+                        f"tenants.{t.name}.classes: unknown class {c!r}; classes: "
+                        f"{', '.join(c.name for c in self.classes)}"
+                    )
         keys: dict[str, str] = {}
         for t in self.tenants:
             for k in t.api_keys:
@@ -239,6 +309,12 @@ class Config:
         defaults = [t.name for t in self.tenants if t.default]
         if len(defaults) > 1:
             raise ConfigError(f"tenants: only one tenant may be default, got {defaults!r}")
+
+    def tenant(self, name: str) -> TenantConfig:
+        for t in self.tenants:
+            if t.name == name:
+                return t
+        raise KeyError(name)
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -256,7 +332,7 @@ def _unique(kind: str, names: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- TOML
-_TOP_KEYS = ("models", "tenants", "runtime", "server")
+_TOP_KEYS = ("models", "tenants", "classes", "runtime", "server")
 
 
 def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
@@ -271,7 +347,7 @@ def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
 
 def config_from_mapping(data: Mapping[str, Any]) -> Config:
     """Build a Config from a parsed TOML document (``[models.NAME]``, ``[tenants.NAME]``,
-    ``[runtime]``, ``[server]``)."""
+    ``[classes.NAME]`` (in priority order, highest first), ``[runtime]``, ``[server]``)."""
     for key in data:
         if key not in _TOP_KEYS:
             raise ConfigError(f"{key}: unknown key; expected one of {', '.join(_TOP_KEYS)}")
@@ -288,6 +364,13 @@ def config_from_mapping(data: Mapping[str, Any]) -> Config:
             raise ConfigError("tenants: must be a table of [tenants.NAME] tables")
         kw["tenants"] = tuple(
             _build(TenantConfig, t, f"tenants.{n}", name=n) for n, t in tenants_t.items()
+        )
+    classes_t = data.get("classes", None)
+    if classes_t is not None:
+        if not isinstance(classes_t, Mapping):
+            raise ConfigError("classes: must be a table of [classes.NAME] tables, highest first")
+        kw["classes"] = tuple(
+            _build(ClassConfig, t, f"classes.{n}", name=n) for n, t in classes_t.items()
         )
     if "runtime" in data:
         kw["runtime"] = _build(RuntimeLimits, data["runtime"], "runtime")

@@ -33,6 +33,12 @@ class Unauthorized(TrioserveError):
     status = 401
 
 
+class Forbidden(TrioserveError):
+    """The tenant may not do this (e.g. a request class it is not allowed)."""
+
+    status = 403
+
+
 class Overloaded(TrioserveError):
     """The runtime cannot take this request now; try again after ``retry_after`` s."""
 

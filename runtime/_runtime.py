@@ -3,6 +3,7 @@ supervising nursery, and ``Runtime.infer`` is the in-process front door."""
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
 from collections.abc import AsyncIterator
@@ -15,7 +16,15 @@ import trio
 from ._actor import RestartPolicy, supervise
 from ._builtin import resolve_backend
 from ._config import Config, ModelConfig, load_config
-from ._errors import ActorClosed, ConfigError, InvalidInput, UnknownModel
+from ._errors import (
+    ActorClosed,
+    ConfigError,
+    Forbidden,
+    InvalidInput,
+    QuotaExceeded,
+    Unauthorized,
+    UnknownModel,
+)
 from ._messages import Reply, Request
 from ._model import ModelBackend
 
@@ -46,6 +55,19 @@ class Runtime:
         self._closed = False
         self._in_flight = 0
         self._drained = trio.Event()
+        self._classes = {c.name: c for c in config.classes}
+        self._class_order = [c.name for c in config.classes]
+        self._tenants = {t.name: t for t in config.tenants}
+        self._default_tenant = next((t.name for t in config.tenants if t.default), None)
+        #: tenant -> its default class (the first it may use) and the set it may use
+        self._tenant_classes: dict[str, tuple[str, frozenset[str]]] = {}
+        for t in config.tenants:
+            allowed = [c for c in self._class_order if not t.classes or c in t.classes]
+            self._tenant_classes[t.name] = (allowed[0], frozenset(allowed))
+        #: per-tenant token buckets (tenants with a credit_rate), made at start
+        self.buckets: dict[str, Any] = {}
+        #: cost units admitted per tenant (what its credits paid for, when it has some)
+        self.credits_used: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------ public
     async def infer(
@@ -69,6 +91,7 @@ class Runtime:
         timeout), ModelError (the model raised), ActorClosed (shut down).
         """
         served = self._served(model, version)
+        tenant, priority = self._classify(tenant, priority)
         item, cost = served.backend.prepare(model, inputs)
         limits = served.limits
         if limits.max_tokens is not None and cost > limits.max_tokens:
@@ -98,6 +121,7 @@ class Runtime:
         served = self._served(model, version)
         if len(items) == 1:
             return [await self.infer(model, items[0], tenant=tenant, priority=priority)]
+        tenant, priority = self._classify(tenant, priority)
         prepared = [served.backend.prepare(model, x) for x in items]
         limits = served.limits
         if limits.max_tokens is not None and any(c > limits.max_tokens for _, c in prepared):
@@ -112,17 +136,29 @@ class Runtime:
         self,
         served: ServedModel,
         prepared: list[tuple[Any, int]],
-        tenant: str | None,
-        priority: str | None,
+        tenant: str,
+        priority: str,
     ) -> list[Any]:
         """Submit every prepared (item, cost) at once, without a task each, and return
         their outputs in order; the first failure (in item order) is raised, unwrapped,
         after every item is settled. Cancelling it withdraws every item not yet
         dispatched."""
         now = trio.current_time()
+        deadline, answer_expiry = self._deadline(served, priority, now)
+        now = await self._pay(tenant, priority, sum(c for _, c in prepared), now, deadline)
         replies = [Reply() for _ in prepared]
         requests = [
-            self._request(served, item, cost, tenant, priority, now, reply)
+            Request(
+                model=served.config.name,
+                item=item,
+                cost=cost,
+                tenant=tenant,
+                priority=priority,
+                arrival=now,
+                deadline=deadline,
+                answer_expiry=answer_expiry,
+                reply=reply,
+            )
             for (item, cost), reply in zip(prepared, replies, strict=True)
         ]
         submitted = 0
@@ -191,39 +227,122 @@ class Runtime:
             raise ActorClosed("the runtime is shut down")
         return served
 
-    @staticmethod
-    def _request(
-        served: ServedModel,
-        item: Any,
-        cost: int,
-        tenant: str | None,
-        priority: str | None,
-        now: float,
-        reply: Reply,
-    ) -> Request:
-        # The deadline is the caller's, or the model's timeout when that is sooner; in
-        # the second case the runtime answers DeadlineExceeded itself.
+    def _classify(self, tenant: str | None, priority: str | int | None) -> tuple[str, str]:
+        """The tenant and the request class of a call, checked.
+
+        ``priority`` is a class name, or a Triton-style integer level (1 is the top
+        class, 0 the tenant's default); None is the tenant's default class.
+        """
+        if tenant is None:
+            tenant = self._default_tenant
+            if tenant is None:
+                raise Unauthorized("no tenant given and no default tenant is configured")
+        classes = self._tenant_classes.get(tenant)
+        if classes is None:
+            raise Unauthorized(
+                f"unknown tenant {tenant!r}; tenants: {', '.join(sorted(self._tenants))}"
+            )
+        default, allowed = classes
+        if priority is None:
+            return tenant, default
+        if priority not in self._classes:
+            level = self._class_of_level(priority)
+            if level is None:
+                return tenant, default
+            priority = level
+        if priority not in allowed:
+            raise Forbidden(
+                f"tenant {tenant!r} may not use request class {priority!r}; "
+                f"allowed: {', '.join(c for c in self._class_order if c in allowed)}"
+            )
+        return tenant, priority
+
+    def _class_of_level(self, priority: Any) -> str | None:
+        level = priority
+        if isinstance(level, str) and level.isdigit():
+            level = int(level)
+        if isinstance(level, int) and not isinstance(level, bool) and level >= 0:
+            if level == 0:
+                return None
+            return self._class_order[min(level, len(self._class_order)) - 1]
+        raise InvalidInput(
+            f"unknown request class {priority!r}; classes: {', '.join(self._class_order)} "
+            "(or an integer level, 1 = highest)"
+        )
+
+    def _deadline(self, served: ServedModel, priority: str, now: float) -> tuple[float, bool]:
+        """The request's deadline and whether the runtime answers its expiry.
+
+        It is the caller's deadline, or the model's (or the class's) timeout when that
+        is sooner; in the second case the runtime answers DeadlineExceeded itself.
+        """
+        timeout = served.timeout
+        cls_timeout = self._classes[priority].timeout_ms
+        if cls_timeout is not None:
+            timeout = min(timeout, cls_timeout / 1e3)
         caller_deadline = trio.current_effective_deadline()
-        model_deadline = now + served.timeout
-        answer_expiry = model_deadline < caller_deadline
-        return Request(
+        own = now + timeout
+        if own < caller_deadline:
+            return own, True
+        return caller_deadline, False
+
+    async def _pay(
+        self, tenant: str, priority: str, cost: int, now: float, deadline: float
+    ) -> float:
+        """Take ``cost`` from the tenant's credits, waiting for them when its class
+        allows (at most until ``deadline``); return the time the request reaches the
+        queue. Raises QuotaExceeded (429) with the refill time as retry_after."""
+        bucket = self.buckets.get(tenant)
+        if bucket is None:
+            self.credits_used[tenant] += cost
+            return now
+        if self._classes[priority].over_quota == "reject":
+            wait = bucket.try_take(cost, now)
+            if wait > 0.0:
+                raise QuotaExceeded(
+                    f"tenant {tenant!r} is over its credit rate "
+                    f"({bucket.rate:g}/s, burst {bucket.burst:g}); "
+                    f"{cost} more available in {wait:.3f}s",
+                    retry_after=wait,
+                )
+            self.credits_used[tenant] += cost
+            return now
+        at = bucket.reserve(cost, now, deadline)
+        if at is None:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} is over its credit rate ({bucket.rate:g}/s) and its "
+                "credits refill only after the request's deadline",
+                retry_after=max(0.0, cost - bucket.level) / bucket.rate,
+            )
+        self.credits_used[tenant] += cost
+        if at > now:
+            try:
+                await trio.sleep_until(at)
+            except trio.Cancelled:
+                bucket.refund(cost)  # never used: give the credits back
+                self.credits_used[tenant] -= cost
+                raise
+            now = trio.current_time()
+        return now
+
+    async def _submit(
+        self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str
+    ) -> dict[str, Any]:
+        now = trio.current_time()
+        deadline, answer_expiry = self._deadline(served, priority, now)
+        now = await self._pay(tenant, priority, cost, now, deadline)
+        reply = Reply()
+        request = Request(
             model=served.config.name,
             item=item,
             cost=cost,
-            tenant=tenant or "default",
-            priority=priority or "default",
+            tenant=tenant,
+            priority=priority,
             arrival=now,
-            deadline=model_deadline if answer_expiry else caller_deadline,
+            deadline=deadline,
             answer_expiry=answer_expiry,
             reply=reply,
         )
-
-    async def _submit(
-        self, served: ServedModel, item: Any, cost: int, tenant: str | None, priority: str | None
-    ) -> dict[str, Any]:
-        now = trio.current_time()
-        reply = Reply()
-        request = self._request(served, item, cost, tenant, priority, now, reply)
         served.scheduler.submit_nowait(request)
         self._in_flight += 1
         try:
@@ -236,7 +355,7 @@ class Runtime:
         return result
 
     async def _infer_split(
-        self, served: ServedModel, item: Any, tenant: str | None, priority: str | None
+        self, served: ServedModel, item: Any, tenant: str, priority: str
     ) -> dict[str, Any]:
         # The parts go in as one submission: a part's failure is raised as itself,
         # not wrapped in a nursery's ExceptionGroup.
@@ -282,6 +401,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
         intensity=limits_cfg.restart_intensity, period=limits_cfg.restart_period_s
     )
     rt = Runtime(config)
+    _make_buckets(rt, trio.current_time())
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(limits_cfg.switch_interval_us * 1e-6)
     # The body's own exception is re-raised unwrapped after the nursery closes; only an
@@ -316,6 +436,14 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
         raise body_error
 
 
+def _make_buckets(rt: Runtime, now: float) -> None:
+    from trioserve.actors import TokenBucket
+
+    for t in rt.config.tenants:
+        if t.credit_rate is not None:
+            rt.buckets[t.name] = TokenBucket(t.credit_rate, t.burst, now)
+
+
 def _check_devices(config: Config) -> None:
     wanted = {(m.name, d) for m in config.models for d in m.devices if d.startswith("cuda")}
     if not wanted:
@@ -346,14 +474,21 @@ async def _start_model(
     backend: ModelBackend,
     policy: RestartPolicy,
 ) -> None:
-    from trioserve.actors import BatcherActor, FifoQueue, ModelMetrics, SchedulerActor
+    from trioserve.actors import BatcherActor, ClassSpec, FairQueue, ModelMetrics, SchedulerActor
 
     limits = _limits(m, backend)
-    scheduler = SchedulerActor(
-        m.name,
-        FifoQueue(limits, bound=rt.config.runtime.queue_bound, model=m.name),
-        inbox_bound=rt.config.runtime.inbox_bound,
+    cfg = rt.config
+    queue = FairQueue(
+        limits,
+        bound=cfg.runtime.queue_bound,
+        classes=[ClassSpec(name=c.name, aging=c.max_queue_wait_ms / 1e3) for c in cfg.classes],
+        weights={t.name: t.weight for t in cfg.tenants},
+        shares={t.name: t.queue_share for t in cfg.tenants},
+        model=m.name,
+        adaptive=m.adaptive_limit,
+        min_limit=2 * m.max_batch_size * len(m.replica_devices),
     )
+    scheduler = SchedulerActor(m.name, queue, inbox_bound=cfg.runtime.inbox_bound)
     metrics = ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
     served = ServedModel(
         config=m,

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ._errors import ConfigError
+from .scenarios import SCENARIOS, run_scenario
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--stream", action="store_true", help="--url only: use the WebSocket stream")
     b.add_argument("--no-offline", action="store_true", help="skip the offline measurement")
     b.add_argument("--json", help="write the figures here (default bench-results/)")
+    b.add_argument("--scenario", choices=sorted(SCENARIOS),
+                   help="run a named scenario instead of plain load: "
+                   + "; ".join(f"{k}: {v[1]}" for k, v in sorted(SCENARIOS.items())))
     return p
 
 
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             from trioserve.transport import serve_main
 
             return serve_main(config_path=args.config, host=args.host, port=args.port)
+        if args.command == "bench" and args.scenario:
+            return run_scenario(args.scenario, args)
         if args.command == "bench":
             if args.url:
                 from trioserve.transport import bench_http_main

@@ -1,0 +1,702 @@
+"""Sans-IO multi-tenant queueing: priority classes with aging, weighted fair share
+across tenants (virtual-time counting), admission with push-out and estimated-wait
+shedding, an AIMD concurrency limit, and per-tenant token buckets.
+
+Nothing here awaits or reads a clock: ``now`` is an argument. The scheduler actor
+and the runtime's admission call these objects; tests and the fuzz suite drive
+them directly. docs/scheduling.md explains the rules and the figures behind them.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import math
+from collections.abc import Iterable, Iterator, Mapping
+
+import attrs
+from trioserve import DeadlineExceeded, Overloaded, QuotaExceeded, Request, RequestState
+
+from ._batching import BatchBuilder, BatchLimits
+from ._metrics import Latency
+
+_QUEUED = RequestState.QUEUED
+
+
+@attrs.frozen(kw_only=True)
+class ClassSpec:
+    """A request class as the queue sees it: its name and aging bound (seconds; a
+    request queued longer is served as if in the top class)."""
+
+    name: str
+    aging: float = math.inf
+
+
+@attrs.define(eq=False)
+class FlowStats:
+    """What happened to one (tenant, class) flow at one model's queue."""
+
+    admitted: int = 0
+    shed: int = 0
+    expired: int = 0
+    dispatched: int = 0
+    served_cost: int = 0
+    queued: int = 0
+    wait: Latency = attrs.Factory(Latency)
+
+
+class TokenBucket:
+    """Credits in cost units: ``rate`` per second up to ``burst``.
+
+    A take may leave the level negative (a debt the refill pays back first), so a cost
+    larger than the burst is still served once the bucket is full, and waiters are
+    served in the order they reserved.
+    """
+
+    __slots__ = ("burst", "level", "rate", "stamp", "used")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.level = burst
+        self.stamp = now
+        self.used = 0.0
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def try_take(self, cost: float, now: float) -> float:
+        """Take ``cost`` if the credits are there and return 0.0; otherwise take
+        nothing and return the seconds until they will be."""
+        self._refill(now)
+        need = min(cost, self.burst)
+        if self.level >= need:
+            self.level -= cost
+            self.used += cost
+            return 0.0
+        return (need - self.level) / self.rate
+
+    def refund(self, cost: float) -> None:
+        """Give back credits taken for a request that never ran."""
+        self.level = min(self.burst, self.level + cost)
+        self.used -= cost
+
+    def reserve(self, cost: float, now: float, latest: float) -> float | None:
+        """Reserve ``cost`` and return when the caller may go (``now`` or later), or
+        None, taking nothing, when that would be after ``latest``."""
+        self._refill(now)
+        need = min(cost, self.burst)
+        at = now if self.level >= need else now + (need - self.level) / self.rate
+        if at > latest:
+            return None
+        self.level -= cost
+        self.used += cost
+        return at
+
+
+class AimdLimit:
+    """An adaptive bound on a model's queued requests (additive increase,
+    multiplicative decrease), in the spirit of Netflix's concurrency-limits.
+
+    A dispatched request that waited more than half of its time budget, or one that
+    expired in the queue, is a congestion signal: the limit shrinks by ``backoff``
+    (at most once per ``interval`` s). Otherwise each dispatched request adds
+    1/limit, so the limit grows by about one per limit's worth of requests.
+    """
+
+    __slots__ = ("_last_cut", "backoff", "interval", "limit", "maximum", "minimum")
+
+    def __init__(
+        self, *, minimum: int, maximum: int, backoff: float = 0.9, interval: float = 0.05
+    ) -> None:
+        self.minimum = float(max(1, min(minimum, maximum)))
+        self.maximum = float(maximum)
+        self.limit = float(maximum)
+        self.backoff = backoff
+        self.interval = interval
+        self._last_cut = -math.inf
+
+    def on_dispatch(self, n: int, congested: bool, now: float) -> None:
+        if congested:
+            self.on_congestion(now)
+        elif self.limit < self.maximum:
+            self.limit = min(self.maximum, self.limit + n / self.limit)
+
+    def on_congestion(self, now: float) -> None:
+        if now - self._last_cut >= self.interval:
+            self._last_cut = now
+            self.limit = max(self.minimum, self.limit * self.backoff)
+
+    @property
+    def value(self) -> int:
+        return int(self.limit)
+
+
+class FairQueue:
+    """A model's queue of (tenant, class) flows.
+
+    - Between classes: strict priority, except that a request queued longer than its
+      class's aging bound is taken first (earliest promotion first), so no class
+      starves.
+    - Within a class: the backlogged tenant with the least weighted service (cost
+      served / weight) goes next; a tenant that becomes backlogged is lifted to the
+      least counter among the backlogged ones (or to where service last was), so an
+      idle tenant banks no credit (virtual-time counting, VTC).
+    - FIFO within a flow. Batches close as :class:`FifoQueue`'s do (size, tokens,
+      the oldest request's wait), and may mix tenants.
+    - Admission (``offer``): at most ``min(bound, adaptive limit)`` requests queued.
+      When full, a tenant below its weighted share of the queue pushes out the newest
+      request of the tenant most over its share; otherwise the newcomer is shed. A
+      tenant holding ``queue_share`` of the bound is shed (QuotaExceeded) while others
+      wait. A request whose estimated queue wait (cost ahead of it under these rules ÷
+      the measured service rate) runs past its deadline is shed at once.
+    - Expiry: a request still queued at its deadline is answered DeadlineExceeded (or
+      dropped, when the deadline was its caller's) and never dispatched.
+    """
+
+    def __init__(
+        self,
+        limits: BatchLimits,
+        *,
+        bound: int,
+        classes: Iterable[ClassSpec] = (ClassSpec(name="default"),),
+        weights: Mapping[str, float] | None = None,
+        shares: Mapping[str, float] | None = None,
+        model: str = "model",
+        adaptive: bool = True,
+        min_limit: int | None = None,
+    ) -> None:
+        self.limits = limits
+        self.bound = bound
+        self.model = model
+        self.classes = tuple(classes)
+        if not self.classes:
+            raise ValueError("at least one class")
+        self._rank = {c.name: i for i, c in enumerate(self.classes)}
+        self._aging = [c.aging for c in self.classes]
+        self.weights = dict(weights or {})
+        self.shares = dict(shares or {})
+        n = len(self.classes)
+        # per class: tenant -> its FIFO deque (kept while it exists); backlogged ones;
+        # weighted service counters; where service last was; all of the class in
+        # arrival order (for aging and the oldest request; dead entries skipped lazily).
+        self._flows: list[dict[str, collections.deque[Request]]] = [{} for _ in range(n)]
+        self._active: list[dict[str, collections.deque[Request]]] = [{} for _ in range(n)]
+        self._vt: list[dict[str, float]] = [{} for _ in range(n)]
+        self._floor = [0.0] * n
+        self._arrivals: list[collections.deque[Request]] = [
+            collections.deque() for _ in range(n)
+        ]
+        self._cost: list[dict[str, int]] = [{} for _ in range(n)]
+        self._count = 0  # entries held in flow deques (withdrawn ones until skipped)
+        self._total_cost = 0
+        self._tenant_count: collections.Counter[str] = collections.Counter()
+        self._expiry: list[tuple[float, int, Request]] = []
+        self._seq = 0
+        self.stats: dict[tuple[str, str], FlowStats] = {}
+        self.limit = (
+            AimdLimit(minimum=min_limit or 2 * limits.max_size, maximum=bound)
+            if adaptive
+            else None
+        )
+        #: measured service rate (cost units per second) while backlogged; 0: unknown
+        self.rate = 0.0
+        self._last_done = -math.inf
+        self._prev_full = False
+        self.in_service = 0  # cost dispatched and not yet completed
+        self._capacity = bound
+        self._congested = False
+        self.expired = 0
+
+    # ------------------------------------------------------------ helpers
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[Request]:
+        for flows in self._flows:
+            for q in flows.values():
+                yield from q
+
+    def _stats(self, tenant: str, cls: str) -> FlowStats:
+        key = (tenant, cls)
+        s = self.stats.get(key)
+        if s is None:
+            s = self.stats[key] = FlowStats()
+        return s
+
+    def _weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def capacity(self) -> int:
+        """How many requests may be queued now (the bound, or the adaptive limit)."""
+        return self._capacity
+
+    def _update_capacity(self) -> None:
+        lim = self.limit
+        self._capacity = min(self.bound, lim.value) if lim is not None else self.bound
+
+    # ------------------------------------------------------------ admission
+    def offer(self, request: Request, now: float) -> None:
+        """Queue a request, or raise Overloaded / QuotaExceeded (nothing queued).
+
+        May answer another tenant's newest queued request Overloaded to make room.
+        """
+        tenant = request.tenant
+        c = self._rank.get(request.priority, len(self.classes) - 1)
+        cname = self.classes[c].name
+        stats = self._stats(tenant, cname)
+        try:
+            self._admit(request, tenant, c, now)
+        except Overloaded:
+            stats.shed += 1
+            raise
+        stats.admitted += 1
+        stats.queued += 1
+        flows = self._flows[c]
+        q = flows.get(tenant)
+        if q is None:
+            q = flows[tenant] = collections.deque()
+        active = self._active[c]
+        if tenant not in active:
+            vt = self._vt[c]
+            floor = min(vt[u] for u in active) if active else self._floor[c]
+            vt[tenant] = max(vt.get(tenant, 0.0), floor)
+            active[tenant] = q
+        q.append(request)
+        self._arrivals[c].append(request)
+        cost = self._cost[c]
+        cost[tenant] = cost.get(tenant, 0) + request.cost
+        self._total_cost += request.cost
+        self._count += 1
+        self._tenant_count[tenant] += 1
+        if request.answer_expiry and request.deadline < math.inf:
+            self._seq += 1
+            heapq.heappush(self._expiry, (request.deadline, self._seq, request))
+
+    def _admit(self, request: Request, tenant: str, c: int, now: float) -> None:
+        share = self.shares.get(tenant, 1.0)
+        if share < 1.0 and self._tenant_count[tenant] >= max(1, int(share * self.bound)):
+            raise QuotaExceeded(
+                f"model {self.model!r}: tenant {tenant!r} holds its queue share "
+                f"({share:g} of {self.bound})",
+                retry_after=self._retry_after(),
+            )
+        if self._count >= self._capacity and not self._push_out(tenant):
+            raise Overloaded(
+                f"model {self.model!r}: queue full ({self._count} requests waiting)",
+                retry_after=self._retry_after(),
+            )
+        rate = self.rate
+        deadline = request.deadline
+        if (
+            rate > 0.0
+            and deadline < math.inf
+            # cheap first: everything queued or running ahead of it (an upper bound)
+            and now + (self._total_cost + self.in_service + request.cost) / rate > deadline
+        ):
+            wait = self.estimated_wait(tenant, c, request.cost)
+            if now + wait > deadline:
+                raise Overloaded(
+                    f"model {self.model!r}: estimated queue wait {wait * 1e3:.0f} ms "
+                    f"exceeds the request's deadline "
+                    f"({max(0.0, request.deadline - now) * 1e3:.0f} ms left)",
+                    retry_after=max(wait, 0.05),
+                )
+
+    def _retry_after(self) -> float:
+        if self.rate > 0.0:
+            return max(0.05, (self._total_cost + self.in_service) / self.rate)
+        return max(self.limits.max_wait, 0.05)
+
+    def _push_out(self, tenant: str) -> bool:
+        """Make room for ``tenant`` by shedding the newest request of the tenant most
+        over its weighted share of the queue; False when ``tenant`` is itself at or
+        over its share (or nobody is over theirs)."""
+        counts = self._tenant_count
+        holders = [t for t, n in counts.items() if n > 0]
+        if tenant not in holders:
+            holders.append(tenant)
+        total_w = sum(self._weight(t) for t in holders)
+        cap = self._capacity
+
+        def over(t: str) -> float:
+            return counts[t] - cap * self._weight(t) / total_w
+
+        if over(tenant) >= 0:
+            return False
+        victim = max(holders, key=over)
+        if victim == tenant or over(victim) <= 0:
+            return False
+        # Its newest request, from its lowest class that has one.
+        for c in range(len(self.classes) - 1, -1, -1):
+            q = self._flows[c].get(victim)
+            while q:
+                req = q.pop()
+                self._forget(req, victim, c)
+                if req.reply.state is _QUEUED:
+                    req.reply.set_error(
+                        Overloaded(
+                            f"model {self.model!r}: pushed out of a full queue by another "
+                            "tenant's request (this tenant is over its share)",
+                            retry_after=self._retry_after(),
+                        )
+                    )
+                    self._stats(victim, self.classes[c].name).shed += 1
+                    return True
+        return False
+
+    def estimated_wait(self, tenant: str, c: int, cost: int) -> float:
+        """Seconds until a new request of ``cost`` from ``tenant`` in class ``c``
+        would be dispatched: the cost served before it under strict priority and
+        weighted fair share, plus what the devices hold, over the service rate."""
+        if self.rate <= 0.0:
+            return 0.0
+        ahead = float(self.in_service)
+        for k in range(c):
+            ahead += sum(self._cost[k].values())
+        own = self._cost[c].get(tenant, 0) + cost
+        ahead += own
+        w = self._weight(tenant)
+        for u, q in self._cost[c].items():
+            if u != tenant and q:
+                ahead += min(q, own * self._weight(u) / w)
+        return ahead / self.rate
+
+    def queued_cost(self) -> int:
+        """Cost units queued (withdrawn requests included until they are skipped)."""
+        return self._total_cost
+
+    # ------------------------------------------------------------ bookkeeping
+    def _forget(self, req: Request, tenant: str, c: int) -> None:
+        """``req`` has left its flow deque."""
+        self._count -= 1
+        self._tenant_count[tenant] -= 1
+        self._cost[c][tenant] -= req.cost
+        self._total_cost -= req.cost
+        self._stats(tenant, self.classes[c].name).queued -= 1
+
+    def _expired(self, request: Request, c: int) -> None:
+        self.expired += 1
+        self._stats(request.tenant, self.classes[c].name).expired += 1
+        if self.limit is not None:
+            self.limit.on_congestion(request.deadline)
+            self._update_capacity()
+        if request.answer_expiry:
+            request.reply.set_error(
+                DeadlineExceeded(
+                    f"model {self.model!r}: deadline passed after "
+                    f"{request.deadline - request.arrival:.3f}s in the queue"
+                )
+            )
+        else:
+            # The caller's own deadline: its cancel scope fires now; the request is
+            # withdrawn here so that no copy of it counts as queued.
+            request.reply.withdraw()
+
+    def _head(self, tenant: str, c: int, now: float) -> Request | None:
+        """The first live request of a flow, dropping dead and expired ones before it;
+        deactivates the flow when it empties."""
+        q = self._flows[c][tenant]
+        while q:
+            req = q[0]
+            if req.reply.state is not _QUEUED:
+                q.popleft()
+                self._forget(req, tenant, c)
+            elif req.deadline <= now:
+                q.popleft()
+                self._forget(req, tenant, c)
+                self._expired(req, c)
+            else:
+                return req
+        self._active[c].pop(tenant, None)
+        return None
+
+    def _oldest_in(self, c: int, now: float) -> Request | None:
+        arrivals = self._arrivals[c]
+        while arrivals:
+            req = arrivals[0]
+            if req.reply.state is _QUEUED:
+                if req.deadline > now:
+                    return req
+                self._expired(req, c)  # its flow drops it lazily
+            arrivals.popleft()
+        return None
+
+    def _peek_aged(self, now: float) -> tuple[Request, int] | None:
+        """The aged request to take next (earliest promotion first), if any."""
+        best: tuple[float, Request, int] | None = None
+        aging = self._aging
+        for c in range(1, len(self.classes)):
+            if not self._active[c]:
+                continue
+            req = self._oldest_in(c, now)
+            if req is not None:
+                at = req.arrival + aging[c]
+                if at <= now and (best is None or at < best[0]):
+                    best = (at, req, c)
+        if best is None:
+            return None
+        _, req, c = best
+        # The oldest live request of a class heads its flow once the dead entries
+        # before it are dropped, which _head does.
+        if self._head(req.tenant, c, now) is not req:  # pragma: no cover - invariant
+            raise AssertionError("the oldest request of a class is not its flow's head")
+        return req, c
+
+    def _pick_flow(self, now: float) -> tuple[int, str, collections.deque[Request], float] | None:
+        """The flow served next by priority and fair share: (class, tenant, its deque,
+        the least counter among the other backlogged tenants of that class)."""
+        for c in range(len(self.classes)):
+            active = self._active[c]
+            while active:
+                if len(active) == 1:
+                    tenant = next(iter(active))
+                    bound = math.inf
+                else:
+                    vt = self._vt[c]
+                    tenant, bound = "", math.inf
+                    best = math.inf
+                    for t in active:
+                        v = vt[t]
+                        if v < best:
+                            tenant, bound, best = t, best, v
+                        elif v < bound:
+                            bound = v
+                if self._head(tenant, c, now) is not None:
+                    return c, tenant, self._flows[c][tenant], bound
+        return None
+
+    def _take(self, req: Request, c: int, now: float) -> None:
+        """Dispatch ``req``, the head of its flow."""
+        tenant = req.tenant
+        q = self._flows[c][tenant]
+        q.popleft()
+        self._forget(req, tenant, c)
+        vt = self._vt[c]
+        self._floor[c] = vt[tenant]
+        vt[tenant] += req.cost / self._weight(tenant)
+        if not q:
+            self._active[c].pop(tenant, None)
+        s = self._stats(tenant, self.classes[c].name)
+        s.dispatched += 1
+        s.served_cost += req.cost
+        s.wait.record(now - req.arrival)
+        req.reply.dispatch()
+
+    def _run(
+        self,
+        c: int,
+        tenant: str,
+        q: collections.deque[Request],
+        bound: float,
+        now: float,
+        builder: BatchBuilder,
+        taken: list[Request],
+    ) -> bool:
+        """Take from one flow while it stays the least served (its counter below
+        ``bound``) and the batch has room; return True when the batch closed."""
+        lim = self.limits
+        vt = self._vt[c]
+        v = vt[tenant]
+        self._floor[c] = v
+        w = self._weight(tenant)
+        stats = self._stats(tenant, self.classes[c].name)
+        record = stats.wait.record
+        n = cost_sum = 0
+        closed = False
+        congested = False
+        while q:
+            req = q[0]
+            if req.reply.state is not _QUEUED:
+                q.popleft()
+                self._forget(req, tenant, c)
+                continue
+            if req.deadline <= now:
+                q.popleft()
+                self._forget(req, tenant, c)
+                self._expired(req, c)
+                continue
+            cost = req.cost
+            if builder.count == 0 and lim.oversize_cost(cost):
+                closed = True  # an oversize request runs alone
+            elif not builder.fits(cost):
+                closed = True
+                break
+            q.popleft()
+            builder.add(cost)
+            taken.append(req)
+            req.reply.dispatch()
+            record(now - req.arrival)
+            n += 1
+            cost_sum += cost
+            v += cost / w
+            if 2 * (now - req.arrival) > req.deadline - req.arrival:
+                congested = True
+            if closed or builder.count >= lim.max_size:
+                closed = True
+                break
+            if v >= bound:
+                break
+        vt[tenant] = v
+        self._count -= n
+        self._tenant_count[tenant] -= n
+        self._cost[c][tenant] -= cost_sum
+        self._total_cost -= cost_sum
+        stats.queued -= n
+        stats.dispatched += n
+        stats.served_cost += cost_sum
+        if not q:
+            self._active[c].pop(tenant, None)
+        if congested:
+            self._congested = True
+        return closed
+
+    # ------------------------------------------------------------ batches
+    def _oldest(self, now: float) -> Request | None:
+        best = None
+        for c in range(len(self.classes)):
+            if self._active[c]:
+                req = self._oldest_in(c, now)
+                if req is not None and (best is None or req.arrival < best.arrival):
+                    best = req
+        return best
+
+    def next_batch(self, now: float) -> list[Request] | None:
+        """A closed batch (each request moved to DISPATCHED), or None when none has
+        closed yet; see ``next_close_time``."""
+        oldest = self._oldest(now)
+        if oldest is None:
+            return None
+        lim = self.limits
+        timed_out = now >= oldest.arrival + lim.max_wait
+        if not timed_out and not self._can_close():
+            return None
+        builder = BatchBuilder(lim)
+        taken: list[Request] = []
+        self._congested = False
+        aged = len(self.classes) > 1
+        closed = False
+        while not closed:
+            if aged:
+                picked = self._peek_aged(now)
+                if picked is None:
+                    aged = False  # nothing more ages at this ``now``
+                    continue
+                req, c = picked
+                alone = builder.count == 0 and lim.oversize_cost(req.cost)
+                if not alone and not builder.fits(req.cost):
+                    break
+                self._take(req, c, now)
+                builder.add(req.cost)
+                taken.append(req)
+                if 2 * (now - req.arrival) > req.deadline - req.arrival:
+                    self._congested = True
+                closed = alone or builder.count >= lim.max_size
+                continue
+            flow = self._pick_flow(now)
+            if flow is None:
+                break
+            closed = self._run(*flow, now, builder, taken)
+        if not taken:
+            return None
+        self.in_service += sum(r.cost for r in taken)
+        if self.limit is not None:
+            self.limit.on_dispatch(len(taken), self._congested, now)
+            self._update_capacity()
+        return taken
+
+    def _can_close(self) -> bool:
+        """Whether the live queued requests would fill a batch (on size or tokens)
+        before any timeout: then the greedy pick in fair order closes it. Walks at
+        most ``max_size`` live entries."""
+        lim = self.limits
+        if self._count < lim.max_size and lim.max_tokens is None:
+            return False
+        budget = lim.max_tokens
+        padded = lim.padded
+        n = total = longest = 0
+        for flows in self._flows:
+            for q in flows.values():
+                for req in q:
+                    if req.reply.state is not _QUEUED:
+                        continue
+                    n += 1
+                    if n >= lim.max_size:
+                        return True
+                    if budget is not None:
+                        total += req.cost
+                        longest = max(longest, req.cost)
+                        if (n * longest if padded else total) > budget:
+                            return True
+        return False
+
+    def completed(self, batch: list[Request], now: float) -> None:
+        """A dispatched batch finished (answered or failed). Two full batches in a row
+        (closed on size or tokens: the queue was backlogged) make a service-rate
+        sample: the second one's cost over the time between their completions."""
+        cost = sum(r.cost for r in batch)
+        self.in_service = max(0, self.in_service - cost)
+        lim = self.limits
+        full = len(batch) >= lim.max_size or (
+            lim.max_tokens is not None and 2 * cost > lim.max_tokens
+        )
+        if full and self._prev_full and now > self._last_done:
+            sample = cost / (now - self._last_done)
+            self.rate = sample if self.rate <= 0.0 else 0.9 * self.rate + 0.1 * sample
+        self._prev_full = full
+        self._last_done = now
+
+    def next_close_time(self) -> float:
+        """When the oldest queued request has waited ``max_wait`` (inf when empty)."""
+        best = math.inf
+        for c in range(len(self.classes)):
+            for req in self._arrivals[c]:
+                if req.reply.state is _QUEUED:
+                    best = min(best, req.arrival + self.limits.max_wait)
+                    break
+        return best
+
+    # ------------------------------------------------------------ expiry, shutdown
+    def expire(self, now: float) -> int:
+        """Answer every queued request whose model deadline has passed; return how many."""
+        h = self._expiry
+        n = 0
+        while h and (h[0][2].reply.state is not _QUEUED or h[0][0] <= now):
+            _, _, req = heapq.heappop(h)
+            if req.reply.state is _QUEUED:
+                self._expired(req, self._rank.get(req.priority, len(self.classes) - 1))
+                n += 1
+        return n  # answered entries leave their deques lazily
+
+    def next_expiry(self) -> float:
+        h = self._expiry
+        while h and h[0][2].reply.state is not _QUEUED:
+            heapq.heappop(h)
+        return h[0][0] if h else math.inf
+
+    def drain(self) -> list[Request]:
+        """Remove and return every still-queued request (for shutdown)."""
+        alive = [r for r in self if r.reply.state is _QUEUED]
+        n = len(self.classes)
+        self._flows = [{} for _ in range(n)]
+        self._active = [{} for _ in range(n)]
+        self._arrivals = [collections.deque() for _ in range(n)]
+        self._cost = [{} for _ in range(n)]
+        self._count = 0
+        self._total_cost = 0
+        self._tenant_count.clear()
+        self._expiry.clear()
+        for s in self.stats.values():
+            s.queued = 0
+        return alive
+
+    # ------------------------------------------------------------ observation
+    def service(self, cls: str | None = None) -> dict[str, int]:
+        """Cost served per tenant (in one class, or all)."""
+        out: collections.Counter[str] = collections.Counter()
+        for (tenant, c), s in self.stats.items():
+            if cls is None or c == cls:
+                out[tenant] += s.served_cost
+        return dict(out)

@@ -1,0 +1,21 @@
+"""Scenario benches: ``trioserve bench --scenario NAME``.
+
+Each scenario lives in a module here with ``run(name, args) -> int`` (``args`` are
+``trioserve bench``'s options: ``--duration``, ``--config``, ``--json`` …); it prints
+its figures and whether each target holds, writes them as JSON under
+``bench-results/``, and returns 0 when every target holds, 1 otherwise. Modules are
+imported only when their scenario runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+#: scenario name -> (module, one-line description)
+SCENARIOS: dict[str, tuple[str, str]] = {}
+
+
+def run_scenario(name: str, args: argparse.Namespace) -> int:
+    module, _ = SCENARIOS[name]
+    return importlib.import_module(module).run(name, args)
