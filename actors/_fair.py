@@ -207,12 +207,18 @@ class FairQueue:
         self._prev_full = False
         self.in_service = 0  # cost dispatched and not yet completed
         self._capacity = bound
+        self._dead = 0  # entries in flow deques no longer queued (withdrawn, answered)
+        self._on_cancel = self._note_dead
         self._congested = False
         self.expired = 0
 
     # ------------------------------------------------------------ helpers
     def __len__(self) -> int:
-        return self._count
+        """Requests queued (live ones)."""
+        return self._count - self._dead
+
+    def _note_dead(self) -> None:
+        self._dead += 1
 
     def __iter__(self) -> Iterator[Request]:
         for flows in self._flows:
@@ -265,6 +271,7 @@ class FairQueue:
             vt[tenant] = max(vt.get(tenant, 0.0), floor)
             active[tenant] = q
         q.append(request)
+        request.reply.on_cancel = self._on_cancel
         self._arrivals[c].append(request)
         cost = self._cost[c]
         cost[tenant] = cost.get(tenant, 0) + request.cost
@@ -283,7 +290,9 @@ class FairQueue:
                 f"({share:g} of {self.bound})",
                 retry_after=self._retry_after(),
             )
-        if self._count >= self._capacity and not self._push_out(tenant):
+        if self._dead * 4 > self._count:
+            self._compact()
+        if self._count - self._dead >= self._capacity and not self._push_out(tenant):
             raise Overloaded(
                 f"model {self.model!r}: queue full ({self._count} requests waiting)",
                 retry_after=self._retry_after(),
@@ -304,6 +313,30 @@ class FairQueue:
                     f"({max(0.0, request.deadline - now) * 1e3:.0f} ms left)",
                     retry_after=max(wait, 0.05),
                 )
+
+    def _compact(self) -> int:
+        """Drop withdrawn and answered entries from every flow (otherwise they stay
+        until their flow's head passes them); return how many. Runs when they are a
+        quarter of the entries, so memory stays within 4/3 of the bound."""
+        dropped = 0
+        for c, flows in enumerate(self._flows):
+            for tenant, q in list(flows.items()):
+                if all(r.reply.state is _QUEUED for r in q):
+                    continue
+                alive = [r for r in q if r.reply.state is _QUEUED]
+                for r in q:
+                    if r.reply.state is not _QUEUED:
+                        self._forget(r, tenant, c)
+                        dropped += 1
+                q.clear()
+                q.extend(alive)
+                if not q:
+                    self._active[c].pop(tenant, None)
+            arrivals = self._arrivals[c]
+            alive = [r for r in arrivals if r.reply.state is _QUEUED]
+            arrivals.clear()
+            arrivals.extend(alive)
+        return dropped
 
     def _retry_after(self) -> float:
         if self.rate > 0.0:
@@ -371,13 +404,20 @@ class FairQueue:
     # ------------------------------------------------------------ bookkeeping
     def _forget(self, req: Request, tenant: str, c: int) -> None:
         """``req`` has left its flow deque."""
+        if req.reply.state is not _QUEUED:
+            self._dead -= 1
         self._count -= 1
         self._tenant_count[tenant] -= 1
         self._cost[c][tenant] -= req.cost
         self._total_cost -= req.cost
         self._stats(tenant, self.classes[c].name).queued -= 1
 
-    def _expired(self, request: Request, c: int) -> None:
+    def _expired(self, request: Request, c: int, *, in_flow: bool = False) -> None:
+        """Answer (or, for a caller's deadline, withdraw) an expired request;
+        ``in_flow`` when it is still in its flow's deque (it becomes a dead entry)."""
+        request.reply.on_cancel = None
+        if in_flow:
+            self._dead += 1
         self.expired += 1
         self._stats(request.tenant, self.classes[c].name).expired += 1
         if self.limit is not None:
@@ -420,7 +460,7 @@ class FairQueue:
             if req.reply.state is _QUEUED:
                 if req.deadline > now:
                     return req
-                self._expired(req, c)  # its flow drops it lazily
+                self._expired(req, c, in_flow=True)  # its flow drops it lazily
             arrivals.popleft()
         return None
 
@@ -666,7 +706,8 @@ class FairQueue:
         while h and (h[0][2].reply.state is not _QUEUED or h[0][0] <= now):
             _, _, req = heapq.heappop(h)
             if req.reply.state is _QUEUED:
-                self._expired(req, self._rank.get(req.priority, len(self.classes) - 1))
+                c = self._rank.get(req.priority, len(self.classes) - 1)
+                self._expired(req, c, in_flow=True)
                 n += 1
         return n  # answered entries leave their deques lazily
 
@@ -685,6 +726,7 @@ class FairQueue:
         self._arrivals = [collections.deque() for _ in range(n)]
         self._cost = [{} for _ in range(n)]
         self._count = 0
+        self._dead = 0
         self._total_cost = 0
         self._tenant_count.clear()
         self._expiry.clear()

@@ -1,13 +1,15 @@
-"""The scheduler actor: one per model, the only queue of that model.
+"""The scheduler actor: one per model, the owner of that model's only queue.
 
-Callers put requests into its bounded inbox with ``submit_nowait`` (a full inbox is
-Overloaded: the edge sheds instead of queueing without bound). Its task drains the
-inbox into the queueing policy in whole runs and wakes idle batchers; batchers
-``pull`` closed batches from it when their device is free (worker-pull).
+Callers hand requests to ``submit_nowait``, which admits them into the queueing
+policy at once, in the caller's task (a request that cannot be admitted is refused
+with Overloaded / QuotaExceeded before it takes any memory), and wakes idle
+batchers. Batchers ``pull`` closed batches when their device is free (worker-pull).
+The actor's own task answers requests whose deadline passes while they wait.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import trio
@@ -17,29 +19,42 @@ from ._batching import SchedulingPolicy
 
 
 class SchedulerActor(Actor):
-    def __init__(self, model: str, policy: SchedulingPolicy, *, inbox_bound: int) -> None:
+    def __init__(self, model: str, policy: SchedulingPolicy) -> None:
         super().__init__()
         self.name = f"scheduler[{model}]"
         self.model = model
         self.policy = policy
-        self._send, self._recv = trio.open_memory_channel[Request](inbox_bound)
-        self._idle = trio.lowlevel.ParkingLot()
+        self._idle = trio.lowlevel.ParkingLot()  # batchers waiting for a batch
+        self._timer = trio.lowlevel.ParkingLot()  # the actor's task, until the next expiry
+        self._wake_at = math.inf
+        self._max_size = getattr(getattr(policy, "limits", None), "max_size", 1)
         self._closed = False
 
     # ---- callers
     def submit_nowait(self, request: Request) -> None:
-        """Hand a request to the scheduler without blocking.
+        """Admit a request into the queue without blocking.
 
-        Raises Overloaded when the inbox is full and ActorClosed after shutdown.
+        Raises Overloaded (or QuotaExceeded) when the policy refuses it, ActorClosed
+        after shutdown, and ActorBroken if the policy itself fails.
         """
+        if self._closed:
+            raise ActorClosed(f"model {self.model!r}: the runtime is shut down")
+        policy = self.policy
         try:
-            self._send.send_nowait(request)
-        except trio.WouldBlock:
-            raise Overloaded(
-                f"model {self.model!r}: scheduler inbox full", retry_after=0.05
-            ) from None
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ActorClosed(f"model {self.model!r}: the runtime is shut down") from None
+            policy.offer(request, request.arrival)
+        except Overloaded:
+            raise
+        except Exception as exc:
+            raise ActorBroken(f"model {self.model!r}: the scheduler failed to queue it") from exc
+        if request.deadline < self._wake_at and request.answer_expiry:
+            self._timer.unpark_all()
+        idle = self._idle
+        if idle:
+            n = len(policy)
+            # Wake a waiting batcher only when this request can change its decision:
+            # a first request sets the close time; a full one closes the batch.
+            if n == 1 or n >= self._max_size or getattr(policy.limits, "max_tokens", None):
+                idle.unpark_all()
 
     # ---- batchers
     async def pull(self) -> list[Request]:
@@ -67,36 +82,16 @@ class SchedulerActor(Actor):
     # ---- the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
-        recv = self._recv
         policy = self.policy
-        idle = self._idle
         while True:
-            with trio.move_on_at(policy.next_expiry()):
-                request = await recv.receive()
-                self._offer(request, policy)
-                while True:  # drain what is ready without yielding per item
-                    try:
-                        request = recv.receive_nowait()
-                    except trio.WouldBlock:
-                        break
-                    self._offer(request, policy)
-            policy.expire(trio.current_time())
-            if idle:
-                idle.unpark_all()
-
-    @staticmethod
-    def _offer(request: Request, policy: SchedulingPolicy) -> None:
-        try:
-            policy.offer(request, request.arrival)
-        except Overloaded as exc:
-            request.reply.set_error(exc)
-        except Exception as exc:
-            # A policy bug must not lose the request: answer it, then crash and restart.
-            request.reply.set_error(ActorBroken(f"scheduler failed to queue it: {exc!r}"))
-            raise
+            self._wake_at = policy.next_expiry()
+            with trio.move_on_at(self._wake_at):
+                await self._timer.park()
+            if policy.expire(trio.current_time()) and self._idle:
+                self._idle.unpark_all()  # the oldest request may have changed
 
     def queue_depth(self) -> int:
-        return len(self.policy) + self._recv.statistics().current_buffer_used
+        return len(self.policy)
 
     def close(self, error: BaseException) -> int:
         """Stop taking requests and fail everything still waiting; return how many.
@@ -104,14 +99,7 @@ class SchedulerActor(Actor):
         Call it only after the actor's task has stopped.
         """
         self._closed = True
-        self._send.close()
         n = 0
-        while True:
-            try:
-                req = self._recv.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-            n += req.reply.set_error(error)
         for req in self.policy.drain():
             n += req.reply.set_error(error)
         self._idle.unpark_all()

@@ -85,7 +85,6 @@ def _bench_config(base: Config, spec: BenchSpec) -> Config:
     m = attrs.evolve(m, **changes)
     limits = attrs.evolve(
         base.runtime, queue_bound=max(base.runtime.queue_bound, spec.concurrency * 2),
-        inbox_bound=max(base.runtime.inbox_bound, spec.concurrency * 2),
     ) if isinstance(base.runtime, RuntimeLimits) else base.runtime
     return Config(models=(m,), tenants=(TenantConfig(name="bench", default=True),), runtime=limits)
 

@@ -235,7 +235,12 @@ class TenantConfig:
 
 @attrs.frozen(kw_only=True)
 class RuntimeLimits:
-    """Runtime-wide limits: queue bounds, restart policy, shutdown grace."""
+    """Runtime-wide limits: queue bounds, restart policy, shutdown grace.
+
+    ``queue_bound`` is each model's queue (the adaptive limit may hold it lower).
+    ``inbox_bound`` is accepted for older files and has no effect: requests are
+    admitted straight into the queue, in the caller's task.
+    """
 
     queue_bound: int = _field(_int(1), 4096)
     inbox_bound: int = _field(_int(1), 1024)

@@ -54,6 +54,9 @@ class Reply:
     state: RequestState = RequestState.QUEUED
     _outcome: outcome.Outcome | None = None
     _task: Any = None
+    #: Called (no arguments) when the request is withdrawn while queued; the queue
+    #: holding it sets this to keep its count of dead entries exact.
+    on_cancel: Any = None
 
     def _transition(self, new: RequestState) -> None:
         if new not in _ALLOWED[self.state]:
@@ -97,6 +100,8 @@ class Reply:
         dispatched → abandoned (the answer is dropped). No-op once answered."""
         if self.state is QUEUED:
             self._transition(CANCELLED)
+            if self.on_cancel is not None:
+                self.on_cancel()
         elif self.state is DISPATCHED:
             self._transition(ABANDONED)
         self._outcome = None
@@ -117,6 +122,8 @@ class Reply:
             self._task = None
             if self.state is QUEUED:
                 self._transition(CANCELLED)
+                if self.on_cancel is not None:
+                    self.on_cancel()
             elif self.state is DISPATCHED:
                 self._transition(ABANDONED)
             return trio.lowlevel.Abort.SUCCEEDED

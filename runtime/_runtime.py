@@ -488,7 +488,7 @@ async def _start_model(
         adaptive=m.adaptive_limit,
         min_limit=2 * m.max_batch_size * len(m.replica_devices),
     )
-    scheduler = SchedulerActor(m.name, queue, inbox_bound=cfg.runtime.inbox_bound)
+    scheduler = SchedulerActor(m.name, queue)
     metrics = ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
     served = ServedModel(
         config=m,

@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="mlp")
     b.add_argument("-c", "--concurrency", type=int, default=None,
                    help="concurrent callers (default 256 in process, 64 over HTTP)")
-    b.add_argument("-d", "--duration", type=float, default=10.0, help="seconds measured")
+    b.add_argument("-d", "--duration", type=float, default=None,
+                   help="seconds measured (default 10; a scenario has its own)")
     b.add_argument("--warmup", type=float, default=2.0)
     b.add_argument("--replicas", type=int)
     b.add_argument("--max-batch-size", type=int)
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = BenchSpec(
                 model=args.model,
                 concurrency=args.concurrency or 256,
-                duration=args.duration,
+                duration=args.duration or 10.0,
                 warmup=args.warmup,
                 replicas=args.replicas,
                 max_batch_size=args.max_batch_size,

@@ -487,14 +487,16 @@ async def test_model_timeout_in_queue_is_deadline_exceeded(autojump_clock, gates
 
 
 # ---------------------------------------------------------------- backpressure
-async def test_full_inbox_is_overloaded_and_nothing_is_left_queued(autojump_clock):
+async def test_a_refused_batch_leaves_nothing_queued(autojump_clock):
     rec = Recorder()
-    cfg = config(callable_model("m", rec, max_batch_size=8, max_wait_ms=0), inbox_bound=2)
+    cfg = config(
+        callable_model("m", rec, max_batch_size=8, max_wait_ms=10, adaptive_limit=False),
+        queue_bound=3,
+    )
     async with trioserve.open_runtime(cfg) as rt:
-        # The scheduler waiting on its inbox takes one; two more fill the buffer.
-        with pytest.raises(Overloaded, match="model 'm': scheduler inbox full"):
+        # Three are admitted, the fourth is refused: the call fails and withdraws all.
+        with pytest.raises(Overloaded, match=r"model 'm': queue full \(3 requests waiting\)"):
             await rt.infer_batch("m", [item(i) for i in range(4)])
-        await trio.testing.wait_all_tasks_blocked()  # the scheduler empties its inbox
         out = await rt.infer("m", item(9))
     assert rec.seen == [9.0]  # the three submitted before the failure were withdrawn
     np.testing.assert_array_equal(out["y"], [19.0])
@@ -525,7 +527,7 @@ async def test_full_queue_is_overloaded(autojump_clock, gates):
 async def test_a_cancelled_pull_takes_nothing_from_the_queue():
     # A batcher cancelled (shutdown) as it pulls must leave the batch queued for
     # close() to answer; a batch taken and then dropped would leave its callers hanging.
-    scheduler = SchedulerActor("m", FifoQueue(BatchLimits(max_size=1), bound=10), inbox_bound=10)
+    scheduler = SchedulerActor("m", FifoQueue(BatchLimits(max_size=1), bound=10))
     request = trioserve.Request(model="m", item=None, arrival=trio.current_time())
     scheduler.policy.offer(request, request.arrival)
     with trio.CancelScope() as scope:

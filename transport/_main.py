@@ -113,7 +113,7 @@ def bench_http_main(args: Any) -> int:
             args.url,
             model=args.model,
             concurrency=args.concurrency or 64,
-            duration=args.duration,
+            duration=args.duration or 10.0,
             warmup=args.warmup,
             batch_dim=max(1, args.batch_dim),
             stream=args.stream,

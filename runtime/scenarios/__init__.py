@@ -13,7 +13,13 @@ import argparse
 import importlib
 
 #: scenario name -> (module, one-line description)
-SCENARIOS: dict[str, tuple[str, str]] = {}
+SCENARIOS: dict[str, tuple[str, str]] = {
+    "fair": ("trioserve.scenarios._sched", "A:B:C weights 1:1:2 backlogged on mlp"),
+    "flood": ("trioserve.scenarios._sched", "A floods at 10x capacity, B steady at 20%"),
+    "priority": ("trioserve.scenarios._sched", "realtime at 70% beside a batch backlog"),
+    "long-inputs": ("trioserve.scenarios._sched", "minilm: A's texts 8x longer than B's"),
+    "overload": ("trioserve.scenarios._sched", "5x capacity offered with 500 ms deadlines"),
+}
 
 
 def run_scenario(name: str, args: argparse.Namespace) -> int:
