@@ -204,6 +204,45 @@ class Runtime:
                     {"name": b.name, "state": b.state.value, "restarts": b.restarts}
                     for b in s.batchers
                 ],
+                **self._queue_statistics(s.scheduler.policy),
+            }
+        return out
+
+    @staticmethod
+    def _queue_statistics(policy: Any) -> dict[str, Any]:
+        limit = getattr(policy, "limit", None)
+        flows = {
+            f"{tenant}/{cls}": {
+                "queued": f.queued,
+                "admitted": f.admitted,
+                "shed": f.shed,
+                "expired": f.expired,
+                "dispatched": f.dispatched,
+                "served_cost": f.served_cost,
+                "wait": f.wait.summary(),
+            }
+            for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items())
+        }
+        return {
+            "flows": flows,
+            "admission_limit": limit.value if limit is not None else None,
+            "service_rate": getattr(policy, "rate", None),
+        }
+
+    def tenant_statistics(self) -> dict[str, dict[str, Any]]:
+        """Per tenant: cost units admitted (credits used) and, for tenants with a
+        credit rate, the credits available now."""
+        now = trio.current_time()
+        out: dict[str, dict[str, Any]] = {}
+        for t in self.config.tenants:
+            bucket = self.buckets.get(t.name)
+            avail = None
+            if bucket is not None:
+                avail = min(bucket.burst, bucket.level + max(0.0, now - bucket.stamp) * bucket.rate)
+            out[t.name] = {
+                "weight": t.weight,
+                "credits_used": self.credits_used.get(t.name, 0),
+                "credits_available": avail,
             }
         return out
 

@@ -93,6 +93,7 @@ class GatewayCollector(Collector):
             for outcome, n in sorted(m.statuses.items()):
                 outcomes.add_metric([name, str(outcome)], n)
         yield from (latency, batches, items, fill, depth, outcomes)
+        yield from self._flows(gw)
 
         stats = gw.statistics()
         for metric, doc, value in (
@@ -104,6 +105,80 @@ class GatewayCollector(Collector):
              stats.requests_in_flight),
         ):
             yield GaugeMetricFamily(metric, doc, value=value)
+
+
+    @staticmethod
+    def _flows(gw: Gateway) -> Iterator[Metric]:
+        """Per (model, tenant, class): queue depth, admission outcomes, cost served,
+        wait before dispatch; per model: the admission limit and service rate; per
+        tenant: credits."""
+        labels = ["model", "tenant", "class"]
+        depth = GaugeMetricFamily(
+            "trioserve_flow_queue_depth", "Requests queued, by tenant and class.", labels=labels
+        )
+        outcomes = CounterMetricFamily(
+            "trioserve_flow_requests",
+            "Requests by admission outcome (admitted, shed, expired, dispatched).",
+            labels=[*labels, "outcome"],
+        )
+        cost = CounterMetricFamily(
+            "trioserve_flow_served_cost",
+            "Cost units (items or tokens) dispatched, by tenant and class.",
+            labels=labels,
+        )
+        wait = SummaryMetricFamily(
+            "trioserve_flow_wait_seconds",
+            "Wait before dispatch, by tenant and class, from hdrhistograms.",
+            labels=labels,
+        )
+        limit = GaugeMetricFamily(
+            "trioserve_admission_limit",
+            "Requests the model's queue admits now (the adaptive limit).",
+            labels=["model"],
+        )
+        rate = GaugeMetricFamily(
+            "trioserve_service_rate",
+            "Measured service rate while backlogged (cost units per second).",
+            labels=["model"],
+        )
+        for name, served in sorted(gw.runtime.models.items()):
+            policy = served.scheduler.policy
+            for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items()):
+                key = [name, tenant, cls]
+                depth.add_metric(key, f.queued)
+                for outcome in ("admitted", "shed", "expired", "dispatched"):
+                    outcomes.add_metric([*key, outcome], getattr(f, outcome))
+                cost.add_metric(key, f.served_cost)
+                f.wait.fold()
+                hist = f.wait.hist
+                count = hist.get_total_count()
+                values = hist.get_percentile_to_value_dict([50, 99])
+                for q in (0.5, 0.99):
+                    wait.add_sample(
+                        "trioserve_flow_wait_seconds",
+                        {"model": name, "tenant": tenant, "class": cls, "quantile": str(q)},
+                        values[q * 100] / 1e6 if count else 0.0,
+                    )
+                total = hist.get_mean_value() * count / 1e6 if count else 0.0
+                wait.add_metric(key, count_value=count, sum_value=total)
+            lim = getattr(policy, "limit", None)
+            if lim is not None:
+                limit.add_metric([name], lim.value)
+            rate.add_metric([name], getattr(policy, "rate", 0.0))
+        yield from (depth, outcomes, cost, wait, limit, rate)
+        used = CounterMetricFamily(
+            "trioserve_credits_used", "Cost units admitted per tenant.", labels=["tenant"]
+        )
+        avail = GaugeMetricFamily(
+            "trioserve_credits_available",
+            "Credits in the tenant's bucket now (tenants with a credit rate).",
+            labels=["tenant"],
+        )
+        for tenant, t in sorted(gw.runtime.tenant_statistics().items()):
+            used.add_metric([tenant], t["credits_used"])
+            if t["credits_available"] is not None:
+                avail.add_metric([tenant], t["credits_available"])
+        yield from (used, avail)
 
 
 def metrics_registry(gateway: Gateway) -> CollectorRegistry:

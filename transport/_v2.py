@@ -436,16 +436,30 @@ def _requested_outputs(
 
 
 def _classify(params: dict[str, Any]) -> tuple[str | None, float | None]:
-    """The priority class and the timeout (seconds) of ``parameters``.
+    """The request class and the timeout (seconds) of ``parameters``.
 
-    ``timeout_ms`` is ours; ``timeout`` (microseconds) is what Triton clients send.
+    The class is ``class`` (a name) or ``priority`` (a name, or Triton's integer
+    level: 1 is the top class, 0 the default). ``timeout_ms`` is ours; ``timeout``
+    (microseconds) is what Triton clients send. A ``tenant`` parameter is ignored:
+    over HTTP the tenant is the API key's, never the body's.
     """
     priority = params.get("priority")
     if priority is not None:
-        if type(priority) is int:
+        if type(priority) is int and priority >= 0:
             priority = str(priority)
         elif type(priority) is not str or not priority:
-            raise InvalidInput(f"parameters.priority must be a string, got {priority!r}")
+            raise InvalidInput(
+                f"parameters.priority must be a class name or a level >= 0, got {priority!r}"
+            )
+    cls = params.get("class")
+    if cls is not None:
+        if type(cls) is not str or not cls:
+            raise InvalidInput(f"parameters.class must be a class name, got {cls!r}")
+        if priority is not None and priority != cls:
+            raise InvalidInput(
+                "parameters.class and parameters.priority disagree; send one of them"
+            )
+        priority = cls
     timeout = None
     for key, scale in (("timeout_ms", 1e-3), ("timeout", 1e-6)):
         v = params.get(key)

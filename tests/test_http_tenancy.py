@@ -1,0 +1,134 @@
+"""Tenancy and request classes over HTTP: the tenant comes only from the API key,
+the class from ``parameters``; 403 for a class the tenant may not use, 429 with a
+Retry-After computed from the credit refill; per-flow figures in /metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+import trioserve
+from http_helpers import config, echo_model, serving, v2_input
+from trioserve import TenantConfig
+from trioserve.transport import open_http
+
+TENANTS = (
+    TenantConfig(name="A", api_keys=("key-a",)),
+    TenantConfig(name="B", api_keys=("key-b",)),
+    TenantConfig(name="nightly", api_keys=("key-n",), classes=("batch",)),
+    TenantConfig(name="metered", api_keys=("key-m",), credit_rate=1.0, credit_burst=1.0),
+)
+
+
+def body(**params):
+    doc = {"inputs": [v2_input(np.ones(3, np.float32))]}
+    if params:
+        doc["parameters"] = params
+    return orjson.dumps(doc)
+
+
+@pytest.fixture
+async def gw():
+    async with serving(config(echo_model(), tenants=TENANTS)) as gw:
+        yield gw
+
+
+async def post(gw, key, **params):
+    async with open_http(gw.url) as http:
+        return await http.request(
+            "POST", "/v2/models/echo/infer", body(**params),
+            headers=[("authorization", f"Bearer {key}")],
+        )
+
+
+def flows(gw):
+    stats = gw.runtime.models["echo"].scheduler.policy.stats
+    return {k: (f.admitted, f.dispatched) for k, f in stats.items()}
+
+
+async def test_the_tenant_is_the_api_keys_never_the_bodys(gw):
+    res = await post(gw, "key-a", tenant="B")
+    assert res.status == 200
+    assert flows(gw) == {("A", "realtime"): (1, 1)}
+    assert gw.requests[("echo", "A", 200)] == 1
+    assert ("echo", "B", 200) not in gw.requests
+
+
+@pytest.mark.parametrize(
+    ("params", "cls"),
+    [
+        ({}, "realtime"),
+        ({"class": "batch"}, "batch"),
+        ({"priority": "batch"}, "batch"),
+        ({"priority": 1}, "realtime"),
+        ({"priority": 2}, "batch"),
+        ({"priority": 9}, "batch"),  # past the last level: the lowest class
+        ({"priority": 0}, "realtime"),  # the tenant's default
+    ],
+)
+async def test_the_class_comes_from_parameters(gw, params, cls):
+    res = await post(gw, "key-a", **params)
+    assert res.status == 200, res.body
+    assert flows(gw) == {("A", cls): (1, 1)}
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"class": "gold"}, "unknown request class 'gold'; classes: realtime, batch"),
+        ({"priority": -1}, "parameters.priority must be a class name or a level >= 0"),
+        ({"class": "batch", "priority": "realtime"}, "disagree"),
+        ({"class": 3}, "parameters.class must be a class name"),
+    ],
+)
+async def test_a_bad_class_is_400_naming_the_problem(gw, params, message):
+    res = await post(gw, "key-a", **params)
+    assert res.status == 400
+    assert message in res.json()["error"]
+    assert flows(gw) == {}
+
+
+async def test_a_class_the_tenant_may_not_use_is_403(gw):
+    res = await post(gw, "key-n", **{"class": "realtime"})
+    assert res.status == 403
+    assert res.json()["error"] == (
+        "tenant 'nightly' may not use request class 'realtime'; allowed: batch"
+    )
+    ok = await post(gw, "key-n")  # no class: its first allowed one
+    assert ok.status == 200
+    assert flows(gw) == {("nightly", "batch"): (1, 1)}
+
+
+async def test_over_quota_realtime_is_429_with_retry_after_from_the_refill(gw):
+    first = await post(gw, "key-m")
+    assert first.status == 200
+    second = await post(gw, "key-m")
+    assert second.status == 429
+    # 1 credit per second, bucket of 1, just emptied: back in (just under) 1 s.
+    assert second.headers["retry-after"] == "1"
+    assert "tenant 'metered' is over its credit rate (1/s, burst 1)" in second.json()["error"]
+    assert gw.runtime.credits_used["metered"] == 1
+
+
+async def test_metrics_expose_flows_and_credits(gw):
+    assert (await post(gw, "key-a", **{"class": "batch"})).status == 200
+    assert (await post(gw, "key-m")).status == 200
+    async with open_http(gw.url) as http:
+        text = (await http.get("/metrics")).body.decode()
+    flow = 'class="batch",model="echo"'
+    for line in (
+        f'trioserve_flow_requests_total{{{flow},outcome="admitted",tenant="A"}} 1.0',
+        f'trioserve_flow_requests_total{{{flow},outcome="dispatched",tenant="A"}} 1.0',
+        f'trioserve_flow_served_cost_total{{{flow},tenant="A"}} 1.0',
+        f'trioserve_flow_queue_depth{{{flow},tenant="A"}} 0.0',
+        'trioserve_credits_used_total{tenant="metered"} 1.0',
+        'trioserve_admission_limit{model="echo"}',
+    ):
+        assert line in text, line
+    assert f'trioserve_flow_wait_seconds{{{flow},quantile="0.99",tenant="A"}}' in text
+    assert 'trioserve_credits_available{tenant="metered"}' in text
+
+
+def test_tenant_classes_must_be_configured_classes():
+    with pytest.raises(trioserve.ConfigError, match=r"^tenants\.x\.classes: unknown class 'gold'"):
+        config(echo_model(), tenants=(TenantConfig(name="x", classes=("gold",)),))
