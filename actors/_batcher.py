@@ -35,6 +35,7 @@ class BatcherActor(Actor):
         index: int,
         execution: str,
         torch_threads: int = 1,
+        zygote: Any = None,
     ) -> None:
         super().__init__()
         model = config.name
@@ -50,6 +51,7 @@ class BatcherActor(Actor):
         self._process = execution == "process"
         self._worker: WorkerProcess | None = None
         self._torch_threads = torch_threads
+        self._zygote = zygote
         self._limiter = trio.CapacityLimiter(1)
         self._runner: Any = None
         self._in_flight: collections.deque[list[Request]] = collections.deque()
@@ -91,7 +93,9 @@ class BatcherActor(Actor):
         return self.busy_time
 
     async def _start_worker(self) -> None:
-        worker = WorkerProcess(self._config, self._backend, self.device, self._torch_threads)
+        worker = WorkerProcess(
+            self._config, self._backend, self.device, self._torch_threads, zygote=self._zygote
+        )
         try:
             await worker.start()
         except BaseException:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import struct
 import sys
 import tempfile
@@ -44,9 +45,17 @@ class WorkerProcess:
     SLOTS = 3
 
     def __init__(
-        self, cfg: ModelConfig, backend: ModelBackend, device: str, torch_threads: int
+        self,
+        cfg: ModelConfig,
+        backend: ModelBackend,
+        device: str,
+        torch_threads: int,
+        *,
+        zygote: Any = None,
     ) -> None:
         self._cfg = cfg
+        self._zygote = zygote
+        self._pidfd: int | None = None
         self._backend = backend
         self._device = device
         self._torch_threads = torch_threads
@@ -81,10 +90,22 @@ class WorkerProcess:
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         try:
-            self._proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "trioserve._worker", str(p2c_r), str(c2p_w)],
-                pass_fds=(p2c_r, c2p_w),
-            )
+            if self._zygote is not None:
+                # Forked from the zygote, which has torch imported already: ~50 ms.
+                self.pid = await self._zygote.spawn(p2c_r, c2p_w)
+                try:
+                    self._pidfd = os.pidfd_open(self.pid)
+                except (AttributeError, OSError):
+                    self._pidfd = None  # kill() falls back to the pid
+            else:
+                self._proc = await trio.lowlevel.open_process(
+                    [sys.executable, "-m", "trioserve._worker", str(p2c_r), str(c2p_w)],
+                    pass_fds=(p2c_r, c2p_w),
+                )
+        except BaseException:
+            os.close(p2c_w)
+            os.close(c2p_r)
+            raise
         finally:
             os.close(p2c_r)
             os.close(c2p_w)
@@ -197,8 +218,9 @@ class WorkerProcess:
             buf += chunk
 
     def _death(self, what: str) -> str:
-        code = self._proc.poll() if self._proc is not None else None
-        return f"{what} (pid {self.pid}, exit code {code})"
+        if self._proc is None:
+            return f"{what} (pid {self.pid})"
+        return f"{what} (pid {self.pid}, exit code {self._proc.poll()})"
 
     def kill(self) -> None:
         """Kill the process and free its pipe and shared memory. Synchronous."""
@@ -207,6 +229,20 @@ class WorkerProcess:
                 self._proc.kill()
             except ProcessLookupError:
                 pass
+        elif self._pidfd is not None:
+            # A pidfd names this process even after its pid is reused by another.
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except (ProcessLookupError, OSError):
+                pass
+        elif self._zygote is not None and self.pid is not None and self._send is not None:
+            try:  # no pidfd (an old kernel): the pid, while our pipe says it is ours
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
         for stream in (self._send, self._recv):
             if stream is not None:
                 stream.close()

@@ -27,6 +27,7 @@ from ._errors import (
 )
 from ._messages import Reply, Request
 from ._model import ModelBackend
+from ._zygote import Zygote
 
 
 @attrs.define(eq=False)
@@ -441,6 +442,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     )
     rt = Runtime(config)
     _make_buckets(rt, trio.current_time())
+    zygote: Zygote | None = None
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(limits_cfg.switch_interval_us * 1e-6)
     # The body's own exception is re-raised unwrapped after the nursery closes; only an
@@ -449,8 +451,14 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     try:
         async with trio.open_nursery() as nursery:
             try:
+                if any(
+                    (m.execution or backends[m.name].default_execution) == "process"
+                    for m in config.models
+                ):
+                    zygote = Zygote()
+                    await zygote.start()
                 for m in config.models:
-                    await _start_model(nursery, rt, m, backends[m.name], policy)
+                    await _start_model(nursery, rt, m, backends[m.name], policy, zygote)
                 yield rt
                 await rt._drain(limits_cfg.graceful_timeout_s)
             except BaseException as exc:
@@ -471,6 +479,8 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
             for b in served.batchers:
                 b.close()
             served.scheduler.close(closed)
+        if zygote is not None:
+            await zygote.aclose()
     if body_error is not None:
         raise body_error
 
@@ -512,6 +522,7 @@ async def _start_model(
     m: ModelConfig,
     backend: ModelBackend,
     policy: RestartPolicy,
+    zygote: Zygote | None,
 ) -> None:
     from trioserve.actors import BatcherActor, ClassSpec, FairQueue, ModelMetrics, SchedulerActor
 
@@ -550,6 +561,7 @@ async def _start_model(
             index=i,
             execution=m.execution or backend.default_execution,
             torch_threads=m.torch_threads,
+            zygote=zygote,
         )
         served.batchers.append(batcher)
         await nursery.start(supervise, batcher, policy)
