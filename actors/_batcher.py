@@ -1,6 +1,16 @@
 """The batcher actor: one per replica (device). When its device is free it pulls a
-closed batch from the scheduler, runs the model off the event loop (a worker thread,
-no lock held) or inline, and answers each request's reply slot."""
+closed batch from the scheduler, runs the model off the event loop (a worker process,
+a worker thread, no lock held, or inline) and answers each request's reply slot.
+
+Every batch runs against a deadline learnt from the model's recent batch times
+(:class:`BatchTimer`). A batch past it is a straggler: a worker process is killed and
+replaced (forked from the zygote, ~0.1 s); a worker thread cannot be killed, so the
+replica is degraded — it pulls nothing — until the thread returns. Either way the
+batch goes back to the scheduler halved, so retries narrow down to the request at
+fault while the rest succeed; a request that fails alone ``poison_attempts`` times is
+answered with a poison-request error and never retried. A batch whose model raised is
+halved the same way, so only the input that raises gets the error.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ from trioserve import (
     Actor,
     ActorBroken,
     ActorClosed,
+    ActorState,
     ModelBackend,
     ModelConfig,
     ModelError,
@@ -21,6 +32,12 @@ from trioserve import (
 
 from ._metrics import ModelMetrics
 from ._scheduler import SchedulerActor
+from ._straggler import BatchTimer, Breaker, StragglerPolicy, split_failed
+from ._watchdog import Watchdog
+
+
+class _WorkerLost(Exception):
+    """The worker process died or was killed as a straggler (handled in the batcher)."""
 
 
 class BatcherActor(Actor):
@@ -36,6 +53,9 @@ class BatcherActor(Actor):
         execution: str,
         torch_threads: int = 1,
         zygote: Any = None,
+        timer: BatchTimer | None = None,
+        breaker: Breaker | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         super().__init__()
         model = config.name
@@ -52,12 +72,46 @@ class BatcherActor(Actor):
         self._worker: WorkerProcess | None = None
         self._torch_threads = torch_threads
         self._zygote = zygote
+        self._timer = timer if timer is not None else BatchTimer(StragglerPolicy())
+        self._breaker = breaker if breaker is not None else Breaker()
+        self._watchdog = watchdog  # None: batches run without a deadline
         self._limiter = trio.CapacityLimiter(1)
         self._runner: Any = None
         self._in_flight: collections.deque[list[Request]] = collections.deque()
         self.busy_time = 0.0
         self._worker_seconds = 0.0  # busy seconds of workers this batcher already replaced
+        self._degraded = False  # a straggling thread still runs
+        self._replacing = False  # a worker process is being replaced
+        self.stragglers = 0
+        self.workers_lost = 0
 
+    # ------------------------------------------------------------------ health
+    @property
+    def health(self) -> str:
+        """``ready`` (pulling work), ``degraded`` (a straggling thread still runs),
+        ``replacing`` (a new worker process is starting), ``open`` (its circuit breaker
+        is open after repeated failures), or the actor's state when it is not
+        running (starting, restarting, stopped, broken)."""
+        if self.state is not ActorState.RUNNING:
+            return self.state.value
+        if self._degraded:
+            return "degraded"
+        if self._replacing:
+            return "replacing"
+        if self._breaker.is_open(trio.current_time()):
+            return "open"
+        return "ready"
+
+    @property
+    def ready(self) -> bool:
+        return self.health == "ready"
+
+    async def _wait_breaker(self) -> None:
+        until = self._breaker.open_until
+        if trio.current_time() < until:
+            await trio.sleep_until(until)
+
+    # ------------------------------------------------------------------ the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         if self._process:
             try:
@@ -78,6 +132,7 @@ class BatcherActor(Actor):
         task_status.started(self)
         pull = self._scheduler.pull
         while True:
+            await self._wait_breaker()
             batch = await pull()
             self._in_flight.append(batch)
             await self._execute(batch)
@@ -92,6 +147,7 @@ class BatcherActor(Actor):
             return self._worker_seconds + (w.busy_seconds if w is not None else 0.0)
         return self.busy_time
 
+    # ------------------------------------------------------------------ worker process
     async def _start_worker(self) -> None:
         worker = WorkerProcess(
             self._config, self._backend, self.device, self._torch_threads, zygote=self._zygote
@@ -104,16 +160,37 @@ class BatcherActor(Actor):
         self._worker = worker
 
     async def _loop_process(self) -> None:
-        """Several batches in flight per worker: while the worker runs one, the next are
-        already staged in shared memory, so the device never waits on the event loop.
-        The batcher still pulls only when its device has room (worker-pull)."""
-        room = trio.Semaphore(WorkerProcess.SLOTS)
+        while True:
+            try:
+                await self._serve_worker()
+            except* _WorkerLost:
+                pass
+            # The lost worker's batches were handed back; start its successor. A
+            # successor that cannot start crashes the actor (the supervisor decides).
+            self._replacing = True
+            try:
+                if self._worker is not None:
+                    self._worker_seconds += self._worker.busy_seconds
+                    await self._worker.aclose()
+                    self._worker = None
+                await self._start_worker()
+            finally:
+                self._replacing = False
+
+    async def _serve_worker(self) -> None:
+        """Feed the worker until it is lost. Several batches are in flight: while it
+        runs one, the next are already staged in shared memory, so the device never
+        waits on the event loop. It still pulls only when its device has room."""
         slots = WorkerProcess.SLOTS
+        room = trio.Semaphore(slots)
         sent_send, sent_recv = trio.open_memory_channel[tuple[list[Request], float]](slots)
         pull = self._scheduler.pull
+        worker = self._worker
+        assert worker is not None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._collect, sent_recv, room)
+            nursery.start_soon(self._collect, worker, sent_recv, room)
             while True:
+                await self._wait_breaker()
                 await room.acquire()
                 batch = await pull()
                 self._in_flight.append(batch)
@@ -121,63 +198,159 @@ class BatcherActor(Actor):
                 wait = self._metrics.queue_wait
                 for req in batch:
                     wait.record(t0 - req.arrival)
-                assert self._worker is not None
                 try:
-                    await self._worker.submit([req.item for req in batch])
+                    await worker.submit([req.item for req in batch])
                 except trio.Cancelled:
-                    self._worker.kill()
+                    worker.kill()
                     raise
+                except WorkerProcess.Died as exc:
+                    self._lose(worker, f"its worker process died ({exc})")
                 await sent_send.send((batch, t0))
 
-    async def _collect(self, sent: trio.MemoryReceiveChannel, room: trio.Semaphore) -> None:
+    async def _collect(
+        self, worker: WorkerProcess, sent: trio.MemoryReceiveChannel, room: trio.Semaphore
+    ) -> None:
         async for batch, t0 in sent:
-            assert self._worker is not None
-            try:
-                outputs = await self._worker.result()
-            except trio.Cancelled:
-                self._worker.kill()
-                raise
-            except WorkerProcess.Failed as exc:
-                self._fail(batch, exc)
+            # The worker starts it when the previous one is done (or when it arrives),
+            # which is about when we start waiting for it.
+            deadline = self._timer.deadline()
+            with trio.CancelScope() as timer:
+                armed = self._arm(deadline, timer)
+                try:
+                    outputs = await worker.result()
+                except trio.Cancelled:
+                    if not timer.cancel_called:
+                        worker.kill()
+                    raise
+                except WorkerProcess.Failed as exc:
+                    outputs = exc
+                except WorkerProcess.Died as exc:
+                    self._lose(worker, f"its worker process died ({exc})")
+                finally:
+                    self._disarm(armed)
+            if timer.cancelled_caught:
+                self.stragglers += 1
+                self._metrics.statuses["straggler"] += 1
+                self._lose(worker, f"it ran past its batch deadline of {deadline:.3f}s")
+            if isinstance(outputs, Exception):
+                self._model_failed(batch, outputs)
             else:
+                self._timer.record(worker.last_run_seconds)
+                self._breaker.success()
                 self._deliver(batch, outputs, t0)
             if self._in_flight and self._in_flight[0] is batch:
                 self._in_flight.popleft()
             room.release()
 
+    def _lose(self, worker: WorkerProcess, why: str) -> None:
+        """The worker is gone (or must go): kill it, hand its batches back — the one it
+        was running as a suspect, halved; the staged ones as they were — and raise
+        _WorkerLost to stop feeding it."""
+        worker.kill()
+        self.workers_lost += 1
+        self._metrics.statuses["worker_lost"] += 1
+        self._breaker.failure(trio.current_time())
+        batches = list(self._in_flight)
+        self._in_flight.clear()
+        if batches:
+            self._suspect(batches[0], f"its batch failed: {why}")
+            for b in batches[1:]:
+                self._scheduler.completed(b, failed=True)
+            self._scheduler.retry(batches[1:])
+        raise _WorkerLost(why)
+
+    # ------------------------------------------------------------------ thread, inline
     async def _execute(self, batch: list[Request]) -> None:
         t0 = trio.current_time()
         wait = self._metrics.queue_wait
         for req in batch:
             wait.record(t0 - req.arrival)
         items = [req.item for req in batch]
-        try:
-            if self._inline:
+        if self._inline:
+            try:
                 outputs = self._runner(items)
-            else:
+            except Exception as exc:
+                self._model_failed(batch, exc)
+                return
+            self._deliver(batch, outputs, t0)
+            return
+        deadline = self._timer.deadline()
+        with trio.CancelScope() as timer:
+            armed = self._arm(deadline, timer)
+            try:
                 outputs = await trio.to_thread.run_sync(
                     self._runner, items, limiter=self._limiter, abandon_on_cancel=True
                 )
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            self._fail(batch, exc)
+            except Exception as exc:
+                self._model_failed(batch, exc)
+                return
+            finally:
+                self._disarm(armed)
+        if timer.cancelled_caught:
+            # A thread cannot be killed: hand the batch back and pull nothing until
+            # the thread returns (it holds the replica's limiter until then).
+            self.stragglers += 1
+            self._metrics.statuses["straggler"] += 1
+            self._breaker.failure(trio.current_time())
+            self._suspect(batch, f"its batch ran past its deadline of {deadline:.3f}s")
+            self._degraded = True
+            try:
+                async with self._limiter:
+                    pass
+            finally:
+                self._degraded = False
             return
+        self._timer.record(trio.current_time() - t0)
+        self._breaker.success()
         self._deliver(batch, outputs, t0)
 
-    def _fail(self, batch: list[Request], exc: BaseException) -> None:
-        msg = (
-            f"model {self.model!r} failed on a batch of {len(batch)} on {self.device}: "
-            f"{type(exc).__name__}: {exc}"
+    def _arm(self, deadline: float, scope: trio.CancelScope) -> Any:
+        return self._watchdog.arm(deadline, scope) if self._watchdog is not None else None
+
+    def _disarm(self, armed: Any) -> None:
+        if armed is not None:
+            Watchdog.disarm(armed)
+
+    # ------------------------------------------------------------------ answers
+    def _suspect(self, batch: list[Request], why: str) -> None:
+        """A batch timed out or lost its worker: retry it halved; a request that
+        fails alone too often is poison."""
+        self._scheduler.completed(batch, failed=True)
+        retry, poison = split_failed(
+            batch, poison_attempts=self._timer.policy.poison_attempts
         )
-        for req in batch:
+        for req in poison:
+            req.reply.set_error(
+                ModelError(
+                    f"model {self.model!r}: poison request, not retried: {why} each of "
+                    f"the {req.reply.attempts} times it ran alone"
+                )
+            )
+            self._metrics.statuses["poison"] += 1
+        self._metrics.statuses["retried"] += sum(len(b) for b in retry)
+        self._scheduler.retry(retry)
+
+    def _model_failed(self, batch: list[Request], exc: BaseException) -> None:
+        """The model raised. Alone, the request gets the error; in a batch, the batch
+        is halved and retried, so that only the input that raises gets it."""
+        alive = [r for r in batch if r.reply.answerable]
+        if len(alive) > 1:
+            self._scheduler.completed(batch, failed=True)
+            mid = len(alive) // 2
+            self._metrics.statuses["retried"] += len(alive)
+            self._scheduler.retry([alive[:mid], alive[mid:]])
+            return
+        msg = (
+            f"model {self.model!r} failed on {self.device}: {type(exc).__name__}: {exc}"
+        )
+        for req in alive:
             req.reply.set_error(ModelError(msg))
-        self._metrics.statuses["model_error"] += len(batch)
-        self._scheduler.completed(batch)
+        self._metrics.statuses["model_error"] += len(alive)
+        self._scheduler.completed(batch, failed=True)
 
     def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
         if len(outputs) != len(batch):
-            self._fail(
+            self._model_failed(
                 batch, RuntimeError(f"returned {len(outputs)} outputs for {len(batch)} items")
             )
             return
@@ -194,7 +367,7 @@ class BatcherActor(Actor):
         while self._in_flight:
             batch = self._in_flight.popleft()
             n += sum(req.reply.set_error(error) for req in batch)
-            self._scheduler.completed(batch)
+            self._scheduler.completed(batch, failed=True)
         return n
 
     def on_crash(self, exc: BaseException) -> None:

@@ -285,6 +285,9 @@ class FairQueue:
     def _admit(self, request: Request, tenant: str, c: int, now: float) -> None:
         share = self.shares.get(tenant, 1.0)
         if share < 1.0 and self._tenant_count[tenant] >= max(1, int(share * self.bound)):
+            if self._dead:
+                self._compact()  # the tenant's count must be of live requests
+        if share < 1.0 and self._tenant_count[tenant] >= max(1, int(share * self.bound)):
             raise QuotaExceeded(
                 f"model {self.model!r}: tenant {tenant!r} holds its queue share "
                 f"({share:g} of {self.bound})",
@@ -292,11 +295,15 @@ class FairQueue:
             )
         if self._dead * 4 > self._count:
             self._compact()
-        if self._count - self._dead >= self._capacity and not self._push_out(tenant):
-            raise Overloaded(
-                f"model {self.model!r}: queue full ({self._count} requests waiting)",
-                retry_after=self._retry_after(),
-            )
+        if self._count - self._dead >= self._capacity:
+            if self._dead:
+                self._compact()  # push-out weighs tenants' counts of live requests
+            if not self._push_out(tenant):
+                raise Overloaded(
+                    f"model {self.model!r}: queue full "
+                    f"({self._count - self._dead} requests waiting)",
+                    retry_after=self._retry_after(),
+                )
         rate = self.rate
         deadline = request.deadline
         if (
@@ -515,8 +522,8 @@ class FairQueue:
         q.popleft()
         self._forget(req, tenant, c)
         vt = self._vt[c]
-        self._floor[c] = vt[tenant]
         vt[tenant] += req.cost / self._weight(tenant)
+        self._floor[c] = vt[tenant]
         if not q:
             self._active[c].pop(tenant, None)
         s = self._stats(tenant, self.classes[c].name)
@@ -540,7 +547,6 @@ class FairQueue:
         lim = self.limits
         vt = self._vt[c]
         v = vt[tenant]
-        self._floor[c] = v
         w = self._weight(tenant)
         stats = self._stats(tenant, self.classes[c].name)
         record = stats.wait.record
@@ -580,6 +586,7 @@ class FairQueue:
             if v >= bound:
                 break
         vt[tenant] = v
+        self._floor[c] = v  # where service is now: a newcomer to an idle class starts here
         self._count -= n
         self._tenant_count[tenant] -= n
         self._cost[c][tenant] -= cost_sum
@@ -672,12 +679,16 @@ class FairQueue:
                             return True
         return False
 
-    def completed(self, batch: list[Request], now: float) -> None:
-        """A dispatched batch finished (answered or failed). Two full batches in a row
-        (closed on size or tokens: the queue was backlogged) make a service-rate
-        sample: the second one's cost over the time between their completions."""
+    def completed(self, batch: list[Request], now: float, *, failed: bool = False) -> None:
+        """A dispatched batch finished: answered, or ``failed`` (handed back for retry,
+        or answered with errors). Two full batches answered in a row (closed on size
+        or tokens: the queue was backlogged) make a service-rate sample: the second
+        one's cost over the time between their completions."""
         cost = sum(r.cost for r in batch)
         self.in_service = max(0, self.in_service - cost)
+        if failed:
+            self._prev_full = False
+            return
         lim = self.limits
         full = len(batch) >= lim.max_size or (
             lim.max_tokens is not None and 2 * cost > lim.max_tokens

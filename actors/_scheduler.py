@@ -9,13 +9,24 @@ The actor's own task answers requests whose deadline passes while they wait.
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any
 
 import trio
-from trioserve import Actor, ActorBroken, ActorClosed, Overloaded, Request
+from trioserve import (
+    Actor,
+    ActorBroken,
+    ActorClosed,
+    DeadlineExceeded,
+    Overloaded,
+    Request,
+    RequestState,
+)
 
 from ._batching import SchedulingPolicy
+
+_DISPATCHED = RequestState.DISPATCHED
 
 
 class SchedulerActor(Actor):
@@ -29,6 +40,10 @@ class SchedulerActor(Actor):
         self._wake_at = math.inf
         self._max_size = getattr(getattr(policy, "limits", None), "max_size", 1)
         self._closed = False
+        #: batches handed back by batchers (a straggler's or a dead worker's), already
+        #: dispatched; pulled before new work
+        self._retries: collections.deque[list[Request]] = collections.deque()
+        self.retried = 0  # batches handed back
 
     # ---- callers
     def submit_nowait(self, request: Request) -> None:
@@ -68,6 +83,12 @@ class SchedulerActor(Actor):
         # a cancel delivered at a later checkpoint would lose them unanswered.
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
+            if self._retries:
+                batch = self._next_retry(trio.current_time())
+                if batch:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    return batch
+                continue
             batch = policy.next_batch(trio.current_time())
             if batch:
                 await trio.lowlevel.cancel_shielded_checkpoint()
@@ -75,9 +96,40 @@ class SchedulerActor(Actor):
             with trio.move_on_at(policy.next_close_time()):
                 await self._idle.park()
 
-    def completed(self, batch: list[Request]) -> None:
-        """A batcher finished a batch it pulled (answered or failed)."""
-        self.policy.completed(batch, trio.current_time())
+    def completed(self, batch: list[Request], *, failed: bool = False) -> None:
+        """A batcher finished a batch it pulled: answered, or ``failed`` (handed back
+        or answered with errors; not a measure of service)."""
+        self.policy.completed(batch, trio.current_time(), failed=failed)
+
+    def retry(self, batches: list[list[Request]]) -> None:
+        """Hand back batches to run again (their requests stay dispatched); the next
+        ``pull`` of any batcher takes them before new work."""
+        for batch in batches:
+            if batch:
+                self._retries.append(batch)
+                self.retried += 1
+        if self._retries and self._idle:
+            self._idle.unpark_all()
+
+    def _next_retry(self, now: float) -> list[Request]:
+        batch = self._retries.popleft()
+        alive = []
+        for req in batch:
+            if req.reply.state is not _DISPATCHED:
+                continue  # the caller left
+            if req.deadline <= now:
+                if req.answer_expiry:
+                    req.reply.set_error(
+                        DeadlineExceeded(
+                            f"model {self.model!r}: deadline passed while its batch was "
+                            "being retried"
+                        )
+                    )
+                else:
+                    req.reply.withdraw()
+                continue
+            alive.append(req)
+        return alive
 
     # ---- the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -91,7 +143,7 @@ class SchedulerActor(Actor):
                 self._idle.unpark_all()  # the oldest request may have changed
 
     def queue_depth(self) -> int:
-        return len(self.policy)
+        return len(self.policy) + sum(len(b) for b in self._retries)
 
     def close(self, error: BaseException) -> int:
         """Stop taking requests and fail everything still waiting; return how many.
@@ -100,6 +152,8 @@ class SchedulerActor(Actor):
         """
         self._closed = True
         n = 0
+        while self._retries:
+            n += sum(req.reply.set_error(error) for req in self._retries.popleft())
         for req in self.policy.drain():
             n += req.reply.set_error(error)
         self._idle.unpark_all()

@@ -148,6 +148,10 @@ class ModelConfig:
     torch_threads: int = _field(_int(1), 1)
     execution: str | None = _field(_choice(EXECUTIONS, optional=True), None)
     adaptive_limit: bool = _field(_bool, True)
+    batch_timeout_factor: float = _field(_number(1.0), 4.0)
+    batch_timeout_floor_ms: float = _field(_number(0.0, strict=True), 1000.0)
+    batch_timeout_cap_ms: float = _field(_number(0.0, strict=True), 60_000.0)
+    poison_attempts: int = _field(_int(1), 2)
     options: Mapping[str, Any] = _field(_mapping, attrs.Factory(dict))
 
     @backend.validator

@@ -57,6 +57,8 @@ class Reply:
     #: Called (no arguments) when the request is withdrawn while queued; the queue
     #: holding it sets this to keep its count of dead entries exact.
     on_cancel: Any = None
+    #: Times the request failed when run alone (retries of a straggler or crash).
+    attempts: int = 0
 
     def _transition(self, new: RequestState) -> None:
         if new not in _ALLOWED[self.state]:

@@ -71,6 +71,8 @@ class WorkerProcess:
         self.in_flight = 0
         #: Seconds the worker spent running batches (measured in the worker).
         self.busy_seconds = 0.0
+        #: Seconds the worker spent on the last batch whose result was read.
+        self.last_run_seconds = 0.0
         self._proc: trio.Process | None = None
         self._send: trio.lowlevel.FdStream | None = None
         self._recv: trio.lowlevel.FdStream | None = None
@@ -159,6 +161,7 @@ class WorkerProcess:
             raise WorkerError(reply[1])
         n, out = reply[1], reply[2]
         self.busy_seconds += reply[3]
+        self.last_run_seconds = reply[3]
         if isinstance(out, dict):
             names = list(out)
             if len(names) == 1:

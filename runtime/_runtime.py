@@ -165,9 +165,13 @@ class Runtime:
         submitted = 0
         self._in_flight += 1
         try:
-            for req in requests:
-                served.scheduler.submit_nowait(req)
-                submitted += 1
+            try:
+                for req in requests:
+                    served.scheduler.submit_nowait(req)
+                    submitted += 1
+            except BaseException:
+                self._refund(tenant, sum(c for _, c in prepared))  # none of them will run
+                raise
             results: list[Any] = []
             first_error: BaseException | None = None
             for reply in replies:
@@ -352,7 +356,7 @@ class Runtime:
             raise QuotaExceeded(
                 f"tenant {tenant!r} is over its credit rate ({bucket.rate:g}/s) and its "
                 "credits refill only after the request's deadline",
-                retry_after=max(0.0, cost - bucket.level) / bucket.rate,
+                retry_after=max(0.0, min(cost, bucket.burst) - bucket.level) / bucket.rate,
             )
         self.credits_used[tenant] += cost
         if at > now:
@@ -364,6 +368,13 @@ class Runtime:
                 raise
             now = trio.current_time()
         return now
+
+    def _refund(self, tenant: str, cost: int) -> None:
+        """Give back the credits of a request the queue refused."""
+        self.credits_used[tenant] -= cost
+        bucket = self.buckets.get(tenant)
+        if bucket is not None:
+            bucket.refund(cost)
 
     async def _submit(
         self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str
@@ -383,7 +394,11 @@ class Runtime:
             answer_expiry=answer_expiry,
             reply=reply,
         )
-        served.scheduler.submit_nowait(request)
+        try:
+            served.scheduler.submit_nowait(request)
+        except BaseException:
+            self._refund(tenant, cost)
+            raise
         self._in_flight += 1
         try:
             result = await reply.wait()
@@ -440,9 +455,13 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     policy = RestartPolicy(
         intensity=limits_cfg.restart_intensity, period=limits_cfg.restart_period_s
     )
+    from trioserve.actors import Watchdog
+
     rt = Runtime(config)
     _make_buckets(rt, trio.current_time())
     zygote: Zygote | None = None
+    watchdog = Watchdog()
+    watchdog.start()
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(limits_cfg.switch_interval_us * 1e-6)
     # The body's own exception is re-raised unwrapped after the nursery closes; only an
@@ -458,7 +477,9 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                     zygote = Zygote()
                     await zygote.start()
                 for m in config.models:
-                    await _start_model(nursery, rt, m, backends[m.name], policy, zygote)
+                    await _start_model(
+                        nursery, rt, m, backends[m.name], policy, zygote, watchdog
+                    )
                 yield rt
                 await rt._drain(limits_cfg.graceful_timeout_s)
             except BaseException as exc:
@@ -479,6 +500,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
             for b in served.batchers:
                 b.close()
             served.scheduler.close(closed)
+        watchdog.stop()
         if zygote is not None:
             await zygote.aclose()
     if body_error is not None:
@@ -523,8 +545,18 @@ async def _start_model(
     backend: ModelBackend,
     policy: RestartPolicy,
     zygote: Zygote | None,
+    watchdog: Any,
 ) -> None:
-    from trioserve.actors import BatcherActor, ClassSpec, FairQueue, ModelMetrics, SchedulerActor
+    from trioserve.actors import (
+        BatcherActor,
+        BatchTimer,
+        Breaker,
+        ClassSpec,
+        FairQueue,
+        ModelMetrics,
+        SchedulerActor,
+        StragglerPolicy,
+    )
 
     limits = _limits(m, backend)
     cfg = rt.config
@@ -550,6 +582,19 @@ async def _start_model(
         timeout=m.timeout_ms / 1e3 if m.timeout_ms is not None else math.inf,
     )
     rt.models[m.name] = served
+    if m.batch_timeout_cap_ms < m.batch_timeout_floor_ms:
+        raise ConfigError(
+            f"models.{m.name}.batch_timeout_cap_ms: must be >= batch_timeout_floor_ms "
+            f"({m.batch_timeout_floor_ms:g}), got {m.batch_timeout_cap_ms:g}"
+        )
+    timer = BatchTimer(
+        StragglerPolicy(
+            factor=m.batch_timeout_factor,
+            floor=m.batch_timeout_floor_ms / 1e3,
+            cap=m.batch_timeout_cap_ms / 1e3,
+            poison_attempts=m.poison_attempts,
+        )
+    )
     await nursery.start(supervise, scheduler, policy)
     for i, device in enumerate(m.replica_devices):
         batcher = BatcherActor(
@@ -562,6 +607,9 @@ async def _start_model(
             execution=m.execution or backend.default_execution,
             torch_threads=m.torch_threads,
             zygote=zygote,
+            timer=timer,
+            breaker=Breaker(),
+            watchdog=watchdog,
         )
         served.batchers.append(batcher)
         await nursery.start(supervise, batcher, policy)

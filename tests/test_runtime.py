@@ -9,6 +9,7 @@ set ``timeout_ms=None`` so no request's model timeout passes in that jump.
 
 from __future__ import annotations
 
+import collections
 import numpy as np
 import pytest
 import trio
@@ -361,7 +362,9 @@ async def test_statistics_before_and_after_a_request(autojump_clock):
 
 # ---------------------------------------------------------------- model failures
 @pytest.mark.parametrize("execution", ["inline", "thread"])
-async def test_a_crashing_model_fails_only_its_own_batch(autojump_clock, execution):
+async def test_a_model_raising_on_one_input_fails_only_that_callers_request(
+    autojump_clock, execution
+):
     rec = Recorder(fail_on=5.0, timed=execution == "inline")
     cfg = config(
         callable_model(
@@ -372,26 +375,31 @@ async def test_a_crashing_model_fails_only_its_own_batch(autojump_clock, executi
         results = await call_all(rt, "m", [item(i) for i in range(8)])
         after = await rt.infer("m", item(5.5))  # the replica keeps serving
         stats = rt.statistics()["m"]
-    assert rec.sizes[:2] == [4, 4]
-    poisoned = next(keys for _, keys in rec.batches if 5.0 in keys)
+    # The batch holding 5 is halved until 5 runs alone; each half that does not
+    # hold it runs once more and succeeds.
+    assert [len(keys) for _, keys in rec.batches if 5.0 in keys] == [4, 2, 1]
+    runs = collections.Counter(k for _, keys in rec.batches for k in keys)
+    assert runs[5.0] == 3
+    assert sum(runs.values()) == 8 + 4 + 2 + 1  # 8 firsts, then 4 + 2 retried, then 5.5
     for i, (out, _) in results.items():
-        if i in poisoned:
+        if i == 5:
             assert isinstance(out, ModelError)
-            assert str(out) == (
-                "model 'm' failed on a batch of 4 on cpu: ValueError: poison item 5"
-            )
+            assert str(out) == "model 'm' failed on cpu: ValueError: poison item 5"
         else:
             np.testing.assert_array_equal(out["y"], [2 * i + 1])
     np.testing.assert_array_equal(after["y"], [12.0])
-    assert stats["statuses"]["model_error"] == 4
+    assert stats["statuses"]["model_error"] == 1
+    assert stats["statuses"]["retried"] == 4 + 2
     assert stats["replicas"][0]["restarts"] == 0
     assert stats["replicas"][0]["state"] == "running"
 
 
 async def test_wrong_number_of_outputs_is_a_model_error(autojump_clock):
-    cfg = config(callable_model("m", lambda items: items[:1], max_batch_size=2, max_wait_ms=0))
+    cfg = config(
+        callable_model("m", lambda items: [*items, *items], max_batch_size=2, max_wait_ms=0)
+    )
     async with trioserve.open_runtime(cfg) as rt:
-        with pytest.raises(ModelError, match=r"returned 1 outputs for 2 items"):
+        with pytest.raises(ModelError, match=r"returned 2 outputs for 1 items"):
             await rt.infer_batch("m", [item(1), item(2)])
 
 

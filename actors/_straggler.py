@@ -1,0 +1,119 @@
+"""Sans-IO decisions for stragglers and failing replicas: the batch deadline learnt
+from observed batch times, the split of a failed batch (bisection to find the poison
+request), and a per-replica circuit breaker. ``now`` is always an argument."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+from trioserve import Request, RequestState
+
+_DISPATCHED = RequestState.DISPATCHED
+
+
+@attrs.frozen(kw_only=True)
+class StragglerPolicy:
+    """How long a batch may run: ``factor`` × the p99 of recent batch times, within
+    [``floor``, ``cap``] seconds (``cap`` until ``min_samples`` batches were seen).
+    A request that fails ``poison_attempts`` times when run alone is poison."""
+
+    factor: float = 4.0
+    floor: float = 1.0
+    cap: float = 60.0
+    poison_attempts: int = 2
+    min_samples: int = 16
+
+
+class BatchTimer:
+    """Recent batch run times of one model (all replicas) and the deadline they give."""
+
+    __slots__ = ("_deadline", "_i", "_samples", "_since", "policy")
+    WINDOW = 256
+    RECOMPUTE_EVERY = 32
+
+    def __init__(self, policy: StragglerPolicy) -> None:
+        self.policy = policy
+        self._samples: list[float] = []
+        self._i = 0
+        self._since = 0
+        self._deadline = policy.cap
+
+    def record(self, seconds: float) -> None:
+        s = self._samples
+        if len(s) < self.WINDOW:
+            s.append(seconds)
+        else:
+            s[self._i] = seconds
+            self._i = (self._i + 1) % self.WINDOW
+        self._since += 1
+        n = len(s)
+        if n >= self.policy.min_samples and (
+            self._since >= self.RECOMPUTE_EVERY or n == self.policy.min_samples
+        ):
+            self._since = 0
+            ordered = sorted(s)
+            p99 = ordered[min(n - 1, math.ceil(0.99 * n) - 1)]
+            pol = self.policy
+            self._deadline = min(pol.cap, max(pol.floor, p99 * pol.factor))
+
+    def deadline(self) -> float:
+        """Seconds a batch may run before it is cut off."""
+        return self._deadline
+
+
+def split_failed(
+    batch: list[Request], *, poison_attempts: int
+) -> tuple[list[list[Request]], list[Request]]:
+    """Split a batch that failed (timed out, crashed its worker, or raised) for retry.
+
+    Returns (batches to retry, poison requests). Requests no longer dispatched (their
+    caller left, or already answered) are dropped. A batch of several is halved, so
+    that retries narrow down to the request at fault while the others succeed; a
+    request that failed alone counts an attempt (``reply.attempts``) and is poison
+    once it reaches ``poison_attempts``.
+    """
+    alive = [r for r in batch if r.reply.state is _DISPATCHED]
+    if not alive:
+        return [], []
+    if len(alive) > 1:
+        mid = len(alive) // 2
+        return [alive[:mid], alive[mid:]], []
+    req = alive[0]
+    req.reply.attempts += 1
+    if req.reply.attempts >= poison_attempts:
+        return [], [req]
+    return [[req]], []
+
+
+class Breaker:
+    """A replica's circuit breaker: ``threshold`` failures in a row (straggler or
+    crashed worker) open it for ``cooldown`` seconds (doubling up to ``max_cooldown``
+    while it keeps failing); then one batch is tried (half-open) and a success
+    closes it."""
+
+    __slots__ = ("_cooldown", "base", "failures", "max_cooldown", "open_until", "threshold")
+
+    def __init__(
+        self, *, threshold: int = 5, cooldown: float = 1.0, max_cooldown: float = 30.0
+    ) -> None:
+        self.threshold = threshold
+        self.base = cooldown
+        self.max_cooldown = max_cooldown
+        self._cooldown = cooldown
+        self.failures = 0
+        self.open_until = -math.inf
+
+    def failure(self, now: float) -> None:
+        self.failures += 1
+        if self.failures >= self.threshold:
+            self.open_until = now + self._cooldown
+            self._cooldown = min(self.max_cooldown, self._cooldown * 2)
+
+    def success(self) -> None:
+        self.failures = 0
+        self._cooldown = self.base
+        self.open_until = -math.inf
+
+    def is_open(self, now: float) -> bool:
+        return now < self.open_until
