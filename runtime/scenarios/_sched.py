@@ -478,7 +478,12 @@ SCENARIO_FUNCS = {
 
 
 def run(name: str, args: argparse.Namespace) -> int:
-    fn = SCENARIO_FUNCS[name]
+    return run_async(SCENARIO_FUNCS[name], name, args)
+
+
+def run_async(fn: Callable[[argparse.Namespace], Any], name: str, args: argparse.Namespace) -> int:
+    """Run one scenario coroutine, print its figures and checks, write its JSON;
+    0 when every check holds."""
     t = time.strftime("%Y%m%d-%H%M%S")
     # As `trioserve serve` does: what exists at start (torch, the models) is never
     # scanned again by the cyclic collector, whose full passes would stall the loop.
