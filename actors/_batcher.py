@@ -193,6 +193,12 @@ class BatcherActor(Actor):
                 await self._wait_breaker()
                 await room.acquire()
                 batch = await pull()
+                if not worker.alive:
+                    # Lost while we waited (our cancellation comes at the next
+                    # checkpoint): this batch never reached it; hand it back as it is.
+                    self._scheduler.completed(batch, failed=True)
+                    self._scheduler.retry([batch])
+                    raise _WorkerLost("the worker was lost before this batch was sent")
                 self._in_flight.append(batch)
                 t0 = trio.current_time()
                 wait = self._metrics.queue_wait
@@ -246,6 +252,8 @@ class BatcherActor(Actor):
         """The worker is gone (or must go): kill it, hand its batches back — the one it
         was running as a suspect, halved; the staged ones as they were — and raise
         _WorkerLost to stop feeding it."""
+        if not worker.alive:
+            raise _WorkerLost(why)  # already lost and handled (by the other task)
         worker.kill()
         self.workers_lost += 1
         self._metrics.statuses["worker_lost"] += 1
@@ -293,6 +301,7 @@ class BatcherActor(Actor):
             self._metrics.statuses["straggler"] += 1
             self._breaker.failure(trio.current_time())
             self._suspect(batch, f"its batch ran past its deadline of {deadline:.3f}s")
+            self._in_flight.clear()  # handed back: no longer this replica's to answer
             self._degraded = True
             try:
                 async with self._limiter:
@@ -366,7 +375,7 @@ class BatcherActor(Actor):
         n = 0
         while self._in_flight:
             batch = self._in_flight.popleft()
-            n += sum(req.reply.set_error(error) for req in batch)
+            n += sum(req.reply.set_error(error) for req in batch if req.reply.answerable)
             self._scheduler.completed(batch, failed=True)
         return n
 

@@ -132,6 +132,11 @@ class WorkerProcess:
             raise WorkerDied(f"worker for model {cfg.name!r} failed to load:\n{reply[1]}")
         self.pid = reply[1]
 
+    @property
+    def alive(self) -> bool:
+        """Started and not killed (it may still have died on its own)."""
+        return self._send is not None
+
     async def run(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Run one batch in the worker: :meth:`submit` then :meth:`result`."""
         await self.submit(items)
@@ -143,6 +148,8 @@ class WorkerProcess:
         mid-message: kill the worker after a cancelled call."""
         if self.in_flight >= self.SLOTS:
             raise RuntimeError(f"at most {self.SLOTS} batches may be in flight per worker")
+        if self._shm is None:
+            raise WorkerDied(self._death("the worker was killed"))
         n = len(items)
         layout = self._stack(items, self._next_slot * self._slot_size)
         self._next_slot = (self._next_slot + 1) % self.SLOTS

@@ -209,6 +209,7 @@ class Runtime:
                     {"name": b.name, "state": b.state.value, "restarts": b.restarts}
                     for b in s.batchers
                 ],
+                "ready": self.model_ready(name),
                 **self._queue_statistics(s.scheduler.policy),
             }
         return out
@@ -250,6 +251,25 @@ class Runtime:
                 "credits_available": avail,
             }
         return out
+
+    def model_ready(self, model: str) -> bool:
+        """Whether ``model`` can serve now: the runtime is open and at least one of its
+        replicas is ready (running, not degraded by a straggler, not replacing its
+        worker, its circuit breaker closed)."""
+        served = self.models[model]
+        return not self._closed and any(
+            getattr(b, "ready", False) for b in served.batchers
+        )
+
+    def health(self) -> dict[str, Any]:
+        """Per model: ready or not, and each replica's health."""
+        return {
+            name: {
+                "ready": self.model_ready(name),
+                "replicas": {b.name: getattr(b, "health", b.state.value) for b in s.batchers},
+            }
+            for name, s in self.models.items()
+        }
 
     @property
     def closed(self) -> bool:

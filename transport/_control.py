@@ -13,7 +13,7 @@ import trioserve
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import request
 from quart_trio import QuartTrio
-from trioserve import ActorState, UnknownModel
+from trioserve import UnknownModel
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._gateway import Answer
@@ -72,9 +72,13 @@ def control_app(gateway: Gateway) -> QuartTrio:
 
     @app.get("/v2/health/ready")
     async def ready() -> Any:
-        if gateway.ready:
-            return json(b'{"ready":true}')
-        return json(error_body("not ready: the server is shutting down"), 503)
+        if not gateway.ready:
+            return json(error_body("not ready: the server is shutting down"), 503)
+        rt = gateway.runtime
+        down = [name for name in sorted(rt.models) if not rt.model_ready(name)]
+        if down:
+            return json(error_body(f"not ready: no replica ready for {', '.join(down)}"), 503)
+        return json(b'{"ready":true}')
 
     @app.get("/v2")
     async def metadata() -> Any:
@@ -89,8 +93,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.get("/v2/models/<name>/versions/<version>/ready")
     async def model_ready(name: str, version: str | None = None) -> Any:
         signature(name, version)
-        served = gateway.runtime.models[name]
-        if gateway.ready and any(b.state is ActorState.RUNNING for b in served.batchers):
+        if gateway.ready and gateway.runtime.model_ready(name):
             return json(b'{"name":%s,"ready":true}' % _quote(name))
         return json(error_body(f"model {name!r} is not ready"), 503)
 

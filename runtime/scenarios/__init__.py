@@ -19,7 +19,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "priority": ("trioserve.scenarios._sched", "realtime at 70% beside a batch backlog"),
     "long-inputs": ("trioserve.scenarios._sched", "minilm: A's texts 8x longer than B's"),
     "overload": ("trioserve.scenarios._sched", "5x capacity offered with 500 ms deadlines"),
-    "faults": ("trioserve.scenarios._faults", "a 10 s straggler, SIGKILLed workers, a raising model"),
+    "faults": ("trioserve.scenarios._faults", "a 10 s straggler, killed workers, a raising model"),
+    "cache": (
         "trioserve.scenarios._cache",
         "hit rates of W-TinyLFU, LRU and Belady on synthetic traces",
     ),

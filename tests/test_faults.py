@@ -1,0 +1,237 @@
+"""Straggler isolation and fault tolerance: the batch deadline, bisection down to the
+poison request, model errors reaching only their own input, killed worker processes
+replaced with their batches retried, the circuit breaker and readiness.
+
+Batch deadlines are wall-clock (a device's time is real time), so the tests that
+need one to pass use real time with deadlines of tens of milliseconds; the decisions
+themselves (deadline from observed times, the split, the breaker) are sans-IO and
+tested with explicit times.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import trio
+import trioserve
+from runtime_helpers import callable_model, config, item, key
+from trioserve import ModelConfig, ModelError, Reply, Request, RequestState
+from trioserve.actors import BatchTimer, Breaker, StragglerPolicy, Watchdog, split_failed
+
+
+def dispatched(n: int) -> list[Request]:
+    reqs = [Request(model="m", item=i, reply=Reply()) for i in range(n)]
+    for r in reqs:
+        r.reply.dispatch()
+    return reqs
+
+
+# ---------------------------------------------------------------- sans-IO decisions
+def test_a_failed_batch_is_halved_and_a_request_alone_counts_attempts_until_poison():
+    batch = dispatched(5)
+    retry, poison = split_failed(batch, poison_attempts=2)
+    assert retry == [batch[:2], batch[2:]]
+    assert poison == []
+    (alone,), poison = split_failed([batch[0]], poison_attempts=2)
+    assert alone == [batch[0]]
+    assert batch[0].reply.attempts == 1
+    retry, poison = split_failed(alone, poison_attempts=2)
+    assert (retry, poison) == ([], [batch[0]])
+    assert batch[0].reply.attempts == 2
+
+
+def test_requests_whose_caller_left_are_not_retried():
+    batch = dispatched(3)
+    batch[1].reply.withdraw()  # abandoned
+    batch[2].reply.set_result("done elsewhere")
+    retry, poison = split_failed(batch, poison_attempts=2)
+    assert retry == [[batch[0]]]
+    assert poison == []
+    assert split_failed([batch[1], batch[2]], poison_attempts=2) == ([], [])
+
+
+def test_the_batch_deadline_is_the_cap_until_enough_samples_then_p99_times_factor():
+    timer = BatchTimer(StragglerPolicy(factor=4.0, floor=0.05, cap=10.0, min_samples=16))
+    assert timer.deadline() == 10.0
+    for _ in range(15):
+        timer.record(0.02)
+    assert timer.deadline() == 10.0
+    timer.record(0.02)
+    assert timer.deadline() == pytest.approx(0.08)
+    for _ in range(256):
+        timer.record(0.001)  # the window is now all 1 ms: 4 ms is under the floor
+    assert timer.deadline() == pytest.approx(0.05)
+    for _ in range(256):
+        timer.record(5.0)  # 20 s is over the cap
+    assert timer.deadline() == 10.0
+
+
+def test_the_breaker_opens_after_consecutive_failures_and_backs_off():
+    br = Breaker(threshold=3, cooldown=1.0, max_cooldown=3.0)
+    br.failure(0.0)
+    br.failure(0.0)
+    assert not br.is_open(0.0)
+    br.failure(10.0)
+    assert br.is_open(10.5)
+    assert not br.is_open(11.0)
+    br.failure(11.0)  # still failing: open twice as long
+    assert br.is_open(12.9)
+    assert not br.is_open(13.0)
+    br.failure(13.0)
+    assert br.open_until == 16.0  # capped at max_cooldown
+    br.success()
+    assert not br.is_open(13.0)
+    assert br.failures == 0
+
+
+async def test_the_watchdog_cancels_a_scope_after_wall_time_and_not_when_disarmed():
+    dog = Watchdog()
+    dog.start()
+    try:
+        t0 = time.monotonic()
+        with trio.CancelScope() as scope:
+            dog.arm(0.05, scope)
+            await trio.sleep_forever()
+        assert scope.cancelled_caught
+        assert time.monotonic() - t0 >= 0.05
+        with trio.CancelScope() as quiet:
+            Watchdog.disarm(dog.arm(0.01, quiet))
+            await trio.sleep(0.05)
+        assert not quiet.cancel_called
+        assert dog.fired == 1
+    finally:
+        dog.stop()
+
+
+# ---------------------------------------------------------------- through the runtime
+class SlowOn:
+    """A thread model doubling ``x``; an item with x[0] == 99 makes its batch take
+    ``seconds`` of wall time. Records each batch's keys."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.batches: list[list[float]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, items):
+        keys = [key(it) for it in items]
+        with self._lock:
+            self.batches.append(keys)
+        if 99.0 in keys:
+            time.sleep(self.seconds)
+        return [{"y": it["x"] * 2} for it in items]
+
+
+def straggler_model(fn, **cfg) -> ModelConfig:
+    cfg.setdefault("batch_timeout_floor_ms", 50.0)
+    cfg.setdefault("batch_timeout_cap_ms", 50.0)
+    return callable_model("m", fn, execution="thread", max_batch_size=8, max_wait_ms=5, **cfg)
+
+
+async def test_a_straggler_batch_is_bisected_until_the_poison_request_is_isolated():
+    model = SlowOn(0.3)
+    cfg = config(straggler_model(model, replicas=2))
+    results: dict[float, object] = {}
+    async with trioserve.open_runtime(cfg) as rt:
+
+        async def one(v: float) -> None:
+            try:
+                results[v] = await rt.infer("m", item(v))
+            except ModelError as exc:
+                results[v] = exc
+
+        async with trio.open_nursery() as nursery:
+            for v in [*range(7), 99]:
+                nursery.start_soon(one, float(v))
+        stats = rt.statistics()["m"]
+    poison = results.pop(99.0)
+    assert isinstance(poison, ModelError)
+    assert "poison request, not retried" in str(poison)
+    assert "ran past its deadline of 0.050s each of the 2 times it ran alone" in str(poison)
+    assert {v: float(r["y"][0]) for v, r in results.items()} == {v: 2 * v for v in range(7)}
+    # 8 -> 4 -> 2 -> 1, then alone once more: five batches held 99.
+    assert [len(b) for b in model.batches if 99.0 in b] == [8, 4, 2, 1, 1]
+    assert stats["statuses"]["straggler"] == 5
+    assert stats["statuses"]["poison"] == 1
+
+
+async def test_a_replica_with_a_straggling_thread_is_not_ready_until_it_returns():
+    release = threading.Event()
+
+    def held(items):
+        if any(key(it) == 99.0 for it in items):
+            release.wait(30)
+        return [{"y": it["x"]} for it in items]
+
+    cfg = config(straggler_model(held, poison_attempts=1))
+    async with trioserve.open_runtime(cfg) as rt:
+        assert rt.model_ready("m")
+        with pytest.raises(ModelError, match="poison request"):
+            await rt.infer("m", item(99))  # cut off after 50 ms; alone: poison at once
+        batcher = rt.models["m"].batchers[0]
+        assert batcher.health == "degraded"
+        assert not rt.model_ready("m")
+        assert rt.health()["m"] == {"ready": False, "replicas": {batcher.name: "degraded"}}
+        release.set()
+        out = await rt.infer("m", item(1))  # served once the thread has returned
+        assert float(out["y"][0]) == 1.0
+        assert rt.model_ready("m")
+
+
+async def test_a_killed_worker_process_is_replaced_and_its_batches_retried():
+    cfg = config(
+        ModelConfig(
+            name="slow", backend="sleep", options={"delay_per_batch_ms": 300.0},
+            execution="process", max_batch_size=4, max_wait_ms=1.0,
+        )
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        batcher = rt.models["slow"].batchers[0]
+        first_pid = batcher._worker.pid
+        results = {}
+
+        async def one(v: float) -> None:
+            results[v] = await rt.infer("slow", {"x": np.array([0.0, v], np.float32)})
+
+        async with trio.open_nursery() as nursery:
+            for v in range(4):
+                nursery.start_soon(one, float(v))
+            await trio.testing.wait_all_tasks_blocked()  # the batch is in the worker
+            os.kill(first_pid, signal.SIGKILL)
+        assert {v: r["y"].tolist() for v, r in results.items()} == {
+            v: [0.0, v] for v in range(4)
+        }
+        assert batcher._worker.pid != first_pid
+        assert batcher.workers_lost == 1
+        assert batcher.restarts == 0  # replaced inside the batcher: no actor restart
+        statuses = rt.statistics()["slow"]["statuses"]
+        assert statuses["worker_lost"] == 1
+        assert rt.model_ready("slow")
+
+
+async def test_retried_requests_are_answered_exactly_once(autojump_clock):
+    # A model raising on one input among many: the retried halves answer each of the
+    # others once (a second answer would raise inside the Reply state machine).
+    seen: list[float] = []
+
+    def picky(items):
+        seen.extend(key(it) for it in items)
+        if any(key(it) == 3.0 for it in items):
+            raise ValueError("no threes")
+        return [{"y": it["x"]} for it in items]
+
+    cfg = config(callable_model("m", picky, max_batch_size=8, max_wait_ms=1))
+    async with trioserve.open_runtime(cfg) as rt:
+        outs = await rt.infer_batch("m", [item(v) for v in range(3)])
+        assert [float(o["y"][0]) for o in outs] == [0.0, 1.0, 2.0]
+        with pytest.raises(ModelError, match="no threes"):
+            await rt.infer_batch("m", [item(v) for v in range(8)])
+        requests = [r for r in rt.models["m"].scheduler.policy]  # nothing left queued
+    assert requests == []
+    assert RequestState.DONE  # (the state machine is what guarantees once)
+    assert seen.count(3.0) == 4  # 8 -> 4 -> 2 -> 1
