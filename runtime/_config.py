@@ -266,6 +266,8 @@ class ServerConfig:
     control_port: int | None = _field(_opt_int(0), None)
     max_body_bytes: int = _field(_int(1), 16 * 1024 * 1024)
     stream_in_flight: int = _field(_int(1), 256)
+    idempotency_window_s: float = _field(_number(0.0), 60.0)
+    idempotency_max_keys: int = _field(_int(1), 10_000)
 
     def _path(self) -> str:
         return "server"

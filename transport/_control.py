@@ -108,6 +108,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 body,
                 authorization=request.headers.get("Authorization"),
                 header_length=request.headers.get("Inference-Header-Content-Length"),
+                idempotency_key=request.headers.get("Idempotency-Key"),
             )
         )
 

@@ -31,6 +31,7 @@ from trioserve import (
 )
 
 from ._auth import ANONYMOUS, Authenticator
+from ._idempotency import IdempotencyStore
 from ._v2 import InferRequest, ModelSignature, encode_response, error_body
 
 log = logging.getLogger("trioserve.transport")
@@ -110,6 +111,10 @@ class Gateway:
         from ._control import control_app
         from ._metrics import metrics_registry
 
+        self.idempotency = IdempotencyStore(
+            window=self.server_config.idempotency_window_s,
+            max_keys=self.server_config.idempotency_max_keys,
+        )
         self.registry = metrics_registry(self)
         self.app = control_app(self)
 
@@ -122,12 +127,30 @@ class Gateway:
         *,
         authorization: bytes | str | None = None,
         header_length: bytes | str | None = None,
+        idempotency_key: bytes | str | None = None,
     ) -> Answer:
         """Answer one v2 infer request (``POST /v2/models/{model}[/versions/{v}]/infer``).
 
         Never raises for bad input: every failure is an error answer with its status.
         A checkpoint. Cancelling it withdraws the request's items not yet dispatched.
+        With ``idempotency_key``, a repeat of the same request by the same tenant gets
+        the first answer (see :mod:`._idempotency`).
         """
+        if idempotency_key:
+            try:
+                tenant = self.auth.tenant(authorization)
+            except TrioserveError as exc:
+                return error_answer(exc)
+            if isinstance(idempotency_key, bytes):
+                idempotency_key = idempotency_key.decode("latin-1")
+            return await self.idempotency.run(
+                (tenant, model, version, idempotency_key),
+                body,
+                lambda: self.infer(
+                    model, version, body, authorization=authorization,
+                    header_length=header_length,
+                ),
+            )
         tenant = ANONYMOUS
         label = model if model in self.signatures else UNKNOWN_MODEL
         self.in_flight += 1

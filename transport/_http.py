@@ -138,7 +138,7 @@ class _Connection:
                 return False  # ConnectionClosed
             conn.busy = True
             request = event
-            auth = hlen = upgrade = None
+            auth = hlen = upgrade = idem = None
             keep_alive = request.http_version == b"1.1"
             for raw_name, value in request.headers.raw_items():
                 name = raw_name.lower()
@@ -149,6 +149,8 @@ class _Connection:
                     auth = value
                 elif name == b"inference-header-content-length":
                     hlen = value
+                elif name == b"idempotency-key":
+                    idem = value
                 elif name == b"upgrade":
                     upgrade = value
                 elif name == b"connection" and b"close" in value.lower():
@@ -183,7 +185,8 @@ class _Connection:
                 route = _infer_route(target)
                 if route is not None:
                     status, headers, out = await infer(
-                        route[0], route[1], body, authorization=auth, header_length=hlen
+                        route[0], route[1], body, authorization=auth, header_length=hlen,
+                        idempotency_key=idem,
                     )
                     if keep_alive and not gateway.draining:
                         # Written from the template (see the module's docstring); the

@@ -1,0 +1,140 @@
+"""``Idempotency-Key``: a repeat gets the first answer, the model runs once."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import trio
+import trioserve
+from http_helpers import Gate, config, echo_model, held_model, serving, settle, v2_input
+from trioserve.transport import open_http
+from trioserve.transport._idempotency import IdempotencyStore
+
+JSON = [(b"content-type", b"application/json")]
+
+
+def body(v: float) -> bytes:
+    return orjson.dumps({"inputs": [v2_input(np.array([v, 1.0], np.float32))]})
+
+
+async def post(gw, model, raw, key=None, api_key=None):
+    headers = []
+    if key is not None:
+        headers.append(("idempotency-key", key))
+    if api_key is not None:
+        headers.append(("authorization", f"Bearer {api_key}"))
+    async with open_http(gw.url) as http:
+        return await http.request("POST", f"/v2/models/{model}/infer", raw, headers=headers)
+
+
+async def test_a_repeat_gets_the_first_answer_and_the_model_runs_once():
+    async with serving(config(echo_model())) as gw:
+        first = await post(gw, "echo", body(1), key="k1")
+        again = await post(gw, "echo", body(1), key="k1")
+        other = await post(gw, "echo", body(1), key="k2")
+        items = gw.runtime.models["echo"].metrics.items
+    assert first.status == again.status == other.status == 200
+    assert again.body == first.body
+    assert again.headers["idempotent-replayed"] == "true"
+    assert "idempotent-replayed" not in first.headers
+    assert items == 2  # k1 once, k2 once
+
+
+async def test_a_repeat_while_the_first_runs_waits_for_it():
+    gate = Gate()
+    async with serving(config(held_model(gate))) as gw:
+        answers = []
+
+        async def send():
+            answers.append(await post(gw, "held", body(5), key="same"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            nursery.start_soon(send)
+            await settle()  # one is in the model, the other waits for its answer
+            assert gate.entered == 1
+            gate.release()
+        stats = gw.runtime.statistics()["held"]
+    assert [a.status for a in answers] == [200, 200]
+    assert answers[0].body == answers[1].body
+    assert stats["items"] == 1
+
+
+async def test_the_same_key_with_another_body_is_422_and_keys_are_per_tenant():
+    tenants = (
+        trioserve.TenantConfig(name="a", api_keys=("ka",)),
+        trioserve.TenantConfig(name="b", api_keys=("kb",)),
+    )
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        assert (await post(gw, "echo", body(1), key="k", api_key="ka")).status == 200
+        clash = await post(gw, "echo", body(2), key="k", api_key="ka")
+        theirs = await post(gw, "echo", body(2), key="k", api_key="kb")
+    assert clash.status == 422
+    assert clash.json() == {"error": "Idempotency-Key was already used with a different request"}
+    assert theirs.status == 200
+    assert "idempotent-replayed" not in theirs.headers
+
+
+async def test_answers_worth_retrying_are_not_kept_and_entries_expire(autojump_clock):
+    store = IdempotencyStore(window=10.0, max_keys=100)
+    runs = []
+
+    def answering(status):
+        async def answer():
+            runs.append(status)
+            return status, JSON, b"{}"
+
+        return answer
+
+    assert (await store.run("k", b"x", answering(503)))[0] == 503
+    assert (await store.run("k", b"x", answering(200)))[0] == 200  # 503 was not kept
+    assert (await store.run("k", b"x", answering(500)))[0] == 200  # replayed
+    await trio.sleep(10.0)
+    assert (await store.run("k", b"x", answering(201)))[0] == 201  # expired: runs again
+    assert runs == [503, 200, 201]
+
+
+async def test_a_cancelled_first_request_lets_the_waiter_run_it():
+    store = IdempotencyStore()
+    started = trio.Event()
+    runs = []
+
+    async def slow():
+        runs.append("slow")
+        started.set()
+        await trio.sleep_forever()
+
+    async def quick():
+        runs.append("quick")
+        return 200, JSON, b"{}"
+
+    got = []
+    async with trio.open_nursery() as nursery:
+        first = trio.CancelScope()
+
+        async def first_caller():
+            with first:
+                await store.run("k", b"x", slow)
+
+        async def second_caller():
+            got.append(await store.run("k", b"x", quick))
+
+        nursery.start_soon(first_caller)
+        await started.wait()
+        nursery.start_soon(second_caller)
+        await trio.testing.wait_all_tasks_blocked()
+        first.cancel()
+    assert runs == ["slow", "quick"]
+    assert got[0][0] == 200
+    assert len(store) == 1
+
+
+async def test_the_store_holds_at_most_max_keys(autojump_clock):
+    store = IdempotencyStore(window=60.0, max_keys=3)
+
+    async def ok():
+        return 200, JSON, b"{}"
+
+    for i in range(5):
+        await store.run(i, b"x", ok)
+    assert len(store) == 3

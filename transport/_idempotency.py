@@ -1,0 +1,96 @@
+"""``Idempotency-Key``: a client retrying a request gets the first answer again.
+
+An infer request sent with ``Idempotency-Key: K`` is answered once per (tenant, model,
+version, K) within ``window`` seconds: a repeat while the first is running waits for
+it; a repeat after it gets the same status and body, with ``Idempotent-Replayed:
+true``. The same key with a different body is 422. Answers that invite a retry (429,
+5xx) are not kept, so the retry runs. The store holds at most ``max_keys`` entries
+(the oldest go first) and forgets an entry ``window`` seconds after its answer.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+REPLAYED = (b"idempotent-replayed", b"true")
+
+
+@attrs.define(eq=False)
+class _Entry:
+    digest: bytes
+    done: trio.Event = attrs.Factory(trio.Event)
+    answer: Answer | None = None
+    expires: float = float("inf")
+
+
+class IdempotencyStore:
+    def __init__(self, *, window: float = 60.0, max_keys: int = 10_000) -> None:
+        self.window = window
+        self.max_keys = max_keys
+        self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
+        self.replayed = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def digest(body: bytes) -> bytes:
+        return hashlib.blake2b(body, digest_size=16).digest()
+
+    def _expire(self, now: float) -> None:
+        entries = self._entries
+        while entries:
+            e = next(iter(entries.values()))
+            if len(entries) <= self.max_keys and e.expires > now:
+                break  # (one still running has no expiry yet: it holds the line)
+            entries.popitem(last=False)
+
+    async def run(
+        self, key: Any, body: bytes, answer: Callable[[], Awaitable[Answer]]
+    ) -> Answer:
+        """The answer of the request ``key`` (``answer()`` runs at most once per
+        window unless it fails in a way worth retrying)."""
+        digest = self.digest(body)
+        while True:
+            now = trio.current_time()
+            self._expire(now)
+            entry = self._entries.get(key)
+            if entry is None:
+                break
+            if entry.digest != digest:
+                return 422, [(b"content-type", b"application/json")], (
+                    b'{"error":"Idempotency-Key was already used with a different request"}'
+                )
+            if entry.answer is not None:
+                self.replayed += 1
+                status, headers, body_out = entry.answer
+                return status, [*headers, REPLAYED], body_out
+            await entry.done.wait()  # the first is running; then look again
+        entry = _Entry(digest=digest)
+        self._entries[key] = entry
+        while len(self._entries) > self.max_keys:
+            self._entries.popitem(last=False)
+        try:
+            result = await answer()
+        except BaseException:
+            self._forget(key, entry)
+            raise
+        if result[0] == 429 or result[0] >= 500:
+            self._forget(key, entry)  # worth retrying: keep nothing
+        else:
+            entry.answer = result
+            entry.expires = trio.current_time() + self.window
+            entry.done.set()
+        return result
+
+    def _forget(self, key: Any, entry: _Entry) -> None:
+        if self._entries.get(key) is entry:
+            del self._entries[key]
+        entry.done.set()
