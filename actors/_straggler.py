@@ -62,6 +62,35 @@ class BatchTimer:
         return self._deadline
 
 
+class RecentQuantile:
+    """The ``q`` quantile of the last ``window`` values (None until ``min_samples``),
+    recomputed every 32 values."""
+
+    __slots__ = ("_i", "_samples", "_since", "min_samples", "q", "value", "window")
+
+    def __init__(self, q: float, *, window: int = 256, min_samples: int = 16) -> None:
+        self.q = q
+        self.window = window
+        self.min_samples = min_samples
+        self._samples: list[float] = []
+        self._i = 0
+        self._since = 0
+        self.value: float | None = None
+
+    def record(self, x: float) -> None:
+        s = self._samples
+        if len(s) < self.window:
+            s.append(x)
+        else:
+            s[self._i] = x
+            self._i = (self._i + 1) % self.window
+        self._since += 1
+        n = len(s)
+        if n >= self.min_samples and (self._since >= 32 or self.value is None):
+            self._since = 0
+            self.value = sorted(s)[min(n - 1, math.ceil(self.q * n) - 1)]
+
+
 def split_failed(
     batch: list[Request], *, poison_attempts: int
 ) -> tuple[list[list[Request]], list[Request]]:

@@ -152,6 +152,10 @@ class ModelConfig:
     batch_timeout_floor_ms: float = _field(_number(0.0, strict=True), 1000.0)
     batch_timeout_cap_ms: float = _field(_number(0.0, strict=True), 60_000.0)
     poison_attempts: int = _field(_int(1), 2)
+    slow_lane_cost: int | None = _field(_opt_int(1), None)
+    slow_lane_replicas: int = _field(_int(1), 1)
+    hedge: bool = _field(_bool, False)
+    hedge_after_ms: float | None = _field(_number(0.0, strict=True, optional=True), None)
     options: Mapping[str, Any] = _field(_mapping, attrs.Factory(dict))
 
     @backend.validator

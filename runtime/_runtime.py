@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
+import outcome
 import trio
 
 from ._actor import RestartPolicy, supervise
@@ -22,6 +23,7 @@ from ._errors import (
     Forbidden,
     InvalidInput,
     QuotaExceeded,
+    TrioserveError,
     Unauthorized,
     UnknownModel,
 )
@@ -41,10 +43,24 @@ class ServedModel:
     metrics: Any
     limits: Any
     timeout: float
+    #: requests of at least this cost go to the slow lane's own queue and replicas
+    slow_cost: int | None = None
+    slow_scheduler: Any = None
+    #: recent end-to-end latencies; their p95 is when a hedged request sends its copy
+    hedge_timer: Any = None
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    def scheduler_for(self, cost: int) -> Any:
+        if self.slow_cost is not None and cost >= self.slow_cost:
+            return self.slow_scheduler
+        return self.scheduler
+
+    @property
+    def schedulers(self) -> list[Any]:
+        return [s for s in (self.scheduler, self.slow_scheduler) if s is not None]
 
 
 class Runtime:
@@ -69,6 +85,8 @@ class Runtime:
         self.buckets: dict[str, Any] = {}
         #: cost units admitted per tenant (what its credits paid for, when it has some)
         self.credits_used: collections.Counter[str] = collections.Counter()
+        #: hedged copies sent (requests still unanswered after the model's p95)
+        self.hedges = 0
 
     # ------------------------------------------------------------ public
     async def infer(
@@ -167,7 +185,7 @@ class Runtime:
         try:
             try:
                 for req in requests:
-                    served.scheduler.submit_nowait(req)
+                    served.scheduler_for(req.cost).submit_nowait(req)
                     submitted += 1
             except BaseException:
                 self._refund(tenant, sum(c for _, c in prepared))  # none of them will run
@@ -197,7 +215,7 @@ class Runtime:
         for name, s in self.models.items():
             m = s.metrics
             out[name] = {
-                "queue_depth": s.scheduler.queue_depth(),
+                "queue_depth": sum(q.queue_depth() for q in s.schedulers),
                 "batches": m.batches,
                 "items": m.items,
                 "fill_ratio": m.fill_ratio,
@@ -211,6 +229,11 @@ class Runtime:
                 ],
                 "ready": self.model_ready(name),
                 **self._queue_statistics(s.scheduler.policy),
+                "slow_lane": (
+                    self._queue_statistics(s.slow_scheduler.policy)
+                    if s.slow_scheduler is not None else None
+                ),
+                "hedges_after_s": s.hedge_timer.value if s.hedge_timer is not None else None,
             }
         return out
 
@@ -414,20 +437,61 @@ class Runtime:
             answer_expiry=answer_expiry,
             reply=reply,
         )
+        scheduler = served.scheduler_for(cost)
         try:
-            served.scheduler.submit_nowait(request)
+            scheduler.submit_nowait(request)
         except BaseException:
             self._refund(tenant, cost)
             raise
         self._in_flight += 1
+        hedge = served.hedge_timer
         try:
-            result = await reply.wait()
+            if hedge is not None and priority == self._class_order[0]:
+                delay = served.config.hedge_after_ms
+                delay = delay / 1e3 if delay is not None else hedge.value
+                result = await (
+                    self._hedged(scheduler, request, delay) if delay is not None
+                    else reply.wait()
+                )
+            else:
+                result = await reply.wait()
         finally:
             self._in_flight -= 1
             if self._closed and not self._in_flight:
                 self._drained.set()
-        served.metrics.end_to_end.record(trio.current_time() - now)
+        elapsed = trio.current_time() - now
+        served.metrics.end_to_end.record(elapsed)
+        if hedge is not None:
+            hedge.record(elapsed)
         return result
+
+    async def _hedged(self, scheduler: Any, request: Request, delay: float) -> Any:
+        """Wait for ``request``; if it is not answered within ``delay``, send a copy
+        (any free replica may take it) and take whichever answer comes first. The
+        other is withdrawn (or, if already running, its answer dropped)."""
+        first: list[outcome.Outcome] = []
+        async with trio.open_nursery() as nursery:
+
+            async def wait_for(reply: Reply) -> None:
+                try:
+                    value: outcome.Outcome = outcome.Value(await reply.wait())
+                except Exception as exc:
+                    value = outcome.Error(exc)
+                if not first:
+                    first.append(value)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait_for, request.reply)
+            await trio.sleep(delay)
+            copy = attrs.evolve(request, reply=Reply(), arrival=trio.current_time())
+            try:
+                scheduler.submit_nowait(copy)
+            except TrioserveError:
+                pass  # no room for a copy: wait for the first alone
+            else:
+                self.hedges += 1
+                nursery.start_soon(wait_for, copy.reply)
+        return first[0].unwrap()
 
     async def _infer_split(
         self, served: ServedModel, item: Any, tenant: str, priority: str
@@ -519,7 +583,8 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
         for served in rt.models.values():
             for b in served.batchers:
                 b.close()
-            served.scheduler.close(closed)
+            for scheduler in served.schedulers:
+                scheduler.close(closed)
         watchdog.stop()
         if zygote is not None:
             await zygote.aclose()
@@ -574,6 +639,7 @@ async def _start_model(
         ClassSpec,
         FairQueue,
         ModelMetrics,
+        RecentQuantile,
         SchedulerActor,
         StragglerPolicy,
     )
@@ -591,6 +657,26 @@ async def _start_model(
         min_limit=2 * m.max_batch_size * len(m.replica_devices),
     )
     scheduler = SchedulerActor(m.name, queue)
+    n_replicas = len(m.replica_devices)
+    slow = None
+    if m.slow_lane_cost is not None:
+        if m.slow_lane_replicas >= n_replicas:
+            raise ConfigError(
+                f"models.{m.name}.slow_lane_replicas: the slow lane needs its own replicas "
+                f"and the fast lane at least one: must be < replicas ({n_replicas}), "
+                f"got {m.slow_lane_replicas}"
+            )
+        slow = SchedulerActor(m.name, FairQueue(
+            limits,
+            bound=cfg.runtime.queue_bound,
+            classes=queue.classes,
+            weights=queue.weights,
+            shares=queue.shares,
+            model=m.name,
+            adaptive=m.adaptive_limit,
+            min_limit=2 * m.max_batch_size * m.slow_lane_replicas,
+        ))
+        slow.name = f"scheduler[{m.name}:slow]"
     metrics = ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
     served = ServedModel(
         config=m,
@@ -600,6 +686,9 @@ async def _start_model(
         metrics=metrics,
         limits=limits,
         timeout=m.timeout_ms / 1e3 if m.timeout_ms is not None else math.inf,
+        slow_cost=m.slow_lane_cost,
+        slow_scheduler=slow,
+        hedge_timer=RecentQuantile(0.95) if m.hedge else None,
     )
     rt.models[m.name] = served
     if m.batch_timeout_cap_ms < m.batch_timeout_floor_ms:
@@ -616,11 +705,14 @@ async def _start_model(
         )
     )
     await nursery.start(supervise, scheduler, policy)
+    if slow is not None:
+        await nursery.start(supervise, slow, policy)
     for i, device in enumerate(m.replica_devices):
+        lane = slow if slow is not None and i >= n_replicas - m.slow_lane_replicas else scheduler
         batcher = BatcherActor(
             config=m,
             backend=backend,
-            scheduler=scheduler,
+            scheduler=lane,
             metrics=metrics,
             device=device,
             index=i,

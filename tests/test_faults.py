@@ -235,3 +235,102 @@ async def test_retried_requests_are_answered_exactly_once(autojump_clock):
     assert requests == []
     assert RequestState.DONE  # (the state machine is what guarantees once)
     assert seen.count(3.0) == 4  # 8 -> 4 -> 2 -> 1
+
+
+# ---------------------------------------------------------------- slow lane, hedging
+class LenCost(trioserve.ModelBackend):
+    """Items cost their length; run in a worker thread; an item starting with 99 waits
+    for ``release``. Records the thread (replica) each batch ran on."""
+
+    inputs = (trioserve.TensorSpec(name="x", datatype="FP32", shape=(-1,)),)
+    outputs = (trioserve.TensorSpec(name="y", datatype="FP32", shape=(-1,)),)
+    default_execution = "thread"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.ran: list[tuple[int, list[float]]] = []
+
+    def prepare(self, name, inputs):
+        it, _ = super().prepare(name, inputs)
+        return it, int(it["x"].shape[0])
+
+    def load(self, device, *, torch_threads=1):
+        def run(items):
+            self.ran.append((threading.get_ident(), [key(it) for it in items]))
+            if any(key(it) == 99.0 for it in items):
+                self.release.wait(30)
+            return [{"y": it["x"]} for it in items]
+
+        return run
+
+
+async def test_the_slow_lane_keeps_long_requests_from_holding_back_short_ones(autojump_clock):
+    backend = LenCost()
+    cfg = config(
+        ModelConfig(
+            name="m", backend=backend, replicas=2, slow_lane_cost=100, max_batch_size=8,
+            max_wait_ms=1, timeout_ms=None,
+        )
+    )
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            served = rt.models["m"]
+            async with trio.open_nursery() as nursery:
+                long = np.zeros(200, np.float32)
+                long[0] = 99.0
+                nursery.start_soon(rt.infer, "m", {"x": long})  # held in the slow lane
+                await trio.testing.wait_all_tasks_blocked()
+                outs = [await rt.infer("m", item(v, n=4)) for v in range(3)]
+                assert [float(o["y"][0]) for o in outs] == [0.0, 1.0, 2.0]
+                assert served.slow_scheduler.policy.stats[("t", "realtime")].dispatched == 1
+                assert served.scheduler.policy.stats[("t", "realtime")].dispatched == 3
+                backend.release.set()
+    finally:
+        backend.release.set()
+    slow_thread = next(t for t, keys in backend.ran if 99.0 in keys)
+    assert all(t != slow_thread for t, keys in backend.ran if 99.0 not in keys)
+
+
+async def test_a_slow_lane_needs_a_replica_of_its_own():
+    cfg = config(ModelConfig(name="m", backend=LenCost(), slow_lane_cost=10))
+    with pytest.raises(trioserve.ConfigError, match=r"^models\.m\.slow_lane_replicas: the slow"):
+        async with trioserve.open_runtime(cfg):
+            pass
+
+
+async def test_a_hedged_request_takes_the_copys_answer_when_the_first_straggles(autojump_clock):
+    backend = LenCost()
+    first_run = threading.Event()
+
+    class OnceSlow(LenCost):
+        def load(self, device, *, torch_threads=1):
+            def run(items):
+                self.ran.append((threading.get_ident(), [key(it) for it in items]))
+                if not first_run.is_set():
+                    first_run.set()
+                    self.release.wait(30)  # the first run of all straggles
+                return [{"y": it["x"] + 1} for it in items]
+
+            return run
+
+    backend = OnceSlow()
+    cfg = config(
+        ModelConfig(
+            name="m", backend=backend, replicas=2, hedge=True, hedge_after_ms=50,
+            max_batch_size=4, max_wait_ms=0, timeout_ms=None,
+        )
+    )
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            t0 = trio.current_time()
+            out = await rt.infer("m", item(7))
+            assert float(out["y"][0]) == 8.0
+            assert trio.current_time() - t0 >= 0.05  # the copy went after 50 ms
+            assert rt.hedges == 1
+            backend.release.set()
+            # A batch-class request is never hedged.
+            await rt.infer("m", item(8), priority="batch")
+            assert rt.hedges == 1
+    finally:
+        backend.release.set()
+    assert [keys for _, keys in backend.ran[:2]] == [[7.0], [7.0]]

@@ -89,7 +89,7 @@ class GatewayCollector(Collector):
             batches.add_metric([name], m.batches)
             items.add_metric([name], m.items)
             fill.add_metric([name], m.fill_ratio)
-            depth.add_metric([name], served.scheduler.queue_depth())
+            depth.add_metric([name], sum(q.queue_depth() for q in served.schedulers))
             for outcome, n in sorted(m.statuses.items()):
                 outcomes.add_metric([name, str(outcome)], n)
         yield from (latency, batches, items, fill, depth, outcomes)
