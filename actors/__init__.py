@@ -12,6 +12,7 @@ from ._cache import CacheRule as CacheRule
 from ._cache import CacheStatistics as CacheStatistics
 from ._cache import LruPolicy as LruPolicy
 from ._cache import WTinyLFU as WTinyLFU
+from ._cache_actor import CacheActor as CacheActor
 from ._cachekey import SHARED_NAMESPACE as SHARED_NAMESPACE
 from ._cachekey import CacheKey as CacheKey
 from ._cachekey import cache_key as cache_key

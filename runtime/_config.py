@@ -156,6 +156,10 @@ class ModelConfig:
     slow_lane_replicas: int = _field(_int(1), 1)
     hedge: bool = _field(_bool, False)
     hedge_after_ms: float | None = _field(_number(0.0, strict=True, optional=True), None)
+    cache: bool = _field(_bool, True)
+    cache_ttl_s: float | None = _field(_number(0.0, strict=True, optional=True), None)
+    cache_shared: bool = _field(_bool, False)
+    coalesce: bool = _field(_bool, False)
     options: Mapping[str, Any] = _field(_mapping, attrs.Factory(dict))
 
     @backend.validator
@@ -262,6 +266,20 @@ class RuntimeLimits:
 
 
 @attrs.frozen(kw_only=True)
+class CacheConfig:
+    """The result cache: ``capacity_bytes`` 0 turns it off (the default). With a
+    capacity, every model's results are cached unless the model says ``cache =
+    false``; identical requests in flight are then coalesced too."""
+
+    capacity_bytes: int = _field(_int(0), 0)
+    policy: str = _field(_choice(("tinylfu", "lru")), "tinylfu")
+    tenant_quota_bytes: int | None = _field(_opt_int(1), None)
+
+    def _path(self) -> str:
+        return "cache"
+
+
+@attrs.frozen(kw_only=True)
 class ServerConfig:
     """Where and how the network gateway listens."""
 
@@ -289,6 +307,7 @@ class Config:
     classes: tuple[ClassConfig, ...] = attrs.field(converter=_tuple, factory=default_classes)
     runtime: RuntimeLimits = attrs.field(factory=RuntimeLimits)
     server: ServerConfig = attrs.field(factory=ServerConfig)
+    cache: CacheConfig = attrs.field(factory=CacheConfig)
 
     def __attrs_post_init__(self) -> None:
         for kind, items, cls in (
@@ -347,7 +366,7 @@ def _unique(kind: str, names: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- TOML
-_TOP_KEYS = ("models", "tenants", "classes", "runtime", "server")
+_TOP_KEYS = ("models", "tenants", "classes", "runtime", "server", "cache")
 
 
 def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
@@ -391,6 +410,8 @@ def config_from_mapping(data: Mapping[str, Any]) -> Config:
         kw["runtime"] = _build(RuntimeLimits, data["runtime"], "runtime")
     if "server" in data:
         kw["server"] = _build(ServerConfig, data["server"], "server")
+    if "cache" in data:
+        kw["cache"] = _build(CacheConfig, data["cache"], "cache")
     return Config(**kw)
 
 

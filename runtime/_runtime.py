@@ -87,6 +87,9 @@ class Runtime:
         self.credits_used: collections.Counter[str] = collections.Counter()
         #: hedged copies sent (requests still unanswered after the model's p95)
         self.hedges = 0
+        #: the result cache and in-flight coalescing (None when no model uses them)
+        self.cache: Any = None
+        self._cached: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------ public
     async def infer(
@@ -112,6 +115,17 @@ class Runtime:
         served = self._served(model, version)
         tenant, priority = self._classify(tenant, priority)
         item, cost = served.backend.prepare(model, inputs)
+        if model in self._cached:
+            return await self.cache.answer(
+                model, version or served.config.versions[0], tenant, item,
+                lambda: self._infer_prepared(served, item, cost, tenant, priority),
+            )
+        return await self._infer_prepared(served, item, cost, tenant, priority)
+
+    async def _infer_prepared(
+        self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str
+    ) -> dict[str, Any]:
+        model = served.config.name
         limits = served.limits
         if limits.max_tokens is not None and cost > limits.max_tokens:
             if limits.oversize == "split" and served.backend.supports_split:
@@ -257,6 +271,18 @@ class Runtime:
             "admission_limit": limit.value if limit is not None else None,
             "service_rate": getattr(policy, "rate", None),
         }
+
+    def cache_statistics(self) -> dict[str, Any]:
+        """The result cache (hits, misses, hit rate, bytes, evictions, admissions
+        rejected) and coalescing (requests that joined one in flight); {} when off."""
+        return self.cache.statistics() if self.cache is not None else {}
+
+    def invalidate_cache(self, model: str, version: str | None = None) -> int:
+        """Drop the cached results of a model (or of one of its versions); return how
+        many. Call it when the model's weights change under the same version."""
+        if self.cache is None or self.cache.cache is None:
+            return 0
+        return self.cache.cache.invalidate(model, version)
 
     def tenant_statistics(self) -> dict[str, dict[str, Any]]:
         """Per tenant: cost units admitted (credits used) and, for tenants with a
@@ -560,6 +586,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                 ):
                     zygote = Zygote()
                     await zygote.start()
+                await _start_cache(nursery, rt, policy)
                 for m in config.models:
                     await _start_model(
                         nursery, rt, m, backends[m.name], policy, zygote, watchdog
@@ -590,6 +617,35 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
             await zygote.aclose()
     if body_error is not None:
         raise body_error
+
+
+async def _start_cache(nursery: trio.Nursery, rt: Runtime, policy: RestartPolicy) -> None:
+    """The cache actor, when the cache has a capacity or a model coalesces."""
+    from trioserve.actors import Cache, CacheActor, CacheRule
+
+    cfg = rt.config
+    cache = None
+    if cfg.cache.capacity_bytes > 0:
+        cache = Cache(
+            cfg.cache.capacity_bytes,
+            policy=cfg.cache.policy,
+            rules={
+                m.name: CacheRule(
+                    enabled=m.cache,
+                    ttl=m.cache_ttl_s if m.cache_ttl_s is not None else math.inf,
+                    shareable=m.cache_shared,
+                )
+                for m in cfg.models
+            },
+            default_quota=cfg.cache.tenant_quota_bytes,
+        )
+    actor = CacheActor(cache, coalesce={m.name: m.coalesce for m in cfg.models})
+    cached = frozenset(m.name for m in cfg.models if actor.handles(m.name))
+    if not cached:
+        return
+    rt.cache = actor
+    rt._cached = cached
+    await nursery.start(supervise, actor, policy)
 
 
 def _make_buckets(rt: Runtime, now: float) -> None:

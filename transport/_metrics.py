@@ -179,6 +179,22 @@ class GatewayCollector(Collector):
             if t["credits_available"] is not None:
                 avail.add_metric([tenant], t["credits_available"])
         yield from (used, avail)
+        cache = gw.runtime.cache_statistics()
+        if cache:
+            for key, kind, doc in (
+                ("hits", "counter", "Result cache hits."),
+                ("misses", "counter", "Result cache misses."),
+                ("evictions", "counter", "Cached results evicted to make room."),
+                ("admissions_rejected", "counter", "Results the cache declined to keep."),
+                ("coalesced", "counter", "Requests that joined an identical one in flight."),
+                ("bytes_used", "gauge", "Bytes the result cache holds."),
+                ("entries", "gauge", "Results the cache holds."),
+                ("hit_rate", "gauge", "Hits over lookups since start."),
+            ):
+                if key not in cache:
+                    continue
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(f"trioserve_cache_{key}", doc, value=cache[key])
 
 
 def metrics_registry(gateway: Gateway) -> CollectorRegistry:

@@ -1,0 +1,134 @@
+"""The cache actor: the result cache and in-flight coalescing in front of the
+schedulers.
+
+``answer(model, version, tenant, item, compute)`` returns a cached result at once, or
+joins an identical request already in flight, or runs ``compute()`` once for every
+concurrent caller of that key (in the actor's own nursery, so a caller leaving does
+not cancel it for the others) and caches what it returns. The actor's task also drops
+expired entries as their TTLs pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import numpy as np
+import trio
+from trioserve import Actor
+
+from ._cache import Cache, CacheRule
+from ._cachekey import cache_key
+from ._singleflight import SingleFlight
+
+#: bytes counted per cached answer besides its arrays (dict, key, bookkeeping)
+OVERHEAD = 256
+
+
+def answer_size(value: Any) -> int:
+    """Bytes a model's answer holds: its arrays, plus a fixed overhead."""
+    if isinstance(value, Mapping):
+        return OVERHEAD + sum(
+            v.nbytes if isinstance(v, np.ndarray) else 64 for v in value.values()
+        )
+    return OVERHEAD
+
+
+def _read_only(value: Any) -> Any:
+    # One answer object goes to many callers: none may change it under the others.
+    if isinstance(value, Mapping):
+        for v in value.values():
+            if isinstance(v, np.ndarray):
+                v.flags.writeable = False
+    return value
+
+
+class CacheActor(Actor):
+    """Owns a :class:`Cache` (None: no result cache, coalescing only) and a
+    :class:`SingleFlight` table. ``rules`` say per model whether it is cached or
+    coalesced at all."""
+
+    def __init__(
+        self,
+        cache: Cache | None,
+        *,
+        coalesce: Mapping[str, bool],
+    ) -> None:
+        super().__init__()
+        self.name = "cache"
+        self.cache = cache
+        self._coalesce = dict(coalesce)
+        self._flights: SingleFlight | None = None
+        self._wake = trio.lowlevel.ParkingLot()
+
+    def handles(self, model: str) -> bool:
+        """Whether requests of ``model`` go through the cache actor at all."""
+        return self._coalesce.get(model, False) or (
+            self.cache is not None and self.cache.rule(model).enabled
+        )
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._flights = SingleFlight(nursery)
+            task_status.started(self)
+            try:
+                while True:
+                    deadline = self.cache.next_expiry() if self.cache is not None else None
+                    with trio.move_on_at(deadline if deadline is not None else float("inf")):
+                        await self._wake.park()
+                    if self.cache is not None:
+                        self.cache.expire(trio.current_time())
+            finally:
+                self._flights = None
+
+    async def answer(
+        self,
+        model: str,
+        version: str,
+        tenant: str,
+        item: Any,
+        compute: Callable[[], Awaitable[Any]],
+    ) -> Any:
+        """The answer for ``item``: cached, joined, or computed once. A checkpoint."""
+        cache = self.cache
+        rule = cache.rule(model) if cache is not None else CacheRule(enabled=False)
+        if rule.enabled:
+            key = cache.key(model, version, tenant, item)  # type: ignore[union-attr]
+            now = trio.current_time()
+            hit = cache.get(key, now)  # type: ignore[union-attr]
+            if hit is not None:
+                await trio.lowlevel.checkpoint()
+                return hit
+        else:
+            key = cache_key(model, version, tenant, item)
+        flights = self._flights
+        if flights is None:  # not running (shutting down): compute without sharing
+            return await compute()
+
+        async def compute_and_keep() -> Any:
+            value = _read_only(await compute())
+            if rule.enabled:
+                before = cache.next_expiry()  # type: ignore[union-attr]
+                cache.put(  # type: ignore[union-attr]
+                    key, value, size=answer_size(value), now=trio.current_time(), tenant=tenant
+                )
+                if cache.next_expiry() < before:  # type: ignore[union-attr]
+                    self._wake.unpark_all()
+            return value
+
+        return await flights.call(key, compute_and_keep)
+
+    def statistics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.cache is not None:
+            s = self.cache.statistics()
+            out.update(
+                policy=s.policy, capacity_bytes=s.capacity, bytes_used=s.bytes_used,
+                entries=s.entries, hits=s.hits, misses=s.misses, hit_rate=s.hit_rate,
+                evictions=s.evictions, admissions_rejected=s.admissions_rejected,
+                expirations=s.expirations, invalidations=s.invalidations,
+            )
+        if self._flights is not None:
+            f = self._flights.statistics()
+            out.update(coalesced=f.coalesced, computations=f.started, in_flight=f.in_flight)
+        return out

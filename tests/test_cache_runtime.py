@@ -1,0 +1,123 @@
+"""The result cache and in-flight coalescing through ``Runtime.infer``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+import trioserve
+from runtime_helpers import callable_model, item, key
+from trioserve import CacheConfig, ModelConfig, TenantConfig
+
+
+class Counting:
+    """A model doubling ``x`` that counts how often it saw each key; with a gate, a
+    batch waits for ``release`` (run it in a thread)."""
+
+    def __init__(self, gated: bool = False) -> None:
+        self.seen: list[float] = []
+        self.gated = gated
+        self.release = threading.Event()
+
+    def __call__(self, items):
+        self.seen.extend(key(it) for it in items)
+        if self.gated:
+            self.release.wait(30)
+        return [{"y": it["x"] * 2} for it in items]
+
+
+def cfg(*models: ModelConfig, capacity: int = 1 << 20) -> trioserve.Config:
+    return trioserve.Config(
+        models=models,
+        tenants=(TenantConfig(name="a", default=True), TenantConfig(name="b")),
+        cache=CacheConfig(capacity_bytes=capacity),
+    )
+
+
+async def test_a_repeat_is_answered_from_the_cache(autojump_clock):
+    model = Counting()
+    async with trioserve.open_runtime(cfg(callable_model("m", model))) as rt:
+        first = await rt.infer("m", item(3))
+        again = await rt.infer("m", item(3))
+        other = await rt.infer("m", item(4))
+        stats = rt.cache_statistics()
+    assert model.seen == [3.0, 4.0]
+    assert float(first["y"][0]) == float(again["y"][0]) == 6.0
+    assert float(other["y"][0]) == 8.0
+    assert (stats["hits"], stats["misses"]) == (1, 2)
+    assert not again["y"].flags.writeable  # one answer object serves many callers
+
+
+async def test_tenants_never_share_results_unless_the_model_is_shareable(autojump_clock):
+    private, shared = Counting(), Counting()
+    config = cfg(callable_model("p", private), callable_model("s", shared, cache_shared=True))
+    async with trioserve.open_runtime(config) as rt:
+        for tenant in ("a", "b", "a"):
+            await rt.infer("p", item(1), tenant=tenant)
+            await rt.infer("s", item(1), tenant=tenant)
+    assert private.seen == [1.0, 1.0]  # once per tenant
+    assert shared.seen == [1.0]
+
+
+async def test_a_model_may_opt_out_and_the_cache_is_off_by_default(autojump_clock):
+    out, off = Counting(), Counting()
+    async with trioserve.open_runtime(cfg(callable_model("m", out, cache=False))) as rt:
+        await rt.infer("m", item(1))
+        await rt.infer("m", item(1))
+        assert rt.cache is None  # no model is cached or coalesced: no cache actor
+    default = trioserve.Config(models=(callable_model("m", off),))
+    async with trioserve.open_runtime(default) as rt:
+        await rt.infer("m", item(1))
+        await rt.infer("m", item(1))
+    assert out.seen == [1.0, 1.0]
+    assert off.seen == [1.0, 1.0]
+
+
+async def test_entries_expire_after_the_models_ttl(autojump_clock):
+    model = Counting()
+    async with trioserve.open_runtime(cfg(callable_model("m", model, cache_ttl_s=10))) as rt:
+        await rt.infer("m", item(1))
+        await trio.sleep(9.9)
+        await rt.infer("m", item(1))
+        await trio.sleep(0.2)
+        await rt.infer("m", item(1))
+    assert model.seen == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("capacity", [0, 1 << 20])
+async def test_identical_requests_in_flight_share_one_computation(capacity):
+    model = Counting(gated=True)
+    config = cfg(
+        callable_model("m", model, execution="thread", coalesce=True, max_wait_ms=0),
+        capacity=capacity,
+    )
+    try:
+        async with trioserve.open_runtime(config) as rt:
+            outs = []
+
+            async def one(scope=None):
+                outs.append(await rt.infer("m", item(5)))
+
+            async with trio.open_nursery() as nursery:
+                leaver = trio.CancelScope()
+
+                async def leaving():
+                    with leaver:
+                        await rt.infer("m", item(5))
+
+                nursery.start_soon(leaving)  # the first caller, which then leaves
+                await trio.testing.wait_all_tasks_blocked()
+                for _ in range(3):
+                    nursery.start_soon(one)
+                await trio.testing.wait_all_tasks_blocked()
+                leaver.cancel()  # the others still get the answer
+                await trio.testing.wait_all_tasks_blocked()
+                model.release.set()
+            stats = rt.cache_statistics()
+    finally:
+        model.release.set()
+    assert model.seen == [5.0]
+    assert [float(o["y"][0]) for o in outs] == [10.0] * 3
+    assert stats["coalesced"] == 3
+    assert stats["computations"] == 1
