@@ -25,6 +25,7 @@ their entries.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import random
@@ -627,6 +628,15 @@ class Cache:
             return None
         ns = namespace_for(tenant, shareable=rule.shareable)
         return cache_key(model, version, ns, inputs, params)
+
+    def raw_key(self, model: str, version: str, tenant: str, raw: bytes) -> CacheKey | None:
+        """The key of an encoded request (a wire body, as bytes) by ``tenant``: for an
+        edge that keeps whole encoded answers. Never equal to a :meth:`key`."""
+        rule = self.rule(model)
+        if not rule.enabled:
+            return None
+        digest = b"raw:" + hashlib.blake2b(raw, digest_size=16).digest()
+        return CacheKey(namespace_for(tenant, shareable=rule.shareable), model, version, digest)
 
     def put(
         self, key: CacheKey, value: Any, *, size: int, now: float, tenant: str | None = None

@@ -312,6 +312,8 @@ class FairQueue:
             # cheap first: everything queued or running ahead of it (an upper bound)
             and now + (self._total_cost + self.in_service + request.cost) / rate > deadline
         ):
+            if self._dead:
+                self._compact()  # the estimate must count live requests only
             wait = self.estimated_wait(tenant, c, request.cost)
             if now + wait > deadline:
                 raise Overloaded(
@@ -419,7 +421,7 @@ class FairQueue:
         self._total_cost -= req.cost
         self._stats(tenant, self.classes[c].name).queued -= 1
 
-    def _expired(self, request: Request, c: int, *, in_flow: bool = False) -> None:
+    def _expired(self, request: Request, c: int, now: float, *, in_flow: bool = False) -> None:
         """Answer (or, for a caller's deadline, withdraw) an expired request;
         ``in_flow`` when it is still in its flow's deque (it becomes a dead entry)."""
         request.reply.on_cancel = None
@@ -428,7 +430,7 @@ class FairQueue:
         self.expired += 1
         self._stats(request.tenant, self.classes[c].name).expired += 1
         if self.limit is not None:
-            self.limit.on_congestion(request.deadline)
+            self.limit.on_congestion(now)
             self._update_capacity()
         if request.answer_expiry:
             request.reply.set_error(
@@ -454,7 +456,7 @@ class FairQueue:
             elif req.deadline <= now:
                 q.popleft()
                 self._forget(req, tenant, c)
-                self._expired(req, c)
+                self._expired(req, c, now)
             else:
                 return req
         self._active[c].pop(tenant, None)
@@ -467,7 +469,7 @@ class FairQueue:
             if req.reply.state is _QUEUED:
                 if req.deadline > now:
                     return req
-                self._expired(req, c, in_flow=True)  # its flow drops it lazily
+                self._expired(req, c, now, in_flow=True)  # its flow drops it lazily
             arrivals.popleft()
         return None
 
@@ -562,7 +564,7 @@ class FairQueue:
             if req.deadline <= now:
                 q.popleft()
                 self._forget(req, tenant, c)
-                self._expired(req, c)
+                self._expired(req, c, now)
                 continue
             cost = req.cost
             if builder.count == 0 and lim.oversize_cost(cost):
@@ -718,7 +720,7 @@ class FairQueue:
             _, _, req = heapq.heappop(h)
             if req.reply.state is _QUEUED:
                 c = self._rank.get(req.priority, len(self.classes) - 1)
-                self._expired(req, c, in_flow=True)
+                self._expired(req, c, now, in_flow=True)
                 n += 1
         return n  # answered entries leave their deques lazily
 

@@ -221,8 +221,8 @@ class TenantConfig:
     request classes (empty: all); its first allowed class (in class order) is its
     default. ``credit_rate`` / ``credit_burst`` make a token bucket in the models'
     cost units (items, or tokens) per second (rate None: unlimited; burst None: one
-    second of rate). ``queue_share`` is the largest fraction of a model's queue its
-    requests may hold while other tenants' requests are waiting to get in.
+    second of rate). ``queue_share`` is the largest fraction of a model's queue
+    (``queue_bound``) its requests may hold; past it, its requests get 429.
     """
 
     name: str = _field(_str)

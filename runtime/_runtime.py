@@ -22,6 +22,7 @@ from ._errors import (
     ConfigError,
     Forbidden,
     InvalidInput,
+    Overloaded,
     QuotaExceeded,
     TrioserveError,
     Unauthorized,
@@ -206,10 +207,12 @@ class Runtime:
                 raise
             results: list[Any] = []
             first_error: BaseException | None = None
-            for reply in replies:
+            for reply, req in zip(replies, requests, strict=True):
                 try:
                     results.append(await reply.wait())
                 except Exception as exc:
+                    if isinstance(exc, Overloaded):
+                        self._refund(tenant, req.cost)  # pushed out: it never ran
                     first_error = first_error or exc
                     results.append(None)
         finally:
@@ -276,6 +279,23 @@ class Runtime:
         """The result cache (hits, misses, hit rate, bytes, evictions, admissions
         rejected) and coalescing (requests that joined one in flight); {} when off."""
         return self.cache.statistics() if self.cache is not None else {}
+
+    # ---- the edge's use of the cache: whole encoded answers, keyed by the raw request
+    def response_key(self, model: str, version: str | None, tenant: str, raw: bytes) -> Any:
+        """The cache key of a wire request's encoded answer (None: ``model`` is not
+        cached). Identical bytes from the same tenant (or any tenant, for a shareable
+        model) get the same answer without being parsed, run or encoded again."""
+        if model not in self._cached or self.cache.cache is None:
+            return None
+        return self.cache.cache.raw_key(
+            model, version or self.models[model].config.versions[0], tenant, raw
+        )
+
+    def cached_response(self, key: Any) -> Any:
+        return self.cache.cache.get(key, trio.current_time())
+
+    def keep_response(self, key: Any, answer: Any, size: int, tenant: str) -> None:
+        self.cache.cache.put(key, answer, size=size, now=trio.current_time(), tenant=tenant)
 
     def invalidate_cache(self, model: str, version: str | None = None) -> int:
         """Drop the cached results of a model (or of one of its versions); return how
@@ -481,6 +501,11 @@ class Runtime:
                 )
             else:
                 result = await reply.wait()
+        except Overloaded:
+            # Admitted, then pushed out of a full queue by another tenant: it never
+            # ran, so it is not charged.
+            self._refund(tenant, cost)
+            raise
         finally:
             self._in_flight -= 1
             if self._closed and not self._in_flight:

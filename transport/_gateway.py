@@ -170,6 +170,16 @@ class Gateway:
                     raise InvalidInput(
                         "Inference-Header-Content-Length must be an integer"
                     ) from None
+            rt = self.runtime
+            rkey = None
+            if rt.cache is not None:
+                raw = body if hlen is None else b"%d|" % hlen + body
+                rkey = rt.response_key(model, version, tenant, raw)
+                if rkey is not None:
+                    hit = rt.cached_response(rkey)
+                    if hit is not None:
+                        self.requests[(label, tenant, 200)] += 1
+                        return hit
             request = InferRequest.from_v2_json(body, sig, version=version, header_length=hlen)
             results = await self.run_request(request, tenant)
             out, json_len = encode_response(request, results, sig)
@@ -183,8 +193,12 @@ class Gateway:
             self.in_flight -= 1
         self.requests[(label, tenant, 200)] += 1
         if json_len is None:
-            return 200, [JSON], out
-        return 200, [OCTETS, (b"inference-header-content-length", b"%d" % json_len)], out
+            answer = 200, [JSON], out
+        else:
+            answer = 200, [OCTETS, (b"inference-header-content-length", b"%d" % json_len)], out
+        if rkey is not None:
+            self.runtime.keep_response(rkey, answer, len(out) + 256, tenant)
+        return answer
 
     async def run_request(self, request: InferRequest, tenant: str) -> list[Any]:
         """Submit a validated request's items and return their outputs in order.

@@ -1,0 +1,577 @@
+"""Admission: the FairQueue's shed decisions (full queue, push-out, queue share,
+estimated wait, withdrawn requests), driven directly with time as an argument; and the
+runtime's front door under MockClock: request classification (tenants, classes,
+integer levels), tenant credits (reject or wait), class timeouts and per-flow stats.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import trio
+import trio.testing
+import trioserve
+from runtime_helpers import CostModel, Gate, Recorder, at, callable_model, item
+from trioserve import (
+    ClassConfig,
+    DeadlineExceeded,
+    Forbidden,
+    InvalidInput,
+    ModelConfig,
+    Overloaded,
+    QuotaExceeded,
+    Request,
+    RequestState,
+    TenantConfig,
+    Unauthorized,
+)
+from trioserve.actors import BatchLimits, ClassSpec, FairQueue
+
+QUEUED = RequestState.QUEUED
+DONE = RequestState.DONE
+
+
+def req(
+    tenant: str = "a",
+    cost: int = 1,
+    *,
+    cls: str = "default",
+    arrival: float = 0.0,
+    deadline: float = math.inf,
+) -> Request:
+    return Request(
+        model="m",
+        item=None,
+        cost=cost,
+        tenant=tenant,
+        priority=cls,
+        arrival=arrival,
+        deadline=deadline,
+        answer_expiry=deadline < math.inf,
+    )
+
+
+def queue(bound: int, *, max_size: int = 1, max_wait: float = 0.0, **kw) -> FairQueue:
+    return FairQueue(
+        BatchLimits(max_size=max_size, max_wait=max_wait),
+        bound=bound,
+        model="m",
+        adaptive=False,
+        **kw,
+    )
+
+
+def fill(q: FairQueue, tenant: str, n: int, **kw) -> list[Request]:
+    rs = [req(tenant, **kw) for _ in range(n)]
+    for r in rs:
+        q.offer(r, 0.0)
+    return rs
+
+
+async def error_of(r: Request) -> BaseException:
+    """The error ``r`` was answered with."""
+    assert r.reply.state is DONE
+    try:
+        await r.reply.wait()
+    except Exception as exc:
+        return exc
+    raise AssertionError("answered with a value")
+
+
+# ---------------------------------------------------------------- full queue
+def test_a_full_queue_refuses_with_overloaded_a_message_and_retry_after():
+    q = queue(3, max_wait=0.2)
+    fill(q, "a", 3)
+    with pytest.raises(Overloaded, match=r"^model 'm': queue full \(3 requests waiting\)$") as e:
+        q.offer(req("a"), 0.0)
+    assert type(e.value) is Overloaded
+    assert e.value.retry_after == 0.2  # no service rate yet: the batch wait
+    assert len(q) == 3
+    assert q.stats["a", "default"].admitted == 3
+    assert q.stats["a", "default"].shed == 1
+
+
+def test_retry_after_is_the_queued_work_over_the_measured_rate():
+    q = queue(4, max_size=2)
+    fill(q, "a", 4)
+    b1, b2 = q.next_batch(0.0), q.next_batch(0.0)
+    q.completed(b1, 1.0)
+    q.completed(b2, 2.0)  # two full batches 1 s apart: 2 units/s
+    assert q.rate == 2.0
+    fill(q, "a", 4)
+    with pytest.raises(Overloaded) as e:
+        q.offer(req("a"), 2.0)
+    assert e.value.retry_after == 2.0  # 4 units queued at 2 units/s
+
+
+# ---------------------------------------------------------------- push-out
+async def test_a_tenant_under_its_share_pushes_out_the_newest_of_the_most_over_share():
+    q = queue(4)
+    a = fill(q, "a", 4)
+    b1 = req("b")
+    q.offer(b1, 0.0)  # b holds 0 of its share 2; a holds 4
+    assert b1.reply.state is QUEUED
+    assert [r.reply.state for r in a] == [QUEUED] * 3 + [DONE]  # only a's newest
+    err = await error_of(a[3])
+    assert type(err) is Overloaded
+    assert str(err) == (
+        "model 'm': pushed out of a full queue by another tenant's request "
+        "(this tenant is over its share)"
+    )
+    assert err.retry_after > 0
+    q.offer(req("b"), 0.0)  # b holds 1 of 2: a's next newest goes
+    assert [r.reply.state for r in a] == [QUEUED, QUEUED, DONE, DONE]
+    assert len(q) == 4
+    assert q.stats["a", "default"].shed == 2
+    assert q.stats["a", "default"].queued == 2
+
+
+def test_a_tenant_at_or_over_its_share_of_a_full_queue_is_refused():
+    q = queue(4)
+    a = fill(q, "a", 4)
+    fill(q, "b", 2)  # pushes out two of a's: 2 and 2, both at their share
+    with pytest.raises(Overloaded, match="queue full"):
+        q.offer(req("b"), 0.0)
+    with pytest.raises(Overloaded, match="queue full"):
+        q.offer(req("a"), 0.0)
+    assert [r.reply.state for r in a] == [QUEUED, QUEUED, DONE, DONE]
+    assert len(q) == 4
+
+
+async def test_push_out_follows_weights_and_takes_the_victims_lowest_class_first():
+    classes = (ClassSpec(name="hi"), ClassSpec(name="lo"))
+    q = queue(6, classes=classes, weights={"a": 1.0, "b": 2.0, "c": 1.0})
+    a_lo = fill(q, "a", 1, cls="lo")
+    a_hi = fill(q, "a", 2, cls="hi")  # newer than a_lo, but of a higher class
+    b = fill(q, "b", 3)  # shares of 6 among a, b: a 2, b 4
+    # c (weight 1 of 4): shares a 1.5, b 3, c 1.5; a is most over (1.5), b at 0.
+    c = req("c", cls="hi")
+    q.offer(c, 0.0)
+    assert c.reply.state is QUEUED
+    assert a_lo[0].reply.state is DONE
+    assert type(await error_of(a_lo[0])) is Overloaded
+    assert all(r.reply.state is QUEUED for r in a_hi + b)
+    assert q.stats["a", "lo"].shed == 1
+
+
+# ---------------------------------------------------------------- queue share
+def test_a_tenant_holding_its_queue_share_gets_quota_exceeded_others_still_get_in():
+    q = queue(10, shares={"a": 0.5})
+    fill(q, "a", 5)
+    with pytest.raises(
+        QuotaExceeded, match=r"^model 'm': tenant 'a' holds its queue share \(0\.5 of 10\)$"
+    ) as e:
+        q.offer(req("a"), 0.0)
+    assert e.value.retry_after > 0
+    fill(q, "b", 5)  # the rest of the queue is open to others
+    assert len(q) == 10
+    assert q.stats["a", "default"].shed == 1
+    q.next_batch(0.0)  # one of a's leaves: a may queue one more
+    q.offer(req("a"), 0.0)
+
+
+# ---------------------------------------------------------------- estimated wait
+def _measured(max_size: int = 2) -> FairQueue:
+    """A queue that has measured a service rate of 2 units/s (and holds nothing)."""
+    q = queue(100, max_size=max_size)
+    fill(q, "a", 2 * max_size)
+    b1, b2 = q.next_batch(0.0), q.next_batch(0.0)
+    q.completed(b1, 1.0)
+    q.completed(b2, 2.0)
+    assert q.rate == 2.0
+    assert q.in_service == 0
+    return q
+
+
+def test_a_request_whose_estimated_wait_passes_its_deadline_is_shed_at_once():
+    q = _measured()
+    now = 2.0
+    for _ in range(6):
+        q.offer(req("a", arrival=now), now)
+    # a's 7th unit waits for its own 6 ahead: 7 / 2 = 3.5 s > 3 s left.
+    with pytest.raises(
+        Overloaded,
+        match=r"^model 'm': estimated queue wait 3500 ms exceeds the request's deadline "
+        r"\(3000 ms left\)$",
+    ) as e:
+        q.offer(req("a", arrival=now, deadline=now + 3.0), now)
+    assert e.value.retry_after == 3.5
+    # b's first unit shares fairly with a's backlog: 1 of its own + 1 of a's ahead.
+    assert q.estimated_wait("b", 0, 1) == 1.0
+    q.offer(req("b", arrival=now, deadline=now + 3.0), now)
+    assert q.stats["a", "default"].shed == 1
+    assert q.stats["b", "default"].admitted == 1
+
+
+def test_estimated_wait_counts_higher_classes_and_work_in_service():
+    classes = (ClassSpec(name="hi"), ClassSpec(name="lo"))
+    q = FairQueue(BatchLimits(max_size=2), bound=100, classes=classes, model="m", adaptive=False)
+    fill(q, "x", 4, cls="hi")
+    b1, b2 = q.next_batch(0.0), q.next_batch(0.0)
+    q.completed(b1, 1.0)
+    q.completed(b2, 2.0)
+    fill(q, "x", 2, cls="hi")
+    assert q.next_batch(2.0) is not None  # 2 units in service now
+    fill(q, "x", 3, cls="hi")
+    # lo: 2 in service + 3 of hi + its own 1 = 6 units at 2/s.
+    assert q.estimated_wait("y", 1, 1) == 3.0
+    assert q.estimated_wait("y", 0, 1) == 2.0  # in hi: 2 + 1 of x's (fair share) + 1
+
+
+# ---------------------------------------------------------------- withdrawn requests
+def test_withdrawn_requests_hold_no_capacity():
+    q = queue(4)
+    rs = fill(q, "a", 4)
+    with pytest.raises(Overloaded):
+        q.offer(req("a"), 0.0)
+    for r in rs:
+        r.reply.withdraw()
+    assert len(q) == 0
+    new = req("a")
+    q.offer(new, 0.0)
+    assert new.reply.state is QUEUED
+    assert q.next_batch(0.0) == [new]
+
+
+# The next three were bugs (withdrawn entries counted as held) fixed in 70474a8.
+def test_withdrawn_requests_do_not_count_against_a_tenants_share_for_push_out():
+    q = queue(8, weights={"a": 3.0, "b": 1.0})
+    fill(q, "a", 8)
+    bs = fill(q, "b", 2)  # b's share of 8 is 2: two of a's are pushed out
+    for r in bs:
+        r.reply.withdraw()  # b's callers left: b holds nothing live
+    a = fill(q, "a", 2)  # the queue is full again with a's (8 live, 2 dead entries)
+    assert len(q) == 8
+    mine = req("b")
+    q.offer(mine, 0.0)  # b holds 0 of its share 2: it pushes out a's newest
+    assert mine.reply.state is QUEUED
+    assert [r.reply.state for r in a] == [QUEUED, DONE]
+
+
+def test_withdrawn_requests_do_not_count_against_the_queue_share():
+    q = queue(10, shares={"a": 0.5})
+    for r in fill(q, "a", 5):
+        r.reply.withdraw()
+    assert len(q) == 0
+    q.offer(req("a"), 0.0)  # a holds nothing live
+    assert q.stats["a", "default"].shed == 0
+
+
+def test_queue_full_message_counts_only_live_requests():
+    q = queue(8)
+    rs = fill(q, "a", 8)
+    rs[0].reply.withdraw()
+    q.offer(req("a"), 0.0)  # takes the withdrawn one's place: 8 live, 1 dead entry
+    with pytest.raises(Overloaded, match=r"queue full \(8 requests waiting\)"):
+        q.offer(req("a"), 0.0)
+
+
+# Regression: the estimated wait once counted withdrawn entries not yet compacted.
+def test_withdrawn_requests_do_not_count_in_the_estimated_wait():
+    q = _measured()  # 2 units/s
+    now = 2.0
+    rs = [req("a", arrival=now) for _ in range(4)]
+    for r in rs:
+        q.offer(r, now)
+    rs[3].reply.withdraw()  # 3 live and 1 dead entry (too few dead to compact)
+    assert len(q) == 3
+    # Really 3 ahead + its own 1 = 4 units: 2.0 s, within the 2.2 s left; the queue
+    # counts 5 units (2.5 s) and sheds it.
+    q.offer(req("a", arrival=now, deadline=now + 2.2), now)
+
+
+# ---------------------------------------------------------------- runtime: classification
+def tenancy(*tenants: TenantConfig, classes=None, model=None, **runtime) -> trioserve.Config:
+    kw = {} if classes is None else {"classes": classes}
+    return trioserve.Config(
+        models=(model or callable_model("m", Recorder(), max_batch_size=4, max_wait_ms=0),),
+        tenants=tenants,
+        runtime=trioserve.RuntimeLimits(**runtime),
+        **kw,
+    )
+
+
+def flow_stats(rt, model: str = "m"):
+    return rt.models[model].scheduler.policy.stats
+
+
+async def test_unknown_tenants_and_classes_and_forbidden_classes_are_refused(autojump_clock):
+    cfg = tenancy(TenantConfig(name="a"), TenantConfig(name="b", classes=("batch",)))
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(Unauthorized, match=r"^unknown tenant 'zz'; tenants: a, b$"):
+            await rt.infer("m", item(1), tenant="zz")
+        with pytest.raises(
+            Unauthorized, match=r"^no tenant given and no default tenant is configured$"
+        ):
+            await rt.infer("m", item(1))
+        with pytest.raises(
+            InvalidInput,
+            match=r"^unknown request class 'urgent'; classes: realtime, batch "
+            r"\(or an integer level, 1 = highest\)$",
+        ):
+            await rt.infer("m", item(1), tenant="a", priority="urgent")
+        for bad in (-1, True, "1.5"):
+            with pytest.raises(InvalidInput, match="unknown request class"):
+                await rt.infer("m", item(1), tenant="a", priority=bad)
+        with pytest.raises(
+            Forbidden,
+            match=r"^tenant 'b' may not use request class 'realtime'; allowed: batch$",
+        ):
+            await rt.infer("m", item(1), tenant="b", priority="realtime")
+        with pytest.raises(Forbidden):
+            await rt.infer("m", item(1), tenant="b", priority=1)  # level 1 is realtime
+        assert flow_stats(rt) == {}  # nothing reached the queue
+
+
+@pytest.mark.parametrize(
+    ("tenant", "priority", "cls"),
+    [
+        ("a", None, "realtime"),  # the tenant's first allowed class
+        ("b", None, "batch"),
+        ("a", 0, "realtime"),  # 0: the tenant's default
+        ("b", "0", "batch"),
+        ("a", 1, "realtime"),
+        ("a", "1", "realtime"),
+        ("a", 2, "batch"),
+        ("b", "2", "batch"),
+        ("a", 9, "batch"),  # past the lowest: the lowest
+        ("a", "batch", "batch"),
+        (None, None, "realtime"),  # the default tenant, a
+    ],
+)
+async def test_priorities_map_to_classes(autojump_clock, tenant, priority, cls):
+    cfg = tenancy(TenantConfig(name="a", default=True), TenantConfig(name="b", classes=("batch",)))
+    async with trioserve.open_runtime(cfg) as rt:
+        await rt.infer("m", item(1), tenant=tenant, priority=priority)
+        stats = flow_stats(rt)
+    assert list(stats) == [(tenant or "a", cls)]
+    assert stats[tenant or "a", cls].dispatched == 1
+
+
+# ---------------------------------------------------------------- runtime: credits
+CREDIT_CLASSES = (
+    ClassConfig(name="realtime", max_queue_wait_ms=0.0, over_quota="reject"),
+    ClassConfig(name="batch", max_queue_wait_ms=1000.0, over_quota="wait"),
+    ClassConfig(name="bulk", max_queue_wait_ms=1000.0, over_quota="wait", timeout_ms=200),
+)
+
+
+def credits(rate: float, burst: float, **kw) -> trioserve.Config:
+    return tenancy(
+        TenantConfig(name="a", default=True, credit_rate=rate, credit_burst=burst),
+        classes=CREDIT_CLASSES,
+        **kw,
+    )
+
+
+async def test_realtime_over_quota_is_refused_with_the_refill_time(autojump_clock):
+    async with trioserve.open_runtime(credits(2.0, 4.0)) as rt:
+        t0 = trio.current_time()
+        for i in range(4):  # the burst
+            await rt.infer("m", item(i))
+        with pytest.raises(
+            QuotaExceeded,
+            match=r"^tenant 'a' is over its credit rate \(2/s, burst 4\); "
+            r"1 more available in 0\.500s$",
+        ) as e:
+            await rt.infer("m", item(4))
+        assert e.value.retry_after == 0.5
+        assert trio.current_time() == t0
+        assert rt.credits_used["a"] == 4
+        await trio.sleep(0.5)
+        await rt.infer("m", item(5))  # refilled
+        assert rt.credits_used["a"] == 5
+
+
+async def test_batch_over_quota_waits_exactly_until_the_refill_then_is_served(autojump_clock):
+    rec = Recorder()
+    cfg = credits(2.0, 2.0, model=callable_model("m", rec, max_batch_size=4, max_wait_ms=0))
+    async with trioserve.open_runtime(cfg) as rt:
+        t0 = trio.current_time()
+        await rt.infer_batch("m", [item(0), item(1)], priority="batch")  # the burst
+        assert trio.current_time() == t0
+        out = await rt.infer("m", item(2), priority="batch")
+        assert at(trio.current_time(), t0 + 0.5)  # 1 unit at 2/s
+        assert float(out["y"][0]) == 5.0
+        stats = flow_stats(rt)["a", "batch"]
+    assert rec.seen == [0.0, 1.0, 2.0]
+    assert at(rec.times[-1], t0 + 0.5)
+    assert (stats.admitted, stats.dispatched, stats.served_cost) == (3, 3, 3)
+
+
+async def test_a_waiting_request_whose_refill_is_past_its_deadline_is_refused_at_once(
+    autojump_clock,
+):
+    async with trioserve.open_runtime(credits(2.0, 1.0)) as rt:
+        t0 = trio.current_time()
+        await rt.infer("m", item(0), priority="bulk")
+        with pytest.raises(
+            QuotaExceeded,
+            match=r"^tenant 'a' is over its credit rate \(2/s\) and its credits refill only "
+            r"after the request's deadline$",
+        ) as e:
+            await rt.infer("m", item(1), priority="bulk")  # refill at +0.5, deadline +0.2
+        assert trio.current_time() == t0
+        assert e.value.retry_after == 0.5
+        assert rt.buckets["a"].used == 1  # nothing taken for it
+        assert rt.credits_used["a"] == 1
+
+
+async def test_cancelling_a_request_waiting_for_credits_refunds_them(autojump_clock):
+    async with trioserve.open_runtime(credits(1.0, 2.0)) as rt:
+        t0 = trio.current_time()
+        await rt.infer_batch("m", [item(0), item(1)], priority="batch")
+        # No deadline (a deadline before the refill would refuse it at once): the
+        # caller is cancelled from outside while it waits.
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+
+            async def waiter():
+                with scope:
+                    await rt.infer("m", item(2), priority="batch")  # would go at t0 + 1
+
+            nursery.start_soon(waiter)
+            await trio.sleep(0.5)
+            assert rt.credits_used["a"] == 3  # reserved while it waits
+            scope.cancel("the caller left")
+        assert scope.cancelled_caught
+        assert trio.current_time() == t0 + 0.5
+        assert rt.credits_used["a"] == 2
+        await rt.infer("m", item(3), priority="batch")
+        # With the refund it goes at t0 + 1 (without it, at t0 + 2).
+        assert at(trio.current_time(), t0 + 1.0)
+        assert rt.credits_used["a"] == 3
+        assert rt.buckets["a"].used == 3
+
+
+# Fixed in 70474a8 (credits were charged for requests the queue refused).
+async def test_a_request_the_queue_refuses_is_not_charged(autojump_clock):
+    cfg = credits(
+        1.0,
+        10.0,
+        model=callable_model(
+            "m", Recorder(), max_batch_size=8, max_wait_ms=1000, adaptive_limit=False
+        ),
+        queue_bound=2,
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rt.infer, "m", item(0))
+            nursery.start_soon(rt.infer, "m", item(1))
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(Overloaded, match="queue full"):
+                await rt.infer("m", item(2))
+            with pytest.raises(Overloaded, match="queue full"):
+                await rt.infer_batch("m", [item(3), item(4)])
+            assert rt.credits_used["a"] == 2  # "cost units admitted per tenant"
+            assert rt.buckets["a"].level == 8.0
+
+
+# Regression: a pushed-out request (it never ran) once kept its credits charged.
+async def test_a_request_pushed_out_of_the_queue_is_not_charged(autojump_clock):
+    cfg = tenancy(
+        TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=10.0),
+        TenantConfig(name="b"),
+        model=callable_model(
+            "m", Recorder(), max_batch_size=8, max_wait_ms=1000, adaptive_limit=False
+        ),
+        queue_bound=2,
+    )
+    pushed: list[Overloaded] = []
+
+    async def caller(i):
+        try:
+            await rt.infer("m", item(i), tenant="a")
+        except Overloaded as exc:
+            pushed.append(exc)
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(caller, 0)
+        nursery.start_soon(caller, 1)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(functools.partial(rt.infer, "m", item(2), tenant="b"))
+        await trio.testing.wait_all_tasks_blocked()
+        used, level = rt.credits_used["a"], rt.buckets["a"].level
+    assert len(pushed) == 1  # b (under its share) pushed out one of a's two
+    assert "pushed out" in str(pushed[0])
+    assert (used, level) == (1, 9.0)
+
+
+# Fixed in 70474a8 (retry_after used the cost, not min(cost, burst)).
+async def test_retry_after_for_a_cost_above_the_burst_is_when_it_would_be_admitted(
+    autojump_clock,
+):
+    backend = CostModel()
+    cfg = credits(
+        1.0,
+        4.0,
+        model=ModelConfig(
+            name="m", backend=backend, max_batch_size=4, max_batch_tokens=64, max_wait_ms=0
+        ),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        await rt.infer("m", item(0, n=8), priority="bulk")  # full bucket: served, level -4
+        with pytest.raises(QuotaExceeded) as e:
+            await rt.infer("m", item(1, n=8), priority="bulk")
+        # A bucket at -4 refilling at 1/s holds the burst (4, what a cost of 8 needs)
+        # after 8 s (the bug said 12: (cost - level) / rate).
+        assert e.value.retry_after == 8.0
+
+
+# ---------------------------------------------------------------- runtime: class timeout
+@pytest.fixture
+def gate():
+    g = Gate()
+    yield g
+    g.release()
+
+
+async def test_class_timeout_answers_deadline_exceeded_at_exactly_that_time(autojump_clock, gate):
+    classes = (
+        ClassConfig(name="realtime", max_queue_wait_ms=0.0, timeout_ms=100),
+        ClassConfig(name="batch", max_queue_wait_ms=1000.0),
+    )
+    model = callable_model(
+        "m", gate, execution="thread", max_batch_size=1, max_wait_ms=0, timeout_ms=None
+    )
+    cfg = tenancy(TenantConfig(name="a", default=True), classes=classes, model=model)
+    async with trioserve.open_runtime(cfg) as rt:
+        async with trio.open_nursery() as nursery:
+            # A batch-class request (no class timeout) holds the only replica.
+            nursery.start_soon(functools.partial(rt.infer, "m", item(1), priority="batch"))
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            with pytest.raises(
+                DeadlineExceeded, match=r"^model 'm': deadline passed after 0\.100s"
+            ):
+                await rt.infer("m", item(2), priority="realtime")
+            assert at(trio.current_time(), t0 + 0.1)
+            gate.release()
+        stats = flow_stats(rt)
+    assert gate.seen == [1.0]  # the expired one never ran
+    assert (stats["a", "realtime"].expired, stats["a", "realtime"].dispatched) == (1, 0)
+
+
+# ---------------------------------------------------------------- runtime: per-flow stats
+async def test_per_tenant_and_class_stats_count_admitted_dispatched_and_cost(autojump_clock):
+    backend = CostModel()
+    model = ModelConfig(name="m", backend=backend, max_batch_size=8, max_wait_ms=0)
+    cfg = tenancy(TenantConfig(name="a", default=True), TenantConfig(name="b"), model=model)
+    async with trioserve.open_runtime(cfg) as rt:
+        await rt.infer_batch("m", [item(0, n=3), item(1, n=3)], tenant="a")
+        await rt.infer("m", item(2, n=2), tenant="a", priority="batch")
+        await rt.infer("m", item(3, n=5), tenant="b", priority="batch")
+        stats = flow_stats(rt)
+    summary = {
+        k: (s.admitted, s.dispatched, s.served_cost, s.shed, s.expired, s.queued)
+        for k, s in stats.items()
+    }
+    assert summary == {
+        ("a", "realtime"): (2, 2, 6, 0, 0, 0),
+        ("a", "batch"): (1, 1, 2, 0, 0, 0),
+        ("b", "batch"): (1, 1, 5, 0, 0, 0),
+    }
+    assert rt.models["m"].scheduler.policy.service() == {"a": 8, "b": 5}
+    assert rt.models["m"].scheduler.policy.service("batch") == {"a": 2, "b": 5}
