@@ -20,6 +20,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "long-inputs": ("trioserve.scenarios._sched", "minilm: A's texts 8x longer than B's"),
     "overload": ("trioserve.scenarios._sched", "5x capacity offered with 500 ms deadlines"),
     "faults": ("trioserve.scenarios._faults", "a 10 s straggler, killed workers, a raising model"),
+    "cache-http": ("trioserve.scenarios._cache_http", "HTTP on mlp, Zipf keys, cache on vs off"),
     "cache": (
         "trioserve.scenarios._cache",
         "hit rates of W-TinyLFU, LRU and Belady on synthetic traces",
