@@ -28,11 +28,14 @@ class Gate:
         self._open = threading.Event()
         self._lock = threading.Lock()
         self.entered = 0
+        #: set when a first batch is held (wait for it with trio.to_thread.run_sync)
+        self.holding = threading.Event()
 
     def __call__(self, items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         if any(it["x"].size and float(it["x"][0]) > 0 for it in items):
             with self._lock:
                 self.entered += 1
+            self.holding.set()
             self._open.wait(GATE_LIMIT_S)
         return [{"y": it["x"]} for it in items]
 

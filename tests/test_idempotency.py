@@ -6,7 +6,7 @@ import numpy as np
 import orjson
 import trio
 import trioserve
-from http_helpers import Gate, config, echo_model, held_model, serving, settle, v2_input
+from http_helpers import Gate, config, echo_model, held_model, serving, v2_input
 from trioserve.transport import open_http
 from trioserve.transport._idempotency import IdempotencyStore
 
@@ -50,8 +50,10 @@ async def test_a_repeat_while_the_first_runs_waits_for_it():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send)
+            await trio.to_thread.run_sync(gate.holding.wait, 30)  # the first is in the model
             nursery.start_soon(send)
-            await settle()  # one is in the model, the other waits for its answer
+            while gw.idempotency.waiting == 0:  # until the repeat reached the server
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
             assert gate.entered == 1
             gate.release()
         stats = gw.runtime.statistics()["held"]

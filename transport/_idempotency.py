@@ -36,6 +36,7 @@ class IdempotencyStore:
         self.max_keys = max_keys
         self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self.replayed = 0
+        self.waiting = 0  # repeats waiting for the first of their key to be answered
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -72,7 +73,11 @@ class IdempotencyStore:
                 self.replayed += 1
                 status, headers, body_out = entry.answer
                 return status, [*headers, REPLAYED], body_out
-            await entry.done.wait()  # the first is running; then look again
+            self.waiting += 1
+            try:
+                await entry.done.wait()  # the first is running; then look again
+            finally:
+                self.waiting -= 1
         entry = _Entry(digest=digest)
         self._entries[key] = entry
         while len(self._entries) > self.max_keys:
