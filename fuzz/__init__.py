@@ -1,0 +1,27 @@
+"""trioserve's property-based fuzz harness: hypothesis suites that drive the real
+queue, batchers and supervisor under ``trio.testing.MockClock`` and check the
+invariants of DESIGN.md. Run it with ``python -m fuzz`` (docs/fuzzing.md).
+
+The names below are what a pasted reproduction imports.
+"""
+
+from ._admission import BucketMachine as BucketMachine
+from ._admission import BucketSetup as BucketSetup
+from ._checker import INVARIANTS as INVARIANTS
+from ._checker import InvariantViolation as InvariantViolation
+from ._checker import QueueObserver as QueueObserver
+from ._harness import SUITES as SUITES
+from ._harness import Profile as Profile
+from ._harness import run_chunk as run_chunk
+from ._mutants import MUTANTS as MUTANTS
+from ._product import PRODUCT as PRODUCT
+from ._product import Product as Product
+from ._queue import Arrival as Arrival
+from ._queue import QueueMachine as QueueMachine
+from ._queue import QueueSetup as QueueSetup
+from ._runtime import Call as Call
+from ._runtime import ClassSetup as ClassSetup
+from ._runtime import Item as Item
+from ._runtime import Scenario as Scenario
+from ._runtime import TenantSetup as TenantSetup
+from ._runtime import run_scenario as run_scenario

@@ -1,0 +1,261 @@
+"""Suite ``admission``: a hypothesis state machine over TokenBucket, the tenants'
+credits, against an exact reference model (``fractions.Fraction`` arithmetic).
+
+Operations: time advances, ``try_take`` (class over quota "reject"), ``reserve``
+(over quota "wait", with a latest start), and ``refund`` of a waiting reservation (its
+caller left). Checked after every step:
+
+- the bucket's level, ``used`` and every answer agree with the reference model;
+- the level never exceeds the burst;
+- ``try_take`` grants exactly when the credits are there, and the wait it returns is
+  exactly when they will be;
+- a reservation starts no earlier than now and no later than its latest start;
+- the envelope: the cost granted with start times in any window [a, b] is at most
+  burst + rate x (b - a) + one grant's debt (a cost above the burst is granted once the
+  bucket is full, leaving it negative), plus whatever was refunded (the strict
+  envelope is the known issue "refund-envelope", fuzz/_known.py);
+- FIFO among waiters (the known issue "reservation-order", fuzz/_known.py).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import attrs
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from ._checker import InvariantViolation
+from ._known import enabled
+from ._product import PRODUCT, Product
+from ._stats import count_example, note
+
+MS = Fraction(1, 1000)
+#: Closer than this (relative) is a tie that float rounding may settle either way.
+TIE = Fraction(1, 10**9)
+
+
+@attrs.frozen(kw_only=True)
+class BucketSetup:
+    rate: float = 1.0
+    burst: float = 1.0
+
+
+@attrs.define(eq=False)
+class Grant:
+    cost: int
+    start: Fraction  # when the caller may go
+    made: Fraction  # when it was granted or reserved
+    refunded: bool = False
+
+
+class Reference:
+    """TokenBucket's documented rules in exact arithmetic."""
+
+    def __init__(self, rate: Fraction, burst: Fraction, now: Fraction) -> None:
+        self.rate, self.burst = rate, burst
+        self.level, self.stamp, self.used = burst, now, Fraction(0)
+
+    def refill(self, now: Fraction) -> None:
+        if now > self.stamp:
+            self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def try_take(self, cost: int, now: Fraction, hint: bool) -> tuple[bool, Fraction]:
+        """As TokenBucket.try_take: (granted, the wait when not). ``hint`` (whether the
+        bucket granted) settles a tie closer than float rounding."""
+        self.refill(now)
+        need = min(Fraction(cost), self.burst)
+        grant = self.level >= need
+        if abs(self.level - need) <= TIE * self.burst:
+            grant = hint
+        if grant:
+            self.level -= cost
+            self.used += cost
+            return True, Fraction(0)
+        return False, max(Fraction(0), need - self.level) / self.rate
+
+    def reserve(self, cost: int, now: Fraction, latest: Fraction, hint: bool) -> Fraction | None:
+        """As TokenBucket.reserve; ``hint`` (whether the bucket reserved) settles a tie
+        with ``latest`` closer than float rounding."""
+        self.refill(now)
+        need = min(Fraction(cost), self.burst)
+        at = now if self.level >= need else now + (need - self.level) / self.rate
+        late = at > latest
+        if abs(at - latest) <= TIE * max(1, latest):
+            late = not hint
+        if late:
+            return None
+        self.level -= cost
+        self.used += cost
+        return at
+
+    def refund(self, cost: int) -> None:
+        self.level = min(self.burst, self.level + cost)
+        self.used -= cost
+
+
+def _close(a: float, b: Fraction, scale: float = 1.0) -> bool:
+    return abs(a - float(b)) <= 1e-9 * max(1.0, scale, abs(float(b)))
+
+
+class BucketMachine(RuleBasedStateMachine):
+    """Drives one TokenBucket (``product.bucket_class``) beside the reference."""
+
+    product: Product = PRODUCT
+
+    def __init__(self) -> None:
+        super().__init__()
+        count_example("admission")
+        self.ms = 0
+        self.bucket = None
+        self.ref: Reference | None = None
+        self.grants: list[Grant] = []
+        self.waiting: list[Grant] = []  # reservations not started yet, in reservation order
+
+    @property
+    def now(self) -> Fraction:
+        return self.ms * MS
+
+    @initialize(
+        config=st.builds(
+            BucketSetup,
+            rate=st.sampled_from([0.5, 1.0, 4.0, 100.0, 1000.0]),
+            burst=st.sampled_from([0.5, 1.0, 2.0, 10.0, 50.0]),
+        )
+    )
+    def setup(self, config: BucketSetup) -> None:
+        self.bucket = self.product.bucket_class(config.rate, config.burst, float(self.now))
+        self.ref = Reference(Fraction(config.rate), Fraction(config.burst), self.now)
+
+    @rule(ms=st.sampled_from([1, 2, 10, 100, 250, 1000, 5000]))
+    def advance(self, ms: int) -> None:
+        self.ms += ms
+        self.waiting = [g for g in self.waiting if g.start > self.now]
+
+    @rule(cost=st.integers(1, 60))
+    def try_take(self, cost: int) -> None:
+        got = self.bucket.try_take(cost, float(self.now))
+        granted, want = self.ref.try_take(cost, self.now, hint=got == 0.0)
+        if (got == 0.0) != granted:
+            raise InvariantViolation(
+                "credits",
+                f"try_take({cost}) at t={float(self.now):g}: the bucket "
+                f"{'granted' if got == 0.0 else f'asked to wait {got:g}s'}, the reference "
+                f"{'grants' if granted else f'waits {float(want):g}s'} "
+                f"(level {float(self.ref.level):g}, burst {float(self.ref.burst):g})",
+            )
+        if not _close(got, want, 1.0 / float(self.ref.rate)):
+            raise InvariantViolation(
+                "credits",
+                f"try_take({cost}) at t={float(self.now):g} says wait {got!r}s; the credits "
+                f"are there in exactly {float(want)!r}s",
+            )
+        if granted:
+            self.grants.append(Grant(cost=cost, start=self.now, made=self.now))
+
+    @rule(cost=st.integers(1, 60), slack_ms=st.none() | st.sampled_from([0, 10, 500, 5000]))
+    def reserve(self, cost: int, slack_ms: int | None) -> None:
+        latest = math.inf if slack_ms is None else float(self.now + slack_ms * MS)
+        ref_latest = Fraction(10**12) if slack_ms is None else self.now + slack_ms * MS
+        got = self.bucket.reserve(cost, float(self.now), latest)
+        want = self.ref.reserve(cost, self.now, ref_latest, hint=got is not None)
+        if (got is None) != (want is None) or (
+            got is not None and want is not None and not _close(got, want, float(self.now))
+        ):
+            raise InvariantViolation(
+                "credits",
+                f"reserve({cost}) at t={float(self.now):g} (latest {latest:g}) returned "
+                f"{got!r}; the reference starts it at "
+                f"{None if want is None else float(want)!r}",
+            )
+        if got is None:
+            return
+        if got < float(self.now) - 1e-9 or got > latest + 1e-9:
+            raise InvariantViolation(
+                "credits",
+                f"reserve({cost}) at t={float(self.now):g} starts at {got:g}, outside "
+                f"[now, latest={latest:g}]",
+            )
+        g = Grant(cost=cost, start=want, made=self.now)
+        if enabled("reservation-order") and self.waiting:
+            ahead = max(self.waiting, key=lambda w: w.start)
+            if want < ahead.start:
+                raise InvariantViolation(
+                    "credits",
+                    f"reserve({cost}) at t={float(self.now):g} starts at {float(want):g}, "
+                    f"before a reservation made earlier (cost {ahead.cost}, at "
+                    f"t={float(ahead.made):g}) that waits until {float(ahead.start):g}: "
+                    "waiters are not served in the order they reserved",
+                )
+        self.grants.append(g)
+        if want > self.now:
+            self.waiting.append(g)
+            note("admission", "reservations that wait")
+
+    @rule(k=st.integers(0, 1 << 16))
+    def refund(self, k: int) -> None:
+        """A waiting caller leaves: its credits go back."""
+        if not self.waiting:
+            return
+        g = self.waiting.pop(k % len(self.waiting))
+        g.refunded = True
+        self.bucket.refund(g.cost)
+        self.ref.refund(g.cost)
+        note("admission", "refunds")
+
+    @invariant()
+    def agrees(self) -> None:
+        if self.bucket is None:
+            return
+        b, r = self.bucket, self.ref
+        # Compare at the same moment: bring the reference's stamp to the bucket's.
+        if b.level > float(r.burst) + 1e-9:
+            raise InvariantViolation(
+                "credits", f"level {b.level!r} is above the burst {float(r.burst)!r}"
+            )
+        if float(r.stamp) == b.stamp and not _close(b.level, r.level, float(r.burst)):
+            raise InvariantViolation(
+                "credits",
+                f"at t={b.stamp:g} the bucket holds {b.level!r} credits; the reference "
+                f"{float(r.level)!r}",
+            )
+        if not _close(b.used, r.used):
+            raise InvariantViolation("credits", f"used {b.used!r}, the reference {float(r.used)!r}")
+        self._check_envelope()
+
+    def _check_envelope(self) -> None:
+        live = sorted((g for g in self.grants if not g.refunded), key=lambda g: g.start)
+        if not live:
+            return
+        rate, burst = self.ref.rate, self.ref.burst
+        debt = max(g.cost for g in live)
+        if not enabled("refund-envelope"):
+            # A refund hands a waiter's credits to the next reservation without moving
+            # the waiters behind it forward: allow what was refunded on top.
+            debt += sum(g.cost for g in self.grants if g.refunded)
+        # The tightest windows start and end at grant starts: over i <= j, the excess
+        # (P[j+1] - P[i]) - rate * (s[j] - s[i]) is P[j+1] - rate*s[j] minus the least
+        # P[i] - rate*s[i] so far (P: prefix sums of cost in start order).
+        prefix = Fraction(0)
+        best: tuple[Fraction, Grant] | None = None
+        for last in live:
+            here = prefix - rate * last.start
+            if best is None or here < best[0]:
+                best = (here, last)
+            prefix += last.cost
+            excess = prefix - rate * last.start - best[0]
+            if excess > burst + debt:
+                first = best[1]
+                raise InvariantViolation(
+                    "credits",
+                    f"{float(excess + rate * (last.start - first.start)):g} cost units granted "
+                    f"to start within [{float(first.start):g}, {float(last.start):g}], over "
+                    f"burst + rate x window + one grant's debt = "
+                    f"{float(burst + rate * (last.start - first.start) + debt):g}",
+                )
+
+    def teardown(self) -> None:
+        if self.bucket is not None:
+            note("admission", "grants", len(self.grants))

@@ -1,0 +1,466 @@
+"""The invariants of DESIGN.md as a sans-IO observer of one model's queue.
+
+A :class:`QueueObserver` is told what a queue admitted (``offered``), what it handed out
+(``dispatched``) and, after every step, asked to ``sweep``. It checks, with exact
+arithmetic on the requests' own times:
+
+- nothing lost: a request the queue moved to DISPATCHED is in a batch it handed out;
+- nothing duplicated: no request is handed out twice, nor one it never admitted,
+  nor one whose caller had withdrawn it;
+- FIFO within a (tenant, class) flow;
+- batch budgets: ``max_size`` items and ``max_tokens`` cost units (padding counted),
+  except an oversize request alone;
+- deadlines: nothing is dispatched at or after its deadline;
+- aging (the starvation bound): while a lower-class request has waited past its
+  class's aging bound, a batch takes nothing else before it (earliest promotion first);
+- the fair-share lag bound within a class (see :meth:`QueueObserver._check_lag`);
+- bounded memory: the queue never holds more than its bound.
+
+The observer never raises inside the system under test (an exception in a queue call
+would crash an actor, not fail the run): it collects :class:`Violation` values, and the
+suites raise the first one as :class:`InvariantViolation` after each step.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+from trioserve import Request, RequestState
+
+QUEUED = RequestState.QUEUED
+DISPATCHED = RequestState.DISPATCHED
+ABANDONED = RequestState.ABANDONED
+
+#: The invariants, by the short name a violation message starts with.
+INVARIANTS: dict[str, str] = {
+    "lost": "every admitted request is answered exactly once unless its caller cancelled it",
+    "duplicated": "no request is dispatched twice, nor one never admitted or withdrawn",
+    "misrouted": "each answer reaches its own caller, in the order that caller submitted",
+    "fifo": "within one (tenant, class) flow, dispatch order is arrival order",
+    "batch-budget": "no batch exceeds max_batch_size or max_batch_tokens "
+    "(except an oversize request run alone)",
+    "deadline": "no request is dispatched at or after its deadline, and none is answered "
+    "DeadlineExceeded before it",
+    "aging": "a lower-class request queued past its aging bound is taken before anything "
+    "not yet promoted (earliest promotion first)",
+    "fair-share": "two continuously backlogged tenants of a class receive weighted service "
+    "within a bounded lag of each other",
+    "memory": "a queue never holds more requests than its bound",
+    "outcome": "every caller gets one outcome, and only one its situation allows",
+    "leak": "no task outlives the runtime",
+    "credits": "a tenant's admitted cost stays within its credit envelope",
+}
+
+
+class InvariantViolation(AssertionError):
+    """An invariant did not hold. ``str()`` is ``"<invariant>: <what happened>"``."""
+
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"{invariant}: {message}")
+        self.invariant = invariant
+
+
+@attrs.frozen
+class Violation:
+    invariant: str
+    message: str
+
+    def error(self) -> InvariantViolation:
+        return InvariantViolation(self.invariant, self.message)
+
+
+@attrs.frozen(kw_only=True)
+class ClassBound:
+    """A class as the observer sees it: its name and aging bound (seconds)."""
+
+    name: str
+    aging: float = math.inf
+
+
+@attrs.define(eq=False)
+class Tracked:
+    """One admitted request and what became of it."""
+
+    request: Request
+    seq: int
+    cls: int
+    dispatched_at: float | None = None
+    batch_no: int | None = None
+    fifo_done: bool = False  # passed the FIFO check (its flow's queue moved past it)
+
+    @property
+    def flow(self) -> tuple[str, int]:
+        return (self.request.tenant, self.cls)
+
+    def describe(self, classes: Sequence[ClassBound]) -> str:
+        r = self.request
+        deadline = "none" if math.isinf(r.deadline) else f"{r.deadline:.6g}"
+        return (
+            f"request #{self.seq} (tenant {r.tenant!r}, class {classes[self.cls].name!r}, "
+            f"cost {r.cost}, arrived {r.arrival:.6g}, deadline {deadline})"
+        )
+
+
+def batch_cost(costs: Sequence[int], padded: bool) -> int:
+    """A batch's cost in token units: the sum, or items × longest when padded."""
+    if not costs:
+        return 0
+    return len(costs) * max(costs) if padded else sum(costs)
+
+
+class QueueObserver:
+    """Watches one queue; see the module docstring for what it checks.
+
+    Args:
+        max_size, max_tokens, padded: the batch limits the queue was configured with.
+        bound: the queue's configured bound (requests).
+        classes: the configured classes, highest first, with their aging bounds.
+        weights: tenant -> weight (1.0 when absent).
+        lag_slack: extra allowance of the fair-share check, in weighted cost units
+            (see ``_check_lag``).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_size: int,
+        max_tokens: int | None,
+        padded: bool,
+        bound: int,
+        classes: Sequence[ClassBound],
+        weights: Mapping[str, float] | None = None,
+        lag_slack: float = 0.0,
+    ) -> None:
+        self.max_size = max_size
+        self.max_tokens = max_tokens
+        self.padded = padded
+        self.bound = bound
+        self.classes = tuple(classes)
+        self._rank = {c.name: i for i, c in enumerate(self.classes)}
+        self.weights = dict(weights or {})
+        self.lag_slack = lag_slack
+        self.violations: list[Violation] = []
+        self.tracked: dict[int, Tracked] = {}  # id(reply) -> its request
+        self.pending: dict[int, Tracked] = {}  # admitted, neither dispatched nor gone
+        self._flows: dict[tuple[str, int], collections.deque[Tracked]] = {}
+        self.batches: list[tuple[float, list[Tracked]]] = []
+        self._seq = 0
+        n = len(self.classes)
+        self.served: list[collections.Counter[str]] = [collections.Counter() for _ in range(n)]
+        #: per class: tenant -> (sweep, time) its backlog began, and everyone's weighted
+        #: service then
+        self._lag_start: list[dict[str, tuple[int, float, dict[str, float]]]] = [
+            {} for _ in range(n)
+        ]
+        #: per class: tenant -> the largest cost / weight of its requests there
+        self._lag_unit: list[dict[str, float]] = [{} for _ in range(n)]
+        self._aged_seen = [False] * n
+        self._sweeps = 0
+        self.max_len = 0
+        #: how often each check had something to check (for coverage notes)
+        self.exercised: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------------------ helpers
+    def _fail(self, invariant: str, message: str) -> None:
+        self.violations.append(Violation(invariant, message))
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def class_of(self, request: Request) -> int:
+        return self._rank.get(request.priority, len(self.classes) - 1)
+
+    def track_of(self, request: Request) -> Tracked | None:
+        return self.tracked.get(id(request.reply))
+
+    def describe(self, t: Tracked) -> str:
+        return t.describe(self.classes)
+
+    # ------------------------------------------------------------ events
+    def offered(self, request: Request, now: float) -> Tracked:
+        """``request`` was admitted into the queue at ``now``."""
+        self._seq += 1
+        c = self.class_of(request)
+        t = Tracked(request=request, seq=self._seq, cls=c)
+        key = id(request.reply)
+        if key in self.tracked:
+            self._fail("duplicated", f"{self.describe(t)} was admitted twice")
+        self.tracked[key] = t
+        self.pending[key] = t
+        self._flows.setdefault(t.flow, collections.deque()).append(t)
+        unit = request.cost / self.weight(request.tenant)
+        units = self._lag_unit[c]
+        if unit > units.get(request.tenant, 0.0):
+            units[request.tenant] = unit
+        return t
+
+    def dispatched(self, batch: Sequence[Request], now: float) -> None:
+        """The queue handed out ``batch`` at ``now``."""
+        if not batch:
+            return
+        no = len(self.batches) + 1
+        taken: list[Tracked] = []
+        for req in batch:
+            t = self.tracked.get(id(req.reply))
+            if t is None:
+                self._fail(
+                    "duplicated",
+                    f"batch {no} at t={now:.6g} holds a request the queue never admitted "
+                    f"(tenant {req.tenant!r}, cost {req.cost})",
+                )
+                continue
+            if t.dispatched_at is not None:
+                self._fail(
+                    "duplicated",
+                    f"{self.describe(t)} was dispatched twice: in batch {t.batch_no} at "
+                    f"t={t.dispatched_at:.6g} and in batch {no} at t={now:.6g}",
+                )
+                continue
+            if req.reply.state is not DISPATCHED:
+                self._fail(
+                    "duplicated",
+                    f"{self.describe(t)} was handed out in batch {no} at t={now:.6g} while "
+                    f"its reply is {req.reply.state.value} (withdrawn or answered before)",
+                )
+            if t.request.deadline <= now:
+                self._fail(
+                    "deadline",
+                    f"{self.describe(t)} was dispatched in batch {no} at t={now:.6g}, "
+                    f"{now - t.request.deadline:.6g}s after its deadline",
+                )
+            t.dispatched_at = now
+            t.batch_no = no
+            self.pending.pop(id(req.reply), None)
+            taken.append(t)
+        self.batches.append((now, taken))
+        self.exercised[f"batches of {min(len(taken), 3)}{'+' if len(taken) >= 3 else ''}"] += 1
+        self._check_budget(no, now, taken)
+        self._check_fifo(no, now, taken)
+        self._check_aging(no, now, taken)
+        for t in taken:
+            self.served[t.cls][t.request.tenant] += t.request.cost
+
+    def sweep(self, now: float, queue_len: int | None = None) -> list[Tracked]:
+        """After a step: check loss, memory and the fair-share lag; return the requests
+        that left the queue since the last sweep without being dispatched (answered,
+        withdrawn or expired by the queue, or cancelled by their caller)."""
+        self._sweeps += 1
+        gone: list[Tracked] = []
+        for key, t in list(self.pending.items()):
+            state = t.request.reply.state
+            if state is QUEUED:
+                continue
+            del self.pending[key]
+            if state is DISPATCHED or state is ABANDONED:
+                self._fail(
+                    "lost",
+                    f"{self.describe(t)} was taken by the queue (its reply is "
+                    f"{state.value}) at or before t={now:.6g} but is in no batch it handed "
+                    "out: nobody will ever answer it",
+                )
+            else:
+                gone.append(t)
+        if queue_len is not None:
+            self.max_len = max(self.max_len, queue_len)
+            if queue_len > self.bound:
+                self._fail(
+                    "memory",
+                    f"the queue holds {queue_len} requests at t={now:.6g}, over its bound "
+                    f"of {self.bound}",
+                )
+        self._check_lag(now)
+        return gone
+
+    def live(self, now: float) -> list[Tracked]:
+        """Admitted requests still waiting (queued, deadline not passed), oldest first."""
+        return [
+            t
+            for t in self.pending.values()
+            if t.request.reply.state is QUEUED and t.request.deadline > now
+        ]
+
+    # ------------------------------------------------------------ the checks
+    def _check_budget(self, no: int, now: float, taken: list[Tracked]) -> None:
+        if len(taken) > self.max_size:
+            self._fail(
+                "batch-budget",
+                f"batch {no} at t={now:.6g} has {len(taken)} requests, over max_batch_size "
+                f"{self.max_size}: {', '.join('#%d' % t.seq for t in taken)}",
+            )
+        if self.max_tokens is None:
+            return
+        costs = [t.request.cost for t in taken]
+        cost = batch_cost(costs, self.padded)
+        if cost > self.max_tokens and not (len(taken) == 1):
+            self._fail(
+                "batch-budget",
+                f"batch {no} at t={now:.6g} costs {cost} token units "
+                f"({'padded ' if self.padded else ''}costs {costs}), over max_batch_tokens "
+                f"{self.max_tokens}; only an oversize request may exceed it, alone",
+            )
+
+    def _check_fifo(self, no: int, now: float, taken: list[Tracked]) -> None:
+        """In batch order: everything its flow admitted before a dispatched request has
+        been dispatched before it (in an earlier batch or earlier in this one), or has
+        left the queue (withdrawn, answered, expired)."""
+        in_batch = {id(t) for t in taken}
+        for t in taken:
+            q = self._flows[t.flow]
+            while q:
+                head = q[0]
+                if head is t:
+                    q.popleft()
+                    t.fifo_done = True
+                    break
+                if head.fifo_done:
+                    q.popleft()
+                    continue
+                later_here = id(head) in in_batch
+                waiting = head.request.reply.state is QUEUED and head.request.deadline > now
+                if not later_here and not waiting:
+                    q.popleft()  # gone, or expired: no longer ahead of anyone
+                    continue
+                where = "later in the same batch" if later_here else "still queued"
+                self._fail(
+                    "fifo",
+                    f"{self.describe(t)} was dispatched in batch {no} at t={now:.6g} ahead "
+                    f"of {self.describe(head)} of the same flow, which arrived before it "
+                    f"and is {where}",
+                )
+                t.fifo_done = True
+                if t in q:
+                    q.remove(t)
+                break
+
+    def _check_aging(self, no: int, now: float, taken: list[Tracked]) -> None:
+        """A batch takes aged requests first, earliest promotion first; a request not
+        yet promoted (or of the top class) may follow only when none is left over."""
+        classes = self.classes
+        if len(classes) < 2:
+            return
+
+        def promotion(t: Tracked) -> float:
+            return t.request.arrival + classes[t.cls].aging if t.cls > 0 else math.inf
+
+        aged_taken = False
+        for t in taken:
+            if t.cls > 0 and promotion(t) <= now:
+                self._aged_seen[t.cls] = True
+                aged_taken = True
+        left = [t for t in self.live(now) if t.cls > 0 and promotion(t) <= now]
+        if aged_taken or left:
+            self.exercised["aging: batch pulled with a promoted request waiting"] += 1
+        if not left:
+            return
+        self.exercised["aging: a promoted request left over after a batch"] += 1
+        oldest = min(left, key=lambda t: (promotion(t), t.cls, t.seq))
+        p = promotion(oldest)
+        for t in taken:
+            if promotion(t) > p:
+                waited = now - oldest.request.arrival
+                self._fail(
+                    "aging",
+                    f"batch {no} at t={now:.6g} took {self.describe(t)}"
+                    f"{' (not promoted)' if promotion(t) > now else ''} while "
+                    f"{self.describe(oldest)} had waited {waited:.6g}s, past its class's "
+                    f"aging bound of {classes[oldest.cls].aging:.6g}s, and was left queued",
+                )
+                return
+
+    def _check_lag(self, now: float) -> None:
+        """The fair-share lag bound (virtual-time counting).
+
+        For two tenants i, j of class c continuously backlogged (a live request queued at
+        every sweep) since the later of their backlog starts, the weighted service they
+        received in that interval differs by at most ``u_i + u_j + lag_slack``, where
+        ``u_k`` is the largest cost / weight of a request of tenant k in the class. VTC
+        serves the least counter m, and a tenant's run overshoots the next counter by at
+        most one request, so every backlogged counter stays within [m, m + u_k]; the
+        weighted service of an interval is the change of the counter.
+
+        A class whose aged requests were served (in promotion order, not by share) is no
+        longer checked: aging overrides fair share by design.
+        """
+        backlogged: list[set[str]] = [set() for _ in self.classes]
+        for t in self.pending.values():
+            if t.request.reply.state is QUEUED and t.request.deadline > now:
+                backlogged[t.cls].add(t.request.tenant)
+        for c, tenants in enumerate(backlogged):
+            starts = self._lag_start[c]
+            for gone in [u for u in starts if u not in tenants]:
+                del starts[gone]
+            if self._aged_seen[c]:
+                starts.clear()
+                continue
+            served = self.served[c]
+            for u in tenants:
+                if u not in starts:
+                    snapshot = {v: served[v] / self.weight(v) for v in tenants}
+                    starts[u] = (self._sweeps, now, snapshot)
+            if len(tenants) < 2:
+                continue
+            self.exercised["fair-share: sweep with 2+ tenants backlogged in a class"] += 1
+            units = self._lag_unit[c]
+            names = sorted(tenants)
+            for a_i, a in enumerate(names):
+                for b in names[a_i + 1 :]:
+                    limit = units.get(a, 0.0) + units.get(b, 0.0) + self.lag_slack + 1e-9
+                    sa, sb = starts[a], starts[b]
+                    _, since, snap = sa if sa[0] >= sb[0] else sb
+                    da = served[a] / self.weight(a) - snap.get(a, 0.0)
+                    db = served[b] / self.weight(b) - snap.get(b, 0.0)
+                    if abs(da - db) > limit:
+                        ahead, behind = (a, b) if da > db else (b, a)
+                        self._fail(
+                            "fair-share",
+                            f"class {self.classes[c].name!r} at t={now:.6g}: tenants "
+                            f"{a!r} (weight {self.weight(a):g}) and {b!r} (weight "
+                            f"{self.weight(b):g}) both backlogged since t={since:.6g}; "
+                            f"weighted service (cost / weight) since then {a!r} {da:.6g}, "
+                            f"{b!r} {db:.6g}: "
+                            f"{ahead!r} is ahead of {behind!r} by {abs(da - db):.6g}, over "
+                            f"the bound {limit:.6g}",
+                        )
+                        starts.clear()  # report once per interval
+                        return
+
+    # ------------------------------------------------------------ the end
+    def first(self) -> InvariantViolation | None:
+        return self.violations[0].error() if self.violations else None
+
+    def raise_first(self) -> None:
+        if self.violations:
+            raise self.violations[0].error()
+
+
+def footprint(queue: Any) -> dict[str, int]:
+    """Entries a FairQueue holds in its containers (live and dead): flow deques,
+    per-class arrival orders, the expiry heap. Reads private attributes, defensively:
+    a container it does not find counts 0."""
+    flows = sum(len(q) for fl in getattr(queue, "_flows", ()) for q in fl.values())
+    arrivals = sum(len(a) for a in getattr(queue, "_arrivals", ()))
+    return {"flows": flows, "arrivals": arrivals, "expiry": len(getattr(queue, "_expiry", ()))}
+
+
+def observer_for(
+    limits: Any,
+    *,
+    bound: int,
+    classes: Iterable[Any],
+    weights: Mapping[str, float] | None,
+    lag_slack: float = 0.0,
+) -> QueueObserver:
+    """An observer for a queue built with these FairQueue arguments."""
+    return QueueObserver(
+        max_size=limits.max_size,
+        max_tokens=limits.max_tokens,
+        padded=limits.padded,
+        bound=bound,
+        classes=[ClassBound(name=c.name, aging=c.aging) for c in classes],
+        weights=weights,
+        lag_slack=lag_slack,
+    )

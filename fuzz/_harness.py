@@ -1,0 +1,243 @@
+"""Running the suites: hypothesis settings profiles, seeded chunks of examples, and a
+failure turned into a pytest test a contributor can paste into tests/.
+
+A run is a loop of *chunks*: one hypothesis run of one suite with ``max_examples``
+examples and its own seed, derived from the run's seed, the suite and the chunk's
+number, so ``--seed S`` replays the same search. Between chunks the time budget and
+the progress line are checked. Found failures go to hypothesis's example database
+(``.hypothesis/examples`` at the repository root), which the next run replays first.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
+from hypothesis.stateful import get_state_machine_test
+from hypothesis.vendor.pretty import pretty
+
+from . import _admission, _queue, _runtime
+from ._product import PRODUCT, Product
+from ._stats import EXAMPLES
+
+ROOT = Path(__file__).resolve().parent.parent
+DATABASE_DIR = ROOT / ".hypothesis" / "examples"
+
+
+class Profile(enum.Enum):
+    """``ci``: a fixed budget of examples per suite, seed 0, no database: the same
+    examples on every run, well under a minute. ``long``: chunks until the time
+    budget runs out, a random (printed) or given seed, the example database."""
+
+    CI = "ci"
+    LONG = "long"
+
+
+@attrs.frozen(kw_only=True)
+class Suite:
+    """One suite: how to build its hypothesis test for a product, its example budgets,
+    and the imports a pasted reproduction needs."""
+
+    name: str
+    summary: str
+    build: Callable[[Product, settings, dict[str, Any]], Callable[[], None]]
+    ci_examples: int
+    chunk_examples: int
+    repro_imports: str
+    stateful: bool = True
+    step_count: int = 50
+
+
+def _stateful(machine: type) -> Callable[[Product, settings, dict[str, Any]], Callable[[], None]]:
+    def build(product: Product, s: settings, box: dict[str, Any]) -> Callable[[], None]:
+        factory = machine
+        if product is not PRODUCT:
+            factory = type(machine.__name__, (machine,), {"product": product})
+        return get_state_machine_test(factory, settings=s)
+
+    return build
+
+
+def _build_runtime(product: Product, s: settings, box: dict[str, Any]) -> Callable[[], None]:
+    @s
+    @given(scenario=_runtime.scenarios())
+    def test_runtime(scenario: _runtime.Scenario) -> None:
+        try:
+            _runtime.run_scenario(scenario, product)
+        except BaseException:
+            box["example"] = scenario  # the last failing one is the shrunk one
+            raise
+
+    return test_runtime
+
+
+SUITES: dict[str, Suite] = {
+    s.name: s
+    for s in (
+        Suite(
+            name="queue",
+            summary="FairQueue sans-IO: arrivals, cancels, time, pulls, completions, expiry",
+            build=_stateful(_queue.QueueMachine),
+            ci_examples=150,
+            chunk_examples=100,
+            repro_imports="from fuzz import Arrival, QueueMachine, QueueSetup",
+            step_count=60,
+        ),
+        Suite(
+            name="runtime",
+            summary="open_runtime under MockClock: callers, cancels, stragglers, faults, "
+            "crashes, shutdown",
+            build=_build_runtime,
+            ci_examples=120,
+            chunk_examples=60,
+            repro_imports=(
+                "from fuzz import Call, ClassSetup, Item, Scenario, TenantSetup, run_scenario"
+            ),
+            stateful=False,
+        ),
+        Suite(
+            name="admission",
+            summary="TokenBucket credits against an exact reference model",
+            build=_stateful(_admission.BucketMachine),
+            ci_examples=100,
+            chunk_examples=100,
+            repro_imports="from fuzz import BucketMachine, BucketSetup",
+        ),
+    )
+}
+
+
+@attrs.define(eq=False)
+class Failure:
+    """A failure a suite found: what broke, and how to replay it."""
+
+    suite: str
+    seed: int
+    run_seed: int | None
+    error: BaseException
+    example: Any = None  # the runtime suite's shrunk Scenario
+    elapsed: float = 0.0
+    examples: int = 0
+
+    @property
+    def message(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
+    def steps(self) -> list[str]:
+        """A state machine's printed steps (``state = ...`` up to ``state.teardown()``)."""
+        notes = [str(n) for n in getattr(self.error, "__notes__", [])]
+        out: list[str] = []
+        on = False
+        for n in notes:
+            if n.startswith("state = "):
+                on = True
+            if on:
+                out.append(n)
+                if n.startswith("state.teardown()"):
+                    break
+        return out
+
+    def blob(self) -> str | None:
+        for n in getattr(self.error, "__notes__", []):
+            if "@reproduce_failure(" in str(n):
+                start = str(n).index("@reproduce_failure(")
+                return str(n)[start:].split(" as a decorator")[0]
+        return None
+
+    def as_pytest(self) -> str:
+        """The failure as a test to paste into tests/ (it fails until the bug is fixed)."""
+        suite = SUITES[self.suite]
+        how = f"python -m fuzz --suite {self.suite}"
+        if self.run_seed is not None:
+            how += f" --seed {self.run_seed}"
+        first_line = str(self.error).splitlines()[0] if str(self.error) else ""
+        header = [
+            f"# Found by `{how}` (hypothesis seed {self.seed}).",
+            f"# {type(self.error).__name__}: {first_line}"[:200],
+        ]
+        name = f"test_fuzz_{self.suite}_seed_{self.seed}"
+        if suite.stateful:
+            steps = self.steps()
+            if not steps:
+                body = ["    pass  # hypothesis printed no steps; see the traceback above"]
+            else:
+                body = [textwrap.indent(s, "    ") for s in steps]
+        else:
+            body = ["    run_scenario(", textwrap.indent(pretty(self.example), "        ") + ")"]
+        return "\n".join([*header, suite.repro_imports, "", "", f"def {name}():", *body]) + "\n"
+
+
+def suite_settings(
+    suite: Suite,
+    *,
+    max_examples: int,
+    database: ExampleDatabase | None,
+    shrink: bool = True,
+) -> settings:
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+    if shrink:
+        phases.append(Phase.shrink)
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=database,
+        phases=phases,
+        print_blob=True,
+        report_multiple_bugs=False,
+        stateful_step_count=suite.step_count,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+def chunk_seed(run_seed: int, suite: str, chunk: int) -> int:
+    """The hypothesis seed of one chunk, stable across runs and Python versions."""
+    digest = hashlib.sha256(f"{run_seed}:{suite}:{chunk}".encode()).digest()
+    return int.from_bytes(digest[:6], "big")
+
+
+def run_chunk(
+    suite: Suite,
+    *,
+    product: Product = PRODUCT,
+    hypothesis_seed: int,
+    max_examples: int,
+    database: ExampleDatabase | None,
+    shrink: bool = True,
+    run_seed: int | None = None,
+) -> Failure | None:
+    """One hypothesis run of ``suite``; the failure it found (shrunk), or None."""
+    box: dict[str, Any] = {}
+    test = suite.build(
+        product,
+        suite_settings(suite, max_examples=max_examples, database=database, shrink=shrink),
+        box,
+    )
+    seed(hypothesis_seed)(test)
+    before = EXAMPLES[suite.name]
+    t0 = time.monotonic()
+    try:
+        test()
+    except Exception as exc:
+        return Failure(
+            suite=suite.name,
+            seed=hypothesis_seed,
+            run_seed=run_seed,
+            error=exc,
+            example=box.get("example"),
+            elapsed=time.monotonic() - t0,
+            examples=EXAMPLES[suite.name] - before,
+        )
+    return None
+
+
+def default_database() -> ExampleDatabase:
+    DATABASE_DIR.mkdir(parents=True, exist_ok=True)
+    return DirectoryBasedExampleDatabase(str(DATABASE_DIR))

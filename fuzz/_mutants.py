@@ -1,0 +1,122 @@
+"""Planted bugs for ``python -m fuzz --self-test``: subclasses of the product's classes,
+each breaking one promise. They exist only here; the product code is never changed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import trioserve.actors
+from trioserve import Request
+
+from ._product import PRODUCT, Product
+
+FairQueue = trioserve.actors.FairQueue
+BatcherActor = trioserve.actors.BatcherActor
+
+
+class DropsOneRequest(FairQueue):
+    """next_batch silently loses the last request of a batch of two or more (it is
+    already DISPATCHED, so nobody will ever answer it)."""
+
+    def next_batch(self, now: float) -> list[Request] | None:
+        batch = super().next_batch(now)
+        if batch and len(batch) >= 2:
+            batch.pop()
+        return batch
+
+
+class SwapsTwoReplies(BatcherActor):
+    """The batcher answers the first two requests of a batch with each other's output."""
+
+    def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
+        if len(batch) >= 2 and len(outputs) == len(batch):
+            outputs = [outputs[1], outputs[0], *outputs[2:]]
+        super()._deliver(batch, outputs, t0)
+
+
+class IgnoresDeadlines(FairQueue):
+    """The deadline check is skipped: the queue keeps every request as if it had none,
+    so an expired one is dispatched (and a model timeout is never answered)."""
+
+    def offer(self, request: Request, now: float) -> None:
+        super().offer(attrs.evolve(request, deadline=math.inf), now)
+
+
+class ExceedsBudget(FairQueue):
+    """Batches close one item (and one token unit) past the configured limits."""
+
+    def __init__(self, limits: Any, **kw: Any) -> None:
+        max_tokens = None if limits.max_tokens is None else limits.max_tokens + 1
+        super().__init__(
+            attrs.evolve(limits, max_size=limits.max_size + 1, max_tokens=max_tokens), **kw
+        )
+
+
+class NoAging(FairQueue):
+    """Aging is disabled: lower classes wait for as long as a higher one has work."""
+
+    def __init__(self, limits: Any, **kw: Any) -> None:
+        classes = [attrs.evolve(c, aging=math.inf) for c in kw.get("classes", ())]
+        if classes:
+            kw["classes"] = classes
+        super().__init__(limits, **kw)
+
+
+class IgnoresWeights(FairQueue):
+    """Fair share treats every tenant as weight 1."""
+
+    def __init__(self, limits: Any, **kw: Any) -> None:
+        kw["weights"] = {}
+        super().__init__(limits, **kw)
+
+
+class ReversesBatches(FairQueue):
+    """A batch is handed out newest first."""
+
+    def next_batch(self, now: float) -> list[Request] | None:
+        batch = super().next_batch(now)
+        return batch[::-1] if batch else batch
+
+
+#: name -> (what it breaks, the broken product, the suites that can see it)
+MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
+    "drop-request": (
+        "next_batch drops one request of a batch",
+        attrs.evolve(PRODUCT, name="drop-request", queue_class=DropsOneRequest),
+        ("queue", "runtime"),
+    ),
+    "swap-replies": (
+        "the batcher answers two requests with each other's output",
+        attrs.evolve(PRODUCT, name="swap-replies", batcher_class=SwapsTwoReplies),
+        ("runtime",),
+    ),
+    "dispatch-expired": (
+        "the queue skips the deadline check",
+        attrs.evolve(PRODUCT, name="dispatch-expired", queue_class=IgnoresDeadlines),
+        ("queue", "runtime"),
+    ),
+    "over-budget": (
+        "batches close at max_batch_size + 1 (and max_batch_tokens + 1)",
+        attrs.evolve(PRODUCT, name="over-budget", queue_class=ExceedsBudget),
+        ("queue", "runtime"),
+    ),
+    "no-aging": (
+        "aging is disabled",
+        attrs.evolve(PRODUCT, name="no-aging", queue_class=NoAging),
+        ("queue", "runtime"),
+    ),
+    # Beyond the five of the issue: the FIFO and fair-share checks need teeth too.
+    "reversed-batch": (
+        "a batch is handed out newest first (FIFO within a flow broken)",
+        attrs.evolve(PRODUCT, name="reversed-batch", queue_class=ReversesBatches),
+        ("queue", "runtime"),
+    ),
+    "ignore-weights": (
+        "fair share ignores the tenants' weights",
+        attrs.evolve(PRODUCT, name="ignore-weights", queue_class=IgnoresWeights),
+        ("runtime", "queue"),
+    ),
+}
