@@ -343,11 +343,11 @@ class BatcherActor(Actor):
         """The model raised. Alone, the request gets the error; in a batch, the batch
         is halved and retried, so that only the input that raises gets it."""
         alive = [r for r in batch if r.reply.answerable]
-        if len(alive) > 1:
+        if len(batch) > 1 and alive:  # not alone: any one of them may be the cause
             self._scheduler.completed(batch, failed=True)
             mid = len(alive) // 2
             self._metrics.statuses["retried"] += len(alive)
-            self._scheduler.retry([alive[:mid], alive[mid:]])
+            self._scheduler.retry([b for b in (alive[:mid], alive[mid:]) if b])
             return
         msg = (
             f"model {self.model!r} failed on {self.device}: {type(exc).__name__}: {exc}"

@@ -105,7 +105,6 @@ def test_cli_ci_profile_of_one_suite(capsys):
 
 
 # ---------------------------------------------------------------- known issues
-@pytest.mark.xfail(strict=True, reason="known issue model-error-isolation (fuzz/_known.py)")
 async def test_a_model_error_reaches_only_its_own_input_when_the_poison_caller_left(
     autojump_clock,
 ):
@@ -148,7 +147,6 @@ async def test_a_model_error_reaches_only_its_own_input_when_the_poison_caller_l
     np.testing.assert_array_equal(outcome["innocent"]["y"], [3.0])
 
 
-@pytest.mark.xfail(strict=True, reason="known issue model-error-isolation (fuzz/_known.py)")
 def test_fuzz_runtime_model_error_isolation(monkeypatch):
     # The runtime suite's shrunk reproduction of the same issue, with its check on.
     monkeypatch.setitem(fuzz._known.KNOWN_ISSUES, "model-error-isolation", True)
