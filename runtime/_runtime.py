@@ -183,15 +183,9 @@ class Runtime:
         replies = [Reply() for _ in prepared]
         requests = [
             Request(
-                model=served.config.name,
-                item=item,
-                cost=cost,
-                tenant=tenant,
-                priority=priority,
-                arrival=now,
-                deadline=deadline,
-                answer_expiry=answer_expiry,
-                reply=reply,
+                model=served.config.name, item=item, cost=cost, tenant=tenant,
+                priority=priority, arrival=now, deadline=deadline,
+                answer_expiry=answer_expiry, reply=reply,
             )
             for (item, cost), reply in zip(prepared, replies, strict=True)
         ]
@@ -470,18 +464,15 @@ class Runtime:
     ) -> dict[str, Any]:
         now = trio.current_time()
         deadline, answer_expiry = self._deadline(served, priority, now)
-        now = await self._pay(tenant, priority, cost, now, deadline)
+        if self.buckets:
+            now = await self._pay(tenant, priority, cost, now, deadline)
+        else:  # no tenant has credits: nothing to await on the hot path
+            self.credits_used[tenant] += cost
         reply = Reply()
         request = Request(
-            model=served.config.name,
-            item=item,
-            cost=cost,
-            tenant=tenant,
-            priority=priority,
-            arrival=now,
-            deadline=deadline,
-            answer_expiry=answer_expiry,
-            reply=reply,
+            model=served.config.name, item=item, cost=cost, tenant=tenant,
+            priority=priority, arrival=now, deadline=deadline,
+            answer_expiry=answer_expiry, reply=reply,
         )
         scheduler = served.scheduler_for(cost)
         try:
