@@ -171,3 +171,90 @@ async def test_a_cancelled_infer_frees_its_slot_when_its_answer_comes():
         gate.release()
         # The only slot comes back when the abandoned answer arrives (and is dropped).
         assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
+
+
+# ---------------------------------------------------------------- the protocol, raw
+async def _raw_client(gw, head: bytes | None = None):
+    """A bare TCP stream and a wsproto client that has completed the handshake."""
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection, Request
+
+    sock = await trio.open_tcp_stream(*gw.addresses[0])
+    ws = WSConnection(ConnectionType.CLIENT)
+    await sock.send_all(ws.send(Request(host="localhost", target="/v2/stream")))
+    accepted = False
+    while not accepted:
+        ws.receive_data(await sock.receive_some(65536))
+        accepted = any(isinstance(e, AcceptConnection) for e in ws.events())
+    return sock, ws
+
+
+async def _events_until(sock, ws, kind, limit: int = 100):
+    seen = []
+    for _ in range(limit):
+        data = await sock.receive_some(65536)
+        ws.receive_data(data or None)
+        for event in ws.events():
+            seen.append(event)
+            if isinstance(event, kind):
+                return seen
+        if not data:
+            break
+    raise AssertionError(f"no {kind.__name__} in {seen}")
+
+
+async def test_a_ping_is_answered_with_a_pong_carrying_its_payload():
+    from wsproto.events import Ping, Pong
+
+    async with serving(config(echo_model())) as gw:
+        sock, ws = await _raw_client(gw)
+        await sock.send_all(ws.send(Ping(payload=b"hello")))
+        events = await _events_until(sock, ws, Pong)
+        assert events[-1].payload == b"hello"
+        await sock.aclose()
+
+
+async def test_a_message_split_over_frames_and_reads_is_one_request():
+    from wsproto.events import TextMessage
+
+    async with serving(config(echo_model())) as gw:
+        sock, ws = await _raw_client(gw)
+        text = '{"id": "split", "model": "echo", "inputs": ' \
+               '[{"name": "x", "shape": [2], "datatype": "FP32", "data": [7, 8]}]}'
+        frames = ws.send(TextMessage(data=text[:20], message_finished=False)) + ws.send(
+            TextMessage(data=text[20:], message_finished=True))
+        for i in range(0, len(frames), 7):  # a few bytes at a time
+            await sock.send_all(frames[i:i + 7])
+            await settle()
+        events = await _events_until(sock, ws, TextMessage)
+        doc = __import__("json").loads(events[-1].data)
+        assert doc["id"] == "split"
+        assert doc["outputs"][0]["data"] == [7, 8]
+        await sock.aclose()
+
+
+async def test_a_message_over_the_size_limit_closes_the_stream_with_1009():
+    from wsproto.events import CloseConnection, TextMessage
+
+    async with serving(config(echo_model(), server={"max_body_bytes": 1000})) as gw:
+        sock, ws = await _raw_client(gw)
+        await sock.send_all(ws.send(TextMessage(data="x" * 2000)))
+        events = await _events_until(sock, ws, CloseConnection)
+        assert events[-1].code == 1009
+        await sock.aclose()
+        await settle()
+        assert gw.statistics().streams == 0
+
+
+async def test_a_handshake_without_a_key_is_refused_with_400():
+    async with serving(config(echo_model())) as gw:
+        sock = await trio.open_tcp_stream(*gw.addresses[0])
+        await sock.send_all(b"GET /v2/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                            b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        data = b""
+        while chunk := await sock.receive_some(65536):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 400 ")
+        await sock.aclose()
+        await settle()
+        assert gw.statistics().connections == 0

@@ -20,11 +20,23 @@ import attrs
 import numpy as np
 import orjson
 import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.connection import Connection, ConnectionState
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    Ping,
+    RejectConnection,
+    RejectData,
+    TextMessage,
+)
+from wsproto.events import Request as WsRequest
+from wsproto.utilities import RemoteProtocolError
 from trio_websocket import (
     ConnectionClosed,
     ConnectionTimeout,
     connect_websocket_url,
-    wrap_server_stream,
 )
 from trioserve import (
     DeadlineExceeded,
@@ -167,122 +179,181 @@ class ReplayStream(trio.abc.HalfCloseableStream):
 
 
 # ---------------------------------------------------------------- the server side
-async def serve_stream(gateway: Gateway, stream: trio.abc.HalfCloseableStream, conn: _Conn) -> None:
+async def serve_stream(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> None:
     """Run the WebSocket handshake on ``stream`` and serve the stream until either
     side closes it or the gateway drains. A 401 rejects the handshake."""
-    cfg = gateway.server_config
     try:
-        async with trio.open_nursery() as ws_tasks:  # trio-websocket's reader task
-            if isinstance(stream, ReplayStream):
-                ws_tasks.start_soon(stream.run_flusher)
+        async with trio.open_nursery() as flushing:
+            flushing.start_soon(stream.run_flusher)
             try:
-                await _handshake_and_serve(gateway, stream, conn, ws_tasks, cfg)
+                session = await _handshake(gateway, stream, conn)
+                if session is not None:
+                    gateway._streams += 1
+                    try:
+                        await session.run()
+                    finally:
+                        gateway._streams -= 1
             finally:
-                if isinstance(stream, ReplayStream):
-                    with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
-                        await stream.stop_flusher()
-                ws_tasks.cancel_scope.cancel("stream closed")
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
+                    await stream.stop_flusher()
+                flushing.cancel_scope.cancel("stream closed")
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
             await stream.aclose()
 
 
-async def _handshake_and_serve(
-    gateway: Gateway,
-    stream: trio.abc.HalfCloseableStream,
-    conn: _Conn,
-    ws_tasks: trio.Nursery,
-    cfg: ServerConfig,
-) -> None:
-    try:
-        handshake = await wrap_server_stream(
-            ws_tasks,
-            stream,
-            message_queue_size=1,
-            max_message_size=cfg.max_body_bytes,
-            receive_buffer_size=RECEIVE_SIZE,
-        )
-        authorization = None
-        for name, value in handshake.headers:
-            if name.lower() == b"authorization":
-                authorization = value
+async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Session | None:
+    """The opening handshake (the request head is replayed from the front end).
+    Returns the session, or None when the key was refused or the peer left."""
+    ws = WSConnection(ConnectionType.SERVER)
+    request = None
+    while request is None:
+        data = await stream.receive_some(RECEIVE_SIZE)
+        if not data:
+            return None
         try:
-            tenant = gateway.auth.tenant(authorization)
-        except Unauthorized as exc:
-            await handshake.reject(
-                exc.status,
-                extra_headers=[(b"content-type", b"application/json")],
-                body=orjson.dumps({"error": str(exc)}),
-            )
-            return
-        ws = await handshake.accept()
-    except ConnectionClosed:
-        return
-    gateway._streams += 1
+            ws.receive_data(data)
+            for event in ws.events():
+                if isinstance(event, WsRequest):
+                    request = event
+        except RemoteProtocolError as exc:
+            await stream.send_all(exc.event_hint and ws.send(exc.event_hint) or b"")
+            return None
+    authorization = None
+    for name, value in request.extra_headers:
+        if name.lower() == b"authorization":
+            authorization = value
     try:
-        await _Session(gateway, ws, tenant, conn).run()
-    finally:
-        gateway._streams -= 1
+        tenant = gateway.auth.tenant(authorization)
+    except Unauthorized as exc:
+        body = orjson.dumps({"error": str(exc)})
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", b"%d" % len(body))]
+        await stream.send_all(
+            ws.send(RejectConnection(status_code=exc.status, headers=headers, has_body=True))
+            + ws.send(RejectData(data=body))
+        )
+        return None
+    await stream.send_all(ws.send(AcceptConnection()))
+    return _Session(gateway, ws.connection, stream, tenant, conn)
 
 
 class _Session:
-    """One stream connection's requests."""
+    """One stream connection: a read loop over wsproto and a task per request.
 
-    def __init__(self, gateway: Gateway, ws: Any, tenant: str, conn: _Conn) -> None:
+    Frames are parsed straight from the socket's bytes (every message in a read is
+    handled before the next read), answers are framed at once and leave through the
+    stream's flusher, several to a write. At ``stream_in_flight`` requests the loop
+    stops reading, so TCP pushes back on the client.
+    """
+
+    def __init__(self, gateway: Gateway, ws: Connection, stream: ReplayStream, tenant: str,
+                 conn: _Conn) -> None:
         self.gateway = gateway
         self.ws = ws
+        self.stream = stream
         self.tenant = tenant
         self.conn = conn
-        self.limit = trio.Semaphore(gateway.server_config.stream_in_flight)
+        self.bound = gateway.server_config.stream_in_flight
+        self.max_message = gateway.server_config.max_body_bytes
         self.in_flight = 0
+        self._room = trio.lowlevel.ParkingLot()  # the read loop waits here at the bound
         self.pending: dict[int, Any] = {}  # token -> id of requests not yet answered
         self._tokens = itertools.count()
+        self._closing: tuple[int, str] | None = None  # (code, reason) we close with
 
     async def run(self) -> None:
-        gateway, ws, limit = self.gateway, self.ws, self.limit
         reading = trio.CancelScope()
         self.conn.stop_reading = lambda: reading.cancel("gateway draining: stop reading")
+        peer_closed = False
         try:
             async with trio.open_nursery() as requests:
                 self.conn.cancel_requests = lambda: requests.cancel_scope.cancel(
                     "gateway draining: grace period over"
                 )
                 with reading:
-                    while True:
-                        # At the bound, stop reading: trio-websocket's one-message queue
-                        # fills, its reader stops, and TCP pushes back on the client.
-                        await limit.acquire()
-                        try:
-                            message = await ws.get_message()
-                        except ConnectionClosed:
-                            limit.release()
-                            # The client is gone: withdraw what it left in flight.
-                            requests.cancel_scope.cancel("stream closed by the client")
-                            break
-                        self.in_flight += 1
-                        if self.in_flight > gateway.stream_in_flight_peak:
-                            gateway.stream_in_flight_peak = self.in_flight
-                        requests.start_soon(self._one, message)
+                    peer_closed = await self._read(requests)
+                if peer_closed:
+                    # The client is gone or closing: withdraw what it left in flight.
+                    requests.cancel_scope.cancel("stream closed by the client")
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
-                await self._close()
+                await self._close(peer_closed)
 
-    async def _close(self) -> None:
+    async def _read(self, requests: trio.Nursery) -> bool:
+        """Read and dispatch messages until the peer closes (returns True) or the
+        session must close (a protocol error, an oversize message: returns False)."""
+        ws, stream, bound, room = self.ws, self.stream, self.bound, self._room
+        gateway = self.gateway
+        parts: list[Any] = []
+        size = 0
+        while True:
+            data = await stream.receive_some(RECEIVE_SIZE)
+            ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
+            for event in ws.events():
+                kind = type(event)
+                if kind is TextMessage or kind is BytesMessage:
+                    size += len(event.data)
+                    if size > self.max_message:
+                        self._closing = (1009, f"message over {self.max_message} bytes")
+                        return False
+                    if not event.message_finished:
+                        parts.append(event.data)
+                        continue
+                    if parts:
+                        parts.append(event.data)
+                        message = ("" if kind is TextMessage else b"").join(parts)
+                        parts.clear()
+                    else:
+                        message = event.data
+                    size = 0
+                    while self.in_flight >= bound:
+                        await room.park()
+                    self.in_flight += 1
+                    if self.in_flight > gateway.stream_in_flight_peak:
+                        gateway.stream_in_flight_peak = self.in_flight
+                    requests.start_soon(self._one, message)
+                elif kind is Ping:
+                    await self._send(ws.send(event.response()))
+                elif kind is CloseConnection:
+                    if ws.state is ConnectionState.REMOTE_CLOSING:
+                        await self._send(ws.send(event.response()))
+                    return True
+                # Pong: nothing to do.
+
+    async def _send(self, data: bytes) -> None:
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the peer left; the read loop sees it
+
+    async def _close(self, peer_closed: bool) -> None:
         ws = self.ws
-        if ws.closed is not None:
+        if ws.state is not ConnectionState.OPEN:
             return
         # Requests cancelled by the end of a drain's grace period: tell the client.
         for rid in self.pending.values():
             frame = {"id": rid, "error": "the server is shutting down; request not completed",
                      "status": 503}
-            try:
-                await ws.send_message(orjson.dumps(frame).decode())
-            except ConnectionClosed:
-                return
-        if self.gateway.draining:
-            await ws.aclose(1001, "server shutting down")
+            await self._send(ws.send(TextMessage(data=orjson.dumps(frame).decode())))
+        if self._closing is not None:
+            code, reason = self._closing
+        elif self.gateway.draining:
+            code, reason = 1001, "server shutting down"
         else:
-            await ws.aclose()
+            code, reason = 1000, ""
+        await self._send(ws.send(CloseConnection(code=code, reason=reason)))
+        # Wait (briefly, see the caller) for the client's close frame.
+        try:
+            while ws.state is ConnectionState.LOCAL_CLOSING:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+                if not data:
+                    return
+                ws.receive_data(data)
+                for _ in ws.events():
+                    pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError):
+            pass
 
     async def _one(self, message: str | bytes) -> None:
         gateway = self.gateway
@@ -313,7 +384,9 @@ class _Session:
                 if version is not None and type(version) is not str:
                     raise InvalidInput("'version' must be a string")
                 sig.check_version(version)
-                request = InferRequest.from_v2_json(b"", sig, version=version, doc=doc)
+                request = InferRequest.from_v2_json(
+                    b"", sig, version=version, doc=doc, text=message
+                )
                 results = await gateway.run_request(request, self.tenant)
                 frame = encode_response(request, results, sig, binary=False)[0]
                 status = 200
@@ -323,14 +396,12 @@ class _Session:
                 status, _, _ = error_answer(exc)
                 frame = orjson.dumps({"id": rid, "error": str(exc), "status": status})
             gateway.requests[(label, self.tenant, status)] += 1
-            try:
-                await self.ws.send_message(frame.decode())
-            except ConnectionClosed:
-                pass
+            if self.ws.state is ConnectionState.OPEN:
+                await self._send(self.ws.send(TextMessage(data=frame.decode())))
             del self.pending[token]
         finally:
             self.in_flight -= 1
-            self.limit.release()
+            self._room.unpark()
 
 
 # ---------------------------------------------------------------- the client side
