@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the figures here (default bench-results/)")
     b.add_argument("--scenario", choices=sorted(SCENARIOS),
                    help="run a named scenario instead of plain load: "
-                   + "; ".join(f"{k}: {v[1]}" for k, v in sorted(SCENARIOS.items())))
+                   + "; ".join(f"{k}: {v[1]}" for k, v in sorted(SCENARIOS.items()))
+                   .replace("%", "%%"))  # argparse formats help with %
     return p
 
 
