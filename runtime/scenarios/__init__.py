@@ -21,6 +21,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "overload": ("trioserve.scenarios._sched", "5x capacity offered with 500 ms deadlines"),
     "faults": ("trioserve.scenarios._faults", "a 10 s straggler, killed workers, a raising model"),
     "cache-http": ("trioserve.scenarios._cache_http", "HTTP on mlp, Zipf keys, cache on vs off"),
+    "gateway": ("trioserve.scenarios._gateway", "HTTP, batch dimension and WebSocket on mlp"),
     "cache": (
         "trioserve.scenarios._cache",
         "hit rates of W-TinyLFU, LRU and Belady on synthetic traces",

@@ -11,6 +11,7 @@ so on a small machine the figure is the server's, not the load generator's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +75,36 @@ def _metric(url: str, name: str) -> float | None:
     return None
 
 
-def _wrk(url: str, seconds: float, env: dict[str, str]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _serving(config: Path) -> Iterator[str]:
+    """Run ``trioserve serve --config config`` on a free port until the block ends;
+    yields its URL once it is ready."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trioserve.cli", "serve", "--config", str(config),
+         "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wrk(
+    url: str, seconds: float, env: dict[str, str], *, connections: int = CONNECTIONS
+) -> dict[str, Any]:
+    """``wrk`` with ``zipf.lua`` (bodies and skew from ``env``) for ``seconds``: its
+    counts and latency percentiles, plus ``requests_per_s``."""
     script = str(Path(__file__).with_name("zipf.lua"))
     out = subprocess.run(
-        ["wrk", "-t", "1", "-c", str(CONNECTIONS), "-d", f"{seconds:g}s", "-s", script, url],
+        ["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds:g}s", "-s", script, url],
         capture_output=True, text=True, env=env, check=True,
     ).stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("WRKJSON "))
@@ -105,15 +133,7 @@ def run(name: str, args: argparse.Namespace) -> int:
     for label, capacity in (("without cache", 0), ("with cache", 256 << 20)):
         cfg = workdir / f"{capacity}.toml"
         cfg.write_text(CONFIG.format(capacity=capacity))
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "trioserve.cli", "serve", "--config", str(cfg),
-             "--port", str(port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        try:
-            _wait_ready(url, proc)
+        with _serving(cfg) as url:
             _wrk(url, 3.0, env)  # warm-up
             res = _wrk(url, duration, env)
             res["hit_rate"] = _metric(url, "trioserve_cache_hit_rate")
@@ -122,12 +142,6 @@ def run(name: str, args: argparse.Namespace) -> int:
                   f"{res['p50_us'] / 1e3:.2f} ms  p99 {res['p99_us'] / 1e3:.2f} ms"
                   + (f"  hit rate {res['hit_rate']:.3f}" if res["hit_rate"] is not None
                      else ""))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     ratio = results["with cache"]["requests_per_s"] / results["without cache"]["requests_per_s"]
     ok = ratio >= 3.0
     print(f"scenario {name}: Zipf {ZIPF_S} over {KEYS} keys, {CONNECTIONS} connections, "
