@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-
 import trioserve
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")

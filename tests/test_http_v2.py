@@ -162,8 +162,10 @@ def _decode(body: bytes):
     return np.stack([it["x"] for it in req.items])
 
 
-@given(some=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False) | st.integers(-2**40, 2**40),
-                     min_size=1, max_size=64),
+_NUMBER = st.floats(width=32, allow_nan=False, allow_infinity=False) | st.integers(-2**40, 2**40)
+
+
+@given(some=st.lists(_NUMBER, min_size=1, max_size=64),
        rid=st.none() | st.text(max_size=8))
 def test_a_large_float_tensor_decodes_exactly_as_value_by_value(some, rid):
     # The fast path (numbers only, one conversion) and the checked path (through

@@ -2,7 +2,6 @@ import numpy as np
 from hdrh.histogram import HdrHistogram
 from hypothesis import given
 from hypothesis import strategies as st
-
 from trioserve.actors import Latency
 
 

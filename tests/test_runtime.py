@@ -10,6 +10,7 @@ set ``timeout_ms=None`` so no request's model timeout passes in that jump.
 from __future__ import annotations
 
 import collections
+
 import numpy as np
 import pytest
 import trio

@@ -20,6 +20,21 @@ import attrs
 import numpy as np
 import orjson
 import trio
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionTimeout,
+    connect_websocket_url,
+)
+from trioserve import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    Overloaded,
+    QuotaExceeded,
+    TrioserveError,
+    Unauthorized,
+    UnknownModel,
+)
 from wsproto import ConnectionType, WSConnection
 from wsproto.connection import Connection, ConnectionState
 from wsproto.events import (
@@ -33,22 +48,6 @@ from wsproto.events import (
 )
 from wsproto.events import Request as WsRequest
 from wsproto.utilities import RemoteProtocolError
-from trio_websocket import (
-    ConnectionClosed,
-    ConnectionTimeout,
-    connect_websocket_url,
-)
-from trioserve import (
-    DeadlineExceeded,
-    InvalidInput,
-    ModelError,
-    Overloaded,
-    QuotaExceeded,
-    ServerConfig,
-    TrioserveError,
-    Unauthorized,
-    UnknownModel,
-)
 
 from ._gateway import UNKNOWN_MODEL, error_answer, log
 from ._v2 import InferRequest, decode_outputs, dumps, encode_inputs, encode_response, loads
@@ -217,7 +216,9 @@ async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Se
                 if isinstance(event, WsRequest):
                     request = event
         except RemoteProtocolError as exc:
-            await stream.send_all(exc.event_hint and ws.send(exc.event_hint) or b"")
+            # A malformed handshake: wsproto's suggested answer (400), then close.
+            if exc.event_hint is not None:
+                await stream.send_all(ws.send(exc.event_hint))
             return None
     authorization = None
     for name, value in request.extra_headers:
