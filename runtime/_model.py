@@ -77,6 +77,29 @@ def to_numpy(value: Any) -> np.ndarray:
 
 def coerce(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
     """Check one input against its spec and return it with the spec's dtype."""
+    arr = _with_dtype(spec, value, model)
+    if not spec.accepts_shape(arr.shape):
+        extra = " (one item: no batch dimension)" if arr.ndim == len(spec.shape) + 1 else ""
+        raise InvalidInput(
+            f"input {spec.name!r} of model {model!r}: expected shape "
+            f"{list(spec.shape)}{extra}, got {list(arr.shape)}"
+        )
+    return arr
+
+
+def coerce_rows(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
+    """As :func:`coerce` for a stack of items: a leading dimension, then the spec's."""
+    arr = _with_dtype(spec, value, model)
+    if arr.ndim != len(spec.shape) + 1 or not spec.accepts_shape(arr.shape[1:]):
+        want = ", ".join(map(str, spec.shape))
+        raise InvalidInput(
+            f"input {spec.name!r} of model {model!r}: expected shape [N, {want}] "
+            f"(N items), got {list(arr.shape)}"
+        )
+    return arr
+
+
+def _with_dtype(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
     try:
         arr = to_numpy(value)
     except (TypeError, ValueError) as exc:
@@ -99,13 +122,27 @@ def coerce(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
             )
         else:
             arr = arr.astype(want)
-    if not spec.accepts_shape(arr.shape):
-        extra = " (one item: no batch dimension)" if arr.ndim == len(spec.shape) + 1 else ""
-        raise InvalidInput(
-            f"input {spec.name!r} of model {model!r}: expected shape "
-            f"{list(spec.shape)}{extra}, got {list(arr.shape)}"
-        )
     return arr
+
+
+def _unstack(model: str, arrays: Any) -> list[Any]:
+    """Per-item inputs from stacked ones (name -> array with a leading item dimension)."""
+    if not isinstance(arrays, Mapping):
+        arrays = {None: arrays}
+    try:
+        stacked = {k: to_numpy(v) for k, v in arrays.items()}
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"model {model!r}: inputs are not arrays ({exc})") from None
+    counts = {a.shape[0] if a.ndim else -1 for a in stacked.values()}
+    if len(counts) != 1 or -1 in counts:
+        raise InvalidInput(
+            f"model {model!r}: stacked inputs need one leading item dimension of the same "
+            f"length, got shapes {', '.join(str(list(a.shape)) for a in stacked.values())}"
+        )
+    n = counts.pop()
+    if None in stacked:
+        return list(stacked[None])
+    return [{k: a[i] for k, a in stacked.items()} for i in range(n)]
 
 
 class ModelBackend:
@@ -159,6 +196,51 @@ class ModelBackend:
                 f"{', '.join(s.name for s in specs)}"
             )
         return item, 1
+
+    def prepare_rows(self, name: str, arrays: Mapping[str, Any]) -> list[tuple[Item, int]]:
+        """Validate and coerce items given stacked: input name -> array whose leading
+        dimension indexes the items (the v2 batch dimension). Returns (item, cost) per
+        item, in order; each item's arrays are views of the stacked ones.
+
+        Checks dtype and shape once per input, not once per item. A backend that
+        overrides :meth:`prepare` (its own checks or costs), a padded or an open one,
+        has each item prepared by :meth:`prepare` instead. Raises InvalidInput.
+        """
+        specs = self.inputs
+        if (
+            type(self).prepare is not ModelBackend.prepare
+            or self.padded
+            or self.open_inputs
+            or not isinstance(arrays, Mapping)
+        ):
+            return [self.prepare(name, item) for item in _unstack(name, arrays)]
+        stacked: dict[str, np.ndarray] = {}
+        for spec in specs:
+            try:
+                value = arrays[spec.name]
+            except KeyError:
+                raise InvalidInput(
+                    f"model {name!r}: missing input {spec.name!r}; expected "
+                    f"{', '.join(s.name for s in specs)}"
+                ) from None
+            stacked[spec.name] = coerce_rows(spec, value, name)
+        if len(arrays) != len(specs):
+            unknown = sorted(set(map(str, arrays)) - {s.name for s in specs})
+            raise InvalidInput(
+                f"model {name!r}: unknown input {', '.join(map(repr, unknown))}; expected "
+                f"{', '.join(s.name for s in specs)}"
+            )
+        counts = {len(a) for a in stacked.values()}
+        if len(counts) > 1:
+            raise InvalidInput(
+                f"model {name!r}: the inputs disagree on the number of items "
+                f"({', '.join(f'{k}: {len(a)}' for k, a in stacked.items())})"
+            )
+        if len(stacked) == 1:
+            (key, arr), = stacked.items()
+            return [({key: row}, 1) for row in arr]
+        n = counts.pop() if counts else 0
+        return [({k: a[i] for k, a in stacked.items()}, 1) for i in range(n)]
 
     def load(self, device: str, *, torch_threads: int = 1) -> Runner:
         """Load the model on ``device`` and return its runner. Runs in a worker thread."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import math
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -116,6 +116,12 @@ class Runtime:
         served = self._served(model, version)
         tenant, priority = self._classify(tenant, priority)
         item, cost = served.backend.prepare(model, inputs)
+        return await self._answer_prepared(served, model, version, item, cost, tenant, priority)
+
+    async def _answer_prepared(
+        self, served: ServedModel, model: str, version: str | None, item: Any, cost: int,
+        tenant: str, priority: str,
+    ) -> dict[str, Any]:
         if model in self._cached:
             return await self.cache.answer(
                 model, version or served.config.versions[0], tenant, item,
@@ -141,7 +147,7 @@ class Runtime:
     async def infer_batch(
         self,
         model: str,
-        items: list[Any],
+        items: Sequence[Any] | Mapping[str, Any],
         *,
         tenant: str | None = None,
         priority: str | None = None,
@@ -151,12 +157,23 @@ class Runtime:
         order. All are submitted at once, without a task per item; the first failure
         (in item order) is raised after every item is settled. Cancelling it withdraws
         every item not yet dispatched.
+
+        ``items`` is a sequence of items, or the items stacked: a mapping input name
+        -> array whose leading dimension indexes the items (as a v2 batch dimension);
+        stacked inputs are checked once, not item by item.
         """
         served = self._served(model, version)
-        if len(items) == 1:
-            return [await self.infer(model, items[0], tenant=tenant, priority=priority)]
-        tenant, priority = self._classify(tenant, priority)
-        prepared = [served.backend.prepare(model, x) for x in items]
+        if isinstance(items, Mapping):
+            tenant, priority = self._classify(tenant, priority)
+            prepared = served.backend.prepare_rows(model, items)
+            items = [item for item, _ in prepared]
+        else:
+            tenant, priority = self._classify(tenant, priority)
+            prepared = [served.backend.prepare(model, x) for x in items]
+        if len(prepared) == 1:
+            item, cost = prepared[0]
+            return [await self._answer_prepared(served, model, version, item, cost, tenant,
+                                                priority)]
         limits = served.limits
         if limits.max_tokens is not None and any(c > limits.max_tokens for _, c in prepared):
             # Rare: an oversize item takes the per-item path with its policy.

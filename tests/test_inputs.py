@@ -207,3 +207,47 @@ async def test_one_bad_item_fails_infer_batch_before_anything_runs(rt, seen):
         await rt.infer_batch("one", [[1, 2, 3, 4], [1, 2]])
     assert seen["one"].items == []
     assert InvalidInput.status == 400
+
+
+# ---------------------------------------------------------------- stacked items
+async def test_stacked_items_are_checked_once_and_answered_in_order(rt, seen):
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)  # float64: coerced to FP32
+    outs = await rt.infer_batch("one", {"x": x})
+    assert [o["y"].tolist() for o in outs] == [[6.0], [22.0], [38.0]]
+    assert [it["x"].dtype for it in seen["one"].items] == [np.float32] * 3
+    np.testing.assert_array_equal(np.stack([it["x"] for it in seen["one"].items]), x)
+    two = await rt.infer_batch(
+        "two", {"a": np.ones((2, 3), np.float32), "b": np.array([[1, 2], [3, 4]])})
+    assert [o["y"].tolist() for o in two] == [[6.0], [10.0]]
+    assert seen["two"].items[0]["b"].dtype == np.int64
+    assert await rt.infer_batch("one", {"x": np.zeros((0, 4), np.float32)}) == []
+
+
+@pytest.mark.parametrize(("model", "stacked", "message"), [
+    ("one", {"x": np.ones((2, 5), np.float32)},
+     r"input 'x' of model 'one': expected shape \[N, 4\] \(N items\), got \[2, 5\]"),
+    ("one", {"x": np.ones(4, np.float32)}, r"expected shape \[N, 4\] \(N items\), got \[4\]"),
+    ("one", {"x": np.array([["a"] * 4])}, r"input 'x' of model 'one': expected FP32"),
+    ("one", {"y": np.ones((2, 4))}, r"model 'one': missing input 'x'; expected x"),
+    ("one", {"x": np.ones((2, 4)), "z": np.ones((2, 4))}, r"unknown input 'z'; expected x"),
+    ("two", {"a": np.ones((2, 3)), "b": np.ones((3, 1), np.int64)},
+     r"model 'two': the inputs disagree on the number of items \(a: 2, b: 3\)"),
+])
+async def test_bad_stacked_items_fail_before_anything_runs(rt, seen, model, stacked, message):
+    with pytest.raises(InvalidInput, match=message):
+        await rt.infer_batch(model, stacked)
+    assert seen[model].items == []
+
+
+async def test_stacked_items_of_an_open_model_are_prepared_one_by_one(rt):
+    outs = await rt.infer_batch("echo", {"x": np.arange(6, dtype=np.float32).reshape(3, 2)})
+    assert [o["x"].tolist() for o in outs] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(InvalidInput, match="one leading item dimension of the same length"):
+        await rt.infer_batch("echo", {"x": np.ones((3, 2)), "w": np.ones((2, 2))})
+
+
+async def test_one_item_of_a_list_keeps_its_version(rt, seen):
+    out = await rt.infer_batch("two", [{"a": [1, 2, 3], "b": [1]}], version="1")
+    assert out[0]["y"].tolist() == [7.0]
+    with pytest.raises(UnknownModel, match="has no version '9'"):
+        await rt.infer_batch("two", [{"a": [1, 2, 3], "b": [1]}], version="9")

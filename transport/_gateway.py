@@ -227,7 +227,7 @@ class Gateway:
             return [out]
         return await rt.infer_batch(
             request.model,
-            request.items,
+            request.items if request.stacked is None else request.stacked,
             tenant=tenant,
             priority=request.priority,
             version=request.version,

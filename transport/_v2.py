@@ -136,6 +136,9 @@ class InferRequest:
     id: Any = None
     items: list[dict[str, np.ndarray]] = attrs.field(eq=False, repr=False)
     batched: bool = False
+    #: With a batch dimension of N > 1: the tensors as sent, name -> [N, ...] array
+    #: (``Runtime.infer_batch`` takes them stacked and checks them once).
+    stacked: dict[str, np.ndarray] | None = attrs.field(default=None, eq=False, repr=False)
     #: requested output names (None: all) and whether each is sent as binary data.
     outputs: tuple[tuple[str, bool], ...] | None = None
     binary_outputs: bool = False
@@ -237,6 +240,7 @@ class InferRequest:
             version=version,
             id=rid,
             items=items,
+            stacked=arrays if batch is not None and batch > 1 else None,
             batched=batch != -1,
             outputs=outputs,
             binary_outputs=binary_all,
