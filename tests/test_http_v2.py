@@ -146,60 +146,28 @@ def test_json_round_trip_keeps_values_and_shape(rows, values, batched):
     np.testing.assert_array_equal(out, want)
 
 
-# ------------------------------------------------- large float tensors: the fast path
+# ------------------------------------------------- large float tensors
 WIDE = signature([TensorSpec(name="x", datatype="FP32", shape=(256,))])
 
 
-def _wide_body(data, rid=None, shape=(8, 256)) -> bytes:
-    doc = {"inputs": [{"name": "x", "shape": list(shape), "datatype": "FP32", "data": data}]}
-    if rid is not None:
-        doc["id"] = rid
-    return orjson.dumps(doc)
-
-
-def _decode(body: bytes):
-    req = InferRequest.from_v2_json(body, WIDE)
+def _decode(rows) -> np.ndarray:
+    doc = {"inputs": [{"name": "x", "shape": [len(rows), 256], "datatype": "FP32",
+                       "data": rows}]}
+    req = InferRequest.from_v2_json(orjson.dumps(doc), WIDE)
+    assert req.stacked["x"].shape == (len(rows), 256)
     return np.stack([it["x"] for it in req.items])
 
 
-_NUMBER = st.floats(width=32, allow_nan=False, allow_infinity=False) | st.integers(-2**40, 2**40)
-
-
-@given(some=st.lists(_NUMBER, min_size=1, max_size=64),
-       rid=st.none() | st.text(max_size=8))
-def test_a_large_float_tensor_decodes_exactly_as_value_by_value(some, rid):
-    # The fast path (numbers only, one conversion) and the checked path (through
-    # float64) must give the same float32 values.
-    values = (some * (2048 // len(some) + 1))[:2048]
-    rows = [values[i:i + 256] for i in range(0, 2048, 256)]
-    got = _decode(_wide_body(rows, rid))
-    want = np.asarray(rows, dtype=np.float64).astype(np.float32)
-    np.testing.assert_array_equal(got, want)
-
-
 @pytest.mark.parametrize(("bad", "message"), [
-    (True, "expected FP32 values, got"),
-    (None, "expected FP32 values, got"),
+    (None, "expected FP32 values, got mixed values"),
     ("1.5", "expected FP32 values, got"),
-    ({}, "data is not a regular array|expected FP32 values"),
+    ({}, "expected FP32 values, got mixed values"),
     ([1.0], "data is not a regular array"),
 ])
 def test_a_large_float_tensor_with_one_bad_value_is_refused(bad, message):
     rows = [[0.5] * 256 for _ in range(8)]
     rows[5][17] = bad
     with pytest.raises(InvalidInput, match=message):
-        _decode(_wide_body(rows))
-
-
-def test_the_text_check_falls_back_when_a_string_could_hide_in_the_data():
-    from trioserve.transport._v2 import _numbers_only
-
-    rows = [[0.5] * 256 for _ in range(8)]
-    body = _wide_body(rows, rid='say "null"')
-    assert not _numbers_only(body, orjson.loads(body))
-    np.testing.assert_array_equal(_decode(body), np.full((8, 256), 0.5, np.float32))
-    body = _wide_body(rows, rid="plain")
-    assert _numbers_only(body, orjson.loads(body))
-    rows[0][0] = "0.5"
-    body = _wide_body(rows, rid="plain")
-    assert not _numbers_only(body, orjson.loads(body))
+        _decode(rows)
+    rows[5][17] = 7
+    assert _decode(rows)[5, 17] == 7.0
