@@ -45,15 +45,29 @@ class FlowStats:
     wait: Latency = attrs.Factory(Latency)
 
 
+#: Reservations a bucket keeps apart; more are merged into the latest (see TokenBucket).
+_MERGE_AT = 16
+
+
 class TokenBucket:
     """Credits in cost units: ``rate`` per second up to ``burst``.
 
     A take may leave the level negative (a debt the refill pays back first), so a cost
     larger than the burst is still served once the bucket is full, and waiters are
-    served in the order they reserved.
+    served in the order they reserved: a reservation never starts before one made
+    earlier (a refunded one included).
+
+    A refund never moves a start time already handed out (the callers sleep until
+    theirs), so it gives back only what the bucket could have kept with those starts
+    unchanged: the credits would have stayed in it from the refunded reservation's
+    start on, and whatever would have filled it past ``burst`` before a later waiter's
+    start is lost. The bucket cannot tell which reservation a refund is for, so it
+    assumes the earliest still waiting: with at most one reservation waiting the
+    credits all go back; otherwise at most ``burst`` less the highest level a later
+    waiter meets at its start.
     """
 
-    __slots__ = ("burst", "level", "rate", "stamp", "used")
+    __slots__ = ("_tail", "_waiting", "burst", "level", "rate", "stamp", "used")
 
     def __init__(self, rate: float, burst: float, now: float) -> None:
         self.rate = rate
@@ -61,11 +75,21 @@ class TokenBucket:
         self.level = burst
         self.stamp = now
         self.used = 0.0
+        self._tail = -math.inf  # the latest start handed out
+        # The reservations that start after ``stamp``, in start order, each as [start,
+        # peak, n]: the peak is the level just before its debit at its start, so a
+        # refund before it may add at most ``burst - peak``. Past _MERGE_AT entries, a
+        # new one is merged into the latest (n of them; its start, the higher peak), which
+        # only makes refunds more cautious.
+        self._waiting: collections.deque[list[float]] = collections.deque()
 
     def _refill(self, now: float) -> None:
         if now > self.stamp:
             self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
             self.stamp = now
+            waiting = self._waiting
+            while waiting and waiting[0][0] <= now:
+                waiting.popleft()
 
     def try_take(self, cost: float, now: float) -> float:
         """Take ``cost`` if the credits are there and return 0.0; otherwise take
@@ -79,19 +103,51 @@ class TokenBucket:
         return (need - self.level) / self.rate
 
     def refund(self, cost: float) -> None:
-        """Give back credits taken for a request that never ran."""
-        self.level = min(self.burst, self.level + cost)
+        """Give back credits taken for a request that never ran (a reservation whose
+        caller left while waiting, or a request the queue refused): all of them, less
+        what the reservations still waiting leave no room for (see the class)."""
         self.used -= cost
+        give = cost
+        waiting = self._waiting
+        if waiting:
+            first = waiting[0]
+            top = first[1] if first[2] > 1 else -math.inf
+            for i in range(1, len(waiting)):
+                top = max(top, waiting[i][1])
+            give = max(0.0, min(cost, self.burst - top))
+            if give:
+                for entry in waiting:  # the levels they meet rise by what stays
+                    entry[1] += give
+        self.level = min(self.burst, self.level + give)
 
     def reserve(self, cost: float, now: float, latest: float) -> float | None:
-        """Reserve ``cost`` and return when the caller may go (``now`` or later), or
-        None, taking nothing, when that would be after ``latest``."""
+        """Reserve ``cost`` and return when the caller may go (``now`` or later, and
+        no earlier than any reservation made before), or None, taking nothing, when
+        that would be after ``latest``."""
         self._refill(now)
         need = min(cost, self.burst)
-        at = now if self.level >= need else now + (need - self.level) / self.rate
+        level = self.level
+        at = now if level >= need else now + (need - level) / self.rate
+        if at < self._tail:
+            at = self._tail  # behind the reservations made before (only after a refund)
         if at > latest:
             return None
-        self.level -= cost
+        if at > now:
+            ahead = (at - now) * self.rate
+            peak = level + ahead
+            if peak > self.burst:  # pushed back by a refund: the overflow is lost
+                level = self.burst - ahead
+                peak = self.burst
+            waiting = self._waiting
+            if len(waiting) >= _MERGE_AT:
+                last = waiting[-1]
+                last[0] = at
+                last[1] = max(last[1], peak)
+                last[2] += 1
+            else:
+                waiting.append([at, peak, 1])
+            self._tail = at
+        self.level = level - cost
         self.used += cost
         return at
 
@@ -154,6 +210,12 @@ class FairQueue:
       the measured service rate) runs past its deadline is shed at once.
     - Expiry: a request still queued at its deadline is answered DeadlineExceeded (or
       dropped, when the deadline was its caller's) and never dispatched.
+    - Memory: a request that leaves (dispatched, answered, withdrawn, pushed out) stays
+      in its class's arrival order and the expiry heap (a withdrawn one in its flow
+      too) until it reaches their head, or until a quarter of their entries are dead
+      and they are compacted (the arrival orders and the heap after each departure, the
+      flows at the next offer). So each holds at most 4/3 of the live requests, plus
+      one (the flows: of those at the last offer), at amortised O(1) per request.
     """
 
     def __init__(
@@ -181,7 +243,8 @@ class FairQueue:
         n = len(self.classes)
         # per class: tenant -> its FIFO deque (kept while it exists); backlogged ones;
         # weighted service counters; where service last was; all of the class in
-        # arrival order (for aging and the oldest request; dead entries skipped lazily).
+        # arrival order (for aging and the oldest request; dead entries skipped lazily,
+        # or dropped by _compact_arrivals).
         self._flows: list[dict[str, collections.deque[Request]]] = [{} for _ in range(n)]
         self._active: list[dict[str, collections.deque[Request]]] = [{} for _ in range(n)]
         self._vt: list[dict[str, float]] = [{} for _ in range(n)]
@@ -193,6 +256,8 @@ class FairQueue:
         self._count = 0  # entries held in flow deques (withdrawn ones until skipped)
         self._total_cost = 0
         self._tenant_count: collections.Counter[str] = collections.Counter()
+        # (deadline, seq, request) of requests answered on expiry; dead entries are
+        # popped at the head or dropped by _compact_expiry
         self._expiry: list[tuple[float, int, Request]] = []
         self._seq = 0
         self.stats: dict[tuple[str, str], FlowStats] = {}
@@ -219,6 +284,7 @@ class FairQueue:
 
     def _note_dead(self) -> None:
         self._dead += 1
+        self._tidy()
 
     def __iter__(self) -> Iterator[Request]:
         for flows in self._flows:
@@ -341,11 +407,34 @@ class FairQueue:
                 q.extend(alive)
                 if not q:
                     self._active[c].pop(tenant, None)
-            arrivals = self._arrivals[c]
+        self._compact_arrivals()
+        return dropped
+
+    def _tidy(self) -> None:
+        """Called after requests leave (dispatched, pushed out, withdrawn, expired):
+        they stay in the arrival orders and the expiry heap until they reach the head,
+        so compact either once a quarter of its entries are dead. Each then holds at
+        most 4/3 of the live requests, plus one, and a compaction of n entries follows
+        at least n/4 departures (amortised O(1) each)."""
+        live = self._count - self._dead
+        held = sum(map(len, self._arrivals))
+        if 4 * (held - live) > held:
+            self._compact_arrivals()
+        held = len(self._expiry)
+        if 4 * (held - live) > held:  # its live entries are at most ``live``
+            self._compact_expiry()
+
+    def _compact_arrivals(self) -> None:
+        """Drop the entries of requests no longer queued from the arrival orders."""
+        for arrivals in self._arrivals:
             alive = [r for r in arrivals if r.reply.state is _QUEUED]
             arrivals.clear()
             arrivals.extend(alive)
-        return dropped
+
+    def _compact_expiry(self) -> None:
+        """Drop the entries of requests no longer queued from the expiry heap."""
+        h = self._expiry = [e for e in self._expiry if e[2].reply.state is _QUEUED]
+        heapq.heapify(h)
 
     def _retry_after(self) -> float:
         if self.rate > 0.0:
@@ -386,6 +475,7 @@ class FairQueue:
                         )
                     )
                     self._stats(victim, self.classes[c].name).shed += 1
+                    self._tidy()
                     return True
         return False
 
@@ -615,6 +705,11 @@ class FairQueue:
     def next_batch(self, now: float) -> list[Request] | None:
         """A closed batch (each request moved to DISPATCHED), or None when none has
         closed yet; see ``next_close_time``."""
+        batch = self._next_batch(now)
+        self._tidy()  # what it dispatched or found expired left the queue
+        return batch
+
+    def _next_batch(self, now: float) -> list[Request] | None:
         oldest = self._oldest(now)
         if oldest is None:
             return None
@@ -722,6 +817,8 @@ class FairQueue:
                 c = self._rank.get(req.priority, len(self.classes) - 1)
                 self._expired(req, c, now, in_flow=True)
                 n += 1
+        if n:
+            self._tidy()
         return n  # answered entries leave their deques lazily
 
     def next_expiry(self) -> float:

@@ -10,11 +10,11 @@ caller left). Checked after every step:
 - ``try_take`` grants exactly when the credits are there, and the wait it returns is
   exactly when they will be;
 - a reservation starts no earlier than now and no later than its latest start;
-- the envelope: the cost granted with start times in any window [a, b] is at most
-  burst + rate x (b - a) + one grant's debt (a cost above the burst is granted once the
-  bucket is full, leaving it negative), plus whatever was refunded (the strict
-  envelope is the known issue "refund-envelope", fuzz/_known.py);
-- FIFO among waiters (the known issue "reservation-order", fuzz/_known.py).
+- FIFO among waiters: a reservation never starts before one made earlier that still
+  waits (refunds included);
+- the envelope: the cost granted with start times in any window [a, b], refunded
+  reservations left out, is at most burst + rate x (b - a) + one grant's debt (a cost
+  above the burst is granted once the bucket is full, leaving it negative).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from ._checker import InvariantViolation
-from ._known import enabled
 from ._product import PRODUCT, Product
 from ._stats import count_example, note
 
@@ -51,21 +50,47 @@ class Grant:
 
 
 class Reference:
-    """TokenBucket's documented rules in exact arithmetic."""
+    """TokenBucket's documented rules in exact arithmetic.
+
+    Where float rounding could settle a structural choice either way (a reservation
+    starting at the very instant a later call is made: still waiting or not), the
+    bucket's choice is taken (``kept``, ``entry``); every value is computed exactly.
+    """
+
+    MERGE_AT = 16  # TokenBucket keeps this many waiting reservations apart
 
     def __init__(self, rate: Fraction, burst: Fraction, now: Fraction) -> None:
         self.rate, self.burst = rate, burst
         self.level, self.stamp, self.used = burst, now, Fraction(0)
+        self.tail: Fraction | None = None  # the latest start handed out
+        # the reservations starting after ``stamp``: [start, peak, n] (see TokenBucket)
+        self.waiting: list[list] = []
+        self.events: list[str] = []  # what the last operations exercised (for notes)
 
-    def refill(self, now: Fraction) -> None:
+    def refill(self, now: Fraction, kept: int | None = None) -> None:
+        """``kept``: how many waiting reservations the bucket holds after its own
+        refill (settles a start within float rounding of ``now``)."""
         if now > self.stamp:
             self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
             self.stamp = now
+            tol = TIE * max(1, now)
+            w = self.waiting
+            while w and w[0][0] < now - tol:
+                w.pop(0)
+            while w and w[0][0] <= now + tol:
+                if kept is None:
+                    if w[0][0] > now:
+                        break
+                elif sum(e[2] for e in w) <= kept:
+                    break
+                w.pop(0)
 
-    def try_take(self, cost: int, now: Fraction, hint: bool) -> tuple[bool, Fraction]:
+    def try_take(
+        self, cost: int, now: Fraction, hint: bool, kept: int | None = None
+    ) -> tuple[bool, Fraction]:
         """As TokenBucket.try_take: (granted, the wait when not). ``hint`` (whether the
         bucket granted) settles a tie closer than float rounding."""
-        self.refill(now)
+        self.refill(now, kept)
         need = min(Fraction(cost), self.burst)
         grant = self.level >= need
         if abs(self.level - need) <= TIE * self.burst:
@@ -76,24 +101,70 @@ class Reference:
             return True, Fraction(0)
         return False, max(Fraction(0), need - self.level) / self.rate
 
-    def reserve(self, cost: int, now: Fraction, latest: Fraction, hint: bool) -> Fraction | None:
+    def reserve(
+        self,
+        cost: int,
+        now: Fraction,
+        latest: Fraction,
+        hint: bool,
+        kept: int | None = None,
+        entry: bool | None = None,
+    ) -> Fraction | None:
         """As TokenBucket.reserve; ``hint`` (whether the bucket reserved) settles a tie
-        with ``latest`` closer than float rounding."""
-        self.refill(now)
+        with ``latest`` closer than float rounding, ``entry`` (whether the bucket counts
+        it as waiting) one with ``now``."""
+        self.refill(now, kept)
         need = min(Fraction(cost), self.burst)
-        at = now if self.level >= need else now + (need - self.level) / self.rate
+        level = self.level
+        at = now if level >= need else now + (need - level) / self.rate
+        pushed = self.tail is not None and at < self.tail
+        if pushed:
+            at = self.tail  # after every reservation made before
         late = at > latest
         if abs(at - latest) <= TIE * max(1, latest):
             late = not hint
         if late:
             return None
-        self.level -= cost
+        if pushed:
+            self.events.append("reservations behind a refunded one")
+        if at > now if entry is None else entry:
+            ahead = (at - now) * self.rate
+            peak = level + ahead
+            if peak > self.burst:  # what would overflow the burst before it starts
+                level = self.burst - ahead
+                peak = self.burst
+            if len(self.waiting) >= self.MERGE_AT:
+                self.events.append("waiting reservations merged")
+                last = self.waiting[-1]
+                last[0], last[1], last[2] = at, max(last[1], peak), last[2] + 1
+            else:
+                self.waiting.append([at, peak, 1])
+            self.tail = at
+        self.level = level - cost
         self.used += cost
         return at
 
     def refund(self, cost: int) -> None:
-        self.level = min(self.burst, self.level + cost)
+        """Back to the level, at most the room under the burst that the waiters after
+        the earliest leave (start times never move)."""
         self.used -= cost
+        give = Fraction(cost)
+        w = self.waiting
+        if w:
+            peaks = [e[1] for e in w[1:]] + ([w[0][1]] if w[0][2] > 1 else [])
+            if peaks:
+                give = max(Fraction(0), min(give, self.burst - max(peaks)))
+                if give < cost:
+                    self.events.append("refunds cut by the burst")
+            for e in w:
+                e[1] += give
+        self.level = min(self.burst, self.level + give)
+
+
+def _waiting_count(bucket) -> int | None:
+    """How many reservations the bucket counts as waiting (None: it does not say)."""
+    waiting = getattr(bucket, "_waiting", None)
+    return None if waiting is None else int(sum(e[2] for e in waiting))
 
 
 def _close(a: float, b: Fraction, scale: float = 1.0) -> bool:
@@ -137,7 +208,9 @@ class BucketMachine(RuleBasedStateMachine):
     @rule(cost=st.integers(1, 60))
     def try_take(self, cost: int) -> None:
         got = self.bucket.try_take(cost, float(self.now))
-        granted, want = self.ref.try_take(cost, self.now, hint=got == 0.0)
+        granted, want = self.ref.try_take(
+            cost, self.now, hint=got == 0.0, kept=_waiting_count(self.bucket)
+        )
         if (got == 0.0) != granted:
             raise InvariantViolation(
                 "credits",
@@ -160,7 +233,16 @@ class BucketMachine(RuleBasedStateMachine):
         latest = math.inf if slack_ms is None else float(self.now + slack_ms * MS)
         ref_latest = Fraction(10**12) if slack_ms is None else self.now + slack_ms * MS
         got = self.bucket.reserve(cost, float(self.now), latest)
-        want = self.ref.reserve(cost, self.now, ref_latest, hint=got is not None)
+        entry = got is not None and got > float(self.now)
+        kept = _waiting_count(self.bucket)
+        want = self.ref.reserve(
+            cost,
+            self.now,
+            ref_latest,
+            hint=got is not None,
+            kept=None if kept is None else kept - entry,
+            entry=None if kept is None else entry,
+        )
         if (got is None) != (want is None) or (
             got is not None and want is not None and not _close(got, want, float(self.now))
         ):
@@ -179,7 +261,7 @@ class BucketMachine(RuleBasedStateMachine):
                 f"[now, latest={latest:g}]",
             )
         g = Grant(cost=cost, start=want, made=self.now)
-        if enabled("reservation-order") and self.waiting:
+        if self.waiting:
             ahead = max(self.waiting, key=lambda w: w.start)
             if want < ahead.start:
                 raise InvariantViolation(
@@ -193,6 +275,7 @@ class BucketMachine(RuleBasedStateMachine):
         if want > self.now:
             self.waiting.append(g)
             note("admission", "reservations that wait")
+        self._note_events()
 
     @rule(k=st.integers(0, 1 << 16))
     def refund(self, k: int) -> None:
@@ -204,6 +287,12 @@ class BucketMachine(RuleBasedStateMachine):
         self.bucket.refund(g.cost)
         self.ref.refund(g.cost)
         note("admission", "refunds")
+        self._note_events()
+
+    def _note_events(self) -> None:
+        for event in self.ref.events:
+            note("admission", event)
+        self.ref.events.clear()
 
     @invariant()
     def agrees(self) -> None:
@@ -231,10 +320,6 @@ class BucketMachine(RuleBasedStateMachine):
             return
         rate, burst = self.ref.rate, self.ref.burst
         debt = max(g.cost for g in live)
-        if not enabled("refund-envelope"):
-            # A refund hands a waiter's credits to the next reservation without moving
-            # the waiters behind it forward: allow what was refunded on top.
-            debt += sum(g.cost for g in self.grants if g.refunded)
         # The tightest windows start and end at grant starts: over i <= j, the excess
         # (P[j+1] - P[i]) - rate * (s[j] - s[i]) is P[j+1] - rate*s[j] minus the least
         # P[i] - rate*s[i] so far (P: prefix sums of cost in start order).

@@ -20,7 +20,6 @@ from trioserve import Overloaded, Request, RequestState
 from trioserve.actors import BatchLimits, ClassSpec
 
 from ._checker import InvariantViolation, QueueObserver, Tracked, footprint
-from ._known import enabled
 from ._product import PRODUCT, Product, observed_queue_class
 from ._stats import count_example, note
 
@@ -280,19 +279,27 @@ class QueueMachine(RuleBasedStateMachine):
         self._check_footprint()
 
     def _check_footprint(self) -> None:
-        """Memory bounded by configuration: each of the queue's containers, dead entries
-        included, holds at most 4/3 of the bound, plus one (FairQueue compacts its flows
-        when a quarter of their entries are dead). The flows are always checked; the
-        arrival order and the expiry heap are the known issue "queue-memory"."""
+        """Memory bounded by configuration and by what is queued: each of the queue's
+        containers, dead entries included, holds at most 4/3 of the bound, plus one
+        (FairQueue compacts one when a quarter of its entries are dead); the arrival
+        orders and the expiry heap, compacted after every departure, also at most 4/3
+        of the live requests, plus one (the flows are compacted at the next offer)."""
         limit = (4 * self.cfg.bound) // 3 + 1
+        live = len(self.queue)
         for name, n in footprint(self.queue).items():
             self.peak[name] = max(self.peak.get(name, 0), n)
-            if n > limit and (name == "flows" or enabled("queue-memory")):
+            if n > limit:
                 raise InvariantViolation(
                     "memory",
                     f"at t={self.now:.6g} the queue's {name} container holds {n} entries, "
-                    f"over 4/3 of its bound {self.cfg.bound} (+1); live requests: "
-                    f"{len(self.queue)}",
+                    f"over 4/3 of its bound {self.cfg.bound} (+1); live requests: {live}",
+                )
+            if name != "flows" and n > (4 * live) // 3 + 1:
+                raise InvariantViolation(
+                    "memory",
+                    f"at t={self.now:.6g} (after {self.step}) the queue's {name} container "
+                    f"holds {n} entries, over 4/3 of its {live} live requests (+1): dead "
+                    "entries are not compacted",
                 )
 
     def _check_gone(self, t: Tracked) -> None:

@@ -57,7 +57,6 @@ from trioserve import (
 )
 
 from ._checker import InvariantViolation, QueueObserver, batch_cost
-from ._known import enabled
 from ._product import PRODUCT, Product, observed_queue_class
 from ._stats import count_example, note
 
@@ -632,12 +631,6 @@ def _check_call(
         # Model errors reach only their own input: the failed batch is halved and
         # retried until the input that raises runs alone.
         ok = any(it.fault == "error" for it in call.items)
-        if not ok and not enabled("model-error-isolation"):
-            # Known issue: an innocent request left alone in a failed batch (the
-            # poison's caller gone) gets the error. Accept it when that is the case.
-            ok = any(
-                any(run.fault(k) == "error" for k, _ in runs[-1].parts) for runs in mine.values()
-            )
     elif isinstance(exc, ActorBroken):
         ok = any(runs[-1].status == "crash" for runs in mine.values())
     elif isinstance(exc, DeadlineExceeded):

@@ -1,8 +1,9 @@
 """The fuzz harness (fuzz/, docs/fuzzing.md) in CI: the ``ci`` profile of every suite
 (a fixed budget of examples, fixed seeds, no example database), the self-test (every
-planted bug is caught), the printed reproductions replay, and the known issues the
-fuzzer found, each as a strict xfail reproduction: when one is fixed its test passes
-unexpectedly — then switch its check on for good (fuzz/_known.py)."""
+planted bug is caught), the printed reproductions replay, and the real bugs the fuzzer
+found, each reproduced as a regression test. A bug found and not fixed yet goes in as
+a strict xfail with its check off (fuzz/_known.py): when it is fixed the test passes
+unexpectedly — then switch its check on for good and drop the marker."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def test_cli_ci_profile_of_one_suite(capsys):
     assert "no invariant broken" in out
 
 
-# ---------------------------------------------------------------- known issues
+# ---------------------------------------------------------------- bugs the fuzzer found
 async def test_a_model_error_reaches_only_its_own_input_when_the_poison_caller_left(
     autojump_clock,
 ):
@@ -147,9 +148,8 @@ async def test_a_model_error_reaches_only_its_own_input_when_the_poison_caller_l
     np.testing.assert_array_equal(outcome["innocent"]["y"], [3.0])
 
 
-def test_fuzz_runtime_model_error_isolation(monkeypatch):
-    # The runtime suite's shrunk reproduction of the same issue, with its check on.
-    monkeypatch.setitem(fuzz._known.KNOWN_ISSUES, "model-error-isolation", True)
+def test_fuzz_runtime_model_error_isolation():
+    # The runtime suite's shrunk reproduction of the same issue.
     fuzz.run_scenario(
         fuzz.Scenario(
             max_batch_size=2,
@@ -166,11 +166,11 @@ def test_fuzz_runtime_model_error_isolation(monkeypatch):
     )
 
 
-@pytest.mark.xfail(strict=True, reason="known issue queue-memory (fuzz/_known.py)")
 def test_fair_queue_memory_stays_bounded_under_push_out_churn():
     # Two tenants take turns pushing each other out of a full queue of one while no
-    # batch is pulled (every replica busy): one request is queued, yet the class's
-    # arrival order and the expiry heap keep every pushed-out request (and its input).
+    # batch is pulled (every replica busy). Found by the queue suite: one request was
+    # queued, yet the class's arrival order and the expiry heap kept every pushed-out
+    # request (and its input) until a pull.
     q = FairQueue(BatchLimits(max_size=1), bound=1, adaptive=False)
     for i in range(1000):
         tenant = "ab"[i % 2]
@@ -186,8 +186,9 @@ def test_fair_queue_memory_stays_bounded_under_push_out_churn():
     assert held["expiry"] <= 2, held
 
 
-@pytest.mark.xfail(strict=True, reason="known issue reservation-order (fuzz/_known.py)")
 def test_token_bucket_serves_waiters_in_the_order_they_reserved():
+    # Found by the admission suite: after a waiter's refund, a later reservation
+    # started before a waiter that reserved earlier.
     b = TokenBucket(rate=1.0, burst=1.0, now=0.0)
     assert b.reserve(1, 0.0, math.inf) == 0.0  # the burst
     first = b.reserve(10, 0.0, math.inf)  # waits until t=1 (need = burst), level -10
@@ -198,8 +199,9 @@ def test_token_bucket_serves_waiters_in_the_order_they_reserved():
     assert third >= second, f"a later reservation starts at {third}, before {second}"
 
 
-@pytest.mark.xfail(strict=True, reason="known issue refund-envelope (fuzz/_known.py)")
 def test_token_bucket_grants_stay_within_burst_plus_rate_after_a_refund():
+    # Found by the admission suite: the refunded credits went to the next reservation
+    # while the waiters behind the refunded one kept their starts.
     b = TokenBucket(rate=0.5, burst=0.5, now=0.0)
     starts = [b.reserve(1, 0.0, math.inf) for _ in range(3)]  # at 0, 2 and 4
     b.refund(1)  # the one starting at 2 leaves

@@ -484,6 +484,63 @@ async def test_expired_requests_are_never_dispatched_and_model_deadlines_are_ans
             assert not r.answer_expiry
 
 
+# ---------------------------------------------------------------- 6. memory
+def held(q: FairQueue) -> dict[str, int]:
+    """Entries (live and dead) in the queue's arrival orders and expiry heap."""
+    return {"arrivals": sum(len(a) for a in q._arrivals), "expiry": len(q._expiry)}
+
+
+def test_requests_that_left_do_not_pile_up_behind_one_still_queued():
+    # A batch-class request with the earliest deadline waits (strict priority), and a
+    # starved tenant's request heads the realtime arrival order, while 10,000 realtime
+    # requests go through: all of those sit behind the two in the expiry heap and the
+    # arrival order, so they must be compacted away, not kept until their deadline.
+    q = FairQueue(
+        BatchLimits(max_size=4),
+        bound=64,
+        classes=(ClassSpec(name="rt"), ClassSpec(name="batch")),
+        weights={"slow": 1e-6},
+        adaptive=False,
+    )
+
+    def offer(tenant: str, cls: str = "rt", deadline: float = 200.0) -> Request:
+        r = req(tenant, cls=cls, deadline=deadline, answer_expiry=True)
+        q.offer(r, 0.0)
+        return r
+
+    waiting = offer("slow", "batch", deadline=100.0)
+    offer("slow")  # served first: its counter jumps to 1e6
+    for _ in range(4):
+        offer("fast")
+    starved = offer("slow")
+    for _ in range(2500):
+        for _ in range(4):
+            offer("fast")
+        batch = q.next_batch(0.0)
+        assert len(batch) == 4
+        assert all(r.tenant == "fast" for r in batch[-3:])
+        assert q.next_expiry() == 100.0
+        live = len(q)
+        assert live == 7  # the two, and five of "fast"'s
+        for name, n in held(q).items():
+            assert n <= 4 * live // 3 + 1, (name, n, live)
+    assert waiting.reply.state is QUEUED
+    assert starved.reply.state is QUEUED
+
+
+def test_withdrawn_requests_are_compacted_away_at_once():
+    q = fair(BatchLimits(max_size=4), bound=100)
+    rs = [req("a", deadline=10.0, answer_expiry=True) for _ in range(40)]
+    for r in rs:
+        q.offer(r, 0.0)
+    for r in rs[:-1]:
+        r.reply.withdraw()  # the callers leave; nothing is pulled
+        assert held(q)["arrivals"] <= 4 * len(q) // 3 + 1
+        assert held(q)["expiry"] <= 4 * len(q) // 3 + 1
+    assert held(q) == {"arrivals": 1, "expiry": 1}
+    assert q.next_batch(0.0) == [rs[-1]]
+
+
 # ---------------------------------------------------------------- 7. AimdLimit
 def test_aimd_cuts_multiplicatively_at_most_once_per_interval_down_to_the_minimum():
     lim = AimdLimit(minimum=10, maximum=100, backoff=0.5, interval=1.0)
@@ -574,18 +631,59 @@ def test_queue_capacity_follows_the_adaptive_limit_on_expiry():
 # ---------------------------------------------------------------- 8. TokenBucket
 class RefBucket:
     """The token-bucket rules in exact arithmetic: the level refills at ``rate`` up to
-    ``burst``; a take needs min(cost, burst) and may leave a debt."""
+    ``burst``; a take needs min(cost, burst) and may leave a debt; a reservation starts
+    when its need is there but never before one made earlier; a refund goes back to the
+    level less what would have filled the bucket past the burst before a waiter after
+    the earliest starts (the waiters' peaks: the level each meets at its start; past 16
+    waiting entries, a new one is merged into the latest)."""
 
     def __init__(self, rate, burst, now):
         self.rate, self.burst = Fraction(rate), Fraction(burst)
         self.level, self.stamp, self.used = Fraction(burst), Fraction(now), Fraction(0)
+        self.tail = None
+        self.waiting: list[list] = []  # [start, peak, n], after ``stamp``
 
     def at(self, now):
         now = Fraction(now)
         if now > self.stamp:
             self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
             self.stamp = now
+            self.waiting = [e for e in self.waiting if e[0] > now]
         return self.level
+
+    def reserve(self, cost, now, latest):
+        level = self.at(now)
+        need = min(cost, self.burst)
+        go = now if level >= need else now + (need - level) / self.rate
+        if self.tail is not None and go < self.tail:
+            go = self.tail
+        if go > latest:
+            return None
+        if go > now:
+            ahead = (go - now) * self.rate
+            peak = min(self.burst, level + ahead)
+            level = min(level, self.burst - ahead)
+            if len(self.waiting) >= 16:
+                last = self.waiting[-1]
+                last[:] = [go, max(last[1], peak), last[2] + 1]
+            else:
+                self.waiting.append([go, peak, 1])
+            self.tail = go
+        self.level = level - cost
+        self.used += cost
+        return go
+
+    def refund(self, cost):
+        self.used -= cost
+        give = Fraction(cost)
+        peaks = [e[1] for e in self.waiting[1:]]
+        if self.waiting and self.waiting[0][2] > 1:
+            peaks.append(self.waiting[0][1])
+        if peaks:
+            give = max(Fraction(0), min(give, self.burst - max(peaks)))
+        for e in self.waiting:
+            e[1] += give
+        self.level = min(self.burst, self.level + give)
 
 
 @settings(max_examples=100, deadline=None)
@@ -622,23 +720,16 @@ def test_token_bucket_matches_the_reference_model(rate, burst, ops):
             else:
                 assert got == (need - level) / ref.rate > 0
         elif op == "reserve":
-            level = ref.at(now)
-            need = min(cost, ref.burst)
-            go = now if level >= need else now + (need - level) / ref.rate
             latest_t = now + Fraction(latest, 8)
+            go = ref.reserve(cost, now, latest_t)
             got = b.reserve(cost, float(now), float(latest_t))
-            if go > latest_t:
-                assert got is None  # and nothing taken (checked below)
-            else:
-                assert got == go
-                ref.level -= cost
-                ref.used += cost
+            assert got == go  # None when too late, and nothing taken (checked below)
+            if go is not None:
                 taken.append(cost)
         elif taken:
             c = taken.pop()
             b.refund(c)
-            ref.level = min(ref.burst, ref.level + c)
-            ref.used -= c
+            ref.refund(c)
         assert b.level <= burst
         assert b.level == ref.level
         assert b.used == ref.used
