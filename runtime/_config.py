@@ -427,7 +427,7 @@ def default_config() -> Config:
     CPU, one open demo tenant, listening on 127.0.0.1:8000."""
     models = [
         ModelConfig(
-            name="mlp", backend="mlp", max_batch_size=64, max_wait_ms=2.0, execution="process"
+            name="mlp", backend="mlp", max_batch_size=64, max_wait_ms=1.0, execution="process"
         ),
         ModelConfig(name="echo", backend="echo", max_batch_size=64, max_wait_ms=1.0),
     ]
