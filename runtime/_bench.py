@@ -139,14 +139,16 @@ async def run_load(
             if on_progress:
                 on_progress(trio.current_time() - t0, state["count"])
         elapsed = trio.current_time() - t0
+        state["measuring"] = False  # what the cancellation below causes is not counted
         count = state["count"]
+        n_errors, error_kinds = state["errors"], dict(errors)
         cpu1, thr1 = time.process_time(), time.thread_time()
         nursery.cancel_scope.cancel("bench finished")
     s = lat.summary()
     return {
         "requests": count,
-        "errors": state["errors"],
-        "error_kinds": errors,
+        "errors": n_errors,
+        "error_kinds": error_kinds,
         "seconds": elapsed,
         "requests_per_s": count / elapsed,
         "latency_ms": attrs.asdict(s),
