@@ -82,6 +82,19 @@ async def test_integer_data_out_of_range_is_400(server):
     assert "out of range for INT8" in error_of(res)
 
 
+@pytest.mark.parametrize(("datatype", "value"), [("FP32", 1e300), ("FP16", 70000.0)])
+async def test_float_data_that_overflows_its_datatype_is_400(server, datatype, value):
+    body = {"inputs": [{"name": "a", "shape": [1, 2], "datatype": datatype,
+                        "data": [1.0, value]}]}
+    res = await post(server, "/v2/models/echo/infer", body)
+    assert res.status == 400
+    assert f"out of range for {datatype}" in error_of(res)
+    # a value at the edge of the range still goes through
+    body["inputs"][0]["data"] = [1.0, 3.0e38 if datatype == "FP32" else 65504.0]
+    res = await post(server, "/v2/models/echo/infer", body)
+    assert res.status == 200
+
+
 async def test_bad_binary_data_is_400(server):
     header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
                                        "parameters": {"binary_data_size": 1024}}]})

@@ -361,10 +361,17 @@ def _from_json(
                 f"{_json_kind(arr)} in 'data'"
             )
         if arr.dtype != dtype:
-            cast = arr.astype(dtype)
+            if dtype.kind == "f":
+                with np.errstate(over="ignore"):  # an overflow is reported below
+                    cast = arr.astype(dtype)
+            else:
+                cast = arr.astype(dtype)
             if dtype.kind in "iu" and not np.array_equal(cast, arr):
                 raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
             arr = cast
+        if dtype.kind == "f" and not np.isfinite(arr).all():
+            # JSON numbers are finite: this one overflowed the datatype (1e300 as FP32).
+            raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
     if arr.size != count:
         raise InvalidInput(
             f"input {name!r}: shape {shape} holds {count} values, 'data' has {arr.size}"
