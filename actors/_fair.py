@@ -120,16 +120,27 @@ class TokenBucket:
                     entry[1] += give
         self.level = min(self.burst, self.level + give)
 
-    def reserve(self, cost: float, now: float, latest: float) -> float | None:
-        """Reserve ``cost`` and return when the caller may go (``now`` or later, and
-        no earlier than any reservation made before), or None, taking nothing, when
-        that would be after ``latest``."""
-        self._refill(now)
+    def _start(self, cost: float, now: float) -> float:
+        # When a reservation of ``cost`` made now would start (the bucket refilled to now).
         need = min(cost, self.burst)
         level = self.level
         at = now if level >= need else now + (need - level) / self.rate
         if at < self._tail:
             at = self._tail  # behind the reservations made before (only after a refund)
+        return at
+
+    def wait_time(self, cost: float, now: float) -> float:
+        """Seconds until a reservation of ``cost`` made now would start; takes nothing."""
+        self._refill(now)
+        return self._start(cost, now) - now
+
+    def reserve(self, cost: float, now: float, latest: float) -> float | None:
+        """Reserve ``cost`` and return when the caller may go (``now`` or later, and
+        no earlier than any reservation made before), or None, taking nothing, when
+        that would be after ``latest``."""
+        self._refill(now)
+        level = self.level
+        at = self._start(cost, now)
         if at > latest:
             return None
         if at > now:

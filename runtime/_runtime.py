@@ -456,7 +456,7 @@ class Runtime:
             raise QuotaExceeded(
                 f"tenant {tenant!r} is over its credit rate ({bucket.rate:g}/s) and its "
                 "credits refill only after the request's deadline",
-                retry_after=max(0.0, min(cost, bucket.burst) - bucket.level) / bucket.rate,
+                retry_after=bucket.wait_time(cost, now),
             )
         self.credits_used[tenant] += cost
         if at > now:

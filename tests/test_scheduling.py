@@ -764,3 +764,19 @@ def test_token_bucket_refund_restores_level_and_used():
     assert (b.level, b.used) == (3.0, 0.0)
     b.refund(1)  # never above the burst
     assert b.level == 3.0
+
+
+def test_token_bucket_wait_time_counts_the_reservations_ahead():
+    b = TokenBucket(1.0, 4.0, 0.0)
+    assert b.wait_time(3, 0.0) == 0.0
+    assert b.reserve(4, 0.0, 0.0) == 0.0
+    assert b.reserve(2, 0.0, 10.0) == 2.0
+    assert b.reserve(2, 0.0, 10.0) == 4.0
+    b.refund(2)  # the first waiter left: the level rises, the later start stays
+    assert b.level == -2.0
+    # From the level alone the next start would be 4.0 - 0.0 = 4 s away; it also waits
+    # for the reservation starting at 4.0, so 4 s either way, and never less.
+    assert b.wait_time(2, 0.0) == 4.0
+    assert b.wait_time(1, 0.0) == 4.0  # the level says 3 s; the waiter ahead says 4
+    assert b.reserve(1, 0.0, 3.5) is None
+    assert b.level == -2.0  # wait_time and the refusal took nothing
