@@ -15,6 +15,7 @@ from ._product import PRODUCT, Product
 
 FairQueue = trioserve.actors.FairQueue
 BatcherActor = trioserve.actors.BatcherActor
+TokenBucket = trioserve.actors.TokenBucket
 
 
 class DropsOneRequest(FairQueue):
@@ -81,6 +82,28 @@ class ReversesBatches(FairQueue):
         return batch[::-1] if batch else batch
 
 
+class RefundsToTheLevel(TokenBucket):
+    """A refund puts all the credits back into the level, whatever waits behind the
+    refunded reservation (the bucket's rule before its fix): the next reservation can
+    start before earlier ones, and grants can pile up past the burst envelope."""
+
+    def refund(self, cost: float) -> None:
+        self.used -= cost
+        self.level = min(self.burst, self.level + cost)
+
+
+class GrantsOnAnyCredit(TokenBucket):
+    """``try_take`` grants whenever the level is positive, whatever the cost."""
+
+    def try_take(self, cost: float, now: float) -> float:
+        self._refill(now)
+        if self.level > 0:
+            self.level -= cost
+            self.used += cost
+            return 0.0
+        return super().try_take(cost, now)
+
+
 #: name -> (what it breaks, the broken product, the suites that can see it)
 MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "drop-request": (
@@ -118,5 +141,16 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         "fair share ignores the tenants' weights",
         attrs.evolve(PRODUCT, name="ignore-weights", queue_class=IgnoresWeights),
         ("runtime", "queue"),
+    ),
+    # The admission suite's own: the credits.
+    "refund-to-level": (
+        "a refund goes back to the level whatever waits behind it",
+        attrs.evolve(PRODUCT, name="refund-to-level", bucket_class=RefundsToTheLevel),
+        ("admission",),
+    ),
+    "overdraw": (
+        "try_take grants whenever the level is positive",
+        attrs.evolve(PRODUCT, name="overdraw", bucket_class=GrantsOnAnyCredit),
+        ("admission",),
     ),
 }
