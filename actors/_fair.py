@@ -47,6 +47,8 @@ class FlowStats:
 
 #: Reservations a bucket keeps apart; more are merged into the latest (see TokenBucket).
 _MERGE_AT = 16
+#: Takes whose level a bucket remembers, for refunds of grants that had started.
+_LOG = 64
 
 
 class TokenBucket:
@@ -61,13 +63,19 @@ class TokenBucket:
     theirs), so it gives back only what the bucket could have kept with those starts
     unchanged: the credits would have stayed in it from the refunded reservation's
     start on, and whatever would have filled it past ``burst`` before a later waiter's
-    start is lost. The bucket cannot tell which reservation a refund is for, so it
-    assumes the earliest still waiting: with at most one reservation waiting the
+    start is lost. For a grant that had started (a request the queue refused or pushed
+    out after it paid) the caller passes ``since``, the grant's number (``seq`` read
+    right after the take): the credits would have stayed in the bucket from then on,
+    so at most ``burst`` less the highest level the bucket held since (just before each
+    later take, and now) and less the highest level a waiter meets at its start goes
+    back; past the last _LOG takes that history is gone and nothing goes back.
+    Otherwise (a waiting caller left) the bucket cannot tell which reservation it was,
+    so it assumes the earliest still waiting: with at most one reservation waiting the
     credits all go back; otherwise at most ``burst`` less the highest level a later
     waiter meets at its start.
     """
 
-    __slots__ = ("_tail", "_waiting", "burst", "level", "rate", "stamp", "used")
+    __slots__ = ("_log", "_tail", "_waiting", "burst", "level", "rate", "seq", "stamp", "used")
 
     def __init__(self, rate: float, burst: float, now: float) -> None:
         self.rate = rate
@@ -82,6 +90,9 @@ class TokenBucket:
         # new one is merged into the latest (n of them; its start, the higher peak), which
         # only makes refunds more cautious.
         self._waiting: collections.deque[list[float]] = collections.deque()
+        #: takes so far; (number, the level just before it) of the last _LOG of them
+        self.seq = 0
+        self._log: collections.deque[tuple[int, float]] = collections.deque(maxlen=_LOG)
 
     def _refill(self, now: float) -> None:
         if now > self.stamp:
@@ -97,27 +108,44 @@ class TokenBucket:
         self._refill(now)
         need = min(cost, self.burst)
         if self.level >= need:
+            self.seq += 1
+            self._log.append((self.seq, self.level))
             self.level -= cost
             self.used += cost
             return 0.0
         return (need - self.level) / self.rate
 
-    def refund(self, cost: float) -> None:
-        """Give back credits taken for a request that never ran (a reservation whose
-        caller left while waiting, or a request the queue refused): all of them, less
-        what the reservations still waiting leave no room for (see the class)."""
+    def refund(self, cost: float, *, since: int | None = None) -> None:
+        """Give back credits taken for a request that never ran: a reservation whose
+        caller left while waiting, or (``since``: the grant's ``seq``) a request the
+        queue refused or pushed out after its start. All of them, less what the
+        bucket's history since and the reservations still waiting leave no room for
+        (see the class)."""
         self.used -= cost
         give = cost
+        top = -math.inf
+        if since is not None:
+            top = self.level
+            log = self._log
+            if since < self.seq:
+                if not log or log[0][0] > since + 1:
+                    top = self.burst  # the takes since are forgotten: keep it all
+                else:
+                    for n, before in log:
+                        if n > since and before > top:
+                            top = before
         waiting = self._waiting
         if waiting:
             first = waiting[0]
-            top = first[1] if first[2] > 1 else -math.inf
+            if since is not None or first[2] > 1:
+                top = max(top, first[1])
             for i in range(1, len(waiting)):
                 top = max(top, waiting[i][1])
+        if top > -math.inf:
             give = max(0.0, min(cost, self.burst - top))
-            if give:
-                for entry in waiting:  # the levels they meet rise by what stays
-                    entry[1] += give
+        if give:
+            for entry in waiting:  # the levels they meet rise by what stays
+                entry[1] += give
         self.level = min(self.burst, self.level + give)
 
     def _start(self, cost: float, now: float) -> float:
@@ -158,6 +186,8 @@ class TokenBucket:
             else:
                 waiting.append([at, peak, 1])
             self._tail = at
+        self.seq += 1
+        self._log.append((self.seq, self.level))
         self.level = level - cost
         self.used += cost
         return at

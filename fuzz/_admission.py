@@ -2,8 +2,9 @@
 credits, against an exact reference model (``fractions.Fraction`` arithmetic).
 
 Operations: time advances, ``try_take`` (class over quota "reject"), ``reserve``
-(over quota "wait", with a latest start), and ``refund`` of a waiting reservation (its
-caller left). Checked after every step:
+(over quota "wait", with a latest start), ``refund`` of a waiting reservation (its
+caller left), and ``refund_started`` of a grant that had started (the queue refused or
+pushed out its request). Checked after every step:
 
 - the bucket's level, ``used`` and every answer agree with the reference model;
 - the level never exceeds the burst;
@@ -46,6 +47,7 @@ class Grant:
     cost: int
     start: Fraction  # when the caller may go
     made: Fraction  # when it was granted or reserved
+    seq: int = 0  # the bucket's number for its take
     refunded: bool = False
 
 
@@ -58,6 +60,7 @@ class Reference:
     """
 
     MERGE_AT = 16  # TokenBucket keeps this many waiting reservations apart
+    LOG = 64  # ... and remembers the level before this many takes
 
     def __init__(self, rate: Fraction, burst: Fraction, now: Fraction) -> None:
         self.rate, self.burst = rate, burst
@@ -66,6 +69,8 @@ class Reference:
         # the reservations starting after ``stamp``: [start, peak, n] (see TokenBucket)
         self.waiting: list[list] = []
         self.events: list[str] = []  # what the last operations exercised (for notes)
+        self.seq = 0  # takes so far
+        self.log: list[tuple[int, Fraction]] = []  # (number, level just before) of each
 
     def refill(self, now: Fraction, kept: int | None = None) -> None:
         """``kept``: how many waiting reservations the bucket holds after its own
@@ -96,6 +101,7 @@ class Reference:
         if abs(self.level - need) <= TIE * self.burst:
             grant = hint
         if grant:
+            self._taken()
             self.level -= cost
             self.used += cost
             return True, Fraction(0)
@@ -140,24 +146,42 @@ class Reference:
             else:
                 self.waiting.append([at, peak, 1])
             self.tail = at
+        self._taken()
         self.level = level - cost
         self.used += cost
         return at
 
-    def refund(self, cost: int) -> None:
-        """Back to the level, at most the room under the burst that the waiters after
-        the earliest leave (start times never move)."""
+    def _taken(self) -> None:
+        self.seq += 1
+        self.log.append((self.seq, self.level))
+
+    def refund(self, cost: int, since: int | None = None) -> None:
+        """Back to the level, at most the room under the burst that the waiters leave
+        (start times never move): all of them for a grant that had started (``since``:
+        its number), the ones after the earliest for a reservation still waiting; and
+        for a started one, the room the bucket's levels since its take leave (none when
+        more than LOG takes came after it)."""
         self.used -= cost
         give = Fraction(cost)
         w = self.waiting
-        if w:
-            peaks = [e[1] for e in w[1:]] + ([w[0][1]] if w[0][2] > 1 else [])
-            if peaks:
-                give = max(Fraction(0), min(give, self.burst - max(peaks)))
-                if give < cost:
-                    self.events.append("refunds cut by the burst")
-            for e in w:
-                e[1] += give
+        tops = [e[1] for e in w[1:]] + (
+            [w[0][1]] if w and (since is not None or w[0][2] > 1) else []
+        )
+        if since is not None:
+            tops.append(self.level)
+            later = [before for n, before in self.log if n > since]
+            if self.seq - since > self.LOG:
+                tops.append(self.burst)
+                self.events.append("refunds after a forgotten take")
+            elif later:
+                tops.extend(later)
+                self.events.append("refunds after later takes")
+        if tops:
+            give = max(Fraction(0), min(give, self.burst - max(tops)))
+            if give < cost:
+                self.events.append("refunds cut by the burst")
+        for e in w:
+            e[1] += give
         self.level = min(self.burst, self.level + give)
 
 
@@ -226,7 +250,9 @@ class BucketMachine(RuleBasedStateMachine):
                 f"are there in exactly {float(want)!r}s",
             )
         if granted:
-            self.grants.append(Grant(cost=cost, start=self.now, made=self.now))
+            self.grants.append(
+                Grant(cost=cost, start=self.now, made=self.now, seq=self.bucket.seq)
+            )
 
     @rule(cost=st.integers(1, 60), slack_ms=st.none() | st.sampled_from([0, 10, 500, 5000]))
     def reserve(self, cost: int, slack_ms: int | None) -> None:
@@ -260,7 +286,7 @@ class BucketMachine(RuleBasedStateMachine):
                 f"reserve({cost}) at t={float(self.now):g} starts at {got:g}, outside "
                 f"[now, latest={latest:g}]",
             )
-        g = Grant(cost=cost, start=want, made=self.now)
+        g = Grant(cost=cost, start=want, made=self.now, seq=self.bucket.seq)
         if self.waiting:
             ahead = max(self.waiting, key=lambda w: w.start)
             if want < ahead.start:
@@ -289,6 +315,20 @@ class BucketMachine(RuleBasedStateMachine):
         note("admission", "refunds")
         self._note_events()
 
+    @rule(k=st.integers(0, 1 << 16))
+    def refund_started(self, k: int) -> None:
+        """A request that already started is refused or pushed out by the queue: its
+        credits go back."""
+        started = [g for g in self.grants if not g.refunded and g.start <= self.now]
+        if not started:
+            return
+        g = started[k % len(started)]
+        g.refunded = True
+        self.bucket.refund(g.cost, since=g.seq)
+        self.ref.refund(g.cost, since=g.seq)
+        note("admission", "refunds after the start")
+        self._note_events()
+
     def _note_events(self) -> None:
         for event in self.ref.events:
             note("admission", event)
@@ -310,6 +350,8 @@ class BucketMachine(RuleBasedStateMachine):
                 f"at t={b.stamp:g} the bucket holds {b.level!r} credits; the reference "
                 f"{float(r.level)!r}",
             )
+        if getattr(b, "seq", r.seq) != r.seq:
+            raise InvariantViolation("credits", f"{b.seq} takes counted, the reference {r.seq}")
         if not _close(b.used, r.used):
             raise InvariantViolation("credits", f"used {b.used!r}, the reference {float(r.used)!r}")
         self._check_envelope()

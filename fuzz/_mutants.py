@@ -87,7 +87,7 @@ class RefundsToTheLevel(TokenBucket):
     refunded reservation (the bucket's rule before its fix): the next reservation can
     start before earlier ones, and grants can pile up past the burst envelope."""
 
-    def refund(self, cost: float) -> None:
+    def refund(self, cost: float, *, since: int | None = None) -> None:
         self.used -= cost
         self.level = min(self.burst, self.level + cost)
 

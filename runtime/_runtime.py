@@ -196,7 +196,9 @@ class Runtime:
         dispatched."""
         now = trio.current_time()
         deadline, answer_expiry = self._deadline(served, priority, now)
-        now = await self._pay(tenant, priority, sum(c for _, c in prepared), now, deadline)
+        now, taken = await self._pay(
+            tenant, priority, sum(c for _, c in prepared), now, deadline
+        )
         replies = [Reply() for _ in prepared]
         requests = [
             Request(
@@ -214,7 +216,8 @@ class Runtime:
                     served.scheduler_for(req.cost).submit_nowait(req)
                     submitted += 1
             except BaseException:
-                self._refund(tenant, sum(c for _, c in prepared))  # none of them will run
+                # none of them will run
+                self._refund(tenant, sum(c for _, c in prepared), taken)
                 raise
             results: list[Any] = []
             first_error: BaseException | None = None
@@ -223,7 +226,7 @@ class Runtime:
                     results.append(await reply.wait())
                 except Exception as exc:
                     if isinstance(exc, Overloaded):
-                        self._refund(tenant, req.cost)  # pushed out: it never ran
+                        self._refund(tenant, req.cost, taken)  # pushed out: never ran
                     first_error = first_error or exc
                     results.append(None)
         finally:
@@ -432,14 +435,15 @@ class Runtime:
 
     async def _pay(
         self, tenant: str, priority: str, cost: int, now: float, deadline: float
-    ) -> float:
+    ) -> tuple[float, int]:
         """Take ``cost`` from the tenant's credits, waiting for them when its class
         allows (at most until ``deadline``); return the time the request reaches the
-        queue. Raises QuotaExceeded (429) with the refill time as retry_after."""
+        queue and the take's number (for ``_refund``). Raises QuotaExceeded (429) with
+        the refill time as retry_after."""
         bucket = self.buckets.get(tenant)
         if bucket is None:
             self.credits_used[tenant] += cost
-            return now
+            return now, 0
         if self._classes[priority].over_quota == "reject":
             wait = bucket.try_take(cost, now)
             if wait > 0.0:
@@ -450,7 +454,7 @@ class Runtime:
                     retry_after=wait,
                 )
             self.credits_used[tenant] += cost
-            return now
+            return now, bucket.seq
         at = bucket.reserve(cost, now, deadline)
         if at is None:
             raise QuotaExceeded(
@@ -459,6 +463,7 @@ class Runtime:
                 retry_after=bucket.wait_time(cost, now),
             )
         self.credits_used[tenant] += cost
+        taken = bucket.seq
         if at > now:
             try:
                 await trio.sleep_until(at)
@@ -467,22 +472,24 @@ class Runtime:
                 self.credits_used[tenant] -= cost
                 raise
             now = trio.current_time()
-        return now
+        return now, taken
 
-    def _refund(self, tenant: str, cost: int) -> None:
-        """Give back the credits of a request the queue refused."""
+    def _refund(self, tenant: str, cost: int, since: int) -> None:
+        """Give back the credits of a request the queue refused or pushed out; ``since``
+        is the bucket's ``seq`` of its take (see TokenBucket.refund)."""
         self.credits_used[tenant] -= cost
         bucket = self.buckets.get(tenant)
         if bucket is not None:
-            bucket.refund(cost)
+            bucket.refund(cost, since=since)
 
     async def _submit(
         self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str
     ) -> dict[str, Any]:
         now = trio.current_time()
         deadline, answer_expiry = self._deadline(served, priority, now)
+        taken = 0
         if self.buckets:
-            now = await self._pay(tenant, priority, cost, now, deadline)
+            now, taken = await self._pay(tenant, priority, cost, now, deadline)
         else:  # no tenant has credits: nothing to await on the hot path
             self.credits_used[tenant] += cost
         reply = Reply()
@@ -495,7 +502,7 @@ class Runtime:
         try:
             scheduler.submit_nowait(request)
         except BaseException:
-            self._refund(tenant, cost)
+            self._refund(tenant, cost, taken)
             raise
         self._in_flight += 1
         hedge = served.hedge_timer
@@ -512,7 +519,7 @@ class Runtime:
         except Overloaded:
             # Admitted, then pushed out of a full queue by another tenant: it never
             # ran, so it is not charged.
-            self._refund(tenant, cost)
+            self._refund(tenant, cost, taken)
             raise
         finally:
             self._in_flight -= 1

@@ -1,4 +1,4 @@
-"""The bench's closed loop counts what finishes inside its measured window, no more."""
+"""The bench's closed loop counts what finishes inside its measured window."""
 
 import trio
 import trio.testing
@@ -21,7 +21,7 @@ def test_run_load_counts_the_measured_window_only():
     clock = trio.testing.MockClock(autojump_threshold=0)
     res = trio.run(main, clock=clock)
     # Each caller finishes a call every 0.1 s (a failed one adds the bench's 1 ms pause):
-    # inside [0.55, 1.55] that is 10 per caller at most; none after the window counts.
+    # inside [0.55, 1.55] that is 10 per caller at most; the warm-up's are not counted.
     done = res["requests"] + res["errors"]
     assert 18 <= done <= 20
     assert res["errors"] == res["error_kinds"].get("ValueError", 0)

@@ -780,3 +780,45 @@ def test_token_bucket_wait_time_counts_the_reservations_ahead():
     assert b.wait_time(1, 0.0) == 4.0  # the level says 3 s; the waiter ahead says 4
     assert b.reserve(1, 0.0, 3.5) is None
     assert b.level == -2.0  # wait_time and the refusal took nothing
+
+
+def test_token_bucket_refund_of_a_started_grant_leaves_the_waiters_their_room():
+    b = TokenBucket(1.0, 10.0, 0.0)
+    assert b.reserve(10, 0.0, 0.0) == 0.0  # A starts now ...
+    a = b.seq
+    assert b.reserve(10, 0.0, 20.0) == 10.0  # ... B waits for the refill
+    b.refund(10, since=a)  # A is pushed out of the queue: B's start cannot move
+    assert b.level == -10.0  # so nothing comes back: B meets a full bucket at 10
+    assert b.try_take(10, 10.0) > 0.0  # no second burst at B's start
+    assert b.used == 10.0
+
+
+def test_token_bucket_refund_of_a_started_grant_counts_the_levels_since():
+    b = TokenBucket(100.0, 0.5, 0.0)
+    assert b.reserve(1, 0.0, 0.0) == 0.0
+    a = b.seq
+    assert b.reserve(1, 0.01, 0.01) == 0.01  # full again (0.5) just before this take
+    b.refund(1, since=a)  # the bucket was full since A: A's credits were lost to it
+    assert b.level == -0.5
+    assert b.try_take(1, 0.01) > 0.0
+    # with no take since and nothing waiting, a started grant's credits all come back
+    c = TokenBucket(1.0, 4.0, 0.0)
+    assert c.try_take(3, 0.0) == 0.0
+    c.refund(3, since=c.seq)
+    assert (c.level, c.used) == (4.0, 0.0)
+
+
+def test_token_bucket_refund_after_forgotten_takes_gives_nothing_back():
+    b = TokenBucket(1000.0, 1000.0, 0.0)
+    assert b.try_take(5, 0.0) == 0.0
+    a = b.seq
+    for _ in range(64):
+        assert b.try_take(1, 0.0) == 0.0
+    b.refund(5, since=a)  # 64 takes later: their levels are known (all below 995)
+    assert b.level == 1000.0 - 64
+    assert b.try_take(5, 0.0) == 0.0
+    a = b.seq
+    for _ in range(65):
+        assert b.try_take(1, 0.0) == 0.0
+    b.refund(5, since=a)  # 65 takes later: the history since is gone
+    assert b.level == 1000.0 - 64 - 5 - 65
