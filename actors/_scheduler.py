@@ -53,29 +53,15 @@ class SchedulerActor(Actor):
         self._early = getattr(getattr(policy, "limits", None), "max_wait", 0.0) > 0.0
 
     # ---- callers
-    def submit_nowait(self, request: Request, *, close_due: bool = True) -> None:
+    def submit_nowait(self, request: Request) -> None:
         """Admit a request into the queue without blocking.
 
         Raises Overloaded (or QuotaExceeded) when the policy refuses it, ActorClosed
-        after shutdown, and ActorBroken if the policy itself fails. ``close_due``:
-        first close a batch that is due (see below); pass False for the later parts of
-        one submission, so that a batch never splits it.
+        after shutdown, and ActorBroken if the policy itself fails.
         """
         if self._closed:
             raise ActorClosed(f"model {self.model!r}: the runtime is shut down")
         policy = self.policy
-        if close_due and self._early and self._pullers > len(self._ready):
-            # A batcher waits for a batch. If the oldest request has waited max_wait,
-            # the batch closes now (without this one), not when that batcher next
-            # runs: under load the event loop may first run every connection with a
-            # request ready, and the batch would take them all (one batch in flight,
-            # the loop idle while the model runs it).
-            now = request.arrival
-            if policy.next_close_time() <= now:
-                batch = policy.next_batch(now)
-                if batch:
-                    self._ready.append(batch)
-                    self._idle.unpark(count=1)
         try:
             policy.offer(request, request.arrival)
         except Overloaded:
@@ -84,6 +70,19 @@ class SchedulerActor(Actor):
             raise ActorBroken(f"model {self.model!r}: the scheduler failed to queue it") from exc
         if request.deadline < self._wake_at and request.answer_expiry:
             self._timer.unpark_all()
+        if self._early and self._pullers > len(self._ready):
+            # A batcher waits for a batch. If the oldest request has waited max_wait,
+            # the batch closes now, not when that batcher next runs: under load the
+            # event loop may first run every connection that has a request ready,
+            # and the batch would take them all (one batch in flight, the loop idle
+            # while the model runs it).
+            now = request.arrival
+            if policy.next_close_time() <= now:
+                batch = policy.next_batch(now)
+                if batch:
+                    self._ready.append(batch)
+                    self._idle.unpark(count=1)
+                    return
         idle = self._idle
         if idle:
             n = len(policy)

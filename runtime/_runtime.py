@@ -212,8 +212,8 @@ class Runtime:
         self._in_flight += 1
         try:
             try:
-                for req in requests:  # one submission: no batch closes between its parts
-                    served.scheduler_for(req.cost).submit_nowait(req, close_due=not submitted)
+                for req in requests:
+                    served.scheduler_for(req.cost).submit_nowait(req)
                     submitted += 1
             except BaseException:
                 # none of them will run
