@@ -44,13 +44,6 @@ class SchedulerActor(Actor):
         #: dispatched; pulled before new work
         self._retries: collections.deque[list[Request]] = collections.deque()
         self.retried = 0  # batches handed back
-        #: batches closed on time by a caller's submit for batchers already waiting
-        #: (at most one per waiting batcher), already dispatched; pulled after retries
-        self._ready: collections.deque[list[Request]] = collections.deque()
-        self._pullers = 0  # batchers inside ``pull``
-        # with no wait configured, requests submitted in the same scheduling round
-        # still share a batch (the batcher takes them when it next runs)
-        self._early = getattr(getattr(policy, "limits", None), "max_wait", 0.0) > 0.0
 
     # ---- callers
     def submit_nowait(self, request: Request) -> None:
@@ -70,19 +63,6 @@ class SchedulerActor(Actor):
             raise ActorBroken(f"model {self.model!r}: the scheduler failed to queue it") from exc
         if request.deadline < self._wake_at and request.answer_expiry:
             self._timer.unpark_all()
-        if self._early and self._pullers > len(self._ready):
-            # A batcher waits for a batch. If the oldest request has waited max_wait,
-            # the batch closes now, not when that batcher next runs: under load the
-            # event loop may first run every connection that has a request ready,
-            # and the batch would take them all (one batch in flight, the loop idle
-            # while the model runs it).
-            now = request.arrival
-            if policy.next_close_time() <= now:
-                batch = policy.next_batch(now)
-                if batch:
-                    self._ready.append(batch)
-                    self._idle.unpark(count=1)
-                    return
         idle = self._idle
         if idle:
             n = len(policy)
@@ -102,29 +82,19 @@ class SchedulerActor(Actor):
         # next_batch has dispatched its requests only the caller holds them, and
         # a cancel delivered at a later checkpoint would lose them unanswered.
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._pullers += 1
-        try:
-            while True:
-                if self._retries:
-                    batch = self._next_retry(trio.current_time())
-                    if batch:
-                        await trio.lowlevel.cancel_shielded_checkpoint()
-                        return batch
-                    continue
-                if self._ready:
-                    batch = self._next_ready(trio.current_time())
-                    if batch:
-                        await trio.lowlevel.cancel_shielded_checkpoint()
-                        return batch
-                    continue
-                batch = policy.next_batch(trio.current_time())
+        while True:
+            if self._retries:
+                batch = self._next_retry(trio.current_time())
                 if batch:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     return batch
-                with trio.move_on_at(policy.next_close_time()):
-                    await self._idle.park()
-        finally:
-            self._pullers -= 1
+                continue
+            batch = policy.next_batch(trio.current_time())
+            if batch:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return batch
+            with trio.move_on_at(policy.next_close_time()):
+                await self._idle.park()
 
     def completed(self, batch: list[Request], *, failed: bool = False) -> None:
         """A batcher finished a batch it pulled: answered, or ``failed`` (handed back
@@ -142,20 +112,7 @@ class SchedulerActor(Actor):
             self._idle.unpark_all()
 
     def _next_retry(self, now: float) -> list[Request]:
-        return self._alive(self._retries.popleft(), now, "while its batch was being retried")
-
-    def _next_ready(self, now: float) -> list[Request]:
-        batch = self._ready.popleft()
-        alive = self._alive(batch, now, "before its batch started")
-        if len(alive) < len(batch):
-            # the others never run: out of the queue's count of work in service
-            kept = set(map(id, alive))
-            self.policy.completed([r for r in batch if id(r) not in kept], now, failed=True)
-        return alive
-
-    def _alive(self, batch: list[Request], now: float, when: str) -> list[Request]:
-        """The requests of a dispatched batch still worth running: those whose caller
-        is gone are dropped; those past their deadline are answered (or dropped)."""
+        batch = self._retries.popleft()
         alive = []
         for req in batch:
             if req.reply.state is not _DISPATCHED:
@@ -163,7 +120,10 @@ class SchedulerActor(Actor):
             if req.deadline <= now:
                 if req.answer_expiry:
                     req.reply.set_error(
-                        DeadlineExceeded(f"model {self.model!r}: deadline passed {when}")
+                        DeadlineExceeded(
+                            f"model {self.model!r}: deadline passed while its batch was "
+                            "being retried"
+                        )
                     )
                 else:
                     req.reply.withdraw()
@@ -183,11 +143,7 @@ class SchedulerActor(Actor):
                 self._idle.unpark_all()  # the oldest request may have changed
 
     def queue_depth(self) -> int:
-        return (
-            len(self.policy)
-            + sum(len(b) for b in self._retries)
-            + sum(len(b) for b in self._ready)
-        )
+        return len(self.policy) + sum(len(b) for b in self._retries)
 
     def close(self, error: BaseException) -> int:
         """Stop taking requests and fail everything still waiting; return how many.
@@ -198,8 +154,6 @@ class SchedulerActor(Actor):
         n = 0
         while self._retries:
             n += sum(req.reply.set_error(error) for req in self._retries.popleft())
-        while self._ready:
-            n += sum(req.reply.set_error(error) for req in self._ready.popleft())
         for req in self.policy.drain():
             n += req.reply.set_error(error)
         self._idle.unpark_all()

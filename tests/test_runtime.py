@@ -548,65 +548,6 @@ async def test_a_cancelled_pull_takes_nothing_from_the_queue():
     assert request.reply.state is trioserve.RequestState.DISPATCHED
 
 
-async def test_a_batch_closes_at_max_wait_even_before_its_waiting_batcher_runs(mock_clock):
-    # Under load the loop may run many submitting tasks before the batcher it woke:
-    # the batch must close when its oldest request has waited max_wait, not take every
-    # request submitted until the batcher runs (one huge batch, nothing overlapping).
-    scheduler = SchedulerActor("m", FifoQueue(BatchLimits(max_size=8, max_wait=0.001), bound=10))
-    batches: list[list] = []
-
-    def new_request():
-        r = trioserve.Request(model="m", item=None, arrival=trio.current_time())
-        scheduler.submit_nowait(r)
-        return r
-
-    async def batcher():
-        while True:
-            batches.append(await scheduler.pull())
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(batcher)
-        await trio.testing.wait_all_tasks_blocked()  # parked in pull
-        a = new_request()
-        mock_clock.jump(0.002)  # no checkpoint: the batcher has not run since
-        b = new_request()  # a has waited past max_wait: [a, b] closes here
-        c = new_request()  # the next batch's first
-        assert a.reply.state is b.reply.state is trioserve.RequestState.DISPATCHED
-        assert c.reply.state is trioserve.RequestState.QUEUED
-        await trio.testing.wait_all_tasks_blocked()
-        assert batches == [[a, b]]
-        mock_clock.jump(0.001)
-        await trio.testing.wait_all_tasks_blocked()
-        assert batches == [[a, b], [c]]
-        nursery.cancel_scope.cancel()
-
-
-async def test_a_batch_closed_early_drops_what_expired_before_its_batcher_ran(mock_clock):
-    scheduler = SchedulerActor("m", FifoQueue(BatchLimits(max_size=8, max_wait=0.001), bound=10))
-    batches: list[list] = []
-
-    async def batcher():
-        while True:
-            batches.append(await scheduler.pull())
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(batcher)
-        await trio.testing.wait_all_tasks_blocked()
-        now = trio.current_time()
-        a = trioserve.Request(model="m", item=None, arrival=now, deadline=now + 0.003,
-                              answer_expiry=True)
-        scheduler.submit_nowait(a)
-        mock_clock.jump(0.002)
-        b = trioserve.Request(model="m", item=None, arrival=trio.current_time())
-        scheduler.submit_nowait(b)  # closes [a, b]
-        mock_clock.jump(0.002)  # a's deadline passes before the batcher takes it
-        await trio.testing.wait_all_tasks_blocked()
-        assert batches == [[b]]
-        with pytest.raises(DeadlineExceeded, match="deadline passed before its batch started"):
-            await a.reply.wait()
-        nursery.cancel_scope.cancel()
-
-
 async def test_shutdown_answers_requests_in_flight_within_grace(autojump_clock):
     rec = Recorder()
     cfg = config(callable_model("m", rec, max_batch_size=4, max_wait_ms=100), graceful_timeout_s=5)
