@@ -362,16 +362,16 @@ def _from_json(
             )
         if arr.dtype != dtype:
             if dtype.kind == "f":
-                with np.errstate(over="ignore"):  # an overflow is reported below
+                # JSON numbers are finite: only a narrowing cast (1e300 as FP32) makes inf
+                with np.errstate(over="ignore"):
                     cast = arr.astype(dtype)
+                in_range = bool(np.isfinite(cast).all())
             else:
                 cast = arr.astype(dtype)
-            if dtype.kind in "iu" and not np.array_equal(cast, arr):
+                in_range = dtype.kind not in "iu" or bool(np.array_equal(cast, arr))
+            if not in_range:
                 raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
             arr = cast
-        if dtype.kind == "f" and not np.isfinite(arr).all():
-            # JSON numbers are finite: this one overflowed the datatype (1e300 as FP32).
-            raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
     if arr.size != count:
         raise InvalidInput(
             f"input {name!r}: shape {shape} holds {count} values, 'data' has {arr.size}"
