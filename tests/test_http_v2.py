@@ -171,3 +171,99 @@ def test_a_large_float_tensor_with_one_bad_value_is_refused(bad, message):
         _decode(rows)
     rows[5][17] = 7
     assert _decode(rows)[5, 17] == 7.0
+
+
+# ---------------------------------------- packed JSON data agrees with numpy's path
+_NUMERIC = ["FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT32", "UINT64"]
+_ELEMENTS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.integers(min_value=-300, max_value=300),
+    st.booleans(), st.none(), st.text(max_size=3), st.just([]), st.just({}),
+)
+
+
+@st.composite
+def _json_data(draw):
+    rows = draw(st.integers(min_value=1, max_value=4))
+    width = draw(st.integers(min_value=1, max_value=5))
+    # mostly one kind of number, sometimes with an odd element planted anywhere
+    base = draw(st.sampled_from([
+        st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+        st.integers(min_value=-300, max_value=300), st.booleans(), _ELEMENTS,
+    ]))
+    values = [[draw(base) for _ in range(width)] for _ in range(rows)]
+    if draw(st.booleans()):
+        values[draw(st.integers(0, rows - 1))][draw(st.integers(0, width - 1))] = draw(_ELEMENTS)
+    shape = [rows, width]
+    match draw(st.sampled_from(["rows", "flat", "ragged", "short"])):
+        case "flat":
+            data = [v for row in values for v in row]
+        case "ragged":
+            data = values
+            data[-1] = data[-1][:-1] + ([] if width > 1 else [0.5, 0.5])
+        case "short":
+            data = [v for row in values for v in row][:-1]
+        case _:
+            data = values
+    return data, shape
+
+
+@given(data_shape=_json_data(), datatype=st.sampled_from(_NUMERIC))
+def test_packed_json_data_agrees_with_numpys_conversion(monkeypatch_module, data_shape,
+                                                        datatype):
+    """The struct fast path gives the same array, or the same refusal, as numpy's
+    conversion alone, for numbers, bools, null, strings and bad nesting."""
+    from trioserve.transport import _v2
+
+    data, shape = data_shape
+    sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1,))])
+    doc = dumps({"inputs": [{"name": "x", "shape": shape, "datatype": datatype,
+                             "data": data}]})
+
+    def outcome():
+        try:
+            req = InferRequest.from_v2_json(doc, sig)
+        except InvalidInput as exc:
+            return "refused", str(exc)
+        return [(it["x"].dtype.str, it["x"].shape, it["x"].tobytes()) for it in req.items]
+
+    fast = outcome()
+    monkeypatch_module.setattr(_v2, "_pack", lambda data, dtype, count: None)
+    try:
+        slow = outcome()
+    finally:
+        monkeypatch_module.undo()
+    assert fast == slow
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_packed_json_data_refuses_what_numpy_refuses():
+    sig = signature([TensorSpec(name="x", datatype="FP32", shape=(-1,))])
+
+    def refusal(data, datatype="FP32", shape=(2, 2)):
+        sig_ = sig if datatype == "FP32" else signature(
+            [TensorSpec(name="x", datatype=datatype, shape=(-1,))])
+        with pytest.raises(InvalidInput) as info:
+            parse({"inputs": [{"name": "x", "shape": list(shape), "datatype": datatype,
+                               "data": data}]}, sig_)
+        return str(info.value)
+
+    assert "got strings" in refusal([[1.0, "2"], [3.0, 4.0]])
+    assert "mixed values" in refusal([1.0, None, 3.0, 4.0])
+    assert "got booleans" in refusal([[True, False], [True, True]])
+    assert "out of range for FP32" in refusal([[1e300, 1.0], [3.0, 4.0]])
+    assert "out of range for INT8" in refusal([1, 2, 300, 4], "INT8")
+    assert "expected INT32 values, got floats" in refusal([1, 2, 3.5, 4], "INT32")
+    assert "holds 4 values" in refusal([1.0, 2.0, 3.0])
+    assert "not a regular array" in refusal([[1.0, 2.0], [3.0]], shape=(3,))
+    ok = parse({"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32",
+                            "data": [[1, 2.5], [True, 4]]}]}, sig)
+    assert [it["x"].tolist() for it in ok.items] == [[1.0, 2.5], [1.0, 4.0]]
+    assert ok.items[0]["x"].flags.writeable

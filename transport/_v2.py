@@ -25,6 +25,17 @@ _DATATYPE_OF = {dt: name for name, dt in DTYPES.items() if name != "BYTES"}
 _JSON_KINDS = {"b": "b", "u": "iu", "i": "iu", "f": "iuf"}
 _DUMPS_OPTS = orjson.OPT_SERIALIZE_NUMPY
 _LEN = struct.Struct("<I")
+#: struct codes (native sizes, the same as numpy's here) of the datatypes whose JSON
+#: data is packed straight into a buffer; FP16 packs slower than numpy converts, and
+#: BOOL's code takes any value, so both take numpy's path.
+_PACK_CODES = {
+    np.dtype(np.float32): "f", np.dtype(np.float64): "d",
+    np.dtype(np.int8): "b", np.dtype(np.int16): "h", np.dtype(np.int32): "i",
+    np.dtype(np.int64): "q", np.dtype(np.uint8): "B", np.dtype(np.uint16): "H",
+    np.dtype(np.uint32): "I", np.dtype(np.uint64): "Q",
+}
+_PACKERS: dict[tuple[str, int], struct.Struct] = {}
+_PACKERS_MAX = 256
 
 
 def _tolist(obj: Any) -> Any:
@@ -351,6 +362,12 @@ def _from_json(
         arr = np.empty(len(flat), dtype=object)
         arr[:] = flat
     else:
+        arr = _pack(data, dtype, count)
+        if arr is not None:
+            if dtype.kind == "f" and not np.isfinite(arr).all():
+                # JSON numbers are finite: only a narrowing cast (1e300 as FP32) makes inf
+                raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
+            return arr
         try:
             arr = np.asarray(data)
         except ValueError as exc:  # ragged nesting
@@ -377,6 +394,50 @@ def _from_json(
             f"input {name!r}: shape {shape} holds {count} values, 'data' has {arr.size}"
         )
     return arr
+
+
+def _pack(data: list[Any], dtype: np.dtype, count: int) -> np.ndarray | None:
+    """``data`` — ``count`` numbers, flat or as equal rows — packed into a new array of
+    ``dtype``; None when it is anything else (other nesting, a string, null, a number
+    out of the integer type's range), for numpy's path to convert or explain.
+
+    Four times faster than numpy's conversion, which first looks at every element to
+    find a common type; the struct codes check each element as they pack it (a float
+    code takes ints and floats, an integer code ints only). Both take a bool among
+    numbers as 0 or 1, and numpy refuses only all bools: data that starts with a bool
+    takes its path, so the two agree on every input.
+    """
+    code = _PACK_CODES.get(dtype)
+    if code is None or not count or not data:
+        return None
+    first = data[0]
+    if type(first) is list:
+        width = len(first)
+        if width * len(data) != count or not width or type(first[0]) is bool:
+            return None
+        for row in data:
+            if type(row) is not list:
+                return None
+    else:
+        width = count
+        if len(data) != count or type(first) is bool:
+            return None
+    packer = _PACKERS.get((code, width))
+    if packer is None:
+        if len(_PACKERS) >= _PACKERS_MAX:
+            _PACKERS.clear()
+        packer = _PACKERS[code, width] = struct.Struct(f"{width}{code}")
+    buf = bytearray(count * dtype.itemsize)
+    try:
+        if width == count:
+            packer.pack_into(buf, 0, *data)
+        else:
+            step = packer.size
+            for i, row in enumerate(data):
+                packer.pack_into(buf, i * step, *row)
+    except (struct.error, OverflowError):  # a non-number, a row of another length, an
+        return None  # int out of range
+    return np.frombuffer(buf, dtype=dtype)
 
 
 def _json_kind(arr: np.ndarray) -> str:
