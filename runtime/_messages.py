@@ -59,6 +59,8 @@ class Reply:
     on_cancel: Any = None
     #: Times the request failed when run alone (retries of a straggler or crash).
     attempts: int = 0
+    #: The ReplyGroup awaiting this reply with others (None: awaited by ``wait``).
+    group: ReplyGroup | None = None
 
     def _transition(self, new: RequestState) -> None:
         if new not in _ALLOWED[self.state]:
@@ -89,6 +91,11 @@ class Reply:
         if self.state is ABANDONED or self.state is CANCELLED:
             return False
         self._transition(DONE)
+        group = self.group
+        if group is not None:
+            self._outcome = result
+            group._settled()
+            return True
         task = self._task
         if task is not None:
             self._task = None
@@ -131,6 +138,48 @@ class Reply:
             return trio.lowlevel.Abort.SUCCEEDED
 
         return await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+class ReplyGroup:
+    """The replies of one caller's items, awaited together: the caller wakes once,
+    when the last is answered, instead of once per item."""
+
+    __slots__ = ("_pending", "_task", "replies")
+
+    def __init__(self, n: int) -> None:
+        self.replies = [Reply(group=self) for _ in range(n)]
+        self._pending = n
+        self._task: Any = None
+
+    def _settled(self) -> None:
+        self._pending -= 1
+        if not self._pending and self._task is not None:
+            task, self._task = self._task, None
+            trio.lowlevel.reschedule(task)
+
+    async def wait(self) -> list[outcome.Outcome]:
+        """Wait until every reply is answered; return their outcomes in order.
+
+        A checkpoint. Cancelling it withdraws every reply not yet answered: a queued
+        one is never dispatched, a dispatched one's answer is dropped.
+        """
+        if self._pending:
+            self._task = trio.lowlevel.current_task()
+
+            def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
+                self._task = None
+                for reply in self.replies:
+                    reply.withdraw()
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        else:
+            await trio.lowlevel.checkpoint()
+        out = []
+        for reply in self.replies:
+            result, reply._outcome = reply._outcome, None
+            out.append(result)
+        return out
 
 
 @attrs.frozen(kw_only=True, slots=True)

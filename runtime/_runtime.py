@@ -28,7 +28,7 @@ from ._errors import (
     Unauthorized,
     UnknownModel,
 )
-from ._messages import Reply, Request
+from ._messages import Reply, ReplyGroup, Request
 from ._model import ModelBackend
 from ._zygote import Zygote
 
@@ -199,7 +199,8 @@ class Runtime:
         now, taken = await self._pay(
             tenant, priority, sum(c for _, c in prepared), now, deadline
         )
-        replies = [Reply() for _ in prepared]
+        group = ReplyGroup(len(prepared))
+        replies = group.replies
         requests = [
             Request(
                 model=served.config.name, item=item, cost=cost, tenant=tenant,
@@ -221,9 +222,9 @@ class Runtime:
                 raise
             results: list[Any] = []
             first_error: BaseException | None = None
-            for reply, req in zip(replies, requests, strict=True):
+            for answer, req in zip(await group.wait(), requests, strict=True):
                 try:
-                    results.append(await reply.wait())
+                    results.append(answer.unwrap())
                 except Exception as exc:
                     if isinstance(exc, Overloaded):
                         self._refund(tenant, req.cost, taken)  # pushed out: never ran

@@ -690,3 +690,63 @@ async def test_an_error_in_the_block_cancels_at_once_and_fails_waiting_callers(
             await serve_then_fail(nursery)
         assert trio.current_time() == t0  # no grace when the block fails
     assert all(isinstance(results[i], ActorClosed) for i in range(3))
+
+
+# ---------------------------------------------------------------- reply groups
+async def test_a_reply_group_wakes_its_waiter_once_the_last_reply_is_answered():
+    from trioserve._messages import DONE, ReplyGroup
+
+    group = ReplyGroup(3)
+    got: list = []
+
+    async def waiter():
+        got.append(await group.wait())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        r0, r1, r2 = group.replies
+        assert r2.dispatch()
+        assert r2.set_result("c")
+        assert r0.set_error(ValueError("a"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # one reply still unanswered
+        assert r1.set_result("b")
+    [outcomes] = got
+    with pytest.raises(ValueError, match="a"):
+        outcomes[0].unwrap()
+    assert [o.unwrap() for o in outcomes[1:]] == ["b", "c"]
+    assert [r.state for r in group.replies] == [DONE, DONE, DONE]
+
+
+async def test_a_cancelled_reply_group_withdraws_queued_replies_and_drops_running_ones():
+    from trioserve._messages import ABANDONED, CANCELLED, DONE, ReplyGroup
+
+    group = ReplyGroup(3)
+    r0, r1, r2 = group.replies
+    withdrawn: list[int] = []
+    r2.on_cancel = lambda: withdrawn.append(2)
+    assert r0.set_result("a")
+    assert r1.dispatch()
+    with trio.move_on_after(0) as scope:
+        await group.wait()
+    assert scope.cancelled_caught
+    assert [r.state for r in group.replies] == [DONE, ABANDONED, CANCELLED]
+    assert withdrawn == [2]
+    assert not r1.set_result("late")  # dropped: its caller left
+    assert not r2.set_result("late")
+
+
+async def test_a_reply_group_already_answered_returns_at_once_but_is_a_checkpoint():
+    from trioserve._messages import ReplyGroup
+
+    group = ReplyGroup(2)
+    for i, r in enumerate(group.replies):
+        assert r.set_result(i)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        with pytest.raises(trio.Cancelled):
+            await group.wait()
+    group = ReplyGroup(1)
+    group.replies[0].set_result("x")
+    assert [o.unwrap() for o in await group.wait()] == ["x"]

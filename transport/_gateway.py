@@ -216,7 +216,7 @@ class Gateway:
 
     async def _submit(self, request: InferRequest, tenant: str) -> list[Any]:
         rt = self.runtime
-        if len(request.items) == 1:
+        if request.count == 1:
             out = await rt.infer(
                 request.model,
                 request.items[0],

@@ -145,16 +145,31 @@ class InferRequest:
     model: str
     version: str | None = None
     id: Any = None
-    items: list[dict[str, np.ndarray]] = attrs.field(eq=False, repr=False)
+    #: The items, or None while ``stacked`` holds them (built from it when asked for).
+    _items: list[dict[str, np.ndarray]] | None = attrs.field(
+        default=None, eq=False, repr=False, alias="items"
+    )
     batched: bool = False
     #: With a batch dimension of N > 1: the tensors as sent, name -> [N, ...] array
     #: (``Runtime.infer_batch`` takes them stacked and checks them once).
     stacked: dict[str, np.ndarray] | None = attrs.field(default=None, eq=False, repr=False)
+    #: How many items: N with a batch dimension, else 1.
+    count: int = 1
     #: requested output names (None: all) and whether each is sent as binary data.
     outputs: tuple[tuple[str, bool], ...] | None = None
     binary_outputs: bool = False
     priority: str | None = None
     timeout: float | None = None
+
+    @property
+    def items(self) -> list[dict[str, np.ndarray]]:
+        """One mapping name -> array per item (rows of ``stacked`` when it is set)."""
+        items = self._items
+        if items is None:
+            arrays = self.stacked or {}
+            items = [{k: a[i] for k, a in arrays.items()} for i in range(self.count)]
+            object.__setattr__(self, "_items", items)
+        return items
 
     @classmethod
     def from_v2_json(
@@ -221,14 +236,13 @@ class InferRequest:
                 f"model {name!r}: missing input {', '.join(map(repr, missing))}; expected "
                 f"{', '.join(s.name for s in signature.inputs)}"
             )
+        items: list[dict[str, np.ndarray]] | None = None  # rows of ``arrays``, when asked
         if batch == -1:
             items = [arrays]
         elif batch == 0:
             raise InvalidInput(f"model {name!r}: the batch dimension is 0 (no items)")
         elif batch == 1:
             items = [{k: a[0] for k, a in arrays.items()}]
-        else:
-            items = [{k: a[i] for k, a in arrays.items()} for i in range(batch)]  # type: ignore[arg-type]
 
         if params:
             binary_all = params.get("binary_data_output") is True
@@ -249,6 +263,7 @@ class InferRequest:
             items=items,
             stacked=arrays if batch is not None and batch > 1 else None,
             batched=batch != -1,
+            count=batch if batch is not None and batch > 1 else 1,
             outputs=outputs,
             binary_outputs=binary_all,
             priority=priority,
