@@ -38,17 +38,33 @@ def serve_main(
         return 1
 
 
+#: Allocations between two collections of the young generation while serving.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def settle_memory() -> None:
+    """Tune the cyclic GC for serving, once the models are loaded.
+
+    Everything loaded so far (torch, models, tokenizers) lives as long as the server:
+    it is kept out of the cyclic GC, whose full passes over it would otherwise stall
+    the event loop for tens of milliseconds. And requests allocate a few hundred
+    tracked objects each (items, requests, replies): at the default threshold (700) a
+    young collection ran every few requests, ~4% of the loop under ``[32, 256]``
+    requests; ~1% at GC_YOUNG_THRESHOLD. Each such collection costs about the same
+    (it walks what is alive, i.e. the requests in flight), so fewer is cheaper.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 async def serve(config: Config, host: str | None = None, port: int | None = None) -> int:
     """Serve ``config`` until SIGINT/SIGTERM; drain; return 0."""
     grace = config.runtime.graceful_timeout_s
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_runtime(config) as rt, trio.open_nursery() as nursery:
             async with open_gateway(rt, host=host, port=port, config=config) as gateway:
-                # Everything loaded so far (torch, models, tokenizers) lives as long as
-                # the server: keep it out of the cyclic GC, whose full passes over it
-                # would otherwise stall the event loop for tens of milliseconds.
-                gc.collect()
-                gc.freeze()
+                settle_memory()
                 print(banner(gateway), flush=True)
                 async for signum in signals:
                     print(
