@@ -127,3 +127,33 @@ async def test_ws_load_keeps_requests_in_flight_against_a_real_server():
     assert bad["items"] == bad["warmup_items"] == 0
     assert bad["errors"] > 0
     assert "nope" in bad["first_error"]
+
+
+def test_binary_bodies_are_v2_requests_in_the_binary_tensor_extension(tmp_path):
+    import numpy as np
+    from trioserve import TensorSpec
+    from trioserve.scenarios._gateway import _binary_bodies, _bodies
+    from trioserve.transport import InferRequest, ModelSignature
+    from trioserve.transport._v2 import loads
+
+    class _Served:
+        def __init__(self):
+            import trioserve
+
+            x = TensorSpec(name="x", datatype="FP32", shape=(256,))
+            self.backend = trioserve.CallableBackend(lambda items: items, inputs=[x], outputs=[x])
+            self.config = trioserve.ModelConfig(name="mlp", backend=self.backend)
+
+    sig = ModelSignature.of(_Served())
+    lines = _binary_bodies(tmp_path / "b.hex", rows=4, count=2, seed=3).read_text().splitlines()
+    texts = _bodies(tmp_path / "b.jsonl", rows=4, count=2, seed=3).read_text().splitlines()
+    assert len(lines) == 2
+    for line, text in zip(lines, texts, strict=True):
+        hlen, hexed = line.split(" ")
+        body = bytes.fromhex(hexed)
+        req = InferRequest.from_v2_json(body, sig, header_length=int(hlen))
+        rows = np.stack([it["x"] for it in req.items])
+        assert rows.shape == (4, 256)
+        # the same draws as the JSON bodies (which round to 5 decimals)
+        want = np.asarray(loads(text)["inputs"][0]["data"], np.float32).reshape(4, 256)
+        np.testing.assert_allclose(rows, want, atol=1e-5)

@@ -7,6 +7,8 @@ run on one machine, so their ratios are not spoilt by the machine's drift.
     POST → items/s, against the model's offline items/s (a bare forward loop at batch 64,
     one torch thread: ``offline_throughput``), measured before the server starts and after
     it stops; the median of the two. Target: ≥ 0.8 of offline.
+(b') The same ``[32, 256]`` requests in Triton's binary tensor extension (what
+    ``tritonclient`` sends by default): reported beside (b), not a check of its own.
 (c) WebSocket: one connection to ``/v2/stream`` with 256 ``[1, 256]`` requests in flight
     → items/s. Target: ≥ 0.80 of (a).
 
@@ -346,6 +348,24 @@ def _bodies(path: Path, *, rows: int, count: int, seed: int) -> Path:
     return path
 
 
+def _binary_bodies(path: Path, *, rows: int, count: int, seed: int) -> Path:
+    """Like :func:`_bodies`, in Triton's binary tensor extension (what tritonclient
+    sends by default): each line is ``HEADER_LENGTH HEX_OF_BODY`` for ``zipf.lua``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with path.open("w") as f:
+        for _ in range(count):
+            x = rng.standard_normal((rows, 256)).astype(np.float32)
+            raw = x.tobytes()
+            head = json.dumps({"inputs": [{"name": "x", "shape": [rows, 256],
+                                           "datatype": "FP32",
+                                           "parameters": {"binary_data_size": len(raw)}}]},
+                              separators=(",", ":")).encode()
+            f.write(f"{len(head)} {(head + raw).hex()}\n")
+    return path
+
+
 def _offline(config: Path) -> dict[str, Any]:
     """``offline_throughput`` for mlp under ``config``, in a process of its own."""
     out = subprocess.run(
@@ -368,8 +388,11 @@ def _ws(url: str, bodies: Path, seconds: float) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _http(url: str, bodies: Path, seconds: float, connections: int, items: int) -> dict[str, Any]:
-    env = dict(os.environ, ZIPF_BODIES=str(bodies), ZIPF_S="0", ZIPF_PATH="/v2/models/mlp/infer")
+def _http(
+    url: str, bodies: Path, seconds: float, connections: int, items: int, *, binary: bool = False
+) -> dict[str, Any]:
+    env = dict(os.environ, ZIPF_BODIES=str(bodies), ZIPF_S="0", ZIPF_PATH="/v2/models/mlp/infer",
+               ZIPF_BINARY="1" if binary else "0")
     _wrk(url, WARMUP_S, env, connections=connections)
     res = _wrk(url, seconds, env, connections=connections)
     ok = res["requests"] - res["err_status"]
@@ -391,6 +414,8 @@ def run(name: str, args: argparse.Namespace) -> int:
     single = _bodies(workdir / "single.jsonl", rows=1, count=BODIES, seed=11)
     batched = _bodies(workdir / "batch.jsonl", rows=BATCH_ITEMS,
                       count=BODIES // BATCH_ITEMS, seed=12)
+    batched_bin = _binary_bodies(workdir / "batch.hex", rows=BATCH_ITEMS,
+                                 count=BODIES // BATCH_ITEMS, seed=12)
     cfg = workdir / "gateway.toml"
     cfg.write_text(CONFIG.format(in_flight=STREAM_IN_FLIGHT))
     print(f"scenario {name}: mlp, {ROUNDS} rounds of {each:g} s per figure "
@@ -404,13 +429,15 @@ def run(name: str, args: argparse.Namespace) -> int:
         for r in range(1, ROUNDS + 1):
             http = _http(url, single, each, HTTP_CONNECTIONS, 1)
             batch = _http(url, batched, each, BATCH_CONNECTIONS, BATCH_ITEMS)
+            binary = _http(url, batched_bin, each, BATCH_CONNECTIONS, BATCH_ITEMS, binary=True)
             ws = _ws(url, single, each)
-            rounds.append({"http": http, "batch": batch, "ws": ws})
+            rounds.append({"http": http, "batch": batch, "binary": binary, "ws": ws})
             print(f"  round {r}        HTTP {http['items_per_s']:>7,.0f} req/s "
                   f"(p50 {_ms(http['p50_us'])}, p99 {_ms(http['p99_us'])})  "
                   f"batch {batch['items_per_s']:>7,.0f} items/s (p99 {_ms(batch['p99_us'])})  "
+                  f"binary {binary['items_per_s']:>7,.0f} items/s  "
                   f"WS {ws['items_per_s']:>7,.0f} items/s (p99 {_ms(ws['p99_us'])})", flush=True)
-            for label, res in (("HTTP", http), ("batch", batch)):
+            for label, res in (("HTTP", http), ("batch", batch), ("binary", binary)):
                 bad = res["err_status"] + res["err_timeout"] + res["err_read"] + res["err_write"]
                 if bad:
                     print(f"    {label}: {bad} errors ({res['err_status']} non-2xx answers)")
@@ -424,7 +451,8 @@ def run(name: str, args: argparse.Namespace) -> int:
         return statistics.median(r[kind][key] for r in rounds)
 
     off = statistics.median(o["items_per_s"] for o in offline)
-    med = {"http": median("http"), "batch": median("batch"), "ws": median("ws"),
+    med = {"http": median("http"), "batch": median("batch"), "binary": median("binary"),
+           "ws": median("ws"),
            "http_p50_us": median("http", "p50_us"), "http_p99_us": median("http", "p99_us"),
            "offline": off}
     batch_ratio = med["batch"] / off
@@ -436,7 +464,8 @@ def run(name: str, args: argparse.Namespace) -> int:
     print(f"  median         HTTP {med['http']:>7,.0f} req/s (p50 {_ms(med['http_p50_us'])}, "
           f"p99 {_ms(med['http_p99_us'])})  batch {med['batch']:>7,.0f} items/s  "
           f"WS {med['ws']:>7,.0f} items/s  offline {off:,.0f} items/s")
-    print(f"  batch/offline  {batch_ratio:.2f}")
+    print(f"  batch/offline  {batch_ratio:.2f}  (the same requests in the binary tensor "
+          f"extension: {med['binary'] / off:.2f})")
     print(f"  WS/HTTP        {ws_ratio:.2f}")
     for what, ok in checks.items():
         print(f"  [{'PASS' if ok else 'FAIL'}] {what}")
@@ -444,7 +473,8 @@ def run(name: str, args: argparse.Namespace) -> int:
            "duration_s": duration, "seconds_per_run": each,
            "http_connections": HTTP_CONNECTIONS, "batch_connections": BATCH_CONNECTIONS,
            "batch_items": BATCH_ITEMS, "stream_in_flight": STREAM_IN_FLIGHT,
-           "medians": med, "batch_over_offline": batch_ratio, "ws_over_http": ws_ratio,
+           "medians": med, "batch_over_offline": batch_ratio,
+           "binary_over_offline": med["binary"] / off, "ws_over_http": ws_ratio,
            "checks": checks}
     path = Path(args.json) if args.json else (
         Path("bench-results") / f"scenario-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -4,9 +4,20 @@
 local path = os.getenv("ZIPF_BODIES")
 local s = tonumber(os.getenv("ZIPF_S") or "1.0")
 local target = os.getenv("ZIPF_PATH") or "/v2/models/mlp/infer"
+-- With $ZIPF_BINARY=1 each line is "HEADER_LENGTH HEX": a body of Triton's binary
+-- tensor extension, sent with its Inference-Header-Content-Length.
+local binary = os.getenv("ZIPF_BINARY") == "1"
 local bodies = {}
+local heads = {}
 for line in io.lines(path) do
-  bodies[#bodies + 1] = line
+  if binary then
+    local hlen, hex = line:match("^(%d+) (%x+)$")
+    bodies[#bodies + 1] = hex:gsub("%x%x", function(cc) return string.char(tonumber(cc, 16)) end)
+    heads[#heads + 1] = { ["Content-Type"] = "application/octet-stream",
+                          ["Inference-Header-Content-Length"] = hlen }
+  else
+    bodies[#bodies + 1] = line
+  end
 end
 local n = #bodies
 local cdf = {}
@@ -31,7 +42,7 @@ request = function()
     local mid = math.floor((lo + hi) / 2)
     if cdf[mid] < u then lo = mid + 1 else hi = mid end
   end
-  return wrk.format("POST", target, headers, bodies[lo])
+  return wrk.format("POST", target, binary and heads[lo] or headers, bodies[lo])
 end
 
 done = function(summary, latency, requests)
