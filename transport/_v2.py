@@ -377,38 +377,42 @@ def _from_json(
         arr = np.empty(len(flat), dtype=object)
         arr[:] = flat
     else:
+        # JSON numbers are finite: only a narrowing cast (1e300 as FP32) makes inf.
         arr = _pack(data, dtype, count)
         if arr is not None:
-            if dtype.kind == "f" and not np.isfinite(arr).all():
-                # JSON numbers are finite: only a narrowing cast (1e300 as FP32) makes inf
-                raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
-            return arr
-        try:
-            arr = np.asarray(data)
-        except ValueError as exc:  # ragged nesting
-            raise InvalidInput(f"input {name!r}: data is not a regular array ({exc})") from None
-        if arr.dtype.kind not in _JSON_KINDS[dtype.kind] and arr.size:
-            raise InvalidInput(
-                f"input {name!r}: expected {datatype} values, got "
-                f"{_json_kind(arr)} in 'data'"
-            )
-        if arr.dtype != dtype:
-            if dtype.kind == "f":
-                # JSON numbers are finite: only a narrowing cast (1e300 as FP32) makes inf
-                with np.errstate(over="ignore"):
-                    cast = arr.astype(dtype)
-                in_range = bool(np.isfinite(cast).all())
-            else:
-                cast = arr.astype(dtype)
-                in_range = dtype.kind not in "iu" or bool(np.array_equal(cast, arr))
-            if not in_range:
-                raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
-            arr = cast
+            in_range = dtype.kind != "f" or bool(np.isfinite(arr).all())
+        else:
+            arr, in_range = _convert(name, data, datatype, dtype)
+        if not in_range:
+            raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
     if arr.size != count:
         raise InvalidInput(
             f"input {name!r}: shape {shape} holds {count} values, 'data' has {arr.size}"
         )
     return arr
+
+
+def _convert(
+    name: str, data: list[Any], datatype: str, dtype: np.dtype
+) -> tuple[np.ndarray, bool]:
+    """numpy's path for JSON data: the array as ``dtype``, and whether every value was
+    within its range. Raises InvalidInput for ragged nesting or values of a wrong kind."""
+    try:
+        arr = np.asarray(data)
+    except ValueError as exc:  # ragged nesting
+        raise InvalidInput(f"input {name!r}: data is not a regular array ({exc})") from None
+    if arr.dtype.kind not in _JSON_KINDS[dtype.kind] and arr.size:
+        raise InvalidInput(
+            f"input {name!r}: expected {datatype} values, got {_json_kind(arr)} in 'data'"
+        )
+    if arr.dtype == dtype:
+        return arr, True
+    if dtype.kind == "f":
+        with np.errstate(over="ignore"):
+            cast = arr.astype(dtype)
+        return cast, bool(np.isfinite(cast).all())
+    cast = arr.astype(dtype)
+    return cast, dtype.kind not in "iu" or bool(np.array_equal(cast, arr))
 
 
 def _pack(data: list[Any], dtype: np.dtype, count: int) -> np.ndarray | None:
