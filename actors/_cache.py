@@ -15,6 +15,15 @@ accesses ten times the expected entry count, so old popularity fades. The window
 lets a burst of new keys in; the filter keeps one-time keys (scans) from flushing
 the frequently used ones.
 
+Popularity shifts: the sketch forgets an old hot set only after a halving or two, so
+when the popular keys change at once, the stale ones keep out the new for a while.
+W-TinyLFU watches, per period of requests, the share of requests that miss on a key
+that missed recently (a ghost of recent misses, as ARC keeps): steady under a
+stationary load, lower during a scan (its keys never come back), and higher at once
+when a new hot set arrives and is turned away. When it rises by 4 points over the
+last period, the sketch is halved twice and the protected segment becomes the cold
+end of probation, so the new keys compete with the stale ones on near-equal terms.
+
 Every entry has a size in bytes; the sum never exceeds ``capacity`` after a call
 returns, and an entry larger than ``capacity`` (or its tenant's quota) is never
 admitted. Entries may carry an absolute expiry time and a tenant, charged against
@@ -42,6 +51,12 @@ from ._sketch import CountMinSketch
 #: anyway with probability 1/128 (Caffeine's ADMIT_HASHDOS_THRESHOLD): otherwise hot
 #: keys that collide in the sketch with a hot victim could never get in.
 _WARM = 6
+
+#: Shift detection (see ``WTinyLFU``): requests per period at least this many (else the
+#: sketch's expected entry count), and the rise, in requests per request, of misses on
+#: recently missed keys from one period to the next that signals a popularity shift.
+_SHIFT_MIN_PERIOD = 2048
+_SHIFT_RISE = 0.04
 
 
 @attrs.frozen(kw_only=True)
@@ -384,6 +399,8 @@ class WTinyLFU(_BytePolicy):
     ``expected_entries`` sizes the sketch; when None it starts small and is rebuilt
     twice as large whenever the entry count outgrows it (the counts start afresh).
     ``seed`` makes the rare random admission of a warm candidate reproducible.
+    ``detect_shifts`` turns on the popularity-shift detector (module docstring);
+    ``shifts`` counts how often it fired.
     """
 
     name = "tinylfu"
@@ -398,6 +415,7 @@ class WTinyLFU(_BytePolicy):
         counters_per_entry: int = 16,
         sample_factor: int = 10,
         seed: int = 0,
+        detect_shifts: bool = True,
         quotas: Mapping[str, int] | None = None,
         default_quota: int | None = None,
     ) -> None:
@@ -421,6 +439,17 @@ class WTinyLFU(_BytePolicy):
         }
         self.sketch = CountMinSketch(expected_entries or 1024, **self._sketch_options)
         self._rng = random.Random(seed)
+        # Shift detection: a ghost of recently missed keys' hashes (bounded by the
+        # sketch's expected entries) and this period's counts.
+        self.detect_shifts = detect_shifts
+        self.shifts = 0
+        self._ghost: OrderedDict[int, None] = OrderedDict()
+        self._period: float = (
+            max(self.sketch.expected_entries, _SHIFT_MIN_PERIOD) if detect_shifts else math.inf
+        )
+        self._period_requests = 0
+        self._ghost_misses = 0
+        self._ghost_ref: float | None = None
 
     @property
     def main_max(self) -> int:
@@ -438,13 +467,19 @@ class WTinyLFU(_BytePolicy):
         """The value if resident and unexpired, else ``default``. Records the access in
         the sketch (hit or miss); a hit in probation promotes the entry to protected.
         An expired entry found here is dropped."""
-        self.sketch.increment(hash(key))
+        h = hash(key)
+        self.sketch.increment(h)
+        n = self._period_requests = self._period_requests + 1
+        if n >= self._period:
+            self._end_period()
         e = self._data.get(key)
         if e is None:
             self.misses += 1
+            self._ghost_miss(h)
             return default
         if e.expires <= now:
             self._expired_miss(e)
+            self._ghost_miss(h)
             return default
         self.hits += 1
         seg = e.segment
@@ -456,6 +491,48 @@ class WTinyLFU(_BytePolicy):
         if tl is not None:
             tl.move_to_end(key)
         return e.value
+
+    def _ghost_miss(self, h: int) -> None:
+        if not self.detect_shifts:
+            return
+        ghost = self._ghost
+        if h in ghost:
+            self._ghost_misses += 1
+            ghost.move_to_end(h)
+        else:
+            ghost[h] = None
+            if len(ghost) > self.sketch.expected_entries:
+                ghost.popitem(last=False)
+
+    def _end_period(self) -> None:
+        """Compare this period's share of misses on recently missed keys with the last
+        period's; a rise of ``_SHIFT_RISE`` once the sketch has aged at least once (so
+        not while the cache warms up) is a popularity shift."""
+        rate = self._ghost_misses / self._period_requests
+        ref = self._ghost_ref
+        if ref is not None and self.sketch.resets and rate > ref + _SHIFT_RISE:
+            self._shifted()
+            self._ghost_ref = None  # the next period sets a new reference
+        else:
+            self._ghost_ref = rate
+        self._period_requests = self._ghost_misses = 0
+        self._period = max(self.sketch.expected_entries, _SHIFT_MIN_PERIOD)
+
+    def _shifted(self) -> None:
+        """The popular set changed: age the sketch twice, so the old hot keys' counts
+        drop to the new keys' level, and make every protected entry probation's least
+        recent, so the next candidates displace stale entries first. Costs the
+        probation segment (the protected one changes role in place)."""
+        self.shifts += 1
+        self.sketch.reset()
+        self.sketch.reset()
+        protected, probation = self._protected, self._probation
+        for key, e in probation.items():
+            protected[key] = e
+            e.segment = protected
+        self._probation = protected
+        self._protected = OrderedDict()
+        self.protected_bytes = 0
 
     def _promote(self, e: _Entry) -> None:
         """Probation → protected (most recent); protected's overflow, least recent

@@ -257,6 +257,12 @@ class TinyLfuMachine(RuleBasedStateMachine):
         self.p.expire(self.now)
         assert self.p.next_expiry() > self.now
 
+    @rule()
+    def popularity_shift(self):
+        # What the detector does when it fires; the accounting must survive it.
+        self.p._shifted()
+        assert self.p.protected_bytes == 0
+
     @invariant()
     def accounting_and_bounds(self):
         p = self.p
@@ -295,6 +301,53 @@ def test_tinylfu_keeps_a_hot_set_through_a_scan_that_flushes_lru():
             assert policy.admissions_rejected >= 150
         else:
             assert kept == 0
+
+
+def _zipf_keys(rng, n, keys, s=0.9):
+    w = np.arange(1, keys + 1, dtype=np.float64) ** -s
+    cdf = np.cumsum(w) / w.sum()
+    return np.minimum(np.searchsorted(cdf, rng.random(n), side="right"), keys - 1)
+
+
+def _hit_rate(policy, trace):
+    hits = 0
+    for key in trace:
+        if policy.get(key, 0.0) is None:
+            policy.put(key, True, size=1, now=0.0)
+        else:
+            hits += 1
+    return hits / len(trace)
+
+
+def test_a_popularity_shift_is_detected_and_the_new_hot_set_gets_in_sooner():
+    rng = np.random.default_rng(7)
+    ranks = _zipf_keys(rng, 120_000, 20_000)
+    before = rng.permutation(20_000)[ranks[:60_000]].tolist()
+    after = rng.permutation(20_000)[ranks[60_000:]].tolist()  # the same law, new hot keys
+    rates = {}
+    for detect in (True, False):
+        p = WTinyLFU(500, expected_entries=500, detect_shifts=detect)
+        _hit_rate(p, before)
+        assert p.shifts == 0  # a stationary load never fires it
+        rates[detect] = _hit_rate(p, after[:20_000])
+        assert p.shifts == (1 if detect else 0)
+        window, probation, protected = p.segments()
+        assert p.bytes_used == len(window) + len(probation) + len(protected) <= 500
+    assert rates[True] > rates[False] + 0.01
+
+
+def test_a_scan_does_not_look_like_a_popularity_shift():
+    rng = np.random.default_rng(8)
+    base = rng.permutation(20_000)[_zipf_keys(rng, 100_000, 20_000)].tolist()
+    trace = []
+    fresh = 1_000_000
+    for start in range(0, len(base), 20_000):  # every 20k requests, a scan of 8k new keys
+        trace += base[start : start + 20_000] + list(range(fresh, fresh + 8_000))
+        fresh += 8_000
+    p = WTinyLFU(500, expected_entries=500)
+    _hit_rate(p, trace)
+    assert p.sketch.resets > 0
+    assert p.shifts == 0
 
 
 def test_tinylfu_promotes_on_a_probation_hit_and_demotes_protected_overflow():
