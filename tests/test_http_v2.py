@@ -267,3 +267,92 @@ def test_packed_json_data_refuses_what_numpy_refuses():
                             "data": [[1, 2.5], [True, 4]]}]}, sig)
     assert [it["x"].tolist() for it in ok.items] == [[1.0, 2.5], [1.0, 4.0]]
     assert ok.items[0]["x"].flags.writeable
+
+
+# ------------------------------- large bodies: simdjson's decoding agrees with orjson's
+@st.composite
+def _v2_body(draw):
+    """A v2 request as JSON text: plain most of the time, sometimes with what the
+    numeric decoder must hand back (deep nesting, duplicate keys, '[' in strings,
+    numbers a 64-bit double or an FP32 cannot hold)."""
+    data, shape = draw(_json_data())
+    datatype = draw(st.sampled_from(["FP32", "FP32", "FP64", "INT32", "BOOL", "FP16"]))
+    twist = draw(st.sampled_from(
+        ["none", "none", "none", "deep", "dup_data", "dup_type", "bracket", "big", "id",
+         "outputs", "spaces"]))
+    fields = [("name", '"x"'), ("shape", orjson.dumps(shape).decode()),
+              ("datatype", f'"{datatype}"'), ("data", orjson.dumps(data).decode())]
+    top = []
+    if twist == "deep" and data and type(data[0]) is list and data[0]:
+        data[0][0] = [data[0][0]]
+        fields[3] = ("data", orjson.dumps(data).decode())
+    elif twist == "dup_data":
+        fields.insert(0, ("data", "[1.0]"))
+    elif twist == "dup_type":
+        fields.append(("datatype", '"FP64"'))
+    elif twist == "bracket":
+        top.append(("id", '"a[b"'))
+    elif twist == "big":
+        fields[3] = ("data", draw(st.sampled_from(
+            ["[1e39, 2.0]", "[3.5e38, 1]", "[1e309]", "[18446744073709551616]",
+             "[9007199254740993, 0.1]", "[-0.0, 0]", "[1.00000001, 16777217]"])))
+    elif twist == "id":
+        top.append(("id", '"req-7"'))
+    elif twist == "outputs":
+        top.append(("outputs", '[{"name": "x", "parameters": {"binary_data": false}}]'))
+        top.append(("parameters", '{"priority": 1, "tags": [1, [2]]}'))
+    sep = ", " if twist == "spaces" else ","
+    tensor = "{" + sep.join(f'"{k}":{v}' for k, v in fields) + "}"
+    body = "{" + sep.join([f'"inputs":[{tensor}]'] + [f'"{k}":{v}' for k, v in top]) + "}"
+    return body.encode(), datatype
+
+
+@given(body_type=_v2_body())
+def test_large_bodies_decode_as_orjson_decodes_them(monkeypatch_module, body_type):
+    """The numeric decoder (used for bodies of NUMERIC_PARSE_MIN bytes and more) gives
+    the same request, or the same refusal, as orjson and the checks after it."""
+    from trioserve.transport import _v2
+
+    body, datatype = body_type
+    sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1,))])
+
+    def outcome():
+        try:
+            req = InferRequest.from_v2_json(body, sig)
+        except InvalidInput as exc:
+            return "refused", str(exc)
+        rows = [(it["x"].dtype.str, it["x"].shape, it["x"].tobytes(), it["x"].flags.writeable)
+                for it in req.items]
+        return rows, req.id, req.outputs, req.priority, req.binary_outputs
+
+    monkeypatch_module.setattr(_v2, "NUMERIC_PARSE_MIN", 0)
+    try:
+        fast = outcome()
+    finally:
+        monkeypatch_module.undo()
+    assert fast == outcome()
+
+
+def test_a_large_float_request_is_decoded_without_python_floats():
+    from trioserve.transport._v2 import NUMERIC_PARSE_MIN, _loads_numeric
+
+    x = np.random.default_rng(3).standard_normal((32, 256)).astype(np.float32)
+    for data in (x.tolist(), x.reshape(-1).tolist()):
+        body = orjson.dumps({"id": "r1", "inputs": [
+            {"name": "x", "shape": [32, 256], "datatype": "FP32", "data": data}]})
+        assert len(body) >= NUMERIC_PARSE_MIN
+        doc = _loads_numeric(body)
+        assert doc is not None
+        assert doc["id"] == "r1"
+        got = doc["inputs"][0]["data"]
+        assert type(got) is np.ndarray and got.dtype == np.float32
+        assert np.array_equal(got.reshape(32, 256), x)
+    sig = signature([TensorSpec(name="x", datatype="FP32", shape=(256,))])
+    req = InferRequest.from_v2_json(body, sig)
+    assert np.array_equal(req.stacked["x"], x)
+    # what it hands back: a ragged row, a bool, a '[' in a string, a duplicate key
+    for bad in (b'{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[[1,2,3],[4]]}]}',
+                b'{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[true,2]}]}',
+                b'{"id":"[","inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}',
+                b'{"inputs":[],"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}'):
+        assert _loads_numeric(bad) is None
