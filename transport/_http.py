@@ -125,10 +125,11 @@ class _Connection:
         infer = gateway.infer
         max_body = gateway.server_config.max_body_bytes
         h = self.h
+        empty = True  # h is fresh with nothing buffered: its next event is NEED_DATA
         while True:
             # ---- the request head (between requests the connection is idle)
             fresh = True
-            event = h.next_event()
+            event = _NEED_DATA if empty else h.next_event()
             while event is _NEED_DATA:
                 if fresh:
                     conn.busy = False
@@ -202,6 +203,7 @@ class _Connection:
                         await _send_all(fd, _plain_response(status, headers, out))
                         trailing = h.trailing_data[0]
                         self.h = h = _new_h11()
+                        empty = not trailing
                         if trailing:
                             h.receive_data(trailing)
                         continue
@@ -226,6 +228,7 @@ class _Connection:
             if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 raise _Close()
             h.start_next_cycle()
+            empty = False
 
 
 async def _receive(fd: int, fresh: bool) -> bytes:
