@@ -95,6 +95,30 @@ async def test_float_data_that_overflows_its_datatype_is_400(server, datatype, v
     assert res.status == 200
 
 
+@pytest.mark.parametrize(
+    ("poison", "message"),
+    [
+        (None, "got mixed values"),
+        ("1", "got strings"),
+        (1e300, "out of range for FP32"),
+        ([1.0], "not a regular array"),
+    ],
+)
+async def test_large_bodies_get_the_same_refusals(server, poison, message):
+    """Bodies of 16 KiB and more are decoded another way first; a bad value anywhere
+    in them still gets its 400, and a good one of that size goes through."""
+    rows = np.zeros((24, 256), np.float32).tolist()
+    body = {"inputs": [{"name": "x", "shape": [24, 256], "datatype": "FP32", "data": rows}]}
+    assert len(orjson.dumps(body)) >= 16 * 1024
+    res = await post(server, "/v2/models/mlp/infer", body)
+    assert res.status == 200
+    assert res.json()["outputs"][0]["shape"] == [24, 16]
+    rows[17][200] = poison
+    res = await post(server, "/v2/models/mlp/infer", body)
+    assert res.status == 400
+    assert message in error_of(res)
+
+
 async def test_bad_binary_data_is_400(server):
     header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
                                        "parameters": {"binary_data_size": 1024}}]})

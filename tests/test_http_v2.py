@@ -345,7 +345,8 @@ def test_a_large_float_request_is_decoded_without_python_floats():
         assert doc is not None
         assert doc["id"] == "r1"
         got = doc["inputs"][0]["data"]
-        assert type(got) is np.ndarray and got.dtype == np.float32
+        assert type(got) is np.ndarray
+        assert got.dtype == np.float32
         assert np.array_equal(got.reshape(32, 256), x)
     sig = signature([TensorSpec(name="x", datatype="FP32", shape=(256,))])
     req = InferRequest.from_v2_json(body, sig)
