@@ -279,7 +279,7 @@ def _v2_body(draw):
     datatype = draw(st.sampled_from(["FP32", "FP32", "FP64", "INT32", "BOOL", "FP16"]))
     twist = draw(st.sampled_from(
         ["none", "none", "none", "deep", "dup_data", "dup_type", "bracket", "big", "id",
-         "outputs", "spaces"]))
+         "outputs", "spaces", "bom", "huge_int"]))
     fields = [("name", '"x"'), ("shape", orjson.dumps(shape).decode()),
               ("datatype", f'"{datatype}"'), ("data", orjson.dumps(data).decode())]
     top = []
@@ -301,10 +301,12 @@ def _v2_body(draw):
     elif twist == "outputs":
         top.append(("outputs", '[{"name": "x", "parameters": {"binary_data": false}}]'))
         top.append(("parameters", '{"priority": 1, "tags": [1, [2]]}'))
+    elif twist == "huge_int":
+        top.append(("id", "123456789012345678901234567890"))
     sep = ", " if twist == "spaces" else ","
     tensor = "{" + sep.join(f'"{k}":{v}' for k, v in fields) + "}"
     body = "{" + sep.join([f'"inputs":[{tensor}]'] + [f'"{k}":{v}' for k, v in top]) + "}"
-    return body.encode(), datatype
+    return (b"\xef\xbb\xbf" if twist == "bom" else b"") + body.encode(), datatype
 
 
 @given(body_type=_v2_body())

@@ -300,7 +300,9 @@ def _loads_numeric(body: bytes) -> dict[str, Any] | None:
     The result is the same as that path's, by construction:
 
     - the same document: a duplicate key (simdjson's lookup would take the first, orjson
-      the last), a number simdjson cannot hold, or malformed JSON returns None;
+      the last), a byte order mark (simdjson skips it, orjson refuses it), a number
+      simdjson cannot hold (orjson makes an integer past 64 bits a float), or malformed
+      JSON returns None;
     - the same data: flat, or rows of equal length, all numbers (``as_buffer`` refuses
       bools, null and strings), every value finite as the dtype (else None, so the
       other path words the refusal);
@@ -308,8 +310,8 @@ def _loads_numeric(body: bytes) -> dict[str, Any] | None:
       counted against the arrays accounted for; a deeper or ragged nesting (or a ``[``
       in a string) does not match, and the body takes the other path.
     """
-    if type(body) is not bytes:
-        return None
+    if type(body) is not bytes or body.startswith(b"\xef\xbb\xbf"):
+        return None  # simdjson skips a UTF-8 byte order mark; orjson refuses it
     try:
         return _decode_numeric(body)
     except (ValueError, RuntimeError, TypeError, KeyError):  # simdjson's errors, which
