@@ -13,6 +13,7 @@ import collections
 import heapq
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import attrs
 from trioserve import DeadlineExceeded, Overloaded, QuotaExceeded, Request, RequestState
@@ -67,8 +68,10 @@ class TokenBucket:
     out after it paid) the caller passes ``since``, the grant's number (``seq`` read
     right after the take): the credits would have stayed in the bucket from then on,
     so at most ``burst`` less the highest level the bucket held since (just before each
-    later take, and now) and less the highest level a waiter meets at its start goes
-    back; past the last _LOG takes that history is gone and nothing goes back.
+    later take, or for a later reservation that waited, just before its start; and now)
+    and less the highest level a waiter meets at its start goes back, and those levels
+    all rise by what goes back; past the last _LOG takes that history is gone and
+    nothing goes back.
     Otherwise (a waiting caller left) the bucket cannot tell which reservation it was,
     so it assumes the earliest still waiting: with at most one reservation waiting the
     credits all go back; otherwise at most ``burst`` less the highest level a later
@@ -85,14 +88,16 @@ class TokenBucket:
         self.used = 0.0
         self._tail = -math.inf  # the latest start handed out
         # The reservations that start after ``stamp``, in start order, each as [start,
-        # peak, n]: the peak is the level just before its debit at its start, so a
-        # refund before it may add at most ``burst - peak``. Past _MERGE_AT entries, a
-        # new one is merged into the latest (n of them; its start, the higher peak), which
-        # only makes refunds more cautious.
-        self._waiting: collections.deque[list[float]] = collections.deque()
-        #: takes so far; (number, the level just before it) of the last _LOG of them
+        # peak, n, records]: the peak is the level just before its debit at its start,
+        # so a refund before it may add at most ``burst - peak``. Past _MERGE_AT
+        # entries, a new one is merged into the latest (n of them; its start, the higher
+        # peak), which only makes refunds more cautious. ``records``: their entries in
+        # the log, which get the final peak when they start.
+        self._waiting: collections.deque[list[Any]] = collections.deque()
+        #: takes so far; [number, the level just before it] of the last _LOG of them (for
+        #: a reservation that waits: the level just before its start, its peak)
         self.seq = 0
-        self._log: collections.deque[tuple[int, float]] = collections.deque(maxlen=_LOG)
+        self._log: collections.deque[list[float]] = collections.deque(maxlen=_LOG)
 
     def _refill(self, now: float) -> None:
         if now > self.stamp:
@@ -100,7 +105,9 @@ class TokenBucket:
             self.stamp = now
             waiting = self._waiting
             while waiting and waiting[0][0] <= now:
-                waiting.popleft()
+                _, peak, _, records = waiting.popleft()
+                for record in records:  # started: the level it met is history now
+                    record[1] = peak
 
     def try_take(self, cost: float, now: float) -> float:
         """Take ``cost`` if the credits are there and return 0.0; otherwise take
@@ -109,7 +116,7 @@ class TokenBucket:
         need = min(cost, self.burst)
         if self.level >= need:
             self.seq += 1
-            self._log.append((self.seq, self.level))
+            self._log.append([self.seq, self.level])
             self.level -= cost
             self.used += cost
             return 0.0
@@ -146,6 +153,10 @@ class TokenBucket:
         if give:
             for entry in waiting:  # the levels they meet rise by what stays
                 entry[1] += give
+            if since is not None:  # and so did every level since the grant
+                for record in self._log:
+                    if record[0] > since:
+                        record[1] += give
         self.level = min(self.burst, self.level + give)
 
     def _start(self, cost: float, now: float) -> float:
@@ -171,23 +182,26 @@ class TokenBucket:
         at = self._start(cost, now)
         if at > latest:
             return None
+        self.seq += 1
+        record = [self.seq, self.level]
         if at > now:
             ahead = (at - now) * self.rate
             peak = level + ahead
             if peak > self.burst:  # pushed back by a refund: the overflow is lost
                 level = self.burst - ahead
                 peak = self.burst
+            record[1] = peak
             waiting = self._waiting
             if len(waiting) >= _MERGE_AT:
                 last = waiting[-1]
                 last[0] = at
                 last[1] = max(last[1], peak)
                 last[2] += 1
+                last[3].append(record)
             else:
-                waiting.append([at, peak, 1])
+                waiting.append([at, peak, 1, [record]])
             self._tail = at
-        self.seq += 1
-        self._log.append((self.seq, self.level))
+        self._log.append(record)
         self.level = level - cost
         self.used += cost
         return at

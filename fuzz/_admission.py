@@ -66,11 +66,14 @@ class Reference:
         self.rate, self.burst = rate, burst
         self.level, self.stamp, self.used = burst, now, Fraction(0)
         self.tail: Fraction | None = None  # the latest start handed out
-        # the reservations starting after ``stamp``: [start, peak, n] (see TokenBucket)
+        # the reservations starting after ``stamp``: [start, peak, n, records] (see
+        # TokenBucket)
         self.waiting: list[list] = []
         self.events: list[str] = []  # what the last operations exercised (for notes)
         self.seq = 0  # takes so far
-        self.log: list[tuple[int, Fraction]] = []  # (number, level just before) of each
+        # [number, the level just before it] of each take; for a reservation that
+        # waited, the level just before its start (final once it starts)
+        self.log: list[list] = []
 
     def refill(self, now: Fraction, kept: int | None = None) -> None:
         """``kept``: how many waiting reservations the bucket holds after its own
@@ -81,14 +84,19 @@ class Reference:
             tol = TIE * max(1, now)
             w = self.waiting
             while w and w[0][0] < now - tol:
-                w.pop(0)
+                self._started(w.pop(0))
             while w and w[0][0] <= now + tol:
                 if kept is None:
                     if w[0][0] > now:
                         break
                 elif sum(e[2] for e in w) <= kept:
                     break
-                w.pop(0)
+                self._started(w.pop(0))
+
+    @staticmethod
+    def _started(entry: list) -> None:
+        for record in entry[3]:
+            record[1] = entry[1]
 
     def try_take(
         self, cost: int, now: Fraction, hint: bool, kept: int | None = None
@@ -101,7 +109,7 @@ class Reference:
         if abs(self.level - need) <= TIE * self.burst:
             grant = hint
         if grant:
-            self._taken()
+            self.log.append(self._taken())
             self.level -= cost
             self.used += cost
             return True, Fraction(0)
@@ -133,27 +141,30 @@ class Reference:
             return None
         if pushed:
             self.events.append("reservations behind a refunded one")
+        record = self._taken()
         if at > now if entry is None else entry:
             ahead = (at - now) * self.rate
             peak = level + ahead
             if peak > self.burst:  # what would overflow the burst before it starts
                 level = self.burst - ahead
                 peak = self.burst
+            record[1] = peak
             if len(self.waiting) >= self.MERGE_AT:
                 self.events.append("waiting reservations merged")
                 last = self.waiting[-1]
                 last[0], last[1], last[2] = at, max(last[1], peak), last[2] + 1
+                last[3].append(record)
             else:
-                self.waiting.append([at, peak, 1])
+                self.waiting.append([at, peak, 1, [record]])
             self.tail = at
-        self._taken()
+        self.log.append(record)
         self.level = level - cost
         self.used += cost
         return at
 
-    def _taken(self) -> None:
+    def _taken(self) -> list:
         self.seq += 1
-        self.log.append((self.seq, self.level))
+        return [self.seq, self.level]
 
     def refund(self, cost: int, since: int | None = None) -> None:
         """Back to the level, at most the room under the burst that the waiters leave
@@ -182,6 +193,10 @@ class Reference:
                 self.events.append("refunds cut by the burst")
         for e in w:
             e[1] += give
+        if since is not None:  # every level since the grant rises by what goes back
+            for record in self.log:
+                if record[0] > since:
+                    record[1] += give
         self.level = min(self.burst, self.level + give)
 
 

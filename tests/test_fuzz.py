@@ -208,3 +208,20 @@ def test_token_bucket_grants_stay_within_burst_plus_rate_after_a_refund():
     starts[1] = b.reserve(1, 0.0, math.inf)
     # Two grants of 1 start at t=4: more than burst (0.5) + one grant's debt (1).
     assert starts.count(4.0) <= 1, starts
+
+
+def test_token_bucket_refund_of_a_started_grant_counts_the_levels_waiters_met():
+    # Found by the admission suite (seed 43): a started grant's refund gave back a credit
+    # the bucket could not have kept. The reservations behind it had waited for the
+    # bucket to refill to its burst at their starts, so a credit left there would have
+    # been lost to the cap; yet it was given back, and 18 cost units started within
+    # 0.09 s against burst + rate x window + one grant's debt = 17.5.
+    b = TokenBucket(rate=100.0, burst=0.5, now=0.0)
+    first = b.seq + 1
+    assert b.reserve(1, 0.0, math.inf) == 0.0
+    starts = [b.reserve(c, 0.0, math.inf) for c in (1, 1, 8)]
+    assert starts == pytest.approx([0.01, 0.02, 0.03])
+    assert b.try_take(1, 0.1) > 0.0  # in debt: -0.5 at t=0.1
+    b.refund(1, since=first)  # the first request is refused after its start
+    assert b.level == pytest.approx(-0.5)  # every later waiter met a full bucket
+    assert b.try_take(8, 0.1) > 0.0
