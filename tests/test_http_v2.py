@@ -359,3 +359,10 @@ def test_a_large_float_request_is_decoded_without_python_floats():
                 b'{"id":"[","inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}',
                 b'{"inputs":[],"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}'):
         assert _loads_numeric(bad) is None
+    # a text message (the WebSocket stream's) takes the same way; one that cannot be
+    # UTF-8 gets orjson's refusal
+    from trioserve.transport._v2 import loads_request
+
+    assert type(loads_request(body.decode())["inputs"][0]["data"]) is np.ndarray
+    with pytest.raises(InvalidInput, match="malformed JSON body"):
+        loads_request('{"id": "\ud800", "pad": "' + " " * NUMERIC_PARSE_MIN + '"}')

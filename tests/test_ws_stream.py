@@ -3,6 +3,8 @@ tagged by id; per-connection backpressure; bad messages; closing cancels."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import trio
@@ -30,6 +32,25 @@ async def test_each_answer_is_tagged_with_its_requests_id(mlp_input):
         assert r.error is None
         assert r.model_name == "mlp"
         np.testing.assert_allclose(r.outputs["y"], want[r.id][None], rtol=1e-5, atol=1e-6)
+
+
+async def test_a_large_batch_message_is_split_and_answered_like_a_small_one():
+    # Messages of 16 KiB and more are decoded another way first (transport/_v2.py).
+    x = np.random.default_rng(5).standard_normal((24, 256)).astype(np.float32)
+    async with serving(config(mlp_model())) as gw:
+        want = np.stack([(await gw.runtime.infer("mlp", row))["y"] for row in x])
+        async with open_stream(gw.url) as stream:
+            await stream.send("big", "mlp", {"x": x})
+            bad = x.tolist()
+            bad[3][9] = None
+            await stream.send_raw(json.dumps(
+                {"id": "bad", "model": "mlp",
+                 "inputs": [{"name": "x", "shape": [24, 256], "datatype": "FP32", "data": bad}]}
+            ))
+            replies = {r.id: r for r in [await stream.receive(), await stream.receive()]}
+    assert replies["big"].error is None
+    np.testing.assert_allclose(replies["big"].outputs["y"], want, rtol=1e-5, atol=1e-6)
+    assert "mixed values" in replies["bad"].error
 
 
 async def test_a_slow_request_is_answered_after_a_later_fast_one():

@@ -50,7 +50,14 @@ from wsproto.events import Request as WsRequest
 from wsproto.utilities import RemoteProtocolError
 
 from ._gateway import UNKNOWN_MODEL, error_answer, log
-from ._v2 import InferRequest, decode_outputs, dumps, encode_inputs, encode_response, loads
+from ._v2 import (
+    InferRequest,
+    decode_outputs,
+    dumps,
+    encode_inputs,
+    encode_response,
+    loads_request,
+)
 
 if TYPE_CHECKING:
     from ._gateway import Gateway, _Conn
@@ -364,7 +371,7 @@ class _Session:
         self.pending[token] = None
         try:
             try:
-                doc = loads(message)
+                doc = loads_request(message)
                 if type(doc) is not dict:
                     raise InvalidInput("a stream message must be a JSON object")
                 rid = doc.get("id")

@@ -198,9 +198,7 @@ class InferRequest:
                         f"body ({len(body)} bytes)"
                     )
                 body, binary = body[:header_length], memoryview(body)[header_length:]
-            doc = _loads_numeric(body) if len(body) >= NUMERIC_PARSE_MIN else None
-            if doc is None:
-                doc = loads(body)
+            doc = loads_request(body)
         if type(doc) is not dict:
             raise InvalidInput("the request body must be a JSON object with 'inputs'")
         tensors = doc.get("inputs")
@@ -280,6 +278,23 @@ def loads(body: bytes | str) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"malformed JSON body: {exc}") from None
+
+
+def loads_request(body: bytes | str) -> Any:
+    """Decode a v2 request's JSON: one of ``NUMERIC_PARSE_MIN`` bytes or more by
+    :func:`_loads_numeric` when it can, anything else (or when it cannot) by
+    :func:`loads`."""
+    if len(body) >= NUMERIC_PARSE_MIN:
+        raw: bytes | None = body if type(body) is bytes else None
+        if type(body) is str:
+            try:
+                raw = body.encode()
+            except UnicodeEncodeError:  # a lone surrogate: orjson says what is wrong
+                raw = None
+        doc = _loads_numeric(raw) if raw is not None else None
+        if doc is not None:
+            return doc
+    return loads(body)
 
 
 #: JSON bodies at least this large are decoded by :func:`_loads_numeric` first.
