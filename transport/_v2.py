@@ -285,13 +285,10 @@ def loads_request(body: bytes | str) -> Any:
     :func:`_loads_numeric` when it can, anything else (or when it cannot) by
     :func:`loads`."""
     if len(body) >= NUMERIC_PARSE_MIN:
-        raw: bytes | None = body if type(body) is bytes else None
-        if type(body) is str:
-            try:
-                raw = body.encode()
-            except UnicodeEncodeError:  # a lone surrogate: orjson says what is wrong
-                raw = None
-        doc = _loads_numeric(raw) if raw is not None else None
+        try:
+            doc = _loads_numeric(body.encode() if type(body) is str else body)
+        except UnicodeEncodeError:  # a lone surrogate: orjson says what is wrong
+            doc = None
         if doc is not None:
             return doc
     return loads(body)
@@ -359,17 +356,26 @@ def _decode_numeric(body: bytes) -> dict[str, Any] | None:
                     return None
                 fields["data"], n = packed
                 brackets += n
-            for k, v in fields.items():
-                if type(v) is _SObject or type(v) is _SArray:
-                    fields[k] = v = v.as_dict() if type(v) is _SObject else v.as_list()
-                brackets += _lists(v)
+            brackets += _to_python(fields)
             decoded.append(fields)
         out["inputs"] = decoded
-    for k, v in out.items():
-        if type(v) is _SObject or type(v) is _SArray:
-            out[k] = v = v.as_dict() if type(v) is _SObject else v.as_list()
-            brackets += _lists(v)
+    brackets += _to_python(out)
     return out if body.count(b"[") == brackets else None
+
+
+def _to_python(fields: dict[str, Any]) -> int:
+    """Turn the simdjson objects and arrays among ``fields``' values into dicts and
+    lists, in place; return how many lists that made."""
+    lists = 0
+    for k, v in fields.items():
+        if type(v) is _SObject:
+            fields[k] = v = v.as_dict()
+        elif type(v) is _SArray:
+            fields[k] = v = v.as_list()
+        else:
+            continue
+        lists += _lists(v)
+    return lists
 
 
 def _fields(obj: Any) -> dict[str, Any] | None:
@@ -509,15 +515,11 @@ def _check_name_and_datatype(
 def _from_json(
     name: str, data: Any, datatype: str, dtype: np.dtype, count: int, shape: list[int]
 ) -> np.ndarray:
-    if type(data) is np.ndarray:  # decoded straight to the dtype (_loads_numeric)
-        if data.size != count:
-            raise InvalidInput(
-                f"input {name!r}: shape {shape} holds {count} values, 'data' has {data.size}"
-            )
-        return data
-    if type(data) is not list:
+    if type(data) is not list and type(data) is not np.ndarray:
         data = [data]
-    if dtype.kind == "O":
+    if type(data) is np.ndarray:  # decoded straight to the dtype (_loads_numeric)
+        arr = data
+    elif dtype.kind == "O":
         flat = _flatten(data)
         if not all(isinstance(v, str) for v in flat):
             raise InvalidInput(f"input {name!r}: BYTES data must be strings")
