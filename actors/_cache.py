@@ -11,18 +11,21 @@ space, a segmented LRU (*probation* 20%, *protected* 80%). A candidate enters ma
 only if a count-min sketch of recent access frequencies says it is used more often
 than the *victim* it would displace (probation's least recent entry); otherwise the
 candidate is dropped. The sketch ages: every counter is halved after a sample of
-accesses ten times the expected entry count, so old popularity fades. The window
-lets a burst of new keys in; the filter keeps one-time keys (scans) from flushing
-the frequently used ones.
+accesses forty times the expected entry count (Caffeine: ten), so old popularity
+fades. The window lets a burst of new keys in; the filter keeps one-time keys (scans)
+from flushing the frequently used ones.
 
-Popularity shifts: the sketch forgets an old hot set only after a halving or two, so
+Popularity shifts: the sketch forgets an old hot set only after a halving or more, so
 when the popular keys change at once, the stale ones keep out the new for a while.
 W-TinyLFU watches, per period of requests, the share of requests that miss on a key
 that missed recently (a ghost of recent misses, as ARC keeps): steady under a
 stationary load, lower during a scan (its keys never come back), and higher at once
 when a new hot set arrives and is turned away. When it rises by 4 points over the
-last period, the sketch is halved twice and the protected segment becomes the cold
-end of probation, so the new keys compete with the stale ones on near-equal terms.
+last period, the sketch is halved (four times at a sample of 40×) and the protected
+segment becomes the cold end of probation, so the new keys compete with the stale ones
+on near-equal terms. Because the detector forgets an old hot set at once, the
+periodic aging can be slow: the long sample keeps four times Caffeine's history,
+which ranks the keys at the cache's boundary better (docs/cache.md has the figures).
 
 Every entry has a size in bytes; the sum never exceeds ``capacity`` after a call
 returns, and an entry larger than ``capacity`` (or its tenant's quota) is never
@@ -57,6 +60,9 @@ _WARM = 6
 #: recently missed keys from one period to the next that signals a popularity shift.
 _SHIFT_MIN_PERIOD = 2048
 _SHIFT_RISE = 0.04
+#: Periods after the start (or a rebuilt sketch) before the detector may fire: while
+#: the cache and its ghost fill, the share of ghost misses climbs on its own.
+_SHIFT_WARMUP = 4
 
 
 @attrs.frozen(kw_only=True)
@@ -413,7 +419,7 @@ class WTinyLFU(_BytePolicy):
         protected_fraction: float = 0.8,
         expected_entries: int | None = None,
         counters_per_entry: int = 16,
-        sample_factor: int = 10,
+        sample_factor: int = 40,
         seed: int = 0,
         detect_shifts: bool = True,
         quotas: Mapping[str, int] | None = None,
@@ -450,6 +456,11 @@ class WTinyLFU(_BytePolicy):
         self._period_requests = 0
         self._ghost_misses = 0
         self._ghost_ref: float | None = None
+        self._periods = 0  # since the start or the sketch's last rebuild
+        # A shift halves the sketch until counts of a full sample (up to sample_factor
+        # per expected entry) are down to what a fresh key gains in a period or two:
+        # twice at Caffeine's 10×, once more per doubling of the sample.
+        self._shift_halvings = max(2, 2 + round(math.log2(sample_factor / 10)))
 
     @property
     def main_max(self) -> int:
@@ -506,11 +517,12 @@ class WTinyLFU(_BytePolicy):
 
     def _end_period(self) -> None:
         """Compare this period's share of misses on recently missed keys with the last
-        period's; a rise of ``_SHIFT_RISE`` once the sketch has aged at least once (so
-        not while the cache warms up) is a popularity shift."""
+        period's; a rise of ``_SHIFT_RISE`` after the first ``_SHIFT_WARMUP`` periods
+        (not while the cache warms up) is a popularity shift."""
         rate = self._ghost_misses / self._period_requests
         ref = self._ghost_ref
-        if ref is not None and self.sketch.resets and rate > ref + _SHIFT_RISE:
+        self._periods += 1
+        if ref is not None and self._periods > _SHIFT_WARMUP and rate > ref + _SHIFT_RISE:
             self._shifted()
             self._ghost_ref = None  # the next period sets a new reference
         else:
@@ -519,13 +531,13 @@ class WTinyLFU(_BytePolicy):
         self._period = max(self.sketch.expected_entries, _SHIFT_MIN_PERIOD)
 
     def _shifted(self) -> None:
-        """The popular set changed: age the sketch twice, so the old hot keys' counts
-        drop to the new keys' level, and make every protected entry probation's least
-        recent, so the next candidates displace stale entries first. Costs the
-        probation segment (the protected one changes role in place)."""
+        """The popular set changed: age the sketch (``_shift_halvings`` times), so the
+        old hot keys' counts drop to the new keys' level, and make every protected entry
+        probation's least recent, so the next candidates displace stale entries first.
+        Costs the probation segment (the protected one changes role in place)."""
         self.shifts += 1
-        self.sketch.reset()
-        self.sketch.reset()
+        for _ in range(self._shift_halvings):
+            self.sketch.reset()
         protected, probation = self._protected, self._probation
         for key, e in probation.items():
             protected[key] = e
@@ -548,6 +560,7 @@ class WTinyLFU(_BytePolicy):
     def _link(self, e: _Entry) -> None:
         if self._grow and len(self._data) > self.sketch.expected_entries:
             self.sketch = CountMinSketch(2 * len(self._data), **self._sketch_options)
+            self._periods = 0  # the counts start afresh: warming up again
         window = self._window
         window[e.key] = e
         e.segment = window

@@ -350,6 +350,34 @@ def test_a_scan_does_not_look_like_a_popularity_shift():
     assert p.shifts == 0
 
 
+def test_a_shift_before_the_sketch_first_ages_is_detected():
+    # A 40x sample halves the sketch only after ~20k counted accesses at 500 entries;
+    # the detector waits for its warm-up periods, not for that first halving.
+    rng = np.random.default_rng(9)
+    ranks = _zipf_keys(rng, 24_000, 20_000)
+    before = rng.permutation(20_000)[ranks[:12_000]].tolist()
+    after = rng.permutation(20_000)[ranks[12_000:]].tolist()
+    p = WTinyLFU(500, expected_entries=500)
+    _hit_rate(p, before)
+    assert p.shifts == 0  # warming up from empty is not a shift
+    assert p.sketch.resets == 0  # nor has the sketch aged yet
+    _hit_rate(p, after)
+    assert p.shifts == 1
+    assert p.sketch.resets == 4  # the detection's four halvings, no periodic one
+
+
+@pytest.mark.parametrize(("sample_factor", "halvings"), [(10, 2), (20, 3), (40, 4), (80, 5)])
+def test_a_detected_shift_ages_the_sketch_more_the_longer_its_sample(sample_factor, halvings):
+    p = WTinyLFU(100, expected_entries=100, sample_factor=sample_factor)
+    h = hash("hot")
+    for _ in range(15):
+        p.sketch.increment(h)
+    assert p.sketch.frequency(h) == 15
+    p._shifted()
+    assert p.sketch.frequency(h) == 15 >> halvings
+    assert p.shifts == 1
+
+
 def test_tinylfu_promotes_on_a_probation_hit_and_demotes_protected_overflow():
     p = WTinyLFU(100, window_fraction=0.01, protected_fraction=0.8, expected_entries=100)
     for key in range(100):
