@@ -3,7 +3,9 @@ wsproto, and a short run against a real server."""
 
 from __future__ import annotations
 
+import argparse
 import base64
+import importlib
 import json
 import random
 
@@ -157,3 +159,21 @@ def test_binary_bodies_are_v2_requests_in_the_binary_tensor_extension(tmp_path):
         # the same draws as the JSON bodies (which round to 5 decimals)
         want = np.asarray(loads(text)["inputs"][0]["data"], np.float32).reshape(4, 256)
         np.testing.assert_allclose(rows, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("module", ["_gateway", "_cache_http"])
+def test_the_http_scenarios_remove_their_work_directory(monkeypatch, module):
+    mod = importlib.import_module(f"trioserve.scenarios.{module}")
+    seen = []
+
+    def failing_run(name, args, workdir):
+        seen.append(workdir)
+        (workdir / "bodies.jsonl").write_text("{}\n")
+        raise RuntimeError("the server did not become ready")
+
+    monkeypatch.setattr(mod, "_run", failing_run)
+    monkeypatch.setattr(mod.shutil, "which", lambda _: "/usr/bin/wrk")
+    with pytest.raises(RuntimeError, match="did not become ready"):
+        mod.run(module, argparse.Namespace(duration=None, json=None))
+    assert len(seen) == 1
+    assert not seen[0].exists()

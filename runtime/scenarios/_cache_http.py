@@ -118,9 +118,15 @@ def run(name: str, args: argparse.Namespace) -> int:
         print("trioserve: the cache-http scenario needs wrk (apt-get install wrk)",
               file=sys.stderr)
         return 2
+    with tempfile.TemporaryDirectory(prefix="trioserve-cache-http-") as tmp:
+        return _run(name, args, Path(tmp))
+
+
+def _run(name: str, args: argparse.Namespace, workdir: Path) -> int:
+    """The scenario, its bodies and configurations written under ``workdir`` (removed
+    afterwards by :func:`run`)."""
     duration = args.duration or 15.0
     rng = np.random.default_rng(11)
-    workdir = Path(tempfile.mkdtemp(prefix="trioserve-cache-http-"))
     bodies = workdir / "bodies.jsonl"
     with bodies.open("w") as f:
         for _ in range(KEYS):

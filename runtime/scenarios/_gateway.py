@@ -408,9 +408,15 @@ def run(name: str, args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("trioserve: the gateway scenario needs wrk (apt-get install wrk)", file=sys.stderr)
         return 2
+    with tempfile.TemporaryDirectory(prefix="trioserve-gateway-") as tmp:
+        return _run(name, args, Path(tmp))
+
+
+def _run(name: str, args: argparse.Namespace, workdir: Path) -> int:
+    """The scenario, its bodies and configurations written under ``workdir`` (removed
+    afterwards by :func:`run`)."""
     duration = args.duration or 15.0
     each = duration / ROUNDS
-    workdir = Path(tempfile.mkdtemp(prefix="trioserve-gateway-"))
     single = _bodies(workdir / "single.jsonl", rows=1, count=BODIES, seed=11)
     batched = _bodies(workdir / "batch.jsonl", rows=BATCH_ITEMS,
                       count=BODIES // BATCH_ITEMS, seed=12)
