@@ -4,13 +4,16 @@ schedulers.
 ``answer(model, version, tenant, item, compute)`` returns a cached result at once, or
 joins an identical request already in flight, or runs ``compute()`` once for every
 concurrent caller of that key (in the actor's own nursery, so a caller leaving does
-not cancel it for the others) and caches what it returns. The actor's task also drops
-expired entries as their TTLs pass.
+not cancel it for the others) and caches what it returns.
+``answer_many(model, version, tenant, items, compute)`` does the same for several items
+at once (``Runtime.infer_batch``): the cached ones from the cache, the others computed
+together, each distinct one once. The actor's task also drops expired entries as their
+TTLs pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -117,6 +120,52 @@ class CacheActor(Actor):
             return value
 
         return await flights.call(key, compute_and_keep)
+
+    async def answer_many(
+        self,
+        model: str,
+        version: str,
+        tenant: str,
+        items: Sequence[Any],
+        compute: Callable[[list[int]], Awaitable[list[Any]]],
+    ) -> list[Any]:
+        """The answers for ``items``, in order: each cached one from the cache; the
+        others by one call of ``compute(indices)`` (the answers for ``items[i]``, i in
+        ``indices``, in order), where an item repeated in ``items`` appears once, and
+        kept in the cache. A checkpoint. If ``compute`` raises, nothing is kept.
+
+        Unlike :meth:`answer` it does not join single requests in flight, nor do they
+        join it: the misses run as one submission, as ``infer_batch`` promises. A model
+        that is coalesced but not cached just computes every item.
+        """
+        cache = self.cache
+        if cache is None or not cache.rule(model).enabled:
+            return await compute(list(range(len(items))))
+        now = trio.current_time()
+        out: list[Any] = [None] * len(items)
+        missing: dict[Any, list[int]] = {}  # key -> the positions that want it
+        for i, item in enumerate(items):
+            key = cache.key(model, version, tenant, item)
+            hit = cache.get(key, now)
+            if hit is not None:
+                out[i] = hit
+            else:
+                missing.setdefault(key, []).append(i)
+        if not missing:
+            await trio.lowlevel.checkpoint()
+            return out
+        keys = list(missing)
+        values = await compute([missing[k][0] for k in keys])
+        now = trio.current_time()
+        before = cache.next_expiry()
+        for k, value in zip(keys, values, strict=True):
+            value = _read_only(value)
+            cache.put(k, value, size=answer_size(value), now=now, tenant=tenant)
+            for i in missing[k]:
+                out[i] = value
+        if cache.next_expiry() < before:
+            self._wake.unpark_all()
+        return out
 
     def statistics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -156,7 +156,9 @@ class Runtime:
         """Run several items (each as for :meth:`infer`) and return their outputs in
         order. All are submitted at once, without a task per item; the first failure
         (in item order) is raised after every item is settled. Cancelling it withdraws
-        every item not yet dispatched.
+        every item not yet dispatched. For a cached model, items found in the cache are
+        answered from it and the others (an item repeated in ``items`` once) are
+        submitted together and kept; in-flight single requests are not joined.
 
         ``items`` is a sequence of items, or the items stacked: a mapping input name
         -> array whose leading dimension indexes the items (as a v2 batch dimension);
@@ -181,6 +183,12 @@ class Runtime:
                 await self.infer(model, x, tenant=tenant, priority=priority, version=version)
                 for x in items
             ]
+        if model in self._cached:
+            return await self.cache.answer_many(
+                model, version or served.config.versions[0], tenant,
+                [item for item, _ in prepared],
+                lambda idx: self._submit_all(served, [prepared[i] for i in idx], tenant, priority),
+            )
         return await self._submit_all(served, prepared, tenant, priority)
 
     async def _submit_all(

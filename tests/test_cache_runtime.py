@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import trio
 import trioserve
-from runtime_helpers import callable_model, item, key
+from runtime_helpers import Recorder, callable_model, item, key
 from trioserve import CacheConfig, ModelConfig, TenantConfig
 
 
@@ -83,6 +84,53 @@ async def test_entries_expire_after_the_models_ttl(autojump_clock):
         await trio.sleep(0.2)
         await rt.infer("m", item(1))
     assert model.seen == [1.0, 1.0]
+
+
+async def test_a_batch_takes_its_cached_items_from_the_cache_and_runs_the_rest_together(
+    autojump_clock,
+):
+    model = Recorder()
+    async with trioserve.open_runtime(cfg(callable_model("m", model, max_wait_ms=5))) as rt:
+        await rt.infer("m", item(1))
+        outs = await rt.infer_batch("m", [item(1), item(2), item(3), item(2)])
+        assert [float(o["y"][0]) for o in outs] == [3.0, 5.0, 7.0, 5.0]
+        assert model.batches[1][1] == [2.0, 3.0]  # the misses, item 2 once, in one batch
+        assert outs[1] is outs[3]
+        assert not outs[2]["y"].flags.writeable
+        again = await rt.infer_batch("m", [item(3), item(2), item(1)])
+        single = await rt.infer("m", item(2))  # the batch's answer serves single requests
+        stats = rt.cache_statistics()
+    assert model.seen == [1.0, 2.0, 3.0]
+    assert [float(o["y"][0]) for o in again] == [7.0, 5.0, 3.0]
+    assert float(single["y"][0]) == 5.0
+    assert stats["hits"] == 1 + 3 + 1
+
+
+async def test_a_stacked_batch_is_cached_by_item_and_per_tenant(autojump_clock):
+    model, shared = Recorder(), Recorder()
+    config = cfg(callable_model("m", model), callable_model("s", shared, cache_shared=True))
+    stacked = {"x": np.array([[4.0], [5.0]], dtype=np.float32)}
+    async with trioserve.open_runtime(config) as rt:
+        for tenant in ("a", "b", "a"):
+            outs = await rt.infer_batch("m", stacked, tenant=tenant)
+            assert [float(o["y"][0]) for o in outs] == [9.0, 11.0]
+            await rt.infer_batch("s", stacked, tenant=tenant)
+    assert model.seen == [4.0, 5.0, 4.0, 5.0]  # once per tenant
+    assert shared.seen == [4.0, 5.0]
+
+
+async def test_a_failed_batch_keeps_nothing_in_the_cache(autojump_clock):
+    model = Recorder(fail_on=13.0)
+    async with trioserve.open_runtime(cfg(callable_model("m", model))) as rt:
+        with pytest.raises(trioserve.ModelError):
+            await rt.infer_batch("m", [item(1), item(13)])
+        runs = model.seen.count(1.0)
+        assert runs >= 1
+        out = await rt.infer("m", item(1))
+        stats = rt.cache_statistics()
+    assert float(out["y"][0]) == 3.0
+    assert model.seen.count(1.0) == runs + 1  # computed again: nothing was kept
+    assert stats["entries"] == 1
 
 
 @pytest.mark.parametrize("capacity", [0, 1 << 20])
