@@ -1,0 +1,105 @@
+"""The result cache over HTTP: the gateway keeps whole encoded answers, keyed by the
+raw body and the tenant; the rows of a batch request are cached one by one; errors
+are never kept; invalidation reaches both."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import trioserve
+from http_helpers import serving
+from runtime_helpers import Recorder, callable_model
+from trioserve import CacheConfig, TenantConfig
+from trioserve.transport import open_http
+
+TENANTS = (
+    TenantConfig(name="A", api_keys=("key-a",)),
+    TenantConfig(name="B", api_keys=("key-b",)),
+)
+
+
+def cfg(*models: trioserve.ModelConfig) -> trioserve.Config:
+    return trioserve.Config(
+        models=models, tenants=TENANTS, cache=CacheConfig(capacity_bytes=1 << 20)
+    )
+
+
+def body(*rows: float, request_id: str | None = None) -> bytes:
+    """One item [x] per row; a batch [N, 1] when there are several rows."""
+    shape = [1] if len(rows) == 1 else [len(rows), 1]
+    doc: dict = {"inputs": [{"name": "x", "shape": shape, "datatype": "FP32",
+                             "data": list(rows)}]}
+    if request_id is not None:
+        doc["id"] = request_id
+    return orjson.dumps(doc)
+
+
+async def post(gw, data: bytes, key: str = "key-a", model: str = "m"):
+    async with open_http(gw.url) as http:
+        return await http.request(
+            "POST", f"/v2/models/{model}/infer", data,
+            headers=[("authorization", f"Bearer {key}"), ("content-type", "application/json")],
+        )
+
+
+def ys(res) -> list[float]:
+    assert res.status == 200, res.body
+    return orjson.loads(res.body)["outputs"][0]["data"]
+
+
+async def test_a_repeated_request_gets_the_same_answer_without_running_the_model():
+    model = Recorder(timed=False)
+    async with serving(cfg(callable_model("m", model))) as gw:
+        first = await post(gw, body(2.0, request_id="r1"))
+        again = await post(gw, body(2.0, request_id="r1"))
+        other_id = await post(gw, body(2.0, request_id="r2"))
+        stats = gw.runtime.cache_statistics()
+    assert ys(first) == [5.0]
+    assert again.body == first.body  # the same encoded answer
+    assert orjson.loads(other_id.body)["id"] == "r2"  # another body: its own answer
+    # the third request missed the whole-answer cache but hit the item cache
+    assert model.seen == [2.0]
+    assert stats["hits"] >= 2
+
+
+async def test_tenants_never_get_each_others_cached_answers_unless_shareable():
+    private, shared = Recorder(timed=False), Recorder(timed=False)
+    models = (callable_model("m", private), callable_model("s", shared, cache_shared=True))
+    async with serving(cfg(*models)) as gw:
+        for key in ("key-a", "key-b", "key-a", "key-b"):
+            assert ys(await post(gw, body(3.0), key=key)) == [7.0]
+            assert ys(await post(gw, body(3.0), key=key, model="s")) == [7.0]
+    assert private.seen == [3.0, 3.0]  # once per tenant
+    assert shared.seen == [3.0]
+
+
+async def test_the_rows_of_batch_requests_are_cached_one_by_one():
+    model = Recorder(timed=False)
+    async with serving(cfg(callable_model("m", model))) as gw:
+        assert ys(await post(gw, body(1.0, 2.0))) == [3.0, 5.0]
+        assert ys(await post(gw, body(2.0, 3.0, 2.0))) == [5.0, 7.0, 5.0]
+        assert ys(await post(gw, body(3.0))) == [7.0]
+    assert model.seen == [1.0, 2.0, 3.0]
+
+
+async def test_a_failed_request_is_not_kept():
+    model = Recorder(fail_on=13.0, timed=False)
+    async with serving(cfg(callable_model("m", model))) as gw:
+        first = await post(gw, body(13.0))
+        runs = model.seen.count(13.0)
+        again = await post(gw, body(13.0))
+    assert first.status == again.status == 500
+    assert "poison item 13" in orjson.loads(again.body)["error"]
+    assert model.seen.count(13.0) > runs  # run again: the error was not cached
+
+
+@pytest.mark.parametrize("version", [None, "1"])
+async def test_invalidation_drops_cached_answers(version):
+    model = Recorder(timed=False)
+    async with serving(cfg(callable_model("m", model))) as gw:
+        await post(gw, body(4.0))
+        await post(gw, body(4.0, 5.0))
+        assert gw.runtime.invalidate_cache("m", version) >= 3  # an answer and two rows
+        assert ys(await post(gw, body(4.0))) == [9.0]
+        assert ys(await post(gw, body(4.0, 5.0))) == [9.0, 11.0]
+    assert model.seen == [4.0, 5.0, 4.0, 5.0]
