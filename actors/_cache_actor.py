@@ -132,7 +132,8 @@ class CacheActor(Actor):
         """The answers for ``items``, in order: each cached one from the cache; the
         others by one call of ``compute(indices)`` (the answers for ``items[i]``, i in
         ``indices``, in order), where an item repeated in ``items`` appears once, and
-        kept in the cache. A checkpoint. If ``compute`` raises, nothing is kept.
+        kept in the cache. Each distinct item is looked up once (one access, one hit
+        or miss). A checkpoint. If ``compute`` raises, nothing is kept.
 
         Unlike :meth:`answer` it does not join single requests in flight, nor do they
         join it: the misses run as one submission, as ``infer_batch`` promises. A model
@@ -141,16 +142,21 @@ class CacheActor(Actor):
         cache = self.cache
         if cache is None or not cache.rule(model).enabled:
             return await compute(list(range(len(items))))
+        wanted: dict[Any, list[int]] = {}  # key -> the positions that want it
+        for i, item in enumerate(items):
+            wanted.setdefault(cache.key(model, version, tenant, item), []).append(i)
+        # One lookup per distinct key: a repeat within the batch is neither a second
+        # access for the policy's counts nor a second miss.
         now = trio.current_time()
         out: list[Any] = [None] * len(items)
-        missing: dict[Any, list[int]] = {}  # key -> the positions that want it
-        for i, item in enumerate(items):
-            key = cache.key(model, version, tenant, item)
+        missing: dict[Any, list[int]] = {}
+        for key, where in wanted.items():
             hit = cache.get(key, now)
-            if hit is not None:
-                out[i] = hit
+            if hit is None:
+                missing[key] = where
             else:
-                missing.setdefault(key, []).append(i)
+                for i in where:
+                    out[i] = hit
         if not missing:
             await trio.lowlevel.checkpoint()
             return out

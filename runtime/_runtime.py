@@ -158,7 +158,8 @@ class Runtime:
         (in item order) is raised after every item is settled. Cancelling it withdraws
         every item not yet dispatched. For a cached model, items found in the cache are
         answered from it and the others (an item repeated in ``items`` once) are
-        submitted together and kept; in-flight single requests are not joined.
+        submitted together and kept; unlike :meth:`infer`, they do not join identical
+        requests in flight (a single item does, taking :meth:`infer`'s path).
 
         ``items`` is a sequence of items, or the items stacked: a mapping input name
         -> array whose leading dimension indexes the items (as a v2 batch dimension);
