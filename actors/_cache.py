@@ -15,17 +15,17 @@ accesses forty times the expected entry count (Caffeine: ten), so old popularity
 fades. The window lets a burst of new keys in; the filter keeps one-time keys (scans)
 from flushing the frequently used ones.
 
-Popularity shifts: the sketch forgets an old hot set only after a halving or more, so
+Popularity shifts: the sketch forgets an old hot set only after several halvings, so
 when the popular keys change at once, the stale ones keep out the new for a while.
 W-TinyLFU watches, per period of requests, the share of requests that miss on a key
 that missed recently (a ghost of recent misses, as ARC keeps): steady under a
 stationary load, lower during a scan (its keys never come back), and higher at once
 when a new hot set arrives and is turned away. When it rises by 4 points over the
-last period, the sketch is halved (four times at a sample of 40×) and the protected
-segment becomes the cold end of probation, so the new keys compete with the stale ones
-on near-equal terms. Because the detector forgets an old hot set at once, the
-periodic aging can be slow: the long sample keeps four times Caffeine's history,
-which ranks the keys at the cache's boundary better (docs/cache.md has the figures).
+last period, the sketch is cleared and the protected segment becomes the cold end of
+probation, so the new keys compete with the stale ones on equal terms. Because the
+detector forgets an old hot set at once, the periodic aging can be slow: the long
+sample keeps four times Caffeine's history, which ranks the keys at the cache's
+boundary better (docs/cache.md has the figures).
 
 Every entry has a size in bytes; the sum never exceeds ``capacity`` after a call
 returns, and an entry larger than ``capacity`` (or its tenant's quota) is never
@@ -457,10 +457,6 @@ class WTinyLFU(_BytePolicy):
         self._ghost_misses = 0
         self._ghost_ref: float | None = None
         self._periods = 0  # since the start or the sketch's last rebuild
-        # A shift halves the sketch until counts of a full sample (up to sample_factor
-        # per expected entry) are down to what a fresh key gains in a period or two:
-        # twice at Caffeine's 10×, once more per doubling of the sample.
-        self._shift_halvings = max(2, 2 + round(math.log2(sample_factor / 10)))
 
     @property
     def main_max(self) -> int:
@@ -531,13 +527,13 @@ class WTinyLFU(_BytePolicy):
         self._period = max(self.sketch.expected_entries, _SHIFT_MIN_PERIOD)
 
     def _shifted(self) -> None:
-        """The popular set changed: age the sketch (``_shift_halvings`` times), so the
-        old hot keys' counts drop to the new keys' level, and make every protected entry
+        """The popular set changed: clear the sketch, and make every protected entry
         probation's least recent, so the next candidates displace stale entries first.
+        (Halving is not enough: the old hot keys sit at the 4-bit cap of 15, the new
+        ones at one to three, and stay apart until four halvings, which is a clear.)
         Costs the probation segment (the protected one changes role in place)."""
         self.shifts += 1
-        for _ in range(self._shift_halvings):
-            self.sketch.reset()
+        self.sketch.clear()
         protected, probation = self._protected, self._probation
         for key, e in probation.items():
             protected[key] = e

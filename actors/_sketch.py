@@ -99,6 +99,11 @@ class CountMinSketch:
         t = self._table
         return min(t[a & m], t[(a + b) & m], t[(a + 2 * b) & m], t[(a + 3 * b) & m])
 
+    def clear(self) -> None:
+        """Forget every count (a popularity shift: see ``WTinyLFU``)."""
+        self._table = bytearray(len(self._table))
+        self.additions = 0
+
     def reset(self) -> None:
         """Halve every counter (aging). The count of additions is halved too, less the
         truncation of odd counters, as the paper's reset does."""
