@@ -7,22 +7,38 @@ import pytest
 from trioserve._process import _stack_into
 
 
-@pytest.mark.parametrize("shape", [(), (5,), (2, 3), (1, 4, 2)])
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3), (1, 4, 2), (0, 3)])
 @pytest.mark.parametrize("n", [1, 7])
 def test_stacking_into_a_flat_buffer_matches_np_stack(shape, n):
     rng = np.random.default_rng(n)
     base = rng.standard_normal((n, *shape)).astype(np.float32)
-    # rows of one array (views, as a request with a batch dimension gives) and copies
+    # rows of one array (views, as a request with a batch dimension gives); for 0-d
+    # items, numpy scalars
     arrays = [base[i] for i in range(n)] if shape else [np.float32(v) for v in base]
     flat = np.empty(base.size, dtype=np.float32)
     _stack_into(flat, arrays, shape)
     np.testing.assert_array_equal(flat.reshape(base.shape), np.stack(arrays))
 
 
-@pytest.mark.parametrize("odd", [(3, 2), (4, 3), (2, 3, 1)])
-def test_an_item_of_another_shape_is_refused_even_when_the_sizes_add_up(odd):
-    # (3, 2) has as many values as (2, 3); a concatenation alone would not notice
-    arrays = [np.zeros((2, 3), np.float32), np.ones(odd, np.float32)]
-    flat = np.empty(12 + 6, dtype=np.float32)
+def test_items_that_are_not_contiguous_stack_as_np_stack_does():
+    big = np.arange(4 * 6 * 2, dtype=np.float32).reshape(4, 6, 2)
+    arrays = [big[i, ::2, :] for i in range(4)]  # strided views of shape (3, 2)
+    arrays.append(np.asfortranarray(np.ones((3, 2), np.float32)))
+    flat = np.empty(5 * 6, dtype=np.float32)
+    _stack_into(flat, arrays, (3, 2))
+    np.testing.assert_array_equal(flat.reshape(5, 3, 2), np.stack(arrays))
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(2, 3), (1, 3), (3, 3)],  # as many rows as three (2, 3) items: concatenate alone
+        [(2, 3), (3, 2)],  # would take the first; the second it refuses itself
+    ],
+)
+def test_an_item_of_another_shape_is_refused(shapes):
+    arrays = [np.ones(s, np.float32) for s in shapes]
+    flat = np.empty(len(arrays) * 6, dtype=np.float32)
+    assert sum(a.size for a in arrays) == flat.size  # the sizes add up
     with pytest.raises(ValueError, match="an item of shape"):
-        _stack_into(flat[: 6 + int(np.prod(odd))], arrays, (2, 3))
+        _stack_into(flat, arrays, (2, 3))
