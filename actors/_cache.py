@@ -655,6 +655,9 @@ class Cache:
 
     The cache actor calls ``key`` (None: the model is not cached), ``get``, and after
     computing a miss ``put``; ``invalidate(model, version)`` when a version changes.
+    An answer computed across an invalidation must not be kept: ``generation(model)``
+    changes with every invalidation of the model, so a caller reads it before computing
+    and puts only if it is unchanged.
     ``get`` and the other lookups are the policy's own bound methods, so a lookup
     costs no wrapper call. ``options`` go to the policy's constructor.
     """
@@ -684,7 +687,7 @@ class Cache:
         self.get = p.get
         self.peek = p.peek
         self.remove = p.remove
-        self.invalidate = p.invalidate
+        self._generations: dict[str, int] = {}
         self.expire = p.expire
         self.next_expiry = p.next_expiry
         self.tenant_bytes = p.tenant_bytes
@@ -695,6 +698,17 @@ class Cache:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.policy
+
+    def invalidate(self, model: str, version: str | None = None) -> int:
+        """Drop the entries of ``model`` (of one ``version`` if given); returns how many.
+        Answers computed before it and kept after it are refused (``generation``)."""
+        self._generations[model] = self._generations.get(model, 0) + 1
+        return self.policy.invalidate(model, version)
+
+    def generation(self, model: str) -> int:
+        """How many times ``model`` was invalidated: read it before computing an answer,
+        and keep the answer only if it has not changed since."""
+        return self._generations.get(model, 0)
 
     def rule(self, model: str) -> CacheRule:
         return self.rules.get(model, self.default_rule)

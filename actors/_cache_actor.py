@@ -37,12 +37,20 @@ def answer_size(value: Any) -> int:
     return OVERHEAD
 
 
-def _read_only(value: Any) -> Any:
-    # One answer object goes to many callers: none may change it under the others.
+def _kept(value: Any, *, detach: bool = True) -> Any:
+    """An answer as the cache keeps it: read-only (one answer object goes to many
+    callers: none may change it under the others) and, with ``detach``, every array its
+    own (a view of a batch's output would keep the whole batch alive while counted at
+    its own size; a model may also hand back a view of its input)."""
     if isinstance(value, Mapping):
-        for v in value.values():
+        out = {}
+        for k, v in value.items():
             if isinstance(v, np.ndarray):
+                if detach and v.base is not None:
+                    v = v.copy()
                 v.flags.writeable = False
+            out[k] = v
+        return out
     return value
 
 
@@ -108,9 +116,11 @@ class CacheActor(Actor):
         if flights is None:  # not running (shutting down): compute without sharing
             return await compute()
 
+        generation = cache.generation(model) if rule.enabled else 0  # type: ignore[union-attr]
+
         async def compute_and_keep() -> Any:
-            value = _read_only(await compute())
-            if rule.enabled:
+            value = _kept(await compute(), detach=rule.enabled)
+            if rule.enabled and cache.generation(model) == generation:  # type: ignore[union-attr]
                 before = cache.next_expiry()  # type: ignore[union-attr]
                 cache.put(  # type: ignore[union-attr]
                     key, value, size=answer_size(value), now=trio.current_time(), tenant=tenant
@@ -161,12 +171,15 @@ class CacheActor(Actor):
             await trio.lowlevel.checkpoint()
             return out
         keys = list(missing)
+        generation = cache.generation(model)
         values = await compute([missing[k][0] for k in keys])
+        keep = cache.generation(model) == generation  # no invalidation meanwhile
         now = trio.current_time()
         before = cache.next_expiry()
         for k, value in zip(keys, values, strict=True):
-            value = _read_only(value)
-            cache.put(k, value, size=answer_size(value), now=now, tenant=tenant)
+            value = _kept(value)
+            if keep:
+                cache.put(k, value, size=answer_size(value), now=now, tenant=tenant)
             for i in missing[k]:
                 out[i] = value
         if cache.next_expiry() < before:

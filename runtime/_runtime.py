@@ -306,20 +306,26 @@ class Runtime:
 
     # ---- the edge's use of the cache: whole encoded answers, keyed by the raw request
     def response_key(self, model: str, version: str | None, tenant: str, raw: bytes) -> Any:
-        """The cache key of a wire request's encoded answer (None: ``model`` is not
-        cached). Identical bytes from the same tenant (or any tenant, for a shareable
-        model) get the same answer without being parsed, run or encoded again."""
+        """The cache key of a wire request's encoded answer, an opaque value for
+        ``cached_response`` and ``keep_response`` (None: ``model`` is not cached).
+        Identical bytes from the same tenant (or any tenant, for a shareable model) get
+        the same answer without being parsed, run or encoded again."""
         if model not in self._cached or self.cache.cache is None:
             return None
-        return self.cache.cache.raw_key(
-            model, version or self.models[model].config.versions[0], tenant, raw
-        )
+        cache = self.cache.cache
+        key = cache.raw_key(model, version or self.models[model].config.versions[0], tenant, raw)
+        return None if key is None else (key, cache.generation(model))
 
     def cached_response(self, key: Any) -> Any:
-        return self.cache.cache.get(key, trio.current_time())
+        return self.cache.cache.get(key[0], trio.current_time())
 
     def keep_response(self, key: Any, answer: Any, size: int, tenant: str) -> None:
-        self.cache.cache.put(key, answer, size=size, now=trio.current_time(), tenant=tenant)
+        """Keep an encoded answer, unless its model was invalidated since ``key`` was
+        made (the answer may come from the weights invalidated)."""
+        key, generation = key
+        cache = self.cache.cache
+        if cache.generation(key.model) == generation:
+            cache.put(key, answer, size=size, now=trio.current_time(), tenant=tenant)
 
     def invalidate_cache(self, model: str, version: str | None = None) -> int:
         """Drop the cached results of a model (or of one of its versions); return how

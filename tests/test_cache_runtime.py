@@ -20,9 +20,11 @@ class Counting:
         self.seen: list[float] = []
         self.gated = gated
         self.release = threading.Event()
+        self.entered = threading.Event()  # set when a batch has started
 
     def __call__(self, items):
         self.seen.extend(key(it) for it in items)
+        self.entered.set()
         if self.gated:
             self.release.wait(30)
         return [{"y": it["x"] * 2} for it in items]
@@ -170,3 +172,58 @@ async def test_identical_requests_in_flight_share_one_computation(capacity):
     assert [float(o["y"][0]) for o in outs] == [10.0] * 3
     assert stats["coalesced"] == 3
     assert stats["computations"] == 1
+
+
+class Stacking:
+    """A model answering each item with a row (a view) of one array for its batch, as
+    torch models and the worker processes do."""
+
+    def __call__(self, items):
+        y = np.stack([it["x"] for it in items]) * 2
+        return [{"y": y[i]} for i in range(len(items))]
+
+
+async def test_kept_answers_own_their_arrays_not_a_view_of_the_batch(autojump_clock):
+    async with trioserve.open_runtime(cfg(callable_model("m", Stacking()))) as rt:
+        one = await rt.infer("m", item(3))
+        rows = await rt.infer_batch("m", [item(4), item(5)])
+        again = await rt.infer("m", item(3))
+        stats = rt.cache_statistics()
+    for out in (one, *rows):
+        assert out["y"].base is None  # a view would keep the whole batch output alive
+        assert not out["y"].flags.writeable
+    assert again["y"] is one["y"]
+    assert [float(o["y"][0]) for o in (one, *rows)] == [6.0, 8.0, 10.0]
+    assert stats["entries"] == 3
+
+
+@pytest.mark.parametrize("batch", [False, True])
+async def test_an_answer_computed_across_an_invalidation_is_not_kept(batch):
+    model = Counting(gated=True)
+    config = cfg(callable_model("m", model, execution="thread", max_wait_ms=0))
+    try:
+        async with trioserve.open_runtime(config) as rt:
+            async with trio.open_nursery() as nursery:
+                if batch:
+                    nursery.start_soon(rt.infer_batch, "m", [item(7), item(8)])
+                else:
+                    nursery.start_soon(rt.infer, "m", item(7))
+                assert await trio.to_thread.run_sync(model.entered.wait, 30)
+                rt.invalidate_cache("m")  # the weights changed while it ran
+                model.release.set()
+            assert rt.cache_statistics()["entries"] == 0
+            await rt.infer("m", item(7))  # computed again with the new weights
+    finally:
+        model.release.set()
+    assert model.seen.count(7.0) == 2
+
+
+async def test_an_encoded_answer_made_before_an_invalidation_is_not_kept(autojump_clock):
+    async with trioserve.open_runtime(cfg(callable_model("m", Counting()))) as rt:
+        key = rt.response_key("m", None, "a", b"{...}")
+        rt.invalidate_cache("m")
+        rt.keep_response(key, (200, [], b"stale"), 256, "a")
+        assert rt.cached_response(key) is None
+        fresh = rt.response_key("m", None, "a", b"{...}")
+        rt.keep_response(fresh, (200, [], b"fresh"), 256, "a")
+        assert rt.cached_response(fresh) == (200, [], b"fresh")
