@@ -279,3 +279,93 @@ async def test_a_handshake_without_a_key_is_refused_with_400():
         await sock.aclose()
         await settle()
         assert gw.statistics().connections == 0
+
+
+_HANDSHAKE = (b"GET /v2/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+              b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+
+
+def _client_frame(payload: bytes, opcode: int = 0x1, *, masked: bool = True) -> bytes:
+    """One final client frame (payload under 126 bytes), masked unless told."""
+    assert len(payload) < 126
+    mask = b"\x01\x02\x03\x04"
+    if not masked:
+        return bytes([0x80 | opcode, len(payload)]) + payload
+    body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + body
+
+
+async def _raw_handshake(gw, extra: bytes = b""):
+    """A raw socket that sent the handshake (and ``extra`` in the same write) and a
+    wsproto client fed the server's 101; returns (sock, ws, bytes after the 101)."""
+    from wsproto import ConnectionType
+    from wsproto.connection import Connection
+
+    sock = await trio.open_tcp_stream(*gw.addresses[0])
+    await sock.send_all(_HANDSHAKE + extra)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await sock.receive_some(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101 ")
+    ws = Connection(ConnectionType.CLIENT)
+    ws.receive_data(rest)
+    return sock, ws
+
+
+async def test_frames_sent_with_the_handshake_are_served():
+    from wsproto.events import Pong, TextMessage
+
+    text = b'{"id": "early", "model": "echo", "inputs": ' \
+           b'[{"name": "x", "shape": [1], "datatype": "FP32", "data": [5]}]}'
+    assert len(text) < 126
+    async with serving(config(echo_model())) as gw:
+        sock, ws = await _raw_handshake(
+            gw, _client_frame(b"hi", opcode=0x9) + _client_frame(text)
+        )
+        seen = await _events_until(sock, ws, TextMessage)
+        assert any(isinstance(e, Pong) and e.payload == b"hi" for e in seen)
+        doc = json.loads(seen[-1].data)
+        assert (doc["id"], doc["outputs"][0]["data"]) == ("early", [5])
+        await sock.aclose()
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (_client_frame(b"{}", masked=False), 1002),  # a client frame must be masked
+        (_client_frame(b"\xff\xfe"), 1007),  # text that is not UTF-8
+        (_client_frame(b"x", opcode=0x3), 1002),  # a reserved opcode
+    ],
+)
+async def test_a_protocol_error_closes_the_stream_with_its_code(frame, code):
+    async with serving(config(echo_model())) as gw:
+        sock, _ = await _raw_handshake(gw)
+        await sock.send_all(frame)
+        data = b""
+        while len(data) < 4:
+            chunk = await sock.receive_some(65536)
+            assert chunk, "closed without a close frame"
+            data += chunk
+        assert data[0] == 0x88  # a close frame; its code:
+        assert int.from_bytes(data[2:4], "big") == code
+        await sock.aclose()
+
+
+async def test_a_reset_stream_is_not_logged_as_an_error(caplog):
+    import socket
+    import struct
+
+    async with serving(config(echo_model())) as gw:
+        sock, _ = await _raw_handshake(gw)
+        await settle()
+        assert gw.statistics().streams == 1
+        sock.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await sock.aclose()  # RST, not FIN
+        for _ in range(100):  # until the server's read has seen the reset
+            await settle()
+            if gw.statistics().streams == 0:
+                break
+        assert gw.statistics().streams == 0
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]

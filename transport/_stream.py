@@ -73,17 +73,28 @@ class ReplayStream(trio.abc.HalfCloseableStream):
     """The stream a WebSocket is served over, handed from the HTTP front end.
 
     Reading first returns ``buffered`` (the handshake bytes the front end already
-    read), then reads ``stream``. Writing coalesces: while :meth:`run_flusher` runs,
-    ``send_all`` only queues its bytes, and the flusher sends everything queued in one
-    write, so the answers of one batch leave in one syscall. At most ``limit`` bytes
-    wait; beyond that ``send_all`` waits for the flusher (backpressure).
+    read), then reads ``stream``. ``held`` are bytes the front end read after the
+    handshake (the client's first frames, sent without waiting for the 101): they are
+    read after :meth:`release_held`, once the handshake is done (wsproto's server side
+    would drop bytes that come with the handshake).
+
+    Writing coalesces: while :meth:`run_flusher` runs, ``send_all`` only queues its
+    bytes, and the flusher sends everything queued in one write, so the answers of one
+    batch leave in one syscall. At most ``limit`` bytes wait; beyond that ``send_all``
+    waits for the flusher (backpressure).
     """
 
     def __init__(
-        self, stream: trio.abc.HalfCloseableStream, buffered: bytes, *, limit: int = 256 * KIB
+        self,
+        stream: trio.abc.HalfCloseableStream,
+        buffered: bytes,
+        *,
+        held: bytes = b"",
+        limit: int = 256 * KIB,
     ) -> None:
         self.transport_stream = stream
         self._buffered = buffered
+        self._held = held
         self._limit = limit
         self._out: list[bytes] = []
         self._out_size = 0
@@ -104,6 +115,11 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         else:
             self._buffered = b""
         return data
+
+    def release_held(self) -> None:
+        """Make the ``held`` bytes the next to be read."""
+        self._buffered += self._held
+        self._held = b""
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self._error is not None:
@@ -243,6 +259,7 @@ async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Se
         )
         return None
     await stream.send_all(ws.send(AcceptConnection()))
+    stream.release_held()
     return _Session(gateway, ws.connection, stream, tenant, conn)
 
 
@@ -296,7 +313,10 @@ class _Session:
         parts: list[Any] = []
         size = 0
         while True:
-            data = await stream.receive_some(RECEIVE_SIZE)
+            try:
+                data = await stream.receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return True  # reset by the peer: it is gone, as at EOF
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
             for event in ws.events():
                 kind = type(event)
@@ -326,6 +346,12 @@ class _Session:
                 elif kind is CloseConnection:
                     if ws.state is ConnectionState.REMOTE_CLOSING:
                         await self._send(ws.send(event.response()))
+                        return True
+                    if ws.state is ConnectionState.OPEN:
+                        # wsproto found a protocol error (bad framing, text that is
+                        # not UTF-8): close with its code (1002, 1007), not 1000.
+                        self._closing = (event.code, event.reason or "")
+                        return False
                     return True
                 # Pong: nothing to do.
 
