@@ -107,6 +107,19 @@ def _new_h11() -> h11.Connection:
     return h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
 
 
+def _next_h11(h: h11.Connection) -> tuple[h11.Connection, bool]:
+    """A fresh h11 state for the next request of a keep-alive connection, holding the
+    bytes received after the last one (empty lines before its request line skipped:
+    RFC 9112 2.2, which h11 refuses), and whether it holds none."""
+    trailing = h.trailing_data[0]
+    if trailing[:1] == b"\r" or trailing[:1] == b"\n":
+        trailing = trailing.lstrip(b"\r\n")
+    nxt = _new_h11()
+    if trailing:
+        nxt.receive_data(trailing)
+    return nxt, not trailing
+
+
 class _Connection:
     """One client connection: its stream, its h11 state, its place in the drain."""
 
@@ -138,6 +151,13 @@ class _Connection:
                     data = await _receive(fd, True)
                     conn.busy = True
                     fresh = False
+                    if data[:1] == b"\r" or data[:1] == b"\n":
+                        # Empty lines before a request line are ignored (RFC 9112
+                        # 2.2; h11 refuses them). Only those that begin a read.
+                        data = data.lstrip(b"\r\n")
+                        if not data:
+                            fresh = True
+                            continue
                 else:
                     data = await _receive(fd, False)
                 h.receive_data(data)  # b"" (EOF): h11 reports ConnectionClosed or raises
@@ -147,12 +167,21 @@ class _Connection:
             conn.busy = True
             request = event
             auth = hlen = upgrade = idem = None
-            keep_alive = request.http_version == b"1.1"
+            length = chunked = False
+            version = request.http_version
+            keep_alive = version == b"1.1"
+            if not keep_alive and version != b"1.0":
+                raise await _refuse(stream, h, 505, f"HTTP/{version.decode()} is not supported")
+            head = len(request.target)
             for raw_name, value in request.headers.raw_items():
                 name = raw_name.lower()
+                head += len(name) + len(value) + 4
                 if name == b"content-length":
+                    length = True
                     if int(value) > max_body:
                         raise await _too_large(stream, h, max_body)
+                elif name == b"transfer-encoding":
+                    chunked = True
                 elif name == b"authorization":
                     auth = value
                 elif name == b"inference-header-content-length":
@@ -161,8 +190,16 @@ class _Connection:
                     idem = value
                 elif name == b"upgrade":
                     upgrade = value
-                elif name == b"connection" and b"close" in value.lower():
+                elif name == b"connection" and b"close" in value.lower() and any(
+                    t.strip() == b"close" for t in value.lower().split(b",")
+                ):
                     keep_alive = False
+            if head > MAX_HEAD:
+                raise await _refuse(stream, h, 431, f"request head over {MAX_HEAD} bytes")
+            if length and chunked:
+                # A body framed two ways is how requests are smuggled past a proxy:
+                # refuse it and close (RFC 9112 6.1).
+                raise await _refuse(stream, h, 400, "both Transfer-Encoding and Content-Length")
 
             # ---- the body
             chunks: list[bytes] = []
@@ -201,11 +238,8 @@ class _Connection:
                         # next request gets a fresh h11 state with the bytes already
                         # received after this one.
                         await _send_all(fd, _plain_response(status, headers, out))
-                        trailing = h.trailing_data[0]
-                        self.h = h = _new_h11()
-                        empty = not trailing
-                        if trailing:
-                            h.receive_data(trailing)
+                        h, empty = _next_h11(h)
+                        self.h = h
                         continue
                     await _send_all(fd, _response(h, status, headers, out, True))
                     raise _Close()
@@ -214,8 +248,8 @@ class _Connection:
             ):
                 from ._stream import ReplayStream, serve_stream
 
-                replay = _head_bytes(request) + h.trailing_data[0]
-                await serve_stream(gateway, ReplayStream(stream, replay), conn)
+                replay = ReplayStream(stream, _head_bytes(request), held=h.trailing_data[0])
+                await serve_stream(gateway, replay, conn)
                 return True
             status, headers, out = await _call_asgi(gateway, stream, request, body)
             if method == b"HEAD":
@@ -227,8 +261,8 @@ class _Connection:
             await _send_all(fd, _response(h, status, headers, out, close))
             if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 raise _Close()
-            h.start_next_cycle()
-            empty = False
+            h, empty = _next_h11(h)
+            self.h = h
 
 
 async def _receive(fd: int, fresh: bool) -> bytes:
@@ -316,6 +350,16 @@ async def _send_quietly(stream: trio.SocketStream, h: h11.Connection, status: in
 async def _too_large(stream: trio.SocketStream, h: h11.Connection, limit: int) -> _Close:
     body = error_body(f"request body too large: the limit is {limit} bytes (server.max_body_bytes)")
     await _send_quietly(stream, h, 413, [JSON], body)
+    return _Close(linger=True)
+
+
+async def _refuse(
+    stream: trio.SocketStream, h: h11.Connection, status: int, message: str
+) -> _Close:
+    """Answer ``status`` with ``message`` (a request refused before its body is read)
+    and close the connection."""
+    body = error_body(f"bad HTTP request: {message}" if status < 500 else message)
+    await _send_quietly(stream, h, status, [JSON], body)
     return _Close(linger=True)
 
 
