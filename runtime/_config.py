@@ -287,6 +287,10 @@ class ServerConfig:
     port: int = _field(_int(0), 8000)
     control_port: int | None = _field(_opt_int(0), None)
     max_body_bytes: int = _field(_int(1), 16 * 1024 * 1024)
+    #: an idle keep-alive HTTP connection is closed after this long
+    keep_alive_timeout_s: float = _field(_number(0.0, strict=True), 75.0)
+    #: a request begun must have arrived whole (head and body) this long after: else 408
+    request_timeout_s: float = _field(_number(0.0, strict=True), 30.0)
     stream_in_flight: int = _field(_int(1), 256)
     idempotency_window_s: float = _field(_number(0.0), 60.0)
     idempotency_max_keys: int = _field(_int(1), 10_000)

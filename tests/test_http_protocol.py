@@ -7,7 +7,7 @@ import h11
 import orjson
 import pytest
 import trio
-from http_helpers import config, echo_model, serving, v2_input
+from http_helpers import config, echo_model, serving, settle, v2_input
 
 
 @pytest.fixture
@@ -198,3 +198,38 @@ async def test_connection_close_is_a_token_not_a_substring(server):
     responses = await read_responses(stream, 2)
     assert [status for status, _, _ in responses] == [200, 200]
     await stream.aclose()
+
+
+@pytest.fixture
+async def impatient():
+    server = {"keep_alive_timeout_s": 0.2, "request_timeout_s": 0.2}
+    async with serving(config(echo_model(), server=server)) as gw:
+        yield gw
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(impatient):
+    stream = await trio.open_tcp_stream(*impatient.addresses[0])
+    await stream.send_all(infer_request(1.0))
+    (status, _, _), = await read_responses(stream, 1)
+    assert status == 200
+    with trio.fail_after(10):
+        assert await read_until_closed(stream) == b""  # closed quietly, no answer
+    await settle()
+    assert impatient.statistics().connections == 0
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [
+        b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\n",  # the head never ends
+        b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{",
+    ],
+)
+async def test_a_request_that_does_not_arrive_whole_in_time_is_408(impatient, partial):
+    stream = await trio.open_tcp_stream(*impatient.addresses[0])
+    await stream.send_all(partial)
+    with trio.fail_after(10):
+        data = await read_until_closed(stream)
+    assert data.startswith(b"HTTP/1.1 408 ")
+    assert b"server.request_timeout_s" in data
+    assert b"connection: close" in data.lower()

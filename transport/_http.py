@@ -18,6 +18,7 @@ drain) is written by h11.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,14 @@ _wait_writable = trio.lowlevel.wait_writable
 _DROPPED_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"connection"))
 
 
+class _ReadTimeout(Exception):
+    """No request within the keep-alive timeout (``idle``), or a request begun and not
+    received whole within the request timeout."""
+
+    def __init__(self, idle: bool) -> None:
+        self.idle = idle
+
+
 class _Close(Exception):
     """End the connection after answering (``linger``: drain unread request bytes)."""
 
@@ -75,6 +84,14 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
             handed_off = await c.serve()
         except _Close as close:
             linger = close.linger
+        except _ReadTimeout as timeout:
+            if not timeout.idle:
+                linger = True
+                body = error_body(
+                    "request timeout: the request did not arrive whole within "
+                    f"{gateway.server_config.request_timeout_s:g} s (server.request_timeout_s)"
+                )
+                await _send_quietly_raw(stream, 408, body)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away
         except h11.RemoteProtocolError as exc:
@@ -137,18 +154,21 @@ class _Connection:
         fd = stream.socket.fileno()
         infer = gateway.infer
         max_body = gateway.server_config.max_body_bytes
+        idle = gateway.server_config.keep_alive_timeout_s
+        patience = gateway.server_config.request_timeout_s
         h = self.h
         empty = True  # h is fresh with nothing buffered: its next event is NEED_DATA
         while True:
             # ---- the request head (between requests the connection is idle)
             fresh = True
+            deadline = math.inf  # set when a request needs a second read
             event = _NEED_DATA if empty else h.next_event()
             while event is _NEED_DATA:
                 if fresh:
                     conn.busy = False
                     if gateway.draining:
                         return False
-                    data = await _receive(fd, True)
+                    data = await _receive(fd, True, idle)
                     conn.busy = True
                     fresh = False
                     if data[:1] == b"\r" or data[:1] == b"\n":
@@ -159,7 +179,9 @@ class _Connection:
                             fresh = True
                             continue
                 else:
-                    data = await _receive(fd, False)
+                    if deadline == math.inf:
+                        deadline = trio.current_time() + patience
+                    data = await _receive(fd, False, deadline=deadline)
                 h.receive_data(data)  # b"" (EOF): h11 reports ConnectionClosed or raises
                 event = h.next_event()
             if type(event) is not _Request:
@@ -218,7 +240,9 @@ class _Connection:
                     if h.they_are_waiting_for_100_continue:
                         go_on = h11.InformationalResponse(status_code=100, headers=[])
                         await _send_all(fd, h.send(go_on))
-                    h.receive_data(await _receive(fd, False))
+                    if deadline == math.inf:
+                        deadline = trio.current_time() + patience
+                    h.receive_data(await _receive(fd, False, deadline=deadline))
                 else:
                     return False
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -265,7 +289,9 @@ class _Connection:
             self.h = h
 
 
-async def _receive(fd: int, fresh: bool) -> bytes:
+async def _receive(
+    fd: int, fresh: bool, patience: float = math.inf, *, deadline: float = math.inf
+) -> bytes:
     """Up to ``RECEIVE_SIZE`` bytes from the connection's socket (b"" at EOF), read with
     ``os.read`` on its descriptor; only when nothing is there does it wait for
     readiness.
@@ -278,6 +304,9 @@ async def _receive(fd: int, fresh: bool) -> bytes:
     the checkpoint the connection loop has once per request; other reads are bounded
     by the head and body limits. Against trio's ``receive_some`` + ``send_all``
     (a checkpoint in each), one scheduler trip and its wrappers less per request.
+
+    A wait ends at ``deadline``, or ``patience`` seconds after it began, whichever is
+    first, with _ReadTimeout (idle when ``fresh``); only a wait reads the clock.
     """
     if fresh:
         await _checkpoint()
@@ -285,7 +314,11 @@ async def _receive(fd: int, fresh: bool) -> bytes:
         try:
             return _read(fd, RECEIVE_SIZE)
         except BlockingIOError:
-            await _wait_readable(fd)
+            until = min(deadline, trio.current_time() + patience)
+            with trio.move_on_at(until):
+                await _wait_readable(fd)
+                continue
+            raise _ReadTimeout(idle=fresh) from None
         except OSError as exc:
             raise trio.BrokenResourceError(f"connection lost: {exc}") from exc
 
@@ -351,6 +384,18 @@ async def _too_large(stream: trio.SocketStream, h: h11.Connection, limit: int) -
     body = error_body(f"request body too large: the limit is {limit} bytes (server.max_body_bytes)")
     await _send_quietly(stream, h, 413, [JSON], body)
     return _Close(linger=True)
+
+
+async def _send_quietly_raw(stream: trio.SocketStream, status: int, body: bytes) -> None:
+    """An error answer written without h11 (whose state may not allow one: a head not
+    yet whole), then the connection closes; a client that has gone is ignored."""
+    head = _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
+    data = head + b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+    data += b"connection: close\r\n\r\n" + body
+    try:
+        await stream.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
 
 
 async def _refuse(
