@@ -276,9 +276,23 @@ async def test_a_handshake_without_a_key_is_refused_with_400():
         while chunk := await sock.receive_some(65536):
             data += chunk
         assert data.startswith(b"HTTP/1.1 400 ")
+        assert b"content-type: application/json" in data.lower()
+        assert b'{"error":"bad WebSocket handshake: ' in data
         await sock.aclose()
         await settle()
         assert gw.statistics().connections == 0
+
+
+async def test_a_websocket_upgrade_needs_http_1_1():
+    async with serving(config(echo_model())) as gw:
+        sock = await trio.open_tcp_stream(*gw.addresses[0])
+        await sock.send_all(_HANDSHAKE.replace(b"HTTP/1.1", b"HTTP/1.0"))
+        data = b""
+        while chunk := await sock.receive_some(65536):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 426 ")
+        assert b'"error"' in data
+        await sock.aclose()
 
 
 _HANDSHAKE = (b"GET /v2/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"

@@ -268,7 +268,8 @@ class _Connection:
                     await _send_all(fd, _response(h, status, headers, out, True))
                     raise _Close()
             if upgrade is not None and b"websocket" in upgrade.lower() and (
-                method == b"GET" and target.partition(b"?")[0] == b"/v2/stream"
+                method == b"GET" and keep_alive and version == b"1.1"
+                and target.partition(b"?")[0] == b"/v2/stream"
             ):
                 from ._stream import ReplayStream, serve_stream
 

@@ -239,9 +239,10 @@ async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Se
                 if isinstance(event, WsRequest):
                     request = event
         except RemoteProtocolError as exc:
-            # A malformed handshake: wsproto's suggested answer (400), then close.
+            # A malformed handshake: wsproto's status (400), with a JSON error, then close.
             if exc.event_hint is not None:
-                await stream.send_all(ws.send(exc.event_hint))
+                status = getattr(exc.event_hint, "status_code", 400)
+                await stream.send_all(_reject(ws, status, f"bad WebSocket handshake: {exc}"))
             return None
     authorization = None
     for name, value in request.extra_headers:
@@ -250,17 +251,20 @@ async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Se
     try:
         tenant = gateway.auth.tenant(authorization)
     except Unauthorized as exc:
-        body = orjson.dumps({"error": str(exc)})
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", b"%d" % len(body))]
-        await stream.send_all(
-            ws.send(RejectConnection(status_code=exc.status, headers=headers, has_body=True))
-            + ws.send(RejectData(data=body))
-        )
+        await stream.send_all(_reject(ws, exc.status, str(exc)))
         return None
     await stream.send_all(ws.send(AcceptConnection()))
     stream.release_held()
     return _Session(gateway, ws.connection, stream, tenant, conn)
+
+
+def _reject(ws: WSConnection, status: int, message: str) -> bytes:
+    """A refused handshake: ``status`` with the gateway's JSON error body."""
+    body = orjson.dumps({"error": message})
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    return ws.send(
+        RejectConnection(status_code=status, headers=headers, has_body=True)
+    ) + ws.send(RejectData(data=body))
 
 
 class _Session:
