@@ -212,16 +212,20 @@ class _Connection:
                     idem = value
                 elif name == b"upgrade":
                     upgrade = value
-                elif name == b"connection" and b"close" in value.lower() and any(
-                    t.strip() == b"close" for t in value.lower().split(b",")
-                ):
+                elif name == b"connection" and b"close" in [
+                    t.strip() for t in value.lower().split(b",")
+                ]:
                     keep_alive = False
             if head > MAX_HEAD:
-                raise await _refuse(stream, h, 431, f"request head over {MAX_HEAD} bytes")
+                raise await _refuse(
+                    stream, h, 431, f"bad HTTP request: request head over {MAX_HEAD} bytes"
+                )
             if length and chunked:
                 # A body framed two ways is how requests are smuggled past a proxy:
                 # refuse it and close (RFC 9112 6.1).
-                raise await _refuse(stream, h, 400, "both Transfer-Encoding and Content-Length")
+                raise await _refuse(
+                    stream, h, 400, "bad HTTP request: both Transfer-Encoding and Content-Length"
+                )
 
             # ---- the body
             chunks: list[bytes] = []
@@ -382,19 +386,15 @@ async def _send_quietly(stream: trio.SocketStream, h: h11.Connection, status: in
 
 
 async def _too_large(stream: trio.SocketStream, h: h11.Connection, limit: int) -> _Close:
-    body = error_body(f"request body too large: the limit is {limit} bytes (server.max_body_bytes)")
-    await _send_quietly(stream, h, 413, [JSON], body)
-    return _Close(linger=True)
+    message = f"request body too large: the limit is {limit} bytes (server.max_body_bytes)"
+    return await _refuse(stream, h, 413, message)
 
 
 async def _send_quietly_raw(stream: trio.SocketStream, status: int, body: bytes) -> None:
     """An error answer written without h11 (whose state may not allow one: a head not
     yet whole), then the connection closes; a client that has gone is ignored."""
-    head = _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
-    data = head + b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
-    data += b"connection: close\r\n\r\n" + body
     try:
-        await stream.send_all(data)
+        await stream.send_all(_plain_response(status, [JSON, (b"connection", b"close")], body))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
 
@@ -402,10 +402,9 @@ async def _send_quietly_raw(stream: trio.SocketStream, status: int, body: bytes)
 async def _refuse(
     stream: trio.SocketStream, h: h11.Connection, status: int, message: str
 ) -> _Close:
-    """Answer ``status`` with ``message`` (a request refused before its body is read)
-    and close the connection."""
-    body = error_body(f"bad HTTP request: {message}" if status < 500 else message)
-    await _send_quietly(stream, h, status, [JSON], body)
+    """Answer ``status`` with the error ``message`` (a request refused before its body
+    is read, or while reading it) and close the connection."""
+    await _send_quietly(stream, h, status, [JSON], error_body(message))
     return _Close(linger=True)
 
 
