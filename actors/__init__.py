@@ -7,6 +7,7 @@ from ._batching import BatchLimits as BatchLimits
 from ._batching import FifoQueue as FifoQueue
 from ._batching import SchedulingPolicy as SchedulingPolicy
 from ._cache import CACHE_POLICIES as CACHE_POLICIES
+from ._cache import RAW_INLINE as RAW_INLINE
 from ._cache import Cache as Cache
 from ._cache import CacheRule as CacheRule
 from ._cache import CacheStatistics as CacheStatistics

@@ -64,6 +64,13 @@ _SHIFT_RISE = 0.04
 #: the cache and its ghost fill, the share of ghost misses climbs on its own.
 _SHIFT_WARMUP = 4
 
+#: Raw keys (``Cache.raw_key``) hold a body up to this size itself, a larger one by its
+#: blake2b digest, each behind its own tag. A :meth:`Cache.key` digest is bytes, never
+#: such a tuple.
+RAW_INLINE = 4096
+_RAW = "raw"
+_RAW_DIGEST = "raw-blake2b"
+
 
 @attrs.frozen(kw_only=True)
 class CacheStatistics:
@@ -735,8 +742,20 @@ class Cache:
         rule = self.rule(model)
         if not rule.enabled:
             return None
-        digest = b"raw:" + hashlib.blake2b(raw, digest_size=16).digest()
+        if len(raw) <= RAW_INLINE:
+            # The body itself: hashing it for the table (~0.5 us for 2 KiB) is cheaper
+            # than a blake2b digest (~3.5 us), and equality is exact.
+            digest: Any = (_RAW, raw)
+        else:
+            digest = (_RAW_DIGEST, hashlib.blake2b(raw, digest_size=16).digest())
         return CacheKey(namespace_for(tenant, shareable=rule.shareable), model, version, digest)
+
+    @staticmethod
+    def key_bytes(key: CacheKey) -> int:
+        """The bytes a key holds: a raw key's body or the body's digest, else the
+        digest."""
+        digest = key.digest
+        return len(digest[1]) if type(digest) is tuple else len(digest)
 
     def put(
         self, key: CacheKey, value: Any, *, size: int, now: float, tenant: str | None = None

@@ -29,7 +29,9 @@ class CacheKey(NamedTuple):
     namespace: str
     model: str
     version: str
-    digest: bytes
+    #: The canonical digest (``cache_key``); for a raw key (``Cache.raw_key``), a
+    #: tagged tuple of the body or its digest.
+    digest: bytes | tuple[str, bytes]
 
 
 def namespace_for(tenant: str, *, shareable: bool) -> str:

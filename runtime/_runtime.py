@@ -325,6 +325,7 @@ class Runtime:
         key, generation = key
         cache = self.cache.cache
         if cache.generation(key.model) == generation:
+            size += cache.key_bytes(key)
             cache.put(key, answer, size=size, now=trio.current_time(), tenant=tenant)
 
     def invalidate_cache(self, model: str, version: str | None = None) -> int:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from trioserve import ActorClosed, ModelError
 from trioserve.actors import (
+    RAW_INLINE,
     SHARED_NAMESPACE,
     Cache,
     CacheKey,
@@ -81,6 +82,25 @@ def test_object_arrays_are_hashed_by_content():
     b = np.array([bytes(bytearray(b"spam")), b"eggs"], dtype=object)
     assert cache_key("m", "1", "t", a) == cache_key("m", "1", "t", b)
     assert cache_key("m", "1", "t", a) != cache_key("m", "1", "t", a[::-1].copy())
+
+
+def test_raw_keys_hold_a_small_body_a_digest_of_a_large_one_and_never_equal_a_key():
+    cache = Cache(1 << 20)
+    small = b'{"inputs": []}' * 10
+    key = cache.raw_key("m", "1", "A", small)
+    assert key == cache.raw_key("m", "1", "A", bytes(bytearray(small)))  # by value
+    assert key != cache.raw_key("m", "1", "A", small + b" ")
+    assert key != cache.raw_key("m", "1", "B", small)  # the tenant's namespace
+    assert cache.key_bytes(key) == len(small)  # the key holds the body
+    large = b"x" * (RAW_INLINE + 1)
+    big = cache.raw_key("m", "1", "A", large)
+    assert big == cache.raw_key("m", "1", "A", bytes(bytearray(large)))
+    assert cache.key_bytes(big) == 16  # a digest, not the body
+    # a small body equal to a large one's digest gets another key
+    assert cache.raw_key("m", "1", "A", big.digest[1]) != big
+    # nor is a raw key ever a key of inputs, whatever the body
+    digest = cache.key("m", "1", "A", X).digest
+    assert cache.raw_key("m", "1", "A", digest) != cache.key("m", "1", "A", X)
 
 
 def test_unhashable_inputs_are_refused_with_a_precise_message():

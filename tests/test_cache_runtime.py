@@ -227,3 +227,15 @@ async def test_an_encoded_answer_made_before_an_invalidation_is_not_kept(autojum
         fresh = rt.response_key("m", None, "a", b"{...}")
         rt.keep_response(fresh, (200, [], b"fresh"), 256, "a")
         assert rt.cached_response(fresh) == (200, [], b"fresh")
+
+
+async def test_an_edge_answer_is_charged_for_the_body_its_key_holds(autojump_clock):
+    async with trioserve.open_runtime(cfg(callable_model("m", Counting()))) as rt:
+        cache = rt.cache.cache
+        for raw in (b"x" * 1000, b"y" * 100_000):  # held whole; held by its digest
+            before = cache.policy.bytes_used
+            key = rt.response_key("m", None, "a", raw)
+            rt.keep_response(key, (200, [], b"answer"), 6 + 256, "a")
+            assert rt.cached_response(key) == (200, [], b"answer")
+            held = len(raw) if len(raw) <= 4096 else 16
+            assert cache.policy.bytes_used - before == 6 + 256 + held

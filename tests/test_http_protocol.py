@@ -63,6 +63,27 @@ async def test_pipelined_requests_are_answered_in_order(server):
     assert [orjson.loads(b)["id"] for _, _, b in responses] == ["0.0", "1.0", "2.0", "3.0", "4.0"]
 
 
+async def test_a_body_in_pieces_and_the_requests_behind_it_are_answered_in_order(server):
+    first, second = infer_request(1.0), infer_request(2.0)
+    health = b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n"
+    empty = b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n"
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    # the head and part of the body, then the rest with two more requests behind it
+    cut = len(first) - 5
+    await stream.send_all(first[:cut])
+    await settle()
+    await stream.send_all(first[cut:] + health + second[:40])
+    await settle()
+    await stream.send_all(second[40:] + empty + second)
+    responses = await read_responses(stream, 5)
+    await stream.aclose()
+    assert [s for s, _, _ in responses] == [200, 200, 200, 400, 200]
+    assert orjson.loads(responses[0][2])["id"] == "1.0"
+    assert orjson.loads(responses[2][2])["id"] == "2.0"
+    assert "JSON" in orjson.loads(responses[3][2])["error"]
+    assert orjson.loads(responses[4][2])["id"] == "2.0"
+
+
 async def test_connection_close_and_http_1_0_close_after_the_answer(server):
     for request in (infer_request(1.0, extra=b"Connection: close\r\n"),
                     infer_request(2.0, version=b"1.0")):

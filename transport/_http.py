@@ -12,7 +12,9 @@ The data plane's keep-alive answers (a status, the gateway's own headers, a body
 are written from a template and the next request gets a fresh h11 state: h11's
 writer and its state machine cost ~20 µs a request, more than a fifth of the
 handler's time. Everything else (control plane, ``Connection: close``, HTTP/1.0,
-drain) is written by h11.
+drain) is written by h11. Likewise a data-plane body that h11 has framed by its
+Content-Length and already holds whole is taken from h11's buffer rather than through
+its two body events (~5 µs); one that has not all arrived is read through h11.
 """
 
 from __future__ import annotations
@@ -124,11 +126,10 @@ def _new_h11() -> h11.Connection:
     return h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
 
 
-def _next_h11(h: h11.Connection) -> tuple[h11.Connection, bool]:
-    """A fresh h11 state for the next request of a keep-alive connection, holding the
-    bytes received after the last one (empty lines before its request line skipped:
-    RFC 9112 2.2, which h11 refuses), and whether it holds none."""
-    trailing = h.trailing_data[0]
+def _next_h11(trailing: bytes) -> tuple[h11.Connection, bool]:
+    """A fresh h11 state for the next request of a keep-alive connection, holding
+    ``trailing``, the bytes received after the last one (empty lines before its request
+    line skipped: RFC 9112 2.2, which h11 refuses), and whether it holds none."""
     if trailing[:1] == b"\r" or trailing[:1] == b"\n":
         trailing = trailing.lstrip(b"\r\n")
     nxt = _new_h11()
@@ -189,7 +190,8 @@ class _Connection:
             conn.busy = True
             request = event
             auth = hlen = upgrade = idem = None
-            length = chunked = False
+            length = -1
+            chunked = False
             version = request.http_version
             keep_alive = version == b"1.1"
             if not keep_alive and version != b"1.0":
@@ -199,8 +201,8 @@ class _Connection:
                 name = raw_name.lower()
                 head += len(name) + len(value) + 4
                 if name == b"content-length":
-                    length = True
-                    if int(value) > max_body:
+                    length = int(value)  # h11 checked it: digits, one value
+                    if length > max_body:
                         raise await _too_large(stream, h, max_body)
                 elif name == b"transfer-encoding":
                     chunked = True
@@ -220,57 +222,70 @@ class _Connection:
                 raise await _refuse(
                     stream, h, 431, f"bad HTTP request: request head over {MAX_HEAD} bytes"
                 )
-            if length and chunked:
+            if length >= 0 and chunked:
                 # A body framed two ways is how requests are smuggled past a proxy:
                 # refuse it and close (RFC 9112 6.1).
                 raise await _refuse(
                     stream, h, 400, "bad HTTP request: both Transfer-Encoding and Content-Length"
                 )
 
-            # ---- the body
-            chunks: list[bytes] = []
-            size = 0
-            while True:
-                event = h.next_event()
-                kind = type(event)
-                if kind is _Data:
-                    chunks.append(event.data)
-                    size += len(event.data)
-                    if size > max_body:
-                        raise await _too_large(stream, h, max_body)
-                elif kind is _EndOfMessage:
-                    break
-                elif event is _NEED_DATA:
-                    if h.they_are_waiting_for_100_continue:
-                        go_on = h11.InformationalResponse(status_code=100, headers=[])
-                        await _send_all(fd, h.send(go_on))
-                    if deadline == math.inf:
-                        deadline = trio.current_time() + patience
-                    h.receive_data(await _receive(fd, False, deadline=deadline))
-                else:
-                    return False
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-            # ---- route
             method = request.method
             target = request.target
+            route = None
             if method == b"POST" and target.startswith(b"/v2/models/"):
                 route = _infer_route(target)
-                if route is not None:
-                    status, headers, out = await infer(
-                        route[0], route[1], body, authorization=auth, header_length=hlen,
-                        idempotency_key=idem,
-                    )
-                    if keep_alive and not gateway.draining:
-                        # Written from the template (see the module's docstring); the
-                        # next request gets a fresh h11 state with the bytes already
-                        # received after this one.
-                        await _send_all(fd, _plain_response(status, headers, out))
-                        h, empty = _next_h11(h)
-                        self.h = h
-                        continue
-                    await _send_all(fd, _response(h, status, headers, out, True))
-                    raise _Close()
+
+            # ---- the body
+            body = rest = None
+            if route is not None and length >= 0 and not chunked:
+                # The data plane's usual case: h11 has framed the body (one
+                # Content-Length; chunked as well is refused above) and often holds it
+                # whole already. Then it is taken from h11's buffer, without h11's two
+                # body events (~5 us a request), and the bytes after it go to the next
+                # request's fresh h11 state.
+                held = h.trailing_data[0]
+                if len(held) >= length:
+                    body, rest = held[:length], held[length:]
+            if body is None:
+                chunks: list[bytes] = []
+                size = 0
+                while True:
+                    event = h.next_event()
+                    kind = type(event)
+                    if kind is _Data:
+                        chunks.append(event.data)
+                        size += len(event.data)
+                        if size > max_body:
+                            raise await _too_large(stream, h, max_body)
+                    elif kind is _EndOfMessage:
+                        break
+                    elif event is _NEED_DATA:
+                        if h.they_are_waiting_for_100_continue:
+                            go_on = h11.InformationalResponse(status_code=100, headers=[])
+                            await _send_all(fd, h.send(go_on))
+                        if deadline == math.inf:
+                            deadline = trio.current_time() + patience
+                        h.receive_data(await _receive(fd, False, deadline=deadline))
+                    else:
+                        return False
+                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+            # ---- route
+            if route is not None:
+                status, headers, out = await infer(
+                    route[0], route[1], body, authorization=auth, header_length=hlen,
+                    idempotency_key=idem,
+                )
+                if keep_alive and not gateway.draining:
+                    # Written from the template (see the module's docstring); the next
+                    # request gets a fresh h11 state with the bytes already received
+                    # after this one.
+                    await _send_all(fd, _plain_response(status, headers, out))
+                    h, empty = _next_h11(h.trailing_data[0] if rest is None else rest)
+                    self.h = h
+                    continue
+                await _send_all(fd, _response(h, status, headers, out, True))
+                raise _Close()
             if upgrade is not None and b"websocket" in upgrade.lower() and (
                 method == b"GET" and keep_alive and version == b"1.1"
                 and target.partition(b"?")[0] == b"/v2/stream"
@@ -290,7 +305,7 @@ class _Connection:
             await _send_all(fd, _response(h, status, headers, out, close))
             if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 raise _Close()
-            h, empty = _next_h11(h)
+            h, empty = _next_h11(h.trailing_data[0])
             self.h = h
 
 
