@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -33,6 +33,9 @@ from trioserve import (
 from ._auth import ANONYMOUS, Authenticator
 from ._idempotency import IdempotencyStore
 from ._v2 import InferRequest, ModelSignature, encode_response, error_body
+
+if TYPE_CHECKING:
+    from ._http import Outbox
 
 log = logging.getLogger("trioserve.transport")
 
@@ -107,6 +110,8 @@ class Gateway:
         self._streams = 0
         self._all_closed = trio.Event()
         self._accept_scope: trio.CancelScope | None = None
+        #: Writes the data plane's keep-alive answers (``serve`` starts it).
+        self.outbox: Outbox | None = None
         self.addresses: list[tuple[str, int]] = []
         from ._control import control_app
         from ._metrics import metrics_registry
@@ -272,11 +277,18 @@ class Gateway:
         async def handle(stream: trio.SocketStream) -> None:
             await serve_connection(self, stream)
 
-        async with trio.open_nursery() as connections:
-            with trio.CancelScope() as accept:
-                self._accept_scope = accept
-                task_status.started(self.addresses)
-                await trio.serve_listeners(handle, listeners, handler_nursery=connections)
+        from ._http import Outbox
+
+        async with trio.open_nursery() as flushing:
+            self.outbox = Outbox()
+            flushing.start_soon(self.outbox.run)
+            async with trio.open_nursery() as connections:
+                with trio.CancelScope() as accept:
+                    self._accept_scope = accept
+                    task_status.started(self.addresses)
+                    await trio.serve_listeners(handle, listeners, handler_nursery=connections)
+            # every connection has closed: the flusher has nothing left to write
+            flushing.cancel_scope.cancel("gateway closed")
 
     async def drain(self, grace: float) -> None:
         """Stop accepting, close idle connections, give requests in flight up to
