@@ -84,6 +84,27 @@ async def test_a_body_in_pieces_and_the_requests_behind_it_are_answered_in_order
     assert orjson.loads(responses[4][2])["id"] == "2.0"
 
 
+async def test_many_connections_each_get_their_own_answers(server):
+    """Answers ready in the same scheduler pass leave together (the outbox): each still
+    reaches its own connection, in order."""
+    got: dict[int, list[str]] = {}
+
+    async def client(c: int) -> None:
+        stream = await trio.open_tcp_stream(*server.addresses[0])
+        got[c] = []
+        for i in range(4):
+            await stream.send_all(infer_request(c * 100.0 + i))
+            [(status, _, body)] = await read_responses(stream, 1)
+            assert status == 200
+            got[c].append(orjson.loads(body)["id"])
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        for c in range(24):
+            nursery.start_soon(client, c)
+    assert got == {c: [str(c * 100.0 + i) for i in range(4)] for c in range(24)}
+
+
 async def test_connection_close_and_http_1_0_close_after_the_answer(server):
     for request in (infer_request(1.0, extra=b"Connection: close\r\n"),
                     infer_request(2.0, version=b"1.0")):
