@@ -179,6 +179,7 @@ async def test_a_plain_get_of_the_stream_endpoint_is_426():
         res = await http.get("/v2/stream")
     assert res.status == 426
     assert res.headers["upgrade"] == "websocket"
+    assert res.headers["connection"] == "upgrade"  # a sender of Upgrade lists it
 
 
 async def test_a_cancelled_infer_frees_its_slot_when_its_answer_comes():

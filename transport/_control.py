@@ -117,7 +117,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
         return json(
             error_body("/v2/stream is a WebSocket endpoint: send 'Upgrade: websocket'"),
             426,
-            {"Upgrade": "websocket"},
+            {"Upgrade": "websocket", "Connection": "upgrade"},
         )
 
     @app.get("/metrics")

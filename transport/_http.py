@@ -600,9 +600,13 @@ async def _call_asgi(
         if message["type"] == "http.response.start":
             answer["status"] = message["status"]
             answer["headers"] = [
-                (bytes(n).lower(), bytes(v))
-                for n, v in message.get("headers", ())
-                if bytes(n).lower() not in _DROPPED_HEADERS
+                (name, value)
+                for name, value in (
+                    (bytes(n).lower(), bytes(v)) for n, v in message.get("headers", ())
+                )
+                if name not in _DROPPED_HEADERS
+                # a sender of Upgrade lists it in Connection (RFC 9110 7.8)
+                or (name == b"connection" and value.lower() == b"upgrade")
             ]
         elif message["type"] == "http.response.body":
             answer["chunks"].append(bytes(message.get("body", b"")))
