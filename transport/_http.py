@@ -389,6 +389,7 @@ class _Connection:
                 raise _Close()
             h, empty = _next_h11(h.trailing_data[0])
             self.h = h
+            waited = False  # this answer did not go through the scheduler
 
 
 async def _receive(
