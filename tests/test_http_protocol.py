@@ -105,6 +105,20 @@ async def test_many_connections_each_get_their_own_answers(server):
     assert got == {c: [str(c * 100.0 + i) for i in range(4)] for c in range(24)}
 
 
+@pytest.mark.parametrize("method", [b"post", b"Get", b"BREW"])
+async def test_a_method_is_case_sensitive_and_an_unknown_one_is_501(server, method):
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    lowered = infer_request(1.0).replace(b"POST", method, 1)
+    await stream.send_all(lowered + infer_request(2.0))
+    responses = await read_responses(stream, 2)
+    await stream.aclose()
+    assert responses[0][0] == 501
+    assert "case-sensitive" in orjson.loads(responses[0][2])["error"]
+    # the body was read: the connection goes on with the next request
+    assert responses[1][0] == 200
+    assert orjson.loads(responses[1][2])["id"] == "2.0"
+
+
 async def test_connection_close_and_http_1_0_close_after_the_answer(server):
     for request in (infer_request(1.0, extra=b"Connection: close\r\n"),
                     infer_request(2.0, version=b"1.0")):

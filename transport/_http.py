@@ -56,6 +56,10 @@ _wait_readable = trio.lowlevel.wait_readable
 _checkpoint = trio.lowlevel.checkpoint
 _wait_writable = trio.lowlevel.wait_writable
 _DROPPED_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"connection"))
+#: The methods of RFC 9110 (and PATCH); any other gets 501.
+_METHODS = frozenset(
+    (b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"OPTIONS", b"TRACE", b"PATCH")
+)
 
 
 class Outbox:
@@ -377,7 +381,15 @@ class _Connection:
                 replay = ReplayStream(stream, _head_bytes(request), held=h.trailing_data[0])
                 await serve_stream(gateway, replay, conn)
                 return True
-            status, headers, out = await _call_asgi(gateway, stream, request, body)
+            if method in _METHODS:
+                status, headers, out = await _call_asgi(gateway, stream, request, body)
+            else:
+                # Methods are case-sensitive (RFC 9110 9.1): "post" is not POST.
+                status, headers, out = 501, [JSON], error_body(
+                    f"method {method.decode('latin-1')!r} is not implemented "
+                    f"(methods are case-sensitive; this server knows "
+                    f"{', '.join(m.decode() for m in sorted(_METHODS))})"
+                )
             if method == b"HEAD":
                 headers.append((b"content-length", b"%d" % len(out)))
                 out = b""
