@@ -79,6 +79,18 @@ async def test_without_a_flusher_every_answer_is_written_at_once(pairs):
         assert b.recv(100) == b"x%d" % i
 
 
+async def test_once_the_flusher_has_ended_every_answer_is_written_at_once(pairs):
+    outbox = Outbox()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    answers = [(a.fileno(), b"after %d" % i) for i, (a, _) in enumerate(pairs)]
+    assert await send_together(outbox, answers) == [False, False, False]
+    for i, (_, b) in enumerate(pairs):
+        assert b.recv(100) == b"after %d" % i
+
+
 async def test_an_answer_cancelled_while_it_waits_is_not_written(pairs):
     outbox = Outbox()
     async with trio.open_nursery() as nursery:

@@ -86,24 +86,30 @@ class Outbox:
         self._round = False  # a round is open: an answer was written, the flusher woken
 
     async def run(self) -> None:
-        """The flusher. Runs until cancelled (after the connections it serves)."""
+        """The flusher. Runs until cancelled (after the connections it serves); once it
+        has ended, every answer is written at once. (Nothing waits for it while it is
+        parked: an answer waits only in a round, and a round wakes it.)"""
         self._flusher = trio.lowlevel.current_task()
         reschedule = trio.lowlevel.reschedule
-        while True:
-            self._parked = True
-            await trio.lowlevel.wait_task_rescheduled(_abort_parked)
-            pending, self._pending = self._pending, []
-            self._round = False
-            for fd, data, task in pending:
-                try:
-                    n = _write(fd, data)
-                except BlockingIOError:
-                    n = 0
-                except OSError as exc:
-                    error = trio.BrokenResourceError(f"connection lost: {exc}")
-                    reschedule(task, outcome.Error(error))
-                    continue
-                reschedule(task, outcome.Value(n))
+        try:
+            while True:
+                self._parked = True
+                await trio.lowlevel.wait_task_rescheduled(_abort_parked)
+                pending, self._pending = self._pending, []
+                self._round = False
+                for fd, data, task in pending:
+                    try:
+                        n = _write(fd, data)
+                    except BlockingIOError:
+                        n = 0
+                    except OSError as exc:
+                        error = trio.BrokenResourceError(f"connection lost: {exc}")
+                        reschedule(task, outcome.Error(error))
+                        continue
+                    reschedule(task, outcome.Value(n))
+        finally:
+            self._parked = False
+            self._flusher = None
 
     async def send(self, fd: int, data: bytes) -> bool:
         """Write ``data`` to the connection's socket, now or with the round's other
