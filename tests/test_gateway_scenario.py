@@ -114,7 +114,9 @@ async def test_ws_load_keeps_requests_in_flight_against_a_real_server():
     async with serving(config(echo_model())) as gw:
         url = gw.url.replace("http://", "ws://", 1) + "/v2/stream"
         res = await trio.to_thread.run_sync(
-            lambda: ws_load(url, [body], model="echo", in_flight=32, warmup=0.2,
+            # a warm-up long enough to see answers even when the machine stalls (0.2 s
+            # once saw none)
+            lambda: ws_load(url, [body], model="echo", in_flight=32, warmup=1.0,
                             duration=0.5)
         )
         bad = await trio.to_thread.run_sync(
