@@ -4,6 +4,8 @@ are never kept; invalidation reaches both."""
 
 from __future__ import annotations
 
+import struct
+
 import orjson
 import pytest
 import trioserve
@@ -103,3 +105,28 @@ async def test_invalidation_drops_cached_answers(version):
         assert ys(await post(gw, body(4.0))) == [9.0]
         assert ys(await post(gw, body(4.0, 5.0))) == [9.0, 11.0]
     assert model.seen == [4.0, 5.0, 4.0, 5.0]
+
+
+async def test_binary_requests_are_kept_by_their_bytes_and_their_header_length():
+    model = Recorder(timed=False)
+    header = orjson.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                                       "parameters": {"binary_data_size": 4}}]})
+    raw = header + struct.pack("<f", 6.0)
+
+    async def send(gw, header_length: int | None):
+        headers = [("authorization", "Bearer key-a")]
+        if header_length is not None:
+            headers.append(("inference-header-content-length", str(header_length)))
+        async with open_http(gw.url) as http:
+            return await http.request("POST", "/v2/models/m/infer", raw, headers=headers)
+
+    async with serving(cfg(callable_model("m", model))) as gw:
+        first = await send(gw, len(header))
+        again = await send(gw, len(header))
+        # the same bytes split elsewhere, or read as JSON, are other requests
+        shifted = await send(gw, len(header) - 1)
+        as_json = await send(gw, None)
+    assert ys(first) == [13.0]
+    assert again.body == first.body
+    assert model.seen == [6.0]  # the repeat came from the cache
+    assert shifted.status == as_json.status == 400
