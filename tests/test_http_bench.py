@@ -18,7 +18,8 @@ async def test_bench_prints_the_in_process_report_and_writes_json(
     out = tmp_path / "bench.json"
     async with serving(config(echo_model())) as gw:
         args = argparse.Namespace(
-            url=gw.url, model="echo", concurrency=4, duration=0.3, warmup=0.1,
+            # wall-clock windows: long enough that a stalled machine still sees answers
+            url=gw.url, model="echo", concurrency=4, duration=1.0, warmup=0.2,
             batch_dim=batch_dim, stream=stream, json=str(out), no_offline=True,
         )
         rc = await trio.to_thread.run_sync(bench_http_main, args)
