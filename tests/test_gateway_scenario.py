@@ -121,7 +121,7 @@ async def test_ws_load_keeps_requests_in_flight_against_a_real_server():
         )
         bad = await trio.to_thread.run_sync(
             lambda: ws_load(url, [body], model="nope", in_flight=4, warmup=0.1,
-                            duration=0.2)
+                            duration=0.5)
         )
     assert res["items"] > 0
     assert res["warmup_items"] > 0
