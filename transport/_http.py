@@ -2,11 +2,13 @@
 keep-alive.
 
 h11 parses every request. ``POST /v2/models/{name}[/versions/{v}]/infer`` (the data
-plane) is answered here directly; a ``/v2/stream`` WebSocket upgrade is handed to
-trio-websocket over the same socket; every other request goes to the control plane's
-ASGI app, called in-process. Each response leaves in one write when the socket
-buffer takes it; the connection's own reads and writes (``_receive``, ``_send_all``)
-go to its descriptor with one checkpoint per request.
+plane) is answered here directly; a ``/v2/stream`` WebSocket upgrade is handed to the
+stream server (``._stream``, on wsproto) over the same socket; every other request goes
+to the control plane's ASGI app, called in-process. Each response leaves in one write
+when the socket buffer takes it; the connection's own reads and writes (``_receive``,
+``_send_all``) go to its descriptor with one trip through the scheduler per request:
+a checkpoint before the read, or, for a data-plane answer that waited to be written
+with others of its pass (:class:`Outbox`), that wait.
 
 The data plane's keep-alive answers (a status, the gateway's own headers, a body)
 are written from a template and the next request gets a fresh h11 state: h11's
