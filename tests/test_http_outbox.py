@@ -6,6 +6,8 @@ connection that owns the answer. Over socket pairs, no server."""
 from __future__ import annotations
 
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -23,6 +25,18 @@ def pairs():
     for a, b in made:
         a.close()
         b.close()
+
+
+@asynccontextmanager
+async def flushing() -> AsyncIterator[tuple[Outbox, trio.Nursery]]:
+    """An outbox with its flusher running (and parked); the flusher is cancelled when
+    the block ends."""
+    outbox = Outbox()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.run)
+        await trio.testing.wait_all_tasks_blocked()
+        yield outbox, nursery
+        nursery.cancel_scope.cancel()
 
 
 async def read_exactly(sock: socket.socket, n: int) -> bytes:
@@ -55,10 +69,7 @@ async def send_together(outbox: Outbox, answers: list[tuple[int, bytes]]) -> lis
 
 
 async def test_one_answer_of_a_round_leaves_at_once_the_others_with_the_flusher(pairs):
-    outbox = Outbox()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with flushing() as (outbox, _):
         answers = [(a.fileno(), b"answer %d" % i) for i, (a, _) in enumerate(pairs)]
         waited = await send_together(outbox, answers)
         for i, (_, b) in enumerate(pairs):
@@ -69,7 +80,6 @@ async def test_one_answer_of_a_round_leaves_at_once_the_others_with_the_flusher(
         await trio.testing.wait_all_tasks_blocked()
         assert await outbox.send(pairs[0][0].fileno(), b"alone") is False
         assert pairs[0][1].recv(100) == b"alone"
-        nursery.cancel_scope.cancel()
 
 
 async def test_without_a_flusher_every_answer_is_written_at_once(pairs):
@@ -80,10 +90,7 @@ async def test_without_a_flusher_every_answer_is_written_at_once(pairs):
 
 
 async def test_once_the_flusher_has_ended_every_answer_is_written_at_once(pairs):
-    outbox = Outbox()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with flushing() as (outbox, nursery):
         nursery.cancel_scope.cancel()
     answers = [(a.fileno(), b"after %d" % i) for i, (a, _) in enumerate(pairs)]
     assert await send_together(outbox, answers) == [False, False, False]
@@ -92,10 +99,7 @@ async def test_once_the_flusher_has_ended_every_answer_is_written_at_once(pairs)
 
 
 async def test_an_answer_cancelled_while_it_waits_is_not_written(pairs):
-    outbox = Outbox()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with flushing() as (outbox, _):
         (a0, b0), (a1, b1) = pairs[0], pairs[1]
         # the first answer of a round: written at once, the flusher woken
         assert await outbox.send(a0.fileno(), b"first") is False
@@ -111,14 +115,10 @@ async def test_an_answer_cancelled_while_it_waits_is_not_written(pairs):
         # the connection can answer again afterwards
         assert await outbox.send(a1.fileno(), b"third") is False
         assert b1.recv(100) == b"third"
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_gone_peer_fails_its_own_answer_only(pairs):
-    outbox = Outbox()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with flushing() as (outbox, _):
         for _, b in pairs[:2]:
             b.close()  # these clients went away
         answers = [(a.fileno(), b"answer") for a, _ in pairs]
@@ -127,25 +127,20 @@ async def test_a_gone_peer_fails_its_own_answer_only(pairs):
         assert isinstance(results[1], trio.BrokenResourceError)
         assert results[2] in (False, True)
         assert await read_exactly(pairs[2][1], 6) == b"answer"
-        nursery.cancel_scope.cancel()
 
 
 async def test_answers_larger_than_the_socket_buffer_arrive_whole(pairs):
-    outbox = Outbox()
     big = [bytes([65 + i]) * (4 << 20) for i in range(3)]
     received: dict[int, bytes] = {}
 
     async def reader(i: int) -> None:
         received[i] = await read_exactly(pairs[i][1], len(big[i]))
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outbox.run)
-        await trio.testing.wait_all_tasks_blocked()
+    async with flushing() as (outbox, nursery):
         for i in range(3):
             nursery.start_soon(reader, i)
         waited = await send_together(outbox, [(a.fileno(), big[i])
                                               for i, (a, _) in enumerate(pairs)])
         assert sorted(waited) == [False, True, True]
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert [received[i] == big[i] for i in range(3)] == [True, True, True]

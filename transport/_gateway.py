@@ -267,7 +267,7 @@ class Gateway:
         Reports ``started(addresses)`` once listening. Returns after a drain, when the
         last connection has closed.
         """
-        from ._http import serve_connection
+        from ._http import Outbox, serve_connection
 
         host = host if host is not None else self.server_config.host
         port = port if port is not None else self.server_config.port
@@ -276,8 +276,6 @@ class Gateway:
 
         async def handle(stream: trio.SocketStream) -> None:
             await serve_connection(self, stream)
-
-        from ._http import Outbox
 
         async with trio.open_nursery() as flushing:
             self.outbox = Outbox()

@@ -101,12 +101,9 @@ class Outbox:
                 self._round = False
                 for fd, data, task in pending:
                     try:
-                        n = _write(fd, data)
-                    except BlockingIOError:
-                        n = 0
-                    except OSError as exc:
-                        error = trio.BrokenResourceError(f"connection lost: {exc}")
-                        reschedule(task, outcome.Error(error))
+                        n = _write_some(fd, data)
+                    except trio.BrokenResourceError as exc:
+                        reschedule(task, outcome.Error(exc))
                         continue
                     reschedule(task, outcome.Value(n))
         finally:
@@ -327,7 +324,7 @@ class _Connection:
 
             # ---- the body
             body = rest = None
-            if route is not None and length >= 0 and not chunked:
+            if route is not None and length >= 0:
                 # The data plane's usual case: h11 has framed the body (one
                 # Content-Length; chunked as well is refused above) and often holds it
                 # whole already. Then it is taken from h11's buffer, without h11's two
@@ -458,12 +455,7 @@ async def _send_all(fd: int, data: bytes) -> None:
     """Write all of ``data`` to the connection's socket, waiting only when the socket
     buffer is full. An answer that fits leaves in one ``write`` and no scheduler trip
     (trio's ``send_all`` adds a checkpoint after every send)."""
-    try:
-        n = _write(fd, data)
-    except BlockingIOError:
-        n = 0
-    except OSError as exc:
-        raise trio.BrokenResourceError(f"connection lost: {exc}") from exc
+    n = _write_some(fd, data)
     if n < len(data):
         await _send_rest(fd, data, n)
 
@@ -473,12 +465,18 @@ async def _send_rest(fd: int, data: bytes, n: int) -> None:
     with memoryview(data) as view:
         while n < len(view):
             await _wait_writable(fd)
-            try:
-                n += _write(fd, view[n:])
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"connection lost: {exc}") from exc
+            n += _write_some(fd, view[n:])
+
+
+def _write_some(fd: int, data: bytes | memoryview) -> int:
+    """One ``write`` of ``data``: the bytes the socket took (0 when its buffer is full).
+    Raises BrokenResourceError when the connection is gone."""
+    try:
+        return _write(fd, data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        raise trio.BrokenResourceError(f"connection lost: {exc}") from exc
 
 
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, phrase) for code, phrase in _REASONS.items()}
