@@ -60,6 +60,9 @@ def error_of(res) -> str:
         ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
                       "data": ["a"] * 256}]},
          400, "expected FP32 values, got strings"),
+        ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                      "data": [0.5] * 255 + [True]}]},
+         400, "expected FP32 values, got a boolean in 'data'"),
         ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32"}]},
          400, "no 'data'"),
         ({"inputs": [{"name": "x", "shape": [0, 256], "datatype": "FP32", "data": []}]},
@@ -99,6 +102,7 @@ async def test_float_data_that_overflows_its_datatype_is_400(server, datatype, v
     ("poison", "message"),
     [
         (None, "got mixed values"),
+        (False, "got a boolean"),
         ("1", "got strings"),
         (1e300, "out of range for FP32"),
         ([1.0], "not a regular array"),

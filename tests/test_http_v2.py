@@ -257,16 +257,85 @@ def test_packed_json_data_refuses_what_numpy_refuses():
 
     assert "got strings" in refusal([[1.0, "2"], [3.0, 4.0]])
     assert "mixed values" in refusal([1.0, None, 3.0, 4.0])
-    assert "got booleans" in refusal([[True, False], [True, True]])
+    assert "got a boolean" in refusal([[True, False], [True, True]])
     assert "out of range for FP32" in refusal([[1e300, 1.0], [3.0, 4.0]])
     assert "out of range for INT8" in refusal([1, 2, 300, 4], "INT8")
     assert "expected INT32 values, got floats" in refusal([1, 2, 3.5, 4], "INT32")
     assert "holds 4 values" in refusal([1.0, 2.0, 3.0])
     assert "not a regular array" in refusal([[1.0, 2.0], [3.0]], shape=(3,))
     ok = parse({"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32",
-                            "data": [[1, 2.5], [True, 4]]}]}, sig)
-    assert [it["x"].tolist() for it in ok.items] == [[1.0, 2.5], [1.0, 4.0]]
+                            "data": [[1, 2.5], [3, 4]]}]}, sig)
+    assert [it["x"].tolist() for it in ok.items] == [[1.0, 2.5], [3.0, 4.0]]
     assert ok.items[0]["x"].flags.writeable
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "FP64", "FP16", "INT32", "INT64", "UINT8"])
+@pytest.mark.parametrize(
+    "data",
+    [[[1, 2], [True, 4]], [1, 2, 3, False], [[1, 2], [3, [True][0]]], [False, 1, 2, 3]],
+    ids=["row", "flat-last", "nested", "flat-first"],
+)
+def test_a_boolean_among_numbers_is_refused(datatype, data):
+    """JSON true/false are not numbers (Triton refuses them too), though Python's bool
+    is an int and both conversions would take it as 1 or 0."""
+    sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1,))])
+    doc = {"inputs": [{"name": "x", "shape": [2, 2], "datatype": datatype, "data": data}]}
+    with pytest.raises(InvalidInput, match=f"expected {datatype} values, got a boolean"):
+        parse(doc, sig)
+    # the same with the words elsewhere in the body, and one value as bare data
+    doc["parameters"] = {"binary_data_output": False, "note": "true"}
+    with pytest.raises(InvalidInput, match="got a boolean"):
+        parse(doc, sig)
+    one = {"inputs": [{"name": "x", "shape": [1], "datatype": datatype, "data": True}]}
+    with pytest.raises(InvalidInput, match="got a boolean"):
+        parse(one, sig)
+    # numbers alone, with or without the words elsewhere, go through
+    doc["inputs"][0]["data"] = [[1, 0], [0, 1]]
+    assert [it["x"].tolist() for it in parse(doc, sig).items] == [[1, 0], [0, 1]]
+    del doc["parameters"]
+    assert [it["x"].tolist() for it in parse(doc, sig).items] == [[1, 0], [0, 1]]
+
+
+def test_bool_data_is_still_bools():
+    sig = signature([TensorSpec(name="x", datatype="BOOL", shape=(-1,))])
+    req = parse({"inputs": [{"name": "x", "shape": [3], "datatype": "BOOL",
+                             "data": [True, False, True]}]}, sig)
+    assert req.items[0]["x"].tolist() == [True, False, True]
+    with pytest.raises(InvalidInput, match="expected BOOL values, got integers"):
+        parse({"inputs": [{"name": "x", "shape": [2], "datatype": "BOOL",
+                           "data": [True, 1]}]}, sig)
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.integers(-(2**63), 2**63 - 1) | st.text(alphabet="tfrueals\\ \"x", max_size=8),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(alphabet="tfrueals", max_size=6), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+def _holds_a_bool(v) -> bool:
+    if type(v) is bool:
+        return True
+    if type(v) is list:
+        return any(map(_holds_a_bool, v))
+    if type(v) is dict:
+        return any(map(_holds_a_bool, v.values()))
+    return False
+
+
+@given(value=_JSON_VALUES, text=st.booleans())
+def test_the_scan_for_booleans_never_misses_one(value, text):
+    """The body scan that spares the exact check says "maybe" for every JSON text
+    that holds a boolean (as bytes and as str); it may say so for others too."""
+    from trioserve.transport._v2 import _may_hold_bool
+
+    body = orjson.dumps(value)
+    if _holds_a_bool(value):
+        assert _may_hold_bool(body.decode() if text else body)
+    if b"true" not in body and b"false" not in body:
+        assert not _may_hold_bool(body.decode() if text else bytearray(body))
 
 
 # ------------------------------- large bodies: simdjson's decoding agrees with orjson's

@@ -88,8 +88,10 @@ async def test_a_bad_message_gets_an_error_frame_and_the_stream_goes_on():
         await stream.send("m2", "mlp", {"x": f32(1, 2, 3)})
         await stream.send("m3", "mlp", {"x": f32(1)}, version="7")
         await stream.send("ok", "echo", {"x": f32(4, 5)})
+        await stream.send_raw('{"id": "m4", "model": "echo", "inputs": [{"name": "x", '
+                              '"shape": [2], "datatype": "FP32", "data": [1.5, true]}]}')
         replies = {}
-        for _ in range(6):
+        for _ in range(7):
             r = await stream.receive()
             replies.setdefault(r.id, []).append(r)
         with pytest.raises(UnknownModel):
@@ -108,6 +110,8 @@ async def test_a_bad_message_gets_an_error_frame_and_the_stream_goes_on():
     assert (replies["m3"][0].status, replies["m3"][0].error) == (
         404, "model 'mlp' has no version '7'; versions: 1")
     assert replies["ok"][0].outputs["x"].tolist() == [4, 5]
+    assert (replies["m4"][0].status, replies["m4"][0].error) == (
+        400, "input 'x': expected FP32 values, got a boolean in 'data'")
 
 
 async def test_at_the_in_flight_bound_the_server_stops_reading_the_socket():

@@ -422,7 +422,7 @@ class _Session:
                 if version is not None and type(version) is not str:
                     raise InvalidInput("'version' must be a string")
                 sig.check_version(version)
-                request = InferRequest.from_v2_json(b"", sig, version=version, doc=doc)
+                request = InferRequest.from_v2_json(message, sig, version=version, doc=doc)
                 results = await gateway.run_request(request, self.tenant)
                 frame = encode_response(request, results, sig, binary=False)[0]
                 status = 200
