@@ -395,7 +395,9 @@ class Runtime:
         """The tenant and the request class of a call, checked.
 
         ``priority`` is a class name, or a Triton-style integer level (1 is the top
-        class, 0 the tenant's default); None is the tenant's default class.
+        class; 0, or a level past the last class, is the tenant's default, as Triton
+        takes a level past its model's ``priority_levels``); None is the tenant's
+        default class.
         """
         if tenant is None:
             tenant = self._default_tenant
@@ -426,9 +428,9 @@ class Runtime:
         if isinstance(level, str) and level.isdigit():
             level = int(level)
         if isinstance(level, int) and not isinstance(level, bool) and level >= 0:
-            if level == 0:
+            if level == 0 or level > len(self._class_order):
                 return None
-            return self._class_order[min(level, len(self._class_order)) - 1]
+            return self._class_order[level - 1]
         raise InvalidInput(
             f"unknown request class {priority!r}; classes: {', '.join(self._class_order)} "
             "(or an integer level, 1 = highest)"

@@ -336,7 +336,8 @@ async def test_unknown_tenants_and_classes_and_forbidden_classes_are_refused(aut
         ("a", "1", "realtime"),
         ("a", 2, "batch"),
         ("b", "2", "batch"),
-        ("a", 9, "batch"),  # past the lowest: the lowest
+        ("a", 3, "realtime"),  # past the last level: the tenant's default, as Triton
+        ("b", 9, "batch"),
         ("a", "batch", "batch"),
         (None, None, "realtime"),  # the default tenant, a
     ],

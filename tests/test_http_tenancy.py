@@ -62,7 +62,7 @@ async def test_the_tenant_is_the_api_keys_never_the_bodys(gw):
         ({"priority": "batch"}, "batch"),
         ({"priority": 1}, "realtime"),
         ({"priority": 2}, "batch"),
-        ({"priority": 9}, "batch"),  # past the last level: the lowest class
+        ({"priority": 9}, "realtime"),  # past the last level: the default, as Triton
         ({"priority": 0}, "realtime"),  # the tenant's default
     ],
 )

@@ -729,9 +729,10 @@ def _classify(params: dict[str, Any]) -> tuple[str | None, float | None]:
     """The request class and the timeout (seconds) of ``parameters``.
 
     The class is ``class`` (a name) or ``priority`` (a name, or Triton's integer
-    level: 1 is the top class, 0 the default). ``timeout_ms`` is ours; ``timeout``
-    (microseconds) is what Triton clients send. A ``tenant`` parameter is ignored:
-    over HTTP the tenant is the API key's, never the body's.
+    level: 1 is the top class; 0 or a level past the last, the default).
+    ``timeout_ms`` is ours; ``timeout`` (microseconds) is what Triton clients send. A
+    ``tenant`` parameter is ignored: over HTTP the tenant is the API key's, never the
+    body's.
     """
     priority = params.get("priority")
     if priority is not None:
