@@ -587,7 +587,8 @@ class FairQueue:
             request.reply.set_error(
                 DeadlineExceeded(
                     f"model {self.model!r}: deadline passed after "
-                    f"{request.deadline - request.arrival:.3f}s in the queue"
+                    f"{request.deadline - request.arrival:.3f}s in the queue",
+                    in_queue=True,
                 )
             )
         else:

@@ -56,9 +56,14 @@ class QuotaExceeded(Overloaded):
 
 
 class DeadlineExceeded(TrioserveError, TimeoutError):
-    """The request's deadline passed before it could be answered."""
+    """The request's deadline passed before it could be answered. ``in_queue``: it
+    passed while the request was still queued, so it never ran (and is not charged)."""
 
     status = 504
+
+    def __init__(self, message: str = "", *, in_queue: bool = False) -> None:
+        super().__init__(message)
+        self.in_queue = in_queue
 
 
 class ModelError(TrioserveError):

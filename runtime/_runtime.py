@@ -20,6 +20,7 @@ from ._config import Config, ModelConfig, load_config
 from ._errors import (
     ActorClosed,
     ConfigError,
+    DeadlineExceeded,
     Forbidden,
     InvalidInput,
     Overloaded,
@@ -28,7 +29,7 @@ from ._errors import (
     Unauthorized,
     UnknownModel,
 )
-from ._messages import Reply, ReplyGroup, Request
+from ._messages import CANCELLED, Reply, ReplyGroup, Request
 from ._model import ModelBackend
 from ._zygote import Zygote
 
@@ -229,16 +230,25 @@ class Runtime:
                 # none of them will run
                 self._refund(tenant, sum(c for _, c in prepared), taken)
                 raise
+            try:
+                answers = await group.wait()
+            except trio.Cancelled:
+                # the caller left: the items still queued were withdrawn, never ran
+                withdrawn = [r for r in requests if r.reply.state is CANCELLED]
+                self._refund_unrun(tenant, withdrawn, taken)
+                raise
             results: list[Any] = []
             first_error: BaseException | None = None
-            for answer, req in zip(await group.wait(), requests, strict=True):
+            unrun: list[Request] = []
+            for answer, req in zip(answers, requests, strict=True):
                 try:
                     results.append(answer.unwrap())
                 except Exception as exc:
-                    if isinstance(exc, Overloaded):
-                        self._refund(tenant, req.cost, taken)  # pushed out: never ran
+                    if _never_ran(exc):
+                        unrun.append(req)
                     first_error = first_error or exc
                     results.append(None)
+            self._refund_unrun(tenant, unrun, taken)
         finally:
             for reply in replies[:submitted]:
                 reply.withdraw()
@@ -494,12 +504,19 @@ class Runtime:
         return now, taken
 
     def _refund(self, tenant: str, cost: int, since: int) -> None:
-        """Give back the credits of a request the queue refused or pushed out; ``since``
-        is the bucket's ``seq`` of its take (see TokenBucket.refund)."""
+        """Give back the credits of a request that never ran (the queue refused it,
+        pushed it out, or held it past its deadline, or its caller withdrew it while
+        queued); ``since`` is the bucket's ``seq`` of its take (see
+        TokenBucket.refund)."""
         self.credits_used[tenant] -= cost
         bucket = self.buckets.get(tenant)
         if bucket is not None:
             bucket.refund(cost, since=since)
+
+    def _refund_unrun(self, tenant: str, unrun: list[Request], since: int) -> None:
+        """``_refund`` for the items of one take that never ran, at once."""
+        if unrun:
+            self._refund(tenant, sum(r.cost for r in unrun), since)
 
     async def _submit(
         self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str
@@ -534,11 +551,17 @@ class Runtime:
                     else reply.wait()
                 )
             else:
-                result = await reply.wait()
-        except Overloaded:
-            # Admitted, then pushed out of a full queue by another tenant: it never
-            # ran, so it is not charged.
-            self._refund(tenant, cost, taken)
+                try:
+                    result = await reply.wait()
+                except trio.Cancelled:
+                    if reply.state is CANCELLED:  # withdrawn while queued: never ran
+                        self._refund(tenant, cost, taken)
+                    raise
+        except TrioserveError as exc:
+            # Admitted, then pushed out of a full queue by another tenant, or expired
+            # in the queue: it never ran, so it is not charged.
+            if _never_ran(exc):
+                self._refund(tenant, cost, taken)
             raise
         finally:
             self._in_flight -= 1
@@ -843,3 +866,11 @@ async def _start_model(
 
 
 __all__ = ["Runtime", "ServedModel", "open_runtime"]
+
+
+def _never_ran(exc: BaseException) -> bool:
+    """Whether a request answered with ``exc`` never reached a device: pushed out of
+    (or refused by) the queue, or expired while queued."""
+    return isinstance(exc, Overloaded) or (
+        isinstance(exc, DeadlineExceeded) and exc.in_queue
+    )

@@ -500,6 +500,70 @@ async def test_a_request_pushed_out_of_the_queue_is_not_charged(autojump_clock):
     assert (used, level) == (1, 9.0)
 
 
+def available(rt, tenant: str = "a") -> float:
+    """The credits tenant's bucket holds now."""
+    b = rt.buckets[tenant]
+    return min(b.burst, b.level + (trio.current_time() - b.stamp) * b.rate)
+
+
+def _held(gate: Gate, **kw) -> trioserve.Config:
+    """Tenant a with 10 credits (1/s) and a one-replica model that blocks on ``gate``."""
+    model = callable_model(
+        "m", gate, execution="thread", max_batch_size=1, max_wait_ms=0, timeout_ms=None,
+        adaptive_limit=False, **kw,
+    )
+    return credits(1.0, 10.0, model=model)
+
+
+async def test_a_request_that_expires_in_the_queue_is_not_charged(autojump_clock, gate):
+    """Answered 504 by the queue's timer (the class's timeout), it never ran: its
+    credits come back, as a pushed-out request's do; the one that ran keeps its."""
+    async with trioserve.open_runtime(_held(gate)) as rt, trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(functools.partial(rt.infer, "m", item(1), priority="batch"))
+        await trio.testing.wait_all_tasks_blocked()  # item 1 holds the only replica
+        with pytest.raises(DeadlineExceeded, match="in the queue") as info:
+            await rt.infer("m", item(2, n=3), priority="bulk")  # 200 ms class timeout
+        assert info.value.in_queue
+        with pytest.raises(DeadlineExceeded, match="in the queue"):
+            await rt.infer_batch("m", [item(3), item(4)], priority="bulk")
+        assert rt.credits_used["a"] == 1
+        # what the bucket holds is what one take and the refill since leave
+        assert available(rt) == pytest.approx(9.0 + (trio.current_time() - t0))
+        gate.release()
+    assert gate.seen == [1.0]
+    assert rt.credits_used["a"] == 1
+
+
+async def test_a_request_its_caller_withdraws_while_queued_is_not_charged(
+    autojump_clock, gate
+):
+    async with trioserve.open_runtime(_held(gate)) as rt, trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(functools.partial(rt.infer, "m", item(1), priority="batch"))
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.move_on_after(0.5) as scope:  # the caller's own deadline
+            await rt.infer("m", item(2), priority="batch")
+        assert scope.cancelled_caught
+        with trio.move_on_after(0.5) as scope:
+            await rt.infer_batch("m", [item(3), item(4)], priority="batch")
+        assert scope.cancelled_caught
+        assert rt.credits_used["a"] == 1
+        assert available(rt) == pytest.approx(9.0 + (trio.current_time() - t0))
+        gate.release()
+    assert gate.seen == [1.0]
+
+
+async def test_a_request_whose_caller_leaves_after_dispatch_stays_charged(autojump_clock, gate):
+    async with trioserve.open_runtime(_held(gate)) as rt:
+        with trio.move_on_after(0.5) as scope:
+            await rt.infer("m", item(1), priority="batch")  # dispatched, then abandoned
+        assert scope.cancelled_caught
+        assert rt.credits_used["a"] == 1
+        assert available(rt) == pytest.approx(9.5)
+        gate.release()
+
+
 # Fixed in 70474a8 (retry_after used the cost, not min(cost, burst)).
 async def test_retry_after_for_a_cost_above_the_burst_is_when_it_would_be_admitted(
     autojump_clock,
