@@ -365,7 +365,7 @@ class BatcherActor(Actor):
             return
         t1 = trio.current_time()
         self.busy_time += t1 - t0
-        self._metrics.record_batch(len(batch), t1 - t0)
+        self._metrics.record_batch(len(batch), t1 - t0, t1)
         for req, out in zip(batch, outputs, strict=True):
             req.reply.set_result(out)
         self._scheduler.completed(batch)

@@ -32,12 +32,14 @@ class Latency:
     ~1.5 µs, which on the per-request path was 7% of the event loop's time.
     """
 
-    __slots__ = ("_pending", "hist", "overflow")
+    __slots__ = ("_pending", "hist", "overflow", "total_us")
     _FOLD_AT = 4096
 
     def __init__(self) -> None:
         self.hist = HdrHistogram(1, _MAX_US, 2)
         self.overflow = 0
+        #: The exact sum of every folded value (overflow included), in µs.
+        self.total_us = 0
         self._pending: list[int] = []
 
     def record(self, seconds: float) -> None:
@@ -52,6 +54,7 @@ class Latency:
             return
         values = np.maximum(np.asarray(self._pending, dtype=np.int64), 1)
         self._pending = []
+        self.total_us += int(values.sum())
         h = self.hist
         # hdrh's counts index, vectorised: bit length of (v | sub_bucket_mask) gives the
         # bucket; the sub-bucket is v shifted by the bucket's magnitude.
@@ -89,10 +92,16 @@ class Latency:
             overflow=self.overflow,
         )
 
+    def totals(self) -> tuple[int, int]:
+        """(values recorded, their exact sum in µs), overflow included."""
+        self.fold()
+        return self.hist.get_total_count() + self.overflow, self.total_us
+
     def reset(self) -> None:
         self._pending = []
         self.hist.reset()
         self.overflow = 0
+        self.total_us = 0
 
 
 @attrs.define(eq=False)
@@ -106,11 +115,18 @@ class ModelMetrics:
     end_to_end: Latency = attrs.Factory(Latency)
     batches: int = 0
     items: int = 0
+    #: Seconds of batch execution summed over the items (a batch's time once per item).
+    item_exec_s: float = 0.0
+    #: When the last batch finished (trio time; None: none has).
+    last_batch_end: float | None = None
     statuses: collections.Counter = attrs.Factory(collections.Counter)
 
-    def record_batch(self, size: int, seconds: float) -> None:
+    def record_batch(self, size: int, seconds: float, end: float | None = None) -> None:
         self.batches += 1
         self.items += size
+        self.item_exec_s += size * seconds
+        if end is not None:
+            self.last_batch_end = end
         self.batch_exec.record(seconds)
 
     @property
@@ -122,4 +138,6 @@ class ModelMetrics:
         for lat in (self.queue_wait, self.batch_exec, self.end_to_end):
             lat.reset()
         self.batches = self.items = 0
+        self.item_exec_s = 0.0
+        self.last_batch_end = None
         self.statuses.clear()

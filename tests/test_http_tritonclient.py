@@ -3,6 +3,7 @@ so it runs in a worker thread) against a real server."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -106,3 +107,75 @@ async def test_errors_reach_the_client_as_inference_server_exceptions(server):
     assert "expected shape [256] or [N, 256]" in bad.message()
     assert missing.status() == "404"
     assert "unknown model 'nope'" in missing.message()
+
+
+async def test_model_config_and_statistics_as_tritons_extensions():
+    """``get_model_config`` and ``get_inference_statistics`` (Triton's model
+    configuration and statistics extensions) get Triton's documents."""
+    mlp = attrs.evolve(
+        mlp_model(max_batch_size=32, replicas=2, versions=("1", "2")), max_wait_ms=1.5
+    )
+    async with serving(config(mlp, echo_model())) as gw:
+        x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+
+        def calls():
+            client = _client(gw)
+            try:
+                before = client.get_inference_statistics("mlp")
+                inp = tritonclient_http.InferInput("x", [3, 256], "FP32")
+                inp.set_data_from_numpy(x)
+                client.infer("mlp", [inp])
+                bad = tritonclient_http.InferInput("x", [1, 3], "FP32")
+                bad.set_data_from_numpy(np.zeros((1, 3), np.float32))
+                with pytest.raises(InferenceServerException):
+                    client.infer("mlp", [bad])
+                with pytest.raises(InferenceServerException) as missing:
+                    client.get_model_config("nope")
+                with pytest.raises(InferenceServerException) as no_version:
+                    client.get_inference_statistics("mlp", model_version="7")
+                return (
+                    client.get_server_metadata(),
+                    client.get_model_config("mlp"),
+                    client.get_model_config("mlp", model_version="1"),
+                    before,
+                    client.get_inference_statistics("mlp"),
+                    client.get_inference_statistics(),
+                    missing.value,
+                    no_version.value,
+                )
+            finally:
+                client.close()
+
+        meta, cfg, cfg_v1, before, after, every, missing, no_version = (
+            await trio.to_thread.run_sync(calls)
+        )
+    assert {"model_configuration", "statistics", "schedule_policy"} <= set(meta["extensions"])
+    assert cfg == cfg_v1
+    assert cfg["name"] == "mlp"
+    assert cfg["platform"] == "pytorch"
+    assert cfg["max_batch_size"] == 32
+    assert cfg["version_policy"] == {"specific": {"versions": ["1", "2"]}}
+    assert cfg["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [256],
+                             "format": "FORMAT_NONE", "optional": False}]
+    assert cfg["output"] == [{"name": "y", "data_type": "TYPE_FP32", "dims": [16]}]
+    assert cfg["dynamic_batching"]["max_queue_delay_microseconds"] == 1500
+    assert cfg["dynamic_batching"]["priority_levels"] == 2  # realtime, batch
+    assert cfg["instance_group"] == [{"name": "mlp_0", "count": 2, "kind": "KIND_CPU"}]
+    assert missing.status() == "404"
+    assert no_version.status() == "404"
+
+    (zero,) = before["model_stats"]
+    assert (zero["name"], zero["version"]) == ("mlp", "2")
+    assert zero["inference_count"] == zero["execution_count"] == zero["last_inference"] == 0
+    (stats,) = after["model_stats"]
+    s = stats["inference_stats"]
+    assert stats["inference_count"] == 3  # three rows, in one batch or more
+    assert 1 <= stats["execution_count"] <= 3
+    assert s["success"]["count"] == 1  # one request
+    assert s["success"]["ns"] > 0
+    assert s["fail"]["count"] == 1  # the 400
+    assert s["queue"]["count"] == 3
+    assert s["compute_infer"]["count"] == 3
+    assert s["compute_infer"]["ns"] > 0
+    assert stats["last_inference"] > 1.7e12  # ms since the epoch
+    assert [m["name"] for m in every["model_stats"]] == ["echo", "mlp"]

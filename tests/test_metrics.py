@@ -20,6 +20,8 @@ def test_bulk_fold_equals_per_value_recording(values):
     if ref.total_count:
         assert lat.hist.min_value == ref.min_value
         assert lat.hist.max_value == ref.max_value
+    # the exact count and sum, overflow included (values below 1 µs count as 1)
+    assert lat.totals() == (len(values), sum(max(int(us / 1e6 * 1e6), 1) for us in values))
 
 
 def test_summary_reads_buffered_values():
@@ -30,5 +32,8 @@ def test_summary_reads_buffered_values():
     assert s.count == 5
     assert 2.9 <= s.p50_ms <= 3.1
     assert 99 <= s.max_ms <= 101
+    lat.record(0.5)  # still buffered: totals() folds it
+    assert lat.totals() == (6, 1_000 + 2_000 + 3_000 + 4_000 + 100_000 + 500_000)
     lat.reset()
     assert lat.summary().count == 0
+    assert lat.totals() == (0, 0)

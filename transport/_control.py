@@ -7,6 +7,7 @@ client can drive the whole protocol in memory.
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Any
 
 import trioserve
@@ -16,6 +17,7 @@ from quart_trio import QuartTrio
 from trioserve import UnknownModel
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from ._extensions import model_config, model_statistics
 from ._gateway import Answer
 from ._v2 import error_body, server_metadata
 
@@ -29,6 +31,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = gateway.server_config.max_body_bytes
     Response = app.response_class
     server_doc = server_metadata(trioserve.__version__)
+    classes = [c.name for c in gateway.runtime.config.classes]
 
     def json(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Any:
         return Response(body, status=status, headers=headers, content_type="application/json")
@@ -96,6 +99,29 @@ def control_app(gateway: Gateway) -> QuartTrio:
         if gateway.ready and gateway.runtime.model_ready(name):
             return json(b'{"name":%s,"ready":true}' % _quote(name))
         return json(error_body(f"model {name!r} is not ready"), 503)
+
+    @app.get("/v2/models/<name>/config")
+    @app.get("/v2/models/<name>/versions/<version>/config")
+    async def model_configuration(name: str, version: str | None = None) -> Any:
+        sig = signature(name, version)
+        return json(model_config(gateway.runtime.models[name], sig.platform, classes))
+
+    @app.get("/v2/models/stats")
+    @app.get("/v2/models/<name>/stats")
+    @app.get("/v2/models/<name>/versions/<version>/stats")
+    async def statistics(name: str | None = None, version: str | None = None) -> Any:
+        models = gateway.runtime.models
+        if name is None:
+            signatures = sorted(gateway.signatures.items())
+            entries = [(models[n], sig.versions[-1]) for n, sig in signatures]
+        else:
+            sig = signature(name, version)
+            entries = [(models[name], version or sig.versions[-1])]
+        failures: collections.Counter[str] = collections.Counter()
+        for (model, _tenant, status), n in gateway.requests.items():
+            if status >= 400:
+                failures[model] += n
+        return json(model_statistics(entries, failures))
 
     @app.post("/v2/models/<name>/infer")
     @app.post("/v2/models/<name>/versions/<version>/infer")

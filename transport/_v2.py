@@ -896,7 +896,10 @@ def server_metadata(version: str) -> bytes:
         {
             "name": "trioserve",
             "version": version,
-            "extensions": ["binary_tensor_data", "parameters", "stream"],
+            "extensions": [
+                "binary_tensor_data", "parameters", "schedule_policy", "model_configuration",
+                "statistics", "stream",
+            ],
         }
     )
 
