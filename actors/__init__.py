@@ -2,6 +2,7 @@
 decisions they call."""
 
 from ._batcher import BatcherActor as BatcherActor
+from ._batcher import model_threads_running as model_threads_running
 from ._batching import BatchBuilder as BatchBuilder
 from ._batching import BatchLimits as BatchLimits
 from ._batching import FifoQueue as FifoQueue

@@ -15,6 +15,7 @@ halved the same way, so only the input that raises gets the error.
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any
 
 import trio
@@ -38,6 +39,16 @@ from ._watchdog import Watchdog
 
 class _WorkerLost(Exception):
     """The worker process died or was killed as a straggler (handled in the batcher)."""
+
+
+_threads_lock = threading.Lock()
+_threads_running = 0
+
+
+def model_threads_running() -> int:
+    """How many model calls are running in worker threads, in the whole process
+    (stragglers whose batch was given up included: a thread cannot be stopped)."""
+    return _threads_running
 
 
 class BatcherActor(Actor):
@@ -287,7 +298,7 @@ class BatcherActor(Actor):
             armed = self._arm(deadline, timer)
             try:
                 outputs = await trio.to_thread.run_sync(
-                    self._runner, items, limiter=self._limiter, abandon_on_cancel=True
+                    self._run_in_thread, items, limiter=self._limiter, abandon_on_cancel=True
                 )
             except Exception as exc:
                 self._model_failed(batch, exc)
@@ -312,6 +323,23 @@ class BatcherActor(Actor):
         self._timer.record(trio.current_time() - t0)
         self._breaker.success()
         self._deliver(batch, outputs, t0)
+
+    def _run_in_thread(self, items: list[Any]) -> Any:
+        global _threads_running
+        with _threads_lock:
+            _threads_running += 1
+        try:
+            return self._runner(items)
+        finally:
+            with _threads_lock:
+                _threads_running -= 1
+
+    async def join_thread(self) -> None:
+        """Wait until this replica's model call in a worker thread, if any (one given
+        up as a straggler, or cut off by shutdown), has returned."""
+        if not self._inline and not self._process:
+            async with self._limiter:
+                pass
 
     def _arm(self, deadline: float, scope: trio.CancelScope) -> Any:
         return self._watchdog.arm(deadline, scope) if self._watchdog is not None else None

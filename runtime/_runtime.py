@@ -659,6 +659,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     # The body's own exception is re-raised unwrapped after the nursery closes; only an
     # actor's escalation comes out of the nursery itself.
     body_error: BaseException | None = None
+    close_by: float | None = None  # the end of the grace, once the body has returned
     try:
         async with trio.open_nursery() as nursery:
             try:
@@ -674,6 +675,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                         nursery, rt, m, backends[m.name], policy, zygote, watchdog
                     )
                 yield rt
+                close_by = trio.current_time() + limits_cfg.graceful_timeout_s
                 await rt._drain(limits_cfg.graceful_timeout_s)
             except BaseException as exc:
                 body_error = exc
@@ -694,6 +696,16 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                 b.close()
             for scheduler in served.schedulers:
                 scheduler.close(closed)
+        # A model call cut off in a worker thread still runs (a thread cannot be
+        # stopped): on a normal exit, give it what is left of the grace to return, so
+        # that the process does not exit under it (torch aborts the process when such
+        # a thread resumes during the interpreter's finalisation).
+        if close_by is not None:
+            with trio.move_on_at(close_by) as waiting:
+                waiting.shield = True
+                for served in rt.models.values():
+                    for b in served.batchers:
+                        await b.join_thread()
         watchdog.stop()
         if zygote is not None:
             await zygote.aclose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ._errors import ConfigError
@@ -81,5 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The ``trioserve`` command: :func:`main`, then exit with its status.
+
+    A model call that outlived the runtime's grace in a worker thread (a thread cannot
+    be stopped) would make the interpreter's finalisation abort the process (torch
+    calls ``std::terminate`` when the thread resumes), so then the process ends at
+    once, with its status, once the output is flushed.
+    """
+    code = main()
+    from trioserve.actors import model_threads_running
+
+    if model_threads_running():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

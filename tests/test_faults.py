@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 import trio
+import trio.testing
 import trioserve
 from runtime_helpers import callable_model, config, item, key
 from trioserve import ModelConfig, ModelError, Reply, Request, RequestState
@@ -181,6 +182,91 @@ async def test_a_replica_with_a_straggling_thread_is_not_ready_until_it_returns(
         out = await rt.infer("m", item(1))  # served once the thread has returned
         assert float(out["y"][0]) == 1.0
         assert rt.model_ready("m")
+
+
+class Held:
+    """A model for a worker thread that blocks until released; ``entered`` is set
+    once a call is running."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, items):
+        self.entered.set()
+        if not self.release.wait(30):
+            raise RuntimeError("never released")
+        return [{"y": it["x"]} for it in items]
+
+
+async def test_shutdown_waits_for_a_model_call_it_cut_off_in_a_thread():
+    """A thread cannot be stopped: the runtime's exit waits (within its grace) for a
+    call it gave up to return, so the process never exits under a running model
+    (torch would abort it in the interpreter's finalisation)."""
+    from trioserve.actors import model_threads_running
+
+    held = Held()
+    cfg = config(straggler_model(held, batch_timeout_cap_ms=60_000), graceful_timeout_s=30)
+    closed = trio.Event()
+
+    async def serve_one_and_leave():
+        async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as callers:
+            callers.start_soon(rt.infer, "m", item(1))
+            await trio.to_thread.run_sync(held.entered.wait)
+            callers.cancel_scope.cancel()  # the caller leaves; the call runs on
+        closed.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_one_and_leave)
+        await trio.to_thread.run_sync(held.entered.wait)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not closed.is_set()  # the runtime's exit waits for the thread
+        assert model_threads_running() == 1
+        held.release.set()
+        await closed.wait()
+    assert model_threads_running() == 0
+
+
+async def test_shutdown_waits_for_a_cut_off_model_call_only_for_its_grace(autojump_clock):
+    from trioserve.actors import model_threads_running
+
+    held = Held()
+    cfg = config(straggler_model(held, batch_timeout_cap_ms=60_000), graceful_timeout_s=5)
+    try:
+        async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as callers:
+            callers.start_soon(rt.infer, "m", item(1))
+            await trio.to_thread.run_sync(held.entered.wait)
+            callers.cancel_scope.cancel()
+            t0 = trio.current_time()
+        assert trio.current_time() - t0 == pytest.approx(5.0)
+        assert model_threads_running() == 1  # still running: the exit did not wait on
+    finally:
+        held.release.set()
+
+
+def test_the_command_ends_at_once_when_a_model_call_outlived_the_runtime(monkeypatch):
+    """``trioserve``'s entry point: a model thread still running after the runtime
+    closed ends the process with ``os._exit`` (the interpreter's finalisation would
+    abort it), with main's status; otherwise it exits normally."""
+    from trioserve import cli
+    from trioserve.actors import _batcher
+
+    class Exited(BaseException):
+        pass
+
+    def fake_exit(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    monkeypatch.setattr(_batcher, "_threads_running", 1)
+    with pytest.raises(Exited) as ended:
+        cli.entry()
+    assert ended.value.args == (3,)
+    monkeypatch.setattr(_batcher, "_threads_running", 0)
+    with pytest.raises(SystemExit) as info:
+        cli.entry()
+    assert info.value.code == 3
 
 
 async def test_a_killed_worker_process_is_replaced_and_its_batches_retried():
