@@ -112,11 +112,18 @@ class Runtime:
         if it has not been dispatched yet.
 
         Raises UnknownModel, InvalidInput, Overloaded, DeadlineExceeded (the model's
-        timeout), ModelError (the model raised), ActorClosed (shut down).
+        timeout), ModelError (the model raised), ActorClosed (shut down). A refusal
+        before the request waited anywhere is a checkpoint too, so a caller that
+        retries at once cannot hold the event loop (and the queue it waits to enter)
+        to itself.
         """
-        served = self._served(model, version)
-        tenant, priority = self._classify(tenant, priority)
-        item, cost = served.backend.prepare(model, inputs)
+        try:
+            served = self._served(model, version)
+            tenant, priority = self._classify(tenant, priority)
+            item, cost = served.backend.prepare(model, inputs)
+        except TrioserveError:
+            await trio.lowlevel.checkpoint()
+            raise
         return await self._answer_prepared(served, model, version, item, cost, tenant, priority)
 
     async def _answer_prepared(
@@ -139,6 +146,7 @@ class Runtime:
             if limits.oversize == "split" and served.backend.supports_split:
                 return await self._infer_split(served, item, tenant, priority)
             if limits.oversize != "alone":
+                await trio.lowlevel.checkpoint()
                 raise InvalidInput(
                     f"model {model!r}: request cost {cost} exceeds max_batch_tokens "
                     f"{limits.max_tokens} (oversize policy {limits.oversize!r})"
@@ -164,16 +172,20 @@ class Runtime:
 
         ``items`` is a sequence of items, or the items stacked: a mapping input name
         -> array whose leading dimension indexes the items (as a v2 batch dimension);
-        stacked inputs are checked once, not item by item.
+        stacked inputs are checked once, not item by item. A refusal before waiting
+        is a checkpoint, as for :meth:`infer`.
         """
-        served = self._served(model, version)
-        if isinstance(items, Mapping):
+        try:
+            served = self._served(model, version)
             tenant, priority = self._classify(tenant, priority)
-            prepared = served.backend.prepare_rows(model, items)
-            items = [item for item, _ in prepared]
-        else:
-            tenant, priority = self._classify(tenant, priority)
-            prepared = [served.backend.prepare(model, x) for x in items]
+            if isinstance(items, Mapping):
+                prepared = served.backend.prepare_rows(model, items)
+                items = [item for item, _ in prepared]
+            else:
+                prepared = [served.backend.prepare(model, x) for x in items]
+        except TrioserveError:
+            await trio.lowlevel.checkpoint()
+            raise
         if len(prepared) == 1:
             item, cost = prepared[0]
             return [await self._answer_prepared(served, model, version, item, cost, tenant,
@@ -226,9 +238,11 @@ class Runtime:
                 for req in requests:
                     served.scheduler_for(req.cost).submit_nowait(req)
                     submitted += 1
-            except BaseException:
+            except BaseException as exc:
                 # none of them will run
                 self._refund(tenant, sum(c for _, c in prepared), taken)
+                if isinstance(exc, TrioserveError):
+                    await trio.lowlevel.checkpoint()  # a refusal still yields
                 raise
             try:
                 answers = await group.wait()
@@ -476,6 +490,7 @@ class Runtime:
         if self._classes[priority].over_quota == "reject":
             wait = bucket.try_take(cost, now)
             if wait > 0.0:
+                await trio.lowlevel.checkpoint()  # a refusal still yields
                 raise QuotaExceeded(
                     f"tenant {tenant!r} is over its credit rate "
                     f"({bucket.rate:g}/s, burst {bucket.burst:g}); "
@@ -486,6 +501,7 @@ class Runtime:
             return now, bucket.seq
         at = bucket.reserve(cost, now, deadline)
         if at is None:
+            await trio.lowlevel.checkpoint()
             raise QuotaExceeded(
                 f"tenant {tenant!r} is over its credit rate ({bucket.rate:g}/s) and its "
                 "credits refill only after the request's deadline",
@@ -537,8 +553,10 @@ class Runtime:
         scheduler = served.scheduler_for(cost)
         try:
             scheduler.submit_nowait(request)
-        except BaseException:
+        except BaseException as exc:
             self._refund(tenant, cost, taken)
+            if isinstance(exc, TrioserveError):
+                await trio.lowlevel.checkpoint()  # a refusal still yields
             raise
         self._in_flight += 1
         hedge = served.hedge_timer

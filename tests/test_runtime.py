@@ -334,6 +334,57 @@ async def test_each_of_1000_concurrent_callers_gets_its_own_answer(autojump_cloc
         assert max(rec.sizes) <= 32
 
 
+async def test_a_refusal_is_a_checkpoint_so_a_caller_retrying_at_once_cannot_hold_the_loop(
+    autojump_clock, gates
+):
+    """Admission refuses in the caller's task, without waiting; the refusal still
+    checkpoints. A caller that retries on Overloaded at once used to spin without
+    yielding, so the replica never drained the full queue it waited to enter."""
+    gate = gates()
+    cfg = config(
+        callable_model("m", gate, execution="thread", max_batch_size=1, max_wait_ms=0,
+                       adaptive_limit=False, timeout_ms=None),  # mock time jumps while
+        queue_bound=1,  # the worker thread runs: no deadline to pass meanwhile
+    )
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(rt.infer, "m", item(1))  # runs, held by the gate
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(rt.infer, "m", item(2))  # the queue's one place
+        await trio.testing.wait_all_tasks_blocked()
+        refusals = [
+            (Overloaded, lambda: rt.infer("m", item(3))),
+            (Overloaded, lambda: rt.infer_batch("m", [item(3), item(4)])),
+            (trioserve.UnknownModel, lambda: rt.infer("nope", item(3))),
+            (InvalidInput, lambda: rt.infer("m", {"z": item(3)["x"]})),
+            (trioserve.Unauthorized, lambda: rt.infer("m", item(3), tenant="who")),
+        ]
+        for error, call in refusals:
+            with trio.testing.assert_checkpoints(), pytest.raises(error):
+                await call()
+
+        tries = 0
+        released = False
+
+        async def retry_at_once() -> None:
+            nonlocal tries
+            while True:
+                try:
+                    return await rt.infer("m", item(5))
+                except Overloaded:
+                    tries += 1
+                    assert released or tries < 1000, "the retries never let another task run"
+
+        def release() -> None:
+            nonlocal released
+            released = True
+            gate.release()
+
+        nursery.start_soon(trio.to_thread.run_sync, release)  # runs once the loop yields
+        out = await retry_at_once()
+        assert float(out["y"][0]) == 11.0
+        assert tries > 0
+
+
 async def test_infer_batch_returns_outputs_in_input_order(autojump_clock):
     rec = Recorder()
     cfg = config(callable_model("m", rec, max_batch_size=4, max_wait_ms=1))

@@ -353,10 +353,11 @@ async def priority(args: argparse.Namespace) -> dict[str, Any]:
         bwait = policy.stats[("backfill", "batch")].wait.summary()
     lat_rt = rtrec.latencies_ms(t2, t3)
     windows = []
+    width = min(5.0, t3 - t2)  # a shorter run (-d under 5 s) is one window
     w0 = t2
-    while w0 + 5.0 <= t3 + 1e-9:
-        windows.append(len(bk.in_window(w0, w0 + 5.0)) / 5.0)
-        w0 += 5.0
+    while w0 + width <= t3 + 1e-9:
+        windows.append(len(bk.in_window(w0, w0 + width)) / width)
+        w0 += width
     ratio = p(lat_rt, 99) / p(lat_alone, 99)
     bound_ms = (aging + batch_time) * 1e3
     out.update(
