@@ -652,6 +652,9 @@ def _check_call(
             sc.max_batch_tokens is not None
             and sc.oversize == "reject"
             and any(it.cost > sc.max_batch_tokens for it in call.items)
+        ) or (
+            # more items than the queue ever holds: refused before any of them ran
+            len(call.items) > sc.queue_bound and not mine
         )
     elif isinstance(exc, Forbidden):
         allowed = sc.tenants[call.tenant].classes

@@ -178,6 +178,7 @@ class Runtime:
         try:
             served = self._served(model, version)
             tenant, priority = self._classify(tenant, priority)
+            self._check_count(model, items)
             if isinstance(items, Mapping):
                 prepared = served.backend.prepare_rows(model, items)
                 items = [item for item, _ in prepared]
@@ -204,6 +205,21 @@ class Runtime:
                 lambda idx: self._submit_all(served, [prepared[i] for i in idx], tenant, priority),
             )
         return await self._submit_all(served, prepared, tenant, priority)
+
+    def _check_count(self, model: str, items: Sequence[Any] | Mapping[str, Any]) -> None:
+        """Refuse more items in one call than a queue ever holds, before any per-item
+        work: they could never be admitted together, and a batch dimension of items
+        of size zero costs nothing to send (``[1000000000, 0]`` is a few bytes)."""
+        if isinstance(items, Mapping):
+            n = max(map(_leading, items.values()), default=0)
+        else:
+            n = len(items)
+        bound = self.config.runtime.queue_bound
+        if n > bound:
+            raise InvalidInput(
+                f"model {model!r}: {n} items in one request; at most {bound} "
+                "(the queue's bound, runtime.queue_bound)"
+            )
 
     async def _submit_all(
         self,
@@ -904,3 +920,12 @@ def _never_ran(exc: BaseException) -> bool:
     return isinstance(exc, Overloaded) or (
         isinstance(exc, DeadlineExceeded) and exc.in_queue
     )
+
+
+def _leading(value: Any) -> int:
+    """The leading dimension of a stacked input (0 for a scalar), without converting
+    it."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else 0
+    return len(value) if isinstance(value, list | tuple) else 0

@@ -218,7 +218,10 @@ async def test_missing_or_unknown_api_key_is_401():
         assert error_of(unknown) == "unknown API key"
         assert malformed.status == 401
         assert "expected 'Bearer <api key>'" in error_of(malformed)
+        for res in (missing, unknown, malformed):  # RFC 9110 15.5.2: how to authenticate
+            assert res.headers["www-authenticate"] == 'Bearer realm="trioserve"'
         assert ok.status == 200
+        assert "www-authenticate" not in ok.headers
         assert gw.requests[("echo", "-", 401)] == 3
 
 
@@ -328,3 +331,86 @@ async def test_bad_requests_interleaved_with_good_ones_lose_nothing(server):
     assert all((status == 200) == ok for ok, status in results)
     assert all(status in (200, 400) for _, status in results)
     assert math.isclose(sum(ok for ok, _ in results), 40)
+
+
+async def test_a_batch_dimension_over_the_queue_bound_is_400_before_any_work(server):
+    """A batch of empty items costs a few bytes to send whatever its size: it is
+    refused before an item is made (it used to take the loop for seconds, or all
+    memory), and the server goes on."""
+    for n, status in ((1 << 40, 400), (4097, 400), (4096, 200)):
+        body = {"inputs": [{"name": "a", "shape": [n, 0], "datatype": "FP32", "data": []}]}
+        res = await post(server, "/v2/models/echo/infer", body)
+        assert res.status == status, (n, res.body)
+        if status == 400:
+            assert f"{n} items in one request; at most 4096" in error_of(res)
+    live = await post(server, "/v2/models/echo/infer",
+                      {"inputs": [{"name": "a", "shape": [1, 2], "datatype": "FP32",
+                                   "data": [1.0, 2.0]}]})
+    assert live.status == 200
+
+
+@pytest.mark.parametrize(
+    "shape", [[1] * 65 + [0], [1, 9223372036854775808, 0], [1, 2**62, 2**62, 0]]
+)
+async def test_a_shape_numpy_cannot_hold_is_400(server, shape):
+    body = {"inputs": [{"name": "a", "shape": shape, "datatype": "FP32", "data": []}]}
+    res = await post(server, "/v2/models/echo/infer", body)
+    assert res.status == 400
+    assert "is not a valid array shape" in error_of(res)
+
+
+@pytest.mark.parametrize("value", ["1_0", "+10", "1e1", "-1", "0x10"])
+async def test_the_header_length_must_be_plain_digits(server, value):
+    body = orjson.dumps({"inputs": [v2_input([[1.0]], "a")]})
+    res = await post(server, "/v2/models/echo/infer", body,
+                     headers=[("Inference-Header-Content-Length", value)])
+    assert res.status == 400
+    assert "Inference-Header-Content-Length must be an integer" in error_of(res)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "x-gzip", "deflate", "raw-deflate", "identity"])
+async def test_a_compressed_body_is_decompressed(server, coding):
+    import gzip
+    import zlib
+
+    body = orjson.dumps({"inputs": [v2_input([[1.5, 2.5]], "a")]})
+    packed = {
+        "gzip": gzip.compress, "x-gzip": gzip.compress, "deflate": zlib.compress,
+        "raw-deflate": _raw_deflate,  # zlib's header left out, as some clients do
+        "identity": lambda b: b,
+    }[coding](body)
+    header = "deflate" if coding == "raw-deflate" else coding
+    res = await post(server, "/v2/models/echo/infer", packed,
+                     headers=[("Content-Encoding", header)])
+    assert res.status == 200, res.body
+    assert res.json()["outputs"][0]["data"] == [1.5, 2.5]
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    import zlib
+
+    c = zlib.compressobj(wbits=-15)
+    return c.compress(data) + c.flush()
+
+
+async def test_bad_compressed_bodies_are_refused(server):
+    import gzip
+
+    body = orjson.dumps({"inputs": [v2_input([[1.0]], "a")]})
+    res = await post(server, "/v2/models/echo/infer", body, headers=[("Content-Encoding", "br")])
+    assert res.status == 415
+    assert res.headers["accept-encoding"] == "gzip, deflate"
+    assert "Content-Encoding 'br' is not supported" in error_of(res)
+    res = await post(server, "/v2/models/echo/infer", b"not gzip",
+                     headers=[("Content-Encoding", "gzip")])
+    assert res.status == 400
+    assert "not valid gzip data" in error_of(res)
+    truncated = gzip.compress(body)[:-12]
+    res = await post(server, "/v2/models/echo/infer", truncated,
+                     headers=[("Content-Encoding", "gzip")])
+    assert res.status == 400
+    bomb = gzip.compress(b" " * (1024 * 1024))  # 1 MiB of spaces in ~1 KiB; the limit: 64 KiB
+    res = await post(server, "/v2/models/echo/infer", bomb,
+                     headers=[("Content-Encoding", "gzip")])
+    assert res.status == 413
+    assert "once decompressed" in error_of(res)

@@ -179,3 +179,25 @@ async def test_model_config_and_statistics_as_tritons_extensions():
     assert s["compute_infer"]["ns"] > 0
     assert stats["last_inference"] > 1.7e12  # ms since the epoch
     assert [m["name"] for m in every["model_stats"]] == ["echo", "mlp"]
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+async def test_compressed_requests_from_tritonclient(server, algorithm):
+    """``request_compression_algorithm`` compresses the whole body (JSON and binary
+    tensors) and sends Content-Encoding; the header length counts the JSON before."""
+    x = np.random.default_rng(9).standard_normal((2, 256)).astype(np.float32)
+    want = np.stack([r["y"] for r in await server.runtime.infer_batch("mlp", list(x))])
+
+    def call():
+        client = _client(server)
+        try:
+            inp = tritonclient_http.InferInput("x", [2, 256], "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            return client.infer(
+                "mlp", [inp], request_compression_algorithm=algorithm,
+                response_compression_algorithm=algorithm,
+            ).as_numpy("y")
+        finally:
+            client.close()
+
+    np.testing.assert_allclose(await trio.to_thread.run_sync(call), want, rtol=1e-5, atol=1e-6)

@@ -435,3 +435,12 @@ def test_a_large_float_request_is_decoded_without_python_floats():
     assert type(loads_request(body.decode())["inputs"][0]["data"]) is np.ndarray
     with pytest.raises(InvalidInput, match="malformed JSON body"):
         loads_request('{"id": "\ud800", "pad": "' + " " * NUMERIC_PARSE_MIN + '"}')
+
+
+def test_an_empty_list_of_outputs_asks_for_all_of_them():
+    """As Triton: no output named is every output (not none)."""
+    req = parse({"inputs": [{"name": "x", "shape": [4], "datatype": "FP32",
+                             "data": [1, 2, 3, 4]}], "outputs": []})
+    assert req.outputs is None
+    body, _ = encode_response(req, [{"y": np.zeros(2, np.float32)}], VEC)
+    assert [o["name"] for o in orjson.loads(body)["outputs"]] == ["y"]

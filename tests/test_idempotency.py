@@ -77,6 +77,30 @@ async def test_the_same_key_with_another_body_is_422_and_keys_are_per_tenant():
     assert "idempotent-replayed" not in theirs.headers
 
 
+async def test_the_same_bytes_with_another_header_length_are_another_request():
+    """A binary-extension request is its body and where its JSON ends: the same bytes
+    without (or with another) Inference-Header-Content-Length are another request."""
+    head = orjson.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 4}}]})
+    raw = head + np.array([7.0], np.float32).tobytes()
+
+    async def send(hlen):
+        headers = [("idempotency-key", "r2")]
+        if hlen is not None:
+            headers.append(("inference-header-content-length", str(hlen)))
+        async with open_http(gw.url) as http:
+            return await http.request("POST", "/v2/models/echo/infer", raw, headers=headers)
+
+    async with serving(config(echo_model())) as gw:
+        first = await send(len(head))
+        again = await send(len(head))
+        without = await send(None)
+        elsewhere = await send(len(head) - 1)
+    assert first.status == 200
+    assert again.headers["idempotent-replayed"] == "true"
+    assert without.status == elsewhere.status == 422
+
+
 async def test_answers_worth_retrying_are_not_kept_and_entries_expire(autojump_clock):
     store = IdempotencyStore(window=10.0, max_keys=100)
     runs = []

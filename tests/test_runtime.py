@@ -344,16 +344,17 @@ async def test_a_refusal_is_a_checkpoint_so_a_caller_retrying_at_once_cannot_hol
     cfg = config(
         callable_model("m", gate, execution="thread", max_batch_size=1, max_wait_ms=0,
                        adaptive_limit=False, timeout_ms=None),  # mock time jumps while
-        queue_bound=1,  # the worker thread runs: no deadline to pass meanwhile
+        queue_bound=2,  # the worker thread runs: no deadline to pass meanwhile
     )
     async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
         nursery.start_soon(rt.infer, "m", item(1))  # runs, held by the gate
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(rt.infer, "m", item(2))  # the queue's one place
+        nursery.start_soon(rt.infer_batch, "m", [item(2), item(2)])  # the queue's places
         await trio.testing.wait_all_tasks_blocked()
         refusals = [
             (Overloaded, lambda: rt.infer("m", item(3))),
             (Overloaded, lambda: rt.infer_batch("m", [item(3), item(4)])),
+            (InvalidInput, lambda: rt.infer_batch("m", [item(3)] * 3)),  # over the bound
             (trioserve.UnknownModel, lambda: rt.infer("nope", item(3))),
             (InvalidInput, lambda: rt.infer("m", {"z": item(3)["x"]})),
             (trioserve.Unauthorized, lambda: rt.infer("m", item(3), tenant="who")),
@@ -374,12 +375,12 @@ async def test_a_refusal_is_a_checkpoint_so_a_caller_retrying_at_once_cannot_hol
                     tries += 1
                     assert released or tries < 1000, "the retries never let another task run"
 
-        def release() -> None:
+        async def release() -> None:  # a task: it runs once the loop yields
             nonlocal released
             released = True
             gate.release()
 
-        nursery.start_soon(trio.to_thread.run_sync, release)  # runs once the loop yields
+        nursery.start_soon(release)
         out = await retry_at_once()
         assert float(out["y"][0]) == 11.0
         assert tries > 0
@@ -547,18 +548,27 @@ async def test_model_timeout_in_queue_is_deadline_exceeded(autojump_clock, gates
 
 
 # ---------------------------------------------------------------- backpressure
-async def test_a_refused_batch_leaves_nothing_queued(autojump_clock):
-    rec = Recorder()
+async def test_a_refused_batch_leaves_nothing_queued(autojump_clock, gates):
+    gate = gates()
     cfg = config(
-        callable_model("m", rec, max_batch_size=8, max_wait_ms=10, adaptive_limit=False),
+        callable_model("m", gate, execution="thread", max_batch_size=1, max_wait_ms=0,
+                       adaptive_limit=False, timeout_ms=None),
         queue_bound=3,
     )
     async with trioserve.open_runtime(cfg) as rt:
-        # Three are admitted, the fourth is refused: the call fails and withdraws all.
-        with pytest.raises(Overloaded, match=r"model 'm': queue full \(3 requests waiting\)"):
-            await rt.infer_batch("m", [item(i) for i in range(4)])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rt.infer, "m", item(1))  # runs, held by the gate
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(rt.infer, "m", item(2))  # queued: two places left
+            await trio.testing.wait_all_tasks_blocked()
+            # Two are admitted, the third is refused: the call fails and withdraws both.
+            with pytest.raises(
+                Overloaded, match=r"model 'm': queue full \(3 requests waiting\)"
+            ):
+                await rt.infer_batch("m", [item(10), item(11), item(12)])
+            gate.release()
         out = await rt.infer("m", item(9))
-    assert rec.seen == [9.0]  # the three submitted before the failure were withdrawn
+    assert gate.seen == [1.0, 2.0, 9.0]  # the two submitted before the failure: withdrawn
     np.testing.assert_array_equal(out["y"], [19.0])
 
 

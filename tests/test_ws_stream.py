@@ -259,12 +259,14 @@ async def test_a_message_split_over_frames_and_reads_is_one_request():
         await sock.aclose()
 
 
-async def test_a_message_over_the_size_limit_closes_the_stream_with_1009():
+@pytest.mark.parametrize("text", ["x" * 2000, "€" * 400], ids=["ascii", "utf-8"])
+async def test_a_message_over_the_size_limit_closes_the_stream_with_1009(text):
+    """The limit is in bytes: 400 euro signs are 1,200 bytes of UTF-8."""
     from wsproto.events import CloseConnection, TextMessage
 
     async with serving(config(echo_model(), server={"max_body_bytes": 1000})) as gw:
         sock, ws = await _raw_client(gw)
-        await sock.send_all(ws.send(TextMessage(data="x" * 2000)))
+        await sock.send_all(ws.send(TextMessage(data=text)))
         events = await _events_until(sock, ws, CloseConnection)
         assert events[-1].code == 1009
         await sock.aclose()
@@ -288,6 +290,57 @@ async def test_a_handshake_without_a_key_is_refused_with_400():
         assert gw.statistics().connections == 0
 
 
+_HANDSHAKE = (b"GET /v2/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+              b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+
+
+async def _handshake_answer(gw, head: bytes) -> bytes:
+    sock = await trio.open_tcp_stream(*gw.addresses[0])
+    await sock.send_all(head)
+    data = b""
+    while chunk := await sock.receive_some(65536):
+        data += chunk
+    await sock.aclose()
+    return data
+
+
+async def test_another_websocket_version_is_426_naming_the_one_spoken():
+    async with serving(config(echo_model())) as gw:
+        data = await _handshake_answer(
+            gw, _HANDSHAKE.replace(b"Sec-WebSocket-Version: 13", b"Sec-WebSocket-Version: 8")
+        )
+    assert data.startswith(b"HTTP/1.1 426 ")
+    assert b"\r\nsec-websocket-version: 13\r\n" in data.lower()  # RFC 6455 4.4
+    assert b"unsupported WebSocket version" in data
+
+
+async def test_a_refused_key_on_the_stream_says_how_to_authenticate():
+    tenants = (trioserve.TenantConfig(name="acme", api_keys=("k1",)),)
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        data = await _handshake_answer(gw, _HANDSHAKE)
+    assert data.startswith(b"HTTP/1.1 401 ")
+    assert b'\r\nwww-authenticate: bearer realm="trioserve"\r\n' in data.lower()
+
+
+@pytest.mark.parametrize(
+    ("head", "why"),
+    [
+        (_HANDSHAKE.replace(b"HTTP/1.1", b"HTTP/1.0"), b"needs HTTP/1.1"),
+        (_HANDSHAKE.replace(b"Connection: Upgrade", b"Connection: Upgrade, close"),
+         b"'Connection: close' ends the connection"),
+    ],
+    ids=["http-1.0", "connection-close"],
+)
+async def test_an_upgrade_that_cannot_happen_says_why(head, why):
+    async with serving(config(echo_model())) as gw:
+        data = await _handshake_answer(gw, head)
+    assert data.startswith(b"HTTP/1.1 426 ")
+    assert why in data
+    head_lines = data.split(b"\r\n\r\n")[0].lower().split(b"\r\n")
+    assert [v for v in head_lines if v.startswith(b"connection:")] == [b"connection: close"]
+
+
 async def test_a_websocket_upgrade_needs_http_1_1():
     async with serving(config(echo_model())) as gw:
         sock = await trio.open_tcp_stream(*gw.addresses[0])
@@ -300,9 +353,6 @@ async def test_a_websocket_upgrade_needs_http_1_1():
         await sock.aclose()
 
 
-_HANDSHAKE = (b"GET /v2/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-              b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
 
 
 def _client_frame(payload: bytes, opcode: int = 0x1, *, masked: bool = True) -> bytes:

@@ -135,16 +135,25 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 authorization=request.headers.get("Authorization"),
                 header_length=request.headers.get("Inference-Header-Content-Length"),
                 idempotency_key=request.headers.get("Idempotency-Key"),
+                content_encoding=request.headers.get("Content-Encoding"),
             )
         )
 
     @app.get("/v2/stream")
     async def stream_without_upgrade() -> Any:
-        return json(
-            error_body("/v2/stream is a WebSocket endpoint: send 'Upgrade: websocket'"),
-            426,
-            {"Upgrade": "websocket", "Connection": "upgrade"},
-        )
+        # Why the upgrade did not happen: none asked for, HTTP/1.0, or a connection
+        # that is to close. Only a connection that stays open can be upgraded.
+        upgrading = "websocket" in request.headers.get("Upgrade", "").lower()
+        tokens = {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
+        headers = {"Upgrade": "websocket"}
+        if request.http_version != "1.1":
+            why = "a WebSocket upgrade needs HTTP/1.1"
+        elif upgrading and "close" in tokens:
+            why = "'Connection: close' ends the connection it would upgrade"
+        else:
+            why = "send 'Upgrade: websocket'"
+            headers["Connection"] = "upgrade"
+        return json(error_body(f"/v2/stream is a WebSocket endpoint: {why}"), 426, headers)
 
     @app.get("/metrics")
     async def metrics() -> Any:

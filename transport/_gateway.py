@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -52,13 +53,71 @@ Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, Headers, bytes]
 
 
+WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="trioserve"')
+#: The content codings a request body may come in (RFC 9110 §8.4.1).
+ACCEPT_ENCODING = (b"accept-encoding", b"gzip, deflate")
+
+
+class UnsupportedEncoding(TrioserveError):
+    """The request body's Content-Encoding is not one the server decodes."""
+
+    status = 415
+
+
+class BodyTooLarge(TrioserveError):
+    """The request body is over the size limit once decompressed."""
+
+    status = 413
+
+
+def decode_body(body: bytes, coding: bytes | str, limit: int) -> bytes:
+    """``body`` decoded from its Content-Encoding ``coding`` (gzip, x-gzip, deflate,
+    identity, or a list of them in the order applied), at most ``limit`` bytes of it:
+    BodyTooLarge past that (a small body may inflate a thousandfold),
+    UnsupportedEncoding for another coding, InvalidInput for corrupt data."""
+    if isinstance(coding, bytes):
+        coding = coding.decode("latin-1")
+    for c in reversed([c.strip().lower() for c in coding.split(",") if c.strip()]):
+        if c == "identity":
+            continue
+        if c in ("gzip", "x-gzip"):
+            body = _inflate(body, 31, c, limit)
+        elif c == "deflate":
+            try:  # RFC 9110's deflate is zlib-wrapped; some clients send it raw
+                body = _inflate(body, 15, c, limit)
+            except InvalidInput:
+                body = _inflate(body, -15, c, limit)
+        else:
+            raise UnsupportedEncoding(
+                f"Content-Encoding {c!r} is not supported; send gzip, deflate or identity"
+            )
+    return body
+
+
+def _inflate(body: bytes, wbits: int, coding: str, limit: int) -> bytes:
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidInput(f"the body is not valid {coding} data: {exc}") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise BodyTooLarge(f"request body over {limit} bytes once decompressed")
+    if not d.eof or d.unused_data:
+        raise InvalidInput(f"the body is not valid {coding} data: it ends early or late")
+    return out
+
+
 def error_answer(exc: BaseException) -> Answer:
     """The JSON error answer of an exception: its ``status`` (500 for foreign ones),
     ``{"error": message}`` and, with 429 and 503, a Retry-After header (whole seconds,
-    from Overloaded's ``retry_after``)."""
+    from Overloaded's ``retry_after``); with 401, WWW-Authenticate (a bearer key)."""
     if isinstance(exc, TrioserveError):
         headers = [JSON]
-        if exc.status in (429, 503):
+        if exc.status == 401:  # RFC 9110 §15.5.2: how to authenticate
+            headers.append(WWW_AUTHENTICATE)
+        elif exc.status == 415:  # RFC 9110 §15.5.16: the codings it takes
+            headers.append(ACCEPT_ENCODING)
+        elif exc.status in (429, 503):
             retry_after = exc.retry_after if isinstance(exc, Overloaded) else 1.0
             headers.append((b"retry-after", b"%d" % max(1, math.ceil(retry_after))))
         return exc.status, headers, error_body(str(exc))
@@ -133,14 +192,23 @@ class Gateway:
         authorization: bytes | str | None = None,
         header_length: bytes | str | None = None,
         idempotency_key: bytes | str | None = None,
+        content_encoding: bytes | str | None = None,
     ) -> Answer:
         """Answer one v2 infer request (``POST /v2/models/{model}[/versions/{v}]/infer``).
 
         Never raises for bad input: every failure is an error answer with its status.
         A checkpoint. Cancelling it withdraws the request's items not yet dispatched.
         With ``idempotency_key``, a repeat of the same request by the same tenant gets
-        the first answer (see :mod:`._idempotency`).
+        the first answer (see :mod:`._idempotency`). A body sent with
+        ``Content-Encoding`` gzip or deflate (as ``tritonclient`` compresses requests)
+        is decompressed first, within ``server.max_body_bytes`` (413 past it); any
+        other coding is 415.
         """
+        if content_encoding:
+            try:
+                body = decode_body(body, content_encoding, self.server_config.max_body_bytes)
+            except TrioserveError as exc:
+                return error_answer(exc)
         if idempotency_key:
             try:
                 tenant = self.auth.tenant(authorization)
@@ -148,9 +216,16 @@ class Gateway:
                 return error_answer(exc)
             if isinstance(idempotency_key, bytes):
                 idempotency_key = idempotency_key.decode("latin-1")
+            # The request is its body and where its JSON ends: the same bytes split
+            # elsewhere (or all JSON) are another request.
+            ident = body
+            if header_length is not None:
+                if isinstance(header_length, str):
+                    header_length = header_length.encode("latin-1")
+                ident = b"%b|%b" % (header_length, body)
             return await self.idempotency.run(
                 (tenant, model, version, idempotency_key),
-                body,
+                ident,
                 lambda: self.infer(
                     model, version, body, authorization=authorization,
                     header_length=header_length,
@@ -169,12 +244,16 @@ class Gateway:
             sig.check_version(version)
             hlen = None
             if header_length is not None:
-                try:
-                    hlen = int(header_length)
-                except ValueError:
+                # digits only, as HTTP's Content-Length: int() would also take "1_0",
+                # " 10" or "+10"
+                if not (header_length.isdigit() and header_length.isascii()):
+                    if isinstance(header_length, bytes):
+                        header_length = header_length.decode("latin-1")
                     raise InvalidInput(
-                        "Inference-Header-Content-Length must be an integer"
-                    ) from None
+                        "Inference-Header-Content-Length must be an integer, got "
+                        f"{header_length!r}"
+                    )
+                hlen = int(header_length)
             rt = self.runtime
             rkey = None
             if rt.cache is not None:

@@ -276,7 +276,7 @@ class _Connection:
                 return False  # ConnectionClosed
             conn.busy = True
             request = event
-            auth = hlen = upgrade = idem = None
+            auth = hlen = upgrade = idem = encoding = None
             length = -1
             chunked = False
             version = request.http_version
@@ -299,6 +299,8 @@ class _Connection:
                     hlen = value
                 elif name == b"idempotency-key":
                     idem = value
+                elif name == b"content-encoding":
+                    encoding = value
                 elif name == b"upgrade":
                     upgrade = value
                 elif name == b"connection" and b"close" in [
@@ -361,7 +363,7 @@ class _Connection:
             if route is not None:
                 status, headers, out = await infer(
                     route[0], route[1], body, authorization=auth, header_length=hlen,
-                    idempotency_key=idem,
+                    idempotency_key=idem, content_encoding=encoding,
                 )
                 if keep_alive and not gateway.draining:
                     # Written from the template (see the module's docstring); the next

@@ -49,7 +49,7 @@ from wsproto.events import (
 from wsproto.events import Request as WsRequest
 from wsproto.utilities import RemoteProtocolError
 
-from ._gateway import UNKNOWN_MODEL, error_answer, log
+from ._gateway import UNKNOWN_MODEL, WWW_AUTHENTICATE, error_answer, log
 from ._v2 import (
     InferRequest,
     decode_outputs,
@@ -239,10 +239,17 @@ async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Se
                 if isinstance(event, WsRequest):
                     request = event
         except RemoteProtocolError as exc:
-            # A malformed handshake: wsproto's status (400), with a JSON error, then close.
-            if exc.event_hint is not None:
-                status = getattr(exc.event_hint, "status_code", 400)
-                await stream.send_all(_reject(ws, status, f"bad WebSocket handshake: {exc}"))
+            # A malformed handshake: wsproto's status (400, or 426 for a version other
+            # than 13, with the Sec-WebSocket-Version it speaks), with a JSON error.
+            hint = exc.event_hint
+            if hint is not None:
+                status = getattr(hint, "status_code", 400)
+                headers = list(getattr(hint, "headers", None) or ())
+                message = (
+                    "unsupported WebSocket version (Sec-WebSocket-Version); this server "
+                    "speaks 13" if status == 426 else f"bad WebSocket handshake: {exc}"
+                )
+                await stream.send_all(_reject(ws, status, message, headers))
             return None
     authorization = None
     for name, value in request.extra_headers:
@@ -251,17 +258,24 @@ async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Se
     try:
         tenant = gateway.auth.tenant(authorization)
     except Unauthorized as exc:
-        await stream.send_all(_reject(ws, exc.status, str(exc)))
+        await stream.send_all(_reject(ws, exc.status, str(exc), [WWW_AUTHENTICATE]))
         return None
     await stream.send_all(ws.send(AcceptConnection()))
     stream.release_held()
     return _Session(gateway, ws.connection, stream, tenant, conn)
 
 
-def _reject(ws: WSConnection, status: int, message: str) -> bytes:
-    """A refused handshake: ``status`` with the gateway's JSON error body."""
+def _reject(
+    ws: WSConnection, status: int, message: str, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> bytes:
+    """A refused handshake: ``status`` with the gateway's JSON error body (and the
+    ``extra`` headers)."""
     body = orjson.dumps({"error": message})
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    headers = [
+        *extra,
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+    ]
     return ws.send(
         RejectConnection(status_code=status, headers=headers, has_body=True)
     ) + ws.send(RejectData(data=body))
@@ -325,7 +339,10 @@ class _Session:
             for event in ws.events():
                 kind = type(event)
                 if kind is TextMessage or kind is BytesMessage:
-                    size += len(event.data)
+                    n = len(event.data)
+                    if kind is TextMessage and (size + 4 * n) > self.max_message:
+                        n = len(event.data.encode())  # UTF-8 bytes, not characters
+                    size += n
                     if size > self.max_message:
                         self._closing = (1009, f"message over {self.max_message} bytes")
                         return False

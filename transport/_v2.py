@@ -254,7 +254,7 @@ class InferRequest:
             binary_all, priority, timeout = False, None, None
         outputs = None
         requested = doc.get("outputs")
-        if requested is not None:
+        if requested is not None and requested != []:  # none named: all (as Triton)
             outputs = _requested_outputs(requested, signature, binary_all)
         rid = doc.get("id")
         if rid is not None and type(rid) not in (str, int):
@@ -490,7 +490,12 @@ def _decode_tensor(
             )
         arr = _from_binary(name, binary[offset : offset + size], dtype, count)
         offset += size
-    return arr.reshape(shape), offset, rank
+    try:
+        return arr.reshape(shape), offset, rank
+    except (ValueError, OverflowError) as exc:  # more dimensions than numpy holds, or
+        raise InvalidInput(  # one too large for it
+            f"input {name!r}: shape {shape} is not a valid array shape ({exc})"
+        ) from None
 
 
 def _check_name_and_datatype(
