@@ -100,11 +100,13 @@ def _serving(config: Path) -> Iterator[str]:
 def _wrk(
     url: str, seconds: float, env: dict[str, str], *, connections: int = CONNECTIONS
 ) -> dict[str, Any]:
-    """``wrk`` with ``zipf.lua`` (bodies and skew from ``env``) for ``seconds``: its
-    counts and latency percentiles, plus ``requests_per_s``."""
+    """``wrk`` with ``zipf.lua`` (bodies and skew from ``env``) for ``seconds``
+    (rounded to whole seconds, at least one: wrk takes no fractions): its counts and
+    latency percentiles, plus ``requests_per_s`` over the time wrk measured."""
     script = str(Path(__file__).with_name("zipf.lua"))
+    whole = max(1, round(seconds))
     out = subprocess.run(
-        ["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds:g}s", "-s", script, url],
+        ["wrk", "-t", "1", "-c", str(connections), "-d", f"{whole}s", "-s", script, url],
         capture_output=True, text=True, env=env, check=True,
     ).stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("WRKJSON "))
