@@ -178,6 +178,8 @@ class Runtime:
         try:
             served = self._served(model, version)
             tenant, priority = self._classify(tenant, priority)
+            if not isinstance(items, Mapping) and not hasattr(items, "__len__"):
+                items = list(items)  # any iterable of items, as before
             self._check_count(model, items)
             if isinstance(items, Mapping):
                 prepared = served.backend.prepare_rows(model, items)

@@ -391,8 +391,10 @@ async def test_infer_batch_returns_outputs_in_input_order(autojump_clock):
     cfg = config(callable_model("m", rec, max_batch_size=4, max_wait_ms=1))
     async with trioserve.open_runtime(cfg) as rt:
         outs = await rt.infer_batch("m", [item(i) for i in range(10)])
+        from_a_generator = await rt.infer_batch("m", (item(i) for i in range(3)))
     assert [float(o["y"][0]) for o in outs] == [2 * i + 1 for i in range(10)]
-    assert rec.sizes == [4, 4, 2]
+    assert rec.sizes == [4, 4, 2, 3]
+    assert [float(o["y"][0]) for o in from_a_generator] == [1, 3, 5]
 
 
 async def test_statistics_before_and_after_a_request(autojump_clock):
