@@ -87,6 +87,8 @@ class Runtime:
         self.buckets: dict[str, Any] = {}
         #: cost units admitted per tenant (what its credits paid for, when it has some)
         self.credits_used: collections.Counter[str] = collections.Counter()
+        #: Of what was charged, the cost units given back (requests that never ran).
+        self.credits_refunded: collections.Counter[str] = collections.Counter()
         #: hedged copies sent (requests still unanswered after the model's p95)
         self.hedges = 0
         #: the result cache and in-flight coalescing (None when no model uses them)
@@ -390,6 +392,7 @@ class Runtime:
             out[t.name] = {
                 "weight": t.weight,
                 "credits_used": self.credits_used.get(t.name, 0),
+                "credits_refunded": self.credits_refunded.get(t.name, 0),
                 "credits_available": avail,
             }
         return out
@@ -533,6 +536,7 @@ class Runtime:
             except trio.Cancelled:
                 bucket.refund(cost)  # never used: give the credits back
                 self.credits_used[tenant] -= cost
+                self.credits_refunded[tenant] += cost
                 raise
             now = trio.current_time()
         return now, taken
@@ -543,6 +547,7 @@ class Runtime:
         queued); ``since`` is the bucket's ``seq`` of its take (see
         TokenBucket.refund)."""
         self.credits_used[tenant] -= cost
+        self.credits_refunded[tenant] += cost
         bucket = self.buckets.get(tenant)
         if bucket is not None:
             bucket.refund(cost, since=since)

@@ -528,6 +528,7 @@ async def test_a_request_that_expires_in_the_queue_is_not_charged(autojump_clock
         with pytest.raises(DeadlineExceeded, match="in the queue"):
             await rt.infer_batch("m", [item(3), item(4)], priority="bulk")
         assert rt.credits_used["a"] == 1
+        assert rt.credits_refunded["a"] == 3  # counted apart: /metrics' counters only rise
         # what the bucket holds is what one take and the refill since leave
         assert available(rt) == pytest.approx(9.0 + (trio.current_time() - t0))
         gate.release()

@@ -130,3 +130,34 @@ async def test_binary_requests_are_kept_by_their_bytes_and_their_header_length()
     assert again.body == first.body
     assert model.seen == [6.0]  # the repeat came from the cache
     assert shifted.status == as_json.status == 400
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_a_body_that_arrives_after_its_head_is_answered_and_kept(chunked):
+    """Such a body is read through h11's events (a bytearray there): it once made the
+    edge cache's key unhashable, a 500."""
+    import trio
+    import trio.testing
+
+    model = Recorder(timed=False)
+    data = body(3.0)
+    framing = b"transfer-encoding: chunked" if chunked else b"content-length: %d" % len(data)
+    payload = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if chunked else data
+    head = (b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\nauthorization: Bearer key-a\r\n"
+            b"%b\r\n\r\n" % framing)
+    async with serving(cfg(callable_model("m", model))) as gw:
+        answers = []
+        for _ in range(2):
+            sock = await trio.open_tcp_stream(*gw.addresses[0])
+            await sock.send_all(head)
+            await trio.testing.wait_all_tasks_blocked()  # the server waits for the body
+            await sock.send_all(payload)
+            raw = b""
+            while b"\r\n\r\n" not in raw or not raw.endswith(b"}"):
+                raw += await sock.receive_some(65536)
+            await sock.aclose()
+            answers.append(raw)
+    for raw in answers:
+        assert raw.startswith(b"HTTP/1.1 200 "), raw
+        assert raw.endswith(b'"data":[7.0]}]}')
+    assert model.seen == [3.0]  # the second was a hit

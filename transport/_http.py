@@ -357,7 +357,9 @@ class _Connection:
                         h.receive_data(await _receive(fd, False, deadline=deadline))
                     else:
                         return False
-                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                # bytes, as the rest expects (h11 may hand a bytearray: unhashable
+                # in a cache key, and not taken by the numeric decoder)
+                body = bytes(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
 
             # ---- route
             if route is not None:

@@ -166,8 +166,17 @@ class GatewayCollector(Collector):
                 limit.add_metric([name], lim.value)
             rate.add_metric([name], getattr(policy, "rate", 0.0))
         yield from (depth, outcomes, cost, wait, limit, rate)
+        # Counters only rise: what was charged, and apart what was given back (for
+        # requests that never ran); the net use is the first less the second.
         used = CounterMetricFamily(
-            "trioserve_credits_used", "Cost units admitted per tenant.", labels=["tenant"]
+            "trioserve_credits_used",
+            "Cost units charged per tenant (refunds not subtracted).",
+            labels=["tenant"],
+        )
+        refunded = CounterMetricFamily(
+            "trioserve_credits_refunded",
+            "Cost units given back per tenant, for requests that never ran.",
+            labels=["tenant"],
         )
         avail = GaugeMetricFamily(
             "trioserve_credits_available",
@@ -175,10 +184,11 @@ class GatewayCollector(Collector):
             labels=["tenant"],
         )
         for tenant, t in sorted(gw.runtime.tenant_statistics().items()):
-            used.add_metric([tenant], t["credits_used"])
+            used.add_metric([tenant], t["credits_used"] + t["credits_refunded"])
+            refunded.add_metric([tenant], t["credits_refunded"])
             if t["credits_available"] is not None:
                 avail.add_metric([tenant], t["credits_available"])
-        yield from (used, avail)
+        yield from (used, refunded, avail)
         cache = gw.runtime.cache_statistics()
         if cache:
             for key, kind, doc in (
