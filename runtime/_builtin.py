@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -17,7 +18,12 @@ from ._model import CallableBackend, Item, ModelBackend, Runner, TensorSpec, Tor
 MLP_IN, MLP_HIDDEN, MLP_OUT = 256, 1024, 16
 
 
-def _options(cfg: ModelConfig, allowed: Mapping[str, Any]) -> dict[str, Any]:
+def _options(
+    cfg: ModelConfig, allowed: Mapping[str, Any], minimum: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    """The backend's options: ``allowed`` (name -> default) overridden by the
+    config's, each of its default's type (an integer where the default is one; a
+    float option takes integers too) and at least ``minimum[name]`` where given."""
     out = dict(allowed)
     for k, v in cfg.options.items():
         if k not in allowed:
@@ -26,16 +32,20 @@ def _options(cfg: ModelConfig, allowed: Mapping[str, Any]) -> dict[str, Any]:
                 f"{cfg.backend!r}; expected one of {', '.join(allowed) or 'none'}"
             )
         want = allowed[k]
-        numeric = isinstance(want, int | float) and not isinstance(want, bool)
-        ok = (
-            isinstance(v, int | float) and not isinstance(v, bool)
-            if numeric
-            else isinstance(v, type(want))
-        )
+        if isinstance(want, bool):
+            ok = isinstance(v, bool)
+        elif isinstance(want, int):
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif isinstance(want, float):
+            ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        else:
+            ok = isinstance(v, type(want))
         if not ok:
-            raise ConfigError(
-                f"models.{cfg.name}.options.{k}: expected {type(want).__name__}, got {v!r}"
-            )
+            kind = "number" if isinstance(want, float) else type(want).__name__
+            raise ConfigError(f"models.{cfg.name}.options.{k}: expected {kind}, got {v!r}")
+        low = (minimum or {}).get(k)
+        if low is not None and v < low:
+            raise ConfigError(f"models.{cfg.name}.options.{k}: must be >= {low:g}, got {v!r}")
         out[k] = v
     return out
 
@@ -120,13 +130,13 @@ def resolve_backend(cfg: ModelConfig) -> ModelBackend:
         _options(cfg, {})
         return echo_backend()
     if b == "sleep":
-        return SleepBackend(
-            **_options(cfg, {"delay_per_batch_ms": 0.0, "delay_per_item_ms": 0.0})
-        )
+        delays = {"delay_per_batch_ms": 0.0, "delay_per_item_ms": 0.0}
+        return SleepBackend(**_options(cfg, delays, minimum=delays))
     if b == "minilm":
         from ._minilm import MiniLMBackend
 
-        return MiniLMBackend(**_options(cfg, {"max_length": 256}))
+        # at least the two special tokens and one of the text
+        return MiniLMBackend(**_options(cfg, {"max_length": 256}, minimum={"max_length": 3}))
     if callable(b):
         obj = b()
     else:
@@ -136,7 +146,13 @@ def resolve_backend(cfg: ModelConfig) -> ModelBackend:
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"models.{cfg.name}.backend: cannot import {b!r}: {exc}") from None
         if not isinstance(obj, ModelBackend) and callable(obj):
-            obj = obj(**cfg.options)
+            try:
+                obj = obj(**cfg.options)
+            except Exception as exc:  # a factory's options or its own failure
+                raise ConfigError(
+                    f"models.{cfg.name}.backend: {b!r} failed with its options "
+                    f"{dict(cfg.options)!r}: {type(exc).__name__}: {exc}"
+                ) from exc
     if not isinstance(obj, ModelBackend):
         raise ConfigError(
             f"models.{cfg.name}.backend: {b!r} is not a ModelBackend (got {type(obj).__name__})"

@@ -32,6 +32,11 @@ def _int(minimum: int) -> Callable[[Any], None]:
     return check
 
 
+def _port(v: Any) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
+        raise ValueError(f"must be a port number, 0 to 65535 (0: any free port), got {v!r}")
+
+
 def _opt_int(minimum: int) -> Callable[[Any], None]:
     inner = _int(minimum)
 
@@ -281,10 +286,11 @@ class CacheConfig:
 
 @attrs.frozen(kw_only=True)
 class ServerConfig:
-    """Where and how the network gateway listens."""
+    """Where and how the network gateway listens. ``control_port`` is accepted for
+    older files and has no effect: the control plane shares ``port``."""
 
     host: str = _field(_str, "127.0.0.1")
-    port: int = _field(_int(0), 8000)
+    port: int = _field(_port, 8000)
     control_port: int | None = _field(_opt_int(0), None)
     max_body_bytes: int = _field(_int(1), 16 * 1024 * 1024)
     #: an idle keep-alive HTTP connection is closed after this long

@@ -178,7 +178,10 @@ class ModelBackend:
                 )
             return {specs[0].name: coerce(specs[0], inputs, name)}, 1
         if self.open_inputs:
-            return {str(k): to_numpy(v) for k, v in inputs.items()}, 1
+            try:
+                return {str(k): to_numpy(v) for k, v in inputs.items()}, 1
+            except (TypeError, ValueError) as exc:  # ragged nesting, say
+                raise InvalidInput(f"model {name!r}: inputs are not arrays ({exc})") from None
         item: Item = {}
         for spec in specs:
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -472,6 +473,11 @@ class Runtime:
         level = priority
         if isinstance(level, str) and level.isdigit():
             level = int(level)
+        elif not isinstance(level, bool | int) and hasattr(type(level), "__index__"):
+            try:
+                level = operator.index(level)  # a numpy integer, say
+            except TypeError:
+                pass  # refused below
         if isinstance(level, int) and not isinstance(level, bool) and level >= 0:
             if level == 0 or level > len(self._class_order):
                 return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -10,7 +11,7 @@ from typing import Any
 import trio
 
 from ._config import Config, load_config
-from ._errors import ActorClosed, DeadlineExceeded
+from ._errors import ActorClosed, DeadlineExceeded, InvalidInput
 from ._runtime import Runtime, open_runtime
 
 
@@ -28,10 +29,13 @@ class Client:
         *,
         tenant: str | None = None,
         priority: str | None = None,
+        version: str | None = None,
         timeout: float | None = None,
     ) -> dict[str, Any]:
-        """Blocking ``Runtime.infer``; ``timeout`` (seconds) raises DeadlineExceeded."""
-        return self._call(self._one, model, inputs, tenant, priority, timeout)
+        """Blocking ``Runtime.infer``; ``timeout`` (seconds, > 0) raises
+        DeadlineExceeded."""
+        _check_timeout(timeout)
+        return self._call(self._one, model, inputs, tenant, priority, version, timeout)
 
     def infer_many(
         self,
@@ -40,6 +44,7 @@ class Client:
         *,
         tenant: str | None = None,
         priority: str | None = None,
+        version: str | None = None,
         timeout: float | None = None,
         return_exceptions: bool = False,
     ) -> list[Any]:
@@ -48,7 +53,10 @@ class Client:
         With ``return_exceptions`` a failed item's exception takes its place in the
         list; otherwise the first failure (in input order) is raised once all are done.
         """
-        results = self._call(self._many, model, list(inputs), tenant, priority, timeout)
+        _check_timeout(timeout)
+        results = self._call(
+            self._many, model, list(inputs), tenant, priority, version, timeout
+        )
         if not return_exceptions:
             for r in results:
                 if isinstance(r, BaseException):
@@ -69,23 +77,26 @@ class Client:
         return self.runtime.statistics()
 
     async def _one(
-        self, model: str, inputs: Any, tenant: Any, priority: Any, limit: float | None
+        self, model: str, inputs: Any, tenant: Any, priority: Any, version: Any,
+        limit: float | None,
     ) -> dict[str, Any]:
         # ``limit`` is the blocking caller's timeout, turned into a cancel scope here.
+        infer = self.runtime.infer
         if limit is None:
-            return await self.runtime.infer(model, inputs, tenant=tenant, priority=priority)
+            return await infer(model, inputs, tenant=tenant, priority=priority, version=version)
         with trio.move_on_after(limit):
-            return await self.runtime.infer(model, inputs, tenant=tenant, priority=priority)
+            return await infer(model, inputs, tenant=tenant, priority=priority, version=version)
         raise DeadlineExceeded(f"model {model!r}: no answer within {limit:g}s")
 
     async def _many(
-        self, model: str, items: list[Any], tenant: Any, priority: Any, limit: float | None
+        self, model: str, items: list[Any], tenant: Any, priority: Any, version: Any,
+        limit: float | None,
     ) -> list[Any]:
         results: list[Any] = [None] * len(items)
 
         async def one(i: int) -> None:
             try:
-                results[i] = await self._one(model, items[i], tenant, priority, limit)
+                results[i] = await self._one(model, items[i], tenant, priority, version, limit)
             except Exception as exc:
                 results[i] = exc
 
@@ -93,6 +104,12 @@ class Client:
             for i in range(len(items)):
                 nursery.start_soon(one, i)
         return results
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0
+                                    and math.isfinite(timeout)):
+        raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
 @contextmanager

@@ -5,9 +5,40 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from ._errors import ConfigError
 from .scenarios import SCENARIOS, run_scenario
+
+
+def _number(kind: type, *, low: float, low_ok: bool = True, high: float | None = None) -> Any:
+    """An argparse type: a ``kind`` number at or above ``low`` (above it, unless
+    ``low_ok``), at most ``high``; a bad one is a usage error (exit status 2)."""
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if v != v or v < low or (v == low and not low_ok) or (high is not None and v > high):
+            bound = f"{'at least' if low_ok else 'above'} {low:g}"
+            if high is not None:
+                bound += f" and at most {high:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return v
+
+    return parse
+
+
+def _host(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be an address or host name, got nothing")
+    return text
+
+
+_PORT = _number(int, low=0, high=65535)
+_COUNT = _number(int, low=1)
+_SECONDS = _number(float, low=0.0, low_ok=False)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -16,24 +47,24 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the configured models over HTTP and WebSocket")
     s.add_argument("--config", help="TOML config file (default: the built-in configuration)")
-    s.add_argument("--host", help="listen address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="listen port (default 8000)")
+    s.add_argument("--host", type=_host, help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=_PORT, help="listen port, 0-65535 (default 8000)")
 
     b = sub.add_parser("bench", help="closed-loop load, in process or against --url")
     b.add_argument("--config", help="TOML config file (default: the built-in configuration)")
     b.add_argument("--url", help="bench a running server over HTTP instead of in process")
     b.add_argument("--model", default="mlp")
-    b.add_argument("-c", "--concurrency", type=int, default=None,
+    b.add_argument("-c", "--concurrency", type=_COUNT, default=None,
                    help="concurrent callers (default 256 in process, 64 over HTTP)")
-    b.add_argument("-d", "--duration", type=float, default=None,
+    b.add_argument("-d", "--duration", type=_SECONDS, default=None,
                    help="seconds measured (default 10; a scenario has its own)")
-    b.add_argument("--warmup", type=float, default=2.0)
-    b.add_argument("--replicas", type=int)
-    b.add_argument("--max-batch-size", type=int)
-    b.add_argument("--max-wait-ms", type=float)
-    b.add_argument("--torch-threads", type=int)
+    b.add_argument("--warmup", type=_number(float, low=0.0), default=2.0)
+    b.add_argument("--replicas", type=_COUNT)
+    b.add_argument("--max-batch-size", type=_COUNT)
+    b.add_argument("--max-wait-ms", type=_number(float, low=0.0))
+    b.add_argument("--torch-threads", type=_COUNT)
     b.add_argument("--execution", choices=["thread", "inline"])
-    b.add_argument("--batch-dim", type=int, default=1,
+    b.add_argument("--batch-dim", type=_COUNT, default=1,
                    help="items per HTTP request (shape [N, ...]); --url only")
     b.add_argument("--stream", action="store_true", help="--url only: use the WebSocket stream")
     b.add_argument("--no-offline", action="store_true", help="skip the offline measurement")

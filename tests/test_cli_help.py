@@ -15,3 +15,32 @@ def test_help_prints_and_exits_zero(argv, capsys):
     assert out.startswith("usage: ")
     if argv[0] == "bench":
         assert "priority: realtime at 70% beside a batch" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--port", "70000"], "--port: must be at least 0 and at most 65535, got 70000"),
+        (["serve", "--port", "-1"], "--port: must be at least 0 and at most 65535, got -1"),
+        (["serve", "--host", ""], "--host: must be an address or host name, got nothing"),
+        (["bench", "-c", "0"], "--concurrency: must be at least 1, got 0"),
+        (["bench", "-d", "-1"], "--duration: must be above 0, got -1"),
+        (["bench", "-d", "nan"], "--duration: must be above 0, got nan"),
+        (["bench", "--batch-dim", "x"], "--batch-dim: expected a number, got 'x'"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(argv, message, capsys):
+    """Exit status 2 and a line naming the argument: a port past 65535 was bound
+    modulo 65536 (70000: 4464), -c 0 ran 256 callers, -d -1 reported nonsense."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bench_against_a_server_that_is_not_there_says_so_in_a_line(capsys):
+    code = main(["bench", "--url", "http://127.0.0.1:1", "-c", "1", "-d", "1", "--no-offline"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("trioserve: cannot reach http://127.0.0.1:1: ")
+    assert "Traceback" not in err

@@ -3,6 +3,7 @@ naming its key."""
 
 from __future__ import annotations
 
+import math
 import textwrap
 
 import numpy as np
@@ -173,7 +174,11 @@ def test_bad_model_values_name_the_key(tmp_path, line, message):
         ),
         (
             "[models.m]\nbackend = 'echo'\n[server]\nport = -1\n",
-            "server.port: must be an integer >= 0, got -1",
+            "server.port: must be a port number, 0 to 65535 (0: any free port), got -1",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\nport = 70000\n",
+            "server.port: must be a port number, 0 to 65535 (0: any free port), got 70000",
         ),
         (
             "[models.m]\nbackend = 'echo'\n[tenants.t]\nweight = 0\n",
@@ -261,10 +266,49 @@ async def test_backend_option_of_the_wrong_type_fails_open_runtime():
         models=(ModelConfig(name="s", backend="sleep", options={"delay_per_batch_ms": "5"}),)
     )
     with pytest.raises(
-        ConfigError, match=r"^models\.s\.options\.delay_per_batch_ms: expected float, got '5'$"
+        ConfigError, match=r"^models\.s\.options\.delay_per_batch_ms: expected number, got '5'$"
     ):
         async with trioserve.open_runtime(cfg):
             pytest.fail("started with a bad option")
+
+
+@pytest.mark.parametrize(
+    ("backend", "options", "message"),
+    [
+        ("mlp", {"seed": 1.5}, r"^models\.m\.options\.seed: expected int, got 1\.5$"),
+        ("mlp", {"seed": True}, r"^models\.m\.options\.seed: expected int, got True$"),
+        ("sleep", {"delay_per_item_ms": -1.0},
+         r"^models\.m\.options\.delay_per_item_ms: must be >= 0, got -1\.0$"),
+        ("sleep", {"delay_per_item_ms": math.inf},
+         r"^models\.m\.options\.delay_per_item_ms: expected number, got inf$"),
+        ("minilm", {"max_length": 0}, r"^models\.m\.options\.max_length: must be >= 3, got 0$"),
+    ],
+)
+async def test_a_backend_option_out_of_its_range_fails_open_runtime(backend, options, message):
+    cfg = Config(models=(ModelConfig(name="m", backend=backend, options=options),))
+    with pytest.raises(ConfigError, match=message):
+        async with trioserve.open_runtime(cfg):
+            pytest.fail("started with a bad option")
+
+
+def _factory(*, size: int = 1):
+    if size < 0:
+        raise ValueError("size must be >= 0")
+    return trioserve.CallableBackend(lambda items: items, inputs=(), outputs=())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"nope": 1}, "TypeError: .*unexpected keyword argument 'nope'"),
+     ({"size": -1}, "ValueError: size must be >= 0")],
+)
+async def test_a_backend_factory_that_fails_is_a_config_error(options, message):
+    cfg = Config(models=(ModelConfig(name="f", backend=f"{__name__}:_factory",
+                                     options=options),))
+    with pytest.raises(ConfigError, match=rf"^models\.f\.backend: .* failed with its "
+                                          rf"options .*: {message}"):
+        async with trioserve.open_runtime(cfg):
+            pytest.fail("started without its model")
 
 
 async def test_unimportable_backend_fails_open_runtime():

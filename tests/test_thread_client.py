@@ -120,3 +120,25 @@ def test_a_runtime_that_cannot_start_raises_in_the_caller():
     with pytest.raises(ConfigError, match=r"models\.m\.backend: cannot import"):
         with trioserve.serve_in_thread(cfg):
             pytest.fail("started without its model")
+
+
+def test_a_version_and_a_bad_timeout(served):
+    out = served.infer("double", item(2), version="1")
+    assert float(out["y"][0]) == 5.0
+    assert [float(o["y"][0]) for o in served.infer_many("double", [item(1)], version="1")] == [3.0]
+    with pytest.raises(trioserve.UnknownModel, match="has no version '9'"):
+        served.infer("double", item(2), version="9")
+    for bad in (0, -1, float("nan"), float("inf"), "1"):
+        with pytest.raises(InvalidInput, match="timeout must be a positive number"):
+            served.infer("double", item(2), timeout=bad)
+
+
+def test_ragged_inputs_to_an_open_model_are_invalid_input(served):
+    with pytest.raises(InvalidInput, match="inputs are not arrays"):
+        served.infer("echo", {"a": [[1, 2], [3]]})
+
+
+def test_a_numpy_integer_is_a_priority_level(served):
+    assert float(served.infer("double", item(2), priority=np.int64(2))["y"][0]) == 5.0
+    with pytest.raises(InvalidInput, match="unknown request class"):
+        served.infer("double", item(2), priority=np.float64(2))

@@ -34,7 +34,11 @@ def serve_main(
         first: BaseException = exc
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
-        print(f"trioserve: cannot listen: {first}", file=sys.stderr)
+        where = (
+            f"{host if host is not None else config.server.host}:"
+            f"{port if port is not None else config.server.port}"
+        )
+        print(f"trioserve: cannot listen on {where}: {first}", file=sys.stderr)
         return 1
 
 
@@ -124,18 +128,29 @@ def bench_http_main(args: Any) -> int:
             offline = offline_throughput(ModelConfig(name=args.model, backend=args.model))
         except ConfigError:
             offline = None
-    res = trio.run(
-        lambda: bench_http(
-            args.url,
-            model=args.model,
-            concurrency=args.concurrency or 64,
-            duration=args.duration or 10.0,
-            warmup=args.warmup,
-            batch_dim=max(1, args.batch_dim),
-            stream=args.stream,
-            progress=os.isatty(2),
+    try:
+        res = trio.run(
+            lambda: bench_http(
+                args.url,
+                model=args.model,
+                concurrency=args.concurrency or 64,
+                duration=args.duration or 10.0,
+                warmup=args.warmup,
+                batch_dim=max(1, args.batch_dim),
+                stream=args.stream,
+                progress=os.isatty(2),
+            )
         )
-    )
+    except (OSError, BaseExceptionGroup) as exc:
+        # The server cannot be reached (refused, no such host): say so in a line.
+        if isinstance(exc, BaseExceptionGroup):
+            matched, rest = exc.split(OSError)
+            if matched is None or rest is not None:
+                raise
+            while isinstance(exc, BaseExceptionGroup):
+                exc = exc.exceptions[0]
+        print(f"trioserve: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
     if offline:
         res["offline"] = offline
         res["served_over_offline"] = res["items_per_s"] / offline["items_per_s"]
