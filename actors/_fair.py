@@ -42,6 +42,8 @@ class FlowStats:
     expired: int = 0
     dispatched: int = 0
     served_cost: int = 0
+    #: Entries the flow holds: a withdrawn or expired request stays among them until
+    #: passed (see FairQueue.queued_by_flow for the live count).
     queued: int = 0
     wait: Latency = attrs.Factory(Latency)
 
@@ -345,6 +347,20 @@ class FairQueue:
         for flows in self._flows:
             for q in flows.values():
                 yield from q
+
+    def queued_by_flow(self) -> dict[tuple[str, str], int]:
+        """Live queued requests per (tenant, class), counted now: a withdrawn or
+        expired request leaves its flow's deque (and ``FlowStats.queued``, which
+        counts entries held) only when the flow's head or a compaction passes it.
+        O(queued); for statistics, not the hot path."""
+        out: dict[tuple[str, str], int] = {}
+        for c, flows in enumerate(self._flows):
+            name = self.classes[c].name
+            for tenant, q in flows.items():
+                n = sum(1 for r in q if r.reply.state is _QUEUED)
+                if n:
+                    out[tenant, name] = n
+        return out
 
     def _stats(self, tenant: str, cls: str) -> FlowStats:
         key = (tenant, cls)

@@ -326,9 +326,10 @@ class Runtime:
     @staticmethod
     def _queue_statistics(policy: Any) -> dict[str, Any]:
         limit = getattr(policy, "limit", None)
+        live = policy.queued_by_flow() if hasattr(policy, "queued_by_flow") else {}
         flows = {
             f"{tenant}/{cls}": {
-                "queued": f.queued,
+                "queued": live.get((tenant, cls), 0),
                 "admitted": f.admitted,
                 "shed": f.shed,
                 "expired": f.expired,

@@ -565,6 +565,26 @@ async def test_a_request_whose_caller_leaves_after_dispatch_stays_charged(autoju
         gate.release()
 
 
+async def test_statistics_count_only_live_queued_requests(autojump_clock, gate):
+    """A caller that leaves withdraws its request at once; the flow's entry stays
+    until passed, but the reported queue depth counts it out at once."""
+    async with trioserve.open_runtime(_held(gate)) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(rt.infer, "m", item(1), priority="batch"))
+        await trio.testing.wait_all_tasks_blocked()
+        async with trio.open_nursery() as callers:
+            for i in range(3):
+                callers.start_soon(functools.partial(rt.infer, "m", item(10 + i),
+                                                     priority="batch"))
+            await trio.testing.wait_all_tasks_blocked()
+            assert rt.statistics()["m"]["flows"]["a/batch"]["queued"] == 3
+            callers.cancel_scope.cancel()  # the three callers leave
+        flow = rt.statistics()["m"]["flows"]["a/batch"]
+        assert (flow["queued"], flow["admitted"], flow["dispatched"]) == (0, 4, 1)
+        assert flow_stats(rt)["a", "batch"].queued == 3  # entries held, all dead
+        gate.release()
+    assert rt.statistics()["m"]["flows"]["a/batch"]["queued"] == 0
+
+
 # Fixed in 70474a8 (retry_after used the cost, not min(cost, burst)).
 async def test_retry_after_for_a_cost_above_the_burst_is_when_it_would_be_admitted(
     autojump_clock,

@@ -143,9 +143,10 @@ class GatewayCollector(Collector):
         )
         for name, served in sorted(gw.runtime.models.items()):
             policy = served.scheduler.policy
+            live = policy.queued_by_flow() if hasattr(policy, "queued_by_flow") else {}
             for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items()):
                 key = [name, tenant, cls]
-                depth.add_metric(key, f.queued)
+                depth.add_metric(key, live.get((tenant, cls), 0))
                 for outcome in ("admitted", "shed", "expired", "dispatched"):
                     outcomes.add_metric([*key, outcome], getattr(f, outcome))
                 cost.add_metric(key, f.served_cost)
