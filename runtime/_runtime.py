@@ -260,7 +260,10 @@ class Runtime:
                     served.scheduler_for(req.cost).submit_nowait(req)
                     submitted += 1
             except BaseException as exc:
-                # none of them will run
+                # none of them will run: withdraw those queued before anything (a
+                # batcher, at the checkpoint below) can take them
+                for reply in replies[:submitted]:
+                    reply.withdraw()
                 self._refund(tenant, sum(c for _, c in prepared), taken)
                 if isinstance(exc, TrioserveError):
                     await trio.lowlevel.checkpoint()  # a refusal still yields
@@ -590,8 +593,9 @@ class Runtime:
             raise
         self._in_flight += 1
         hedge = served.hedge_timer
+        hedged = hedge is not None and priority == self._class_order[0]
         try:
-            if hedge is not None and priority == self._class_order[0]:
+            if hedged:
                 delay = served.config.hedge_after_ms
                 delay = delay / 1e3 if delay is not None else hedge.value
                 result = await (
@@ -607,8 +611,10 @@ class Runtime:
                     raise
         except TrioserveError as exc:
             # Admitted, then pushed out of a full queue by another tenant, or expired
-            # in the queue: it never ran, so it is not charged.
-            if _never_ran(exc):
+            # in the queue: it never ran, so it is not charged. (A hedge's copy may
+            # expire queued while the first runs: a hedged request is not refunded
+            # for an expiry.)
+            if _never_ran(exc) and not (hedged and isinstance(exc, DeadlineExceeded)):
                 self._refund(tenant, cost, taken)
             raise
         finally:

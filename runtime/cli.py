@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import traceback
 from typing import Any
 
 from ._errors import ConfigError
@@ -20,7 +22,9 @@ def _number(kind: type, *, low: float, low_ok: bool = True, high: float | None =
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if v != v or v < low or (v == low and not low_ok) or (high is not None and v > high):
+        if not math.isfinite(v) or v < low or (v == low and not low_ok) or (
+            high is not None and v > high
+        ):
             bound = f"{'at least' if low_ok else 'above'} {low:g}"
             if high is not None:
                 bound += f" and at most {high:g}"
@@ -121,12 +125,21 @@ def entry() -> None:
     calls ``std::terminate`` when the thread resumes), so then the process ends at
     once, with its status, once the output is flushed.
     """
-    code = main()
     from trioserve.actors import model_threads_running
 
+    try:
+        code = main()
+    except BaseException:
+        if not model_threads_running():
+            raise
+        traceback.print_exc()  # an unexpected error, with a model thread still running
+        code = 1
     if model_threads_running():
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for out in (sys.stdout, sys.stderr):
+            try:
+                out.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more to say
+                pass
         os._exit(code)
     sys.exit(code)
 

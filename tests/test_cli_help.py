@@ -26,6 +26,8 @@ def test_help_prints_and_exits_zero(argv, capsys):
         (["bench", "-c", "0"], "--concurrency: must be at least 1, got 0"),
         (["bench", "-d", "-1"], "--duration: must be above 0, got -1"),
         (["bench", "-d", "nan"], "--duration: must be above 0, got nan"),
+        (["bench", "-d", "inf"], "--duration: must be above 0, got inf"),
+        (["bench", "--warmup", "inf"], "--warmup: must be at least 0, got inf"),
         (["bench", "--batch-dim", "x"], "--batch-dim: expected a number, got 'x'"),
     ],
 )

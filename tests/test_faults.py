@@ -242,14 +242,16 @@ async def test_shutdown_waits_for_a_cut_off_model_call_only_for_its_grace(autoju
         assert model_threads_running() == 1  # still running: the exit did not wait on
     finally:
         held.release.set()
+    await rt.models["m"].batchers[0].join_thread()  # gone before the next test
+    assert model_threads_running() == 0
 
 
 def test_the_command_ends_at_once_when_a_model_call_outlived_the_runtime(monkeypatch):
     """``trioserve``'s entry point: a model thread still running after the runtime
     closed ends the process with ``os._exit`` (the interpreter's finalisation would
     abort it), with main's status; otherwise it exits normally."""
+    import trioserve.actors
     from trioserve import cli
-    from trioserve.actors import _batcher
 
     class Exited(BaseException):
         pass
@@ -257,13 +259,24 @@ def test_the_command_ends_at_once_when_a_model_call_outlived_the_runtime(monkeyp
     def fake_exit(code: int) -> None:
         raise Exited(code)
 
+    def crash() -> int:
+        raise RuntimeError("escalated")
+
+    running = [1]
+    monkeypatch.setattr(trioserve.actors, "model_threads_running", lambda: running[0])
     monkeypatch.setattr(cli, "main", lambda: 3)
     monkeypatch.setattr(cli.os, "_exit", fake_exit)
-    monkeypatch.setattr(_batcher, "_threads_running", 1)
     with pytest.raises(Exited) as ended:
         cli.entry()
     assert ended.value.args == (3,)
-    monkeypatch.setattr(_batcher, "_threads_running", 0)
+    monkeypatch.setattr(cli, "main", crash)  # an error out of main: status 1, at once
+    with pytest.raises(Exited) as ended:
+        cli.entry()
+    assert ended.value.args == (1,)
+    running[0] = 0
+    with pytest.raises(RuntimeError, match="escalated"):
+        cli.entry()
+    monkeypatch.setattr(cli, "main", lambda: 3)
     with pytest.raises(SystemExit) as info:
         cli.entry()
     assert info.value.code == 3

@@ -359,7 +359,7 @@ async def test_a_shape_numpy_cannot_hold_is_400(server, shape):
     assert "is not a valid array shape" in error_of(res)
 
 
-@pytest.mark.parametrize("value", ["1_0", "+10", "1e1", "-1", "0x10"])
+@pytest.mark.parametrize("value", ["1_0", "+10", "1e1", "-1", "0x10", "9" * 5000])
 async def test_the_header_length_must_be_plain_digits(server, value):
     body = orjson.dumps({"inputs": [v2_input([[1.0]], "a")]})
     res = await post(server, "/v2/models/echo/infer", body,
@@ -414,3 +414,14 @@ async def test_bad_compressed_bodies_are_refused(server):
                      headers=[("Content-Encoding", "gzip")])
     assert res.status == 413
     assert "once decompressed" in error_of(res)
+
+
+async def test_a_compressed_body_is_decoded_only_for_a_known_tenant():
+    import gzip
+
+    tenants = (trioserve.TenantConfig(name="acme", api_keys=("k1",)),)
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        res = await post(gw, "/v2/models/echo/infer", gzip.compress(b" " * 100_000),
+                         headers=[("Content-Encoding", "gzip")])
+        assert res.status == 401  # not inflated for a caller without a key
+        assert gw.requests[("echo", "-", 401)] == 1

@@ -287,7 +287,7 @@ def test_a_boolean_among_numbers_is_refused(datatype, data):
     with pytest.raises(InvalidInput, match="got a boolean"):
         parse(doc, sig)
     one = {"inputs": [{"name": "x", "shape": [1], "datatype": datatype, "data": True}]}
-    with pytest.raises(InvalidInput, match="got a boolean"):
+    with pytest.raises(InvalidInput, match=r"got (a boolean|booleans)"):
         parse(one, sig)
     # numbers alone, with or without the words elsewhere, go through
     doc["inputs"][0]["data"] = [[1, 0], [0, 1]]
@@ -315,23 +315,25 @@ _JSON_VALUES = st.recursive(
 )
 
 
-def _holds_a_bool(v) -> bool:
+def _holds_a_bool(v, *, in_list: bool = False) -> bool:
+    """Whether a boolean is an element of a list anywhere in ``v``."""
     if type(v) is bool:
-        return True
+        return in_list
     if type(v) is list:
-        return any(map(_holds_a_bool, v))
+        return any(_holds_a_bool(x, in_list=True) for x in v)
     if type(v) is dict:
-        return any(map(_holds_a_bool, v.values()))
+        return any(_holds_a_bool(x) for x in v.values())
     return False
 
 
-@given(value=_JSON_VALUES, text=st.booleans())
-def test_the_scan_for_booleans_never_misses_one(value, text):
+@given(value=_JSON_VALUES, text=st.booleans(), indent=st.booleans())
+def test_the_scan_for_booleans_never_misses_one(value, text, indent):
     """The body scan that spares the exact check says "maybe" for every JSON text
-    that holds a boolean (as bytes and as str); it may say so for others too."""
+    that holds a boolean as an array element (as bytes and as str, compact or
+    indented); it may say so for others too."""
     from trioserve.transport._v2 import _may_hold_bool
 
-    body = orjson.dumps(value)
+    body = orjson.dumps(value, option=orjson.OPT_INDENT_2 if indent else 0)
     if _holds_a_bool(value):
         assert _may_hold_bool(body.decode() if text else body)
     if b"true" not in body and b"false" not in body:
@@ -444,3 +446,27 @@ def test_an_empty_list_of_outputs_asks_for_all_of_them():
     assert req.outputs is None
     body, _ = encode_response(req, [{"y": np.zeros(2, np.float32)}], VEC)
     assert [o["name"] for o in orjson.loads(body)["outputs"]] == ["y"]
+
+
+def test_deeply_nested_data_with_a_boolean_elsewhere_is_a_400_not_a_recursion():
+    deep = "[" * 900 + "1.0" + "]" * 900
+    body = ('{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":' + deep
+            + '}],"parameters":{"a":[true]}}')
+    sig = signature([TensorSpec(name="x", datatype="FP32", shape=(-1,))])
+    with pytest.raises(InvalidInput):
+        InferRequest.from_v2_json(body.encode(), sig)
+
+
+def test_a_boolean_only_as_an_objects_value_costs_no_exact_check(monkeypatch):
+    """tritonclient sends "binary_data": true with each requested output: the data
+    is not walked for it."""
+    from trioserve.transport import _v2
+
+    walked = []
+    monkeypatch.setattr(_v2, "_holds_bool", lambda data: walked.append(1) or False)
+    parse({"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
+           "outputs": [{"name": "y", "parameters": {"binary_data": True}}]})
+    assert walked == []
+    parse({"inputs": [{"name": "x", "shape": [4], "datatype": "FP32",
+                       "data": [1, 2, 3, 4]}], "parameters": {"tags": [True]}})
+    assert walked == [1]  # a boolean in some array: the data is checked

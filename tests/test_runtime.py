@@ -813,3 +813,22 @@ async def test_a_reply_group_already_answered_returns_at_once_but_is_a_checkpoin
     group = ReplyGroup(1)
     group.replies[0].set_result("x")
     assert [o.unwrap() for o in await group.wait()] == ["x"]
+
+
+@pytest.mark.parametrize("attempt", range(4))
+async def test_a_refused_batch_never_runs_the_items_it_queued(autojump_clock, attempt):
+    """The items queued before the refusal are withdrawn before the refusal yields:
+    a batcher woken by them (the batch is full) once took them at that checkpoint,
+    so an Overloaded call had run in part (and was refunded in full)."""
+    rec = Recorder()
+    cfg = config(
+        callable_model("m", rec, max_batch_size=3, max_wait_ms=10, adaptive_limit=False),
+        queue_bound=3,
+    )
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(rt.infer, "m", item(100))  # queued: its batch waits max_wait
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(Overloaded, match="queue full"):
+            await rt.infer_batch("m", [item(1), item(2), item(3)])
+        await trio.sleep(1.0)
+    assert rec.seen == [100.0]

@@ -205,10 +205,17 @@ class Gateway:
         other coding is 415.
         """
         if content_encoding:
+            # Only for a known tenant (a few KiB may inflate to the body limit), and
+            # counted as any answer is.
+            tenant = ANONYMOUS
             try:
+                tenant = self.auth.tenant(authorization)
                 body = decode_body(body, content_encoding, self.server_config.max_body_bytes)
             except TrioserveError as exc:
-                return error_answer(exc)
+                answer = error_answer(exc)
+                label = model if model in self.signatures else UNKNOWN_MODEL
+                self.requests[(label, tenant, answer[0])] += 1
+                return answer
         if idempotency_key:
             try:
                 tenant = self.auth.tenant(authorization)
@@ -246,7 +253,10 @@ class Gateway:
             if header_length is not None:
                 # digits only, as HTTP's Content-Length: int() would also take "1_0",
                 # " 10" or "+10"
-                if not (header_length.isdigit() and header_length.isascii()):
+                if not (
+                    header_length.isdigit() and header_length.isascii()
+                    and len(header_length) <= 18  # int() refuses past 4,300 digits
+                ):
                     if isinstance(header_length, bytes):
                         header_length = header_length.decode("latin-1")
                     raise InvalidInput(

@@ -629,23 +629,36 @@ def _pack(data: list[Any], dtype: np.dtype, count: int) -> np.ndarray | None:
 
 
 def _may_hold_bool(text: bytes | bytearray | str) -> bool:
-    """Whether JSON ``text`` may hold ``true`` or ``false``: False only when neither
-    word appears in it. Python's bool is an int, so the numeric conversions take a
-    boolean among numbers as 1 or 0; this spares the exact check (:func:`_holds_bool`,
-    ~7 µs per 256 values here) for the bodies that cannot hold one.
+    """Whether JSON ``text`` may hold ``true`` or ``false`` as an array element:
+    False only when neither word appears where one could (after ``[`` or ``,``, and
+    whitespace). Python's bool is an int, so the numeric conversions take a boolean
+    among numbers as 1 or 0; this spares the exact check (:func:`_holds_bool`, ~7 µs
+    per 256 values here) for the bodies that cannot hold one, including those with
+    a boolean only as an object's value (``"binary_data": true``, which tritonclient
+    sends with every requested output).
 
     Each candidate first letter is found by ``find`` (memchr); a numeric body has
     only its keys' few ``t``s and ``f``s, so 5 KiB cost ~1.4 µs and 158 KiB ~4 µs,
     where ``b"true" in text`` is ~3.4 µs for 5 KiB (the exponents' ``e`` match its
-    last letter). After 16 misses of one letter it gives up: maybe.
+    last letter). After 16 other hits of one letter it gives up: maybe.
     """
     find = text.find
-    for word in ("true", "false") if type(text) is str else (b"true", b"false"):
+    if type(text) is str:
+        words, opening, space = ("true", "false"), "[,", " \t\r\n"
+    else:
+        words, opening, space = (b"true", b"false"), b"[,", b" \t\r\n"
+    for word in words:
         first = word[:1]
         i = find(first)
         tries = 0
         while i != -1:
-            if text.startswith(word, i) or tries == 16:  # type: ignore[arg-type]
+            if text.startswith(word, i):  # type: ignore[arg-type]
+                j = i - 1
+                while j >= 0 and text[j : j + 1] in space:  # type: ignore[operator]
+                    j -= 1
+                if j < 0 or text[j : j + 1] in opening:  # type: ignore[operator]
+                    return True  # in an array (or a string: the exact check decides)
+            elif tries == 16:
                 return True
             tries += 1
             i = find(first, i + 1)
@@ -653,11 +666,17 @@ def _may_hold_bool(text: bytes | bytearray | str) -> bool:
 
 
 def _holds_bool(data: list[Any]) -> bool:
-    """Whether a boolean is among ``data``'s values (nested lists included)."""
-    kinds = set(map(type, data))
-    if bool in kinds:
-        return True
-    return list in kinds and any(_holds_bool(v) for v in data if type(v) is list)
+    """Whether a boolean is among ``data``'s values (nested lists included, however
+    deep: a stack, not recursion)."""
+    stack = [data]
+    while stack:
+        values = stack.pop()
+        kinds = set(map(type, values))
+        if bool in kinds:
+            return True
+        if list in kinds:
+            stack.extend(v for v in values if type(v) is list)
+    return False
 
 
 def _json_kind(arr: np.ndarray) -> str:
