@@ -738,7 +738,10 @@ class Cache:
 
     def raw_key(self, model: str, version: str, tenant: str, raw: bytes) -> CacheKey | None:
         """The key of an encoded request (a wire body, as bytes) by ``tenant``: for an
-        edge that keeps whole encoded answers. Never equal to a :meth:`key`."""
+        edge that keeps whole encoded answers. Never equal to a :meth:`key`. Always in
+        the tenant's own namespace, even for a shareable model: the body holds a
+        request class, which each tenant must be checked for (the item cache behind
+        still shares the computed values)."""
         rule = self.rule(model)
         if not rule.enabled:
             return None
@@ -748,7 +751,7 @@ class Cache:
             digest: Any = (_RAW, raw)
         else:
             digest = (_RAW_DIGEST, hashlib.blake2b(raw, digest_size=16).digest())
-        return CacheKey(namespace_for(tenant, shareable=rule.shareable), model, version, digest)
+        return CacheKey(namespace_for(tenant, shareable=False), model, version, digest)
 
     @staticmethod
     def key_bytes(key: CacheKey) -> int:

@@ -54,6 +54,12 @@ def _kept(value: Any, *, detach: bool = True) -> Any:
     return value
 
 
+def _own(value: Any) -> Any:
+    """A caller's own mapping of a shared answer (its arrays stay shared, read-only):
+    a caller that changes its dict must not change what later callers get."""
+    return dict(value) if type(value) is dict else value
+
+
 class CacheActor(Actor):
     """Owns a :class:`Cache` (None: no result cache, coalescing only) and a
     :class:`SingleFlight` table. ``rules`` say per model whether it is cached or
@@ -109,7 +115,7 @@ class CacheActor(Actor):
             hit = cache.get(key, now)  # type: ignore[union-attr]
             if hit is not None:
                 await trio.lowlevel.checkpoint()
-                return hit
+                return _own(hit)
         else:
             key = cache_key(model, version, tenant, item)
         flights = self._flights
@@ -129,7 +135,7 @@ class CacheActor(Actor):
                     self._wake.unpark_all()
             return value
 
-        return await flights.call(key, compute_and_keep)
+        return _own(await flights.call(key, compute_and_keep))
 
     async def answer_many(
         self,
@@ -166,7 +172,7 @@ class CacheActor(Actor):
                 missing[key] = where
             else:
                 for i in where:
-                    out[i] = hit
+                    out[i] = _own(hit)
         if not missing:
             await trio.lowlevel.checkpoint()
             return out
@@ -181,7 +187,7 @@ class CacheActor(Actor):
             if keep:
                 cache.put(k, value, size=answer_size(value), now=now, tenant=tenant)
             for i in missing[k]:
-                out[i] = value
+                out[i] = _own(value)
         if cache.next_expiry() < before:
             self._wake.unpark_all()
         return out

@@ -366,7 +366,14 @@ class Runtime:
         return None if key is None else (key, cache.generation(model))
 
     def cached_response(self, key: Any) -> Any:
-        return self.cache.cache.get(key[0], trio.current_time())
+        """The kept answer of ``key``, or None. A miss here is not counted: the
+        request goes on to the item cache, whose lookups count its outcome (else a new
+        request counted as two misses)."""
+        cache = self.cache.cache
+        hit = cache.get(key[0], trio.current_time())
+        if hit is None:
+            cache.policy.misses -= 1
+        return hit
 
     def keep_response(self, key: Any, answer: Any, size: int, tenant: str) -> None:
         """Keep an encoded answer, unless its model was invalidated since ``key`` was

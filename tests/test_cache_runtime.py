@@ -52,6 +52,24 @@ async def test_a_repeat_is_answered_from_the_cache(autojump_clock):
     assert not again["y"].flags.writeable  # one answer object serves many callers
 
 
+async def test_each_caller_gets_its_own_mapping_of_a_shared_answer(autojump_clock):
+    """The arrays are shared and read-only; the dict is each caller's: one that
+    changes it once changed what every later hit (and HTTP request) got."""
+    model = Counting()
+    async with trioserve.open_runtime(cfg(callable_model("m", model))) as rt:
+        first = await rt.infer("m", item(3))
+        first.pop("y")
+        first["evil"] = 1
+        again = await rt.infer("m", item(3))
+        assert set(again) == {"y"}
+        twins = await rt.infer_batch("m", [item(5), item(5), item(3)])
+        assert twins[0] is not twins[1]
+        twins[0].clear()
+        assert set(await rt.infer("m", item(5))) == {"y"}
+        assert float(twins[2]["y"][0]) == 6.0
+    assert model.seen == [3.0, 5.0]
+
+
 async def test_tenants_never_share_results_unless_the_model_is_shareable(autojump_clock):
     private, shared = Counting(), Counting()
     config = cfg(callable_model("p", private), callable_model("s", shared, cache_shared=True))
@@ -97,7 +115,8 @@ async def test_a_batch_takes_its_cached_items_from_the_cache_and_runs_the_rest_t
         outs = await rt.infer_batch("m", [item(1), item(2), item(3), item(2)])
         assert [float(o["y"][0]) for o in outs] == [3.0, 5.0, 7.0, 5.0]
         assert model.batches[1][1] == [2.0, 3.0]  # the misses, item 2 once, in one batch
-        assert outs[1] is outs[3]
+        assert outs[1] is not outs[3]  # each its own mapping ...
+        assert outs[1]["y"] is outs[3]["y"]  # ... of the one answer's arrays
         assert not outs[2]["y"].flags.writeable
         again = await rt.infer_batch("m", [item(3), item(2), item(1)])
         single = await rt.infer("m", item(2))  # the batch's answer serves single requests

@@ -247,3 +247,52 @@ async def test_the_control_plane_in_memory_with_quarts_test_client():
     assert infer.status_code == 200
     assert (await infer.get_json())["outputs"][0]["data"] == [2.0]
     assert missing.status_code == 404
+
+
+async def test_the_client_sends_again_when_the_server_closed_its_idle_connection():
+    """A server that closes a kept-alive connection (its idle timeout) is found out
+    when nothing comes back: the request goes again, once, on a new connection."""
+    import h11
+    from trioserve.transport import HttpClient
+
+    connections = 0
+
+    async def one_answer_then_close(stream):
+        nonlocal connections
+        connections += 1
+        h = h11.Connection(h11.SERVER)
+        while True:
+            event = h.next_event()
+            if event is h11.NEED_DATA:
+                h.receive_data(await stream.receive_some(65536))
+            elif type(event) is h11.EndOfMessage:
+                break
+        body = b'{"ok":true}'
+        await stream.send_all(
+            h.send(h11.Response(status_code=200, headers=[("content-length", str(len(body)))]))
+            + h.send(h11.Data(data=body)) + h.send(h11.EndOfMessage())
+        )
+        await stream.aclose()  # as an idle timeout would, later
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, one_answer_then_close, 0)
+        port = listeners[0].socket.getsockname()[1]
+        client = HttpClient(f"http://127.0.0.1:{port}")
+        try:
+            for _ in range(3):
+                res = await client.get("/v2/health/live")
+                assert (res.status, res.json()) == (200, {"ok": True})
+                assert type(res.body) is bytes
+        finally:
+            await client.aclose()
+        nursery.cancel_scope.cancel()
+    assert connections == 3
+
+
+async def test_outputs_of_an_error_response_raise_its_error(mlp_server):
+    from trioserve.transport import open_http
+
+    async with open_http(mlp_server.url) as http:
+        res = await http.infer("nope", {"x": np.zeros((1, 256), np.float32)})
+        with pytest.raises(trioserve.UnknownModel, match="HTTP 404: unknown model 'nope'"):
+            res.outputs()

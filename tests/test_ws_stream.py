@@ -176,6 +176,14 @@ async def test_a_refused_api_key_rejects_the_handshake_with_401():
         assert gw.requests[("echo", "acme", 200)] == 1
 
 
+async def test_a_class_the_tenant_may_not_use_is_forbidden_on_the_stream():
+    tenants = (trioserve.TenantConfig(name="acme", api_keys=("k1",), classes=("realtime",)),)
+    async with serving(config(echo_model(), tenants=tenants)) as gw, \
+            open_stream(gw.url, api_key="k1") as stream:
+        with pytest.raises(trioserve.Forbidden, match="may not use request class 'batch'"):
+            await stream.infer("echo", {"x": f32(1)}, parameters={"priority": "batch"})
+
+
 async def test_a_plain_get_of_the_stream_endpoint_is_426():
     from trioserve.transport import open_http
 

@@ -14,6 +14,7 @@ import attrs
 import h11
 import orjson
 import trio
+from trioserve import ModelError, TrioserveError
 
 from ._v2 import decode_outputs, dumps, encode_inputs
 
@@ -31,7 +32,19 @@ class HttpResponse:
         return orjson.loads(self.body)
 
     def outputs(self) -> dict[str, Any]:
-        """The outputs of a v2 infer response as numpy arrays (JSON or binary data)."""
+        """The outputs of a v2 infer response as numpy arrays (JSON or binary data).
+        An error response raises its trioserve error (by status) with its message."""
+        if self.status != 200:
+            from ._stream import ERROR_OF_STATUS
+
+            try:
+                message = self.json().get("error", "")
+            except (orjson.JSONDecodeError, AttributeError):
+                message = bytes(self.body[:200]).decode("utf-8", "replace")
+            cls = ERROR_OF_STATUS.get(
+                self.status, ModelError if self.status == 500 else TrioserveError
+            )
+            raise cls(f"HTTP {self.status}: {message}")
         hlen = self.headers.get("inference-header-content-length")
         if hlen is None:
             return decode_outputs(self.json())
@@ -68,6 +81,7 @@ class HttpClient:
         self._auth = b"Bearer " + api_key.encode() if api_key else None
         self._stream: trio.SocketStream | None = None
         self._h: h11.Connection | None = None
+        self._received = False  # whether the request in flight has had any answer
 
     async def connect(self) -> None:
         """Open the connection now (otherwise the first request opens it)."""
@@ -83,7 +97,21 @@ class HttpClient:
         headers: Iterable[tuple[str, str]] = (),
     ) -> HttpResponse:
         """Send one request and read its whole response. A checkpoint; cancelling it
-        closes the connection (the next request reconnects)."""
+        closes the connection (the next request reconnects). A kept-alive connection
+        the server has closed meanwhile (its idle timeout) is found out when nothing
+        comes back on it: the request is sent again once, on a new connection."""
+        reused = self._stream is not None
+        self._received = False
+        try:
+            return await self._request(method, target, body, headers)
+        except (trio.BrokenResourceError, h11.RemoteProtocolError):
+            if not reused or self._received:
+                raise
+        return await self._request(method, target, body, headers)
+
+    async def _request(
+        self, method: str, target: str, body: bytes, headers: Iterable[tuple[str, str]]
+    ) -> HttpResponse:
         await self.connect()
         stream, h = self._stream, self._h
         assert stream is not None
@@ -106,7 +134,10 @@ class HttpClient:
             while True:
                 event = h.next_event()
                 if event is h11.NEED_DATA:
-                    h.receive_data(await stream.receive_some(RECEIVE_SIZE))
+                    data = await stream.receive_some(RECEIVE_SIZE)
+                    if data:
+                        self._received = True
+                    h.receive_data(data)
                     continue
                 kind = type(event)
                 if kind is h11.Response:
@@ -124,7 +155,7 @@ class HttpClient:
         finally:
             if not ok:
                 await self.aclose()
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        body = bytes(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
         return HttpResponse(status=status, headers=rheaders, body=body)
 
     async def get(self, target: str) -> HttpResponse:

@@ -497,6 +497,9 @@ def _plain_response(status: int, headers: Headers, body: bytes) -> bytes:
 
 
 def _response(h: h11.Connection, status: int, headers: Headers, body: bytes, close: bool) -> bytes:
+    # A new list: ``headers`` may be a kept answer's (the edge cache), shared by every
+    # later hit; appending to it once made each hit say "Connection: close".
+    headers = list(headers)
     if not any(name == b"content-length" for name, _ in headers):
         headers.append((b"content-length", b"%d" % len(body)))
     if close:

@@ -27,6 +27,7 @@ from trio_websocket import (
 )
 from trioserve import (
     DeadlineExceeded,
+    Forbidden,
     InvalidInput,
     ModelError,
     Overloaded,
@@ -461,6 +462,7 @@ class _Session:
 ERROR_OF_STATUS: dict[int, type[TrioserveError]] = {
     400: InvalidInput,
     401: Unauthorized,
+    403: Forbidden,
     404: UnknownModel,
     429: QuotaExceeded,
     503: Overloaded,
