@@ -104,6 +104,13 @@ class Reply:
             self._outcome = result
         return True
 
+    @property
+    def error(self) -> BaseException | None:
+        """The error this reply was answered with and still holds (None: none, or
+        not answered, or already taken)."""
+        held = self._outcome
+        return held.error if isinstance(held, outcome.Error) else None
+
     def withdraw(self) -> None:
         """The caller no longer wants the answer: queued → cancelled (never dispatched),
         dispatched → abandoned (the answer is dropped). No-op once answered."""
@@ -161,7 +168,8 @@ class ReplyGroup:
         """Wait until every reply is answered; return their outcomes in order.
 
         A checkpoint. Cancelling it withdraws every reply not yet answered: a queued
-        one is never dispatched, a dispatched one's answer is dropped.
+        one is never dispatched, a dispatched one's answer is dropped. The answered
+        ones keep their outcomes (``Reply.error``) until withdrawn.
         """
         if self._pending:
             self._task = trio.lowlevel.current_task()
@@ -169,7 +177,8 @@ class ReplyGroup:
             def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
                 self._task = None
                 for reply in self.replies:
-                    reply.withdraw()
+                    if reply.state is not DONE:
+                        reply.withdraw()
                 return trio.lowlevel.Abort.SUCCEEDED
 
             await trio.lowlevel.wait_task_rescheduled(abort)

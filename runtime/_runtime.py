@@ -271,9 +271,14 @@ class Runtime:
             try:
                 answers = await group.wait()
             except trio.Cancelled:
-                # the caller left: the items still queued were withdrawn, never ran
-                withdrawn = [r for r in requests if r.reply.state is CANCELLED]
-                self._refund_unrun(tenant, withdrawn, taken)
+                # the caller left: the items still queued were withdrawn, and those
+                # answered meanwhile as pushed out or expired queued never ran either
+                unrun = [
+                    r for r in requests
+                    if r.reply.state is CANCELLED
+                    or ((e := r.reply.error) is not None and _never_ran(e))
+                ]
+                self._refund_unrun(tenant, unrun, taken)
                 raise
             results: list[Any] = []
             first_error: BaseException | None = None

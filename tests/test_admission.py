@@ -555,6 +555,43 @@ async def test_a_request_its_caller_withdraws_while_queued_is_not_charged(
     assert gate.seen == [1.0]
 
 
+async def test_a_batch_whose_caller_leaves_is_refunded_for_its_items_pushed_out(
+    autojump_clock, gate
+):
+    """One item of a's batch is pushed out by b, then a leaves with the other still
+    queued: neither ran, so both come back (the pushed-out one's answer had been
+    dropped with the caller's withdrawal, and its credits with it)."""
+    model = callable_model(
+        "m", gate, execution="thread", max_batch_size=1, max_wait_ms=0, timeout_ms=None,
+        adaptive_limit=False,
+    )
+    cfg = tenancy(
+        TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=10.0),
+        TenantConfig(name="b"),
+        model=model,
+        queue_bound=2,
+    )
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(functools.partial(rt.infer, "m", item(1)))
+        await trio.testing.wait_all_tasks_blocked()  # item 1 holds the only replica
+        with trio.move_on_after(0.5) as scope:
+            async with trio.open_nursery() as inner:
+                inner.start_soon(functools.partial(rt.infer_batch, "m", [item(2), item(3)]))
+                await trio.testing.wait_all_tasks_blocked()
+                inner.start_soon(functools.partial(rt.infer, "m", item(4), tenant="b"))
+                await trio.testing.wait_all_tasks_blocked()
+                flows = rt.statistics()["m"]["flows"]
+                assert flows["a/realtime"]["queued"] == 1  # item 3 was pushed out
+                assert flows["b/realtime"]["queued"] == 1
+        assert scope.cancelled_caught
+        assert rt.credits_used["a"] == 1
+        assert rt.credits_refunded["a"] == 2
+        assert available(rt) == pytest.approx(9.0 + (trio.current_time() - t0))
+        gate.release()
+    assert gate.seen == [1.0]
+
+
 async def test_a_request_whose_caller_leaves_after_dispatch_stays_charged(autojump_clock, gate):
     async with trioserve.open_runtime(_held(gate)) as rt:
         with trio.move_on_after(0.5) as scope:
