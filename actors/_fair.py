@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import heapq
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -419,6 +419,43 @@ class FairQueue:
             self._seq += 1
             heapq.heappush(self._expiry, (request.deadline, self._seq, request))
 
+    def offer_all(self, requests: Sequence[Request], now: float) -> None:
+        """Queue the requests of one call, in order, or none of them: on a refusal the
+        ones already queued are withdrawn, the whole call is counted as shed, and the
+        refusal is raised.
+
+        An idle queue takes a whole call whatever the adaptive limit. The call is
+        within the bound (the runtime checks that), and a call larger than the limit
+        would otherwise be refused for as long as nothing else is dispatched, since
+        only dispatches raise the limit.
+        """
+        n = len(requests)
+        if n > self._capacity and self._count == self._dead:
+            self._capacity = min(n, self.bound)
+        done = 0
+        try:
+            for request in requests:
+                self.offer(request, now)
+                done += 1
+        except Overloaded:
+            for request in requests[:done]:
+                request.reply.withdraw()
+            # one call: one tenant and class; offer counted the refused request's shed
+            first = requests[0]
+            c = self._rank.get(first.priority, len(self.classes) - 1)
+            stats = self._stats(first.tenant, self.classes[c].name)
+            stats.admitted -= done
+            stats.shed += n - 1
+            raise
+        finally:
+            self._update_capacity()
+
+    def most_queued(self, tenant: str) -> int:
+        """The most requests ``tenant`` may ever have queued here (its share of the
+        bound)."""
+        share = self.shares.get(tenant, 1.0)
+        return self.bound if share >= 1.0 else max(1, int(share * self.bound))
+
     def _admit(self, request: Request, tenant: str, c: int, now: float) -> None:
         share = self.shares.get(tenant, 1.0)
         if share < 1.0 and self._tenant_count[tenant] >= max(1, int(share * self.bound)):
@@ -587,6 +624,17 @@ class FairQueue:
         self._cost[c][tenant] -= req.cost
         self._total_cost -= req.cost
         self._stats(tenant, self.classes[c].name).queued -= 1
+
+    def withdrawn_at_deadline(self, request: Request, now: float) -> None:
+        """``request``'s caller withdrew it, queued, because its own deadline passed
+        (its cancel scope fired before the queue passed it): count it expired, a
+        congestion signal, as the queue's own expiries are."""
+        c = self._rank.get(request.priority, len(self.classes) - 1)
+        self.expired += 1
+        self._stats(request.tenant, self.classes[c].name).expired += 1
+        if self.limit is not None:
+            self.limit.on_congestion(now)
+            self._update_capacity()
 
     def _expired(self, request: Request, c: int, now: float, *, in_flow: bool = False) -> None:
         """Answer (or, for a caller's deadline, withdraw) an expired request;

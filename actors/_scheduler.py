@@ -71,6 +71,35 @@ class SchedulerActor(Actor):
             if n == 1 or n >= self._max_size or getattr(policy.limits, "max_tokens", None):
                 idle.unpark_all()
 
+    def submit_all_nowait(self, requests: list[Request]) -> None:
+        """Admit the requests of one call (one tenant and class, one deadline), all or
+        none, as :meth:`submit_nowait` admits one; wakes idle batchers once."""
+        if self._closed:
+            raise ActorClosed(f"model {self.model!r}: the runtime is shut down")
+        if not requests:
+            return
+        policy = self.policy
+        was = len(policy)
+        offer_all = getattr(policy, "offer_all", None)
+        try:
+            if offer_all is not None:
+                offer_all(requests, requests[0].arrival)
+            else:
+                for request in requests:
+                    policy.offer(request, request.arrival)
+        except Overloaded:
+            raise
+        except Exception as exc:
+            raise ActorBroken(f"model {self.model!r}: the scheduler failed to queue it") from exc
+        first = requests[0]
+        if first.deadline < self._wake_at and first.answer_expiry:
+            self._timer.unpark_all()
+        idle = self._idle
+        if idle:
+            n = len(policy)
+            if not was or n >= self._max_size or getattr(policy.limits, "max_tokens", None):
+                idle.unpark_all()
+
     # ---- batchers
     async def pull(self) -> list[Request]:
         """Wait for the next closed batch (each request already DISPATCHED).

@@ -653,8 +653,9 @@ def _check_call(
             and sc.oversize == "reject"
             and any(it.cost > sc.max_batch_tokens for it in call.items)
         ) or (
-            # more items than the queue ever holds: refused before any of them ran
-            len(call.items) > sc.queue_bound and not mine
+            # more items than the queue ever holds (for this tenant): refused before
+            # any of them ran
+            len(call.items) > _most_queued(sc, call.tenant) and not mine
         )
     elif isinstance(exc, Forbidden):
         allowed = sc.tenants[call.tenant].classes
@@ -663,6 +664,13 @@ def _check_call(
         raise InvariantViolation(
             "outcome", f"{who} raised {name}: {exc} — not an outcome its situation allows"
         )
+
+
+def _most_queued(sc: Scenario, tenant: int) -> int:
+    share = sc.tenants[tenant].queue_share
+    if share >= 1.0:
+        return sc.queue_bound
+    return max(1, int(share * sc.queue_bound))
 
 
 def _timeout_ms(sc: Scenario, call: Call) -> float | None:

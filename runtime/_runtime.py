@@ -183,7 +183,7 @@ class Runtime:
             tenant, priority = self._classify(tenant, priority)
             if not isinstance(items, Mapping) and not hasattr(items, "__len__"):
                 items = list(items)  # any iterable of items, as before
-            self._check_count(model, items)
+            self._check_count(served, items, tenant)
             if isinstance(items, Mapping):
                 prepared = served.backend.prepare_rows(model, items)
                 items = [item for item, _ in prepared]
@@ -211,10 +211,14 @@ class Runtime:
             )
         return await self._submit_all(served, prepared, tenant, priority)
 
-    def _check_count(self, model: str, items: Sequence[Any] | Mapping[str, Any]) -> None:
-        """Refuse more items in one call than a queue ever holds, before any per-item
-        work: they could never be admitted together, and a batch dimension of items
-        of size zero costs nothing to send (``[1000000000, 0]`` is a few bytes)."""
+    def _check_count(
+        self, served: ServedModel, items: Sequence[Any] | Mapping[str, Any], tenant: str
+    ) -> None:
+        """Refuse more items in one call than the queue ever holds for the tenant (the
+        bound, or the tenant's share of it), before any per-item work: they could
+        never be admitted together, so no retry could help, and a batch dimension of
+        items of size zero costs nothing to send (``[1000000000, 0]`` is a few
+        bytes)."""
         if isinstance(items, Mapping):
             n = max(map(_leading, items.values()), default=0)
         else:
@@ -222,8 +226,15 @@ class Runtime:
         bound = self.config.runtime.queue_bound
         if n > bound:
             raise InvalidInput(
-                f"model {model!r}: {n} items in one request; at most {bound} "
-                "(the queue's bound, runtime.queue_bound)"
+                f"model {served.config.name!r}: {n} items in one request; at most "
+                f"{bound} (the queue's bound, runtime.queue_bound)"
+            )
+        most = served.scheduler.policy.most_queued(tenant)
+        if n > most:
+            raise InvalidInput(
+                f"model {served.config.name!r}: {n} items in one request; tenant "
+                f"{tenant!r} may queue at most {most} (its queue_share of "
+                f"runtime.queue_bound, {bound})"
             )
 
     async def _submit_all(
@@ -256,13 +267,20 @@ class Runtime:
         self._in_flight += 1
         try:
             try:
-                for req in requests:
-                    served.scheduler_for(req.cost).submit_nowait(req)
-                    submitted += 1
+                scheduler = served.scheduler
+                if served.slow_scheduler is None or all(
+                    served.scheduler_for(r.cost) is scheduler for r in requests
+                ):
+                    scheduler.submit_all_nowait(requests)
+                    submitted = len(requests)
+                else:  # split between the lanes
+                    for req in requests:
+                        served.scheduler_for(req.cost).submit_nowait(req)
+                        submitted += 1
             except BaseException as exc:
                 # none of them will run: withdraw those queued before anything (a
                 # batcher, at the checkpoint below) can take them
-                for reply in replies[:submitted]:
+                for reply in replies:
                     reply.withdraw()
                 self._refund(tenant, sum(c for _, c in prepared), taken)
                 if isinstance(exc, TrioserveError):
@@ -279,6 +297,7 @@ class Runtime:
                     or ((e := r.reply.error) is not None and _never_ran(e))
                 ]
                 self._refund_unrun(tenant, unrun, taken)
+                _note_withdrawal(requests)
                 raise
             results: list[Any] = []
             first_error: BaseException | None = None
@@ -465,6 +484,8 @@ class Runtime:
             tenant = self._default_tenant
             if tenant is None:
                 raise Unauthorized("no tenant given and no default tenant is configured")
+        elif type(tenant) is not str and not isinstance(tenant, str):
+            raise InvalidInput(f"a tenant is named by a string, got {tenant!r}")
         classes = self._tenant_classes.get(tenant)
         if classes is None:
             raise Unauthorized(
@@ -473,7 +494,7 @@ class Runtime:
         default, allowed = classes
         if priority is None:
             return tenant, default
-        if priority not in self._classes:
+        if not isinstance(priority, str) or priority not in self._classes:
             level = self._class_of_level(priority)
             if level is None:
                 return tenant, default
@@ -487,8 +508,11 @@ class Runtime:
 
     def _class_of_level(self, priority: Any) -> str | None:
         level = priority
-        if isinstance(level, str) and level.isdigit():
-            level = int(level)
+        if isinstance(level, str):
+            if level.isascii() and level.isdigit():
+                digits = level.lstrip("0") or "0"
+                # past the last class either way (and int() refuses 4,300 digits)
+                level = int(digits) if len(digits) <= 18 else len(self._class_order) + 1
         elif not isinstance(level, bool | int) and hasattr(type(level), "__index__"):
             try:
                 level = operator.index(level)  # a numpy integer, say
@@ -620,6 +644,7 @@ class Runtime:
                 except trio.Cancelled:
                     if reply.state is CANCELLED:  # withdrawn while queued: never ran
                         self._refund(tenant, cost, taken)
+                        _note_withdrawal([request])
                     raise
         except TrioserveError as exc:
             # Admitted, then pushed out of a full queue by another tenant, or expired
@@ -944,6 +969,23 @@ async def _start_model(
 
 
 __all__ = ["Runtime", "ServedModel", "open_runtime"]
+
+
+def _note_withdrawal(requests: Sequence[Request]) -> None:
+    """The caller of ``requests`` (one deadline) left: if it left because their
+    deadline passed, those it withdrew from a queue are that queue's expiries, as if
+    the queue had answered them. (The queue's own expiry withdraws a request too,
+    but counts it and clears its ``on_cancel`` first.)"""
+    now = trio.current_time()
+    if not requests or now < requests[0].deadline:
+        return
+    for r in requests:
+        reply = r.reply
+        if reply.state is CANCELLED:
+            queue = getattr(reply.on_cancel, "__self__", None)
+            note = getattr(queue, "withdrawn_at_deadline", None)
+            if note is not None:
+                note(r, now)
 
 
 def _never_ran(exc: BaseException) -> bool:

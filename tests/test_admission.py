@@ -268,6 +268,42 @@ def test_queue_full_message_counts_only_live_requests():
         q.offer(req("a"), 0.0)
 
 
+def test_a_call_is_queued_whole_or_not_at_all_and_a_refusal_counts_it_shed():
+    q = queue(8)
+    fill(q, "a", 5)
+    call = [req("a") for _ in range(4)]
+    with pytest.raises(Overloaded, match=r"queue full \(8 requests waiting\)"):
+        q.offer_all(call, 0.0)  # three fit, the fourth does not
+    assert [r.reply.state for r in call[:3]] == [RequestState.CANCELLED] * 3
+    assert len(q) == 5
+    stats = q.stats["a", "default"]  # the three withdrawn again are not admitted
+    assert (stats.admitted, stats.shed) == (5, 4)
+    q.offer_all(call2 := [req("a") for _ in range(3)], 0.0)
+    assert len(q) == 8
+    assert all(r.reply.state is QUEUED for r in call2)
+    assert (stats.admitted, stats.shed) == (8, 4)
+
+
+# Regression: once the adaptive limit was down to its floor, a call of more items
+# than the limit was refused 503 for as long as nothing else was dispatched (only
+# dispatches raise the limit), though the queue was empty.
+def test_an_idle_queue_takes_a_call_larger_than_the_adaptive_limit():
+    q = FairQueue(BatchLimits(max_size=2), bound=64, model="m", min_limit=4)
+    now = 0.0
+    while q.limit.value > 4:  # expiries in the queue drove it to its floor
+        now += 1.0
+        q.limit.on_congestion(now)
+    q._update_capacity()
+    assert q.capacity() == 4
+    call = [req("a") for _ in range(10)]
+    q.offer_all(call, now)
+    assert len(q) == 10
+    assert q.capacity() == 4  # the limit itself is unchanged
+    with pytest.raises(Overloaded):  # not idle now: the limit holds
+        q.offer_all([req("a") for _ in range(2)], now)
+    assert len(q) == 10
+
+
 # Regression: the estimated wait once counted withdrawn entries not yet compacted.
 def test_withdrawn_requests_do_not_count_in_the_estimated_wait():
     q = _measured()  # 2 units/s
@@ -312,9 +348,17 @@ async def test_unknown_tenants_and_classes_and_forbidden_classes_are_refused(aut
             r"\(or an integer level, 1 = highest\)$",
         ):
             await rt.infer("m", item(1), tenant="a", priority="urgent")
-        for bad in (-1, True, "1.5"):
+        # "²" and "١" are str.isdigit() but no level; unhashable values are no names
+        for bad in (-1, True, "1.5", "\u00b2", "\u0661", ["batch"], {"c": 1}, 1.0):
             with pytest.raises(InvalidInput, match="unknown request class"):
                 await rt.infer("m", item(1), tenant="a", priority=bad)
+            with pytest.raises(InvalidInput, match="unknown request class"):
+                await rt.infer_batch("m", [item(1)], tenant="a", priority=bad)
+        for bad in (["a"], {"a": 1}, 7, b"a"):
+            with pytest.raises(InvalidInput, match=r"^a tenant is named by a string, got "):
+                await rt.infer("m", item(1), tenant=bad)
+            with pytest.raises(InvalidInput, match=r"^a tenant is named by a string"):
+                await rt.infer_batch("m", [item(1)], tenant=bad)
         with pytest.raises(
             Forbidden,
             match=r"^tenant 'b' may not use request class 'realtime'; allowed: batch$",
@@ -323,6 +367,25 @@ async def test_unknown_tenants_and_classes_and_forbidden_classes_are_refused(aut
         with pytest.raises(Forbidden):
             await rt.infer("m", item(1), tenant="b", priority=1)  # level 1 is realtime
         assert flow_stats(rt) == {}  # nothing reached the queue
+
+
+async def test_a_call_of_more_items_than_the_tenants_queue_share_is_invalid(autojump_clock):
+    """It could never be queued whole, so it is a 400, not a 429 no retry cures; a
+    call within the share is served."""
+    cfg = tenancy(
+        TenantConfig(name="a", default=True, queue_share=0.25), TenantConfig(name="b"),
+        queue_bound=16,
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(
+            InvalidInput,
+            match=r"^model 'm': 5 items in one request; tenant 'a' may queue at most 4 "
+            r"\(its queue_share of runtime.queue_bound, 16\)$",
+        ):
+            await rt.infer_batch("m", [item(i) for i in range(5)])
+        assert flow_stats(rt) == {}  # refused before anything was queued
+        assert len(await rt.infer_batch("m", [item(i) for i in range(4)])) == 4
+        assert len(await rt.infer_batch("m", [item(i) for i in range(5)], tenant="b")) == 5
 
 
 @pytest.mark.parametrize(
@@ -338,6 +401,9 @@ async def test_unknown_tenants_and_classes_and_forbidden_classes_are_refused(aut
         ("b", "2", "batch"),
         ("a", 3, "realtime"),  # past the last level: the tenant's default, as Triton
         ("b", 9, "batch"),
+        ("a", "0002", "batch"),
+        ("b", "9" * 5000, "batch"),  # past the last, however many digits (int() refuses)
+        ("a", "0" * 5000 + "2", "batch"),
         ("a", "batch", "batch"),
         (None, None, "realtime"),  # the default tenant, a
     ],
@@ -551,6 +617,41 @@ async def test_a_request_its_caller_withdraws_while_queued_is_not_charged(
         assert scope.cancelled_caught
         assert rt.credits_used["a"] == 1
         assert available(rt) == pytest.approx(9.0 + (trio.current_time() - t0))
+        gate.release()
+    assert gate.seen == [1.0]
+
+
+# Regression: a request whose caller's own deadline (a cancel scope; over HTTP,
+# timeout_ms) passed while it was queued was withdrawn uncounted: neither expired
+# nor a congestion signal for the adaptive limit, unlike one the queue answers 504.
+async def test_a_request_withdrawn_at_its_callers_deadline_is_counted_expired(
+    autojump_clock, gate
+):
+    model = callable_model(
+        "m", gate, execution="thread", max_batch_size=1, max_wait_ms=0, timeout_ms=None
+    )
+    cfg = tenancy(TenantConfig(name="a", default=True), model=model, queue_bound=64)
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(rt.infer, "m", item(1)))
+        await trio.testing.wait_all_tasks_blocked()  # item 1 holds the only replica
+        limit = rt.statistics()["m"]["admission_limit"]
+        with trio.move_on_after(0.5):
+            await rt.infer("m", item(2))
+        with trio.move_on_after(0.5):
+            await rt.infer_batch("m", [item(3), item(4)])
+        flow = rt.statistics()["m"]["flows"]["a/realtime"]
+        assert (flow["expired"], flow["queued"]) == (3, 0)
+        assert rt.statistics()["m"]["admission_limit"] < limit
+        with trio.CancelScope() as scope:  # a caller leaving before its deadline
+
+            async def leave():
+                await trio.testing.wait_all_tasks_blocked()
+                scope.cancel()
+
+            nursery.start_soon(leave)
+            await rt.infer("m", item(5))
+        assert scope.cancelled_caught
+        assert rt.statistics()["m"]["flows"]["a/realtime"]["expired"] == 3
         gate.release()
     assert gate.seen == [1.0]
 

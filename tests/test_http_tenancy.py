@@ -64,6 +64,7 @@ async def test_the_tenant_is_the_api_keys_never_the_bodys(gw):
         ({"priority": 2}, "batch"),
         ({"priority": 9}, "realtime"),  # past the last level: the default, as Triton
         ({"priority": 0}, "realtime"),  # the tenant's default
+        ({"priority": "9" * 5000}, "realtime"),  # past the last, however long
     ],
 )
 async def test_the_class_comes_from_parameters(gw, params, cls):
@@ -79,6 +80,7 @@ async def test_the_class_comes_from_parameters(gw, params, cls):
         ({"priority": -1}, "parameters.priority must be a class name or a level >= 0"),
         ({"class": "batch", "priority": "realtime"}, "disagree"),
         ({"class": 3}, "parameters.class must be a class name"),
+        ({"priority": "\u00b2"}, "unknown request class '\u00b2'"),  # isdigit(), no level
     ],
 )
 async def test_a_bad_class_is_400_naming_the_problem(gw, params, message):
