@@ -1,10 +1,11 @@
 """The cache actor: the result cache and in-flight coalescing in front of the
 schedulers.
 
-``answer(model, version, tenant, item, compute)`` returns a cached result at once, or
-joins an identical request already in flight, or runs ``compute()`` once for every
-concurrent caller of that key (in the actor's own nursery, so a caller leaving does
-not cancel it for the others) and caches what it returns.
+``answer(model, version, tenant, item, compute, priority=)`` returns a cached result
+at once, or joins an identical request of the same tenant and class already in flight,
+or runs ``compute()`` once for every concurrent caller of that key (in the actor's own
+nursery, so a caller leaving does not cancel it for the others) and caches what it
+returns.
 ``answer_many(model, version, tenant, items, compute)`` does the same for several items
 at once (``Runtime.infer_batch``): the cached ones from the cache, the others computed
 together, each distinct one once. The actor's task also drops expired entries as their
@@ -105,8 +106,17 @@ class CacheActor(Actor):
         tenant: str,
         item: Any,
         compute: Callable[[], Awaitable[Any]],
+        *,
+        priority: str | None = None,
     ) -> Any:
-        """The answer for ``item``: cached, joined, or computed once. A checkpoint."""
+        """The answer for ``item``: cached, joined, or computed once. A checkpoint.
+
+        A request joins only a flight of its own tenant and class (``priority``): the
+        flight runs with its first caller's class, credits and deadline, which a
+        caller of another class or tenant must not inherit (a realtime request would
+        wait behind a batch one's queue, or for another tenant's credits). The cached
+        answer, once kept, is shared as the model's rule says.
+        """
         cache = self.cache
         rule = cache.rule(model) if cache is not None else CacheRule(enabled=False)
         if rule.enabled:
@@ -135,7 +145,7 @@ class CacheActor(Actor):
                     self._wake.unpark_all()
             return value
 
-        return _own(await flights.call(key, compute_and_keep))
+        return _own(await flights.call((key, tenant, priority), compute_and_keep))
 
     async def answer_many(
         self,

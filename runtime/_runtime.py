@@ -137,6 +137,7 @@ class Runtime:
             return await self.cache.answer(
                 model, version or served.config.versions[0], tenant, item,
                 lambda: self._infer_prepared(served, item, cost, tenant, priority),
+                priority=priority,
             )
         return await self._infer_prepared(served, item, cost, tenant, priority)
 

@@ -193,6 +193,37 @@ async def test_identical_requests_in_flight_share_one_computation(capacity):
     assert stats["computations"] == 1
 
 
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_request_joins_only_a_flight_of_its_own_tenant_and_class(shared):
+    """A flight runs with its first caller's class, deadline and credits: a realtime
+    request must not wait in a batch request's place, nor a tenant for another's
+    credits, even where the model's answers are shared."""
+    model = Counting(gated=True)
+    config = cfg(
+        callable_model(
+            "m", model, execution="thread", coalesce=True, max_wait_ms=0,
+            cache_shared=shared,
+        ),
+        capacity=1 << 20 if shared else 0,  # shared: the cache's one namespace
+    )
+    try:
+        async with trioserve.open_runtime(config) as rt:
+            async with trio.open_nursery() as nursery:
+                for tenant, priority in [
+                    ("a", "batch"), ("a", "realtime"), ("b", "batch"), ("a", "batch"),
+                ]:
+                    nursery.start_soon(
+                        lambda t=tenant, p=priority: rt.infer("m", item(5), tenant=t, priority=p)
+                    )
+                    await trio.testing.wait_all_tasks_blocked()
+                model.release.set()
+            stats = rt.cache_statistics()
+    finally:
+        model.release.set()
+    assert model.seen == [5.0] * 3
+    assert (stats["computations"], stats["coalesced"]) == (3, 1)  # a's second batch one
+
+
 class Stacking:
     """A model answering each item with a row (a view) of one array for its batch, as
     torch models and the worker processes do."""
