@@ -164,3 +164,65 @@ async def test_the_store_holds_at_most_max_keys(autojump_clock):
     for i in range(5):
         await store.run(i, b"x", ok)
     assert len(store) == 3
+
+
+# Regression: an answer outlived its window while an older key was still running
+# (expiry stopped at the first entry in insertion order, which had no expiry yet),
+# so a repeat was replayed, and the key with another body refused 422.
+async def test_an_answer_expires_on_time_while_an_older_key_runs(autojump_clock):
+    store = IdempotencyStore(window=1.0, max_keys=100)
+    runs = []
+
+    async def slow():
+        await trio.sleep(4.0)
+        return 200, JSON, b"{}"
+
+    def answering(tag):
+        async def answer():
+            runs.append(tag)
+            return 200, JSON, tag.encode()
+
+        return answer
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.run, "old", b"o", slow)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await store.run("k", b"x", answering("first")))[2] == b"first"
+        await trio.sleep(2.0)  # k's window has passed; "old" still runs
+        assert (await store.run("k", b"x", answering("again")))[2] == b"again"
+        assert (await store.run("k2", b"y", answering("y")))[0] == 200
+        await trio.sleep(2.0)
+        assert (await store.run("k2", b"z", answering("z")))[2] == b"z"  # another body
+    assert runs == ["first", "again", "y", "z"]
+
+
+# Regression: max_keys evicted the oldest entry even while it ran, so its repeat ran
+# the model a second time.
+async def test_a_key_still_running_is_never_evicted(autojump_clock):
+    store = IdempotencyStore(window=60.0, max_keys=2)
+    runs = []
+
+    async def slow():
+        runs.append("slow")
+        await trio.sleep(1.0)
+        return 200, JSON, b"slow"
+
+    async def ok():
+        runs.append("ok")
+        return 200, JSON, b"{}"
+
+    got = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.run, "K", b"x", slow)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(3):
+            await store.run(i, b"x", ok)
+        assert len(store) == 3  # K running, and the two newest answers
+
+        async def repeat():
+            got.append(await store.run("K", b"x", ok))
+
+        nursery.start_soon(repeat)
+    assert runs == ["slow", "ok", "ok", "ok"]
+    assert got[0][2] == b"slow"
+    assert len(store) == 2

@@ -4,8 +4,10 @@ An infer request sent with ``Idempotency-Key: K`` is answered once per (tenant, 
 version, K) within ``window`` seconds: a repeat while the first is running waits for
 it; a repeat after it gets the same status and body, with ``Idempotent-Replayed:
 true``. The same key with a different body is 422. Answers that invite a retry (429,
-5xx) are not kept, so the retry runs. The store holds at most ``max_keys`` entries
-(the oldest go first) and forgets an entry ``window`` seconds after its answer.
+5xx) are not kept, so the retry runs. The store keeps at most ``max_keys`` answers
+(the oldest go first) and forgets each ``window`` seconds after it was given. Keys
+still running are held apart and never evicted (they are as many as the requests in
+flight): evicting one let its repeat run the model a second time.
 """
 
 from __future__ import annotations
@@ -34,24 +36,26 @@ class IdempotencyStore:
     def __init__(self, *, window: float = 60.0, max_keys: int = 10_000) -> None:
         self.window = window
         self.max_keys = max_keys
-        self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
+        self._running: dict[Any, _Entry] = {}
+        #: answered entries, in the order they were answered (so of their expiry)
+        self._answered: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self.replayed = 0
         self.waiting = 0  # repeats waiting for the first of their key to be answered
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._running) + len(self._answered)
 
     @staticmethod
     def digest(body: bytes) -> bytes:
         return hashlib.blake2b(body, digest_size=16).digest()
 
     def _expire(self, now: float) -> None:
-        entries = self._entries
-        while entries:
-            e = next(iter(entries.values()))
-            if len(entries) <= self.max_keys and e.expires > now:
-                break  # (one still running has no expiry yet: it holds the line)
-            entries.popitem(last=False)
+        answered = self._answered
+        while answered:
+            e = next(iter(answered.values()))
+            if len(answered) <= self.max_keys and e.expires > now:
+                break
+            answered.popitem(last=False)
 
     async def run(
         self, key: Any, body: bytes, answer: Callable[[], Awaitable[Answer]]
@@ -62,7 +66,7 @@ class IdempotencyStore:
         while True:
             now = trio.current_time()
             self._expire(now)
-            entry = self._entries.get(key)
+            entry = self._running.get(key) or self._answered.get(key)
             if entry is None:
                 break
             if entry.digest != digest:
@@ -79,9 +83,7 @@ class IdempotencyStore:
             finally:
                 self.waiting -= 1
         entry = _Entry(digest=digest)
-        self._entries[key] = entry
-        while len(self._entries) > self.max_keys:
-            self._entries.popitem(last=False)
+        self._running[key] = entry
         try:
             result = await answer()
         except BaseException:
@@ -90,12 +92,15 @@ class IdempotencyStore:
         if result[0] == 429 or result[0] >= 500:
             self._forget(key, entry)  # worth retrying: keep nothing
         else:
+            del self._running[key]
             entry.answer = result
             entry.expires = trio.current_time() + self.window
+            self._answered[key] = entry
+            self._expire(trio.current_time())  # over max_keys: the oldest answer goes
             entry.done.set()
         return result
 
     def _forget(self, key: Any, entry: _Entry) -> None:
-        if self._entries.get(key) is entry:
-            del self._entries[key]
+        if self._running.get(key) is entry:
+            del self._running[key]
         entry.done.set()
