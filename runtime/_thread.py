@@ -72,6 +72,21 @@ class Client:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
             raise ActorClosed("the runtime is shut down") from None
+        except (trio.Cancelled, BaseExceptionGroup) as exc:
+            # Calls run as trio system tasks, which trio cancels once the runtime's
+            # main task has returned: a call still waiting then (for its tenant's
+            # credits, say) ends in Cancelled. In this thread that cancels nothing of
+            # ours; it is the shutdown overtaking the call.
+            if isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is not None:
+                raise
+            raise ActorClosed("the runtime shut down before this call was answered") from None
+
+    def _check_open(self) -> None:
+        """Refuse a call that arrives once the runtime is closing, before it yields:
+        after the runtime's main task has returned, trio runs the call cancelled, and
+        its first checkpoint would raise Cancelled instead of ActorClosed."""
+        if self.runtime.closed:
+            raise ActorClosed("the runtime is shut down")
 
     async def _stats(self) -> dict[str, Any]:
         return self.runtime.statistics()
@@ -81,6 +96,7 @@ class Client:
         limit: float | None,
     ) -> dict[str, Any]:
         # ``limit`` is the blocking caller's timeout, turned into a cancel scope here.
+        self._check_open()
         infer = self.runtime.infer
         if limit is None:
             return await infer(model, inputs, tenant=tenant, priority=priority, version=version)
@@ -92,6 +108,7 @@ class Client:
         self, model: str, items: list[Any], tenant: Any, priority: Any, version: Any,
         limit: float | None,
     ) -> list[Any]:
+        self._check_open()
         results: list[Any] = [None] * len(items)
 
         async def one(i: int) -> None:
@@ -117,7 +134,8 @@ def serve_in_thread(config: Config | None = None) -> Iterator[Client]:
     """Run the runtime on a background trio thread; yield a blocking :class:`Client`.
 
     Leaving the block shuts the runtime down: requests in flight are answered or
-    failed (ActorClosed), and later calls raise ActorClosed. Never hangs.
+    failed (ActorClosed), and later calls raise ActorClosed, as does a call that the
+    shutdown overtakes. Never hangs.
     """
     if config is None:
         config = load_config()

@@ -3,13 +3,25 @@ plain threads call it. These tests are synchronous and use the real clock."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
+import trio
+import trio.testing
 import trioserve
 from runtime_helpers import Gate, Recorder, callable_model, config, item
-from trioserve import ActorClosed, ConfigError, DeadlineExceeded, InvalidInput, ModelConfig
+from trioserve import (
+    ActorClosed,
+    ClassConfig,
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelConfig,
+    TenantConfig,
+)
 
 
 @pytest.fixture
@@ -113,6 +125,84 @@ def test_calls_after_the_block_raise_actor_closed():
         client.infer("echo", {"x": [1.0]})
     with pytest.raises(ActorClosed):
         client.infer_many("echo", [{"x": [1.0]}])
+
+
+def outcome_of(call) -> object:
+    """What ``call()`` returned or raised, BaseExceptions included."""
+    try:
+        return call()
+    except BaseException as exc:
+        return exc
+
+
+def test_a_call_as_the_runtime_thread_ends_raises_actor_closed(monkeypatch):
+    # Client calls run as trio system tasks, which trio cancels once the runtime's
+    # main task has returned. A call arriving then is refused before it yields; it
+    # used to reach a checkpoint under that cancellation and raise trio.Cancelled in
+    # the calling thread.
+    cfg = config(ModelConfig(name="echo", backend="echo"))
+    clients = []
+    late: list[object] = []
+    real_open_runtime = trioserve._thread.open_runtime
+
+    async def call_as_the_run_ends() -> None:
+        answered = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def call() -> None:
+            late.append(outcome_of(lambda: clients[0].infer("echo", {"a": [1]})))
+            late.append(outcome_of(lambda: clients[0].infer_many("echo", [{"a": [1]}])))
+            token.run_sync_soon(answered.set)
+
+        try:
+            await trio.sleep_forever()
+        finally:
+            # Cancelled with the other system tasks: the main task has returned. Keep
+            # the run going until a call made now is answered.
+            with trio.CancelScope(shield=True):
+                threading.Thread(target=call).start()
+                await answered.wait()
+
+    @asynccontextmanager
+    async def open_runtime(config):
+        async with real_open_runtime(config) as rt:
+            trio.lowlevel.spawn_system_task(call_as_the_run_ends)
+            yield rt
+
+    monkeypatch.setattr(trioserve._thread, "open_runtime", open_runtime)
+    with trioserve.serve_in_thread(cfg) as client:
+        clients.append(client)
+        assert client.infer("echo", {"a": [1]})["a"].tolist() == [1]
+    assert [type(e) for e in late] == [ActorClosed, ActorClosed], late
+    assert [str(e) for e in late] == ["the runtime is shut down"] * 2
+
+
+def test_a_call_waiting_for_credits_at_shutdown_raises_actor_closed():
+    # A call waiting for its tenant's credits is not in any queue, so the runtime's
+    # shutdown does not answer it: trio cancels it when the runtime's main task
+    # returns, and the calling thread gets ActorClosed (it used to get trio.Cancelled).
+    cfg = trioserve.Config(
+        models=[ModelConfig(name="echo", backend="echo")],
+        tenants=[TenantConfig(name="t", default=True, credit_rate=0.1, credit_burst=1)],
+        classes=[ClassConfig(name="batch", over_quota="wait")],
+    )
+    waiting: list[object] = []
+    with trioserve.serve_in_thread(cfg) as client:
+        assert client.infer("echo", {"a": [1]})["a"].tolist() == [1]  # the only credit
+        caller = threading.Thread(
+            target=lambda: waiting.append(outcome_of(lambda: client.infer("echo", {"a": [2]})))
+        )
+        caller.start()
+
+        async def until_it_waits() -> None:
+            while client.runtime.credits_used["t"] < 2:
+                await trio.testing.wait_all_tasks_blocked()
+
+        trio.from_thread.run(until_it_waits, trio_token=client._token)
+    caller.join()
+    (error,) = waiting
+    assert isinstance(error, ActorClosed), repr(error)
+    assert str(error) == "the runtime shut down before this call was answered"
 
 
 def test_a_runtime_that_cannot_start_raises_in_the_caller():
