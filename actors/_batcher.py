@@ -29,6 +29,7 @@ from trioserve import (
     ModelError,
     Request,
     WorkerProcess,
+    check_outputs,
 )
 
 from ._metrics import ModelMetrics
@@ -287,7 +288,7 @@ class BatcherActor(Actor):
         items = [req.item for req in batch]
         if self._inline:
             try:
-                outputs = self._runner(items)
+                outputs = check_outputs(self._runner(items), len(items))
             except Exception as exc:
                 self._model_failed(batch, exc)
                 return
@@ -329,7 +330,7 @@ class BatcherActor(Actor):
         with _threads_lock:
             _threads_running += 1
         try:
-            return self._runner(items)
+            return check_outputs(self._runner(items), len(items))
         finally:
             with _threads_lock:
                 _threads_running -= 1

@@ -67,7 +67,8 @@ class DeadlineExceeded(TrioserveError, TimeoutError):
 
 
 class ModelError(TrioserveError):
-    """The model raised while running the batch that held this request."""
+    """The model raised while running the batch that held this request, or returned
+    something other than one output mapping per item."""
 
     status = 500
 

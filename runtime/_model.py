@@ -38,6 +38,27 @@ Item = dict[str, np.ndarray]
 Runner = Callable[[list[Any]], Sequence[Mapping[str, Any]]]
 
 
+def check_outputs(outputs: Any, n: int) -> Sequence[Mapping[str, Any]]:
+    """Return a runner's ``outputs`` for a batch of ``n`` items when they are what the
+    runtime expects, a sequence of ``n`` mappings (output name -> array), one per item
+    in order; otherwise raise TypeError or ValueError saying what the model returned
+    and what was expected."""
+    mappings = "mapping" if n == 1 else "mappings"
+    want = f"expected a list of {n} output {mappings} (name -> array), one per item"
+    if not isinstance(outputs, Sequence) or isinstance(outputs, str | bytes):
+        raise TypeError(f"returned {_kind(outputs)}; {want}")
+    if len(outputs) != n:
+        raise ValueError(f"returned {len(outputs)} outputs for {n} items; {want}")
+    for i, out in enumerate(outputs):
+        if type(out) is not dict and not isinstance(out, Mapping):
+            raise TypeError(f"returned {_kind(out)} as the output of item {i}; {want}")
+    return outputs
+
+
+def _kind(value: Any) -> str:
+    return "None" if value is None else f"a value of type {type(value).__qualname__}"
+
+
 def v2_datatype(dtype: np.dtype) -> str:
     """The v2 datatype name of a numpy dtype."""
     for name, dt in V2_DTYPES.items():

@@ -60,6 +60,7 @@ def stack_outputs(outputs: list[dict[str, Any]]) -> Any:
 
 def serve(rfd: int, wfd: int) -> None:
     from trioserve._builtin import resolve_backend
+    from trioserve._model import check_outputs
 
     _, cfg, device, torch_threads, shm_path, shm_size = read_frame(rfd)
     try:
@@ -91,10 +92,10 @@ def serve(rfd: int, wfd: int) -> None:
                     out: Any = stacked_run(arrays)
                 else:
                     items = [{k: a[i] for k, a in arrays.items()} for i in range(n)]
-                    out = stack_outputs(list(runner(items)))
+                    out = stack_outputs(list(check_outputs(runner(items), n)))
                 del arrays
             else:
-                out = stack_outputs(list(runner(payload)))
+                out = stack_outputs(list(check_outputs(runner(payload), n)))
             write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
         except Exception as exc:
             write_frame(wfd, ("error", f"{type(exc).__name__}: {exc}"))

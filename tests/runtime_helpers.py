@@ -79,6 +79,20 @@ class Recorder:
         return [k for _, keys in self.batches for k in keys]
 
 
+def misshapen(items: list[dict[str, np.ndarray]]) -> Any:
+    """A model whose outputs are not what the runtime expects, as the first item's x[0]
+    says: 1 None, 2 a generator, 3 an int, 4 two outputs per item, 5 arrays instead of
+    mappings; otherwise ``y = x``. Importable, so a worker process can run it."""
+    outputs = [{"y": it["x"]} for it in items]
+    return {
+        1.0: None,
+        2.0: (out for out in outputs),
+        3.0: 3,
+        4.0: outputs * 2,
+        5.0: [it["x"] for it in items],
+    }.get(key(items[0]), outputs)
+
+
 class Gate:
     """A model for a worker thread that blocks every batch until released (or only
     batches holding ``hold`` as x[0]), so a replica stays busy for as long as a test

@@ -10,6 +10,7 @@ set ``timeout_ms=None`` so no request's model timeout passes in that jump.
 from __future__ import annotations
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from runtime_helpers import (
     callable_model,
     config,
     item,
+    misshapen,
 )
 from trioserve import (
     ActorClosed,
@@ -456,6 +458,73 @@ async def test_wrong_number_of_outputs_is_a_model_error(autojump_clock):
     async with trioserve.open_runtime(cfg) as rt:
         with pytest.raises(ModelError, match=r"returned 2 outputs for 1 items"):
             await rt.infer_batch("m", [item(1), item(2)])
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+MISSHAPEN = {  # x[0] of a lone item -> the error its misshapen outputs are answered with
+    1.0: "TypeError: returned None",
+    2.0: "TypeError: returned a value of type generator",
+    3.0: "TypeError: returned a value of type int",
+    4.0: "ValueError: returned 2 outputs for 1 items",
+    5.0: "TypeError: returned a value of type ndarray as the output of item 0",
+}
+
+
+async def answers_misshapen_outputs_with_model_errors(cfg, prefix: str = "") -> None:
+    async with trioserve.open_runtime(cfg) as rt:
+        errors = {}
+        for x in MISSHAPEN:
+            with pytest.raises(ModelError) as info:
+                await rt.infer("m", item(x))
+            errors[x] = str(info.value)
+        outs = await rt.infer_batch("m", [item(6), item(7)])  # the replica keeps serving
+        echoed = await rt.infer("echo", {"a": [1]})
+        stats = rt.statistics()["m"]
+    want = "; expected a list of 1 output mapping (name -> array), one per item"
+    assert errors == {
+        x: f"model 'm' failed on cpu: {prefix}{what}{want}" for x, what in MISSHAPEN.items()
+    }
+    assert [float(o["y"][0]) for o in outs] == [6.0, 7.0]
+    assert echoed["a"].tolist() == [1]
+    assert stats["statuses"]["model_error"] == len(MISSHAPEN)
+    assert stats["replicas"][0]["restarts"] == 0
+    assert stats["replicas"][0]["state"] == "running"
+
+
+@pytest.mark.parametrize("execution", ["inline", "thread"])
+async def test_misshapen_outputs_are_model_errors_and_the_runtime_keeps_serving(
+    autojump_clock, execution
+):
+    # A model returning None (or a generator, an int, a list of the wrong length or of
+    # non-mappings) crashed its batcher: ActorBroken for its callers, and with no
+    # restart budget left the whole runtime went down, echo with it.
+    cfg = config(
+        callable_model(
+            "m", misshapen, execution=execution, max_batch_size=4, max_wait_ms=0,
+            timeout_ms=None,
+        ),
+        ModelConfig(name="echo", backend="echo"),
+        restart_intensity=0,
+    )
+    await answers_misshapen_outputs_with_model_errors(cfg)
+
+
+async def test_misshapen_outputs_of_a_worker_process_are_model_errors(monkeypatch):
+    # In a worker process they were ModelErrors already, but saying only what list()
+    # said of them ("'NoneType' object is not iterable"), a generator was taken, and
+    # one output too many was dropped without a word. Real time: the worker's replies
+    # come through a pipe.
+    path = os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)  # where the worker finds ``misshapen``
+    cfg = config(
+        callable_model(
+            "m", misshapen, execution="process", max_batch_size=4, max_wait_ms=0,
+            timeout_ms=None,
+        ),
+        ModelConfig(name="echo", backend="echo"),
+        restart_intensity=0,
+    )
+    await answers_misshapen_outputs_with_model_errors(cfg, "WorkerError: ")
 
 
 # ---------------------------------------------------------------- deadlines
