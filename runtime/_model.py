@@ -358,6 +358,16 @@ class TorchBackend(ModelBackend):
                     raise RuntimeError(
                         f"module returned {len(outs)} outputs, signature has {len(out_names)}"
                     )
+                # One row per item: any other count would be cut to the items (or
+                # fall short of them) with no error.
+                n = len(args[0]) if args else 0
+                for name, o in zip(out_names, outs, strict=True):
+                    if o.dim() == 0 or len(o) != n:
+                        rows = "no batch dimension" if o.dim() == 0 else f"{len(o)} rows"
+                        raise RuntimeError(
+                            f"module returned output {name!r} with {rows} for {n} items; "
+                            "expected one row per item"
+                        )
                 return {n: o.detach().cpu().numpy() for n, o in zip(out_names, outs, strict=True)}
 
         def run(items: list[Item]) -> list[dict[str, np.ndarray]]:

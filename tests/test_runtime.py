@@ -10,6 +10,7 @@ set ``timeout_ms=None`` so no request's model timeout passes in that jump.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 
 import numpy as np
@@ -525,6 +526,28 @@ async def test_misshapen_outputs_of_a_worker_process_are_model_errors(monkeypatc
         restart_intensity=0,
     )
     await answers_misshapen_outputs_with_model_errors(cfg, "WorkerError: ")
+
+
+async def test_a_torch_module_answering_another_number_of_rows_is_a_model_error(
+    autojump_clock,
+):
+    # Flatten(0) makes one row per input value, not per item: the first rows were
+    # returned as the items' answers, the rest dropped without a word.
+    torch = pytest.importorskip("torch")
+    backend = trioserve.TorchBackend(
+        functools.partial(torch.nn.Flatten, 0),
+        inputs=[trioserve.TensorSpec(name="x", datatype="FP32", shape=[2])],
+        outputs=[trioserve.TensorSpec(name="y", datatype="FP32", shape=[-1])],
+    )
+    cfg = config(ModelConfig(name="m", backend=backend, max_batch_size=4, max_wait_ms=0,
+                             timeout_ms=None))
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(ModelError) as info:
+            await rt.infer("m", {"x": [1.0, 2.0]})
+    assert str(info.value) == (
+        "model 'm' failed on cpu: RuntimeError: module returned output 'y' with 2 rows "
+        "for 1 items; expected one row per item"
+    )
 
 
 # ---------------------------------------------------------------- deadlines
