@@ -32,8 +32,23 @@ class WorkerError(RuntimeError):
     """The model raised inside the worker process."""
 
 
-def _shm_dir() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+def _shared_memory(size: int) -> int:
+    """A file descriptor of ``size`` bytes of shared memory that has no name, so that
+    no end of either process (SIGKILL included) leaves a file behind: it is freed
+    when the last descriptor and mapping of it go."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("trioserve-batches")
+    else:  # no memfd: a file, unlinked before anyone could be killed holding its name
+        fd, path = tempfile.mkstemp(
+            prefix="trioserve-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class WorkerProcess:
@@ -78,31 +93,33 @@ class WorkerProcess:
         self._recv: trio.lowlevel.FdStream | None = None
         self._buf = bytearray()
         self._shm: Any = None
-        self._shm_path: str | None = None
         self.pid: int | None = None
 
     async def start(self) -> None:
         """Spawn the process and wait until its model is loaded. Raises WorkerDied."""
         import mmap
 
-        fd, self._shm_path = tempfile.mkstemp(prefix="trioserve-", dir=_shm_dir())
-        os.ftruncate(fd, self._shm_size)
-        self._shm = mmap.mmap(fd, self._shm_size)
-        os.close(fd)
+        shm_fd = _shared_memory(self._shm_size)
+        try:
+            self._shm = mmap.mmap(shm_fd, self._shm_size)
+        except BaseException:
+            os.close(shm_fd)
+            raise
         p2c_r, p2c_w = os.pipe()
         c2p_r, c2p_w = os.pipe()
         try:
             if self._zygote is not None:
                 # Forked from the zygote, which has torch imported already: ~50 ms.
-                self.pid = await self._zygote.spawn(p2c_r, c2p_w)
+                self.pid = await self._zygote.spawn(p2c_r, c2p_w, shm_fd)
                 try:
                     self._pidfd = os.pidfd_open(self.pid)
                 except (AttributeError, OSError):
                     self._pidfd = None  # kill() falls back to the pid
             else:
                 self._proc = await trio.lowlevel.open_process(
-                    [sys.executable, "-m", "trioserve._worker", str(p2c_r), str(c2p_w)],
-                    pass_fds=(p2c_r, c2p_w),
+                    [sys.executable, "-m", "trioserve._worker",
+                     str(p2c_r), str(c2p_w), str(shm_fd)],
+                    pass_fds=(p2c_r, c2p_w, shm_fd),
                 )
         except BaseException:
             os.close(p2c_w)
@@ -111,6 +128,7 @@ class WorkerProcess:
         finally:
             os.close(p2c_r)
             os.close(c2p_w)
+            os.close(shm_fd)
         self._send = trio.lowlevel.FdStream(p2c_w)
         self._recv = trio.lowlevel.FdStream(c2p_r)
         cfg = self._cfg
@@ -118,7 +136,7 @@ class WorkerProcess:
         try:
             init = pickle.dumps(
                 ("init", _portable(cfg, backend), self._device, self._torch_threads,
-                 self._shm_path, self._shm_size),
+                 self._shm_size),
                 protocol=5,
             )
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -264,12 +282,6 @@ class WorkerProcess:
             except BufferError:
                 pass  # a view is still alive; the mapping goes with it
             self._shm = None
-        if self._shm_path is not None:
-            try:
-                os.unlink(self._shm_path)
-            except FileNotFoundError:
-                pass
-            self._shm_path = None
 
     async def aclose(self) -> None:
         """Kill the process and reap it (shielded, bounded)."""

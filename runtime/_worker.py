@@ -1,10 +1,11 @@
-"""The worker process side: ``python -m trioserve._worker READ_FD WRITE_FD``, or the
-zygote that forks workers: ``python -m trioserve._worker --zygote SOCKET_FD``
+"""The worker process side: ``python -m trioserve._worker READ_FD WRITE_FD SHM_FD``, or
+the zygote that forks workers: ``python -m trioserve._worker --zygote SOCKET_FD``
 (see trioserve._zygote).
 
 Loads one model replica, then answers batches until its pipe closes. Inputs of
-fixed shape arrive stacked in a shared-memory file (no per-item pickling); the rest
-travels as pickles over the pipe. Frames are a 4-byte little-endian length + pickle.
+fixed shape arrive stacked in shared memory (an anonymous file the parent passed as
+SHM_FD: no per-item pickling, and no name to leave behind); the rest travels as
+pickles over the pipe. Frames are a 4-byte little-endian length + pickle.
 """
 
 from __future__ import annotations
@@ -58,17 +59,16 @@ def stack_outputs(outputs: list[dict[str, Any]]) -> Any:
         return [{k: np.asarray(v) for k, v in o.items()} for o in outputs]
 
 
-def serve(rfd: int, wfd: int) -> None:
+def serve(rfd: int, wfd: int, shm_fd: int) -> None:
     from trioserve._builtin import resolve_backend
     from trioserve._model import check_outputs
 
-    _, cfg, device, torch_threads, shm_path, shm_size = read_frame(rfd)
+    _, cfg, device, torch_threads, shm_size = read_frame(rfd)
     try:
+        shm = mmap.mmap(shm_fd, shm_size)
+        os.close(shm_fd)
         backend = resolve_backend(cfg)
         runner = backend.load(device, torch_threads=torch_threads)
-        fd = os.open(shm_path, os.O_RDWR)
-        shm = mmap.mmap(fd, shm_size)
-        os.close(fd)
     except Exception:
         write_frame(wfd, ("error", traceback.format_exc(limit=4)))
         return
@@ -118,7 +118,7 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
     sock.sendall(b"R")
     while True:
         try:
-            msg, fds, _, _ = socket.recv_fds(sock, 1, 2)
+            msg, fds, _, _ = socket.recv_fds(sock, 1, 3)
         except OSError:
             os._exit(0)
         if not msg:
@@ -129,7 +129,7 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
             try:
                 sock.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                serve(fds[0], fds[1])
+                serve(*fds)
             except BaseException:
                 code = 1
             finally:
@@ -144,7 +144,7 @@ def main() -> None:
     if sys.argv[1] == "--zygote":
         zygote_main(int(sys.argv[2]))
     else:
-        serve(int(sys.argv[1]), int(sys.argv[2]))
+        serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@ worker process on request, so that a killed or crashed worker is replaced in ten
 milliseconds instead of the seconds a fresh interpreter takes to import torch.
 
 Parent side: :class:`Zygote`. Child side: ``python -m trioserve._worker --zygote FD``
-(:func:`trioserve._worker.zygote_main`). The parent sends the two pipe ends of a new
-worker over a Unix socket (SCM_RIGHTS); the zygote forks, the child serves batches on
-them (:func:`trioserve._worker.serve`), and the zygote answers with the child's pid.
+(:func:`trioserve._worker.zygote_main`). The parent sends a new worker's pipe ends and
+shared memory over a Unix socket (SCM_RIGHTS); the zygote forks, the child serves
+batches on them (:func:`trioserve._worker.serve`), and the zygote answers with the
+child's pid.
 The zygote ignores SIGCHLD, so its children are reaped by the kernel; it exits when
 the parent's end of the socket closes.
 """
@@ -55,15 +56,16 @@ class Zygote:
             await self.aclose()
             raise ZygoteError("the worker zygote failed to start")
 
-    async def spawn(self, read_fd: int, write_fd: int) -> int:
-        """Fork a worker serving on these pipe ends (the zygote gets copies; the
-        caller still closes its own); return its pid. Raises ZygoteError."""
+    async def spawn(self, *fds: int) -> int:
+        """Fork a worker serving on these file descriptors (the zygote gets copies;
+        the caller still closes its own); return its pid. Raises ZygoteError."""
         if self._sock is None:
             raise ZygoteError("the worker zygote is not running")
         async with self._lock:
-            fds = array.array("i", [read_fd, write_fd])
             try:
-                await self._sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                await self._sock.sendmsg(
+                    [b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                )
                 data = b""
                 while len(data) < _PID.size:
                     chunk = await self._sock.recv(_PID.size - len(data))
