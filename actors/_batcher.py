@@ -201,6 +201,7 @@ class BatcherActor(Actor):
         assert worker is not None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._collect, worker, sent_recv, room)
+            nursery.start_soon(self._watch, worker)
             while True:
                 await self._wait_breaker()
                 await room.acquire()
@@ -259,6 +260,12 @@ class BatcherActor(Actor):
             if self._in_flight and self._in_flight[0] is batch:
                 self._in_flight.popleft()
             room.release()
+
+    async def _watch(self, worker: WorkerProcess) -> None:
+        # A worker can die while idle, with no batch to find out by: its replica would
+        # be reported ready, and replaced only when the next request hit it.
+        await worker.wait_exited()
+        self._lose(worker, f"its worker process exited (pid {worker.pid})")
 
     def _lose(self, worker: WorkerProcess, why: str) -> None:
         """The worker is gone (or must go): kill it, hand its batches back — the one it

@@ -71,6 +71,7 @@ class WorkerProcess:
         self._cfg = cfg
         self._zygote = zygote
         self._pidfd: int | None = None
+        self._exit_lock = trio.Lock()  # one task at a time waits on the pidfd
         self._backend = backend
         self._device = device
         self._torch_threads = torch_threads
@@ -250,8 +251,24 @@ class WorkerProcess:
             return f"{what} (pid {self.pid})"
         return f"{what} (pid {self.pid}, exit code {self._proc.poll()})"
 
+    async def wait_exited(self) -> None:
+        """Wait until the process has exited, killed or on its own: it is gone (a
+        forked worker is reaped by its zygote at once). A checkpoint. A forked worker
+        without a pidfd (Linux before 5.3) cannot be watched: it waits forever."""
+        if self._proc is not None:
+            await self._proc.wait()
+            return
+        async with self._exit_lock:
+            if self._pidfd is None:
+                await trio.sleep_forever()
+            try:
+                await trio.lowlevel.wait_readable(self._pidfd)
+            except trio.ClosedResourceError:
+                pass  # closed by aclose: it waited for the exit itself
+
     def kill(self) -> None:
-        """Kill the process and free its pipe and shared memory. Synchronous."""
+        """Kill the process and free its pipe and shared memory. Synchronous; the
+        process may still be exiting when it returns: :meth:`aclose` waits for it."""
         if self._proc is not None and self._proc.returncode is None:
             try:
                 self._proc.kill()
@@ -268,9 +285,6 @@ class WorkerProcess:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
         for stream in (self._send, self._recv):
             if stream is not None:
                 stream.close()
@@ -284,12 +298,17 @@ class WorkerProcess:
             self._shm = None
 
     async def aclose(self) -> None:
-        """Kill the process and reap it (shielded, bounded)."""
-        proc = self._proc
+        """Kill the process and wait until it has exited (shielded, bounded), then
+        free its pidfd. After it the worker is gone: its zygote may go too, without
+        leaving it to init as an orphan."""
         self.kill()
-        if proc is not None:
+        if self._proc is not None or self._pidfd is not None:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await proc.wait()
+                await self.wait_exited()
+        if self._pidfd is not None:
+            trio.lowlevel.notify_closing(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def _stack_into(flat: np.ndarray, arrays: list[np.ndarray], shape: tuple[int, ...]) -> None:

@@ -77,7 +77,9 @@ class Zygote:
         return _PID.unpack(data)[0]
 
     async def aclose(self) -> None:
-        """Stop the zygote (its workers keep running until their pipes close)."""
+        """Stop the zygote. Its workers are not its to stop: each WorkerProcess.aclose
+        kills and waits for its own, and should come first (a worker that outlives its
+        zygote is left to init, a zombie until init reaps it)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None

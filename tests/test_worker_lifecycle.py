@@ -1,17 +1,91 @@
-"""Worker processes with real processes: the shared memory has no name to leave
-behind.
+"""Worker processes and their zygote, with real processes: a worker that dies while
+idle is replaced at once (and its replica is not ready meanwhile), the shared memory
+has no name to leave behind, and a closed worker has exited before its zygote goes.
+
+These wait on the processes themselves (their pidfds), never on a sleep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import signal
+from collections.abc import Iterator
 
+import numpy as np
+import trio
+import trio.testing
 import trioserve
 from runtime_helpers import config
-from trioserve import ModelConfig
+from trioserve import ModelConfig, WorkerProcess
+from trioserve._builtin import resolve_backend
+from trioserve._zygote import Zygote
 
 SLEEP = ModelConfig(name="s", backend="sleep", execution="process", max_batch_size=4,
                     max_wait_ms=1.0)
+
+
+def x(v: float) -> dict[str, np.ndarray]:
+    return {"x": np.array([v, 0.0], np.float32)}
+
+
+@contextlib.contextmanager
+def watching(pid: int) -> Iterator[int]:
+    """A pidfd of ``pid``, closed on leaving."""
+    fd = os.pidfd_open(pid)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def exited(pidfd: int) -> bool:
+    """Whether the process has exited, now (no wait)."""
+    return select.select([pidfd], [], [], 0)[0] == [pidfd]
+
+
+async def kill_and_wait(pid: int) -> None:
+    """SIGKILL ``pid`` and wait until it has exited."""
+    with watching(pid) as fd:
+        os.kill(pid, signal.SIGKILL)
+        with trio.fail_after(10):
+            await trio.lowlevel.wait_readable(fd)
+
+
+async def test_a_worker_that_dies_idle_is_replaced_before_the_next_request():
+    async with trioserve.open_runtime(config(SLEEP)) as rt:
+        batcher = rt.models["s"].batchers[0]
+        assert (await rt.infer("s", x(1.0)))["y"].tolist() == [1.0, 0.0]
+        first = batcher._worker.pid
+        await kill_and_wait(first)
+        await trio.testing.wait_all_tasks_blocked()
+        # Noticed with no request to find out by: not ready while its successor starts.
+        assert batcher.workers_lost == 1
+        assert batcher.health == "replacing"
+        assert not rt.model_ready("s")
+        assert rt.health()["s"]["ready"] is False
+        with trio.fail_after(30):
+            assert (await rt.infer("s", x(2.0)))["y"].tolist() == [2.0, 0.0]
+        assert batcher._worker.pid != first
+        assert batcher.workers_lost == 1
+        assert batcher.restarts == 0
+        assert rt.model_ready("s")
+
+
+async def test_a_closed_worker_has_exited_before_its_zygote_goes():
+    # Killed and not waited for, a worker could still be exiting when the zygote was
+    # killed next: orphaned to init, a zombie until init reaped it.
+    zygote = Zygote()
+    await zygote.start()
+    try:
+        worker = WorkerProcess(SLEEP, resolve_backend(SLEEP), "cpu", 1, zygote=zygote)
+        await worker.start()
+        with watching(worker.pid) as fd:
+            await worker.aclose()
+            assert exited(fd)
+    finally:
+        await zygote.aclose()
 
 
 def on_disk(paths: list[str]) -> list[str]:
