@@ -1,6 +1,7 @@
 """Worker processes and their zygote, with real processes: a worker that dies while
-idle is replaced at once (and its replica is not ready meanwhile), the shared memory
-has no name to leave behind, and a closed worker has exited before its zygote goes.
+idle is replaced at once (and its replica is not ready meanwhile), a dead or hung
+zygote is replaced, the shared memory has no name to leave behind, and a closed worker
+has exited before its zygote goes.
 
 These wait on the processes themselves (their pidfds), never on a sleep.
 """
@@ -14,13 +15,14 @@ import signal
 from collections.abc import Iterator
 
 import numpy as np
+import pytest
 import trio
 import trio.testing
 import trioserve
 from runtime_helpers import config
 from trioserve import ModelConfig, WorkerProcess
 from trioserve._builtin import resolve_backend
-from trioserve._zygote import Zygote
+from trioserve._zygote import Zygote, ZygoteError
 
 SLEEP = ModelConfig(name="s", backend="sleep", execution="process", max_batch_size=4,
                     max_wait_ms=1.0)
@@ -71,6 +73,54 @@ async def test_a_worker_that_dies_idle_is_replaced_before_the_next_request():
         assert batcher.workers_lost == 1
         assert batcher.restarts == 0
         assert rt.model_ready("s")
+
+
+async def test_a_dead_zygote_is_restarted_when_a_worker_is_lost():
+    # Before, the batcher could not replace its worker, crashed at once each time it
+    # was restarted, and its escalation took the whole runtime down.
+    async with trioserve.open_runtime(config(SLEEP)) as rt:
+        batcher = rt.models["s"].batchers[0]
+        zygote = batcher._zygote
+        assert (await rt.infer("s", x(1.0)))["y"].tolist() == [1.0, 0.0]
+        first_zygote = zygote.pid
+        await kill_and_wait(first_zygote)
+        await kill_and_wait(batcher._worker.pid)
+        with trio.fail_after(60):
+            assert (await rt.infer("s", x(2.0)))["y"].tolist() == [2.0, 0.0]
+        assert zygote.restarts == 1
+        assert zygote.pid != first_zygote
+        assert batcher.restarts == 0
+        assert rt.model_ready("s")
+
+
+async def test_a_hung_zygote_is_replaced_and_a_closed_one_forks_nothing():
+    backend = resolve_backend(SLEEP)
+    zygote = Zygote()
+    zygote.FORK_TIMEOUT = 0.5
+    await zygote.start()
+    try:
+        first = zygote.pid
+        os.kill(first, signal.SIGSTOP)  # alive, never answers
+        worker = WorkerProcess(SLEEP, backend, "cpu", 1, zygote=zygote)
+        try:
+            with trio.fail_after(60):
+                await worker.start()
+            assert zygote.restarts == 1
+            assert zygote.pid != first
+            assert not on_disk([f"/proc/{first}"])  # killed and reaped
+            (out,) = await worker.run([x(3.0)])
+            assert out["y"].tolist() == [3.0, 0.0]
+        finally:
+            await worker.aclose()
+    finally:
+        await zygote.aclose()
+    late = WorkerProcess(SLEEP, backend, "cpu", 1, zygote=zygote)
+    try:
+        with pytest.raises(ZygoteError, match="closed"):
+            await late.start()
+        assert zygote.pid is None  # not restarted once closed
+    finally:
+        await late.aclose()
 
 
 async def test_a_closed_worker_has_exited_before_its_zygote_goes():
