@@ -174,8 +174,10 @@ class FifoQueue:
             builder.add(req.cost)
             taken.append(req)
             popped += 1
-            if builder.count >= lim.max_size:
-                closed = True
+            if builder.count >= lim.max_size or (
+                lim.max_tokens is not None and builder.cost >= lim.max_tokens
+            ):
+                closed = True  # full: no request costs nothing
                 break
         if not closed and not (timed_out and taken):
             # Not closed: drop only the dead entries we walked over, keep the rest.

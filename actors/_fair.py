@@ -263,8 +263,9 @@ class FairQueue:
       When full, a tenant below its weighted share of the queue pushes out the newest
       request of the tenant most over its share; otherwise the newcomer is shed. A
       tenant holding ``queue_share`` of the bound is shed (QuotaExceeded) while others
-      wait. A request whose estimated queue wait (cost ahead of it under these rules ÷
-      the measured service rate) runs past its deadline is shed at once.
+      wait. A request whose estimated time to be served (the cost ahead of it under
+      these rules, and its own, ÷ the measured service rate) runs past its deadline is
+      shed at once: it could not be answered in time.
     - Expiry: a request still queued at its deadline is answered DeadlineExceeded (or
       dropped, when the deadline was its caller's) and never dispatched.
     - Memory: a request that leaves (dispatched, answered, withdrawn, pushed out) stays
@@ -491,7 +492,7 @@ class FairQueue:
             wait = self.estimated_wait(tenant, c, request.cost)
             if now + wait > deadline:
                 raise Overloaded(
-                    f"model {self.model!r}: estimated queue wait {wait * 1e3:.0f} ms "
+                    f"model {self.model!r}: estimated time to serve it {wait * 1e3:.0f} ms "
                     f"exceeds the request's deadline "
                     f"({max(0.0, request.deadline - now) * 1e3:.0f} ms left)",
                     retry_after=max(wait, 0.05),
@@ -595,8 +596,8 @@ class FairQueue:
 
     def estimated_wait(self, tenant: str, c: int, cost: int) -> float:
         """Seconds until a new request of ``cost`` from ``tenant`` in class ``c``
-        would be dispatched: the cost served before it under strict priority and
-        weighted fair share, plus what the devices hold, over the service rate."""
+        would be served: the cost served before it under strict priority and weighted
+        fair share, what the devices hold, and its own cost, over the service rate."""
         if self.rate <= 0.0:
             return 0.0
         ahead = float(self.in_service)
@@ -878,9 +879,10 @@ class FairQueue:
         return taken
 
     def _can_close(self) -> bool:
-        """Whether the live queued requests would fill a batch (on size or tokens)
-        before any timeout: then the greedy pick in fair order closes it. Walks at
-        most ``max_size`` live entries."""
+        """Whether the live queued requests would fill a batch (on size or tokens:
+        a batch whose cost reaches the budget exactly is full, as no request costs
+        nothing) before any timeout: then the greedy pick in fair order closes it.
+        Walks at most ``max_size`` live entries."""
         lim = self.limits
         if self._count < lim.max_size and lim.max_tokens is None:
             return False
@@ -898,7 +900,7 @@ class FairQueue:
                     if budget is not None:
                         total += req.cost
                         longest = max(longest, req.cost)
-                        if (n * longest if padded else total) > budget:
+                        if (n * longest if padded else total) >= budget:
                             return True
         return False
 

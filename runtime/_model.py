@@ -142,8 +142,32 @@ def _with_dtype(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
                 f"got {v2_datatype(arr.dtype) if arr.dtype.kind != 'O' else 'objects'}"
             )
         else:
-            arr = arr.astype(want)
+            arr = _narrowed(arr, want, spec, model)
     return arr
+
+
+def _narrowed(arr: np.ndarray, want: np.dtype, spec: TensorSpec, model: str) -> np.ndarray:
+    """``arr`` as ``want``, refusing values it cannot hold (300 as INT8, 1e300 as FP32)
+    rather than wrapping them or making them inf, as the v2 decoder does."""
+    with np.errstate(all="ignore"):  # what does not fit is refused below
+        out = arr.astype(want)
+    if arr.size and arr.dtype.kind != "b":
+        if want.kind in "iu":
+            info = np.iinfo(want)
+            lo, hi = arr.min(), arr.max()
+            bad = lo < info.min or hi > info.max
+        elif want.kind == "f" and (
+            arr.dtype.kind != "f" or arr.dtype.itemsize > want.itemsize
+        ):
+            bad = bool((~np.isfinite(out) & np.isfinite(arr)).any())
+        else:
+            bad = False
+        if bad:
+            raise InvalidInput(
+                f"input {spec.name!r} of model {model!r}: a value is out of range for "
+                f"{spec.datatype}"
+            )
+    return out
 
 
 def _unstack(model: str, arrays: Any) -> list[Any]:
@@ -191,6 +215,13 @@ class ModelBackend:
         Runs on the event loop: keep it cheap. Raises InvalidInput.
         """
         specs = self.inputs
+        if self.open_inputs:  # anything, unchanged (a bare array as the first input)
+            if not isinstance(inputs, Mapping):
+                inputs = {specs[0].name: inputs}
+            try:
+                return {str(k): to_numpy(v) for k, v in inputs.items()}, 1
+            except (TypeError, ValueError) as exc:  # ragged nesting, say
+                raise InvalidInput(f"model {name!r}: inputs are not arrays ({exc})") from None
         if not isinstance(inputs, Mapping):
             if len(specs) != 1:
                 raise InvalidInput(
@@ -198,11 +229,6 @@ class ModelBackend:
                     f"({', '.join(s.name for s in specs)}): pass a mapping name -> array"
                 )
             return {specs[0].name: coerce(specs[0], inputs, name)}, 1
-        if self.open_inputs:
-            try:
-                return {str(k): to_numpy(v) for k, v in inputs.items()}, 1
-            except (TypeError, ValueError) as exc:  # ragged nesting, say
-                raise InvalidInput(f"model {name!r}: inputs are not arrays ({exc})") from None
         item: Item = {}
         for spec in specs:
             try:

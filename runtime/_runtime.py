@@ -199,18 +199,83 @@ class Runtime:
                                                 priority)]
         limits = served.limits
         if limits.max_tokens is not None and any(c > limits.max_tokens for _, c in prepared):
-            # Rare: an oversize item takes the per-item path with its policy.
-            return [
-                await self.infer(model, x, tenant=tenant, priority=priority, version=version)
-                for x in items
-            ]
+            return await self._rows_with_oversize(
+                served, model, version, prepared, tenant, priority
+            )
+        return await self._rows(served, model, version, prepared, tenant, priority)
+
+    async def _rows(
+        self, served: ServedModel, model: str, version: str | None,
+        prepared: list[tuple[Any, int]], tenant: str, priority: str,
+        failed: list[int] | None = None,
+    ) -> list[Any]:
+        """The outputs of prepared items within the token budget, submitted at once
+        (through the cache for a cached model). ``failed``: see :meth:`_submit_all`."""
         if model in self._cached:
             return await self.cache.answer_many(
                 model, version or served.config.versions[0], tenant,
                 [item for item, _ in prepared],
                 lambda idx: self._submit_all(served, [prepared[i] for i in idx], tenant, priority),
             )
-        return await self._submit_all(served, prepared, tenant, priority)
+        return await self._submit_all(served, prepared, tenant, priority, failed)
+
+    async def _rows_with_oversize(
+        self, served: ServedModel, model: str, version: str | None,
+        prepared: list[tuple[Any, int]], tenant: str, priority: str,
+    ) -> list[Any]:
+        """Items some of which cost more than ``max_batch_tokens`` (rare). Under the
+        ``reject`` policy (or ``split`` for a model that cannot split) the call is
+        refused before anything runs; otherwise the items within the budget are
+        submitted together and each oversize one by its policy, all at once, and the
+        first failure in item order is raised after every item is settled."""
+        limits = served.limits
+        budget = limits.max_tokens
+        assert budget is not None
+        big = [i for i, (_, c) in enumerate(prepared) if c > budget]
+        if not (
+            limits.oversize == "alone"
+            or (limits.oversize == "split" and served.backend.supports_split)
+        ):
+            await trio.lowlevel.checkpoint()
+            raise InvalidInput(
+                f"model {model!r}: item {big[0]} costs {prepared[big[0]][1]}, over "
+                f"max_batch_tokens {budget} (oversize policy {limits.oversize!r})"
+            )
+        small = [i for i, (_, c) in enumerate(prepared) if c <= budget]
+        out: list[Any] = [None] * len(prepared)
+        errors: dict[int, Exception] = {}
+
+        async def run_small() -> None:
+            failed: list[int] = []
+            try:
+                values = await self._rows(
+                    served, model, version, [prepared[i] for i in small], tenant, priority,
+                    failed,
+                )
+            except Exception as exc:
+                # where the first failure was (a cached model's: its first item)
+                errors[small[failed[0] if failed else 0]] = exc
+                return
+            for i, value in zip(small, values, strict=True):
+                out[i] = value
+
+        async def run_big(i: int) -> None:
+            item, cost = prepared[i]
+            try:
+                out[i] = await self._answer_prepared(
+                    served, model, version, item, cost, tenant, priority
+                )
+            except Exception as exc:
+                errors[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            if small:
+                nursery.start_soon(run_small)
+            for i in big:
+                nursery.start_soon(run_big, i)
+        if errors:
+            raise errors[min(errors)]
+        return out
 
     def _check_count(
         self, served: ServedModel, items: Sequence[Any] | Mapping[str, Any], tenant: str
@@ -244,11 +309,12 @@ class Runtime:
         prepared: list[tuple[Any, int]],
         tenant: str,
         priority: str,
+        failed: list[int] | None = None,
     ) -> list[Any]:
         """Submit every prepared (item, cost) at once, without a task each, and return
         their outputs in order; the first failure (in item order) is raised, unwrapped,
-        after every item is settled. Cancelling it withdraws every item not yet
-        dispatched."""
+        after every item is settled (its position appended to ``failed``, if given).
+        Cancelling it withdraws every item not yet dispatched."""
         now = trio.current_time()
         deadline, answer_expiry = self._deadline(served, priority, now)
         now, taken = await self._pay(
@@ -303,13 +369,16 @@ class Runtime:
             results: list[Any] = []
             first_error: BaseException | None = None
             unrun: list[Request] = []
-            for answer, req in zip(answers, requests, strict=True):
+            for i, (answer, req) in enumerate(zip(answers, requests, strict=True)):
                 try:
                     results.append(answer.unwrap())
                 except Exception as exc:
                     if _never_ran(exc):
                         unrun.append(req)
-                    first_error = first_error or exc
+                    if first_error is None:
+                        first_error = exc
+                        if failed is not None:
+                            failed.append(i)
                     results.append(None)
             self._refund_unrun(tenant, unrun, taken)
         finally:

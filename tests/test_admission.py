@@ -193,7 +193,7 @@ def test_a_request_whose_estimated_wait_passes_its_deadline_is_shed_at_once():
     # a's 7th unit waits for its own 6 ahead: 7 / 2 = 3.5 s > 3 s left.
     with pytest.raises(
         Overloaded,
-        match=r"^model 'm': estimated queue wait 3500 ms exceeds the request's deadline "
+        match=r"^model 'm': estimated time to serve it 3500 ms exceeds the request's deadline "
         r"\(3000 ms left\)$",
     ) as e:
         q.offer(req("a", arrival=now, deadline=now + 3.0), now)

@@ -108,6 +108,17 @@ def test_batch_closes_on_token_budget():
     assert q.next_batch(100.0) == rs[2:]
 
 
+# Regression: a batch whose cost reached the budget exactly waited for max_wait (it
+# closed only when a next request did not fit).
+@pytest.mark.parametrize(("padded", "costs"), [(False, (5, 5)), (False, (4, 6)), (True, (5, 5))])
+def test_batch_closes_at_once_when_its_cost_reaches_the_budget_exactly(padded, costs):
+    q = FifoQueue(BatchLimits(max_size=8, max_tokens=10, max_wait=100.0, padded=padded), bound=9)
+    rs = [req(cost=c) for c in costs]
+    for r in rs:
+        q.offer(r, 0.0)
+    assert q.next_batch(0.0) == rs
+
+
 def test_padded_token_budget_counts_items_times_longest():
     q = FifoQueue(BatchLimits(max_size=8, max_tokens=10, max_wait=100.0, padded=True), bound=100)
     rs = [req(cost=c) for c in (2, 5, 1, 1)]
@@ -255,6 +266,11 @@ class QueueChecker:
             return False
         return batch_cost(self.limits, [*batch, nxt]) > self.limits.max_tokens
 
+    def budget_full(self, batch) -> bool:
+        """True when ``batch`` costs its whole token budget (nothing more can join)."""
+        lim = self.limits
+        return lim.max_tokens is not None and batch_cost(lim, batch) >= lim.max_tokens
+
     # ---- actions
     def arrive(self, cost: int) -> None:
         r = req(cost=cost, arrival=self.now)
@@ -316,7 +332,9 @@ class QueueChecker:
         rest = self.pending[n:]
         full = n == lim.max_size
         timed = self.timed_out(batch[0])
-        by_tokens = bool(rest) and self.token_closed(batch, rest[0])
+        by_tokens = (bool(rest) and self.token_closed(batch, rest[0])) or self.budget_full(
+            batch
+        )
         assert full or timed or by_tokens or alone, (
             f"batch of {n} returned at {self.now} before it closed"
         )
@@ -336,6 +354,7 @@ class QueueChecker:
         for r in self.pending:
             assert not (taken and self.token_closed(taken, r)), "token budget reached"
             taken.append(r)
+            assert not self.budget_full(taken), "a batch at its token budget was not returned"
 
     def check_end(self) -> None:
         for r in self.offered:

@@ -117,6 +117,19 @@ async def test_echo_takes_any_names_and_dtypes(rt):
     assert out["m"].shape == (2, 1)
 
 
+# Regression: a bare array given to echo was coerced to its placeholder input's FP32
+# (int64 2**40 + 1 came back as 1099511627776.0; a string array was refused).
+@pytest.mark.parametrize(
+    "value", [np.array([2**40 + 1, 3], np.int64), np.array(["a", "bc"]), [1, 2]]
+)
+async def test_echo_returns_a_bare_array_unchanged(rt, value):
+    out = await rt.infer("echo", value)
+    (name,) = out
+    expected = np.asarray(value)
+    assert out[name].dtype == expected.dtype
+    assert out[name].tolist() == expected.tolist()
+
+
 async def test_a_known_version_is_served(rt):
     out = await rt.infer("two", {"a": [1, 1, 1], "b": [1]}, version="2")
     assert out["y"].tolist() == [4.0]
@@ -151,6 +164,29 @@ async def test_missing_input_is_named(rt):
         await rt.infer("two", {"a": [1, 2, 3]})
     with pytest.raises(InvalidInput, match=r"^model 'one': missing input 'x'; expected x$"):
         await rt.infer("one", {"y": [1, 2, 3, 4]})
+
+
+# Regression: in process, values were narrowed silently (the v2 decoder refuses them).
+@pytest.mark.parametrize(
+    ("model", "value"),
+    [
+        ("one", np.array([1e300, 0, 0, 0])),  # FP64 -> FP32 would be inf
+        ("one", [1.0, 2.0, 3.0, 1e39]),
+        ("two", {"a": [1, 1, 1], "b": np.array([2**64 - 1], np.uint64)}),  # not an INT64
+    ],
+)
+async def test_values_the_input_datatype_cannot_hold_are_invalid(rt, seen, model, value):
+    with pytest.raises(InvalidInput, match=r"a value is out of range for (FP32|INT64)$"):
+        await rt.infer(model, value)
+    assert seen[model].items == []
+
+
+async def test_infinities_and_nans_given_as_such_pass(rt, seen):
+    await rt.infer("one", np.array([np.inf, np.nan, 1.0, 2.0]))
+    (it,) = seen["one"].items
+    assert it["x"].dtype == np.float32
+    assert np.isinf(it["x"][0])
+    assert np.isnan(it["x"][1])
 
 
 async def test_a_bare_array_for_a_multi_input_model_is_refused(rt):

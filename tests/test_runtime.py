@@ -303,6 +303,49 @@ async def test_oversize_split_part_failure_is_a_model_error(autojump_clock):
             await rt.infer("m", {"x": np.arange(10, dtype=np.float32)})
 
 
+# Regression: a batch holding an oversize item ran every item one after another (a
+# request each, each waiting max_wait), and under `reject` ran the items before the
+# oversize one, then raised.
+@pytest.mark.parametrize("oversize", ["alone", "split"])
+async def test_a_batch_with_an_oversize_item_runs_the_rest_together(autojump_clock, oversize):
+    backend = CostModel(splittable=oversize == "split")
+    items = [item(i, n=2) for i in range(4)]
+    items.insert(2, item(99, n=14))
+    async with trioserve.open_runtime(cost_config(backend, oversize, wait_ms=50)) as rt:
+        t0 = trio.current_time()
+        outs = await rt.infer_batch("m", items)
+        took = trio.current_time() - t0
+    for out, it in zip(outs, items, strict=True):
+        np.testing.assert_array_equal(out["y"], it["x"] * 2)
+    # at most one max_wait (one by one, each small item had waited its own), the small
+    # ones together
+    assert took <= 0.05
+    assert sum(costs.count(2) for costs in backend.costs if len(costs) > 1) == 4
+    assert len(backend.costs) <= 3
+
+
+async def test_a_batch_with_an_oversize_item_under_reject_runs_nothing(autojump_clock):
+    backend = CostModel()
+    async with trioserve.open_runtime(cost_config(backend, "reject")) as rt:
+        with pytest.raises(
+            InvalidInput, match=r"^model 'm': item 2 costs 12, over max_batch_tokens 10 "
+            r"\(oversize policy 'reject'\)$",
+        ):
+            await rt.infer_batch("m", [item(1), item(2), item(3, n=12), item(4)])
+    assert backend.costs == []
+
+
+async def test_a_batch_with_oversize_items_raises_the_first_failure_in_item_order(
+    autojump_clock,
+):
+    backend = CostModel(fail_on=5.0)
+    async with trioserve.open_runtime(cost_config(backend, "alone", wait_ms=0)) as rt:
+        with pytest.raises(ModelError, match="poison item 5"):
+            await rt.infer_batch("m", [item(1), item(5, n=12), item(7)])
+        with pytest.raises(ModelError, match="poison item 5"):
+            await rt.infer_batch("m", [item(1, n=12), item(5), item(7, n=12)])
+
+
 # ---------------------------------------------------------------- routing
 @pytest.mark.parametrize("model", ["echo", "double"])
 async def test_each_of_1000_concurrent_callers_gets_its_own_answer(autojump_clock, model):

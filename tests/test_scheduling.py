@@ -111,6 +111,16 @@ def fair(limits: BatchLimits, **kw) -> FairQueue:
     return FairQueue(limits, model="m", **kw)
 
 
+# Regression: a batch whose cost reached the budget exactly waited for max_wait.
+@pytest.mark.parametrize(("padded", "costs"), [(False, (5, 5)), (False, (10,)), (True, (5, 5))])
+def test_a_batch_closes_at_once_when_its_cost_reaches_the_budget_exactly(padded, costs):
+    q = fair(BatchLimits(max_size=8, max_tokens=10, max_wait=100.0, padded=padded))
+    rs = [req("a" if i % 2 else "b", c) for i, c in enumerate(costs)]
+    for r in rs:
+        q.offer(r, 0.0)
+    assert sorted(map(id, q.next_batch(0.0) or [])) == sorted(map(id, rs))
+
+
 # ---------------------------------------------------------------- 1. weighted fair share
 @settings(max_examples=60, deadline=None)
 @given(
