@@ -451,6 +451,12 @@ class FairQueue:
         finally:
             self._update_capacity()
 
+    def note_shed(self, tenant: str, priority: str, n: int = 1) -> None:
+        """Count ``n`` requests refused before they reached the queue (over the
+        tenant's credits) as shed for their flow."""
+        c = self._rank.get(priority, len(self.classes) - 1)
+        self._stats(tenant, self.classes[c].name).shed += n
+
     def most_queued(self, tenant: str) -> int:
         """The most requests ``tenant`` may ever have queued here (its share of the
         bound)."""

@@ -318,7 +318,8 @@ class Runtime:
         now = trio.current_time()
         deadline, answer_expiry = self._deadline(served, priority, now)
         now, taken = await self._pay(
-            tenant, priority, sum(c for _, c in prepared), now, deadline
+            tenant, priority, sum(c for _, c in prepared), now, deadline, served,
+            len(prepared),
         )
         group = ReplyGroup(len(prepared))
         replies = group.replies
@@ -614,12 +615,14 @@ class Runtime:
         return caller_deadline, False
 
     async def _pay(
-        self, tenant: str, priority: str, cost: int, now: float, deadline: float
+        self, tenant: str, priority: str, cost: int, now: float, deadline: float,
+        served: ServedModel, n: int = 1,
     ) -> tuple[float, int]:
-        """Take ``cost`` from the tenant's credits, waiting for them when its class
-        allows (at most until ``deadline``); return the time the request reaches the
-        queue and the take's number (for ``_refund``). Raises QuotaExceeded (429) with
-        the refill time as retry_after."""
+        """Take ``cost`` from the tenant's credits for ``n`` requests to ``served``,
+        waiting for them when its class allows (at most until ``deadline``); return the
+        time the requests reach the queue and the take's number (for ``_refund``).
+        Raises QuotaExceeded (429) with the refill time as retry_after; the requests
+        count as shed for their flow."""
         bucket = self.buckets.get(tenant)
         if bucket is None:
             self.credits_used[tenant] += cost
@@ -627,6 +630,7 @@ class Runtime:
         if self._classes[priority].over_quota == "reject":
             wait = bucket.try_take(cost, now)
             if wait > 0.0:
+                served.scheduler.policy.note_shed(tenant, priority, n)
                 await trio.lowlevel.checkpoint()  # a refusal still yields
                 raise QuotaExceeded(
                     f"tenant {tenant!r} is over its credit rate "
@@ -638,6 +642,7 @@ class Runtime:
             return now, bucket.seq
         at = bucket.reserve(cost, now, deadline)
         if at is None:
+            served.scheduler.policy.note_shed(tenant, priority, n)
             await trio.lowlevel.checkpoint()
             raise QuotaExceeded(
                 f"tenant {tenant!r} is over its credit rate ({bucket.rate:g}/s) and its "
@@ -680,7 +685,7 @@ class Runtime:
         deadline, answer_expiry = self._deadline(served, priority, now)
         taken = 0
         if self.buckets:
-            now, taken = await self._pay(tenant, priority, cost, now, deadline)
+            now, taken = await self._pay(tenant, priority, cost, now, deadline, served)
         else:  # no tenant has credits: nothing to await on the hot path
             self.credits_used[tenant] += cost
         reply = Reply()

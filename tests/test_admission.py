@@ -447,6 +447,7 @@ async def test_realtime_over_quota_is_refused_with_the_refill_time(autojump_cloc
         assert e.value.retry_after == 0.5
         assert trio.current_time() == t0
         assert rt.credits_used["a"] == 4
+        assert flow_stats(rt)["a", "realtime"].shed == 1  # a refusal of its flow
         await trio.sleep(0.5)
         await rt.infer("m", item(5))  # refilled
         assert rt.credits_used["a"] == 5
@@ -484,6 +485,10 @@ async def test_a_waiting_request_whose_refill_is_past_its_deadline_is_refused_at
         assert e.value.retry_after == 0.5
         assert rt.buckets["a"].used == 1  # nothing taken for it
         assert rt.credits_used["a"] == 1
+        with pytest.raises(QuotaExceeded):
+            await rt.infer_batch("m", [item(2), item(3)], priority="bulk")
+        stats = flow_stats(rt)["a", "bulk"]
+        assert (stats.admitted, stats.shed) == (1, 3)  # every item of the call
 
 
 async def test_cancelling_a_request_waiting_for_credits_refunds_them(autojump_clock):
