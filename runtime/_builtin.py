@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ._config import ModelConfig
+from ._config import ModelConfig, _finite, _shown
 from ._errors import ConfigError, InvalidInput
 from ._model import CallableBackend, Item, ModelBackend, Runner, TensorSpec, TorchBackend
 
@@ -19,11 +18,15 @@ MLP_IN, MLP_HIDDEN, MLP_OUT = 256, 1024, 16
 
 
 def _options(
-    cfg: ModelConfig, allowed: Mapping[str, Any], minimum: Mapping[str, float] | None = None
+    cfg: ModelConfig,
+    allowed: Mapping[str, Any],
+    minimum: Mapping[str, float] | None = None,
+    maximum: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The backend's options: ``allowed`` (name -> default) overridden by the
     config's, each of its default's type (an integer where the default is one; a
-    float option takes integers too) and at least ``minimum[name]`` where given."""
+    float option takes integers too, if a float holds them) and at least
+    ``minimum[name]``, at most ``maximum[name]``, where given."""
     out = dict(allowed)
     for k, v in cfg.options.items():
         if k not in allowed:
@@ -37,17 +40,34 @@ def _options(
         elif isinstance(want, int):
             ok = isinstance(v, int) and not isinstance(v, bool)
         elif isinstance(want, float):
-            ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            ok = _finite(v)
         else:
             ok = isinstance(v, type(want))
         if not ok:
             kind = "number" if isinstance(want, float) else type(want).__name__
-            raise ConfigError(f"models.{cfg.name}.options.{k}: expected {kind}, got {v!r}")
+            raise ConfigError(f"models.{cfg.name}.options.{k}: expected {kind}, got {_shown(v)}")
         low = (minimum or {}).get(k)
         if low is not None and v < low:
-            raise ConfigError(f"models.{cfg.name}.options.{k}: must be >= {low:g}, got {v!r}")
+            raise ConfigError(
+                f"models.{cfg.name}.options.{k}: must be >= {_bound(low)}, got {_shown(v)}"
+            )
+        high = (maximum or {}).get(k)
+        if high is not None and v > high:
+            raise ConfigError(
+                f"models.{cfg.name}.options.{k}: must be <= {_bound(high)}, got {_shown(v)}"
+            )
         out[k] = v
     return out
+
+
+def _bound(v: float) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+#: What torch.Generator.manual_seed takes.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+#: all-MiniLM-L6-v2's position embeddings: a longer input has no position to take.
+MINILM_MAX_LENGTH = 512
 
 
 def mlp_module(seed: int = 0) -> Any:
@@ -125,7 +145,10 @@ def resolve_backend(cfg: ModelConfig) -> ModelBackend:
     if isinstance(b, ModelBackend):
         return b
     if b == "mlp":
-        return mlp_backend(**_options(cfg, {"seed": 0}))
+        low, high = SEED_RANGE
+        return mlp_backend(
+            **_options(cfg, {"seed": 0}, minimum={"seed": low}, maximum={"seed": high})
+        )
     if b == "echo":
         _options(cfg, {})
         return echo_backend()
@@ -136,15 +159,24 @@ def resolve_backend(cfg: ModelConfig) -> ModelBackend:
         from ._minilm import MiniLMBackend
 
         # at least the two special tokens and one of the text
-        return MiniLMBackend(**_options(cfg, {"max_length": 256}, minimum={"max_length": 3}))
+        return MiniLMBackend(
+            **_options(
+                cfg,
+                {"max_length": 256},
+                minimum={"max_length": 3},
+                maximum={"max_length": MINILM_MAX_LENGTH},
+            )
+        )
     if callable(b):
         obj = b()
     else:
         module, _, attr = str(b).partition(":")
         try:
             obj = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"models.{cfg.name}.backend: cannot import {b!r}: {exc}") from None
+        except Exception as exc:  # not found, or the module failed while importing
+            raise ConfigError(
+                f"models.{cfg.name}.backend: cannot import {b!r}: {type(exc).__name__}: {exc}"
+            ) from exc
         if not isinstance(obj, ModelBackend) and callable(obj):
             try:
                 obj = obj(**cfg.options)

@@ -22,23 +22,61 @@ OVERSIZE_POLICIES = ("reject", "alone", "split")
 EXECUTIONS = ("thread", "inline", "process")
 OVER_QUOTA = ("reject", "wait")
 
+#: Upper bounds of the values that size what the runtime allocates or starts: items per
+#: batch (each worker process's staging memory, the queue's least adaptive limit),
+#: replicas per model (a thread or a process each), torch's intra-op threads per replica
+#: and a request body (held whole in memory; zlib's limit for a compressed one).
+MAX_BATCH_SIZE = 65_536
+MAX_REPLICAS = 256
+MAX_TORCH_THREADS = 1024
+MAX_BODY_BYTES = 4 * 1024**3
+#: A second: a longer interval stalls model threads behind a busy event loop (and
+#: sys.setswitchinterval wraps a huge one round to 0).
+MAX_SWITCH_INTERVAL_US = 1_000_000.0
+
 
 # ---------------------------------------------------------------- value checks
-def _int(minimum: int) -> Callable[[Any], None]:
+def _shown(v: Any) -> str:
+    """``repr(v)`` for a message, cut short when long (an integer of hundreds of
+    digits, a long string)."""
+    try:
+        text = repr(v)
+    except ValueError:  # an integer past the interpreter's limit on digits printed
+        return "an integer of thousands of digits"
+    if len(text) <= 60:
+        return text
+    unit = "digits" if isinstance(v, int) else "characters"
+    return f"{text[:40]}... ({len(text.lstrip('-'))} {unit})"
+
+
+def _finite(v: Any) -> bool:
+    """A number (not a bool) that is finite as a float: an integer too large for a
+    float (over about 1.8e308) is not."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _int(minimum: int, maximum: int | None = None) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-            raise ValueError(f"must be an integer >= {minimum}, got {v!r}")
+            raise ValueError(f"must be an integer >= {minimum}, got {_shown(v)}")
+        if maximum is not None and v > maximum:
+            raise ValueError(f"must be an integer <= {maximum}, got {_shown(v)}")
 
     return check
 
 
 def _port(v: Any) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
-        raise ValueError(f"must be a port number, 0 to 65535 (0: any free port), got {v!r}")
+        raise ValueError(f"must be a port number, 0 to 65535 (0: any free port), got {_shown(v)}")
 
 
-def _opt_int(minimum: int) -> Callable[[Any], None]:
-    inner = _int(minimum)
+def _opt_int(minimum: int, maximum: int | None = None) -> Callable[[Any], None]:
+    inner = _int(minimum, maximum)
 
     def check(v: Any) -> None:
         if v is not None:
@@ -47,14 +85,17 @@ def _opt_int(minimum: int) -> Callable[[Any], None]:
     return check
 
 
-def _number(minimum: float, *, strict: bool = False, optional: bool = False):
+def _number(
+    minimum: float, *, strict: bool = False, optional: bool = False, maximum: float | None = None
+):
     def check(v: Any) -> None:
         if v is None and optional:
             return
-        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-        if not ok or v < minimum or (strict and v == minimum):
+        if not _finite(v) or v < minimum or (strict and v == minimum):
             op = ">" if strict else ">="
-            raise ValueError(f"must be a finite number {op} {minimum}, got {v!r}")
+            raise ValueError(f"must be a finite number {op} {minimum}, got {_shown(v)}")
+        if maximum is not None and v > maximum:
+            raise ValueError(f"must be a finite number <= {maximum}, got {_shown(v)}")
 
     return check
 
@@ -64,20 +105,20 @@ def _choice(options: tuple[str, ...], *, optional: bool = False):
         if v is None and optional:
             return
         if v not in options:
-            raise ValueError(f"must be one of {', '.join(map(repr, options))}, got {v!r}")
+            raise ValueError(f"must be one of {', '.join(map(repr, options))}, got {_shown(v)}")
 
     return check
 
 
 def _str(v: Any) -> None:
     if not isinstance(v, str) or not v:
-        raise ValueError(f"must be a non-empty string, got {v!r}")
+        raise ValueError(f"must be a non-empty string, got {_shown(v)}")
 
 
 def _strs(*, allow_empty: bool) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         if not isinstance(v, tuple) or not all(isinstance(s, str) and s for s in v):
-            raise ValueError(f"must be a list of non-empty strings, got {v!r}")
+            raise ValueError(f"must be a list of non-empty strings, got {_shown(v)}")
         if not v and not allow_empty:
             raise ValueError("must not be empty")
         if len(set(v)) != len(v):
@@ -97,17 +138,17 @@ def _devices(v: Any) -> None:
 def _fraction(v: Any) -> None:
     ok = isinstance(v, int | float) and not isinstance(v, bool) and 0.0 < v <= 1.0
     if not ok:
-        raise ValueError(f"must be a number in (0, 1], got {v!r}")
+        raise ValueError(f"must be a number in (0, 1], got {_shown(v)}")
 
 
 def _bool(v: Any) -> None:
     if not isinstance(v, bool):
-        raise ValueError(f"must be true or false, got {v!r}")
+        raise ValueError(f"must be true or false, got {_shown(v)}")
 
 
 def _mapping(v: Any) -> None:
     if not isinstance(v, Mapping):
-        raise ValueError(f"must be a table, got {v!r}")
+        raise ValueError(f"must be a table, got {_shown(v)}")
 
 
 def _tuple(v: Any) -> Any:
@@ -144,13 +185,13 @@ class ModelConfig:
     backend: Any = attrs.field(default=None)  # None is refused by the validator, by name
     versions: tuple[str, ...] = _field(_strs(allow_empty=False), ("1",), converter=_tuple)
     devices: tuple[str, ...] = _field(_devices, ("cpu",), converter=_tuple)
-    replicas: int | None = _field(_opt_int(1), None)
-    max_batch_size: int = _field(_int(1), 64)
+    replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)
+    max_batch_size: int = _field(_int(1, MAX_BATCH_SIZE), 64)
     max_batch_tokens: int | None = _field(_opt_int(1), None)
     max_wait_ms: float = _field(_number(0.0), 2.0)
     oversize: str = _field(_choice(OVERSIZE_POLICIES), "reject")
     timeout_ms: float | None = _field(_number(0.0, strict=True, optional=True), 60_000.0)
-    torch_threads: int = _field(_int(1), 1)
+    torch_threads: int = _field(_int(1, MAX_TORCH_THREADS), 1)
     execution: str | None = _field(_choice(EXECUTIONS, optional=True), None)
     adaptive_limit: bool = _field(_bool, True)
     batch_timeout_factor: float = _field(_number(1.0), 4.0)
@@ -158,7 +199,7 @@ class ModelConfig:
     batch_timeout_cap_ms: float = _field(_number(0.0, strict=True), 60_000.0)
     poison_attempts: int = _field(_int(1), 2)
     slow_lane_cost: int | None = _field(_opt_int(1), None)
-    slow_lane_replicas: int = _field(_int(1), 1)
+    slow_lane_replicas: int = _field(_int(1, MAX_REPLICAS), 1)
     hedge: bool = _field(_bool, False)
     hedge_after_ms: float | None = _field(_number(0.0, strict=True, optional=True), None)
     cache: bool = _field(_bool, True)
@@ -170,9 +211,9 @@ class ModelConfig:
     @backend.validator
     def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, str):
-            if value not in BUILTIN_BACKENDS and ":" not in value:
+            if value not in BUILTIN_BACKENDS and not _import_string(value):
                 raise ConfigError(
-                    f"{self._path()}.backend: {value!r} is neither a built-in backend "
+                    f"{self._path()}.backend: {_shown(value)} is neither a built-in backend "
                     f"({', '.join(BUILTIN_BACKENDS)}) nor an import string 'module:attr'"
                 )
         elif value is None:
@@ -261,7 +302,7 @@ class RuntimeLimits:
 
     queue_bound: int = _field(_int(1), 4096)
     inbox_bound: int = _field(_int(1), 1024)
-    switch_interval_us: float = _field(_number(1.0), 100.0)
+    switch_interval_us: float = _field(_number(1.0, maximum=MAX_SWITCH_INTERVAL_US), 100.0)
     restart_intensity: int = _field(_int(0), 5)
     restart_period_s: float = _field(_number(0.0, strict=True), 10.0)
     graceful_timeout_s: float = _field(_number(0.0), 10.0)
@@ -292,7 +333,7 @@ class ServerConfig:
     host: str = _field(_str, "127.0.0.1")
     port: int = _field(_port, 8000)
     control_port: int | None = _field(_opt_int(0), None)
-    max_body_bytes: int = _field(_int(1), 16 * 1024 * 1024)
+    max_body_bytes: int = _field(_int(1, MAX_BODY_BYTES), 16 * 1024 * 1024)
     #: an idle keep-alive HTTP connection is closed after this long
     keep_alive_timeout_s: float = _field(_number(0.0, strict=True), 75.0)
     #: a request begun must have arrived whole (head and body) this long after: else 408
@@ -367,6 +408,13 @@ class Config:
         raise KeyError(name)
 
 
+def _import_string(text: str) -> bool:
+    """Whether ``text`` has the form ``"package.module:attr"``."""
+    module, colon, attr = text.partition(":")
+    dotted = all(p.isidentifier() for p in module.split("."))
+    return bool(colon) and dotted and attr.isidentifier()
+
+
 def _unique(kind: str, names: list[str]) -> None:
     seen = set()
     for n in names:
@@ -381,7 +429,7 @@ _TOP_KEYS = ("models", "tenants", "classes", "runtime", "server", "cache")
 
 def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
     if not isinstance(table, Mapping):
-        raise ConfigError(f"{path}: must be a table, got {table!r}")
+        raise ConfigError(f"{path}: must be a table, got {_shown(table)}")
     names = [f.name for f in attrs.fields(cls) if f.name not in extra]
     for key in table:
         if key not in names:
@@ -465,9 +513,23 @@ def load_config(path: str | PathLike[str] | None = None) -> Config:
         return default_config()
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            raw = f.read()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")  # TOML is UTF-8 (what tomllib.load decodes)
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{path}: invalid TOML: not UTF-8 text (byte 0x{raw[exc.start]:02x} "
+            f"on line {line})"
+        ) from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except ValueError as exc:  # an integer of more digits than int() converts
+        raise ConfigError(f"{path}: invalid TOML: {str(exc).partition(';')[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
     return config_from_mapping(data)

@@ -20,6 +20,7 @@ import trio
 
 from ._config import ModelConfig
 from ._model import ModelBackend
+from ._units import MIB
 
 _LEN = struct.Struct("<I")
 
@@ -58,6 +59,9 @@ class WorkerProcess:
     Failed = WorkerError
     #: Batches in flight per worker (one running, the rest staged in shared memory).
     SLOTS = 3
+    #: The most shared memory a slot takes: a batch whose inputs do not fit is sent
+    #: through the pipe instead (as one whose inputs cannot be stacked is).
+    MAX_SLOT_BYTES = 64 * MIB
 
     def __init__(
         self,
@@ -81,7 +85,8 @@ class WorkerProcess:
             if s.dtype.kind != "O" and all(d > 0 for d in s.shape)
         )
         # SLOTS slots, so the next batches are staged while the worker runs this one.
-        self._slot_size = (max(1 << 20, per_item * cfg.max_batch_size * 2) + 63) & ~63
+        want = min(max(1 << 20, per_item * cfg.max_batch_size * 2), self.MAX_SLOT_BYTES)
+        self._slot_size = (want + 63) & ~63
         self._shm_size = self.SLOTS * self._slot_size
         self._next_slot = 0
         self.in_flight = 0

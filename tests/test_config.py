@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 import trioserve
 from trioserve import Config, ConfigError, ModelConfig, RuntimeLimits, ServerConfig, TenantConfig
-from trioserve._config import minilm_available
+from trioserve._config import MAX_BATCH_SIZE, minilm_available
+from trioserve.cli import main
+
+#: An integer no float holds (a float key's value must be finite as a float).
+HUGE = "9" * 400
+HUGE_SHOWN = "9" * 40 + "... (400 digits)"
 
 
 def write(tmp_path, text: str):
@@ -140,6 +145,26 @@ def test_unknown_model_key_is_named(tmp_path):
         ('versions = ["1", "1"]', "models.mlp.versions: has duplicates: ['1', '1']"),
         ("options = 3", "models.mlp.options: must be a table, got 3"),
         ('backend = "bogus"', "models.mlp.backend: 'bogus' is neither a built-in backend"),
+        ('backend = ":"', "models.mlp.backend: ':' is neither a built-in backend"),
+        ('backend = "pkg..mod:f"', "models.mlp.backend: 'pkg..mod:f' is neither a built-in"),
+        ('backend = "pkg.mod:"', "models.mlp.backend: 'pkg.mod:' is neither a built-in"),
+        (f"max_wait_ms = {HUGE}", f"models.mlp.max_wait_ms: must be a finite number >= 0.0, "
+                                  f"got {HUGE_SHOWN}"),
+        (f"timeout_ms = {HUGE}", "models.mlp.timeout_ms: must be a finite number > 0.0, got 9"),
+        (
+            f"max_batch_size = {MAX_BATCH_SIZE + 1}",
+            f"models.mlp.max_batch_size: must be an integer <= {MAX_BATCH_SIZE}, got 65537",
+        ),
+        (
+            "max_batch_size = 9223372036854775807",
+            "models.mlp.max_batch_size: must be an integer <= 65536, got 9223372036854775807",
+        ),
+        (
+            "torch_threads = 9223372036854775807",
+            "models.mlp.torch_threads: must be an integer <= 1024, got 9223372036854775807",
+        ),
+        ("replicas = 257", "models.mlp.replicas: must be an integer <= 256, got 257"),
+        ("slow_lane_replicas = 257", "models.mlp.slow_lane_replicas: must be an integer <= 256"),
     ],
 )
 def test_bad_model_values_name_the_key(tmp_path, line, message):
@@ -197,6 +222,27 @@ def test_bad_model_values_name_the_key(tmp_path, line, message):
             "[tenants.b]\ndefault = true\n",
             "tenants: only one tenant may be default, got ['a', 'b']",
         ),
+        (
+            f"[models.m]\nbackend = 'echo'\n[tenants.t]\nweight = {HUGE}\n",
+            f"tenants.t.weight: must be a finite number > 0.0, got {HUGE_SHOWN}",
+        ),
+        (
+            f"[models.m]\nbackend = 'echo'\n[tenants.t]\ncredit_rate = -{HUGE}\n",
+            f"tenants.t.credit_rate: must be a finite number > 0.0, got -{HUGE_SHOWN[1:]}",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[runtime]\nswitch_interval_us = 1e300\n",
+            "runtime.switch_interval_us: must be a finite number <= 1000000.0, got 1e+300",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\nmax_body_bytes = 9223372036854775807\n",
+            "server.max_body_bytes: must be an integer <= 4294967296, got 9223372036854775807",
+        ),
+        (
+            f"[models.m]\nbackend = 'echo'\nmax_wait_ms = 0x{'f' * 4000}\n",
+            "models.m.max_wait_ms: must be a finite number >= 0.0, got an integer of thousands "
+            "of digits",
+        ),
     ],
 )
 def test_bad_tables_name_the_key(tmp_path, toml, message):
@@ -235,6 +281,51 @@ def test_invalid_toml_is_named(tmp_path):
         trioserve.load_config(path)
     assert str(excinfo.value).startswith(f"{path}: invalid TOML: ")
     assert "line 1" in str(excinfo.value)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[models.e]\nbackend = "echo"\n# caf\xe9\n')
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value) == f"{path}: invalid TOML: not UTF-8 text (byte 0xe9 on line 3)"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("9" * 5000, "Exceeds the limit (4300 digits) for integer string conversion"),
+        ("[" * 5000 + "]" * 5000, "arrays or tables nested too deeply"),
+    ],
+)
+def test_toml_that_python_cannot_read_is_named(tmp_path, value, message):
+    path = write(tmp_path, f'[models.e]\nbackend = "echo"\nx = {value}\n')
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value).startswith(f"{path}: invalid TOML: {message}")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["backend_colon", "hugeint_max_wait", "latin1", "torch_threads", "hugeint_sleep_option"],
+)
+def test_the_serve_command_says_what_is_wrong_in_one_line(tmp_path, capsys, name):
+    text = {
+        "backend_colon": b'[models.e]\nbackend = ":"\n',
+        "hugeint_max_wait": f'[models.e]\nbackend = "echo"\nmax_wait_ms = {HUGE}\n'.encode(),
+        "latin1": b'[models.e]\nbackend = "echo"\n# caf\xe9\n',
+        "torch_threads": b'[models.e]\nbackend = "mlp"\ntorch_threads = 9223372036854775807\n',
+        # checked by the backend, as the runtime starts
+        "hugeint_sleep_option": f'[models.e]\nbackend = "sleep"\n'
+                                f"options = {{ delay_per_batch_ms = {HUGE} }}\n".encode(),
+    }[name]
+    path = tmp_path / "bad.toml"
+    path.write_bytes(text)
+    assert main(["serve", "--config", str(path), "--port", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("trioserve: invalid configuration: ")
+    assert err.count("\n") == 1
 
 
 def test_python_values_are_checked_too():
@@ -282,6 +373,14 @@ async def test_backend_option_of_the_wrong_type_fails_open_runtime():
         ("sleep", {"delay_per_item_ms": math.inf},
          r"^models\.m\.options\.delay_per_item_ms: expected number, got inf$"),
         ("minilm", {"max_length": 0}, r"^models\.m\.options\.max_length: must be >= 3, got 0$"),
+        ("minilm", {"max_length": 513},
+         r"^models\.m\.options\.max_length: must be <= 512, got 513$"),
+        ("sleep", {"delay_per_batch_ms": int(HUGE)},
+         rf"^models\.m\.options\.delay_per_batch_ms: expected number, got {HUGE_SHOWN[:40]}"),
+        ("mlp", {"seed": 2**64},
+         r"^models\.m\.options\.seed: must be <= 18446744073709551615, got 18446744073709551616$"),
+        ("mlp", {"seed": -(2**63) - 1},
+         r"^models\.m\.options\.seed: must be >= -9223372036854775808, got "),
     ],
 )
 async def test_a_backend_option_out_of_its_range_fails_open_runtime(backend, options, message):
@@ -314,6 +413,19 @@ async def test_a_backend_factory_that_fails_is_a_config_error(options, message):
 async def test_unimportable_backend_fails_open_runtime():
     cfg = Config(models=(ModelConfig(name="x", backend="no_such_module_here:factory"),))
     with pytest.raises(ConfigError, match=r"^models\.x\.backend: cannot import"):
+        async with trioserve.open_runtime(cfg):
+            pytest.fail("started without its model")
+
+
+async def test_a_backend_module_that_fails_to_import_fails_open_runtime(tmp_path, monkeypatch):
+    (tmp_path / "trioserve_test_broken_backend.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = Config(models=(ModelConfig(name="x", backend="trioserve_test_broken_backend:f"),))
+    with pytest.raises(
+        ConfigError,
+        match=r"^models\.x\.backend: cannot import 'trioserve_test_broken_backend:f': "
+        r"RuntimeError: boom$",
+    ):
         async with trioserve.open_runtime(cfg):
             pytest.fail("started without its model")
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
-from trioserve._process import _stack_into
+import trioserve
+from runtime_helpers import config
+from trioserve import ModelConfig
+from trioserve._builtin import mlp_backend
+from trioserve._config import MAX_BATCH_SIZE
+from trioserve._process import WorkerProcess, _stack_into
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (2, 3), (1, 4, 2), (0, 3)])
@@ -42,3 +48,30 @@ def test_an_item_of_another_shape_is_refused(shapes):
     assert sum(a.size for a in arrays) == flat.size  # the sizes add up
     with pytest.raises(ValueError, match="an item of shape"):
         _stack_into(flat, arrays, (2, 3))
+
+
+def test_a_workers_shared_memory_is_bounded_whatever_the_batch_size():
+    # The largest batch of the mlp (1 KiB of input an item) would want 128 MiB a slot.
+    cfg = ModelConfig(name="m", backend="mlp", max_batch_size=MAX_BATCH_SIZE)
+    worker = WorkerProcess(cfg, mlp_backend(), "cpu", 1)
+    assert worker._shm_size == WorkerProcess.SLOTS * WorkerProcess.MAX_SLOT_BYTES
+    small = WorkerProcess(attrs.evolve(cfg, max_batch_size=64), mlp_backend(), "cpu", 1)
+    assert small._shm_size == WorkerProcess.SLOTS * (1 << 20)  # the least a slot takes
+
+
+async def test_a_batch_larger_than_its_slot_goes_through_the_pipe(monkeypatch):
+    monkeypatch.setattr(WorkerProcess, "MAX_SLOT_BYTES", 64)  # 16 floats
+    layouts = []
+    stack = WorkerProcess._stack
+
+    def recorded(self, items, base):
+        layouts.append(stack(self, items, base))
+        return layouts[-1]
+
+    monkeypatch.setattr(WorkerProcess, "_stack", recorded)
+    cfg = config(ModelConfig(name="s", backend="sleep", execution="process", max_batch_size=8))
+    items = [{"x": np.full(8, v, np.float32)} for v in range(8)]  # 256 bytes
+    async with trioserve.open_runtime(cfg) as rt:
+        outs = await rt.infer_batch("s", items)
+    assert [o["y"].tolist() for o in outs] == [[float(v)] * 8 for v in range(8)]
+    assert None in layouts  # not stacked into the slot: sent as items
