@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from ._errors import ConfigError
+from ._model import ModelBackend
 
 BUILTIN_BACKENDS = ("mlp", "echo", "sleep", "minilm")
 OVERSIZE_POLICIES = ("reject", "alone", "split")
@@ -218,6 +219,12 @@ class ModelConfig:
                 )
         elif value is None:
             raise ConfigError(f"{self._path()}.backend: is required")
+        elif not isinstance(value, ModelBackend) and not callable(value):
+            raise ConfigError(
+                f"{self._path()}.backend: must be a built-in backend's name, an import "
+                f"string 'module:attr', a ModelBackend or a callable returning one, "
+                f"got {_shown(value)}"
+            )
 
     def _path(self) -> str:
         return f"models.{self.name}"
@@ -361,6 +368,13 @@ class Config:
     cache: CacheConfig = attrs.field(factory=CacheConfig)
 
     def __attrs_post_init__(self) -> None:
+        for kind, value, cls in (
+            ("runtime", self.runtime, RuntimeLimits),
+            ("server", self.server, ServerConfig),
+            ("cache", self.cache, CacheConfig),
+        ):
+            if not isinstance(value, cls):
+                raise ConfigError(f"{kind}: must be a {cls.__name__}, got {_shown(value)}")
         for kind, items, cls in (
             ("models", self.models, ModelConfig),
             ("tenants", self.tenants, TenantConfig),

@@ -9,7 +9,15 @@ import textwrap
 import numpy as np
 import pytest
 import trioserve
-from trioserve import Config, ConfigError, ModelConfig, RuntimeLimits, ServerConfig, TenantConfig
+from trioserve import (
+    CacheConfig,
+    Config,
+    ConfigError,
+    ModelConfig,
+    RuntimeLimits,
+    ServerConfig,
+    TenantConfig,
+)
 from trioserve._config import MAX_BATCH_SIZE, minilm_available
 from trioserve.cli import main
 
@@ -338,6 +346,35 @@ def test_python_values_are_checked_too():
     with pytest.raises(ConfigError, match=r"^models: must be a list of ModelConfig$"):
         Config(models=("echo",))
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (
+            {"runtime": {"queue_bound": 5}},
+            "runtime: must be a RuntimeLimits, got {'queue_bound': 5}",
+        ),
+        ({"cache": 3}, "cache: must be a CacheConfig, got 3"),
+        ({"server": None}, "server: must be a ServerConfig, got None"),
+        ({"runtime": CacheConfig()}, "runtime: must be a RuntimeLimits, got CacheConfig("),
+        ({"tenants": None}, "tenants: must be a list of TenantConfig"),
+        ({"classes": "realtime"}, "classes: must be a list of ClassConfig"),
+    ],
+)
+def test_python_config_parts_of_the_wrong_type_are_named(kw, message):
+    with pytest.raises(ConfigError) as excinfo:
+        Config(models=(ModelConfig(name="e", backend="echo"),), **kw)
+    assert str(excinfo.value).startswith(message)
+
+
+def test_a_python_backend_that_is_neither_a_name_nor_a_backend_is_named():
+    with pytest.raises(
+        ConfigError,
+        match=r"^models\.m\.backend: must be a built-in backend's name, an import string "
+        r"'module:attr', a ModelBackend or a callable returning one, got 3$",
+    ):
+        ModelConfig(name="m", backend=3)
 
 
 # ---------------------------------------------------------------- at startup
