@@ -7,6 +7,7 @@ import collections
 import math
 import operator
 import sys
+import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,6 +34,36 @@ from ._errors import (
 from ._messages import CANCELLED, Reply, ReplyGroup, Request
 from ._model import ModelBackend
 from ._zygote import Zygote
+
+
+class _SwitchIntervals:
+    """The process's ``sys.setswitchinterval`` while runtimes are open.
+
+    The first runtime to open saves the process's interval, the last to close puts
+    it back; meanwhile the smallest interval of the open runtimes applies (each runs
+    its loop at least that responsively), whatever order they open and close in.
+    Runtimes may run in different threads (``serve_in_thread``), hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: list[float] = []  # seconds, one per open runtime
+        self._saved = 0.0
+
+    def enter(self, seconds: float) -> None:
+        with self._lock:
+            if not self._open:
+                self._saved = sys.getswitchinterval()
+            self._open.append(seconds)
+            sys.setswitchinterval(min(self._open))
+
+    def exit(self, seconds: float) -> None:
+        with self._lock:
+            self._open.remove(seconds)
+            sys.setswitchinterval(min(self._open) if self._open else self._saved)
+
+
+_switch_intervals = _SwitchIntervals()
 
 
 @attrs.define(eq=False)
@@ -820,8 +851,8 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     zygote: Zygote | None = None
     watchdog = Watchdog()
     watchdog.start()
-    old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(limits_cfg.switch_interval_us * 1e-6)
+    switch_interval = limits_cfg.switch_interval_us * 1e-6
+    _switch_intervals.enter(switch_interval)
     # The body's own exception is re-raised unwrapped after the nursery closes; only an
     # actor's escalation comes out of the nursery itself.
     body_error: BaseException | None = None
@@ -855,7 +886,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
             raise leaves[0] from leaves[0].__cause__
         raise
     finally:
-        sys.setswitchinterval(old_interval)
+        _switch_intervals.exit(switch_interval)
         closed = ActorClosed("the runtime shut down before this request was answered")
         for served in rt.models.values():
             for b in served.batchers:

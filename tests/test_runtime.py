@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -888,6 +889,43 @@ async def test_an_error_in_the_block_cancels_at_once_and_fails_waiting_callers(
             await serve_then_fail(nursery)
         assert trio.current_time() == t0  # no grace when the block fails
     assert all(isinstance(results[i], ActorClosed) for i in range(3))
+
+
+async def test_overlapping_runtimes_share_the_switch_interval_and_restore_it():
+    # Runtimes whose lifetimes overlap without nesting (two serve_in_thread clients
+    # closed in the order they started): the smallest interval of those open applies,
+    # and the process's own comes back once the last one closes.
+    original = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        cfg_a = config(ModelConfig(name="e", backend="echo"), switch_interval_us=100)
+        cfg_b = config(ModelConfig(name="e", backend="echo"), switch_interval_us=200)
+        opened, close, closed = ({"a": trio.Event(), "b": trio.Event()} for _ in range(3))
+
+        async def run(name, cfg):
+            async with trioserve.open_runtime(cfg):
+                opened[name].set()
+                await close[name].wait()
+            closed[name].set()
+
+        def interval_us():
+            # CPython keeps whole microseconds, truncated: 200e-6 s reads back as 199 us
+            return pytest.approx(sys.getswitchinterval() * 1e6, abs=2)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", cfg_a)
+            await opened["a"].wait()
+            assert interval_us() == 100
+            nursery.start_soon(run, "b", cfg_b)
+            await opened["b"].wait()
+            assert interval_us() == 100
+            close["a"].set()
+            await closed["a"].wait()
+            assert interval_us() == 200  # b alone
+            close["b"].set()
+        assert interval_us() == 4000
+    finally:
+        sys.setswitchinterval(original)
 
 
 # ---------------------------------------------------------------- reply groups
