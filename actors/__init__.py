@@ -35,5 +35,6 @@ from ._straggler import BatchTimer as BatchTimer
 from ._straggler import Breaker as Breaker
 from ._straggler import RecentQuantile as RecentQuantile
 from ._straggler import StragglerPolicy as StragglerPolicy
+from ._straggler import retried as retried
 from ._straggler import split_failed as split_failed
 from ._watchdog import Watchdog as Watchdog

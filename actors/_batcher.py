@@ -34,7 +34,7 @@ from trioserve import (
 
 from ._metrics import ModelMetrics
 from ._scheduler import SchedulerActor
-from ._straggler import BatchTimer, Breaker, StragglerPolicy, split_failed
+from ._straggler import BatchTimer, Breaker, StragglerPolicy, retried, split_failed
 from ._watchdog import Watchdog
 
 
@@ -276,8 +276,12 @@ class BatcherActor(Actor):
         worker.kill()
         self.workers_lost += 1
         self._metrics.statuses["worker_lost"] += 1
-        self._breaker.failure(trio.current_time())
         batches = list(self._in_flight)
+        if not (batches and retried(batches[0])):
+            # A retry that crashes again is its requests' doing (it counts towards
+            # their poison attempts): a few poison requests, bisected, would open
+            # the breaker of a sound replica and hold every other request back.
+            self._breaker.failure(trio.current_time())
         self._in_flight.clear()
         if batches:
             self._suspect(batches[0], f"its batch failed: {why}")
@@ -318,7 +322,8 @@ class BatcherActor(Actor):
             # the thread returns (it holds the replica's limiter until then).
             self.stragglers += 1
             self._metrics.statuses["straggler"] += 1
-            self._breaker.failure(trio.current_time())
+            if not retried(batch):  # a retry's failure is its requests' (see _lose)
+                self._breaker.failure(trio.current_time())
             self._suspect(batch, f"its batch ran past its deadline of {deadline:.3f}s")
             self._in_flight.clear()  # handed back: no longer this replica's to answer
             self._degraded = True
@@ -381,6 +386,8 @@ class BatcherActor(Actor):
         alive = [r for r in batch if r.reply.answerable]
         if len(batch) > 1 and alive:  # not alone: any one of them may be the cause
             self._scheduler.completed(batch, failed=True)
+            for r in alive:
+                r.reply.suspect = True
             mid = len(alive) // 2
             self._metrics.statuses["retried"] += len(alive)
             self._scheduler.retry([b for b in (alive[:mid], alive[mid:]) if b])

@@ -100,11 +100,14 @@ def split_failed(
     caller left, or already answered) are dropped. A batch of several is halved, so
     that retries narrow down to the request at fault while the others succeed; a
     request that failed alone counts an attempt (``reply.attempts``) and is poison
-    once it reaches ``poison_attempts``.
+    once it reaches ``poison_attempts``. Every request retried is marked
+    ``reply.suspect`` (see :func:`retried`).
     """
     alive = [r for r in batch if r.reply.state is _DISPATCHED]
     if not alive:
         return [], []
+    for r in alive:
+        r.reply.suspect = True
     if len(alive) > 1:
         mid = len(alive) // 2
         return [alive[:mid], alive[mid:]], []
@@ -115,9 +118,18 @@ def split_failed(
     return [[req]], []
 
 
+def retried(batch: list[Request]) -> bool:
+    """Whether ``batch`` is a retry of a batch that failed (a half being bisected, or
+    a request run alone again): its failure is then its requests' doing, counted
+    towards poison, and says nothing of its replica. A batch that fails on fresh work
+    is the replica's failure (see :class:`Breaker`)."""
+    return bool(batch) and all(r.reply.suspect for r in batch)
+
+
 class Breaker:
     """A replica's circuit breaker: ``threshold`` failures in a row (straggler or
-    crashed worker) open it for ``cooldown`` seconds (doubling up to ``max_cooldown``
+    crashed worker on fresh work; not the retries of a failed batch, see
+    :func:`retried`) open it for ``cooldown`` seconds (doubling up to ``max_cooldown``
     while it keeps failing); then one batch is tried (half-open) and a success
     closes it."""
 

@@ -59,6 +59,10 @@ class Reply:
     on_cancel: Any = None
     #: Times the request failed when run alone (retries of a straggler or crash).
     attempts: int = 0
+    #: It was in a batch that failed (ran past its deadline, lost its worker, or
+    #: raised) and is being retried: a failure of its batch now is the requests' own
+    #: doing, not its replica's (it counts towards poison, not the circuit breaker).
+    suspect: bool = False
     #: The ReplyGroup awaiting this reply with others (None: awaited by ``wait``).
     group: ReplyGroup | None = None
 

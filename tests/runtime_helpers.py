@@ -3,6 +3,7 @@ a thread-run model held by a gate, and a backend whose items have costs."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -91,6 +92,15 @@ def misshapen(items: list[dict[str, np.ndarray]]) -> Any:
         4.0: outputs * 2,
         5.0: [it["x"] for it in items],
     }.get(key(items[0]), outputs)
+
+
+def crash_on_666(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """A model for a worker process: a batch holding an item with x[0] == 666 ends the
+    process at once (``os._exit``, as a segfault would); otherwise ``y = x``.
+    Importable, so a worker process can run it."""
+    if any(key(it) == 666.0 for it in items):
+        os._exit(3)
+    return [{"y": it["x"]} for it in items]
 
 
 class Gate:

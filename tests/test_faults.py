@@ -20,9 +20,18 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import callable_model, config, item, key
+from runtime_helpers import callable_model, config, crash_on_666, item, key
 from trioserve import ModelConfig, ModelError, Reply, Request, RequestState
-from trioserve.actors import BatchTimer, Breaker, StragglerPolicy, Watchdog, split_failed
+from trioserve.actors import (
+    BatchTimer,
+    Breaker,
+    StragglerPolicy,
+    Watchdog,
+    retried,
+    split_failed,
+)
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def dispatched(n: int) -> list[Request]:
@@ -433,3 +442,88 @@ async def test_a_hedged_request_takes_the_copys_answer_when_the_first_straggles(
     finally:
         backend.release.set()
     assert [keys for _, keys in backend.ran[:2]] == [[7.0], [7.0]]
+
+
+# ---------------------------------------------------------------- the breaker and poison
+class CountingBreaker(Breaker):
+    """A Breaker that counts the failures it was told of and the times it opened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told = self.opened = 0
+
+    def failure(self, now: float) -> None:
+        self.told += 1
+        was = self.open_until
+        super().failure(now)
+        self.opened += self.open_until != was
+
+
+def test_the_retries_of_a_failed_batch_are_marked_as_its_requests_failures():
+    batch = dispatched(4)
+    assert not retried(batch)
+    halves, _ = split_failed(batch, poison_attempts=2)
+    assert all(retried(h) for h in halves)
+    assert not retried([*halves[0], *dispatched(1)])  # fresh work among them
+    assert not retried([])
+
+
+async def poison_among_normal(rt, poison: float, normal: float) -> dict[float, object]:
+    """Four requests of x[0] = ``poison`` (the model fails on them) sent at once with
+    one of ``normal``; what each caller got, by its number (the normal one is 9)."""
+    results: dict[float, object] = {}
+
+    async def one(i: float, v: float) -> None:
+        try:
+            results[i] = await rt.infer("m", item(v))
+        except ModelError as exc:
+            results[i] = exc
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(one, float(i), poison)
+        nursery.start_soon(one, 9.0, normal)
+    return results
+
+
+async def test_requests_that_crash_their_worker_do_not_open_its_breaker(monkeypatch):
+    """Every worker death counted towards the breaker, the bisection of a few
+    crashing requests included: it opened, for longer each time the trial batch (a
+    retry: crashing again) failed, the replica stopped pulling, and the others'
+    requests and the poison callers themselves timed out. Real processes."""
+    # where the worker finds ``crash_on_666``
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(trioserve.actors, "Breaker", CountingBreaker)
+    cfg = config(
+        callable_model(
+            "m", crash_on_666, execution="process", max_batch_size=8, max_wait_ms=20,
+            timeout_ms=None,
+        )
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        batcher = rt.models["m"].batchers[0]
+        with trio.fail_after(30):
+            results = await poison_among_normal(rt, 666.0, 1.0)
+            assert float(results.pop(9.0)["y"][0]) == 1.0
+            for err in results.values():
+                assert isinstance(err, ModelError)
+                assert "poison request, not retried: its batch failed: its worker " in str(err)
+            assert (await rt.infer("m", item(2)))["y"][0] == 2.0
+        assert batcher._breaker.told == 1  # the first batch, of fresh work
+        assert batcher._breaker.opened == 0
+        assert batcher.workers_lost > 4
+        assert rt.model_ready("m")
+
+
+async def test_straggling_retries_do_not_open_the_breaker_of_a_thread_replica(monkeypatch):
+    monkeypatch.setattr(trioserve.actors, "Breaker", CountingBreaker)
+    model = SlowOn(0.1)
+    cfg = config(straggler_model(model))
+    async with trioserve.open_runtime(cfg) as rt:
+        batcher = rt.models["m"].batchers[0]
+        with trio.fail_after(30):
+            results = await poison_among_normal(rt, 99.0, 1.0)
+        assert float(results.pop(9.0)["y"][0]) == 2.0
+        assert all("poison request, not retried" in str(e) for e in results.values())
+        assert batcher._breaker.told == 1
+        assert batcher._breaker.opened == 0
