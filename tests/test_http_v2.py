@@ -330,14 +330,16 @@ def _holds_a_bool(v, *, in_list: bool = False) -> bool:
 def test_the_scan_for_booleans_never_misses_one(value, text, indent):
     """The body scan that spares the exact check says "maybe" for every JSON text
     that holds a boolean as an array element (as bytes and as str, compact or
-    indented); it may say so for others too."""
+    indented); it may say so for others too: always after 16 other hits of a word's
+    first letter, and never when neither word appears before that."""
     from trioserve.transport._v2 import _may_hold_bool
 
     body = orjson.dumps(value, option=orjson.OPT_INDENT_2 if indent else 0)
     if _holds_a_bool(value):
         assert _may_hold_bool(body.decode() if text else body)
     if b"true" not in body and b"false" not in body:
-        assert not _may_hold_bool(body.decode() if text else bytearray(body))
+        gives_up = body.count(b"t") > 16 or body.count(b"f") > 16
+        assert _may_hold_bool(body.decode() if text else bytearray(body)) is gives_up
 
 
 # ------------------------------- large bodies: simdjson's decoding agrees with orjson's
