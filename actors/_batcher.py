@@ -143,9 +143,14 @@ class BatcherActor(Actor):
             )
         task_status.started(self)
         pull = self._scheduler.pull
+        twins = self._scheduler.twins
         while True:
             await self._wait_breaker()
-            batch = await pull()
+            batch = await pull(self)
+            if twins:
+                batch = self._keep_apart(batch)
+                if not batch:
+                    continue
             self._in_flight.append(batch)
             await self._execute(batch)
             self._in_flight.clear()
@@ -197,6 +202,7 @@ class BatcherActor(Actor):
         room = trio.Semaphore(slots)
         sent_send, sent_recv = trio.open_memory_channel[tuple[list[Request], float]](slots)
         pull = self._scheduler.pull
+        twins = self._scheduler.twins
         worker = self._worker
         assert worker is not None
         async with trio.open_nursery() as nursery:
@@ -205,13 +211,20 @@ class BatcherActor(Actor):
             while True:
                 await self._wait_breaker()
                 await room.acquire()
-                batch = await pull()
+                batch = await pull(self)
                 if not worker.alive:
                     # Lost while we waited (our cancellation comes at the next
                     # checkpoint): this batch never reached it; hand it back as it is.
                     self._scheduler.completed(batch, failed=True)
                     self._scheduler.retry([batch])
                     raise _WorkerLost("the worker was lost before this batch was sent")
+                if twins:
+                    # With room for more, this replica pulls while it runs a hedged
+                    # request: its copy would be staged behind it.
+                    batch = self._keep_apart(batch)
+                    if not batch:
+                        room.release()
+                        continue
                 self._in_flight.append(batch)
                 t0 = trio.current_time()
                 wait = self._metrics.queue_wait
@@ -361,6 +374,30 @@ class BatcherActor(Actor):
         if armed is not None:
             Watchdog.disarm(armed)
 
+    # ------------------------------------------------------------------ hedging
+    def holds(self, reply: Any) -> bool:
+        """Whether the request of ``reply`` is in one of this replica's batches in
+        flight (running, or staged for its worker process)."""
+        return any(r.reply is reply for b in self._in_flight for r in b)
+
+    def _keep_apart(self, batch: list[Request]) -> list[Request]:
+        """``batch`` without the requests whose hedge twin (the original of a copy, or
+        the copy of an original) this replica holds, in flight or earlier in
+        ``batch``: those go back to the scheduler for another replica. A copy run
+        behind its original on the same device hedges nothing. Called only while
+        some hedge is in flight."""
+        twins = self._scheduler.twins
+        kept: list[Request] = []
+        for req in batch:
+            twin = twins.get(req.reply)
+            if twin is not None and (
+                self.holds(twin) or any(r.reply is twin for r in kept)
+            ):
+                self._scheduler.keep_apart(req)
+            else:
+                kept.append(req)
+        return kept
+
     # ------------------------------------------------------------------ answers
     def _suspect(self, batch: list[Request], why: str) -> None:
         """A batch timed out or lost its worker: retry it halved; a request that
@@ -411,6 +448,14 @@ class BatcherActor(Actor):
         self._metrics.record_batch(len(batch), t1 - t0, t1)
         for req, out in zip(batch, outputs, strict=True):
             req.reply.set_result(out)
+        twins = self._scheduler.twins
+        if twins:
+            # Answered: a hedge twin still queued or waiting for a replica need not
+            # run (its caller will withdraw it, but not before this replica pulls).
+            for req in batch:
+                twin = twins.get(req.reply)
+                if twin is not None and twin.answerable:
+                    twin.withdraw()
         self._scheduler.completed(batch)
 
     def fail_current(self, error: BaseException) -> int:

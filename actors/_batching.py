@@ -73,6 +73,7 @@ class SchedulingPolicy(Protocol):
     """What the scheduler actor needs of a queueing policy (FifoQueue, FairQueue)."""
 
     def offer(self, request: Request, now: float) -> None: ...
+    def offer_spare(self, request: Request, now: float) -> bool: ...
     def next_batch(self, now: float) -> list[Request] | None: ...
     def next_close_time(self) -> float: ...
     def expire(self, now: float) -> int: ...
@@ -118,6 +119,14 @@ class FifoQueue:
         if request.answer_expiry and request.deadline < math.inf:
             self._seq += 1
             heapq.heappush(self._expiry, (request.deadline, self._seq, request))
+
+    def offer_spare(self, request: Request, now: float) -> bool:
+        """Queue a hedged request's copy if the queue is below its bound; return
+        whether it was queued."""
+        if len(self._queue) >= self.bound:
+            return False
+        self.offer(request, now)
+        return True
 
     def _expired(self, request: Request) -> None:
         self.expired += 1

@@ -35,13 +35,23 @@ class ClassSpec:
 
 @attrs.define(eq=False)
 class FlowStats:
-    """What happened to one (tenant, class) flow at one model's queue."""
+    """What happened to one (tenant, class) flow at one model's queue.
+
+    ``admitted`` and ``shed`` count callers' requests only. ``hedged`` counts the
+    copies of hedged requests the queue took (into free room only, see
+    :meth:`FairQueue.offer_spare`); a copy refused, or giving its room back to a new
+    request, is counted nowhere else. A copy that runs counts in ``dispatched`` and
+    ``served_cost`` (its device time is its tenant's service), and one that expires
+    queued in ``expired``; one withdrawn because its original answered first is not
+    counted again.
+    """
 
     admitted: int = 0
     shed: int = 0
     expired: int = 0
     dispatched: int = 0
     served_cost: int = 0
+    hedged: int = 0
     #: Entries the flow holds: a withdrawn or expired request stays among them until
     #: passed (see FairQueue.queued_by_flow for the live count).
     queued: int = 0
@@ -266,6 +276,10 @@ class FairQueue:
       wait. A request whose estimated time to be served (the cost ahead of it under
       these rules, and its own, ÷ the measured service rate) runs past its deadline is
       shed at once: it could not be answered in time.
+    - Hedges (``offer_spare``): a copy of a hedged request takes only free room, and
+      a new request that finds the queue full (or its tenant at its share) takes the
+      room of the newest copy queued (answered Overloaded: its original still runs)
+      before anyone is pushed out or refused.
     - Expiry: a request still queued at its deadline is answered DeadlineExceeded (or
       dropped, when the deadline was its caller's) and never dispatched.
     - Memory: a request that leaves (dispatched, answered, withdrawn, pushed out) stays
@@ -334,6 +348,9 @@ class FairQueue:
         self._on_cancel = self._note_dead
         self._congested = False
         self.expired = 0
+        #: hedge copies taken by offer_spare, oldest first (those no longer queued
+        #: are dropped at the next offer_spare)
+        self._copies: list[Request] = []
 
     # ------------------------------------------------------------ helpers
     def __len__(self) -> int:
@@ -420,6 +437,63 @@ class FairQueue:
             self._seq += 1
             heapq.heappush(self._expiry, (request.deadline, self._seq, request))
 
+    def offer_spare(self, request: Request, now: float) -> bool:
+        """Queue ``request``, a hedged request's copy, only if there is free room:
+        the queue below its capacity, the tenant below its queue share, and the
+        copy's estimated wait within its deadline. Returns False otherwise, having
+        pushed nobody out and counted nothing (the caller simply does not hedge).
+
+        A copy taken counts in its flow's ``hedged`` (not ``admitted``), and gives
+        its room back to any new request that needs it (see ``_drop_copy``).
+        """
+        tenant = request.tenant
+        c = self._rank.get(request.priority, len(self.classes) - 1)
+        if self._count - self._dead >= self._capacity:
+            return False
+        if self._over_share(tenant) or self._too_late(request, tenant, c, now) is not None:
+            return False
+        # Queued as any request (``offer`` finds the room checked above: it neither
+        # refuses nor pushes out), then counted apart.
+        self.offer(request, now)
+        stats = self._stats(tenant, self.classes[c].name)
+        stats.admitted -= 1
+        stats.hedged += 1
+        copies = self._copies
+        if copies:
+            copies[:] = [r for r in copies if r.reply.state is _QUEUED]
+        copies.append(request)
+        return True
+
+    def _drop_copy(self, tenant: str | None) -> bool:
+        """Give the room of the newest queued hedge copy (of ``tenant``, or anyone's)
+        to a new request: the copy leaves the queue, answered Overloaded (its
+        original still runs or waits, so its caller waits on). False when none."""
+        copies = self._copies
+        for i in range(len(copies) - 1, -1, -1):
+            req = copies[i]
+            if req.reply.state is not _QUEUED or (tenant is not None and req.tenant != tenant):
+                continue
+            del copies[i]
+            c = self._rank.get(req.priority, len(self.classes) - 1)
+            q = self._flows[c][req.tenant]
+            for j, r in enumerate(q):
+                if r is req:
+                    del q[j]
+                    break
+            self._forget(req, req.tenant, c)
+            if not q:
+                self._active[c].pop(req.tenant, None)
+            req.reply.set_error(
+                Overloaded(
+                    f"model {self.model!r}: a hedge copy gave its room in the queue to a "
+                    "new request",
+                    retry_after=self._retry_after(),
+                )
+            )
+            self._tidy()
+            return True
+        return False
+
     def offer_all(self, requests: Sequence[Request], now: float) -> None:
         """Queue the requests of one call, in order, or none of them: on a refusal the
         ones already queued are withdrawn, the whole call is counted as shed, and the
@@ -463,12 +537,24 @@ class FairQueue:
         share = self.shares.get(tenant, 1.0)
         return self.bound if share >= 1.0 else max(1, int(share * self.bound))
 
-    def _admit(self, request: Request, tenant: str, c: int, now: float) -> None:
+    def _over_share(self, tenant: str) -> bool:
+        """Whether ``tenant`` holds its ``queue_share`` of the bound (live requests)."""
         share = self.shares.get(tenant, 1.0)
         if share < 1.0 and self._tenant_count[tenant] >= max(1, int(share * self.bound)):
             if self._dead:
                 self._compact()  # the tenant's count must be of live requests
-        if share < 1.0 and self._tenant_count[tenant] >= max(1, int(share * self.bound)):
+            return self._tenant_count[tenant] >= max(1, int(share * self.bound))
+        return False
+
+    def _admit(self, request: Request, tenant: str, c: int, now: float) -> None:
+        share = self.shares.get(tenant, 1.0)
+        if (
+            share < 1.0
+            # cheap first: the count may still hold dead entries
+            and self._tenant_count[tenant] >= max(1, int(share * self.bound))
+            and self._over_share(tenant)
+            and not (self._copies and self._drop_copy(tenant))
+        ):
             raise QuotaExceeded(
                 f"model {self.model!r}: tenant {tenant!r} holds its queue share "
                 f"({share:g} of {self.bound})",
@@ -476,7 +562,9 @@ class FairQueue:
             )
         if self._dead * 4 > self._count:
             self._compact()
-        if self._count - self._dead >= self._capacity:
+        if self._count - self._dead >= self._capacity and not (
+            self._copies and self._drop_copy(None)
+        ):
             if self._dead:
                 self._compact()  # push-out weighs tenants' counts of live requests
             if not self._push_out(tenant):
@@ -485,6 +573,23 @@ class FairQueue:
                     f"({self._count - self._dead} requests waiting)",
                     retry_after=self._retry_after(),
                 )
+        rate = self.rate
+        if (
+            rate > 0.0
+            # cheap first: everything queued or running ahead of it (an upper bound)
+            and now + (self._total_cost + self.in_service + request.cost) / rate
+            > request.deadline
+            and (wait := self._too_late(request, tenant, c, now)) is not None
+        ):
+            raise Overloaded(
+                f"model {self.model!r}: estimated time to serve it {wait * 1e3:.0f} ms "
+                f"exceeds the request's deadline "
+                f"({max(0.0, request.deadline - now) * 1e3:.0f} ms left)",
+                retry_after=max(wait, 0.05),
+            )
+
+    def _too_late(self, request: Request, tenant: str, c: int, now: float) -> float | None:
+        """The estimated wait of ``request`` if it runs past its deadline, else None."""
         rate = self.rate
         deadline = request.deadline
         if (
@@ -497,12 +602,8 @@ class FairQueue:
                 self._compact()  # the estimate must count live requests only
             wait = self.estimated_wait(tenant, c, request.cost)
             if now + wait > deadline:
-                raise Overloaded(
-                    f"model {self.model!r}: estimated time to serve it {wait * 1e3:.0f} ms "
-                    f"exceeds the request's deadline "
-                    f"({max(0.0, request.deadline - now) * 1e3:.0f} ms left)",
-                    retry_after=max(wait, 0.05),
-                )
+                return wait
+        return None
 
     def _compact(self) -> int:
         """Drop withdrawn and answered entries from every flow (otherwise they stay
@@ -974,6 +1075,7 @@ class FairQueue:
         self._total_cost = 0
         self._tenant_count.clear()
         self._expiry.clear()
+        self._copies = []
         for s in self.stats.values():
             s.queued = 0
         return alive

@@ -5,6 +5,11 @@ policy at once, in the caller's task (a request that cannot be admitted is refus
 with Overloaded / QuotaExceeded before it takes any memory), and wakes idle
 batchers. Batchers ``pull`` closed batches when their device is free (worker-pull).
 The actor's own task answers requests whose deadline passes while they wait.
+
+A hedged request's copy (``submit_copy_nowait``) takes only the queue's free room and
+is never run by the replica that holds its original: a batcher that pulls a request
+whose twin it holds hands it back (``keep_apart``), and only another replica's
+``pull`` takes it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from trioserve import (
     ActorClosed,
     DeadlineExceeded,
     Overloaded,
+    Reply,
     Request,
     RequestState,
 )
@@ -44,6 +50,15 @@ class SchedulerActor(Actor):
         #: dispatched; pulled before new work
         self._retries: collections.deque[list[Request]] = collections.deque()
         self.retried = 0  # batches handed back
+        #: batchers pulling from this queue (set by the assembly): a hedge's copy
+        #: needs another replica than its original's
+        self.replicas = 0
+        #: hedged requests and their copies, each reply to the other's, while both
+        #: may run; a batcher checks it only when it is not empty
+        self.twins: dict[Reply, Reply] = {}
+        #: dispatched requests handed back by a batcher holding their twin, for
+        #: another replica's pull (after retries, before new work)
+        self._apart: collections.deque[Request] = collections.deque()
 
     # ---- callers
     def submit_nowait(self, request: Request) -> None:
@@ -100,9 +115,41 @@ class SchedulerActor(Actor):
             if not was or n >= self._max_size or getattr(policy.limits, "max_tokens", None):
                 idle.unpark_all()
 
+    def submit_copy_nowait(self, original: Request, copy: Request) -> bool:
+        """Queue ``copy``, a hedge of ``original`` (which may be queued, running or
+        retried), for a replica other than the one that runs ``original``.
+
+        A copy is speculative: it takes only free room in the queue, pushing nobody
+        out, and a new request takes its room back (``offer_spare``). Returns False,
+        with nothing queued and nothing counted, when there is none (or the runtime
+        is shut down). Once the hedge is over, call :meth:`forget_copy`.
+        """
+        if self._closed:
+            return False
+        try:
+            if not self.policy.offer_spare(copy, copy.arrival):
+                return False
+        except Exception as exc:
+            raise ActorBroken(f"model {self.model!r}: the scheduler failed to queue it") from exc
+        self.twins[original.reply] = copy.reply
+        self.twins[copy.reply] = original.reply
+        if copy.deadline < self._wake_at and copy.answer_expiry:
+            self._timer.unpark_all()
+        if self._idle:
+            self._idle.unpark_all()
+        return True
+
+    def forget_copy(self, original: Request, copy: Request) -> None:
+        """The hedge of ``original`` by ``copy`` is over (one answered, or its caller
+        left): batchers may take either anywhere again."""
+        self.twins.pop(original.reply, None)
+        self.twins.pop(copy.reply, None)
+
     # ---- batchers
-    async def pull(self) -> list[Request]:
+    async def pull(self, puller: Any = None) -> list[Request]:
         """Wait for the next closed batch (each request already DISPATCHED).
+        ``puller``: the batcher asking, which is not given a request handed back by
+        :meth:`keep_apart` while it holds that request's twin (None: any).
 
         A checkpoint. Cancelling it takes nothing from the queue.
         """
@@ -118,6 +165,11 @@ class SchedulerActor(Actor):
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     return batch
                 continue
+            if self._apart:
+                batch = self._next_apart(puller, trio.current_time())
+                if batch:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    return batch
             batch = policy.next_batch(trio.current_time())
             if batch:
                 await trio.lowlevel.cancel_shielded_checkpoint()
@@ -139,6 +191,43 @@ class SchedulerActor(Actor):
                 self.retried += 1
         if self._retries and self._idle:
             self._idle.unpark_all()
+
+    def keep_apart(self, request: Request) -> None:
+        """A batcher pulled ``request`` (dispatched) while it holds its hedge twin:
+        another replica's next ``pull`` takes it, alone (see :meth:`pull`)."""
+        self._apart.append(request)
+        if self._idle:
+            self._idle.unpark_all()
+
+    def _next_apart(self, puller: Any, now: float) -> list[Request]:
+        """The first request kept apart that ``puller`` may run, alone; drops those
+        whose hedge is over (withdrawn: the other answered, or the caller left) or
+        whose deadline passed."""
+        apart = self._apart
+        for _ in range(len(apart)):
+            req = apart.popleft()
+            reply = req.reply
+            if reply.state is not _DISPATCHED or req.deadline <= now:
+                if reply.state is _DISPATCHED:
+                    if req.answer_expiry:
+                        reply.set_error(
+                            DeadlineExceeded(
+                                f"model {self.model!r}: deadline passed while it waited "
+                                "for a replica other than its hedge twin's",
+                                # never ran, unless it is the retry of a failed batch
+                                in_queue=not reply.suspect,
+                            )
+                        )
+                    else:
+                        reply.withdraw()
+                self.policy.completed([req], now, failed=True)  # it left the devices
+                continue
+            twin = self.twins.get(reply)
+            if puller is not None and twin is not None and puller.holds(twin):
+                apart.append(req)
+                continue
+            return [req]
+        return []
 
     def _next_retry(self, now: float) -> list[Request]:
         batch = self._retries.popleft()
@@ -172,7 +261,7 @@ class SchedulerActor(Actor):
                 self._idle.unpark_all()  # the oldest request may have changed
 
     def queue_depth(self) -> int:
-        return len(self.policy) + sum(len(b) for b in self._retries)
+        return len(self.policy) + sum(len(b) for b in self._retries) + len(self._apart)
 
     def close(self, error: BaseException) -> int:
         """Stop taking requests and fail everything still waiting; return how many.
@@ -183,6 +272,8 @@ class SchedulerActor(Actor):
         n = 0
         while self._retries:
             n += sum(req.reply.set_error(error) for req in self._retries.popleft())
+        while self._apart:
+            n += self._apart.popleft().reply.set_error(error)
         for req in self.policy.drain():
             n += req.reply.set_error(error)
         self._idle.unpark_all()

@@ -464,6 +464,7 @@ class Runtime:
                 "expired": f.expired,
                 "dispatched": f.dispatched,
                 "served_cost": f.served_cost,
+                "hedged": f.hedged,
                 "wait": f.wait.summary(),
             }
             for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items())
@@ -735,7 +736,10 @@ class Runtime:
             raise
         self._in_flight += 1
         hedge = served.hedge_timer
-        hedged = hedge is not None and priority == self._class_order[0]
+        # A copy needs another replica than its original's to run on.
+        hedged = (
+            hedge is not None and priority == self._class_order[0] and scheduler.replicas > 1
+        )
         try:
             if hedged:
                 delay = served.config.hedge_after_ms
@@ -754,10 +758,9 @@ class Runtime:
                     raise
         except TrioserveError as exc:
             # Admitted, then pushed out of a full queue by another tenant, or expired
-            # in the queue: it never ran, so it is not charged. (A hedge's copy may
-            # expire queued while the first runs: a hedged request is not refunded
-            # for an expiry.)
-            if _never_ran(exc) and not (hedged and isinstance(exc, DeadlineExceeded)):
+            # in the queue: it never ran, so it is not charged. (A hedged request
+            # raises such an error only when its copy did not run either.)
+            if _never_ran(exc):
                 self._refund(tenant, cost, taken)
             raise
         finally:
@@ -771,32 +774,52 @@ class Runtime:
         return result
 
     async def _hedged(self, scheduler: Any, request: Request, delay: float) -> Any:
-        """Wait for ``request``; if it is not answered within ``delay``, send a copy
-        (any free replica may take it) and take whichever answer comes first. The
-        other is withdrawn (or, if already running, its answer dropped)."""
-        first: list[outcome.Outcome] = []
-        async with trio.open_nursery() as nursery:
+        """Wait for ``request``; if it is not answered within ``delay``, queue a copy
+        for another replica (only into free room: with none, there is no hedge) and
+        take whichever answer comes first. The other is withdrawn (or, if already
+        running, its answer dropped).
 
-            async def wait_for(reply: Reply) -> None:
-                try:
-                    value: outcome.Outcome = outcome.Value(await reply.wait())
-                except Exception as exc:
-                    value = outcome.Error(exc)
-                if not first:
-                    first.append(value)
-                nursery.cancel_scope.cancel()
+        An error that says a request never ran (refused, pushed out or given its room
+        back, expired queued) is no answer while the other may still run: a copy
+        pushed out of the queue while its original runs does not fail the caller.
+        When neither ran, the original's error is raised.
+        """
+        answer: list[outcome.Outcome] = []
+        unrun: list[outcome.Outcome | None] = [None, None]  # the original's, the copy's
+        pending = 1
+        copy: Request | None = None
+        try:
+            async with trio.open_nursery() as nursery:
 
-            nursery.start_soon(wait_for, request.reply)
-            await trio.sleep(delay)
-            copy = attrs.evolve(request, reply=Reply(), arrival=trio.current_time())
-            try:
-                scheduler.submit_nowait(copy)
-            except TrioserveError:
-                pass  # no room for a copy: wait for the first alone
-            else:
-                self.hedges += 1
-                nursery.start_soon(wait_for, copy.reply)
-        return first[0].unwrap()
+                async def wait_for(i: int, reply: Reply) -> None:
+                    nonlocal pending
+                    try:
+                        value: outcome.Outcome = outcome.Value(await reply.wait())
+                    except Exception as exc:
+                        value = outcome.Error(exc)
+                        if _never_ran(exc):
+                            unrun[i] = value
+                            pending -= 1
+                            if pending:
+                                return  # the other may still run
+                            value = unrun[0] or value
+                    if not answer:
+                        answer.append(value)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(wait_for, 0, request.reply)
+                await trio.sleep(delay)
+                copy = attrs.evolve(request, reply=Reply(), arrival=trio.current_time())
+                if scheduler.submit_copy_nowait(request, copy):
+                    self.hedges += 1
+                    pending += 1
+                    nursery.start_soon(wait_for, 1, copy.reply)
+                else:
+                    copy = None  # no free room: wait for the original alone
+        finally:
+            if copy is not None:
+                scheduler.forget_copy(request, copy)
+        return answer[0].unwrap()
 
     async def _infer_split(
         self, served: ServedModel, item: Any, tenant: str, priority: str
@@ -1071,6 +1094,7 @@ async def _start_model(
             watchdog=watchdog,
         )
         served.batchers.append(batcher)
+        lane.replicas += 1
         await nursery.start(supervise, batcher, policy)
 
 

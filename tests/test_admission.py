@@ -318,6 +318,61 @@ def test_withdrawn_requests_do_not_count_in_the_estimated_wait():
     q.offer(req("a", arrival=now, deadline=now + 2.2), now)
 
 
+# ---------------------------------------------------------------- hedge copies
+def test_a_hedge_copy_is_refused_by_a_full_queue_without_pushing_out_or_counting():
+    q = queue(2)
+    b = fill(q, "b", 2)
+    assert not q.offer_spare(req("a"), 0.0)  # a is under its share: a request would push out
+    assert [r.reply.state for r in b] == [QUEUED, QUEUED]
+    assert q.stats["b", "default"].shed == 0
+    assert ("a", "default") not in q.stats  # nothing counted for a
+    assert len(q) == 2
+
+
+async def test_a_hedge_copy_takes_free_room_and_gives_it_back_to_a_new_request():
+    q = queue(2)
+    a = fill(q, "a", 1)
+    copy = req("a")
+    assert q.offer_spare(copy, 0.0)
+    sa = q.stats["a", "default"]
+    assert (sa.admitted, sa.hedged, len(q)) == (1, 1, 2)
+    b = req("b")
+    q.offer(b, 0.0)  # full: the copy's room goes first, before any push-out
+    assert b.reply.state is QUEUED
+    assert a[0].reply.state is QUEUED
+    err = await error_of(copy)
+    assert type(err) is Overloaded
+    assert str(err) == "model 'm': a hedge copy gave its room in the queue to a new request"
+    assert (sa.admitted, sa.hedged, sa.shed, sa.queued) == (1, 1, 0, 1)
+    assert q.stats["b", "default"].admitted == 1
+    assert q.next_batch(0.0) == [a[0]]  # the copy left its flow
+    assert q.next_batch(0.0) == [b]
+
+
+def test_a_tenant_at_its_queue_share_gets_the_room_of_its_own_hedge_copy():
+    q = queue(4, shares={"a": 0.5})
+    fill(q, "a", 1)
+    copy = req("a")
+    assert q.offer_spare(copy, 0.0)
+    assert not q.offer_spare(req("a"), 0.0)  # a holds its share: no second copy
+    q.offer(req("a"), 0.0)  # its own request takes the copy's room
+    assert copy.reply.state is DONE
+    with pytest.raises(QuotaExceeded):
+        q.offer(req("a"), 0.0)
+    assert q.stats["a", "default"].shed == 1  # only the request refused above
+
+
+def test_a_hedge_copy_that_would_wait_past_its_deadline_is_refused_quietly():
+    q = _measured()
+    now = 2.0
+    for _ in range(6):
+        q.offer(req("a", arrival=now), now)
+    assert not q.offer_spare(req("a", arrival=now, deadline=now + 3.0), now)
+    assert q.offer_spare(req("a", arrival=now, deadline=now + 4.0), now)  # 3.5 s: in time
+    s = q.stats["a", "default"]
+    assert (s.admitted, s.hedged, s.shed) == (6 + 4, 1, 0)
+
+
 # ---------------------------------------------------------------- runtime: classification
 def tenancy(*tenants: TenantConfig, classes=None, model=None, **runtime) -> trioserve.Config:
     kw = {} if classes is None else {"classes": classes}

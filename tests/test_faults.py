@@ -10,6 +10,7 @@ tested with explicit times.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
@@ -20,8 +21,16 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import callable_model, config, crash_on_666, item, key
-from trioserve import ModelConfig, ModelError, Reply, Request, RequestState
+from runtime_helpers import GATE_LIMIT_S, callable_model, config, crash_on_666, item, key
+from trioserve import (
+    ModelConfig,
+    ModelError,
+    Reply,
+    Request,
+    RequestState,
+    TenantConfig,
+    WorkerProcess,
+)
 from trioserve.actors import (
     BatchTimer,
     Breaker,
@@ -442,6 +451,291 @@ async def test_a_hedged_request_takes_the_copys_answer_when_the_first_straggles(
     finally:
         backend.release.set()
     assert [keys for _, keys in backend.ran[:2]] == [[7.0], [7.0]]
+
+
+class HeldKeys:
+    """A worker-thread model echoing ``x``; a batch holding a key of ``held`` waits
+    until the test releases that key. Records each batch's keys."""
+
+    def __init__(self, *held: float) -> None:
+        self.gates = {k: threading.Event() for k in held}
+        self.batches: list[list[float]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, items):
+        keys = [key(it) for it in items]
+        with self._lock:
+            self.batches.append(keys)
+        for k in keys:
+            gate = self.gates.get(k)
+            if gate is not None and not gate.wait(GATE_LIMIT_S):
+                raise RuntimeError(f"{k:g} never released")
+        return [{"y": it["x"]} for it in items]
+
+    def release(self, *keys: float) -> None:
+        for k in keys or self.gates:
+            self.gates[k].set()
+
+
+def two_tenants(model: ModelConfig, **runtime) -> trioserve.Config:
+    """``model`` served to tenants a (the default) and b."""
+    return trioserve.Config(
+        models=(model,),
+        tenants=(TenantConfig(name="a", default=True), TenantConfig(name="b")),
+        runtime=trioserve.RuntimeLimits(**runtime),
+    )
+
+
+def hedged_threads(model: HeldKeys, **cfg) -> ModelConfig:
+    """Two worker-thread replicas of ``model``; realtime requests hedge after 50 ms."""
+    cfg = {"max_batch_size": 1, "max_wait_ms": 0, "timeout_ms": None, **cfg}
+    return callable_model(
+        "m", model, execution="thread", replicas=2, hedge=True, hedge_after_ms=50,
+        adaptive_limit=False, **cfg,
+    )
+
+
+async def test_a_running_request_whose_hedge_copy_gives_its_room_away_is_answered(
+    autojump_clock,
+):
+    """The copy's Overloaded was taken as the first answer: the caller got 503 while
+    its original ran, and would have answered."""
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model), queue_bound=1)
+    results = {}
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            queue = rt.models["m"].scheduler.policy
+
+            async def call(v: float, tenant: str, priority: str | None = None) -> None:
+                results[v] = await rt.infer("m", item(v), tenant=tenant, priority=priority)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 5.0, "b", "batch")  # holds one replica (no hedge)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 1.0, "a")  # runs, held, on the other
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1
+                assert len(queue) == 1  # the copy, in the queue's only room
+                nursery.start_soon(call, 2.0, "b")  # takes the copy's room
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(queue) == 1
+                assert 1.0 not in results  # the caller still waits for its original
+                model.release(5.0)  # the freed replica runs b's second request
+                model.release(1.0)
+        assert {v: float(r["y"][0]) for v, r in results.items()} == {1.0: 1, 2.0: 2, 5.0: 5}
+        assert sorted(model.batches) == [[1.0], [2.0], [5.0]]  # the copy never ran
+        a, b = queue.stats["a", "realtime"], queue.stats["b", "realtime"]
+        assert (a.admitted, a.hedged, a.shed, a.dispatched) == (1, 1, 0, 1)
+        assert (b.admitted, b.shed) == (1, 0)
+        assert rt.credits_refunded["a"] == 0
+    finally:
+        model.release()
+
+
+async def test_a_hedge_copy_expiring_in_the_queue_does_not_fail_its_running_original(
+    autojump_clock,
+):
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model, timeout_ms=1000))
+    results = {}
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            queue = rt.models["m"].scheduler.policy
+
+            async def call(v: float, tenant: str, priority: str | None = None) -> None:
+                results[v] = await rt.infer("m", item(v), tenant=tenant, priority=priority)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 5.0, "b", "batch")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 1.0, "a")
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(1.0)  # both replicas busy: the copy expires queued
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1
+                assert queue.stats["a", "realtime"].expired == 1
+                assert 1.0 not in results
+                model.release()
+        assert {v: float(r["y"][0]) for v, r in results.items()} == {1.0: 1, 5.0: 5}
+        assert sorted(model.batches) == [[1.0], [5.0]]
+    finally:
+        model.release()
+
+
+async def test_a_hedge_copy_takes_only_free_room_and_pushes_nobody_out(autojump_clock):
+    """The copy was admitted like a new request: in a full queue it pushed out
+    another tenant's real request, which got 503."""
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model), queue_bound=2)
+    results = {}
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            queue = rt.models["m"].scheduler.policy
+
+            async def call(v: float, tenant: str, priority: str | None = None) -> None:
+                results[v] = await rt.infer("m", item(v), tenant=tenant, priority=priority)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 5.0, "b", "batch")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 1.0, "a")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 2.0, "b")
+                nursery.start_soon(call, 3.0, "b")  # the queue is full
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 0  # no free room: no copy
+                assert len(queue) == 2
+                model.release()
+        assert sorted(results) == [1.0, 2.0, 3.0, 5.0]
+        a, b = queue.stats["a", "realtime"], queue.stats["b", "realtime"]
+        assert (a.admitted, a.hedged, a.shed) == (1, 0, 0)
+        assert (b.admitted, b.shed) == (2, 0)
+    finally:
+        model.release()
+
+
+async def test_a_hedge_copy_is_not_run_in_the_same_batch_as_its_original(autojump_clock):
+    model = HeldKeys(5.0, 6.0)
+    cfg = config(hedged_threads(model, max_batch_size=4))
+    results = {}
+    answered = collections.defaultdict(trio.Event)
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            scheduler = rt.models["m"].scheduler
+
+            async def call(v: float, priority: str | None = None) -> None:
+                results[v] = await rt.infer("m", item(v), priority=priority)
+                answered[v].set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 5.0, "batch")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 6.0, "batch")  # both replicas busy
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 1.0)
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1
+                assert len(scheduler.policy) == 2  # the original and its copy, queued
+                model.release(5.0)  # the freed replica pulls both: it runs one
+                await answered[1.0].wait()
+                model.release(6.0)
+        assert sorted(model.batches) == [[1.0], [5.0], [6.0]]
+        assert scheduler.queue_depth() == 0
+        assert scheduler.twins == {}
+    finally:
+        model.release()
+
+
+class FakeWorker:
+    """Stands in for a worker process in the batcher's pipeline (no process): batches
+    are staged up to SLOTS at a time and run in order; the first worker made runs a
+    batch holding ``HELD`` only once ``gate`` is set. Records each batch sent as
+    (worker, keys)."""
+
+    SLOTS = 3
+    Died = WorkerProcess.Died
+    Failed = WorkerProcess.Failed
+    HELD = 7.0
+    gate: trio.Event
+    sent: list
+    made = False
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.holds = not FakeWorker.made
+        FakeWorker.made = True
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self.in_flight = 0
+        self._staged: collections.deque = collections.deque()
+        self._exited = trio.Event()
+
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        self.sent.append((self, [key(it) for it in items]))
+        self._staged.append(items)
+
+    async def result(self):
+        items = self._staged[0]
+        if self.holds and any(key(it) == self.HELD for it in items):
+            await self.gate.wait()
+        self._staged.popleft()
+        return [{"y": it["x"]} for it in items]
+
+    def kill(self) -> None:
+        self._exited.set()
+
+    async def aclose(self) -> None:
+        self.kill()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_exited(self) -> None:
+        await self._exited.wait()
+
+
+class NoZygote:
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_a_worker_process_replica_never_stages_a_hedge_copy_behind_its_original(
+    autojump_clock, monkeypatch
+):
+    """A process replica pulls while it has room in its pipeline: it took the copy of
+    the request it was running, to run after it, while another replica sat idle."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    FakeWorker.gate, FakeWorker.sent, FakeWorker.made = trio.Event(), [], False
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", FakeWorker)
+    breakers: list[Breaker] = []
+
+    def breaker() -> Breaker:
+        # The second replica's breaker is open for its first second: the first
+        # replica alone is pulling when the copy is queued.
+        b = Breaker()
+        if breakers:
+            b.open_until = trio.current_time() + 1.0
+        breakers.append(b)
+        return b
+
+    monkeypatch.setattr(trioserve.actors, "Breaker", breaker)
+    cfg = config(
+        callable_model(
+            "m", crash_on_666, execution="process", replicas=2, hedge=True,
+            hedge_after_ms=50, max_batch_size=4, max_wait_ms=0, timeout_ms=None,
+        )
+    )
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            first, second = (b._worker for b in rt.models["m"].batchers)
+            with trio.fail_after(10):
+                out = await rt.infer("m", item(7))
+            # The copy waited for the second replica, which answered at once.
+            assert trio.current_time() == pytest.approx(1.0)
+            assert float(out["y"][0]) == 7.0
+            assert FakeWorker.sent == [(first, [7.0]), (second, [7.0])]
+            assert rt.hedges == 1
+            FakeWorker.gate.set()
+    finally:
+        FakeWorker.gate.set()
 
 
 # ---------------------------------------------------------------- the breaker and poison

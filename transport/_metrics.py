@@ -118,7 +118,8 @@ class GatewayCollector(Collector):
         )
         outcomes = CounterMetricFamily(
             "trioserve_flow_requests",
-            "Requests by admission outcome (admitted, shed, expired, dispatched).",
+            "Requests by admission outcome (admitted, shed, expired, dispatched; hedged: "
+            "copies of hedged requests queued, counted apart from admitted).",
             labels=[*labels, "outcome"],
         )
         cost = CounterMetricFamily(
@@ -147,7 +148,7 @@ class GatewayCollector(Collector):
             for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items()):
                 key = [name, tenant, cls]
                 depth.add_metric(key, live.get((tenant, cls), 0))
-                for outcome in ("admitted", "shed", "expired", "dispatched"):
+                for outcome in ("admitted", "shed", "expired", "dispatched", "hedged"):
                     outcomes.add_metric([*key, outcome], getattr(f, outcome))
                 cost.add_metric(key, f.served_cost)
                 f.wait.fold()
