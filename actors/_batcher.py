@@ -15,6 +15,7 @@ halved the same way, so only the input that raises gets the error.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from typing import Any
 
@@ -36,6 +37,13 @@ from ._metrics import ModelMetrics
 from ._scheduler import SchedulerActor
 from ._straggler import BatchTimer, Breaker, StragglerPolicy, retried, split_failed
 from ._watchdog import Watchdog
+
+log = logging.getLogger("trioserve")
+
+#: A lost worker's successor that cannot start is tried again after this long,
+#: doubling up to START_RETRY_MAX seconds.
+START_RETRY_MIN = 0.1
+START_RETRY_MAX = 10.0
 
 
 class _WorkerLost(Exception):
@@ -96,6 +104,7 @@ class BatcherActor(Actor):
         self._replacing = False  # a worker process is being replaced
         self.stragglers = 0
         self.workers_lost = 0
+        self.start_failures = 0  # successors of a lost worker that could not start
 
     # ------------------------------------------------------------------ health
     @property
@@ -182,15 +191,30 @@ class BatcherActor(Actor):
                 await self._serve_worker()
             except* _WorkerLost:
                 pass
-            # The lost worker's batches were handed back; start its successor. A
-            # successor that cannot start crashes the actor (the supervisor decides).
+            # The lost worker's batches were handed back; start its successor. One
+            # that cannot start is tried again, backing off, while the replica is not
+            # ready: crashing the actor instead used up the supervisor's restarts in
+            # milliseconds, and the escalation took every model down.
             self._replacing = True
             try:
                 if self._worker is not None:
                     self._worker_seconds += self._worker.busy_seconds
                     await self._worker.aclose()
                     self._worker = None
-                await self._start_worker()
+                delay = START_RETRY_MIN
+                while True:
+                    try:
+                        await self._start_worker()
+                        break
+                    except Exception as exc:
+                        self.start_failures += 1
+                        log.warning(
+                            "%s: its worker process could not start (%s: %s); "
+                            "trying again in %.1fs",
+                            self.name, type(exc).__name__, exc, delay,
+                        )
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, START_RETRY_MAX)
             finally:
                 self._replacing = False
 

@@ -75,6 +75,36 @@ async def test_a_worker_that_dies_idle_is_replaced_before_the_next_request():
         assert rt.model_ready("s")
 
 
+async def test_a_successor_that_cannot_start_is_tried_again_and_the_runtime_serves_on(
+    monkeypatch,
+):
+    # Before, the batcher crashed; its supervisor's restarts were used up in
+    # milliseconds and the escalation took the whole runtime, every model, down.
+    start = WorkerProcess.start
+    failures = [OSError("no room for a process"), OSError("still none")]
+
+    async def flaky_start(self):
+        if failures:
+            raise failures.pop(0)
+        await start(self)
+
+    echo = ModelConfig(name="echo", backend="echo", max_wait_ms=0)
+    async with trioserve.open_runtime(config(SLEEP, echo)) as rt:
+        batcher = rt.models["s"].batchers[0]
+        assert (await rt.infer("s", x(1.0)))["y"].tolist() == [1.0, 0.0]
+        monkeypatch.setattr(WorkerProcess, "start", flaky_start)
+        await kill_and_wait(batcher._worker.pid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not rt.model_ready("s")
+        assert (await rt.infer("echo", {"a": [1]}))["a"].tolist() == [1]  # others serve
+        with trio.fail_after(30):
+            assert (await rt.infer("s", x(2.0)))["y"].tolist() == [2.0, 0.0]
+        assert failures == []
+        assert batcher.start_failures == 2
+        assert batcher.restarts == 0
+        assert rt.model_ready("s")
+
+
 async def test_a_dead_zygote_is_restarted_when_a_worker_is_lost():
     # Before, the batcher could not replace its worker, crashed at once each time it
     # was restarted, and its escalation took the whole runtime down.
