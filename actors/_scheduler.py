@@ -247,6 +247,10 @@ class SchedulerActor(Actor):
                     req.reply.withdraw()
                 continue
             alive.append(req)
+        if alive and hasattr(self.policy, "in_service"):
+            # back on a device: its completion takes it off again (the failed run's
+            # did, when it was handed back)
+            self.policy.in_service += sum(r.cost for r in alive)
         return alive
 
     # ---- the actor

@@ -32,8 +32,11 @@ from trioserve import (
     WorkerProcess,
 )
 from trioserve.actors import (
+    BatchLimits,
     BatchTimer,
     Breaker,
+    FairQueue,
+    SchedulerActor,
     StragglerPolicy,
     Watchdog,
     retried,
@@ -821,3 +824,29 @@ async def test_straggling_retries_do_not_open_the_breaker_of_a_thread_replica(mo
         assert all("poison request, not retried" in str(e) for e in results.values())
         assert batcher._breaker.told == 1
         assert batcher._breaker.opened == 0
+
+
+# Regression: a retried batch's cost came off the work in service twice (when it was
+# handed back, and when its retry finished), so the estimate of the work ahead of a
+# new request (its shedding, Retry-After) left out batches still running.
+async def test_a_retried_batch_counts_in_service_again_while_it_runs():
+    queue = FairQueue(BatchLimits(max_size=2), bound=16, model="m", adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    for _ in range(4):
+        scheduler.submit_nowait(
+            Request(model="m", item=None, cost=1, tenant="a", priority="default",
+                    arrival=0.0, deadline=float("inf"), answer_expiry=False)
+        )
+    a = await scheduler.pull()
+    b = await scheduler.pull()
+    assert queue.in_service == 4
+    scheduler.completed(a, failed=True)  # a's replica died: a is handed back
+    scheduler.retry([a])
+    assert queue.in_service == 2
+    again = await scheduler.pull()
+    assert again == a
+    assert queue.in_service == 4  # b, and a running again
+    scheduler.completed(again)
+    assert queue.in_service == 2  # b still runs
+    scheduler.completed(b)
+    assert queue.in_service == 0
