@@ -106,6 +106,8 @@ class Runtime:
         self._closed = False
         self._in_flight = 0
         self._drained = trio.Event()
+        self._grace_deadline = math.inf
+        self._grace_wait: trio.CancelScope | None = None  # a close's wait, while it waits
         self._classes = {c.name: c for c in config.classes}
         self._class_order = [c.name for c in config.classes]
         self._tenants = {t.name: t for t in config.tenants}
@@ -559,6 +561,26 @@ class Runtime:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def grace_deadline(self) -> float:
+        """When the shutdown's grace period ends, in trio time (``inf`` until it begins).
+
+        Leaving :func:`open_runtime` normally begins it unless it has begun already:
+        it is then at most ``runtime.graceful_timeout_s`` away. Requests in flight and
+        a model call cut off in a worker thread get until this deadline. A server that
+        begins its shutdown before leaving the block (``trioserve serve`` on a signal,
+        draining its connections first) sets it then, so that its drain and the
+        runtime's close share one grace instead of one each. Setting it while the
+        runtime closes moves the close's wait: to now or earlier, it ends at once.
+        """
+        return self._grace_deadline
+
+    @grace_deadline.setter
+    def grace_deadline(self, deadline: float) -> None:
+        self._grace_deadline = deadline
+        if self._grace_wait is not None:
+            self._grace_wait.deadline = deadline
+
     # ------------------------------------------------------------ internals
     def _served(self, model: str, version: str | None) -> ServedModel:
         served = self.models.get(model)
@@ -830,11 +852,22 @@ class Runtime:
         results = await self._submit_all(served, parts, tenant, priority)
         return served.backend.merge(results)
 
-    async def _drain(self, grace: float) -> None:
+    async def _drain(self) -> None:
+        """Refuse new requests; wait for those in flight until the grace deadline."""
         self._closed = True
         if self._in_flight:
-            with trio.move_on_after(grace):
+            with trio.move_on_at(self._grace_deadline) as self._grace_wait:
                 await self._drained.wait()
+            self._grace_wait = None
+
+    async def _join_threads(self) -> None:
+        """Wait until the grace deadline (shielded) for every model call still
+        running in a worker thread to return."""
+        with trio.CancelScope(deadline=self._grace_deadline, shield=True) as self._grace_wait:
+            for served in self.models.values():
+                for b in served.batchers:
+                    await b.join_thread()
+        self._grace_wait = None
 
 
 def _limits(cfg: ModelConfig, backend: ModelBackend) -> Any:
@@ -855,8 +888,9 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     supervised; models are loaded before this returns.
 
     On leaving the block normally, new requests are refused (ActorClosed), requests in
-    flight get up to ``runtime.graceful_timeout_s`` to finish, then every request still
-    waiting is failed with ActorClosed: nothing hangs and nothing is lost. If the block
+    flight get up to ``runtime.graceful_timeout_s`` to finish (or until
+    ``rt.grace_deadline``, when the caller began the grace sooner), then every request
+    still waiting is failed with ActorClosed: nothing hangs and nothing is lost. If the block
     raises, or an actor escalates, everything is cancelled at once.
     """
     if config is None:
@@ -879,7 +913,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     # The body's own exception is re-raised unwrapped after the nursery closes; only an
     # actor's escalation comes out of the nursery itself.
     body_error: BaseException | None = None
-    close_by: float | None = None  # the end of the grace, once the body has returned
+    normal_exit = False  # the body returned: the grace deadline is set
     try:
         async with trio.open_nursery() as nursery:
             try:
@@ -895,8 +929,13 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                         nursery, rt, m, backends[m.name], policy, zygote, watchdog
                     )
                 yield rt
-                close_by = trio.current_time() + limits_cfg.graceful_timeout_s
-                await rt._drain(limits_cfg.graceful_timeout_s)
+                # The grace begins now, unless the caller began it already (a server
+                # that drained its connections first): then they share it.
+                rt.grace_deadline = min(
+                    rt.grace_deadline, trio.current_time() + limits_cfg.graceful_timeout_s
+                )
+                normal_exit = True
+                await rt._drain()
             except BaseException as exc:
                 body_error = exc
             finally:
@@ -920,12 +959,8 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
         # stopped): on a normal exit, give it what is left of the grace to return, so
         # that the process does not exit under it (torch aborts the process when such
         # a thread resumes during the interpreter's finalisation).
-        if close_by is not None:
-            with trio.move_on_at(close_by) as waiting:
-                waiting.shield = True
-                for served in rt.models.values():
-                    for b in served.batchers:
-                        await b.join_thread()
+        if normal_exit:
+            await rt._join_threads()
         watchdog.stop()
         if zygote is not None:
             await zygote.aclose()

@@ -11,6 +11,7 @@ tested with explicit times.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import signal
 import threading
@@ -264,6 +265,60 @@ async def test_shutdown_waits_for_a_cut_off_model_call_only_for_its_grace(autoju
     finally:
         held.release.set()
     await rt.models["m"].batchers[0].join_thread()  # gone before the next test
+    assert model_threads_running() == 0
+
+
+async def test_a_grace_begun_before_leaving_the_block_is_the_close_s_too(autojump_clock):
+    """A server that begins its shutdown before leaving ``open_runtime`` (the gateway
+    drains its connections first, on a signal) sets ``grace_deadline`` then: the
+    close waits for a cut-off model call until that deadline, not a whole
+    ``graceful_timeout_s`` more."""
+    from trioserve.actors import model_threads_running
+
+    held = Held()
+    cfg = config(straggler_model(held, batch_timeout_cap_ms=60_000), graceful_timeout_s=5)
+    try:
+        async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as callers:
+            callers.start_soon(rt.infer, "m", item(1))
+            await trio.to_thread.run_sync(held.entered.wait)
+            t0 = trio.current_time()
+            rt.grace_deadline = t0 + 5
+            await trio.sleep(3)  # the drain of connections spends part of it
+            callers.cancel_scope.cancel()
+        assert trio.current_time() - t0 == pytest.approx(5.0)
+        assert rt.grace_deadline == t0 + 5
+        assert model_threads_running() == 1
+    finally:
+        held.release.set()
+    await rt.models["m"].batchers[0].join_thread()
+    assert model_threads_running() == 0
+
+
+async def test_moving_the_grace_deadline_to_the_past_ends_the_close_at_once(autojump_clock):
+    """The close's wait for a model thread is shielded (an outer cancellation does
+    not skip it); a second signal ends it by moving the grace deadline."""
+    from trioserve.actors import model_threads_running
+
+    held = Held()
+    cfg = config(straggler_model(held, batch_timeout_cap_ms=60_000), graceful_timeout_s=30)
+
+    async def stop_in(seconds: float, rt: trioserve.Runtime) -> None:
+        await trio.sleep(seconds)
+        rt.grace_deadline = -math.inf
+
+    try:
+        async with trio.open_nursery() as outside:
+            async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as callers:
+                callers.start_soon(rt.infer, "m", item(1))
+                await trio.to_thread.run_sync(held.entered.wait)
+                callers.cancel_scope.cancel()
+                t0 = trio.current_time()
+                outside.start_soon(stop_in, 2.0, rt)
+            assert trio.current_time() - t0 == pytest.approx(2.0)
+            assert model_threads_running() == 1
+    finally:
+        held.release.set()
+    await rt.models["m"].batchers[0].join_thread()
     assert model_threads_running() == 0
 
 

@@ -7,8 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
+import h11
 import numpy as np
 import pytest
 import trio
@@ -128,57 +132,132 @@ max_batch_size = 4
 max_wait_ms = 0.0
 
 [runtime]
-graceful_timeout_s = 10.0
+graceful_timeout_s = {grace}
 """
 
 
-async def test_the_cli_drains_in_flight_requests_on_sigterm_and_exits_0(tmp_path: Path):
+class Cli:
+    """``trioserve serve`` in a subprocess on a free port, its output collected."""
+
+    def __init__(self, proc: trio.Process) -> None:
+        self.proc = proc
+        self.output = b""
+        self.url = ""
+
+    @property
+    def text(self) -> str:
+        return self.output.decode()
+
+    async def read_until(self, marker: bytes) -> None:
+        """Read the output until it holds ``marker``."""
+        with trio.fail_after(60):
+            while marker not in self.output:
+                chunk = await self.proc.stdout.receive_some()
+                assert chunk, self.text
+                self.output += chunk
+
+    async def wait(self, limit: float) -> int:
+        """The exit status, within ``limit`` seconds; the rest of the output read."""
+        with trio.fail_after(limit):
+            rc = await self.proc.wait()
+            while chunk := await self.proc.stdout.receive_some():
+                self.output += chunk
+        return rc
+
+    async def wait_in_flight(self, n: int) -> None:
+        """Watch /metrics (the server is another process) until it holds ``n`` requests."""
+        async with open_http(self.url) as http:
+            with trio.fail_after(10):
+                while True:
+                    metrics = (await http.get("/metrics")).body
+                    if b"trioserve_requests_in_flight %d.0" % n in metrics:
+                        return
+                    await trio.sleep(0.01)
+
+
+@asynccontextmanager
+async def cli(tmp_path: Path, grace: float) -> AsyncIterator[Cli]:
     cfg = tmp_path / "trioserve.toml"
-    cfg.write_text(CONFIG_TOML)
+    cfg.write_text(CONFIG_TOML.format(grace=grace))
     proc = await trio.lowlevel.open_process(
         [sys.executable, "-m", "trioserve.cli", "serve", "--config", str(cfg), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    output = b""
+    server = Cli(proc)
     try:
-        with trio.fail_after(60):
-            while b"try it" not in output:
-                chunk = await proc.stdout.receive_some()
-                assert chunk, output.decode()
-                output += chunk
-        url = output.decode().split(" on ", 1)[1].split()[0]
-        assert "curl -s " + url + "/v2/models/sleep/infer" in output.decode()
-        async with trio.open_nursery() as nursery:
-            answer = []
-
-            async def slow() -> None:
-                async with open_http(url) as http:  # x[0]: the model sleeps 1500 ms
-                    res = await http.infer("sleep", {"x": np.array([[1500.0]], np.float32)})
-                    answer.append(res.status)
-
-            nursery.start_soon(slow)
-            async with open_http(url) as http:
-                # The server is another process: watch its /metrics until it holds
-                # the request.
-                with trio.fail_after(10):
-                    while True:
-                        metrics = (await http.get("/metrics")).body
-                        if b"trioserve_requests_in_flight 1.0" in metrics:
-                            break
-                        await trio.sleep(0.01)
-            proc.send_signal(signal.SIGTERM)
-        with trio.fail_after(30):
-            rc = await proc.wait()
-            while chunk := await proc.stdout.receive_some():
-                output += chunk
+        await server.read_until(b"try it")
+        server.url = server.text.split(" on ", 1)[1].split()[0]
+        yield server
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    text = output.decode()
+
+
+async def infer_sleep(url: str, ms: float, answers: list[Any]) -> None:
+    """One request for the sleep model (x[0]: it sleeps that many ms); its status, or
+    the error of a connection closed without an answer, goes to ``answers``."""
+    try:
+        async with open_http(url) as http:
+            res = await http.infer("sleep", {"x": np.array([[ms]], np.float32)})
+            answers.append(res.status)
+    except (OSError, trio.BrokenResourceError, h11.RemoteProtocolError) as exc:
+        answers.append(type(exc).__name__)
+
+
+async def test_the_cli_drains_in_flight_requests_on_sigterm_and_exits_0(tmp_path: Path):
+    async with cli(tmp_path, grace=10.0) as server:
+        assert "curl -s " + server.url + "/v2/models/sleep/infer" in server.text
+        answer: list[Any] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(infer_sleep, server.url, 1500.0, answer)
+            await server.wait_in_flight(1)
+            server.proc.send_signal(signal.SIGTERM)
+        rc = await server.wait(30)
+    text = server.text
     assert answer == [200]
     assert rc == 0, text
     assert "SIGTERM: draining" in text
     assert text.rstrip().endswith("trioserve: stopped")
+
+
+async def test_the_cli_counts_one_grace_for_the_drain_and_a_model_thread(tmp_path: Path):
+    """A model call in a worker thread that outlasts the grace: its request gets 503
+    when the grace ends, and the process exits then, not a second grace later (the
+    runtime's wait for the thread counts from the same signal)."""
+    grace = 3.0
+    async with cli(tmp_path, grace=grace) as server:
+        answer: list[Any] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(infer_sleep, server.url, 20_000.0, answer)
+            await server.wait_in_flight(1)
+            server.proc.send_signal(signal.SIGTERM)
+            t0 = trio.current_time()
+        rc = await server.wait(30)
+        took = trio.current_time() - t0
+    assert answer == [503]
+    assert rc == 0, server.text
+    # Twice the grace before; the margin is for a loaded machine.
+    assert grace <= took < 1.5 * grace, server.text
+    assert server.text.rstrip().endswith("trioserve: stopped")
+
+
+async def test_a_second_signal_stops_the_cli_at_once(tmp_path: Path):
+    """Even while a model call in a worker thread runs on, within a long grace: the
+    second signal ends the drain and the runtime's wait for the thread."""
+    async with cli(tmp_path, grace=60.0) as server:
+        answer: list[Any] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(infer_sleep, server.url, 20_000.0, answer)
+            await server.wait_in_flight(1)
+            server.proc.send_signal(signal.SIGINT)
+            await server.read_until(b"SIGINT: draining")
+            server.proc.send_signal(signal.SIGINT)
+            rc = await server.wait(10)  # the model call alone has 20 s to go
+    text = server.text
+    assert rc == 0, text
+    assert "SIGINT again: stopping now" in text
+    assert text.rstrip().endswith("trioserve: stopped")
+    assert [type(a) for a in answer] == [str]  # closed without an answer

@@ -379,7 +379,8 @@ class Gateway:
 
     async def drain(self, grace: float) -> None:
         """Stop accepting, close idle connections, give requests in flight up to
-        ``grace`` seconds, then answer what is left with 503 and close.
+        ``grace`` seconds (no later than the runtime's ``grace_deadline``, when its
+        shutdown has begun), then answer what is left with 503 and close.
 
         Idempotent. A checkpoint. Returns when every connection has closed (or, at
         worst, ``CLOSE_GRACE`` after the grace period, closing what is left).
@@ -394,7 +395,7 @@ class Gateway:
                 conn.stop_reading()
             elif not conn.busy:
                 conn.scope.cancel("gateway draining: idle connection")
-        with trio.move_on_after(grace):
+        with trio.move_on_at(min(trio.current_time() + grace, self.runtime.grace_deadline)):
             await self._all_closed.wait()
         # Grace over: what is left is answered 503 (HTTP) or with error frames (streams).
         for conn in list(self._conns):
@@ -434,7 +435,8 @@ async def open_gateway(
     """Serve ``runtime`` over HTTP and WebSocket for the duration of the block.
 
     Listening when it yields (``gateway.url``). Leaving the block normally drains:
-    requests in flight get ``runtime.graceful_timeout_s`` to be answered; leaving it
+    requests in flight get ``runtime.graceful_timeout_s`` to be answered (no later than
+    ``runtime.grace_deadline``, when the shutdown began sooner); leaving it
     with an exception closes every connection at once.
     """
     gateway = Gateway(runtime, config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import os
 import signal
 import sys
@@ -10,7 +11,14 @@ from typing import Any
 
 import trio
 import trioserve
-from trioserve import Config, ConfigError, ModelConfig, load_config, open_runtime
+from trioserve import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    Runtime,
+    load_config,
+    open_runtime,
+)
 
 from ._gateway import Gateway, open_gateway
 from ._v2 import dumps, sample_inputs
@@ -63,29 +71,42 @@ def settle_memory() -> None:
 
 
 async def serve(config: Config, host: str | None = None, port: int | None = None) -> int:
-    """Serve ``config`` until SIGINT/SIGTERM; drain; return 0."""
+    """Serve ``config`` until SIGINT/SIGTERM; drain; return 0.
+
+    The grace (``runtime.graceful_timeout_s``) is counted once, from the signal: the
+    gateway's drain and the runtime's close (a model call cut off in a worker thread
+    included) share it. A second signal, at any point of the shutdown, stops at once
+    (still 0: the stop was asked for).
+    """
     grace = config.runtime.graceful_timeout_s
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_runtime(config) as rt, trio.open_nursery() as nursery:
-            async with open_gateway(rt, host=host, port=port, config=config) as gateway:
-                settle_memory()
-                print(banner(gateway), flush=True)
-                async for signum in signals:
-                    print(
-                        f"trioserve: {signal.Signals(signum).name}: draining "
-                        f"(up to {grace:g} s; signal again to stop now)",
-                        flush=True,
-                    )
-                    break
-                nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope)
-            nursery.cancel_scope.cancel("drained")
+        # The watcher of a second signal outlives the runtime's close, so that it can
+        # end that too.
+        async with trio.open_nursery() as watching:
+            async with open_runtime(config) as rt:
+                async with open_gateway(rt, host=host, port=port, config=config) as gateway:
+                    settle_memory()
+                    print(banner(gateway), flush=True)
+                    async for signum in signals:
+                        print(
+                            f"trioserve: {signal.Signals(signum).name}: draining "
+                            f"(up to {grace:g} s; signal again to stop now)",
+                            flush=True,
+                        )
+                        break
+                    rt.grace_deadline = trio.current_time() + grace
+                    watching.start_soon(_stop_on_signal, signals, rt, watching.cancel_scope)
+            watching.cancel_scope.cancel("stopped")
     print("trioserve: stopped", flush=True)
     return 0
 
 
-async def _stop_on_signal(signals: Any, scope: trio.CancelScope) -> None:
+async def _stop_on_signal(signals: Any, rt: Runtime, scope: trio.CancelScope) -> None:
     async for signum in signals:
         print(f"trioserve: {signal.Signals(signum).name} again: stopping now", flush=True)
+        # Ends the runtime's waits (a shielded one for a model thread included) ...
+        rt.grace_deadline = -math.inf
+        # ... and everything else: the gateway's drain, the runtime's own.
         scope.cancel("second signal")
         return
 
