@@ -4,6 +4,7 @@ naming its key."""
 from __future__ import annotations
 
 import math
+import socket
 import textwrap
 
 import numpy as np
@@ -488,3 +489,17 @@ async def test_default_config_serves_the_builtin_models(mlp_input):
             assert e.shape == (384,)
             assert e.dtype == np.float32
             assert abs(float(np.linalg.norm(e)) - 1.0) < 1e-5
+
+
+def test_the_serve_command_says_in_one_line_that_it_cannot_listen(tmp_path, capsys):
+    path = tmp_path / "echo.toml"
+    path.write_bytes(b'[models.e]\nbackend = "echo"\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--config", str(path), "--port", str(port)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"trioserve: cannot listen on 127.0.0.1:{port}: ")
+    assert err.count("\n") == 1

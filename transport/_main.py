@@ -35,19 +35,36 @@ def serve_main(
     config = load_config(config_path)
     try:
         return trio.run(serve, config, host, port)
-    except (OSError, BaseExceptionGroup) as exc:
-        # Listening failed (address in use, ...): say so without a traceback.
-        if isinstance(exc, BaseExceptionGroup) and exc.split(OSError)[1] is not None:
-            raise
-        first: BaseException = exc
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        where = (
-            f"{host if host is not None else config.server.host}:"
-            f"{port if port is not None else config.server.port}"
-        )
-        print(f"trioserve: cannot listen on {where}: {first}", file=sys.stderr)
-        return 1
+    except BaseExceptionGroup as group:
+        # serve's nursery wraps what opening the runtime raises; a configuration
+        # found wrong as the runtime starts (a backend's options) is reported as such
+        wrong, rest = group.split(ConfigError)
+        if wrong is not None and rest is None:
+            raise _leaf(wrong) from None
+        return _cannot_listen(group, config, host, port)
+    except OSError as exc:
+        return _cannot_listen(exc, config, host, port)
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _cannot_listen(
+    exc: BaseException, config: Config, host: str | None, port: int | None
+) -> int:
+    """Listening failed (address in use, ...): say so without a traceback; anything
+    else than OSErrors goes on up."""
+    if isinstance(exc, BaseExceptionGroup) and exc.split(OSError)[1] is not None:
+        raise exc
+    where = (
+        f"{host if host is not None else config.server.host}:"
+        f"{port if port is not None else config.server.port}"
+    )
+    print(f"trioserve: cannot listen on {where}: {_leaf(exc)}", file=sys.stderr)
+    return 1
 
 
 #: Allocations between two collections of the young generation while serving.
