@@ -14,6 +14,7 @@ TTLs pass.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,25 +31,41 @@ OVERHEAD = 256
 
 
 def answer_size(value: Any) -> int:
-    """Bytes a model's answer holds: its arrays, plus a fixed overhead."""
+    """Bytes a model's answer holds: its values (an object array's elements, a list's
+    items, counted too), plus a fixed overhead."""
     if isinstance(value, Mapping):
-        return OVERHEAD + sum(
-            v.nbytes if isinstance(v, np.ndarray) else 64 for v in value.values()
-        )
-    return OVERHEAD
+        return OVERHEAD + sum(_size(v) for v in value.values())
+    return OVERHEAD + _size(value)
 
 
-def _kept(value: Any, *, detach: bool = True) -> Any:
-    """An answer as the cache keeps it: read-only (one answer object goes to many
-    callers: none may change it under the others) and, with ``detach``, every array its
-    own (a view of a batch's output would keep the whole batch alive while counted at
-    its own size; a model may also hand back a view of its input)."""
+def _size(v: Any, depth: int = 0) -> int:
+    if isinstance(v, np.ndarray):
+        if v.dtype.kind == "O":  # BYTES: pointers, and what they point to
+            return v.nbytes + sum(_size(x, depth + 1) for x in v.flat)
+        return v.nbytes
+    nbytes = getattr(v, "nbytes", None)  # a torch tensor, a numpy scalar, a buffer
+    if type(nbytes) is int:
+        return nbytes
+    size = sys.getsizeof(v)
+    if depth < 8 and isinstance(v, list | tuple):
+        size += sum(_size(x, depth + 1) for x in v)
+    elif depth < 8 and isinstance(v, Mapping):
+        size += sum(_size(x, depth + 1) for x in v.values())
+    return size
+
+
+def _kept(value: Any) -> Any:
+    """An answer as the cache (or a flight's waiters) keep it: every array its own
+    copy, read-only. One answer object goes to many callers: none may change it under
+    the others. A copy, since the model may hand back its input itself (``echo``: the
+    caller's own buffer, which must stay the caller's and writable), or a view of a
+    batch's output (which would keep the whole batch alive, counted at its own
+    size)."""
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
             if isinstance(v, np.ndarray):
-                if detach and v.base is not None:
-                    v = v.copy()
+                v = v.copy()
                 v.flags.writeable = False
             out[k] = v
         return out
@@ -119,15 +136,19 @@ class CacheActor(Actor):
         """
         cache = self.cache
         rule = cache.rule(model) if cache is not None else CacheRule(enabled=False)
+        try:
+            if rule.enabled:
+                key = cache.key(model, version, tenant, item)  # type: ignore[union-attr]
+            else:
+                key = cache_key(model, version, tenant, item)
+        except TypeError:  # an input the key cannot encode (the model may take it)
+            return await compute()
         if rule.enabled:
-            key = cache.key(model, version, tenant, item)  # type: ignore[union-attr]
             now = trio.current_time()
             hit = cache.get(key, now)  # type: ignore[union-attr]
             if hit is not None:
                 await trio.lowlevel.checkpoint()
                 return _own(hit)
-        else:
-            key = cache_key(model, version, tenant, item)
         flights = self._flights
         if flights is None:  # not running (shutting down): compute without sharing
             return await compute()
@@ -135,7 +156,7 @@ class CacheActor(Actor):
         generation = cache.generation(model) if rule.enabled else 0  # type: ignore[union-attr]
 
         async def compute_and_keep() -> Any:
-            value = _kept(await compute(), detach=rule.enabled)
+            value = _kept(await compute())
             if rule.enabled and cache.generation(model) == generation:  # type: ignore[union-attr]
                 before = cache.next_expiry()  # type: ignore[union-attr]
                 cache.put(  # type: ignore[union-attr]
@@ -145,7 +166,10 @@ class CacheActor(Actor):
                     self._wake.unpark_all()
             return value
 
-        return _own(await flights.call((key, tenant, priority), compute_and_keep))
+        # A caller after an invalidation must not join a flight from before it: that
+        # answer may come from the old weights.
+        flight = (key, tenant, priority, generation)
+        return _own(await flights.call(flight, compute_and_keep))
 
     async def answer_many(
         self,
@@ -169,8 +193,11 @@ class CacheActor(Actor):
         if cache is None or not cache.rule(model).enabled:
             return await compute(list(range(len(items))))
         wanted: dict[Any, list[int]] = {}  # key -> the positions that want it
-        for i, item in enumerate(items):
-            wanted.setdefault(cache.key(model, version, tenant, item), []).append(i)
+        try:
+            for i, item in enumerate(items):
+                wanted.setdefault(cache.key(model, version, tenant, item), []).append(i)
+        except TypeError:  # an input the key cannot encode: compute them all
+            return await compute(list(range(len(items))))
         # One lookup per distinct key: a repeat within the batch is neither a second
         # access for the policy's counts nor a second miss.
         now = trio.current_time()

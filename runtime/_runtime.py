@@ -168,7 +168,7 @@ class Runtime:
     ) -> dict[str, Any]:
         if model in self._cached:
             return await self.cache.answer(
-                model, version or served.config.versions[0], tenant, item,
+                model, version or served.config.versions[-1], tenant, item,
                 lambda: self._infer_prepared(served, item, cost, tenant, priority),
                 priority=priority,
             )
@@ -246,7 +246,7 @@ class Runtime:
         (through the cache for a cached model). ``failed``: see :meth:`_submit_all`."""
         if model in self._cached:
             return await self.cache.answer_many(
-                model, version or served.config.versions[0], tenant,
+                model, version or served.config.versions[-1], tenant,
                 [item for item, _ in prepared],
                 lambda idx: self._submit_all(served, [prepared[i] for i in idx], tenant, priority),
             )
@@ -491,7 +491,8 @@ class Runtime:
         if model not in self._cached or self.cache.cache is None:
             return None
         cache = self.cache.cache
-        key = cache.raw_key(model, version or self.models[model].config.versions[0], tenant, raw)
+        version = version or self.models[model].config.versions[-1]  # the default: the last
+        key = cache.raw_key(model, version, tenant, raw)
         return None if key is None else (key, cache.generation(model))
 
     def cached_response(self, key: Any) -> Any:
@@ -518,7 +519,7 @@ class Runtime:
         many. Call it when the model's weights change under the same version."""
         if self.cache is None or self.cache.cache is None:
             return 0
-        return self.cache.cache.invalidate(model, version)
+        return self.cache.cache.invalidate(model, None if version is None else str(version))
 
     def tenant_statistics(self) -> dict[str, dict[str, Any]]:
         """Per tenant: cost units admitted (credits used) and, for tenants with a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from decimal import Decimal
 
 import numpy as np
 import pytest
@@ -289,3 +290,103 @@ async def test_an_edge_answer_is_charged_for_the_body_its_key_holds(autojump_clo
             assert rt.cached_response(key) == (200, [], b"answer")
             held = len(raw) if len(raw) <= 4096 else 16
             assert cache.policy.bytes_used - before == 6 + 256 + held
+
+
+class Weights(Counting):
+    """``y = x * factor``: ``factor`` stands for the model's weights."""
+
+    factor = 2.0
+
+    def __call__(self, items):
+        factor = self.factor  # the weights as the batch starts
+        super().__call__(items)
+        return [{"y": it["x"] * factor} for it in items]
+
+
+# Regression: a request that came after an invalidation joined an identical one in
+# flight from before it, and got (and, at the edge, kept) the old weights' answer.
+async def test_a_caller_after_an_invalidation_does_not_join_a_flight_from_before_it():
+    model = Weights(gated=True)
+    config = cfg(
+        callable_model("m", model, execution="thread", max_wait_ms=0, max_batch_size=1)
+    )
+    outs = {}
+    try:
+        async with trioserve.open_runtime(config) as rt:
+
+            async def call(name):
+                outs[name] = float((await rt.infer("m", item(7)))["y"][0])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, "before")
+                assert await trio.to_thread.run_sync(model.entered.wait, 30)
+                model.factor = 3.0  # new weights ...
+                rt.invalidate_cache("m")  # ... announced
+                nursery.start_soon(call, "after")
+                await trio.testing.wait_all_tasks_blocked()
+                model.release.set()
+            await call("later")
+    finally:
+        model.release.set()
+    assert outs == {"before": 14.0, "after": 21.0, "later": 21.0}
+
+
+# Regression: a request naming no version was kept under the first version, while
+# the v2 answer names the last (the default), whose invalidation then missed it.
+async def test_a_request_naming_no_version_is_kept_under_the_default_the_last(
+    autojump_clock,
+):
+    model = Counting()
+    async with trioserve.open_runtime(cfg(callable_model("m", model, versions=["1", "2"]))) as rt:
+        await rt.infer("m", item(1))
+        await rt.infer("m", item(1), version="2")  # the same answer: a hit
+        assert model.seen == [1.0]
+        assert rt.invalidate_cache("m", "1") == 0
+        assert rt.invalidate_cache("m", 2) == 1  # a version given as a number too
+        key = rt.response_key("m", None, "a", b"{}")
+        assert key[0] == rt.response_key("m", "2", "a", b"{}")[0]
+
+
+async def test_the_cache_keeps_its_own_copy_of_an_answer_not_the_callers_input(autojump_clock):
+    """echo answers with its input itself: keeping (and freezing) that kept the
+    caller's buffer, which it could no longer write, or whose changes reached later
+    hits."""
+    async with trioserve.open_runtime(
+        cfg(trioserve.ModelConfig(name="echo", backend="echo", max_wait_ms=0))
+    ) as rt:
+        buf = np.array([1.0, 2.0], np.float32)
+        await rt.infer("echo", {"x": buf})
+        assert buf.flags.writeable
+        buf[:] = 7.0
+        again = await rt.infer("echo", {"x": np.array([1.0, 2.0], np.float32)})
+        assert again["x"].tolist() == [1.0, 2.0]
+        assert rt.cache_statistics()["hits"] == 1
+
+
+async def test_an_answer_is_counted_at_the_bytes_it_holds(autojump_clock):
+    """A BYTES answer holds its elements (an object array's nbytes counts only
+    pointers): a 64 KiB cache held 20 MiB of them."""
+    async with trioserve.open_runtime(
+        cfg(trioserve.ModelConfig(name="echo", backend="echo", max_wait_ms=0),
+            capacity=64 * 1024)
+    ) as rt:
+        for i in range(20):
+            big = np.array([bytes([i]) * 1_000_000], dtype=object)
+            await rt.infer("echo", {"t": big})
+        small = np.array([b"x" * 1000], dtype=object)
+        await rt.infer("echo", {"t": small})
+        stats = rt.cache_statistics()
+    assert stats["bytes_used"] <= 64 * 1024
+    assert stats["entries"] == 1  # only the small one fits
+    assert stats["bytes_used"] > 1000
+
+
+async def test_an_input_the_cache_key_cannot_encode_is_served_uncached(autojump_clock):
+    async with trioserve.open_runtime(
+        cfg(trioserve.ModelConfig(name="echo", backend="echo", max_wait_ms=0))
+    ) as rt:
+        value = np.array([Decimal("1.5")], dtype=object)
+        out = await rt.infer("echo", {"d": value})
+        assert out["d"].tolist() == [Decimal("1.5")]
+        outs = await rt.infer_batch("echo", [{"d": value}, {"d": value}])
+        assert [o["d"].tolist() for o in outs] == [[Decimal("1.5")]] * 2
