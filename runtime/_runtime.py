@@ -8,7 +8,7 @@ import math
 import operator
 import sys
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -759,17 +759,15 @@ class Runtime:
             raise
         self._in_flight += 1
         hedge = served.hedge_timer
+        delay = None  # when to send a hedged copy (None: never)
         # A copy needs another replica than its original's to run on.
-        hedged = (
-            hedge is not None and priority == self._class_order[0] and scheduler.replicas > 1
-        )
+        if hedge is not None and priority == self._class_order[0] and scheduler.replicas > 1:
+            delay = served.config.hedge_after_ms
+            delay = delay / 1e3 if delay is not None else hedge.value
         try:
-            if hedged:
-                delay = served.config.hedge_after_ms
-                delay = delay / 1e3 if delay is not None else hedge.value
-                result = await (
-                    self._hedged(scheduler, request, delay) if delay is not None
-                    else reply.wait()
+            if delay is not None:
+                result = await self._hedged(
+                    scheduler, request, delay, lambda: self._refund(tenant, cost, taken)
                 )
             else:
                 try:
@@ -796,7 +794,9 @@ class Runtime:
             hedge.record(elapsed)
         return result
 
-    async def _hedged(self, scheduler: Any, request: Request, delay: float) -> Any:
+    async def _hedged(
+        self, scheduler: Any, request: Request, delay: float, refund: Callable[[], None]
+    ) -> Any:
         """Wait for ``request``; if it is not answered within ``delay``, queue a copy
         for another replica (only into free room: with none, there is no hedge) and
         take whichever answer comes first. The other is withdrawn (or, if already
@@ -806,6 +806,9 @@ class Runtime:
         back, expired queued) is no answer while the other may still run: a copy
         pushed out of the queue while its original runs does not fail the caller.
         When neither ran, the original's error is raised.
+
+        ``refund`` is called when the caller leaves (is cancelled) and neither the
+        original nor its copy ever ran.
         """
         answer: list[outcome.Outcome] = []
         unrun: list[outcome.Outcome | None] = [None, None]  # the original's, the copy's
@@ -839,6 +842,15 @@ class Runtime:
                     nursery.start_soon(wait_for, 1, copy.reply)
                 else:
                     copy = None  # no free room: wait for the original alone
+        except BaseException:  # the caller left: a group of Cancelled, from the nursery
+            # Both waits withdrew their requests. Neither ran if each was withdrawn
+            # while queued or had been answered a never-ran error.
+            if (request.reply.state is CANCELLED or unrun[0] is not None) and (
+                copy is None or copy.reply.state is CANCELLED or unrun[1] is not None
+            ):
+                refund()
+                _note_withdrawal([request])
+            raise
         finally:
             if copy is not None:
                 scheduler.forget_copy(request, copy)

@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -622,6 +623,67 @@ async def test_a_hedge_copy_expiring_in_the_queue_does_not_fail_its_running_orig
                 model.release()
         assert {v: float(r["y"][0]) for v, r in results.items()} == {1.0: 1, 5.0: 5}
         assert sorted(model.batches) == [[1.0], [5.0]]
+    finally:
+        model.release()
+
+
+async def test_a_hedged_caller_leaving_before_either_copy_ran_is_refunded(autojump_clock):
+    """A hedged caller that left while its request and its copy were both queued kept
+    paying for work that never ran (only the unhedged path refunded)."""
+    model = HeldKeys(5.0, 6.0)
+    cfg = two_tenants(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            queue = rt.models["m"].scheduler.policy
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(5.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(partial(rt.infer, "m", item(6.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()  # both replicas held
+                with trio.move_on_after(0.2) as scope:  # the caller leaves
+                    await rt.infer("m", item(1.0), tenant="a")
+                assert scope.cancelled_caught
+                assert rt.hedges == 1  # its copy was queued too
+                assert rt.credits_used["a"] == 0
+                assert rt.credits_refunded["a"] == 1
+                model.release()
+        assert sorted(model.batches) == [[5.0], [6.0]]  # neither copy ran
+        assert queue.stats["a", "realtime"].hedged == 1
+    finally:
+        model.release()
+
+
+async def test_a_hedged_caller_leaving_while_its_copy_runs_is_charged(autojump_clock):
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(5.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                left = trio.Event()
+                scope = trio.CancelScope()
+
+                async def leaving() -> None:
+                    with scope:
+                        await rt.infer("m", item(1.0), tenant="a")
+                    left.set()
+
+                nursery.start_soon(leaving)
+                await trio.testing.wait_all_tasks_blocked()  # 1.0 runs, held
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1  # the copy waits for a replica
+                model.release(5.0)  # the copy runs on the freed one, held
+                while len(model.batches) < 3:
+                    await trio.testing.wait_all_tasks_blocked()
+                    await trio.sleep(0.001)
+                scope.cancel()
+                await left.wait()
+                assert rt.credits_refunded["a"] == 0  # it ran: charged
+                assert rt.credits_used["a"] == 1
+                model.release()
+        assert sorted(model.batches) == [[1.0], [1.0], [5.0]]
     finally:
         model.release()
 
