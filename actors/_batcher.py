@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -25,9 +26,11 @@ from trioserve import (
     ActorBroken,
     ActorClosed,
     ActorState,
+    ConfigError,
     ModelBackend,
     ModelConfig,
     ModelError,
+    ModelLoadError,
     Request,
     WorkerProcess,
     check_outputs,
@@ -146,9 +149,14 @@ class BatcherActor(Actor):
                     self._worker = None
             return
         if self._runner is None:
-            self._runner = await trio.to_thread.run_sync(
-                lambda: self._backend.load(self.device, torch_threads=self._torch_threads),
-                limiter=self._limiter,
+            self._runner = await self._load(
+                lambda: trio.to_thread.run_sync(
+                    lambda: self._backend.load(self.device, torch_threads=self._torch_threads),
+                    limiter=self._limiter,
+                    # a load past its time is left to finish (a thread cannot be
+                    # stopped); the runtime's start fails meanwhile
+                    abandon_on_cancel=True,
+                )
             )
         task_status.started(self)
         pull = self._scheduler.pull
@@ -173,13 +181,46 @@ class BatcherActor(Actor):
             return self._worker_seconds + (w.busy_seconds if w is not None else 0.0)
         return self.busy_time
 
+    async def _load(self, load: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``load`` (the replica's model load, in a thread or a worker process)
+        within the model's ``load_timeout_s`` of wall time (a trio timer would fire at
+        once under an autojumping MockClock while a thread loads). Its failure is raised
+        as ModelLoadError, naming the model, the replica and the cause."""
+        cfg = self._config
+        limit = cfg.load_timeout_s
+        watchdog = self._watchdog
+        what = f"model {cfg.name!r}: replica {self.index} on {self.device}"
+        with trio.CancelScope() as scope:
+            armed = (
+                watchdog.arm(limit, scope) if limit is not None and watchdog is not None
+                else None
+            )
+            try:
+                return await load()
+            except (ConfigError, ModelLoadError):
+                raise
+            except WorkerProcess.Died as exc:
+                details = exc.details  # the traceback in the worker: its last line
+                reason = details.rstrip().rpartition("\n")[2] if details else str(exc)
+                raise ModelLoadError(f"{what} failed to load: {reason}") from exc
+            except Exception as exc:
+                raise ModelLoadError(
+                    f"{what} failed to load: {type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                if armed is not None:
+                    watchdog.disarm(armed)  # type: ignore[union-attr]
+        raise ModelLoadError(
+            f"{what} did not load within {limit:g} s (models.{cfg.name}.load_timeout_s)"
+        )
+
     # ------------------------------------------------------------------ worker process
     async def _start_worker(self) -> None:
         worker = WorkerProcess(
             self._config, self._backend, self.device, self._torch_threads, zygote=self._zygote
         )
         try:
-            await worker.start()
+            await self._load(worker.start)
         except BaseException:
             await worker.aclose()
             raise

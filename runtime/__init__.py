@@ -24,6 +24,7 @@ from ._errors import DeadlineExceeded as DeadlineExceeded
 from ._errors import Forbidden as Forbidden
 from ._errors import InvalidInput as InvalidInput
 from ._errors import ModelError as ModelError
+from ._errors import ModelLoadError as ModelLoadError
 from ._errors import Overloaded as Overloaded
 from ._errors import QuotaExceeded as QuotaExceeded
 from ._errors import TrioserveError as TrioserveError

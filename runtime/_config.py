@@ -34,6 +34,8 @@ MAX_BODY_BYTES = 4 * 1024**3
 #: A second: a longer interval stalls model threads behind a busy event loop (and
 #: sys.setswitchinterval wraps a huge one round to 0).
 MAX_SWITCH_INTERVAL_US = 1_000_000.0
+#: A day: a replica still loading after that is stuck, not slow.
+MAX_LOAD_TIMEOUT_S = 86_400.0
 
 
 # ---------------------------------------------------------------- value checks
@@ -193,6 +195,9 @@ class ModelConfig:
     oversize: str = _field(_choice(OVERSIZE_POLICIES), "reject")
     timeout_ms: float | None = _field(_number(0.0, strict=True, optional=True), 60_000.0)
     torch_threads: int = _field(_int(1, MAX_TORCH_THREADS), 1)
+    load_timeout_s: float | None = _field(
+        _number(0.0, strict=True, optional=True, maximum=MAX_LOAD_TIMEOUT_S), 600.0
+    )
     execution: str | None = _field(_choice(EXECUTIONS, optional=True), None)
     adaptive_limit: bool = _field(_bool, True)
     batch_timeout_factor: float = _field(_number(1.0), 4.0)

@@ -73,6 +73,14 @@ class ModelError(TrioserveError):
     status = 500
 
 
+class ModelLoadError(TrioserveError):
+    """A replica of a model failed to load (its backend's ``load`` raised, or its
+    worker process could not start), or did not load within the model's
+    ``load_timeout_s``."""
+
+    status = 503
+
+
 class ActorClosed(TrioserveError):
     """The runtime (or actor) was closed by its owner; no new work is taken."""
 

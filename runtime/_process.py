@@ -26,7 +26,10 @@ _LEN = struct.Struct("<I")
 
 
 class WorkerDied(RuntimeError):
-    """The worker process exited or its pipe broke."""
+    """The worker process exited or its pipe broke (or, with ``details``, the traceback
+    of its failure, its model failed to load)."""
+
+    details: str | None = None
 
 
 class WorkerError(RuntimeError):
@@ -153,7 +156,9 @@ class WorkerProcess:
         reply = await self._read()
         if reply[0] != "ready":
             self.kill()
-            raise WorkerDied(f"worker for model {cfg.name!r} failed to load:\n{reply[1]}")
+            died = WorkerDied(f"worker for model {cfg.name!r} failed to load:\n{reply[1]}")
+            died.details = reply[1]  # the traceback in the worker
+            raise died
         self.pid = reply[1]
 
     @property

@@ -4,6 +4,7 @@ supervising nursery, and ``Runtime.infer`` is the in-process front door."""
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import operator
 import sys
@@ -25,6 +26,7 @@ from ._errors import (
     DeadlineExceeded,
     Forbidden,
     InvalidInput,
+    ModelLoadError,
     Overloaded,
     QuotaExceeded,
     TrioserveError,
@@ -33,7 +35,9 @@ from ._errors import (
 )
 from ._messages import CANCELLED, Reply, ReplyGroup, Request
 from ._model import ModelBackend
-from ._zygote import Zygote
+from ._zygote import Zygote, ZygoteError
+
+log = logging.getLogger("trioserve")
 
 
 class _SwitchIntervals:
@@ -935,7 +939,13 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                     for m in config.models
                 ):
                     zygote = Zygote()
-                    await zygote.start()
+                    log.info("starting worker processes (their parent imports torch)")
+                    try:
+                        await zygote.start()
+                    except ZygoteError as exc:
+                        raise ModelLoadError(
+                            f"worker processes cannot start: {exc}"
+                        ) from exc
                 await _start_cache(nursery, rt, policy)
                 for m in config.models:
                     await _start_model(
@@ -1125,6 +1135,12 @@ async def _start_model(
     await nursery.start(supervise, scheduler, policy)
     if slow is not None:
         await nursery.start(supervise, slow, policy)
+    execution = m.execution or backend.default_execution
+    started = trio.current_time()
+    log.info(
+        "model %r: loading %s (%s)", m.name,
+        _count(n_replicas, "replica"), f"{execution} on {', '.join(m.devices)}",
+    )
     for i, device in enumerate(m.replica_devices):
         lane = slow if slow is not None and i >= n_replicas - m.slow_lane_replicas else scheduler
         batcher = BatcherActor(
@@ -1134,7 +1150,7 @@ async def _start_model(
             metrics=metrics,
             device=device,
             index=i,
-            execution=m.execution or backend.default_execution,
+            execution=execution,
             torch_threads=m.torch_threads,
             zygote=zygote,
             timer=timer,
@@ -1144,6 +1160,11 @@ async def _start_model(
         served.batchers.append(batcher)
         lane.replicas += 1
         await nursery.start(supervise, batcher, policy)
+    log.info("model %r: ready in %.2f s", m.name, trio.current_time() - started)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 __all__ = ["Runtime", "ServedModel", "open_runtime"]

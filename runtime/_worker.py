@@ -69,8 +69,11 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
         os.close(shm_fd)
         backend = resolve_backend(cfg)
         runner = backend.load(device, torch_threads=torch_threads)
-    except Exception:
-        write_frame(wfd, ("error", traceback.format_exc(limit=4)))
+    except Exception as exc:
+        # The backend's own frames (this function's left out), the deepest last.
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        text = "".join(traceback.format_exception(type(exc), exc, tb, limit=-20))
+        write_frame(wfd, ("error", text))
         return
     write_frame(wfd, ("ready", os.getpid()))
     stacked_run = getattr(runner, "stacked", None)

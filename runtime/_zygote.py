@@ -43,6 +43,9 @@ class Zygote:
     #: A fork takes milliseconds; a zygote that has not answered one in this long is
     #: taken for hung (stopped, stuck), killed and restarted.
     FORK_TIMEOUT = 10 * SECONDS
+    #: A start imports torch (~3 s); one that has not answered in this long is stuck
+    #: (an import waiting on a lock, a hung file system) and is stopped.
+    START_TIMEOUT = 120 * SECONDS
 
     def __init__(self) -> None:
         self._proc: trio.Process | None = None
@@ -76,15 +79,21 @@ class Zygote:
         finally:
             theirs.close()
         self._sock = trio.socket.from_stdlib_socket(ours)
+        ok = False
         try:
-            ok = await self._sock.recv(1) == b"R"
+            with trio.move_on_after(self.START_TIMEOUT) as waited:
+                ok = await self._sock.recv(1) == b"R"
         except OSError:
-            ok = False
+            pass
         except BaseException:
             await self._stop()
             raise
         if not ok:
             await self._stop()
+            if waited.cancelled_caught:
+                raise ZygoteError(
+                    f"the worker zygote did not start within {self.START_TIMEOUT:g}s"
+                )
             raise ZygoteError("the worker zygote failed to start")
 
     async def spawn(self, *fds: int) -> int:

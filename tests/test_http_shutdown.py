@@ -4,6 +4,7 @@ fail (503) what is left after it, lose nothing; and the CLI drains on SIGTERM.""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,7 +189,8 @@ async def cli(tmp_path: Path, grace: float) -> AsyncIterator[Cli]:
     server = Cli(proc)
     try:
         await server.read_until(b"try it")
-        server.url = server.text.split(" on ", 1)[1].split()[0]
+        # the banner: "trioserve X: serving a, b on http://host:port"
+        server.url = re.search(r": serving .* on (http://\S+)", server.text)[1]
         yield server
     finally:
         if proc.returncode is None:

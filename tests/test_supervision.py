@@ -267,7 +267,11 @@ async def test_a_model_that_cannot_load_fails_open_runtime_with_its_error(autoju
         ModelConfig(name="m", backend=backend),
         restart_intensity=5,
     )
-    with pytest.raises(OSError, match=r"^weights unreadable \(attempt 1\)$"):
+    with pytest.raises(trioserve.ModelLoadError) as caught:
         async with trioserve.open_runtime(cfg):
             pytest.fail("the runtime started without its model")
+    assert str(caught.value) == (
+        "model 'm': replica 0 on cpu failed to load: OSError: weights unreadable (attempt 1)"
+    )
+    assert isinstance(caught.value.__cause__, OSError)
     assert backend.loads == 1  # a start-up failure is not retried

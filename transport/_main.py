@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import signal
 import sys
+import traceback
 from typing import Any
 
 import trio
@@ -15,6 +17,7 @@ from trioserve import (
     Config,
     ConfigError,
     ModelConfig,
+    ModelLoadError,
     Runtime,
     load_config,
     open_runtime,
@@ -34,16 +37,68 @@ def serve_main(
     stops at once."""
     config = load_config(config_path)
     try:
-        return trio.run(serve, config, host, port)
+        with _progress_shown():
+            return trio.run(serve, config, host, port)
     except BaseExceptionGroup as group:
         # serve's nursery wraps what opening the runtime raises; a configuration
         # found wrong as the runtime starts (a backend's options) is reported as such
         wrong, rest = group.split(ConfigError)
         if wrong is not None and rest is None:
             raise _leaf(wrong) from None
+        failed, rest = group.split(ModelLoadError)
+        if failed is not None and rest is None:
+            return _cannot_load(_leaf(failed))
         return _cannot_listen(group, config, host, port)
+    except ModelLoadError as exc:
+        return _cannot_load(exc)
     except OSError as exc:
         return _cannot_listen(exc, config, host, port)
+
+
+class _progress_shown:
+    """While serving: the runtime's progress (models loading, ready) on stdout as
+    ``trioserve: ...`` lines; its warnings stay on stderr."""
+
+    def __enter__(self) -> None:
+        logger = logging.getLogger("trioserve")
+        self._before = logger.level
+        self._handler = handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("trioserve: %(message)s"))
+        handler.addFilter(lambda record: record.levelno < logging.WARNING)
+        self._warnings = warnings = logging.StreamHandler()  # stderr
+        warnings.setLevel(logging.WARNING)
+        logger.addHandler(handler)
+        logger.addHandler(warnings)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+
+    def __exit__(self, *exc: object) -> None:
+        logger = logging.getLogger("trioserve")
+        logger.removeHandler(self._handler)
+        logger.removeHandler(self._warnings)
+        logger.setLevel(self._before)
+
+
+def _cannot_load(exc: BaseException) -> int:
+    """A model failed to load: the traceback of the backend's code (none of the
+    runtime's frames), then one line saying which replica and why."""
+    cause = exc.__cause__
+    details = getattr(cause, "details", None)  # a worker process's
+    if details:
+        print(details.rstrip(), file=sys.stderr)
+    elif cause is not None:
+        tb = cause.__traceback__
+        while tb is not None and tb.tb_next is not None and _runtime_frame(tb.tb_frame):
+            tb = tb.tb_next
+        traceback.print_exception(type(cause), cause, tb, file=sys.stderr)
+    print(f"trioserve: {exc}", file=sys.stderr)
+    return 1
+
+
+def _runtime_frame(frame: Any) -> bool:
+    return frame.f_globals.get("__name__", "").partition(".")[0] in (
+        "trioserve", "trio", "outcome",
+    )
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -1,0 +1,134 @@
+"""A model's load: its failure and its time limit (``load_timeout_s``), as the runtime
+and ``trioserve serve`` report them."""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+
+import pytest
+import trio
+import trioserve
+from runtime_helpers import X, Y
+from trioserve import ConfigError, ModelBackend, ModelConfig, ModelLoadError
+from trioserve.cli import main
+
+#: Real seconds a test waits for a stuck load's thread before giving up on it.
+STUCK_LIMIT_S = 30.0
+
+
+class Loading(ModelBackend):
+    """A backend whose load raises, or waits for ``gate`` (a load that hangs)."""
+
+    inputs = (X,)
+    outputs = (Y,)
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.fail = fail
+        self.gate = threading.Event()
+        self.loads = 0
+
+    def load(self, device: str, *, torch_threads: int = 1):
+        self.loads += 1
+        if self.fail:
+            raise OSError(f"no weights for {device}")
+        self.gate.wait(STUCK_LIMIT_S)
+        return lambda items: [{"y": it["x"]} for it in items]
+
+
+def one_model(backend: ModelBackend, **cfg) -> trioserve.Config:
+    return trioserve.Config(
+        models=(ModelConfig(name="m", backend=backend, execution="thread", **cfg),)
+    )
+
+
+async def test_a_load_that_raises_is_a_model_load_error_naming_the_replica():
+    backend = Loading(fail=True)
+    with pytest.raises(ModelLoadError) as caught:
+        async with trioserve.open_runtime(one_model(backend)):
+            pass  # pragma: no cover
+    assert str(caught.value) == (
+        "model 'm': replica 0 on cpu failed to load: OSError: no weights for cpu"
+    )
+    assert isinstance(caught.value.__cause__, OSError)  # the backend's own error
+    assert backend.loads == 1  # a start-up failure is not retried
+
+
+async def test_a_load_past_its_timeout_fails_the_start_in_wall_time():
+    """A load that hangs (an import waiting on a lock, a stuck file system) left the
+    runtime starting for ever: no listening socket, no error."""
+    backend = Loading()
+    try:
+        start = trio.current_time()
+        with pytest.raises(ModelLoadError) as caught:
+            async with trioserve.open_runtime(one_model(backend, load_timeout_s=0.2)):
+                pass  # pragma: no cover
+        assert str(caught.value) == (
+            "model 'm': replica 0 on cpu did not load within 0.2 s (models.m.load_timeout_s)"
+        )
+        assert trio.current_time() - start < STUCK_LIMIT_S  # the timeout, not the gate
+    finally:
+        backend.gate.set()
+
+
+async def test_the_load_timeout_does_not_fire_under_an_autojumping_clock(autojump_clock):
+    """Timed on the wall clock: a trio timer would fire at once while the loop waits
+    for the loading thread with every task blocked."""
+    backend = Loading()
+    backend.gate.set()  # loads at once, in real time
+    async with trioserve.open_runtime(one_model(backend, load_timeout_s=1.0)) as rt:
+        assert (await rt.infer("m", {"x": [1.0, 2.0]}))["y"].tolist() == [1.0, 2.0]
+
+
+def test_load_timeout_s_is_checked():
+    assert ModelConfig(name="m", backend="echo").load_timeout_s == 600.0
+    assert ModelConfig(name="m", backend="echo", load_timeout_s=None).load_timeout_s is None
+    for bad in (0, -1, 86_401, float("nan"), "10"):
+        with pytest.raises(ConfigError, match=r"^models\.m\.load_timeout_s: must be"):
+            ModelConfig(name="m", backend="echo", load_timeout_s=bad)
+
+
+BACKEND = """
+    from trioserve import ModelBackend, TensorSpec
+
+    class Broken(ModelBackend):
+        inputs = (TensorSpec(name="x", datatype="FP32", shape=(2,)),)
+        outputs = (TensorSpec(name="y", datatype="FP32", shape=(2,)),)
+
+        def load(self, device, *, torch_threads=1):
+            return read_weights(device)
+
+    def read_weights(device):
+        raise FileNotFoundError("weights.pt")
+
+    def broken(**options):
+        return Broken()
+"""
+
+
+@pytest.mark.parametrize("execution", ["thread", "process"])
+def test_serve_reports_a_model_that_cannot_load_with_its_own_traceback(
+    tmp_path, monkeypatch, capsys, execution
+):
+    """It printed some sixty lines of the runtime's nurseries around the error."""
+    (tmp_path / "brokenmodel.py").write_text(textwrap.dedent(BACKEND))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for a worker process
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        f'[server]\nport = 0\n[models.b]\nbackend = "brokenmodel:broken"\n'
+        f'execution = "{execution}"\n'
+    )
+    assert main(["serve", "--config", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == f"trioserve: model 'b': loading 1 replica ({execution} on cpu)"
+    lines = err.splitlines()
+    assert lines[-1] == (
+        "trioserve: model 'b': replica 0 on cpu failed to load: "
+        "FileNotFoundError: weights.pt"
+    )
+    assert lines[0] == "Traceback (most recent call last):"
+    # the backend's frames, and none of the runtime's
+    assert "in read_weights" in err
+    assert "brokenmodel.py" in err
+    assert "trio" not in err.replace("trioserve: ", "")
