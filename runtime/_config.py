@@ -34,6 +34,8 @@ MAX_BODY_BYTES = 4 * 1024**3
 #: A second: a longer interval stalls model threads behind a busy event loop (and
 #: sys.setswitchinterval wraps a huge one round to 0).
 MAX_SWITCH_INTERVAL_US = 1_000_000.0
+#: A config file's size: a config is a few KiB.
+MAX_CONFIG_BYTES = 1024**2
 #: A day: a replica still loading after that is stuck, not slow.
 MAX_LOAD_TIMEOUT_S = 86_400.0
 
@@ -532,9 +534,15 @@ def load_config(path: str | PathLike[str] | None = None) -> Config:
         return default_config()
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            # A config is a few KiB: read one byte past the limit to know it is over
+            # (a device such as /dev/zero, or a wrong file, would be read for ever).
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path}: not a config file: over {MAX_CONFIG_BYTES // 1024**2} MiB"
+        )
     try:
         text = raw.decode("utf-8")  # TOML is UTF-8 (what tomllib.load decodes)
     except UnicodeDecodeError as exc:

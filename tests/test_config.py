@@ -284,6 +284,18 @@ def test_unreadable_file_is_named(tmp_path):
         trioserve.load_config(tmp_path)
 
 
+def test_a_config_path_that_never_ends_is_refused():
+    """--config /dev/zero read for ever (and filled the memory)."""
+    with pytest.raises(ConfigError, match=r"^/dev/zero: not a config file: over 1 MiB$"):
+        trioserve.load_config("/dev/zero")
+
+
+def test_a_large_config_file_is_still_read(tmp_path):
+    padding = "# " + "x" * 1000 + "\n"
+    path = write(tmp_path, padding * 1000 + "[models.m]\nbackend = 'echo'\n")
+    assert trioserve.load_config(path).models[0].name == "m"
+
+
 def test_invalid_toml_is_named(tmp_path):
     path = write(tmp_path, "[models.m\nbackend = 'echo'\n")
     with pytest.raises(ConfigError) as excinfo:
