@@ -425,3 +425,143 @@ async def test_a_compressed_body_is_decoded_only_for_a_known_tenant():
                          headers=[("Content-Encoding", "gzip")])
         assert res.status == 401  # not inflated for a caller without a key
         assert gw.requests[("echo", "-", 401)] == 1
+
+
+# ---- a model's answer that contradicts its own metadata: 500, said precisely
+def outputs_model(answer, *, outputs=None):
+    """A model ``m`` (input x FP32 [-1]) whose output for each item is ``answer(item)``."""
+    from runtime_helpers import callable_model
+
+    kw = {} if outputs is None else {"outputs": outputs}
+    return callable_model("m", lambda items: [answer(it) for it in items], **kw)
+
+
+async def infer_m(gw, rows=1, *, binary=False):
+    body = {"inputs": [v2_input(np.ones((rows, 2), np.float32))]}
+    if binary:
+        body["outputs"] = [{"name": "y", "parameters": {"binary_data": True}}]
+    return await post(gw, "/v2/models/m/infer", body)
+
+
+DECLARES = "the model declares"
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        ({}, "model 'm' returned no output 'y', which it declares (it returned none)"),
+        (
+            {"z": np.ones(2)},
+            "model 'm' returned no output 'y', which it declares (it returned 'z')",
+        ),
+        ({"y": None}, f"model 'm': output 'y' holds Python objects, {DECLARES} FP32"),
+        ({"y": "text"}, f"model 'm': output 'y' holds strings, {DECLARES} FP32"),
+        ({"y": {"a": 1}}, f"model 'm': output 'y' holds Python objects, {DECLARES} FP32"),
+        ({"y": 1.5}, f"model 'm': output 'y' has shape [] per item, {DECLARES} [-1]"),
+        (
+            {"y": np.ones((2, 2))},
+            f"model 'm': output 'y' has shape [2, 2] per item, {DECLARES} [-1]",
+        ),
+        (
+            {"y": np.ones(2, np.complex64)},
+            f"model 'm': output 'y' is of numpy dtype complex64, {DECLARES} FP32",
+        ),
+    ],
+)
+async def test_a_model_answer_against_its_declared_outputs_is_500(answer, message):
+    """A missing output was 400 (the caller's fault) with "it produced " and nothing
+    after; None or a dict went out as BYTES [null] under a declared FP32; an object
+    was an "internal error"."""
+    async with serving(config(outputs_model(lambda it: answer))) as gw:
+        for binary in (False, True):
+            res = await infer_m(gw, binary=binary)
+            assert res.status == 500
+            assert error_of(res) == message
+
+
+async def test_a_declared_output_is_sent_as_its_declared_datatype():
+    """float64 (numpy's default) went out as FP64 while the metadata says FP32."""
+    model = outputs_model(lambda it: {"y": it["x"].astype(np.float64) * 2})
+    async with serving(config(model)) as gw:
+        for binary in (False, True):
+            res = await infer_m(gw, rows=3, binary=binary)
+            assert res.status == 200
+            out = res.json()["outputs"][0] if not binary else None
+            if out is not None:
+                assert (out["datatype"], out["shape"], out["data"]) == ("FP32", [3, 2], [2.0] * 6)
+        async with open_http(gw.url) as http:
+            meta = (await http.get("/v2/models/m")).json()
+        assert meta["outputs"][0]["datatype"] == "FP32"
+
+
+async def test_integer_outputs_are_converted_only_when_every_value_fits():
+    from trioserve import TensorSpec
+
+    out8 = (TensorSpec(name="y", datatype="INT8", shape=(-1,)),)
+    fits = outputs_model(lambda it: {"y": np.array([-128, 127], np.int64)}, outputs=out8)
+    async with serving(config(fits)) as gw:
+        res = await infer_m(gw)
+        assert res.status == 200
+        assert res.json()["outputs"][0] == {
+            "name": "y", "datatype": "INT8", "shape": [1, 2], "data": [-128, 127]
+        }
+    over = outputs_model(lambda it: {"y": np.array([128], np.int64)}, outputs=out8)
+    async with serving(config(over)) as gw:
+        res = await infer_m(gw)
+        assert res.status == 500
+        assert error_of(res) == (
+            "model 'm': output 'y' holds values out of the range of INT8, which the model declares"
+        )
+    floats = outputs_model(lambda it: {"y": np.array([1.5])}, outputs=out8)
+    async with serving(config(floats)) as gw:
+        res = await infer_m(gw)
+        assert error_of(res) == "model 'm': output 'y' is FP64, the model declares INT8"
+
+
+async def test_bytes_outputs_hold_only_strings_or_bytes():
+    from trioserve import TensorSpec
+
+    text = (TensorSpec(name="y", datatype="BYTES", shape=(-1,)),)
+    good = outputs_model(lambda it: {"y": np.array(["a", b"b"], dtype=object)}, outputs=text)
+    async with serving(config(good)) as gw:
+        res = await infer_m(gw)
+        assert res.json()["outputs"][0]["data"] == ["a", "b"]
+    for bad in (None, 3, {"a": 1}):
+        model = outputs_model(
+            lambda it, bad=bad: {"y": np.array(["a", bad], dtype=object)}, outputs=text
+        )
+        async with serving(config(model)) as gw:
+            for binary in (False, True):
+                res = await infer_m(gw, binary=binary)
+                assert res.status == 500
+                assert error_of(res).startswith(
+                    "model 'm': output 'y': a BYTES element is "
+                )
+                assert error_of(res).endswith(", not a string or bytes")
+
+
+async def test_items_whose_outputs_cannot_be_stacked_are_500():
+    """Ragged outputs of a batched request were an "internal error"."""
+    lengths = iter(range(1, 100))
+    model = outputs_model(lambda it: {"y": np.ones(next(lengths), np.float32)})
+    async with serving(config(model)) as gw:
+        res = await infer_m(gw, rows=2)
+        assert res.status == 500
+        assert error_of(res).startswith(
+            "model 'm': output 'y' cannot be stacked across the request's items ("
+        )
+    halves = iter([{"y": np.ones(2, np.float32)}, {}])
+    model = outputs_model(lambda it: next(halves))
+    async with serving(config(model)) as gw:
+        res = await infer_m(gw, rows=2)
+        assert error_of(res) == "model 'm' returned output 'y' for some items only"
+
+
+async def test_an_open_model_asked_for_an_output_it_has_not_is_still_400(server):
+    body = {
+        "inputs": [v2_input(np.ones((1, 2), np.float32))],
+        "outputs": [{"name": "nope"}],
+    }
+    res = await post(server, "/v2/models/echo/infer", body)
+    assert res.status == 400
+    assert error_of(res) == "model 'echo': no output 'nope'; it produced 'x'"

@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import orjson
 import simdjson
-from trioserve import V2_DTYPES, InvalidInput, TensorSpec, UnknownModel
+from trioserve import V2_DTYPES, InvalidInput, ModelError, TensorSpec, UnknownModel
 
 #: Open Inference Protocol datatypes and their numpy dtypes (BYTES: object arrays).
 DTYPES: Mapping[str, np.dtype] = V2_DTYPES
@@ -88,6 +88,7 @@ class ModelSignature:
     outputs: tuple[TensorSpec, ...]
     open_inputs: bool = False
     by_name: Mapping[str, TensorSpec] = attrs.field(eq=False, repr=False)
+    outputs_by_name: Mapping[str, TensorSpec] = attrs.field(eq=False, repr=False)
     metadata_json: bytes = attrs.field(eq=False, repr=False)
 
     @classmethod
@@ -122,6 +123,7 @@ class ModelSignature:
             outputs=outputs,
             open_inputs=bool(getattr(backend, "open_inputs", False)),
             by_name={s.name: s for s in inputs},
+            outputs_by_name={s.name: s for s in outputs},
             metadata_json=orjson.dumps(doc),
         )
 
@@ -807,30 +809,54 @@ def encode_response(
     outs = []
     blobs: list[bytes] = []
     first = results[0]
+    declared = signature.outputs_by_name
+    model = request.model
     for name, as_binary in wanted:
+        spec = declared.get(name)
         if name not in first:
-            raise InvalidInput(
-                f"model {request.model!r}: no output {name!r}; it produced "
-                f"{', '.join(map(repr, first))}"
+            produced = ", ".join(map(repr, first)) or "none"
+            if spec is None:  # asked of an open model (echo): the caller's mistake
+                raise InvalidInput(f"model {model!r}: no output {name!r}; it produced {produced}")
+            raise ModelError(
+                f"model {model!r} returned no output {name!r}, which it declares "
+                f"(it returned {produced})"
             )
-        if len(results) == 1:
-            arr = np.asarray(first[name])
-            if request.batched:
-                arr = arr.reshape((1, *arr.shape))
-        else:
-            arr = np.stack([r[name] for r in results])
-        datatype = datatype_of(arr)
+        try:
+            if len(results) == 1:
+                arr = np.asarray(first[name])
+                if request.batched:
+                    arr = arr.reshape((1, *arr.shape))
+            else:
+                arr = np.stack([r[name] for r in results])
+        except KeyError:
+            raise ModelError(
+                f"model {model!r} returned output {name!r} for some items only"
+            ) from None
+        except ValueError as exc:  # items whose outputs differ in shape
+            raise ModelError(
+                f"model {model!r}: output {name!r} cannot be stacked across the "
+                f"request's items ({exc})"
+            ) from None
+        if spec is not None:
+            arr = _conformed(arr, spec, model, request.batched or len(results) > 1)
+        try:
+            datatype = datatype_of(arr)
+        except InvalidInput as exc:
+            raise ModelError(f"model {model!r}: output {name!r}: {exc}") from None
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": arr.shape}
-        if as_binary and binary:
-            raw = _to_binary(arr)
-            entry["parameters"] = {"binary_data_size": len(raw)}
-            blobs.append(raw)
-        else:
-            entry["data"] = (
-                np.ascontiguousarray(arr).reshape(-1)
-                if datatype != "BYTES"
-                else [_text(v) for v in arr.reshape(-1).tolist()]
-            )
+        try:
+            if as_binary and binary:
+                raw = _to_binary(arr)
+                entry["parameters"] = {"binary_data_size": len(raw)}
+                blobs.append(raw)
+            else:
+                entry["data"] = (
+                    np.ascontiguousarray(arr).reshape(-1)
+                    if datatype != "BYTES"
+                    else [_element(v) for v in arr.reshape(-1).tolist()]
+                )
+        except TypeError as exc:
+            raise ModelError(f"model {model!r}: output {name!r}: {exc}") from None
         outs.append(entry)
     doc: dict[str, Any] = {
         "model_name": request.model,
@@ -850,10 +876,77 @@ def _to_binary(arr: np.ndarray) -> bytes:
         return np.ascontiguousarray(arr).tobytes()
     parts = []
     for v in arr.reshape(-1).tolist():
-        b = v if isinstance(v, bytes) else str(v).encode()
+        if isinstance(v, bytes):
+            b = v
+        elif isinstance(v, str):
+            b = v.encode()
+        else:
+            raise TypeError(f"a BYTES element is {_shown(v)}, not a string or bytes")
         parts.append(_LEN.pack(len(b)))
         parts.append(b)
     return b"".join(parts)
+
+
+def _element(v: Any) -> str:
+    """A BYTES element as JSON data: text (bytes decoded as UTF-8, errors replaced)."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    raise TypeError(f"a BYTES element is {_shown(v)}, not a string or bytes")
+
+
+def _shown(v: Any) -> str:
+    return "None" if v is None else f"a value of type {type(v).__qualname__}"
+
+
+def _conformed(arr: np.ndarray, spec: TensorSpec, model: str, stacked: bool) -> np.ndarray:
+    """A declared output as the model's metadata says it is: of its datatype (a
+    numeric value converted within its kind: float64 to FP32, say; an integer only
+    when every value fits) and its per-item shape. A model that returns something
+    else gets ModelError (500): its answer would contradict its own metadata."""
+    dtype = spec.dtype
+    if arr.dtype != dtype:
+        kind = arr.dtype.kind
+        if dtype.kind == "O":
+            if kind not in "OSU":
+                raise ModelError(
+                    f"model {model!r}: output {spec.name!r} {_described(arr)}, "
+                    f"the model declares BYTES"
+                )
+        elif kind in "biuf" and np.can_cast(arr.dtype, dtype, "same_kind"):
+            if dtype.kind in "iu" and arr.size:
+                info = np.iinfo(dtype)
+                if arr.min() < info.min or arr.max() > info.max:
+                    raise ModelError(
+                        f"model {model!r}: output {spec.name!r} holds values out of "
+                        f"the range of {spec.datatype}, which the model declares"
+                    )
+            arr = arr.astype(dtype)
+        else:
+            raise ModelError(
+                f"model {model!r}: output {spec.name!r} {_described(arr)}, the "
+                f"model declares {spec.datatype}"
+            )
+    shape = arr.shape[1:] if stacked else arr.shape
+    if not spec.accepts_shape(shape):
+        raise ModelError(
+            f"model {model!r}: output {spec.name!r} has shape {list(shape)} per item, "
+            f"the model declares {list(spec.shape)}"
+        )
+    return arr
+
+
+def _described(arr: np.ndarray) -> str:
+    """What an array holds, for an error: "is FP64", "holds strings", ..."""
+    name = _DATATYPE_OF.get(arr.dtype)
+    if name is not None:
+        return f"is {name}"
+    if arr.dtype.kind in "SU":
+        return "holds strings"
+    if arr.dtype.kind == "O":
+        return "holds Python objects"
+    return f"is of numpy dtype {arr.dtype}"
 
 
 def encode_inputs(inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Any]:
