@@ -9,6 +9,7 @@ import sys
 import traceback
 from typing import Any
 
+from ._config import EXECUTIONS
 from ._errors import ConfigError
 from .scenarios import SCENARIOS, run_scenario
 
@@ -67,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch-size", type=_COUNT)
     b.add_argument("--max-wait-ms", type=_number(float, low=0.0))
     b.add_argument("--torch-threads", type=_COUNT)
-    b.add_argument("--execution", choices=["thread", "inline"])
+    b.add_argument("--execution", choices=EXECUTIONS,
+                   help="where the model runs (default: the model's own choice)")
     b.add_argument("--batch-dim", type=_COUNT, default=1,
                    help="items per HTTP request (shape [N, ...]); --url only")
     b.add_argument("--stream", action="store_true", help="--url only: use the WebSocket stream")

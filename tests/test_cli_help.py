@@ -46,3 +46,12 @@ def test_a_bench_against_a_server_that_is_not_there_says_so_in_a_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("trioserve: cannot reach http://127.0.0.1:1: ")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("execution", ["process", "thread", "inline"])
+def test_bench_takes_every_execution_a_model_config_takes(execution):
+    """docs/benchmarks.md offers ``--execution thread|process|inline``: ``process``
+    (the built-in mlp's own) was refused as an invalid choice."""
+    from trioserve.cli import _parser
+
+    assert _parser().parse_args(["bench", "--execution", execution]).execution == execution
