@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import socket
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -519,3 +520,20 @@ def test_the_serve_command_says_in_one_line_that_it_cannot_listen(tmp_path, caps
     assert len(lines) == 2
     assert err.startswith(f"trioserve: cannot listen on 127.0.0.1:{port}: ")
     assert err.count("\n") == 1
+
+
+def documented_example(tmp_path):
+    """The TOML example of docs/configuration.md, written to a file."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    return write(tmp_path, doc.split("```toml\n", 1)[1].split("```", 1)[0])
+
+
+async def test_the_example_in_docs_configuration_md_opens_and_serves(tmp_path):
+    """The annotated file in docs/configuration.md is a configuration a reader copies:
+    it loads and the runtime opens with it (its slow lane, on the only replica, was
+    refused at start: ``slow_lane_replicas`` must be below ``replicas``)."""
+    cfg = trioserve.load_config(documented_example(tmp_path))
+    assert cfg.model("mlp").execution == "process"
+    async with trioserve.open_runtime(cfg) as rt:
+        out = await rt.infer("mlp", np.zeros(256, np.float32), tenant="acme")
+    assert out["y"].shape == (16,)
