@@ -3,7 +3,9 @@
 One port serves the Open Inference Protocol v2 REST API (KServe v2 / Triton: JSON and
 binary tensors), a ``/v2/stream`` WebSocket for many requests in flight on one
 connection, and Prometheus ``/metrics``. The data plane is an h11 server on trio;
-the control plane a quart-trio app called in-process; streams use trio-websocket.
+the control plane a quart-trio app called in-process; streams are served over
+wsproto by the gateway's own read loop (the client, ``open_stream``, uses
+trio-websocket).
 """
 
 from ._auth import Authenticator as Authenticator
