@@ -838,7 +838,10 @@ def encode_response(
                 f"request's items ({exc})"
             ) from None
         if spec is not None:
-            arr = _conformed(arr, spec, model, request.batched or len(results) > 1)
+            shape = arr.shape[1:] if request.batched or len(results) > 1 else arr.shape
+            # (the usual case, the declared dtype and shape, in two comparisons)
+            if arr.dtype is not spec.dtype or shape != spec.shape:
+                arr = _conformed(arr, spec, model, shape)
         try:
             datatype = datatype_of(arr)
         except InvalidInput as exc:
@@ -900,7 +903,9 @@ def _shown(v: Any) -> str:
     return "None" if v is None else f"a value of type {type(v).__qualname__}"
 
 
-def _conformed(arr: np.ndarray, spec: TensorSpec, model: str, stacked: bool) -> np.ndarray:
+def _conformed(
+    arr: np.ndarray, spec: TensorSpec, model: str, shape: tuple[int, ...]
+) -> np.ndarray:
     """A declared output as the model's metadata says it is: of its datatype (a
     numeric value converted within its kind: float64 to FP32, say; an integer only
     when every value fits) and its per-item shape. A model that returns something
@@ -928,7 +933,6 @@ def _conformed(arr: np.ndarray, spec: TensorSpec, model: str, stacked: bool) -> 
                 f"model {model!r}: output {spec.name!r} {_described(arr)}, the "
                 f"model declares {spec.datatype}"
             )
-    shape = arr.shape[1:] if stacked else arr.shape
     if not spec.accepts_shape(shape):
         raise ModelError(
             f"model {model!r}: output {spec.name!r} has shape {list(shape)} per item, "
