@@ -36,6 +36,7 @@ from ._idempotency import IdempotencyStore
 from ._v2 import InferRequest, ModelSignature, encode_response, error_body
 
 if TYPE_CHECKING:
+    from ._hangup import HangupWatch
     from ._http import Outbox
 
 log = logging.getLogger("trioserve.transport")
@@ -128,12 +129,14 @@ def error_answer(exc: BaseException) -> Answer:
 class GatewayStatistics:
     """A snapshot of the gateway: open connections (of which WebSocket streams), HTTP
     infer requests being answered, the most stream requests one connection has had
-    in flight, and whether it is draining."""
+    in flight, HTTP infer requests given up because their client closed its
+    connection while they waited, and whether it is draining."""
 
     connections: int
     streams: int
     requests_in_flight: int
     stream_in_flight_peak: int
+    clients_gone: int
     draining: bool
 
 
@@ -149,6 +152,12 @@ class _Conn:
     #: when the grace period ends to cancel its requests (it then closes itself).
     stop_reading: Any = None
     cancel_requests: Any = None
+    #: awaiting ``Gateway.infer`` (the hang-up watch cancels only then)
+    waiting: bool = False
+    #: its socket is watched for a hang-up (see ``._hangup``)
+    armed: bool = False
+    #: the hang-up watch cancelled ``scope``: the client went while a request waited
+    gone: bool = False
 
 
 class Gateway:
@@ -165,12 +174,19 @@ class Gateway:
         self.draining = False
         self.in_flight = 0
         self.stream_in_flight_peak = 0
+        #: HTTP infer requests withdrawn (queued) or dropped (running) because their
+        #: client closed its connection while they waited; never answered or counted
+        #: in ``requests``.
+        self.clients_gone = 0
         self._conns: set[_Conn] = set()
         self._streams = 0
         self._all_closed = trio.Event()
         self._accept_scope: trio.CancelScope | None = None
         #: Writes the data plane's keep-alive answers (``serve`` starts it).
         self.outbox: Outbox | None = None
+        #: Cancels the infer of a client that hangs up (``serve`` starts it; None
+        #: without epoll).
+        self.hangups: HangupWatch | None = None
         self.addresses: list[tuple[str, int]] = []
         from ._control import control_app
         from ._metrics import metrics_registry
@@ -356,6 +372,7 @@ class Gateway:
         Reports ``started(addresses)`` once listening. Returns after a drain, when the
         last connection has closed.
         """
+        from ._hangup import HangupWatch
         from ._http import Outbox, serve_connection
 
         host = host if host is not None else self.server_config.host
@@ -366,16 +383,27 @@ class Gateway:
         async def handle(stream: trio.SocketStream) -> None:
             await serve_connection(self, stream)
 
-        async with trio.open_nursery() as flushing:
-            self.outbox = Outbox()
-            flushing.start_soon(self.outbox.run)
-            async with trio.open_nursery() as connections:
-                with trio.CancelScope() as accept:
-                    self._accept_scope = accept
-                    task_status.started(self.addresses)
-                    await trio.serve_listeners(handle, listeners, handler_nursery=connections)
-            # every connection has closed: the flusher has nothing left to write
-            flushing.cancel_scope.cancel("gateway closed")
+        self.hangups = hangups = HangupWatch.open()
+        try:
+            async with trio.open_nursery() as flushing:
+                self.outbox = Outbox()
+                flushing.start_soon(self.outbox.run)
+                if hangups is not None:
+                    flushing.start_soon(hangups.run)
+                async with trio.open_nursery() as connections:
+                    with trio.CancelScope() as accept:
+                        self._accept_scope = accept
+                        task_status.started(self.addresses)
+                        await trio.serve_listeners(
+                            handle, listeners, handler_nursery=connections
+                        )
+                # every connection has closed: the flusher has nothing left to write,
+                # the watch nothing left to watch
+                flushing.cancel_scope.cancel("gateway closed")
+        finally:
+            self.hangups = None
+            if hangups is not None:
+                hangups.close()
 
     async def drain(self, grace: float) -> None:
         """Stop accepting, close idle connections, give requests in flight up to
@@ -414,6 +442,7 @@ class Gateway:
             streams=self._streams,
             requests_in_flight=self.in_flight,
             stream_in_flight_peak=self.stream_in_flight_peak,
+            clients_gone=self.clients_gone,
             draining=self.draining,
         )
 

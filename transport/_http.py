@@ -17,6 +17,11 @@ handler's time. Everything else (control plane, ``Connection: close``, HTTP/1.0,
 drain) is written by h11. Likewise a data-plane body that h11 has framed by its
 Content-Length and already holds whole is taken from h11's buffer rather than through
 its two body events (~5 µs); one that has not all arrived is read through h11.
+
+While a data-plane request waits for its answer the connection does not read its
+socket; the gateway's hang-up watch (``._hangup``) notices a client that closes it
+meanwhile and cancels the connection, so the request is withdrawn (or its answer
+dropped) and nothing is written.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from ._v2 import error_body
 
 if TYPE_CHECKING:
     from ._gateway import Gateway, _Conn
+    from ._hangup import HangupWatch
 
 log = logging.getLogger("trioserve.transport")
 
@@ -194,7 +200,9 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
                 body = error_body(f"internal error: {type(exc).__name__}: {exc}")
                 await _send_quietly(stream, c.h, 500, [JSON], body)
     try:
-        if scope.cancelled_caught and not handed_off and c.h.our_state is h11.SEND_RESPONSE:
+        if c.conn.gone and scope.cancelled_caught:
+            pass  # the client hung up while its request waited: nobody to answer
+        elif scope.cancelled_caught and not handed_off and c.h.our_state is h11.SEND_RESPONSE:
             # Drained past the grace period with this request unanswered: say so.
             body = error_body("the server is shutting down; the request was not completed")
             with trio.CancelScope(shield=True), trio.move_on_after(LINGER):
@@ -234,9 +242,21 @@ class _Connection:
         self.conn: _Conn
 
     async def serve(self) -> bool:
-        """The keep-alive loop. Returns True when a WebSocket took the connection over."""
+        """The keep-alive loop. Returns True when a WebSocket took the connection over.
+
+        While an infer request waits, the gateway's hang-up watch (``._hangup``) may
+        cancel the connection's scope: its client has gone.
+        """
+        fd = self.stream.socket.fileno()
+        watch = self.gateway.hangups
+        try:
+            return await self._serve(fd, watch)
+        finally:
+            if watch is not None:
+                watch.forget(fd, self.conn)
+
+    async def _serve(self, fd: int, watch: HangupWatch | None) -> bool:
         gateway, stream, conn = self.gateway, self.stream, self.conn
-        fd = stream.socket.fileno()
         infer = gateway.infer
         max_body = gateway.server_config.max_body_bytes
         idle = gateway.server_config.keep_alive_timeout_s
@@ -363,10 +383,20 @@ class _Connection:
 
             # ---- route
             if route is not None:
-                status, headers, out = await infer(
-                    route[0], route[1], body, authorization=auth, header_length=hlen,
-                    idempotency_key=idem, content_encoding=encoding,
-                )
+                if watch is not None and not conn.armed:
+                    watch.arm(fd, conn)  # once a connection, unless it hung up since
+                conn.waiting = True
+                try:
+                    status, headers, out = await infer(
+                        route[0], route[1], body, authorization=auth, header_length=hlen,
+                        idempotency_key=idem, content_encoding=encoding,
+                    )
+                except trio.Cancelled:
+                    if conn.gone:  # by the watch: withdrawn if queued, else dropped
+                        gateway.clients_gone += 1
+                    raise
+                finally:
+                    conn.waiting = False
                 if keep_alive and not gateway.draining:
                     # Written from the template (see the module's docstring); the next
                     # request gets a fresh h11 state with the bytes already received
@@ -387,6 +417,8 @@ class _Connection:
             ):
                 from ._stream import ReplayStream, serve_stream
 
+                if watch is not None:
+                    watch.forget(fd, conn)  # the stream reads its socket, and closes it
                 replay = ReplayStream(stream, _head_bytes(request), held=h.trailing_data[0])
                 await serve_stream(gateway, replay, conn)
                 return True

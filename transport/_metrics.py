@@ -105,6 +105,13 @@ class GatewayCollector(Collector):
              stats.requests_in_flight),
         ):
             yield GaugeMetricFamily(metric, doc, value=value)
+        yield CounterMetricFamily(
+            "trioserve_http_client_gone",
+            "HTTP infer requests given up because the client closed its connection "
+            "while they waited (withdrawn if queued, their answer dropped if running; "
+            "not in trioserve_requests).",
+            value=stats.clients_gone,
+        )
 
 
     @staticmethod

@@ -1,0 +1,303 @@
+"""A client that closes its connection while its infer request waits: the request is
+withdrawn if still queued (it never runs, its credits are refunded) or its answer
+dropped if running, the connection closes without an answer, and the gateway counts
+it. A client that merely sends its next request meanwhile (pipelining) is not leaving.
+Real sockets against a gateway on a loopback port."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import h11
+import orjson
+import trio
+from http_helpers import GATE_LIMIT_S, X, Y, config, serving, settle, v2_input
+from trioserve import CallableBackend, ModelConfig
+from trioserve.transport import Gateway, open_http
+
+
+class Held:
+    """A thread-run model echoing ``x`` as ``y`` that records x[0] of every item it
+    runs; a batch with an item whose x[0] > 0 waits until :meth:`release` (closed again
+    by :meth:`close`)."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+        self._open = threading.Event()
+        #: set when a batch is held
+        self.holding = threading.Event()
+
+    def __call__(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        keys = [float(it["x"][0]) for it in items]
+        self.seen.extend(keys)
+        if any(k > 0 for k in keys):
+            self.holding.set()
+            self._open.wait(GATE_LIMIT_S)
+        return [{"y": it["x"]} for it in items]
+
+    def release(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self.holding.clear()
+        self._open.clear()
+
+    async def wait_holding(self) -> None:
+        await trio.to_thread.run_sync(self.holding.wait, GATE_LIMIT_S)
+
+
+def held_config(model: Held) -> Any:
+    """One replica, one item a batch: while a batch is held, the next request queues."""
+    backend = CallableBackend(model, inputs=[X], outputs=[Y], execution="thread")
+    return config(ModelConfig(name="held", backend=backend, max_batch_size=1, max_wait_ms=0.0))
+
+
+def request(x: float) -> bytes:
+    body = orjson.dumps({"id": str(x), "inputs": [v2_input([x])]})
+    return (
+        b"POST /v2/models/held/infer HTTP/1.1\r\nHost: t\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
+
+
+async def connect(gw: Gateway) -> trio.SocketStream:
+    return await trio.open_tcp_stream(*gw.addresses[0])
+
+
+async def answers(stream: trio.SocketStream, n: int) -> list[tuple[int, str]]:
+    """Read ``n`` answers: (status, id) each."""
+    h = h11.Connection(h11.CLIENT)
+    h.send(h11.Request(method="GET", target="/", headers=[("Host", "t")]))  # state only
+    h.send(h11.EndOfMessage())
+    out: list[tuple[int, str]] = []
+    status, body = 0, b""
+    while len(out) < n:
+        event = h.next_event()
+        if event is h11.NEED_DATA:
+            h.receive_data(await stream.receive_some(65536))
+        elif isinstance(event, h11.Response):
+            status, body = event.status_code, b""
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            out.append((status, orjson.loads(body).get("id")))
+            if len(out) == n:
+                break
+            h.start_next_cycle()
+            h.send(h11.Request(method="GET", target="/", headers=[("Host", "t")]))
+            h.send(h11.EndOfMessage())
+        else:
+            raise AssertionError(f"unexpected {event!r}")
+    return out
+
+
+def errors(caplog: Any) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_queued_request_whose_client_hangs_up_is_withdrawn_and_refunded(caplog):
+    model = Held()
+    try:
+        async with serving(held_config(model)) as gw:
+            rt = gw.runtime
+            first = await connect(gw)
+            await first.send_all(request(1.0))  # runs, held
+            await model.wait_holding()
+            gone = await connect(gw)
+            await gone.send_all(request(2.0))  # queued behind it
+            await settle()
+            assert rt.statistics()["held"]["queue_depth"] == 1
+            assert gw.statistics().requests_in_flight == 2
+            refunded = rt.credits_refunded["t"]
+
+            await gone.aclose()
+            await settle()
+            assert rt.statistics()["held"]["queue_depth"] == 0
+            assert rt.credits_refunded["t"] == refunded + 1
+            stats = gw.statistics()
+            assert (stats.clients_gone, stats.requests_in_flight, stats.connections) == (1, 1, 1)
+
+            model.release()
+            assert await answers(first, 1) == [(200, "1.0")]
+            # Same tenant and class: had the withdrawn request stayed queued, it would
+            # have run before this one.
+            await first.send_all(request(3.0))
+            assert await answers(first, 1) == [(200, "3.0")]
+            await first.aclose()
+            assert model.seen == [1.0, 3.0]
+            assert dict(gw.requests) == {("held", "t", 200): 2}
+            async with open_http(gw.url) as http:
+                text = (await http.get("/metrics")).body.decode()
+            assert "\ntrioserve_http_client_gone_total 1.0\n" in text
+    finally:
+        model.release()
+    assert errors(caplog) == []
+
+
+async def test_a_pipelined_request_is_not_a_hang_up(caplog):
+    """The next request arriving while one waits makes the socket readable: nothing is
+    cancelled. The same connection closing later, while a request waits, is noticed."""
+    model = Held()
+    try:
+        async with serving(held_config(model)) as gw:
+            stream = await connect(gw)
+            await stream.send_all(request(1.0))
+            await model.wait_holding()
+            await settle()
+            await stream.send_all(request(2.0))  # while the first waits
+            await settle()
+            stats = gw.statistics()
+            assert (stats.clients_gone, stats.requests_in_flight, stats.connections) == (0, 1, 1)
+            model.release()
+            assert await answers(stream, 2) == [(200, "1.0"), (200, "2.0")]
+            assert model.seen == [1.0, 2.0]
+
+            model.close()
+            await stream.send_all(request(3.0))
+            await model.wait_holding()
+            await stream.send_all(request(4.0))
+            await settle()
+            assert gw.statistics().clients_gone == 0
+            await stream.aclose()
+            await settle()
+            stats = gw.statistics()
+            assert (stats.clients_gone, stats.requests_in_flight, stats.connections) == (1, 0, 0)
+            model.release()
+    finally:
+        model.release()
+    assert dict(gw.requests) == {("held", "t", 200): 2}
+    assert errors(caplog) == []
+
+
+async def test_a_running_request_whose_client_hangs_up_is_dropped(caplog):
+    model = Held()
+    try:
+        async with serving(held_config(model)) as gw:
+            rt = gw.runtime
+            stream = await connect(gw)
+            await stream.send_all(request(1.0))
+            await model.wait_holding()
+            await settle()
+            await stream.aclose()
+            await settle()
+            stats = gw.statistics()
+            assert (stats.clients_gone, stats.requests_in_flight, stats.connections) == (1, 0, 0)
+            assert rt.credits_refunded["t"] == 0  # it ran: charged
+
+            # The model finishes; its answer has nobody to go to, and the gateway serves on.
+            model.release()
+            other = await connect(gw)
+            await other.send_all(request(-1.0))
+            assert await answers(other, 1) == [(200, "-1.0")]
+            await other.aclose()
+            assert model.seen == [1.0, -1.0]
+            assert dict(gw.requests) == {("held", "t", 200): 1}
+    finally:
+        model.release()
+    assert errors(caplog) == []
+
+
+async def test_a_drain_past_its_grace_still_answers_503_and_is_no_hang_up():
+    model = Held()
+    try:
+        async with serving(held_config(model)) as gw:
+            stream = await connect(gw)
+            await stream.send_all(request(1.0))
+            await model.wait_holding()
+            await settle()
+            await gw.drain(0.05)
+            assert await answers(stream, 1) == [(503, None)]
+            await stream.aclose()
+            model.release()
+            assert gw.statistics().clients_gone == 0
+    finally:
+        model.release()
+
+
+async def test_without_epoll_nothing_is_watched(monkeypatch):
+    """Where the platform has no epoll, a gone client's request runs as before."""
+    import trioserve.transport._hangup as hangup
+
+    monkeypatch.setattr(hangup, "_epoll", None)
+    model = Held()
+    try:
+        async with serving(held_config(model)) as gw:
+            assert gw.hangups is None
+            first = await connect(gw)
+            await first.send_all(request(1.0))
+            await model.wait_holding()
+            gone = await connect(gw)
+            await gone.send_all(request(2.0))
+            await settle()
+            await gone.aclose()
+            await settle()
+            model.release()
+            assert await answers(first, 1) == [(200, "1.0")]
+            await first.send_all(request(3.0))
+            assert await answers(first, 1) == [(200, "3.0")]
+            await first.aclose()
+            assert model.seen == [1.0, 2.0, 3.0]
+            assert gw.statistics().clients_gone == 0
+    finally:
+        model.release()
+
+
+async def test_a_client_that_half_closes_is_treated_as_gone():
+    """shutdown(SHUT_WR) after its request reads as a hang-up (as nginx's 499 does)."""
+    model = Held()
+    try:
+        async with serving(held_config(model)) as gw:
+            first = await connect(gw)
+            await first.send_all(request(1.0))
+            await model.wait_holding()
+            half = await connect(gw)
+            await half.send_all(request(2.0))
+            await half.send_eof()
+            await settle()
+            assert gw.statistics().clients_gone == 1
+            assert await half.receive_some(100) == b""  # closed without an answer
+            await half.aclose()
+            model.release()
+            assert await answers(first, 1) == [(200, "1.0")]
+            await first.aclose()
+            assert model.seen == [1.0]
+    finally:
+        model.release()
+
+
+async def test_the_watch_cancels_only_a_waiting_connection_and_rearms():
+    """Over a socket pair, no server: a hang-up while the connection is not waiting
+    cancels nothing and disarms the watch; re-armed, the hang-up already there is
+    reported at once."""
+    import socket
+
+    from trioserve.transport._gateway import _Conn
+    from trioserve.transport._hangup import HangupWatch
+
+    ours, theirs = socket.socketpair()
+    watch = HangupWatch.open()
+    assert watch is not None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.run)
+            with trio.CancelScope() as scope:
+                conn = _Conn(scope=scope)
+                watch.arm(ours.fileno(), conn)
+                theirs.send(b"more")  # readable: not a hang-up
+                await settle()
+                assert (conn.armed, scope.cancel_called) == (True, False)
+                theirs.shutdown(socket.SHUT_WR)
+                await settle()
+                assert (conn.armed, conn.gone, scope.cancel_called) == (False, False, False)
+                conn.waiting = True
+                watch.arm(ours.fileno(), conn)
+                await trio.sleep_forever()
+            assert (conn.gone, scope.cancelled_caught) == (True, True)
+            watch.forget(ours.fileno(), conn)
+            nursery.cancel_scope.cancel()
+    finally:
+        watch.close()
+        ours.close()
+        theirs.close()
