@@ -30,6 +30,7 @@ async def test_health_and_server_metadata(mlp_server):
     assert doc["name"] == "trioserve"
     assert doc["version"] == trioserve.__version__
     assert "binary_tensor_data" in doc["extensions"]
+    assert "classification" in doc["extensions"]
 
 
 async def test_model_metadata_reports_a_leading_dynamic_batch_dimension(mlp_server):
@@ -296,3 +297,58 @@ async def test_outputs_of_an_error_response_raise_its_error(mlp_server):
         res = await http.infer("nope", {"x": np.zeros((1, 256), np.float32)})
         with pytest.raises(trioserve.UnknownModel, match="HTTP 404: unknown model 'nope'"):
             res.outputs()
+
+
+async def test_classification_of_integer_outputs_and_of_fewer_classes_than_asked(mlp_server):
+    body = {
+        "inputs": [v2_input(np.array([[3, 9, 9, -1], [0, 1, 2, 3]], np.int64), datatype="INT64")],
+        "outputs": [{"name": "x", "parameters": {"classification": 6}}],
+    }
+    async with open_http(mlp_server.url) as http:
+        res = await http.request("POST", "/v2/models/echo/infer", orjson.dumps(body))
+    assert res.status == 200
+    # highest first, the lower index first among equals; all 4 when 6 are asked for
+    assert res.json()["outputs"] == [{
+        "name": "x", "datatype": "BYTES", "shape": [2, 4],
+        "data": ["9:1", "9:2", "3:0", "-1:3", "3:3", "2:2", "1:1", "0:0"],
+    }]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True, 70_000])
+async def test_a_bad_classification_count_is_400(mlp_server, bad):
+    body = {
+        "inputs": [v2_input(np.zeros((1, 256), np.float32))],
+        "outputs": [{"name": "y", "parameters": {"classification": bad}}],
+    }
+    async with open_http(mlp_server.url) as http:
+        res = await http.request("POST", "/v2/models/mlp/infer", orjson.dumps(body))
+    assert res.status == 400
+    assert res.json()["error"] == (
+        f"output 'y': parameters.classification must be a count of classes, 1 to 65536, "
+        f"got {bad!r}"
+    )
+
+
+async def test_strings_have_no_classes_to_rank(mlp_server):
+    body = {
+        "inputs": [{"name": "s", "shape": [1, 2], "datatype": "BYTES", "data": ["a", "b"]}],
+        "outputs": [{"name": "s", "parameters": {"classification": 1}}],
+    }
+    async with open_http(mlp_server.url) as http:
+        res = await http.request("POST", "/v2/models/echo/infer", orjson.dumps(body))
+    assert res.status == 500
+    assert res.json()["error"] == (
+        "model 'echo': output 's' holds Python objects: it has no classes to rank "
+        "(parameters.classification)"
+    )
+
+
+async def test_an_open_model_answers_the_datatype_it_was_given(mlp_server):
+    """echo declares an FP32 output for its default input, but answers what it gets:
+    its INT64 answer is not converted to the declaration."""
+    body = {"inputs": [v2_input(np.array([[3, 2**40]], np.int64), datatype="INT64")]}
+    async with open_http(mlp_server.url) as http:
+        res = await http.request("POST", "/v2/models/echo/infer", orjson.dumps(body))
+    assert res.json()["outputs"] == [
+        {"name": "x", "datatype": "INT64", "shape": [1, 2], "data": [3, 2**40]}
+    ]

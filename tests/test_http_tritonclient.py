@@ -73,6 +73,32 @@ async def test_infer_with_binary_or_json_tensors(server, binary):
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("binary", [True, False])
+async def test_the_classification_extension(server, binary):
+    """``InferRequestedOutput(name, class_count=k)``: each item's k highest values of
+    the output as "value:index" strings, as Triton answers (it was the raw tensor)."""
+    x = np.random.default_rng(9).standard_normal((3, 256)).astype(np.float32)
+    raw = np.stack([r["y"] for r in await server.runtime.infer_batch("mlp", list(x))])
+
+    def call():
+        client = _client(server)
+        try:
+            inp = tritonclient_http.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=binary)
+            out = tritonclient_http.InferRequestedOutput("y", binary_data=binary, class_count=3)
+            return client.infer("mlp", [inp], outputs=[out]).as_numpy("y")
+        finally:
+            client.close()
+
+    classes = await trio.to_thread.run_sync(call)
+    assert classes.shape == (3, 3)
+    for row, got in zip(raw, classes, strict=True):
+        top = np.argsort(-row, kind="stable")[:3]
+        assert [c.decode() if isinstance(c, bytes) else c for c in got] == [
+            f"{row[i]:f}:{i}" for i in top
+        ]
+
+
 async def test_infer_with_default_outputs_and_a_version(server):
     x = np.arange(6, dtype=np.int64).reshape(2, 3)
 

@@ -36,6 +36,9 @@ _PACK_CODES = {
     np.dtype(np.uint32): "I", np.dtype(np.uint64): "Q",
 }
 _PACKERS: dict[tuple[str, int], struct.Struct] = {}
+_NOTHING_DECLARED: Mapping[str, TensorSpec] = {}
+#: The most classes an output may be asked for (the classification extension).
+MAX_CLASSES = 65_536
 _PACKERS_MAX = 256
 
 
@@ -158,8 +161,10 @@ class InferRequest:
     stacked: dict[str, np.ndarray] | None = attrs.field(default=None, eq=False, repr=False)
     #: How many items: N with a batch dimension, else 1.
     count: int = 1
-    #: requested output names (None: all) and whether each is sent as binary data.
-    outputs: tuple[tuple[str, bool], ...] | None = None
+    #: requested outputs (None: all): the name, whether it is sent as binary data, and
+    #: the number of top classes asked for (0: the tensor itself; the classification
+    #: extension).
+    outputs: tuple[tuple[str, bool, int], ...] | None = None
     binary_outputs: bool = False
     priority: str | None = None
     timeout: float | None = None
@@ -731,7 +736,7 @@ def _from_binary(name: str, chunk: Any, dtype: np.dtype, count: int) -> np.ndarr
 
 def _requested_outputs(
     requested: Any, signature: ModelSignature, binary_all: bool
-) -> tuple[tuple[str, bool], ...]:
+) -> tuple[tuple[str, bool, int], ...]:
     if type(requested) is not list:
         raise InvalidInput("'outputs' must be a list of {name} objects")
     known = {s.name for s in signature.outputs}
@@ -746,8 +751,17 @@ def _requested_outputs(
                 f"{', '.join(sorted(known))}"
             )
         params = o.get("parameters")
-        binary = params.get("binary_data", binary_all) if type(params) is dict else binary_all
-        out.append((name, binary is True))
+        binary = binary_all
+        classes = 0
+        if type(params) is dict:
+            binary = params.get("binary_data", binary_all)
+            classes = params.get("classification", 0)
+            if type(classes) is not int or not 0 <= classes <= MAX_CLASSES:
+                raise InvalidInput(
+                    f"output {name!r}: parameters.classification must be a count of "
+                    f"classes, 1 to {MAX_CLASSES}, got {classes!r}"
+                )
+        out.append((name, binary is True, classes))
     return tuple(out)
 
 
@@ -803,15 +817,17 @@ def encode_response(
     if request.outputs is not None:
         wanted = request.outputs
     elif signature.open_inputs:
-        wanted = tuple((n, request.binary_outputs) for n in results[0])
+        wanted = tuple((n, request.binary_outputs, 0) for n in results[0])
     else:
-        wanted = tuple((s.name, request.binary_outputs) for s in signature.outputs)
+        wanted = tuple((s.name, request.binary_outputs, 0) for s in signature.outputs)
     outs = []
     blobs: list[bytes] = []
     first = results[0]
-    declared = signature.outputs_by_name
+    # An open model (echo) answers what it was given: its declared outputs describe
+    # only its default input.
+    declared = _NOTHING_DECLARED if signature.open_inputs else signature.outputs_by_name
     model = request.model
-    for name, as_binary in wanted:
+    for name, as_binary, classes in wanted:
         spec = declared.get(name)
         if name not in first:
             produced = ", ".join(map(repr, first)) or "none"
@@ -842,6 +858,8 @@ def encode_response(
             # (the usual case, the declared dtype and shape, in two comparisons)
             if arr.dtype is not spec.dtype or shape != spec.shape:
                 arr = _conformed(arr, spec, model, shape)
+        if classes:
+            arr = _top_classes(arr, classes, request.batched or len(results) > 1, model, name)
         try:
             datatype = datatype_of(arr)
         except InvalidInput as exc:
@@ -941,6 +959,31 @@ def _conformed(
     return arr
 
 
+def _top_classes(
+    arr: np.ndarray, count: int, stacked: bool, model: str, name: str
+) -> np.ndarray:
+    """Triton's classification extension: for each item, its output's ``count``
+    highest values (all of them when it has fewer), highest first (the lower index
+    first among equals), as BYTES strings ``"<value>:<index>"``; the value printed as
+    C++'s ``std::to_string`` does (six decimals for a float). Shape ``[count]`` per
+    item."""
+    if arr.dtype.kind not in "biuf":
+        raise ModelError(
+            f"model {model!r}: output {name!r} {_described(arr)}: it has no classes "
+            f"to rank (parameters.classification)"
+        )
+    rows = arr.reshape(arr.shape[0] if stacked else 1, -1)
+    n = min(count, rows.shape[1])
+    fmt = "{:f}:{}" if arr.dtype.kind == "f" else "{}:{}"
+    out = np.empty((rows.shape[0], n), dtype=object)
+    for r, row in enumerate(rows):
+        # a stable sort of the negated values: ties keep the lower index first
+        order = np.argsort(-row.astype(np.float64), kind="stable")[:n]
+        values = row[order].tolist()
+        out[r] = [fmt.format(v, int(i)) for v, i in zip(values, order, strict=True)]
+    return out if stacked else out[0]
+
+
 def _described(arr: np.ndarray) -> str:
     """What an array holds, for an error: "is FP64", "holds strings", ..."""
     name = _DATATYPE_OF.get(arr.dtype)
@@ -1018,8 +1061,8 @@ def server_metadata(version: str) -> bytes:
             "name": "trioserve",
             "version": version,
             "extensions": [
-                "binary_tensor_data", "parameters", "schedule_policy", "model_configuration",
-                "statistics", "stream",
+                "binary_tensor_data", "classification", "parameters", "schedule_policy",
+                "model_configuration", "statistics", "stream",
             ],
         }
     )
