@@ -446,3 +446,50 @@ async def test_a_reset_stream_is_not_logged_as_an_error(caplog):
                 break
         assert gw.statistics().streams == 0
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+# ---------------------------------------------------------------- leaving, draining, memory
+def _infer_frame(rid, x=(1.0,), model: str = "echo") -> bytes:
+    """A raw client's frame for one request."""
+    from wsproto.events import TextMessage
+
+    return _raw_ws().send(TextMessage(data=json.dumps(
+        {"id": rid, "model": model,
+         "inputs": [{"name": "x", "shape": [len(x)], "datatype": "FP32", "data": list(x)}]}
+    )))
+
+
+def _raw_ws():
+    from wsproto import ConnectionType
+    from wsproto.connection import Connection
+
+    return Connection(ConnectionType.CLIENT)
+
+
+async def test_a_client_that_leaves_at_the_in_flight_bound_is_seen_at_once():
+    """At the bound the server does not read; the client's leaving is still noticed:
+    its queued requests are withdrawn and refunded, and the requests it sent past the
+    bound are never read or run."""
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(held_model(gate, max_batch_size=1), tenants=tenants,
+                 server={"stream_in_flight": 4})
+    async with serving(cfg) as gw:
+        rt = gw.runtime
+        sock, _ = await _raw_handshake(gw)
+        await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(10)))
+        await settle()
+        scheduler = rt.models["held"].scheduler
+        assert scheduler.queue_depth() == 3  # and one running, held by the gate
+        assert gw.statistics().stream_in_flight_peak == 4
+        await sock.aclose()
+        await settle()
+        assert scheduler.queue_depth() == 0
+        assert rt.credits_refunded["t"] == 3
+        assert gw.statistics().streams == 0
+        gate.release()
+        # One replica, batches of one: this request runs after the held batch ends.
+        async with open_stream(gw.url) as stream:
+            assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
+        assert rt.models["held"].metrics.items == 2
+        assert rt.credits_refunded["t"] == 3

@@ -158,6 +158,9 @@ class _Conn:
     armed: bool = False
     #: the hang-up watch cancelled ``scope``: the client went while a request waited
     gone: bool = False
+    #: set by a WebSocket stream: what the hang-up watch calls (instead of cancelling
+    #: ``scope``) when the client goes while ``waiting``
+    hang_up: Any = None
 
 
 class Gateway:

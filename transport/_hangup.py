@@ -16,6 +16,10 @@ The registration is ``EPOLLONESHOT``: a hang-up reported while the connection wa
 waiting (it then reads the EOF itself) disarms it, and the next wait re-arms it (the
 kernel reports a hang-up already there at once). Without ``select.epoll`` (not Linux)
 nothing is watched: a gone client's request runs, and only its answer's write fails.
+
+A ``/v2/stream`` WebSocket reads its socket itself, so it sees a close as it reads; it
+arms the watch only while it has stopped reading at ``server.stream_in_flight``, and
+a hang-up then calls its ``_Conn.hang_up`` instead of cancelling the connection.
 """
 
 from __future__ import annotations
@@ -88,7 +92,11 @@ class HangupWatch:
                 if conn is None:
                     continue
                 conn.armed = False  # EPOLLONESHOT: reported once until re-armed
-                if conn.waiting and not conn.scope.cancel_called:
+                if not conn.waiting:
+                    continue
+                if conn.hang_up is not None:
+                    conn.hang_up()  # a WebSocket stream withdraws its own requests
+                elif not conn.scope.cancel_called:
                     # Our cancellation: the connection checks ``gone`` to tell it from
                     # a drain's.
                     conn.gone = True

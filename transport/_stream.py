@@ -62,6 +62,7 @@ from ._v2 import (
 
 if TYPE_CHECKING:
     from ._gateway import Gateway, _Conn
+    from ._hangup import HangupWatch
 
 KIB = 1024
 RECEIVE_SIZE = 64 * KIB
@@ -305,10 +306,22 @@ class _Session:
         self.pending: dict[int, Any] = {}  # token -> id of requests not yet answered
         self._tokens = itertools.count()
         self._closing: tuple[int, str] | None = None  # (code, reason) we close with
+        sock = getattr(stream.transport_stream, "socket", None)
+        self._fd: int | None = sock.fileno() if sock is not None else None
+        #: the gateway's hang-up watch, once armed for this socket (see _wait_for_room)
+        self._watch: HangupWatch | None = None
+        #: the hang-up watch found the client gone while the loop was not reading
+        self._gone = False
 
     async def run(self) -> None:
         reading = trio.CancelScope()
         self.conn.stop_reading = lambda: reading.cancel("gateway draining: stop reading")
+
+        def hang_up() -> None:
+            self._gone = True
+            reading.cancel("the client closed its connection")
+
+        self.conn.hang_up = hang_up
         peer_closed = False
         try:
             async with trio.open_nursery() as requests:
@@ -317,17 +330,36 @@ class _Session:
                 )
                 with reading:
                     peer_closed = await self._read(requests)
-                if peer_closed:
+                if peer_closed or self._gone:
                     # The client is gone or closing: withdraw what it left in flight.
                     requests.cancel_scope.cancel("stream closed by the client")
         finally:
+            self.conn.hang_up = None
+            if self._watch is not None and self._fd is not None:
+                self._watch.forget(self._fd, self.conn)  # before the socket closes
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
                 await self._close(peer_closed)
+
+    async def _wait_for_room(self) -> None:
+        """Wait, not reading, until fewer than ``bound`` requests are in flight. A
+        checkpoint. Meanwhile the gateway's hang-up watch looks out for the client
+        leaving (the loop would see its close only once it reads again): a hang-up
+        cancels the read loop, and ``run`` withdraws what is in flight."""
+        conn, watch, fd = self.conn, self.gateway.hangups, self._fd
+        if watch is not None and fd is not None and not conn.armed:
+            watch.arm(fd, conn)  # once a stream, unless a hang-up was reported since
+            self._watch = watch
+        conn.waiting = True
+        try:
+            while self.in_flight >= self.bound:
+                await self._room.park()
+        finally:
+            conn.waiting = False
 
     async def _read(self, requests: trio.Nursery) -> bool:
         """Read and dispatch messages until the peer closes (returns True) or the
         session must close (a protocol error, an oversize message: returns False)."""
-        ws, stream, bound, room = self.ws, self.stream, self.bound, self._room
+        ws, stream, bound = self.ws, self.stream, self.bound
         gateway = self.gateway
         parts: list[Any] = []
         size = 0
@@ -357,8 +389,8 @@ class _Session:
                     else:
                         message = event.data
                     size = 0
-                    while self.in_flight >= bound:
-                        await room.park()
+                    if self.in_flight >= bound:
+                        await self._wait_for_room()
                     self.in_flight += 1
                     if self.in_flight > gateway.stream_in_flight_peak:
                         gateway.stream_in_flight_peak = self.in_flight
@@ -385,7 +417,7 @@ class _Session:
 
     async def _close(self, peer_closed: bool) -> None:
         ws = self.ws
-        if ws.state is not ConnectionState.OPEN:
+        if ws.state is not ConnectionState.OPEN or self._gone:
             return
         # Requests cancelled by the end of a drain's grace period: tell the client.
         for rid in self.pending.values():
