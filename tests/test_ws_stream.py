@@ -493,3 +493,100 @@ async def test_a_client_that_leaves_at_the_in_flight_bound_is_seen_at_once():
             assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
         assert rt.models["held"].metrics.items == 2
         assert rt.credits_refunded["t"] == 3
+
+
+async def test_an_answer_waiting_to_be_written_when_the_grace_ends_is_not_also_a_503():
+    """A client that does not read during a drain: answers already framed are its
+    answers (sent once it reads), never followed by a 503 frame for the same id."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    x = np.random.default_rng(3).standard_normal(100_000).astype(np.float32).tolist()
+    async with serving(config(echo_model())) as gw:
+        raw = trio.socket.socket()
+        raw.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        await raw.connect(gw.addresses[0])
+        sock = trio.SocketStream(raw)
+        await sock.send_all(_HANDSHAKE + b"".join(_infer_frame(i, x) for i in range(4)))
+        await settle()  # the answers (~1 MB each) wait: the client does not read
+        ids: list[tuple[object, int]] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gw.drain, 0)  # the grace ends at once
+            await settle()
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await sock.receive_some(65536)
+            ws = _raw_ws()
+            ws.receive_data(data.partition(b"\r\n\r\n")[2])
+            pieces: list[str] = []
+            closed = None
+            while closed is None:
+                for event in ws.events():
+                    if isinstance(event, TextMessage):
+                        pieces.append(event.data)
+                        if event.message_finished:
+                            doc = json.loads("".join(pieces))
+                            pieces.clear()
+                            ids.append((doc["id"], doc.get("status", 200)))
+                    elif isinstance(event, CloseConnection):
+                        closed = event
+                        await sock.send_all(ws.send(event.response()))
+                if closed is None:
+                    ws.receive_data(await sock.receive_some(1 << 20) or None)
+        await sock.aclose()
+    assert closed.code == 1001
+    assert sorted(ids) == [(i, 200) for i in range(4)]
+
+
+class _CutOnce(trio.abc.HalfCloseableStream):
+    """A socket whose first write sends 10 bytes, then blocks until cancelled; later
+    writes send everything."""
+
+    def __init__(self) -> None:
+        self.sent = b""
+        self.writes = 0
+
+    async def send_all(self, data) -> None:
+        self.writes += 1
+        if self.writes == 1:
+            self.sent += bytes(data[:10])
+            await trio.sleep_forever()
+        self.sent += bytes(data)
+        await trio.lowlevel.checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return b""
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_a_write_cancelled_part_way_breaks_the_stream():
+    """Nothing is written after a cut frame: it would be read as the frame's rest."""
+    from trioserve.transport._stream import ReplayStream
+
+    socket = _CutOnce()
+    stream = ReplayStream(socket, b"")
+    async with trio.open_nursery() as nursery:
+        flushing = trio.CancelScope()
+
+        async def flusher() -> None:
+            with flushing:
+                await stream.run_flusher()
+
+        nursery.start_soon(flusher)
+        await settle()
+        await stream.send_all(b"A" * 100)
+        await settle()
+        assert socket.sent == b"A" * 10  # and the write waits
+        flushing.cancel()  # as a drain does to a client that does not read
+    with pytest.raises(trio.BrokenResourceError):
+        await stream.send_all(b"B" * 10)
+    await stream.aclose()
+    assert socket.sent == b"A" * 10

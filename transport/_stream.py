@@ -84,6 +84,10 @@ class ReplayStream(trio.abc.HalfCloseableStream):
     bytes, and the flusher sends everything queued in one write, so the answers of one
     batch leave in one syscall. At most ``limit`` bytes wait; beyond that ``send_all``
     waits for the flusher (backpressure).
+
+    A write cancelled part way (a client that does not read, at the end of a drain)
+    may have sent part of a frame: the stream is then broken, and nothing more is
+    written (what followed would be read as the rest of the cut frame).
     """
 
     def __init__(
@@ -128,8 +132,8 @@ class ReplayStream(trio.abc.HalfCloseableStream):
             raise trio.BrokenResourceError("the connection failed") from self._error
         if not self._flushing:
             if self._out:  # left by a flusher that has stopped: keep the order
-                await self.transport_stream.send_all(self._take())
-            await self.transport_stream.send_all(data)
+                await self._write(self._take())
+            await self._write(data)
             return
         self._out.append(bytes(data))
         self._out_size += len(data)
@@ -153,9 +157,8 @@ class ReplayStream(trio.abc.HalfCloseableStream):
                     await self._wake.park()
                     continue
                 try:
-                    await self.transport_stream.send_all(self._take())
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    self._error = exc
+                    await self._write(self._take())
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
         finally:
             self._flushing = False
@@ -180,10 +183,22 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         self._room.unpark_all()
         return data
 
+    async def _write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send ``data`` on the transport; a failure, or a cancellation (which may
+        leave part of it sent), breaks the stream for later writes."""
+        try:
+            await self.transport_stream.send_all(data)
+        except trio.Cancelled:
+            self._error = trio.BrokenResourceError("a write was cancelled part way")
+            raise
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._error = exc
+            raise
+
     async def _flush_rest(self) -> None:
         if self._out and self._error is None:
             with trio.move_on_after(CLOSE_GRACE):
-                await self.transport_stream.send_all(self._take())
+                await self._write(self._take())
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport_stream.wait_send_all_might_not_block()
@@ -482,9 +497,12 @@ class _Session:
                 status, _, _ = error_answer(exc)
                 frame = orjson.dumps({"id": rid, "error": str(exc), "status": status})
             gateway.requests[(label, self.tenant, status)] += 1
+            # Answered from here on: once framed, the answer is in the stream's bytes
+            # (a cancellation while it waits to be written must not add a 503 frame
+            # for the same id at close).
+            del self.pending[token]
             if self.ws.state is ConnectionState.OPEN:
                 await self._send(self.ws.send(TextMessage(data=frame.decode())))
-            del self.pending[token]
         finally:
             self.in_flight -= 1
             self._room.unpark()
