@@ -590,3 +590,37 @@ async def test_a_write_cancelled_part_way_breaks_the_stream():
         await stream.send_all(b"B" * 10)
     await stream.aclose()
     assert socket.sent == b"A" * 10
+
+
+async def test_a_message_in_many_small_fragments_holds_only_its_size():
+    """A message's pieces are gathered in one buffer: 20,000 fragments of 2 bytes and
+    20,000 empty ones hold ~40 KB, not an object (or a list slot) per fragment."""
+    import tracemalloc
+
+    from wsproto.events import TextMessage
+
+    ws = _raw_ws()
+    frames = [ws.send(TextMessage(data='{"id": "', message_finished=False))]
+    for _ in range(20_000):
+        frames.append(ws.send(TextMessage(data="ab", message_finished=False)))
+        frames.append(ws.send(TextMessage(data="", message_finished=False)))
+    body = b"".join(frames)
+    last = ws.send(TextMessage(data='", "model": "echo", "inputs": [{"name": "x", '
+                               '"shape": [1], "datatype": "FP32", "data": [3]}]}'))
+    async with serving(config(echo_model())) as gw:
+        sock, reader = await _raw_handshake(gw)
+        await settle()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            await sock.send_all(body)
+            await settle()
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert held < 300_000  # the pieces as a list: ~1.4 MB
+        await sock.send_all(last)
+        seen = await _events_until(sock, reader, TextMessage)
+        doc = json.loads(seen[-1].data)
+        assert (doc["id"], doc["outputs"][0]["data"]) == ("ab" * 20_000, [3])
+        await sock.aclose()

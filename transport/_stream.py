@@ -376,7 +376,13 @@ class _Session:
         session must close (a protocol error, an oversize message: returns False)."""
         ws, stream, bound = self.ws, self.stream, self.bound
         gateway = self.gateway
-        parts: list[Any] = []
+        # A message that came in pieces (fragments, or a frame over several reads) is
+        # gathered as UTF-8 in one buffer: a list of its pieces would hold an object
+        # per piece (~50 bytes for a fragment of one byte, and a list slot for an
+        # empty one, which adds nothing to the size checked against the limit), and
+        # so would io.StringIO before Python 3.12. Its JSON is then read from bytes,
+        # as a binary message's is.
+        partial: bytearray | None = None
         size = 0
         while True:
             try:
@@ -394,15 +400,15 @@ class _Session:
                     if size > self.max_message:
                         self._closing = (1009, f"message over {self.max_message} bytes")
                         return False
-                    if not event.message_finished:
-                        parts.append(event.data)
-                        continue
-                    if parts:
-                        parts.append(event.data)
-                        message = ("" if kind is TextMessage else b"").join(parts)
-                        parts.clear()
-                    else:
-                        message = event.data
+                    message: str | bytes = event.data
+                    if partial is not None or not event.message_finished:
+                        if partial is None:
+                            partial = bytearray()
+                        partial += message.encode() if isinstance(message, str) else message
+                        if not event.message_finished:
+                            continue
+                        message = bytes(partial)
+                        partial = None
                     size = 0
                     if self.in_flight >= bound:
                         await self._wait_for_room()
