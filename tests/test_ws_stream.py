@@ -624,3 +624,33 @@ async def test_a_message_in_many_small_fragments_holds_only_its_size():
         doc = json.loads(seen[-1].data)
         assert (doc["id"], doc["outputs"][0]["data"]) == ("ab" * 20_000, [3])
         await sock.aclose()
+
+
+async def test_an_integer_id_past_64_bits_is_refused_saying_so():
+    """JSON parsers read it as a float: the error says what an integer id may be."""
+    async with serving(config(echo_model())) as gw, open_stream(gw.url) as stream:
+        for rid in (2**64 - 1, 10**30, 1.5):
+            await stream.send_raw(json.dumps({"id": rid, "model": "echo", "inputs": [
+                {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}))
+        replies = sorted([await stream.receive() for _ in range(3)], key=lambda r: r.id)
+    assert [r.id for r in replies] == [1.5, 2**64 - 1, 1e30]
+    assert replies[1].error is None
+    assert (replies[0].status, replies[0].error) == (
+        400, "a stream message needs an 'id' (string or integer)")
+    assert replies[2].status == 400
+    assert "within 64 bits" in replies[2].error
+
+
+async def test_a_429_frame_says_when_to_retry():
+    tenants = (trioserve.TenantConfig(name="acme", api_keys=("k1",), credit_rate=1.0,
+                                      credit_burst=1.0),)
+    async with serving(config(echo_model(), tenants=tenants)) as gw, \
+            open_stream(gw.url, api_key="k1") as stream:
+        await stream.send("a", "echo", {"x": f32(1)})
+        assert (await stream.receive()).error is None
+        await stream.send("b", "echo", {"x": f32(1)})
+        refused = await stream.receive()
+        assert (refused.id, refused.status, refused.retry_after) == ("b", 429, 1)
+        with pytest.raises(trioserve.QuotaExceeded) as over:
+            await stream.infer("echo", {"x": f32(1)})
+        assert over.value.retry_after == 1

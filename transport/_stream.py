@@ -2,7 +2,8 @@
 
 Each client message is a v2 infer request (JSON text) with its own ``id`` and
 ``model`` (and optional ``version``); each answer is the v2 response tagged with that
-``id``, sent as soon as it is ready, or an error frame ``{"id", "error", "status"}``.
+``id``, sent as soon as it is ready, or an error frame ``{"id", "error", "status"}``
+(and ``retry_after`` with 429 and 503).
 At most ``server.stream_in_flight`` requests of one connection are in flight: at the
 bound the server stops reading the socket, so TCP pushes back on the client.
 Closing the socket cancels the connection's requests not yet dispatched.
@@ -443,7 +444,7 @@ class _Session:
         # Requests cancelled by the end of a drain's grace period: tell the client.
         for rid in self.pending.values():
             frame = {"id": rid, "error": "the server is shutting down; request not completed",
-                     "status": 503}
+                     "status": 503, "retry_after": 1}
             await self._send(ws.send(TextMessage(data=orjson.dumps(frame).decode())))
         if self._closing is not None:
             code, reason = self._closing
@@ -478,7 +479,14 @@ class _Session:
                 rid = doc.get("id")
                 self.pending[token] = rid
                 if rid is None or type(rid) not in (str, int):
-                    raise InvalidInput("a stream message needs an 'id' (string or integer)")
+                    # JSON parsers read a larger integer as a float (10**30 as 1e30)
+                    raise InvalidInput(
+                        "a stream message needs an 'id' (string or integer); an integer "
+                        "id must be within 64 bits (-2**63 to 2**64-1): use a string"
+                        if type(rid) is float and rid.is_integer()
+                        and not -(2**63) <= rid < 2**64 else
+                        "a stream message needs an 'id' (string or integer)"
+                    )
                 model = doc.get("model")
                 if type(model) is not str:
                     raise InvalidInput("a stream message needs a 'model' (string)")
@@ -500,8 +508,11 @@ class _Session:
             except Exception as exc:
                 if not isinstance(exc, TrioserveError):
                     log.exception("stream request %r: unexpected error", rid)
-                status, _, _ = error_answer(exc)
-                frame = orjson.dumps({"id": rid, "error": str(exc), "status": status})
+                status, headers, _ = error_answer(exc)
+                doc = {"id": rid, "error": str(exc), "status": status}
+                if status in (429, 503):  # as HTTP's Retry-After, in whole seconds
+                    doc["retry_after"] = int(dict(headers)[b"retry-after"])
+                frame = orjson.dumps(doc)
             gateway.requests[(label, self.tenant, status)] += 1
             # Answered from here on: once framed, the answer is in the stream's bytes
             # (a cancellation while it waits to be written must not add a 503 frame
@@ -528,19 +539,23 @@ ERROR_OF_STATUS: dict[int, type[TrioserveError]] = {
 
 @attrs.frozen(kw_only=True)
 class StreamReply:
-    """One answer from the stream: outputs (name -> array) or an error."""
+    """One answer from the stream: outputs (name -> array) or an error (with 429 and
+    503, ``retry_after``: seconds to wait before trying again)."""
 
     id: Any
     outputs: dict[str, np.ndarray] | None = attrs.field(default=None, eq=False)
     error: str | None = None
     status: int = 200
     model_name: str | None = None
+    retry_after: float | None = None
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> StreamReply:
         if "error" in doc:
             status = int(doc.get("status", 500))
-            return cls(id=doc.get("id"), error=str(doc["error"]), status=status)
+            retry = doc.get("retry_after")
+            return cls(id=doc.get("id"), error=str(doc["error"]), status=status,
+                       retry_after=None if retry is None else float(retry))
         return cls(id=doc.get("id"), outputs=decode_outputs(doc), model_name=doc.get("model_name"))
 
     def unwrap(self) -> dict[str, np.ndarray]:
@@ -549,6 +564,8 @@ class StreamReply:
             assert self.outputs is not None
             return self.outputs
         cls = ERROR_OF_STATUS.get(self.status, ModelError)
+        if issubclass(cls, Overloaded) and self.retry_after is not None:
+            raise cls(self.error, retry_after=self.retry_after)
         raise cls(self.error)
 
 
