@@ -95,12 +95,29 @@ class CacheActor(Actor):
         self._coalesce = dict(coalesce)
         self._flights: SingleFlight | None = None
         self._wake = trio.lowlevel.ParkingLot()
+        #: invalidations per model, when there is no Cache to count them
+        self._generations: dict[str, int] = {}
 
     def handles(self, model: str) -> bool:
         """Whether requests of ``model`` go through the cache actor at all."""
         return self._coalesce.get(model, False) or (
             self.cache is not None and self.cache.rule(model).enabled
         )
+
+    def invalidate(self, model: str, version: str | None = None) -> int:
+        """The model's weights changed: drop its cached results (of one ``version`` if
+        given) and return how many; from now on no request joins a computation started
+        before, cached or only coalesced."""
+        if self.cache is not None:
+            return self.cache.invalidate(model, version)
+        self._generations[model] = self._generations.get(model, 0) + 1
+        return 0
+
+    def generation(self, model: str) -> int:
+        """How many times ``model`` was invalidated (:meth:`Cache.generation`)."""
+        if self.cache is not None:
+            return self.cache.generation(model)
+        return self._generations.get(model, 0)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -153,7 +170,9 @@ class CacheActor(Actor):
         if flights is None:  # not running (shutting down): compute without sharing
             return await compute()
 
-        generation = cache.generation(model) if rule.enabled else 0  # type: ignore[union-attr]
+        # Read for a model that is only coalesced too: its flights must not outlive an
+        # invalidation either.
+        generation = self.generation(model)
 
         async def compute_and_keep() -> Any:
             value = _kept(await compute())

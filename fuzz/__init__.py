@@ -7,6 +7,11 @@ The names below are what a pasted reproduction imports.
 
 from ._admission import BucketMachine as BucketMachine
 from ._admission import BucketSetup as BucketSetup
+from ._cache import Ask as Ask
+from ._cache import CacheScenario as CacheScenario
+from ._cache import Invalidate as Invalidate
+from ._cache import ModelRule as ModelRule
+from ._cache import run_cache_scenario as run_cache_scenario
 from ._checker import INVARIANTS as INVARIANTS
 from ._checker import InvariantViolation as InvariantViolation
 from ._checker import QueueObserver as QueueObserver

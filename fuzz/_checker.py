@@ -49,10 +49,20 @@ INVARIANTS: dict[str, str] = {
     "not yet promoted (earliest promotion first)",
     "fair-share": "two continuously backlogged tenants of a class receive weighted service "
     "within a bounded lag of each other",
-    "memory": "a queue never holds more requests than its bound",
+    "memory": "a queue never holds more requests than its bound; the cache never more "
+    "bytes than its capacity, a tenant than its quota",
     "outcome": "every caller gets one outcome, and only one its situation allows",
     "leak": "no task outlives the runtime",
     "credits": "a tenant's admitted cost stays within its credit envelope",
+    "isolation": "a model that is not shareable never answers a tenant with an answer "
+    "computed for another",
+    "freshness": "an answer computed before an invalidation never reaches a caller that "
+    "started after it, and is never kept after it",
+    "ttl": "no cached answer is served at or after its entry's expiry",
+    "cached-error": "a model error is never kept: it reaches only callers waiting when "
+    "the model raised",
+    "statistics": "the cache's counters agree with the lookups, flights and invalidations "
+    "it was asked for",
 }
 
 

@@ -24,7 +24,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.stateful import get_state_machine_test
 from hypothesis.vendor.pretty import pretty
 
-from . import _admission, _queue, _runtime
+from . import _admission, _cache, _queue, _runtime
 from ._product import PRODUCT, Product
 from ._stats import EXAMPLES
 
@@ -54,6 +54,8 @@ class Suite:
     repro_imports: str
     stateful: bool = True
     step_count: int = 50
+    #: a scenario suite's function that a reproduction calls with the shrunk scenario
+    repro_call: str = "run_scenario"
 
 
 def _stateful(machine: type) -> Callable[[Product, settings, dict[str, Any]], Callable[[], None]]:
@@ -77,6 +79,19 @@ def _build_runtime(product: Product, s: settings, box: dict[str, Any]) -> Callab
             raise
 
     return test_runtime
+
+
+def _build_cache(product: Product, s: settings, box: dict[str, Any]) -> Callable[[], None]:
+    @s
+    @given(scenario=_cache.cache_scenarios())
+    def test_cache(scenario: _cache.CacheScenario) -> None:
+        try:
+            _cache.run_cache_scenario(scenario, product)
+        except BaseException:
+            box["example"] = scenario  # the last failing one is the shrunk one
+            raise
+
+    return test_cache
 
 
 SUITES: dict[str, Suite] = {
@@ -111,6 +126,19 @@ SUITES: dict[str, Suite] = {
             chunk_examples=100,
             repro_imports="from fuzz import BucketMachine, BucketSetup",
         ),
+        Suite(
+            name="cache",
+            summary="the result cache and coalescing through open_runtime: hits, flights, "
+            "TTLs, invalidations, errors, cancels, tenants",
+            build=_build_cache,
+            ci_examples=100,
+            chunk_examples=60,
+            repro_imports=(
+                "from fuzz import Ask, CacheScenario, Invalidate, ModelRule, run_cache_scenario"
+            ),
+            stateful=False,
+            repro_call="run_cache_scenario",
+        ),
     )
 }
 
@@ -123,7 +151,7 @@ class Failure:
     seed: int
     run_seed: int | None
     error: BaseException
-    example: Any = None  # the runtime suite's shrunk Scenario
+    example: Any = None  # a scenario suite's shrunk scenario
     elapsed: float = 0.0
     examples: int = 0
 
@@ -171,7 +199,10 @@ class Failure:
             else:
                 body = [textwrap.indent(s, "    ") for s in steps]
         else:
-            body = ["    run_scenario(", textwrap.indent(pretty(self.example), "        ") + ")"]
+            body = [
+                f"    {suite.repro_call}(",
+                textwrap.indent(pretty(self.example), "        ") + ")",
+            ]
         return "\n".join([*header, suite.repro_imports, "", "", f"def {name}():", *body]) + "\n"
 
 

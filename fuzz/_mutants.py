@@ -10,12 +10,15 @@ from typing import Any
 import attrs
 import trioserve.actors
 from trioserve import Request
+from trioserve.actors import SHARED_NAMESPACE, cache_key
 
 from ._product import PRODUCT, Product
 
 FairQueue = trioserve.actors.FairQueue
 BatcherActor = trioserve.actors.BatcherActor
 TokenBucket = trioserve.actors.TokenBucket
+Cache = trioserve.actors.Cache
+CacheActor = trioserve.actors.CacheActor
 
 
 class DropsOneRequest(FairQueue):
@@ -104,6 +107,55 @@ class GrantsOnAnyCredit(TokenBucket):
         return super().try_take(cost, now)
 
 
+class _FlightsWithoutGeneration:
+    """A SingleFlight table whose keys lose their last part, the generation."""
+
+    def __init__(self, flights: Any) -> None:
+        self._flights = flights
+
+    async def call(self, key: Any, fn: Any, *args: Any) -> Any:
+        return await self._flights.call(key[:-1], fn, *args)
+
+    def statistics(self) -> Any:
+        return self._flights.statistics()
+
+
+class JoinsOlderFlights(CacheActor):
+    """The flight key leaves out the generation (the cache actor before its fix): a
+    request after an invalidation joins an identical one in flight from before it and
+    gets the old weights' answer."""
+
+    @property
+    def _flights(self) -> Any:
+        return self.__dict__.get("_flights_")
+
+    @_flights.setter
+    def _flights(self, flights: Any) -> None:
+        self.__dict__["_flights_"] = None if flights is None else _FlightsWithoutGeneration(
+            flights
+        )
+
+
+class OneNamespace(Cache):
+    """Every tenant's key is in the shared namespace, whatever the model's rule: one
+    tenant's answer from a model that is not shareable is served to another."""
+
+    def key(self, model: str, version: str, tenant: str, inputs: Any, params: Any = None) -> Any:
+        if not self.rule(model).enabled:
+            return None
+        return cache_key(model, version, SHARED_NAMESPACE, inputs, params)
+
+
+class TtlIgnoredOnGet(Cache):
+    """A lookup never finds an entry expired: one past its TTL is served until the
+    cache actor's sweep drops it."""
+
+    def __init__(self, capacity: int, **kw: Any) -> None:
+        super().__init__(capacity, **kw)
+        get = self.policy.get
+        self.get = lambda key, now, default=None: get(key, -math.inf, default)
+
+
 #: name -> (what it breaks, the broken product, the suites that can see it)
 MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "drop-request": (
@@ -152,5 +204,24 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         "try_take grants whenever the level is positive",
         attrs.evolve(PRODUCT, name="overdraw", bucket_class=GrantsOnAnyCredit),
         ("admission",),
+    ),
+    # The cache suite's own.
+    "flight-without-generation": (
+        "a flight's key leaves out the generation: a caller after an invalidation joins "
+        "an older flight",
+        attrs.evolve(
+            PRODUCT, name="flight-without-generation", cache_actor_class=JoinsOlderFlights
+        ),
+        ("cache",),
+    ),
+    "one-namespace": (
+        "the cache key's namespace ignores the tenant",
+        attrs.evolve(PRODUCT, name="one-namespace", cache_class=OneNamespace),
+        ("cache",),
+    ),
+    "ttl-ignored-on-get": (
+        "a lookup ignores the entry's expiry",
+        attrs.evolve(PRODUCT, name="ttl-ignored-on-get", cache_class=TtlIgnoredOnGet),
+        ("cache",),
     ),
 }

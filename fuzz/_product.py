@@ -26,6 +26,8 @@ class Product:
     queue_class: type = trioserve.actors.FairQueue
     batcher_class: type = trioserve.actors.BatcherActor
     bucket_class: type = trioserve.actors.TokenBucket
+    cache_class: type = trioserve.actors.Cache
+    cache_actor_class: type = trioserve.actors.CacheActor
 
 
 PRODUCT = Product()

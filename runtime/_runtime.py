@@ -520,10 +520,12 @@ class Runtime:
 
     def invalidate_cache(self, model: str, version: str | None = None) -> int:
         """Drop the cached results of a model (or of one of its versions); return how
-        many. Call it when the model's weights change under the same version."""
-        if self.cache is None or self.cache.cache is None:
+        many. Call it when the model's weights change under the same version: from then
+        on no request of the model joins a computation started before, whether the
+        model is cached or only coalesced."""
+        if self.cache is None:
             return 0
-        return self.cache.cache.invalidate(model, None if version is None else str(version))
+        return self.cache.invalidate(model, None if version is None else str(version))
 
     def tenant_statistics(self) -> dict[str, dict[str, Any]]:
         """Per tenant: cost units admitted (credits used) and, for tenants with a

@@ -331,6 +331,43 @@ async def test_a_caller_after_an_invalidation_does_not_join_a_flight_from_before
     assert outs == {"before": 14.0, "after": 21.0, "later": 21.0}
 
 
+# Regression (found by `python -m fuzz --suite cache`): a model that is coalesced but
+# not cached kept generation 0 in its flights' keys (only a cached model read the
+# cache's count of invalidations, and with the cache off invalidate_cache did nothing),
+# so a request after an invalidation still joined a flight from before it.
+@pytest.mark.parametrize("capacity", [0, 1 << 20])
+async def test_a_coalesced_uncached_model_gets_no_flight_from_before_an_invalidation(capacity):
+    model = Weights(gated=True)
+    config = cfg(
+        callable_model(
+            "m", model, execution="thread", max_wait_ms=0, max_batch_size=1, cache=False,
+            coalesce=True,
+        ),
+        capacity=capacity,
+    )
+    outs = {}
+    try:
+        async with trioserve.open_runtime(config) as rt:
+
+            async def call(name):
+                outs[name] = float((await rt.infer("m", item(7)))["y"][0])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, "before")
+                assert await trio.to_thread.run_sync(model.entered.wait, 30)
+                model.factor = 3.0  # new weights ...
+                assert rt.invalidate_cache("m") == 0  # ... announced; nothing was kept
+                nursery.start_soon(call, "after")
+                await trio.testing.wait_all_tasks_blocked()
+                model.release.set()
+            stats = rt.cache_statistics()
+    finally:
+        model.release.set()
+    assert outs == {"before": 14.0, "after": 21.0}
+    assert stats["computations"] == 2
+    assert stats["coalesced"] == 0
+
+
 # Regression: a request naming no version was kept under the first version, while
 # the v2 answer names the last (the default), whose invalidation then missed it.
 async def test_a_request_naming_no_version_is_kept_under_the_default_the_last(

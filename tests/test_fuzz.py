@@ -96,6 +96,31 @@ def test_a_printed_runtime_reproduction_replays_the_failure():
         test()
 
 
+def test_a_printed_cache_reproduction_replays_the_failure():
+    failure = None
+    for chunk in range(20):  # unshrunk: shrinking a whole runtime scenario takes seconds
+        failure = failure or run_chunk(
+            SUITES["cache"],
+            product=fuzz.MUTANTS["one-namespace"][1],
+            hypothesis_seed=chunk_seed(0, "replay:one-namespace:cache", chunk),
+            max_examples=25,
+            database=None,
+            shrink=False,
+        )
+    assert failure is not None, "the cache suite did not catch one-namespace"
+    code = failure.as_pytest()
+    assert "run_cache_scenario(" in code
+    namespace: dict = {}
+    exec(compile(code, "<reproduction>", "exec"), namespace)
+    (test,) = [v for k, v in namespace.items() if k.startswith("test_fuzz_")]
+    test()
+    namespace["run_cache_scenario"] = functools.partial(
+        fuzz.run_cache_scenario, product=fuzz.MUTANTS["one-namespace"][1]
+    )
+    with pytest.raises(fuzz.InvariantViolation, match=r"^isolation: "):
+        test()
+
+
 def test_cli_ci_profile_of_one_suite(capsys):
     from fuzz._cli import main
 
@@ -162,6 +187,21 @@ def test_fuzz_runtime_model_error_isolation():
                 fuzz.Call(),
                 fuzz.Call(items=(fuzz.Item(fault="error"),), cancel_ms=0, cancel_how="cancel"),
             ),
+        )
+    )
+
+
+def test_fuzz_cache_a_coalesced_model_after_an_invalidation():
+    # Found by the cache suite: a model coalesced but not cached kept generation 0 in
+    # its flights' keys, so the call at tick 1, after the invalidation, joined the
+    # flight started at tick 0 and got the old weights' answer.
+    fuzz.run_cache_scenario(
+        fuzz.CacheScenario(
+            tenants=1,
+            models=(fuzz.ModelRule(cache=False, coalesce=True),),
+            latency=(2, 0, 0, 0),
+            asks=(fuzz.Ask(at=0), fuzz.Ask(at=1)),
+            invalidations=(fuzz.Invalidate(at=1),),
         )
     )
 
