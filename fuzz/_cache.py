@@ -775,7 +775,7 @@ def _sheddable(ask: Ask, rule: ModelRule) -> bool:
     before its deadline). Only a caller whose deadline it sees, and not through a
     flight: a flight runs in the cache actor's nursery, without its callers' deadlines
     (the queue holds far more than a scenario asks)."""
-    flight = (rule.cache or rule.coalesce) and not (ask.batch or len(ask.keys) > 1)
+    flight = (rule.cache or rule.coalesce) and len(ask.keys) == 1  # infer_batch of one too
     return ask.cancel is not None and ask.cancel_how == "deadline" and not flight
 
 
