@@ -52,6 +52,10 @@ class FlowStats:
     dispatched: int = 0
     served_cost: int = 0
     hedged: int = 0
+    #: Requests whose caller left while they were queued (withdrawn: they never ran;
+    #: an HTTP client that closed its connection, a cancelled in-process call). One
+    #: that left at its own deadline counts in ``expired`` instead.
+    withdrawn: int = 0
     #: Entries the flow holds: a withdrawn or expired request stays among them until
     #: passed (see FairQueue.queued_by_flow for the live count).
     queued: int = 0
@@ -732,6 +736,12 @@ class FairQueue:
         self._cost[c][tenant] -= req.cost
         self._total_cost -= req.cost
         self._stats(tenant, self.classes[c].name).queued -= 1
+
+    def withdrawn_by_caller(self, request: Request) -> None:
+        """``request``'s caller withdrew it, queued, before its deadline: count it in
+        its flow's ``withdrawn``."""
+        c = self._rank.get(request.priority, len(self.classes) - 1)
+        self._stats(request.tenant, self.classes[c].name).withdrawn += 1
 
     def withdrawn_at_deadline(self, request: Request, now: float) -> None:
         """``request``'s caller withdrew it, queued, because its own deadline passed

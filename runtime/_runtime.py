@@ -471,6 +471,7 @@ class Runtime:
                 "dispatched": f.dispatched,
                 "served_cost": f.served_cost,
                 "hedged": f.hedged,
+                "withdrawn": f.withdrawn,
                 "wait": f.wait.summary(),
             }
             for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items())
@@ -1173,20 +1174,27 @@ __all__ = ["Runtime", "ServedModel", "open_runtime"]
 
 
 def _note_withdrawal(requests: Sequence[Request]) -> None:
-    """The caller of ``requests`` (one deadline) left: if it left because their
-    deadline passed, those it withdrew from a queue are that queue's expiries, as if
-    the queue had answered them. (The queue's own expiry withdraws a request too,
-    but counts it and clears its ``on_cancel`` first.)"""
-    now = trio.current_time()
-    if not requests or now < requests[0].deadline:
+    """The caller of ``requests`` (one deadline) left: count those it withdrew from a
+    queue in their flows, as withdrawn, or, if it left because their deadline passed,
+    as that queue's expiries (as if the queue had answered them). (The queue's own
+    expiry withdraws a request too, but counts it and clears its ``on_cancel``
+    first.)"""
+    if not requests:
         return
+    now = trio.current_time()
+    at_deadline = now >= requests[0].deadline
     for r in requests:
         reply = r.reply
         if reply.state is CANCELLED:
             queue = getattr(reply.on_cancel, "__self__", None)
-            note = getattr(queue, "withdrawn_at_deadline", None)
-            if note is not None:
-                note(r, now)
+            if at_deadline:
+                note = getattr(queue, "withdrawn_at_deadline", None)
+                if note is not None:
+                    note(r, now)
+            else:
+                note = getattr(queue, "withdrawn_by_caller", None)
+                if note is not None:
+                    note(r)
 
 
 def _never_ran(exc: BaseException) -> bool:

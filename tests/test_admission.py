@@ -700,7 +700,7 @@ async def test_a_request_withdrawn_at_its_callers_deadline_is_counted_expired(
         with trio.move_on_after(0.5):
             await rt.infer_batch("m", [item(3), item(4)])
         flow = rt.statistics()["m"]["flows"]["a/realtime"]
-        assert (flow["expired"], flow["queued"]) == (3, 0)
+        assert (flow["expired"], flow["withdrawn"], flow["queued"]) == (3, 0, 0)
         assert rt.statistics()["m"]["admission_limit"] < limit
         with trio.CancelScope() as scope:  # a caller leaving before its deadline
 
@@ -711,7 +711,13 @@ async def test_a_request_withdrawn_at_its_callers_deadline_is_counted_expired(
             nursery.start_soon(leave)
             await rt.infer("m", item(5))
         assert scope.cancelled_caught
-        assert rt.statistics()["m"]["flows"]["a/realtime"]["expired"] == 3
+        flow = rt.statistics()["m"]["flows"]["a/realtime"]
+        assert (flow["expired"], flow["withdrawn"]) == (3, 1)  # left: withdrawn
+        with trio.CancelScope() as scope:  # a batch call leaving before its deadline
+            nursery.start_soon(leave)
+            await rt.infer_batch("m", [item(6), item(7)])
+        flow = rt.statistics()["m"]["flows"]["a/realtime"]
+        assert (flow["expired"], flow["withdrawn"]) == (3, 3)
         gate.release()
     assert gate.seen == [1.0]
 

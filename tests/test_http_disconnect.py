@@ -131,6 +131,13 @@ async def test_a_queued_request_whose_client_hangs_up_is_withdrawn_and_refunded(
             async with open_http(gw.url) as http:
                 text = (await http.get("/metrics")).body.decode()
             assert "\ntrioserve_http_client_gone_total 1.0\n" in text
+            # and its flow counts it withdrawn (it left before its deadline)
+            flow = rt.statistics()["held"]["flows"]["t/realtime"]
+            assert (flow["admitted"], flow["withdrawn"], flow["expired"]) == (3, 1, 0)
+            assert (
+                'trioserve_flow_requests_total{class="realtime",model="held",'
+                'outcome="withdrawn",tenant="t"} 1.0'
+            ) in text
     finally:
         model.release()
     assert errors(caplog) == []

@@ -126,7 +126,8 @@ class GatewayCollector(Collector):
         outcomes = CounterMetricFamily(
             "trioserve_flow_requests",
             "Requests by admission outcome (admitted, shed, expired, dispatched; hedged: "
-            "copies of hedged requests queued, counted apart from admitted).",
+            "copies of hedged requests queued, counted apart from admitted; withdrawn: "
+            "left by their caller while queued, never run).",
             labels=[*labels, "outcome"],
         )
         cost = CounterMetricFamily(
@@ -155,7 +156,9 @@ class GatewayCollector(Collector):
             for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items()):
                 key = [name, tenant, cls]
                 depth.add_metric(key, live.get((tenant, cls), 0))
-                for outcome in ("admitted", "shed", "expired", "dispatched", "hedged"):
+                for outcome in (
+                    "admitted", "shed", "expired", "dispatched", "hedged", "withdrawn"
+                ):
                     outcomes.add_metric([*key, outcome], getattr(f, outcome))
                 cost.add_metric(key, f.served_cost)
                 f.wait.fold()
