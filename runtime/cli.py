@@ -47,7 +47,11 @@ _SECONDS = _number(float, low=0.0, low_ok=False)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trioserve", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="trioserve",
+        description="Serve models over HTTP and WebSocket (serve), or measure them (bench).",
+        epilog="Each command has its own --help. Docs: README.md and docs/.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the configured models over HTTP and WebSocket")

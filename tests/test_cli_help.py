@@ -15,6 +15,7 @@ def test_help_prints_and_exits_zero(argv, capsys):
     assert out.startswith("usage: ")
     if argv[0] == "bench":
         assert "priority: realtime at 70% beside a batch" in " ".join(out.split())
+    assert "``" not in out  # plain text, not a docstring's markup
 
 
 @pytest.mark.parametrize(
