@@ -226,3 +226,29 @@ async def test_a_key_still_running_is_never_evicted(autojump_clock):
     assert runs == ["slow", "ok", "ok", "ok"]
     assert got[0][2] == b"slow"
     assert len(store) == 2
+
+
+async def test_every_answer_is_counted_in_trioserve_requests_replays_and_refusals_too():
+    """A replay, a 422 (the key used with another body) and a 401 are answers the
+    client got: each counts once in ``trioserve_requests`` (they were not counted)."""
+    tenants = (
+        trioserve.TenantConfig(name="acme", api_keys=("k-acme",)),
+        trioserve.TenantConfig(name="t", default=True),
+    )
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        statuses = [
+            (await post(gw, "echo", body(1), key="k1")).status,
+            (await post(gw, "echo", body(1), key="k1")).status,  # replayed
+            (await post(gw, "echo", body(2), key="k1")).status,  # another body: 422
+            (await post(gw, "echo", body(1), key="k1", api_key="wrong")).status,
+            (await post(gw, "nope", body(1), key="k2", api_key="wrong")).status,
+            (await post(gw, "nope", body(1), key="k2")).status,
+            (await post(gw, "nope", body(1), key="k2")).status,  # a replayed 404
+        ]
+        counts = dict(gw.requests)
+    assert statuses == [200, 200, 422, 401, 401, 404, 404]
+    assert counts == {
+        ("echo", "t", 200): 2, ("echo", "t", 422): 1, ("echo", "-", 401): 1,
+        ("-", "-", 401): 1, ("-", "t", 404): 2,
+    }
+    assert sum(counts.values()) == len(statuses)

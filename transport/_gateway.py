@@ -15,7 +15,7 @@ import collections
 import logging
 import math
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -236,10 +236,13 @@ class Gateway:
                 self.requests[(label, tenant, answer[0])] += 1
                 return answer
         if idempotency_key:
+            label = model if model in self.signatures else UNKNOWN_MODEL
             try:
                 tenant = self.auth.tenant(authorization)
             except TrioserveError as exc:
-                return error_answer(exc)
+                answer = error_answer(exc)
+                self.requests[(label, ANONYMOUS, answer[0])] += 1
+                return answer
             if isinstance(idempotency_key, bytes):
                 idempotency_key = idempotency_key.decode("latin-1")
             # The request is its body and where its JSON ends: the same bytes split
@@ -249,14 +252,22 @@ class Gateway:
                 if isinstance(header_length, str):
                     header_length = header_length.encode("latin-1")
                 ident = b"%b|%b" % (header_length, body)
-            return await self.idempotency.run(
-                (tenant, model, version, idempotency_key),
-                ident,
-                lambda: self.infer(
+            ran = False
+
+            def first() -> Awaitable[Answer]:
+                nonlocal ran
+                ran = True  # the answer is this call's own, counted as it is made
+                return self.infer(
                     model, version, body, authorization=authorization,
                     header_length=header_length,
-                ),
+                )
+
+            answer = await self.idempotency.run(
+                (tenant, model, version, idempotency_key), ident, first
             )
+            if not ran:  # a replay, or 422 for the key used with another body
+                self.requests[(label, tenant, answer[0])] += 1
+            return answer
         tenant = ANONYMOUS
         label = model if model in self.signatures else UNKNOWN_MODEL
         self.in_flight += 1
