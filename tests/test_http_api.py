@@ -352,3 +352,35 @@ async def test_an_open_model_answers_the_datatype_it_was_given(mlp_server):
     assert res.json()["outputs"] == [
         {"name": "x", "datatype": "INT64", "shape": [1, 2], "data": [3, 2**40]}
     ]
+
+
+async def test_summary_counts_and_sums_are_exact_and_agree_with_the_statistics():
+    """``/metrics``' latency summaries take their ``_count`` and ``_sum`` from the exact
+    totals, as ``.../stats`` does: they were read from the hdrhistogram (a sum off by
+    its precision, a value past its range not counted), so the two
+    endpoints disagreed about the same requests."""
+    async with trioserve.open_runtime(config(echo_model())) as rt:
+        from prometheus_client import generate_latest
+        from trioserve.transport import Gateway
+
+        gw = Gateway(rt)
+        client = gw.app.test_client()
+        infer = await client.post("/v2/models/echo/infer",
+                                  data=orjson.dumps({"inputs": [v2_input([[2.0]])]}))
+        assert infer.status_code == 200
+        m = rt.models["echo"].metrics
+        for s in (0.552838, 0.249853, 10_000.0):  # the last one past the histogram
+            m.end_to_end.record(s)
+        want_count, want_us = m.end_to_end.totals()
+        stats = orjson.loads(await (await client.get("/v2/models/echo/stats")).get_data())
+        text = generate_latest(gw.registry).decode()
+    samples = {
+        (s.name, s.labels.get("stage")): s.value
+        for f in text_string_to_metric_families(text) for s in f.samples
+        if s.labels.get("model") == "echo"
+    }
+    assert want_count == 4
+    assert samples["trioserve_latency_seconds_count", "end_to_end"] == want_count
+    assert samples["trioserve_latency_seconds_sum", "end_to_end"] == want_us / 1e6
+    success = stats["model_stats"][0]["inference_stats"]["success"]
+    assert (success["count"], success["ns"]) == (want_count, want_us * 1000)

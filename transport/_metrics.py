@@ -2,7 +2,9 @@
 
 A custom Collector on a private CollectorRegistry reads everything at scrape time:
 nothing on the request path touches prometheus_client. Latency quantiles come from
-the runtime's hdrhistograms (integer microseconds) as summaries.
+the runtime's hdrhistograms (integer microseconds) as summaries; their ``_count`` and
+``_sum`` are the exact count and sum (``Latency.totals()``, values past the
+histogram's range included), the figures the statistics extension reports too.
 """
 
 from __future__ import annotations
@@ -72,20 +74,16 @@ class GatewayCollector(Collector):
             m = served.metrics
             for stage in STAGES:
                 lat = getattr(m, stage)
-                fold = getattr(lat, "fold", None)  # Latency buffers values before a read
-                if fold is not None:
-                    fold()
+                count, total_us = lat.totals()  # folds the buffered values first
                 hist = lat.hist
-                count = hist.get_total_count()
                 values = hist.get_percentile_to_value_dict([q * 100 for q in QUANTILES])
                 for q in QUANTILES:
                     latency.add_sample(
                         "trioserve_latency_seconds",
                         {"model": name, "stage": stage, "quantile": str(q)},
-                        values[q * 100] / 1e6 if count else 0.0,
+                        values[q * 100] / 1e6 if hist.get_total_count() else 0.0,
                     )
-                total = hist.get_mean_value() * count / 1e6 if count else 0.0
-                latency.add_metric([name, stage], count_value=count, sum_value=total)
+                latency.add_metric([name, stage], count_value=count, sum_value=total_us / 1e6)
             batches.add_metric([name], m.batches)
             items.add_metric([name], m.items)
             fill.add_metric([name], m.fill_ratio)
@@ -161,18 +159,16 @@ class GatewayCollector(Collector):
                 ):
                     outcomes.add_metric([*key, outcome], getattr(f, outcome))
                 cost.add_metric(key, f.served_cost)
-                f.wait.fold()
+                count, total_us = f.wait.totals()
                 hist = f.wait.hist
-                count = hist.get_total_count()
                 values = hist.get_percentile_to_value_dict([50, 99])
                 for q in (0.5, 0.99):
                     wait.add_sample(
                         "trioserve_flow_wait_seconds",
                         {"model": name, "tenant": tenant, "class": cls, "quantile": str(q)},
-                        values[q * 100] / 1e6 if count else 0.0,
+                        values[q * 100] / 1e6 if hist.get_total_count() else 0.0,
                     )
-                total = hist.get_mean_value() * count / 1e6 if count else 0.0
-                wait.add_metric(key, count_value=count, sum_value=total)
+                wait.add_metric(key, count_value=count, sum_value=total_us / 1e6)
             lim = getattr(policy, "limit", None)
             if lim is not None:
                 limit.add_metric([name], lim.value)
