@@ -56,7 +56,7 @@ from trioserve import ModelBackend, ModelError, Overloaded, TensorSpec
 
 from ._checker import InvariantViolation
 from ._product import PRODUCT, Product
-from ._runtime import _tasks
+from ._runtime import Outcome, _tasks
 from ._stats import count_example, note
 
 #: One tick of scenario time: a power of two, so every sum of ticks is exact.
@@ -329,13 +329,6 @@ def observed_actor_class(base: type, run: CacheRun) -> type:
 
 
 # ---------------------------------------------------------------- one run
-@attrs.define(eq=False)
-class Outcome:
-    kind: str  # "result", "error", "cancelled"
-    value: Any
-    at: float
-
-
 @attrs.define(eq=False)
 class CacheRun:
     scenario: CacheScenario
