@@ -3,6 +3,10 @@ and ``trioserve serve`` report them."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import textwrap
 import threading
 
@@ -132,3 +136,59 @@ def test_serve_reports_a_model_that_cannot_load_with_its_own_traceback(
     assert "in read_weights" in err
     assert "brokenmodel.py" in err
     assert "trio" not in err.replace("trioserve: ", "")
+
+
+SLOW = """
+import time
+from trioserve import ModelBackend, TensorSpec
+
+class Slow(ModelBackend):
+    inputs = (TensorSpec(name="x", datatype="FP32", shape=[1]),)
+    outputs = (TensorSpec(name="y", datatype="FP32", shape=[1]),)
+
+    def load(self, device, *, torch_threads=1):
+        time.sleep(120)  # weights on a slow disk
+
+def slow():
+    return Slow()
+"""
+
+
+@pytest.mark.parametrize("execution", ["thread", "process"])
+async def test_a_signal_while_the_models_load_stops_serve_at_once(tmp_path, execution):
+    """SIGINT went unheard until every model had loaded (up to load_timeout_s, 600 s by
+    default); then the server started, printed its banner, and only then drained."""
+    (tmp_path / "slowmodel.py").write_text(textwrap.dedent(SLOW))
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        f'[server]\nport = 0\n[models.s]\nbackend = "slowmodel:slow"\n'
+        f'execution = "{execution}"\n'
+    )
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trioserve.cli", "serve", "--config", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)},
+    )
+    out = b""
+    try:
+        with trio.fail_after(60):
+            while b"loading 1 replica" not in out:
+                chunk = await proc.stdout.receive_some()
+                assert chunk, out
+                out += chunk
+        proc.send_signal(signal.SIGINT)
+        with trio.fail_after(20):  # the load alone has 120 s to go
+            rc = await proc.wait()
+            while chunk := await proc.stdout.receive_some():
+                out += chunk
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = out.decode()
+    assert rc == 0, text
+    assert "SIGINT while the models load: stopping" in text
+    assert text.rstrip().endswith("trioserve: stopped")
+    assert "serving" not in text
+    assert "Traceback" not in text

@@ -12,6 +12,7 @@ answer, count.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import zlib
@@ -27,6 +28,7 @@ from trioserve import (
     InvalidInput,
     Overloaded,
     Runtime,
+    ServerConfig,
     TrioserveError,
     UnknownModel,
 )
@@ -378,10 +380,12 @@ class Gateway:
         host: str | None = None,
         port: int | None = None,
         *,
+        listeners: list[trio.SocketListener] | None = None,
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen on ``host:port`` (the server config's by default; port 0 picks a free
-        one) and serve connections until :meth:`drain` or cancellation.
+        one), or on ``listeners`` already open, and serve connections until
+        :meth:`drain` or cancellation.
 
         Reports ``started(addresses)`` once listening. Returns after a drain, when the
         last connection has closed.
@@ -389,9 +393,8 @@ class Gateway:
         from ._hangup import HangupWatch
         from ._http import Outbox, serve_connection
 
-        host = host if host is not None else self.server_config.host
-        port = port if port is not None else self.server_config.port
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        if listeners is None:
+            listeners = await open_listeners(self.server_config, host, port)
         self.addresses = [ls.socket.getsockname()[:2] for ls in listeners]
 
         async def handle(stream: trio.SocketStream) -> None:
@@ -467,6 +470,17 @@ class Gateway:
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
+async def open_listeners(
+    server: ServerConfig, host: str | None = None, port: int | None = None
+) -> list[trio.SocketListener]:
+    """Bind ``host:port`` (``server``'s by default; port 0 picks a free one). An
+    address in use fails here: ``trioserve serve`` binds before it loads the models,
+    so that it says so at once rather than after the load."""
+    host = host if host is not None else server.host
+    port = port if port is not None else server.port
+    return await trio.open_tcp_listeners(port, host=host)
+
+
 @asynccontextmanager
 async def open_gateway(
     runtime: Runtime,
@@ -474,8 +488,10 @@ async def open_gateway(
     host: str | None = None,
     port: int | None = None,
     config: Config | None = None,
+    listeners: list[trio.SocketListener] | None = None,
 ) -> AsyncIterator[Gateway]:
-    """Serve ``runtime`` over HTTP and WebSocket for the duration of the block.
+    """Serve ``runtime`` over HTTP and WebSocket for the duration of the block, on
+    ``host:port`` or on ``listeners`` already bound (:func:`open_listeners`).
 
     Listening when it yields (``gateway.url``). Leaving the block normally drains:
     requests in flight get ``runtime.graceful_timeout_s`` to be answered (no later than
@@ -487,7 +503,9 @@ async def open_gateway(
         gateway.app.nursery = app_tasks  # the Quart app's background tasks
         await gateway.app.startup()
         try:
-            await nursery.start(gateway.serve, host, port)
+            await nursery.start(
+                functools.partial(gateway.serve, host, port, listeners=listeners)
+            )
             yield gateway
             await gateway.drain(gateway.config.runtime.graceful_timeout_s)
         finally:

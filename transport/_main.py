@@ -11,6 +11,7 @@ import sys
 import traceback
 from typing import Any
 
+import attrs
 import trio
 import trioserve
 from trioserve import (
@@ -23,7 +24,7 @@ from trioserve import (
     open_runtime,
 )
 
-from ._gateway import Gateway, open_gateway
+from ._gateway import Gateway, open_gateway, open_listeners
 from ._v2 import dumps, sample_inputs
 
 # ---------------------------------------------------------------- serve
@@ -145,41 +146,71 @@ def settle_memory() -> None:
 async def serve(config: Config, host: str | None = None, port: int | None = None) -> int:
     """Serve ``config`` until SIGINT/SIGTERM; drain; return 0.
 
-    The grace (``runtime.graceful_timeout_s``) is counted once, from the signal: the
-    gateway's drain and the runtime's close (a model call cut off in a worker thread
-    included) share it. A second signal, at any point of the shutdown, stops at once
-    (still 0: the stop was asked for).
+    The address is bound first, so that one in use fails at once, not after the
+    models have loaded; it is served once they have. A signal while they load stops
+    the start (a load in a thread is abandoned, a worker process killed), as a second
+    signal stops a shutdown. The grace (``runtime.graceful_timeout_s``) is counted
+    once, from the signal: the gateway's drain and the runtime's close (a model call
+    cut off in a worker thread included) share it. A second signal, at any point of the
+    shutdown, stops at once (still 0: the stop was asked for).
     """
     grace = config.runtime.graceful_timeout_s
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        # The watcher of a second signal outlives the runtime's close, so that it can
-        # end that too.
-        async with trio.open_nursery() as watching:
-            async with open_runtime(config) as rt:
-                async with open_gateway(rt, host=host, port=port, config=config) as gateway:
-                    settle_memory()
-                    print(banner(gateway), flush=True)
-                    async for signum in signals:
-                        print(
-                            f"trioserve: {signal.Signals(signum).name}: draining "
-                            f"(up to {grace:g} s; signal again to stop now)",
-                            flush=True,
-                        )
-                        break
-                    rt.grace_deadline = trio.current_time() + grace
-                    watching.start_soon(_stop_on_signal, signals, rt, watching.cancel_scope)
-            watching.cancel_scope.cancel("stopped")
-    print("trioserve: stopped", flush=True)
+        listeners = await open_listeners(config.server, host, port)
+        try:
+            stop = _Stop(grace=grace)
+            # The watcher of signals outlives the runtime's close, so that a second
+            # signal can end that too.
+            async with trio.open_nursery() as watching:
+                watching.start_soon(_watch_signals, signals, stop, watching.cancel_scope)
+                async with open_runtime(config) as rt:
+                    stop.runtime = rt  # loaded: from now on a signal drains
+                    async with open_gateway(
+                        rt, config=config, listeners=listeners
+                    ) as gateway:
+                        settle_memory()
+                        print(banner(gateway), flush=True)
+                        await stop.asked.wait()
+                        rt.grace_deadline = trio.current_time() + grace
+                watching.cancel_scope.cancel("stopped")
+            print("trioserve: stopped", flush=True)
+        finally:
+            with trio.CancelScope(shield=True):
+                for listener in listeners:
+                    await listener.aclose()
     return 0
 
 
-async def _stop_on_signal(signals: Any, rt: Runtime, scope: trio.CancelScope) -> None:
+@attrs.define(eq=False)
+class _Stop:
+    """What a signal does to ``serve``: while the models load, it stops the start;
+    then the first one drains and a second one stops at once."""
+
+    grace: float
+    runtime: Runtime | None = None  # set once the models have loaded
+    asked: trio.Event = attrs.Factory(trio.Event)
+
+
+async def _watch_signals(signals: Any, stop: _Stop, scope: trio.CancelScope) -> None:
     async for signum in signals:
-        print(f"trioserve: {signal.Signals(signum).name} again: stopping now", flush=True)
-        # Ends the runtime's waits (a shielded one for a model thread included) ...
-        rt.grace_deadline = -math.inf
-        # ... and everything else: the gateway's drain, the runtime's own.
-        scope.cancel("second signal")
+        name = signal.Signals(signum).name
+        rt = stop.runtime
+        if rt is None:
+            print(f"trioserve: {name} while the models load: stopping", flush=True)
+        elif not stop.asked.is_set():
+            print(
+                f"trioserve: {name}: draining "
+                f"(up to {stop.grace:g} s; signal again to stop now)",
+                flush=True,
+            )
+            stop.asked.set()
+            continue
+        else:
+            print(f"trioserve: {name} again: stopping now", flush=True)
+            # Ends the runtime's waits (a shielded one for a model thread included) ...
+            rt.grace_deadline = -math.inf
+        # ... and everything else: the load, the gateway's drain, the runtime's close.
+        scope.cancel(f"{name}: stop")
         return
 
 
