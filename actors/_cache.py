@@ -88,6 +88,10 @@ class CacheStatistics:
     admissions_rejected: int
     expirations: int
     invalidations: int
+    #: ``expirations`` and ``invalidations`` of entries with a :class:`CacheKey`, by
+    #: model (other keys have no model: they are in the totals only).
+    expirations_by_model: Mapping[str, int] = attrs.field(factory=dict)
+    invalidations_by_model: Mapping[str, int] = attrs.field(factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -147,6 +151,8 @@ class _BytePolicy:
         self.admissions_rejected = 0
         self.expirations = 0
         self.invalidations = 0
+        self._expirations_by_model: dict[str, int] = {}
+        self._invalidations_by_model: dict[str, int] = {}
 
     # ------------------------------------------------------------ policy hooks
     def get(self, key: Hashable, now: float, default: Any = None) -> Any:
@@ -269,6 +275,9 @@ class _BytePolicy:
                 self._forget(e)
                 n += 1
         self.invalidations += n
+        if n:
+            by_model = self._invalidations_by_model
+            by_model[model] = by_model.get(model, 0) + n
         return n
 
     def expire(self, now: float) -> int:
@@ -280,6 +289,7 @@ class _BytePolicy:
             if self._data.get(e.key) is e:
                 self._unlink(e)
                 self._forget(e)
+                self._count_expiry(e)
                 n += 1
         self.expirations += n
         return n
@@ -314,6 +324,8 @@ class _BytePolicy:
             admissions_rejected=self.admissions_rejected,
             expirations=self.expirations,
             invalidations=self.invalidations,
+            expirations_by_model=dict(self._expirations_by_model),
+            invalidations_by_model=dict(self._invalidations_by_model),
         )
 
     # ------------------------------------------------------------ internals
@@ -344,8 +356,16 @@ class _BytePolicy:
     def _expired_miss(self, e: _Entry) -> None:
         self._unlink(e)
         self._forget(e)
+        self._count_expiry(e)
         self.expirations += 1
         self.misses += 1
+
+    def _count_expiry(self, e: _Entry) -> None:
+        """Count an expired entry for its model (the total is the caller's)."""
+        key = e.key
+        if type(key) is CacheKey:
+            by_model = self._expirations_by_model
+            by_model[key.model] = by_model.get(key.model, 0) + 1
 
     def _compact_expiry(self) -> None:
         data = self._data

@@ -257,6 +257,8 @@ class CacheActor(Actor):
                 entries=s.entries, hits=s.hits, misses=s.misses, hit_rate=s.hit_rate,
                 evictions=s.evictions, admissions_rejected=s.admissions_rejected,
                 expirations=s.expirations, invalidations=s.invalidations,
+                expirations_by_model=dict(s.expirations_by_model),
+                invalidations_by_model=dict(s.invalidations_by_model),
             )
         if self._flights is not None:
             f = self._flights.statistics()

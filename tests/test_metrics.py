@@ -1,8 +1,17 @@
 import numpy as np
+import orjson
+import trio
+import trio.testing
+import trioserve
 from hdrh.histogram import HdrHistogram
+from http_helpers import v2_input
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from runtime_helpers import Recorder, callable_model
+from trioserve import CacheConfig, TenantConfig
 from trioserve.actors import Latency
+from trioserve.transport import Gateway
 
 
 @given(values=st.lists(st.integers(min_value=0, max_value=10**13), max_size=300))
@@ -37,3 +46,59 @@ def test_summary_reads_buffered_values():
     lat.reset()
     assert lat.summary().count == 0
     assert lat.totals() == (0, 0)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+async def test_cache_expirations_and_invalidations_are_counted_on_metrics_by_model(
+    autojump_clock,
+):
+    """The result cache's TTL expirations and invalidations are on ``/metrics`` as
+    ``trioserve_cache_{expirations,invalidations}_total{model}``: they were only in
+    ``rt.cache_statistics()``. Each request keeps two entries of its model: the
+    edge's encoded answer and the item's result."""
+    ttl, plain = Recorder(), Recorder()
+    cfg = trioserve.Config(
+        models=(
+            callable_model("ttl", ttl, cache_ttl_s=10.0),
+            callable_model("plain", plain),
+        ),
+        tenants=(TenantConfig(name="t", default=True),),
+        cache=CacheConfig(capacity_bytes=1 << 20),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        gw = Gateway(rt)
+        client = gw.app.test_client()
+
+        async def post(model: str) -> None:
+            data = orjson.dumps({"inputs": [v2_input([1.0])]})
+            res = await client.post(f"/v2/models/{model}/infer", data=data)
+            assert res.status_code == 200
+
+        await post("ttl")
+        await post("plain")
+        before = _samples((await (await client.get("/metrics")).get_data()).decode())
+        await trio.sleep(10.5)  # past the TTL: the cache actor drops both entries
+        await trio.testing.wait_all_tasks_blocked()
+        await post("ttl")  # computed again
+        assert rt.invalidate_cache("plain") == 2
+        after = _samples((await (await client.get("/metrics")).get_data()).decode())
+        stats = rt.cache_statistics()
+    assert len(ttl.batches) == 2
+    assert len(plain.batches) == 1
+    for name in ("expirations", "invalidations"):
+        for model in ("ttl", "plain"):
+            assert before[f"trioserve_cache_{name}_total", (("model", model),)] == 0
+    assert after["trioserve_cache_expirations_total", (("model", "ttl"),)] == 2
+    assert after["trioserve_cache_expirations_total", (("model", "plain"),)] == 0
+    assert after["trioserve_cache_invalidations_total", (("model", "plain"),)] == 2
+    assert after["trioserve_cache_invalidations_total", (("model", "ttl"),)] == 0
+    assert (stats["expirations"], stats["invalidations"]) == (2, 2)
+    # the unlabelled series are unchanged
+    assert after["trioserve_cache_misses_total", ()] == stats["misses"]

@@ -213,6 +213,30 @@ class GatewayCollector(Collector):
                     continue
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(f"trioserve_cache_{key}", doc, value=cache[key])
+            if "expirations_by_model" in cache:
+                yield from GatewayCollector._cache_removals(gw, cache)
+
+    @staticmethod
+    def _cache_removals(gw: Gateway, cache: dict) -> Iterator[Metric]:
+        """Entries the result cache dropped other than to make room, by model: their
+        TTL passed, or the model was invalidated. Every cached model has a sample
+        (0 until it counts one)."""
+        actor = gw.runtime.cache
+        result_cache = actor.cache if actor is not None else None
+        cached = [
+            m for m in gw.runtime.models
+            if result_cache is not None and result_cache.rule(m).enabled
+        ]
+        for key, doc in (
+            ("expirations", "Cached results dropped because their TTL passed, by model."),
+            ("invalidations", "Cached results dropped by an invalidation of their "
+             "model (rt.invalidate_cache), by model."),
+        ):
+            counts = cache[f"{key}_by_model"]
+            family = CounterMetricFamily(f"trioserve_cache_{key}", doc, labels=["model"])
+            for model in sorted(set(cached) | set(counts)):
+                family.add_metric([model], counts.get(model, 0))
+            yield family
 
 
 def metrics_registry(gateway: Gateway) -> CollectorRegistry:
