@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
+import attrs
 import numpy as np
 import orjson
 import pytest
 import trio
 import trioserve
-from http_helpers import Gate, config, echo_model, held_model, mlp_model, serving, settle, v2_input
+from http_helpers import (
+    Gate,
+    X,
+    Y,
+    config,
+    echo_model,
+    held_model,
+    mlp_model,
+    serving,
+    settle,
+    v2_input,
+)
 from prometheus_client.parser import text_string_to_metric_families
-from trioserve.transport import open_http
+from trioserve.transport import open_http, open_stream
 
 
 @pytest.fixture
@@ -384,3 +399,162 @@ async def test_summary_counts_and_sums_are_exact_and_agree_with_the_statistics()
     assert samples["trioserve_latency_seconds_sum", "end_to_end"] == want_us / 1e6
     success = stats["model_stats"][0]["inference_stats"]["success"]
     assert (success["count"], success["ns"]) == (want_count, want_us * 1000)
+
+
+#: A tenant name whose label value must be escaped (a quote, a backslash, a newline).
+ODD_TENANT = 'we"ird\\ten\nant'
+
+
+def check_exposition(text: str) -> dict[tuple[str, tuple], float]:
+    """Check a Prometheus text exposition as a scraper reads it (prometheus_client's
+    parser) and return its samples by (name, sorted labels): every family has HELP
+    and TYPE, no sample is repeated, counters' samples end in ``_total``, each
+    summary's or histogram's label set has its ``_count`` and ``_sum``, a summary's
+    quantiles are NaN exactly when it observed nothing, and a histogram's buckets
+    rise to ``+Inf``, which equals its ``_count``."""
+    lines = text.splitlines()
+    helps = [line.split()[2] for line in lines if line.startswith("# HELP ")]
+    types = dict(line.split()[2:4] for line in lines if line.startswith("# TYPE "))
+    assert len(set(helps)) == len(helps), "a HELP given twice"
+    assert len(types) == len([line for line in lines if line.startswith("# TYPE ")])
+    assert set(helps) == set(types), f"HELP and TYPE differ: {set(helps) ^ set(types)}"
+    samples: dict[tuple[str, tuple], float] = {}
+    families = list(text_string_to_metric_families(text))
+    assert len({f.name for f in families}) == len(families), "a family given twice"
+    for family in families:
+        assert family.documentation, f"{family.name} has no HELP"
+        assert family.type in ("counter", "gauge", "summary", "histogram"), family
+        exposed = family.name + "_total" if family.type == "counter" else family.name
+        assert types.get(exposed) == family.type, f"{family.name}: TYPE {types.get(exposed)}"
+        # per label set (quantile and le aside): suffix -> values
+        parts: dict[tuple, dict[str, list[tuple[str | None, float]]]] = {}
+        for s in family.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            assert key not in samples, f"duplicate sample {key}"
+            samples[key] = s.value
+            assert s.value == s.value or "quantile" in s.labels, f"{key} is NaN"
+            if family.type == "counter":
+                assert s.name == family.name + "_total", f"counter sample {s.name}"
+                assert s.value >= 0
+            rest = tuple(sorted(
+                (k, v) for k, v in s.labels.items() if k not in ("quantile", "le")
+            ))
+            bound = s.labels.get("quantile", s.labels.get("le"))
+            suffix = s.name[len(family.name):]
+            parts.setdefault(rest, {}).setdefault(suffix, []).append((bound, s.value))
+        if family.type not in ("summary", "histogram"):
+            continue
+        for rest, got in parts.items():
+            where = f"{family.name}{rest}"
+            assert len(got.get("_count", [])) == 1, f"{where}: no _count"
+            assert len(got.get("_sum", [])) == 1, f"{where}: no _sum"
+            count, total = got["_count"][0][1], got["_sum"][0][1]
+            assert count >= 0, where
+            assert total >= 0, where
+            if family.type == "summary":
+                quantiles = got.get("", [])
+                assert quantiles, f"{where}: no quantiles"
+                for q, v in quantiles:
+                    assert 0 <= float(q) <= 1, where
+                    assert (v != v) == (count == 0), f"{where}: quantile {q} = {v}"
+            else:
+                bs = sorted((float(le), v) for le, v in got.get("_bucket", []))
+                assert bs, f"{where}: no buckets"
+                assert bs[-1][0] == float("inf"), f"{where}: no +Inf bucket"
+                assert all(a[1] <= b[1] for a, b in itertools.pairwise(bs)), where
+                assert bs[-1][1] == count, f"{where}: +Inf bucket is not _count"
+    return samples
+
+
+async def test_the_metrics_exposition_is_valid_after_traffic_through_every_feature():
+    """``/metrics`` read back by prometheus_client's parser after answers of every
+    kind (ok, 400, model error, edge cache hit and miss, the stream, 429, 503, an
+    Idempotency-Key and its replay) from a tenant whose name needs escaping."""
+    gate = Gate()
+    tenants = (
+        trioserve.TenantConfig(name="t", default=True),
+        trioserve.TenantConfig(name=ODD_TENANT, api_keys=("k-odd",)),
+        trioserve.TenantConfig(name="metered", api_keys=("k-m",), credit_rate=1.0,
+                               credit_burst=1.0),
+    )
+
+    def poison(items):
+        if any(float(it["x"][0]) < 0 for it in items):
+            raise ValueError("negative input")
+        return [{"y": it["x"]} for it in items]
+
+    cfg = attrs.evolve(
+        config(
+            held_model(gate, max_batch_size=1, cache=False),
+            echo_model(),
+            attrs.evolve(echo_model(), name="idle"),
+            trioserve.ModelConfig(
+                name="poison", max_wait_ms=0.0,
+                backend=trioserve.CallableBackend(
+                    poison, inputs=[X], outputs=[Y], execution="inline"),
+            ),
+            tenants=tenants, queue_bound=1,
+        ),
+        cache=trioserve.CacheConfig(capacity_bytes=1 << 20),
+    )
+    one = {"x": np.ones((1, 1), np.float32)}
+    async with serving(cfg) as gw:
+        async with open_http(gw.url, api_key="k-odd") as odd, open_http(gw.url) as anon:
+            assert (await odd.infer("echo", {"x": [[1.0]]})).status == 200  # a miss
+            assert (await odd.infer("echo", {"x": [[1.0]]})).status == 200  # a hit
+            assert (await odd.infer("echo", {"y": "bad"})).status == 400
+            bad = await anon.infer("poison", {"x": -one["x"]})
+            assert bad.status == 500, bad.body
+            assert (await anon.infer("poison", one)).status == 200
+            raw = orjson.dumps({"inputs": [v2_input([[3.0]])]})
+            keyed = [("idempotency-key", "k1")]
+            for _ in range(2):  # the first run, then its replay
+                res = await odd.request("POST", "/v2/models/echo/infer", raw, headers=keyed)
+                assert res.status == 200
+        async with open_http(gw.url, api_key="k-m") as metered:
+            assert (await metered.infer("echo", {"x": [[5.0]]})).status == 200
+            assert (await metered.infer("echo", {"x": [[6.0]]})).status == 429
+        async with open_stream(gw.url, api_key="k-odd") as stream:
+            await stream.send("s1", "echo", {"x": np.ones((1, 2), np.float32)})
+            await stream.send("s2", "poison", {"x": -np.ones((1, 2), np.float32)})
+            replies = {r.id: r for r in [await stream.receive(), await stream.receive()]}
+        assert replies["s1"].error is None
+        assert replies["s2"].status == 500
+        async with trio.open_nursery() as nursery:
+            statuses = []
+
+            async def held() -> None:
+                async with open_http(gw.url) as h:
+                    statuses.append((await h.infer("held", one)).status)
+
+            nursery.start_soon(held)  # runs, held by the gate
+            await settle()
+            nursery.start_soon(held)  # waits in the queue (bound 1)
+            await settle()
+            async with open_http(gw.url) as http:
+                assert (await http.infer("held", one)).status == 503
+                scrape = await http.get("/metrics")
+            gate.release()
+        assert sorted(statuses) == [200, 200]
+        async with open_http(gw.url) as http:
+            final = await http.get("/metrics")
+    for res in (scrape, final):
+        assert res.status == 200
+        samples = check_exposition(res.body.decode())
+    requests = {
+        (dict(labels)["model"], dict(labels)["tenant"], dict(labels)["status"]): v
+        for (name, labels), v in samples.items() if name == "trioserve_requests_total"
+    }
+    assert requests[("echo", ODD_TENANT, "200")] == 5  # miss, hit, key, replay, stream
+    assert requests[("echo", ODD_TENANT, "400")] == 1
+    assert requests[("poison", ODD_TENANT, "500")] == 1  # over the stream
+    assert requests[("poison", "t", "500")] == 1
+    assert requests[("echo", "metered", "429")] == 1
+    assert requests[("held", "t", "503")] == 1
+    assert requests[("held", "t", "200")] == 2
+    assert samples["trioserve_cache_hits_total", ()] >= 1
+    # nothing observed: count 0 and NaN quantiles (they were 0.0, a latency of 0 s)
+    idle = (("model", "idle"), ("stage", "end_to_end"))
+    assert samples["trioserve_latency_seconds_count", idle] == 0
+    p99 = samples["trioserve_latency_seconds", (*idle[:1], ("quantile", "0.99"), idle[1])]
+    assert math.isnan(p99)

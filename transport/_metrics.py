@@ -4,11 +4,14 @@ A custom Collector on a private CollectorRegistry reads everything at scrape tim
 nothing on the request path touches prometheus_client. Latency quantiles come from
 the runtime's hdrhistograms (integer microseconds) as summaries; their ``_count`` and
 ``_sum`` are the exact count and sum (``Latency.totals()``, values past the
-histogram's range included), the figures the statistics extension reports too.
+histogram's range included), the figures the statistics extension reports too. A
+summary with nothing in its histogram has NaN quantiles, as Prometheus's own clients
+give: there is no latency to report, and 0 would claim one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -81,7 +84,7 @@ class GatewayCollector(Collector):
                     latency.add_sample(
                         "trioserve_latency_seconds",
                         {"model": name, "stage": stage, "quantile": str(q)},
-                        values[q * 100] / 1e6 if hist.get_total_count() else 0.0,
+                        values[q * 100] / 1e6 if hist.get_total_count() else math.nan,
                     )
                 latency.add_metric([name, stage], count_value=count, sum_value=total_us / 1e6)
             batches.add_metric([name], m.batches)
@@ -166,7 +169,7 @@ class GatewayCollector(Collector):
                     wait.add_sample(
                         "trioserve_flow_wait_seconds",
                         {"model": name, "tenant": tenant, "class": cls, "quantile": str(q)},
-                        values[q * 100] / 1e6 if hist.get_total_count() else 0.0,
+                        values[q * 100] / 1e6 if hist.get_total_count() else math.nan,
                     )
                 wait.add_metric(key, count_value=count, sum_value=total_us / 1e6)
             lim = getattr(policy, "limit", None)
