@@ -115,8 +115,14 @@ class ModelMetrics:
     end_to_end: Latency = attrs.Factory(Latency)
     batches: int = 0
     items: int = 0
-    #: Seconds of batch execution summed over the items (a batch's time once per item).
-    item_exec_s: float = 0.0
+    #: Requests answered with a result after running (a call of ``infer`` or
+    #: ``infer_batch``, however many items and batches), and over them, in integer
+    #: µs: the wait from arrival to the first execution that ran one of its items,
+    #: and the time of the executions that ran its items (each whole, as Triton counts
+    #: a batch's time for every request in it).
+    requests_run: int = 0
+    request_queue_us: int = 0
+    request_compute_us: int = 0
     #: When the last batch finished (trio time; None: none has).
     last_batch_end: float | None = None
     statuses: collections.Counter = attrs.Factory(collections.Counter)
@@ -124,10 +130,16 @@ class ModelMetrics:
     def record_batch(self, size: int, seconds: float, end: float | None = None) -> None:
         self.batches += 1
         self.items += size
-        self.item_exec_s += size * seconds
         if end is not None:
             self.last_batch_end = end
         self.batch_exec.record(seconds)
+
+    def record_request(self, queued: float, computed: float) -> None:
+        """One request answered: ``queued`` seconds before its first execution,
+        ``computed`` seconds of the executions that ran it."""
+        self.requests_run += 1
+        self.request_queue_us += int(queued * 1e6)
+        self.request_compute_us += int(computed * 1e6)
 
     @property
     def fill_ratio(self) -> float:
@@ -138,6 +150,6 @@ class ModelMetrics:
         for lat in (self.queue_wait, self.batch_exec, self.end_to_end):
             lat.reset()
         self.batches = self.items = 0
-        self.item_exec_s = 0.0
+        self.requests_run = self.request_queue_us = self.request_compute_us = 0
         self.last_batch_end = None
         self.statuses.clear()

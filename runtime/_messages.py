@@ -65,6 +65,10 @@ class Reply:
     suspect: bool = False
     #: The ReplyGroup awaiting this reply with others (None: awaited by ``wait``).
     group: ReplyGroup | None = None
+    #: (start, seconds) in trio time of the model execution (batch) that answered it;
+    #: one tuple object per execution, shared by every request it answered. None
+    #: until a result is delivered.
+    run: tuple[float, float] | None = None
 
     def _transition(self, new: RequestState) -> None:
         if new not in _ALLOWED[self.state]:

@@ -427,7 +427,13 @@ class Runtime:
                 self._drained.set()
         if first_error is not None:
             raise first_error
-        served.metrics.end_to_end.record(trio.current_time() - now)
+        m = served.metrics
+        m.end_to_end.record(trio.current_time() - now)
+        runs = {id(r.run): r.run for r in replies if r.run is not None}.values()
+        if runs:
+            m.record_request(
+                min(start for start, _ in runs) - now, sum(took for _, took in runs)
+            )
         return results
 
     def statistics(self) -> dict[str, Any]:
@@ -796,7 +802,11 @@ class Runtime:
             if self._closed and not self._in_flight:
                 self._drained.set()
         elapsed = trio.current_time() - now
-        served.metrics.end_to_end.record(elapsed)
+        m = served.metrics
+        m.end_to_end.record(elapsed)
+        run = request.reply.run
+        if run is not None:
+            m.record_request(run[0] - now, run[1])
         if hedge is not None:
             hedge.record(elapsed)
         return result
@@ -828,6 +838,9 @@ class Runtime:
                     nonlocal pending
                     try:
                         value: outcome.Outcome = outcome.Value(await reply.wait())
+                        # the caller reads the execution that answered from its own
+                        if reply is not request.reply and not answer:
+                            request.reply.run = reply.run
                     except Exception as exc:
                         value = outcome.Error(exc)
                         if _never_ran(exc):

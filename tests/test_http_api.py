@@ -12,6 +12,7 @@ import pytest
 import trio
 import trioserve
 from http_helpers import (
+    GATE_LIMIT_S,
     Gate,
     X,
     Y,
@@ -558,3 +559,56 @@ async def test_the_metrics_exposition_is_valid_after_traffic_through_every_featu
     assert samples["trioserve_latency_seconds_count", idle] == 0
     p99 = samples["trioserve_latency_seconds", (*idle[:1], ("quantile", "0.99"), idle[1])]
     assert math.isnan(p99)
+
+
+@pytest.mark.parametrize("path", [
+    "/v2/models/stats", "/v2/models/held/stats", "/v2/models/held/versions/1/stats",
+])
+async def test_statistics_count_requests_items_and_batches_as_triton_does(path):
+    """Triton's statistics extension: ``inference_stats`` count requests (``queue``
+    and ``compute_infer`` counted items: 6 here), ``inference_count`` items,
+    ``execution_count`` batches, and ``fail`` requests that failed inside the server
+    (it counted every 4xx too). Request A ([2, 1]) runs alone, held; B ([3, 1]) and
+    C ([1, 1]) queue meanwhile and then run as one batch; D expires queued (504);
+    E has a wrong input (400)."""
+    gate = Gate()
+    async with serving(config(held_model(gate, max_batch_size=8))) as gw:
+        served = gw.runtime.models["held"]
+        statuses: dict[str, int] = {}
+
+        async def send(name: str, rows: int, **kw) -> None:
+            async with open_http(gw.url) as h:
+                res = await h.infer("held", {"x": np.ones((rows, 1), np.float32)}, **kw)
+                statuses[name] = res.status
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, "A", 2)
+            await trio.to_thread.run_sync(gate.holding.wait, GATE_LIMIT_S)
+            nursery.start_soon(send, "B", 3)
+            nursery.start_soon(send, "C", 1)
+            await settle()
+            assert sum(q.queue_depth() for q in served.schedulers) == 4
+            await send("D", 1, parameters={"timeout_ms": 5})
+            async with open_http(gw.url) as h:
+                statuses["E"] = (await h.infer("held", {"z": [[1.0]]})).status
+            gate.release()
+        async with open_http(gw.url) as h:
+            res = await h.get(path)
+        batch_us = served.metrics.batch_exec.totals()[1]
+    assert statuses == {"A": 200, "B": 200, "C": 200, "D": 504, "E": 400}
+    assert res.status == 200, res.body
+    (stats,) = res.json()["model_stats"]
+    assert stats["name"] == "held"
+    assert stats["inference_count"] == 6
+    assert stats["execution_count"] == 2
+    s = stats["inference_stats"]
+    assert s["success"]["count"] == 3
+    assert s["queue"]["count"] == 3
+    assert s["compute_infer"]["count"] == 3
+    assert (s["fail"]["count"], s["fail"]["ns"]) == (1, 0)  # D; E is the client's error
+    # B and C waited while A ran: their waits are most of the queue time.
+    assert s["queue"]["ns"] > 0
+    # A with the first batch's time, B and C each with the whole second one's (shorter:
+    # the gate was open by then).
+    assert batch_us * 1000 < s["compute_infer"]["ns"] < 1.5 * batch_us * 1000
+    assert s["compute_input"] == s["compute_output"] == {"count": 0, "ns": 0}

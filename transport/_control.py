@@ -117,9 +117,12 @@ def control_app(gateway: Gateway) -> QuartTrio:
         else:
             sig = signature(name, version)
             entries = [(models[name], version or sig.versions[-1])]
+        # Failed inside the server: a client's error (4xx, a tenant over its quota's
+        # 429 included) is not the model's. A 5xx answer is never an Idempotency-Key
+        # replay (those are not kept), so each counted here ran.
         failures: collections.Counter[str] = collections.Counter()
         for (model, _tenant, status), n in gateway.requests.items():
-            if status >= 400:
+            if status >= 500:
                 failures[model] += n
         return json(model_statistics(entries, failures))
 

@@ -104,16 +104,22 @@ def model_statistics(
 ) -> bytes:
     """Triton's statistics document for ``(served model, version)`` pairs.
 
-    Counts and cumulative nanoseconds, from the model's own measurements:
+    Counts and cumulative nanoseconds, from the model's own measurements, as
+    Triton's statistics extension defines them: ``inference_stats`` count requests
+    (one per HTTP or stream request, or ``infer`` / ``infer_batch`` call, whatever
+    its batch dimension), ``inference_count`` items and ``execution_count`` batches.
 
-    - ``success``: requests the model's queue answered with a result (one per HTTP
-      request, whatever its batch dimension), end to end; the edge cache's hits are
-      not among them (``/metrics`` counts those);
-    - ``fail``: infer requests answered with an error status (``failures``, by
-      model; not timed);
-    - ``queue``: items dispatched, and their time in the queue;
-    - ``compute_infer``: items run, each counted with its whole batch's time (as
-      Triton does); ``execution_count``: batches run; ``inference_count``: items run;
+    - ``success``: requests the model's queue answered with a result, end to end;
+      cache hits are not among them (``/metrics`` counts those);
+    - ``fail``: infer requests answered with a 5xx status, that is, failed inside
+      the server (``failures``, by model; not timed); a client's error (4xx, 429
+      included) is not the model's failure;
+    - ``queue``: the requests of ``success``, each with its wait from arrival to
+      the first execution that ran one of its items;
+    - ``compute_infer``: the same requests, each with the whole time of the
+      executions that ran its items (a batch's time for every request in it, as
+      Triton counts);
+    - ``execution_count``: batches run; ``inference_count``: items run;
     - ``last_inference``: when the last batch finished, in ms since the epoch (0:
       none yet).
 
@@ -125,7 +131,6 @@ def model_statistics(
     for served, version in entries:
         m = served.metrics
         ok, ok_us = m.end_to_end.totals()
-        queued, queued_us = m.queue_wait.totals()
         end = m.last_batch_end
         out.append({
             "name": served.config.name,
@@ -136,9 +141,9 @@ def model_statistics(
             "inference_stats": {
                 "success": _duration(ok, ok_us * 1000),
                 "fail": _duration(failures.get(served.config.name, 0), 0),
-                "queue": _duration(queued, queued_us * 1000),
+                "queue": _duration(m.requests_run, m.request_queue_us * 1000),
                 "compute_input": _duration(0, 0),
-                "compute_infer": _duration(m.items, round(m.item_exec_s * 1e9)),
+                "compute_infer": _duration(m.requests_run, m.request_compute_us * 1000),
                 "compute_output": _duration(0, 0),
             },
             "batch_stats": [],
