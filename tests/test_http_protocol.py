@@ -1,5 +1,5 @@
 """HTTP/1.1 details of the front end, over a raw socket: pipelining, Connection: close,
-HTTP/1.0, Expect: 100-continue, HEAD."""
+HTTP/1.0, Expect: 100-continue, HEAD, OPTIONS, request targets."""
 
 from __future__ import annotations
 
@@ -289,3 +289,150 @@ async def test_a_request_that_does_not_arrive_whole_in_time_is_408(impatient, pa
     assert data.startswith(b"HTTP/1.1 408 ")
     assert b"server.request_timeout_s" in data
     assert b"connection: close" in data.lower()
+
+
+# ---- request targets and OPTIONS
+async def exchange(server, *requests: bytes) -> list[tuple]:
+    """Send ``requests`` pipelined on one connection and read their answers."""
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(b"".join(requests))
+    responses = await read_responses(stream, len(requests))
+    await stream.aclose()
+    return responses
+
+
+def get(target: bytes, method: bytes = b"GET") -> bytes:
+    return b"%s %s HTTP/1.1\r\nHost: t\r\n\r\n" % (method, target)
+
+
+LIVE = get(b"/v2/health/live")
+
+
+@pytest.mark.parametrize(
+    ("target", "allow"),
+    [
+        (b"*", b"GET, HEAD, OPTIONS, POST"),
+        (b"/v2/health/live", b"GET, HEAD, OPTIONS"),
+        (b"/v2/models/echo", b"GET, HEAD, OPTIONS"),
+        (b"/v2/models/echo/versions/1/ready", b"GET, HEAD, OPTIONS"),
+        (b"/v2/models/echo/infer", b"OPTIONS, POST"),
+        (b"/v2/models/echo/versions/1/infer", b"OPTIONS, POST"),
+        (b"/metrics", b"GET, HEAD, OPTIONS"),
+    ],
+)
+async def test_options_is_204_with_the_methods_the_path_takes(server, target, allow):
+    (status, headers, body), after = await exchange(server, get(target, b"OPTIONS"), LIVE)
+    assert (status, headers[b"allow"], body) == (204, allow, b"")
+    assert b"content-type" not in headers
+    assert b"content-length" not in headers  # RFC 9110 8.6
+    assert after[0] == 200  # the connection goes on
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (b"/nope", "no such endpoint: OPTIONS /nope"),
+        (b"/v2/models/nope/infer", "unknown model 'nope'"),
+        (b"/v2/models/echo/versions/9/infer", "model 'echo' has no version '9'"),
+    ],
+)
+async def test_options_on_what_is_not_served_is_404(server, target, message):
+    (status, headers, body), after = await exchange(server, get(target, b"OPTIONS"), LIVE)
+    assert status == 404
+    assert headers[b"content-type"] == b"application/json"
+    assert message in orjson.loads(body)["error"]
+    assert after[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("request_", "allow"),
+    [
+        (get(b"/v2/models/echo/infer"), b"OPTIONS, POST"),
+        (get(b"/v2/health/ready", b"DELETE"), b"GET, HEAD, OPTIONS"),
+        (infer_request(1.0).replace(b"/v2/models/echo/infer", b"/v2/models/echo", 1),
+         b"GET, HEAD, OPTIONS"),
+    ],
+)
+async def test_a_method_a_path_does_not_take_is_405_with_allow(server, request_, allow):
+    (status, headers, body), after = await exchange(server, request_, LIVE)
+    assert (status, headers[b"allow"]) == (405, allow)
+    assert "is not allowed" in orjson.loads(body)["error"]
+    assert after[0] == 200
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        b"//v2/models/echo/infer",
+        b"/v2//models/echo/infer",
+        b"/v2/models//echo/infer",
+        b"/v2/models/echo/infer/",
+        b"/v2/models/./echo/infer",
+        b"/v2/models/x/../echo/infer",
+        b"/v2/models/%2e%2E/echo/infer",
+        b"/v2/models/echo%2Finfer",
+        b"/v2/models/echo%2finfer",
+        b"/v2/models/a%2Fb/infer",
+    ],
+)
+async def test_a_path_is_not_normalised_so_odd_segments_are_404(server, target):
+    metadata = get(target.replace(b"/infer", b""))  # the same path on the control plane
+    posted = infer_request(1.0).replace(b"/v2/models/echo/infer", target, 1)
+    (status, _, body), (status2, _, body2), after = await exchange(
+        server, posted, metadata, infer_request(2.0)
+    )
+    assert (status, status2) == (404, 404)
+    assert "no such endpoint" in orjson.loads(body)["error"]
+    assert "no such endpoint" in orjson.loads(body2)["error"]
+    assert after[0] == 200  # the refused body was read: the connection goes on
+    assert orjson.loads(after[2])["id"] == "2.0"
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        b"/v2/models/echo/infer?x=1&y",
+        b"/v2/models/%65cho/infer",  # an encoded letter is the letter
+        b"/v2/models/echo/infer?next=//a/./b",  # the query is not a path
+        b"http://example/v2/models/echo/infer",  # absolute-form (RFC 9112 3.2.2)
+    ],
+)
+async def test_query_strings_encoded_names_and_the_absolute_form_are_served(server, target):
+    (status, _, body), = await exchange(
+        server, infer_request(1.0).replace(b"/v2/models/echo/infer", target, 1)
+    )
+    assert status == 200
+    assert orjson.loads(body)["outputs"][0]["data"] == [1.0]
+
+
+async def test_the_asterisk_form_is_for_options_only(server):
+    (status, _, body), after = await exchange(server, get(b"*"), LIVE)
+    assert status == 400
+    assert "'*' is for OPTIONS only" in orjson.loads(body)["error"]
+    assert after[0] == 200
+
+
+async def test_a_long_target_is_414_with_a_bounded_json_error(server):
+    long_query = b"/v2/models/echo/infer?" + b"q" * 9000
+    (status, _, body), after = await exchange(
+        server, infer_request(1.0).replace(b"/v2/models/echo/infer", long_query, 1), LIVE
+    )
+    assert status == 414
+    assert len(body) < 200  # the target is not echoed
+    assert "request target too long" in orjson.loads(body)["error"]
+    assert after[0] == 200  # within the head limit: answered, the connection kept
+    for request in (get(b"/" + b"a" * 20_000),  # whole, past the head limit
+                    b"GET /" + b"a" * 20_000):  # its line not even ended
+        stream = await trio.open_tcp_stream(*server.addresses[0])
+        await stream.send_all(request)
+        data = await read_until_closed(stream)
+        assert data.startswith(b"HTTP/1.1 414 ")
+        assert data.endswith(b'"request target too long: over 8192 bytes (path and query)"}')
+
+
+async def test_a_long_header_is_still_431(server):
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\nx-big: " + b"a" * 20_000)
+    data = await read_until_closed(stream)
+    assert data.startswith(b"HTTP/1.1 431 ")
+    assert b"request head over 16384 bytes" in data

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import trioserve
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import request
+from quart.globals import request_ctx
 from quart_trio import QuartTrio
 from trioserve import UnknownModel
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
@@ -48,6 +49,24 @@ def control_app(gateway: Gateway) -> QuartTrio:
             )
         sig.check_version(version)
         return sig
+
+    # Paths are matched as sent, never rewritten: werkzeug would answer '/v2//models'
+    # with a redirect to '/v2/models' (the front end answers such a path 404 first).
+    app.url_map.merge_slashes = False
+
+    async def options() -> Any:
+        # OPTIONS on an endpoint (RFC 9110 9.3.7): 204 and the methods it takes; a
+        # model's endpoints only for a model (and version) that is served.
+        args = request.view_args or {}
+        if "name" in args:
+            signature(args["name"], args.get("version"))
+        methods = ", ".join(sorted(request_ctx.url_adapter.allowed_methods()))
+        response = Response(b"", status=204, headers={"Allow": methods})
+        del response.headers["Content-Type"]  # no content
+        return response
+
+    # Quart's own answers OPTIONS with an empty text/html 200
+    app.make_default_options_response = options  # type: ignore[method-assign]
 
     @app.errorhandler(UnknownModel)
     async def unknown_model(exc: UnknownModel) -> Any:

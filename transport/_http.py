@@ -38,6 +38,7 @@ import outcome
 import trio
 
 from ._gateway import JSON, Answer, Headers, error_answer
+from ._target import MAX_TARGET, check_target, unusual
 from ._v2 import error_body
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ MAX_HEAD = 16 * KIB
 #: After an error answer, how long unread request bytes are drained before closing
 #: (closing with unread data would reset the connection before the client reads).
 LINGER = 1.0
+_LONG_TARGET = f"request target too long: over {MAX_TARGET} bytes (path and query)"
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _NEED_DATA = h11.NEED_DATA
 _Request = h11.Request
@@ -191,6 +193,11 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
             if c.h.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 status = exc.error_status_hint
                 body = error_body(f"bad HTTP request: {exc}")
+                if status == 431:  # h11: "Receive buffer too long"
+                    body = error_body(f"bad HTTP request: request head over {MAX_HEAD} bytes")
+                    if b"\n" not in c.h.trailing_data[0][:MAX_TARGET + 32]:
+                        # the request line alone is over the limit: its target is long
+                        status, body = 414, error_body(_LONG_TARGET)
                 await _send_quietly(stream, c.h, status, [JSON], body)
         except Exception as exc:
             # A bug, not bad input: fail this connection only, never the server.
@@ -328,6 +335,8 @@ class _Connection:
                 ]:
                     keep_alive = False
             if head > MAX_HEAD:
+                if len(request.target) > MAX_TARGET:
+                    raise await _refuse(stream, h, 414, _LONG_TARGET)
                 raise await _refuse(
                     stream, h, 431, f"bad HTTP request: request head over {MAX_HEAD} bytes"
                 )
@@ -340,8 +349,12 @@ class _Connection:
 
             method = request.method
             target = request.target
-            route = None
-            if method == b"POST" and target.startswith(b"/v2/models/"):
+            route = verdict = None
+            if unusual(target):
+                # asterisk- or absolute-form, a long target, or a path that may name
+                # nothing: answered after the body (so the connection stays usable)
+                target, verdict = check_target(method, target)
+            if verdict is None and method == b"POST" and target.startswith(b"/v2/models/"):
                 route = _infer_route(target)
 
             # ---- the body
@@ -422,8 +435,10 @@ class _Connection:
                 replay = ReplayStream(stream, _head_bytes(request), held=h.trailing_data[0])
                 await serve_stream(gateway, replay, conn)
                 return True
-            if method in _METHODS:
-                status, headers, out = await _call_asgi(gateway, stream, request, body)
+            if verdict is not None:
+                status, headers, out = verdict
+            elif method in _METHODS:
+                status, headers, out = await _call_asgi(gateway, stream, request, target, body)
             else:
                 # Methods are case-sensitive (RFC 9110 9.1): "post" is not POST.
                 status, headers, out = 501, [JSON], error_body(
@@ -431,7 +446,7 @@ class _Connection:
                     f"(methods are case-sensitive; this server knows "
                     f"{', '.join(m.decode() for m in sorted(_METHODS))})"
                 )
-            if method == b"HEAD":
+            if method == b"HEAD" and status != 204:
                 headers.append((b"content-length", b"%d" % len(out)))
                 out = b""
 
@@ -532,7 +547,8 @@ def _response(h: h11.Connection, status: int, headers: Headers, body: bytes, clo
     # A new list: ``headers`` may be a kept answer's (the edge cache), shared by every
     # later hit; appending to it once made each hit say "Connection: close".
     headers = list(headers)
-    if not any(name == b"content-length" for name, _ in headers):
+    # RFC 9110 8.6: no Content-Length with a 204
+    if status != 204 and not any(name == b"content-length" for name, _ in headers):
         headers.append((b"content-length", b"%d" % len(body)))
     if close:
         headers.append((b"connection", b"close"))
@@ -623,10 +639,12 @@ def _head_bytes(request: h11.Request) -> bytes:
 
 # ---------------------------------------------------------------- the control plane
 async def _call_asgi(
-    gateway: Gateway, stream: trio.SocketStream, request: h11.Request, body: bytes
+    gateway: Gateway, stream: trio.SocketStream, request: h11.Request, target: bytes,
+    body: bytes,
 ) -> Answer:
-    """Run one request through the ASGI app in this task; return its whole answer."""
-    raw_path, _, query = request.target.partition(b"?")
+    """Run one request (``target`` in origin-form) through the ASGI app in this task;
+    return its whole answer."""
+    raw_path, _, query = target.partition(b"?")
     scope: dict[str, Any] = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
