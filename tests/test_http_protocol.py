@@ -436,3 +436,44 @@ async def test_a_long_header_is_still_431(server):
     data = await read_until_closed(stream)
     assert data.startswith(b"HTTP/1.1 431 ")
     assert b"request head over 16384 bytes" in data
+
+
+# ---- chunked bodies
+@pytest.fixture
+async def small():
+    async with serving(config(echo_model(), server={"max_body_bytes": 64 * 1024})) as gw:
+        yield gw
+
+
+@pytest.mark.parametrize("path", [b"/v2/models/echo/infer", b"/v2/health/ready"])
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        b"FFFFFFFFFFFF\r\n",  # the size line alone: no data ever follows
+        b"10001\r\n" + b"a" * 100,  # one byte over the limit, some data with it
+        b"8000\r\n" + b"a" * 0x8000 + b"\r\n8001\r\n",  # the second chunk passes it
+    ],
+)
+async def test_a_chunk_size_over_the_limit_is_413_before_its_data(small, path, chunks):
+    stream = await trio.open_tcp_stream(*small.addresses[0])
+    await stream.send_all(
+        b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n%s" % (path, chunks)
+    )
+    data = await read_until_closed(stream)  # nothing more is sent: no wait for the data
+    assert data.startswith(b"HTTP/1.1 413 ")
+    assert data.endswith(b'"request body too large: the limit is 65536 bytes '
+                         b'(server.max_body_bytes)"}')
+
+
+async def test_chunks_up_to_the_limit_are_taken(small):
+    body = orjson.dumps({"inputs": [v2_input([[1.0]])], "id": "c"})
+    body += b" " * (64 * 1024 - len(body))  # exactly the limit, in two chunks
+    half = len(body) // 2
+    chunked = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (half, body[:half], len(body) - half,
+                                                      body[half:])
+    request = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n")
+    (status, _, answer), after = await exchange(small, request + chunked, LIVE)
+    assert status == 200
+    assert orjson.loads(answer)["id"] == "c"
+    assert after[0] == 200

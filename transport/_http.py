@@ -382,6 +382,9 @@ class _Connection:
                     elif kind is _EndOfMessage:
                         break
                     elif event is _NEED_DATA:
+                        if chunked and size + _chunk_left(h) > max_body:
+                            # a chunk-size line over the limit: refused before its data
+                            raise await _too_large(stream, h, max_body)
                         if h.they_are_waiting_for_100_continue:
                             go_on = h11.InformationalResponse(status_code=100, headers=[])
                             await _send_all(fd, h.send(go_on))
@@ -458,6 +461,15 @@ class _Connection:
             h, empty = _next_h11(h.trailing_data[0])
             self.h = h
             waited = False  # this answer did not go through the scheduler
+
+
+def _chunk_left(h: h11.Connection) -> int:
+    """The bytes of the chunk being read that h11 has not yet handed over: the size
+    its chunk-size line announced, less what arrived. h11 does not publish it, so
+    this reads its reader's state; were that to change, 0, and a chunk over the limit
+    is refused as its data arrives, as before."""
+    left = getattr(getattr(h, "_reader", None), "_bytes_in_chunk", 0)
+    return left if type(left) is int else 0
 
 
 async def _receive(
