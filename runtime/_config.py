@@ -120,6 +120,30 @@ def _str(v: Any) -> None:
         raise ValueError(f"must be a non-empty string, got {_shown(v)}")
 
 
+def _key(name: Any) -> str:
+    """``name`` as a key of a TOML path: bare when it can be, else quoted."""
+    if isinstance(name, str) and name and all(c.isalnum() or c in "_-" for c in name):
+        return name
+    return '"' + repr(name)[1:-1] + '"' if isinstance(name, str) else repr(name)
+
+
+def _segment(v: Any) -> None:
+    """A name that is one segment of a URL path (/v2/models/NAME/versions/V/...):
+    non-empty, not ``.`` or ``..``, without ``/`` or control characters."""
+    _str(v)
+    if v in (".", "..") or "/" in v or any(ord(c) < 32 or ord(c) == 127 for c in v):
+        raise ValueError(
+            f"must be usable as one segment of a URL path (no '/', control characters, "
+            f"'.' or '..'), got {_shown(v)}"
+        )
+
+
+def _segments(v: Any) -> None:
+    _strs(allow_empty=False)(v)
+    for s in v:
+        _segment(s)
+
+
 def _strs(*, allow_empty: bool) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         if not isinstance(v, tuple) or not all(isinstance(s, str) and s for s in v):
@@ -186,9 +210,9 @@ class ModelConfig:
     or, from Python, a ModelBackend object.
     """
 
-    name: str = _field(_str)
+    name: str = _field(_segment)
     backend: Any = attrs.field(default=None)  # None is refused by the validator, by name
-    versions: tuple[str, ...] = _field(_strs(allow_empty=False), ("1",), converter=_tuple)
+    versions: tuple[str, ...] = _field(_segments, ("1",), converter=_tuple)
     devices: tuple[str, ...] = _field(_devices, ("cpu",), converter=_tuple)
     replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)
     max_batch_size: int = _field(_int(1, MAX_BATCH_SIZE), 64)
@@ -234,7 +258,7 @@ class ModelConfig:
             )
 
     def _path(self) -> str:
-        return f"models.{self.name}"
+        return f"models.{_key(self.name)}"
 
     @property
     def replica_devices(self) -> tuple[str, ...]:
@@ -261,7 +285,7 @@ class ClassConfig:
     over_quota: str = _field(_choice(OVER_QUOTA), "reject")
 
     def _path(self) -> str:
-        return f"classes.{self.name}"
+        return f"classes.{_key(self.name)}"
 
 
 def default_classes() -> tuple[ClassConfig, ...]:
@@ -295,7 +319,7 @@ class TenantConfig:
     queue_share: float = _field(_fraction, 1.0)
 
     def _path(self) -> str:
-        return f"tenants.{self.name}"
+        return f"tenants.{_key(self.name)}"
 
     @property
     def burst(self) -> float:

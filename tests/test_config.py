@@ -123,6 +123,28 @@ def test_a_minimal_file_gets_the_default_tenant_runtime_and_server(tmp_path):
 
 
 # ---------------------------------------------------------------- bad files
+@pytest.mark.parametrize(
+    ("table", "shown"),
+    [('"a/b"', '"a/b"'), ('".."', '".."'), ('"."', '"."'), ('"a\\u0007b"', '"a\\x07b"')],
+)
+def test_a_model_name_that_cannot_be_a_url_segment_is_refused(tmp_path, table, shown):
+    """/v2/models/NAME/...: a name with '/' (or '.', '..', a control character) was
+    accepted, and then no request could reach it (such segments are 404)."""
+    path = write(tmp_path, f'[models.{table}]\nbackend = "echo"\n')
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value).startswith(
+        f"models.{shown}.name: must be usable as one segment of a URL path"
+    )
+
+
+def test_model_names_that_are_url_segments_are_taken(tmp_path):
+    path = write(
+        tmp_path, '[models."resnet50_v1.5"]\nbackend = "echo"\n[models."a b"]\nbackend = "echo"\n'
+    )
+    assert [m.name for m in trioserve.load_config(path).models] == ["resnet50_v1.5", "a b"]
+
+
 def test_unknown_model_key_is_named(tmp_path):
     path = write(tmp_path, '[models.mlp]\nbackend = "mlp"\nmax_batch = 8\n')
     with pytest.raises(ConfigError) as excinfo:
@@ -153,6 +175,8 @@ def test_unknown_model_key_is_named(tmp_path):
         ('execution = "gpu"', "models.mlp.execution: must be one of 'thread', 'inline'"),
         ("versions = []", "models.mlp.versions: must not be empty"),
         ('versions = ["1", "1"]', "models.mlp.versions: has duplicates: ['1', '1']"),
+        ('versions = ["1/2"]', "models.mlp.versions: must be usable as one segment of a URL"),
+        ('versions = [".."]', "models.mlp.versions: must be usable as one segment of a URL"),
         ("options = 3", "models.mlp.options: must be a table, got 3"),
         ('backend = "bogus"', "models.mlp.backend: 'bogus' is neither a built-in backend"),
         ('backend = ":"', "models.mlp.backend: ':' is neither a built-in backend"),
