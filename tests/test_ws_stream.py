@@ -654,3 +654,153 @@ async def test_a_429_frame_says_when_to_retry():
         with pytest.raises(trioserve.QuotaExceeded) as over:
             await stream.infer("echo", {"x": f32(1)})
         assert over.value.retry_after == 1
+
+
+# ---------------------------------------------------------------- failing the connection
+def _frame_header(length: int, opcode: int = 0x1, *, fin: bool = True) -> bytes:
+    """A masked client frame's header (and mask) announcing ``length`` bytes."""
+    import struct
+
+    first = bytes([(0x80 if fin else 0) | opcode])
+    if length < 126:
+        size = bytes([0x80 | length])
+    elif length < 1 << 16:
+        size = bytes([0x80 | 126]) + struct.pack("!H", length)
+    else:
+        size = bytes([0x80 | 127]) + struct.pack("!Q", length)
+    return first + size + b"\x01\x02\x03\x04"
+
+
+async def _read_to_eof(sock) -> bytes:
+    data = b""
+    while chunk := await sock.receive_some(1 << 20):
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        _frame_header(1 << 40),  # one frame, its payload never sent
+        _frame_header(1001),
+        # a first fragment within the limit, then a continuation announcing too much
+        _frame_header(600, fin=False) + bytes(600) + _frame_header(401, opcode=0x0),
+    ],
+    ids=["1-tib", "one-byte-over", "fragments"],
+)
+async def test_a_frame_announcing_more_than_the_limit_is_refused_from_its_header(
+    autojump_clock, frames
+):
+    """1009 as soon as the header is read, without waiting for (or reading) its
+    payload, and without waiting for the client's close frame: the socket closes at
+    once."""
+    from wsproto.events import CloseConnection
+
+    async with serving(config(echo_model(), server={"max_body_bytes": 1000})) as gw:
+        sock, ws = await _raw_handshake(gw)
+        t0 = trio.current_time()
+        await sock.send_all(frames)
+        ws.receive_data(await _read_to_eof(sock))
+        closes = [e for e in ws.events() if isinstance(e, CloseConnection)]
+        assert trio.current_time() == t0  # no wait for the payload or a close frame
+        assert [(e.code, e.reason) for e in closes] == [(1009, "message over 1000 bytes")]
+        await sock.aclose()
+        await settle()
+        assert gw.statistics().streams == 0
+
+
+async def test_a_protocol_error_closes_at_once_and_withdraws_requests_in_flight(autojump_clock):
+    """Failing the connection (RFC 6455 7.1.7): the close frame is not held back until
+    the requests in flight are answered, and the server does not wait for the client's
+    close frame; a queued request is withdrawn (refunded), nothing answers it."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None), tenants=tenants)
+    try:
+        async with serving(cfg) as gw:
+            sock, ws = await _raw_handshake(gw)
+            await sock.send_all(_infer_frame("running", model="held")
+                                + _infer_frame("queued", model="held"))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 1
+            t0 = trio.current_time()
+            await sock.send_all(_client_frame(b"{}", masked=False))
+            ws.receive_data(await _read_to_eof(sock))
+            events = list(ws.events())
+            assert trio.current_time() == t0
+            assert [type(e) for e in events] == [CloseConnection]
+            assert events[0].code == 1002
+            assert not any(isinstance(e, TextMessage) for e in events)
+            await sock.aclose()
+            await settle()
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 0
+            assert gw.runtime.credits_refunded["t"] == 1
+            assert gw.statistics().streams == 0
+    finally:
+        gate.release()
+
+
+async def test_a_client_that_takes_no_answers_is_closed_with_1008_after_the_timeout(
+    autojump_clock,
+):
+    """Its answers fill the socket; after ``server.stream_write_timeout_s`` with none
+    of them taken the stream closes with 1008 and its requests in flight are withdrawn
+    (a queued one refunded). A client that reads again then sees whole answers, then
+    the close frame: the answer cut by the timeout is finished first."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(echo_model(), held_model(gate, max_batch_size=1, timeout_ms=None),
+                 tenants=tenants, server={"stream_write_timeout_s": 20})
+    from trioserve.transport._http import serve_connection
+
+    x = np.random.default_rng(4).standard_normal(100_000).astype(np.float32).tolist()
+    try:
+        async with serving(cfg) as gw, trio.open_nursery() as nursery:
+            # A socket pair, not TCP: no delayed acknowledgement makes a write wait on
+            # the wall clock while the mock clock jumps, so the client not reading is
+            # the only thing that stops the server's writes.
+            server, client = trio.socket.socketpair()
+            server.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, 4096)
+            nursery.start_soon(serve_connection, gw, trio.SocketStream(server))
+            sock = trio.SocketStream(client)
+            await sock.send_all(_HANDSHAKE + _infer_frame("running", model="held")
+                                + _infer_frame("queued", model="held"))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await sock.send_all(b"".join(_infer_frame(i, x) for i in range(4)))
+            await settle()  # the answers (~1 MB each) wait: the client does not read
+            t0 = trio.current_time()
+            await trio.sleep(19.75)
+            assert gw.statistics().streams == 1
+            assert gw.statistics().stream_write_timeouts == 0
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 1
+            await trio.sleep(0.5)
+            assert trio.current_time() == t0 + 20.25
+            assert gw.statistics().stream_write_timeouts == 1
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 0
+            assert gw.runtime.credits_refunded["t"] == 1
+            ws = _raw_ws()
+            ws.receive_data((await _read_to_eof(sock)).partition(b"\r\n\r\n")[2])
+            events = list(ws.events())
+            answers, pieces = [], []
+            for event in events[:-1]:
+                assert isinstance(event, TextMessage)
+                pieces.append(event.data)
+                if event.message_finished:
+                    answers.append(json.loads("".join(pieces)))
+                    pieces.clear()
+            assert not pieces  # the cut answer was finished
+            assert answers
+            assert all(a["outputs"][0]["shape"] == [100_000] for a in answers)
+            assert isinstance(events[-1], CloseConnection)
+            assert (events[-1].code, events[-1].reason) == (
+                1008, "answers not read for 20 s (server.stream_write_timeout_s)")
+            await sock.aclose()
+            await settle()
+            assert gw.statistics().streams == 0
+    finally:
+        gate.release()

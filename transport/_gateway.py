@@ -181,7 +181,9 @@ class GatewayStatistics:
     """A snapshot of the gateway: open connections (of which WebSocket streams), HTTP
     infer requests being answered, the most stream requests one connection has had
     in flight, HTTP infer requests given up because their client closed its
-    connection while they waited, and whether it is draining."""
+    connection while they waited, whether it is draining, and streams closed (1008)
+    because their client took none of their answers for
+    ``server.stream_write_timeout_s``."""
 
     connections: int
     streams: int
@@ -189,6 +191,7 @@ class GatewayStatistics:
     stream_in_flight_peak: int
     clients_gone: int
     draining: bool
+    stream_write_timeouts: int = 0
 
 
 @attrs.define(eq=False, slots=True)
@@ -232,6 +235,8 @@ class Gateway:
         #: client closed its connection while they waited; never answered or counted
         #: in ``requests``.
         self.clients_gone = 0
+        #: streams closed because their client did not take their answers in time
+        self.stream_write_timeouts = 0
         self._conns: set[_Conn] = set()
         self._streams = 0
         self._all_closed = trio.Event()
@@ -516,6 +521,7 @@ class Gateway:
             stream_in_flight_peak=self.stream_in_flight_peak,
             clients_gone=self.clients_gone,
             draining=self.draining,
+            stream_write_timeouts=self.stream_write_timeouts,
         )
 
     @property

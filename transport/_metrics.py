@@ -113,6 +113,12 @@ class GatewayCollector(Collector):
             "not in trioserve_requests).",
             value=stats.clients_gone,
         )
+        yield CounterMetricFamily(
+            "trioserve_stream_write_timeouts",
+            "/v2/stream connections closed (1008) because the client took none of its "
+            "answers for server.stream_write_timeout_s (its requests in flight withdrawn).",
+            value=stats.stream_write_timeouts,
+        )
 
 
     @staticmethod

@@ -12,7 +12,8 @@ Closing the socket cancels the connection's requests not yet dispatched.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Mapping, Sequence
+import math
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -49,9 +50,12 @@ from wsproto.events import (
     TextMessage,
 )
 from wsproto.events import Request as WsRequest
+from wsproto.extensions import Extension
+from wsproto.frame_protocol import CloseReason, Opcode, RsvBits
 from wsproto.utilities import RemoteProtocolError
 
 from ._gateway import UNKNOWN_MODEL, WWW_AUTHENTICATE, error_answer, log
+from ._http import _wait_writable, _write_some
 from ._v2 import (
     InferRequest,
     decode_outputs,
@@ -72,6 +76,15 @@ CLOSE_GRACE = 1.0
 _NO_ID = object()
 
 
+class _Stalled(Exception):
+    """A write the client took none of for the stream's ``write_timeout``; ``sent``
+    bytes of it had gone."""
+
+    def __init__(self, sent: int) -> None:
+        super().__init__(sent)
+        self.sent = sent
+
+
 class ReplayStream(trio.abc.HalfCloseableStream):
     """The stream a WebSocket is served over, handed from the HTTP front end.
 
@@ -89,6 +102,12 @@ class ReplayStream(trio.abc.HalfCloseableStream):
     A write cancelled part way (a client that does not read, at the end of a drain)
     may have sent part of a frame: the stream is then broken, and nothing more is
     written (what followed would be read as the rest of the cut frame).
+
+    A socket's writes are bounded by ``write_timeout``: a write the client takes no
+    byte of for that long stalls. The flusher then stops, the stream is broken for
+    other writers, ``on_stall`` is called, and :meth:`send_final` may still send the
+    rest of the cut write's last frame and one more (the close frame): each
+    ``send_all`` holds whole frames, so the stream stays framed.
     """
 
     def __init__(
@@ -98,11 +117,19 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         *,
         held: bytes = b"",
         limit: int = 256 * KIB,
+        write_timeout: float = math.inf,
     ) -> None:
         self.transport_stream = stream
         self._buffered = buffered
         self._held = held
         self._limit = limit
+        self.write_timeout = write_timeout
+        #: called (sync) when a flusher write stalls
+        self.on_stall: Callable[[], None] | None = None
+        sock = getattr(stream, "socket", None)
+        self._fd: int | None = sock.fileno() if sock is not None else None
+        #: after a stall: the rest of the frame the stalled write cut
+        self._rest: bytes | None = None
         self._out: list[bytes] = []
         self._out_size = 0
         self._flushing = False
@@ -157,8 +184,13 @@ class ReplayStream(trio.abc.HalfCloseableStream):
                         return
                     await self._wake.park()
                     continue
+                pieces = self._take_pieces()
+                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
                 try:
-                    await self._write(self._take())
+                    await self._write(data, report_stall=True)
+                except _Stalled as stall:
+                    self._stall(pieces, data, stall.sent)
+                    return
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
         finally:
@@ -176,25 +208,83 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         else:
             await trio.lowlevel.checkpoint()
 
-    def _take(self) -> bytes:
-        """Everything queued, as one write; wakes writers waiting for room."""
-        data = b"".join(self._out)
-        self._out.clear()
+    def _take_pieces(self) -> list[bytes]:
+        """Everything queued (one piece per ``send_all``); wakes writers waiting for
+        room."""
+        pieces = self._out
+        self._out = []
         self._out_size = 0
         self._room.unpark_all()
-        return data
+        return pieces
 
-    async def _write(self, data: bytes | bytearray | memoryview) -> None:
-        """Send ``data`` on the transport; a failure, or a cancellation (which may
-        leave part of it sent), breaks the stream for later writes."""
+    def _take(self) -> bytes:
+        """Everything queued, as one write; wakes writers waiting for room."""
+        return b"".join(self._take_pieces())
+
+    def _stall(self, pieces: list[bytes], data: bytes, sent: int) -> None:
+        """A flusher write of ``pieces`` (joined: ``data``) stalled after ``sent``
+        bytes: keep the rest of the piece it cut (whole frames end there), drop the
+        pieces after it, break the stream for other writers, report it."""
+        end = 0
+        for piece in pieces:
+            start, end = end, end + len(piece)
+            if end > sent:
+                self._rest = data[sent:end] if sent > start else b""
+                break
+        self._error = trio.BrokenResourceError(
+            f"the client took no data for {self.write_timeout:g} s"
+        )
+        if self.on_stall is not None:
+            self.on_stall()
+
+    async def send_final(self, data: bytes) -> None:
+        """After a stall: send the rest of the cut frame, then ``data`` (whole
+        frames), then nothing more. A checkpoint; bound it (the client may still not
+        read). Raises BrokenResourceError when there was no stall, or it fails."""
+        rest, self._rest = self._rest, None
+        if rest is None:
+            await trio.lowlevel.checkpoint()
+            raise trio.BrokenResourceError("the stream did not stall")
+        await self._write(rest + data)
+
+    async def _write(
+        self, data: bytes | bytearray | memoryview, *, report_stall: bool = False
+    ) -> None:
+        """Send ``data`` on the transport; a failure, a stall (BrokenResourceError, or
+        _Stalled if ``report_stall``), or a cancellation (which may leave part of it
+        sent), breaks the stream for later writes."""
         try:
-            await self.transport_stream.send_all(data)
+            if self._fd is None or self.write_timeout == math.inf:
+                await self.transport_stream.send_all(data)
+            else:
+                await self._send_timed(self._fd, data)
         except trio.Cancelled:
             self._error = trio.BrokenResourceError("a write was cancelled part way")
             raise
+        except _Stalled:
+            self._error = trio.BrokenResourceError("the client took no data")
+            if report_stall:
+                raise
+            raise self._error from None
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._error = exc
             raise
+
+    async def _send_timed(self, fd: int, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` to the socket ``fd``, waiting while its buffer is full, at
+        most ``write_timeout`` at a time (each byte taken starts the wait afresh):
+        past that, _Stalled. A checkpoint."""
+        with memoryview(data) as view:
+            n = _write_some(fd, view)
+            if n == len(view):
+                await trio.lowlevel.checkpoint()
+                return
+            while n < len(view):
+                with trio.move_on_after(self.write_timeout):
+                    await _wait_writable(fd)
+                    n += _write_some(fd, view[n:])
+                    continue
+                raise _Stalled(n)
 
     async def _flush_rest(self) -> None:
         if self._out and self._error is None:
@@ -222,6 +312,7 @@ class ReplayStream(trio.abc.HalfCloseableStream):
 async def serve_stream(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> None:
     """Run the WebSocket handshake on ``stream`` and serve the stream until either
     side closes it or the gateway drains. A 401 rejects the handshake."""
+    stream.write_timeout = gateway.server_config.stream_write_timeout_s
     try:
         async with trio.open_nursery() as flushing:
             flushing.start_soon(stream.run_flusher)
@@ -280,7 +371,43 @@ async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Se
         return None
     await stream.send_all(ws.send(AcceptConnection()))
     stream.release_held()
-    return _Session(gateway, ws.connection, stream, tenant, conn)
+    # The handshake's connection, with the size limit read from each frame header.
+    limit = _MessageLimit(gateway.server_config.max_body_bytes)
+    return _Session(gateway, Connection(ConnectionType.SERVER, [limit]), stream, tenant, conn)
+
+
+_NO_RSV = RsvBits(False, False, False)
+
+
+class _MessageLimit(Extension):
+    """Refuses a message over ``limit`` bytes (1009) as soon as a frame header says
+    so: wsproto asks each extension about each frame header before reading its
+    payload. Never offered or negotiated (it changes nothing on the wire)."""
+
+    name = "trioserve-message-limit"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._size = 0  # the bytes announced so far for the message being read
+
+    def enabled(self) -> bool:
+        return True
+
+    def offer(self) -> bool:
+        return False
+
+    def frame_inbound_header(
+        self, proto: Any, opcode: Opcode, rsv: RsvBits, payload_length: int
+    ) -> CloseReason | RsvBits:
+        if opcode is Opcode.CONTINUATION:
+            self._size += payload_length
+        elif opcode is Opcode.TEXT or opcode is Opcode.BINARY:
+            self._size = payload_length
+        else:
+            return _NO_RSV  # a control frame: 125 bytes at most
+        if self._size > self.limit:
+            return CloseReason.MESSAGE_TOO_BIG
+        return _NO_RSV
 
 
 def _reject(
@@ -321,7 +448,9 @@ class _Session:
         self._room = trio.lowlevel.ParkingLot()  # the read loop waits here at the bound
         self.pending: dict[int, Any] = {}  # token -> id of requests not yet answered
         self._tokens = itertools.count()
-        self._closing: tuple[int, str] | None = None  # (code, reason) we close with
+        #: (code, reason) we fail the connection with: a protocol error, a message
+        #: over the limit, a client that does not take its answers
+        self._closing: tuple[int, str] | None = None
         sock = getattr(stream.transport_stream, "socket", None)
         self._fd: int | None = sock.fileno() if sock is not None else None
         #: the gateway's hang-up watch, once armed for this socket (see _wait_for_room)
@@ -344,12 +473,24 @@ class _Session:
                 self.conn.cancel_requests = lambda: requests.cancel_scope.cancel(
                     "gateway draining: grace period over"
                 )
+
+                def stalled() -> None:
+                    timeout = self.stream.write_timeout
+                    self._closing = (1008, f"answers not read for {timeout:g} s "
+                                           "(server.stream_write_timeout_s)")
+                    self.gateway.stream_write_timeouts += 1
+                    reading.cancel("the client does not read its answers")
+                    requests.cancel_scope.cancel("the client does not read its answers")
+
+                self.stream.on_stall = stalled
                 with reading:
                     peer_closed = await self._read(requests)
-                if peer_closed or self._gone:
-                    # The client is gone or closing: withdraw what it left in flight.
-                    requests.cancel_scope.cancel("stream closed by the client")
+                if peer_closed or self._gone or self._closing is not None:
+                    # The client is gone or closing, or the connection failed: withdraw
+                    # what is in flight (no answer may follow a close frame).
+                    requests.cancel_scope.cancel("stream closed")
         finally:
+            self.stream.on_stall = None
             self.conn.hang_up = None
             if self._watch is not None and self._fd is not None:
                 self._watch.forget(self._fd, self.conn)  # before the socket closes
@@ -384,7 +525,6 @@ class _Session:
         # so would io.StringIO before Python 3.12. Its JSON is then read from bytes,
         # as a binary message's is.
         partial: bytearray | None = None
-        size = 0
         while True:
             try:
                 data = await stream.receive_some(RECEIVE_SIZE)
@@ -394,13 +534,7 @@ class _Session:
             for event in ws.events():
                 kind = type(event)
                 if kind is TextMessage or kind is BytesMessage:
-                    n = len(event.data)
-                    if kind is TextMessage and (size + 4 * n) > self.max_message:
-                        n = len(event.data.encode())  # UTF-8 bytes, not characters
-                    size += n
-                    if size > self.max_message:
-                        self._closing = (1009, f"message over {self.max_message} bytes")
-                        return False
+                    # (its size was checked against the limit from the frame headers)
                     message: str | bytes = event.data
                     if partial is not None or not event.message_finished:
                         if partial is None:
@@ -410,7 +544,6 @@ class _Session:
                             continue
                         message = bytes(partial)
                         partial = None
-                    size = 0
                     if self.in_flight >= bound:
                         await self._wait_for_room()
                     self.in_flight += 1
@@ -425,8 +558,11 @@ class _Session:
                         return True
                     if ws.state is ConnectionState.OPEN:
                         # wsproto found a protocol error (bad framing, text that is
-                        # not UTF-8): close with its code (1002, 1007), not 1000.
-                        self._closing = (event.code, event.reason or "")
+                        # not UTF-8: 1002, 1007) or a frame header announced more than
+                        # the size limit (1009): fail with its code, not 1000.
+                        reason = (f"message over {self.max_message} bytes"
+                                  if event.code == 1009 else event.reason or "")
+                        self._closing = (event.code, reason)
                         return False
                     return True
                 # Pong: nothing to do.
@@ -441,14 +577,26 @@ class _Session:
         ws = self.ws
         if ws.state is not ConnectionState.OPEN or self._gone:
             return
+        if self._closing is not None:
+            # Failing the connection (RFC 6455 7.1.7): the close frame, and no wait for
+            # the client's (nothing more is read). After a stall, the close frame
+            # follows the rest of the cut answer, if the client takes it in time.
+            code, reason = self._closing
+            frame = ws.send(CloseConnection(code=code, reason=reason))
+            try:
+                if code == 1008:
+                    await self.stream.send_final(frame)
+                else:
+                    await self.stream.send_all(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            return
         # Requests cancelled by the end of a drain's grace period: tell the client.
         for rid in self.pending.values():
             frame = {"id": rid, "error": "the server is shutting down; request not completed",
                      "status": 503, "retry_after": 1}
             await self._send(ws.send(TextMessage(data=orjson.dumps(frame).decode())))
-        if self._closing is not None:
-            code, reason = self._closing
-        elif self.gateway.draining:
+        if self.gateway.draining:
             code, reason = 1001, "server shutting down"
         else:
             code, reason = 1000, ""
