@@ -6,10 +6,13 @@ Every batch runs against a deadline learnt from the model's recent batch times
 (:class:`BatchTimer`). A batch past it is a straggler: a worker process is killed and
 replaced (forked from the zygote, ~0.1 s); a worker thread cannot be killed, so the
 replica is degraded — it pulls nothing — until the thread returns. Either way the
-batch goes back to the scheduler halved, so retries narrow down to the request at
-fault while the rest succeed; a request that fails alone ``poison_attempts`` times is
-answered with a poison-request error and never retried. A batch whose model raised is
-halved the same way, so only the input that raises gets the error.
+batch goes back to the scheduler split in ``retry_parts`` (each request alone when it
+held no more), so retries narrow down to the request at fault while the rest succeed;
+a request that fails alone ``poison_attempts`` times is answered with a
+poison-request error and never retried. A batch whose model raised is split the same
+way, so only the input that raises gets the error. A worker process runs such a retry
+with nothing staged behind it: were it to hang or kill its worker again, what was
+staged would wait out its deadline and go back too.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from trioserve import (
 
 from ._metrics import ModelMetrics
 from ._scheduler import SchedulerActor
-from ._straggler import BatchTimer, Breaker, StragglerPolicy, retried, split_failed
+from ._straggler import BatchTimer, Breaker, StragglerPolicy, retried, split, split_failed
 from ._watchdog import Watchdog
 
 log = logging.getLogger("trioserve")
@@ -303,6 +306,17 @@ class BatcherActor(Actor):
                 except WorkerProcess.Died as exc:
                     self._lose(worker, f"its worker process died ({exc})")
                 await sent_send.send((batch, t0))
+                if retried(batch) and self._scheduler.replicas > 1:
+                    # A retry of a failed batch may hang or kill its worker again:
+                    # stage nothing behind it (what was staged would wait out its
+                    # deadline and go back, round after round, as innocent as it
+                    # was), and pull again once it is done; other replicas take the
+                    # new work meanwhile. (A lone replica has nowhere else to run it:
+                    # what it stages goes back once, before the retry's next run.)
+                    for _ in range(slots):
+                        await room.acquire()
+                    for _ in range(slots):
+                        room.release()
 
     async def _collect(
         self, worker: WorkerProcess, sent: trio.MemoryReceiveChannel, room: trio.Semaphore
@@ -362,10 +376,11 @@ class BatcherActor(Actor):
             self._breaker.failure(trio.current_time())
         self._in_flight.clear()
         if batches:
-            self._suspect(batches[0], f"its batch failed: {why}")
+            # The staged ones first: they ran into nothing, and have waited already.
             for b in batches[1:]:
                 self._scheduler.completed(b, failed=True)
             self._scheduler.retry(batches[1:])
+            self._suspect(batches[0], f"its batch failed: {why}")
         raise _WorkerLost(why)
 
     # ------------------------------------------------------------------ thread, inline
@@ -465,11 +480,12 @@ class BatcherActor(Actor):
 
     # ------------------------------------------------------------------ answers
     def _suspect(self, batch: list[Request], why: str) -> None:
-        """A batch timed out or lost its worker: retry it halved; a request that
+        """A batch timed out or lost its worker: retry it in parts; a request that
         fails alone too often is poison."""
         self._scheduler.completed(batch, failed=True)
+        policy = self._timer.policy
         retry, poison = split_failed(
-            batch, poison_attempts=self._timer.policy.poison_attempts
+            batch, poison_attempts=policy.poison_attempts, parts=policy.retry_parts
         )
         for req in poison:
             req.reply.set_error(
@@ -484,15 +500,16 @@ class BatcherActor(Actor):
 
     def _model_failed(self, batch: list[Request], exc: BaseException) -> None:
         """The model raised. Alone, the request gets the error; in a batch, the batch
-        is halved and retried, so that only the input that raises gets it."""
+        is retried in parts (each request alone when it held no more than
+        ``retry_parts``), so that only the input that raises gets it, and each part
+        that succeeds is answered at once."""
         alive = [r for r in batch if r.reply.answerable]
         if len(batch) > 1 and alive:  # not alone: any one of them may be the cause
             self._scheduler.completed(batch, failed=True)
             for r in alive:
                 r.reply.suspect = True
-            mid = len(alive) // 2
             self._metrics.statuses["retried"] += len(alive)
-            self._scheduler.retry([b for b in (alive[:mid], alive[mid:]) if b])
+            self._scheduler.retry(split(alive, self._timer.policy.retry_parts))
             return
         msg = (
             f"model {self.model!r} failed on {self.device}: {type(exc).__name__}: {exc}"

@@ -16,13 +16,18 @@ _DISPATCHED = RequestState.DISPATCHED
 class StragglerPolicy:
     """How long a batch may run: ``factor`` × the p99 of recent batch times, within
     [``floor``, ``cap``] seconds (``cap`` until ``min_samples`` batches were seen).
-    A request that fails ``poison_attempts`` times when run alone is poison."""
+    A request that fails ``poison_attempts`` times when run alone is poison. A batch
+    that failed is retried in ``retry_parts`` parts (each request alone when it held
+    no more): a round that fails again costs a batch deadline, or a worker, so its
+    innocent requests wait through fewer rounds than with halving (log base
+    ``retry_parts`` of its size instead of log 2)."""
 
     factor: float = 4.0
     floor: float = 1.0
     cap: float = 60.0
     poison_attempts: int = 2
     min_samples: int = 16
+    retry_parts: int = attrs.field(default=8, validator=attrs.validators.ge(2))
 
 
 class BatchTimer:
@@ -91,17 +96,34 @@ class RecentQuantile:
             self.value = sorted(s)[min(n - 1, math.ceil(self.q * n) - 1)]
 
 
+def split(requests: list[Request], parts: int) -> list[list[Request]]:
+    """``requests`` in ``parts`` consecutive parts of sizes differing by at most one
+    (each alone when there are no more than ``parts``; none empty)."""
+    k = min(parts, len(requests))
+    if k == 0:
+        return []
+    size, extra = divmod(len(requests), k)
+    out: list[list[Request]] = []
+    start = 0
+    for j in range(k):
+        end = start + size + (j >= k - extra)  # the larger parts last
+        out.append(requests[start:end])
+        start = end
+    return out
+
+
 def split_failed(
-    batch: list[Request], *, poison_attempts: int
+    batch: list[Request], *, poison_attempts: int, parts: int = 2
 ) -> tuple[list[list[Request]], list[Request]]:
     """Split a batch that failed (timed out, crashed its worker, or raised) for retry.
 
     Returns (batches to retry, poison requests). Requests no longer dispatched (their
-    caller left, or already answered) are dropped. A batch of several is halved, so
-    that retries narrow down to the request at fault while the others succeed; a
-    request that failed alone counts an attempt (``reply.attempts``) and is poison
-    once it reaches ``poison_attempts``. Every request retried is marked
-    ``reply.suspect`` (see :func:`retried`).
+    caller left, or already answered) are dropped. A batch of several is split in
+    ``parts`` (halved by default; see ``StragglerPolicy.retry_parts``), so that
+    retries narrow down to the request at fault while the others succeed; a request
+    that failed alone counts an attempt (``reply.attempts``) and is poison once it
+    reaches ``poison_attempts``. Every request retried is marked ``reply.suspect``
+    (see :func:`retried`).
     """
     alive = [r for r in batch if r.reply.state is _DISPATCHED]
     if not alive:
@@ -109,8 +131,7 @@ def split_failed(
     for r in alive:
         r.reply.suspect = True
     if len(alive) > 1:
-        mid = len(alive) // 2
-        return [alive[:mid], alive[mid:]], []
+        return split(alive, parts), []
     req = alive[0]
     req.reply.attempts += 1
     if req.reply.attempts >= poison_attempts:

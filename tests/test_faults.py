@@ -178,9 +178,10 @@ async def test_a_straggler_batch_is_bisected_until_the_poison_request_is_isolate
     assert "poison request, not retried" in str(poison)
     assert "ran past its deadline of 0.050s each of the 2 times it ran alone" in str(poison)
     assert {v: float(r["y"][0]) for v, r in results.items()} == {v: 2 * v for v in range(7)}
-    # 8 -> 4 -> 2 -> 1, then alone once more: five batches held 99.
-    assert [len(b) for b in model.batches if 99.0 in b] == [8, 4, 2, 1, 1]
-    assert stats["statuses"]["straggler"] == 5
+    # 8 -> each alone (no more than retry_parts), then alone once more: three
+    # batches held 99 (halving took five: 8 -> 4 -> 2 -> 1 -> 1).
+    assert [len(b) for b in model.batches if 99.0 in b] == [8, 1, 1]
+    assert stats["statuses"]["straggler"] == 3
     assert stats["statuses"]["poison"] == 1
 
 
@@ -410,7 +411,7 @@ async def test_retried_requests_are_answered_exactly_once(autojump_clock):
         requests = [r for r in rt.models["m"].scheduler.policy]  # nothing left queued
     assert requests == []
     assert RequestState.DONE  # (the state machine is what guarantees once)
-    assert seen.count(3.0) == 4  # 8 -> 4 -> 2 -> 1
+    assert seen.count(3.0) == 2  # 8 -> each alone (halving ran it 4 times: 8, 4, 2, 1)
 
 
 # ---------------------------------------------------------------- slow lane, hedging
@@ -970,3 +971,209 @@ async def test_a_retried_batch_counts_in_service_again_while_it_runs():
     assert queue.in_service == 2  # b still runs
     scheduler.completed(b)
     assert queue.in_service == 0
+
+
+# ---------------------------------------------------------------- rounds an innocent waits
+class TrioWatchdog:
+    """Batch deadlines in trio time, for fake workers that take trio time."""
+
+    fired = 0
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def arm(self, seconds: float, scope: trio.CancelScope) -> None:
+        scope.deadline = trio.current_time() + seconds
+
+
+class TimedWorker:
+    """A worker process in trio time: it starts in ``START`` s and runs each batch in
+    ``RUN`` s, in order; a batch holding ``HANG`` never ends (its deadline cuts it
+    off), one holding ``CRASH`` kills the worker. Records each batch submitted as
+    (time, keys, whether a retried batch was staged ahead of it) in ``submitted``,
+    and each key of a batch that ran to the end in ``done``."""
+
+    SLOTS = 3
+    Died = WorkerProcess.Died
+    Failed = WorkerProcess.Failed
+    START, RUN = 0.1, 0.01
+    HANG, CRASH = 99.0, 666.0
+    submitted: list
+    done: list
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self._staged: collections.deque = collections.deque()
+        self._exited = trio.Event()
+        self._killed = False
+
+    async def start(self) -> None:
+        await trio.sleep(self.START)
+
+    @property
+    def alive(self) -> bool:
+        return not self._killed  # as WorkerProcess: not killed (it may have died)
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        keys = [key(it) for it in items]
+        behind_retry = any(suspect for _, suspect in self._staged)
+        TimedWorker.submitted.append((trio.current_time(), keys, behind_retry))
+        self._staged.append((items, all(k in self.suspects for k in keys)))
+
+    suspects: set  # keys whose requests were retried (the test tells the worker)
+
+    async def result(self):
+        items, _ = self._staged[0]
+        keys = [key(it) for it in items]
+        await trio.sleep(self.RUN)
+        if self.HANG in keys:
+            await trio.sleep_forever()
+        if self.CRASH in keys:
+            self._exited.set()  # dead, not killed: the batcher finds out
+            raise self.Died("killed by its batch")
+        self._staged.popleft()
+        TimedWorker.done.extend(keys)
+        TimedWorker.suspects.difference_update(keys)
+        self.last_run_seconds = self.RUN
+        return [{"y": it["x"]} for it in items]
+
+    def kill(self) -> None:
+        # What it held was handed back: each of those may be retried.
+        for items, _ in self._staged:
+            TimedWorker.suspects.update(key(it) for it in items)
+        self._staged.clear()
+        self._killed = True
+        self._exited.set()
+
+    async def aclose(self) -> None:
+        self.kill()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_exited(self) -> None:
+        await self._exited.wait()
+
+
+@pytest.fixture
+def timed_workers(monkeypatch):
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    TimedWorker.submitted, TimedWorker.done, TimedWorker.suspects = [], [], set()
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", TimedWorker)
+    monkeypatch.setattr(trioserve.actors, "Watchdog", TrioWatchdog)
+    return TimedWorker
+
+
+def timed_model(**cfg) -> ModelConfig:
+    """A process model whose batches have a deadline of 1 s from the start."""
+    cfg.setdefault("max_batch_size", 8)
+    return callable_model(
+        "m", crash_on_666, execution="process", max_wait_ms=1, timeout_ms=None,
+        batch_timeout_floor_ms=1000.0, batch_timeout_cap_ms=1000.0, **cfg,
+    )
+
+
+async def answers(rt, values: list[float]) -> dict[float, tuple[object, float]]:
+    """Send a request of each value at once; what each got and when, by value."""
+    got: dict[float, tuple[object, float]] = {}
+
+    async def one(v: float) -> None:
+        try:
+            out: object = await rt.infer("m", item(v))
+        except ModelError as exc:
+            out = exc
+        assert v not in got
+        got[v] = (out, trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        for v in values:
+            nursery.start_soon(one, v)
+    return got
+
+
+@pytest.mark.parametrize("poison", [TimedWorker.HANG, TimedWorker.CRASH])
+async def test_an_innocent_batch_mate_waits_one_failed_round_not_one_per_halving(
+    autojump_clock, timed_workers, poison
+):
+    """A batch of 8 holding a request that hangs (or kills its worker) was halved,
+    8 -> 4 -> 2 -> 1: the request beside it waited three failed rounds (3 × the 1 s
+    deadline for a hang). Now a batch of at most retry_parts is retried each request
+    alone: the seven innocents are answered right after the first failure, and each
+    ran twice (its batch, then alone) and was answered once."""
+    cfg = config(timed_model(replicas=2))
+    async with trioserve.open_runtime(cfg) as rt:
+        t0 = trio.current_time()
+        values = [0.0, 1.0, 2.0, poison, 4.0, 5.0, 6.0, 7.0]
+        with trio.fail_after(30):
+            got = await answers(rt, values)
+        stats = rt.statistics()["m"]["statuses"]
+    err, _ = got.pop(poison)
+    assert isinstance(err, ModelError)
+    assert "poison request, not retried" in str(err)
+    fail = 1.0 if poison == TimedWorker.HANG else 0.0  # what the first failure took
+    for v, (out, at) in got.items():
+        assert float(out["y"][0]) == v
+        # the first batch's run (and its deadline), then a worker's start and a few
+        # runs alone: under a tenth of the deadline past the first failure
+        assert at - t0 <= fail + TimedWorker.RUN + TimedWorker.START + 8 * TimedWorker.RUN
+    runs = collections.Counter(k for _, keys, _ in TimedWorker.submitted for k in keys)
+    assert runs == {**{v: 2 for v in got}, poison: 3}  # halving: 2-4 each, 5 for the poison
+    assert sorted(TimedWorker.done) == sorted(got)  # each answered once
+    assert stats["retried"] == 8 + 1
+    assert stats["poison"] == 1
+    assert [len(keys) for _, keys, _ in TimedWorker.submitted if poison in keys] == [8, 1, 1]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_new_work_is_not_staged_behind_a_retried_batch_on_a_worker(
+    autojump_clock, timed_workers, replicas
+):
+    """A worker process pulls while it has room in its pipeline, so it staged new
+    work behind a retry running the hanging request alone: that work waited out the
+    deadline, went back, and was staged behind the next retry again. Now a replica
+    running a retry pulls nothing more until it is done, while another replica takes
+    the new work; a lone replica stages it, and hands it back once, before the
+    retry's next run."""
+    cfg = config(timed_model(max_batch_size=2, replicas=replicas))
+    async with trioserve.open_runtime(cfg) as rt:
+        async with trio.open_nursery() as nursery:
+            first: dict = {}
+            later: dict = {}
+            sent: list[float] = []
+
+            async def send_first() -> None:
+                first.update(await answers(rt, [TimedWorker.HANG, 1.0]))
+
+            async def send_later() -> None:
+                # while the hanging request runs alone the first time
+                await trio.sleep(1.5)
+                sent.append(trio.current_time())
+                later.update(await answers(rt, [10.0, 11.0, 12.0, 13.0]))
+
+            nursery.start_soon(send_first)
+            nursery.start_soon(send_later)
+    err, poisoned_at = first.pop(TimedWorker.HANG)
+    assert isinstance(err, ModelError)
+    assert float(first[1.0][0]["y"][0]) == 1.0
+    runs = collections.Counter(k for _, keys, _ in TimedWorker.submitted for k in keys)
+    assert runs[TimedWorker.HANG] == 3
+    for v, (out, at) in later.items():
+        assert float(out["y"][0]) == v
+        if replicas == 2:
+            # on the other replica at once: two batches of two
+            assert at <= sent[0] + 2 * TimedWorker.RUN
+            assert runs[v] == 1
+        else:
+            # Nowhere else to run: staged behind a run alone (the worker is serial,
+            # it would wait as long in the queue), handed back when it was cut off,
+            # run right after it: handed back once, not round after round.
+            assert runs[v] == 2
+            assert at <= poisoned_at + TimedWorker.START + TimedWorker.RUN
+    if replicas == 2:
+        assert not [s for s in TimedWorker.submitted if s[2]]  # nothing behind a retry

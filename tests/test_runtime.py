@@ -477,12 +477,12 @@ async def test_a_model_raising_on_one_input_fails_only_that_callers_request(
         results = await call_all(rt, "m", [item(i) for i in range(8)])
         after = await rt.infer("m", item(5.5))  # the replica keeps serving
         stats = rt.statistics()["m"]
-    # The batch holding 5 is halved until 5 runs alone; each half that does not
-    # hold it runs once more and succeeds.
-    assert [len(keys) for _, keys in rec.batches if 5.0 in keys] == [4, 2, 1]
+    # The batch holding 5 (no more than retry_parts) is retried each request alone:
+    # each of its batch-mates runs once more and succeeds.
+    assert [len(keys) for _, keys in rec.batches if 5.0 in keys] == [4, 1]
     runs = collections.Counter(k for _, keys in rec.batches for k in keys)
-    assert runs[5.0] == 3
-    assert sum(runs.values()) == 8 + 4 + 2 + 1  # 8 firsts, then 4 + 2 retried, then 5.5
+    assert runs[5.0] == 2
+    assert sum(runs.values()) == 8 + 4 + 1  # 8 firsts, then 4 retried alone, then 5.5
     for i, (out, _) in results.items():
         if i == 5:
             assert isinstance(out, ModelError)
@@ -491,7 +491,7 @@ async def test_a_model_raising_on_one_input_fails_only_that_callers_request(
             np.testing.assert_array_equal(out["y"], [2 * i + 1])
     np.testing.assert_array_equal(after["y"], [12.0])
     assert stats["statuses"]["model_error"] == 1
-    assert stats["statuses"]["retried"] == 4 + 2
+    assert stats["statuses"]["retried"] == 4
     assert stats["replicas"][0]["restarts"] == 0
     assert stats["replicas"][0]["state"] == "running"
 
