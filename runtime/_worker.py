@@ -104,55 +104,14 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
             write_frame(wfd, ("error", f"{type(exc).__name__}: {exc}"))
 
 
-#: prctl(2) option: the signal this process gets when its parent exits (Linux).
-PR_SET_PDEATHSIG = 1
-
-
-def parent_death_signal() -> Any:
-    """A function that asks the kernel to SIGKILL the calling process when its parent
-    exits (Linux ``prctl(PR_SET_PDEATHSIG)``, through ctypes) and returns whether it
-    could; None where there is no such call (macOS, no libc). Loaded before a fork, so
-    that the child only calls it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.restype = ctypes.c_int
-
-    def arm() -> bool:
-        return prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-
-    return arm
-
-
-def die_with_parent(arm: Any, parent: int) -> None:
-    """In a child forked by ``parent``: be killed when it exits, as far as the
-    platform allows (``arm`` from :func:`parent_death_signal`, None: nothing), and
-    exit now if it is gone already (it died between the fork and the call: the signal
-    would never come). Where nothing can be armed, the child lives on until its pipe
-    closes."""
-    if arm is not None:
-        arm()
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
-    """Import what workers need once, then fork one per request on the socket. Each
-    worker dies with the zygote (see :func:`die_with_parent`): a worker left to init
-    when the zygote is killed would serve on out of anyone's sight."""
+    """Import what workers need once, then fork one per request on the socket."""
     import gc
     import importlib.util
     import socket
 
     sock = socket.socket(fileno=sock_fd)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children
-    arm = parent_death_signal()
-    me = os.getpid()
     import trioserve._builtin  # noqa: F401
 
     if importlib.util.find_spec("torch") is not None:
@@ -171,7 +130,6 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
         if pid == 0:
             code = 0
             try:
-                die_with_parent(arm, me)
                 sock.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 serve(*fds)

@@ -9,13 +9,9 @@ batches on them (:func:`trioserve._worker.serve`), and the zygote answers with t
 child's pid. The zygote ignores SIGCHLD, so its children are reaped by the kernel; it
 exits when the parent's end of the socket closes.
 
-Each worker dies with its zygote (on Linux: ``prctl(PR_SET_PDEATHSIG)``, armed in the
-child right after the fork, which exits at once if the zygote is already gone): a
-worker left to init when its zygote was killed used to serve on out of sight. Its
-batcher sees it exit (its pidfd) and replaces it; the fork of the successor finds the
-zygote dead, reaps it, and starts a new one (seconds: it imports torch). Elsewhere a
-worker outlives its zygote and serves on until its pipe closes. A zygote that stopped
-answering is killed and restarted by the next :meth:`Zygote.spawn` the same way.
+A zygote that died (killed, crashed) or stopped answering is restarted by the next
+:meth:`Zygote.spawn`: the workers already forked keep running, and a worker loss never
+needs the zygote it was forked from.
 """
 
 from __future__ import annotations

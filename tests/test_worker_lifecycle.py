@@ -12,9 +12,8 @@ import contextlib
 import os
 import select
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-import attrs
 import numpy as np
 import pytest
 import trio
@@ -106,51 +105,22 @@ async def test_a_successor_that_cannot_start_is_tried_again_and_the_runtime_serv
         assert rt.model_ready("s")
 
 
-def lingering(pids: list[int]) -> list[int]:
-    """Those of ``pids`` still in the process table (running, or zombies)."""
-    return [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Poll ``condition`` until it holds: for what no event tells (the reaping of a
-    process that is not our child, a replica's readiness); bound it by the caller's
-    fail_after."""
-    while True:
-        if condition():
-            return
-        await trio.sleep(0.01)
-
-
-async def test_a_killed_zygote_takes_its_workers_with_it_and_they_are_replaced():
-    # Workers forked by a zygote that was killed were left to init and served on,
-    # out of sight of anything that would stop them. Now they die with it (Linux:
-    # PR_SET_PDEATHSIG), are gone from the process table, and are replaced from a
-    # new zygote. Before, the batcher could not replace its worker at all, crashed at
-    # once each time it was restarted, and its escalation took the runtime down.
-    cfg = config(attrs.evolve(SLEEP, replicas=2))
-    async with trioserve.open_runtime(cfg) as rt:
-        batchers = rt.models["s"].batchers
-        zygote = batchers[0]._zygote
+async def test_a_dead_zygote_is_restarted_when_a_worker_is_lost():
+    # Before, the batcher could not replace its worker, crashed at once each time it
+    # was restarted, and its escalation took the whole runtime down.
+    async with trioserve.open_runtime(config(SLEEP)) as rt:
+        batcher = rt.models["s"].batchers[0]
+        zygote = batcher._zygote
         assert (await rt.infer("s", x(1.0)))["y"].tolist() == [1.0, 0.0]
         first_zygote = zygote.pid
-        workers = [b._worker.pid for b in batchers]
-        with contextlib.ExitStack() as stack:
-            fds = [stack.enter_context(watching(pid)) for pid in workers]
-            await kill_and_wait(first_zygote)
-            with trio.fail_after(10):
-                for fd in fds:
-                    await trio.lowlevel.wait_readable(fd)  # each worker exited
-                await until(lambda: not lingering(workers))  # and was reaped (by init)
+        await kill_and_wait(first_zygote)
+        await kill_and_wait(batcher._worker.pid)
         with trio.fail_after(60):
             assert (await rt.infer("s", x(2.0)))["y"].tolist() == [2.0, 0.0]
-            await until(lambda: rt.model_ready("s"))  # both replicas replaced
         assert zygote.restarts == 1
         assert zygote.pid != first_zygote
-        assert not lingering([first_zygote])  # reaped by the runtime, its parent
-        assert [b.workers_lost for b in batchers] == [1, 1]
-        assert [b.restarts for b in batchers] == [0, 0]
-        assert not set(workers) & {b._worker.pid for b in batchers}
-        assert (await rt.infer("s", x(3.0)))["y"].tolist() == [3.0, 0.0]
+        assert batcher.restarts == 0
+        assert rt.model_ready("s")
 
 
 async def test_a_hung_zygote_is_replaced_and_a_closed_one_forks_nothing():
@@ -218,13 +188,3 @@ async def test_the_shared_memory_has_no_name_that_a_killed_server_could_leave():
         assert theirs
         # Anonymous (a memfd) or already unlinked: nothing left in /dev/shm.
         assert on_disk(ours + theirs) == []
-
-
-def test_the_parent_death_signal_is_armed_on_linux_and_nothing_elsewhere(monkeypatch):
-    from trioserve import _worker
-
-    assert callable(_worker.parent_death_signal())  # Linux, as here (not called: it
-    # would arm it in this process)
-    monkeypatch.setattr(_worker.sys, "platform", "darwin")
-    assert _worker.parent_death_signal() is None
-    _worker.die_with_parent(None, os.getppid())  # nothing to arm, the parent lives: on
