@@ -59,10 +59,30 @@ def stack_outputs(outputs: list[dict[str, Any]]) -> Any:
         return [{k: np.asarray(v) for k, v in o.items()} for o in outputs]
 
 
+def exit_when_orphaned(rfd: int) -> None:
+    """In a daemon thread: end the process once nobody can write to ``rfd``, the
+    worker's end of its request pipe, whose only writer is the runtime. The main
+    thread sees that only between model calls: a runtime killed while a long (or
+    stuck) call ran left its worker running it, holding a CPU, memory and a GPU's,
+    reparented out of reach. ``poll`` with no events asked for waits for POLLHUP alone
+    and takes no data from the pipe."""
+    import select
+
+    poller = select.poll()
+    poller.register(rfd, 0)
+    while True:
+        for _, events in poller.poll():
+            if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                os._exit(1)
+
+
 def serve(rfd: int, wfd: int, shm_fd: int) -> None:
+    import threading
+
     from trioserve._builtin import resolve_backend
     from trioserve._model import check_outputs
 
+    threading.Thread(target=exit_when_orphaned, args=(rfd,), daemon=True).start()
     _, cfg, device, torch_threads, shm_size = read_frame(rfd)
     try:
         shm = mmap.mmap(shm_fd, shm_size)

@@ -188,3 +188,57 @@ async def test_the_shared_memory_has_no_name_that_a_killed_server_could_leave():
         assert theirs
         # Anonymous (a memfd) or already unlinked: nothing left in /dev/shm.
         assert on_disk(ours + theirs) == []
+
+
+ORPHAN = """
+import sys, numpy as np, trio, trioserve
+from trioserve import ModelConfig
+
+async def main():
+    cfg = trioserve.Config(models=(ModelConfig(
+        name="s", backend="sleep", execution="process", max_wait_ms=0.0,
+        timeout_ms=600_000.0),))
+    async with trioserve.open_runtime(cfg) as rt:
+        batcher = rt.models["s"].batchers[0]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rt.infer, "s", {"x": np.array([600_000.0, 0.0], np.float32)})
+            await trio.sleep(0.5)
+            print(batcher._worker.pid, batcher._zygote.pid, flush=True)
+            await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+async def test_a_worker_ends_with_its_runtime_even_in_the_middle_of_a_model_call():
+    """The runtime SIGKILLed while its worker ran a 10-minute call: the worker saw its
+    pipe close only after the call, and ran on meanwhile, reparented out of reach."""
+    import subprocess
+    import sys
+
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-c", ORPHAN], stdout=subprocess.PIPE
+    )
+    try:
+        out = b""
+        with trio.fail_after(60):
+            while not out.endswith(b"\n"):
+                chunk = await proc.stdout.receive_some()
+                assert chunk, out
+                out += chunk
+        worker, zygote = map(int, out.split())
+        try:
+            with watching(worker) as wfd, watching(zygote) as zfd:
+                assert not exited(wfd)  # in its call
+                proc.kill()
+                with trio.fail_after(10):  # the call alone has minutes to go
+                    await trio.lowlevel.wait_readable(wfd)
+                    await trio.lowlevel.wait_readable(zfd)
+        finally:  # nothing left behind if it failed
+            for pid in (worker, zygote):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
