@@ -163,7 +163,12 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    # The parent decides when we stop: a signal to the whole process group (Ctrl-C
+    # in a terminal, systemd's stop, `timeout`) is the runtime's, which drains and
+    # then closes its workers; taken here too, it killed them in the middle of the
+    # drain (and the zygote with them), and their batches were run again.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if sys.argv[1] == "--zygote":
         zygote_main(int(sys.argv[2]))
     else:

@@ -177,14 +177,19 @@ class Cli:
 
 
 @asynccontextmanager
-async def cli(tmp_path: Path, grace: float) -> AsyncIterator[Cli]:
+async def cli(
+    tmp_path: Path, grace: float, execution: str = "thread", **popen: Any
+) -> AsyncIterator[Cli]:
     cfg = tmp_path / "trioserve.toml"
-    cfg.write_text(CONFIG_TOML.format(grace=grace))
+    cfg.write_text(
+        CONFIG_TOML.format(grace=grace).replace('"thread"', f'"{execution}"')
+    )
     proc = await trio.lowlevel.open_process(
         [sys.executable, "-m", "trioserve.cli", "serve", "--config", str(cfg), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        **popen,
     )
     server = Cli(proc)
     try:
@@ -222,6 +227,27 @@ async def test_the_cli_drains_in_flight_requests_on_sigterm_and_exits_0(tmp_path
     assert answer == [200]
     assert rc == 0, text
     assert "SIGTERM: draining" in text
+    assert text.rstrip().endswith("trioserve: stopped")
+
+
+async def test_sigterm_to_the_whole_process_group_drains_worker_processes_too(
+    tmp_path: Path,
+):
+    """systemd's stop, Ctrl-C or `timeout` signal every process of the group: the zygote
+    and the workers died of it at once, in the middle of the drain, and the request in
+    flight was run again on a new worker (or failed)."""
+    async with cli(tmp_path, grace=10.0, execution="process", start_new_session=True) as server:
+        answer: list[Any] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(infer_sleep, server.url, 1500.0, answer)
+            await server.wait_in_flight(1)
+            os.killpg(server.proc.pid, signal.SIGTERM)
+        rc = await server.wait(30)
+    text = server.text
+    assert answer == [200]
+    assert rc == 0, text
+    assert "SIGTERM: draining" in text
+    assert "died" not in text
     assert text.rstrip().endswith("trioserve: stopped")
 
 
