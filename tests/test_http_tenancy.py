@@ -65,6 +65,14 @@ async def test_the_tenant_is_the_api_keys_never_the_bodys(gw):
         ({"priority": 9}, "realtime"),  # past the last level: the default, as Triton
         ({"priority": 0}, "realtime"),  # the tenant's default
         ({"priority": "9" * 5000}, "realtime"),  # past the last, however long
+        # Both sent: the level is read as the class it names before they are compared.
+        ({"priority": 1, "class": "realtime"}, "realtime"),
+        ({"priority": 2, "class": "batch"}, "batch"),
+        ({"priority": "02", "class": "batch"}, "batch"),
+        ({"priority": "batch", "class": "batch"}, "batch"),
+        # A level naming no class (0: Triton's unset; past the last) leaves it to class.
+        ({"priority": 0, "class": "batch"}, "batch"),
+        ({"priority": 9, "class": "batch"}, "batch"),
     ],
 )
 async def test_the_class_comes_from_parameters(gw, params, cls):
@@ -79,6 +87,12 @@ async def test_the_class_comes_from_parameters(gw, params, cls):
         ({"class": "gold"}, "unknown request class 'gold'; classes: realtime, batch"),
         ({"priority": -1}, "parameters.priority must be a class name or a level >= 0"),
         ({"class": "batch", "priority": "realtime"}, "disagree"),
+        (
+            {"class": "batch", "priority": 1},
+            "parameters.class 'batch' and parameters.priority '1' (class 'realtime') "
+            "disagree; send one of them",
+        ),
+        ({"class": "realtime", "priority": "2"}, "(class 'batch') disagree"),
         ({"class": 3}, "parameters.class must be a class name"),
         ({"priority": "\u00b2"}, "unknown request class '\u00b2'"),  # isdigit(), no level
     ],
@@ -97,6 +111,14 @@ async def test_a_class_the_tenant_may_not_use_is_403(gw):
         "tenant 'nightly' may not use request class 'realtime'; allowed: batch"
     )
     ok = await post(gw, "key-n")  # no class: its first allowed one
+    assert ok.status == 200
+    assert flows(gw) == {("nightly", "batch"): (1, 1)}
+
+
+async def test_a_level_and_a_class_naming_a_class_the_tenant_may_not_use_is_403(gw):
+    res = await post(gw, "key-n", **{"class": "realtime", "priority": 1})
+    assert res.status == 403
+    ok = await post(gw, "key-n", **{"class": "batch", "priority": 2})
     assert ok.status == 200
     assert flows(gw) == {("nightly", "batch"): (1, 1)}
 

@@ -184,6 +184,16 @@ async def test_a_class_the_tenant_may_not_use_is_forbidden_on_the_stream():
             await stream.infer("echo", {"x": f32(1)}, parameters={"priority": "batch"})
 
 
+async def test_a_level_and_the_class_it_names_agree_on_the_stream():
+    async with serving(config(echo_model())) as gw, open_stream(gw.url) as stream:
+        both = {"priority": 1, "class": "realtime"}
+        assert (await stream.infer("echo", {"x": f32(1)}, parameters=both))["x"].tolist() == [1]
+        with pytest.raises(InvalidInput, match=r"\(class 'realtime'\) disagree"):
+            await stream.infer("echo", {"x": f32(1)}, parameters={"priority": 1, "class": "batch"})
+        stats = gw.runtime.models["echo"].scheduler.policy.stats
+        assert {k: f.admitted for k, f in stats.items()} == {("t", "realtime"): 1}
+
+
 async def test_a_plain_get_of_the_stream_endpoint_is_426():
     from trioserve.transport import open_http
 

@@ -226,6 +226,8 @@ class Gateway:
         self.server_config = self.config.server
         self.auth = Authenticator(self.config.tenants)
         self.signatures = {n: ModelSignature.of(s) for n, s in runtime.models.items()}
+        #: the request classes' names, highest first (a Triton priority level's order)
+        self.class_names = tuple(c.name for c in runtime.config.classes)
         #: answered infer requests by (model, tenant, status): the gateway's own count.
         self.requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
         self.draining = False
@@ -366,7 +368,9 @@ class Gateway:
                     if hit is not None:
                         self.requests[(label, tenant, 200)] += 1
                         return hit
-            request = InferRequest.from_v2_json(body, sig, version=version, header_length=hlen)
+            request = InferRequest.from_v2_json(
+                body, sig, version=version, header_length=hlen, classes=self.class_names
+            )
             results = await self.run_request(request, tenant)
             out, json_len = encode_response(request, results, sig)
         except Exception as exc:

@@ -649,7 +649,9 @@ class _Session:
                 if version is not None and type(version) is not str:
                     raise InvalidInput("'version' must be a string")
                 sig.check_version(version)
-                request = InferRequest.from_v2_json(message, sig, version=version, doc=doc)
+                request = InferRequest.from_v2_json(
+                    message, sig, version=version, doc=doc, classes=gateway.class_names
+                )
                 results = await gateway.run_request(request, self.tenant)
                 frame = encode_response(request, results, sig, binary=False)[0]
                 status = 200

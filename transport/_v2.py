@@ -188,14 +188,17 @@ class InferRequest:
         version: str | None = None,
         header_length: int | None = None,
         doc: Mapping[str, Any] | None = None,
+        classes: Sequence[str] | None = None,
     ) -> InferRequest:
         """Parse and validate a v2 infer request body for ``signature``'s model.
 
         ``header_length`` (the ``Inference-Header-Content-Length`` header) says where
         the JSON ends and binary tensor data begins. ``doc`` is the body already
         decoded (the WebSocket stream decodes it to find the model; ``body`` is then
-        its text, or empty when unknown). Raises InvalidInput with a message naming
-        what is wrong and what was expected.
+        its text, or empty when unknown). ``classes`` are the request classes'
+        names, highest first: with them an integer ``parameters.priority`` sent along
+        with ``parameters.class`` is compared as the class it names. Raises
+        InvalidInput with a message naming what is wrong and what was expected.
         """
         binary = b""
         if doc is None:
@@ -256,7 +259,7 @@ class InferRequest:
 
         if params:
             binary_all = params.get("binary_data_output") is True
-            priority, timeout = _classify(params)
+            priority, timeout = _classify(params, classes)
         else:
             binary_all, priority, timeout = False, None, None
         outputs = None
@@ -765,11 +768,16 @@ def _requested_outputs(
     return tuple(out)
 
 
-def _classify(params: dict[str, Any]) -> tuple[str | None, float | None]:
+def _classify(
+    params: dict[str, Any], classes: Sequence[str] | None = None
+) -> tuple[str | None, float | None]:
     """The request class and the timeout (seconds) of ``parameters``.
 
     The class is ``class`` (a name) or ``priority`` (a name, or Triton's integer
-    level: 1 is the top class; 0 or a level past the last, the default).
+    level: 1 is the top class; 0 or a level past the last, the default). Sent
+    together they must name the same class: a level is read against ``classes``
+    (the names, highest first) before they are compared, and a level that names no
+    class (0, Triton's "unset", or one past the last) leaves ``class`` to decide.
     ``timeout_ms`` is ours; ``timeout`` (microseconds) is what Triton clients send. A
     ``tenant`` parameter is ignored: over HTTP the tenant is the API key's, never the
     body's.
@@ -787,9 +795,13 @@ def _classify(params: dict[str, Any]) -> tuple[str | None, float | None]:
         if type(cls) is not str or not cls:
             raise InvalidInput(f"parameters.class must be a class name, got {cls!r}")
         if priority is not None and priority != cls:
-            raise InvalidInput(
-                "parameters.class and parameters.priority disagree; send one of them"
-            )
+            named = _class_of_level(priority, classes)
+            if named is not None and named != cls:
+                raise InvalidInput(
+                    f"parameters.class {cls!r} and parameters.priority {priority!r}"
+                    + ("" if named == priority else f" (class {named!r})")
+                    + " disagree; send one of them"
+                )
         priority = cls
     timeout = None
     for key, scale in (("timeout_ms", 1e-3), ("timeout", 1e-6)):
@@ -801,6 +813,19 @@ def _classify(params: dict[str, Any]) -> tuple[str | None, float | None]:
         timeout = v * scale
         break
     return priority, timeout
+
+
+def _class_of_level(priority: str, classes: Sequence[str] | None) -> str | None:
+    """The class ``priority`` names: itself unless it is an integer level; for a
+    level, the class at that level in ``classes`` (1 = the first), None for a level
+    that names none (0, or past the last), or the level itself when ``classes`` is
+    unknown."""
+    if classes is None or priority in classes or not (priority.isascii() and priority.isdigit()):
+        return priority
+    digits = priority.lstrip("0")
+    if not digits or len(digits) > 18 or int(digits) > len(classes):
+        return None
+    return classes[int(digits) - 1]
 
 
 # ---------------------------------------------------------------- responses
