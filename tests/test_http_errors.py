@@ -269,6 +269,33 @@ def test_error_answers_round_retry_after_up_to_whole_seconds():
     assert b"retry-after" not in dict(headers)
 
 
+@pytest.mark.parametrize(
+    ("retry_after", "header"),
+    [
+        (0.0, b"1"), (-5.0, b"1"), (1.0, b"1"), (1.2, b"2"), (86_400.0, b"86400"),
+        (86_400.5, b"86400"), (1e300, b"86400"), (math.inf, b"86400"), (math.nan, b"86400"),
+    ],
+)
+def test_retry_after_is_whole_seconds_from_one_second_to_a_day(retry_after, header):
+    # An infinite wait (a subnormal credit_rate) raised OverflowError here: a 500.
+    for exc in (trioserve.Overloaded("busy", retry_after=retry_after),
+                trioserve.QuotaExceeded("over", retry_after=retry_after)):
+        status, headers, _ = error_answer(exc)
+        assert (status, dict(headers)[b"retry-after"]) == (exc.status, header)
+
+
+async def test_a_refill_too_slow_to_wait_for_is_429_retry_after_a_day():
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1e-320,
+                                      credit_burst=1.0),)
+    one = {"inputs": [v2_input(np.ones(1, np.float32))]}
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        assert (await post(gw, "/v2/models/echo/infer", one)).status == 200
+        for cls in ("realtime", "batch"):  # refused at once, and refused as too late
+            res = await post(gw, "/v2/models/echo/infer", {**one, "parameters": {"class": cls}})
+            assert (res.status, res.headers["retry-after"]) == (429, "86400")
+            assert "tenant 't' is over its credit rate" in error_of(res)
+
+
 async def test_timeout_ms_expiry_is_504_and_the_request_is_withdrawn():
     gate = Gate()
     async with serving(config(held_model(gate, max_batch_size=1))) as gw:

@@ -159,10 +159,25 @@ class _Inflater:
         return self._out[0] if len(self._out) == 1 else b"".join(self._out)
 
 
+#: The longest Retry-After sent, in seconds (a day): a refill slower than that (a tiny
+#: ``credit_rate``; an infinite wait) is told to come back then, not in 10**300 s,
+#: which neither a header parser nor a stream frame's 64-bit integer would take.
+RETRY_AFTER_MAX = 86_400
+
+
+def retry_after_seconds(retry_after: float) -> int:
+    """``retry_after`` as HTTP's Retry-After (RFC 9110 §10.2.3): whole seconds,
+    rounded up, at least 1 and at most :data:`RETRY_AFTER_MAX` (also for inf or NaN)."""
+    if not retry_after <= RETRY_AFTER_MAX:  # inf and NaN too
+        return RETRY_AFTER_MAX
+    return max(1, math.ceil(retry_after))
+
+
 def error_answer(exc: BaseException) -> Answer:
     """The JSON error answer of an exception: its ``status`` (500 for foreign ones),
     ``{"error": message}`` and, with 429 and 503, a Retry-After header (whole seconds,
-    from Overloaded's ``retry_after``); with 401, WWW-Authenticate (a bearer key)."""
+    from Overloaded's ``retry_after``, 1 to a day); with 401, WWW-Authenticate (a
+    bearer key)."""
     if isinstance(exc, TrioserveError):
         headers = [JSON]
         if exc.status == 401:  # RFC 9110 §15.5.2: how to authenticate
@@ -171,7 +186,7 @@ def error_answer(exc: BaseException) -> Answer:
             headers.append(ACCEPT_ENCODING)
         elif exc.status in (429, 503):
             retry_after = exc.retry_after if isinstance(exc, Overloaded) else 1.0
-            headers.append((b"retry-after", b"%d" % max(1, math.ceil(retry_after))))
+            headers.append((b"retry-after", b"%d" % retry_after_seconds(retry_after)))
         return exc.status, headers, error_body(str(exc))
     return 500, [JSON], error_body(f"internal error: {type(exc).__name__}: {exc}")
 
