@@ -123,6 +123,16 @@ async def test_a_level_and_a_class_naming_a_class_the_tenant_may_not_use_is_403(
     assert flows(gw) == {("nightly", "batch"): (1, 1)}
 
 
+async def test_tritons_timeout_0_is_no_timeout_of_the_requests_own(gw):
+    # Triton's default for ``timeout`` (µs) is 0, "no timeout": it was refused with 400.
+    res = await post(gw, "key-a", timeout=0, priority=0)
+    assert res.status == 200, res.body
+    assert flows(gw) == {("A", "realtime"): (1, 1)}
+    refused = await post(gw, "key-a", timeout_ms=0)
+    assert refused.status == 400
+    assert "parameters.timeout_ms must be a positive number, got 0" in refused.json()["error"]
+
+
 async def test_over_quota_realtime_is_429_with_retry_after_from_the_refill(gw):
     first = await post(gw, "key-m")
     assert first.status == 200

@@ -98,6 +98,36 @@ def test_parameters_set_priority_and_timeout():
         parse({**base, "parameters": {"timeout_ms": "soon"}})
 
 
+@pytest.mark.parametrize(
+    ("params", "timeout"),
+    [
+        ({"timeout": 0}, None),  # Triton's default: no timeout of the request's own
+        ({"timeout": 0, "priority": 1}, None),
+        ({"timeout_ms": 1e308}, 1e305),
+        ({"timeout": 2**64 - 1}, (2**64 - 1) * 1e-6),
+        ({"timeout_ms": 250, "timeout": 0}, 0.25),
+    ],
+)
+def test_timeout_parameters_that_are_taken(params, timeout):
+    base = {"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}]}
+    assert parse({**base, "parameters": params}).timeout == timeout
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"timeout_ms": 0}, {"timeout_ms": -1}, {"timeout_ms": 0.0}, {"timeout_ms": "5"},
+        {"timeout_ms": True}, {"timeout": -1}, {"timeout": -0.0}, {"timeout": 0.0},
+        {"timeout": "0"}, {"timeout": False},
+    ],
+)
+def test_timeout_parameters_that_are_refused(params):
+    base = {"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}]}
+    (key,) = params
+    with pytest.raises(InvalidInput, match=rf"parameters\.{key} must be a positive number"):
+        parse({**base, "parameters": params})
+
+
 def test_binary_inputs_and_outputs_follow_the_json_header():
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     header = orjson.dumps({

@@ -778,9 +778,9 @@ def _classify(
     together they must name the same class: a level is read against ``classes``
     (the names, highest first) before they are compared, and a level that names no
     class (0, Triton's "unset", or one past the last) leaves ``class`` to decide.
-    ``timeout_ms`` is ours; ``timeout`` (microseconds) is what Triton clients send. A
-    ``tenant`` parameter is ignored: over HTTP the tenant is the API key's, never the
-    body's.
+    ``timeout_ms`` is ours; ``timeout`` (microseconds) is what Triton clients send,
+    where 0 means no timeout of the request's own, as in Triton. A ``tenant``
+    parameter is ignored: over HTTP the tenant is the API key's, never the body's.
     """
     priority = params.get("priority")
     if priority is not None:
@@ -806,8 +806,8 @@ def _classify(
     timeout = None
     for key, scale in (("timeout_ms", 1e-3), ("timeout", 1e-6)):
         v = params.get(key)
-        if v is None:
-            continue
+        if v is None or (key == "timeout" and type(v) is int and v == 0):
+            continue  # Triton's timeout 0: none (its default, as if not sent)
         if type(v) not in (int, float) or not v > 0 or not math.isfinite(v):
             raise InvalidInput(f"parameters.{key} must be a positive number, got {v!r}")
         timeout = v * scale
