@@ -703,7 +703,7 @@ class Runtime:
                 raise QuotaExceeded(
                     f"tenant {tenant!r} is over its credit rate "
                     f"({bucket.rate:g}/s, burst {bucket.burst:g}); "
-                    f"{cost} more available in {wait:.3f}s",
+                    f"{cost} more available in {_seconds(wait)}",
                     retry_after=wait,
                 )
             self.credits_used[tenant] += cost
@@ -1225,3 +1225,9 @@ def _leading(value: Any) -> int:
     if shape is not None:
         return int(shape[0]) if len(shape) else 0
     return len(value) if isinstance(value, list | tuple) else 0
+
+
+def _seconds(s: float) -> str:
+    """A wait as it reads in a message: ``0.500s``; ``1e+300s`` past a year, whose
+    digits say nothing more."""
+    return f"{s:.3f}s" if s < 365 * 86_400 else f"{s:.3g}s"

@@ -488,6 +488,16 @@ def credits(rate: float, burst: float, **kw) -> trioserve.Config:
     )
 
 
+@pytest.mark.parametrize(("rate", "shown"), [(1e-300, "1e+300s"), (1e-320, "infs")])
+async def test_a_refill_of_ages_reads_short_in_the_message(autojump_clock, rate, shown):
+    """It printed the wait with its 300 digits."""
+    async with trioserve.open_runtime(credits(rate, 1.0)) as rt:
+        await rt.infer("m", item(0))
+        with pytest.raises(QuotaExceeded) as e:
+            await rt.infer("m", item(1))
+    assert str(e.value).endswith(f"; 1 more available in {shown}")
+
+
 async def test_realtime_over_quota_is_refused_with_the_refill_time(autojump_clock):
     async with trioserve.open_runtime(credits(2.0, 4.0)) as rt:
         t0 = trio.current_time()
