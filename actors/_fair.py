@@ -564,19 +564,9 @@ class FairQueue:
                 f"({share:g} of {self.bound})",
                 retry_after=self._retry_after(),
             )
-        if self._dead * 4 > self._count:
-            self._compact()
-        if self._count - self._dead >= self._capacity and not (
-            self._copies and self._drop_copy(None)
-        ):
-            if self._dead:
-                self._compact()  # push-out weighs tenants' counts of live requests
-            if not self._push_out(tenant):
-                raise Overloaded(
-                    f"model {self.model!r}: queue full "
-                    f"({self._count - self._dead} requests waiting)",
-                    retry_after=self._retry_after(),
-                )
+        # Before any push-out: a request refused for its deadline must not have
+        # shed another on its way (the estimate counts the one it would push out,
+        # which errs on the side of refusing).
         rate = self.rate
         if (
             rate > 0.0
@@ -591,6 +581,19 @@ class FairQueue:
                 f"({max(0.0, request.deadline - now) * 1e3:.0f} ms left)",
                 retry_after=max(wait, 0.05),
             )
+        if self._dead * 4 > self._count:
+            self._compact()
+        if self._count - self._dead >= self._capacity and not (
+            self._copies and self._drop_copy(None)
+        ):
+            if self._dead:
+                self._compact()  # push-out weighs tenants' counts of live requests
+            if not self._push_out(tenant):
+                raise Overloaded(
+                    f"model {self.model!r}: queue full "
+                    f"({self._count - self._dead} requests waiting)",
+                    retry_after=self._retry_after(),
+                )
 
     def _too_late(self, request: Request, tenant: str, c: int, now: float) -> float | None:
         """The estimated wait of ``request`` if it runs past its deadline, else None."""

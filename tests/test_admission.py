@@ -128,6 +128,24 @@ async def test_a_tenant_under_its_share_pushes_out_the_newest_of_the_most_over_s
     assert q.stats["a", "default"].queued == 2
 
 
+def test_a_request_refused_for_its_deadline_pushes_nobody_out():
+    """The push-out came first: a's newest was answered 503 to make room for a request
+    of b that the estimated wait then refused too, two sheds for nothing."""
+    q = queue(4, max_size=2)
+    fill(q, "a", 4)
+    b1, b2 = q.next_batch(0.0), q.next_batch(0.0)
+    q.completed(b1, 1.0)
+    q.completed(b2, 2.0)  # two full batches 1 s apart: 2 units/s
+    a = fill(q, "a", 4)  # full, and 2 s of work ahead
+    with pytest.raises(Overloaded, match="estimated time to serve it"):
+        q.offer(req("b", deadline=2.5), 2.0)  # b is under its share: it would push out
+    assert [r.reply.state for r in a] == [QUEUED] * 4
+    assert q.stats["a", "default"].shed == 0
+    late = req("b", deadline=10.0)
+    q.offer(late, 2.0)  # in time: now it does push out a's newest
+    assert [r.reply.state for r in a] == [QUEUED] * 3 + [DONE]
+
+
 def test_a_tenant_at_or_over_its_share_of_a_full_queue_is_refused():
     q = queue(4)
     a = fill(q, "a", 4)
