@@ -377,8 +377,13 @@ class ServerConfig:
     #: a request begun must have arrived whole (head and body) this long after: else 408
     request_timeout_s: float = _field(_number(0.0, strict=True), 30.0)
     stream_in_flight: int = _field(_int(1), 256)
-    #: a /v2/stream client that takes none of its answers for this long is closed (1008)
-    stream_write_timeout_s: float = _field(_number(0.0, strict=True), 30.0)
+    #: a client that takes no byte of an answer for this long is cut: an HTTP
+    #: connection is closed, a /v2/stream closed with 1008
+    write_timeout_s: float = _field(_number(0.0, strict=True), 30.0)
+    #: the stream's own bound, if set; else ``write_timeout_s``
+    stream_write_timeout_s: float | None = _field(
+        _number(0.0, strict=True, optional=True), None
+    )
     idempotency_window_s: float = _field(_number(0.0), 60.0)
     idempotency_max_keys: int = _field(_int(1), 10_000)
 

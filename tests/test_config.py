@@ -115,6 +115,17 @@ def test_load_config_reads_every_table(tmp_path):
     assert cfg.server.stream_in_flight == ServerConfig().stream_in_flight
 
 
+def test_one_write_timeout_serves_http_and_the_stream_unless_the_stream_has_its_own(
+    tmp_path,
+):
+    """``server.write_timeout_s`` bounds both; ``stream_write_timeout_s`` (the stream's
+    own, older key) is still read, and set it wins for the stream."""
+    assert (ServerConfig().write_timeout_s, ServerConfig().stream_write_timeout_s) == (30.0, None)
+    head = '[models.e]\nbackend = "echo"\n[server]\n'
+    cfg = trioserve.load_config(write(tmp_path, head + "stream_write_timeout_s = 5\n"))
+    assert (cfg.server.write_timeout_s, cfg.server.stream_write_timeout_s) == (30.0, 5)
+
+
 def test_a_minimal_file_gets_the_default_tenant_runtime_and_server(tmp_path):
     cfg = trioserve.load_config(write(tmp_path, '[models.e]\nbackend = "echo"\n'))
     assert cfg.tenants == (TenantConfig(name="default", default=True),)
@@ -238,6 +249,14 @@ def test_bad_model_values_name_the_key(tmp_path, line, message):
         (
             "[models.m]\nbackend = 'echo'\n[server]\nport = 70000\n",
             "server.port: must be a port number, 0 to 65535 (0: any free port), got 70000",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\nwrite_timeout_s = 0\n",
+            "server.write_timeout_s: must be a finite number > 0.0, got 0",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\nstream_write_timeout_s = 0\n",
+            "server.stream_write_timeout_s: must be a finite number > 0.0, got 0",
         ),
         (
             "[models.m]\nbackend = 'echo'\n[tenants.t]\nweight = 0\n",

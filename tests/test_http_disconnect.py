@@ -2,7 +2,9 @@
 withdrawn if still queued (it never runs, its credits are refunded) or its answer
 dropped if running, the connection closes without an answer, and the gateway counts
 it. A client that merely sends its next request meanwhile (pipelining) is not leaving.
-Real sockets against a gateway on a loopback port."""
+A client that stops reading its answers is cut after ``server.write_timeout_s``.
+Real sockets against a gateway on a loopback port (a Unix socket pair where the mock
+clock drives the test)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import threading
 from typing import Any
 
 import h11
+import numpy as np
 import orjson
+import pytest
 import trio
 from http_helpers import GATE_LIMIT_S, X, Y, config, serving, settle, v2_input
 from trioserve import CallableBackend, ModelConfig
@@ -308,3 +312,124 @@ async def test_the_watch_cancels_only_a_waiting_connection_and_rearms():
         watch.close()
         ours.close()
         theirs.close()
+
+
+class Wide:
+    """A model answering each item with ``WIDE`` copies of its x[0] (an answer far
+    larger than any socket buffer of the tests' socket pairs); records every x[0]."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def __call__(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        self.seen.extend(float(it["x"][0]) for it in items)
+        return [{"y": np.full(WIDE, it["x"][0], np.float32)} for it in items]
+
+
+WIDE = 100_000
+
+
+def wide_config(model: Wide) -> Any:
+    backend = CallableBackend(model, inputs=[X], outputs=[Y], execution="inline")
+    cfg = ModelConfig(name="held", backend=backend, max_batch_size=1, max_wait_ms=0.0)
+    return config(cfg, server={"write_timeout_s": 20})
+
+
+async def serve_pair(gw: Gateway, nursery: trio.Nursery) -> trio.SocketStream:
+    """A connection served over a Unix socket pair, the server's send buffer small.
+    Not TCP: no delayed acknowledgement makes a write wait on the wall clock while the
+    mock clock jumps, so the client not reading is all that stops the server's writes."""
+    from trioserve.transport._http import serve_connection
+
+    server, client = trio.socket.socketpair()
+    server.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, 4096)
+    nursery.start_soon(serve_connection, gw, trio.SocketStream(server))
+    return trio.SocketStream(client)
+
+
+async def read_to_eof(stream: trio.SocketStream) -> bytes:
+    data = b""
+    try:
+        while chunk := await stream.receive_some(1 << 20):
+            data += chunk
+    except trio.BrokenResourceError:
+        pass  # a reset after the bytes that came: as EOF here
+    return data
+
+
+@pytest.mark.parametrize("pipelined", [1, 3], ids=["keep-alive", "pipelined"])
+async def test_a_client_that_takes_no_answer_is_cut_after_the_write_timeout(
+    autojump_clock, pipelined
+):
+    """Its answer fills the socket; after ``server.write_timeout_s`` with none of it
+    taken the connection closes, the requests pipelined behind that answer are never
+    admitted (nothing ran or was charged for them), and the gateway counts it."""
+    model = Wide()
+    async with serving(wide_config(model)) as gw, trio.open_nursery() as nursery:
+        rt = gw.runtime
+        sock = await serve_pair(gw, nursery)
+        await sock.send_all(b"".join(request(float(i + 1)) for i in range(pipelined)))
+        await settle()  # the first answer (~400 KB) waits: the client does not read
+        t0 = trio.current_time()
+        await trio.sleep(19.75)
+        assert gw.statistics().connections == 1
+        assert gw.statistics().http_write_timeouts == 0
+        await trio.sleep(0.5)
+        assert trio.current_time() == t0 + 20.25
+        stats = gw.statistics()
+        assert (stats.http_write_timeouts, stats.connections) == (1, 0)
+        assert model.seen == [1.0]
+        assert dict(gw.requests) == {("held", "t", 200): 1}
+        flow = rt.statistics()["held"]["flows"]["t/realtime"]
+        assert (flow["admitted"], flow["withdrawn"]) == (1, 0)
+        # the client, reading at last, finds the answer cut short, then the end
+        data = await read_to_eof(sock)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        length = int(head.lower().partition(b"content-length: ")[2].split(b"\r\n")[0])
+        assert 0 < len(body) < length
+        await sock.aclose()
+
+        metrics = await serve_pair(gw, nursery)
+        await metrics.send_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        text = (await read_to_eof(metrics)).decode()
+        assert "\ntrioserve_http_write_timeouts_total 1.0\n" in text
+        assert "\ntrioserve_stream_write_timeouts_total 0.0\n" in text
+
+
+async def test_a_slow_client_that_keeps_reading_is_never_cut(autojump_clock):
+    """Each byte the socket takes starts the wait afresh: a client that takes a little
+    every 15 s gets both pipelined answers whole, though each takes far longer than
+    ``server.write_timeout_s`` (20 s) to arrive."""
+    model = Wide()
+    async with serving(wide_config(model)) as gw, trio.open_nursery() as nursery:
+        sock = await serve_pair(gw, nursery)
+        await sock.send_all(request(1.0) + request(2.0))
+        t0 = trio.current_time()
+        h = h11.Connection(h11.CLIENT)
+        got: list[tuple[int, bytes]] = []
+        status, body = 0, b""
+        for x in (1.0, 2.0):
+            h.send(h11.Request(method="POST", target="/", headers=[("Host", "t"),
+                                                                  ("Content-Length", "0")]))
+            h.send(h11.EndOfMessage())
+            while True:
+                event = h.next_event()
+                if event is h11.NEED_DATA:
+                    await trio.sleep(15)
+                    h.receive_data(await sock.receive_some(16 * 1024))
+                elif isinstance(event, h11.Response):
+                    status, body = event.status_code, b""
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+            got.append((status, body))
+            assert orjson.loads(body)["outputs"][0]["data"][:2] == [x, x]
+            h.start_next_cycle()
+        assert [s for s, _ in got] == [200, 200]
+        assert all(len(orjson.loads(b)["outputs"][0]["data"]) == WIDE for _, b in got)
+        assert trio.current_time() - t0 > 10 * 20  # both took many timeouts' worth
+        assert gw.statistics().http_write_timeouts == 0
+        assert gw.statistics().connections == 1
+        await sock.aclose()

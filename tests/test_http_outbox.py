@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import trio.testing
-from trioserve.transport._http import Outbox
+from trioserve.transport._http import Outbox, _WriteStalled
 
 
 @pytest.fixture
@@ -144,3 +144,19 @@ async def test_answers_larger_than_the_socket_buffer_arrive_whole(pairs):
         assert sorted(waited) == [False, True, True]
         await trio.testing.wait_all_tasks_blocked()
     assert [received[i] == big[i] for i in range(3)] == [True, True, True]
+
+
+async def test_a_waiting_answer_the_socket_stops_taking_stalls_after_its_bound(
+    pairs, autojump_clock
+):
+    """The flusher writes what the socket takes; the rest is the connection's to wait
+    for, at most ``stall_after`` with no byte taken: then _WriteStalled."""
+    big = b"x" * (4 << 20)  # more than any socket buffer: the peer never reads
+    async with flushing() as (outbox, _):
+        (a0, b0), (a1, _) = pairs[0], pairs[1]
+        assert await outbox.send(a0.fileno(), b"first", 20.0) is False  # opens a round
+        t0 = trio.current_time()
+        with pytest.raises(_WriteStalled):
+            await outbox.send(a1.fileno(), big, 20.0)  # waits for the flusher, then stalls
+        assert trio.current_time() == t0 + 20.0
+        assert b0.recv(100) == b"first"

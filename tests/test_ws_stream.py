@@ -758,10 +758,20 @@ async def test_a_protocol_error_closes_at_once_and_withdraws_requests_in_flight(
         gate.release()
 
 
+@pytest.mark.parametrize(
+    ("server", "key"),
+    [
+        ({"stream_write_timeout_s": 20}, "stream_write_timeout_s"),
+        ({"write_timeout_s": 20}, "write_timeout_s"),  # the stream's bound by default
+        ({"write_timeout_s": 5, "stream_write_timeout_s": 20}, "stream_write_timeout_s"),
+    ],
+    ids=["stream", "general", "stream-over-general"],
+)
 async def test_a_client_that_takes_no_answers_is_closed_with_1008_after_the_timeout(
-    autojump_clock,
+    autojump_clock, server, key
 ):
-    """Its answers fill the socket; after ``server.stream_write_timeout_s`` with none
+    """Its answers fill the socket; after its write timeout (``server.stream_write_timeout_s``,
+    else ``server.write_timeout_s``) with none
     of them taken the stream closes with 1008 and its requests in flight are withdrawn
     (a queued one refunded). A client that reads again then sees whole answers, then
     the close frame: the answer cut by the timeout is finished first."""
@@ -770,7 +780,7 @@ async def test_a_client_that_takes_no_answers_is_closed_with_1008_after_the_time
     gate = Gate()
     tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
     cfg = config(echo_model(), held_model(gate, max_batch_size=1, timeout_ms=None),
-                 tenants=tenants, server={"stream_write_timeout_s": 20})
+                 tenants=tenants, server=server)
     from trioserve.transport._http import serve_connection
 
     x = np.random.default_rng(4).standard_normal(100_000).astype(np.float32).tolist()
@@ -813,7 +823,7 @@ async def test_a_client_that_takes_no_answers_is_closed_with_1008_after_the_time
             assert all(a["outputs"][0]["shape"] == [100_000] for a in answers)
             assert isinstance(events[-1], CloseConnection)
             assert (events[-1].code, events[-1].reason) == (
-                1008, "answers not read for 20 s (server.stream_write_timeout_s)")
+                1008, f"answers not read for 20 s (server.{key})")
             await sock.aclose()
             await settle()
             assert gw.statistics().streams == 0

@@ -196,9 +196,9 @@ class GatewayStatistics:
     """A snapshot of the gateway: open connections (of which WebSocket streams), HTTP
     infer requests being answered, the most stream requests one connection has had
     in flight, HTTP infer requests given up because their client closed its
-    connection while they waited, whether it is draining, and streams closed (1008)
-    because their client took none of their answers for
-    ``server.stream_write_timeout_s``."""
+    connection while they waited, whether it is draining, streams closed (1008)
+    because their client took none of their answers for their write timeout, and
+    HTTP connections closed for the same reason (``server.write_timeout_s``)."""
 
     connections: int
     streams: int
@@ -207,6 +207,7 @@ class GatewayStatistics:
     clients_gone: int
     draining: bool
     stream_write_timeouts: int = 0
+    http_write_timeouts: int = 0
 
 
 @attrs.define(eq=False, slots=True)
@@ -254,6 +255,8 @@ class Gateway:
         self.clients_gone = 0
         #: streams closed because their client did not take their answers in time
         self.stream_write_timeouts = 0
+        #: HTTP connections closed because their client did not take an answer in time
+        self.http_write_timeouts = 0
         self._conns: set[_Conn] = set()
         self._streams = 0
         self._all_closed = trio.Event()
@@ -541,6 +544,7 @@ class Gateway:
             clients_gone=self.clients_gone,
             draining=self.draining,
             stream_write_timeouts=self.stream_write_timeouts,
+            http_write_timeouts=self.http_write_timeouts,
         )
 
     @property

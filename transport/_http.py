@@ -85,8 +85,8 @@ class Outbox:
     once a round. With one connection every answer is the first of its round: no wait.
 
     A connection whose answer waits is parked until the flusher wrote what the socket
-    took; it waits for the rest itself. Cancelled while parked, its answer is not
-    written.
+    took; it waits for the rest itself, at most ``stall_after`` at a time (_WriteStalled).
+    Cancelled while parked, its answer is not written.
     """
 
     def __init__(self) -> None:
@@ -118,15 +118,16 @@ class Outbox:
             self._parked = False
             self._flusher = None
 
-    async def send(self, fd: int, data: bytes) -> bool:
+    async def send(self, fd: int, data: bytes, stall_after: float = math.inf) -> bool:
         """Write ``data`` to the connection's socket, now or with the round's other
-        answers. Returns whether the task went through the scheduler (it waited)."""
+        answers. Returns whether the task went through the scheduler (it waited).
+        Raises _WriteStalled when the socket takes no byte of it for ``stall_after``."""
         if not self._round:
             if self._parked:
                 self._round = True
                 self._parked = False
                 trio.lowlevel.reschedule(self._flusher)
-            await _send_all(fd, data)
+            await _send_all(fd, data, stall_after)
             return False
         entry = (fd, data, trio.lowlevel.current_task())
         pending = self._pending
@@ -141,7 +142,7 @@ class Outbox:
 
         n = await trio.lowlevel.wait_task_rescheduled(abort)
         if n < len(data):
-            await _send_rest(fd, data, n)
+            await _send_rest(fd, data, n, stall_after)
         return True
 
 
@@ -157,6 +158,11 @@ class _ReadTimeout(Exception):
         self.idle = idle
 
 
+class _WriteStalled(Exception):
+    """The client took no byte of an answer for ``server.write_timeout_s``: it does not
+    read. Nothing more can be written on the connection (the answer is cut)."""
+
+
 class _Close(Exception):
     """End the connection after answering (``linger``: drain unread request bytes)."""
 
@@ -167,7 +173,10 @@ class _Close(Exception):
 async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
     """Serve one client connection until it closes, errs, or the gateway drains.
 
-    A request still unanswered when the drain's grace period ends gets a 503.
+    A request still unanswered when the drain's grace period ends gets a 503. A client
+    that takes no byte of an answer for ``server.write_timeout_s`` is cut: the
+    connection closes (requests it pipelined behind that answer are never read, so
+    never admitted) and ``Gateway.http_write_timeouts`` counts it.
     """
     c = _Connection(gateway, stream)
     linger = False
@@ -178,6 +187,8 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
             handed_off = await c.serve()
         except _Close as close:
             linger = close.linger
+        except _WriteStalled:
+            c.stalled = True
         except _ReadTimeout as timeout:
             if not timeout.idle:
                 linger = True
@@ -185,7 +196,7 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
                     "request timeout: the request did not arrive whole within "
                     f"{gateway.server_config.request_timeout_s:g} s (server.request_timeout_s)"
                 )
-                await _send_quietly_raw(stream, 408, body)
+                await _send_quietly_raw(c, 408, body)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away
         except h11.RemoteProtocolError as exc:
@@ -198,22 +209,26 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
                     if b"\n" not in c.h.trailing_data[0][:MAX_TARGET + 32]:
                         # the request line alone is over the limit: its target is long
                         status, body = 414, error_body(_LONG_TARGET)
-                await _send_quietly(stream, c.h, status, [JSON], body)
+                await _send_quietly(c, status, [JSON], body)
         except Exception as exc:
             # A bug, not bad input: fail this connection only, never the server.
             log.exception("connection %s: unexpected error", _peer(stream, local=False))
             linger = True
             if c.h.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 body = error_body(f"internal error: {type(exc).__name__}: {exc}")
-                await _send_quietly(stream, c.h, 500, [JSON], body)
+                await _send_quietly(c, 500, [JSON], body)
     try:
-        if c.conn.gone and scope.cancelled_caught:
+        if c.stalled:
+            # Cut: nothing more is written, and what it sent is not drained.
+            gateway.http_write_timeouts += 1
+            linger = False
+        elif c.conn.gone and scope.cancelled_caught:
             pass  # the client hung up while its request waited: nobody to answer
         elif scope.cancelled_caught and not handed_off and c.h.our_state is h11.SEND_RESPONSE:
             # Drained past the grace period with this request unanswered: say so.
             body = error_body("the server is shutting down; the request was not completed")
             with trio.CancelScope(shield=True), trio.move_on_after(LINGER):
-                await _send_quietly(stream, c.h, 503, [JSON, (b"retry-after", b"1")], body)
+                await _send_quietly(c, 503, [JSON, (b"retry-after", b"1")], body)
         if not handed_off:
             with trio.CancelScope(shield=True), trio.move_on_after(LINGER):
                 await _close(stream, linger)
@@ -238,15 +253,20 @@ def _next_h11(trailing: bytes) -> tuple[h11.Connection, bool]:
 
 
 class _Connection:
-    """One client connection: its stream, its h11 state, its place in the drain."""
+    """One client connection: its stream, its h11 state, its place in the drain, and
+    the bound on each of its writes (``server.write_timeout_s``)."""
 
-    __slots__ = ("conn", "gateway", "h", "stream")
+    __slots__ = ("conn", "fd", "gateway", "h", "stalled", "stream", "write_timeout")
 
     def __init__(self, gateway: Gateway, stream: trio.SocketStream) -> None:
         self.gateway = gateway
         self.stream = stream
+        self.fd = stream.socket.fileno()
         self.h = _new_h11()
         self.conn: _Conn
+        self.write_timeout = gateway.server_config.write_timeout_s
+        #: a write was cut: the client took no byte of it for ``write_timeout``
+        self.stalled = False
 
     async def serve(self) -> bool:
         """The keep-alive loop. Returns True when a WebSocket took the connection over.
@@ -254,7 +274,7 @@ class _Connection:
         While an infer request waits, the gateway's hang-up watch (``._hangup``) may
         cancel the connection's scope: its client has gone.
         """
-        fd = self.stream.socket.fileno()
+        fd = self.fd
         watch = self.gateway.hangups
         try:
             return await self._serve(fd, watch)
@@ -268,6 +288,7 @@ class _Connection:
         max_body = gateway.server_config.max_body_bytes
         idle = gateway.server_config.keep_alive_timeout_s
         patience = gateway.server_config.request_timeout_s
+        stall = self.write_timeout
         h = self.h
         empty = True  # h is fresh with nothing buffered: its next event is NEED_DATA
         outbox = gateway.outbox
@@ -309,7 +330,7 @@ class _Connection:
             version = request.http_version
             keep_alive = version == b"1.1"
             if not keep_alive and version != b"1.0":
-                raise await _refuse(stream, h, 505, f"HTTP/{version.decode()} is not supported")
+                raise await _refuse(self, 505, f"HTTP/{version.decode()} is not supported")
             head = len(request.target)
             for raw_name, value in request.headers.raw_items():
                 name = raw_name.lower()
@@ -317,7 +338,7 @@ class _Connection:
                 if name == b"content-length":
                     length = int(value)  # h11 checked it: digits, one value
                     if length > max_body:
-                        raise await _too_large(stream, h, max_body)
+                        raise await _too_large(self, max_body)
                 elif name == b"transfer-encoding":
                     chunked = True
                 elif name == b"authorization":
@@ -336,15 +357,15 @@ class _Connection:
                     keep_alive = False
             if head > MAX_HEAD:
                 if len(request.target) > MAX_TARGET:
-                    raise await _refuse(stream, h, 414, _LONG_TARGET)
+                    raise await _refuse(self, 414, _LONG_TARGET)
                 raise await _refuse(
-                    stream, h, 431, f"bad HTTP request: request head over {MAX_HEAD} bytes"
+                    self, 431, f"bad HTTP request: request head over {MAX_HEAD} bytes"
                 )
             if length >= 0 and chunked:
                 # A body framed two ways is how requests are smuggled past a proxy:
                 # refuse it and close (RFC 9112 6.1).
                 raise await _refuse(
-                    stream, h, 400, "bad HTTP request: both Transfer-Encoding and Content-Length"
+                    self, 400, "bad HTTP request: both Transfer-Encoding and Content-Length"
                 )
 
             method = request.method
@@ -378,16 +399,16 @@ class _Connection:
                         chunks.append(event.data)
                         size += len(event.data)
                         if size > max_body:
-                            raise await _too_large(stream, h, max_body)
+                            raise await _too_large(self, max_body)
                     elif kind is _EndOfMessage:
                         break
                     elif event is _NEED_DATA:
                         if chunked and size + _chunk_left(h) > max_body:
                             # a chunk-size line over the limit: refused before its data
-                            raise await _too_large(stream, h, max_body)
+                            raise await _too_large(self, max_body)
                         if h.they_are_waiting_for_100_continue:
                             go_on = h11.InformationalResponse(status_code=100, headers=[])
-                            await _send_all(fd, h.send(go_on))
+                            await _send_all(fd, h.send(go_on), stall)
                         if deadline == math.inf:
                             deadline = trio.current_time() + patience
                         h.receive_data(await _receive(fd, False, deadline=deadline))
@@ -419,13 +440,13 @@ class _Connection:
                     # after this one.
                     answer = _plain_response(status, headers, out)
                     if outbox is None:
-                        await _send_all(fd, answer)
+                        await _send_all(fd, answer, stall)
                     else:
-                        waited = await outbox.send(fd, answer)
+                        waited = await outbox.send(fd, answer, stall)
                     h, empty = _next_h11(h.trailing_data[0] if rest is None else rest)
                     self.h = h
                     continue
-                await _send_all(fd, _response(h, status, headers, out, True))
+                await _send_all(fd, _response(h, status, headers, out, True), stall)
                 raise _Close()
             if upgrade is not None and b"websocket" in upgrade.lower() and (
                 method == b"GET" and keep_alive and version == b"1.1"
@@ -455,7 +476,7 @@ class _Connection:
 
             # ---- answer through h11; keep the connection unless it must close
             close = gateway.draining
-            await _send_all(fd, _response(h, status, headers, out, close))
+            await _send_all(fd, _response(h, status, headers, out, close), stall)
             if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 raise _Close()
             h, empty = _next_h11(h.trailing_data[0])
@@ -514,21 +535,27 @@ async def _receive(
             raise trio.BrokenResourceError(f"connection lost: {exc}") from exc
 
 
-async def _send_all(fd: int, data: bytes) -> None:
+async def _send_all(fd: int, data: bytes, stall_after: float = math.inf) -> None:
     """Write all of ``data`` to the connection's socket, waiting only when the socket
     buffer is full. An answer that fits leaves in one ``write`` and no scheduler trip
-    (trio's ``send_all`` adds a checkpoint after every send)."""
+    (trio's ``send_all`` adds a checkpoint after every send). A socket that takes no
+    byte of it for ``stall_after`` raises _WriteStalled."""
     n = _write_some(fd, data)
     if n < len(data):
-        await _send_rest(fd, data, n)
+        await _send_rest(fd, data, n, stall_after)
 
 
-async def _send_rest(fd: int, data: bytes, n: int) -> None:
-    """Write ``data[n:]``, waiting for the socket to take it."""
+async def _send_rest(fd: int, data: bytes, n: int, stall_after: float = math.inf) -> None:
+    """Write ``data[n:]``, waiting for the socket to take it: at most ``stall_after`` for
+    each byte (every write the socket takes starts the wait afresh, so a slow reader
+    is never cut); past that, _WriteStalled. Only a wait reads the clock."""
     with memoryview(data) as view:
         while n < len(view):
-            await _wait_writable(fd)
-            n += _write_some(fd, view[n:])
+            with trio.move_on_after(stall_after):
+                await _wait_writable(fd)
+                n += _write_some(fd, view[n:])
+                continue
+            raise _WriteStalled(f"the client took no byte for {stall_after:g} s")
 
 
 def _write_some(fd: int, data: bytes | memoryview) -> int:
@@ -571,35 +598,41 @@ def _response(h: h11.Connection, status: int, headers: Headers, body: bytes, clo
     return out + h.send(_EndOfMessage())
 
 
-async def _send_quietly(stream: trio.SocketStream, h: h11.Connection, status: int,
-                        headers: Headers, body: bytes) -> None:
-    """Send an error answer, ignoring a client that has gone."""
+async def _send_quietly(c: _Connection, status: int, headers: Headers, body: bytes) -> None:
+    """Send an error answer (the connection then closes), ignoring a client that has
+    gone; one that takes none of it within the write timeout is marked stalled."""
     try:
-        await stream.send_all(_response(h, status, headers, body, True))
-    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
-        pass
+        data = _response(c.h, status, headers, body, True)
+    except h11.LocalProtocolError:
+        return
+    await _send_closing(c, data)
 
 
-async def _too_large(stream: trio.SocketStream, h: h11.Connection, limit: int) -> _Close:
-    message = f"request body too large: the limit is {limit} bytes (server.max_body_bytes)"
-    return await _refuse(stream, h, 413, message)
-
-
-async def _send_quietly_raw(stream: trio.SocketStream, status: int, body: bytes) -> None:
-    """An error answer written without h11 (whose state may not allow one: a head not
-    yet whole), then the connection closes; a client that has gone is ignored."""
+async def _send_closing(c: _Connection, data: bytes) -> None:
     try:
-        await stream.send_all(_plain_response(status, [JSON, (b"connection", b"close")], body))
+        await _send_all(c.fd, data, c.write_timeout)
+    except _WriteStalled:
+        c.stalled = True
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
+    await _checkpoint()  # a checkpoint, as trio's send_all was
 
 
-async def _refuse(
-    stream: trio.SocketStream, h: h11.Connection, status: int, message: str
-) -> _Close:
+async def _too_large(c: _Connection, limit: int) -> _Close:
+    message = f"request body too large: the limit is {limit} bytes (server.max_body_bytes)"
+    return await _refuse(c, 413, message)
+
+
+async def _send_quietly_raw(c: _Connection, status: int, body: bytes) -> None:
+    """An error answer written without h11 (whose state may not allow one: a head not
+    yet whole), then the connection closes; a client that has gone is ignored."""
+    await _send_closing(c, _plain_response(status, [JSON, (b"connection", b"close")], body))
+
+
+async def _refuse(c: _Connection, status: int, message: str) -> _Close:
     """Answer ``status`` with the error ``message`` (a request refused before its body
     is read, or while reading it) and close the connection."""
-    await _send_quietly(stream, h, status, [JSON], error_body(message))
+    await _send_quietly(c, status, [JSON], error_body(message))
     return _Close(linger=True)
 
 

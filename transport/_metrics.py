@@ -116,8 +116,15 @@ class GatewayCollector(Collector):
         yield CounterMetricFamily(
             "trioserve_stream_write_timeouts",
             "/v2/stream connections closed (1008) because the client took none of its "
-            "answers for server.stream_write_timeout_s (its requests in flight withdrawn).",
+            "answers for its write timeout (server.stream_write_timeout_s, else "
+            "server.write_timeout_s; its requests in flight withdrawn).",
             value=stats.stream_write_timeouts,
+        )
+        yield CounterMetricFamily(
+            "trioserve_http_write_timeouts",
+            "HTTP connections closed because the client took no byte of an answer for "
+            "server.write_timeout_s (requests it pipelined behind it never admitted).",
+            value=stats.http_write_timeouts,
         )
 
 

@@ -312,7 +312,10 @@ class ReplayStream(trio.abc.HalfCloseableStream):
 async def serve_stream(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> None:
     """Run the WebSocket handshake on ``stream`` and serve the stream until either
     side closes it or the gateway drains. A 401 rejects the handshake."""
-    stream.write_timeout = gateway.server_config.stream_write_timeout_s
+    timeout = gateway.server_config.stream_write_timeout_s
+    stream.write_timeout = (
+        gateway.server_config.write_timeout_s if timeout is None else timeout
+    )
     try:
         async with trio.open_nursery() as flushing:
             flushing.start_soon(stream.run_flusher)
@@ -476,8 +479,10 @@ class _Session:
 
                 def stalled() -> None:
                     timeout = self.stream.write_timeout
+                    key = ("write_timeout_s" if self.gateway.server_config
+                           .stream_write_timeout_s is None else "stream_write_timeout_s")
                     self._closing = (1008, f"answers not read for {timeout:g} s "
-                                           "(server.stream_write_timeout_s)")
+                                           f"(server.{key})")
                     self.gateway.stream_write_timeouts += 1
                     reading.cancel("the client does not read its answers")
                     requests.cancel_scope.cancel("the client does not read its answers")
