@@ -829,3 +829,62 @@ async def test_a_client_that_takes_no_answers_is_closed_with_1008_after_the_time
             assert gw.statistics().streams == 0
     finally:
         gate.release()
+
+
+def _masked(payload: bytes) -> bytes:
+    """``payload`` masked with the key of :func:`_frame_header`."""
+    mask = b"\x01\x02\x03\x04"
+    return bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+@pytest.mark.parametrize("decoder_state", ["read", "unreadable"])
+async def test_a_message_of_exactly_the_limit_arriving_slowly_is_served(
+    autojump_clock, monkeypatch, decoder_state
+):
+    """The check of the pending frame header counts what the message has brought and
+    what the header still announces, to the byte: a euro sign cut between two reads
+    (held by the UTF-8 decoder) is not lost nor counted twice. Were wsproto's decoder
+    state unreadable, the bytes are counted as they come, as before."""
+    from trioserve.transport import _stream
+    from wsproto.events import TextMessage
+
+    if decoder_state == "unreadable":
+        monkeypatch.setattr(_stream, "_unread", lambda frames, texts: 0)
+    doc = json.dumps({"id": "€", "model": "echo", "inputs": [
+        {"name": "x", "shape": [1], "datatype": "FP32", "data": [2.0]}]}, ensure_ascii=False)
+    text = (doc + " " * 1000).encode()[:1000]  # padded with spaces to 1,000 bytes
+    cut = text.index("€".encode()) + 1  # inside the first euro sign
+    async with serving(config(echo_model(), server={"max_body_bytes": 1000})) as gw:
+        sock, ws = await _raw_handshake(gw)
+        payload = _masked(text)
+        await sock.send_all(_frame_header(1000) + payload[:cut])
+        await settle()
+        assert gw.statistics().streams == 1  # not refused: exactly the limit
+        await sock.send_all(payload[cut:])
+        events = await _events_until(sock, ws, TextMessage)
+        answer = json.loads(events[-1].data)
+        assert answer["id"] == "€"
+        assert answer["outputs"][0]["data"] == [2.0]
+        await sock.aclose()
+
+
+async def test_without_the_decoder_state_a_message_is_refused_as_its_bytes_come(
+    autojump_clock, monkeypatch
+):
+    """The fallback: a frame announcing one byte over the limit is read until its
+    bytes pass the limit, then refused (1009) all the same."""
+    from trioserve.transport import _stream
+    from wsproto.events import CloseConnection
+
+    monkeypatch.setattr(_stream, "_unread", lambda frames, texts: 0)
+    async with serving(config(echo_model(), server={"max_body_bytes": 1000})) as gw:
+        sock, ws = await _raw_handshake(gw)
+        payload = _masked(b"x" * 1001)
+        await sock.send_all(_frame_header(1001) + payload[:600])
+        await settle()
+        assert gw.statistics().streams == 1  # the header alone is not seen
+        await sock.send_all(payload[600:])
+        ws.receive_data(await _read_to_eof(sock))
+        closes = [e for e in ws.events() if isinstance(e, CloseConnection)]
+        assert [(e.code, e.reason) for e in closes] == [(1009, "message over 1000 bytes")]
+        await sock.aclose()

@@ -50,8 +50,6 @@ from wsproto.events import (
     TextMessage,
 )
 from wsproto.events import Request as WsRequest
-from wsproto.extensions import Extension
-from wsproto.frame_protocol import CloseReason, Opcode, RsvBits
 from wsproto.utilities import RemoteProtocolError
 
 from ._gateway import UNKNOWN_MODEL, WWW_AUTHENTICATE, error_answer, log
@@ -374,43 +372,29 @@ async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Se
         return None
     await stream.send_all(ws.send(AcceptConnection()))
     stream.release_held()
-    # The handshake's connection, with the size limit read from each frame header.
-    limit = _MessageLimit(gateway.server_config.max_body_bytes)
-    return _Session(gateway, Connection(ConnectionType.SERVER, [limit]), stream, tenant, conn)
+    # The handshake's connection, without extensions: any extension, even one that
+    # only reads frame headers, makes wsproto copy every payload twice.
+    return _Session(gateway, Connection(ConnectionType.SERVER), stream, tenant, conn)
 
 
-_NO_RSV = RsvBits(False, False, False)
-
-
-class _MessageLimit(Extension):
-    """Refuses a message over ``limit`` bytes (1009) as soon as a frame header says
-    so: wsproto asks each extension about each frame header before reading its
-    payload. Never offered or negotiated (it changes nothing on the wire)."""
-
-    name = "trioserve-message-limit"
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._size = 0  # the bytes announced so far for the message being read
-
-    def enabled(self) -> bool:
-        return True
-
-    def offer(self) -> bool:
-        return False
-
-    def frame_inbound_header(
-        self, proto: Any, opcode: Opcode, rsv: RsvBits, payload_length: int
-    ) -> CloseReason | RsvBits:
-        if opcode is Opcode.CONTINUATION:
-            self._size += payload_length
-        elif opcode is Opcode.TEXT or opcode is Opcode.BINARY:
-            self._size = payload_length
-        else:
-            return _NO_RSV  # a control frame: 125 bytes at most
-        if self._size > self.limit:
-            return CloseReason.MESSAGE_TOO_BIG
-        return _NO_RSV
+def _unread(frames: Any, texts: Any) -> int:
+    """The bytes of the message being received that wsproto holds but has not handed
+    over: the rest its pending frame header announced (payload not yet read) and the
+    end of a UTF-8 character cut by a read. wsproto does not publish its decoders'
+    state, so this reads them (``frames``: its FrameDecoder, ``texts``: its
+    MessageDecoder); were that to change, 0, and a message over the limit is refused
+    as its bytes arrive, as before."""
+    try:
+        header = frames.header
+        if header is None or header.opcode.iscontrol():
+            return 0
+        left = header.payload_len - frames.payload_consumed
+        decoder = texts.decoder
+        if decoder is not None:
+            left += len(decoder.getstate()[0])
+    except (AttributeError, TypeError, IndexError):
+        return 0
+    return left if type(left) is int else 0
 
 
 def _reject(
@@ -530,6 +514,17 @@ class _Session:
         # so would io.StringIO before Python 3.12. Its JSON is then read from bytes,
         # as a binary message's is.
         partial: bytearray | None = None
+        # The message's size so far (UTF-8 bytes, not characters), against the limit
+        # as its bytes arrive and, after each read's events, with what its pending
+        # frame header announced: a frame that takes the message past the limit is
+        # refused once its header is read, its payload never read. (A wsproto
+        # extension would see each header, but its mere presence copies every payload
+        # twice.)
+        size = 0
+        limit = self.max_message
+        proto = getattr(ws, "_proto", None)
+        frames = getattr(proto, "_frame_decoder", None)
+        texts = getattr(proto, "_message_decoder", None)
         while True:
             try:
                 data = await stream.receive_some(RECEIVE_SIZE)
@@ -539,7 +534,13 @@ class _Session:
             for event in ws.events():
                 kind = type(event)
                 if kind is TextMessage or kind is BytesMessage:
-                    # (its size was checked against the limit from the frame headers)
+                    n = len(event.data)
+                    if kind is TextMessage and size + 4 * n > limit:
+                        n = len(event.data.encode())  # UTF-8 bytes, not characters
+                    size += n
+                    if size > limit:
+                        self._closing = (1009, f"message over {limit} bytes")
+                        return False
                     message: str | bytes = event.data
                     if partial is not None or not event.message_finished:
                         if partial is None:
@@ -549,6 +550,7 @@ class _Session:
                             continue
                         message = bytes(partial)
                         partial = None
+                    size = 0
                     if self.in_flight >= bound:
                         await self._wait_for_room()
                     self.in_flight += 1
@@ -563,14 +565,14 @@ class _Session:
                         return True
                     if ws.state is ConnectionState.OPEN:
                         # wsproto found a protocol error (bad framing, text that is
-                        # not UTF-8: 1002, 1007) or a frame header announced more than
-                        # the size limit (1009): fail with its code, not 1000.
-                        reason = (f"message over {self.max_message} bytes"
-                                  if event.code == 1009 else event.reason or "")
-                        self._closing = (event.code, reason)
+                        # not UTF-8): fail with its code (1002, 1007), not 1000.
+                        self._closing = (event.code, event.reason or "")
                         return False
                     return True
                 # Pong: nothing to do.
+            if frames is not None and size + _unread(frames, texts) > limit:
+                self._closing = (1009, f"message over {limit} bytes")
+                return False
 
     async def _send(self, data: bytes) -> None:
         try:
