@@ -478,30 +478,58 @@ class FairQueue:
             if req.reply.state is not _QUEUED or (tenant is not None and req.tenant != tenant):
                 continue
             del copies[i]
-            c = self._rank.get(req.priority, len(self.classes) - 1)
-            q = self._flows[c][req.tenant]
-            for j, r in enumerate(q):
-                if r is req:
-                    del q[j]
-                    break
-            self._forget(req, req.tenant, c)
-            if not q:
-                self._active[c].pop(req.tenant, None)
-            req.reply.set_error(
-                Overloaded(
-                    f"model {self.model!r}: a hedge copy gave its room in the queue to a "
-                    "new request",
-                    retry_after=self._retry_after(),
-                )
-            )
-            self._tidy()
+            self._shed_copy(req)
             return True
         return False
 
+    def _newest_copy(self, tenant: str | None, gone: set[int]) -> Request | None:
+        """The copy ``_drop_copy(tenant)`` would drop were the requests in ``gone``
+        (their ``id``) already out of the queue; takes nothing."""
+        copies = self._copies
+        for i in range(len(copies) - 1, -1, -1):
+            req = copies[i]
+            if (
+                req.reply.state is _QUEUED
+                and id(req) not in gone
+                and (tenant is None or req.tenant == tenant)
+            ):
+                return req
+        return None
+
+    def _shed_copy(self, req: Request) -> None:
+        """Take the queued hedge copy ``req`` (already out of ``_copies``) out of its
+        flow and answer it Overloaded."""
+        c = self._rank.get(req.priority, len(self.classes) - 1)
+        q = self._flows[c][req.tenant]
+        for j, r in enumerate(q):
+            if r is req:
+                del q[j]
+                break
+        self._forget(req, req.tenant, c)
+        if not q:
+            self._active[c].pop(req.tenant, None)
+        req.reply.set_error(
+            Overloaded(
+                f"model {self.model!r}: a hedge copy gave its room in the queue to a "
+                "new request",
+                retry_after=self._retry_after(),
+            )
+        )
+        self._tidy()
+
     def offer_all(self, requests: Sequence[Request], now: float) -> None:
-        """Queue the requests of one call, in order, or none of them: on a refusal the
-        ones already queued are withdrawn, the whole call is counted as shed, and the
-        refusal is raised.
+        """Queue the requests of one call (one tenant and class), in order, or none of
+        them.
+
+        The whole call's admission is decided first, without touching the queue
+        (``_plan_call``): item by item, as ``offer`` would decide each with the items
+        before it queued. Only an admitted call then gives hedge copies' room away and
+        pushes out other tenants' requests (exactly those ``offer`` would have, in the
+        same order) and queues its items. A refused call sheds nobody and queues
+        nothing: its replies are withdrawn, the whole call counts as shed, and the
+        refusal of its first item refused is raised. The estimated wait of an item
+        counts everything queued now, so also what the items before it (and it) would
+        push out: like ``offer``'s, it errs on the side of refusing.
 
         An idle queue takes a whole call whatever the adaptive limit. The call is
         within the bound (the runtime checks that), and a call larger than the limit
@@ -509,25 +537,132 @@ class FairQueue:
         only dispatches raise the limit.
         """
         n = len(requests)
+        if not n:
+            return
+        tenant = requests[0].tenant
+        c = self._rank.get(requests[0].priority, len(self.classes) - 1)
+        for r in requests:
+            if r.tenant != tenant or self._rank.get(r.priority, len(self.classes) - 1) != c:
+                raise ValueError(
+                    f"model {self.model!r}: one call's requests are of one tenant and "
+                    f"class; got {tenant!r}/{requests[0].priority!r} and "
+                    f"{r.tenant!r}/{r.priority!r}"
+                )
         if n > self._capacity and self._count == self._dead:
             self._capacity = min(n, self.bound)
-        done = 0
         try:
-            for request in requests:
+            try:
+                leaving = self._plan_call(requests, tenant, c, now)
+            except Overloaded:
+                for request in requests:
+                    request.reply.withdraw()  # never queued: only its caller sees it
+                self._stats(tenant, self.classes[c].name).shed += n
+                raise
+            j = 0
+            for i, request in enumerate(requests):
+                while j < len(leaving) and leaving[j][0] == i:
+                    _, req, k, copy = leaving[j]
+                    j += 1
+                    if copy:
+                        self._copies[:] = [r for r in self._copies if r is not req]
+                        self._shed_copy(req)
+                    else:
+                        self._push_out_request(req, k)
+                # ``offer`` finds the room made above: it neither refuses nor pushes out
                 self.offer(request, now)
-                done += 1
-        except Overloaded:
-            for request in requests[:done]:
-                request.reply.withdraw()
-            # one call: one tenant and class; offer counted the refused request's shed
-            first = requests[0]
-            c = self._rank.get(first.priority, len(self.classes) - 1)
-            stats = self._stats(first.tenant, self.classes[c].name)
-            stats.admitted -= done
-            stats.shed += n - 1
-            raise
         finally:
             self._update_capacity()
+
+    def _plan_call(
+        self, requests: Sequence[Request], tenant: str, c: int, now: float
+    ) -> list[tuple[int, Request, int, bool]]:
+        """What must leave the queue for the items of a call of ``tenant`` in class
+        ``c`` to go in, as (the item's index, the request that leaves, its class,
+        whether it is a hedge copy), in the order ``offer`` would shed them item by
+        item; or the refusal ``offer`` would raise for the first item it refuses.
+        Changes nothing but compacting dead entries."""
+        n = len(requests)
+        cap = self._capacity
+        live = self._count - self._dead
+        share = self.shares.get(tenant, 1.0)
+        quota = max(1, int(share * self.bound)) if share < 1.0 else 0
+        full = live + n > cap  # some item finds the queue full
+        at_share = quota > 0 and self._tenant_count[tenant] + n > quota
+        counts: collections.Counter[str] = collections.Counter()
+        if full or at_share:
+            if self._dead:
+                self._compact()  # the share and push-out weigh live requests
+            counts = collections.Counter(self._tenant_count)  # updated as items go in
+        leaving: list[tuple[int, Request, int, bool]] = []
+        gone: set[int] = set()  # id() of the requests in ``leaving``
+        rate = self.rate
+        ahead = self._total_cost + self.in_service  # for the cheap bound below
+        own = 0  # the call's cost up to and including the item
+        for i, request in enumerate(requests):
+            if at_share and counts[tenant] >= quota:
+                copy = self._newest_copy(tenant, gone) if self._copies else None
+                if copy is None:
+                    raise self._quota_refusal(tenant, share)
+                k = self._rank.get(copy.priority, len(self.classes) - 1)
+                leaving.append((i, copy, k, True))
+                gone.add(id(copy))
+                counts[tenant] -= 1
+                live -= 1
+            own += request.cost
+            deadline = request.deadline
+            if (
+                rate > 0.0
+                and deadline < math.inf
+                # cheap first: everything queued or running ahead of it (an upper bound)
+                and now + (ahead + own) / rate > deadline
+            ):
+                if self._dead:
+                    self._compact()  # the estimate must count live requests only
+                wait = self.estimated_wait(tenant, c, own)
+                if now + wait > deadline:
+                    raise self._late_refusal(request, wait, now)
+            if live >= cap:
+                copy = self._newest_copy(None, gone) if self._copies else None
+                if copy is not None:
+                    k = self._rank.get(copy.priority, len(self.classes) - 1)
+                    leaving.append((i, copy, k, True))
+                    gone.add(id(copy))
+                    counts[copy.tenant] -= 1
+                else:
+                    victim = self._victim(counts, tenant)
+                    found = None if victim is None else self._newest_of(victim, gone)
+                    if found is None:
+                        raise self._full_refusal(live)
+                    req, k = found
+                    leaving.append((i, req, k, False))
+                    gone.add(id(req))
+                    counts[req.tenant] -= 1
+                live -= 1
+            live += 1
+            counts[tenant] += 1
+        return leaving
+
+    def _newest_of(self, victim: str, gone: set[int]) -> tuple[Request, int] | None:
+        """The request of ``victim`` that ``_push_out`` would take (its newest, from
+        its lowest class that has one) were those in ``gone`` already out, with its
+        class; takes nothing."""
+        for c in range(len(self.classes) - 1, -1, -1):
+            q = self._flows[c].get(victim)
+            if q:
+                for req in reversed(q):
+                    if req.reply.state is _QUEUED and id(req) not in gone:
+                        return req, c
+        return None
+
+    def _push_out_request(self, req: Request, c: int) -> None:
+        """Push out ``req`` (queued in class ``c``), as ``_push_out`` does its pick."""
+        q = self._flows[c][req.tenant]
+        for j in range(len(q) - 1, -1, -1):
+            if q[j] is req:
+                del q[j]
+                break
+        self._forget(req, req.tenant, c)
+        self._pushed_out(req, c)
 
     def note_shed(self, tenant: str, priority: str, n: int = 1) -> None:
         """Count ``n`` requests refused before they reached the queue (over the
@@ -559,11 +694,7 @@ class FairQueue:
             and self._over_share(tenant)
             and not (self._copies and self._drop_copy(tenant))
         ):
-            raise QuotaExceeded(
-                f"model {self.model!r}: tenant {tenant!r} holds its queue share "
-                f"({share:g} of {self.bound})",
-                retry_after=self._retry_after(),
-            )
+            raise self._quota_refusal(tenant, share)
         # Before any push-out: a request refused for its deadline must not have
         # shed another on its way (the estimate counts the one it would push out,
         # which errs on the side of refusing).
@@ -575,12 +706,7 @@ class FairQueue:
             > request.deadline
             and (wait := self._too_late(request, tenant, c, now)) is not None
         ):
-            raise Overloaded(
-                f"model {self.model!r}: estimated time to serve it {wait * 1e3:.0f} ms "
-                f"exceeds the request's deadline "
-                f"({max(0.0, request.deadline - now) * 1e3:.0f} ms left)",
-                retry_after=max(wait, 0.05),
-            )
+            raise self._late_refusal(request, wait, now)
         if self._dead * 4 > self._count:
             self._compact()
         if self._count - self._dead >= self._capacity and not (
@@ -589,11 +715,28 @@ class FairQueue:
             if self._dead:
                 self._compact()  # push-out weighs tenants' counts of live requests
             if not self._push_out(tenant):
-                raise Overloaded(
-                    f"model {self.model!r}: queue full "
-                    f"({self._count - self._dead} requests waiting)",
-                    retry_after=self._retry_after(),
-                )
+                raise self._full_refusal(self._count - self._dead)
+
+    def _quota_refusal(self, tenant: str, share: float) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"model {self.model!r}: tenant {tenant!r} holds its queue share "
+            f"({share:g} of {self.bound})",
+            retry_after=self._retry_after(),
+        )
+
+    def _late_refusal(self, request: Request, wait: float, now: float) -> Overloaded:
+        return Overloaded(
+            f"model {self.model!r}: estimated time to serve it {wait * 1e3:.0f} ms "
+            f"exceeds the request's deadline "
+            f"({max(0.0, request.deadline - now) * 1e3:.0f} ms left)",
+            retry_after=max(wait, 0.05),
+        )
+
+    def _full_refusal(self, waiting: int) -> Overloaded:
+        return Overloaded(
+            f"model {self.model!r}: queue full ({waiting} requests waiting)",
+            retry_after=self._retry_after(),
+        )
 
     def _too_late(self, request: Request, tenant: str, c: int, now: float) -> float | None:
         """The estimated wait of ``request`` if it runs past its deadline, else None."""
@@ -674,7 +817,25 @@ class FairQueue:
         """Make room for ``tenant`` by shedding the newest request of the tenant most
         over its weighted share of the queue; False when ``tenant`` is itself at or
         over its share (or nobody is over theirs)."""
-        counts = self._tenant_count
+        victim = self._victim(self._tenant_count, tenant)
+        if victim is None:
+            return False
+        # Its newest request, from its lowest class that has one.
+        for c in range(len(self.classes) - 1, -1, -1):
+            q = self._flows[c].get(victim)
+            while q:
+                req = q.pop()
+                self._forget(req, victim, c)
+                if req.reply.state is _QUEUED:
+                    self._pushed_out(req, c)
+                    return True
+        return False
+
+    def _victim(self, counts: collections.Counter[str], tenant: str) -> str | None:
+        """The tenant whose newest request makes room for ``tenant`` when the queue
+        holds ``counts`` (live requests per tenant): the one most over its weighted
+        share; None when ``tenant`` is itself at or over its share, or nobody is over
+        theirs. Takes nothing."""
         holders = [t for t, n in counts.items() if n > 0]
         if tenant not in holders:
             holders.append(tenant)
@@ -685,28 +846,23 @@ class FairQueue:
             return counts[t] - cap * self._weight(t) / total_w
 
         if over(tenant) >= 0:
-            return False
+            return None
         victim = max(holders, key=over)
         if victim == tenant or over(victim) <= 0:
-            return False
-        # Its newest request, from its lowest class that has one.
-        for c in range(len(self.classes) - 1, -1, -1):
-            q = self._flows[c].get(victim)
-            while q:
-                req = q.pop()
-                self._forget(req, victim, c)
-                if req.reply.state is _QUEUED:
-                    req.reply.set_error(
-                        Overloaded(
-                            f"model {self.model!r}: pushed out of a full queue by another "
-                            "tenant's request (this tenant is over its share)",
-                            retry_after=self._retry_after(),
-                        )
-                    )
-                    self._stats(victim, self.classes[c].name).shed += 1
-                    self._tidy()
-                    return True
-        return False
+            return None
+        return victim
+
+    def _pushed_out(self, req: Request, c: int) -> None:
+        """Answer ``req`` (class ``c``, out of its flow now) as pushed out."""
+        req.reply.set_error(
+            Overloaded(
+                f"model {self.model!r}: pushed out of a full queue by another "
+                "tenant's request (this tenant is over its share)",
+                retry_after=self._retry_after(),
+            )
+        )
+        self._stats(req.tenant, self.classes[c].name).shed += 1
+        self._tidy()
 
     def estimated_wait(self, tenant: str, c: int, cost: int) -> float:
         """Seconds until a new request of ``cost`` from ``tenant`` in class ``c``

@@ -13,6 +13,8 @@ import pytest
 import trio
 import trio.testing
 import trioserve
+from hypothesis import given
+from hypothesis import strategies as st
 from runtime_helpers import CostModel, Gate, Recorder, at, callable_model, item
 from trioserve import (
     ClassConfig,
@@ -31,6 +33,7 @@ from trioserve.actors import BatchLimits, ClassSpec, FairQueue
 
 QUEUED = RequestState.QUEUED
 DONE = RequestState.DONE
+CANCELLED = RequestState.CANCELLED
 
 
 def req(
@@ -320,6 +323,161 @@ def test_an_idle_queue_takes_a_call_larger_than_the_adaptive_limit():
     with pytest.raises(Overloaded):  # not idle now: the limit holds
         q.offer_all([req("a") for _ in range(2)], now)
     assert len(q) == 10
+
+
+# Regression: the items of a call went in one by one, so those before a refused item
+# had already pushed out other tenants' newest requests (answered 503) for a call that
+# was then withdrawn whole, sheds for nothing. The whole call is decided first now.
+@pytest.mark.parametrize("why", ["queue full", "queue share", "estimated wait"])
+def test_a_call_refused_at_its_third_item_pushes_nobody_out_and_queues_nothing(why):
+    now, deadline = 0.0, math.inf
+    if why == "queue full":
+        q = queue(4)  # b's share of 4 beside a is 2: its third item finds it at its share
+        error, match = Overloaded, r"^model 'm': queue full \(4 requests waiting\)$"
+    elif why == "queue share":
+        q = queue(4, shares={"b": 0.5})
+        error, match = QuotaExceeded, r"^model 'm': tenant 'b' holds its queue share"
+    else:
+        q = queue(4, max_size=2)
+        fill(q, "a", 4)
+        b1, b2 = q.next_batch(0.0), q.next_batch(0.0)
+        q.completed(b1, 1.0)
+        q.completed(b2, 2.0)  # 2 units/s
+        # b's items wait 1, 2 and 3 s (each shares with as much of a's backlog as it
+        # has of its own); the third's 3 s are past the 2.2 s left.
+        now, deadline = 2.0, 4.2
+        error, match = Overloaded, r"^model 'm': estimated time to serve it 3000 ms"
+    a = fill(q, "a", 4)  # full
+    call = [req("b", arrival=now, deadline=deadline) for _ in range(3)]
+    with pytest.raises(error, match=match) as e:
+        q.offer_all(call, now)  # items 1 and 2 alone would each push out one of a's
+    assert type(e.value) is error
+    assert [r.reply.state for r in a] == [QUEUED] * 4  # nobody pushed out
+    assert [r.reply.state for r in call] == [CANCELLED] * 3  # withdrawn, never queued
+    assert len(q) == 4
+    assert list(q) == a
+    sa, sb = q.stats["a", "default"], q.stats["b", "default"]
+    assert (sa.shed, sa.queued) == (0, 4)
+    assert (sb.admitted, sb.shed, sb.queued) == (0, 3, 0)  # the whole call shed
+
+
+def test_an_admitted_call_pushes_out_the_newest_of_whoever_is_most_over_its_share_each_time():
+    weights = {"a": 1.0, "c": 1.5, "b": 1.5}
+
+    def full() -> tuple[FairQueue, list[Request], list[Request]]:
+        q = queue(6, weights=weights)
+        return q, fill(q, "a", 3), fill(q, "c", 3)
+
+    # Shares of 6: a 1.5, c 2.25, b 2.25. Item 1: a is most over (1.5 against c's
+    # 0.75) and loses its newest; item 2: now c is (0.75 against 0.5); item 3: a again.
+    q, a, c = full()
+    call = [req("b") for _ in range(3)]
+    q.offer_all(call, 0.0)
+    assert [r.reply.state for r in call] == [QUEUED] * 3
+    assert [r.reply.state for r in a] == [QUEUED, DONE, DONE]
+    assert [r.reply.state for r in c] == [QUEUED, QUEUED, DONE]
+    assert len(q) == 6
+    assert (q.stats["a", "default"].shed, q.stats["c", "default"].shed) == (2, 1)
+    assert q.stats["b", "default"].admitted == 3
+    # The same as its items offered one by one.
+    q2, a2, c2 = full()
+    for r in [req("b") for _ in range(3)]:
+        q2.offer(r, 0.0)
+    assert [r.reply.state for r in a2 + c2] == [r.reply.state for r in a + c]
+
+
+def test_a_call_mixing_tenants_or_classes_is_refused_as_a_programming_error():
+    q = queue(4, classes=(ClassSpec(name="hi"), ClassSpec(name="lo")))
+    with pytest.raises(ValueError, match="one tenant and class"):
+        q.offer_all([req("a", cls="hi"), req("b", cls="hi")], 0.0)
+    with pytest.raises(ValueError, match="one tenant and class"):
+        q.offer_all([req("a", cls="hi"), req("a", cls="lo")], 0.0)
+    assert len(q) == 0
+
+
+_T = ("a", "b", "c")
+_C = ("hi", "lo")
+
+
+@given(
+    bound=st.integers(1, 8),
+    weights=st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0]), min_size=3, max_size=3),
+    shares=st.lists(st.sampled_from([1.0, 1.0, 0.5, 0.25]), min_size=3, max_size=3),
+    before=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 1), st.booleans(), st.booleans()),
+        max_size=12,
+    ),
+    caller=st.integers(0, 2),
+    cls=st.integers(0, 1),
+    n=st.integers(1, 5),
+)
+def test_a_call_is_admitted_exactly_when_its_items_one_by_one_would_be_and_sheds_the_same(
+    bound, weights, shares, before, caller, cls, n
+):
+    """Without a service rate (no estimated wait), ``offer_all`` admits a call exactly
+    when offering its items one by one admits them all, and then leaves the queue as
+    that would; otherwise it raises what the first refused item would, having changed
+    nothing (the items one by one had shed others on their way)."""
+
+    def build() -> tuple[FairQueue, list[Request]]:
+        q = queue(
+            bound,
+            classes=tuple(ClassSpec(name=x) for x in _C),
+            weights=dict(zip(_T, weights, strict=True)),
+            shares=dict(zip(_T, shares, strict=True)),
+        )
+        held = []
+        for t, c, spare, withdraw in before:
+            r = req(_T[t], cls=_C[c])
+            held.append(r)
+            if spare:
+                q.offer_spare(r, 0.0)
+                continue
+            try:
+                q.offer(r, 0.0)
+            except Overloaded:
+                continue
+            if withdraw:
+                r.reply.withdraw()
+        return q, held
+
+    q1, held1 = build()
+    q2, held2 = build()
+    call1 = [req(_T[caller], cls=_C[cls]) for _ in range(n)]
+    call2 = [req(_T[caller], cls=_C[cls]) for _ in range(n)]
+    states = [r.reply.state for r in held1]
+    assert states == [r.reply.state for r in held2]
+    length = len(q1)
+    counted = {k: (s.admitted, s.shed) for k, s in q1.stats.items()}
+    flow = (_T[caller], _C[cls])
+    refused2 = None
+    for r in call2:
+        try:
+            q2.offer(r, 0.0)
+        except Overloaded as exc:
+            refused2 = exc
+            break
+    if refused2 is None:
+        q1.offer_all(call1, 0.0)
+        assert [r.reply.state for r in held1] == [r.reply.state for r in held2]
+        assert [r.reply.state for r in call1] == [QUEUED] * n
+        assert len(q1) == len(q2)
+        assert [(r.tenant, r.priority) for r in q1 if r.reply.state is QUEUED] == [
+            (r.tenant, r.priority) for r in q2 if r.reply.state is QUEUED
+        ]
+        for key, s in q2.stats.items():
+            s1 = q1.stats[key]
+            assert (s1.admitted, s1.shed, s1.hedged) == (s.admitted, s.shed, s.hedged)
+    else:
+        with pytest.raises(type(refused2)) as e:
+            q1.offer_all(call1, 0.0)
+        assert str(e.value) == str(refused2)
+        assert [r.reply.state for r in held1] == states  # nobody shed
+        assert [r.reply.state for r in call1] == [CANCELLED] * n
+        assert len(q1) == length
+        assert {k: (s.admitted, s.shed) for k, s in q1.stats.items()} == {
+            **counted, flow: (counted.get(flow, (0, 0))[0], counted.get(flow, (0, 0))[1] + n)
+        }
 
 
 # Regression: the estimated wait once counted withdrawn entries not yet compacted.
