@@ -5,11 +5,12 @@ each breaking one promise. They exist only here; the product code is never chang
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import trioserve.actors
-from trioserve import Request
+from trioserve import Overloaded, Request
 from trioserve.actors import SHARED_NAMESPACE, cache_key
 
 from ._product import PRODUCT, Product
@@ -83,6 +84,33 @@ class ReversesBatches(FairQueue):
     def next_batch(self, now: float) -> list[Request] | None:
         batch = super().next_batch(now)
         return batch[::-1] if batch else batch
+
+
+class QueuesCallsItemByItem(FairQueue):
+    """``offer_all`` as it was: the items of a call are offered one by one and, on a
+    refusal, those already queued are withdrawn; the requests of other tenants they
+    pushed out on their way stay shed for a call that was refused."""
+
+    def offer_all(self, requests: Sequence[Request], now: float) -> None:
+        n = len(requests)
+        if n > self._capacity and self._count == self._dead:
+            self._capacity = min(n, self.bound)
+        done = 0
+        try:
+            for request in requests:
+                self.offer(request, now)
+                done += 1
+        except Overloaded:
+            for request in requests[:done]:
+                request.reply.withdraw()
+            first = requests[0]
+            c = self._rank.get(first.priority, len(self.classes) - 1)
+            stats = self._stats(first.tenant, self.classes[c].name)
+            stats.admitted -= done
+            stats.shed += n - 1
+            raise
+        finally:
+            self._update_capacity()
 
 
 class RefundsToTheLevel(TokenBucket):
@@ -193,6 +221,12 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         "fair share ignores the tenants' weights",
         attrs.evolve(PRODUCT, name="ignore-weights", queue_class=IgnoresWeights),
         ("runtime", "queue"),
+    ),
+    "push-out-for-refused-call": (
+        "a call's items are queued one by one: those before a refused item push out "
+        "other tenants' requests for a call then refused whole",
+        attrs.evolve(PRODUCT, name="push-out-for-refused-call", queue_class=QueuesCallsItemByItem),
+        ("queue",),
     ),
     # The admission suite's own: the credits.
     "refund-to-level": (

@@ -8,7 +8,7 @@ product code. :func:`observed_queue_class` wraps a queue class so that a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -60,9 +60,23 @@ def observed_queue_class(
             if on_create is not None:
                 on_create(self)
 
+        #: inside ``offer_all``: its items are reported once the whole call is in
+        _in_call = False
+
         def offer(self, request: Request, now: float) -> None:
             super().offer(request, now)
-            self.observer.offered(request, now)
+            if not self._in_call:
+                self.observer.offered(request, now)
+                self.observer.sweep(now, len(self))
+
+        def offer_all(self, requests: Sequence[Request], now: float) -> None:
+            self._in_call = True
+            try:
+                super().offer_all(requests, now)
+            finally:
+                self._in_call = False
+            for request in requests:  # admitted: a call is admitted whole
+                self.observer.offered(request, now)
             self.observer.sweep(now, len(self))
 
         def next_batch(self, now: float) -> list[Request] | None:

@@ -1,11 +1,13 @@
 """Suite ``queue``: a hypothesis state machine over the sans-IO FairQueue.
 
 Fast (no trio, no tasks): arrivals from several tenants and classes with random costs
-and deadlines, caller cancellations, time advances, pulls, completions and expiry
+and deadlines (single requests, and calls of several items queued all or none),
+caller cancellations, time advances, pulls, completions and expiry
 sweeps, under random limits (batch size and tokens, padding, bound, adaptive limit,
 queue shares, weights, aging bounds). After every step the QueueObserver's invariants
 are checked, plus the queue's own duties: only an expired request is expired, only a
-full queue pushes a request out, ``expire(now)`` leaves nothing expired queued.
+full queue pushes a request out, and only for a request or call it then queues,
+``expire(now)`` leaves nothing expired queued.
 At teardown the queue is flushed (pulls until empty) and drained.
 """
 
@@ -135,6 +137,10 @@ class QueueMachine(RuleBasedStateMachine):
         self.cancelled: set[int] = set()  # id(reply) of requests their caller withdrew
         self.step = ""
         self.step_tenant = ""
+        #: what the current "arrive" step offered ("request #7", "a call of 3 ...")
+        #: and the queue's refusal of it ("": admitted)
+        self.step_offer = ""
+        self.step_refusal = ""
         self.items = 0
         self.peak: dict[str, int] = {}
 
@@ -169,6 +175,7 @@ class QueueMachine(RuleBasedStateMachine):
             min_limit=config.min_limit,
         )
         self.observer = self.queue.observer
+        self.observer.keep_gone = True
         self.step = "setup"
 
     @rule(arrivals=st.lists(arrivals(), min_size=1, max_size=4))
@@ -177,24 +184,48 @@ class QueueMachine(RuleBasedStateMachine):
         for a in arrivals:
             self._offer(a)
 
-    def _offer(self, a: Arrival) -> None:
+    @rule(first=arrivals(), costs=st.lists(st.integers(1, 6), max_size=4))
+    def arrive_call(self, first: Arrival, costs: list[int]) -> None:
+        """One call of several items (``offer_all``): ``first``'s tenant, class, time
+        to live and expiry, and costs ``first.cost`` then ``costs``."""
+        call = [self._request(first, first.cost)]
+        call += [self._request(first, cost) for cost in costs]
+        self.step, self.step_tenant = "arrive", call[0].tenant
+        self.step_offer = (
+            f"a call of {len(call)} item(s) (costs {[r.cost for r in call]}, class "
+            f"{call[0].priority!r})"
+        )
+        self.step_refusal = ""
+        try:
+            self.queue.offer_all(call, self.now)
+        except Overloaded as exc:  # QuotaExceeded included: refused whole
+            self.step_refusal = f"{type(exc).__name__}: {exc}"
+        self.observer.exercised["calls " + ("refused" if self.step_refusal else "admitted")] += 1
+        self.holds()
+
+    def _request(self, a: Arrival, cost: int) -> Request:
         cfg = self.cfg
-        name = cfg.tenants[a.tenant % len(cfg.tenants)]
         self.items += 1
-        request = Request(
+        return Request(
             model="fuzz",
             item=self.items,
-            cost=a.cost,
-            tenant=name,
+            cost=cost,
+            tenant=cfg.tenants[a.tenant % len(cfg.tenants)],
             priority=cfg.classes[a.cls % len(cfg.classes)],
             arrival=self.now,
             deadline=math.inf if a.ttl_ms is None else (self.ms + a.ttl_ms) * MS,
             answer_expiry=a.answer_expiry,
         )
-        self.step, self.step_tenant = "arrive", name
+
+    def _offer(self, a: Arrival) -> None:
+        request = self._request(a, a.cost)
+        self.step, self.step_tenant = "arrive", request.tenant
+        self.step_offer = f"a request of cost {request.cost} (class {request.priority!r})"
+        self.step_refusal = ""
         try:
             self.queue.offer(request, self.now)
-        except Overloaded:  # QuotaExceeded included: refused, nothing queued
+        except Overloaded as exc:  # QuotaExceeded included: refused, nothing queued
+            self.step_refusal = f"{type(exc).__name__}: {exc}"
             if request.reply.state is not RequestState.QUEUED:
                 raise InvariantViolation(
                     "outcome",
@@ -273,7 +304,8 @@ class QueueMachine(RuleBasedStateMachine):
     def holds(self) -> None:
         if self.observer is None:
             return
-        for t in self.observer.sweep(self.now, len(self.queue)):
+        self.observer.sweep(self.now, len(self.queue))
+        for t in self.observer.take_gone():  # the queue's own sweeps' finds too
             self._check_gone(t)
         self.observer.raise_first()
         self._check_footprint()
@@ -319,7 +351,17 @@ class QueueMachine(RuleBasedStateMachine):
             if expired and r.answer_expiry:
                 return  # answered DeadlineExceeded
             if self.step == "arrive" and self.step_tenant != r.tenant:
-                return  # pushed out of a full queue by another tenant's request
+                # pushed out of a full queue by another tenant's request
+                if not self.step_refusal:
+                    self.observer.exercised["push-outs"] += 1
+                    return
+                raise InvariantViolation(
+                    "push-out",
+                    f"{self.observer.describe(t)} was pushed out of the queue at "
+                    f"t={self.now:.6g} (answered {r.reply.error!r}) for "
+                    f"{self.step_offer} of tenant {self.step_tenant!r}, which the queue "
+                    f"then refused ({self.step_refusal}): it was shed for nothing",
+                )
             raise InvariantViolation(
                 "outcome",
                 f"{self.observer.describe(t)} was answered by the queue at t={self.now:.6g} "

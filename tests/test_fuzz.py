@@ -206,6 +206,20 @@ def test_fuzz_cache_a_coalesced_model_after_an_invalidation():
     )
 
 
+def test_fuzz_queue_a_refused_call_pushes_nobody_out():
+    # The queue suite's shrunk reproduction of the planted push-out-for-refused-call
+    # (offer_all as it was): in a queue of two holding t1's call of two, t0's call of
+    # two pushed out t1's newest for its first item and was refused at its second.
+    state = fuzz.QueueMachine()
+    state.setup(config=fuzz.QueueSetup(max_size=1, bound=2, weights=(1.0, 1.0, 1.0),
+                                       shares=(1.0, 1.0, 1.0)))
+    state.holds()
+    state.arrive_call(costs=[1], first=fuzz.Arrival(tenant=1, cls=0, cost=1))
+    state.holds()
+    state.arrive_call(costs=[1], first=fuzz.Arrival(tenant=0, cls=0, cost=1))
+    state.teardown()
+
+
 def test_fair_queue_memory_stays_bounded_under_push_out_churn():
     # Two tenants take turns pushing each other out of a full queue of one while no
     # batch is pulled (every replica busy). Found by the queue suite: one request was
