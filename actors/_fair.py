@@ -539,13 +539,16 @@ class FairQueue:
         n = len(requests)
         if not n:
             return
-        tenant = requests[0].tenant
-        c = self._rank.get(requests[0].priority, len(self.classes) - 1)
+        first = requests[0]
+        tenant, priority = first.tenant, first.priority
+        c = self._rank.get(priority, len(self.classes) - 1)
         for r in requests:
-            if r.tenant != tenant or self._rank.get(r.priority, len(self.classes) - 1) != c:
+            if r.tenant != tenant or (
+                r.priority != priority and self._rank.get(r.priority, len(self.classes) - 1) != c
+            ):
                 raise ValueError(
                     f"model {self.model!r}: one call's requests are of one tenant and "
-                    f"class; got {tenant!r}/{requests[0].priority!r} and "
+                    f"class; got {tenant!r}/{priority!r} and "
                     f"{r.tenant!r}/{r.priority!r}"
                 )
         if n > self._capacity and self._count == self._dead:
@@ -558,6 +561,10 @@ class FairQueue:
                     request.reply.withdraw()  # never queued: only its caller sees it
                 self._stats(tenant, self.classes[c].name).shed += n
                 raise
+            if not leaving:
+                for request in requests:  # room for all: ``offer`` finds it
+                    self.offer(request, now)
+                return
             j = 0
             for i, request in enumerate(requests):
                 while j < len(leaving) and leaving[j][0] == i:
@@ -588,6 +595,15 @@ class FairQueue:
         quota = max(1, int(share * self.bound)) if share < 1.0 else 0
         full = live + n > cap  # some item finds the queue full
         at_share = quota > 0 and self._tenant_count[tenant] + n > quota
+        rate = self.rate
+        ahead = self._total_cost + self.in_service  # for the cheap bound below
+        if not (full or at_share) and (
+            rate <= 0.0
+            # cheap first: every item in time with the whole call and all queued ahead
+            or now + (ahead + sum(r.cost for r in requests)) / rate
+            <= min(r.deadline for r in requests)
+        ):
+            return []  # nothing leaves, no item is refused
         counts: collections.Counter[str] = collections.Counter()
         if full or at_share:
             if self._dead:
@@ -595,8 +611,6 @@ class FairQueue:
             counts = collections.Counter(self._tenant_count)  # updated as items go in
         leaving: list[tuple[int, Request, int, bool]] = []
         gone: set[int] = set()  # id() of the requests in ``leaving``
-        rate = self.rate
-        ahead = self._total_cost + self.in_service  # for the cheap bound below
         own = 0  # the call's cost up to and including the item
         for i, request in enumerate(requests):
             if at_share and counts[tenant] >= quota:
