@@ -502,3 +502,37 @@ def test_a_boolean_only_as_an_objects_value_costs_no_exact_check(monkeypatch):
     parse({"inputs": [{"name": "x", "shape": [4], "datatype": "FP32",
                        "data": [1, 2, 3, 4]}], "parameters": {"tags": [True]}})
     assert walked == [1]  # a boolean in some array: the data is checked
+
+
+def test_only_json_data_has_its_body_scanned_for_booleans(monkeypatch):
+    """A binary input's JSON head (with tritonclient's "binary_data": true) is never
+    scanned; once an input carries JSON data the body is scanned once, and a boolean
+    among its numbers is still refused, whatever comes before it."""
+    from trioserve.transport import _v2
+
+    scans = []
+    scan = _v2._may_hold_bool
+    monkeypatch.setattr(_v2, "_may_hold_bool", lambda text: scans.append(1) or scan(text))
+    x = np.arange(4, dtype=np.float32)
+    header = orjson.dumps({
+        "inputs": [{"name": "x", "shape": [4], "datatype": "FP32",
+                    "parameters": {"binary_data_size": x.nbytes}}],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+    })
+    req = InferRequest.from_v2_json(header + x.tobytes(), VEC, header_length=len(header))
+    np.testing.assert_array_equal(req.items[0]["x"], x)
+    assert scans == []
+
+    two = signature([TensorSpec(name="a", datatype="FP32", shape=(2,)),
+                     TensorSpec(name="b", datatype="FP32", shape=(2,)),
+                     TensorSpec(name="c", datatype="FP32", shape=(2,))])
+    a = np.ones(2, dtype=np.float32)
+    header = orjson.dumps({"inputs": [
+        {"name": "a", "shape": [2], "datatype": "FP32",
+         "parameters": {"binary_data_size": a.nbytes}},
+        {"name": "b", "shape": [2], "datatype": "FP32", "data": [1.0, 2.0]},
+        {"name": "c", "shape": [2], "datatype": "FP32", "data": [3.0, True]},
+    ]})
+    with pytest.raises(InvalidInput, match="input 'c': expected FP32 values, got a boolean"):
+        InferRequest.from_v2_json(header + a.tobytes(), two, header_length=len(header))
+    assert scans == [1]

@@ -210,7 +210,9 @@ class InferRequest:
                     )
                 body, binary = body[:header_length], memoryview(body)[header_length:]
             doc = loads_request(body)
-        bools = _may_hold_bool(body) if body else True
+        # Whether the JSON may hold a boolean among numbers: scanned for only once an
+        # input's data is JSON values (a binary or a simdjson-decoded input needs no scan)
+        bools: bool | None = None if body else True
         if type(doc) is not dict:
             raise InvalidInput("the request body must be a JSON object with 'inputs'")
         tensors = doc.get("inputs")
@@ -227,7 +229,13 @@ class InferRequest:
         for t in tensors:
             if type(t) is not dict:
                 raise InvalidInput("each input must be a JSON object with name, shape, datatype")
-            arr, offset, spec_rank = _decode_tensor(t, signature, binary, offset, bools)
+            if bools is None:
+                data = t.get("data")
+                if data is not None and type(data) is not np.ndarray:
+                    bools = _may_hold_bool(body)
+            arr, offset, spec_rank = _decode_tensor(
+                t, signature, binary, offset, True if bools is None else bools
+            )
             n = arr.shape[0] if arr.ndim == spec_rank + 1 else -1
             if batch is None:
                 batch = n
