@@ -377,6 +377,9 @@ class ServerConfig:
     #: a request begun must have arrived whole (head and body) this long after: else 408
     request_timeout_s: float = _field(_number(0.0, strict=True), 30.0)
     stream_in_flight: int = _field(_int(1), 256)
+    #: open client connections (HTTP and /v2/stream) at most; past it a new one is
+    #: answered 503 (or takes the place of the oldest idle keep-alive connection)
+    max_connections: int = _field(_int(1), 4096)
     #: a client that takes no byte of an answer for this long is cut: an HTTP
     #: connection is closed, a /v2/stream closed with 1008
     write_timeout_s: float = _field(_number(0.0, strict=True), 30.0)

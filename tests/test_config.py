@@ -113,6 +113,7 @@ def test_load_config_reads_every_table(tmp_path):
     echo = cfg.model("echo")
     assert (echo.max_batch_size, echo.max_wait_ms, echo.oversize) == (64, 2.0, "reject")
     assert cfg.server.stream_in_flight == ServerConfig().stream_in_flight
+    assert cfg.server.max_connections == ServerConfig().max_connections == 4096
 
 
 def test_one_write_timeout_serves_http_and_the_stream_unless_the_stream_has_its_own(
@@ -253,6 +254,10 @@ def test_bad_model_values_name_the_key(tmp_path, line, message):
         (
             "[models.m]\nbackend = 'echo'\n[server]\nwrite_timeout_s = 0\n",
             "server.write_timeout_s: must be a finite number > 0.0, got 0",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\nmax_connections = 0\n",
+            "server.max_connections: must be an integer >= 1, got 0",
         ),
         (
             "[models.m]\nbackend = 'echo'\n[server]\nstream_write_timeout_s = 0\n",

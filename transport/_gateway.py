@@ -197,8 +197,10 @@ class GatewayStatistics:
     infer requests being answered, the most stream requests one connection has had
     in flight, HTTP infer requests given up because their client closed its
     connection while they waited, whether it is draining, streams closed (1008)
-    because their client took none of their answers for their write timeout, and
-    HTTP connections closed for the same reason (``server.write_timeout_s``)."""
+    because their client took none of their answers for their write timeout,
+    HTTP connections closed for the same reason (``server.write_timeout_s``), and,
+    at ``server.max_connections``, connections refused with 503 and idle ones closed
+    to make room for a new one."""
 
     connections: int
     streams: int
@@ -208,6 +210,8 @@ class GatewayStatistics:
     draining: bool
     stream_write_timeouts: int = 0
     http_write_timeouts: int = 0
+    connections_refused: int = 0
+    connections_evicted: int = 0
 
 
 @attrs.define(eq=False, slots=True)
@@ -215,6 +219,8 @@ class _Conn:
     """One client connection, as the drain sees it."""
 
     scope: trio.CancelScope
+    #: its socket's descriptor (-1: not known)
+    fd: int = -1
     #: between a request's first byte and its answer (an idle connection is closed at
     #: once on drain; a busy one gets the grace period).
     busy: bool = False
@@ -231,6 +237,8 @@ class _Conn:
     #: set by a WebSocket stream: what the hang-up watch calls (instead of cancelling
     #: ``scope``) when the client goes while ``waiting``
     hang_up: Any = None
+    #: closed to make room for a new connection (``._accept``)
+    evicted: bool = False
 
 
 class Gateway:
@@ -257,7 +265,18 @@ class Gateway:
         self.stream_write_timeouts = 0
         #: HTTP connections closed because their client did not take an answer in time
         self.http_write_timeouts = 0
-        self._conns: set[_Conn] = set()
+        #: connections refused (503) at ``server.max_connections``, and idle ones
+        #: closed at the limit to make room for a new one (``._accept``)
+        self.connections_refused = 0
+        self.connections_evicted = 0
+        #: the open connections, in the order they opened (the oldest idle one makes
+        #: room at the limit)
+        self._conns: dict[_Conn, None] = {}
+        #: connections accepted and not yet closed, and refusals under way; the accept
+        #: loops wait in ``_room`` when both are full
+        self._open = 0
+        self._refusing = 0
+        self._room = trio.lowlevel.ParkingLot()
         self._streams = 0
         self._all_closed = trio.Event()
         self._accept_scope: trio.CancelScope | None = None
@@ -442,13 +461,13 @@ class Gateway:
         )
 
     # ------------------------------------------------------------ connections and drain
-    def _open_conn(self, scope: trio.CancelScope) -> _Conn:
-        conn = _Conn(scope=scope)
-        self._conns.add(conn)
+    def _open_conn(self, scope: trio.CancelScope, fd: int = -1) -> _Conn:
+        conn = _Conn(scope=scope, fd=fd)
+        self._conns[conn] = None
         return conn
 
     def _close_conn(self, conn: _Conn) -> None:
-        self._conns.discard(conn)
+        self._conns.pop(conn, None)
         if self.draining and not self._conns:
             self._all_closed.set()
 
@@ -467,20 +486,19 @@ class Gateway:
     ) -> None:
         """Listen on ``host:port`` (the server config's by default; port 0 picks a free
         one), or on ``listeners`` already open, and serve connections until
-        :meth:`drain` or cancellation.
+        :meth:`drain` or cancellation, at most ``server.max_connections`` at once
+        (see ``._accept``).
 
         Reports ``started(addresses)`` once listening. Returns after a drain, when the
         last connection has closed.
         """
+        from ._accept import accept_connections
         from ._hangup import HangupWatch
-        from ._http import Outbox, serve_connection
+        from ._http import Outbox
 
         if listeners is None:
             listeners = await open_listeners(self.server_config, host, port)
         self.addresses = [ls.socket.getsockname()[:2] for ls in listeners]
-
-        async def handle(stream: trio.SocketStream) -> None:
-            await serve_connection(self, stream)
 
         self.hangups = hangups = HangupWatch.open()
         try:
@@ -493,9 +511,7 @@ class Gateway:
                     with trio.CancelScope() as accept:
                         self._accept_scope = accept
                         task_status.started(self.addresses)
-                        await trio.serve_listeners(
-                            handle, listeners, handler_nursery=connections
-                        )
+                        await accept_connections(self, listeners, connections)
                 # every connection has closed: the flusher has nothing left to write,
                 # the watch nothing left to watch
                 flushing.cancel_scope.cancel("gateway closed")
@@ -545,6 +561,8 @@ class Gateway:
             draining=self.draining,
             stream_write_timeouts=self.stream_write_timeouts,
             http_write_timeouts=self.http_write_timeouts,
+            connections_refused=self.connections_refused,
+            connections_evicted=self.connections_evicted,
         )
 
     @property

@@ -182,7 +182,7 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
     linger = False
     handed_off = False
     with trio.CancelScope() as scope:
-        c.conn = gateway._open_conn(scope)
+        c.conn = gateway._open_conn(scope, c.fd)
         try:
             handed_off = await c.serve()
         except _Close as close:
@@ -300,7 +300,8 @@ class _Connection:
             event = _NEED_DATA if empty else h.next_event()
             while event is _NEED_DATA:
                 if fresh:
-                    conn.busy = False
+                    # idle, unless part of a pipelined request head is buffered
+                    conn.busy = not empty
                     if gateway.draining:
                         return False
                     data = await _receive(fd, True, idle, checkpoint=not waited)

@@ -104,6 +104,9 @@ class GatewayCollector(Collector):
              stats.streams),
             ("trioserve_requests_in_flight", "HTTP infer requests being answered.",
              stats.requests_in_flight),
+            ("trioserve_connections_limit",
+             "The most client connections open at once (server.max_connections).",
+             gw.server_config.max_connections),
         ):
             yield GaugeMetricFamily(metric, doc, value=value)
         yield CounterMetricFamily(
@@ -125,6 +128,18 @@ class GatewayCollector(Collector):
             "HTTP connections closed because the client took no byte of an answer for "
             "server.write_timeout_s (requests it pipelined behind it never admitted).",
             value=stats.http_write_timeouts,
+        )
+        yield CounterMetricFamily(
+            "trioserve_http_connections_refused",
+            "Connections (HTTP or WebSocket) answered 503 and closed because "
+            "server.max_connections were open and none of them was idle.",
+            value=stats.connections_refused,
+        )
+        yield CounterMetricFamily(
+            "trioserve_http_connections_evicted",
+            "Idle keep-alive HTTP connections closed to make room for a new one at "
+            "server.max_connections.",
+            value=stats.connections_evicted,
         )
 
 
