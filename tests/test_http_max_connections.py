@@ -197,6 +197,22 @@ async def test_a_connection_holding_part_of_a_pipelined_request_is_not_idle(mock
             await client.aclose()
 
 
+async def test_a_connection_that_has_not_sent_its_first_request_is_not_idle(mock_clock):
+    gate = Gate()
+    async with serving(limited(gate, 1)) as gw:
+        fresh = await Client.connect(gw)  # accepted; its request not sent yet
+        await settle()
+        c = await Client.connect(gw)
+        await c.send_infer(0.0)
+        await refused(c)
+        await fresh.send_infer(0.0)
+        assert (await fresh.answer())[0] == 200
+        stats = gw.statistics()
+        assert (stats.connections_refused, stats.connections_evicted) == (1, 0)
+        for client in (fresh, c):
+            await client.aclose()
+
+
 async def test_websocket_streams_count_and_are_never_closed_to_make_room(mock_clock):
     gate = Gate()
     async with serving(limited(gate, 1)) as gw:

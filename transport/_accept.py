@@ -7,12 +7,13 @@ more than trio's ``serve_listeners`` did.
 
 At the limit, a new connection
 
-1. takes the place of the oldest idle HTTP connection, if there is one: no request
-   begun on it, nothing buffered and nothing waiting in its socket (nginx closes its
-   idle "reusable" connections the same way when it runs short). That one is closed
-   as its keep-alive timeout would close it: at its next turn, with a FIN (its socket
-   holds no unread byte). A connection with a request in flight, a stream, or a
-   partial request is never chosen.
+1. takes the place of the oldest idle keep-alive HTTP connection, if there is one: it
+   has answered a request, and has no request begun, nothing buffered and nothing
+   waiting in its socket (nginx closes its idle "reusable" connections the same way
+   when it runs short). That one is closed as its keep-alive timeout would close it:
+   at its next turn, with a FIN (its socket holds no unread byte). A connection with
+   a request in flight, part of a request, a stream, or none answered yet (its
+   client may be about to send its first request) is never chosen.
 2. else is refused: answered at once, its request not read, ``503`` with
    ``{"error": ...}``, ``Retry-After: 1`` and ``Connection: close``; then its writing
    side is shut and what the client sends is drained (at most ``LINGER``, 1 s, and
@@ -147,14 +148,14 @@ async def _refuse(gateway: Gateway, stream: trio.SocketStream, refusal: bytes) -
 
 
 def _make_room(gateway: Gateway) -> bool:
-    """Close the oldest idle HTTP connection to make room for a new one (see the
+    """Close the oldest idle keep-alive HTTP connection to make room for a new one (see the
     module's docstring); whether there was one. Not a checkpoint. Only called at the
     limit: it looks at the open connections in the order they opened, up to the
     first idle one."""
     for conn in gateway._conns:
         if (
-            conn.busy or conn.stop_reading is not None or conn.evicted or conn.fd < 0
-            or _readable(conn.fd)
+            conn.busy or not conn.kept or conn.stop_reading is not None or conn.evicted
+            or conn.fd < 0 or _readable(conn.fd)
         ):
             continue
         conn.evicted = True

@@ -237,6 +237,9 @@ class _Conn:
     #: set by a WebSocket stream: what the hang-up watch calls (instead of cancelling
     #: ``scope``) when the client goes while ``waiting``
     hang_up: Any = None
+    #: it has answered a request and stays open (keep-alive): only then may it be
+    #: closed to make room for a new connection
+    kept: bool = False
     #: closed to make room for a new connection (``._accept``)
     evicted: bool = False
 

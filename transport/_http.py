@@ -446,6 +446,7 @@ class _Connection:
                         waited = await outbox.send(fd, answer, stall)
                     h, empty = _next_h11(h.trailing_data[0] if rest is None else rest)
                     self.h = h
+                    conn.kept = True
                     continue
                 await _send_all(fd, _response(h, status, headers, out, True), stall)
                 raise _Close()
@@ -482,6 +483,7 @@ class _Connection:
                 raise _Close()
             h, empty = _next_h11(h.trailing_data[0])
             self.h = h
+            conn.kept = True
             waited = False  # this answer did not go through the scheduler
 
 
