@@ -1,6 +1,7 @@
 """trioserve.actors: scheduler, batcher, metrics, the result cache, and the sans-IO
 decisions they call."""
 
+from ._admission import AimdLimit as AimdLimit
 from ._batcher import BatcherActor as BatcherActor
 from ._batcher import model_threads_running as model_threads_running
 from ._batching import BatchBuilder as BatchBuilder
@@ -19,11 +20,10 @@ from ._cachekey import SHARED_NAMESPACE as SHARED_NAMESPACE
 from ._cachekey import CacheKey as CacheKey
 from ._cachekey import cache_key as cache_key
 from ._cachekey import namespace_for as namespace_for
-from ._fair import AimdLimit as AimdLimit
+from ._credits import TokenBucket as TokenBucket
 from ._fair import ClassSpec as ClassSpec
 from ._fair import FairQueue as FairQueue
 from ._fair import FlowStats as FlowStats
-from ._fair import TokenBucket as TokenBucket
 from ._metrics import Latency as Latency
 from ._metrics import LatencySummary as LatencySummary
 from ._metrics import ModelMetrics as ModelMetrics
