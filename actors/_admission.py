@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 from trioserve import Overloaded, QuotaExceeded, Request, RequestState
 
 if TYPE_CHECKING:
@@ -62,6 +63,20 @@ class AimdLimit:
     @property
     def value(self) -> int:
         return int(self.limit)
+
+
+@attrs.frozen(kw_only=True)
+class CallPlan:
+    """A call's admission to one queue, decided by ``FairQueue.plan_all`` for its
+    ``offer_planned``: what must leave the queue for the items to go in, as (the
+    item's index, the request that leaves, its class, whether it is a hedge copy),
+    and the capacity the items are counted against (an idle queue's may exceed the
+    adaptive limit)."""
+
+    queue: Admission = attrs.field(eq=False, repr=False)
+    requests: Sequence[Request] = attrs.field(eq=False)
+    leaving: Sequence[tuple[int, Request, int, bool]] = attrs.field(eq=False)
+    capacity: int
 
 
 class Admission:
@@ -221,23 +236,48 @@ class Admission:
         them.
 
         The whole call's admission is decided first, without touching the queue
-        (``_plan_call``): item by item, as ``offer`` would decide each with the items
+        (``plan_all``): item by item, as ``offer`` would decide each with the items
         before it queued. Only an admitted call then gives hedge copies' room away and
         pushes out other tenants' requests (exactly those ``offer`` would have, in the
-        same order) and queues its items. A refused call sheds nobody and queues
-        nothing: its replies are withdrawn, the whole call counts as shed, and the
-        refusal of its first item refused is raised. The estimated wait of an item
-        counts everything queued now, so also what the items before it (and it) would
-        push out: like ``offer``'s, it errs on the side of refusing.
+        same order) and queues its items (``offer_planned``). A refused call sheds
+        nobody and queues nothing: its replies are withdrawn, the whole call counts as
+        shed, and the refusal of its first item refused is raised. The estimated wait
+        of an item counts everything queued now, so also what the items before it (and
+        it) would push out: like ``offer``'s, it errs on the side of refusing.
 
         An idle queue takes a whole call whatever the adaptive limit. The call is
         within the bound (the runtime checks that), and a call larger than the limit
         would otherwise be refused for as long as nothing else is dispatched, since
         only dispatches raise the limit.
         """
+        if not requests:
+            return
+        try:
+            plan = self.plan_all(requests, now)
+        except Overloaded:
+            for request in requests:
+                request.reply.withdraw()  # never queued: only its caller sees it
+            first = requests[0]
+            self.note_shed(first.tenant, first.priority, len(requests))
+            raise
+        self.offer_planned(plan, now)
+
+    def plan_all(self, requests: Sequence[Request], now: float) -> CallPlan:
+        """Decide the admission of the requests of one call (one tenant and class), as
+        ``offer_all`` does, without queueing them: return the plan for
+        ``offer_planned``, or raise the refusal of the first item refused
+        (Overloaded, QuotaExceeded), having changed nothing and counted nothing (the
+        caller withdraws the replies and counts the call shed, see ``note_shed``).
+        ValueError for requests of several tenants or classes.
+
+        The plan holds only while the queue is unchanged: apply it before anything
+        else offers to, dispatches from or expires in this queue. So the items of one
+        call split between several queues are admitted all or none, and only then
+        push anyone out: plan in each queue, then apply every plan.
+        """
         n = len(requests)
         if not n:
-            return
+            return CallPlan(queue=self, requests=requests, leaving=(), capacity=self._capacity)
         first = requests[0]
         tenant, priority = first.tenant, first.priority
         c = self._rank.get(priority, len(self.classes) - 1)
@@ -253,13 +293,23 @@ class Admission:
         if n > self._capacity and self._count == self._dead:
             self._capacity = min(n, self.bound)
         try:
-            try:
-                leaving = self._plan_call(requests, tenant, c, now)
-            except Overloaded:
-                for request in requests:
-                    request.reply.withdraw()  # never queued: only its caller sees it
-                self._stats(tenant, self.classes[c].name).shed += n
-                raise
+            leaving = self._plan_call(requests, tenant, c, now)
+            return CallPlan(
+                queue=self, requests=requests, leaving=leaving, capacity=self._capacity
+            )
+        finally:
+            self._update_capacity()
+
+    def offer_planned(self, plan: CallPlan, now: float) -> None:
+        """Queue a call as ``plan_all`` planned it, with the queue unchanged since:
+        give the hedge copies' room away and push out the requests the plan names,
+        in its order, and queue the items. Never refuses."""
+        if plan.queue is not self:
+            raise ValueError(f"model {self.model!r}: a plan made for another queue")
+        requests = plan.requests
+        leaving = plan.leaving
+        self._capacity = plan.capacity
+        try:
             if not leaving:
                 for request in requests:  # room for all: ``offer`` finds it
                     self.offer(request, now)

@@ -18,6 +18,7 @@ import collections
 import math
 from typing import Any
 
+import attrs
 import trio
 from trioserve import (
     Actor,
@@ -33,6 +34,16 @@ from trioserve import (
 from ._batching import SchedulingPolicy
 
 _DISPATCHED = RequestState.DISPATCHED
+
+
+@attrs.frozen(kw_only=True)
+class PlannedCall:
+    """A call's admission decided by :meth:`SchedulerActor.plan_all_nowait`: its
+    requests and the policy's plan (None: a policy that cannot plan decides when the
+    call is submitted)."""
+
+    requests: list[Request] = attrs.field(eq=False)
+    plan: Any = attrs.field(eq=False)
 
 
 class SchedulerActor(Actor):
@@ -106,11 +117,62 @@ class SchedulerActor(Actor):
             raise
         except Exception as exc:
             raise ActorBroken(f"model {self.model!r}: the scheduler failed to queue it") from exc
-        first = requests[0]
+        self._call_queued(requests[0], was)
+
+    def plan_all_nowait(self, requests: list[Request]) -> PlannedCall:
+        """Decide whether the requests of one call (one tenant and class, one
+        deadline) would be admitted all together, without queueing anything, for
+        :meth:`submit_planned_nowait`, which must follow before the queue changes
+        (before the next checkpoint).
+
+        Raises Overloaded (or QuotaExceeded) having queued nothing, pushed nobody out
+        and counted nothing; ActorClosed and ActorBroken as :meth:`submit_nowait`. So
+        a call whose items go to several schedulers (a model's two lanes) is planned
+        in each and only then submitted to each: a refusal in one sheds nobody in
+        another. A policy without ``plan_all`` decides only when the call is
+        submitted.
+        """
+        if self._closed:
+            raise ActorClosed(f"model {self.model!r}: the runtime is shut down")
+        plan_all = getattr(self.policy, "plan_all", None)
+        if plan_all is None or not requests:
+            return PlannedCall(requests=requests, plan=None)
+        try:
+            plan = plan_all(requests, requests[0].arrival)
+        except Overloaded:
+            raise
+        except Exception as exc:
+            raise ActorBroken(f"model {self.model!r}: the scheduler failed to queue it") from exc
+        return PlannedCall(requests=requests, plan=plan)
+
+    def submit_planned_nowait(self, planned: PlannedCall) -> None:
+        """Queue a call as :meth:`plan_all_nowait` decided it, the queue unchanged
+        since: it pushes out exactly the requests the plan names and is never refused
+        (unless the policy could not plan: then as :meth:`submit_all_nowait`). Wakes
+        idle batchers once."""
+        requests = planned.requests
+        if planned.plan is None:
+            self.submit_all_nowait(requests)
+            return
+        if self._closed:
+            raise ActorClosed(f"model {self.model!r}: the runtime is shut down")
+        policy = self.policy
+        was = len(policy)
+        try:
+            policy.offer_planned(planned.plan, requests[0].arrival)
+        except Exception as exc:
+            raise ActorBroken(f"model {self.model!r}: the scheduler failed to queue it") from exc
+        self._call_queued(requests[0], was)
+
+    def _call_queued(self, first: Request, was: int) -> None:
+        """The requests of a call, ``first`` among them, went into a queue that held
+        ``was``: wake the timer for their deadline, and idle batchers when they can
+        change their decision."""
         if first.deadline < self._wake_at and first.answer_expiry:
             self._timer.unpark_all()
         idle = self._idle
         if idle:
+            policy = self.policy
             n = len(policy)
             if not was or n >= self._max_size or getattr(policy.limits, "max_tokens", None):
                 idle.unpark_all()

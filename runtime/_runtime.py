@@ -340,6 +340,27 @@ class Runtime:
                 f"runtime.queue_bound, {bound})"
             )
 
+    def _submit_split(
+        self, served: ServedModel, requests: list[Request], tenant: str, priority: str
+    ) -> None:
+        """Queue the requests of one call whose items go to both of a model's lanes,
+        all or none: each lane decides on its items first (``plan_all_nowait``,
+        changing nothing), and only once both admit them are they queued, so a call
+        refused in one lane pushes nobody out of the other. A refusal (the first
+        lane's, the lane of the call's first item, when both refuse) counts every
+        item shed in its own lane and is raised; the caller withdraws the replies."""
+        lanes: dict[Any, list[Request]] = {}
+        for req in requests:
+            lanes.setdefault(served.scheduler_for(req.cost), []).append(req)
+        try:
+            plans = [(lane, lane.plan_all_nowait(items)) for lane, items in lanes.items()]
+        except Overloaded:
+            for lane, items in lanes.items():
+                lane.policy.note_shed(tenant, priority, len(items))
+            raise
+        for lane, planned in plans:
+            lane.submit_planned_nowait(planned)
+
     async def _submit_all(
         self,
         served: ServedModel,
@@ -378,10 +399,9 @@ class Runtime:
                 ):
                     scheduler.submit_all_nowait(requests)
                     submitted = len(requests)
-                else:  # split between the lanes
-                    for req in requests:
-                        served.scheduler_for(req.cost).submit_nowait(req)
-                        submitted += 1
+                else:  # split between the lanes: decided in both, then queued in both
+                    self._submit_split(served, requests, tenant, priority)
+                    submitted = len(requests)
             except BaseException as exc:
                 # none of them will run: withdraw those queued before anything (a
                 # batcher, at the checkpoint below) can take them

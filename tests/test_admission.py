@@ -386,6 +386,24 @@ def test_an_admitted_call_pushes_out_the_newest_of_whoever_is_most_over_its_shar
     assert [r.reply.state for r in a2 + c2] == [r.reply.state for r in a + c]
 
 
+def test_plan_all_decides_without_changing_or_counting_and_offer_planned_applies_it():
+    q = queue(4)
+    a = fill(q, "a", 4)  # full
+    call = [req("b") for _ in range(2)]
+    plan = q.plan_all(call, 0.0)
+    assert [r.reply.state for r in a] == [QUEUED] * 4  # nobody pushed out yet
+    assert len(q) == 4
+    assert ("b", "default") not in q.stats
+    q.offer_planned(plan, 0.0)
+    assert [r.reply.state for r in a] == [QUEUED, QUEUED, DONE, DONE]  # a's newest two
+    assert list(q) == [*a[:2], *call]
+    with pytest.raises(Overloaded):  # b is at its share now: refused, nothing counted
+        q.plan_all([req("b")], 0.0)
+    assert (q.stats["b", "default"].admitted, q.stats["b", "default"].shed) == (2, 0)
+    with pytest.raises(ValueError, match="another queue"):
+        queue(4).offer_planned(plan, 0.0)
+
+
 def test_a_call_mixing_tenants_or_classes_is_refused_as_a_programming_error():
     q = queue(4, classes=(ClassSpec(name="hi"), ClassSpec(name="lo")))
     with pytest.raises(ValueError, match="one tenant and class"):
@@ -994,6 +1012,98 @@ async def test_retry_after_for_a_cost_above_the_burst_is_when_it_would_be_admitt
         # A bucket at -4 refilling at 1/s holds the burst (4, what a cost of 8 needs)
         # after 8 s (the bug said 12: (cost - level) / rate).
         assert e.value.retry_after == 8.0
+
+
+# ---------------------------------------------------------------- runtime: the slow lane
+def _two_lanes(backend: CostModel) -> trioserve.Config:
+    """Tenants a (default) and b; model m on two replicas, items of cost >= 10 in the
+    slow lane, two requests queued per lane at most, batches closing only on size."""
+    return tenancy(
+        TenantConfig(name="a", default=True),
+        TenantConfig(name="b"),
+        model=ModelConfig(
+            name="m", backend=backend, replicas=2, slow_lane_cost=10, max_batch_size=8,
+            max_wait_ms=10_000, timeout_ms=None, adaptive_limit=False,
+        ),
+        queue_bound=2,
+    )
+
+
+# Regression: the items of a call split between a model's two lanes were queued one
+# by one, so a short item queued in the fast lane pushed out another tenant's newest
+# request (answered 503) before the long item was refused by the full slow lane, and
+# the call was then withdrawn whole: a shed for nothing.
+async def test_a_call_split_between_the_lanes_and_refused_in_one_sheds_nobody(
+    autojump_clock,
+):
+    backend = CostModel()
+    outcomes: dict[str, object] = {}
+
+    async def call(name, items, tenant):
+        try:
+            outcomes[name] = await rt.infer_batch("m", items, tenant=tenant)
+        except Overloaded as exc:
+            outcomes[name] = exc
+
+    async with trioserve.open_runtime(_two_lanes(backend)) as rt:
+        served = rt.models["m"]
+        fast, slow = served.scheduler.policy, served.slow_scheduler.policy
+        async with trio.open_nursery() as nursery:
+            for i in range(2):  # a fills the fast lane, b the slow one
+                nursery.start_soon(call, f"a{i}", [item(i)], "a")
+                nursery.start_soon(call, f"b{i}", [item(10 + i, n=20)], "b")
+            await trio.testing.wait_all_tasks_blocked()
+            assert (len(fast), len(slow)) == (2, 2)
+            # b's short item alone would push out a's newest request (b is under its
+            # share of the fast lane); its long one finds b at its share of the full
+            # slow lane: refused, so the whole call is, and nobody may be shed for it.
+            with pytest.raises(Overloaded, match=r"^model 'm': queue full \(2 requests"):
+                await rt.infer_batch("m", [item(20), item(21, n=20)], tenant="b")
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcomes == {}  # nobody answered: a's two are still queued
+            assert len(fast) == 2
+            assert [r.tenant for r in fast] == ["a", "a"]
+            assert (fast.stats["a", "realtime"].shed, slow.stats["b", "realtime"].queued) == (
+                0,
+                2,
+            )
+            # the refused call counts whole as shed, each item in its own lane
+            assert fast.stats["b", "realtime"].shed == 1
+            assert slow.stats["b", "realtime"].shed == 1
+            assert fast.stats["b", "realtime"].admitted == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_call_split_between_the_lanes_and_admitted_pushes_out_as_item_by_item(
+    autojump_clock,
+):
+    """With room in the slow lane, b's call goes in whole: its short item pushes out
+    a's newest request in the fast lane, as offering the items one by one would."""
+    backend = CostModel()
+    outcomes: dict[str, object] = {}
+
+    async def call(name, items, tenant):
+        try:
+            outcomes[name] = await rt.infer_batch("m", items, tenant=tenant)
+        except Overloaded as exc:
+            outcomes[name] = exc
+
+    async with trioserve.open_runtime(_two_lanes(backend)) as rt:
+        served = rt.models["m"]
+        fast, slow = served.scheduler.policy, served.slow_scheduler.policy
+        async with trio.open_nursery() as nursery:
+            for i in range(2):  # one after the other: a1 is a's newest
+                nursery.start_soon(call, f"a{i}", [item(i)], "a")
+                await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(call, "b", [item(20), item(21, n=20)], "b")
+            await trio.testing.wait_all_tasks_blocked()
+            assert (len(fast), len(slow)) == (2, 1)
+            assert sorted(r.tenant for r in fast) == ["a", "b"]
+            assert list(outcomes) == ["a1"]  # a's newest, pushed out
+            assert "pushed out" in str(outcomes["a1"])
+            assert fast.stats["b", "realtime"].admitted == 1
+            assert slow.stats["b", "realtime"].admitted == 1
+            nursery.cancel_scope.cancel()
 
 
 # ---------------------------------------------------------------- runtime: class timeout
