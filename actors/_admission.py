@@ -15,6 +15,7 @@ import collections
 import heapq
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 import attrs
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from ._fair import ClassSpec, FlowStats
 
 _QUEUED = RequestState.QUEUED
+#: No request left the queue (``gone`` for a look-up that plans nothing).
+_NOBODY: frozenset[int] = frozenset()
 
 
 class AimdLimit:
@@ -196,7 +199,7 @@ class Admission:
             return True
         return False
 
-    def _newest_copy(self, tenant: str | None, gone: set[int]) -> Request | None:
+    def _newest_copy(self, tenant: str | None, gone: AbstractSet[int]) -> Request | None:
         """The copy ``_drop_copy(tenant)`` would drop were the requests in ``gone``
         (their ``id``) already out of the queue; takes nothing."""
         copies = self._copies
@@ -450,16 +453,17 @@ class Admission:
 
     def _admit(self, request: Request, tenant: str, c: int, now: float) -> None:
         share = self.shares.get(tenant, 1.0)
-        if (
+        at_share = (
             share < 1.0
             # cheap first: the count may still hold dead entries
             and self._tenant_count[tenant] >= max(1, int(share * self.bound))
             and self._over_share(tenant)
-            and not (self._copies and self._drop_copy(tenant))
-        ):
+        )
+        if at_share and (not self._copies or self._newest_copy(tenant, _NOBODY) is None):
             raise self._quota_refusal(tenant, share)
-        # Before any push-out: a request refused for its deadline must not have
-        # shed another on its way (the estimate counts the one it would push out,
+        # Every refusal before any side effect: a request refused for its deadline
+        # must not have given a hedge copy's room away or shed another on its way (the
+        # estimate counts the copy it would drop and the request it would push out,
         # which errs on the side of refusing).
         rate = self.rate
         if (
@@ -470,6 +474,8 @@ class Admission:
             and (wait := self._too_late(request, tenant, c, now)) is not None
         ):
             raise self._late_refusal(request, wait, now)
+        if at_share:
+            self._drop_copy(tenant)  # its own newest copy, found above
         if self._dead * 4 > self._count:
             self._compact()
         if self._count - self._dead >= self._capacity and not (

@@ -88,7 +88,8 @@ class FairQueue(Admission):
     - Hedges (``offer_spare``): a copy of a hedged request takes only free room, and
       a new request that finds the queue full (or its tenant at its share) takes the
       room of the newest copy queued (answered Overloaded: its original still runs)
-      before anyone is pushed out or refused.
+      before anyone is pushed out or refused; a request refused for its estimated
+      wait takes no copy's room.
     - Expiry: a request still queued at its deadline is answered DeadlineExceeded (or
       dropped, when the deadline was its caller's) and never dispatched.
     - Memory: a request that leaves (dispatched, answered, withdrawn, pushed out) stays

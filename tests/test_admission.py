@@ -556,6 +556,36 @@ def test_a_tenant_at_its_queue_share_gets_the_room_of_its_own_hedge_copy():
     assert q.stats["a", "default"].shed == 1  # only the request refused above
 
 
+# Regression: a request of a tenant at its queue share took the room of the tenant's
+# own newest hedge copy (answered Overloaded) before its estimated wait was checked, so
+# a request then refused for its deadline had dropped the copy for nothing.
+def test_a_request_refused_for_its_deadline_leaves_its_tenants_hedge_copy_queued():
+    q = queue(8, max_size=2, shares={"a": 0.5})  # a may hold 4
+    fill(q, "a", 4)
+    b1, b2 = q.next_batch(0.0), q.next_batch(0.0)
+    q.completed(b1, 1.0)
+    q.completed(b2, 2.0)
+    assert q.rate == 2.0
+    now = 2.0
+    held = fill(q, "a", 3, arrival=now)
+    copy = req("a", arrival=now)
+    assert q.offer_spare(copy, now)  # a holds its share now
+    # a's request waits for its own 4 units ahead (the copy it would drop counted):
+    # 5 / 2 = 2.5 s; without the copy 2 s, still past the 1.5 s left.
+    with pytest.raises(
+        Overloaded, match=r"^model 'm': estimated time to serve it 2500 ms exceeds"
+    ):
+        q.offer(req("a", arrival=now, deadline=now + 1.5), now)
+    assert copy.reply.state is QUEUED  # its room was not given away
+    assert list(q) == [*held, copy]
+    s = q.stats["a", "default"]
+    assert (s.admitted, s.hedged, s.shed) == (4 + 3, 1, 1)
+    late = req("a", arrival=now)  # no deadline: takes the copy's room
+    q.offer(late, now)
+    assert copy.reply.state is DONE
+    assert list(q) == [*held, late]
+
+
 def test_a_hedge_copy_that_would_wait_past_its_deadline_is_refused_quietly():
     q = _measured()
     now = 2.0
