@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -467,6 +469,23 @@ def check_exposition(text: str) -> dict[tuple[str, tuple], float]:
     return samples
 
 
+def documented_series() -> set[str]:
+    """Every ``trioserve_*`` series name docs/*.md mention, with ``{a,b}`` expanded
+    (``trioserve_cache_{hits,misses}_total``); a brace without a comma is a label
+    (``trioserve_cache_expirations_total{model}``)."""
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    text = "\n".join(p.read_text() for p in sorted(docs.glob("*.md")))
+    names = set()
+    for token in re.findall(r"trioserve_[a-z0-9_{},]+", text):
+        head, _, rest = token.partition("{")
+        alternatives, _, tail = rest.partition("}")
+        if "," not in alternatives:
+            names.add(head)
+            continue
+        names.update(head + a + tail for a in alternatives.split(","))
+    return names
+
+
 async def test_the_metrics_exposition_is_valid_after_traffic_through_every_feature():
     """``/metrics`` read back by prometheus_client's parser after answers of every
     kind (ok, 400, model error, edge cache hit and miss, the stream, 429, 503, an
@@ -542,6 +561,13 @@ async def test_the_metrics_exposition_is_valid_after_traffic_through_every_featu
     for res in (scrape, final):
         assert res.status == 200
         samples = check_exposition(res.body.decode())
+    # every series a scraper sees is described in docs/ (gateway.md's table, cache.md)
+    exposed = {
+        f.name + "_total" if f.type == "counter" else f.name
+        for f in text_string_to_metric_families(final.body.decode())
+    }
+    assert len(exposed) == 35
+    assert exposed - documented_series() == set()
     requests = {
         (dict(labels)["model"], dict(labels)["tenant"], dict(labels)["status"]): v
         for (name, labels), v in samples.items() if name == "trioserve_requests_total"

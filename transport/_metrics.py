@@ -70,7 +70,8 @@ class GatewayCollector(Collector):
         )
         outcomes = CounterMetricFamily(
             "trioserve_batcher_outcomes",
-            "Items by abnormal batch outcome (model_error, ...).",
+            "Abnormal batch outcomes: items retried or answered model_error, poison "
+            "requests, straggler batches cut, worker_lost workers.",
             labels=["model", "outcome"],
         )
         for name, served in sorted(gw.runtime.models.items()):
