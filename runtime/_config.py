@@ -494,7 +494,8 @@ def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
 
 def config_from_mapping(data: Mapping[str, Any]) -> Config:
     """Build a Config from a parsed TOML document (``[models.NAME]``, ``[tenants.NAME]``,
-    ``[classes.NAME]`` (in priority order, highest first), ``[runtime]``, ``[server]``)."""
+    ``[classes.NAME]`` (in priority order, highest first), ``[runtime]``, ``[server]``,
+    ``[cache]``)."""
     for key in data:
         if key not in _TOP_KEYS:
             raise ConfigError(f"{key}: unknown key; expected one of {', '.join(_TOP_KEYS)}")

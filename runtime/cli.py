@@ -56,8 +56,10 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the configured models over HTTP and WebSocket")
     s.add_argument("--config", help="TOML config file (default: the built-in configuration)")
-    s.add_argument("--host", type=_host, help="listen address (default 127.0.0.1)")
-    s.add_argument("--port", type=_PORT, help="listen port, 0-65535 (default 8000)")
+    s.add_argument("--host", type=_host,
+                   help="listen address (default: the config's [server] host, 127.0.0.1)")
+    s.add_argument("--port", type=_PORT,
+                   help="listen port, 0-65535 (default: the config's [server] port, 8000)")
 
     b = sub.add_parser("bench", help="closed-loop load, in process or against --url")
     b.add_argument("--config", help="TOML config file (default: the built-in configuration)")
