@@ -4,10 +4,12 @@ naming its key."""
 from __future__ import annotations
 
 import math
+import re
 import socket
 import textwrap
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import trioserve
@@ -571,6 +573,20 @@ def documented_example(tmp_path):
     """The TOML example of docs/configuration.md, written to a file."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     return write(tmp_path, doc.split("```toml\n", 1)[1].split("```", 1)[0])
+
+
+def test_the_example_in_docs_configuration_md_names_every_key(tmp_path):
+    """A reader finds every key a table takes in the example, set or commented out
+    (an optional one): each field of the config classes but ``name`` (the table's)."""
+    example = documented_example(tmp_path).read_text()
+    keys = set(re.findall(r"^(?:# )?(\w+) = ", example, re.MULTILINE))
+    keys |= set(re.findall(r"\{ (\w+) = ", example))
+    for cls in (
+        trioserve.RuntimeLimits, trioserve.ServerConfig, trioserve.CacheConfig,
+        trioserve.ModelConfig, trioserve.TenantConfig, trioserve.ClassConfig,
+    ):
+        fields = {f.name for f in attrs.fields(cls)} - {"name"}
+        assert fields - keys == set(), cls.__name__
 
 
 async def test_the_example_in_docs_configuration_md_opens_and_serves(tmp_path):
