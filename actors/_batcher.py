@@ -361,8 +361,8 @@ class BatcherActor(Actor):
 
     def _lose(self, worker: WorkerProcess, why: str) -> None:
         """The worker is gone (or must go): kill it, hand its batches back — the one it
-        was running as a suspect, halved; the staged ones as they were — and raise
-        _WorkerLost to stop feeding it."""
+        was running as a suspect, split in ``retry_parts``; the staged ones as they were
+        — and raise _WorkerLost to stop feeding it."""
         if not worker.alive:
             raise _WorkerLost(why)  # already lost and handled (by the other task)
         worker.kill()

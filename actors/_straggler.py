@@ -140,8 +140,8 @@ def split_failed(
 
 
 def retried(batch: list[Request]) -> bool:
-    """Whether ``batch`` is a retry of a batch that failed (a half being bisected, or
-    a request run alone again): its failure is then its requests' doing, counted
+    """Whether ``batch`` is a retry of a batch that failed (a part of a split batch,
+    or a request run alone again): its failure is then its requests' doing, counted
     towards poison, and says nothing of its replica. A batch that fails on fresh work
     is the replica's failure (see :class:`Breaker`)."""
     return bool(batch) and all(r.reply.suspect for r in batch)

@@ -13,7 +13,7 @@ shutdown. :func:`run_scenario` plays it in ``trio.run`` with
   twice or lost between the queue and a batcher;
 - every batch a replica starts, fresh or handed back for a retry: within the budgets,
   nothing in it past its deadline; an item runs again only after a batch whose model
-  raised (the batch is halved and retried);
+  raised (the batch is split and retried);
 - every caller gets exactly one outcome, one its situation allows (a result only if
   the last batch of each of its items succeeded; ModelError only for an input that
   raises — model errors reach only their own input; ActorBroken only if its batch
@@ -628,7 +628,7 @@ def _check_call(
     name = type(exc).__name__
     ok = False
     if isinstance(exc, ModelError):
-        # Model errors reach only their own input: the failed batch is halved and
+        # Model errors reach only their own input: the failed batch is split and
         # retried until the input that raises runs alone.
         ok = any(it.fault == "error" for it in call.items)
     elif isinstance(exc, ActorBroken):
