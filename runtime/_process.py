@@ -172,8 +172,8 @@ class WorkerProcess:
         return await self.result()
 
     async def submit(self, items: list[dict[str, Any]]) -> None:
-        """Send a batch. At most two may be in flight (two shared-memory slots); the
-        worker runs them in order. Raises WorkerDied. Cancelling it leaves the pipe
+        """Send a batch. At most SLOTS may be in flight (one shared-memory slot each);
+        the worker runs them in order. Raises WorkerDied. Cancelling it leaves the pipe
         mid-message: kill the worker after a cancelled call."""
         if self.in_flight >= self.SLOTS:
             raise RuntimeError(f"at most {self.SLOTS} batches may be in flight per worker")
