@@ -435,7 +435,7 @@ class Config:
             for c in t.classes:
                 if c not in class_names:
                     raise ConfigError(
-                        f"tenants.{t.name}.classes: unknown class {c!r}; classes: "
+                        f"{t._path()}.classes: unknown class {c!r}; classes: "
                         f"{', '.join(c.name for c in self.classes)}"
                     )
         keys: dict[str, str] = {}
@@ -443,7 +443,7 @@ class Config:
             for k in t.api_keys:
                 if k in keys:
                     raise ConfigError(
-                        f"tenants.{t.name}.api_keys: key already belongs to tenant {keys[k]!r}"
+                        f"{t._path()}.api_keys: key already belongs to tenant {keys[k]!r}"
                     )
                 keys[k] = t.name
         defaults = [t.name for t in self.tenants if t.default]
@@ -474,7 +474,7 @@ def _unique(kind: str, names: list[str]) -> None:
     seen = set()
     for n in names:
         if n in seen:
-            raise ConfigError(f"{kind}.{n}: defined twice")
+            raise ConfigError(f"{kind}.{_key(n)}: defined twice")
         seen.add(n)
 
 
@@ -504,21 +504,21 @@ def config_from_mapping(data: Mapping[str, Any]) -> Config:
     if not isinstance(models_t, Mapping):
         raise ConfigError("models: must be a table of [models.NAME] tables")
     models = tuple(
-        _build(ModelConfig, t, f"models.{n}", name=n) for n, t in models_t.items()
+        _build(ModelConfig, t, f"models.{_key(n)}", name=n) for n, t in models_t.items()
     )
     kw: dict[str, Any] = {"models": models}
     if tenants_t is not None:
         if not isinstance(tenants_t, Mapping):
             raise ConfigError("tenants: must be a table of [tenants.NAME] tables")
         kw["tenants"] = tuple(
-            _build(TenantConfig, t, f"tenants.{n}", name=n) for n, t in tenants_t.items()
+            _build(TenantConfig, t, f"tenants.{_key(n)}", name=n) for n, t in tenants_t.items()
         )
     classes_t = data.get("classes", None)
     if classes_t is not None:
         if not isinstance(classes_t, Mapping):
             raise ConfigError("classes: must be a table of [classes.NAME] tables, highest first")
         kw["classes"] = tuple(
-            _build(ClassConfig, t, f"classes.{n}", name=n) for n, t in classes_t.items()
+            _build(ClassConfig, t, f"classes.{_key(n)}", name=n) for n, t in classes_t.items()
         )
     if "runtime" in data:
         kw["runtime"] = _build(RuntimeLimits, data["runtime"], "runtime")

@@ -152,6 +152,20 @@ def test_a_model_name_that_cannot_be_a_url_segment_is_refused(tmp_path, table, s
     )
 
 
+def test_a_name_that_is_no_bare_toml_key_is_quoted_in_errors(tmp_path):
+    path = write(
+        tmp_path,
+        '[models.m]\nbackend = "echo"\n[tenants."a.b"]\nclasses = ["nope"]\n',
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value).startswith('tenants."a.b".classes: unknown class \'nope\'')
+    path = write(tmp_path, '[models."a b"]\nbackend = "echo"\nzzz = 1\n')
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value).startswith('models."a b".zzz: unknown key')
+
+
 def test_model_names_that_are_url_segments_are_taken(tmp_path):
     path = write(
         tmp_path, '[models."resnet50_v1.5"]\nbackend = "echo"\n[models."a b"]\nbackend = "echo"\n'
