@@ -477,3 +477,26 @@ async def test_chunks_up_to_the_limit_are_taken(small):
     assert status == 200
     assert orjson.loads(answer)["id"] == "c"
     assert after[0] == 200
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        infer_request(1.0, extra=b"Host: u\r\n"),  # Host twice
+        infer_request(1.0).replace(b"Host: t\r\n", b""),  # no Host
+        infer_request(1.0).replace(b"POST ", b"POST  ", 1),  # two spaces
+        infer_request(1.0).replace(b" HTTP/1.1", b"  HTTP/1.1", 1),
+    ],
+    ids=["two-hosts", "no-host", "space-before-target", "space-before-version"],
+)
+async def test_a_data_plane_request_h11_refuses_is_400_whichever_parser_reads_it(
+    server, request_bytes
+):
+    """The data plane's usual requests are parsed by llhttp, which accepts these; they
+    are still refused, as h11 refuses them, and the connection closes."""
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(request_bytes + infer_request(2.0))
+    responses = await read_responses(stream)
+    await stream.aclose()
+    assert [s for s, _, _ in responses] == [400]
+    assert orjson.loads(responses[0][2])["error"].startswith("bad HTTP request: ")

@@ -1,8 +1,14 @@
-"""The HTTP/1.1 connection handler: h11 over a trio stream, one task per connection,
-keep-alive.
+"""The HTTP/1.1 connection handler: h11 (and llhttp) over a trio stream, one task per
+connection, keep-alive.
 
-h11 parses every request. ``POST /v2/models/{name}[/versions/{v}]/infer`` (the data
-plane) is answered here directly; a ``/v2/stream`` WebSocket upgrade is handed to the
+The data plane's usual request (a keep-alive HTTP/1.1 ``POST`` to an infer route,
+one Content-Length, head and body already received) is parsed by llhttp
+(``httptools``, ``_data_plane_request``) in ~2 us; h11 took ~20 us, and with it the
+server answered ~25-40% fewer such requests a second. h11 parses every other
+request, so its refusals (400, 413, 414, 431, 501, 505), 100-continue, chunked
+bodies and its error messages stay as they were.
+``POST /v2/models/{name}[/versions/{v}]/infer`` (the data plane) is answered here
+directly; a ``/v2/stream`` WebSocket upgrade is handed to the
 stream server (``._stream``, on wsproto) over the same socket; every other request goes
 to the control plane's ASGI app, called in-process. Each response leaves in one write
 when the socket buffer takes it; the connection's own reads and writes (``_receive``,
@@ -14,9 +20,12 @@ The data plane's keep-alive answers (a status, the gateway's own headers, a body
 are written from a template and the next request gets a fresh h11 state: h11's
 writer and its state machine cost ~20 µs a request, more than a fifth of the
 handler's time. Everything else (control plane, ``Connection: close``, HTTP/1.0,
-drain) is written by h11. Likewise a data-plane body that h11 has framed by its
-Content-Length and already holds whole is taken from h11's buffer rather than through
-its two body events (~5 µs); one that has not all arrived is read through h11.
+drain) is written by h11, except the answers to a request llhttp parsed, which h11
+never saw (``_Connection.bare``): those are written from the template, with
+``Connection: close`` when the connection then ends. A data-plane body that h11 has
+framed by its Content-Length and already holds whole is taken from h11's buffer rather
+than through its two body events (~5 µs); one that has not all arrived is read
+through h11.
 
 While a data-plane request waits for its answer the connection does not read its
 socket; the gateway's hang-up watch (``._hangup``) notices a client that closes it
@@ -34,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, unquote_to_bytes
 
 import h11
+import httptools
 import outcome
 import trio
 
@@ -65,6 +75,13 @@ _write = os.write
 _wait_readable = trio.lowlevel.wait_readable
 _checkpoint = trio.lowlevel.checkpoint
 _wait_writable = trio.lowlevel.wait_writable
+_CLOSE = (b"connection", b"close")
+#: How a data-plane request begins; only such a request is tried by llhttp.
+_FAST_PREFIX = b"POST /v2/models/"
+_VERSION_LINE_END = b" HTTP/1.1\r\n"
+_OWS = b" \t"
+#: Headers that make a request h11's to parse (or, for Connection, ``close``).
+_H11_FRAMING = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"connection"))
 _DROPPED_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"connection"))
 #: The methods of RFC 9110 (and PATCH); any other gets 501.
 _METHODS = frozenset(
@@ -214,7 +231,7 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
             # A bug, not bad input: fail this connection only, never the server.
             log.exception("connection %s: unexpected error", _peer(stream, local=False))
             linger = True
-            if c.h.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            if c.bare or c.h.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 body = error_body(f"internal error: {type(exc).__name__}: {exc}")
                 await _send_quietly(c, 500, [JSON], body)
     try:
@@ -224,7 +241,9 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
             linger = False
         elif c.conn.gone and scope.cancelled_caught:
             pass  # the client hung up while its request waited: nobody to answer
-        elif scope.cancelled_caught and not handed_off and c.h.our_state is h11.SEND_RESPONSE:
+        elif scope.cancelled_caught and not handed_off and (
+            c.bare or c.h.our_state is h11.SEND_RESPONSE
+        ):
             # Drained past the grace period with this request unanswered: say so.
             body = error_body("the server is shutting down; the request was not completed")
             with trio.CancelScope(shield=True), trio.move_on_after(LINGER):
@@ -240,29 +259,20 @@ def _new_h11() -> h11.Connection:
     return h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
 
 
-def _next_h11(trailing: bytes) -> tuple[h11.Connection, bool]:
-    """A fresh h11 state for the next request of a keep-alive connection, holding
-    ``trailing``, the bytes received after the last one (empty lines before its request
-    line skipped: RFC 9112 2.2, which h11 refuses), and whether it holds none."""
-    if trailing[:1] == b"\r" or trailing[:1] == b"\n":
-        trailing = trailing.lstrip(b"\r\n")
-    nxt = _new_h11()
-    if trailing:
-        nxt.receive_data(trailing)
-    return nxt, not trailing
-
-
 class _Connection:
     """One client connection: its stream, its h11 state, its place in the drain, and
     the bound on each of its writes (``server.write_timeout_s``)."""
 
-    __slots__ = ("conn", "fd", "gateway", "h", "stalled", "stream", "write_timeout")
+    __slots__ = ("bare", "conn", "fd", "gateway", "h", "stalled", "stream", "write_timeout")
 
     def __init__(self, gateway: Gateway, stream: trio.SocketStream) -> None:
         self.gateway = gateway
         self.stream = stream
         self.fd = stream.socket.fileno()
         self.h = _new_h11()
+        #: the request being answered was parsed by llhttp (``_data_plane_request``):
+        #: ``h`` is fresh, and an answer to it is written without h11
+        self.bare = False
         self.conn: _Conn
         self.write_timeout = gateway.server_config.write_timeout_s
         #: a write was cut: the client took no byte of it for ``write_timeout``
@@ -289,135 +299,153 @@ class _Connection:
         idle = gateway.server_config.keep_alive_timeout_s
         patience = gateway.server_config.request_timeout_s
         stall = self.write_timeout
-        h = self.h
-        empty = True  # h is fresh with nothing buffered: its next event is NEED_DATA
+        h = self.h  # fresh: nothing buffered in it between requests
+        buf = b""  # bytes received and not yet parsed: the next request(s), pipelined
         outbox = gateway.outbox
         waited = False  # the last answer waited for the outbox: no checkpoint needed
         while True:
             # ---- the request head (between requests the connection is idle)
-            fresh = True
+            fresh = True  # nothing read yet for this request
             deadline = math.inf  # set when a request needs a second read
-            event = _NEED_DATA if empty else h.next_event()
-            while event is _NEED_DATA:
+            if not buf:
+                conn.busy = False
+                if gateway.draining:
+                    return False
+                buf = await _receive(fd, True, idle, checkpoint=not waited)
+                waited = False
+                conn.busy = True
+                fresh = False
+                if not buf:
+                    return False  # the client closed between requests
+            if buf[:1] == b"\r" or buf[:1] == b"\n":
+                # Empty lines before a request line are ignored (RFC 9112 2.2; h11
+                # refuses them). Only those that begin the request's bytes.
+                buf = buf.lstrip(b"\r\n")
+                if not buf:
+                    continue
+            conn.busy = True
+            fast = _data_plane_request(buf, max_body) if buf[:16] == _FAST_PREFIX else None
+            if fast is not None:
+                # parsed by llhttp, answered from the template (see the module's
+                # docstring); h stays fresh
+                route, body, buf, auth, hlen, idem, encoding = fast
+                keep_alive = self.bare = True
+            else:
+                h.receive_data(buf)
+                buf = b""
+                event = h.next_event()
+            while fast is None and event is _NEED_DATA:
                 if fresh:
-                    # idle, unless part of a pipelined request head is buffered
-                    conn.busy = not empty
+                    # part of a pipelined request head is buffered
                     if gateway.draining:
                         return False
                     data = await _receive(fd, True, idle, checkpoint=not waited)
                     waited = False
-                    conn.busy = True
                     fresh = False
-                    if data[:1] == b"\r" or data[:1] == b"\n":
-                        # Empty lines before a request line are ignored (RFC 9112
-                        # 2.2; h11 refuses them). Only those that begin a read.
-                        data = data.lstrip(b"\r\n")
-                        if not data:
-                            fresh = True
-                            continue
                 else:
                     if deadline == math.inf:
                         deadline = trio.current_time() + patience
                     data = await _receive(fd, False, deadline=deadline)
                 h.receive_data(data)  # b"" (EOF): h11 reports ConnectionClosed or raises
                 event = h.next_event()
-            if type(event) is not _Request:
-                return False  # ConnectionClosed
-            conn.busy = True
-            request = event
-            auth = hlen = upgrade = idem = encoding = None
-            length = -1
-            chunked = False
-            version = request.http_version
-            keep_alive = version == b"1.1"
-            if not keep_alive and version != b"1.0":
-                raise await _refuse(self, 505, f"HTTP/{version.decode()} is not supported")
-            head = len(request.target)
-            for raw_name, value in request.headers.raw_items():
-                name = raw_name.lower()
-                head += len(name) + len(value) + 4
-                if name == b"content-length":
-                    length = int(value)  # h11 checked it: digits, one value
-                    if length > max_body:
-                        raise await _too_large(self, max_body)
-                elif name == b"transfer-encoding":
-                    chunked = True
-                elif name == b"authorization":
-                    auth = value
-                elif name == b"inference-header-content-length":
-                    hlen = value
-                elif name == b"idempotency-key":
-                    idem = value
-                elif name == b"content-encoding":
-                    encoding = value
-                elif name == b"upgrade":
-                    upgrade = value
-                elif name == b"connection" and b"close" in [
-                    t.strip() for t in value.lower().split(b",")
-                ]:
-                    keep_alive = False
-            if head > MAX_HEAD:
-                if len(request.target) > MAX_TARGET:
-                    raise await _refuse(self, 414, _LONG_TARGET)
-                raise await _refuse(
-                    self, 431, f"bad HTTP request: request head over {MAX_HEAD} bytes"
-                )
-            if length >= 0 and chunked:
-                # A body framed two ways is how requests are smuggled past a proxy:
-                # refuse it and close (RFC 9112 6.1).
-                raise await _refuse(
-                    self, 400, "bad HTTP request: both Transfer-Encoding and Content-Length"
-                )
-
-            method = request.method
-            target = request.target
-            route = verdict = None
-            if unusual(target):
-                # asterisk- or absolute-form, a long target, or a path that may name
-                # nothing: answered after the body (so the connection stays usable)
-                target, verdict = check_target(method, target)
-            if verdict is None and method == b"POST" and target.startswith(b"/v2/models/"):
-                route = _infer_route(target)
-
-            # ---- the body
-            body = rest = None
-            if route is not None and length >= 0:
-                # The data plane's usual case: h11 has framed the body (one
-                # Content-Length; chunked as well is refused above) and often holds it
-                # whole already. Then it is taken from h11's buffer, without h11's two
-                # body events (~5 us a request), and the bytes after it go to the next
-                # request's fresh h11 state.
-                held = h.trailing_data[0]
-                if len(held) >= length:
-                    body, rest = held[:length], held[length:]
-            if body is None:
-                chunks: list[bytes] = []
-                size = 0
-                while True:
-                    event = h.next_event()
-                    kind = type(event)
-                    if kind is _Data:
-                        chunks.append(event.data)
-                        size += len(event.data)
-                        if size > max_body:
+            if fast is None:
+                if type(event) is not _Request:
+                    return False  # ConnectionClosed
+                conn.busy = True
+                request = event
+                auth = hlen = upgrade = idem = encoding = None
+                length = -1
+                chunked = False
+                version = request.http_version
+                keep_alive = version == b"1.1"
+                if not keep_alive and version != b"1.0":
+                    raise await _refuse(self, 505, f"HTTP/{version.decode()} is not supported")
+                head = len(request.target)
+                for raw_name, value in request.headers.raw_items():
+                    name = raw_name.lower()
+                    head += len(name) + len(value) + 4
+                    if name == b"content-length":
+                        length = int(value)  # h11 checked it: digits, one value
+                        if length > max_body:
                             raise await _too_large(self, max_body)
-                    elif kind is _EndOfMessage:
-                        break
-                    elif event is _NEED_DATA:
-                        if chunked and size + _chunk_left(h) > max_body:
-                            # a chunk-size line over the limit: refused before its data
-                            raise await _too_large(self, max_body)
-                        if h.they_are_waiting_for_100_continue:
-                            go_on = h11.InformationalResponse(status_code=100, headers=[])
-                            await _send_all(fd, h.send(go_on), stall)
-                        if deadline == math.inf:
-                            deadline = trio.current_time() + patience
-                        h.receive_data(await _receive(fd, False, deadline=deadline))
-                    else:
-                        return False
-                # bytes, as the rest expects (h11 may hand a bytearray: unhashable
-                # in a cache key, and not taken by the numeric decoder)
-                body = bytes(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
+                    elif name == b"transfer-encoding":
+                        chunked = True
+                    elif name == b"authorization":
+                        auth = value
+                    elif name == b"inference-header-content-length":
+                        hlen = value
+                    elif name == b"idempotency-key":
+                        idem = value
+                    elif name == b"content-encoding":
+                        encoding = value
+                    elif name == b"upgrade":
+                        upgrade = value
+                    elif name == b"connection" and b"close" in [
+                        t.strip() for t in value.lower().split(b",")
+                    ]:
+                        keep_alive = False
+                if head > MAX_HEAD:
+                    if len(request.target) > MAX_TARGET:
+                        raise await _refuse(self, 414, _LONG_TARGET)
+                    raise await _refuse(
+                        self, 431, f"bad HTTP request: request head over {MAX_HEAD} bytes"
+                    )
+                if length >= 0 and chunked:
+                    # A body framed two ways is how requests are smuggled past a proxy:
+                    # refuse it and close (RFC 9112 6.1).
+                    raise await _refuse(
+                        self, 400, "bad HTTP request: both Transfer-Encoding and Content-Length"
+                    )
+
+                method = request.method
+                target = request.target
+                route = verdict = None
+                if unusual(target):
+                    # asterisk- or absolute-form, a long target, or a path that may name
+                    # nothing: answered after the body (so the connection stays usable)
+                    target, verdict = check_target(method, target)
+                if verdict is None and method == b"POST" and target.startswith(b"/v2/models/"):
+                    route = _infer_route(target)
+
+                # ---- the body
+                body = rest = None
+                if route is not None and length >= 0:
+                    # The data plane's usual case: h11 has framed the body (one
+                    # Content-Length; chunked as well is refused above) and often holds it
+                    # whole already. Then it is taken from h11's buffer, without h11's two
+                    # body events (~5 us a request), and the bytes after it go to the next
+                    # request's fresh h11 state.
+                    held = h.trailing_data[0]
+                    if len(held) >= length:
+                        body, rest = held[:length], held[length:]
+                if body is None:
+                    chunks: list[bytes] = []
+                    size = 0
+                    while True:
+                        event = h.next_event()
+                        kind = type(event)
+                        if kind is _Data:
+                            chunks.append(event.data)
+                            size += len(event.data)
+                            if size > max_body:
+                                raise await _too_large(self, max_body)
+                        elif kind is _EndOfMessage:
+                            break
+                        elif event is _NEED_DATA:
+                            if chunked and size + _chunk_left(h) > max_body:
+                                # a chunk-size line over the limit: refused before its data
+                                raise await _too_large(self, max_body)
+                            if h.they_are_waiting_for_100_continue:
+                                go_on = h11.InformationalResponse(status_code=100, headers=[])
+                                await _send_all(fd, h.send(go_on), stall)
+                            if deadline == math.inf:
+                                deadline = trio.current_time() + patience
+                            h.receive_data(await _receive(fd, False, deadline=deadline))
+                        else:
+                            return False
+                    # bytes, as the rest expects (h11 may hand a bytearray: unhashable
+                    # in a cache key, and not taken by the numeric decoder)
+                    body = bytes(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
 
             # ---- route
             if route is not None:
@@ -436,19 +464,24 @@ class _Connection:
                 finally:
                     conn.waiting = False
                 if keep_alive and not gateway.draining:
-                    # Written from the template (see the module's docstring); the next
-                    # request gets a fresh h11 state with the bytes already received
-                    # after this one.
+                    # Written from the template (see the module's docstring); the
+                    # bytes already received after this request begin the next.
                     answer = _plain_response(status, headers, out)
                     if outbox is None:
                         await _send_all(fd, answer, stall)
                     else:
                         waited = await outbox.send(fd, answer, stall)
-                    h, empty = _next_h11(h.trailing_data[0] if rest is None else rest)
-                    self.h = h
+                    if fast is None:
+                        buf = h.trailing_data[0] if rest is None else rest
+                        h = self.h = _new_h11()
+                    self.bare = False
                     conn.kept = True
                     continue
-                await _send_all(fd, _response(h, status, headers, out, True), stall)
+                if self.bare:
+                    answer = _plain_response(status, [*headers, _CLOSE], out)
+                else:
+                    answer = _response(h, status, headers, out, True)
+                await _send_all(fd, answer, stall)
                 raise _Close()
             if upgrade is not None and b"websocket" in upgrade.lower() and (
                 method == b"GET" and keep_alive and version == b"1.1"
@@ -481,10 +514,82 @@ class _Connection:
             await _send_all(fd, _response(h, status, headers, out, close), stall)
             if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 raise _Close()
-            h, empty = _next_h11(h.trailing_data[0])
-            self.h = h
+            buf = h.trailing_data[0]
+            h = self.h = _new_h11()
             conn.kept = True
             waited = False  # this answer did not go through the scheduler
+
+
+class _Head:
+    """Collects a request head's target and headers from llhttp's callbacks."""
+
+    __slots__ = ("headers", "target")
+
+    def __init__(self) -> None:
+        self.target = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+
+    def on_url(self, url: bytes) -> None:
+        self.target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+
+def _data_plane_request(
+    buf: bytes, max_body: int
+) -> tuple[tuple[str, str | None], bytes, bytes, Any, Any, Any, Any] | None:
+    """The data plane's usual request, parsed by llhttp (httptools): a keep-alive
+    HTTP/1.1 ``POST`` to an infer route, framed by one Content-Length, whose head and
+    body ``buf`` holds whole. Returns (route, body, the bytes after it, and the values
+    of Authorization, Inference-Header-Content-Length, Idempotency-Key and
+    Content-Encoding), or None for any other request, which h11 then parses as
+    before: its answers, refusals and error messages stay h11's. llhttp parses such a
+    head in ~2 us where h11 takes ~20 us.
+
+    What llhttp accepts and h11 would refuse is not taken here: more than one space
+    in the request line, a missing or repeated Host; values lose trailing whitespace
+    as h11's do. Not a checkpoint."""
+    end = buf.find(b"\r\n\r\n", 0, MAX_HEAD)
+    if end < 0:
+        return None
+    end += 4
+    head = _Head()
+    try:
+        httptools.HttpRequestParser(head).feed_data(buf[:end])
+    except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+        return None
+    target = head.target
+    n = 5 + len(target)
+    if buf[n:n + 11] != _VERSION_LINE_END or unusual(target):
+        return None
+    route = _infer_route(target)
+    if route is None:
+        return None
+    length = -1
+    hosts = 0
+    auth = hlen = idem = encoding = None
+    for raw_name, value in head.headers:
+        name = raw_name.lower()
+        if name == b"content-length":
+            length = int(value)  # llhttp checked it: digits, one value
+        elif name == b"host":
+            hosts += 1
+        elif name == b"authorization":
+            auth = value.rstrip(_OWS)
+        elif name == b"inference-header-content-length":
+            hlen = value.rstrip(_OWS)
+        elif name == b"idempotency-key":
+            idem = value.rstrip(_OWS)
+        elif name == b"content-encoding":
+            encoding = value.rstrip(_OWS)
+        elif name in _H11_FRAMING and (
+            name != b"connection" or b"close" in [t.strip() for t in value.lower().split(b",")]
+        ):
+            return None  # framing, an upgrade or 100-continue, or the last request
+    if hosts != 1 or length < 0 or length > max_body or end + length > len(buf):
+        return None
+    return route, buf[end:end + length], buf[end + length:], auth, hlen, idem, encoding
 
 
 def _chunk_left(h: h11.Connection) -> int:
@@ -604,10 +709,13 @@ def _response(h: h11.Connection, status: int, headers: Headers, body: bytes, clo
 async def _send_quietly(c: _Connection, status: int, headers: Headers, body: bytes) -> None:
     """Send an error answer (the connection then closes), ignoring a client that has
     gone; one that takes none of it within the write timeout is marked stalled."""
-    try:
-        data = _response(c.h, status, headers, body, True)
-    except h11.LocalProtocolError:
-        return
+    if c.bare:
+        data = _plain_response(status, [*headers, _CLOSE], body)
+    else:
+        try:
+            data = _response(c.h, status, headers, body, True)
+        except h11.LocalProtocolError:
+            return
     await _send_closing(c, data)
 
 
