@@ -54,6 +54,8 @@ INVARIANTS: dict[str, str] = {
     "outcome": "every caller gets one outcome, and only one its situation allows",
     "push-out": "a request is pushed out of a full queue only to make room for a request, "
     "or a whole call, that is then queued",
+    "lane": "a request waits in and runs from the lane of its cost: a model's slow lane "
+    "(its own queue and replicas) for cost >= slow_lane_cost, the other lane below it",
     "leak": "no task outlives the runtime",
     "credits": "a tenant's admitted cost stays within its credit envelope",
     "isolation": "a model that is not shareable never answers a tenant with an answer "

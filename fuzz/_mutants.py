@@ -18,6 +18,7 @@ from ._product import PRODUCT, Product
 FairQueue = trioserve.actors.FairQueue
 BatcherActor = trioserve.actors.BatcherActor
 TokenBucket = trioserve.actors.TokenBucket
+Runtime = trioserve.Runtime
 Cache = trioserve.actors.Cache
 CacheActor = trioserve.actors.CacheActor
 
@@ -111,6 +112,19 @@ class QueuesCallsItemByItem(FairQueue):
             raise
         finally:
             self._update_capacity()
+
+
+class SubmitsSplitCallsItemByItem(Runtime):
+    """A call whose items go to both of a model's lanes is queued item by item
+    (``Runtime._submit_all`` before its fix): an item admitted in one lane may push out
+    another tenant's request before a later item is refused in the other lane, and
+    the call, withdrawn whole, leaves that request shed for nothing."""
+
+    def _submit_split(
+        self, served: Any, requests: list[Request], tenant: str, priority: str
+    ) -> None:
+        for req in requests:
+            served.scheduler_for(req.cost).submit_nowait(req)
 
 
 class RefundsToTheLevel(TokenBucket):
@@ -227,6 +241,14 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         "other tenants' requests for a call then refused whole",
         attrs.evolve(PRODUCT, name="push-out-for-refused-call", queue_class=QueuesCallsItemByItem),
         ("queue",),
+    ),
+    "split-call-item-by-item": (
+        "a call split between a model's lanes is queued item by item: an item queued "
+        "in one lane pushes out others for a call the other lane then refuses",
+        attrs.evolve(
+            PRODUCT, name="split-call-item-by-item", runtime_class=SubmitsSplitCallsItemByItem
+        ),
+        ("runtime",),
     ),
     # The admission suite's own: the credits.
     "refund-to-level": (

@@ -41,6 +41,7 @@ import numpy as np
 import trio
 import trio.testing
 import trioserve
+import trioserve._runtime as _assembly
 import trioserve.actors
 from hypothesis import strategies as st
 from hypothesis.internal.entropy import deterministic_PRNG
@@ -57,7 +58,7 @@ from trioserve import (
 )
 
 from ._checker import InvariantViolation, QueueObserver, batch_cost
-from ._product import PRODUCT, Product, observed_queue_class
+from ._product import PRODUCT, Product, observed_queue_class, submission
 from ._stats import count_example, note
 
 MS = 1e-3
@@ -120,6 +121,10 @@ class Scenario:
     max_wait_ms: int = 0
     timeout_ms: int | None = None
     replicas: int = 1
+    #: requests of at least this cost go to the slow lane: its own queue, served by
+    #: the last ``slow_lane_replicas`` replicas (fewer than ``replicas``)
+    slow_lane_cost: int | None = None
+    slow_lane_replicas: int = 1
     adaptive: bool = False
     batch_latency_ms: int = 0
     queue_bound: int = 64
@@ -132,13 +137,32 @@ class Scenario:
 
 # ---------------------------------------------------------------- strategies
 _LATENCY = st.sampled_from([0, 0, 0, 1, 2, 5, 20, 250])
+_GAPS = st.sampled_from([0, 0, 0, 0, 0, 1, 2, 5, 20, 100])
+#: with a slow lane: replicas busier and calls closer together, so that queues fill
+_BUSY = st.sampled_from([1, 2, 5, 20, 250])
+_BURSTS = st.sampled_from([0] * 8 + [1, 2, 5, 20, 100])
 _FAULT = st.sampled_from([None] * 12 + ["error", "crash"])
 
 
 @st.composite
 def scenarios(draw: st.DrawFn) -> Scenario:
+    max_tokens = draw(st.none() | st.integers(1, 10))
+    # A slow lane in half the scenarios, then on two or three replicas. Its cost
+    # threshold lies within the costs of the items under the token budget (cost 1 is
+    # always fast), so the items of a call, and the parts of a split item, fall in
+    # both lanes; calls are longer (up to four items) and the queue bound smaller, so
+    # that the lanes fill, push out and refuse
+    # (two tenants at least: only another tenant's request is pushed out).
+    slow_cost, slow_replicas, most_items = None, 1, 3
+    replicas = draw(st.integers(1, 3))
+    if draw(st.booleans()):
+        replicas = draw(st.integers(2, 3))
+        slow_cost = draw(st.integers(2, max(2, max_tokens or 4)))
+        slow_replicas = draw(st.integers(1, replicas - 1))
+        most_items = 4
+    bound = draw(st.integers(1, 32) if slow_cost is None else st.integers(1, 4))
     n_classes = draw(st.integers(1, 3))
-    n_tenants = draw(st.integers(1, 3))
+    n_tenants = draw(st.integers(1 if slow_cost is None else 2, 3))
     classes = tuple(
         ClassSetup(
             aging_ms=draw(st.sampled_from([0, 2, 10, 50, 1000])),
@@ -161,15 +185,15 @@ def scenarios(draw: st.DrawFn) -> Scenario:
                 queue_share=draw(st.sampled_from([1.0, 1.0, 1.0, 0.5])),
             )
         )
-    max_tokens = draw(st.none() | st.integers(1, 10))
     cost = st.integers(1, 4) if max_tokens is None else st.integers(1, max_tokens + 2)
-    item = st.builds(Item, cost=cost, latency_ms=_LATENCY, fault=_FAULT)
+    busy = slow_cost is not None
+    item = st.builds(Item, cost=cost, latency_ms=_BUSY if busy else _LATENCY, fault=_FAULT)
     call = st.builds(
         Call,
-        at_ms=st.sampled_from([0, 0, 0, 0, 0, 1, 2, 5, 20, 100]),  # after the previous call
+        at_ms=_BURSTS if busy else _GAPS,  # after the previous call
         tenant=st.integers(0, n_tenants - 1),
         cls=st.none() | st.integers(0, n_classes - 1),
-        items=st.lists(item, min_size=1, max_size=3).map(tuple) | st.tuples(item),
+        items=st.lists(item, min_size=1, max_size=most_items).map(tuple) | st.tuples(item),
         cancel_ms=st.none() | st.none() | st.sampled_from([0, 1, 3, 10, 50]),
         cancel_how=st.sampled_from(["deadline", "cancel"]),
     )
@@ -185,10 +209,12 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         oversize=draw(st.sampled_from(["alone", "reject", "split"])),
         max_wait_ms=draw(st.sampled_from([0, 0, 1, 5, 20, 50])),
         timeout_ms=draw(st.none() | st.sampled_from([5, 50, 1000])),
-        replicas=draw(st.integers(1, 3)),
+        replicas=replicas,
+        slow_lane_cost=slow_cost,
+        slow_lane_replicas=slow_replicas,
         adaptive=draw(st.booleans()),
         batch_latency_ms=draw(st.sampled_from([0, 1, 5])),
-        queue_bound=draw(st.integers(1, 32)),
+        queue_bound=bound,
         graceful_ms=draw(st.sampled_from([0, 10, 1000])),
         shutdown_at_ms=draw(st.sampled_from([None] * 15 + [0, 5, 30, 200])),
         classes=classes,
@@ -314,6 +340,8 @@ class Run:
     current: Execution | None = None
     violations: list[tuple[str, str]] = attrs.Factory(list)
     queues: list[Any] = attrs.Factory(list)
+    #: the queue of each lane: "fast" (the model's own) and, with a slow lane, "slow"
+    lanes: dict[str, Any] = attrs.Factory(dict)
     t0: float = 0.0
     credits_used: dict[str, float] = attrs.Factory(dict)
     shutdown_at: float = math.inf
@@ -340,7 +368,17 @@ class Run:
                     f"t={ex.at:.6g}, over max_batch_tokens {sc.max_batch_tokens}",
                 )
             )
+        lane = self.lane_of_replica(ex.replica)
         for req, p in zip(batch, ex.parts, strict=True):
+            if self.lane_of_cost(req.cost) != lane:
+                self.violations.append(
+                    (
+                        "lane",
+                        f"replica {ex.replica} of the {lane} lane started item {p[0]} (part "
+                        f"at {p[1]}, cost {req.cost}) at t={ex.at:.6g}: slow_lane_cost is "
+                        f"{self.scenario.slow_lane_cost}",
+                    )
+                )
             if req.deadline <= ex.at:
                 self.violations.append(
                     (
@@ -356,9 +394,20 @@ class Run:
     def latency(self, key: int) -> int:
         return self.items[key][1].latency_ms
 
+    def lane_of_cost(self, cost: int) -> str:
+        slow = self.scenario.slow_lane_cost
+        return "slow" if slow is not None and cost >= slow else "fast"
+
+    def lane_of_replica(self, index: int) -> str:
+        sc = self.scenario
+        if sc.slow_lane_cost is not None and index >= sc.replicas - sc.slow_lane_replicas:
+            return "slow"
+        return "fast"
+
     @property
-    def observer(self) -> QueueObserver:
-        return self.queues[0].observer
+    def observers(self) -> list[QueueObserver]:
+        """The observers of the lanes' queues, the fast lane's first."""
+        return [q.observer for q in self.lanes.values()]
 
 
 def config_of(sc: Scenario, run: Run) -> trioserve.Config:
@@ -387,6 +436,8 @@ def config_of(sc: Scenario, run: Run) -> trioserve.Config:
         name="m",
         backend=EchoModel(run, padded=sc.padded),
         replicas=sc.replicas,
+        slow_lane_cost=sc.slow_lane_cost,
+        slow_lane_replicas=sc.slow_lane_replicas,
         max_batch_size=sc.max_batch_size,
         max_batch_tokens=sc.max_batch_tokens,
         max_wait_ms=sc.max_wait_ms,
@@ -410,16 +461,34 @@ def config_of(sc: Scenario, run: Run) -> trioserve.Config:
 
 @contextlib.contextmanager
 def product_installed(run: Run) -> Iterator[None]:
-    """open_runtime builds its queue and batchers from ``trioserve.actors``: point
-    those names at the observed product (or planted-bug) classes while it starts."""
+    """open_runtime builds its queues and batchers from ``trioserve.actors``, and its
+    Runtime from ``trioserve._runtime.Runtime``: point those names at the observed
+    product (or planted-bug) classes while it starts."""
     actors = trioserve.actors
-    saved = actors.FairQueue, actors.BatcherActor
+    saved = actors.FairQueue, actors.BatcherActor, _assembly.Runtime
     actors.FairQueue = observed_queue_class(run.product.queue_class, run.queues.append)
     actors.BatcherActor = batcher_class(run.product.batcher_class, run)
+    _assembly.Runtime = run.product.runtime_class
     try:
         yield
     finally:
-        actors.FairQueue, actors.BatcherActor = saved
+        actors.FairQueue, actors.BatcherActor, _assembly.Runtime = saved
+
+
+def _lanes(run: Run, rt: trioserve.Runtime) -> dict[str, Any]:
+    """The observed queue of each lane of the runtime's model "m"."""
+    served = rt.models["m"]
+    lanes = {"fast": served.scheduler.policy}
+    if served.slow_scheduler is not None:
+        lanes["slow"] = served.slow_scheduler.policy
+    if type(rt) is not run.product.runtime_class or not all(
+        any(q is mine for mine in run.queues) for q in lanes.values()
+    ):
+        raise RuntimeError(
+            "fuzz: open_runtime did not build its Runtime or its lanes' queues from the "
+            "names fuzz/_runtime.py:product_installed replaces; update it"
+        )
+    return lanes
 
 
 def _tasks() -> list[trio.lowlevel.Task]:
@@ -473,6 +542,7 @@ async def _play(run: Run) -> None:
     async with trio.open_nursery() as callers:
         with product_installed(run):
             async with trioserve.open_runtime(cfg) as rt:
+                run.lanes = _lanes(run, rt)
                 run.t0 = trio.current_time()
                 for i, call in enumerate(sc.calls):
                     for j, it in enumerate(call.items):
@@ -530,14 +600,15 @@ def play(scenario: Scenario, product: Product = PRODUCT) -> Run:
 # ---------------------------------------------------------------- the checks
 def check(run: Run) -> None:
     sc = run.scenario
-    if not run.queues:
+    if not run.lanes:
         raise RuntimeError(
             "fuzz: open_runtime did not build its queue from trioserve.actors.FairQueue; "
             "update fuzz/_runtime.py:product_installed"
         )
-    obs = run.observer
-    for feature, n in obs.exercised.items():
-        note("runtime", feature, n)
+    observers = run.observers
+    for obs in observers:
+        for feature, n in obs.exercised.items():
+            note("runtime", feature, n)
     for out in run.outcomes.values():
         kind = type(out.value).__name__ if out.kind == "error" else out.kind
         note("runtime", f"outcome: {kind}")
@@ -549,9 +620,11 @@ def check(run: Run) -> None:
     note("runtime", "parts retried", sum(len(h) > 1 for h in history.values()))
     if sc.shutdown_at_ms is not None:
         note("runtime", "early shutdowns")
-    obs.raise_first()
+    for obs in observers:
+        obs.raise_first()
     if run.violations:
         raise InvariantViolation(*run.violations[0])
+    _check_lanes(run)
     for p, runs in history.items():
         for ex in runs[:-1]:
             if ex.status != "error":
@@ -564,6 +637,46 @@ def check(run: Run) -> None:
     for i, call in enumerate(sc.calls):
         _check_call(run, i, call, history)
     _check_credits(run)
+
+
+def _check_lanes(run: Run) -> None:
+    """Each lane's queue took only requests of its costs; a call refused, in either
+    lane, pushed nobody out of either (its lanes decide before either queues)."""
+    def call_of(req: Any) -> int:
+        return run.items[part_id(req.item["x"])[0]][0]
+
+    refused = {k: (lane, req) for lane, q in run.lanes.items() for k, (_, req) in q.refused.items()}
+    queued_in: dict[int, set[str]] = {}
+    for lane, q in run.lanes.items():
+        for t in q.observer.tracked.values():
+            req = t.request
+            if run.lane_of_cost(req.cost) != lane:
+                raise InvariantViolation(
+                    "lane",
+                    f"the {lane} lane's queue took {q.observer.describe(t)} of call "
+                    f"#{call_of(req)}: slow_lane_cost is {run.scenario.slow_lane_cost}",
+                )
+            queued_in.setdefault(id(submission(req)), set()).add(lane)
+        for t, by, at in q.pushed:
+            note("runtime", "push-outs")
+            k = id(submission(by))
+            if k in refused:
+                where, req = refused[k]
+                raise InvariantViolation(
+                    "push-out",
+                    f"{q.observer.describe(t)} was pushed out of the {lane} lane's queue at "
+                    f"t={at:.6g} (answered Overloaded) for an item (cost {by.cost}) of "
+                    f"{_describe(call_of(by), run.scenario.calls[call_of(by)])}, which the "
+                    f"{where} lane then refused (at its item of cost {req.cost}): it was "
+                    "shed for nothing",
+                )
+    if run.scenario.slow_lane_cost is not None:
+        note("runtime", "lanes: calls queued in both", sum(len(v) > 1 for v in queued_in.values()))
+        costs = (
+            {run.lane_of_cost(it.cost) for it in run.scenario.calls[call_of(req)].items}
+            for _, req in refused.values()
+        )
+        note("runtime", "lanes: refused calls with items in both", sum(len(c) > 1 for c in costs))
 
 
 def _describe(i: int, call: Call) -> str:
