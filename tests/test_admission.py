@@ -1059,6 +1059,19 @@ def _two_lanes(backend: CostModel) -> trioserve.Config:
     )
 
 
+def _calls_into(rt, outcomes: dict[str, object]):
+    """A task that makes one infer_batch call of model m, its result or Overloaded
+    kept in ``outcomes`` under its name."""
+
+    async def call(name, items, tenant):
+        try:
+            outcomes[name] = await rt.infer_batch("m", items, tenant=tenant)
+        except Overloaded as exc:
+            outcomes[name] = exc
+
+    return call
+
+
 # Regression: the items of a call split between a model's two lanes were queued one
 # by one, so a short item queued in the fast lane pushed out another tenant's newest
 # request (answered 503) before the long item was refused by the full slow lane, and
@@ -1069,13 +1082,8 @@ async def test_a_call_split_between_the_lanes_and_refused_in_one_sheds_nobody(
     backend = CostModel()
     outcomes: dict[str, object] = {}
 
-    async def call(name, items, tenant):
-        try:
-            outcomes[name] = await rt.infer_batch("m", items, tenant=tenant)
-        except Overloaded as exc:
-            outcomes[name] = exc
-
     async with trioserve.open_runtime(_two_lanes(backend)) as rt:
+        call = _calls_into(rt, outcomes)
         served = rt.models["m"]
         fast, slow = served.scheduler.policy, served.slow_scheduler.policy
         async with trio.open_nursery() as nursery:
@@ -1112,13 +1120,8 @@ async def test_a_call_split_between_the_lanes_and_admitted_pushes_out_as_item_by
     backend = CostModel()
     outcomes: dict[str, object] = {}
 
-    async def call(name, items, tenant):
-        try:
-            outcomes[name] = await rt.infer_batch("m", items, tenant=tenant)
-        except Overloaded as exc:
-            outcomes[name] = exc
-
     async with trioserve.open_runtime(_two_lanes(backend)) as rt:
+        call = _calls_into(rt, outcomes)
         served = rt.models["m"]
         fast, slow = served.scheduler.policy, served.slow_scheduler.policy
         async with trio.open_nursery() as nursery:
