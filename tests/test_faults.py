@@ -757,15 +757,32 @@ async def test_a_hedge_copy_is_not_run_in_the_same_batch_as_its_original(autojum
         model.release()
 
 
-class FakeWorker:
+class _StandIn:
+    """What the batcher asks of a worker process besides running batches: its error
+    types, its pipeline depth, and closing and waiting for its exit."""
+
+    SLOTS = 3
+    Died = WorkerProcess.Died
+    Failed = WorkerProcess.Failed
+    _exited: trio.Event
+
+    def kill(self) -> None:
+        self._exited.set()
+
+    async def aclose(self) -> None:
+        self.kill()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_exited(self) -> None:
+        await self._exited.wait()
+
+
+class FakeWorker(_StandIn):
     """Stands in for a worker process in the batcher's pipeline (no process): batches
     are staged up to SLOTS at a time and run in order; the first worker made runs a
     batch holding ``HELD`` only once ``gate`` is set. Records each batch sent as
     (worker, keys)."""
 
-    SLOTS = 3
-    Died = WorkerProcess.Died
-    Failed = WorkerProcess.Failed
     HELD = 7.0
     gate: trio.Event
     sent: list
@@ -798,16 +815,6 @@ class FakeWorker:
             await self.gate.wait()
         self._staged.popleft()
         return [{"y": it["x"]} for it in items]
-
-    def kill(self) -> None:
-        self._exited.set()
-
-    async def aclose(self) -> None:
-        self.kill()
-        await trio.lowlevel.checkpoint()
-
-    async def wait_exited(self) -> None:
-        await self._exited.wait()
 
 
 class NoZygote:
@@ -989,16 +996,13 @@ class TrioWatchdog:
         scope.deadline = trio.current_time() + seconds
 
 
-class TimedWorker:
+class TimedWorker(_StandIn):
     """A worker process in trio time: it starts in ``START`` s and runs each batch in
     ``RUN`` s, in order; a batch holding ``HANG`` never ends (its deadline cuts it
     off), one holding ``CRASH`` kills the worker. Records each batch submitted as
     (time, keys, whether a retried batch was staged ahead of it) in ``submitted``,
     and each key of a batch that ran to the end in ``done``."""
 
-    SLOTS = 3
-    Died = WorkerProcess.Died
-    Failed = WorkerProcess.Failed
     START, RUN = 0.1, 0.01
     HANG, CRASH = 99.0, 666.0
     submitted: list
@@ -1049,13 +1053,6 @@ class TimedWorker:
         self._staged.clear()
         self._killed = True
         self._exited.set()
-
-    async def aclose(self) -> None:
-        self.kill()
-        await trio.lowlevel.checkpoint()
-
-    async def wait_exited(self) -> None:
-        await self._exited.wait()
 
 
 @pytest.fixture
