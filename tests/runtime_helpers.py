@@ -21,6 +21,12 @@ Y = TensorSpec(name="y", datatype="FP32", shape=(-1,))
 GATE_LIMIT_S = 60.0
 
 
+def pythonpath_with(first: object) -> str:
+    """``PYTHONPATH`` for a worker or a child process that must import from ``first``:
+    ahead of the inherited path, which may be where trioserve itself is found."""
+    return os.pathsep.join(p for p in (str(first), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def config(*models: ModelConfig, **runtime: Any) -> trioserve.Config:
     """A config serving ``models`` to one open default tenant."""
     return trioserve.Config(

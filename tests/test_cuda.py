@@ -1,9 +1,14 @@
 """The cuda:N path: runs where torch sees a GPU, skips cleanly where none is."""
 
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
+import trio
 import trioserve
+from trioserve._builtin import resolve_backend
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 
@@ -48,3 +53,114 @@ async def test_unavailable_cuda_index_fails_at_start():
     with pytest.raises(Exception, match="cuda"):
         async with trioserve.open_runtime(config):
             pass
+
+
+def _reference(x: np.ndarray) -> np.ndarray:
+    """The built-in mlp's answer for ``x``, computed on the CPU."""
+    backend = resolve_backend(trioserve.ModelConfig(name="ref", backend="mlp"))
+    return backend.load("cpu")([{"x": x}])[0]["y"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("execution", ["thread", "process"])
+async def test_two_replicas_on_one_gpu_answer_concurrent_callers(execution):
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(256).astype(np.float32) for _ in range(64)]
+    config = trioserve.Config(
+        models=(trioserve.ModelConfig(name="gpu", backend="mlp", devices=("cuda:0",),
+                                      replicas=2, execution=execution, max_batch_size=8,
+                                      max_wait_ms=1.0),)
+    )
+    got: dict[int, np.ndarray] = {}
+    async with trioserve.open_runtime(config) as rt:
+        assert [str(b.device) for b in rt.models["gpu"].batchers] == ["cuda:0", "cuda:0"]
+
+        async def one(i: int) -> None:
+            got[i] = (await rt.infer("gpu", xs[i]))["y"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(xs)):
+                nursery.start_soon(one, i)
+    assert sorted(got) == list(range(len(xs)))
+    for i, x in enumerate(xs):
+        np.testing.assert_allclose(got[i], _reference(x), rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+async def test_a_model_on_a_gpu_and_a_cpu_answers_alike_on_both():
+    x = np.random.default_rng(6).standard_normal(256).astype(np.float32)
+    config = trioserve.Config(
+        models=(trioserve.ModelConfig(name="m", backend="mlp", devices=("cuda:0", "cpu"),
+                                      execution="thread", max_batch_size=4),)
+    )
+    async with trioserve.open_runtime(config) as rt:
+        assert [str(b.device) for b in rt.models["m"].batchers] == ["cuda:0", "cpu"]
+        outs = await rt.infer_batch("m", [x] * 32)
+    for out in outs:
+        np.testing.assert_allclose(out["y"], _reference(x), rtol=1e-4, atol=1e-5)
+
+
+class _TwoHeads(torch.nn.Module):
+    def forward(self, x):
+        return {"double": x * 2, "total": x.sum(dim=1, keepdim=True)}
+
+
+@needs_cuda
+async def test_a_half_precision_module_with_two_outputs_on_a_gpu():
+    backend = trioserve.TorchBackend(
+        lambda: _TwoHeads().half(),
+        inputs=[trioserve.TensorSpec(name="x", datatype="FP16", shape=[4])],
+        outputs=[trioserve.TensorSpec(name="double", datatype="FP16", shape=[4]),
+                 trioserve.TensorSpec(name="total", datatype="FP16", shape=[1])],
+    )
+    config = trioserve.Config(
+        models=(trioserve.ModelConfig(name="h", backend=backend, devices=("cuda:0",),
+                                      execution="thread"),)
+    )
+    x = np.array([1.0, 2.0, 3.0, 4.5], np.float16)
+    async with trioserve.open_runtime(config) as rt:
+        outs = await rt.infer_batch("h", [x, x + 1])
+    assert outs[0]["double"].dtype == np.float16
+    assert outs[0]["double"].tolist() == [2.0, 4.0, 6.0, 9.0]
+    assert outs[1]["total"].tolist() == [14.5]
+
+
+@needs_cuda
+async def test_a_killed_gpu_worker_is_replaced_and_the_model_still_answers():
+    x = np.random.default_rng(7).standard_normal(256).astype(np.float32)
+    config = trioserve.Config(
+        models=(trioserve.ModelConfig(name="gpu", backend="mlp", devices=("cuda:0",),
+                                      execution="process"),)
+    )
+    async with trioserve.open_runtime(config) as rt:
+        batcher = rt.models["gpu"].batchers[0]
+        before = (await rt.infer("gpu", x))["y"]
+        first_pid = batcher._worker.pid
+        os.kill(first_pid, signal.SIGKILL)
+        after = (await rt.infer("gpu", x))["y"]
+        assert batcher._worker.pid != first_pid
+        assert rt.model_ready("gpu")
+    np.testing.assert_allclose(before, _reference(x), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-7)
+
+
+@needs_cuda
+async def test_over_http_a_gpu_model_answers_and_its_config_names_the_gpu():
+    from http_helpers import config as http_config
+    from http_helpers import serving
+    from trioserve.transport import open_http
+
+    x = np.random.default_rng(8).standard_normal((3, 256)).astype(np.float32)
+    cfg = http_config(trioserve.ModelConfig(name="mlp", backend="mlp", devices=("cuda:0",),
+                                            replicas=2, execution="thread"))
+    async with serving(cfg) as gw, open_http(gw.url) as http:
+        res = await http.infer("mlp", {"x": x})
+        conf = await http.get("/v2/models/mlp/config")
+    assert res.status == 200, res.body
+    (out,) = res.json()["outputs"]
+    want = np.stack([_reference(row) for row in x])
+    np.testing.assert_allclose(np.reshape(out["data"], out["shape"]), want, rtol=1e-4, atol=1e-5)
+    assert conf.status == 200, conf.body
+    assert conf.json()["instance_group"] == [
+        {"name": "mlp_0", "count": 2, "kind": "KIND_GPU", "gpus": [0]}
+    ]

@@ -23,7 +23,15 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import GATE_LIMIT_S, callable_model, config, crash_on_666, item, key
+from runtime_helpers import (
+    GATE_LIMIT_S,
+    callable_model,
+    config,
+    crash_on_666,
+    item,
+    key,
+    pythonpath_with,
+)
 from trioserve import (
     ModelConfig,
     ModelError,
@@ -917,7 +925,7 @@ async def test_requests_that_crash_their_worker_do_not_open_its_breaker(monkeypa
     retry: crashing again) failed, the replica stopped pulling, and the others'
     requests and the poison callers themselves timed out. Real processes."""
     # where the worker finds ``crash_on_666``
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
     monkeypatch.setattr(trioserve.actors, "Breaker", CountingBreaker)
     cfg = config(
         callable_model(

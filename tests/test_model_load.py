@@ -13,7 +13,7 @@ import threading
 import pytest
 import trio
 import trioserve
-from runtime_helpers import X, Y
+from runtime_helpers import X, Y, pythonpath_with
 from trioserve import ConfigError, ModelBackend, ModelConfig, ModelLoadError
 from trioserve.cli import main
 
@@ -117,7 +117,8 @@ def test_serve_reports_a_model_that_cannot_load_with_its_own_traceback(
     """It printed some sixty lines of the runtime's nurseries around the error."""
     (tmp_path / "brokenmodel.py").write_text(textwrap.dedent(BACKEND))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for a worker process
+    # for a worker process, ahead of wherever trioserve itself is found
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(tmp_path))
     path = tmp_path / "serve.toml"
     path.write_text(
         f'[server]\nport = 0\n[models.b]\nbackend = "brokenmodel:broken"\n'
@@ -168,7 +169,7 @@ async def test_a_signal_while_the_models_load_stops_serve_at_once(tmp_path, exec
         [sys.executable, "-m", "trioserve.cli", "serve", "--config", str(path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath_with(tmp_path)},
     )
     out = b""
     try:

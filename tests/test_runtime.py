@@ -30,6 +30,7 @@ from runtime_helpers import (
     config,
     item,
     misshapen,
+    pythonpath_with,
 )
 from trioserve import (
     ActorClosed,
@@ -559,8 +560,8 @@ async def test_misshapen_outputs_of_a_worker_process_are_model_errors(monkeypatc
     # said of them ("'NoneType' object is not iterable"), a generator was taken, and
     # one output too many was dropped without a word. Real time: the worker's replies
     # come through a pipe.
-    path = os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path)  # where the worker finds ``misshapen``
+    # where the worker finds ``misshapen``
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
     cfg = config(
         callable_model(
             "m", misshapen, execution="process", max_batch_size=4, max_wait_ms=0,
