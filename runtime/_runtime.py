@@ -171,28 +171,36 @@ class Runtime:
         tenant: str, priority: str,
     ) -> dict[str, Any]:
         if model in self._cached:
+            # The computation runs in the cache actor's nursery, outside this caller's
+            # cancel scopes: its wait for credits is bounded by the caller's deadline
+            # here, as it is uncached (a refusal at once, not the caller's timeout).
+            latest = trio.current_effective_deadline()
             return await self.cache.answer(
                 model, version or served.config.versions[-1], tenant, item,
-                lambda: self._infer_prepared(served, item, cost, tenant, priority),
+                lambda: self._infer_prepared(served, item, cost, tenant, priority, latest),
                 priority=priority,
             )
         return await self._infer_prepared(served, item, cost, tenant, priority)
 
     async def _infer_prepared(
-        self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str
+        self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str,
+        latest: float = math.inf,
     ) -> dict[str, Any]:
+        """Submit one prepared item (split or refused if oversize). ``latest``: the
+        latest time to wait for its credits until, besides its deadline (the first
+        caller's deadline, for a computation the cache actor runs)."""
         model = served.config.name
         limits = served.limits
         if limits.max_tokens is not None and cost > limits.max_tokens:
             if limits.oversize == "split" and served.backend.supports_split:
-                return await self._infer_split(served, item, tenant, priority)
+                return await self._infer_split(served, item, tenant, priority, latest)
             if limits.oversize != "alone":
                 await trio.lowlevel.checkpoint()
                 raise InvalidInput(
                     f"model {model!r}: request cost {cost} exceeds max_batch_tokens "
                     f"{limits.max_tokens} (oversize policy {limits.oversize!r})"
                 )
-        return await self._submit(served, item, cost, tenant, priority)
+        return await self._submit(served, item, cost, tenant, priority, latest)
 
     async def infer_batch(
         self,
@@ -368,16 +376,19 @@ class Runtime:
         tenant: str,
         priority: str,
         failed: list[int] | None = None,
+        *,
+        latest: float = math.inf,
     ) -> list[Any]:
         """Submit every prepared (item, cost) at once, without a task each, and return
         their outputs in order; the first failure (in item order) is raised, unwrapped,
         after every item is settled (its position appended to ``failed``, if given).
-        Cancelling it withdraws every item not yet dispatched."""
+        Cancelling it withdraws every item not yet dispatched. ``latest``: see
+        :meth:`_infer_prepared`."""
         now = trio.current_time()
         deadline, answer_expiry = self._deadline(served, priority, now)
         now, taken = await self._pay(
-            tenant, priority, sum(c for _, c in prepared), now, deadline, served,
-            len(prepared),
+            tenant, priority, sum(c for _, c in prepared), now, min(deadline, latest),
+            served, len(prepared),
         )
         group = ReplyGroup(len(prepared))
         replies = group.replies
@@ -767,13 +778,16 @@ class Runtime:
             self._refund(tenant, sum(r.cost for r in unrun), since)
 
     async def _submit(
-        self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str
+        self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str,
+        latest: float = math.inf,
     ) -> dict[str, Any]:
         now = trio.current_time()
         deadline, answer_expiry = self._deadline(served, priority, now)
         taken = 0
         if self.buckets:
-            now, taken = await self._pay(tenant, priority, cost, now, deadline, served)
+            now, taken = await self._pay(
+                tenant, priority, cost, now, min(deadline, latest), served
+            )
         else:  # no tenant has credits: nothing to await on the hot path
             self.credits_used[tenant] += cost
         reply = Reply()
@@ -897,12 +911,13 @@ class Runtime:
         return answer[0].unwrap()
 
     async def _infer_split(
-        self, served: ServedModel, item: Any, tenant: str, priority: str
+        self, served: ServedModel, item: Any, tenant: str, priority: str,
+        latest: float = math.inf,
     ) -> dict[str, Any]:
         # The parts go in as one submission: a part's failure is raised as itself,
         # not wrapped in a nursery's ExceptionGroup.
         parts = served.backend.split(item, served.limits.max_tokens)
-        results = await self._submit_all(served, parts, tenant, priority)
+        results = await self._submit_all(served, parts, tenant, priority, latest=latest)
         return served.backend.merge(results)
 
     async def _drain(self) -> None:

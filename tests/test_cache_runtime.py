@@ -427,3 +427,31 @@ async def test_an_input_the_cache_key_cannot_encode_is_served_uncached(autojump_
         assert out["d"].tolist() == [Decimal("1.5")]
         outs = await rt.infer_batch("echo", [{"d": value}, {"d": value}])
         assert [o["d"].tolist() for o in outs] == [[Decimal("1.5")]] * 2
+
+
+@pytest.mark.parametrize("capacity", [0, 1 << 20])
+async def test_credits_past_the_callers_deadline_are_refused_at_once_cached_or_not(
+    autojump_clock, capacity
+):
+    """A cached request is computed in the cache actor's nursery, outside its caller's
+    cancel scopes: it once waited for credits that refill only after its caller's
+    deadline (and the caller got its own timeout, a 504 over HTTP, instead of
+    QuotaExceeded at once with the refill time, a 429)."""
+    model = Recorder()
+    config = trioserve.Config(
+        models=(callable_model("m", model, max_wait_ms=0),),
+        tenants=(TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=1.0),),
+        cache=CacheConfig(capacity_bytes=capacity),
+    )
+    async with trioserve.open_runtime(config) as rt:
+        await rt.infer("m", item(1), priority="batch")  # spends the burst
+        t0 = trio.current_time()
+        with trio.fail_after(0.5), pytest.raises(trioserve.QuotaExceeded) as refused:
+            await rt.infer("m", item(2), priority="batch")  # waits for credits: 1 s
+        assert trio.current_time() == t0
+        assert refused.value.retry_after == pytest.approx(1.0)
+        # without a deadline of its own it waits for the refill, as before
+        assert float((await rt.infer("m", item(2), priority="batch"))["y"][0]) == 5.0
+        assert trio.current_time() == pytest.approx(t0 + 1.0)
+        assert rt.tenant_statistics()["a"]["credits_used"] == 2
+    assert model.seen == [1.0, 2.0]
