@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import math
+import random
 
 import numpy as np
 import pytest
@@ -212,6 +213,112 @@ def test_byte_capacity_is_never_exceeded(policy, capacity, ops):
         st_ = cache.statistics()
         assert st_.bytes_used <= capacity
         assert st_.bytes_used == sum(cache.policy._data[x].size for x in cache.policy)
+
+
+class RefTinyLfu:
+    """The reference W-TinyLFU, written from its description with plain lists (least
+    recent first): a new entry enters the window; the window's overflow, least recent
+    first, are candidates, each admitted to probation only by beating, one by one, the
+    victims it displaces (probation's least recent, else protected's, else the
+    window's; a warm loser still gets in with probability 1/128); a probation hit
+    moves to protected, whose overflow goes back to probation. ``freq`` is the
+    frequency oracle (the policy's own sketch: the sketch is tested apart)."""
+
+    def __init__(self, capacity, window_max, protected_max, freq, seed):
+        self.capacity, self.window_max, self.protected_max = capacity, window_max, protected_max
+        self.freq = freq
+        self.rng = random.Random(seed)
+        self.window, self.probation, self.protected = [], [], []
+        self.size = {}
+
+    def _segment(self, key):
+        return next((s for s in (self.window, self.probation, self.protected) if key in s), None)
+
+    def _bytes(self, keys):
+        return sum(self.size[x] for x in keys)
+
+    def _drop(self, key):
+        seg = self._segment(key)
+        if seg is not None:
+            seg.remove(key)
+        del self.size[key]
+
+    def _victim(self):
+        return next(s[0] for s in (self.probation, self.protected, self.window) if s)
+
+    def get(self, key):
+        seg = self._segment(key)
+        if seg is None:
+            return False
+        seg.remove(key)
+        if seg is self.probation:
+            self.protected.append(key)
+            while self._bytes(self.protected) > self.protected_max:
+                self.probation.append(self.protected.pop(0))
+        else:
+            seg.append(key)
+        return True
+
+    def put(self, key, size):
+        if key in self.size:
+            self._drop(key)
+        if size > self.capacity:
+            return False
+        self.size[key] = size
+        self.window.append(key)
+        candidates = []
+        while self._bytes(self.window) > self.window_max:
+            candidates.append(self.window.pop(0))
+        for i, c in enumerate(candidates):
+            excess = sum(self.size.values()) - self._bytes(candidates[i + 1 :]) - self.capacity
+            while excess > 0:
+                v = self._victim()
+                cf, vf = self.freq(c), self.freq(v)
+                if cf > vf or (cf >= 6 and self.rng.getrandbits(7) == 0):
+                    excess -= self.size[v]
+                    self._drop(v)
+                else:
+                    del self.size[c]
+                    break
+            else:
+                self.probation.append(c)
+        while sum(self.size.values()) > self.capacity:
+            self._drop(self._victim())
+        return key in self.size
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(1, 150),
+    window_fraction=st.sampled_from([0.01, 0.1, 0.3, 0.6]),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["get", "get", "put", "remove"]), st.integers(0, 12),
+                  st.integers(1, 40)),
+        max_size=150,
+    ),
+)
+def test_tinylfu_equals_the_reference_model(capacity, window_fraction, ops):
+    """Every hit, admission, eviction and segment order of W-TinyLFU is the reference's
+    (sizes in bytes; an exact frequency oracle: int keys, a sketch far larger than the
+    keys, no aging, no shift detection)."""
+    p = WTinyLFU(
+        capacity, window_fraction=window_fraction, expected_entries=256, sample_factor=1000,
+        detect_shifts=False, seed=3,
+    )
+    ref = RefTinyLfu(
+        capacity, p.window_max, p.protected_max, lambda x: p.sketch.frequency(hash(x)), seed=3
+    )
+    for n, (op, key, size) in enumerate(ops):
+        if op == "get":
+            assert (p.get(key, 0.0) is not None) == ref.get(key)
+        elif op == "put":
+            assert p.put(key, n, size=size, now=0.0) == ref.put(key, size)
+        else:
+            assert p.remove(key) == (key in ref.size)
+            if key in ref.size:
+                ref._drop(key)
+        assert p.segments() == (ref.window, ref.probation, ref.protected)
+        assert p.bytes_used == sum(ref.size.values()) <= capacity
 
 
 # ---------------------------------------------------------------- W-TinyLFU invariants
