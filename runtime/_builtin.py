@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -192,4 +192,30 @@ def resolve_backend(cfg: ModelConfig) -> ModelBackend:
     return obj
 
 
-__all__ = ["InvalidInput", "SleepBackend", "echo_backend", "mlp_backend", "resolve_backend"]
+def warm_imports(models: Sequence[ModelConfig]) -> None:
+    """Import the libraries the built-in backends of ``models`` need (torch and
+    transformers for ``minilm``: seconds), and torch for a model on a GPU.
+
+    Meant for a worker thread before the runtime starts: an import blocks the thread
+    that runs it, and on the event loop it kept a signal unheard until it ended.
+    A user's own backend module is not imported here (its import may need the main
+    thread); resolve_backend imports it, as before.
+    """
+    if any(isinstance(m.backend, str) and m.backend == "minilm" for m in models):
+        from transformers import AutoTokenizer  # noqa: F401
+
+        from ._minilm import _model_dir
+
+        _model_dir()
+    if any(d.startswith("cuda") for m in models for d in m.devices):
+        import torch  # noqa: F401
+
+
+__all__ = [
+    "InvalidInput",
+    "SleepBackend",
+    "echo_backend",
+    "mlp_backend",
+    "resolve_backend",
+    "warm_imports",
+]

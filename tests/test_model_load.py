@@ -193,3 +193,41 @@ async def test_a_signal_while_the_models_load_stops_serve_at_once(tmp_path, exec
     assert text.rstrip().endswith("trioserve: stopped")
     assert "serving" not in text
     assert "Traceback" not in text
+
+
+async def test_a_signal_while_the_backends_libraries_import_stops_serve_at_once(
+    monkeypatch, capsys
+):
+    """minilm's imports (torch, transformers: ~2 s) ran on the event loop, and a
+    signal meanwhile was heard only once they were done."""
+    from trioserve.transport import _main
+
+    importing, done = threading.Event(), threading.Event()
+
+    def slow_imports(models):
+        importing.set()
+        done.wait(STUCK_LIMIT_S)  # an import of seconds
+
+    monkeypatch.setattr(_main, "warm_imports", slow_imports)
+    config = trioserve.Config(
+        models=(ModelConfig(name="e", backend="echo"),),
+        server=trioserve.ServerConfig(port=0),
+    )
+    results = []
+    try:
+        with trio.fail_after(STUCK_LIMIT_S / 2):
+            async with trio.open_nursery() as nursery:
+
+                async def run() -> None:
+                    results.append(await _main.serve(config))
+
+                nursery.start_soon(run)
+                await trio.to_thread.run_sync(importing.wait)
+                os.kill(os.getpid(), signal.SIGTERM)  # serve's receiver has it
+    finally:
+        done.set()
+    assert results == [0]
+    out = capsys.readouterr().out
+    assert "SIGTERM while the models load: stopping" in out
+    assert out.rstrip().endswith("trioserve: stopped")
+    assert "serving" not in out

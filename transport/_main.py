@@ -23,6 +23,7 @@ from trioserve import (
     load_config,
     open_runtime,
 )
+from trioserve._builtin import warm_imports
 
 from ._gateway import Gateway, open_gateway, open_listeners
 from ._v2 import dumps, sample_inputs
@@ -163,6 +164,11 @@ async def serve(config: Config, host: str | None = None, port: int | None = None
             # signal can end that too.
             async with trio.open_nursery() as watching:
                 watching.start_soon(_watch_signals, signals, stop, watching.cancel_scope)
+                # The built-in backends' imports (seconds, for minilm) in a thread: on
+                # the event loop they kept a signal unheard until they were done.
+                await trio.to_thread.run_sync(
+                    warm_imports, config.models, abandon_on_cancel=True
+                )
                 async with open_runtime(config) as rt:
                     stop.runtime = rt  # loaded: from now on a signal drains
                     async with open_gateway(
