@@ -132,6 +132,31 @@ async def test_bad_binary_data_is_400(server):
     assert "binary_data_size 1024 does not fit" in error_of(res)
 
 
+async def test_bool_binary_data_is_only_bytes_0_and_1(server):
+    """The binary tensor extension: a BOOL element is one byte, 1 (true) or 0 (false).
+    Another byte was taken as it came, into a numpy bool array holding it (torch
+    reads such a byte as it pleases), and went back out in a binary answer, breaking
+    the rule for the client too."""
+    def body(data: bytes) -> tuple[bytes, list[tuple[str, str]]]:
+        header = orjson.dumps({
+            "inputs": [{"name": "x", "shape": [len(data)], "datatype": "BOOL",
+                        "parameters": {"binary_data_size": len(data)}}],
+            "parameters": {"binary_data_output": True},
+        })
+        return header + data, [("Inference-Header-Content-Length", str(len(header)))]
+
+    res = await post(server, "/v2/models/echo/infer", *body(b"\x01\x00\x02"))
+    assert res.status == 400
+    assert error_of(res) == (
+        "input 'x': BOOL binary data holds a byte other than 0 (false) and 1 (true)"
+    )
+    res = await post(server, "/v2/models/echo/infer", *body(b"\x01\x00\x01"))
+    assert res.status == 200
+    hlen = int(res.headers["inference-header-content-length"])
+    assert res.body[hlen:] == b"\x01\x00\x01"
+    np.testing.assert_array_equal(res.outputs()["x"], [True, False, True])
+
+
 async def test_unknown_model_and_version_are_404(server):
     res = await post(server, "/v2/models/nope/infer", ONE)
     assert res.status == 404

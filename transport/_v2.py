@@ -723,6 +723,12 @@ def _from_binary(name: str, chunk: Any, dtype: np.dtype, count: int) -> np.ndarr
                 f"input {name!r}: binary data is {len(chunk)} bytes, shape and datatype "
                 f"need {count * dtype.itemsize}"
             )
+        if dtype.kind == "b" and count and np.frombuffer(chunk, dtype=np.uint8).max() > 1:
+            # a bool array would hold the byte as it came (and send it back out)
+            raise InvalidInput(
+                f"input {name!r}: BOOL binary data holds a byte other than 0 (false) "
+                f"and 1 (true)"
+            )
         return np.frombuffer(chunk, dtype=dtype)
     # BYTES: each element is a 4-byte little-endian length, then the bytes.
     values: list[bytes] = []
