@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve models over HTTP and WebSocket (serve), or measure them (bench).",
         epilog="Each command has its own --help. Docs: README.md and docs/.",
     )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"trioserve {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the configured models over HTTP and WebSocket")

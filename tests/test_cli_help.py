@@ -18,6 +18,15 @@ def test_help_prints_and_exits_zero(argv, capsys):
     assert "``" not in out  # plain text, not a docstring's markup
 
 
+def test_version_prints_and_exits_zero(capsys):
+    import trioserve
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"trioserve {trioserve.__version__}\n"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
