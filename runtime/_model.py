@@ -120,10 +120,26 @@ def coerce_rows(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
     return arr
 
 
+#: What converting an array-like to numpy may raise for a value that is not one: numpy's
+#: TypeError and ValueError, and torch's RuntimeError (NotImplementedError for a meta
+#: tensor, which holds no data).
+NOT_AN_ARRAY = (TypeError, ValueError, RuntimeError)
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """A dtype as an error message names it: its v2 datatype, else numpy's name."""
+    if dtype.kind == "O":
+        return "objects"
+    for name, dt in V2_DTYPES.items():
+        if dt == dtype:
+            return name
+    return "BYTES" if dtype.kind in "US" else str(dtype)
+
+
 def _with_dtype(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
     try:
         arr = to_numpy(value)
-    except (TypeError, ValueError) as exc:
+    except NOT_AN_ARRAY as exc:
         raise InvalidInput(
             f"input {spec.name!r} of model {model!r}: not an array ({exc})"
         ) from None
@@ -139,7 +155,7 @@ def _with_dtype(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
         elif arr.dtype.kind not in _NUMERIC_KINDS.get(want.kind, want.kind):
             raise InvalidInput(
                 f"input {spec.name!r} of model {model!r}: expected {spec.datatype}, "
-                f"got {v2_datatype(arr.dtype) if arr.dtype.kind != 'O' else 'objects'}"
+                f"got {_dtype_name(arr.dtype)}"
             )
         else:
             arr = _narrowed(arr, want, spec, model)
@@ -170,13 +186,40 @@ def _narrowed(arr: np.ndarray, want: np.dtype, spec: TensorSpec, model: str) -> 
     return out
 
 
+def item_list(model: str, items: Any, call: str, *, stacked: bool = True) -> Any:
+    """``items`` of an ``infer_batch`` (``stacked``: a mapping of stacked inputs is
+    taken too) or ``infer_many`` call: a mapping or a sized sequence as it is, any
+    other iterable as a list; InvalidInput, naming the model, for a value that holds
+    no items (None, a number, a 0-d array)."""
+    takes = "a sequence of items" + (
+        " or a mapping input name -> stacked array" if stacked else ""
+    )
+    if isinstance(items, Mapping):
+        if stacked:
+            return items
+        raise InvalidInput(
+            f"model {model!r}: {call} takes {takes}, got a mapping (one item's inputs, "
+            "or stacked ones: Runtime.infer_batch takes those)"
+        )
+    try:
+        if hasattr(items, "__len__"):
+            len(items)  # a 0-d array or tensor has the method, and refuses
+            return items
+        it = iter(items)
+    except TypeError:
+        shape = getattr(items, "shape", None)
+        kind = type(items).__qualname__ + ("" if shape is None else f" of shape {list(shape)}")
+        raise InvalidInput(f"model {model!r}: {call} takes {takes}, got {kind}") from None
+    return list(it)
+
+
 def _unstack(model: str, arrays: Any) -> list[Any]:
     """Per-item inputs from stacked ones (name -> array with a leading item dimension)."""
     if not isinstance(arrays, Mapping):
         arrays = {None: arrays}
     try:
         stacked = {k: to_numpy(v) for k, v in arrays.items()}
-    except (TypeError, ValueError) as exc:
+    except NOT_AN_ARRAY as exc:
         raise InvalidInput(f"model {model!r}: inputs are not arrays ({exc})") from None
     counts = {a.shape[0] if a.ndim else -1 for a in stacked.values()}
     if len(counts) != 1 or -1 in counts:
@@ -220,7 +263,7 @@ class ModelBackend:
                 inputs = {specs[0].name: inputs}
             try:
                 return {str(k): to_numpy(v) for k, v in inputs.items()}, 1
-            except (TypeError, ValueError) as exc:  # ragged nesting, say
+            except NOT_AN_ARRAY as exc:  # ragged nesting, say
                 raise InvalidInput(f"model {name!r}: inputs are not arrays ({exc})") from None
         if not isinstance(inputs, Mapping):
             if len(specs) != 1:

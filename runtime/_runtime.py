@@ -34,7 +34,7 @@ from ._errors import (
     UnknownModel,
 )
 from ._messages import CANCELLED, Reply, ReplyGroup, Request
-from ._model import ModelBackend
+from ._model import ModelBackend, item_list
 from ._zygote import Zygote, ZygoteError
 
 log = logging.getLogger("trioserve")
@@ -227,8 +227,7 @@ class Runtime:
         try:
             served = self._served(model, version)
             tenant, priority = self._classify(tenant, priority)
-            if not isinstance(items, Mapping) and not hasattr(items, "__len__"):
-                items = list(items)  # any iterable of items, as before
+            items = item_list(model, items, "infer_batch")  # any iterable, as before
             self._check_count(served, items, tenant)
             if isinstance(items, Mapping):
                 prepared = served.backend.prepare_rows(model, items)
@@ -628,7 +627,7 @@ class Runtime:
 
     # ------------------------------------------------------------ internals
     def _served(self, model: str, version: str | None) -> ServedModel:
-        served = self.models.get(model)
+        served = self.models.get(model) if isinstance(model, str) else None
         if served is None:
             raise UnknownModel(
                 f"unknown model {model!r}; serving: {', '.join(sorted(self.models))}"

@@ -12,6 +12,7 @@ import trio
 
 from ._config import Config, load_config
 from ._errors import ActorClosed, DeadlineExceeded, InvalidInput
+from ._model import item_list
 from ._runtime import Runtime, open_runtime
 
 
@@ -54,9 +55,8 @@ class Client:
         list; otherwise the first failure (in input order) is raised once all are done.
         """
         _check_timeout(timeout)
-        results = self._call(
-            self._many, model, list(inputs), tenant, priority, version, timeout
-        )
+        items = list(item_list(model, inputs, "infer_many", stacked=False))
+        results = self._call(self._many, model, items, tenant, priority, version, timeout)
         if not return_exceptions:
             for r in results:
                 if isinstance(r, BaseException):

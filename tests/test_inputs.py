@@ -287,3 +287,63 @@ async def test_one_item_of_a_list_keeps_its_version(rt, seen):
     assert out[0]["y"].tolist() == [7.0]
     with pytest.raises(UnknownModel, match="has no version '9'"):
         await rt.infer_batch("two", [{"a": [1, 2, 3], "b": [1]}], version="9")
+
+
+# ---------------------------------------------------------------- never a raw exception
+# Regression: a dtype without a v2 datatype (complex, datetime) was refused with a
+# message naming neither the model nor the input; a tensor torch cannot copy to numpy
+# (a meta tensor) escaped as torch's NotImplementedError.
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [
+        (np.ones(4, np.complex128), "complex128"),
+        (np.arange(4).astype("datetime64[s]"), r"datetime64\[s\]"),
+        (torch.ones(4, dtype=torch.complex64), "complex64"),
+    ],
+)
+async def test_a_dtype_with_no_v2_datatype_names_the_model_and_input(rt, seen, value, got):
+    with pytest.raises(
+        InvalidInput, match=rf"^input 'x' of model 'one': expected FP32, got {got}$"
+    ):
+        await rt.infer("one", {"x": value})
+    with pytest.raises(InvalidInput, match=rf"^input 'x' of model 'one': expected FP32, got {got}"):
+        await rt.infer_batch("one", {"x": value[None]})
+    assert seen["one"].items == []
+
+
+async def test_a_tensor_without_data_is_invalid_input_naming_the_model(rt, seen):
+    meta = torch.ones(4, device="meta")
+    with pytest.raises(InvalidInput, match=r"^input 'x' of model 'one': not an array \("):
+        await rt.infer("one", meta)
+    with pytest.raises(InvalidInput, match=r"^input 'x' of model 'one': not an array \("):
+        await rt.infer_batch("one", {"x": meta[None]})
+    with pytest.raises(InvalidInput, match=r"^model 'echo': inputs are not arrays \("):
+        await rt.infer("echo", {"x": meta})
+    assert seen["one"].items == []
+
+
+# Regression: a model name that cannot be a dict key raised TypeError.
+@pytest.mark.parametrize("name", [["one"], {"one": 1}])
+async def test_a_model_name_that_is_not_a_string_is_an_unknown_model(rt, name):
+    with pytest.raises(UnknownModel, match=r"^unknown model .*; serving: echo, one, text, two$"):
+        await rt.infer(name, [1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(UnknownModel, match=r"^unknown model "):
+        await rt.infer_batch(name, [[1.0, 2.0, 3.0, 4.0]])
+
+
+# Regression: infer_batch of something that holds no items (None, a number, a 0-d
+# array or tensor) raised TypeError from len() or iter().
+@pytest.mark.parametrize(
+    "items",
+    [None, 5, np.float32(3.0), np.array(3.0), torch.tensor(3.0)],
+    ids=["none", "int", "numpy-scalar", "numpy-0d", "torch-0d"],
+)
+async def test_infer_batch_of_no_sequence_of_items_is_invalid_input(rt, seen, items):
+    with pytest.raises(
+        InvalidInput,
+        match=r"^model 'one': infer_batch takes a sequence of items or a mapping input "
+        r"name -> stacked array, got ",
+    ):
+        await rt.infer_batch("one", items)
+    assert seen["one"].items == []
+    assert (await rt.infer_batch("one", [[1, 2, 3, 4]]))[0]["y"].tolist() == [10.0]

@@ -232,3 +232,16 @@ def test_a_numpy_integer_is_a_priority_level(served):
     assert float(served.infer("double", item(2), priority=np.int64(2))["y"][0]) == 5.0
     with pytest.raises(InvalidInput, match="unknown request class"):
         served.infer("double", item(2), priority=np.float64(2))
+
+
+# Regression: infer_many of a value that holds no items raised TypeError from list().
+# A mapping was listed as its keys, each taken for an item.
+@pytest.mark.parametrize(
+    "inputs", [None, 5, np.array(1.0), {"x": [[1.0]]}], ids=["none", "int", "0d", "mapping"]
+)
+def test_infer_many_of_no_sequence_of_items_is_invalid_input(served, inputs):
+    with pytest.raises(
+        InvalidInput, match=r"^model 'double': infer_many takes a sequence of items, got "
+    ):
+        served.infer_many("double", inputs)
+    assert served.infer_many("double", iter([item(1)]))[0]["y"].tolist() == [3.0]
