@@ -75,6 +75,44 @@ async def test_model_ready_and_version_ready(mlp_server):
     assert v_ready.status == 200
 
 
+async def test_repository_index_lists_every_version_with_its_state(mlp_server, monkeypatch):
+    """Triton's model repository extension as Triton answers it with model control
+    off: the index of what is served; load and unload refused with 400."""
+    rt = mlp_server.runtime
+    async with open_http(mlp_server.url) as http:
+        every = await http.request("POST", "/v2/repository/index")
+        monkeypatch.setattr(rt, "model_ready", lambda name: name != "echo")
+        while_down = await http.request("POST", "/v2/repository/index", b"{}")
+        only_ready = await http.request("POST", "/v2/repository/index", b'{"ready": true}')
+        bad = [
+            await http.request("POST", "/v2/repository/index", body)
+            for body in (b'{"ready": 1}', b"[]", b"{")
+        ]
+        load = await http.request("POST", "/v2/repository/models/mlp/load")
+        unload = await http.request("POST", "/v2/repository/models/mlp/unload", b"{}")
+        get = await http.get("/v2/repository/index")
+    assert every.status == 200, every.body
+    assert every.json() == [
+        {"name": "echo", "version": "1", "state": "READY", "reason": ""},
+        {"name": "mlp", "version": "1", "state": "READY", "reason": ""},
+        {"name": "mlp", "version": "2", "state": "READY", "reason": ""},
+    ]
+    assert while_down.json()[0] == {
+        "name": "echo", "version": "1", "state": "UNAVAILABLE", "reason": "no replica ready"
+    }
+    assert [(e["name"], e["version"]) for e in only_ready.json()] == [("mlp", "1"), ("mlp", "2")]
+    assert [r.status for r in bad] == [400, 400, 400]
+    assert bad[0].json() == {"error": "repository index request: 'ready' must be true or false"}
+    assert (load.status, unload.status) == (400, 400)
+    assert load.json() == {
+        "error": "cannot load model 'mlp': model control is off; the models served are "
+        "the configuration's, loaded at start"
+    }
+    assert unload.json()["error"].startswith("cannot unload model 'mlp'")
+    assert get.status == 405
+    assert get.headers["allow"] == "OPTIONS, POST"
+
+
 async def test_infer_one_item_with_a_batch_of_one(mlp_server, mlp_input):
     rt = mlp_server.runtime
     want = (await rt.infer("mlp", mlp_input))["y"]

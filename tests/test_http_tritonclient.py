@@ -227,3 +227,29 @@ async def test_compressed_requests_from_tritonclient(server, algorithm):
             client.close()
 
     np.testing.assert_allclose(await trio.to_thread.run_sync(call), want, rtol=1e-5, atol=1e-6)
+
+
+async def test_repository_index_load_and_unload_through_tritonclient(server):
+    """``get_model_repository_index`` reads the index; ``load_model`` and
+    ``unload_model`` get Triton's error document (model control is off)."""
+
+    def calls():
+        client = _client(server)
+        try:
+            index = client.get_model_repository_index()
+            with pytest.raises(InferenceServerException) as load:
+                client.load_model("mlp")
+            with pytest.raises(InferenceServerException) as unload:
+                client.unload_model("mlp", unload_dependents=True)
+            return client.get_server_metadata(), index, load.value, unload.value
+        finally:
+            client.close()
+
+    meta, index, load, unload = await trio.to_thread.run_sync(calls)
+    assert "model_repository" in meta["extensions"]
+    assert {(e["name"], e["state"]) for e in index} == {
+        (name, "READY") for name in server.signatures
+    }
+    assert load.status() == unload.status() == "400"
+    assert "cannot load model 'mlp': model control is off" in load.message()
+    assert "cannot unload model 'mlp'" in unload.message()

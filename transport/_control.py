@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import trioserve
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import request
@@ -145,6 +146,53 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 failures[model] += n
         return json(model_statistics(entries, failures))
 
+    @app.post("/v2/repository/index")
+    async def repository_index() -> Any:
+        # Triton's model repository extension, as Triton with model control off
+        # answers it: every served model's versions and whether they can serve.
+        body = await request.get_data(cache=False)
+        only_ready = False
+        if body.strip():
+            try:
+                doc = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                return json(error_body(f"repository index request: invalid JSON: {exc}"), 400)
+            if not isinstance(doc, dict):
+                return json(error_body("repository index request: expected a JSON object"), 400)
+            only_ready = doc.get("ready", False)
+            if not isinstance(only_ready, bool):
+                return json(
+                    error_body("repository index request: 'ready' must be true or false"), 400
+                )
+        rt = gateway.runtime
+        entries = []
+        for name, sig in sorted(gateway.signatures.items()):
+            if not gateway.ready:
+                state, reason = "UNAVAILABLE", "the server is shutting down"
+            elif rt.model_ready(name):
+                state, reason = "READY", ""
+            else:
+                state, reason = "UNAVAILABLE", "no replica ready"
+            if only_ready and state != "READY":
+                continue
+            entries.extend(
+                {"name": name, "version": v, "state": state, "reason": reason}
+                for v in sig.versions
+            )
+        return json(orjson.dumps(entries))
+
+    @app.post("/v2/repository/models/<name>/load")
+    @app.post("/v2/repository/models/<name>/unload")
+    async def repository_control(name: str) -> Any:
+        action = request.path.rpartition("/")[2]
+        return json(
+            error_body(
+                f"cannot {action} model {name!r}: model control is off; the models "
+                "served are the configuration's, loaded at start"
+            ),
+            400,
+        )
+
     @app.post("/v2/models/<name>/infer")
     @app.post("/v2/models/<name>/versions/<version>/infer")
     async def infer(name: str, version: str | None = None) -> Any:
@@ -185,6 +233,4 @@ def control_app(gateway: Gateway) -> QuartTrio:
 
 
 def _quote(name: str) -> bytes:
-    import orjson
-
     return orjson.dumps(name)

@@ -1101,7 +1101,7 @@ def server_metadata(version: str) -> bytes:
             "version": version,
             "extensions": [
                 "binary_tensor_data", "classification", "parameters", "schedule_policy",
-                "model_configuration", "statistics", "stream",
+                "model_configuration", "model_repository", "statistics", "stream",
             ],
         }
     )
