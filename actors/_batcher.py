@@ -41,6 +41,7 @@ from trioserve import (
 
 from ._metrics import ModelMetrics
 from ._scheduler import SchedulerActor
+from ._singleflight import own_error
 from ._straggler import BatchTimer, Breaker, StragglerPolicy, retried, split, split_failed
 from ._watchdog import Watchdog
 
@@ -547,7 +548,9 @@ class BatcherActor(Actor):
         n = 0
         while self._in_flight:
             batch = self._in_flight.popleft()
-            n += sum(req.reply.set_error(error) for req in batch if req.reply.answerable)
+            n += sum(
+                req.reply.set_error(own_error(error)) for req in batch if req.reply.answerable
+            )
             self._scheduler.completed(batch, failed=True)
         return n
 

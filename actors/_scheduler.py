@@ -32,6 +32,7 @@ from trioserve import (
 )
 
 from ._batching import SchedulingPolicy
+from ._singleflight import own_error
 
 _DISPATCHED = RequestState.DISPATCHED
 
@@ -337,10 +338,10 @@ class SchedulerActor(Actor):
         self._closed = True
         n = 0
         while self._retries:
-            n += sum(req.reply.set_error(error) for req in self._retries.popleft())
+            n += sum(req.reply.set_error(own_error(error)) for req in self._retries.popleft())
         while self._apart:
-            n += self._apart.popleft().reply.set_error(error)
+            n += self._apart.popleft().reply.set_error(own_error(error))
         for req in self.policy.drain():
-            n += req.reply.set_error(error)
+            n += req.reply.set_error(own_error(error))
         self._idle.unpark_all()
         return n

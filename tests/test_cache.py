@@ -775,7 +775,11 @@ async def test_an_error_reaches_every_waiter_and_is_not_cached():
             await trio.testing.wait_all_tasks_blocked()
             failing.release.set()
         assert len(errors) == 3
-        assert all(e is errors[0] for e in errors)
+        # Each waiter its own copy: one object raised in every waiter gathered all
+        # their frames into one traceback (and kept their locals alive).
+        assert len({id(e) for e in errors}) == 3
+        assert {(type(e), str(e)) for e in errors} == {(ModelError, "boom")}
+        assert len({_traceback_length(e) for e in errors}) == 1
         assert failing.runs == 1
         assert key not in cache
         assert key not in flights
@@ -783,6 +787,13 @@ async def test_an_error_reaches_every_waiter_and_is_not_cached():
         ok.release.set()
         assert await flights.call(key, compute_and_cache, ok) == ("fine",)
     assert cache.get(key, trio.current_time()) == ("fine",)
+
+
+def _traceback_length(exc: BaseException) -> int:
+    n, tb = 0, exc.__traceback__
+    while tb is not None:
+        n, tb = n + 1, tb.tb_next
+    return n
 
 
 async def test_waiters_get_actor_closed_when_the_owner_nursery_is_cancelled():

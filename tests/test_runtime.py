@@ -748,6 +748,21 @@ async def test_a_cancelled_pull_takes_nothing_from_the_queue():
     assert request.reply.state is trioserve.RequestState.DISPATCHED
 
 
+def test_closing_a_scheduler_answers_each_queued_request_with_its_own_error():
+    # One error object raised in every caller gathered all their frames (and the
+    # locals those hold) into one traceback, as long as any of them kept it.
+    scheduler = SchedulerActor("m", FifoQueue(BatchLimits(max_size=1), bound=10))
+    requests = [
+        trioserve.Request(model="m", item=None, arrival=0.0, tenant=f"t{i}") for i in range(3)
+    ]
+    for r in requests:
+        scheduler.policy.offer(r, r.arrival)
+    assert scheduler.close(ActorClosed("model 'm' was shut down")) == 3
+    errors = [r.reply.error for r in requests]
+    assert len({id(e) for e in errors}) == 3
+    assert {(type(e), str(e)) for e in errors} == {(ActorClosed, "model 'm' was shut down")}
+
+
 async def test_shutdown_answers_requests_in_flight_within_grace(autojump_clock):
     rec = Recorder()
     cfg = config(callable_model("m", rec, max_batch_size=4, max_wait_ms=100), graceful_timeout_s=5)
