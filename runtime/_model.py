@@ -221,6 +221,11 @@ def _unstack(model: str, arrays: Any) -> list[Any]:
         stacked = {k: to_numpy(v) for k, v in arrays.items()}
     except NOT_AN_ARRAY as exc:
         raise InvalidInput(f"model {model!r}: inputs are not arrays ({exc})") from None
+    if not stacked:
+        raise InvalidInput(
+            f"model {model!r}: no stacked inputs (a mapping input name -> array whose "
+            "leading dimension indexes the items)"
+        )
     counts = {a.shape[0] if a.ndim else -1 for a in stacked.values()}
     if len(counts) != 1 or -1 in counts:
         raise InvalidInput(

@@ -124,8 +124,10 @@ class Client:
 
 
 def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0
-                                    and math.isfinite(timeout)):
+    # a bool is an int to Python: True was taken as one second
+    if timeout is not None and not (isinstance(timeout, int | float)
+                                    and not isinstance(timeout, bool)
+                                    and timeout > 0 and math.isfinite(timeout)):
         raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 

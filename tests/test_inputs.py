@@ -347,3 +347,12 @@ async def test_infer_batch_of_no_sequence_of_items_is_invalid_input(rt, seen, it
         await rt.infer_batch("one", items)
     assert seen["one"].items == []
     assert (await rt.infer_batch("one", [[1, 2, 3, 4]]))[0]["y"].tolist() == [10.0]
+
+
+# Regression: an empty mapping of stacked inputs was refused naming "got shapes " and
+# nothing after it.
+async def test_infer_batch_of_no_stacked_inputs_says_so(rt):
+    with pytest.raises(InvalidInput, match=r"^model 'echo': no stacked inputs \(a mapping"):
+        await rt.infer_batch("echo", {})
+    with pytest.raises(InvalidInput, match=r"^model 'one': missing input 'x'"):
+        await rt.infer_batch("one", {})
