@@ -167,3 +167,83 @@ async def test_metrics_expose_flows_and_credits(gw):
 def test_tenant_classes_must_be_configured_classes():
     with pytest.raises(trioserve.ConfigError, match=r"^tenants\.x\.classes: unknown class 'gold'"):
         config(echo_model(), tenants=(TenantConfig(name="x", classes=("gold",)),))
+
+
+async def metrics_text(gw) -> str:
+    async with open_http(gw.url) as http:
+        return (await http.get("/metrics")).body.decode()
+
+
+async def test_every_configured_tenant_and_class_has_its_flow_series_from_the_start(gw):
+    """A flow's series existed only once it had seen a request, so a dashboard or an
+    alert on a tenant that had sent nothing yet found no series at all (and a rate()
+    over its first requests missed them). Now every configured tenant and class has
+    them at zero from the start."""
+    text = await metrics_text(gw)
+    for tenant in ("A", "B", "nightly", "metered"):
+        for cls in ("realtime", "batch"):
+            flow = f'class="{cls}",model="echo"'
+            assert f'trioserve_flow_queue_depth{{{flow},tenant="{tenant}"}} 0.0' in text
+            for outcome in ("admitted", "shed", "expired", "dispatched", "hedged", "withdrawn"):
+                line = (
+                    f'trioserve_flow_requests_total{{{flow},outcome="{outcome}",'
+                    f'tenant="{tenant}"}} 0.0'
+                )
+                assert line in text, line
+            assert f'trioserve_flow_served_cost_total{{{flow},tenant="{tenant}"}} 0.0' in text
+            assert f'trioserve_flow_wait_seconds_count{{{flow},tenant="{tenant}"}} 0.0' in text
+            for q in ("0.5", "0.99"):
+                assert (
+                    f'trioserve_flow_wait_seconds{{{flow},quantile="{q}",tenant="{tenant}"}} NaN'
+                ) in text
+    # and the figures move from zero once requests come
+    assert (await post(gw, "key-n")).status == 200
+    text = await metrics_text(gw)
+    flow = 'class="batch",model="echo"'
+    admitted = f'trioserve_flow_requests_total{{{flow},outcome="admitted",tenant="nightly"}}'
+    assert f"{admitted} 1.0" in text
+    assert f'trioserve_flow_wait_seconds_count{{{flow},tenant="nightly"}} 1.0' in text
+
+
+class _Lengths(trioserve.ModelBackend):
+    """Echoes ``x`` as ``y``; an item costs its length (inline)."""
+
+    inputs = (trioserve.TensorSpec(name="x", datatype="FP32", shape=(-1,)),)
+    outputs = (trioserve.TensorSpec(name="y", datatype="FP32", shape=(-1,)),)
+    default_execution = "inline"
+
+    def prepare(self, name, inputs):
+        item, _ = super().prepare(name, inputs)
+        return item, int(item["x"].shape[0])
+
+    def load(self, device, *, torch_threads=1):
+        return lambda items: [{"y": it["x"]} for it in items]
+
+
+async def test_the_slow_lanes_flows_are_in_the_metrics():
+    """A model with a slow lane keeps a second queue; its flows were left out of
+    /metrics (only the first lane's were read), so a tenant's long requests were
+    admitted, served and waited for without a trace there. Now a flow's series count
+    both lanes."""
+    model = trioserve.ModelConfig(
+        name="m", backend=_Lengths(), replicas=2, slow_lane_cost=10, max_wait_ms=0.0
+    )
+    async with serving(config(model, tenants=TENANTS)) as gw, open_http(gw.url) as http:
+        for n in (3, 20, 30):  # one short request, two long ones
+            doc = {"inputs": [v2_input(np.ones(n, np.float32))]}
+            res = await http.request(
+                "POST", "/v2/models/m/infer", orjson.dumps(doc),
+                headers=[("authorization", "Bearer key-a")],
+            )
+            assert res.status == 200, res.body
+        text = (await http.get("/metrics")).body.decode()
+    flow = 'class="realtime",model="m"'
+    for line in (
+        f'trioserve_flow_requests_total{{{flow},outcome="admitted",tenant="A"}} 3.0',
+        f'trioserve_flow_requests_total{{{flow},outcome="dispatched",tenant="A"}} 3.0',
+        f'trioserve_flow_served_cost_total{{{flow},tenant="A"}} 53.0',
+        f'trioserve_flow_wait_seconds_count{{{flow},tenant="A"}} 3.0',
+        f'trioserve_flow_queue_depth{{{flow},tenant="A"}} 0.0',
+    ):
+        assert line in text, line
+    assert f'trioserve_flow_wait_seconds{{{flow},quantile="0.99",tenant="A"}} NaN' not in text

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import (
     CollectorRegistry,
@@ -180,27 +180,49 @@ class GatewayCollector(Collector):
             "Measured service rate while backlogged (cost units per second).",
             labels=["model"],
         )
+        config = gw.runtime.config
+        # Every configured tenant and class has its series from the start (zeros, NaN
+        # quantiles), so a flow that has seen nothing yet is there to alert on.
+        configured = [(t.name, c.name) for t in config.tenants for c in config.classes]
         for name, served in sorted(gw.runtime.models.items()):
-            policy = served.scheduler.policy
-            live = policy.queued_by_flow() if hasattr(policy, "queued_by_flow") else {}
-            for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items()):
+            # A flow's figures over the model's lanes (a slow lane is a second queue).
+            flows: dict[tuple[str, str], list[tuple[Any, int]]] = {k: [] for k in configured}
+            for lane in served.schedulers:
+                lane_policy = lane.policy
+                live = (
+                    lane_policy.queued_by_flow() if hasattr(lane_policy, "queued_by_flow")
+                    else {}
+                )
+                for flow, f in getattr(lane_policy, "stats", {}).items():
+                    flows.setdefault(flow, []).append((f, live.get(flow, 0)))
+            for (tenant, cls), parts in sorted(flows.items()):
                 key = [name, tenant, cls]
-                depth.add_metric(key, live.get((tenant, cls), 0))
+                depth.add_metric(key, sum(n for _, n in parts))
                 for outcome in (
                     "admitted", "shed", "expired", "dispatched", "hedged", "withdrawn"
                 ):
-                    outcomes.add_metric([*key, outcome], getattr(f, outcome))
-                cost.add_metric(key, f.served_cost)
-                count, total_us = f.wait.totals()
-                hist = f.wait.hist
-                values = hist.get_percentile_to_value_dict([50, 99])
+                    outcomes.add_metric(
+                        [*key, outcome], sum(getattr(f, outcome) for f, _ in parts)
+                    )
+                cost.add_metric(key, sum(f.served_cost for f, _ in parts))
+                count = total_us = 0
+                for f, _ in parts:
+                    n, us = f.wait.totals()
+                    count += n
+                    total_us += us
+                hist = _merged([f.wait.hist for f, _ in parts])
+                values = (
+                    hist.get_percentile_to_value_dict([50, 99])
+                    if hist is not None and hist.get_total_count() else None
+                )
                 for q in (0.5, 0.99):
                     wait.add_sample(
                         "trioserve_flow_wait_seconds",
                         {"model": name, "tenant": tenant, "class": cls, "quantile": str(q)},
-                        values[q * 100] / 1e6 if hist.get_total_count() else math.nan,
+                        values[q * 100] / 1e6 if values is not None else math.nan,
                     )
                 wait.add_metric(key, count_value=count, sum_value=total_us / 1e6)
+            policy = served.scheduler.policy
             lim = getattr(policy, "limit", None)
             if lim is not None:
                 limit.add_metric([name], lim.value)
@@ -269,6 +291,20 @@ class GatewayCollector(Collector):
             for model in sorted(set(cached) | set(counts)):
                 family.add_metric([model], counts.get(model, 0))
             yield family
+
+
+def _merged(hists: list[Any]) -> Any:
+    """One histogram of the values of ``hists`` (hdrhistograms of one range): the
+    only one itself, None for none."""
+    if len(hists) <= 1:
+        return hists[0] if hists else None
+    first = hists[0]
+    out = type(first)(
+        first.lowest_trackable_value, first.highest_trackable_value, first.significant_figures
+    )
+    for h in hists:
+        out.add(h)
+    return out
 
 
 def metrics_registry(gateway: Gateway) -> CollectorRegistry:
