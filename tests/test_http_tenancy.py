@@ -247,3 +247,32 @@ async def test_the_slow_lanes_flows_are_in_the_metrics():
     ):
         assert line in text, line
     assert f'trioserve_flow_wait_seconds{{{flow},quantile="0.99",tenant="A"}} NaN' not in text
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["keep-alive", "connection-close"])
+async def test_two_authorization_headers_authenticate_nobody(gw, close):
+    """A request with two Authorization field lines was served as the tenant of the
+    last key (and the control plane's route took the first): a proxy that checks one
+    of them and the server that uses the other disagree on who is asking. A
+    singleton field sent twice is refused (401), whichever keys they hold."""
+    extra = [("connection", "close")] if close else []
+    for keys in (("key-a", "key-b"), ("key-a", "key-a"), ("nope", "key-a")):
+        async with open_http(gw.url) as http:
+            res = await http.request(
+                "POST", "/v2/models/echo/infer", body(),
+                headers=[("authorization", f"Bearer {k}") for k in keys] + extra,
+            )
+        assert res.status == 401, (keys, res.body)
+        assert res.headers["www-authenticate"] == 'Bearer realm="trioserve"'
+        assert res.json()["error"] == (
+            "more than one Authorization header: send one 'Bearer <api key>'"
+        )
+    assert flows(gw) == {}
+    assert dict(gw.requests) == {("echo", "-", 401): 3}
+
+
+async def test_two_authorization_headers_are_refused_in_process_too(gw):
+    answer = await gw.infer(
+        "echo", None, body(), authorization=(b"Bearer key-a", b"Bearer key-b")
+    )
+    assert answer[0] == 401

@@ -894,3 +894,26 @@ async def test_without_the_decoder_state_a_message_is_refused_as_its_bytes_come(
         closes = [e for e in ws.events() if isinstance(e, CloseConnection)]
         assert [(e.code, e.reason) for e in closes] == [(1009, "message over 1000 bytes")]
         await sock.aclose()
+
+
+async def test_two_authorization_headers_refuse_the_handshake():
+    """The last of two Authorization field lines chose the stream's tenant; now a
+    handshake with more than one is refused with 401, as HTTP refuses it."""
+    tenants = (trioserve.TenantConfig(name="acme", api_keys=("k1",)),
+               trioserve.TenantConfig(name="other", api_keys=("k2",)))
+    head = _HANDSHAKE.replace(
+        b"\r\n\r\n", b"\r\nAuthorization: Bearer k2\r\nAuthorization: Bearer k1\r\n\r\n"
+    )
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        sock = await trio.open_tcp_stream(*gw.addresses[0])
+        await sock.send_all(head)
+        data = b""
+        while b"\r\n\r\n" not in data:  # the answer's head (a 101 keeps it open)
+            data += await sock.receive_some(65536)
+        await sock.aclose()
+        assert data.startswith(b"HTTP/1.1 401 "), data
+        assert b"more than one Authorization header" in data
+        assert b'\r\nwww-authenticate: bearer realm="trioserve"\r\n' in data.lower()
+        async with open_stream(gw.url, api_key="k1") as stream:  # one is fine
+            assert (await stream.infer("echo", {"x": f32(1)}))["x"].tolist() == [1]
+        assert dict(gw.requests) == {("echo", "acme", 200): 1}

@@ -19,6 +19,7 @@ from quart_trio import QuartTrio
 from trioserve import UnknownModel
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from ._auth import another_field_line
 from ._extensions import model_config, model_statistics
 from ._gateway import Answer
 from ._v2 import error_body, server_metadata
@@ -202,7 +203,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 name,
                 version,
                 body,
-                authorization=request.headers.get("Authorization"),
+                authorization=_authorization(request.headers.getlist("Authorization")),
                 header_length=request.headers.get("Inference-Header-Content-Length"),
                 idempotency_key=request.headers.get("Idempotency-Key"),
                 content_encoding=request.headers.get("Content-Encoding"),
@@ -230,6 +231,15 @@ def control_app(gateway: Gateway) -> QuartTrio:
         return Response(generate_latest(gateway.registry), content_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _authorization(values: list[str]) -> Any:
+    """The Authorization values of a request as ``Gateway.infer`` takes them: None,
+    the one value, or a tuple of several (refused)."""
+    auth: Any = None
+    for value in values:
+        auth = another_field_line(auth, value)
+    return auth
 
 
 def _quote(name: str) -> bytes:

@@ -47,6 +47,7 @@ import httptools
 import outcome
 import trio
 
+from ._auth import another_field_line
 from ._gateway import JSON, Answer, Headers, error_answer
 from ._target import MAX_TARGET, check_target, unusual
 from ._v2 import error_body
@@ -371,7 +372,7 @@ class _Connection:
                     elif name == b"transfer-encoding":
                         chunked = True
                     elif name == b"authorization":
-                        auth = value
+                        auth = value if auth is None else another_field_line(auth, value)
                     elif name == b"inference-header-content-length":
                         hlen = value
                     elif name == b"idempotency-key":
@@ -576,7 +577,8 @@ def _data_plane_request(
         elif name == b"host":
             hosts += 1
         elif name == b"authorization":
-            auth = value.rstrip(_OWS)
+            value = value.rstrip(_OWS)
+            auth = value if auth is None else another_field_line(auth, value)
         elif name == b"inference-header-content-length":
             hlen = value.rstrip(_OWS)
         elif name == b"idempotency-key":

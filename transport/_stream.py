@@ -52,6 +52,7 @@ from wsproto.events import (
 from wsproto.events import Request as WsRequest
 from wsproto.utilities import RemoteProtocolError
 
+from ._auth import another_field_line
 from ._gateway import UNKNOWN_MODEL, WWW_AUTHENTICATE, error_answer, log
 from ._http import _wait_writable, _write_some
 from ._v2 import (
@@ -364,7 +365,7 @@ async def _handshake(gateway: Gateway, stream: ReplayStream, conn: _Conn) -> _Se
     authorization = None
     for name, value in request.extra_headers:
         if name.lower() == b"authorization":
-            authorization = value
+            authorization = another_field_line(authorization, value)
     try:
         tenant = gateway.auth.tenant(authorization)
     except Unauthorized as exc:
