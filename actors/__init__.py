@@ -24,6 +24,7 @@ from ._credits import TokenBucket as TokenBucket
 from ._fair import ClassSpec as ClassSpec
 from ._fair import FairQueue as FairQueue
 from ._fair import FlowStats as FlowStats
+from ._metrics import OUTCOMES as OUTCOMES
 from ._metrics import Latency as Latency
 from ._metrics import LatencySummary as LatencySummary
 from ._metrics import ModelMetrics as ModelMetrics

@@ -104,6 +104,12 @@ class Latency:
         self.total_us = 0
 
 
+#: The names ModelMetrics.statuses counts: items ``retried`` or answered
+#: ``model_error``, ``poison`` requests, ``straggler`` batches cut, ``worker_lost``
+#: workers.
+OUTCOMES = ("model_error", "poison", "retried", "straggler", "worker_lost")
+
+
 @attrs.define(eq=False)
 class ModelMetrics:
     """What one model's actors record."""
@@ -125,6 +131,7 @@ class ModelMetrics:
     request_compute_us: int = 0
     #: When the last batch finished (trio time; None: none has).
     last_batch_end: float | None = None
+    #: Abnormal batch outcomes by name (see OUTCOMES).
     statuses: collections.Counter = attrs.Factory(collections.Counter)
 
     def record_batch(self, size: int, seconds: float, end: float | None = None) -> None:

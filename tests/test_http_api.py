@@ -287,6 +287,11 @@ async def test_metrics_expose_counts_latency_quantiles_fill_and_queue_depth():
     # One held request runs, two wait in the queue.
     assert samples["trioserve_queue_depth", (("model", "held"),)] == 2
     assert samples["trioserve_requests_in_flight", ()] == 3
+    # Every abnormal outcome has its series from the start, at 0 until it happens.
+    for model in ("echo", "held"):
+        for outcome in ("model_error", "poison", "retried", "straggler", "worker_lost"):
+            key = ("trioserve_batcher_outcomes_total", (("model", model), ("outcome", outcome)))
+            assert samples[key] == 0
 
 
 async def test_the_control_plane_in_memory_with_quarts_test_client():

@@ -23,6 +23,7 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
+from trioserve.actors import OUTCOMES
 
 if TYPE_CHECKING:
     from ._gateway import Gateway
@@ -92,8 +93,9 @@ class GatewayCollector(Collector):
             items.add_metric([name], m.items)
             fill.add_metric([name], m.fill_ratio)
             depth.add_metric([name], sum(q.queue_depth() for q in served.schedulers))
-            for outcome, n in sorted(m.statuses.items()):
-                outcomes.add_metric([name, str(outcome)], n)
+            # every outcome from the start, at 0 until it happens
+            for outcome in sorted(set(OUTCOMES) | set(m.statuses)):
+                outcomes.add_metric([name, str(outcome)], m.statuses[outcome])
         yield from (latency, batches, items, fill, depth, outcomes)
         yield from self._flows(gw)
 
