@@ -13,6 +13,11 @@ poison-request error and never retried. A batch whose model raised is split the 
 way, so only the input that raises gets the error. A worker process runs such a retry
 with nothing staged behind it: were it to hang or kill its worker again, what was
 staged would wait out its deadline and go back too.
+
+A model that raises on fresh work counts towards the replica's breaker only once other
+replicas of the model succeed meanwhile (:meth:`Breaker.raised`): a replica broken
+while the others are fine (a sticky CUDA error) is isolated, and its worker process
+replaced when the breaker opens; a model raising everywhere opens none.
 """
 
 from __future__ import annotations
@@ -111,6 +116,7 @@ class BatcherActor(Actor):
         self._replacing = False  # a worker process is being replaced
         self.stragglers = 0
         self.workers_lost = 0
+        self.workers_broken = 0  # workers replaced because the model kept raising there
         self.start_failures = 0  # successors of a lost worker that could not start
 
     # ------------------------------------------------------------------ health
@@ -344,14 +350,17 @@ class BatcherActor(Actor):
                 self.stragglers += 1
                 self._metrics.statuses["straggler"] += 1
                 self._lose(worker, f"it ran past its batch deadline of {deadline:.3f}s")
+            broken = False
             if isinstance(outputs, Exception):
-                self._model_failed(batch, outputs)
+                broken = self._model_failed(batch, outputs)
             else:
                 self._timer.record(worker.last_run_seconds)
                 self._breaker.success()
                 self._deliver(batch, outputs, t0)
             if self._in_flight and self._in_flight[0] is batch:
                 self._in_flight.popleft()
+            if broken:
+                self._replace_broken(worker)
             room.release()
 
     async def _watch(self, worker: WorkerProcess) -> None:
@@ -384,6 +393,27 @@ class BatcherActor(Actor):
             self._suspect(batches[0], f"its batch failed: {why}")
         raise _WorkerLost(why)
 
+    def _replace_broken(self, worker: WorkerProcess) -> None:
+        """Its breaker opened because the model kept raising on this worker while
+        other replicas succeeded: a sticky device error (CUDA's "an illegal memory
+        access was encountered" fails every later call in its process) or a bad
+        device. Kill the worker, so that its successor (a fresh process: a fresh CUDA
+        context) runs the breaker's trial; the batches staged behind go back as they
+        were (they ran into nothing of theirs). Raises _WorkerLost."""
+        why = "its model kept raising there while other replicas succeeded"
+        if not worker.alive:
+            raise _WorkerLost(why)  # lost meanwhile: replaced anyway
+        worker.kill()
+        self.workers_broken += 1
+        self._metrics.statuses["worker_broken"] += 1
+        log.warning("%s: its worker process is replaced: %s", self.name, why)
+        batches = list(self._in_flight)
+        self._in_flight.clear()
+        for b in batches:
+            self._scheduler.completed(b, failed=True)
+        self._scheduler.retry(batches)
+        raise _WorkerLost(why)
+
     # ------------------------------------------------------------------ thread, inline
     async def _execute(self, batch: list[Request]) -> None:
         t0 = trio.current_time()
@@ -397,6 +427,7 @@ class BatcherActor(Actor):
             except Exception as exc:
                 self._model_failed(batch, exc)
                 return
+            self._breaker.success()
             self._deliver(batch, outputs, t0)
             return
         deadline = self._timer.deadline()
@@ -499,11 +530,23 @@ class BatcherActor(Actor):
         self._metrics.statuses["retried"] += sum(len(b) for b in retry)
         self._scheduler.retry(retry)
 
-    def _model_failed(self, batch: list[Request], exc: BaseException) -> None:
+    def _model_failed(self, batch: list[Request], exc: BaseException) -> bool:
         """The model raised. Alone, the request gets the error; in a batch, the batch
         is retried in parts (each request alone when it held no more than
         ``retry_parts``), so that only the input that raises gets it, and each part
-        that succeeds is answered at once."""
+        that succeeds is answered at once.
+
+        On fresh work (not a retry) it is also told to the replica's breaker, which
+        counts it only when other replicas succeeded since this one began failing
+        (:meth:`Breaker.raised`). Returns whether that opened the breaker."""
+        opened = not retried(batch) and self._breaker.raised(
+            trio.current_time(), self._metrics.successes
+        )
+        if opened:
+            log.warning(
+                "%s: circuit breaker open: the model keeps raising here (%s: %s) while "
+                "other replicas succeed", self.name, type(exc).__name__, exc,
+            )
         alive = [r for r in batch if r.reply.answerable]
         if len(batch) > 1 and alive:  # not alone: any one of them may be the cause
             self._scheduler.completed(batch, failed=True)
@@ -511,7 +554,7 @@ class BatcherActor(Actor):
                 r.reply.suspect = True
             self._metrics.statuses["retried"] += len(alive)
             self._scheduler.retry(split(alive, self._timer.policy.retry_parts))
-            return
+            return opened
         msg = (
             f"model {self.model!r} failed on {self.device}: {type(exc).__name__}: {exc}"
         )
@@ -519,6 +562,7 @@ class BatcherActor(Actor):
             req.reply.set_error(ModelError(msg))
         self._metrics.statuses["model_error"] += len(alive)
         self._scheduler.completed(batch, failed=True)
+        return opened
 
     def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
         if len(outputs) != len(batch):

@@ -106,8 +106,8 @@ class Latency:
 
 #: The names ModelMetrics.statuses counts: items ``retried`` or answered
 #: ``model_error``, ``poison`` requests, ``straggler`` batches cut, ``worker_lost``
-#: workers.
-OUTCOMES = ("model_error", "poison", "retried", "straggler", "worker_lost")
+#: workers, ``worker_broken`` workers replaced because the model kept raising there.
+OUTCOMES = ("model_error", "poison", "retried", "straggler", "worker_broken", "worker_lost")
 
 
 @attrs.define(eq=False)
@@ -133,8 +133,13 @@ class ModelMetrics:
     last_batch_end: float | None = None
     #: Abnormal batch outcomes by name (see OUTCOMES).
     statuses: collections.Counter = attrs.Factory(collections.Counter)
+    #: Batches answered with results, on any replica, since the model was loaded.
+    #: Never reset (``reset`` leaves it): each replica's breaker weighs a model
+    #: raise against its growth (``Breaker.raised``).
+    successes: int = 0
 
     def record_batch(self, size: int, seconds: float, end: float | None = None) -> None:
+        self.successes += 1
         self.batches += 1
         self.items += size
         if end is not None:

@@ -152,9 +152,17 @@ class Breaker:
     crashed worker on fresh work; not the retries of a failed batch, see
     :func:`retried`) open it for ``cooldown`` seconds (doubling up to ``max_cooldown``
     while it keeps failing); then one batch is tried (half-open) and a success
-    closes it."""
+    closes it.
 
-    __slots__ = ("_cooldown", "base", "failures", "max_cooldown", "open_until", "threshold")
+    A model that raises on fresh work counts too (:meth:`raised`), but only once the
+    model demonstrably works elsewhere: when another replica of the model completed a
+    batch since this replica's current run of failures began. A model that raises on
+    every replica (a bug, an input bad for everyone) never opens a breaker, and its
+    callers keep getting its error at once."""
+
+    __slots__ = (
+        "_cooldown", "_since", "base", "failures", "max_cooldown", "open_until", "threshold",
+    )
 
     def __init__(
         self, *, threshold: int = 5, cooldown: float = 1.0, max_cooldown: float = 30.0
@@ -165,6 +173,9 @@ class Breaker:
         self._cooldown = cooldown
         self.failures = 0
         self.open_until = -math.inf
+        #: the model's successful batches (all replicas) when this replica's model
+        #: first raised since its last success (None: it has not)
+        self._since: int | None = None
 
     def failure(self, now: float) -> None:
         self.failures += 1
@@ -172,10 +183,26 @@ class Breaker:
             self.open_until = now + self._cooldown
             self._cooldown = min(self.max_cooldown, self._cooldown * 2)
 
+    def raised(self, now: float, successes: int) -> bool:
+        """The model raised on fresh work on this replica; ``successes``: the model's
+        successful batches so far, on all its replicas (a count that never goes
+        down). It counts as a failure only when that count grew since this
+        replica's first raise of its current run: the successes are then other
+        replicas' (one of its own would have ended the run). Returns whether the
+        breaker (re)opened."""
+        if self._since is None:
+            self._since = successes  # the run begins: no evidence yet
+            return False
+        if successes <= self._since:
+            return False  # nothing succeeded anywhere since: the model's own doing
+        self.failure(now)
+        return self.failures >= self.threshold
+
     def success(self) -> None:
         self.failures = 0
         self._cooldown = self.base
         self.open_until = -math.inf
+        self._since = None
 
     def is_open(self, now: float) -> bool:
         return now < self.open_until

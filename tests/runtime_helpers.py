@@ -182,3 +182,28 @@ def at(actual: float | None, expected: float) -> bool:
     """``actual`` is the trio time ``expected`` (not before it; equal up to float
     rounding of the clock's jump)."""
     return actual is not None and expected <= actual <= expected + 1e-9
+
+
+#: The environment variable naming the flag file of :func:`broken_once`.
+BROKEN_FLAG_ENV = "TRIOSERVE_TEST_BROKEN_FLAG"
+ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered"
+_broken: bool | None = None  # this process's lot, decided by its first call
+
+
+def broken_once(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """A model for worker processes, one of which is broken for good, as after a
+    sticky CUDA error: the first process to run a batch while the file named by
+    ``$TRIOSERVE_TEST_BROKEN_FLAG`` exists takes it (renames it away) and raises on
+    every call from then on; the others, its successor included, answer
+    ``y = [their pid]``. Importable, so a worker process can run it."""
+    global _broken
+    if _broken is None:
+        flag = os.environ[BROKEN_FLAG_ENV]
+        try:
+            os.rename(flag, flag + ".taken")  # atomic: one process takes it
+            _broken = True
+        except FileNotFoundError:
+            _broken = False
+    if _broken:
+        raise RuntimeError(ILLEGAL_ACCESS)
+    return [{"y": np.array([os.getpid()], dtype=np.float32)} for _ in items]
