@@ -113,6 +113,11 @@ class Runtime:
         self._grace_deadline = math.inf
         self._grace_wait: trio.CancelScope | None = None  # a close's wait, while it waits
         self._classes = {c.name: c for c in config.classes}
+        #: class -> its timeout in seconds (inf: none)
+        self._class_timeouts = {
+            c.name: c.timeout_ms / 1e3 if c.timeout_ms is not None else math.inf
+            for c in config.classes
+        }
         self._class_order = [c.name for c in config.classes]
         self._tenants = {t.name: t for t in config.tenants}
         self._default_tenant = next((t.name for t in config.tenants if t.default), None)
@@ -164,7 +169,14 @@ class Runtime:
         except TrioserveError:
             await trio.lowlevel.checkpoint()
             raise
-        return await self._answer_prepared(served, model, version, item, cost, tenant, priority)
+        max_tokens = served.limits.max_tokens
+        if model in self._cached or (max_tokens is not None and cost > max_tokens):
+            return await self._answer_prepared(
+                served, model, version, item, cost, tenant, priority
+            )
+        # uncached and within the budget: what _answer_prepared would do, one
+        # coroutine call instead of three
+        return await self._submit(served, item, cost, tenant, priority)
 
     async def _answer_prepared(
         self, served: ServedModel, model: str, version: str | None, item: Any, cost: int,
@@ -703,9 +715,9 @@ class Runtime:
         is sooner; in the second case the runtime answers DeadlineExceeded itself.
         """
         timeout = served.timeout
-        cls_timeout = self._classes[priority].timeout_ms
-        if cls_timeout is not None:
-            timeout = min(timeout, cls_timeout / 1e3)
+        cls_timeout = self._class_timeouts[priority]
+        if cls_timeout < timeout:
+            timeout = cls_timeout
         caller_deadline = trio.current_effective_deadline()
         own = now + timeout
         if own < caller_deadline:
