@@ -302,9 +302,7 @@ class BatcherActor(Actor):
                         continue
                 self._in_flight.append(batch)
                 t0 = trio.current_time()
-                wait = self._metrics.queue_wait
-                for req in batch:
-                    wait.record(t0 - req.arrival)
+                self._metrics.queue_wait.record_many([t0 - req.arrival for req in batch])
                 try:
                     await worker.submit([req.item for req in batch])
                 except trio.Cancelled:
@@ -417,9 +415,7 @@ class BatcherActor(Actor):
     # ------------------------------------------------------------------ thread, inline
     async def _execute(self, batch: list[Request]) -> None:
         t0 = trio.current_time()
-        wait = self._metrics.queue_wait
-        for req in batch:
-            wait.record(t0 - req.arrival)
+        self._metrics.queue_wait.record_many([t0 - req.arrival for req in batch])
         items = [req.item for req in batch]
         if self._inline:
             try:

@@ -425,7 +425,6 @@ class FairQueue(Admission):
         v = vt[tenant]
         w = self._weight(tenant)
         stats = self._stats(tenant, self.classes[c].name)
-        record = stats.wait.record
         n = cost_sum = 0
         closed = False
         congested = False
@@ -450,7 +449,6 @@ class FairQueue(Admission):
             builder.add(cost)
             taken.append(req)
             req.reply.dispatch()
-            record(now - req.arrival)
             n += 1
             cost_sum += cost
             v += cost / w
@@ -467,6 +465,8 @@ class FairQueue(Admission):
         self._tenant_count[tenant] -= n
         self._cost[c][tenant] -= cost_sum
         self._total_cost -= cost_sum
+        if n:  # the waits of the n requests taken here, the last of ``taken``
+            stats.wait.record_many([now - r.arrival for r in taken[len(taken) - n:]])
         stats.queued -= n
         stats.dispatched += n
         stats.served_cost += cost_sum

@@ -48,6 +48,13 @@ class Latency:
         if len(pending) >= self._FOLD_AT:
             self.fold()
 
+    def record_many(self, seconds: list[float]) -> None:
+        """``record`` each of ``seconds`` (one call for a batch's requests)."""
+        pending = self._pending
+        pending += [int(v * 1e6) for v in seconds]
+        if len(pending) >= self._FOLD_AT:
+            self.fold()
+
     def fold(self) -> None:
         """Move buffered values into the histogram."""
         if not self._pending:

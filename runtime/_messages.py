@@ -24,6 +24,11 @@ class RequestState(enum.Enum):
     CANCELLED = "cancelled"  # the caller left before dispatch: never dispatched
     ABANDONED = "abandoned"  # the caller left after dispatch: the answer is dropped
 
+    # Members are singletons that compare by identity, so identity hashing agrees
+    # with equality; Enum's own __hash__ is Python code, paid on every transition's
+    # lookup in _ALLOWED.
+    __hash__ = object.__hash__
+
 
 _ALLOWED: dict[RequestState, frozenset[RequestState]] = {
     RequestState.QUEUED: frozenset(
@@ -141,18 +146,18 @@ class Reply:
             result, self._outcome = self._outcome, None
             return result.unwrap()
         self._task = trio.lowlevel.current_task()
+        return await trio.lowlevel.wait_task_rescheduled(self._abort)
 
-        def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
-            self._task = None
-            if self.state is QUEUED:
-                self._transition(CANCELLED)
-                if self.on_cancel is not None:
-                    self.on_cancel()
-            elif self.state is DISPATCHED:
-                self._transition(ABANDONED)
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        return await trio.lowlevel.wait_task_rescheduled(abort)
+    def _abort(self, _raise_cancel: Any) -> trio.lowlevel.Abort:
+        """``wait``'s abort function: the waiter was cancelled."""
+        self._task = None
+        if self.state is QUEUED:
+            self._transition(CANCELLED)
+            if self.on_cancel is not None:
+                self.on_cancel()
+        elif self.state is DISPATCHED:
+            self._transition(ABANDONED)
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class ReplyGroup:
