@@ -327,7 +327,12 @@ class Admission:
                         self._shed_copy(req)
                     else:
                         self._push_out_request(req, k)
-                # ``offer`` finds the room made above: it neither refuses nor pushes out
+                # ``offer`` finds the room made above: it neither refuses nor pushes
+                # out. In a queue over its capacity (the adaptive limit lowered after
+                # its requests were queued) one push-out leaves it as full as it was,
+                # as ``offer`` leaves it too; finding it full, ``offer`` would push out
+                # one more: the request the plan names for a later item.
+                self._capacity = max(self._capacity, self._count - self._dead + 1)
                 self.offer(request, now)
         finally:
             self._update_capacity()

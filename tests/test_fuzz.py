@@ -220,6 +220,31 @@ def test_fuzz_queue_a_refused_call_pushes_nobody_out():
     state.teardown()
 
 
+def test_fuzz_queue_a_call_into_a_queue_over_its_capacity_pushes_out_as_planned():
+    # Found by the queue suite (seed 201): t0's request expired, which lowered the
+    # adaptive limit to 4 while t0 then queued a call of five into the idle queue
+    # (an idle queue takes a whole call); t1's call of two was planned to push out
+    # t0's two newest, but each item was then queued through offer, which found the
+    # queue still full after the planned push-out and pushed out one more: the
+    # request the plan named for the next item, answered twice ("done to done").
+    state = fuzz.QueueMachine()
+    state.setup(config=fuzz.QueueSetup(max_size=1, max_tokens=None, padded=False,
+                                       max_wait_ms=0, bound=5, adaptive=True,
+                                       min_limit=None, aging_ms=(None, None),
+                                       weights=(1.0, 1.0), shares=(1.0, 1.0)))
+    state.holds()
+    state.arrive_call(costs=[], first=fuzz.Arrival(tenant=0, cls=0, cost=1, ttl_ms=0,
+                                                   answer_expiry=False))
+    state.holds()
+    state.pull()
+    state.holds()
+    state.arrive_call(costs=[1, 1, 1, 1], first=fuzz.Arrival(tenant=0, cls=0, cost=1))
+    state.holds()
+    state.arrive_call(costs=[1], first=fuzz.Arrival(tenant=1, cls=0, cost=1))
+    state.holds()
+    state.teardown()
+
+
 def test_fair_queue_memory_stays_bounded_under_push_out_churn():
     # Two tenants take turns pushing each other out of a full queue of one while no
     # batch is pulled (every replica busy). Found by the queue suite: one request was
