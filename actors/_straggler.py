@@ -151,8 +151,9 @@ class Breaker:
     """A replica's circuit breaker: ``threshold`` failures in a row (straggler or
     crashed worker on fresh work; not the retries of a failed batch, see
     :func:`retried`) open it for ``cooldown`` seconds (doubling up to ``max_cooldown``
-    while it keeps failing); then one batch is tried (half-open) and a success
-    closes it.
+    while it keeps failing); then the replica pulls again (half-open: a worker
+    process stages its usual three batches), a success closes it and a failure on
+    fresh work opens it again.
 
     A model that raises on fresh work counts too (:meth:`raised`), but only once the
     model demonstrably works elsewhere: when another replica of the model completed a
