@@ -149,14 +149,10 @@ class Reply:
         return await trio.lowlevel.wait_task_rescheduled(self._abort)
 
     def _abort(self, _raise_cancel: Any) -> trio.lowlevel.Abort:
-        """``wait``'s abort function: the waiter was cancelled."""
+        """``wait``'s abort function: the waiter was cancelled, and withdraws (it holds
+        no answer: one would have woken it)."""
         self._task = None
-        if self.state is QUEUED:
-            self._transition(CANCELLED)
-            if self.on_cancel is not None:
-                self.on_cancel()
-        elif self.state is DISPATCHED:
-            self._transition(ABANDONED)
+        self.withdraw()
         return trio.lowlevel.Abort.SUCCEEDED
 
 
