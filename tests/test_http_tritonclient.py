@@ -114,6 +114,26 @@ async def test_infer_with_default_outputs_and_a_version(server):
     np.testing.assert_array_equal(await trio.to_thread.run_sync(call), x)
 
 
+@pytest.mark.parametrize("binary", [False, True])
+async def test_nan_and_infinities_go_both_ways_as_json_data(server, binary):
+    """tritonclient writes non-finite floats as NaN / Infinity / -Infinity in JSON
+    data and reads them back so, as Triton does; the server refused them as
+    malformed JSON and answered them as null."""
+    x = np.array([[1.5, np.nan, np.inf, -np.inf]], dtype=np.float32)
+
+    def call():
+        client = _client(server)
+        try:
+            inp = tritonclient_http.InferInput("x", [1, 4], "FP32")
+            inp.set_data_from_numpy(x, binary_data=False)
+            out = tritonclient_http.InferRequestedOutput("x", binary_data=binary)
+            return client.infer("echo", [inp], outputs=[out]).as_numpy("x")
+        finally:
+            client.close()
+
+    np.testing.assert_array_equal(await trio.to_thread.run_sync(call), x)
+
+
 async def test_errors_reach_the_client_as_inference_server_exceptions(server):
     def call():
         client = _client(server)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import orjson
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from trioserve import InvalidInput, TensorSpec
 from trioserve.transport import InferRequest, ModelSignature, encode_response
-from trioserve.transport._v2 import decode_outputs, dumps, encode_inputs
+from trioserve.transport._v2 import decode_outputs, dumps, encode_inputs, json_loads
 
 
 class _Served:
@@ -536,3 +537,75 @@ def test_only_json_data_has_its_body_scanned_for_booleans(monkeypatch):
     with pytest.raises(InvalidInput, match="input 'c': expected FP32 values, got a boolean"):
         InferRequest.from_v2_json(header + a.tobytes(), two, header_length=len(header))
     assert scans == [1]
+
+
+NON_FINITE = np.array([1.5, np.nan, np.inf, -np.inf], dtype=np.float32)
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+def test_nan_and_infinities_are_read_as_triton_writes_them(datatype):
+    """Triton reads and writes NaN, Infinity and -Infinity in JSON data (rapidjson's
+    NaN-and-Inf flags); orjson refuses them, so they were a 400 "malformed JSON"."""
+    sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1,))])
+    body = (b'{"inputs": [{"name": "x", "shape": [4], "datatype": "%s", '
+            b'"data": [1.5, NaN, Infinity, -Infinity]}]}' % datatype.encode())
+    req = InferRequest.from_v2_json(body, sig)
+    x = req.items[0]["x"]
+    assert x.dtype == trioserve.V2_DTYPES[datatype]
+    np.testing.assert_array_equal(x, NON_FINITE.astype(x.dtype))
+
+
+def test_a_large_body_with_nan_takes_the_general_path_and_keeps_its_values():
+    values = np.linspace(-1, 1, 5000)
+    text = ", ".join([*map(repr, values.tolist()), "NaN"])
+    body = (
+        '{"inputs": [{"name": "x", "shape": [5001], "datatype": "FP64", "data": [%s]}]}'
+        % text
+    ).encode()
+    assert len(body) > 16 * 1024
+    sig = signature([TensorSpec(name="x", datatype="FP64", shape=(-1,))])
+    x = InferRequest.from_v2_json(body, sig).items[0]["x"]
+    np.testing.assert_array_equal(x[:-1], values)
+    assert np.isnan(x[-1])
+
+
+def test_non_finite_json_is_refused_where_it_does_not_belong():
+    int_sig = signature([TensorSpec(name="x", datatype="INT32", shape=(-1,))])
+    with pytest.raises(InvalidInput, match="expected INT32 values, got floats"):
+        InferRequest.from_v2_json(
+            b'{"inputs": [{"name": "x", "shape": [2], "datatype": "INT32", '
+            b'"data": [1, NaN]}]}', int_sig)
+    # A finite value too large for FP32 is still out of range beside a NaN of the caller's.
+    with pytest.raises(InvalidInput, match="out of range for FP32"):
+        InferRequest.from_v2_json(
+            b'{"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", '
+            b'"data": [NaN, 1e300, 1, 2]}]}', VEC)
+    # The words, not any text holding them, and still malformed JSON after all.
+    for body in (b'{"inputs": [NaNa]}', b'{"x": Infinity', b'{"NaN": nan}'):
+        with pytest.raises(InvalidInput, match="malformed JSON"):
+            InferRequest.from_v2_json(body, VEC)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_non_finite_outputs_are_written_nan_and_infinity_not_null(dtype):
+    sig = signature([TensorSpec(name="x", datatype="FP32", shape=(-1,))], open_inputs=True)
+    req = parse({"inputs": [{"name": "x", "shape": [4], "datatype": "FP32",
+                             "data": [1, 2, 3, 4]}]}, sig)
+    req = attrs.evolve(req, binary_outputs=False)
+    body, hlen = encode_response(req, [{"x": NON_FINITE.astype(dtype)}], sig)
+    assert hlen is None
+    assert b"[1.5,NaN,Infinity,-Infinity]" in body
+    got = decode_outputs(json_loads(body))["x"]
+    np.testing.assert_array_equal(got, NON_FINITE.astype(dtype))
+    # Finite outputs are still written by orjson as they were.
+    body, _ = encode_response(req, [{"x": np.array([0.1, 2.0], dtype=dtype)}], sig)
+    data = orjson.loads(body)["outputs"][0]["data"]
+    np.testing.assert_array_equal(np.asarray(data, dtype), np.array([0.1, 2.0], dtype))
+
+
+def test_the_client_sends_and_reads_non_finite_values():
+    (tensor,) = encode_inputs({"x": NON_FINITE})
+    body = dumps({"inputs": [tensor]})
+    assert b"[1.5,NaN,Infinity,-Infinity]" in body
+    x = InferRequest.from_v2_json(body, OPEN).items[0]["x"]
+    np.testing.assert_array_equal(x, NON_FINITE)

@@ -16,7 +16,7 @@ import orjson
 import trio
 from trioserve import ModelError, TrioserveError
 
-from ._v2 import decode_outputs, dumps, encode_inputs
+from ._v2 import decode_outputs, dumps, encode_inputs, json_loads
 
 RECEIVE_SIZE = 64 * 1024
 
@@ -29,7 +29,7 @@ class HttpResponse:
     body: bytes = attrs.field(repr=False)
 
     def json(self) -> Any:
-        return orjson.loads(self.body)
+        return json_loads(self.body)
 
     def outputs(self) -> dict[str, Any]:
         """The outputs of a v2 infer response as numpy arrays (JSON or binary data).
@@ -49,7 +49,7 @@ class HttpResponse:
         if hlen is None:
             return decode_outputs(self.json())
         n = int(hlen)
-        return decode_outputs(orjson.loads(self.body[:n]), self.body[n:])
+        return decode_outputs(json_loads(self.body[:n]), self.body[n:])
 
 
 def infer_body(

@@ -61,6 +61,7 @@ from ._v2 import (
     dumps,
     encode_inputs,
     encode_response,
+    json_loads,
     loads_request,
 )
 
@@ -839,7 +840,7 @@ class StreamClient:
                     message = await ws.get_message()
                 except ConnectionClosed:
                     return
-                doc = orjson.loads(message)
+                doc = json_loads(message)
                 waiter = self._waiters.pop(doc.get("id", _NO_ID), None)
                 if waiter is None:
                     await self._send_replies.send(doc)

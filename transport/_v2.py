@@ -8,6 +8,7 @@ for the batcher; :func:`encode_response` stacks the items' outputs back.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
@@ -62,6 +63,41 @@ def _text(v: Any) -> Any:
 def dumps(doc: Any) -> bytes:
     """JSON-encode a response document (numpy arrays allowed anywhere)."""
     return orjson.dumps(doc, default=_tolist, option=_DUMPS_OPTS)
+
+
+_NON_FINITE = {"nan": b"NaN", "inf": b"Infinity", "-inf": b"-Infinity"}
+
+
+def json_data(flat: np.ndarray) -> Any:
+    """A flat numeric array as a tensor's JSON ``data``: the array itself (orjson
+    writes it), or, when a float array holds NaN or an infinity, its JSON text with
+    those written ``NaN``, ``Infinity`` and ``-Infinity``, as Triton writes and reads
+    them (orjson would write ``null``, which no client reads back as the value)."""
+    if flat.dtype.kind != "f" or np.isfinite(flat).all():
+        return flat
+    tokens = orjson.dumps(flat, option=_DUMPS_OPTS)[1:-1].split(b",")
+    for i in np.flatnonzero(~np.isfinite(flat)).tolist():
+        tokens[i] = _NON_FINITE[str(float(flat[i]))]
+    return orjson.Fragment(b"[" + b",".join(tokens) + b"]")
+
+
+def json_loads(body: bytes | bytearray | memoryview | str) -> Any:
+    """Decode JSON as orjson does, and also the ``NaN``, ``Infinity`` and
+    ``-Infinity`` Triton writes for non-finite floats (orjson refuses them; a body
+    holding one is read again by the standard library's decoder, which takes them).
+    Raises orjson.JSONDecodeError (orjson's) when neither reads it."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        text = bytes(body) if isinstance(body, bytearray | memoryview) else body
+        marks = (b"NaN", b"Infinity") if isinstance(text, bytes) else ("NaN", "Infinity")
+        if not any(m in text for m in marks):
+            raise
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+        raise
 
 
 def error_body(message: str) -> bytes:
@@ -293,9 +329,9 @@ class InferRequest:
 
 
 def loads(body: bytes | str) -> Any:
-    """Decode JSON; malformed JSON is InvalidInput (400)."""
+    """Decode JSON (:func:`json_loads`); malformed JSON is InvalidInput (400)."""
     try:
-        return orjson.loads(body)
+        return json_loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"malformed JSON body: {exc}") from None
 
@@ -563,12 +599,16 @@ def _from_json(
             raise InvalidInput(
                 f"input {name!r}: expected {datatype} values, got a boolean in 'data'"
             )
-        # JSON numbers are finite: only a narrowing cast (1e300 as FP32) makes inf.
+        # A narrowing cast (1e300 as FP32) makes inf; so do NaN and Infinity, which
+        # are the caller's own values (json_loads reads them, as Triton does).
         arr = _pack(data, dtype, count)
         if arr is not None:
             in_range = dtype.kind != "f" or bool(np.isfinite(arr).all())
         else:
             arr, in_range = _convert(name, data, datatype, dtype)
+        if not in_range and dtype.kind == "f":
+            given = np.asarray(data, dtype=np.float64).reshape(-1)
+            in_range = not (np.isfinite(given) & ~np.isfinite(arr.reshape(-1))).any()
         if not in_range:
             raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
     if arr.size != count:
@@ -911,7 +951,7 @@ def encode_response(
                 blobs.append(raw)
             else:
                 entry["data"] = (
-                    np.ascontiguousarray(arr).reshape(-1)
+                    json_data(np.ascontiguousarray(arr).reshape(-1))
                     if datatype != "BYTES"
                     else [_element(v) for v in arr.reshape(-1).tolist()]
                 )
@@ -1047,7 +1087,7 @@ def encode_inputs(inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> li
         if datatype == "BYTES":
             data = [v.decode() if isinstance(v, bytes) else str(v) for v in data.tolist()]
         else:
-            data = np.ascontiguousarray(data)
+            data = json_data(np.ascontiguousarray(data))
         out.append({"name": name, "shape": list(arr.shape), "datatype": datatype, "data": data})
     return out
 
