@@ -110,6 +110,15 @@ def _feed_array(h: Any, a: np.ndarray) -> None:
     if dt.kind == "O":  # BYTES tensors: hash the elements, not the pointers
         h.update(header + b"O")
         for v in a.ravel(order="C").tolist():
+            if isinstance(v, str):
+                # A BYTES element is bytes: v2 JSON gives it as a string, the binary
+                # extension as bytes, for the same tensor. A string is hashed as its
+                # UTF-8 bytes; one with a lone surrogate has no UTF-8 form (no body
+                # can carry it) and keeps the string tag, so it equals no bytes.
+                try:
+                    v = v.encode("utf-8")
+                except UnicodeEncodeError:
+                    pass
             _feed(h, v)
         return
     if dt.byteorder == ">" or (dt.byteorder == "=" and not _LITTLE):

@@ -85,6 +85,49 @@ def test_object_arrays_are_hashed_by_content():
     assert cache_key("m", "1", "t", a) != cache_key("m", "1", "t", a[::-1].copy())
 
 
+def test_a_bytes_tensors_string_elements_are_hashed_as_their_utf8_bytes():
+    """v2 JSON decodes a BYTES tensor to strings, the binary extension to bytes: the
+    same tensor, one key."""
+    text = np.array(["spam", "caf\u00e9", ""], dtype=object)
+    raw = np.array([b"spam", "caf\u00e9".encode(), b""], dtype=object)
+    mixed = np.array(["spam", "caf\u00e9".encode(), ""], dtype=object)
+    keys = {cache_key("m", "1", "t", {"x": a}) for a in (text, raw, mixed)}
+    assert len(keys) == 1
+    assert cache_key("m", "1", "t", {"x": text}) != cache_key(
+        "m", "1", "t", {"x": np.array(["spam", "cafe", ""], dtype=object)}
+    )
+    assert cache_key("m", "1", "t", {"x": text}) != cache_key(
+        "m", "1", "t", {"x": text.reshape(3, 1)}
+    )
+
+
+def test_strings_and_bytes_stay_distinct_outside_bytes_tensors():
+    """As parameters or plain values a string and bytes are different types."""
+    assert cache_key("m", "1", "t", "ab") != cache_key("m", "1", "t", b"ab")
+    assert cache_key("m", "1", "t", X, {"p": "ab"}) != cache_key("m", "1", "t", X, {"p": b"ab"})
+    assert cache_key("m", "1", "t", ["ab"]) != cache_key("m", "1", "t", [b"ab"])
+    # within an object array, a list element keeps its own elements' types
+    nested = np.empty(1, dtype=object)
+    nested[0] = ["ab"]
+    other = np.empty(1, dtype=object)
+    other[0] = [b"ab"]
+    assert cache_key("m", "1", "t", nested) != cache_key("m", "1", "t", other)
+
+
+def test_a_string_element_with_a_lone_surrogate_equals_no_bytes_element():
+    """A lone surrogate has no UTF-8 form (no v2 body carries it): its element keeps
+    the string tag, so it never shares a key with the bytes "surrogatepass" makes."""
+    lone = np.array(["a\ud800"], dtype=object)
+    passed = np.array(["a\ud800".encode("utf-8", "surrogatepass")], dtype=object)
+    assert cache_key("m", "1", "t", lone) != cache_key("m", "1", "t", passed)
+    assert cache_key("m", "1", "t", lone) == cache_key(
+        "m", "1", "t", np.array(["a\ud800"], dtype=object)
+    )
+    assert cache_key("m", "1", "t", lone) != cache_key(
+        "m", "1", "t", np.array(["a\ud801"], dtype=object)
+    )
+
+
 def test_raw_keys_hold_a_small_body_a_digest_of_a_large_one_and_never_equal_a_key():
     cache = Cache(1 << 20)
     small = b'{"inputs": []}' * 10

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import orjson
 import pytest
 import trioserve
 from http_helpers import serving
 from runtime_helpers import Recorder, callable_model
-from trioserve import CacheConfig, TenantConfig
+from trioserve import CacheConfig, TenantConfig, TensorSpec
 from trioserve.transport import open_http
 
 TENANTS = (
@@ -216,3 +217,40 @@ async def test_a_connection_close_leaves_the_kept_answer_as_it_was():
             assert head.count(b"connection: close") == (1 if close else 0)
             assert head.count(b"content-length:") == 1
     assert model.seen == [5.0]
+
+
+async def test_a_bytes_tensor_sent_as_json_then_as_binary_data_is_computed_once():
+    """JSON gives a BYTES tensor's elements as strings, the binary tensor data
+    extension (tritonclient's default) as bytes: the same tensor, one computation,
+    and the second request is a hit of the item cache."""
+    seen: list[list] = []
+
+    def lengths(items):
+        seen.append([it["s"].tolist() for it in items])
+        return [{"n": np.array([len(v.encode() if isinstance(v, str) else v)
+                                for v in it["s"]], dtype=np.int32)} for it in items]
+
+    model = callable_model(
+        "t", lengths, inputs=(TensorSpec(name="s", datatype="BYTES", shape=(-1,)),),
+        outputs=(TensorSpec(name="n", datatype="INT32", shape=(-1,)),),
+    )
+    words = ["caf\u00e9", "", "spam"]
+    as_json = orjson.dumps({"inputs": [{"name": "s", "shape": [3], "datatype": "BYTES",
+                                        "data": words}]})
+    data = b"".join(struct.pack("<I", len(w.encode())) + w.encode() for w in words)
+    header = orjson.dumps({"inputs": [{"name": "s", "shape": [3], "datatype": "BYTES",
+                                       "parameters": {"binary_data_size": len(data)}}]})
+    async with serving(cfg(model)) as gw:
+        first = await post(gw, as_json, model="t")
+        async with open_http(gw.url) as http:
+            second = await http.request(
+                "POST", "/v2/models/t/infer", header + data,
+                headers=[("authorization", "Bearer key-a"),
+                         ("inference-header-content-length", str(len(header)))],
+            )
+        stats = gw.runtime.cache_statistics()
+    assert first.status == second.status == 200, (first.body, second.body)
+    assert second.body == first.body
+    assert orjson.loads(first.body)["outputs"][0]["data"] == [5, 0, 4]  # UTF-8 bytes
+    assert seen == [[["caf\u00e9", "", "spam"]]]  # one computation, from the JSON
+    assert (stats["hits"], stats["misses"]) == (1, 1)
