@@ -301,6 +301,12 @@ class _BytePolicy:
             heapq.heappop(h)
         return h[0][0] if h else math.inf
 
+    def expiry(self, key: Hashable) -> float | None:
+        """When a resident entry expires (inf: never); None when it is not resident.
+        Records nothing."""
+        e = self._data.get(key)
+        return None if e is None else e.expires
+
     def tenant_bytes(self, tenant: str) -> int:
         """Bytes of the resident entries charged to ``tenant``."""
         return self._tenant_bytes.get(tenant, 0)
@@ -718,6 +724,7 @@ class Cache:
         self.expire = p.expire
         self.next_expiry = p.next_expiry
         self.tenant_bytes = p.tenant_bytes
+        self.expiry = p.expiry
         self.statistics = p.statistics
 
     def __len__(self) -> int:
@@ -781,16 +788,26 @@ class Cache:
         return len(digest[1]) if type(digest) is tuple else len(digest)
 
     def put(
-        self, key: CacheKey, value: Any, *, size: int, now: float, tenant: str | None = None
+        self,
+        key: CacheKey,
+        value: Any,
+        *,
+        size: int,
+        now: float,
+        tenant: str | None = None,
+        expires: float = math.inf,
     ) -> bool:
-        """Offer a computed value; it expires after the model's TTL. Charged to
-        ``tenant``'s quota (default: the key's namespace, unless it is the shared one).
-        Returns whether it is resident after the call (see ``_BytePolicy.put``)."""
+        """Offer a computed value; it expires after the model's TTL, or at ``expires``
+        if sooner (a value made from cached ones: when the first of them expires).
+        Charged to ``tenant``'s quota (default: the key's namespace, unless it is the
+        shared one). Returns whether it is resident after the call (see
+        ``_BytePolicy.put``)."""
         rule = self.rule(key.model)
         if not rule.enabled:
             return False
         if tenant is None and key.namespace != SHARED_NAMESPACE:
             tenant = key.namespace
         return self.policy.put(
-            key, value, size=size, now=now, expires=now + rule.ttl, tenant=tenant
+            key, value, size=size, now=now, expires=min(now + rule.ttl, expires),
+            tenant=tenant,
         )

@@ -14,6 +14,8 @@ TTLs pass.
 
 from __future__ import annotations
 
+import contextvars
+import math
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -28,6 +30,20 @@ from ._singleflight import SingleFlight
 
 #: bytes counted per cached answer besides its arrays (dict, key, bookkeeping)
 OVERHEAD = 256
+
+#: For the edge, which keeps a request's encoded answer: the earliest expiry of the
+#: answers the current task was given since :meth:`CacheActor.track_expiry` (a
+#: one-item list; None: nobody asks). An answer encoded from a cached result must
+#: not outlive that result's TTL.
+_answered_until: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
+    "trioserve_cache_answered_until", default=None
+)
+
+
+def _answered(expires: float) -> None:
+    box = _answered_until.get()
+    if box is not None and expires < box[0]:
+        box[0] = expires
 
 
 def answer_size(value: Any) -> int:
@@ -113,6 +129,15 @@ class CacheActor(Actor):
         self._generations[model] = self._generations.get(model, 0) + 1
         return 0
 
+    @staticmethod
+    def track_expiry() -> list[float]:
+        """From now on, for the calling task, record the earliest expiry of the
+        answers it gets (of a model with a TTL): the returned list's one item, inf
+        until one is given. Not a checkpoint."""
+        box = [math.inf]
+        _answered_until.set(box)
+        return box
+
     def generation(self, model: str) -> int:
         """How many times ``model`` was invalidated (:meth:`Cache.generation`)."""
         if self.cache is not None:
@@ -164,6 +189,8 @@ class CacheActor(Actor):
             now = trio.current_time()
             hit = cache.get(key, now)  # type: ignore[union-attr]
             if hit is not None:
+                if rule.ttl < math.inf:
+                    _answered(cache.expiry(key))  # type: ignore[union-attr,arg-type]
                 await trio.lowlevel.checkpoint()
                 return _own(hit)
         flights = self._flights
@@ -174,21 +201,25 @@ class CacheActor(Actor):
         # invalidation either.
         generation = self.generation(model)
 
-        async def compute_and_keep() -> Any:
+        async def compute_and_keep() -> tuple[Any, float]:
             value = _kept(await compute())
+            now = trio.current_time()
             if rule.enabled and cache.generation(model) == generation:  # type: ignore[union-attr]
                 before = cache.next_expiry()  # type: ignore[union-attr]
                 cache.put(  # type: ignore[union-attr]
-                    key, value, size=answer_size(value), now=trio.current_time(), tenant=tenant
+                    key, value, size=answer_size(value), now=now, tenant=tenant
                 )
                 if cache.next_expiry() < before:  # type: ignore[union-attr]
                     self._wake.unpark_all()
-            return value
+            return value, now + rule.ttl
 
         # A caller after an invalidation must not join a flight from before it: that
         # answer may come from the old weights.
         flight = (key, tenant, priority, generation)
-        return _own(await flights.call(flight, compute_and_keep))
+        value, expires = await flights.call(flight, compute_and_keep)
+        if expires < math.inf:
+            _answered(expires)
+        return _own(value)
 
     async def answer_many(
         self,
@@ -220,6 +251,7 @@ class CacheActor(Actor):
         # One lookup per distinct key: a repeat within the batch is neither a second
         # access for the policy's counts nor a second miss.
         now = trio.current_time()
+        ttl = cache.rule(model).ttl
         out: list[Any] = [None] * len(items)
         missing: dict[Any, list[int]] = {}
         for key, where in wanted.items():
@@ -227,6 +259,8 @@ class CacheActor(Actor):
             if hit is None:
                 missing[key] = where
             else:
+                if ttl < math.inf:
+                    _answered(cache.expiry(key))  # type: ignore[arg-type]
                 for i in where:
                     out[i] = _own(hit)
         if not missing:
@@ -237,6 +271,8 @@ class CacheActor(Actor):
         values = await compute([missing[k][0] for k in keys])
         keep = cache.generation(model) == generation  # no invalidation meanwhile
         now = trio.current_time()
+        if ttl < math.inf:
+            _answered(now + ttl)
         before = cache.next_expiry()
         for k, value in zip(keys, values, strict=True):
             value = _kept(value)

@@ -546,7 +546,10 @@ class Runtime:
         cache = self.cache.cache
         version = version or self.models[model].config.versions[-1]  # the default: the last
         key = cache.raw_key(model, version, tenant, raw)
-        return None if key is None else (key, cache.generation(model))
+        if key is None:
+            return None
+        # The answer is kept no longer than the cached results it is made of.
+        return key, cache.generation(model), self.cache.track_expiry()
 
     def cached_response(self, key: Any) -> Any:
         """The kept answer of ``key``, or None. A miss here is not counted: the
@@ -560,12 +563,14 @@ class Runtime:
 
     def keep_response(self, key: Any, answer: Any, size: int, tenant: str) -> None:
         """Keep an encoded answer, unless its model was invalidated since ``key`` was
-        made (the answer may come from the weights invalidated)."""
-        key, generation = key
+        made (the answer may come from the weights invalidated), until the first of
+        the results it was made of expires (a cached one may be older than it)."""
+        key, generation, expires = key
         cache = self.cache.cache
         if cache.generation(key.model) == generation:
             size += cache.key_bytes(key)
-            cache.put(key, answer, size=size, now=trio.current_time(), tenant=tenant)
+            cache.put(key, answer, size=size, now=trio.current_time(), tenant=tenant,
+                      expires=expires[0])
 
     def invalidate_cache(self, model: str, version: str | None = None) -> int:
         """Drop the cached results of a model (or of one of its versions); return how
