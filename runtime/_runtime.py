@@ -548,8 +548,10 @@ class Runtime:
         key = cache.raw_key(model, version, tenant, raw)
         if key is None:
             return None
-        # The answer is kept no longer than the cached results it is made of.
-        return key, cache.generation(model), self.cache.track_expiry()
+        # The answer is kept no longer than the cached results it is made of (a
+        # model without a TTL: for as long as they are).
+        until = self.cache.track_expiry() if cache.rule(model).ttl < math.inf else None
+        return key, cache.generation(model), until
 
     def cached_response(self, key: Any) -> Any:
         """The kept answer of ``key``, or None. A miss here is not counted: the
@@ -565,12 +567,12 @@ class Runtime:
         """Keep an encoded answer, unless its model was invalidated since ``key`` was
         made (the answer may come from the weights invalidated), until the first of
         the results it was made of expires (a cached one may be older than it)."""
-        key, generation, expires = key
+        key, generation, until = key
         cache = self.cache.cache
         if cache.generation(key.model) == generation:
             size += cache.key_bytes(key)
             cache.put(key, answer, size=size, now=trio.current_time(), tenant=tenant,
-                      expires=expires[0])
+                      expires=math.inf if until is None else until[0])
 
     def invalidate_cache(self, model: str, version: str | None = None) -> int:
         """Drop the cached results of a model (or of one of its versions); return how
