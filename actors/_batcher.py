@@ -118,6 +118,8 @@ class BatcherActor(Actor):
         self.workers_lost = 0
         self.workers_broken = 0  # workers replaced because the model kept raising there
         self.start_failures = 0  # successors of a lost worker that could not start
+        #: its breaker opened on another replica's evidence: replace the worker
+        self._replace_due = False
 
     # ------------------------------------------------------------------ health
     @property
@@ -285,6 +287,8 @@ class BatcherActor(Actor):
             nursery.start_soon(self._watch, worker)
             while True:
                 await self._wait_breaker()
+                if self._replace_due:
+                    self._replace_broken(worker)
                 await room.acquire()
                 batch = await pull(self)
                 if not worker.alive:
@@ -357,7 +361,7 @@ class BatcherActor(Actor):
                 self._deliver(batch, outputs, t0)
             if self._in_flight and self._in_flight[0] is batch:
                 self._in_flight.popleft()
-            if broken:
+            if broken or self._replace_due:
                 self._replace_broken(worker)
             room.release()
 
@@ -399,6 +403,7 @@ class BatcherActor(Actor):
         context) runs the breaker's trial; the batches staged behind go back as they
         were (they ran into nothing of theirs). Raises _WorkerLost."""
         why = "its model kept raising there while other replicas succeeded"
+        self._replace_due = False
         if not worker.alive:
             raise _WorkerLost(why)  # lost meanwhile: replaced anyway
         worker.kill()
@@ -536,7 +541,7 @@ class BatcherActor(Actor):
         counts it only when other replicas succeeded since this one began failing
         (:meth:`Breaker.raised`). Returns whether that opened the breaker."""
         opened = not retried(batch) and self._breaker.raised(
-            trio.current_time(), self._metrics.successes
+            trio.current_time(), self._metrics.successes, alone=len(batch) == 1
         )
         if opened:
             log.warning(
@@ -551,6 +556,15 @@ class BatcherActor(Actor):
             self._metrics.statuses["retried"] += len(alive)
             self._scheduler.retry(split(alive, self._timer.policy.retry_parts))
             return opened
+        if len(alive) == 1 and self._elsewhere(alive[0]):
+            # A part of a failed batch raised alone here: run it once on another
+            # replica. An input bad for the model raises there too (and gets the
+            # error); a result there says this replica fails on sound input.
+            self._scheduler.completed(batch, failed=True)
+            alive[0].reply.raised_on = (self, self._breaker.run)
+            self._metrics.statuses["retried"] += 1
+            self._scheduler.retry([alive])
+            return opened
         msg = (
             f"model {self.model!r} failed on {self.device}: {type(exc).__name__}: {exc}"
         )
@@ -559,6 +573,30 @@ class BatcherActor(Actor):
         self._metrics.statuses["model_error"] += len(alive)
         self._scheduler.completed(batch, failed=True)
         return opened
+
+    def _elsewhere(self, req: Request) -> bool:
+        """Whether ``req``, which raised alone here, is to run once on another
+        replica: it is a retry (a part of a batch that failed) that has not raised
+        alone elsewhere yet, and another replica is ready."""
+        reply = req.reply
+        return (
+            reply.suspect and reply.raised_on is None and self._scheduler.replicas > 1
+            and any(b is not self and b.ready for b in self._scheduler.batchers)
+        )
+
+    def _failed_here(self, run: int) -> None:
+        """A request that raised alone here during the breaker's run ``run`` was
+        answered with a result by another replica (see :meth:`Breaker.confirmed`).
+        A worker process whose breaker this opens is replaced before it pulls
+        again."""
+        if not self._breaker.confirmed(trio.current_time(), run):
+            return
+        log.warning(
+            "%s: circuit breaker open: the model raised here on inputs that other "
+            "replicas answered", self.name,
+        )
+        if self._process:
+            self._replace_due = True
 
     def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
         if len(outputs) != len(batch):
@@ -571,8 +609,14 @@ class BatcherActor(Actor):
         self._metrics.record_batch(len(batch), t1 - t0, t1)
         run = (t0, t1 - t0)  # one object per execution: the callers tell them apart
         for req, out in zip(batch, outputs, strict=True):
-            req.reply.run = run
-            req.reply.set_result(out)
+            reply = req.reply
+            reply.run = run
+            if reply.suspect and reply.raised_on is not None and reply.set_result(out):
+                origin, its_run = reply.raised_on
+                if origin is not self:
+                    origin._failed_here(its_run)
+                continue
+            reply.set_result(out)
         twins = self._scheduler.twins
         if twins:
             # Answered: a hedge twin still queued or waiting for a replica need not

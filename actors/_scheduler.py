@@ -65,6 +65,8 @@ class SchedulerActor(Actor):
         #: batchers pulling from this queue (set by the assembly): a hedge's copy
         #: needs another replica than its original's
         self.replicas = 0
+        #: those batchers (set by the assembly; ``replicas`` of them when complete)
+        self.batchers: list[Any] = []
         #: hedged requests and their copies, each reply to the other's, while both
         #: may run; a batcher checks it only when it is not empty
         self.twins: dict[Reply, Reply] = {}
@@ -223,11 +225,13 @@ class SchedulerActor(Actor):
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             if self._retries:
-                batch = self._next_retry(trio.current_time())
+                batch = self._next_retry(puller, trio.current_time())
                 if batch:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     return batch
-                continue
+                if batch is not None:
+                    continue
+                # (None: every retry waits for another replica than ``puller``)
             if self._apart:
                 batch = self._next_apart(puller, trio.current_time())
                 if batch:
@@ -292,8 +296,29 @@ class SchedulerActor(Actor):
             return [req]
         return []
 
-    def _next_retry(self, now: float) -> list[Request]:
-        batch = self._retries.popleft()
+    def _elsewhere(self, batch: list[Request], puller: Any) -> bool:
+        """Whether ``batch`` is a request that raised alone on ``puller`` and waits
+        for another replica, one of which is ready to run it."""
+        if len(batch) != 1 or puller is None:
+            return False
+        mark = batch[0].reply.raised_on
+        return (
+            mark is not None and mark[0] is puller
+            and any(b is not puller and b.ready for b in self.batchers)
+        )
+
+    def _next_retry(self, puller: Any, now: float) -> list[Request] | None:
+        """The next batch to retry that ``puller`` may run (its requests still
+        waiting for an answer; possibly none: []), or None when each waits for
+        another replica (a request that raised alone on ``puller``)."""
+        retries = self._retries
+        for _ in range(len(retries)):
+            if not self._elsewhere(retries[0], puller):
+                break
+            retries.rotate(-1)
+        else:
+            return None
+        batch = retries.popleft()
         alive = []
         for req in batch:
             if req.reply.state is not _DISPATCHED:

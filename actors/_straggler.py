@@ -155,14 +155,24 @@ class Breaker:
     process stages its usual three batches), a success closes it and a failure on
     fresh work opens it again.
 
-    A model that raises on fresh work counts too (:meth:`raised`), but only once the
-    model demonstrably works elsewhere: when another replica of the model completed a
-    batch since this replica's current run of failures began. A model that raises on
-    every replica (a bug, an input bad for everyone) never opens a breaker, and its
+    A model that raises counts too, but only on evidence that the replica, not its
+    inputs, is at fault, within its current run of failures (from its first raise
+    since its last success of any kind, retries included):
+
+    - a request that raised alone here (a part of a failed batch) and was then
+      answered with a result by another replica (:meth:`confirmed`);
+    - a request alone on fresh work that raised here while another replica of the
+      model completed a batch since the run began (:meth:`raised`; nothing else can
+      be known of it: its caller gets the error at once).
+
+    A batch of several that raises on fresh work begins the run but is no evidence
+    by itself: one input may be bad (its parts tell). A model that raises on every
+    replica (a bug, an input bad for everyone) never opens a breaker, and its
     callers keep getting its error at once."""
 
     __slots__ = (
-        "_cooldown", "_since", "base", "failures", "max_cooldown", "open_until", "threshold",
+        "_cooldown", "_since", "base", "failures", "max_cooldown", "open_until", "run",
+        "threshold",
     )
 
     def __init__(
@@ -177,6 +187,9 @@ class Breaker:
         #: the model's successful batches (all replicas) when this replica's model
         #: first raised since its last success (None: it has not)
         self._since: int | None = None
+        #: which run of failures this is: grows at each success (a mark taken in
+        #: one run is stale in the next)
+        self.run = 0
 
     def failure(self, now: float) -> None:
         self.failures += 1
@@ -184,18 +197,29 @@ class Breaker:
             self.open_until = now + self._cooldown
             self._cooldown = min(self.max_cooldown, self._cooldown * 2)
 
-    def raised(self, now: float, successes: int) -> bool:
-        """The model raised on fresh work on this replica; ``successes``: the model's
-        successful batches so far, on all its replicas (a count that never goes
-        down). It counts as a failure only when that count grew since this
-        replica's first raise of its current run: the successes are then other
-        replicas' (one of its own would have ended the run). Returns whether the
-        breaker (re)opened."""
+    def raised(self, now: float, successes: int, *, alone: bool = True) -> bool:
+        """The model raised on fresh work on this replica, on a request ``alone`` or
+        on a batch of several; ``successes``: the model's successful batches so
+        far, on all its replicas (a count that never goes down). A request alone
+        counts as a failure only when that count grew since this replica's first
+        raise of its current run: the successes are then other replicas' (one of
+        its own would have ended the run). A batch of several never counts here.
+        Returns whether the breaker (re)opened."""
         if self._since is None:
             self._since = successes  # the run begins: no evidence yet
             return False
-        if successes <= self._since:
-            return False  # nothing succeeded anywhere since: the model's own doing
+        if not alone or successes <= self._since:
+            return False  # its inputs' doing, or nothing succeeded anywhere since
+        self.failure(now)
+        return self.failures >= self.threshold
+
+    def confirmed(self, now: float, run: int) -> bool:
+        """A request that raised alone on this replica during run ``run`` was
+        answered with a result by another replica: the replica fails on sound
+        input. Counts as a failure unless the replica succeeded since (a later
+        run). Returns whether the breaker (re)opened."""
+        if run != self.run:
+            return False
         self.failure(now)
         return self.failures >= self.threshold
 
@@ -204,6 +228,7 @@ class Breaker:
         self._cooldown = self.base
         self.open_until = -math.inf
         self._since = None
+        self.run += 1
 
     def is_open(self, now: float) -> bool:
         return now < self.open_until

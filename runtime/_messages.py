@@ -68,6 +68,10 @@ class Reply:
     #: raised) and is being retried: a failure of its batch now is the requests' own
     #: doing, not its replica's (it counts towards poison, not the circuit breaker).
     suspect: bool = False
+    #: (replica, its breaker's run) where it raised alone as a retry while other
+    #: replicas could run it: it is run once more elsewhere, and a result there is
+    #: evidence against that replica (``Breaker.confirmed``). None: it has not.
+    raised_on: Any = None
     #: The ReplyGroup awaiting this reply with others (None: awaited by ``wait``).
     group: ReplyGroup | None = None
     #: (start, seconds) in trio time of the model execution (batch) that answered it;

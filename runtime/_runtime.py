@@ -1228,6 +1228,7 @@ async def _start_model(
         )
         served.batchers.append(batcher)
         lane.replicas += 1
+        lane.batchers.append(batcher)
         await nursery.start(supervise, batcher, policy)
     log.info("model %r: ready in %.2f s", m.name, trio.current_time() - started)
 

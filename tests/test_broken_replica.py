@@ -286,9 +286,9 @@ class TellingBreaker(Breaker):
         super().__init__()
         self.raises: list[tuple[float, int]] = []
 
-    def raised(self, now: float, successes: int) -> bool:
+    def raised(self, now: float, successes: int, **kw) -> bool:
         self.raises.append((now, successes))
-        return super().raised(now, successes)
+        return super().raised(now, successes, **kw)
 
 
 async def test_only_a_raise_on_fresh_work_is_told_to_the_breaker(monkeypatch):

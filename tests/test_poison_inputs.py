@@ -1,0 +1,231 @@
+"""Poison inputs do not isolate a sound replica: a model that raises on some inputs
+(here, negative ones) raises on every replica that runs them, so a replica's raises
+on a batch holding one are its inputs' doing, not its own. Only evidence that the
+replica fails on sound input counts towards its breaker (docs/faults.md, "A broken
+replica"): a request that raised alone there and was answered by another replica,
+or a request alone on fresh work while another replica succeeded (nothing else can
+be known of it).
+
+Many callers send a seeded mix of good and bad requests to worker-thread replicas
+(``mock_clock``: the clock stands still, so no breaker's cooldown passes unseen),
+with batches of several requests. Before, a sound replica whose fresh batch raised
+counted that raise whenever another replica had succeeded since its first raise, so
+a few unlucky draws in a row (its own parts happening to be the bad ones) opened its
+breaker: with 3 replicas and batches of 2, at 50% and 70% bad requests."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import trio
+import trioserve
+from runtime_helpers import (
+    BROKEN_FLAG_ENV,
+    ILLEGAL_ACCESS,
+    X,
+    Y,
+    broken_once,
+    callable_model,
+    config,
+    item,
+    pythonpath_with,
+)
+from trioserve import ModelConfig, ModelError
+from trioserve.actors import Breaker
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+CLIENTS = 32
+PER_CLIENT = 25
+
+
+class OpeningBreaker(Breaker):
+    """A Breaker recording each time it (re)opened: the instance."""
+
+    opened: list[Breaker]
+
+    def failure(self, now: float) -> None:
+        super().failure(now)
+        if self.failures >= self.threshold:
+            OpeningBreaker.opened.append(self)
+
+
+@pytest.fixture
+def opened(monkeypatch) -> list[Breaker]:
+    monkeypatch.setattr(trioserve.actors, "Breaker", OpeningBreaker)
+    OpeningBreaker.opened = []
+    return OpeningBreaker.opened
+
+
+class Picky(trioserve.ModelBackend):
+    """A model run in worker threads that raises ValueError on a batch holding a
+    negative input (on every replica) and otherwise answers ``y = x``; its
+    replicas on the devices in ``broken`` raise on every call."""
+
+    inputs = (X,)
+    outputs = (Y,)
+    default_execution = "thread"
+
+    def __init__(self, broken: frozenset[str] = frozenset()) -> None:
+        self.broken = broken
+
+    def load(self, device, *, torch_threads=1):
+        def run(items):
+            if device in self.broken:
+                raise RuntimeError(ILLEGAL_ACCESS)
+            for it in items:
+                if it["x"][0] < 0:
+                    raise ValueError(f"negative input {float(it['x'][0])}")
+            return [{"y": it["x"].copy()} for it in items]
+
+        return run
+
+
+def picky(replicas: int, max_batch_size: int, broken: frozenset[str] = frozenset()):
+    return config(
+        ModelConfig(
+            name="m", backend=Picky(broken), devices=tuple(f"cpu:{i}" for i in range(replicas)),
+            max_batch_size=max_batch_size, max_wait_ms=0,
+        )
+    )
+
+
+def traffic(bad: float, seed: int) -> list[list[float]]:
+    """Each client's values: positive, or negative (bad) with probability ``bad``."""
+    rng = random.Random(seed)
+    return [
+        [rng.uniform(1, 10) * (-1 if rng.random() < bad else 1) for _ in range(PER_CLIENT)]
+        for _ in range(CLIENTS)
+    ]
+
+
+async def send(rt, values: list[list[float]]) -> dict[tuple[int, int], object]:
+    """Every client sends its values one after the other, all clients at once;
+    returns what each request got: its y[0], or its ModelError's message."""
+    got: dict[tuple[int, int], object] = {}
+
+    async def client(c: int) -> None:
+        for j, v in enumerate(values[c]):
+            try:
+                out = await rt.infer("m", item(v))
+            except ModelError as exc:
+                got[c, j] = str(exc)
+            else:
+                got[c, j] = float(out["y"][0])
+
+    async with trio.open_nursery() as nursery:
+        for c in range(CLIENTS):
+            nursery.start_soon(client, c)
+    return got
+
+
+@pytest.mark.parametrize("bad", [0.2, 0.5, 0.7])
+@pytest.mark.parametrize(("replicas", "max_batch_size"), [(3, 2), (2, 4), (3, 8)])
+async def test_poison_inputs_open_no_breaker_of_a_sound_replica(
+    mock_clock, opened, bad, replicas, max_batch_size
+):
+    values = traffic(bad, seed=7)
+    async with trioserve.open_runtime(picky(replicas, max_batch_size)) as rt:
+        got = await send(rt, values)
+        assert opened == []
+        for b in rt.models["m"].batchers:
+            assert b.health == "ready"
+        stats = rt.statistics()["m"]
+    assert len(got) == CLIENTS * PER_CLIENT  # nothing lost
+    n_bad = 0
+    for (c, j), answer in got.items():
+        v = values[c][j]
+        if v < 0:
+            n_bad += 1
+            assert isinstance(answer, str)
+            assert "ValueError: negative input" in answer
+        else:
+            assert answer == pytest.approx(v)
+    assert n_bad > 0
+    assert stats["statuses"]["model_error"] == n_bad  # only the bad ones
+    assert trio.current_time() == 0.0
+
+
+async def test_a_broken_replica_among_poison_inputs_is_isolated_and_only_it(
+    mock_clock, opened
+):
+    """cpu:0 raises on every call, cpu:1 and cpu:2 are sound, and 30% of the
+    requests are bad. The broken replica's breaker opens (the parts of its failed
+    batches it ran alone, answered by the others, are the evidence); the sound
+    ones' never do. A bad request gets the model's error; a good one its value, or
+    the broken replica's error if it ran there alone on fresh work (nothing else
+    can be known of it then)."""
+    cfg = picky(3, 4, broken=frozenset({"cpu:0"}))
+    values = traffic(0.3, seed=11)
+    async with trioserve.open_runtime(cfg) as rt:
+        broken, *sound = rt.models["m"].batchers
+        got = await send(rt, values)
+        assert opened
+        assert {id(b) for b in opened} == {id(broken._breaker)}
+        assert broken.health == "open"
+        assert [b.health for b in sound] == ["ready", "ready"]
+        assert len(got) == CLIENTS * PER_CLIENT
+        for (c, j), answer in got.items():
+            v = values[c][j]
+            if v < 0:
+                assert isinstance(answer, str)
+                assert "ValueError: negative input" in answer or ILLEGAL_ACCESS in answer
+            else:
+                assert answer == pytest.approx(v) or ILLEGAL_ACCESS in str(answer)
+        assert sum(ILLEGAL_ACCESS in str(a) for a in got.values()) < len(got) // 10
+
+        # While it is open (the clock stands still) the sound replicas answer all.
+        again = await send(rt, values)
+        for (c, j), answer in again.items():
+            v = values[c][j]
+            if v < 0:
+                assert "ValueError: negative input" in str(answer)
+            else:
+                assert answer == pytest.approx(v)
+
+
+def test_a_batch_that_raises_is_no_evidence_but_its_part_answered_elsewhere_is():
+    br = Breaker(threshold=2)
+    assert not br.raised(0.0, 5, alone=False)  # the run begins
+    for s in range(6, 20):
+        assert not br.raised(0.0, s, alone=False)  # others succeed: still no evidence
+    assert br.failures == 0
+    run = br.run
+    assert not br.confirmed(1.0, run)  # a part that raised alone here was answered
+    assert br.confirmed(1.0, run)  # elsewhere: counts; the second opens it
+    assert br.open_until == 2.0
+    br.success()  # it succeeded since: a mark of the old run is stale
+    assert not br.confirmed(3.0, run)
+    assert br.failures == 0
+
+
+async def test_a_broken_worker_process_is_replaced_on_the_evidence_of_its_parts(
+    mock_clock, monkeypatch, tmp_path
+):
+    """One of two worker processes raises on every call; requests come many at a
+    time, in batches of up to 4, so its raises are batches of several (no evidence
+    by themselves) and the evidence is their parts that raised alone there and were
+    answered by the other replica. Its breaker opens and its worker is replaced.
+    Real processes."""
+    flag = tmp_path / "broken"
+    flag.write_text("")
+    monkeypatch.setenv(BROKEN_FLAG_ENV, str(flag))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))  # where broken_once is
+    cfg = config(
+        callable_model(
+            "m", broken_once, execution="process", replicas=2, max_batch_size=4,
+            max_wait_ms=0, timeout_ms=None,
+        )
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        batchers = rt.models["m"].batchers
+        got = await send(rt, [[1.0] * 8 for _ in range(CLIENTS)])
+        assert not flag.exists()  # taken by the broken worker
+        assert sorted(b.workers_broken for b in batchers) == [0, 1]
+        assert all(b.workers_lost == 0 for b in batchers)
+        assert len(got) == CLIENTS * 8
+        errors = sum(isinstance(a, str) for a in got.values())
+        assert all(ILLEGAL_ACCESS in a for a in got.values() if isinstance(a, str))
+        assert errors < len(got) // 4
+        assert rt.statistics()["m"]["statuses"]["worker_broken"] == 1
