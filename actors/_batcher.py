@@ -14,10 +14,13 @@ way, so only the input that raises gets the error. A worker process runs such a 
 with nothing staged behind it: were it to hang or kill its worker again, what was
 staged would wait out its deadline and go back too.
 
-A model that raises on fresh work counts towards the replica's breaker only once other
-replicas of the model succeed meanwhile (:meth:`Breaker.raised`): a replica broken
-while the others are fine (a sticky CUDA error) is isolated, and its worker process
-replaced when the breaker opens; a model raising everywhere opens none.
+A model that raises counts towards the replica's breaker only on evidence that the
+replica, not its inputs, is at fault (:class:`Breaker`): a part of a failed batch that
+raised alone here is run once on another replica, and a result there counts; a request
+alone on fresh work counts once other replicas of the model succeed meanwhile. A
+replica broken while the others are fine (a sticky CUDA error) is isolated, and its
+worker process replaced when the breaker opens; a model raising everywhere, or on
+some inputs everywhere (poison inputs), opens none.
 """
 
 from __future__ import annotations
