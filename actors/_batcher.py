@@ -123,6 +123,9 @@ class BatcherActor(Actor):
         self.start_failures = 0  # successors of a lost worker that could not start
         #: its breaker opened on another replica's evidence: replace the worker
         self._replace_due = False
+        #: set with ``_replace_due``: ends a wait for the breaker's cooldown, so that
+        #: the worker is replaced when the breaker opens, not when it closes
+        self._replace_wake = trio.Event()
 
     # ------------------------------------------------------------------ health
     @property
@@ -146,9 +149,12 @@ class BatcherActor(Actor):
         return self.health == "ready"
 
     async def _wait_breaker(self) -> None:
+        """Wait while the breaker is open; a worker replacement falling due (another
+        replica's evidence opened it) ends the wait early."""
         until = self._breaker.open_until
-        if trio.current_time() < until:
-            await trio.sleep_until(until)
+        if trio.current_time() < until and not self._replace_due:
+            with trio.move_on_at(until):
+                await self._replace_wake.wait()
 
     # ------------------------------------------------------------------ the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -407,6 +413,8 @@ class BatcherActor(Actor):
         were (they ran into nothing of theirs). Raises _WorkerLost."""
         why = "its model kept raising there while other replicas succeeded"
         self._replace_due = False
+        self._replace_wake = trio.Event()
+        self._breaker.new_run()  # its parts answered elsewhere now say nothing of it
         if not worker.alive:
             raise _WorkerLost(why)  # lost meanwhile: replaced anyway
         worker.kill()
@@ -600,6 +608,7 @@ class BatcherActor(Actor):
         )
         if self._process:
             self._replace_due = True
+            self._replace_wake.set()
 
     def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
         if len(outputs) != len(batch):

@@ -36,6 +36,10 @@ from ._singleflight import own_error
 
 _DISPATCHED = RequestState.DISPATCHED
 
+#: How often (seconds) a replica that leaves a retry to another one looks again whether
+#: that one is still ready (see ``SchedulerActor.pull``).
+ELSEWHERE_RECHECK = 0.005
+
 
 @attrs.frozen(kw_only=True)
 class PlannedCall:
@@ -224,6 +228,7 @@ class SchedulerActor(Actor):
         # a cancel delivered at a later checkpoint would lose them unanswered.
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
+            recheck = math.inf
             if self._retries:
                 batch = self._next_retry(puller, trio.current_time())
                 if batch:
@@ -231,7 +236,11 @@ class SchedulerActor(Actor):
                     return batch
                 if batch is not None:
                     continue
-                # (None: every retry waits for another replica than ``puller``)
+                # None: every retry waits for another replica than ``puller``. That
+                # one was ready just now; should it stop being ready before it pulls
+                # (its breaker opens, its worker is replaced), ``puller`` takes the
+                # retry at its next look.
+                recheck = trio.current_time() + ELSEWHERE_RECHECK
             if self._apart:
                 batch = self._next_apart(puller, trio.current_time())
                 if batch:
@@ -241,7 +250,7 @@ class SchedulerActor(Actor):
             if batch:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
-            with trio.move_on_at(policy.next_close_time()):
+            with trio.move_on_at(min(policy.next_close_time(), recheck)):
                 await self._idle.park()
 
     def completed(self, batch: list[Request], *, failed: bool = False) -> None:

@@ -216,12 +216,19 @@ class Breaker:
     def confirmed(self, now: float, run: int) -> bool:
         """A request that raised alone on this replica during run ``run`` was
         answered with a result by another replica: the replica fails on sound
-        input. Counts as a failure unless the replica succeeded since (a later
-        run). Returns whether the breaker (re)opened."""
-        if run != self.run:
+        input. Counts as a failure unless the replica succeeded since, or its worker
+        was replaced (a later run), or the breaker is open already (evidence that
+        comes in after it opened, from the parts of the same failures, is not new).
+        Returns whether the breaker (re)opened."""
+        if run != self.run or self.is_open(now):
             return False
         self.failure(now)
         return self.failures >= self.threshold
+
+    def new_run(self) -> None:
+        """What was marked so far is stale (a replaced worker's failures say
+        nothing of its successor); the counts and the cooldown stay."""
+        self.run += 1
 
     def success(self) -> None:
         self.failures = 0

@@ -15,11 +15,13 @@ breaker: with 3 replicas and batches of 2, at 50% and 70% bad requests."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
 import pytest
 import trio
+import trio.testing
 import trioserve
 from runtime_helpers import (
     BROKEN_FLAG_ENV,
@@ -32,8 +34,9 @@ from runtime_helpers import (
     item,
     pythonpath_with,
 )
-from trioserve import ModelConfig, ModelError
-from trioserve.actors import Breaker
+from trioserve import ModelConfig, ModelError, Request
+from trioserve.actors import BatchLimits, Breaker, FairQueue, SchedulerActor
+from trioserve.actors._scheduler import ELSEWHERE_RECHECK
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 CLIENTS = 32
@@ -229,3 +232,51 @@ async def test_a_broken_worker_process_is_replaced_on_the_evidence_of_its_parts(
         assert all(ILLEGAL_ACCESS in a for a in got.values() if isinstance(a, str))
         assert errors < len(got) // 4
         assert rt.statistics()["m"]["statuses"]["worker_broken"] == 1
+
+
+class _Replica:
+    """A puller as the scheduler sees one: ready or not."""
+
+    def __init__(self, ready: bool = True) -> None:
+        self.ready = ready
+
+
+async def test_a_retry_left_to_a_replica_that_stops_being_ready_is_taken_back(autojump_clock):
+    """A request that raised alone on replica A waits for another ready replica; A
+    passes it by. If that replica stops being ready before it pulls (its breaker
+    opens), nothing else would wake A (no arrival comes): A looks again after
+    ELSEWHERE_RECHECK and runs it itself, rather than leave it to its deadline."""
+    queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    a, b = _Replica(), _Replica()
+    scheduler.batchers = [a, b]
+    scheduler.replicas = 2
+    request = Request(
+        model="m", item=None, cost=1, tenant="t", priority="default",
+        arrival=0.0, deadline=math.inf, answer_expiry=False,
+    )
+    scheduler.submit_nowait(request)
+    (pulled,) = await scheduler.pull(a)
+    assert pulled is request
+    scheduler.completed([request], failed=True)
+    request.reply.suspect = True
+    request.reply.raised_on = (a, 0)
+    scheduler.retry([[request]])
+
+    got: list[list] = []
+    taken = trio.Event()
+
+    async def pull_a() -> None:
+        got.append(await scheduler.pull(a))
+        taken.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull_a)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got  # left to b, which is ready
+        start = trio.current_time()
+        b.ready = False  # b's breaker opens before it pulls
+        with trio.fail_after(0.1):  # (never, without the look again)
+            await taken.wait()
+        assert trio.current_time() - start <= ELSEWHERE_RECHECK
+    assert got == [[request]]
