@@ -57,7 +57,10 @@ INVARIANTS: dict[str, str] = {
     "lane": "a request waits in and runs from the lane of its cost: a model's slow lane "
     "(its own queue and replicas) for cost >= slow_lane_cost, the other lane below it",
     "leak": "no task outlives the runtime",
-    "credits": "a tenant's admitted cost stays within its credit envelope",
+    "credits": "a tenant's admitted cost stays within its credit envelope; a caller "
+    "pays once, and gets it back exactly when none of its requests ran",
+    "accounting": "a queue's counts (live requests, cost in service, service rate, "
+    "fair-share counters, flow statistics) agree with what it was told and did",
     "isolation": "a model that is not shareable never answers a tenant with an answer "
     "computed for another",
     "freshness": "an answer computed before an invalidation never reaches a caller that "

@@ -114,6 +114,44 @@ class QueuesCallsItemByItem(FairQueue):
             self._update_capacity()
 
 
+class DropsRunningCopies(FairQueue):
+    """A new request that finds the queue full takes the room of the newest hedge
+    copy still answerable, queued or already dispatched: ``_copies`` is pruned only
+    at the next ``offer_spare``, so a copy running on a device is answered
+    Overloaded (and its batch answers it again) while the queue counts room it never
+    had."""
+
+    def _drop_copy(self, tenant: str | None) -> bool:
+        copies = self._copies
+        for i in range(len(copies) - 1, -1, -1):
+            req = copies[i]
+            if not req.reply.answerable or (tenant is not None and req.tenant != tenant):
+                continue
+            del copies[i]
+            self._shed_copy(req)
+            return True
+        return False
+
+
+class DeadlineWithdrawalAsCallers(FairQueue):
+    """A request withdrawn at its caller's own deadline counts as withdrawn by its
+    caller: neither expired nor a congestion signal for the adaptive limit."""
+
+    def withdrawn_at_deadline(self, request: Request, now: float) -> None:
+        self.withdrawn_by_caller(request)
+
+
+class FailedBatchesStayInService(FairQueue):
+    """A failed batch's cost is never taken off what the devices hold: the estimated
+    waits grow with every failure, until every request with a deadline is refused."""
+
+    def completed(self, batch: list[Request], now: float, *, failed: bool = False) -> None:
+        if failed:
+            self._prev_full = False
+            return
+        super().completed(batch, now)
+
+
 class SubmitsSplitCallsItemByItem(Runtime):
     """A call whose items go to both of a model's lanes is queued item by item
     (``Runtime._submit_all`` before its fix): an item admitted in one lane may push out
@@ -249,6 +287,29 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
             PRODUCT, name="split-call-item-by-item", runtime_class=SubmitsSplitCallsItemByItem
         ),
         ("runtime",),
+    ),
+    # The queue suite's own: hedge copies, withdrawal at a caller's deadline, failed
+    # batches.
+    "copy-dropped-while-running": (
+        "a new request takes the room of a hedge copy already dispatched: the copy is "
+        "answered twice",
+        attrs.evolve(PRODUCT, name="copy-dropped-while-running", queue_class=DropsRunningCopies),
+        ("queue",),
+    ),
+    "deadline-withdrawal-uncounted": (
+        "a request withdrawn at its caller's deadline counts as withdrawn by its caller, "
+        "not expired",
+        attrs.evolve(
+            PRODUCT, name="deadline-withdrawal-uncounted", queue_class=DeadlineWithdrawalAsCallers
+        ),
+        ("queue",),
+    ),
+    "failed-batch-in-service": (
+        "a failed batch's cost stays counted in service",
+        attrs.evolve(
+            PRODUCT, name="failed-batch-in-service", queue_class=FailedBatchesStayInService
+        ),
+        ("queue",),
     ),
     # The admission suite's own: the credits.
     "refund-to-level": (

@@ -2,25 +2,34 @@
 
 Fast (no trio, no tasks): arrivals from several tenants and classes with random costs
 and deadlines (single requests, and calls of several items queued all or none),
-caller cancellations, time advances, pulls, completions and expiry
-sweeps, under random limits (batch size and tokens, padding, bound, adaptive limit,
-queue shares, weights, aging bounds). After every step the QueueObserver's invariants
-are checked, plus the queue's own duties: only an expired request is expired, only a
-full queue pushes a request out, and only for a request or call it then queues,
-``expire(now)`` leaves nothing expired queued.
-At teardown the queue is flushed (pulls until empty) and drained.
+caller cancellations, callers leaving at their own deadline (``withdrawn_at_deadline``),
+hedge copies (``offer_spare``), time advances, pulls, completions, failed batches
+(``completed(failed=True)``, then answered with errors, or handed back whole or split
+and run again, as the scheduler does) and expiry sweeps, under random limits (batch
+size and tokens, padding, bound, adaptive limit, queue shares, weights, aging bounds).
+After every step the QueueObserver's invariants are checked, plus the queue's own
+duties: only an expired request is expired, only a full queue pushes a request out
+(a hedge copy's room first), and only for a request or call it then queues,
+``expire(now)`` leaves nothing expired queued, nothing on a device is touched by the
+queue; and its accounting against the reference (``fuzz/_callers.py``): every caller
+ends once, its credits kept exactly when one of its requests ran, the queue's live
+count, cost in service, service rate, fair-share counters and flow statistics.
+At teardown the queue is flushed (pulls until empty), what is on the devices
+finished, and drained.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from trioserve import Overloaded, Request, RequestState
+from trioserve import DeadlineExceeded, ModelError, Overloaded, Request, RequestState
 from trioserve.actors import BatchLimits, ClassSpec
 
+from ._callers import Callers
 from ._checker import InvariantViolation, QueueObserver, Tracked, footprint
 from ._product import PRODUCT, Product, observed_queue_class
 from ._stats import count_example, note
@@ -143,6 +152,15 @@ class QueueMachine(RuleBasedStateMachine):
         self.step_refusal = ""
         self.items = 0
         self.peak: dict[str, int] = {}
+        self.callers: Callers | None = None
+        #: batches handed back after a failure, to run again (the scheduler's retries)
+        self.retries: list[list[Request]] = []
+        #: the hedge copies queued when the current "arrive" step began
+        self.step_copies: list[Request] = []
+        # the reference of the queue's service rate (FairQueue.completed's rule)
+        self.ref_rate = 0.0
+        self.ref_prev_full = False
+        self.ref_last_done = -math.inf
 
     @property
     def now(self) -> float:
@@ -176,6 +194,7 @@ class QueueMachine(RuleBasedStateMachine):
         )
         self.observer = self.queue.observer
         self.observer.keep_gone = True
+        self.callers = Callers(self.observer, self.cancelled)
         self.step = "setup"
 
     @rule(arrivals=st.lists(arrivals(), min_size=1, max_size=4))
@@ -196,10 +215,14 @@ class QueueMachine(RuleBasedStateMachine):
             f"{call[0].priority!r})"
         )
         self.step_refusal = ""
+        self.step_copies = self._queued_copies()
         try:
             self.queue.offer_all(call, self.now)
         except Overloaded as exc:  # QuotaExceeded included: refused whole
             self.step_refusal = f"{type(exc).__name__}: {exc}"
+        else:
+            for r in call:
+                self.callers.admitted(r, single=False)
         self.observer.exercised["calls " + ("refused" if self.step_refusal else "admitted")] += 1
         self.holds()
 
@@ -222,6 +245,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.step, self.step_tenant = "arrive", request.tenant
         self.step_offer = f"a request of cost {request.cost} (class {request.priority!r})"
         self.step_refusal = ""
+        self.step_copies = self._queued_copies()
         try:
             self.queue.offer(request, self.now)
         except Overloaded as exc:  # QuotaExceeded included: refused, nothing queued
@@ -231,7 +255,12 @@ class QueueMachine(RuleBasedStateMachine):
                     "outcome",
                     f"a refused request's reply was touched (state {request.reply.state.value})",
                 ) from None
+        else:
+            self.callers.admitted(request, single=True)
         self.holds()
+
+    def _queued_copies(self) -> list[Request]:
+        return [r for r in self.callers.copies if r.reply.state is RequestState.QUEUED]
 
     @rule(k=st.integers(0, 1 << 16))
     def cancel(self, k: int) -> None:
@@ -243,8 +272,69 @@ class QueueMachine(RuleBasedStateMachine):
         self.step = "cancel"
         if waiting:
             t = waiting[k % len(waiting)]
-            self.cancelled.add(id(t.request.reply))
-            t.request.reply.withdraw()
+            caller = self.callers.of[id(t.request.reply)]
+            if caller.end is None:  # its caller leaves, at or before its deadline
+                self.callers.waiting.remove(caller)
+                self.callers.leave(caller, self.now)
+
+    @rule(k=st.integers(0, 1 << 16))
+    def deadline_passes(self, k: int) -> None:
+        """A caller whose own deadline has passed (a request that does not answer its
+        expiry: the deadline is its caller's cancel scope) leaves now, whether the
+        queue already withdrew its request (its expiry came first) or not; the
+        runtime notes a request it finds queued with ``withdrawn_at_deadline``."""
+        self.step = "deadline"
+        due = [
+            c for c in self.callers.waiting
+            if not c.original.answer_expiry and c.original.deadline <= self.now
+        ]
+        if due:
+            caller = due[k % len(due)]
+            self.callers.waiting.remove(caller)
+            self.observer.exercised[
+                "callers leaving at their deadline, "
+                + ("still queued" if caller.original.reply.state is RequestState.QUEUED
+                   else "not queued")
+            ] += 1
+            self.callers.leave(caller, self.now)
+
+    @rule(k=st.integers(0, 1 << 16))
+    def hedge(self, k: int) -> None:
+        """A copy of a waiting caller's request, queued or running (the runtime hedges
+        a request alone, once), offered into free room only (``offer_spare``)."""
+        self.step = "hedge"
+        DISPATCHED = RequestState.DISPATCHED
+        can = [
+            c for c in self.callers.waiting
+            if c.single and c.copy is None and c.original.deadline > self.now
+            and c.original.reply.state in (RequestState.QUEUED, DISPATCHED)
+        ]
+        if not can:
+            return
+        caller = can[k % len(can)]
+        original = caller.original
+        copy = attrs.evolve(original, reply=type(original.reply)(), arrival=self.now)
+        queue = self.queue
+        before, capacity = len(queue), queue.capacity()
+        if queue.offer_spare(copy, self.now):
+            self.callers.hedged(caller, copy)
+            self.observer.exercised["hedge copies queued"] += 1
+            if before >= capacity:
+                raise InvariantViolation(
+                    "push-out",
+                    f"offer_spare took {self.callers.describe(copy)} at t={self.now:.6g} "
+                    f"into a queue holding {before} requests, at its capacity {capacity}: "
+                    "a copy takes free room only",
+                )
+        else:
+            self.observer.exercised["hedge copies declined"] += 1
+            if copy.reply.state is not RequestState.QUEUED or len(queue) != before:
+                raise InvariantViolation(
+                    "outcome",
+                    f"offer_spare declined a copy at t={self.now:.6g} yet touched it or "
+                    f"the queue (its reply {copy.reply.state.value}, {before} queued "
+                    f"before, {len(queue)} after)",
+                )
 
     @rule(ms=st.sampled_from([1, 1, 2, 5, 10, 50, 250, 1000]))
     def advance(self, ms: int) -> None:
@@ -272,10 +362,11 @@ class QueueMachine(RuleBasedStateMachine):
         for _ in range(64):
             self.step = "pull"
             batch = self.queue.next_batch(self.now)
+            if batch:
+                self.in_service.append(batch)
             self.holds()
             if not batch:
                 break
-            self.in_service.append(batch)
 
     @rule()
     def complete(self) -> None:
@@ -283,8 +374,94 @@ class QueueMachine(RuleBasedStateMachine):
         if self.in_service:
             batch = self.in_service.pop(0)
             for req in batch:
-                req.reply.set_result(req.item)
-            self.queue.completed(batch, self.now)
+                self._answer(req, None)
+            self._completed(batch, failed=False)
+
+    @rule(k=st.integers(0, 1 << 16), how=st.sampled_from(["error", "retry", "split"]))
+    def fail(self, k: int, how: str) -> None:
+        """A batch in service fails: ``completed(failed=True)``, then its requests
+        are answered with the model's error, or the batch is handed back to run
+        again, whole or split in two (the batcher's bisection)."""
+        self.step = "fail"
+        if not self.in_service:
+            return
+        batch = self.in_service.pop(k % len(self.in_service))
+        self._completed(batch, failed=True)
+        self.observer.exercised[f"failed batches ({how})"] += 1
+        if how == "error":
+            for req in batch:
+                self._answer(req, ModelError(f"planted failure of item {req.item}"))
+            return
+        for req in batch:
+            req.reply.suspect = True
+        half = len(batch) // 2 if how == "split" else 0
+        self.retries.extend(part for part in (batch[:half], batch[half:]) if part)
+
+    @rule()
+    def rerun(self) -> None:
+        """The next batch handed back runs again (``SchedulerActor._next_retry``):
+        without the requests whose caller left, those past their deadline answered
+        (or withdrawn, for the caller's own deadline), the rest back in service."""
+        self.step = "rerun"
+        if not self.retries:
+            return
+        alive = []
+        for req in self.retries.pop(0):
+            reply = req.reply
+            if reply.state is not RequestState.DISPATCHED:
+                continue  # the caller left
+            if req.deadline <= self.now:
+                if req.answer_expiry:
+                    self._answer(req, DeadlineExceeded("deadline passed while retried"))
+                else:
+                    self.cancelled.add(id(reply))
+                    reply.withdraw()
+                continue
+            alive.append(req)
+        if alive:
+            self.queue.in_service += sum(r.cost for r in alive)
+            self.in_service.append(alive)
+            self.observer.exercised["retried batches run again"] += 1
+
+    def _answer(self, req: Request, error: BaseException | None) -> None:
+        """A device answers ``req`` (dropped if its caller left)."""
+        if req.reply.state is RequestState.DONE:
+            raise InvariantViolation(
+                "duplicated",
+                f"{self.callers.describe(req)} is answered twice: its batch answers it at "
+                f"t={self.now:.6g}, but it was answered already ({req.reply.error!r})",
+            )
+        if error is None:
+            req.reply.set_result(req.item)
+        else:
+            req.reply.set_error(error)
+        self.callers.settle(self.now)  # its caller takes it, withdraws the twin
+
+    def _completed(self, batch: list[Request], *, failed: bool) -> None:
+        """``queue.completed`` and the reference's rate rule; a completion moves no
+        fair-share counter."""
+        queue = self.queue
+        vt = [dict(v) for v in getattr(queue, "_vt", ())]
+        queue.completed(batch, self.now, failed=failed)
+        if [dict(v) for v in getattr(queue, "_vt", ())] != vt:
+            raise InvariantViolation(
+                "accounting",
+                f"completed(failed={failed}) at t={self.now:.6g} moved the fair-share "
+                "counters: service is counted when a batch is dispatched",
+            )
+        if failed:
+            self.ref_prev_full = False
+            return
+        lim = queue.limits
+        cost = sum(r.cost for r in batch)
+        full = len(batch) >= lim.max_size or (
+            lim.max_tokens is not None and 2 * cost > lim.max_tokens
+        )
+        if full and self.ref_prev_full and self.now > self.ref_last_done:
+            sample = cost / (self.now - self.ref_last_done)
+            self.ref_rate = sample if self.ref_rate <= 0.0 else 0.9 * self.ref_rate + 0.1 * sample
+        self.ref_prev_full = full
+        self.ref_last_done = self.now
 
     @rule()
     def expire(self) -> None:
@@ -304,11 +481,83 @@ class QueueMachine(RuleBasedStateMachine):
     def holds(self) -> None:
         if self.observer is None:
             return
+        self._check_devices()
+        self.callers.settle(self.now)
         self.observer.sweep(self.now, len(self.queue))
         for t in self.observer.take_gone():  # the queue's own sweeps' finds too
             self._check_gone(t)
         self.observer.raise_first()
         self._check_footprint()
+        self._check_accounting()
+
+    def _check_devices(self) -> None:
+        """The queue never touches a request once it handed it out: only its batch
+        answers it (or its caller drops it)."""
+        for batch in (*self.in_service, *self.retries):
+            for r in batch:
+                state = r.reply.state
+                if state is RequestState.DISPATCHED or state is RequestState.ABANDONED:
+                    continue
+                t = self.observer.track_of(r)
+                raise InvariantViolation(
+                    "outcome",
+                    f"{self.callers.describe(r)}, dispatched in batch "
+                    f"{None if t is None else t.batch_no} and running, is {state.value} "
+                    f"at t={self.now:.6g} after a {self.step!r} step "
+                    f"({r.reply.error!r}): the queue answered a request on a device, "
+                    "which its batch will answer again",
+                )
+
+    def _check_accounting(self) -> None:
+        """The queue's counts against the reference: live requests, the cost in
+        service, the service rate, and each flow's admitted / hedged / expired /
+        withdrawn."""
+        queue = self.queue
+        live = len(self.observer.pending)
+        if len(queue) != live:
+            raise InvariantViolation(
+                "accounting",
+                f"after a {self.step!r} step at t={self.now:.6g} the queue counts "
+                f"{len(queue)} live requests, but {live} are queued",
+            )
+        running = sum(r.cost for b in self.in_service for r in b)
+        if queue.in_service != running:
+            raise InvariantViolation(
+                "accounting",
+                f"after a {self.step!r} step at t={self.now:.6g} the queue counts cost "
+                f"{queue.in_service} in service, but the batches on the devices cost "
+                f"{running} ({len(self.in_service)} batches, {len(self.retries)} handed "
+                "back to run again)",
+            )
+        if queue.rate != self.ref_rate:
+            raise InvariantViolation(
+                "accounting",
+                f"after a {self.step!r} step at t={self.now:.6g} the queue's service "
+                f"rate is {queue.rate!r}, the reference {self.ref_rate!r} (only two "
+                "full batches answered in a row make a sample; a failed batch none)",
+            )
+        expected = self.callers.expected
+        total = 0
+        for key in set(expected) | set(queue.stats):
+            want = expected.get(key)
+            got = queue.stats.get(key)
+            for field in ("admitted", "hedged", "expired", "withdrawn"):
+                w = 0 if want is None else want[field]
+                g = 0 if got is None else getattr(got, field)
+                if field == "expired":
+                    total += w
+                if w != g:
+                    raise InvariantViolation(
+                        "accounting",
+                        f"after a {self.step!r} step at t={self.now:.6g} flow {key} "
+                        f"counts {g} {field}, the reference {w}",
+                    )
+        if queue.expired != total:
+            raise InvariantViolation(
+                "accounting",
+                f"at t={self.now:.6g} the queue counts {queue.expired} expired, its "
+                f"flows {total}",
+            )
 
     def _check_footprint(self) -> None:
         """Memory bounded by configuration and by what is queued: each of the queue's
@@ -339,8 +588,13 @@ class QueueMachine(RuleBasedStateMachine):
         r = t.request
         state = r.reply.state
         expired = r.deadline <= self.now
+        callers = self.callers
+        flow = callers.expected[r.tenant, r.priority]
         if state is RequestState.CANCELLED:
-            if id(r.reply) in self.cancelled or (expired and not r.answer_expiry):
+            if id(r.reply) in self.cancelled:
+                return
+            if expired and not r.answer_expiry:
+                flow["expired"] += 1  # the queue's expiry withdrew it
                 return
             raise InvariantViolation(
                 "lost",
@@ -348,28 +602,53 @@ class QueueMachine(RuleBasedStateMachine):
                 "before its deadline, and never answered: its caller waits forever",
             )
         if state is RequestState.DONE:
-            if expired and r.answer_expiry:
-                return  # answered DeadlineExceeded
-            if self.step == "arrive" and self.step_tenant != r.tenant:
-                # pushed out of a full queue by another tenant's request
+            error = r.reply.error
+            if isinstance(error, DeadlineExceeded):
+                if expired and r.answer_expiry and error.in_queue:
+                    flow["expired"] += 1
+                    return
+                raise InvariantViolation(
+                    "deadline",
+                    f"{callers.describe(r)} was answered {error!r} by the queue at "
+                    f"t={self.now:.6g} (its expiry {'is' if r.answer_expiry else 'is not'} "
+                    "answered)",
+                )
+            copy = callers.is_copy(r)
+            if self.step == "arrive" and (copy or self.step_tenant != r.tenant):
+                # pushed out of a full queue by another tenant's request, or a hedge
+                # copy giving its room to a new request
                 if not self.step_refusal:
+                    if copy:
+                        self.observer.exercised["hedge copies giving their room"] += 1
+                        return
+                    held = [c for c in self.step_copies if c.reply.state is RequestState.QUEUED]
+                    if held:
+                        raise InvariantViolation(
+                            "push-out",
+                            f"{self.observer.describe(t)} was pushed out of the queue at "
+                            f"t={self.now:.6g} for {self.step_offer} of tenant "
+                            f"{self.step_tenant!r} while {callers.describe(held[-1])} "
+                            "held room: a hedge copy gives its room first",
+                        )
                     self.observer.exercised["push-outs"] += 1
                     return
                 raise InvariantViolation(
                     "push-out",
-                    f"{self.observer.describe(t)} was pushed out of the queue at "
+                    f"{callers.describe(r)} was pushed out of the queue at "
                     f"t={self.now:.6g} (answered {r.reply.error!r}) for "
                     f"{self.step_offer} of tenant {self.step_tenant!r}, which the queue "
                     f"then refused ({self.step_refusal}): it was shed for nothing",
                 )
             raise InvariantViolation(
                 "outcome",
-                f"{self.observer.describe(t)} was answered by the queue at t={self.now:.6g} "
+                f"{callers.describe(r)} was answered by the queue at t={self.now:.6g} "
                 f"during a {self.step!r} step without being dispatched, expired or pushed out",
             )
 
     def teardown(self) -> None:
-        if self.queue is None:
+        # hypothesis calls teardown in a ``finally``: after a failed step, the flush
+        # below would report a later consequence in place of the violation itself
+        if self.queue is None or sys.exc_info()[1] is not None:
             return
         obs = self.observer
         # Flush: serve everything still live, as a batcher pulling continuously would.
@@ -377,6 +656,8 @@ class QueueMachine(RuleBasedStateMachine):
             self.queue.expire(self.now)
             self.step = "pull"
             batch = self.queue.next_batch(self.now)
+            if batch:
+                self.in_service.append(batch)
             self.holds()
             if batch:
                 continue
@@ -391,6 +672,22 @@ class QueueMachine(RuleBasedStateMachine):
                     "closes now and no close time or expiry is due: it would wait forever",
                 )
             self.ms = max(self.ms + 1, math.ceil(round(at / MS, 6)))
+        # Callers whose own deadline passed leave (their cancel scope fired); the
+        # devices finish what they hold, retries included.
+        callers = self.callers
+        for caller in list(callers.waiting):
+            if not caller.original.answer_expiry and caller.original.deadline <= self.now:
+                callers.waiting.remove(caller)
+                callers.leave(caller, self.now)
+        self.holds()
+        for _ in range(10_000):
+            if self.retries:
+                self.rerun()
+            elif self.in_service:
+                self.complete()
+            else:
+                break
+            self.holds()
         drained = self.queue.drain()
         left = {
             id(t.request.reply)
@@ -407,8 +704,20 @@ class QueueMachine(RuleBasedStateMachine):
                 "memory", f"the queue holds {len(self.queue)} entries after drain()"
             )
         for r in drained:
+            caller = callers.of[id(r.reply)]
+            if caller in callers.waiting:  # not a refund question: shut down
+                callers.waiting.remove(caller)
+                caller.end = "drained"
             r.reply.set_error(RuntimeError("drained"))
         self.step = "drain"
         self.holds()
+        if callers.waiting:
+            caller = callers.waiting[0]
+            raise InvariantViolation(
+                "lost",
+                f"caller #{caller.no} ({callers.describe(caller.original)}) is never "
+                f"answered: everything is served, yet its replies are "
+                f"{[r.reply.state.value for r in caller.requests]}",
+            )
         for feature, n in obs.exercised.items():
             note("queue", feature, n)
