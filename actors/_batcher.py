@@ -414,7 +414,7 @@ class BatcherActor(Actor):
         why = "its model kept raising there while other replicas succeeded"
         self._replace_due = False
         self._replace_wake = trio.Event()
-        self._breaker.new_run()  # its parts answered elsewhere now say nothing of it
+        self._breaker.replaced(trio.current_time())
         if not worker.alive:
             raise _WorkerLost(why)  # lost meanwhile: replaced anyway
         worker.kill()

@@ -171,8 +171,8 @@ class Breaker:
     callers keep getting its error at once."""
 
     __slots__ = (
-        "_cooldown", "_since", "base", "failures", "max_cooldown", "open_until", "run",
-        "threshold",
+        "_cooldown", "_since", "base", "failures", "max_cooldown", "open_until", "openings",
+        "run", "threshold",
     )
 
     def __init__(
@@ -190,12 +190,15 @@ class Breaker:
         #: which run of failures this is: grows at each success (a mark taken in
         #: one run is stale in the next)
         self.run = 0
+        #: times it opened since its last success
+        self.openings = 0
 
     def failure(self, now: float) -> None:
         self.failures += 1
         if self.failures >= self.threshold:
             self.open_until = now + self._cooldown
             self._cooldown = min(self.max_cooldown, self._cooldown * 2)
+            self.openings += 1
 
     def raised(self, now: float, successes: int, *, alone: bool = True) -> bool:
         """The model raised on fresh work on this replica, on a request ``alone`` or
@@ -225,13 +228,22 @@ class Breaker:
         self.failure(now)
         return self.failures >= self.threshold
 
-    def new_run(self) -> None:
-        """What was marked so far is stale (a replaced worker's failures say
-        nothing of its successor); the counts and the cooldown stay."""
+    def replaced(self, now: float) -> None:
+        """The replica's worker was replaced because the breaker opened: what was
+        marked so far is stale (a replaced worker's failures say nothing of its
+        successor). At the breaker's first opening since its last success the
+        successor runs the trial as soon as it is up: a fresh process is the remedy
+        for what broke the old one (a sticky CUDA error), and while it waited out
+        the cooldown, every caller whose request ran on the other replicas, broken
+        by the same input, got an error. A trial that fails opens the breaker again,
+        with the cooldown doubled, as before."""
         self.run += 1
+        if self.openings == 1 and self.open_until > now:
+            self.open_until = now
 
     def success(self) -> None:
         self.failures = 0
+        self.openings = 0
         self._cooldown = self.base
         self.open_until = -math.inf
         self._since = None

@@ -232,6 +232,10 @@ async def test_a_broken_worker_process_is_replaced_on_the_evidence_of_its_parts(
         assert all(ILLEGAL_ACCESS in a for a in got.values() if isinstance(a, str))
         assert errors < len(got) // 4
         assert rt.statistics()["m"]["statuses"]["worker_broken"] == 1
+        # The clock never moved: the successor ran the breaker's trial without
+        # waiting out its first cooldown (a fresh process is the remedy), and passed.
+        await send(rt, [[1.0] * 4 for _ in range(CLIENTS)])
+        assert all(b.ready for b in batchers)
 
 
 class _Replica:
