@@ -116,6 +116,29 @@ def per_device(
     )
 
 
+def test_a_replaced_worker_skips_only_the_first_cooldown_since_the_last_success():
+    br = Breaker(threshold=2, cooldown=1.0, max_cooldown=8.0)
+    br.failure(0.0)
+    br.failure(0.0)  # opens (its first opening since a success)
+    assert br.open_until == 1.0
+    run = br.run
+    br.replaced(0.0)  # the worker is replaced: its successor tries at once
+    assert not br.is_open(0.0)
+    assert br.run == run + 1  # what was marked against the old worker is stale
+    assert not br.confirmed(0.0, run)
+    br.failure(0.5)  # the successor's trial fails: open for twice as long
+    assert br.open_until == 2.5
+    br.replaced(0.5)  # replaced again: this time it waits out the cooldown
+    assert br.is_open(2.4)
+    assert not br.is_open(2.5)
+    br.success()
+    br.failure(3.0)
+    br.failure(3.0)  # a new first opening since a success: the cooldown is the base
+    assert br.open_until == 4.0
+    br.replaced(3.0)
+    assert not br.is_open(3.0)
+
+
 async def one_at_a_time(rt, outcomes: list, *, until, most: int = 200) -> None:
     """Send requests one after the other until ``until()``, appending to
     ``outcomes`` what each caller got: "error" (ModelError) or the y[0] it was
@@ -234,8 +257,8 @@ async def test_a_broken_worker_process_is_replaced_and_its_replica_serves_again(
     """One of two worker processes raises on every call from its first (a sticky CUDA
     error lives as long as its process). Its breaker opens after the errors it could
     not count plus ``threshold``, its worker is killed and a fresh one forked from the
-    zygote (a fresh CUDA context), which runs the trial after the cooldown and serves
-    again. Real processes."""
+    zygote (a fresh CUDA context), which runs the trial at once (the breaker's first
+    opening) and serves again. Real processes."""
     flag = tmp_path / "broken"
     flag.write_text("")
     monkeypatch.setenv(BROKEN_FLAG_ENV, str(flag))
@@ -262,9 +285,9 @@ async def test_a_broken_worker_process_is_replaced_and_its_replica_serves_again(
         assert broken.workers_broken == 1
         assert broken.workers_lost == 0  # it did not die: it was replaced
 
-        # Its successor runs the trial once the cooldown is over, and serves.
-        assert broken._breaker.open_until == trio.current_time() + 1.0
-        mock_clock.jump(1.0)
+        # The breaker's first opening: its successor runs the trial at once (the
+        # clock does not move), and serves.
+        assert broken._breaker.open_until == trio.current_time()
         await one_at_a_time(rt, outcomes, until=lambda: outcomes[-1] not in ("error", sound_pid))
         successor = broken._worker.pid
         assert successor != first[broken]
