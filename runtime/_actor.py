@@ -124,4 +124,6 @@ async def supervise(
                 ) from exc
             actor.restarts += 1
             actor._transition(ActorState.RESTARTING)
-            log.warning("%s crashed (%r); restart %d", actor.name, exc, actor.restarts)
+            log.warning(  # with its traceback: a crash is a bug to find
+                "%s crashed (%r); restart %d", actor.name, exc, actor.restarts, exc_info=True
+            )

@@ -190,11 +190,14 @@ class WorkerProcess:
 
     async def result(self) -> list[dict[str, Any]]:
         """The outputs of the oldest batch in flight. Raises WorkerError (the model
-        raised: the worker goes on) or WorkerDied (the process is gone)."""
+        raised: the worker goes on) or WorkerDied (the process is gone, or going: its
+        model raised and left its device unusable)."""
         reply = await self._read()
         self.in_flight -= 1
         if reply[0] == "error":
             raise WorkerError(reply[1])
+        if reply[0] == "lost":  # its device context was lost: it exits
+            raise WorkerDied(self._death(f"its device context was lost: {reply[1]}"))
         n, out = reply[1], reply[2]
         self.busy_seconds += reply[3]
         self.last_run_seconds = reply[3]

@@ -121,7 +121,35 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
                 out = stack_outputs(list(check_outputs(runner(payload), n)))
             write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
         except Exception as exc:
-            write_frame(wfd, ("error", f"{type(exc).__name__}: {exc}"))
+            text = f"{type(exc).__name__}: {exc}"
+            if context_lost(device):
+                # Every later call here would fail too: say why, and wait for the
+                # parent to kill us (exiting now, our exit could be seen before
+                # this frame is read, and the reason lost; orphaned, the watcher
+                # thread ends us). The batch is then a lost worker's: bisected on
+                # fresh workers, the input that breaks them found as poison.
+                write_frame(wfd, ("lost", text))
+                threading.Event().wait()
+            write_frame(wfd, ("error", text))
+
+
+def context_lost(device: str) -> bool:
+    """Whether the model's device is unusable for the rest of this process: on a CUDA
+    device after the model raised, a synchronize raises again. A device-side assert
+    (an index out of range in a kernel) or an illegal memory access is sticky: every
+    later CUDA call in the process fails with it; an error that is not (out of
+    memory, a bad argument caught before launch) leaves the device usable and is the
+    model's error as any other."""
+    if not device.startswith("cuda"):
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    try:
+        torch.cuda.synchronize(torch.device(device))
+    except Exception:
+        return True
+    return False
 
 
 def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote

@@ -4,6 +4,7 @@ a thread-run model held by a gate, and a backend whose items have costs."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -207,3 +208,25 @@ def broken_once(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray
     if _broken:
         raise RuntimeError(ILLEGAL_ACCESS)
     return [{"y": np.array([os.getpid()], dtype=np.float32)} for _ in items]
+
+
+DEVICE_LOST = "CUDA error: device-side assert triggered"
+_device_lost = False  # this process's device is unusable (it ran a negative input)
+
+
+def breaks_its_device(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """A model for worker processes that a negative x[0] breaks for good, as an
+    out-of-range index breaks a CUDA context: the batch holding it raises, and so
+    would every later call in that process. The worker's check of its device
+    (``context_lost``, which looks at CUDA) is told so, as it would find it on a
+    GPU. Otherwise ``y = x``. Importable, so a worker process can run it."""
+    global _device_lost
+    for name in ("__main__", "trioserve._worker"):  # the worker's module, as it runs
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "context_lost"):
+            module.context_lost = lambda device: _device_lost
+    if any(it["x"][0] < 0 for it in items):
+        _device_lost = True
+    if _device_lost:
+        raise RuntimeError(DEVICE_LOST)
+    return [{"y": it["x"].copy()} for it in items]

@@ -164,3 +164,63 @@ async def test_over_http_a_gpu_model_answers_and_its_config_names_the_gpu():
     assert conf.json()["instance_group"] == [
         {"name": "mlp_0", "count": 2, "kind": "KIND_GPU", "gpus": [0]}
     ]
+
+
+@needs_cuda
+async def test_an_input_that_breaks_the_cuda_context_is_poison_and_nothing_else_fails(
+    monkeypatch,
+):
+    """An index out of range trips a device-side assert, after which every CUDA call
+    in that process fails (the model's later batches would all raise, whatever
+    their inputs). The worker sees its device is lost after the raise and exits,
+    so its batch is a lost worker's: bisected on fresh workers, the bad input is
+    answered as poison, and every other request with its value. 32 callers, two
+    worker-process replicas on one GPU."""
+    from cuda_helpers import ROWS, WIDTH, Lookup
+    from runtime_helpers import pythonpath_with
+
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(os.path.dirname(__file__)))
+    backend = trioserve.TorchBackend(
+        Lookup,
+        inputs=[trioserve.TensorSpec(name="x", datatype="INT64", shape=[1])],
+        outputs=[trioserve.TensorSpec(name="y", datatype="FP32", shape=[WIDTH])],
+    )
+    config = trioserve.Config(
+        models=(trioserve.ModelConfig(name="lookup", backend=backend, devices=("cuda:0",),
+                                      replicas=2, execution="process", max_batch_size=8,
+                                      max_wait_ms=1.0),)
+    )
+    bad = (3, 5)
+    got: dict = {}
+
+    async def client(rt, c: int) -> None:
+        for j in range(20):
+            index = 1000 if (c, j) == bad else (c * 20 + j) % ROWS
+            try:
+                out = await rt.infer("lookup", np.array([index], np.int64))
+            except trioserve.ModelError as exc:
+                got[c, j] = str(exc)
+            else:
+                got[c, j] = (index, out["y"])
+
+    async with trioserve.open_runtime(config) as rt:
+        batchers = rt.models["lookup"].batchers
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for c in range(32):
+                    nursery.start_soon(client, rt, c)
+            after = await rt.infer_batch("lookup", [np.array([i], np.int64) for i in range(64)])
+        lost = [b.workers_lost for b in batchers]
+        assert rt.model_ready("lookup")
+    poison = got.pop(bad)
+    assert isinstance(poison, str), poison
+    assert "poison request" in poison, poison
+    assert "device-side assert" in poison, poison
+    assert len(got) == 32 * 20 - 1
+    failed = {k: v for k, v in got.items() if isinstance(v, str)}
+    assert not failed, list(failed.items())[:3]
+    for index, y in got.values():
+        np.testing.assert_array_equal(y, np.full(WIDTH, index, np.float32))
+    for i, out in enumerate(after):
+        np.testing.assert_array_equal(out["y"], np.full(WIDTH, i, np.float32))
+    assert 1 <= sum(lost) <= 4  # the bad input's runs, each of which took a worker

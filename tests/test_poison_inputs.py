@@ -25,9 +25,11 @@ import trio.testing
 import trioserve
 from runtime_helpers import (
     BROKEN_FLAG_ENV,
+    DEVICE_LOST,
     ILLEGAL_ACCESS,
     X,
     Y,
+    breaks_its_device,
     broken_once,
     callable_model,
     config,
@@ -284,3 +286,37 @@ async def test_a_retry_left_to_a_replica_that_stops_being_ready_is_taken_back(au
             await taken.wait()
         assert trio.current_time() - start <= ELSEWHERE_RECHECK
     assert got == [[request]]
+
+
+async def test_an_input_that_breaks_its_workers_device_is_poison_and_nothing_else_fails(
+    mock_clock, monkeypatch
+):
+    """An input that leaves its worker's device unusable (a CUDA device-side assert:
+    every later call in the process would fail, whatever its inputs). The worker
+    finds its device lost after the raise and exits, so the batch is a lost
+    worker's: bisected on fresh workers, the bad input answered as poison, every
+    other request with its value, and no breaker opens. Without the check the
+    worker stayed, failed everything, and broke the other replica too when its
+    part ran there once (hundreds of good requests got the error). Real
+    processes; tests/test_cuda.py has it on a GPU."""
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))  # where breaks_its_device is
+    cfg = config(
+        callable_model(
+            "m", breaks_its_device, execution="process", replicas=2, max_batch_size=4,
+            max_wait_ms=0, timeout_ms=None,
+        )
+    )
+    values = [[float(1 + c * PER_CLIENT + j) for j in range(PER_CLIENT)] for c in range(CLIENTS)]
+    values[5][3] = -1.0
+    async with trioserve.open_runtime(cfg) as rt:
+        batchers = rt.models["m"].batchers
+        got = await send(rt, values)
+        assert rt.model_ready("m")
+        lost = [b.workers_lost for b in batchers]
+        again = await send(rt, [[2.0] * 4 for _ in range(CLIENTS)])
+        assert set(again.values()) == {2.0}
+    poison = got.pop((5, 3))
+    assert "poison request" in poison
+    assert DEVICE_LOST in poison
+    assert got == {(c, j): values[c][j] for c, j in got}  # each its value, no error
+    assert 1 <= sum(lost) <= 4  # the bad input's runs, each of which took a worker
