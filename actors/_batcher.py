@@ -45,6 +45,7 @@ from trioserve import (
     Request,
     WorkerProcess,
     check_outputs,
+    device_lost,
 )
 
 from ._metrics import ModelMetrics
@@ -63,6 +64,11 @@ START_RETRY_MAX = 10.0
 
 class _WorkerLost(Exception):
     """The worker process died or was killed as a straggler (handled in the batcher)."""
+
+
+class _DeviceLost(Exception):
+    """The model raised in a worker thread and left its device unusable
+    (``trioserve.device_lost``); the model's exception is its cause."""
 
 
 _threads_lock = threading.Lock()
@@ -116,6 +122,9 @@ class BatcherActor(Actor):
         self.busy_time = 0.0
         self._worker_seconds = 0.0  # busy seconds of workers this batcher already replaced
         self._degraded = False  # a straggling thread still runs
+        #: why its device is unusable for the rest of the process (a thread or inline
+        #: replica: nothing can replace it); None while it is not
+        self.lost: str | None = None
         self._replacing = False  # a worker process is being replaced
         self.stragglers = 0
         self.workers_lost = 0
@@ -130,12 +139,16 @@ class BatcherActor(Actor):
     # ------------------------------------------------------------------ health
     @property
     def health(self) -> str:
-        """``ready`` (pulling work), ``degraded`` (a straggling thread still runs),
+        """``ready`` (pulling work), ``lost`` (a thread or inline replica whose model
+        left its device unusable: it serves no more), ``degraded`` (a straggling
+        thread still runs),
         ``replacing`` (a new worker process is starting), ``open`` (its circuit breaker
         is open after repeated failures), or the actor's state when it is not
         running (starting, restarting, stopped, broken)."""
         if self.state is not ActorState.RUNNING:
             return self.state.value
+        if self.lost is not None:
+            return "lost"
         if self._degraded:
             return "degraded"
         if self._replacing:
@@ -182,7 +195,7 @@ class BatcherActor(Actor):
         task_status.started(self)
         pull = self._scheduler.pull
         twins = self._scheduler.twins
-        while True:
+        while self.lost is None:
             await self._wait_breaker()
             batch = await pull(self)
             if twins:
@@ -192,6 +205,7 @@ class BatcherActor(Actor):
             self._in_flight.append(batch)
             await self._execute(batch)
             self._in_flight.clear()
+        await trio.sleep_forever()  # its device is lost: it pulls no more
 
     @property
     def device_seconds(self) -> float:
@@ -437,7 +451,10 @@ class BatcherActor(Actor):
             try:
                 outputs = check_outputs(self._runner(items), len(items))
             except Exception as exc:
-                self._model_failed(batch, exc)
+                if device_lost(self.device):
+                    self._lose_device(batch, exc)
+                else:
+                    self._model_failed(batch, exc)
                 return
             self._breaker.success()
             self._deliver(batch, outputs, t0)
@@ -449,6 +466,9 @@ class BatcherActor(Actor):
                 outputs = await trio.to_thread.run_sync(
                     self._run_in_thread, items, limiter=self._limiter, abandon_on_cancel=True
                 )
+            except _DeviceLost as lost:
+                self._lose_device(batch, lost.__cause__ or lost)
+                return
             except Exception as exc:
                 self._model_failed(batch, exc)
                 return
@@ -480,9 +500,37 @@ class BatcherActor(Actor):
             _threads_running += 1
         try:
             return check_outputs(self._runner(items), len(items))
+        except Exception as exc:
+            if device_lost(self.device):  # a synchronize: here, not on the event loop
+                raise _DeviceLost() from exc
+            raise
         finally:
             with _threads_lock:
                 _threads_running -= 1
+
+    def _lose_device(self, batch: list[Request], exc: BaseException) -> None:
+        """The model raised and left this replica's device unusable for the rest of
+        the process (a CUDA device-side assert, an illegal memory access): every
+        later call here would fail, and nothing can replace a thread's or the event
+        loop's device context. The batch's callers get the error (not retried: each
+        run of the input that did this would take one more device), and the replica
+        serves no more; the model is ready while another replica is."""
+        text = f"{type(exc).__name__}: {exc}"
+        self.lost = text
+        self._metrics.statuses["device_lost"] += 1
+        log.error(
+            "%s: the model left its device unusable (%s); this replica serves no more. "
+            "Restart the server to recover it; with execution = \"process\" its worker "
+            "would be replaced", self.name, text,
+        )
+        msg = (
+            f"model {self.model!r} failed on {self.device} and left it unusable: {text}"
+        )
+        alive = [r for r in batch if r.reply.answerable]
+        for req in alive:
+            req.reply.set_error(ModelError(msg))
+        self._metrics.statuses["model_error"] += len(alive)
+        self._scheduler.completed(batch, failed=True)
 
     async def join_thread(self) -> None:
         """Wait until this replica's model call in a worker thread, if any (one given

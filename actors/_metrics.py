@@ -114,7 +114,10 @@ class Latency:
 #: The names ModelMetrics.statuses counts: items ``retried`` or answered
 #: ``model_error``, ``poison`` requests, ``straggler`` batches cut, ``worker_lost``
 #: workers, ``worker_broken`` workers replaced because the model kept raising there.
-OUTCOMES = ("model_error", "poison", "retried", "straggler", "worker_broken", "worker_lost")
+OUTCOMES = (
+    "device_lost", "model_error", "poison", "retried", "straggler", "worker_broken",
+    "worker_lost",
+)
 
 
 @attrs.define(eq=False)

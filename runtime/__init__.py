@@ -39,6 +39,7 @@ from ._model import ModelBackend as ModelBackend
 from ._model import TensorSpec as TensorSpec
 from ._model import TorchBackend as TorchBackend
 from ._model import check_outputs as check_outputs
+from ._model import device_lost as device_lost
 from ._process import WorkerProcess as WorkerProcess
 
 # The assembly: imports trioserve.actors, which imports the names above.

@@ -7,6 +7,7 @@ in a worker thread (or inline) and must not touch trio.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -454,3 +455,22 @@ class TorchBackend(ModelBackend):
 
         run.stacked = run_stacked  # type: ignore[attr-defined]
         return run
+
+
+def device_lost(device: str) -> bool:
+    """Whether ``device`` is unusable for the rest of this process, asked after a model
+    raised on it: on a CUDA device, a synchronize raises again. A device-side assert
+    (an index out of range in a kernel) or an illegal memory access is sticky: every
+    later CUDA call in the process fails with it. An error that is not (out of
+    memory, a bad argument refused before launch) leaves the device usable. False
+    for any other device, or when this process has not used CUDA."""
+    if not device.startswith("cuda"):
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    try:
+        torch.cuda.synchronize(torch.device(device))
+    except Exception:
+        return True
+    return False

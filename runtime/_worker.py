@@ -134,22 +134,11 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
 
 
 def context_lost(device: str) -> bool:
-    """Whether the model's device is unusable for the rest of this process: on a CUDA
-    device after the model raised, a synchronize raises again. A device-side assert
-    (an index out of range in a kernel) or an illegal memory access is sticky: every
-    later CUDA call in the process fails with it; an error that is not (out of
-    memory, a bad argument caught before launch) leaves the device usable and is the
-    model's error as any other."""
-    if not device.startswith("cuda"):
-        return False
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return False
-    try:
-        torch.cuda.synchronize(torch.device(device))
-    except Exception:
-        return True
-    return False
+    """The check after a model raise: ``trioserve.device_lost`` (a name of this module,
+    so that a test model can stand in for a GPU's answer)."""
+    from trioserve._model import device_lost
+
+    return device_lost(device)
 
 
 def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote

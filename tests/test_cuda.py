@@ -224,3 +224,61 @@ async def test_an_input_that_breaks_the_cuda_context_is_poison_and_nothing_else_
     for i, out in enumerate(after):
         np.testing.assert_array_equal(out["y"], np.full(WIDTH, i, np.float32))
     assert 1 <= sum(lost) <= 4  # the bad input's runs, each of which took a worker
+
+
+_THREAD_REPLICA_LOSES_ITS_CONTEXT = """
+import json, os, sys
+import numpy as np, trio, trioserve
+from cuda_helpers import WIDTH, Lookup
+
+async def main():
+    backend = trioserve.TorchBackend(
+        Lookup,
+        inputs=[trioserve.TensorSpec(name="x", datatype="INT64", shape=[1])],
+        outputs=[trioserve.TensorSpec(name="y", datatype="FP32", shape=[WIDTH])],
+    )
+    config = trioserve.Config(models=(trioserve.ModelConfig(
+        name="lookup", backend=backend, devices=("cuda:0",), execution="thread",
+        timeout_ms=2000),))
+    out = {}
+    async with trioserve.open_runtime(config) as rt:
+        out["good"] = (await rt.infer("lookup", np.array([7], np.int64)))["y"].tolist()
+        try:
+            await rt.infer("lookup", np.array([1000], np.int64))
+        except trioserve.ModelError as exc:
+            out["bad"] = str(exc)
+        out["ready"] = rt.model_ready("lookup")
+        out["health"] = rt.models["lookup"].batchers[0].health
+        out["statuses"] = dict(rt.statistics()["lookup"]["statuses"])
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # the process's CUDA context is gone: skip its teardown
+
+trio.run(main)
+"""
+
+
+@needs_cuda
+def test_a_thread_replica_whose_cuda_context_is_lost_serves_no_more():
+    """In a worker thread the lost context is the process's own: nothing can replace
+    it. The replica answers the batch with the error and serves no more, and the
+    model is not ready (its only replica), so a readiness probe sees it. In a
+    subprocess: the context of the process that runs this is lost for good."""
+    import json
+    import subprocess
+    import sys
+
+    from runtime_helpers import pythonpath_with
+
+    env = dict(os.environ, PYTHONPATH=pythonpath_with(os.path.dirname(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREAD_REPLICA_LOSES_ITS_CONTEXT],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["good"] == [7.0] * 8
+    assert "left it unusable" in out["bad"]
+    assert "device-side assert" in out["bad"]
+    assert out["ready"] is False
+    assert out["health"] == "lost"
+    assert out["statuses"]["device_lost"] == 1

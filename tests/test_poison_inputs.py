@@ -320,3 +320,81 @@ async def test_an_input_that_breaks_its_workers_device_is_poison_and_nothing_els
     assert DEVICE_LOST in poison
     assert got == {(c, j): values[c][j] for c, j in got}  # each its value, no error
     assert 1 <= sum(lost) <= 4  # the bad input's runs, each of which took a worker
+
+
+class LosesItsDevice(trioserve.ModelBackend):
+    """A model whose replicas a negative input leaves with an unusable device (as a
+    CUDA device-side assert does a thread's, i.e. the process's, context): the
+    batch raises, and ``device_lost`` (patched in by ``lose_devices``) then says so
+    for that device. Otherwise ``y = x``."""
+
+    inputs = (X,)
+    outputs = (Y,)
+
+    def __init__(self, lost: set[str], execution: str = "thread") -> None:
+        self.lost = lost
+        self.default_execution = execution
+
+    def load(self, device, *, torch_threads=1):
+        def run(items):
+            if device in self.lost or any(it["x"][0] < 0 for it in items):
+                self.lost.add(device)
+                raise RuntimeError(DEVICE_LOST)
+            return [{"y": it["x"].copy()} for it in items]
+
+        return run
+
+
+@pytest.fixture
+def lose_devices(monkeypatch) -> set[str]:
+    """The devices a model left unusable, as ``device_lost`` reports them."""
+    import trioserve.actors._batcher as batcher_module
+
+    lost: set[str] = set()
+    monkeypatch.setattr(batcher_module, "device_lost", lambda device: device in lost)
+    return lost
+
+
+async def test_a_thread_replica_whose_device_is_lost_serves_no_more(mock_clock, lose_devices):
+    """A thread (or the event loop) cannot be given a fresh device context: the
+    replica whose model left its device unusable answers its batch with the error
+    (not retried: each run of that input would take one more device) and pulls no
+    more; the other replica serves everything after, and the model stays ready."""
+    cfg = config(
+        ModelConfig(name="m", backend=LosesItsDevice(lose_devices), devices=("cpu:0", "cpu:1"),
+                    max_batch_size=4, max_wait_ms=0)
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        batchers = rt.models["m"].batchers
+        with pytest.raises(ModelError, match="left it unusable") as info:
+            await rt.infer("m", item(-1.0))
+        assert DEVICE_LOST in str(info.value)
+        [lost] = [b for b in batchers if b.health == "lost"]
+        assert lose_devices == {lost.device}
+        got = await send(rt, [[float(c + 1)] * 5 for c in range(CLIENTS)])
+        assert got == {(c, j): float(c + 1) for c in range(CLIENTS) for j in range(5)}
+        assert rt.model_ready("m")
+        assert lost.lost is not None
+        assert DEVICE_LOST in lost.lost
+        stats = rt.statistics()["m"]["statuses"]
+        assert stats["device_lost"] == 1
+        assert stats["model_error"] == 1
+
+
+async def test_a_lone_inline_replica_whose_device_is_lost_leaves_the_model_not_ready(
+    autojump_clock, lose_devices
+):
+    cfg = config(
+        ModelConfig(name="m", backend=LosesItsDevice(lose_devices, "inline"), devices=("cpu",),
+                    max_wait_ms=0, timeout_ms=1000)
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        assert (await rt.infer("m", item(3.0)))["y"][0] == 3.0
+        with pytest.raises(ModelError, match="left it unusable"):
+            await rt.infer("m", item(-1.0))
+        assert not rt.model_ready("m")
+        assert rt.models["m"].batchers[0].health == "lost"
+        start = trio.current_time()
+        with pytest.raises(trioserve.DeadlineExceeded):  # nothing serves it any more
+            await rt.infer("m", item(3.0))
+        assert trio.current_time() - start == pytest.approx(1.0)
