@@ -531,6 +531,16 @@ class BatcherActor(Actor):
             req.reply.set_error(ModelError(msg))
         self._metrics.statuses["model_error"] += len(alive)
         self._scheduler.completed(batch, failed=True)
+        scheduler = self._scheduler
+        if len(scheduler.batchers) == scheduler.replicas and all(
+            b.lost is not None for b in scheduler.batchers
+        ):
+            # Nothing will ever serve its queue: answer what waits, and what comes,
+            # at once (not at its deadline).
+            scheduler.retire(ModelError(
+                f"model {self.model!r}: no replica can serve it any more: each left its "
+                f"device unusable (here: {text}); restart the server"
+            ))
 
     async def join_thread(self) -> None:
         """Wait until this replica's model call in a worker thread, if any (one given

@@ -62,6 +62,9 @@ class SchedulerActor(Actor):
         self._wake_at = math.inf
         self._max_size = getattr(getattr(policy, "limits", None), "max_size", 1)
         self._closed = False
+        #: what new requests get once no replica can serve them (``retire``); None:
+        #: ActorClosed, the runtime is shut down
+        self._closed_error: BaseException | None = None
         #: batches handed back by batchers (a straggler's or a dead worker's), already
         #: dispatched; pulled before new work
         self._retries: collections.deque[list[Request]] = collections.deque()
@@ -86,7 +89,7 @@ class SchedulerActor(Actor):
         after shutdown, and ActorBroken if the policy itself fails.
         """
         if self._closed:
-            raise ActorClosed(f"model {self.model!r}: the runtime is shut down")
+            raise self._refusal()
         policy = self.policy
         try:
             policy.offer(request, request.arrival)
@@ -108,7 +111,7 @@ class SchedulerActor(Actor):
         """Admit the requests of one call (one tenant and class, one deadline), all or
         none, as :meth:`submit_nowait` admits one; wakes idle batchers once."""
         if self._closed:
-            raise ActorClosed(f"model {self.model!r}: the runtime is shut down")
+            raise self._refusal()
         if not requests:
             return
         policy = self.policy
@@ -140,7 +143,7 @@ class SchedulerActor(Actor):
         submitted.
         """
         if self._closed:
-            raise ActorClosed(f"model {self.model!r}: the runtime is shut down")
+            raise self._refusal()
         plan_all = getattr(self.policy, "plan_all", None)
         if plan_all is None or not requests:
             return PlannedCall(requests=requests, plan=None)
@@ -162,7 +165,7 @@ class SchedulerActor(Actor):
             self.submit_all_nowait(requests)
             return
         if self._closed:
-            raise ActorClosed(f"model {self.model!r}: the runtime is shut down")
+            raise self._refusal()
         policy = self.policy
         was = len(policy)
         try:
@@ -364,12 +367,26 @@ class SchedulerActor(Actor):
     def queue_depth(self) -> int:
         return len(self.policy) + sum(len(b) for b in self._retries) + len(self._apart)
 
+    def _refusal(self) -> BaseException:
+        if self._closed_error is not None:
+            return own_error(self._closed_error)
+        return ActorClosed(f"model {self.model!r}: the runtime is shut down")
+
+    def retire(self, error: BaseException) -> int:
+        """No replica will ever pull from this queue again (each lost its device): fail
+        everything waiting with ``error`` and refuse new requests with it, rather
+        than hold them to their deadlines; return how many were failed."""
+        n = self.close(error)
+        self._closed_error = error
+        return n
+
     def close(self, error: BaseException) -> int:
         """Stop taking requests and fail everything still waiting; return how many.
 
-        Call it only after the actor's task has stopped.
+        Call it only after the actor's task has stopped (or from ``retire``).
         """
         self._closed = True
+        self._closed_error = None
         n = 0
         while self._retries:
             n += sum(req.reply.set_error(own_error(error)) for req in self._retries.popleft())

@@ -384,6 +384,8 @@ async def test_a_thread_replica_whose_device_is_lost_serves_no_more(mock_clock, 
 async def test_a_lone_inline_replica_whose_device_is_lost_leaves_the_model_not_ready(
     autojump_clock, lose_devices
 ):
+    """The model's only replica lost its device: the model is not ready, and its
+    requests are refused at once with why (they waited out their deadlines)."""
     cfg = config(
         ModelConfig(name="m", backend=LosesItsDevice(lose_devices, "inline"), devices=("cpu",),
                     max_wait_ms=0, timeout_ms=1000)
@@ -395,6 +397,39 @@ async def test_a_lone_inline_replica_whose_device_is_lost_leaves_the_model_not_r
         assert not rt.model_ready("m")
         assert rt.models["m"].batchers[0].health == "lost"
         start = trio.current_time()
-        with pytest.raises(trioserve.DeadlineExceeded):  # nothing serves it any more
+        # Nothing serves it any more: refused at once, not held to its deadline.
+        with pytest.raises(ModelError, match="no replica can serve it any more") as info:
             await rt.infer("m", item(3.0))
-        assert trio.current_time() - start == pytest.approx(1.0)
+        assert DEVICE_LOST in str(info.value)
+        assert trio.current_time() == start
+
+
+async def test_a_retired_queue_answers_what_waits_and_refuses_what_comes_with_its_error():
+    """What the last replica to lose its device does to its queue: everything waiting
+    (queued, handed back for a retry) gets the error, each its own copy, and so does
+    every request after; a shutdown later says so again as ActorClosed."""
+    queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+
+    def request() -> Request:
+        return Request(model="m", item=None, cost=1, tenant="t", priority="default",
+                       arrival=0.0, deadline=math.inf, answer_expiry=False)
+
+    waiting = [request() for _ in range(3)]
+    for r in waiting:
+        scheduler.submit_nowait(r)
+    (first,) = [await scheduler.pull()]
+    scheduler.completed(first, failed=True)
+    scheduler.retry([first])
+    queued = request()
+    scheduler.submit_nowait(queued)
+    error = ModelError("model 'm': no replica can serve it any more")
+    assert scheduler.retire(error) == 4
+    errors = [r.reply.error for r in [*waiting, queued]]
+    assert all(isinstance(e, ModelError) and str(e) == str(error) for e in errors)
+    assert len({id(e) for e in errors}) == 4  # each its own copy
+    with pytest.raises(ModelError, match="no replica can serve it any more"):
+        scheduler.submit_nowait(request())
+    scheduler.close(trioserve.ActorClosed("shut down"))
+    with pytest.raises(trioserve.ActorClosed):
+        scheduler.submit_nowait(request())
