@@ -24,3 +24,17 @@ class Lookup(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.table(x).sum(dim=1)
+
+
+#: What Hungry takes per item of its batch, on top of its inputs.
+GIB_PER_ITEM = 3
+
+
+class Hungry(torch.nn.Module):
+    """``y = 2x``, taking GIB_PER_ITEM GiB of device memory per item while it runs: a
+    batch of 64 (192 GiB) runs out of any GPU's memory, one of 8 (24 GiB) does not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.empty(len(x) * GIB_PER_ITEM << 30, dtype=torch.uint8, device=x.device)
+        del scratch
+        return x * 2

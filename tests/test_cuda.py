@@ -282,3 +282,38 @@ def test_a_thread_replica_whose_cuda_context_is_lost_serves_no_more():
     assert out["ready"] is False
     assert out["health"] == "lost"
     assert out["statuses"]["device_lost"] == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("execution", ["thread", "process"])
+async def test_a_batch_that_runs_out_of_gpu_memory_is_split_and_each_part_answered(
+    monkeypatch, execution
+):
+    """Out of memory leaves the device usable (torch raises before the kernel runs):
+    it is the model's error like any other, so the batch is retried in parts, which
+    fit. The replica is not lost, nor its worker."""
+    from cuda_helpers import Hungry
+    from runtime_helpers import pythonpath_with
+
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(os.path.dirname(__file__)))
+    backend = trioserve.TorchBackend(
+        Hungry,
+        inputs=[trioserve.TensorSpec(name="x", datatype="FP32", shape=[4])],
+        outputs=[trioserve.TensorSpec(name="y", datatype="FP32", shape=[4])],
+    )
+    config = trioserve.Config(
+        models=(trioserve.ModelConfig(name="hungry", backend=backend, devices=("cuda:0",),
+                                      execution=execution, max_batch_size=64),)
+    )
+    x = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    async with trioserve.open_runtime(config) as rt:
+        with trio.fail_after(120):
+            outs = await rt.infer_batch("hungry", list(x))
+        batcher = rt.models["hungry"].batchers[0]
+        assert batcher.health == "ready"
+        assert batcher.workers_lost == 0
+        statuses = rt.statistics()["hungry"]["statuses"]
+    np.testing.assert_array_equal(np.stack([o["y"] for o in outs]), x * 2)
+    assert statuses["retried"] >= 64  # the batch of 64 failed, and was split
+    assert statuses.get("model_error", 0) == 0
+    assert statuses.get("device_lost", 0) == 0
