@@ -191,7 +191,8 @@ class WorkerProcess:
     async def result(self) -> list[dict[str, Any]]:
         """The outputs of the oldest batch in flight. Raises WorkerError (the model
         raised: the worker goes on) or WorkerDied (the process is gone, or going: its
-        model raised and left its device unusable)."""
+        model raised and left its device unusable; or it was killed, before or during
+        the call)."""
         reply = await self._read()
         self.in_flight -= 1
         if reply[0] == "error":
@@ -233,14 +234,19 @@ class WorkerProcess:
         return layout
 
     async def _write(self, data: bytes) -> None:
-        assert self._send is not None
+        if self._send is None:
+            raise WorkerDied(self._death("the worker was killed"))
         try:
             await self._send.send_all(_LEN.pack(len(data)) + data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise WorkerDied(self._death(f"pipe broke: {exc}")) from None
 
     async def _read(self) -> Any:
-        assert self._recv is not None
+        # Killed by another task (the batcher's watch on the exit) between our caller
+        # taking its batch and this call: a cancel-shielded checkpoint (a memory
+        # channel's receive) lets that happen with no checkpoint after it.
+        if self._recv is None:
+            raise WorkerDied(self._death("the worker was killed"))
         buf = self._buf
         need = _LEN.size
         while True:

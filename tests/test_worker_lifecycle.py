@@ -19,11 +19,12 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import config
-from trioserve import ModelConfig, WorkerProcess
+from runtime_helpers import callable_model, config, crash_on_666, item, pythonpath_with
+from trioserve import ModelConfig, ModelError, WorkerProcess
 from trioserve._builtin import resolve_backend
 from trioserve._zygote import Zygote, ZygoteError
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
 SLEEP = ModelConfig(name="s", backend="sleep", execution="process", max_batch_size=4,
                     max_wait_ms=1.0)
 
@@ -73,6 +74,82 @@ async def test_a_worker_that_dies_idle_is_replaced_before_the_next_request():
         assert batcher.workers_lost == 1
         assert batcher.restarts == 0
         assert rt.model_ready("s")
+
+
+async def test_a_worker_lost_while_its_batch_is_taken_for_collection_crashes_nothing(
+    monkeypatch,
+):
+    """The worker writes a batch's result and exits on the next batch (as a segfault
+    would). The batcher's collector reads the result and takes the next batch off its
+    channel (a cancel-shielded checkpoint), and the watch on the exit hands the
+    batches back and kills the worker before the collector asks for that batch's
+    result. That call found the pipe gone, tripped an assertion and crashed the
+    actor (a restart). Now it raises WorkerDied: the loss is already handled, and
+    every request is answered once. The hooks below only order the two tasks that
+    way; the processes are real."""
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))  # where crash_on_666 is
+    cfg = config(callable_model("m", crash_on_666, execution="process",
+                                max_batch_size=1, max_wait_ms=0, timeout_ms=None))
+    result, wait_exited, kill = (
+        WorkerProcess.result, WorkerProcess.wait_exited, WorkerProcess.kill
+    )
+    first_read, killed = trio.Event(), trio.Event()
+    calls: list[str] = []
+
+    async def ordered_result(self):
+        if self is not first:
+            return await result(self)
+        calls.append("result")
+        if len(calls) == 1:
+            try:
+                return await result(self)
+            finally:
+                first_read.set()
+        with trio.CancelScope(shield=True):
+            await killed.wait()  # the watch handled the exit first
+        try:
+            return await result(self)
+        except WorkerProcess.Died:
+            calls.append("died")
+            raise
+
+    async def ordered_wait_exited(self):
+        await wait_exited(self)
+        if self is first:
+            await first_read.wait()  # not before the first result was read
+
+    def recorded_kill(self):
+        kill(self)
+        if self is first:
+            killed.set()
+
+    async with trioserve.open_runtime(cfg) as rt:
+        batcher = rt.models["m"].batchers[0]
+        first = batcher._worker
+        monkeypatch.setattr(WorkerProcess, "result", ordered_result)
+        monkeypatch.setattr(WorkerProcess, "wait_exited", ordered_wait_exited)
+        monkeypatch.setattr(WorkerProcess, "kill", recorded_kill)
+        answers: dict[float, list[object]] = {1.0: [], 666.0: []}
+
+        async def call(v: float) -> None:
+            try:
+                answers[v].append(float((await rt.infer("m", item(v)))["y"][0]))
+            except ModelError as exc:
+                answers[v].append(exc)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 1.0)
+                await trio.testing.wait_all_tasks_blocked()  # 1.0 sent to the worker
+                nursery.start_soon(call, 666.0)
+        assert calls == ["result", "result", "died"]
+        assert batcher.restarts == 0
+        assert answers[1.0] == [1.0]
+        [poison] = answers[666.0]
+        assert "poison request" in str(poison)
+        assert batcher.workers_lost >= 1
+        with trio.fail_after(30):
+            assert (await rt.infer("m", item(2.0)))["y"].tolist() == [2.0]
 
 
 async def test_a_successor_that_cannot_start_is_tried_again_and_the_runtime_serves_on(
