@@ -24,6 +24,7 @@ from ._product import Product as Product
 from ._queue import Arrival as Arrival
 from ._queue import QueueMachine as QueueMachine
 from ._queue import QueueSetup as QueueSetup
+from ._runtime import Broken as Broken
 from ._runtime import Call as Call
 from ._runtime import ClassSetup as ClassSetup
 from ._runtime import Item as Item

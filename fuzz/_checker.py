@@ -57,6 +57,13 @@ INVARIANTS: dict[str, str] = {
     "lane": "a request waits in and runs from the lane of its cost: a model's slow lane "
     "(its own queue and replicas) for cost >= slow_lane_cost, the other lane below it",
     "leak": "no task outlives the runtime",
+    "hedge": "a hedge copy never runs in one batch with its original, and when one of "
+    "the two is answered with a result the other is withdrawn at once",
+    "elsewhere": "a part of a failed batch that raised alone on a replica while another "
+    "was ready runs once on another replica: it is not taken back while one is ready",
+    "breaker": "a replica's circuit breaker counts exactly the evidence against it: a "
+    "lone fresh request raising after other replicas succeeded, a part that raised alone "
+    "there answered elsewhere in the same run while the breaker was closed",
     "credits": "a tenant's admitted cost stays within its credit envelope; a caller "
     "pays once, and gets it back exactly when none of its requests ran",
     "accounting": "a queue's counts (live requests, cost in service, service rate, "
@@ -183,6 +190,11 @@ class QueueObserver:
         #: sweeps inside the queue's own calls too
         self.keep_gone = False
         self.gone: list[Tracked] = []
+        #: id(reply) of the hedge copies the queue took (``offer_spare``): a copy is
+        #: served as any request, but it is no backlog of its tenant's in the lag
+        #: check (the queue re-lifts a tenant's counter when its copy gives its room
+        #: back and a new request of it comes: its flow was empty in between)
+        self.spare: set[int] = set()
         #: how often each check had something to check (for coverage notes)
         self.exercised: collections.Counter[str] = collections.Counter()
 
@@ -415,7 +427,10 @@ class QueueObserver:
         longer checked: aging overrides fair share by design.
         """
         backlogged: list[set[str]] = [set() for _ in self.classes]
-        for t in self.pending.values():
+        spare = self.spare
+        for key, t in self.pending.items():
+            if key in spare:
+                continue
             if t.request.reply.state is QUEUED and t.request.deadline > now:
                 backlogged[t.cls].add(t.request.tenant)
         for c, tenants in enumerate(backlogged):

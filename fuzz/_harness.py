@@ -114,7 +114,8 @@ SUITES: dict[str, Suite] = {
             ci_examples=120,
             chunk_examples=60,
             repro_imports=(
-                "from fuzz import Call, ClassSetup, Item, Scenario, TenantSetup, run_scenario"
+                "from fuzz import Broken, Call, ClassSetup, Item, Scenario, TenantSetup, "
+                "run_scenario"
             ),
             stateful=False,
         ),

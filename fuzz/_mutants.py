@@ -17,6 +17,8 @@ from ._product import PRODUCT, Product
 
 FairQueue = trioserve.actors.FairQueue
 BatcherActor = trioserve.actors.BatcherActor
+SchedulerActor = trioserve.actors.SchedulerActor
+Breaker = trioserve.actors.Breaker
 TokenBucket = trioserve.actors.TokenBucket
 Runtime = trioserve.Runtime
 Cache = trioserve.actors.Cache
@@ -165,6 +167,63 @@ class SubmitsSplitCallsItemByItem(Runtime):
             served.scheduler_for(req.cost).submit_nowait(req)
 
 
+class KeepsAnsweredTwins(BatcherActor):
+    """A replica that answers a hedged request (or its copy) leaves the other
+    queued or running: it is withdrawn only when its caller wakes, after this
+    replica, or another, may already have pulled it."""
+
+    def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
+        scheduler = self._scheduler
+        twins, scheduler.twins = scheduler.twins, {}
+        try:
+            super()._deliver(batch, outputs, t0)
+        finally:
+            scheduler.twins = twins
+
+
+class RunsCopiesBesideOriginals(BatcherActor):
+    """A batcher keeps a hedge copy it pulls with its original (``keep_apart``
+    never called): both run in one batch on one replica, which hedges nothing."""
+
+    def _keep_apart(self, batch: list[Request]) -> list[Request]:
+        return batch
+
+
+class DropsPartsForElsewhere(BatcherActor):
+    """A part of a failed batch that raised alone here is marked to run elsewhere,
+    but never handed back to the scheduler: nobody answers it."""
+
+    def _model_failed(self, batch: list[Request], exc: BaseException) -> bool:
+        unmarked = [r for r in batch if r.reply.raised_on is None]
+        opened = super()._model_failed(batch, exc)
+        retries = self._scheduler._retries
+        for r in unmarked:
+            if r.reply.raised_on is not None:
+                for b in [b for b in retries if len(b) == 1 and b[0] is r]:
+                    retries.remove(b)
+        return opened
+
+
+class RetriesWhereTheyRaised(SchedulerActor):
+    """The scheduler ignores where a part raised alone: whoever pulls first takes
+    it, most often the replica it just raised on (the batcher then answers it that
+    replica's error)."""
+
+    def _elsewhere(self, batch: list[Request], puller: Any) -> bool:
+        return False
+
+
+class ConfirmsAcrossRuns(Breaker):
+    """A part answered elsewhere counts against the replica it raised on whenever
+    it comes in: after that replica succeeded since (a later run: the evidence is
+    stale), or while its breaker is open already (evidence of the failures that
+    opened it, counted again)."""
+
+    def confirmed(self, now: float, run: int) -> bool:
+        self.failure(now)
+        return self.failures >= self.threshold
+
+
 class RefundsToTheLevel(TokenBucket):
     """A refund puts all the credits back into the level, whatever waits behind the
     refunded reservation (the bucket's rule before its fix): the next reservation can
@@ -310,6 +369,39 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
             PRODUCT, name="failed-batch-in-service", queue_class=FailedBatchesStayInService
         ),
         ("queue",),
+    ),
+    # The runtime suite's own: hedges on several replicas, parts run elsewhere after
+    # they raised alone on a replica, and the breakers' evidence.
+    "twin-not-withdrawn": (
+        "a replica that answers one of a hedged request's two copies leaves the other "
+        "queued or running",
+        attrs.evolve(PRODUCT, name="twin-not-withdrawn", batcher_class=KeepsAnsweredTwins),
+        ("runtime",),
+    ),
+    "copy-beside-original": (
+        "a batcher runs a hedge copy in one batch with its original",
+        attrs.evolve(
+            PRODUCT, name="copy-beside-original", batcher_class=RunsCopiesBesideOriginals
+        ),
+        ("runtime",),
+    ),
+    "elsewhere-dropped": (
+        "a part marked to run on another replica is never handed back",
+        attrs.evolve(PRODUCT, name="elsewhere-dropped", batcher_class=DropsPartsForElsewhere),
+        ("runtime",),
+    ),
+    "elsewhere-same-replica": (
+        "a part marked to run on another replica is taken by the replica it raised on",
+        attrs.evolve(
+            PRODUCT, name="elsewhere-same-replica", scheduler_class=RetriesWhereTheyRaised
+        ),
+        ("runtime",),
+    ),
+    "confirmed-across-runs": (
+        "a part answered elsewhere counts against its replica after that replica "
+        "succeeded, or while its breaker is open",
+        attrs.evolve(PRODUCT, name="confirmed-across-runs", breaker_class=ConfirmsAcrossRuns),
+        ("runtime",),
     ),
     # The admission suite's own: the credits.
     "refund-to-level": (

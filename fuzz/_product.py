@@ -27,6 +27,8 @@ class Product:
     runtime_class: type = trioserve.Runtime
     queue_class: type = trioserve.actors.FairQueue
     batcher_class: type = trioserve.actors.BatcherActor
+    scheduler_class: type = trioserve.actors.SchedulerActor
+    breaker_class: type = trioserve.actors.Breaker
     bucket_class: type = trioserve.actors.TokenBucket
     cache_class: type = trioserve.actors.Cache
     cache_actor_class: type = trioserve.actors.CacheActor
@@ -107,6 +109,18 @@ def observed_queue_class(
             for request in requests:  # admitted: a call is admitted whole
                 self.observer.offered(request, now)
             self._swept(now, requests[0])
+
+        def offer_spare(self, request: Request, now: float) -> bool:
+            spare = self.observer.spare
+            spare.add(id(request.reply))
+            try:
+                taken = super().offer_spare(request, now)
+            except BaseException:
+                spare.discard(id(request.reply))
+                raise
+            if not taken:
+                spare.discard(id(request.reply))
+            return taken
 
         def plan_all(self, requests: Sequence[Request], now: float) -> Any:
             try:

@@ -31,6 +31,7 @@ supervisor restarts it. The model itself runs inline and echoes its input.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from collections.abc import Iterator
@@ -59,6 +60,7 @@ from trioserve import (
 
 from ._checker import InvariantViolation, QueueObserver, batch_cost
 from ._product import PRODUCT, Product, observed_queue_class, submission
+from ._replicas import Replicas, scheduler_class
 from ._stats import count_example, note
 
 MS = 1e-3
@@ -97,6 +99,19 @@ class Call:
 
 
 @attrs.frozen(kw_only=True)
+class Broken:
+    """Replica ``replica`` is broken from ``from_ms`` until ``until_ms`` (None: for
+    good) after the runtime opened: its model raises on every call there (a sticky
+    device error), whatever the inputs; with ``every`` n > 1, on all but every n-th
+    of its calls (a flaky device, which succeeds now and then)."""
+
+    replica: int = 0
+    from_ms: int = 0
+    until_ms: int | None = None
+    every: int = 1
+
+
+@attrs.frozen(kw_only=True)
 class ClassSetup:
     aging_ms: int = 1000
     timeout_ms: int | None = None
@@ -130,6 +145,12 @@ class Scenario:
     queue_bound: int = 64
     graceful_ms: int = 1000
     shutdown_at_ms: int | None = None
+    #: ``hedge = true`` with ``hedge_after_ms``: a top-class request alone still
+    #: unanswered after it sends a copy for another replica of its lane
+    hedge_after_ms: int | None = None
+    #: extra latency of every batch on each replica (by index; missing: none)
+    replica_delay_ms: tuple[int, ...] = ()
+    broken: tuple[Broken, ...] = ()
     classes: tuple[ClassSetup, ...] = (ClassSetup(),)
     tenants: tuple[TenantSetup, ...] = (TenantSetup(),)
     calls: tuple[Call, ...] = ()
@@ -142,6 +163,27 @@ _GAPS = st.sampled_from([0, 0, 0, 0, 0, 1, 2, 5, 20, 100])
 _BUSY = st.sampled_from([1, 2, 5, 20, 250])
 _BURSTS = st.sampled_from([0] * 8 + [1, 2, 5, 20, 100])
 _FAULT = st.sampled_from([None] * 12 + ["error", "crash"])
+#: with several replicas hedging or broken: inputs that raise (poison) more often
+_POISON = st.sampled_from([None] * 16 + ["error", "crash"])
+_REPLICA_DELAY = st.sampled_from([0, 2, 5, 20, 100])
+
+@st.composite
+def _broken(draw: st.DrawFn, replicas: int) -> tuple[Broken, ...]:
+    """One to four spells of brokenness on one or more replicas: for good, or for a
+    while (so that a replica that raised succeeds again, and evidence taken before
+    goes stale)."""
+    out = []
+    for _ in range(draw(st.integers(1, 6))):
+        start = draw(st.sampled_from([0, 0, 0, 5, 20, 100]))
+        length = draw(st.sampled_from([None, None, None, 2, 5, 10, 20, 50]))
+        out.append(Broken(
+            replica=draw(st.integers(0, replicas - 1)),
+            from_ms=start,
+            until_ms=None if length is None else start + length,
+            every=draw(st.sampled_from([1, 1, 1, 2, 3])),
+        ))
+    return tuple(out)
+
 
 
 @st.composite
@@ -161,6 +203,19 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         slow_replicas = draw(st.integers(1, replicas - 1))
         most_items = 4
     bound = draw(st.integers(1, 32) if slow_cost is None else st.integers(1, 4))
+    # With several replicas, in most scenarios: hedged requests, replicas broken for a
+    # while or for good (the others sound, or all broken), poison inputs, and
+    # replicas slower than others (so that a copy on a fast one answers first, and a
+    # part waits for the replica it is kept for).
+    hedge_after, delays, broken, fault = None, (), (), _FAULT
+    mode = draw(st.sampled_from(["plain", "hedge", "broken", "both"])) if replicas > 1 else "plain"
+    if mode != "plain":
+        delays = tuple(draw(_REPLICA_DELAY) for _ in range(replicas))
+        fault = _POISON
+    if mode in ("hedge", "both"):
+        hedge_after = draw(st.sampled_from([1, 2, 5, 20]))
+    if mode in ("broken", "both"):
+        broken = draw(_broken(replicas))
     n_classes = draw(st.integers(1, 3))
     n_tenants = draw(st.integers(1 if slow_cost is None else 2, 3))
     classes = tuple(
@@ -187,17 +242,23 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         )
     cost = st.integers(1, 4) if max_tokens is None else st.integers(1, max_tokens + 2)
     busy = slow_cost is not None
-    item = st.builds(Item, cost=cost, latency_ms=_BUSY if busy else _LATENCY, fault=_FAULT)
+    item = st.builds(Item, cost=cost, latency_ms=_BUSY if busy else _LATENCY, fault=fault)
     call = st.builds(
         Call,
-        at_ms=_BURSTS if busy else _GAPS,  # after the previous call
+        # after the previous call (in bursts with several replicas hedging or broken:
+        # work queues up while a replica raises, then heals)
+        at_ms=_BURSTS if busy or mode != "plain" else _GAPS,
         tenant=st.integers(0, n_tenants - 1),
         cls=st.none() | st.integers(0, n_classes - 1),
         items=st.lists(item, min_size=1, max_size=most_items).map(tuple) | st.tuples(item),
         cancel_ms=st.none() | st.none() | st.sampled_from([0, 1, 3, 10, 50]),
         cancel_how=st.sampled_from(["deadline", "cancel"]),
     )
-    gaps = draw(st.lists(call, min_size=1, max_size=30))
+    # (several replicas hedging or broken: longer runs, so that breakers see their
+    # evidence pile up and open)
+    gaps = draw(st.lists(call, min_size=1, max_size=30) if mode == "plain" else st.lists(
+        call, min_size=8, max_size=40
+    ))
     at, calls = 0, []
     for c in gaps:  # arrival times accumulate the gaps
         at += c.at_ms
@@ -208,7 +269,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         padded=draw(st.booleans()),
         oversize=draw(st.sampled_from(["alone", "reject", "split"])),
         max_wait_ms=draw(st.sampled_from([0, 0, 1, 5, 20, 50])),
-        timeout_ms=draw(st.none() | st.sampled_from([5, 50, 1000])),
+        # (with replicas hedging or broken, parts wait for another replica: a long
+        # timeout if any, so that they get there)
+        timeout_ms=draw(st.none() | st.sampled_from([5, 50, 1000] if mode == "plain" else [1000])),
         replicas=replicas,
         slow_lane_cost=slow_cost,
         slow_lane_replicas=slow_replicas,
@@ -217,6 +280,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         queue_bound=bound,
         graceful_ms=draw(st.sampled_from([0, 10, 1000])),
         shutdown_at_ms=draw(st.sampled_from([None] * 15 + [0, 5, 30, 200])),
+        hedge_after_ms=hedge_after,
+        replica_delay_ms=delays,
+        broken=broken,
         classes=classes,
         tenants=tuple(tenants),
         calls=tuple(calls),
@@ -267,8 +333,12 @@ class EchoModel(ModelBackend):
                     ("duplicated", f"the model ran {parts} outside a batch a replica started")
                 )
             bad = [k for k, _ in parts if run.fault(k) == "error"]
+            broken = ex is not None and run.broken_at(ex.replica, trio.current_time())
             if ex is not None:
-                ex.status = "error" if bad else "ok"
+                run.replicas.at_model(ex, ex.reqs, broken)
+                ex.status = "error" if bad or broken else "ok"
+            if broken:
+                raise RuntimeError(f"planted broken replica {ex.replica}")  # type: ignore[union-attr]
             if bad:
                 raise ValueError(f"planted model error on item {bad[0]}")
             return [{"y": it["x"].copy()} for it in items]
@@ -293,7 +363,21 @@ class Execution:
     at: float
     replica: int
     parts: list[tuple[int, int]]
+    #: its requests (for the reference of the replicas, fuzz/_replicas.py)
+    reqs: list[Any] = attrs.Factory(list)
     status: str = "cut"
+    end: float | None = None
+    #: per request: (part, hedge copy?), and whether it ran before (a retry)
+    keys: list[tuple[int, int, bool]] = attrs.Factory(list)
+    retried: list[bool] = attrs.Factory(list)
+    #: when the model was called: its replica broken, each reply still answerable,
+    #: another replica of its lane ready, each hedge twin still answerable
+    broken: bool = False
+    answerable: list[bool] = attrs.Factory(list)
+    others_ready: bool = False
+    twins_answerable: list[bool] = attrs.Factory(list)
+    #: it raised on a part alone that is to run once on another replica
+    marked: bool = False
 
 
 def batcher_class(base: type, run: Run) -> type:
@@ -306,18 +390,28 @@ def batcher_class(base: type, run: Run) -> type:
         async def _execute(self, batch: list[Any]) -> None:
             now = trio.current_time()
             parts = [part_id(req.item["x"]) for req in batch]
-            ex = Execution(at=now, replica=self.index, parts=parts)
+            ex = Execution(at=now, replica=self.index, parts=parts, reqs=list(batch))
             run.executions.append(ex)
             run.check_started(ex, batch)
-            latency = run.scenario.batch_latency_ms + max(run.latency(k) for k, _ in parts)
-            if latency:
-                await trio.sleep(latency * MS)
-            crash = [k for k, _ in parts if run.fault(k) == "crash"]
-            if crash:
-                ex.status = "crash"
-                raise RuntimeError(f"planted replica crash on item {crash[0]}")
-            run.current = ex  # the inline model runs synchronously inside the next call
-            await super()._execute(batch)
+            run.replicas.started(ex, batch)
+            try:
+                latency = (
+                    run.scenario.batch_latency_ms + run.replica_delay(self.index)
+                    + max(run.latency(k) for k, _ in parts)
+                )
+                if latency:
+                    await trio.sleep(latency * MS)
+                crash = [k for k, _ in parts if run.fault(k) == "crash"]
+                if crash:
+                    ex.status = "crash"
+                    raise RuntimeError(f"planted replica crash on item {crash[0]}")
+                run.current = ex  # the inline model runs synchronously inside the next call
+                await super()._execute(batch)
+            finally:
+                # (inline: the model ran and its answers were delivered with no
+                # checkpoint since)
+                ex.end = trio.current_time()
+                run.replicas.ended(ex, batch, ex.end)
 
     return SimulatedDevice
 
@@ -346,6 +440,32 @@ class Run:
     credits_used: dict[str, float] = attrs.Factory(dict)
     shutdown_at: float = math.inf
     end: float = 0.0
+    replicas: Replicas = attrs.field(init=False)
+    #: model calls per replica (a flaky replica succeeds on every n-th)
+    model_calls: collections.Counter[int] = attrs.Factory(collections.Counter)
+    #: the scheduler class open_runtime is to build (the product's, observed)
+    scheduler_class: type | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.replicas = Replicas(lane_of=self.lane_of_replica)
+
+    def replica_delay(self, index: int) -> int:
+        delays = self.scenario.replica_delay_ms
+        return delays[index] if index < len(delays) else 0
+
+    def broken_at(self, index: int, now: float) -> bool:
+        """Whether replica ``index``'s model raises on its call now (each call
+        counts, for a flaky spell)."""
+        self.model_calls[index] += 1
+        n = self.model_calls[index]
+        for b in self.scenario.broken:
+            if b.replica != index or now < self.t0 + b.from_ms * MS:
+                continue
+            if (b.until_ms is None or now < self.t0 + b.until_ms * MS) and (
+                b.every == 1 or n % b.every
+            ):
+                return True
+        return False
 
     def check_started(self, ex: Execution, batch: list[Any]) -> None:
         """A replica starts ``batch``: within the budgets, nothing past its deadline."""
@@ -445,6 +565,8 @@ def config_of(sc: Scenario, run: Run) -> trioserve.Config:
         timeout_ms=sc.timeout_ms,
         execution="inline",
         adaptive_limit=sc.adaptive,
+        hedge=sc.hedge_after_ms is not None,
+        hedge_after_ms=sc.hedge_after_ms,
     )
     return trioserve.Config(
         models=(model,),
@@ -465,14 +587,25 @@ def product_installed(run: Run) -> Iterator[None]:
     Runtime from ``trioserve._runtime.Runtime``: point those names at the observed
     product (or planted-bug) classes while it starts."""
     actors = trioserve.actors
-    saved = actors.FairQueue, actors.BatcherActor, _assembly.Runtime
+    saved = (
+        actors.FairQueue, actors.BatcherActor, actors.SchedulerActor, actors.Breaker,
+        _assembly.Runtime,
+    )
     actors.FairQueue = observed_queue_class(run.product.queue_class, run.queues.append)
     actors.BatcherActor = batcher_class(run.product.batcher_class, run)
+    run.scheduler_class = scheduler_class(
+        run.product.scheduler_class, run.replicas, lambda req: part_id(req.item["x"])
+    )
+    actors.SchedulerActor = run.scheduler_class
+    actors.Breaker = run.product.breaker_class
     _assembly.Runtime = run.product.runtime_class
     try:
         yield
     finally:
-        actors.FairQueue, actors.BatcherActor, _assembly.Runtime = saved
+        (
+            actors.FairQueue, actors.BatcherActor, actors.SchedulerActor, actors.Breaker,
+            _assembly.Runtime,
+        ) = saved
 
 
 def _lanes(run: Run, rt: trioserve.Runtime) -> dict[str, Any]:
@@ -481,12 +614,16 @@ def _lanes(run: Run, rt: trioserve.Runtime) -> dict[str, Any]:
     lanes = {"fast": served.scheduler.policy}
     if served.slow_scheduler is not None:
         lanes["slow"] = served.slow_scheduler.policy
+    schedulers = [served.scheduler, served.slow_scheduler]
     if type(rt) is not run.product.runtime_class or not all(
         any(q is mine for mine in run.queues) for q in lanes.values()
+    ) or any(s is not None and type(s) is not run.scheduler_class for s in schedulers) or any(
+        type(b._breaker) is not run.product.breaker_class for b in served.batchers
     ):
         raise RuntimeError(
-            "fuzz: open_runtime did not build its Runtime or its lanes' queues from the "
-            "names fuzz/_runtime.py:product_installed replaces; update it"
+            "fuzz: open_runtime did not build its Runtime, its lanes' queues and schedulers "
+            "or its breakers from the names fuzz/_runtime.py:product_installed replaces; "
+            "update it"
         )
     return lanes
 
@@ -543,6 +680,7 @@ async def _play(run: Run) -> None:
         with product_installed(run):
             async with trioserve.open_runtime(cfg) as rt:
                 run.lanes = _lanes(run, rt)
+                run.replicas.batchers = list(rt.models["m"].batchers)
                 run.t0 = trio.current_time()
                 for i, call in enumerate(sc.calls):
                     for j, it in enumerate(call.items):
@@ -612,27 +750,31 @@ def check(run: Run) -> None:
     for out in run.outcomes.values():
         kind = type(out.value).__name__ if out.kind == "error" else out.kind
         note("runtime", f"outcome: {kind}")
-    history: dict[tuple[int, int], list[Execution]] = {}
+    # Each request's batches: a hedge copy is a request of its own.
+    history: dict[tuple[int, int, bool], list[Execution]] = {}
     for ex in run.executions:
-        for p in ex.parts:
-            history.setdefault(p, []).append(ex)
+        for k in ex.keys:
+            history.setdefault(k, []).append(ex)
         note("runtime", f"replica batches: {ex.status}")
     note("runtime", "parts retried", sum(len(h) > 1 for h in history.values()))
     if sc.shutdown_at_ms is not None:
         note("runtime", "early shutdowns")
+    run.replicas.finish()
     for obs in observers:
         obs.raise_first()
     if run.violations:
         raise InvariantViolation(*run.violations[0])
+    if run.replicas.violations:
+        raise InvariantViolation(*run.replicas.violations[0])
     _check_lanes(run)
     for p, runs in history.items():
         for ex in runs[:-1]:
             if ex.status != "error":
                 raise InvariantViolation(
                     "duplicated",
-                    f"item {p[0]} (part at {p[1]}) ran again at t={runs[-1].at:.6g} after "
-                    f"its batch at t={ex.at:.6g} ended {ex.status!r}: only a batch whose "
-                    "model raised is retried",
+                    f"item {p[0]} (part at {p[1]}{', hedge copy' if p[2] else ''}) ran "
+                    f"again at t={runs[-1].at:.6g} after its batch at t={ex.at:.6g} ended "
+                    f"{ex.status!r}: only a batch whose model raised is retried",
                 )
     for i, call in enumerate(sc.calls):
         _check_call(run, i, call, history)
@@ -687,7 +829,7 @@ def _describe(i: int, call: Call) -> str:
 
 
 def _check_call(
-    run: Run, i: int, call: Call, history: dict[tuple[int, int], list[Execution]]
+    run: Run, i: int, call: Call, history: dict[tuple[int, int, bool], list[Execution]]
 ) -> None:
     sc = run.scenario
     who = _describe(i, call)
@@ -729,21 +871,30 @@ def _check_call(
                     f"{keys[j]}, got that of {whose[0] if whose else 'nothing'}"
                     f"{f' part at {whose[1]}' if whose and whose[1] else ''})",
                 )
-        for p, runs in mine.items():
-            if runs[-1].status != "ok":
+        for key in keys:
+            # the item's parts, or its hedge copy, all answered by their last batch
+            tries = [
+                [runs for p, runs in mine.items() if p[0] == key and p[2] is copy]
+                for copy in (False, True)
+            ]
+            if not any(t and all(r[-1].status == "ok" for r in t) for t in tries):
+                ended = {
+                    f"{'copy' if p[2] else 'part'} at {p[1]}": runs[-1].status
+                    for p, runs in mine.items() if p[0] == key
+                }
                 raise InvariantViolation(
                     "outcome",
-                    f"{who} got a result though the last batch of item {p[0]} (part at "
-                    f"{p[1]}) ended {runs[-1].status!r}",
+                    f"{who} got a result though no run of item {key} (nor of its hedge "
+                    f"copy) ended with one: last batches {ended}",
                 )
         return
     exc = out.value
     name = type(exc).__name__
     ok = False
     if isinstance(exc, ModelError):
-        # Model errors reach only their own input: the failed batch is split and
-        # retried until the input that raises runs alone.
-        ok = any(it.fault == "error" for it in call.items)
+        ok, why = _model_error_allowed(run, mine)
+        if not ok:
+            raise InvariantViolation("outcome", f"{who} raised {name}: {exc} — {why}")
     elif isinstance(exc, ActorBroken):
         ok = any(runs[-1].status == "crash" for runs in mine.values())
     elif isinstance(exc, DeadlineExceeded):
@@ -777,6 +928,44 @@ def _check_call(
         raise InvariantViolation(
             "outcome", f"{who} raised {name}: {exc} — not an outcome its situation allows"
         )
+
+
+def _model_error_allowed(
+    run: Run, mine: dict[tuple[int, int, bool], list[Execution]]
+) -> tuple[bool, str]:
+    """A ModelError reaches a caller only from a request that raised alone (a
+    failed batch of several is split and retried), and only for an input that
+    raises (poison) or on a replica broken then: a sound input in a fresh batch of
+    its own there, a part with no other ready replica of its lane to run it, or one
+    that raised alone on two replicas. A part of a failed batch that raised alone on
+    a replica while another was ready runs once elsewhere instead."""
+    why = "no request of it raised alone (a failed batch of several is retried in parts)"
+    for p, runs in mine.items():
+        last = runs[-1]
+        if last.status != "error" or len(last.parts) != 1:
+            continue
+        poison = run.fault(p[0]) == "error"
+        if last.marked:
+            why = (
+                f"item {p[0]} (part at {p[1]}) raised alone as a retry on replica "
+                f"{last.replica} at t={last.at:.6g} while another replica was ready: it "
+                "runs once elsewhere, not answered that replica's error"
+            )
+            continue
+        if poison or last.broken:
+            how = "fresh, alone"
+            if last.retried[0]:
+                how = "a part, raised alone elsewhere too" if any(
+                    ex.marked for ex in runs
+                ) else "a part, no other replica ready"
+            note(
+                "runtime",
+                "ModelError: poison items" if poison else
+                f"ModelError: sound items on a broken replica ({how})",
+            )
+            return True, ""
+        why = f"item {p[0]} does not raise and replica {last.replica} was not broken"
+    return False, why
 
 
 def _most_queued(sc: Scenario, tenant: int) -> int:
