@@ -331,7 +331,7 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "ignore-weights": (
         "fair share ignores the tenants' weights",
         attrs.evolve(PRODUCT, name="ignore-weights", queue_class=IgnoresWeights),
-        ("runtime", "queue"),
+        ("queue", "runtime"),
     ),
     "push-out-for-refused-call": (
         "a call's items are queued one by one: those before a refused item push out "
