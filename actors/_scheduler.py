@@ -322,15 +322,30 @@ class SchedulerActor(Actor):
     def _next_retry(self, puller: Any, now: float) -> list[Request] | None:
         """The next batch to retry that ``puller`` may run (its requests still
         waiting for an answer; possibly none: []), or None when each waits for
-        another replica (a request that raised alone on ``puller``)."""
+        another replica (a request that raised alone on ``puller``). One that waits
+        so is answered at its deadline (dropped if its caller left) by the look of
+        any puller, rather than only when another replica pulls it."""
         retries = self._retries
         for _ in range(len(retries)):
             if not self._elsewhere(retries[0], puller):
                 break
-            retries.rotate(-1)
+            if self._settle(retries[0], now):
+                retries.rotate(-1)
+            else:
+                retries.popleft()
         else:
-            return None
-        batch = retries.popleft()
+            return None if retries else []
+        alive = self._settle(retries.popleft(), now)
+        if alive and hasattr(self.policy, "in_service"):
+            # back on a device: its completion takes it off again (the failed run's
+            # did, when it was handed back)
+            self.policy.in_service += sum(r.cost for r in alive)
+        return alive
+
+    def _settle(self, batch: list[Request], now: float) -> list[Request]:
+        """The requests of a retry ``batch`` still waiting for an answer; those whose
+        deadline passed are answered DeadlineExceeded (or dropped, when their
+        caller's own deadline it is), those whose caller left dropped."""
         alive = []
         for req in batch:
             if req.reply.state is not _DISPATCHED:
@@ -347,10 +362,6 @@ class SchedulerActor(Actor):
                     req.reply.withdraw()
                 continue
             alive.append(req)
-        if alive and hasattr(self.policy, "in_service"):
-            # back on a device: its completion takes it off again (the failed run's
-            # did, when it was handed back)
-            self.policy.in_service += sum(r.cost for r in alive)
         return alive
 
     # ---- the actor
