@@ -29,6 +29,7 @@ from trioserve import (
     Reply,
     Request,
     RequestState,
+    TrioserveError,
 )
 
 from ._batching import SchedulingPolicy
@@ -402,8 +403,19 @@ class SchedulerActor(Actor):
         while self._retries:
             n += sum(req.reply.set_error(own_error(error)) for req in self._retries.popleft())
         while self._apart:
-            n += self._apart.popleft().reply.set_error(own_error(error))
+            req = self._apart.popleft()
+            # a hedge twin held apart never ran, unless it is a failed batch's retry
+            n += req.reply.set_error(_unrun(own_error(error), not req.reply.suspect))
         for req in self.policy.drain():
-            n += req.reply.set_error(own_error(error))
+            # never ran: not charged (a request refused by the closed queue is not)
+            n += req.reply.set_error(_unrun(own_error(error)))
         self._idle.unpark_all()
         return n
+
+
+def _unrun(error: BaseException, unrun: bool = True) -> BaseException:
+    """``error`` (a copy for one caller), marked as answering a request that never
+    reached a device (``in_queue``: its caller is not charged) when ``unrun``."""
+    if unrun and isinstance(error, TrioserveError):
+        error.in_queue = True
+    return error

@@ -2,7 +2,7 @@
 (``Runtime._submit``, ``Runtime._hedged``, ``_note_withdrawal``) does with a request's
 reply, without trio. Each caller pays its cost once when its request is admitted, may
 be hedged (a copy through ``offer_spare``), takes the first answer of its original or
-its copy (a "never ran" error, Overloaded or DeadlineExceeded in the queue, is no
+its copy (a "never ran" error, Overloaded or one answered in the queue, ``in_queue``, is no
 answer while the other may still run), withdraws the other, and leaves at its deadline
 or when cancelled. It gets its credits back exactly when none of its requests ran.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 
 import attrs
-from trioserve import DeadlineExceeded, Overloaded, Request, RequestState
+from trioserve import Overloaded, Request, RequestState, TrioserveError
 
 from ._checker import InvariantViolation, QueueObserver
 
@@ -35,7 +35,7 @@ def never_ran(request: Request) -> bool:
         return False
     error = reply.error
     return isinstance(error, Overloaded) or (
-        isinstance(error, DeadlineExceeded) and error.in_queue
+        isinstance(error, TrioserveError) and error.in_queue
     )
 
 

@@ -9,6 +9,9 @@ class TrioserveError(Exception):
 
     #: HTTP status the gateway answers with for this error.
     status = 500
+    #: The request it answers never reached a device (answered while still queued):
+    #: its caller is not charged for it.
+    in_queue = False
 
 
 class ConfigError(TrioserveError, ValueError):

@@ -23,7 +23,6 @@ from ._config import Config, ModelConfig, load_config
 from ._errors import (
     ActorClosed,
     ConfigError,
-    DeadlineExceeded,
     Forbidden,
     InvalidInput,
     ModelLoadError,
@@ -1266,9 +1265,10 @@ def _note_withdrawal(requests: Sequence[Request]) -> None:
 
 def _never_ran(exc: BaseException) -> bool:
     """Whether a request answered with ``exc`` never reached a device: pushed out of
-    (or refused by) the queue, or expired while queued."""
+    (or refused by) the queue, or answered while queued (expired, or failed by a
+    queue that closed: ``in_queue``)."""
     return isinstance(exc, Overloaded) or (
-        isinstance(exc, DeadlineExceeded) and exc.in_queue
+        isinstance(exc, TrioserveError) and exc.in_queue
     )
 
 

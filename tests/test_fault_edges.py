@@ -12,8 +12,8 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import GATE_LIMIT_S, ILLEGAL_ACCESS, X, Y, config, item, key
-from trioserve import DeadlineExceeded, ModelConfig, Request
+from runtime_helpers import DEVICE_LOST, GATE_LIMIT_S, ILLEGAL_ACCESS, X, Y, config, item, key
+from trioserve import DeadlineExceeded, ModelConfig, ModelError, Request
 from trioserve.actors import BatchLimits, FairQueue, SchedulerActor
 from trioserve.actors._scheduler import ELSEWHERE_RECHECK
 
@@ -152,3 +152,106 @@ async def test_parts_left_to_a_busy_replica_are_answered_at_their_deadline(mock_
                 backend.gate.set()
         finally:
             backend.gate.set()
+
+
+class GatedLoss(trioserve.ModelBackend):
+    """Thread replicas whose device a negative input leaves unusable (``device_lost``
+    says so for it, through ``lose_devices``), once ``gate`` is set: until then that
+    batch holds its replica (``started`` is set when it begins). Otherwise
+    ``y = x``."""
+
+    inputs = (X,)
+    outputs = (Y,)
+    default_execution = "thread"
+
+    def __init__(self, lost: set[str]) -> None:
+        self.lost = lost
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def load(self, device, *, torch_threads=1):
+        def run(items):
+            if device in self.lost:
+                raise RuntimeError(DEVICE_LOST)
+            if any(it["x"][0] < 0 for it in items):
+                self.started.set()
+                if not self.gate.wait(GATE_LIMIT_S):
+                    raise RuntimeError("gate never opened")
+                self.lost.add(device)
+                raise RuntimeError(DEVICE_LOST)
+            return [{"y": it["x"].copy()} for it in items]
+
+        return run
+
+
+@pytest.fixture
+def lose_devices(monkeypatch) -> set[str]:
+    """The devices a model left unusable, as ``device_lost`` reports them."""
+    import trioserve.actors._batcher as batcher_module
+
+    lost: set[str] = set()
+    monkeypatch.setattr(batcher_module, "device_lost", lambda device: device in lost)
+    return lost
+
+
+async def test_requests_failed_unrun_by_a_retired_queue_are_refunded(mock_clock, lose_devices):
+    """The only replica loses its device while requests wait in its queue: they get
+    the retired queue's error at once and, never having run, are refunded, as a
+    request refused by the retired queue is (and one pushed out or expired queued).
+    Before, they were charged."""
+    backend = GatedLoss(lose_devices)
+    cfg = config(ModelConfig(name="m", backend=backend, devices=("cpu:0",),
+                             max_batch_size=1, max_wait_ms=0))
+    errors: list[str] = []
+    async with trioserve.open_runtime(cfg) as rt:
+
+        async def call(*values: float) -> None:
+            try:
+                if len(values) == 1:
+                    await rt.infer("m", item(values[0]))
+                else:
+                    await rt.infer_batch("m", [item(v) for v in values])
+            except ModelError as exc:
+                errors.append(str(exc))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, -1.0)
+                await trio.to_thread.run_sync(backend.started.wait, GATE_LIMIT_S)
+                nursery.start_soon(call, 1.0)
+                nursery.start_soon(call, 2.0, 3.0)
+                await trio.testing.wait_all_tasks_blocked()
+                backend.gate.set()
+        finally:
+            backend.gate.set()
+        assert len(errors) == 3
+        assert sum("failed on cpu:0 and left it unusable" in e for e in errors) == 1
+        assert sum("no replica can serve it any more" in e for e in errors) == 2
+        assert not rt.model_ready("m")
+        await call(4.0)  # refused by the retired queue
+        assert len(errors) == 4
+        assert "no replica can serve it any more" in errors[-1]
+        credits = rt.tenant_statistics()["t"]
+        assert credits["credits_used"] == 1  # the request that ran
+        assert credits["credits_refunded"] == 4
+
+
+async def test_a_closing_queue_marks_the_errors_of_what_never_ran():
+    """``close`` (at shutdown) and ``retire``: a request still queued, or a hedge
+    twin held apart that never ran, is answered with an error that says so
+    (``in_queue``: its caller is refunded); a failed batch's retry ran, and is
+    charged."""
+    queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    retry, apart, queued = _request(), _request(), _request()
+    for r in (retry, apart):
+        scheduler.submit_nowait(r)
+    batch = await scheduler.pull()
+    assert batch == [retry, apart]
+    scheduler.completed([retry], failed=True)
+    retry.reply.suspect = True
+    scheduler.retry([[retry]])
+    scheduler.keep_apart(apart)
+    scheduler.submit_nowait(queued)
+    assert scheduler.close(trioserve.ActorClosed("shut down")) == 3
+    assert [r.reply.error.in_queue for r in (retry, apart, queued)] == [False, True, True]
