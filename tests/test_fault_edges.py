@@ -255,3 +255,103 @@ async def test_a_closing_queue_marks_the_errors_of_what_never_ran():
     scheduler.submit_nowait(queued)
     assert scheduler.close(trioserve.ActorClosed("shut down")) == 3
     assert [r.reply.error.in_queue for r in (retry, apart, queued)] == [False, True, True]
+
+
+class Loses(trioserve.ModelBackend):
+    """A model whose replica a negative input leaves with an unusable device
+    (``device_lost`` says so, through ``lose_devices``); an item costs its length.
+    Otherwise ``y = x``."""
+
+    inputs = (X,)
+    outputs = (Y,)
+
+    def __init__(self, lost: set[str], execution: str) -> None:
+        self.lost = lost
+        self.default_execution = execution
+
+    def prepare(self, name, inputs):
+        it, _ = super().prepare(name, inputs)
+        return it, int(it["x"].shape[0])
+
+    def load(self, device, *, torch_threads=1):
+        def run(items):
+            if device in self.lost or any(it["x"][0] < 0 for it in items):
+                self.lost.add(device)
+                raise RuntimeError(DEVICE_LOST)
+            return [{"y": it["x"].copy()} for it in items]
+
+        return run
+
+
+async def test_a_slow_lane_whose_replicas_are_lost_is_retired_alone(mock_clock, lose_devices):
+    """The slow lane's only replica loses its device on a batch of two long inputs:
+    both get the error (counted once in device_lost, twice in model_error, not
+    retried); the slow lane's queue is retired (a long request, or a call with a long
+    item, refused at once, refunded), the fast lane serves on, and the model stays
+    ready (its fast lane can serve)."""
+    cfg = config(ModelConfig(name="m", backend=Loses(lose_devices, "thread"),
+                             devices=("cpu:0", "cpu:1"), max_batch_size=4, max_wait_ms=0,
+                             slow_lane_cost=4))
+    async with trioserve.open_runtime(cfg) as rt:
+        served = rt.models["m"]
+        fast, slow = served.batchers
+        with pytest.raises(ModelError, match="left it unusable"):
+            await rt.infer_batch("m", [item(-1.0, 4), item(5.0, 4)])
+        assert lose_devices == {slow.device}
+        assert (slow.health, fast.health) == ("lost", "ready")
+        statuses = rt.statistics()["m"]["statuses"]
+        assert (statuses["device_lost"], statuses["model_error"]) == (1, 2)
+        assert not statuses.get("retried")
+        start = trio.current_time()
+        with pytest.raises(ModelError, match="no replica can serve it any more"):
+            await rt.infer("m", item(2.0, 4))
+        with pytest.raises(ModelError, match="no replica can serve it any more"):
+            await rt.infer_batch("m", [item(1.0), item(2.0, 4)])
+        assert trio.current_time() == start
+        assert (await rt.infer("m", item(3.0)))["y"][0] == 3.0
+        assert rt.model_ready("m")
+        assert rt.health()["m"]["replicas"][slow.name] == "lost"
+        credits = rt.tenant_statistics()["t"]
+        assert credits["credits_used"] == 8 + 1  # the lost batch, the short request
+        assert credits["credits_refunded"] == 4 + 5
+
+
+async def test_readiness_over_http_follows_the_replicas_that_lost_their_device(
+    autojump_clock, lose_devices
+):
+    """``/v2/models/m/ready`` and ``/v2/health/ready``: ready while one of two inline
+    replicas has its device, 503 once both lost theirs (and requests are refused)."""
+    from trioserve.transport import Gateway
+
+    cfg = config(ModelConfig(name="m", backend=Loses(lose_devices, "inline"),
+                             devices=("cpu:0", "cpu:1"), max_batch_size=1, max_wait_ms=0))
+    async with trioserve.open_runtime(cfg) as rt:
+        client = Gateway(rt).app.test_client()
+
+        async def statuses() -> tuple[int, int]:
+            model = await client.get("/v2/models/m/ready")
+            server = await client.get("/v2/health/ready")
+            return model.status_code, server.status_code
+
+        assert await statuses() == (200, 200)
+        with pytest.raises(ModelError, match="left it unusable"):
+            await rt.infer("m", item(-1.0))
+        assert len(lose_devices) == 1
+        assert await statuses() == (200, 200)
+        with pytest.raises(ModelError, match="left it unusable"):
+            await rt.infer("m", item(-2.0))
+        assert len(lose_devices) == 2
+        assert await statuses() == (503, 503)
+        with pytest.raises(ModelError, match="no replica can serve it any more"):
+            await rt.infer("m", item(1.0))
+
+
+def test_device_lost_is_false_at_once_for_a_device_that_is_not_cuda(monkeypatch):
+    """``device_lost`` after every model raise: on a CPU (or any non-CUDA) device it
+    is False without touching torch, and so on CUDA in a process that never used it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # any use of torch would raise
+    for device in ("cpu", "cpu:0", "sleep:1", "mps"):
+        assert trioserve.device_lost(device) is False
+    assert trioserve.device_lost("cuda:0") is False  # torch never imported here
