@@ -657,8 +657,9 @@ class BatcherActor(Actor):
         """A request that raised alone here during the breaker's run ``run`` was
         answered with a result by another replica (see :meth:`Breaker.confirmed`).
         A worker process whose breaker this opens is replaced before it pulls
-        again."""
-        if not self._breaker.confirmed(trio.current_time(), run):
+        again. A replica whose device is lost takes no more evidence: it serves no
+        more anyway."""
+        if self.lost is not None or not self._breaker.confirmed(trio.current_time(), run):
             return
         log.warning(
             "%s: circuit breaker open: the model raised here on inputs that other "

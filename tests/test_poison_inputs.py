@@ -379,6 +379,11 @@ async def test_a_thread_replica_whose_device_is_lost_serves_no_more(mock_clock, 
         stats = rt.statistics()["m"]["statuses"]
         assert stats["device_lost"] == 1
         assert stats["model_error"] == 1
+        # Evidence from another replica no longer counts against it (nor is logged).
+        failures = lost._breaker.failures
+        for _ in range(10):
+            lost._failed_here(lost._breaker.run)
+        assert lost._breaker.failures == failures
 
 
 async def test_a_lone_inline_replica_whose_device_is_lost_leaves_the_model_not_ready(
