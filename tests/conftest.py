@@ -11,6 +11,17 @@ settings.load_profile("trioserve")
 
 
 @pytest.fixture
+def lose_devices(monkeypatch) -> set[str]:
+    """The devices a model left unusable, as ``trioserve.device_lost`` reports them to
+    the batchers (the tests' stand-in for a CUDA device after a device-side assert)."""
+    import trioserve.actors._batcher as batcher_module
+
+    lost: set[str] = set()
+    monkeypatch.setattr(batcher_module, "device_lost", lambda device: device in lost)
+    return lost
+
+
+@pytest.fixture
 def mlp_input():
     return np.random.default_rng(1).standard_normal(256).astype(np.float32)
 

@@ -184,16 +184,6 @@ class GatedLoss(trioserve.ModelBackend):
         return run
 
 
-@pytest.fixture
-def lose_devices(monkeypatch) -> set[str]:
-    """The devices a model left unusable, as ``device_lost`` reports them."""
-    import trioserve.actors._batcher as batcher_module
-
-    lost: set[str] = set()
-    monkeypatch.setattr(batcher_module, "device_lost", lambda device: device in lost)
-    return lost
-
-
 async def test_requests_failed_unrun_by_a_retired_queue_are_refunded(mock_clock, lose_devices):
     """The only replica loses its device while requests wait in its queue: they get
     the retired queue's error at once and, never having run, are refunded, as a

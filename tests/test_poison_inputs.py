@@ -345,16 +345,6 @@ class LosesItsDevice(trioserve.ModelBackend):
         return run
 
 
-@pytest.fixture
-def lose_devices(monkeypatch) -> set[str]:
-    """The devices a model left unusable, as ``device_lost`` reports them."""
-    import trioserve.actors._batcher as batcher_module
-
-    lost: set[str] = set()
-    monkeypatch.setattr(batcher_module, "device_lost", lambda device: device in lost)
-    return lost
-
-
 async def test_a_thread_replica_whose_device_is_lost_serves_no_more(mock_clock, lose_devices):
     """A thread (or the event loop) cannot be given a fresh device context: the
     replica whose model left its device unusable answers its batch with the error
