@@ -210,6 +210,23 @@ def broken_once(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray
     return [{"y": np.array([os.getpid()], dtype=np.float32)} for _ in items]
 
 
+def broken_once_config(monkeypatch: Any, tmp_path: Any, *, max_batch_size: int) -> Any:
+    """Two worker-process replicas of :func:`broken_once` (no timeout), its flag file
+    set up in ``tmp_path`` and ``PYTHONPATH`` leading to this folder, so that the
+    workers can import it; returns (config, the flag file)."""
+    flag = tmp_path / "broken"
+    flag.write_text("")
+    monkeypatch.setenv(BROKEN_FLAG_ENV, str(flag))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(os.path.dirname(os.path.abspath(__file__))))
+    cfg = config(
+        callable_model(
+            "m", broken_once, execution="process", replicas=2,
+            max_batch_size=max_batch_size, max_wait_ms=0, timeout_ms=None,
+        )
+    )
+    return cfg, flag
+
+
 DEVICE_LOST = "CUDA error: device-side assert triggered"
 _device_lost = False  # this process's device is unusable (it ran a negative input)
 

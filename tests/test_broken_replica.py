@@ -19,15 +19,13 @@ import trio
 import trio.testing
 import trioserve
 from runtime_helpers import (
-    BROKEN_FLAG_ENV,
     ILLEGAL_ACCESS,
     X,
     Y,
-    broken_once,
+    broken_once_config,
     callable_model,
     config,
     item,
-    pythonpath_with,
 )
 from trioserve import ModelConfig, ModelError
 from trioserve.actors import Breaker
@@ -259,16 +257,7 @@ async def test_a_broken_worker_process_is_replaced_and_its_replica_serves_again(
     not count plus ``threshold``, its worker is killed and a fresh one forked from the
     zygote (a fresh CUDA context), which runs the trial at once (the breaker's first
     opening) and serves again. Real processes."""
-    flag = tmp_path / "broken"
-    flag.write_text("")
-    monkeypatch.setenv(BROKEN_FLAG_ENV, str(flag))
-    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))  # where broken_once is
-    cfg = config(
-        callable_model(
-            "m", broken_once, execution="process", replicas=2, max_batch_size=1,
-            max_wait_ms=0, timeout_ms=None,
-        )
-    )
+    cfg, flag = broken_once_config(monkeypatch, tmp_path, max_batch_size=1)
     async with trioserve.open_runtime(cfg) as rt:
         batchers = rt.models["m"].batchers
         first = {b: b._worker.pid for b in batchers}

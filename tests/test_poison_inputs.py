@@ -24,13 +24,12 @@ import trio
 import trio.testing
 import trioserve
 from runtime_helpers import (
-    BROKEN_FLAG_ENV,
     DEVICE_LOST,
     ILLEGAL_ACCESS,
     X,
     Y,
     breaks_its_device,
-    broken_once,
+    broken_once_config,
     callable_model,
     config,
     item,
@@ -213,16 +212,7 @@ async def test_a_broken_worker_process_is_replaced_on_the_evidence_of_its_parts(
     by themselves) and the evidence is their parts that raised alone there and were
     answered by the other replica. Its breaker opens and its worker is replaced.
     Real processes."""
-    flag = tmp_path / "broken"
-    flag.write_text("")
-    monkeypatch.setenv(BROKEN_FLAG_ENV, str(flag))
-    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))  # where broken_once is
-    cfg = config(
-        callable_model(
-            "m", broken_once, execution="process", replicas=2, max_batch_size=4,
-            max_wait_ms=0, timeout_ms=None,
-        )
-    )
+    cfg, flag = broken_once_config(monkeypatch, tmp_path, max_batch_size=4)
     async with trioserve.open_runtime(cfg) as rt:
         batchers = rt.models["m"].batchers
         got = await send(rt, [[1.0] * 8 for _ in range(CLIENTS)])
