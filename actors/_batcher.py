@@ -526,11 +526,7 @@ class BatcherActor(Actor):
         msg = (
             f"model {self.model!r} failed on {self.device} and left it unusable: {text}"
         )
-        alive = [r for r in batch if r.reply.answerable]
-        for req in alive:
-            req.reply.set_error(ModelError(msg))
-        self._metrics.statuses["model_error"] += len(alive)
-        self._scheduler.completed(batch, failed=True)
+        self._answer_error(batch, [r for r in batch if r.reply.answerable], msg)
         scheduler = self._scheduler
         if len(scheduler.batchers) == scheduler.replicas and all(
             b.lost is not None for b in scheduler.batchers
@@ -637,11 +633,16 @@ class BatcherActor(Actor):
         msg = (
             f"model {self.model!r} failed on {self.device}: {type(exc).__name__}: {exc}"
         )
+        self._answer_error(batch, alive, msg)
+        return opened
+
+    def _answer_error(self, batch: list[Request], alive: list[Request], msg: str) -> None:
+        """Answer ``alive`` (the batch's requests still waiting) with ModelError(msg):
+        the batch is done, failed."""
         for req in alive:
             req.reply.set_error(ModelError(msg))
         self._metrics.statuses["model_error"] += len(alive)
         self._scheduler.completed(batch, failed=True)
-        return opened
 
     def _elsewhere(self, req: Request) -> bool:
         """Whether ``req``, which raised alone here, is to run once on another
