@@ -250,6 +250,8 @@ class SchedulerActor(Actor):
                 if batch:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     return batch
+                if batch is None:  # as for a retry, above
+                    recheck = trio.current_time() + ELSEWHERE_RECHECK
             batch = policy.next_batch(trio.current_time())
             if batch:
                 await trio.lowlevel.cancel_shielded_checkpoint()
@@ -279,11 +281,18 @@ class SchedulerActor(Actor):
         if self._idle:
             self._idle.unpark_all()
 
-    def _next_apart(self, puller: Any, now: float) -> list[Request]:
-        """The first request kept apart that ``puller`` may run, alone; drops those
-        whose hedge is over (withdrawn: the other answered, or the caller left) or
-        whose deadline passed."""
+    def _next_apart(self, puller: Any, now: float) -> list[Request] | None:
+        """The first request kept apart that ``puller`` may run, alone (possibly
+        none: [], or None when one waits only because it raised alone on ``puller``
+        and another replica is ready); drops those whose hedge is over (withdrawn:
+        the other answered, or the caller left) or whose deadline passed.
+
+        A part of a failed batch that raised alone here and was then kept apart
+        from its twin's replica still waits for a third (see :meth:`_elsewhere`):
+        run again where it raised, it most likely got that replica's error
+        although its twin could still answer it."""
         apart = self._apart
+        elsewhere = False
         for _ in range(len(apart)):
             req = apart.popleft()
             reply = req.reply
@@ -306,8 +315,12 @@ class SchedulerActor(Actor):
             if puller is not None and twin is not None and puller.holds(twin):
                 apart.append(req)
                 continue
+            if self._elsewhere([req], puller):
+                apart.append(req)
+                elsewhere = True
+                continue
             return [req]
-        return []
+        return None if elsewhere else []
 
     def _elsewhere(self, batch: list[Request], puller: Any) -> bool:
         """Whether ``batch`` is a request that raised alone on ``puller`` and waits

@@ -77,6 +77,66 @@ async def test_a_retry_waiting_for_another_replica_is_answered_at_its_deadline(
         nursery.cancel_scope.cancel("the test is over")
 
 
+class _Holder(_Replica):
+    """A puller that may hold a request's hedge twin in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: set = set()
+
+    def holds(self, reply) -> bool:
+        return reply in self.held
+
+
+@pytest.mark.parametrize("b_stops_being_ready", [False, True])
+async def test_a_part_kept_apart_from_its_twin_still_waits_for_another_replica(
+    autojump_clock, b_stops_being_ready
+):
+    """A part of a failed batch raised alone on A and waits for another replica; B
+    pulls it while it runs the request's hedge twin and keeps it apart, for a third
+    replica. A must not take it then: run again where it raised, it got A's error
+    although its twin could still answer it. B takes it once its twin is done; and
+    if B stops being ready meanwhile, A looks again within ELSEWHERE_RECHECK and
+    runs it itself rather than leave it to its deadline."""
+    queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    a, b = _Holder(), _Holder()
+    scheduler.batchers = [a, b]
+    scheduler.replicas = 2
+    request, twin = _request(), _request()
+    scheduler.twins[request.reply] = twin.reply
+    scheduler.twins[twin.reply] = request.reply
+    await _raised_alone_on(scheduler, a, [request])
+    b.held.add(twin.reply)
+    assert await scheduler.pull(b) == [request]  # b would run it, but holds its twin:
+    scheduler.keep_apart(request)  # (as BatcherActor._keep_apart does)
+
+    got: list[list] = []
+    taken = trio.Event()
+
+    async def pull_a() -> None:
+        got.append(await scheduler.pull(a))
+        taken.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull_a)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got  # left to another replica than a
+        if b_stops_being_ready:
+            start = trio.current_time()
+            b.ready = False  # its breaker opens, say, while its twin still runs
+            with trio.fail_after(0.1):
+                await taken.wait()
+            assert trio.current_time() - start <= ELSEWHERE_RECHECK
+            assert got == [[request]]
+        else:
+            b.held.clear()  # its twin raised on b: b may run it now
+            assert await scheduler.pull(b) == [request]
+            assert scheduler.queue_depth() == 0
+            nursery.cancel_scope.cancel("the test is over")
+        assert request.reply.answerable  # not answered: the batcher that took it will
+
+
 class BusyOrBroken(trioserve.ModelBackend):
     """Thread replicas: a batch holding HOLD blocks its replica until ``gate`` is set
     (``busy``: that replica's device); a replica on a device in ``broken`` raises on
