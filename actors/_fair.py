@@ -41,13 +41,18 @@ class ClassSpec:
 class FlowStats:
     """What happened to one (tenant, class) flow at one model's queue.
 
-    ``admitted`` and ``shed`` count callers' requests only. ``hedged`` counts the
+    ``admitted`` and ``shed`` count callers' requests only. Each admitted request is,
+    at any time, still queued or counted once more: in ``dispatched``, ``expired``,
+    ``withdrawn``, ``closed``, or, pushed out of a full queue, in ``shed`` (which
+    also counts the requests refused at admission, never admitted). So, with nobody
+    pushed out and no hedge, ``admitted == dispatched + expired + withdrawn + closed
+    + queued`` (the live count, :meth:`FairQueue.queued_by_flow`). ``hedged`` counts the
     copies of hedged requests the queue took (into free room only, see
     :meth:`FairQueue.offer_spare`); a copy refused, or giving its room back to a new
     request, is counted nowhere else. A copy that runs counts in ``dispatched`` and
-    ``served_cost`` (its device time is its tenant's service), and one that expires
-    queued in ``expired``; one withdrawn because its original answered first is not
-    counted again.
+    ``served_cost`` (its device time is its tenant's service), one that expires
+    queued in ``expired``, and one failed queued in ``closed``; one withdrawn because
+    its original answered first is not counted again.
     """
 
     admitted: int = 0
@@ -60,6 +65,10 @@ class FlowStats:
     #: an HTTP client that closed its connection, a cancelled in-process call). One
     #: that left at its own deadline counts in ``expired`` instead.
     withdrawn: int = 0
+    #: Requests failed while queued, never run, because the queue closed: the runtime
+    #: shut down, or every replica of the queue lost its device and it was retired
+    #: (``SchedulerActor.close`` and ``retire``, through :meth:`FairQueue.drain`).
+    closed: int = 0
     #: Entries the flow holds: a withdrawn or expired request stays among them until
     #: passed (see FairQueue.queued_by_flow for the live count).
     queued: int = 0
@@ -613,8 +622,14 @@ class FairQueue(Admission):
         return h[0][0] if h else math.inf
 
     def drain(self) -> list[Request]:
-        """Remove and return every still-queued request (for shutdown)."""
+        """Remove and return every still-queued request, for the caller to fail (the
+        queue closes: shutdown, or no replica can serve it any more). Each counts in
+        its flow's ``closed``: it leaves the queue never run."""
         alive = [r for r in self if r.reply.state is _QUEUED]
+        rank, classes = self._rank, self.classes
+        for r in alive:
+            c = rank.get(r.priority, len(classes) - 1)
+            self._stats(r.tenant, classes[c].name).closed += 1
         n = len(self.classes)
         self._flows = [{} for _ in range(n)]
         self._active = [{} for _ in range(n)]

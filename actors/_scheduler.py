@@ -407,6 +407,7 @@ class SchedulerActor(Actor):
 
     def close(self, error: BaseException) -> int:
         """Stop taking requests and fail everything still waiting; return how many.
+        The requests failed while queued count in their flow's ``closed``.
 
         Call it only after the actor's task has stopped (or from ``retire``).
         """

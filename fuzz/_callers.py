@@ -62,7 +62,8 @@ class Caller:
 
 class Callers:
     """The callers of one queue, and the flow statistics the queue should report
-    (``expected``: (tenant, class) -> admitted / hedged / expired / withdrawn)."""
+    (``expected``: (tenant, class) -> admitted / hedged / expired / withdrawn /
+    closed)."""
 
     def __init__(self, observer: QueueObserver, cancelled: set[int]) -> None:
         self.observer = observer

@@ -511,7 +511,7 @@ class QueueMachine(RuleBasedStateMachine):
     def _check_accounting(self) -> None:
         """The queue's counts against the reference: live requests, the cost in
         service, the service rate, and each flow's admitted / hedged / expired /
-        withdrawn."""
+        withdrawn / closed (drained at the end)."""
         queue = self.queue
         live = len(self.observer.pending)
         if len(queue) != live:
@@ -541,7 +541,7 @@ class QueueMachine(RuleBasedStateMachine):
         for key in set(expected) | set(queue.stats):
             want = expected.get(key)
             got = queue.stats.get(key)
-            for field in ("admitted", "hedged", "expired", "withdrawn"):
+            for field in ("admitted", "hedged", "expired", "withdrawn", "closed"):
                 w = 0 if want is None else want[field]
                 g = 0 if got is None else getattr(got, field)
                 if field == "expired":
@@ -704,6 +704,7 @@ class QueueMachine(RuleBasedStateMachine):
                 "memory", f"the queue holds {len(self.queue)} entries after drain()"
             )
         for r in drained:
+            callers.expected[r.tenant, r.priority]["closed"] += 1  # failed, never run
             caller = callers.of[id(r.reply)]
             if caller in callers.waiting:  # not a refund question: shut down
                 callers.waiting.remove(caller)

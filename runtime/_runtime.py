@@ -519,6 +519,7 @@ class Runtime:
                 "served_cost": f.served_cost,
                 "hedged": f.hedged,
                 "withdrawn": f.withdrawn,
+                "closed": f.closed,
                 "wait": f.wait.summary(),
             }
             for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items())

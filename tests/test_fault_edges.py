@@ -405,3 +405,139 @@ def test_device_lost_is_false_at_once_for_a_device_that_is_not_cuda(monkeypatch)
     for device in ("cpu", "cpu:0", "sleep:1", "mps"):
         assert trioserve.device_lost(device) is False
     assert trioserve.device_lost("cuda:0") is False  # torch never imported here
+
+
+# ---------------------------------------------------------------- flows of a closed queue
+def _two_tenants(model: ModelConfig) -> trioserve.Config:
+    return trioserve.Config(
+        models=(model,),
+        tenants=(trioserve.TenantConfig(name="a", default=True), trioserve.TenantConfig(name="b")),
+    )
+
+
+async def _submit(rt, tenant: str, values) -> None:
+    """One request of ``values[0]`` (``infer``), or a call of one item per value."""
+    if len(values) == 1:
+        await rt.infer("m", item(values[0]), tenant=tenant)
+    else:
+        await rt.infer_batch("m", [item(v) for v in values], tenant=tenant)
+
+
+def _assert_balanced(flows: dict) -> None:
+    """Each admitted request of a flow (none pushed out, none hedged here) is queued or
+    counted once more: dispatched, expired, withdrawn or closed."""
+    for name, f in flows.items():
+        accounted = f["dispatched"] + f["expired"] + f["withdrawn"] + f["closed"] + f["queued"]
+        assert f["admitted"] == accounted, (name, f)
+
+
+class HeldThenLost(GatedLoss):
+    """``GatedLoss`` whose held batches each release ``held`` once they began, so
+    that a test can wait for every replica to hold one."""
+
+    def __init__(self, lost: set[str]) -> None:
+        super().__init__(lost)
+        self.held = threading.Semaphore(0)
+
+    def load(self, device, *, torch_threads=1):
+        run = super().load(device, torch_threads=torch_threads)
+
+        def held_run(items):
+            if any(it["x"][0] < 0 for it in items):
+                self.held.release()
+            return run(items)
+
+        return held_run
+
+
+async def test_requests_failed_queued_by_a_retired_queue_count_as_closed(
+    mock_clock, lose_devices
+):
+    """Both replicas hold a batch that then leaves their device unusable, while two
+    tenants' requests wait in the queue; the queue is retired and fails them unrun.
+    They used to stay counted in their flow's ``admitted`` and in nothing else, so
+    the flow's counts no longer added up; now they count in ``closed`` (statistics
+    and /metrics), and ``admitted`` = dispatched + expired + withdrawn + closed +
+    queued for every flow. A request the retired queue refuses is never admitted."""
+    from trioserve.transport import Gateway
+
+    backend = HeldThenLost(lose_devices)
+    cfg = _two_tenants(ModelConfig(name="m", backend=backend, devices=("cpu:0", "cpu:1"),
+                                   max_batch_size=1, max_wait_ms=0))
+    errors: list[str] = []
+    async with trioserve.open_runtime(cfg) as rt:
+
+        async def call(tenant: str, *values: float) -> None:
+            with pytest.raises(ModelError) as info:
+                await _submit(rt, tenant, values)
+            errors.append(str(info.value))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, "a", -1.0)
+                nursery.start_soon(call, "a", -2.0)
+                for _ in range(2):
+                    assert await trio.to_thread.run_sync(
+                        backend.held.acquire, True, GATE_LIMIT_S
+                    )
+                for v in (1.0, 2.0, 3.0):
+                    nursery.start_soon(call, "a", v)
+                nursery.start_soon(call, "a", 4.0, 5.0)
+                for v in (6.0, 7.0):
+                    nursery.start_soon(call, "b", v)
+                nursery.start_soon(call, "b", 8.0, 9.0)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.statistics()["m"]["queue_depth"] == 9
+                backend.gate.set()
+        finally:
+            backend.gate.set()
+        assert len(errors) == 2 + 7  # the two held batches, the seven calls queued
+        assert sum("left it unusable" in e for e in errors) == 2
+        assert sum("no replica can serve it any more" in e for e in errors) == 7
+        assert not rt.model_ready("m")
+        with pytest.raises(ModelError, match="no replica can serve it any more"):
+            await rt.infer("m", item(10.0), tenant="b")  # refused: never admitted
+        flows = rt.statistics()["m"]["flows"]
+        a, b = flows["a/realtime"], flows["b/realtime"]
+        assert (a["admitted"], a["dispatched"], a["closed"], a["shed"]) == (7, 2, 5, 0)
+        assert (b["admitted"], b["dispatched"], b["closed"], b["shed"]) == (4, 0, 4, 0)
+        _assert_balanced(flows)
+        res = await Gateway(rt).app.test_client().get("/metrics")
+        text = await res.get_data(as_text=True)
+        for tenant, n in (("a", 5), ("b", 4)):
+            line = (
+                'trioserve_flow_requests_total{class="realtime",model="m",'
+                f'outcome="closed",tenant="{tenant}"}} {n}.0'
+            )
+            assert line in text, line
+
+
+async def test_requests_failed_queued_at_shutdown_count_as_closed(mock_clock):
+    """The runtime shuts down (no grace) while two tenants' requests wait for their
+    batch to close: each gets ActorClosed, unrun, and counts in its flow's
+    ``closed``, so the flows still add up."""
+    model = ModelConfig(name="m", backend=Loses(set(), "inline"), devices=("cpu:0",),
+                        max_batch_size=4, max_wait_ms=1000)
+    closed: list[trioserve.ActorClosed] = []
+
+    async def call(rt, tenant: str, n: int) -> None:
+        with pytest.raises(trioserve.ActorClosed) as info:
+            await _submit(rt, tenant, [1.0] * n)
+        closed.append(info.value)
+
+    async with trio.open_nursery() as nursery:
+        async with trioserve.open_runtime(_two_tenants(model)) as rt:
+            results = await rt.infer_batch("m", [item(v) for v in (1.0, 2.0, 3.0, 4.0)])
+            assert len(results) == 4  # a full batch: run at once
+            nursery.start_soon(call, rt, "a", 1)
+            nursery.start_soon(call, rt, "b", 2)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rt.statistics()["m"]["queue_depth"] == 3  # the clock stands still
+            rt.grace_deadline = trio.current_time()
+    assert len(closed) == 2
+    assert all(e.in_queue for e in closed)  # never ran: refunded
+    flows = rt.statistics()["m"]["flows"]
+    a, b = flows["a/realtime"], flows["b/realtime"]
+    assert (a["admitted"], a["dispatched"], a["closed"], a["queued"]) == (5, 4, 1, 0)
+    assert (b["admitted"], b["dispatched"], b["closed"], b["queued"]) == (2, 0, 2, 0)
+    _assert_balanced(flows)

@@ -159,7 +159,9 @@ class GatewayCollector(Collector):
             "trioserve_flow_requests",
             "Requests by admission outcome (admitted, shed, expired, dispatched; hedged: "
             "copies of hedged requests queued, counted apart from admitted; withdrawn: "
-            "left by their caller while queued, never run).",
+            "left by their caller while queued, never run; closed: failed while queued, "
+            "never run, because the queue closed: shutdown, or no replica left to serve "
+            "it).",
             labels=[*labels, "outcome"],
         )
         cost = CounterMetricFamily(
@@ -201,7 +203,8 @@ class GatewayCollector(Collector):
                 key = [name, tenant, cls]
                 depth.add_metric(key, sum(n for _, n in parts))
                 for outcome in (
-                    "admitted", "shed", "expired", "dispatched", "hedged", "withdrawn"
+                    "admitted", "shed", "expired", "dispatched", "hedged", "withdrawn",
+                    "closed",
                 ):
                     outcomes.add_metric(
                         [*key, outcome], sum(getattr(f, outcome) for f, _ in parts)
