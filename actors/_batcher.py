@@ -81,6 +81,14 @@ def model_threads_running() -> int:
     return _threads_running
 
 
+def _all_lost(scheduler: SchedulerActor) -> bool:
+    """Whether every replica of ``scheduler``'s queue (all of them started) lost its
+    device: none will ever pull from it again."""
+    return len(scheduler.batchers) == scheduler.replicas and all(
+        b.lost is not None for b in scheduler.batchers
+    )
+
+
 class BatcherActor(Actor):
     def __init__(
         self,
@@ -528,15 +536,25 @@ class BatcherActor(Actor):
         )
         self._answer_error(batch, [r for r in batch if r.reply.answerable], msg)
         scheduler = self._scheduler
-        if len(scheduler.batchers) == scheduler.replicas and all(
-            b.lost is not None for b in scheduler.batchers
-        ):
-            # Nothing will ever serve its queue: answer what waits, and what comes,
-            # at once (not at its deadline).
+        if not _all_lost(scheduler):
+            return
+        # Nothing will ever serve its queue: answer what waits, and what comes, at once
+        # (not at its deadline). While another lane of the model serves, the model is
+        # ready and the error names the lane; once none does, every lane refuses with
+        # the model's error (a lane retired before is retired again with it).
+        if any(not _all_lost(lane) for lane in scheduler.lanes):
             scheduler.retire(ModelError(
-                f"model {self.model!r}: no replica can serve it any more: each left its "
-                f"device unusable (here: {text}); restart the server"
+                f"model {self.model!r}: no replica can serve its {scheduler.lane} any "
+                f"more: each left its device unusable (here: {text}); its other "
+                "requests are still served; restart the server to recover the lane"
             ))
+            return
+        error = ModelError(
+            f"model {self.model!r}: no replica can serve it any more: each left its "
+            f"device unusable (here: {text}); restart the server"
+        )
+        for lane in scheduler.lanes:
+            lane.retire(error)
 
     async def join_thread(self) -> None:
         """Wait until this replica's model call in a worker thread, if any (one given

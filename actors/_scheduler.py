@@ -75,6 +75,11 @@ class SchedulerActor(Actor):
         self.replicas = 0
         #: those batchers (set by the assembly; ``replicas`` of them when complete)
         self.batchers: list[Any] = []
+        #: the model's queues, this one among them (set by the assembly: a model with
+        #: a slow lane has two), and which of its requests this one takes when there
+        #: are several (None: all), as an error message names them
+        self.lanes: list[SchedulerActor] = [self]
+        self.lane: str | None = None
         #: hedged requests and their copies, each reply to the other's, while both
         #: may run; a batcher checks it only when it is not empty
         self.twins: dict[Reply, Reply] = {}
@@ -400,7 +405,9 @@ class SchedulerActor(Actor):
     def retire(self, error: BaseException) -> int:
         """No replica will ever pull from this queue again (each lost its device): fail
         everything waiting with ``error`` and refuse new requests with it, rather
-        than hold them to their deadlines; return how many were failed."""
+        than hold them to their deadlines; return how many were failed. A retired
+        queue may be retired again, to refuse with another error (the model's last
+        lane was retired meanwhile)."""
         n = self.close(error)
         self._closed_error = error
         return n

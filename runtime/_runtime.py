@@ -1174,6 +1174,9 @@ async def _start_model(
             min_limit=2 * m.max_batch_size * m.slow_lane_replicas,
         ))
         slow.name = f"scheduler[{m.name}:slow]"
+        scheduler.lanes = slow.lanes = [scheduler, slow]
+        scheduler.lane = f"fast lane (requests of cost below {m.slow_lane_cost})"
+        slow.lane = f"slow lane (requests of cost {m.slow_lane_cost} or more)"
     metrics = ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
     served = ServedModel(
         config=m,

@@ -338,7 +338,8 @@ async def test_a_slow_lane_whose_replicas_are_lost_is_retired_alone(mock_clock, 
     both get the error (counted once in device_lost, twice in model_error, not
     retried); the slow lane's queue is retired (a long request, or a call with a long
     item, refused at once, refunded), the fast lane serves on, and the model stays
-    ready (its fast lane can serve)."""
+    ready (its fast lane can serve). The refusal names the lane: it used to say that
+    no replica could serve the model any more, while its fast lane still did."""
     cfg = config(ModelConfig(name="m", backend=Loses(lose_devices, "thread"),
                              devices=("cpu:0", "cpu:1"), max_batch_size=4, max_wait_ms=0,
                              slow_lane_cost=4))
@@ -353,9 +354,12 @@ async def test_a_slow_lane_whose_replicas_are_lost_is_retired_alone(mock_clock, 
         assert (statuses["device_lost"], statuses["model_error"]) == (1, 2)
         assert not statuses.get("retried")
         start = trio.current_time()
-        with pytest.raises(ModelError, match="no replica can serve it any more"):
+        lane = r"no replica can serve its slow lane \(requests of cost 4 or more\) any more"
+        with pytest.raises(ModelError, match=lane) as info:
             await rt.infer("m", item(2.0, 4))
-        with pytest.raises(ModelError, match="no replica can serve it any more"):
+        assert "its other requests are still served" in str(info.value)
+        assert "serve it any more" not in str(info.value)
+        with pytest.raises(ModelError, match=lane):
             await rt.infer_batch("m", [item(1.0), item(2.0, 4)])
         assert trio.current_time() == start
         assert (await rt.infer("m", item(3.0)))["y"][0] == 3.0
@@ -364,6 +368,49 @@ async def test_a_slow_lane_whose_replicas_are_lost_is_retired_alone(mock_clock, 
         credits = rt.tenant_statistics()["t"]
         assert credits["credits_used"] == 8 + 1  # the lost batch, the short request
         assert credits["credits_refunded"] == 4 + 5
+
+
+async def test_a_fast_lane_whose_replicas_are_lost_leaves_the_model_to_its_slow_lane(
+    mock_clock, lose_devices
+):
+    """The fast lane's only replica loses its device: its queue is retired, and short
+    requests are refused at once with an error naming the fast lane (not the whole
+    model); the slow lane serves on, so the model is ready (also over HTTP). Once the
+    slow lane's replica is lost too, the model is not ready, and both lanes refuse
+    with the model's error: the fast lane's refusal is replaced by it."""
+    from trioserve.transport import Gateway
+
+    cfg = config(ModelConfig(name="m", backend=Loses(lose_devices, "thread"),
+                             devices=("cpu:0", "cpu:1"), max_batch_size=4, max_wait_ms=0,
+                             slow_lane_cost=4))
+    async with trioserve.open_runtime(cfg) as rt:
+        client = Gateway(rt).app.test_client()
+        fast, slow = rt.models["m"].batchers
+
+        async def ready() -> tuple[bool, int, int]:
+            model = await client.get("/v2/models/m/ready")
+            server = await client.get("/v2/health/ready")
+            return rt.model_ready("m"), model.status_code, server.status_code
+
+        with pytest.raises(ModelError, match="left it unusable"):
+            await rt.infer("m", item(-1.0))
+        assert (fast.health, slow.health) == ("lost", "ready")
+        assert await ready() == (True, 200, 200)
+        assert rt.statistics()["m"]["ready"]
+        lane = r"no replica can serve its fast lane \(requests of cost below 4\) any more"
+        with pytest.raises(ModelError, match=lane) as info:
+            await rt.infer("m", item(1.0))
+        assert "its other requests are still served" in str(info.value)
+        assert "serve it any more" not in str(info.value)
+        assert (await rt.infer("m", item(2.0, 4)))["y"][0] == 2.0  # the slow lane serves
+
+        with pytest.raises(ModelError, match="left it unusable"):
+            await rt.infer("m", item(-1.0, 4))
+        assert (fast.health, slow.health) == ("lost", "lost")
+        assert await ready() == (False, 503, 503)
+        for request in (item(1.0), item(2.0, 4)):  # either lane: the model's error
+            with pytest.raises(ModelError, match="no replica can serve it any more"):
+                await rt.infer("m", request)
 
 
 async def test_readiness_over_http_follows_the_replicas_that_lost_their_device(
