@@ -392,6 +392,35 @@ async def test_a_bad_classification_count_is_400(mlp_server, bad):
     )
 
 
+async def test_ambiguous_output_and_input_requests_are_400_on_a_kept_connection(mlp_server):
+    """As Triton: an output named twice, a binary_data that is not a boolean, an input
+    sent both as data and as binary data. Each was answered 200 (twice the output, the
+    parameter read as false, the binary data taken); now each is a 400 and the
+    connection serves the next request."""
+    x = np.arange(256, dtype=np.float32)[None]
+    head = orjson.dumps({"inputs": [{**v2_input(x), "parameters": {"binary_data_size": 1024}}]})
+    bad = [
+        ({"inputs": [v2_input(x)], "outputs": [{"name": "y"}, {"name": "y"}]}, None,
+         "model 'mlp': output 'y' requested twice"),
+        ({"inputs": [v2_input(x)], "outputs": [{"name": "y", "parameters": {"binary_data": 1}}]},
+         None, "output 'y': parameters.binary_data must be true or false, got 1"),
+        ({"inputs": [v2_input(x)], "parameters": {"binary_data_output": "yes"}}, None,
+         "parameters.binary_data_output must be true or false, got 'yes'"),
+        (head + x.tobytes(), len(head),
+         "input 'x': both 'data' and parameters.binary_data_size are given; "
+         "send the tensor one way"),
+    ]
+    async with open_http(mlp_server.url) as http:
+        for body, hlen, error in bad:
+            headers = [] if hlen is None else [("Inference-Header-Content-Length", str(hlen))]
+            raw = body if hlen is not None else orjson.dumps(body)
+            res = await http.request("POST", "/v2/models/mlp/infer", raw, headers)
+            assert (res.status, res.json()) == (400, {"error": error})
+        res = await http.request("POST", "/v2/models/mlp/infer",
+                                 orjson.dumps({"inputs": [v2_input(x)]}))
+        assert res.status == 200
+
+
 async def test_strings_have_no_classes_to_rank(mlp_server):
     body = {
         "inputs": [{"name": "s", "shape": [1, 2], "datatype": "BYTES", "data": ["a", "b"]}],

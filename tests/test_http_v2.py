@@ -609,3 +609,47 @@ def test_the_client_sends_and_reads_non_finite_values():
     assert b"[1.5,NaN,Infinity,-Infinity]" in body
     x = InferRequest.from_v2_json(body, OPEN).items[0]["x"]
     np.testing.assert_array_equal(x, NON_FINITE)
+
+
+def test_an_output_requested_twice_is_refused():
+    """Triton answers each output once and refuses a request naming one twice."""
+    doc = {"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}],
+           "outputs": [{"name": "y"}, {"name": "y", "parameters": {"binary_data": True}}]}
+    with pytest.raises(InvalidInput) as info:
+        parse(doc)
+    assert str(info.value) == "model 'm': output 'y' requested twice"
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, None, "true"])
+def test_binary_data_parameters_must_be_booleans(value):
+    """A binary_data or binary_data_output that is not true or false is a 400 (Triton
+    refuses it too); it used to be read as false, so the answer silently came as JSON."""
+    x = {"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}
+    with pytest.raises(InvalidInput) as info:
+        parse({"inputs": [x], "outputs": [{"name": "y", "parameters": {"binary_data": value}}]})
+    assert str(info.value) == (
+        f"output 'y': parameters.binary_data must be true or false, got {value!r}"
+    )
+    with pytest.raises(InvalidInput) as info:
+        parse({"inputs": [x], "parameters": {"binary_data_output": value}})
+    assert str(info.value) == (
+        f"parameters.binary_data_output must be true or false, got {value!r}"
+    )
+    req = parse({"inputs": [x], "parameters": {"binary_data_output": True},
+                 "outputs": [{"name": "y", "parameters": {"binary_data": False}}]})
+    assert (req.binary_outputs, req.outputs) == (True, (("y", False, 0),))
+
+
+def test_an_input_with_both_data_and_binary_data_is_refused():
+    """Which of the two holds the tensor? Triton refuses the pair; the binary data was
+    taken and the JSON data silently dropped."""
+    x = np.arange(4, dtype=np.float32)
+    header = orjson.dumps({"inputs": [{"name": "x", "shape": [4], "datatype": "FP32",
+                                       "data": [9, 9, 9, 9],
+                                       "parameters": {"binary_data_size": x.nbytes}}]})
+    with pytest.raises(InvalidInput) as info:
+        InferRequest.from_v2_json(header + x.tobytes(), VEC, header_length=len(header))
+    assert str(info.value) == (
+        "input 'x': both 'data' and parameters.binary_data_size are given; "
+        "send the tensor one way"
+    )

@@ -302,7 +302,11 @@ class InferRequest:
             items = [{k: a[0] for k, a in arrays.items()}]
 
         if params:
-            binary_all = params.get("binary_data_output") is True
+            binary_all = params.get("binary_data_output", False)
+            if type(binary_all) is not bool:
+                raise InvalidInput(
+                    f"parameters.binary_data_output must be true or false, got {binary_all!r}"
+                )
             priority, timeout = _classify(params, classes)
         else:
             binary_all, priority, timeout = False, None, None
@@ -537,6 +541,12 @@ def _decode_tensor(
             raise InvalidInput(f"input {name!r}: no 'data' (and no binary_data_size)")
         arr = _from_json(name, data, datatype, dtype, count, shape, bools)
     else:
+        if "data" in t:
+            # Triton refuses the two together too: which one holds the tensor?
+            raise InvalidInput(
+                f"input {name!r}: both 'data' and parameters.binary_data_size are given; "
+                "send the tensor one way"
+            )
         if type(size) is not int or size < 0 or offset + size > len(binary):
             raise InvalidInput(
                 f"input {name!r}: binary_data_size {size!r} does not fit the "
@@ -798,10 +808,15 @@ def _requested_outputs(
         raise InvalidInput("'outputs' must be a list of {name} objects")
     known = {s.name for s in signature.outputs}
     out = []
+    seen: set[str] = set()
     for o in requested:
         name = o.get("name") if type(o) is dict else None
         if type(name) is not str:
             raise InvalidInput("each requested output needs a string 'name'")
+        if name in seen:
+            # as Triton: one answer per output, so asking twice is the caller's error
+            raise InvalidInput(f"model {signature.name!r}: output {name!r} requested twice")
+        seen.add(name)
         if not signature.open_inputs and name not in known:
             raise InvalidInput(
                 f"model {signature.name!r}: unknown output {name!r}; expected "
@@ -812,13 +827,18 @@ def _requested_outputs(
         classes = 0
         if type(params) is dict:
             binary = params.get("binary_data", binary_all)
+            if type(binary) is not bool:
+                raise InvalidInput(
+                    f"output {name!r}: parameters.binary_data must be true or false, "
+                    f"got {binary!r}"
+                )
             classes = params.get("classification", 0)
             if type(classes) is not int or not 0 <= classes <= MAX_CLASSES:
                 raise InvalidInput(
                     f"output {name!r}: parameters.classification must be a count of "
                     f"classes, 1 to {MAX_CLASSES}, got {classes!r}"
                 )
-        out.append((name, binary is True, classes))
+        out.append((name, binary, classes))
     return tuple(out)
 
 
