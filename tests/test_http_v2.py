@@ -653,3 +653,13 @@ def test_an_input_with_both_data_and_binary_data_is_refused():
         "input 'x': both 'data' and parameters.binary_data_size are given; "
         "send the tensor one way"
     )
+
+
+@pytest.mark.parametrize("rid", [1.5, [1], {"a": 1}, True])
+def test_an_id_that_is_not_a_string_or_an_integer_says_what_is_taken(rid):
+    """An integer id is taken and echoed; the refusal said "must be a string"."""
+    x = {"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}
+    assert parse({"inputs": [x], "id": 7}).id == 7
+    with pytest.raises(InvalidInput) as info:
+        parse({"inputs": [x], "id": rid})
+    assert str(info.value) == f"'id' must be a string or an integer, got {rid!r}"

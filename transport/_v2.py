@@ -316,7 +316,7 @@ class InferRequest:
             outputs = _requested_outputs(requested, signature, binary_all)
         rid = doc.get("id")
         if rid is not None and type(rid) not in (str, int):
-            raise InvalidInput("'id' must be a string")
+            raise InvalidInput(f"'id' must be a string or an integer, got {rid!r}")
         return cls(
             model=name,
             version=version,
