@@ -131,6 +131,11 @@ class Runtime:
         self.credits_used: collections.Counter[str] = collections.Counter()
         #: Of what was charged, the cost units given back (requests that never ran).
         self.credits_refunded: collections.Counter[str] = collections.Counter()
+        #: Takes that waited for a refill (a class with ``over_quota = "wait"``), and
+        #: the seconds they waited, per tenant: a wait before the queue, which the
+        #: flows' wait (before dispatch, from the queue) leaves out.
+        self.credit_waits: collections.Counter[str] = collections.Counter()
+        self.credit_wait_seconds: collections.Counter[str] = collections.Counter()
         #: hedged copies sent (requests still unanswered after the model's p95)
         self.hedges = 0
         #: the result cache and in-flight coalescing (None when no model uses them)
@@ -584,8 +589,9 @@ class Runtime:
         return self.cache.invalidate(model, None if version is None else str(version))
 
     def tenant_statistics(self) -> dict[str, dict[str, Any]]:
-        """Per tenant: cost units admitted (credits used) and, for tenants with a
-        credit rate, the credits available now."""
+        """Per tenant: cost units admitted (credits used), refunded, and, for tenants
+        with a credit rate, the credits available now and the waits for a refill
+        (how many takes waited, and for how many seconds in all)."""
         now = trio.current_time()
         out: dict[str, dict[str, Any]] = {}
         for t in self.config.tenants:
@@ -598,6 +604,8 @@ class Runtime:
                 "credits_used": self.credits_used.get(t.name, 0),
                 "credits_refunded": self.credits_refunded.get(t.name, 0),
                 "credits_available": avail,
+                "credit_waits": self.credit_waits.get(t.name, 0),
+                "credit_wait_seconds": self.credit_wait_seconds.get(t.name, 0.0),
             }
         return out
 
@@ -769,6 +777,7 @@ class Runtime:
         self.credits_used[tenant] += cost
         taken = bucket.seq
         if at > now:
+            self.credit_waits[tenant] += 1
             try:
                 await trio.sleep_until(at)
             except trio.Cancelled:
@@ -776,6 +785,8 @@ class Runtime:
                 self.credits_used[tenant] -= cost
                 self.credits_refunded[tenant] += cost
                 raise
+            finally:
+                self.credit_wait_seconds[tenant] += trio.current_time() - now
             now = trio.current_time()
         return now, taken
 

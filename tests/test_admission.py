@@ -753,6 +753,12 @@ async def test_batch_over_quota_waits_exactly_until_the_refill_then_is_served(au
         assert at(trio.current_time(), t0 + 0.5)  # 1 unit at 2/s
         assert float(out["y"][0]) == 5.0
         stats = flow_stats(rt)["a", "batch"]
+        tenant = rt.tenant_statistics()["a"]
+        # the wait for credits is counted apart: it was before the queue
+        assert (tenant["credit_waits"], tenant["credit_wait_seconds"]) == (1, pytest.approx(0.5))
+        wait = stats.wait.summary()
+        assert wait.count == 3
+        assert wait.max_ms < 500.0
     assert rec.seen == [0.0, 1.0, 2.0]
     assert at(rec.times[-1], t0 + 0.5)
     assert (stats.admitted, stats.dispatched, stats.served_cost) == (3, 3, 3)
@@ -805,6 +811,9 @@ async def test_cancelling_a_request_waiting_for_credits_refunds_them(autojump_cl
         assert at(trio.current_time(), t0 + 1.0)
         assert rt.credits_used["a"] == 3
         assert rt.buckets["a"].used == 3
+        # two waits: the one cancelled after 0.5 s, and the last one's 0.5 s
+        tenant = rt.tenant_statistics()["a"]
+        assert (tenant["credit_waits"], tenant["credit_wait_seconds"]) == (2, pytest.approx(1.0))
 
 
 # Fixed in 70474a8 (credits were charged for requests the queue refused).

@@ -157,6 +157,8 @@ async def test_metrics_expose_flows_and_credits(gw):
         f'trioserve_flow_queue_depth{{{flow},tenant="A"}} 0.0',
         'trioserve_credits_used_total{tenant="metered"} 1.0',
         'trioserve_credits_refunded_total{tenant="metered"} 0.0',
+        'trioserve_credit_waits_total{tenant="metered"} 0.0',  # its class refuses
+        'trioserve_credit_wait_seconds_total{tenant="metered"} 0.0',
         'trioserve_admission_limit{model="echo"}',
     ):
         assert line in text, line

@@ -250,12 +250,26 @@ class GatewayCollector(Collector):
             "Credits in the tenant's bucket now (tenants with a credit rate).",
             labels=["tenant"],
         )
+        waits = CounterMetricFamily(
+            "trioserve_credit_waits",
+            "Requests (takes of credits) that waited for the tenant's bucket to refill "
+            "before they were queued (classes with over_quota = wait).",
+            labels=["tenant"],
+        )
+        waited = CounterMetricFamily(
+            "trioserve_credit_wait_seconds",
+            "Seconds requests waited for the tenant's bucket to refill, in all (a wait "
+            "before the queue, not in trioserve_flow_wait_seconds).",
+            labels=["tenant"],
+        )
         for tenant, t in sorted(gw.runtime.tenant_statistics().items()):
             used.add_metric([tenant], t["credits_used"] + t["credits_refunded"])
             refunded.add_metric([tenant], t["credits_refunded"])
             if t["credits_available"] is not None:
                 avail.add_metric([tenant], t["credits_available"])
-        yield from (used, refunded, avail)
+                waits.add_metric([tenant], t["credit_waits"])
+                waited.add_metric([tenant], t["credit_wait_seconds"])
+        yield from (used, refunded, avail, waits, waited)
         cache = gw.runtime.cache_statistics()
         if cache:
             for key, kind, doc in (
