@@ -83,7 +83,22 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
     from trioserve._model import check_outputs
 
     threading.Thread(target=exit_when_orphaned, args=(rfd,), daemon=True).start()
-    _, cfg, device, torch_threads, shm_size = read_frame(rfd)
+    try:
+        _, cfg, device, torch_threads, shm_size = read_frame(rfd)
+    except EOFError:
+        return  # the parent is gone
+    except Exception as exc:
+        # The backend travels by reference (its module and name): a callable defined
+        # in the parent's __main__, or in a module this process cannot import, cannot
+        # be rebuilt here. Said, or the parent would see only that the worker exited.
+        # (One line: the parent reports a failed load by its last line.)
+        write_frame(wfd, ("error", (
+            f"the worker process cannot rebuild the model's backend "
+            f"({type(exc).__name__}: {exc}): define it (or its factory) in a module "
+            "the worker can import (on its sys.path or PYTHONPATH, not the script run "
+            'as __main__), or use execution = "thread"'
+        ).replace("\n", " ")))
+        return
     try:
         shm = mmap.mmap(shm_fd, shm_size)
         os.close(shm_fd)

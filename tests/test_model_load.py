@@ -13,7 +13,7 @@ import threading
 import pytest
 import trio
 import trioserve
-from runtime_helpers import X, Y, pythonpath_with
+from runtime_helpers import X, Y, callable_model, pythonpath_with
 from trioserve import ConfigError, ModelBackend, ModelConfig, ModelLoadError
 from trioserve.cli import main
 
@@ -137,6 +137,30 @@ def test_serve_reports_a_model_that_cannot_load_with_its_own_traceback(
     assert "in read_weights" in err
     assert "brokenmodel.py" in err
     assert "trio" not in err.replace("trioserve: ", "")
+
+
+async def test_a_backend_the_worker_process_cannot_import_says_so(tmp_path, monkeypatch):
+    """A callable of a module the parent imports but a worker process cannot (a
+    script's own function, a module on the parent's sys.path only) failed the start
+    with "worker process exited (pid N)" and no reason: the worker died unpickling
+    it. The error now says what the worker could not rebuild and what to do."""
+    (tmp_path / "parentonly.py").write_text(
+        "def double(items):\n    return [{'y': it['x'] * 2} for it in items]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # this process only, not PYTHONPATH
+    import parentonly
+
+    cfg = trioserve.Config(models=(callable_model("m", parentonly.double, execution="process"),))
+    with pytest.raises(ModelLoadError) as caught:
+        async with trioserve.open_runtime(cfg):
+            pass  # pragma: no cover
+    message = str(caught.value)
+    assert message.startswith(
+        "model 'm': replica 0 on cpu failed to load: the worker process cannot rebuild "
+        "the model's backend (ModuleNotFoundError: No module named 'parentonly'): define "
+        "it (or its factory) in a module the worker can import"
+    )
+    assert message.endswith('or use execution = "thread"')
 
 
 SLOW = """
