@@ -424,6 +424,14 @@ class TorchBackend(ModelBackend):
                     args = [a.to(dev, non_blocking=True) for a in args]
                 out = module(*args)
                 if isinstance(out, Mapping):
+                    missing = [n for n in out_names if n not in out]
+                    if missing:
+                        raise RuntimeError(
+                            f"module returned a mapping without output "
+                            f"{', '.join(map(repr, missing))} (it returned "
+                            f"{', '.join(map(repr, out)) or 'none'}); the signature has "
+                            f"{', '.join(out_names)}"
+                        )
                     outs = [out[n] for n in out_names]
                 elif isinstance(out, tuple | list):
                     outs = list(out)
@@ -437,6 +445,11 @@ class TorchBackend(ModelBackend):
                 # fall short of them) with no error.
                 n = len(args[0]) if args else 0
                 for name, o in zip(out_names, outs, strict=True):
+                    if not isinstance(o, torch.Tensor):
+                        raise RuntimeError(
+                            f"module returned output {name!r} as {_kind(o)}; expected "
+                            "a tensor with one row per item"
+                        )
                     if o.dim() == 0 or len(o) != n:
                         rows = "no batch dimension" if o.dim() == 0 else f"{len(o)} rows"
                         raise RuntimeError(

@@ -595,6 +595,55 @@ async def test_a_torch_module_answering_another_number_of_rows_is_a_model_error(
     )
 
 
+class _Answering:
+    """A torch module (built lazily: torch is optional) whose forward returns
+    ``answer(x)``."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __call__(self):
+        import torch
+
+        answer = self.answer
+
+        class Module(torch.nn.Module):
+            def forward(self, x):
+                return answer(x)
+
+        return Module()
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (lambda x: {"z": x}, "a mapping without output 'y' (it returned 'z'); the signature has y"),
+        (lambda x: {}, "a mapping without output 'y' (it returned none); the signature has y"),
+        (
+            lambda x: x.numpy(),
+            "output 'y' as a value of type ndarray; expected a tensor with one row per item",
+        ),
+    ],
+)
+async def test_a_torch_module_answering_no_tensor_for_an_output_says_which(
+    autojump_clock, answer, said
+):
+    # The caller was told "KeyError: 'y'" of a dict without the output, and
+    # "AttributeError: 'numpy.ndarray' object has no attribute 'dim'" of an array.
+    pytest.importorskip("torch")
+    backend = trioserve.TorchBackend(
+        _Answering(answer),
+        inputs=[trioserve.TensorSpec(name="x", datatype="FP32", shape=[2])],
+        outputs=[trioserve.TensorSpec(name="y", datatype="FP32", shape=[2])],
+    )
+    cfg = config(ModelConfig(name="m", backend=backend, max_batch_size=4, max_wait_ms=0,
+                             timeout_ms=None, poison_attempts=1))
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(ModelError) as info:
+            await rt.infer("m", {"x": [1.0, 2.0]})
+    assert str(info.value) == f"model 'm' failed on cpu: RuntimeError: module returned {said}"
+
+
 # ---------------------------------------------------------------- deadlines
 async def test_caller_deadline_returns_on_time_and_the_request_is_never_run(autojump_clock, gates):
     gate = gates()
