@@ -227,6 +227,25 @@ def broken_once_config(monkeypatch: Any, tmp_path: Any, *, max_batch_size: int) 
     return cfg, flag
 
 
+def successor_up(monkeypatch: Any) -> trio.Event:
+    """An event set once the successor of a worker process replaced for being broken
+    (``workers_broken``) has started. Its start takes real time while a test's clock
+    stands still: a test waits for it rather than race it with the requests it sends
+    (the other replica may answer them all before it is up)."""
+    from trioserve.actors import BatcherActor
+
+    up = trio.Event()
+    start_worker = BatcherActor._start_worker
+
+    async def start_and_tell(self: Any) -> None:
+        await start_worker(self)
+        if self.workers_broken:
+            up.set()
+
+    monkeypatch.setattr(BatcherActor, "_start_worker", start_and_tell)
+    return up
+
+
 DEVICE_LOST = "CUDA error: device-side assert triggered"
 _device_lost = False  # this process's device is unusable (it ran a negative input)
 

@@ -26,6 +26,7 @@ from runtime_helpers import (
     callable_model,
     config,
     item,
+    successor_up,
 )
 from trioserve import ModelConfig, ModelError
 from trioserve.actors import Breaker
@@ -258,6 +259,7 @@ async def test_a_broken_worker_process_is_replaced_and_its_replica_serves_again(
     zygote (a fresh CUDA context), which runs the trial at once (the breaker's first
     opening) and serves again. Real processes."""
     cfg, flag = broken_once_config(monkeypatch, tmp_path, max_batch_size=1)
+    replaced = successor_up(monkeypatch)
     async with trioserve.open_runtime(cfg) as rt:
         batchers = rt.models["m"].batchers
         first = {b: b._worker.pid for b in batchers}
@@ -277,6 +279,8 @@ async def test_a_broken_worker_process_is_replaced_and_its_replica_serves_again(
         # The breaker's first opening: its successor runs the trial at once (the
         # clock does not move), and serves.
         assert broken._breaker.open_until == trio.current_time()
+        await replaced.wait()
+        assert broken.health == "ready"
         await one_at_a_time(rt, outcomes, until=lambda: outcomes[-1] not in ("error", sound_pid))
         successor = broken._worker.pid
         assert successor != first[broken]

@@ -34,9 +34,10 @@ from runtime_helpers import (
     config,
     item,
     pythonpath_with,
+    successor_up,
 )
 from trioserve import ModelConfig, ModelError, Request
-from trioserve.actors import BatcherActor, BatchLimits, Breaker, FairQueue, SchedulerActor
+from trioserve.actors import BatchLimits, Breaker, FairQueue, SchedulerActor
 from trioserve.actors._scheduler import ELSEWHERE_RECHECK
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -213,17 +214,7 @@ async def test_a_broken_worker_process_is_replaced_on_the_evidence_of_its_parts(
     answered by the other replica. Its breaker opens and its worker is replaced.
     Real processes."""
     cfg, flag = broken_once_config(monkeypatch, tmp_path, max_batch_size=4)
-    # The successor's start takes real time (the clock stands still): the test waits
-    # for it rather than race it with the requests sent after.
-    successor_up = trio.Event()
-    start_worker = BatcherActor._start_worker
-
-    async def counted_start(self: BatcherActor) -> None:
-        await start_worker(self)
-        if self.workers_broken:
-            successor_up.set()
-
-    monkeypatch.setattr(BatcherActor, "_start_worker", counted_start)
+    replaced = successor_up(monkeypatch)
     async with trioserve.open_runtime(cfg) as rt:
         batchers = rt.models["m"].batchers
         got = await send(rt, [[1.0] * 8 for _ in range(CLIENTS)])
@@ -237,7 +228,7 @@ async def test_a_broken_worker_process_is_replaced_on_the_evidence_of_its_parts(
         assert rt.statistics()["m"]["statuses"]["worker_broken"] == 1
         # The clock never moved: the successor runs the breaker's trial without
         # waiting out its first cooldown (a fresh process is the remedy), and passes.
-        await successor_up.wait()
+        await replaced.wait()
         assert [b.health for b in batchers] == ["ready", "ready"]
         again = await send(rt, [[1.0] * 4 for _ in range(CLIENTS)])
         assert not [a for a in again.values() if isinstance(a, str)]  # no errors
