@@ -22,7 +22,7 @@ from trioserve import (
     ServerConfig,
     TenantConfig,
 )
-from trioserve._config import MAX_BATCH_SIZE, minilm_available
+from trioserve._config import MAX_BATCH_SIZE, default_classes, minilm_available
 from trioserve.cli import main
 
 #: An integer no float holds (a float key's value must be finite as a float).
@@ -612,3 +612,39 @@ async def test_the_example_in_docs_configuration_md_opens_and_serves(tmp_path):
     async with trioserve.open_runtime(cfg) as rt:
         out = await rt.infer("mlp", np.zeros(256, np.float32), tenant="acme")
     assert out["y"].shape == (16,)
+
+
+#: Keys the example sets to something other than the code's default, each with a
+#: comment saying what the default is (or, for ``backend``, that there is none).
+EXAMPLE_NOT_DEFAULT = {"backend", "replicas", "execution", "options"}
+
+
+def test_the_example_in_docs_configuration_md_shows_the_defaults(tmp_path):
+    """``[runtime]``, ``[server]`` and ``[cache]`` "take the defaults shown", the two
+    classes are the default ones, a model's keys show their defaults (but those whose
+    comment names the default), and a key commented out is an optional one (default
+    None, not set): a default changed in code and not in the page fails here."""
+    path = documented_example(tmp_path)
+    cfg = trioserve.load_config(path)
+    assert cfg.runtime == RuntimeLimits()
+    assert cfg.server == ServerConfig()
+    assert cfg.cache == CacheConfig()
+    assert cfg.classes == default_classes()
+    mlp, default = cfg.model("mlp"), ModelConfig(name="mlp", backend="mlp")
+    for f in attrs.fields(ModelConfig):
+        if f.name not in EXAMPLE_NOT_DEFAULT:
+            assert getattr(mlp, f.name) == getattr(default, f.name), f.name
+    tables = {
+        "runtime": RuntimeLimits, "server": ServerConfig, "cache": CacheConfig,
+        "models": ModelConfig, "tenants": TenantConfig, "classes": trioserve.ClassConfig,
+    }
+    commented = []
+    for line in path.read_text().splitlines():
+        if header := re.match(r"\[(\w+)", line):
+            cls = tables[header[1]]
+        elif key := re.match(r"# (\w+) = ", line):
+            commented.append((cls.__name__, key[1]))
+            field = attrs.fields_dict(cls).get(key[1])
+            assert field is not None, f"no such key: {commented[-1]}"
+            assert field.default is None, commented[-1]
+    assert len(commented) >= 8
