@@ -1,3 +1,6 @@
+import re
+from pathlib import Path
+
 import numpy as np
 import orjson
 import trio
@@ -102,3 +105,76 @@ async def test_cache_expirations_and_invalidations_are_counted_on_metrics_by_mod
     assert (stats["expirations"], stats["invalidations"]) == (2, 2)
     # the unlabelled series are unchanged
     assert after["trioserve_cache_misses_total", ()] == stats["misses"]
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def _documented_series() -> set[str]:
+    """Every series the docs (and README) name, ``{a,b}`` alternatives expanded; a
+    name ending in ``_`` or ``*`` is a prefix, not a series."""
+    text = "\n".join(p.read_text() for p in [*DOCS.glob("*.md"), DOCS.parent / "README.md"])
+    names = set()
+    for found in re.findall(r"trioserve_[a-z_]*(?:(?<=_)\{[a-z_,]+\}[a-z_]*)?", text):
+        head, brace, rest = found.partition("{")
+        alternatives, _, tail = rest.partition("}")
+        names |= {head + a + tail for a in alternatives.split(",")} if brace else {found}
+    return {n for n in names if not n.endswith("_")}
+
+
+def _metrics_table() -> dict[str, tuple[set[str], str]]:
+    """docs/gateway.md's /metrics table: series -> (its labels, what it says)."""
+    text = (DOCS / "gateway.md").read_text().split("## `/metrics`", 1)[1]
+    rows = {}
+    for line in text.splitlines():
+        if not line.startswith("| `trioserve_"):
+            continue
+        series, labels, what = (c.strip() for c in line.strip().strip("|").split("|"))
+        for name in re.findall(r"`(trioserve_\w+)`", series):
+            rows[name] = ({lab for lab in labels.split(", ") if lab}, what)
+    return rows
+
+
+async def test_every_metrics_series_is_documented_with_its_labels(autojump_clock):
+    """What ``/metrics`` exposes, with the cache on, two models (one with a slow lane)
+    and a tenant with credits, is what the docs name, and no more: each series in
+    docs/gateway.md's table (summaries said to be summaries, counters ending in
+    ``_total``) with its labels, and the outcomes it lists."""
+    cfg = trioserve.Config(
+        models=(
+            callable_model("a", Recorder()),
+            callable_model("b", Recorder(), replicas=2, slow_lane_cost=4),
+        ),
+        tenants=(TenantConfig(name="t", default=True, credit_rate=1000.0),),
+        cache=CacheConfig(capacity_bytes=1 << 20),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        client = Gateway(rt).app.test_client()
+        data = orjson.dumps({"inputs": [v2_input([1.0])]})
+        assert (await client.post("/v2/models/a/infer", data=data)).status_code == 200
+        text = (await (await client.get("/metrics")).get_data()).decode()
+    scraped: dict[str, tuple[str, set[str]]] = {}
+    values: dict[tuple[str, str], set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = {lab for s in family.samples for lab in s.labels}
+        scraped[name] = (family.type, labels)
+        for s in family.samples:
+            for lab, v in s.labels.items():
+                values.setdefault((name, lab), set()).add(v)
+    assert set(scraped) == _documented_series()
+    table = _metrics_table()
+    for name, (kind, labels) in scraped.items():
+        if name.startswith("trioserve_cache_"):
+            continue  # one row, `trioserve_cache_*`, for docs/cache.md's list
+        documented, what = table[name]
+        assert labels == documented, name
+        assert (kind == "summary") == what.startswith("summary"), name
+    for name, label in (
+        ("trioserve_batcher_outcomes_total", "outcome"),
+        ("trioserve_flow_requests_total", "outcome"),
+        ("trioserve_latency_seconds", "stage"),
+    ):
+        listed = set(re.findall(r"`(\w+)`", table[name][1])) - {name}
+        assert values[name, label] <= listed, name
+        assert listed <= values[name, label], name
