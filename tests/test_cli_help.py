@@ -1,9 +1,15 @@
-"""Every command's --help prints and exits 0 (help texts are %-formatted by argparse)."""
+"""Every command's --help prints and exits 0 (help texts are %-formatted by argparse),
+and the commands the docs show use only options and scenarios there are."""
 
 from __future__ import annotations
 
+import argparse
+import re
+from pathlib import Path
+
 import pytest
 from trioserve.cli import main
+from trioserve.scenarios import SCENARIOS
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["bench", "--help"]])
@@ -65,3 +71,91 @@ def test_bench_takes_every_execution_a_model_config_takes(execution):
     from trioserve.cli import _parser
 
     assert _parser().parse_args(["bench", "--execution", execution]).execution == execution
+
+
+# ---------------------------------------------------------------- the docs' commands
+ROOT = Path(__file__).resolve().parent.parent
+#: Options the docs name that are another program's: Triton's (docs/gateway.md).
+FOREIGN = {"--model-control-mode"}
+
+
+def _code(text: str) -> list[str]:
+    """The code in a Markdown page: lines of fenced and indented blocks, and inline
+    spans (a span that wraps a line joined up), each without its ``#`` comment."""
+    fenced = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    prose = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    pieces = [line for block in fenced for line in block.splitlines()]
+    pieces += [line for line in prose.splitlines() if line.startswith("    ")]
+    prose = re.sub(r"^    .*$", "", prose, flags=re.MULTILINE)
+    pieces += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
+    return [p.split(" #")[0] for p in pieces]
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, set[str]]:
+    """Each command's option strings (``""``: the program's own)."""
+    out = {"": set()}
+    for action in parser._actions:
+        out[""] |= set(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out[name] = {o for a in sub._actions for o in a.option_strings}
+    return out
+
+
+def _uses(pages: list[Path], program: str) -> list[tuple[str, str, list[str]]]:
+    """(page, command, the options after it) of the last use of ``program`` (a pattern
+    whose group is the command, if any) in the pages' code; a span of options alone
+    (``--replicas N``) is a use of no command in particular, ``"*"``."""
+    uses = []
+    for page in pages:
+        for piece in _code(page.read_text()):
+            found = re.match(r".*" + program + r"(.*)", piece)  # its last use
+            if found is not None:
+                command, rest = found[1] or "", found[2]
+            elif piece.startswith("-"):
+                command, rest = "*", piece
+            else:
+                continue
+            options = re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", rest)
+            uses.append((page.name, command, [o for o in options if o not in FOREIGN]))
+    return uses
+
+
+def test_every_option_the_docs_use_is_the_commands_own():
+    """Each ``trioserve`` command line in README.md and docs/ (``make bench ARGS=``
+    too) names only options its command has, and ``--scenario`` only scenarios there
+    are; each ``python -m fuzz`` line in docs/fuzzing.md only options fuzz has, and
+    that page all of them."""
+    from trioserve.cli import _parser
+
+    from fuzz._cli import _parser as fuzz_parser
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    own = _options(_parser())
+    own["*"] = own["serve"] | own["bench"]
+    uses = _uses(
+        [p for p in pages if p.name != "fuzzing.md"], r"(?:\btrioserve|\bmake)(?: (serve|bench)\b)?"
+    )
+    assert sum(bool(options) for _, _, options in uses) > 20
+    for page, command, options in uses:
+        assert set(options) <= own[command], (page, command, options)
+    fuzz_own = _options(fuzz_parser())[""]
+    fuzz_uses = _uses([ROOT / "docs" / "fuzzing.md"], r"python -m fuzz()")
+    assert sum(bool(options) for _, _, options in fuzz_uses) > 10
+    for page, _, options in fuzz_uses:
+        assert set(options) <= fuzz_own, (page, options)
+    # and docs/fuzzing.md shows every option fuzz has
+    assert fuzz_own - {"-h", "--help"} <= {o for _, _, opts in fuzz_uses for o in opts}
+    for page in pages:
+        code = " ".join(_code(page.read_text()))
+        for name in re.findall(r"--scenario ([a-z][a-z-]*)", code):
+            assert name in SCENARIOS, (page.name, name)
+
+
+def test_the_readme_lists_every_bench_scenario():
+    """README.md's ``bench --scenario`` line and the list after it name each scenario
+    of ``trioserve bench --scenario`` once, and no other."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("bench --scenario") :].split("\n\n")[0]
+    listed = re.findall(r"[a-z][a-z-]*", block.replace("bench --scenario", "").replace("also:", ""))
+    assert sorted(listed) == sorted(SCENARIOS)
