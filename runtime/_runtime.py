@@ -149,7 +149,7 @@ class Runtime:
         inputs: Any,
         *,
         tenant: str | None = None,
-        priority: str | None = None,
+        priority: str | int | None = None,
         version: str | None = None,
     ) -> dict[str, Any]:
         """Run one item through ``model`` and return its outputs (name -> numpy array).
@@ -224,7 +224,7 @@ class Runtime:
         items: Sequence[Any] | Mapping[str, Any],
         *,
         tenant: str | None = None,
-        priority: str | None = None,
+        priority: str | int | None = None,
         version: str | None = None,
     ) -> list[dict[str, Any]]:
         """Run several items (each as for :meth:`infer`) and return their outputs in

@@ -29,7 +29,7 @@ class Client:
         inputs: Any,
         *,
         tenant: str | None = None,
-        priority: str | None = None,
+        priority: str | int | None = None,
         version: str | None = None,
         timeout: float | None = None,
     ) -> dict[str, Any]:
@@ -44,7 +44,7 @@ class Client:
         inputs: Sequence[Any],
         *,
         tenant: str | None = None,
-        priority: str | None = None,
+        priority: str | int | None = None,
         version: str | None = None,
         timeout: float | None = None,
         return_exceptions: bool = False,
