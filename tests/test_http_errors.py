@@ -4,6 +4,8 @@ a task or loses other requests."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -617,3 +619,27 @@ async def test_an_open_model_asked_for_an_output_it_has_not_is_still_400(server)
     res = await post(server, "/v2/models/echo/infer", body)
     assert res.status == 400
     assert error_of(res) == "model 'echo': no output 'nope'; it produced 'x'"
+
+
+def test_the_error_table_of_docs_embedding_md_gives_each_errors_status():
+    """Each error ``trioserve`` exports has its row, and the HTTP status in it is the
+    one the gateway answers the error with (``—``: raised before serving, never an
+    answer)."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "embedding.md").read_text()
+    rows = {}
+    for line in page.split("## Errors", 1)[1].split("\n## ", 1)[0].splitlines():
+        if line.startswith("| `"):
+            names, _, status = (c.strip() for c in line.strip().strip("|").split("|"))
+            for name, code in zip(re.findall(r"`(\w+)`", names), status.split(" / "), strict=True):
+                rows[name] = code
+    errors = {
+        name for name, value in vars(trioserve).items()
+        if isinstance(value, type) and issubclass(value, trioserve.TrioserveError)
+    }
+    assert set(rows) == errors - {"TrioserveError"}
+    for name, code in rows.items():
+        if code == "—":
+            assert name in ("ConfigError", "ModelLoadError")
+            continue
+        status = error_answer(getattr(trioserve, name)("x"))[0]
+        assert (name, status) == (name, int(code))
