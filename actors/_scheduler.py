@@ -271,18 +271,32 @@ class SchedulerActor(Actor):
 
     def retry(self, batches: list[list[Request]]) -> None:
         """Hand back batches to run again (their requests stay dispatched); the next
-        ``pull`` of any batcher takes them before new work."""
+        ``pull`` of any batcher takes them before new work. A request whose deadline
+        has passed is answered now (see :meth:`_settle`), and one that waits is
+        answered at its deadline by the actor's timer, whether or not a replica
+        pulls meanwhile (the only one may be stuck in a straggling thread)."""
+        now = trio.current_time()
         for batch in batches:
             if batch:
-                self._retries.append(batch)
                 self.retried += 1
+                alive = self._settle(batch, now)
+                if alive:
+                    self._retries.append(alive)
+                    self._wake_for(alive)
         if self._retries and self._idle:
             self._idle.unpark_all()
+
+    def _wake_for(self, requests: list[Request]) -> None:
+        """Wake the actor's timer when one of ``requests`` (held here, dispatched) is
+        to be answered at a deadline before its next wake."""
+        if any(r.answer_expiry and r.deadline < self._wake_at for r in requests):
+            self._timer.unpark_all()
 
     def keep_apart(self, request: Request) -> None:
         """A batcher pulled ``request`` (dispatched) while it holds its hedge twin:
         another replica's next ``pull`` takes it, alone (see :meth:`pull`)."""
         self._apart.append(request)
+        self._wake_for([request])
         if self._idle:
             self._idle.unpark_all()
 
@@ -300,22 +314,9 @@ class SchedulerActor(Actor):
         elsewhere = False
         for _ in range(len(apart)):
             req = apart.popleft()
-            reply = req.reply
-            if reply.state is not _DISPATCHED or req.deadline <= now:
-                if reply.state is _DISPATCHED:
-                    if req.answer_expiry:
-                        reply.set_error(
-                            DeadlineExceeded(
-                                f"model {self.model!r}: deadline passed while it waited "
-                                "for a replica other than its hedge twin's",
-                                # never ran, unless it is the retry of a failed batch
-                                in_queue=not reply.suspect,
-                            )
-                        )
-                    else:
-                        reply.withdraw()
-                self.policy.completed([req], now, failed=True)  # it left the devices
+            if self._drop_apart(req, now):
                 continue
+            reply = req.reply
             twin = self.twins.get(reply)
             if puller is not None and twin is not None and puller.holds(twin):
                 apart.append(req)
@@ -326,6 +327,55 @@ class SchedulerActor(Actor):
                 continue
             return [req]
         return None if elsewhere else []
+
+    def _drop_apart(self, req: Request, now: float) -> bool:
+        """Whether ``req``, kept apart, is done with: its hedge is over (withdrawn:
+        the other answered, or the caller left) or its deadline passed (answered
+        DeadlineExceeded, or dropped when its caller's own deadline it is)."""
+        reply = req.reply
+        if reply.state is _DISPATCHED and req.deadline > now:
+            return False
+        if reply.state is _DISPATCHED:
+            if req.answer_expiry:
+                reply.set_error(
+                    DeadlineExceeded(
+                        f"model {self.model!r}: deadline passed while it waited "
+                        "for a replica other than its hedge twin's",
+                        # never ran, unless it is the retry of a failed batch
+                        in_queue=not reply.suspect,
+                    )
+                )
+            else:
+                reply.withdraw()
+        self.policy.completed([req], now, failed=True)  # it left the devices
+        return True
+
+    def _held_expiry(self) -> float:
+        """The earliest deadline at which a request held here (a retry, or kept
+        apart) is to be answered; inf when none."""
+        first = math.inf
+        for batch in self._retries:
+            for r in batch:
+                if r.answer_expiry and r.deadline < first and r.reply.state is _DISPATCHED:
+                    first = r.deadline
+        for r in self._apart:
+            if r.answer_expiry and r.deadline < first and r.reply.state is _DISPATCHED:
+                first = r.deadline
+        return first
+
+    def _expire_held(self, now: float) -> None:
+        """Answer the requests held here (retries, kept apart) whose deadline passed,
+        as a pull would; drop those whose caller left."""
+        retries = self._retries
+        for _ in range(len(retries)):
+            alive = self._settle(retries.popleft(), now)
+            if alive:
+                retries.append(alive)
+        apart = self._apart
+        for _ in range(len(apart)):
+            req = apart.popleft()
+            if not self._drop_apart(req, now):
+                apart.append(req)
 
     def _elsewhere(self, batch: list[Request], puller: Any) -> bool:
         """Whether ``batch`` is a request that raised alone on ``puller`` and waits
@@ -388,10 +438,14 @@ class SchedulerActor(Actor):
         task_status.started(self)
         policy = self.policy
         while True:
-            self._wake_at = policy.next_expiry()
+            held = self._held_expiry() if self._retries or self._apart else math.inf
+            self._wake_at = min(policy.next_expiry(), held)
             with trio.move_on_at(self._wake_at):
                 await self._timer.park()
-            if policy.expire(trio.current_time()) and self._idle:
+            now = trio.current_time()
+            if held <= now:
+                self._expire_held(now)
+            if policy.expire(now) and self._idle:
                 self._idle.unpark_all()  # the oldest request may have changed
 
     def queue_depth(self) -> int:

@@ -33,6 +33,7 @@ from runtime_helpers import (
     pythonpath_with,
 )
 from trioserve import (
+    DeadlineExceeded,
     ModelConfig,
     ModelError,
     Reply,
@@ -214,6 +215,57 @@ async def test_a_replica_with_a_straggling_thread_is_not_ready_until_it_returns(
         out = await rt.infer("m", item(1))  # served once the thread has returned
         assert float(out["y"][0]) == 1.0
         assert rt.model_ready("m")
+
+
+@pytest.mark.parametrize("timeout_ms", [20.0, 500.0])
+async def test_a_retried_request_is_answered_at_its_deadline_while_its_only_replica_straggles(
+    timeout_ms,
+):
+    """The lone thread replica hangs on 99 in a batch with 1; the batch is cut off
+    after 50 ms and its parts go back for a retry, but the replica pulls nothing
+    until the thread returns. Both callers are answered DeadlineExceeded at the
+    model's timeout (at once when it had passed at the cut, 20 ms; at it, 500 ms),
+    while the thread still hangs: they waited for the thread to return before,
+    because only a pull answered a retry past its deadline. Real clock: the
+    watchdog keeps wall time."""
+    release = threading.Event()
+
+    def held(items):
+        if any(key(it) == 99.0 for it in items):
+            release.wait(GATE_LIMIT_S)
+        return [{"y": it["x"]} for it in items]
+
+    cfg = config(
+        callable_model(
+            "m", held, execution="thread", max_batch_size=2, max_wait_ms=10_000,
+            timeout_ms=timeout_ms, batch_timeout_floor_ms=50.0, batch_timeout_cap_ms=50.0,
+        )
+    )
+    got: dict[float, BaseException] = {}
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+
+            async def one(v: float) -> None:
+                with pytest.raises(DeadlineExceeded) as info:
+                    await rt.infer("m", item(v))
+                got[v] = info.value
+                assert not release.is_set()  # answered while the thread still hangs
+
+            with trio.fail_after(GATE_LIMIT_S):
+                async with trio.open_nursery() as nursery:
+                    for v in (99.0, 1.0):
+                        nursery.start_soon(one, v)
+            batcher = rt.models["m"].batchers[0]
+            assert batcher.health == "degraded"  # the thread has not returned
+            assert rt.models["m"].scheduler.queue_depth() == 0
+            assert rt.statistics()["m"]["statuses"]["straggler"] == 1
+            release.set()
+    finally:
+        release.set()
+    assert sorted(got) == [1.0, 99.0]
+    for error in got.values():
+        assert "deadline passed while its batch was being retried" in str(error)
+        assert not error.in_queue  # it ran: charged
 
 
 class Held:
