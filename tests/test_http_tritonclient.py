@@ -249,6 +249,50 @@ async def test_compressed_requests_from_tritonclient(server, algorithm):
     np.testing.assert_allclose(await trio.to_thread.run_sync(call), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("binary", [False, True])
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+async def test_compressed_answers_to_tritonclient(server, monkeypatch, algorithm, binary):
+    """``response_compression_algorithm`` sends Accept-Encoding: the answer comes
+    compressed (gzip, or deflate in the zlib format, as tritonclient reads it) and
+    tritonclient's values are the plain answer's; for binary outputs the
+    Inference-Header-Content-Length counts the JSON before compression."""
+    from trioserve.transport import _http
+
+    codings: list[str | None] = []
+    encode = _http.encode_answer
+
+    async def spy(answer, accept):
+        out = await encode(answer, accept)
+        codings.append(dict(out[1]).get(b"content-encoding", b"").decode() or None)
+        return out
+
+    monkeypatch.setattr(_http, "encode_answer", spy)
+    # an answer of ~8 KiB as float32 bytes, ~40 KiB as JSON: over MIN_COMPRESS
+    x = np.random.default_rng(3).standard_normal((2, 1024)).astype(np.float32)
+
+    def call(compression):
+        client = _client(server)
+        try:
+            inp = tritonclient_http.InferInput("x", [2, 1024], "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            out = tritonclient_http.InferRequestedOutput("x", binary_data=binary)
+            result = client.infer(
+                "echo", [inp], outputs=[out], request_id="z",
+                response_compression_algorithm=compression,
+            )
+            return result.as_numpy("x"), result.get_response()
+        finally:
+            client.close()
+
+    plain, plain_doc = await trio.to_thread.run_sync(call, None)
+    assert codings == []  # no Accept-Encoding: never negotiated
+    packed, packed_doc = await trio.to_thread.run_sync(call, algorithm)
+    assert codings == [algorithm]
+    np.testing.assert_array_equal(packed, plain)
+    np.testing.assert_array_equal(packed, x)
+    assert packed_doc == plain_doc
+
+
 async def test_repository_index_load_and_unload_through_tritonclient(server):
     """``get_model_repository_index`` reads the index; ``load_model`` and
     ``unload_model`` get Triton's error document (model control is off)."""

@@ -48,6 +48,7 @@ import outcome
 import trio
 
 from ._auth import another_field_line
+from ._coding import encode_answer
 from ._gateway import JSON, Answer, Headers, error_answer
 from ._target import MAX_TARGET, check_target, unusual
 from ._v2 import error_body
@@ -329,7 +330,7 @@ class _Connection:
             if fast is not None:
                 # parsed by llhttp, answered from the template (see the module's
                 # docstring); h stays fresh
-                route, body, buf, auth, hlen, idem, encoding = fast
+                route, body, buf, auth, hlen, idem, encoding, accept = fast
                 keep_alive = self.bare = True
             else:
                 h.receive_data(buf)
@@ -354,7 +355,7 @@ class _Connection:
                     return False  # ConnectionClosed
                 conn.busy = True
                 request = event
-                auth = hlen = upgrade = idem = encoding = None
+                auth = hlen = upgrade = idem = encoding = accept = None
                 length = -1
                 chunked = False
                 version = request.http_version
@@ -379,6 +380,8 @@ class _Connection:
                         idem = value
                     elif name == b"content-encoding":
                         encoding = value
+                    elif name == b"accept-encoding":
+                        accept = value if accept is None else accept + b", " + value
                     elif name == b"upgrade":
                         upgrade = value
                     elif name == b"connection" and b"close" in [
@@ -464,6 +467,9 @@ class _Connection:
                     raise
                 finally:
                     conn.waiting = False
+                if accept is not None and status == 200:
+                    # compressed as the client asks (``._coding``); errors go plain
+                    status, headers, out = await encode_answer((status, headers, out), accept)
                 if keep_alive and not gateway.draining:
                     # Written from the template (see the module's docstring); the
                     # bytes already received after this request begin the next.
@@ -499,6 +505,10 @@ class _Connection:
                 status, headers, out = verdict
             elif method in _METHODS:
                 status, headers, out = await _call_asgi(gateway, stream, request, target, body)
+                if accept is not None and status == 200 and out and not any(
+                    name == b"content-encoding" for name, _ in headers
+                ):
+                    status, headers, out = await encode_answer((status, headers, out), accept)
             else:
                 # Methods are case-sensitive (RFC 9110 9.1): "post" is not POST.
                 status, headers, out = 501, [JSON], error_body(
@@ -539,14 +549,15 @@ class _Head:
 
 def _data_plane_request(
     buf: bytes, max_body: int
-) -> tuple[tuple[str, str | None], bytes, bytes, Any, Any, Any, Any] | None:
+) -> tuple[tuple[str, str | None], bytes, bytes, Any, Any, Any, Any, Any] | None:
     """The data plane's usual request, parsed by llhttp (httptools): a keep-alive
     HTTP/1.1 ``POST`` to an infer route, framed by one Content-Length, whose head and
     body ``buf`` holds whole. Returns (route, body, the bytes after it, and the values
-    of Authorization, Inference-Header-Content-Length, Idempotency-Key and
-    Content-Encoding), or None for any other request, which h11 then parses as
-    before: its answers, refusals and error messages stay h11's. llhttp parses such a
-    head in ~2 us where h11 takes ~20 us.
+    of Authorization, Inference-Header-Content-Length, Idempotency-Key,
+    Content-Encoding and Accept-Encoding: several Accept-Encoding lines as one list),
+    or None for any other request, which h11 then parses as before: its answers,
+    refusals and error messages stay h11's. llhttp parses such a head in ~2 us where
+    h11 takes ~20 us.
 
     What llhttp accepts and h11 would refuse is not taken here: more than one space
     in the request line, a missing or repeated Host; values lose trailing whitespace
@@ -569,7 +580,7 @@ def _data_plane_request(
         return None
     length = -1
     hosts = 0
-    auth = hlen = idem = encoding = None
+    auth = hlen = idem = encoding = accept = None
     for raw_name, value in head.headers:
         name = raw_name.lower()
         if name == b"content-length":
@@ -585,13 +596,18 @@ def _data_plane_request(
             idem = value.rstrip(_OWS)
         elif name == b"content-encoding":
             encoding = value.rstrip(_OWS)
+        elif name == b"accept-encoding":
+            value = value.rstrip(_OWS)
+            accept = value if accept is None else accept + b", " + value
         elif name in _H11_FRAMING and (
             name != b"connection" or b"close" in [t.strip() for t in value.lower().split(b",")]
         ):
             return None  # framing, an upgrade or 100-continue, or the last request
     if hosts != 1 or length < 0 or length > max_body or end + length > len(buf):
         return None
-    return route, buf[end:end + length], buf[end + length:], auth, hlen, idem, encoding
+    return (
+        route, buf[end:end + length], buf[end + length:], auth, hlen, idem, encoding, accept
+    )
 
 
 def _chunk_left(h: h11.Connection) -> int:
