@@ -108,7 +108,7 @@ def steps(monkeypatch):
 
 
 async def test_an_answer_of_one_step_is_compressed_without_a_checkpoint(steps):
-    body = LARGE * 8
+    body = LARGE * 4
     assert gzip.decompress(await encode_body(body, GZIP)) == body
     assert steps == [(0, len(body), 0)]
 

@@ -37,9 +37,13 @@ MIN_COMPRESS = 1024
 COMPRESS_LEVEL = 1
 #: Input one step of an answer's compression takes: the loop checkpoints between
 #: steps, as it does when inflating a request (``INFLATE_STEP``). A step of JSON
-#: floats takes ~0.6 ms here, of float32 bytes (which hardly compress) ~1.6 ms; a
-#: 16 MiB answer in one call stalled every other connection ~0.2-0.4 s.
-COMPRESS_STEP = 64 * 1024
+#: floats takes ~0.3 ms here, of float32 bytes (which hardly compress: 28 us per
+#: KiB) ~0.9 ms. A 16 MiB answer in one call held every other connection 170 ms
+#: (JSON) or 460 ms (float32); in steps, the longest wait another task saw was
+#: 1.5-3.7 ms and 2.7-4.3 ms (two steps, since trio may run it just before one step
+#: and just after the next, and the output's final join); 64 KiB steps left
+#: 2.1-3.0 and 4.6-6.2 ms, for the same total time.
+COMPRESS_STEP = 32 * 1024
 _checkpoint = trio.lowlevel.checkpoint
 #: RFC 9110 §12.4.2's qvalue: 0 to 1, at most three decimals.
 _QVALUE = re.compile(rb"0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?")
