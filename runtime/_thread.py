@@ -64,7 +64,16 @@ class Client:
         return results
 
     def statistics(self) -> dict[str, Any]:
-        return self._call(self._stats)
+        """``Runtime.statistics()``, read in the runtime's thread."""
+        return self._call(self._read, "statistics")
+
+    def tenant_statistics(self) -> dict[str, dict[str, Any]]:
+        """``Runtime.tenant_statistics()`` (credits), read in the runtime's thread."""
+        return self._call(self._read, "tenant_statistics")
+
+    def cache_statistics(self) -> dict[str, Any]:
+        """``Runtime.cache_statistics()`` ({} when the cache is off)."""
+        return self._call(self._read, "cache_statistics")
 
     # ---- trio side
     def _call(self, fn: Any, *args: Any) -> Any:
@@ -88,8 +97,9 @@ class Client:
         if self.runtime.closed:
             raise ActorClosed("the runtime is shut down")
 
-    async def _stats(self) -> dict[str, Any]:
-        return self.runtime.statistics()
+    async def _read(self, name: str) -> Any:
+        self._check_open()
+        return getattr(self.runtime, name)()
 
     async def _one(
         self, model: str, inputs: Any, tenant: Any, priority: Any, version: Any,

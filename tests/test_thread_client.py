@@ -205,6 +205,25 @@ def test_a_call_waiting_for_credits_at_shutdown_raises_actor_closed():
     assert str(error) == "the runtime shut down before this call was answered"
 
 
+def test_the_client_reads_tenant_and_cache_statistics_until_shutdown():
+    cfg = trioserve.Config(
+        models=[ModelConfig(name="echo", backend="echo")],
+        tenants=[TenantConfig(name="t", default=True, credit_rate=0.1, credit_burst=2)],
+        cache=trioserve.CacheConfig(capacity_bytes=1 << 20),
+    )
+    with trioserve.serve_in_thread(cfg) as client:
+        for _ in range(2):
+            assert client.infer("echo", {"a": [1]})["a"].tolist() == [1]
+        credits = client.tenant_statistics()["t"]
+        assert credits["credits_used"] == 1  # the repeat was a hit: no credit
+        assert 1.0 <= credits["credits_available"] <= 2.0  # refilling at 0.1/s
+        cache = client.cache_statistics()
+        assert (cache["hits"], cache["misses"]) == (1, 1)
+    for read in (client.statistics, client.tenant_statistics, client.cache_statistics):
+        with pytest.raises(ActorClosed, match="the runtime is shut down"):
+            read()
+
+
 def test_a_runtime_that_cannot_start_raises_in_the_caller():
     cfg = config(ModelConfig(name="m", backend="no_such_module_here:thing"))
     with pytest.raises(ConfigError, match=r"models\.m\.backend: cannot import"):
