@@ -690,8 +690,13 @@ class BatcherActor(Actor):
 
     def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
         if len(outputs) != len(batch):
+            n, m = len(outputs), len(batch)
             self._model_failed(
-                batch, RuntimeError(f"returned {len(outputs)} outputs for {len(batch)} items")
+                batch,
+                RuntimeError(
+                    f"returned {n} {'output' if n == 1 else 'outputs'} for "
+                    f"{m} {'item' if m == 1 else 'items'}"
+                ),
             )
             return
         t1 = trio.current_time()

@@ -39,6 +39,11 @@ Item = dict[str, np.ndarray]
 Runner = Callable[[list[Any]], Sequence[Mapping[str, Any]]]
 
 
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 item", "2 items"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def check_outputs(outputs: Any, n: int) -> Sequence[Mapping[str, Any]]:
     """Return a runner's ``outputs`` for a batch of ``n`` items when they are what the
     runtime expects, a sequence of ``n`` mappings (output name -> array), one per item
@@ -49,7 +54,8 @@ def check_outputs(outputs: Any, n: int) -> Sequence[Mapping[str, Any]]:
     if not isinstance(outputs, Sequence) or isinstance(outputs, str | bytes):
         raise TypeError(f"returned {_kind(outputs)}; {want}")
     if len(outputs) != n:
-        raise ValueError(f"returned {len(outputs)} outputs for {n} items; {want}")
+        got = _count(len(outputs), "output")
+        raise ValueError(f"returned {got} for {_count(n, 'item')}; {want}")
     for i, out in enumerate(outputs):
         if type(out) is not dict and not isinstance(out, Mapping):
             raise TypeError(f"returned {_kind(out)} as the output of item {i}; {want}")
@@ -451,9 +457,10 @@ class TorchBackend(ModelBackend):
                             "a tensor with one row per item"
                         )
                     if o.dim() == 0 or len(o) != n:
-                        rows = "no batch dimension" if o.dim() == 0 else f"{len(o)} rows"
+                        rows = "no batch dimension" if o.dim() == 0 else _count(len(o), "row")
                         raise RuntimeError(
-                            f"module returned output {name!r} with {rows} for {n} items; "
+                            f"module returned output {name!r} with {rows} for "
+                            f"{_count(n, 'item')}; "
                             "expected one row per item"
                         )
                 return {n: o.detach().cpu().numpy() for n, o in zip(out_names, outs, strict=True)}

@@ -502,7 +502,7 @@ async def test_wrong_number_of_outputs_is_a_model_error(autojump_clock):
         callable_model("m", lambda items: [*items, *items], max_batch_size=2, max_wait_ms=0)
     )
     async with trioserve.open_runtime(cfg) as rt:
-        with pytest.raises(ModelError, match=r"returned 2 outputs for 1 items"):
+        with pytest.raises(ModelError, match=r"returned 2 outputs for 1 item"):
             await rt.infer_batch("m", [item(1), item(2)])
 
 
@@ -511,7 +511,7 @@ MISSHAPEN = {  # x[0] of a lone item -> the error its misshapen outputs are answ
     1.0: "TypeError: returned None",
     2.0: "TypeError: returned a value of type generator",
     3.0: "TypeError: returned a value of type int",
-    4.0: "ValueError: returned 2 outputs for 1 items",
+    4.0: "ValueError: returned 2 outputs for 1 item",
     5.0: "TypeError: returned a value of type ndarray as the output of item 0",
 }
 
@@ -591,7 +591,7 @@ async def test_a_torch_module_answering_another_number_of_rows_is_a_model_error(
             await rt.infer("m", {"x": [1.0, 2.0]})
     assert str(info.value) == (
         "model 'm' failed on cpu: RuntimeError: module returned output 'y' with 2 rows "
-        "for 1 items; expected one row per item"
+        "for 1 item; expected one row per item"
     )
 
 
