@@ -16,7 +16,15 @@ import numpy as np
 import trio
 
 from ._builtin import resolve_backend
-from ._config import Config, ModelConfig, RuntimeLimits, TenantConfig, load_config
+from ._config import (
+    BUILTIN_BACKENDS,
+    Config,
+    ConfigError,
+    ModelConfig,
+    RuntimeLimits,
+    TenantConfig,
+    load_config,
+)
 from ._runtime import open_runtime
 
 
@@ -70,7 +78,15 @@ def _bench_config(base: Config, spec: BenchSpec) -> Config:
     try:
         m = base.model(spec.model)
     except KeyError:
-        m = ModelConfig(name=spec.model, backend=spec.model)
+        try:
+            m = ModelConfig(name=spec.model, backend=spec.model)
+        except ConfigError:
+            configured = ", ".join(mc.name for mc in base.models) or "none"
+            raise ConfigError(
+                f"--model {spec.model!r} is neither a model of the configuration "
+                f"({configured}) nor a built-in backend ({', '.join(BUILTIN_BACKENDS)}) "
+                "or an import string 'module:attr'"
+            ) from None
     changes = {
         k: v
         for k, v in {

@@ -64,6 +64,17 @@ def test_a_bench_against_a_server_that_is_not_there_says_so_in_a_line(capsys):
     assert "Traceback" not in err
 
 
+def test_a_bench_of_a_model_there_is_not_names_what_there_is(capsys):
+    code = main(["bench", "--model", "nosuch", "-d", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "trioserve: invalid configuration: --model 'nosuch' is neither a model of the "
+        "configuration (mlp, echo, minilm) nor a built-in backend (mlp, echo, sleep, "
+        "minilm) or an import string 'module:attr'"
+    ]
+
+
 @pytest.mark.parametrize("execution", ["process", "thread", "inline"])
 def test_bench_takes_every_execution_a_model_config_takes(execution):
     """docs/benchmarks.md offers ``--execution thread|process|inline``: ``process``
