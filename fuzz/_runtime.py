@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -157,6 +158,11 @@ class Scenario:
 
 
 # ---------------------------------------------------------------- strategies
+# Every strategy a scenario draws from is built once (at import, or once per
+# combination of the parameters drawn before it, cached), never inside a draw: a
+# fresh strategy object is validated and has its properties (emptiness, reusable
+# values) computed again on its first draw, which cost more than playing the
+# scenario. The draws, and so the examples of a seed, are the same either way.
 _LATENCY = st.sampled_from([0, 0, 0, 1, 2, 5, 20, 250])
 _GAPS = st.sampled_from([0, 0, 0, 0, 0, 1, 2, 5, 20, 100])
 #: with a slow lane: replicas busier and calls closer together, so that queues fill
@@ -166,29 +172,95 @@ _FAULT = st.sampled_from([None] * 12 + ["error", "crash"])
 #: with several replicas hedging or broken: inputs that raise (poison) more often
 _POISON = st.sampled_from([None] * 16 + ["error", "crash"])
 _REPLICA_DELAY = st.sampled_from([0, 2, 5, 20, 100])
+_MAX_TOKENS = st.none() | st.integers(1, 10)
+_MODE = st.sampled_from(["plain", "hedge", "broken", "both"])
+_HEDGE_AFTER = st.sampled_from([1, 2, 5, 20])
+_AGING = st.sampled_from([0, 2, 10, 50, 1000])
+_CLASS_TIMEOUT = st.none() | st.sampled_from([1, 10, 100])
+_OVER_QUOTA = st.sampled_from(["reject", "wait"])
+_CREDIT_RATE = st.none() | st.none() | st.sampled_from([5.0, 50.0, 500.0])
+_CREDIT_BURST = st.none() | st.sampled_from([1.0, 4.0, 20.0])
+_WEIGHT = st.sampled_from([1.0, 1.0, 2.0, 0.5, 3.0])
+_QUEUE_SHARE = st.sampled_from([1.0, 1.0, 1.0, 0.5])
+_CLS = {n: st.none() | st.integers(0, n - 1) for n in (1, 2, 3)}
+_ALLOWED = {
+    n: st.just(frozenset()) | st.sets(st.integers(0, n - 1), max_size=n) for n in (1, 2, 3)
+}
+_CANCEL_MS = st.none() | st.none() | st.sampled_from([0, 1, 3, 10, 50])
+_CANCEL_HOW = st.sampled_from(["deadline", "cancel"])
+_OVERSIZE = st.sampled_from(["alone", "reject", "split"])
+_MAX_WAIT = st.sampled_from([0, 0, 1, 5, 20, 50])
+#: the model's timeout: with replicas hedging or broken, parts wait for another
+#: replica, so a long one if any, so that they get there
+_TIMEOUT = {
+    True: st.none() | st.sampled_from([5, 50, 1000]),
+    False: st.none() | st.sampled_from([1000]),
+}
+_BATCH_LATENCY = st.sampled_from([0, 1, 5])
+_GRACEFUL = st.sampled_from([0, 10, 1000])
+_SHUTDOWN = st.sampled_from([None] * 15 + [0, 5, 30, 200])
+_SPELLS = st.integers(1, 6)
+_SPELL_START = st.sampled_from([0, 0, 0, 5, 20, 100])
+_SPELL_LENGTH = st.sampled_from([None, None, None, 2, 5, 10, 20, 50])
+_SPELL_EVERY = st.sampled_from([1, 1, 1, 2, 3])
 
-@st.composite
-def _broken(draw: st.DrawFn, replicas: int) -> tuple[Broken, ...]:
-    """One to four spells of brokenness on one or more replicas: for good, or for a
+
+@functools.cache
+def _broken(replicas: int) -> st.SearchStrategy[tuple[Broken, ...]]:
+    """One to six spells of brokenness on one or more replicas: for good, or for a
     while (so that a replica that raised succeeds again, and evidence taken before
     goes stale)."""
-    out = []
-    for _ in range(draw(st.integers(1, 6))):
-        start = draw(st.sampled_from([0, 0, 0, 5, 20, 100]))
-        length = draw(st.sampled_from([None, None, None, 2, 5, 10, 20, 50]))
-        out.append(Broken(
-            replica=draw(st.integers(0, replicas - 1)),
-            from_ms=start,
-            until_ms=None if length is None else start + length,
-            every=draw(st.sampled_from([1, 1, 1, 2, 3])),
-        ))
-    return tuple(out)
+    replica = st.integers(0, replicas - 1)
 
+    @st.composite
+    def spells(draw: st.DrawFn) -> tuple[Broken, ...]:
+        out = []
+        for _ in range(draw(_SPELLS)):
+            start = draw(_SPELL_START)
+            length = draw(_SPELL_LENGTH)
+            out.append(Broken(
+                replica=draw(replica),
+                from_ms=start,
+                until_ms=None if length is None else start + length,
+                every=draw(_SPELL_EVERY),
+            ))
+        return tuple(out)
+
+    return spells()
+
+
+@functools.cache
+def _calls(
+    *, max_tokens: int | None, busy: bool, plain: bool, n_tenants: int, n_classes: int,
+    most_items: int,
+) -> st.SearchStrategy[list[Call]]:
+    """The calls of a scenario, their ``at_ms`` the gap after the previous call."""
+    cost = st.integers(1, 4) if max_tokens is None else st.integers(1, max_tokens + 2)
+    # (several replicas hedging or broken: poison inputs more often)
+    item = st.builds(
+        Item, cost=cost, latency_ms=_BUSY if busy else _LATENCY, fault=_FAULT if plain else _POISON
+    )
+    call = st.builds(
+        Call,
+        # after the previous call (in bursts with several replicas hedging or broken:
+        # work queues up while a replica raises, then heals)
+        at_ms=_BURSTS if busy or not plain else _GAPS,
+        tenant=st.integers(0, n_tenants - 1),
+        cls=_CLS[n_classes],
+        items=st.lists(item, min_size=1, max_size=most_items).map(tuple) | st.tuples(item),
+        cancel_ms=_CANCEL_MS,
+        cancel_how=_CANCEL_HOW,
+    )
+    # (several replicas hedging or broken: longer runs, so that breakers see their
+    # evidence pile up and open)
+    if plain:
+        return st.lists(call, min_size=1, max_size=30)
+    return st.lists(call, min_size=8, max_size=40)
 
 
 @st.composite
 def scenarios(draw: st.DrawFn) -> Scenario:
-    max_tokens = draw(st.none() | st.integers(1, 10))
+    max_tokens = draw(_MAX_TOKENS)
     # A slow lane in half the scenarios, then on two or three replicas. Its cost
     # threshold lies within the costs of the items under the token budget (cost 1 is
     # always fast), so the items of a call, and the parts of a split item, fall in
@@ -207,57 +279,40 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     # while or for good (the others sound, or all broken), poison inputs, and
     # replicas slower than others (so that a copy on a fast one answers first, and a
     # part waits for the replica it is kept for).
-    hedge_after, delays, broken, fault = None, (), (), _FAULT
-    mode = draw(st.sampled_from(["plain", "hedge", "broken", "both"])) if replicas > 1 else "plain"
+    hedge_after, delays, broken = None, (), ()
+    mode = draw(_MODE) if replicas > 1 else "plain"
     if mode != "plain":
         delays = tuple(draw(_REPLICA_DELAY) for _ in range(replicas))
-        fault = _POISON
     if mode in ("hedge", "both"):
-        hedge_after = draw(st.sampled_from([1, 2, 5, 20]))
+        hedge_after = draw(_HEDGE_AFTER)
     if mode in ("broken", "both"):
         broken = draw(_broken(replicas))
     n_classes = draw(st.integers(1, 3))
     n_tenants = draw(st.integers(1 if slow_cost is None else 2, 3))
     classes = tuple(
         ClassSetup(
-            aging_ms=draw(st.sampled_from([0, 2, 10, 50, 1000])),
-            timeout_ms=draw(st.none() | st.sampled_from([1, 10, 100])),
-            over_quota=draw(st.sampled_from(["reject", "wait"])),
+            aging_ms=draw(_AGING),
+            timeout_ms=draw(_CLASS_TIMEOUT),
+            over_quota=draw(_OVER_QUOTA),
         )
         for _ in range(n_classes)
     )
     tenants = []
     for _ in range(n_tenants):
-        allowed = draw(st.just(set()) | st.sets(st.integers(0, n_classes - 1), max_size=n_classes))
-        rate = draw(st.none() | st.none() | st.sampled_from([5.0, 50.0, 500.0]))
-        burst = st.none() | st.sampled_from([1.0, 4.0, 20.0])
+        allowed = draw(_ALLOWED[n_classes])
+        rate = draw(_CREDIT_RATE)
         tenants.append(
             TenantSetup(
-                weight=draw(st.sampled_from([1.0, 1.0, 2.0, 0.5, 3.0])),
+                weight=draw(_WEIGHT),
                 classes=tuple(sorted(allowed)),
                 credit_rate=rate,
-                credit_burst=None if rate is None else draw(burst),
-                queue_share=draw(st.sampled_from([1.0, 1.0, 1.0, 0.5])),
+                credit_burst=None if rate is None else draw(_CREDIT_BURST),
+                queue_share=draw(_QUEUE_SHARE),
             )
         )
-    cost = st.integers(1, 4) if max_tokens is None else st.integers(1, max_tokens + 2)
-    busy = slow_cost is not None
-    item = st.builds(Item, cost=cost, latency_ms=_BUSY if busy else _LATENCY, fault=fault)
-    call = st.builds(
-        Call,
-        # after the previous call (in bursts with several replicas hedging or broken:
-        # work queues up while a replica raises, then heals)
-        at_ms=_BURSTS if busy or mode != "plain" else _GAPS,
-        tenant=st.integers(0, n_tenants - 1),
-        cls=st.none() | st.integers(0, n_classes - 1),
-        items=st.lists(item, min_size=1, max_size=most_items).map(tuple) | st.tuples(item),
-        cancel_ms=st.none() | st.none() | st.sampled_from([0, 1, 3, 10, 50]),
-        cancel_how=st.sampled_from(["deadline", "cancel"]),
-    )
-    # (several replicas hedging or broken: longer runs, so that breakers see their
-    # evidence pile up and open)
-    gaps = draw(st.lists(call, min_size=1, max_size=30) if mode == "plain" else st.lists(
-        call, min_size=8, max_size=40
+    gaps = draw(_calls(
+        max_tokens=max_tokens, busy=slow_cost is not None, plain=mode == "plain",
+        n_tenants=n_tenants, n_classes=n_classes, most_items=most_items,
     ))
     at, calls = 0, []
     for c in gaps:  # arrival times accumulate the gaps
@@ -267,19 +322,17 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         max_batch_size=draw(st.integers(1, 5)),
         max_batch_tokens=max_tokens,
         padded=draw(st.booleans()),
-        oversize=draw(st.sampled_from(["alone", "reject", "split"])),
-        max_wait_ms=draw(st.sampled_from([0, 0, 1, 5, 20, 50])),
-        # (with replicas hedging or broken, parts wait for another replica: a long
-        # timeout if any, so that they get there)
-        timeout_ms=draw(st.none() | st.sampled_from([5, 50, 1000] if mode == "plain" else [1000])),
+        oversize=draw(_OVERSIZE),
+        max_wait_ms=draw(_MAX_WAIT),
+        timeout_ms=draw(_TIMEOUT[mode == "plain"]),
         replicas=replicas,
         slow_lane_cost=slow_cost,
         slow_lane_replicas=slow_replicas,
         adaptive=draw(st.booleans()),
-        batch_latency_ms=draw(st.sampled_from([0, 1, 5])),
+        batch_latency_ms=draw(_BATCH_LATENCY),
         queue_bound=bound,
-        graceful_ms=draw(st.sampled_from([0, 10, 1000])),
-        shutdown_at_ms=draw(st.sampled_from([None] * 15 + [0, 5, 30, 200])),
+        graceful_ms=draw(_GRACEFUL),
+        shutdown_at_ms=draw(_SHUTDOWN),
         hedge_after_ms=hedge_after,
         replica_delay_ms=delays,
         broken=broken,
