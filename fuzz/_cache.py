@@ -39,6 +39,7 @@ arriving n ticks later looks it up (a TTL compared at the wrong instant shows).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 from collections.abc import Iterator
@@ -125,54 +126,77 @@ class CacheScenario:
 
 
 # ---------------------------------------------------------------- strategies
+# Built once, never inside a draw (as in fuzz/_runtime.py: a fresh strategy object is
+# validated again on its first draw); the draws, and so a seed's examples, are the
+# same either way.
 _GAP = st.sampled_from([0, 0, 1, 1, 2, 3, 4, 4, 8, 32])
 _KEY = st.sampled_from([0, 0, 0, 0, 1, 1, 2, 3])
 _LATENCY = st.sampled_from([0, 0, 1, 2, 4, 8])
 _FLAKY = st.sampled_from([0, 0, 0, 0, 1, 2])
+_N_MODELS = st.sampled_from([1, 1, 2, 3])
+_N_TENANTS = st.sampled_from([1, 2, 2, 3])
+_N_CLASSES = st.sampled_from([1, 1, 2])
+_CACHED = st.sampled_from([True, True, True, False])
+_TTL = st.sampled_from([None, None, 1, 2, 4, 8, 32])
+_KEYS = st.tuples(_KEY) | st.lists(_KEY, min_size=1, max_size=4).map(tuple)
+_BATCH = st.sampled_from([False, False, True])
+_CANCEL = st.none() | st.none() | st.sampled_from([0, 1, 2, 4, 16])
+_CANCEL_HOW = st.sampled_from(["deadline", "cancel"])
+_CAPACITY = st.sampled_from([300, 600, 1200, 2400, 100_000])
+_POLICY = st.sampled_from(["tinylfu", "lru"])
+_QUOTA = st.sampled_from([None, None, None, 300, 600])
+_LATENCIES = st.lists(_LATENCY, min_size=KEYS, max_size=KEYS)
+_FLAKIES = st.lists(_FLAKY, min_size=KEYS, max_size=KEYS)
 
 
-@st.composite
-def cache_scenarios(draw: st.DrawFn) -> CacheScenario:
-    n_models = draw(st.sampled_from([1, 1, 2, 3]))
-    n_tenants = draw(st.sampled_from([1, 2, 2, 3]))
-    n_classes = draw(st.sampled_from([1, 1, 2]))
-    models = tuple(
-        ModelRule(
-            cache=draw(st.sampled_from([True, True, True, False])),
-            shared=draw(st.booleans()),
-            ttl=draw(st.sampled_from([None, None, 1, 2, 4, 8, 32])),
-            coalesce=draw(st.booleans()),
-        )
-        for _ in range(n_models)
-    )
+@functools.cache
+def _events(n_models: int, n_tenants: int, n_classes: int) -> st.SearchStrategy[list[Any]]:
+    """A scenario's asks and invalidations, their ``at`` the gap after the previous."""
     ask = st.builds(
         Ask,
         at=_GAP,
         tenant=st.integers(0, n_tenants - 1),
         cls=st.integers(0, n_classes - 1),
         model=st.integers(0, n_models - 1),
-        keys=st.tuples(_KEY) | st.lists(_KEY, min_size=1, max_size=4).map(tuple),
-        batch=st.sampled_from([False, False, True]),
-        cancel=st.none() | st.none() | st.sampled_from([0, 1, 2, 4, 16]),
-        cancel_how=st.sampled_from(["deadline", "cancel"]),
+        keys=_KEYS,
+        batch=_BATCH,
+        cancel=_CANCEL,
+        cancel_how=_CANCEL_HOW,
     )
     invalidate = st.builds(Invalidate, at=_GAP, model=st.integers(0, n_models - 1))
-    events = draw(st.lists(ask | ask | ask | ask | invalidate, min_size=10, max_size=30))
+    return st.lists(ask | ask | ask | ask | invalidate, min_size=10, max_size=30)
+
+
+@st.composite
+def cache_scenarios(draw: st.DrawFn) -> CacheScenario:
+    n_models = draw(_N_MODELS)
+    n_tenants = draw(_N_TENANTS)
+    n_classes = draw(_N_CLASSES)
+    models = tuple(
+        ModelRule(
+            cache=draw(_CACHED),
+            shared=draw(st.booleans()),
+            ttl=draw(_TTL),
+            coalesce=draw(st.booleans()),
+        )
+        for _ in range(n_models)
+    )
+    events = draw(_events(n_models, n_tenants, n_classes))
     at, asks, invalidations = 0, [], []
     for e in events:  # times accumulate the gaps
         at += e.at
         (asks if isinstance(e, Ask) else invalidations).append(attrs.evolve(e, at=at))
     return CacheScenario(
-        capacity=draw(st.sampled_from([300, 600, 1200, 2400, 100_000])),
-        policy=draw(st.sampled_from(["tinylfu", "lru"])),
-        quota=draw(st.sampled_from([None, None, None, 300, 600])),
+        capacity=draw(_CAPACITY),
+        policy=draw(_POLICY),
+        quota=draw(_QUOTA),
         replicas=draw(st.integers(1, 2)),
         max_batch_size=draw(st.integers(1, 4)),
         tenants=n_tenants,
         classes=n_classes,
         models=models,
-        latency=tuple(draw(st.lists(_LATENCY, min_size=KEYS, max_size=KEYS))),
-        flaky=tuple(draw(st.lists(_FLAKY, min_size=KEYS, max_size=KEYS))),
+        latency=tuple(draw(_LATENCIES)),
+        flaky=tuple(draw(_FLAKIES)),
         asks=tuple(asks),
         invalidations=tuple(invalidations),
     )
