@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
-import gc
 import logging
 import random
 import sys
@@ -74,11 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=False, highlight=False)
     logging.getLogger("trioserve").setLevel(logging.ERROR)  # planted crashes log restarts
-    # What is loaded by now (hypothesis, numpy, trio, the product) lives as long as the
-    # run: move it out of the cyclic collector's generations, whose full passes would
-    # walk it again and again (an eighth of the runtime suite's time; half with it out).
-    gc.collect()
-    gc.freeze()
     if args.strict:
         strict()
     if args.self_test:
