@@ -303,7 +303,8 @@ class Replicas:
 
 def scheduler_class(base: type, replicas: Replicas, part_of: Any) -> type:
     """The product's scheduler (``base``), telling ``replicas`` the hedge copies it
-    takes or declines, the requests it keeps apart, and the retries it hands out."""
+    takes or declines, the requests it keeps apart, and the retries and requests
+    kept apart it hands out."""
 
     class ObservedScheduler(base):  # type: ignore[misc, valid-type]
         def submit_copy_nowait(self, original: Any, copy: Any) -> bool:
@@ -319,6 +320,16 @@ def scheduler_class(base: type, replicas: Replicas, part_of: Any) -> type:
             batch = super()._next_retry(puller, now)
             if batch is None:
                 note("runtime", "elsewhere: retry pulls leaving a part to another replica")
+            elif batch and puller is not None:
+                replicas.handed_back(puller, batch, part_of)
+            return batch
+
+        def _next_apart(self, puller: Any, now: float) -> list[Any] | None:
+            # a part marked to run elsewhere may be kept apart from its twin's
+            # replica too: the same rule holds for its next pull
+            batch = super()._next_apart(puller, now)
+            if batch is None:
+                note("runtime", "elsewhere: pulls leaving a part kept apart to another replica")
             elif batch and puller is not None:
                 replicas.handed_back(puller, batch, part_of)
             return batch
