@@ -424,7 +424,10 @@ class SchedulerActor(Actor):
                     req.reply.set_error(
                         DeadlineExceeded(
                             f"model {self.model!r}: deadline passed while its batch was "
-                            "being retried"
+                            "being retried",
+                            # a part of a failed batch ran; a batch staged behind it on
+                            # a lost worker, handed back as it was, never did
+                            in_queue=not req.reply.suspect,
                         )
                     )
                 else:
@@ -476,7 +479,11 @@ class SchedulerActor(Actor):
         self._closed_error = None
         n = 0
         while self._retries:
-            n += sum(req.reply.set_error(own_error(error)) for req in self._retries.popleft())
+            n += sum(
+                # a retry ran, unless it was staged behind a lost worker's batch
+                req.reply.set_error(_unrun(own_error(error), not req.reply.suspect))
+                for req in self._retries.popleft()
+            )
         while self._apart:
             req = self._apart.popleft()
             # a hedge twin held apart never ran, unless it is a failed batch's retry

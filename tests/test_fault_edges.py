@@ -137,6 +137,74 @@ async def test_a_part_kept_apart_from_its_twin_still_waits_for_another_replica(
         assert request.reply.answerable  # not answered: the batcher that took it will
 
 
+@pytest.mark.parametrize("ran", [False, True])
+async def test_a_retry_held_past_its_deadline_says_whether_it_ran(autojump_clock, ran):
+    """A batch staged behind the one a worker process was running goes back as it
+    was when the worker dies: it never ran (not ``suspect``). Held for a retry past
+    its deadline while no replica pulls, the actor's timer answers it
+    DeadlineExceeded then, with ``in_queue`` saying it never ran: its caller is
+    refunded, and a hedged caller's copy held so is no answer while its original
+    may still run. It used to say it ran (charged, and the copy's 504 answered the
+    hedged caller). A failed batch's part (``suspect``) ran, and is charged."""
+    queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        request = _request(deadline=1.0, answer_expiry=True)
+        scheduler.submit_nowait(request)
+        assert await scheduler.pull() == [request]
+        scheduler.completed([request], failed=True)  # handed back: no longer running
+        request.reply.suspect = ran
+        scheduler.retry([[request]])
+        assert queue.in_service == 0
+        with pytest.raises(DeadlineExceeded, match="being retried") as info:
+            await request.reply.wait()
+        assert trio.current_time() == 1.0  # at its deadline, by the timer
+        assert info.value.in_queue is not ran
+        assert scheduler.queue_depth() == 0
+        assert queue.in_service == 0
+        nursery.cancel_scope.cancel("the test is over")
+
+
+@pytest.mark.parametrize("suspect", [False, True])
+async def test_a_request_kept_apart_is_answered_at_its_deadline_while_no_replica_pulls(
+    autojump_clock, suspect
+):
+    """A replica pulls a request while it runs the request's hedge twin and keeps
+    it apart for another replica, which never pulls (busy). The actor's timer
+    answers it DeadlineExceeded at its deadline, saying whether it ran (a failed
+    batch's part, ``suspect``, did), and takes its cost off the devices' load
+    (``in_service``), which kept it while it waited; a later request is queued and
+    served as usual."""
+    queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    a, b = _Holder(), _Holder()  # b: ready, and never pulls
+    scheduler.batchers = [a, b]
+    scheduler.replicas = 2
+    request, twin = _request(deadline=1.0, answer_expiry=True), _request()
+    scheduler.twins[request.reply] = twin.reply
+    scheduler.twins[twin.reply] = request.reply
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        scheduler.submit_nowait(request)
+        a.held.add(twin.reply)
+        assert await scheduler.pull(a) == [request]
+        request.reply.suspect = suspect
+        scheduler.keep_apart(request)  # (as BatcherActor._keep_apart does)
+        assert queue.in_service == 1  # still dispatched: waiting for a device
+        with pytest.raises(DeadlineExceeded, match="hedge twin") as info:
+            await request.reply.wait()
+        assert trio.current_time() == 1.0
+        assert info.value.in_queue is not suspect
+        assert scheduler.queue_depth() == 0
+        assert queue.in_service == 0
+        later = _request(deadline=5.0, answer_expiry=True)
+        scheduler.submit_nowait(later)
+        a.held.clear()
+        assert await scheduler.pull(a) == [later]
+        nursery.cancel_scope.cancel("the test is over")
+
+
 class BusyOrBroken(trioserve.ModelBackend):
     """Thread replicas: a batch holding HOLD blocks its replica until ``gate`` is set
     (``busy``: that replica's device); a replica on a device in ``broken`` raises on
@@ -288,23 +356,25 @@ async def test_requests_failed_unrun_by_a_retired_queue_are_refunded(mock_clock,
 
 async def test_a_closing_queue_marks_the_errors_of_what_never_ran():
     """``close`` (at shutdown) and ``retire``: a request still queued, or a hedge
-    twin held apart that never ran, is answered with an error that says so
-    (``in_queue``: its caller is refunded); a failed batch's retry ran, and is
-    charged."""
+    twin held apart that never ran, or a batch handed back as it was from behind a
+    lost worker's, is answered with an error that says so (``in_queue``: its caller
+    is refunded); a failed batch's retry ran, and is charged."""
     queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
     scheduler = SchedulerActor("m", queue)
-    retry, apart, queued = _request(), _request(), _request()
-    for r in (retry, apart):
+    retry, apart, staged, queued = _request(), _request(), _request(), _request()
+    for r in (retry, apart, staged):
         scheduler.submit_nowait(r)
     batch = await scheduler.pull()
-    assert batch == [retry, apart]
-    scheduler.completed([retry], failed=True)
+    assert batch == [retry, apart, staged]
+    scheduler.completed([retry, staged], failed=True)
     retry.reply.suspect = True
-    scheduler.retry([[retry]])
+    scheduler.retry([[retry], [staged]])
     scheduler.keep_apart(apart)
     scheduler.submit_nowait(queued)
-    assert scheduler.close(trioserve.ActorClosed("shut down")) == 3
-    assert [r.reply.error.in_queue for r in (retry, apart, queued)] == [False, True, True]
+    assert scheduler.close(trioserve.ActorClosed("shut down")) == 4
+    assert [r.reply.error.in_queue for r in (retry, apart, staged, queued)] == [
+        False, True, True, True
+    ]
 
 
 class Loses(trioserve.ModelBackend):
