@@ -86,6 +86,11 @@ class SchedulerActor(Actor):
         #: dispatched requests handed back by a batcher holding their twin, for
         #: another replica's pull (after retries, before new work)
         self._apart: collections.deque[Request] = collections.deque()
+        #: no request held here (a retry, or kept apart) is to be answered at its
+        #: deadline before this (inf: none). Never late, possibly early: a request
+        #: taken by a pull leaves it as it was, and the timer then finds none due.
+        #: So the timer scans what is held only when one may be due, not at each wake
+        self._held_at = math.inf
 
     # ---- callers
     def submit_nowait(self, request: Request) -> None:
@@ -282,21 +287,25 @@ class SchedulerActor(Actor):
                 alive = self._settle(batch, now)
                 if alive:
                     self._retries.append(alive)
-                    self._wake_for(alive)
+                    self._hold(alive)
         if self._retries and self._idle:
             self._idle.unpark_all()
 
-    def _wake_for(self, requests: list[Request]) -> None:
-        """Wake the actor's timer when one of ``requests`` (held here, dispatched) is
-        to be answered at a deadline before its next wake."""
-        if any(r.answer_expiry and r.deadline < self._wake_at for r in requests):
-            self._timer.unpark_all()
+    def _hold(self, requests: list[Request]) -> None:
+        """``requests`` (dispatched) are held here: note the earliest deadline at
+        which one is to be answered, and wake the actor's timer when that comes
+        before its next wake."""
+        first = min((r.deadline for r in requests if r.answer_expiry), default=math.inf)
+        if first < self._held_at:
+            self._held_at = first
+            if first < self._wake_at:
+                self._timer.unpark_all()
 
     def keep_apart(self, request: Request) -> None:
         """A batcher pulled ``request`` (dispatched) while it holds its hedge twin:
         another replica's next ``pull`` takes it, alone (see :meth:`pull`)."""
         self._apart.append(request)
-        self._wake_for([request])
+        self._hold([request])
         if self._idle:
             self._idle.unpark_all()
 
@@ -350,32 +359,27 @@ class SchedulerActor(Actor):
         self.policy.completed([req], now, failed=True)  # it left the devices
         return True
 
-    def _held_expiry(self) -> float:
-        """The earliest deadline at which a request held here (a retry, or kept
-        apart) is to be answered; inf when none."""
-        first = math.inf
-        for batch in self._retries:
-            for r in batch:
-                if r.answer_expiry and r.deadline < first and r.reply.state is _DISPATCHED:
-                    first = r.deadline
-        for r in self._apart:
-            if r.answer_expiry and r.deadline < first and r.reply.state is _DISPATCHED:
-                first = r.deadline
-        return first
-
-    def _expire_held(self, now: float) -> None:
+    def _expire_held(self, now: float) -> float:
         """Answer the requests held here (retries, kept apart) whose deadline passed,
-        as a pull would; drop those whose caller left."""
+        as a pull would; drop those whose caller left. Returns the earliest deadline
+        at which one still held is to be answered (inf: none)."""
+        first = math.inf
         retries = self._retries
         for _ in range(len(retries)):
             alive = self._settle(retries.popleft(), now)
             if alive:
                 retries.append(alive)
+                for r in alive:
+                    if r.answer_expiry and r.deadline < first:
+                        first = r.deadline
         apart = self._apart
         for _ in range(len(apart)):
             req = apart.popleft()
             if not self._drop_apart(req, now):
                 apart.append(req)
+                if req.answer_expiry and req.deadline < first:
+                    first = req.deadline
+        return first
 
     def _elsewhere(self, batch: list[Request], puller: Any) -> bool:
         """Whether ``batch`` is a request that raised alone on ``puller`` and waits
@@ -441,13 +445,12 @@ class SchedulerActor(Actor):
         task_status.started(self)
         policy = self.policy
         while True:
-            held = self._held_expiry() if self._retries or self._apart else math.inf
-            self._wake_at = min(policy.next_expiry(), held)
+            self._wake_at = min(policy.next_expiry(), self._held_at)
             with trio.move_on_at(self._wake_at):
                 await self._timer.park()
             now = trio.current_time()
-            if held <= now:
-                self._expire_held(now)
+            if self._held_at <= now:
+                self._held_at = self._expire_held(now)
             if policy.expire(now) and self._idle:
                 self._idle.unpark_all()  # the oldest request may have changed
 
@@ -477,6 +480,7 @@ class SchedulerActor(Actor):
         """
         self._closed = True
         self._closed_error = None
+        self._held_at = math.inf  # nothing is held once this returns
         n = 0
         while self._retries:
             n += sum(

@@ -205,6 +205,65 @@ async def test_a_request_kept_apart_is_answered_at_its_deadline_while_no_replica
         nursery.cancel_scope.cancel("the test is over")
 
 
+class _CountingScheduler(SchedulerActor):
+    """A scheduler that counts its timer's looks at the requests it holds."""
+
+    looks = 0
+
+    def _expire_held(self, now: float) -> float:
+        self.looks += 1
+        return super()._expire_held(now)
+
+
+async def test_the_timer_answers_held_requests_at_their_deadlines_and_looks_only_then(
+    autojump_clock,
+):
+    """The actor's timer answers each retry at its deadline: those held before it
+    parked, and one handed back later with an earlier deadline (it wakes for it);
+    one that a pull took away before its deadline is left to its batcher. Queued
+    requests expiring meanwhile do not make it look at what it holds (it scanned
+    every retry and every request kept apart at each of its wakes, a cost in their
+    number at each of the queue's expiries); it looks when one held may be due."""
+    queue = FairQueue(BatchLimits(max_size=1), bound=16, model="m", adaptive=False)
+    scheduler = _CountingScheduler("m", queue)
+
+    def held(deadline: float) -> Request:
+        """A request dispatched, failed in its batch and handed back."""
+        request = _request(deadline=deadline, answer_expiry=True)
+        scheduler.submit_nowait(request)
+        assert queue.next_batch(trio.current_time()) == [request]
+        scheduler.completed([request], failed=True)
+        request.reply.suspect = True
+        scheduler.retry([[request]])
+        return request
+
+    async def answered_at(request: Request) -> None:
+        with pytest.raises(DeadlineExceeded, match="being retried"):
+            await request.reply.wait()
+        assert trio.current_time() == request.deadline
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        taken, late = held(4.0), held(10.0)
+        queued = [_request(deadline=1.0 + i / 4, answer_expiry=True) for i in range(4)]
+        for r in queued:
+            scheduler.submit_nowait(r)
+        await trio.sleep(2.0)
+        assert all(isinstance(r.reply.error, DeadlineExceeded) for r in queued)
+        assert scheduler.looks == 0  # nothing held was due
+        sooner = held(3.0)  # while the timer waits for 4.0
+        await answered_at(sooner)
+        assert scheduler.looks == 1
+        assert await scheduler.pull() == [taken]  # runs again: no longer held
+        await trio.sleep(4.5 - trio.current_time())
+        assert taken.reply.answerable  # its batcher answers it, not the timer
+        assert scheduler.looks == 2  # at 4.0, finding nothing due
+        await answered_at(late)
+        assert scheduler.looks == 3
+        assert scheduler.queue_depth() == 0
+        assert queue.in_service == 1  # taken, until its batcher completes it
+        nursery.cancel_scope.cancel("the test is over")
+
 class BusyOrBroken(trioserve.ModelBackend):
     """Thread replicas: a batch holding HOLD blocks its replica until ``gate`` is set
     (``busy``: that replica's device); a replica on a device in ``broken`` raises on
