@@ -214,6 +214,14 @@ class QueueObserver:
     def describe(self, t: Tracked) -> str:
         return t.describe(self.classes)
 
+    def _live(self, t: Tracked, now: float) -> bool:
+        """Whether ``t`` is a backlog of its tenant's at ``now`` in the lag check: a
+        queued request, its deadline to come, not a hedge copy."""
+        req = t.request
+        return (
+            req.reply.state is QUEUED and req.deadline > now and id(req.reply) not in self.spare
+        )
+
     # ------------------------------------------------------------ events
     def offered(self, request: Request, now: float) -> Tracked:
         """``request`` was admitted into the queue at ``now``."""
@@ -225,7 +233,14 @@ class QueueObserver:
             self._fail("duplicated", f"{self.describe(t)} was admitted twice")
         self.tracked[key] = t
         self.pending[key] = t
-        self._flows.setdefault(t.flow, collections.deque()).append(t)
+        flow = self._flows.setdefault(t.flow, collections.deque())
+        if not any(self._live(x, now) for x in flow):
+            # Its backlog, if it had one, ended before this arrival (its last request
+            # withdrawn at its caller's deadline, say) even when no sweep ran in the
+            # gap: the queue lifts the tenant's counter now, and the lag interval
+            # starts again at the next sweep.
+            self._lag_start[c].pop(request.tenant, None)
+        flow.append(t)
         unit = request.cost / self.weight(request.tenant)
         units = self._lag_unit[c]
         if unit > units.get(request.tenant, 0.0):

@@ -17,10 +17,11 @@ import trio
 import trio.testing
 import trioserve
 from runtime_helpers import GATE_LIMIT_S, callable_model, config, item, key
-from trioserve import Request
+from trioserve import Reply, Request
 from trioserve.actors import BatchLimits, FairQueue, TokenBucket
 
 import fuzz
+from fuzz._checker import ClassBound, QueueObserver
 from fuzz._harness import SUITES, chunk_seed, run_chunk
 from fuzz._selftest import check_bug
 
@@ -204,6 +205,38 @@ def test_fuzz_cache_a_coalesced_model_after_an_invalidation():
             invalidations=(fuzz.Invalidate(at=1),),
         )
     )
+
+
+def test_the_lag_check_restarts_a_backlog_that_ended_between_sweeps():
+    # Found by the runtime suite (seed 391): t0's last queued request left at its
+    # caller's deadline (38 ms) and t0's next one came at 48 ms with no sweep between,
+    # so the check took t0 as backlogged all along, while the queue rightly lifted
+    # t0's counter on its return and served t1's earlier requests first ("t1 ahead
+    # by 3.5, over the bound 3"). An arrival into an empty flow now restarts the
+    # tenant's interval, as a sweep in the gap would have.
+    obs = QueueObserver(
+        max_size=1, max_tokens=None, padded=False, bound=8,
+        classes=[ClassBound(name="c0")], weights={"t0": 2.0, "t1": 1.0},
+    )
+
+    def request(tenant: str, cost: int, at: float, deadline: float = math.inf) -> Request:
+        r = Request(
+            model="m", item=None, cost=cost, tenant=tenant, priority="c0", arrival=at,
+            deadline=deadline, reply=Reply(),
+        )
+        obs.offered(r, at)
+        return r
+
+    early = request("t0", 1, 0.028, deadline=0.038)
+    t1 = [request("t1", 2, 0.028) for _ in range(3)]
+    obs.sweep(0.030)  # both backlogged
+    early.reply.withdraw()  # at its caller's deadline; no sweep before the next arrival
+    request("t0", 1, 0.048)
+    for r in t1[:2]:  # the queue serves t1 first: t0's counter was lifted to t1's
+        r.reply.dispatch()
+        obs.dispatched([r], 0.060)
+        obs.sweep(0.060)
+    assert obs.violations == []
 
 
 def test_fuzz_queue_a_refused_call_pushes_nobody_out():
