@@ -582,7 +582,9 @@ class Admission:
                 retry_after=self._retry_after(),
             )
         )
-        self._stats(req.tenant, self.classes[c].name).shed += 1
+        stats = self._stats(req.tenant, self.classes[c].name)
+        stats.shed += 1  # shed as ever, and apart: it had been admitted
+        stats.pushed_out += 1
         self._tidy()
 
     def estimated_wait(self, tenant: str, c: int, cost: int) -> float:

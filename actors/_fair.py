@@ -41,18 +41,20 @@ class ClassSpec:
 class FlowStats:
     """What happened to one (tenant, class) flow at one model's queue.
 
-    ``admitted`` and ``shed`` count callers' requests only. Each admitted request is,
-    at any time, still queued or counted once more: in ``dispatched``, ``expired``,
-    ``withdrawn``, ``closed``, or, pushed out of a full queue, in ``shed`` (which
-    also counts the requests refused at admission, never admitted). So, with nobody
-    pushed out and no hedge, ``admitted == dispatched + expired + withdrawn + closed
-    + queued`` (the live count, :meth:`FairQueue.queued_by_flow`). ``hedged`` counts the
-    copies of hedged requests the queue took (into free room only, see
-    :meth:`FairQueue.offer_spare`); a copy refused, or giving its room back to a new
-    request, is counted nowhere else. A copy that runs counts in ``dispatched`` and
-    ``served_cost`` (its device time is its tenant's service), one that expires
-    queued in ``expired``, and one failed queued in ``closed``; one withdrawn because
-    its original answered first is not counted again.
+    ``admitted`` and ``shed`` count callers' requests only. ``shed`` counts the
+    requests refused at admission (never admitted) and those pushed out of a full
+    queue (admitted, then answered Overloaded); ``pushed_out`` is the part of ``shed``
+    that had been admitted. Each admitted request is, at any time, still queued or
+    counted once more: in ``dispatched``, ``expired``, ``withdrawn``, ``closed`` or
+    ``pushed_out``. So, with no hedge, ``admitted == dispatched + expired + withdrawn
+    + closed + pushed_out + queued`` (the live count, :meth:`FairQueue.queued_by_flow`).
+    ``hedged`` counts the copies of hedged requests the queue took (into free room
+    only, see :meth:`FairQueue.offer_spare`); a copy refused, or giving its room back
+    to a new request, is counted nowhere else (never in ``shed`` nor ``pushed_out``).
+    A copy that runs counts in ``dispatched`` and ``served_cost`` (its device time is
+    its tenant's service), one that expires queued in ``expired``, and one failed
+    queued in ``closed``; one withdrawn because its original answered first is not
+    counted again, nor is an original withdrawn because its copy answered first.
     """
 
     admitted: int = 0
@@ -69,6 +71,10 @@ class FlowStats:
     #: shut down, or every replica of the queue lost its device and it was retired
     #: (``SchedulerActor.close`` and ``retire``, through :meth:`FairQueue.drain`).
     closed: int = 0
+    #: Admitted requests pushed out of a full queue to make room for another tenant's
+    #: request or call (answered Overloaded, never run): the part of ``shed`` that
+    #: had been admitted.
+    pushed_out: int = 0
     #: Entries the flow holds: a withdrawn or expired request stays among them until
     #: passed (see FairQueue.queued_by_flow for the live count).
     queued: int = 0

@@ -525,6 +525,7 @@ class Runtime:
                 "hedged": f.hedged,
                 "withdrawn": f.withdrawn,
                 "closed": f.closed,
+                "pushed_out": f.pushed_out,
                 "wait": f.wait.summary(),
             }
             for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items())

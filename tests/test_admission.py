@@ -131,6 +131,80 @@ async def test_a_tenant_under_its_share_pushes_out_the_newest_of_the_most_over_s
     assert q.stats["a", "default"].queued == 2
 
 
+def balance(q: FairQueue) -> dict[tuple[str, str], tuple[int, int]]:
+    """Per flow: admitted, and what its admitted requests became (dispatched, expired,
+    withdrawn, closed, pushed out, or still queued)."""
+    live = q.queued_by_flow()
+    return {
+        k: (s.admitted, s.dispatched + s.expired + s.withdrawn + s.closed + s.pushed_out
+            + live.get(k, 0))
+        for k, s in q.stats.items()
+    }
+
+
+def test_a_request_pushed_out_counts_in_pushed_out_and_shed_and_the_flows_balance():
+    q = queue(4)
+    a = [req("a", deadline=5.0), req("a"), req("a"), req("a")]
+    for r in a:
+        q.offer(r, 0.0)
+    with pytest.raises(Overloaded):  # a holds the whole queue: refused, never admitted
+        q.offer(req("a"), 0.0)
+    sa = q.stats["a", "default"]
+    assert (sa.admitted, sa.shed, sa.pushed_out) == (4, 1, 0)
+    b = [req("b"), req("b")]
+    for r in b:  # b under its share 2: each pushes out a's newest
+        q.offer(r, 0.0)
+    assert [r.reply.state for r in a] == [QUEUED, QUEUED, DONE, DONE]
+    sb = q.stats["b", "default"]
+    assert (sa.admitted, sa.shed, sa.pushed_out) == (4, 3, 2)  # shed as ever, 2 of it admitted
+    assert (sb.admitted, sb.shed, sb.pushed_out) == (2, 0, 0)
+    assert balance(q) == {("a", "default"): (4, 4), ("b", "default"): (2, 2)}
+    a[1].reply.withdraw()  # its caller left
+    q.withdrawn_by_caller(a[1])
+    batch = q.next_batch(0.0)
+    assert batch is not None
+    assert [r.tenant for r in batch] == ["a"]
+    assert batch[0] is a[0]
+    assert q.expire(6.0) == 0  # a[0] was dispatched before its deadline
+    drained = q.drain()
+    assert drained == b
+    assert (sa.dispatched, sa.withdrawn, sa.pushed_out, sa.closed) == (1, 1, 2, 0)
+    assert (sb.dispatched, sb.closed, sb.pushed_out) == (0, 2, 0)
+    assert balance(q) == {("a", "default"): (4, 4), ("b", "default"): (2, 2)}
+    assert q.queued_by_flow() == {}
+
+
+def test_an_admitted_call_counts_those_it_pushes_out_and_a_refused_one_none():
+    # d's weight counts only once d holds or offers requests.
+    q = queue(6, weights={"a": 1.0, "c": 1.5, "b": 1.5, "d": 3.0})
+    a, c = fill(q, "a", 3), fill(q, "c", 3)
+    call = [req("b") for _ in range(3)]
+    q.offer_all(call, 0.0)  # pushes out a's newest, c's newest, a's next (see above)
+    assert [r.reply.state for r in a + c] == [QUEUED, DONE, DONE, QUEUED, QUEUED, DONE]
+    sa, sb, sc = (q.stats[t, "default"] for t in "abc")
+    assert (sa.shed, sa.pushed_out, sc.shed, sc.pushed_out) == (2, 2, 1, 1)
+    assert (sb.admitted, sb.shed, sb.pushed_out) == (3, 0, 0)
+    with pytest.raises(Overloaded):  # b at its share now: the whole call refused
+        q.offer_all([req("b"), req("b")], 0.0)
+    assert (sb.admitted, sb.shed, sb.pushed_out) == (3, 2, 0)  # shed, never admitted
+    assert balance(q) == {k: (3, 3) for k in q.stats}
+    # The lanes' way: planned first, then applied; the push-outs count when applied.
+    d = [req("d") for _ in range(2)]
+    plan = q.plan_all(d, 0.0)
+    assert ("d", "default") not in q.stats
+    assert (sa.pushed_out, sb.pushed_out, sc.pushed_out) == (2, 0, 1)
+    q.offer_planned(plan, 0.0)
+    assert [r.reply.state for r in d] == [QUEUED] * 2
+    # Shares of 6 now: a 6/7, b and c 9/7, d 18/7. Item 1: b (3) is most over and
+    # loses its newest; item 2: b and c tie (2 each), c, first to hold, loses its.
+    assert [r.reply.state for r in call] == [QUEUED, QUEUED, DONE]
+    assert [r.reply.state for r in c] == [QUEUED, DONE, DONE]
+    assert (sa.pushed_out, sb.pushed_out, sc.pushed_out) == (2, 1, 2)
+    assert (sa.shed, sb.shed, sc.shed) == (2, 3, 2)
+    assert balance(q) == {k: (s.admitted, s.admitted) for k, s in q.stats.items()}
+    assert sum(n for n in q.queued_by_flow().values()) == 6
+
+
 def test_a_request_refused_for_its_deadline_pushes_nobody_out():
     """The push-out came first: a's newest was answered 503 to make room for a request
     of b that the estimated wait then refused too, two sheds for nothing."""

@@ -600,10 +600,13 @@ async def _submit(rt, tenant: str, values) -> None:
 
 
 def _assert_balanced(flows: dict) -> None:
-    """Each admitted request of a flow (none pushed out, none hedged here) is queued or
-    counted once more: dispatched, expired, withdrawn or closed."""
+    """Each admitted request of a flow (none hedged here) is queued or counted once
+    more: dispatched, expired, withdrawn, closed or pushed out."""
     for name, f in flows.items():
-        accounted = f["dispatched"] + f["expired"] + f["withdrawn"] + f["closed"] + f["queued"]
+        accounted = (
+            f["dispatched"] + f["expired"] + f["withdrawn"] + f["closed"] + f["pushed_out"]
+            + f["queued"]
+        )
         assert f["admitted"] == accounted, (name, f)
 
 

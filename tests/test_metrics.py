@@ -11,7 +11,7 @@ from http_helpers import v2_input
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from runtime_helpers import Recorder, callable_model
+from runtime_helpers import Recorder, callable_model, item
 from trioserve import CacheConfig, TenantConfig
 from trioserve.actors import Latency
 from trioserve.transport import Gateway
@@ -178,3 +178,57 @@ async def test_every_metrics_series_is_documented_with_its_labels(autojump_clock
         listed = set(re.findall(r"`(\w+)`", table[name][1])) - {name}
         assert values[name, label] <= listed, name
         assert listed <= values[name, label], name
+
+
+async def test_requests_pushed_out_are_exposed_apart_from_those_refused(autojump_clock):
+    """A flow's ``shed`` counted both the requests refused at admission and those
+    admitted, then pushed out of a full queue, so its counts could not show how many
+    of its admitted requests were pushed out, nor add up. ``pushed_out`` counts
+    those (still in ``shed`` too): in ``rt.statistics()`` and on /metrics."""
+    cfg = trioserve.Config(
+        models=(
+            callable_model(
+                "m", Recorder(), max_batch_size=8, max_wait_ms=1000, adaptive_limit=False
+            ),
+        ),
+        tenants=(TenantConfig(name="a", default=True), TenantConfig(name="b")),
+        runtime=trioserve.RuntimeLimits(queue_bound=2),
+    )
+    refused: list[trioserve.Overloaded] = []
+
+    async def call(tenant: str, v: float) -> None:
+        try:
+            await rt.infer("m", item(v), tenant=tenant)
+        except trioserve.Overloaded as exc:
+            refused.append(exc)
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        for v in (1.0, 2.0):
+            nursery.start_soon(call, "a", v)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(call, "b", 3.0)  # under its share: pushes out a's newest
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(call, "a", 4.0)  # a at its share of a full queue: refused
+        await trio.testing.wait_all_tasks_blocked()
+        assert ["pushed out" in str(e) for e in refused] == [True, False]
+        flows = rt.statistics()["m"]["flows"]
+        text = (
+            await (await Gateway(rt).app.test_client().get("/metrics")).get_data()
+        ).decode()
+    a, b = flows["a/realtime"], flows["b/realtime"]
+    assert (a["admitted"], a["shed"], a["pushed_out"], a["queued"]) == (2, 2, 1, 1)
+    assert (b["admitted"], b["shed"], b["pushed_out"], b["queued"]) == (1, 0, 0, 1)
+    for f in (a, b):  # each admitted request queued or counted once more
+        assert f["admitted"] == (
+            f["dispatched"] + f["expired"] + f["withdrawn"] + f["closed"]
+            + f["pushed_out"] + f["queued"]
+        )
+    for tenant, outcome, n in (
+        ("a", "admitted", 2), ("a", "shed", 2), ("a", "pushed_out", 1),
+        ("b", "admitted", 1), ("b", "shed", 0), ("b", "pushed_out", 0),
+    ):
+        line = (
+            'trioserve_flow_requests_total{class="realtime",model="m",'
+            f'outcome="{outcome}",tenant="{tenant}"}} {n}.0'
+        )
+        assert line in text, line

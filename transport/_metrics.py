@@ -157,11 +157,13 @@ class GatewayCollector(Collector):
         )
         outcomes = CounterMetricFamily(
             "trioserve_flow_requests",
-            "Requests by admission outcome (admitted, shed, expired, dispatched; hedged: "
-            "copies of hedged requests queued, counted apart from admitted; withdrawn: "
-            "left by their caller while queued, never run; closed: failed while queued, "
-            "never run, because the queue closed: shutdown, or no replica left to serve "
-            "it).",
+            "Requests by admission outcome (admitted, shed, expired, dispatched; shed: "
+            "refused at admission, or pushed out of a full queue; pushed_out: the part "
+            "of shed that had been admitted, pushed out of a full queue, never run; "
+            "hedged: copies of hedged requests queued, counted apart from admitted; "
+            "withdrawn: left by their caller while queued, never run; closed: failed "
+            "while queued, never run, because the queue closed: shutdown, or no replica "
+            "left to serve it).",
             labels=[*labels, "outcome"],
         )
         cost = CounterMetricFamily(
@@ -204,7 +206,7 @@ class GatewayCollector(Collector):
                 depth.add_metric(key, sum(n for _, n in parts))
                 for outcome in (
                     "admitted", "shed", "expired", "dispatched", "hedged", "withdrawn",
-                    "closed",
+                    "closed", "pushed_out",
                 ):
                     outcomes.add_metric(
                         [*key, outcome], sum(getattr(f, outcome) for f, _ in parts)
