@@ -63,7 +63,7 @@ class Caller:
 class Callers:
     """The callers of one queue, and the flow statistics the queue should report
     (``expected``: (tenant, class) -> admitted / hedged / expired / withdrawn /
-    closed)."""
+    closed / pushed_out / shed)."""
 
     def __init__(self, observer: QueueObserver, cancelled: set[int]) -> None:
         self.observer = observer

@@ -154,6 +154,17 @@ class FailedBatchesStayInService(FairQueue):
         super().completed(batch, now)
 
 
+class PushOutsOnlyShed(FairQueue):
+    """A request pushed out of a full queue counts in its flow's ``shed`` only, as
+    before ``pushed_out`` was counted: the flow's admitted requests no longer add up."""
+
+    def _pushed_out(self, req: Request, c: int) -> None:
+        stats = self._stats(req.tenant, self.classes[c].name)
+        before = stats.pushed_out
+        super()._pushed_out(req, c)
+        stats.pushed_out = before
+
+
 class SubmitsSplitCallsItemByItem(Runtime):
     """A call whose items go to both of a model's lanes is queued item by item
     (``Runtime._submit_all`` before its fix): an item admitted in one lane may push out
@@ -368,6 +379,11 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         attrs.evolve(
             PRODUCT, name="failed-batch-in-service", queue_class=FailedBatchesStayInService
         ),
+        ("queue",),
+    ),
+    "push-out-uncounted": (
+        "a request pushed out of a full queue counts in shed only, not in pushed_out",
+        attrs.evolve(PRODUCT, name="push-out-uncounted", queue_class=PushOutsOnlyShed),
         ("queue",),
     ),
     # The runtime suite's own: hedges on several replicas, parts run elsewhere after

@@ -220,6 +220,7 @@ class QueueMachine(RuleBasedStateMachine):
             self.queue.offer_all(call, self.now)
         except Overloaded as exc:  # QuotaExceeded included: refused whole
             self.step_refusal = f"{type(exc).__name__}: {exc}"
+            self.callers.expected[call[0].tenant, call[0].priority]["shed"] += len(call)
         else:
             for r in call:
                 self.callers.admitted(r, single=False)
@@ -250,6 +251,7 @@ class QueueMachine(RuleBasedStateMachine):
             self.queue.offer(request, self.now)
         except Overloaded as exc:  # QuotaExceeded included: refused, nothing queued
             self.step_refusal = f"{type(exc).__name__}: {exc}"
+            self.callers.expected[request.tenant, request.priority]["shed"] += 1
             if request.reply.state is not RequestState.QUEUED:
                 raise InvariantViolation(
                     "outcome",
@@ -510,8 +512,10 @@ class QueueMachine(RuleBasedStateMachine):
 
     def _check_accounting(self) -> None:
         """The queue's counts against the reference: live requests, the cost in
-        service, the service rate, and each flow's admitted / hedged / expired /
-        withdrawn / closed (drained at the end)."""
+        service, the service rate, each flow's admitted / hedged / expired /
+        withdrawn / closed (drained at the end) / pushed_out / shed (refused, or
+        pushed out), and each flow's balance: every admitted request still queued or
+        counted once in dispatched, expired, withdrawn, closed or pushed_out."""
         queue = self.queue
         live = len(self.observer.pending)
         if len(queue) != live:
@@ -541,7 +545,9 @@ class QueueMachine(RuleBasedStateMachine):
         for key in set(expected) | set(queue.stats):
             want = expected.get(key)
             got = queue.stats.get(key)
-            for field in ("admitted", "hedged", "expired", "withdrawn", "closed"):
+            for field in (
+                "admitted", "hedged", "expired", "withdrawn", "closed", "pushed_out", "shed"
+            ):
                 w = 0 if want is None else want[field]
                 g = 0 if got is None else getattr(got, field)
                 if field == "expired":
@@ -552,12 +558,37 @@ class QueueMachine(RuleBasedStateMachine):
                         f"after a {self.step!r} step at t={self.now:.6g} flow {key} "
                         f"counts {g} {field}, the reference {w}",
                     )
+        self._check_balance()
         if queue.expired != total:
             raise InvariantViolation(
                 "accounting",
                 f"at t={self.now:.6g} the queue counts {queue.expired} expired, its "
                 f"flows {total}",
             )
+
+    def _check_balance(self) -> None:
+        """``admitted == dispatched + expired + withdrawn + closed + pushed_out +
+        queued`` for each flow (its live requests, ``queued_by_flow``). A hedged flow's
+        copies count in ``hedged``, not ``admitted``, and a copy (or an original)
+        withdrawn queued because its twin answered first counts nowhere, so there
+        ``admitted + hedged`` exceeds the sum by at most ``hedged``."""
+        queue = self.queue
+        live = queue.queued_by_flow()
+        for key, s in queue.stats.items():
+            accounted = (
+                s.dispatched + s.expired + s.withdrawn + s.closed + s.pushed_out
+                + live.get(key, 0)
+            )
+            extra = s.admitted + s.hedged - accounted
+            if (extra != 0) if s.hedged == 0 else not 0 <= extra <= s.hedged:
+                raise InvariantViolation(
+                    "accounting",
+                    f"after a {self.step!r} step at t={self.now:.6g} flow {key} does not "
+                    f"balance: admitted {s.admitted} (hedged {s.hedged}), but dispatched "
+                    f"{s.dispatched} + expired {s.expired} + withdrawn {s.withdrawn} + "
+                    f"closed {s.closed} + pushed_out {s.pushed_out} + queued "
+                    f"{live.get(key, 0)} = {accounted}",
+                )
 
     def _check_footprint(self) -> None:
         """Memory bounded by configuration and by what is queued: each of the queue's
@@ -631,6 +662,8 @@ class QueueMachine(RuleBasedStateMachine):
                             "held room: a hedge copy gives its room first",
                         )
                     self.observer.exercised["push-outs"] += 1
+                    flow["pushed_out"] += 1  # admitted, now shed: counted in both
+                    flow["shed"] += 1
                     return
                 raise InvariantViolation(
                     "push-out",
