@@ -389,6 +389,11 @@ class ServerConfig:
     )
     idempotency_window_s: float = _field(_number(0.0), 60.0)
     idempotency_max_keys: int = _field(_int(1), 10_000)
+    #: API keys that may read the control plane (all but inference and the health
+    #: probes); empty: it answers anyone. No tenant's key may be one of them.
+    control_plane_keys: tuple[str, ...] = _field(
+        _strs(allow_empty=True), (), converter=_tuple
+    )
 
     def _path(self) -> str:
         return "server"
@@ -446,6 +451,12 @@ class Config:
                         f"{t._path()}.api_keys: key already belongs to tenant {keys[k]!r}"
                     )
                 keys[k] = t.name
+        for k in self.server.control_plane_keys:
+            if k in keys:
+                raise ConfigError(
+                    "server.control_plane_keys: a key also belongs to tenant "
+                    f"{keys[k]!r}: an operator's key and a tenant's must differ"
+                )
         defaults = [t.name for t in self.tenants if t.default]
         if len(defaults) > 1:
             raise ConfigError(f"tenants: only one tenant may be default, got {defaults!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from trioserve import TenantConfig, Unauthorized
+from trioserve import Forbidden, TenantConfig, Unauthorized
 
 #: The tenant label of requests refused before a tenant was known.
 ANONYMOUS = "-"
@@ -34,23 +34,71 @@ class Authenticator:
         (a singleton field: a proxy that reads one and the server that reads another
         would disagree on who is asking).
         """
-        if type(authorization) is tuple:
-            raise Unauthorized("more than one Authorization header: send one 'Bearer <api key>'")
-        if authorization is None:
-            if self._default is not None:
-                return self._default
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <api key>'")
-        if isinstance(authorization, str):
-            authorization = authorization.encode("latin-1")
-        assert isinstance(authorization, bytes)
-        scheme, _, key = authorization.strip().partition(b" ")
-        key = key.strip()
-        if scheme.lower() != b"bearer" or not key:
-            raise Unauthorized("malformed Authorization header: expected 'Bearer <api key>'")
-        tenant = self._keys.get(key)
+        if authorization is None and self._default is not None:
+            return self._default
+        tenant = self._keys.get(bearer_key(authorization))
         if tenant is None:
             raise Unauthorized("unknown API key")
         return tenant
+
+    def is_tenant_key(self, key: bytes) -> bool:
+        """Whether ``key`` belongs to a tenant."""
+        return key in self._keys
+
+
+class ControlPlaneGuard:
+    """Who may read the control plane (``server.control_plane_keys``): anyone when
+    no key is configured, else a request whose bearer key is one of them."""
+
+    __slots__ = ("_auth", "_keys")
+
+    def __init__(self, keys: Iterable[str], auth: Authenticator) -> None:
+        self._keys = frozenset(k.encode() for k in keys)
+        self._auth = auth
+
+    @property
+    def open(self) -> bool:
+        """Whether the control plane answers anyone (no key configured)."""
+        return not self._keys
+
+    def check(self, authorization: bytes | str | tuple[bytes | str, ...] | None) -> None:
+        """Refuse a request to the control plane that lacks an operator's key.
+
+        Raises Unauthorized (401) for a missing, malformed or unknown key, or more
+        than one Authorization field line (as :meth:`Authenticator.tenant`), and
+        Forbidden (403) for a tenant's key that is not also allowed here (none is:
+        the configuration keeps the two apart). The default tenant's keyless access
+        does not extend to the control plane.
+        """
+        if not self._keys:
+            return
+        key = bearer_key(authorization)
+        if key in self._keys:
+            return
+        if self._auth.is_tenant_key(key):
+            raise Forbidden("a tenant's API key may not read the control plane")
+        raise Unauthorized("unknown API key")
+
+
+def bearer_key(authorization: bytes | str | tuple[bytes | str, ...] | None) -> bytes:
+    """The API key of an ``Authorization: Bearer <api key>`` value.
+
+    Raises Unauthorized (401) for no header (None), a malformed one, or more than one
+    Authorization field line (a tuple: a singleton field, so a proxy that reads one and
+    the server that reads another would disagree on who is asking).
+    """
+    if type(authorization) is tuple:
+        raise Unauthorized("more than one Authorization header: send one 'Bearer <api key>'")
+    if authorization is None:
+        raise Unauthorized("missing API key: send 'Authorization: Bearer <api key>'")
+    if isinstance(authorization, str):
+        authorization = authorization.encode("latin-1")
+    assert isinstance(authorization, bytes)
+    scheme, _, key = authorization.strip().partition(b" ")
+    key = key.strip()
+    if scheme.lower() != b"bearer" or not key:
+        raise Unauthorized("malformed Authorization header: expected 'Bearer <api key>'")
+    return key
 
 
 def another_field_line(authorization: Any, value: bytes | str) -> Any:

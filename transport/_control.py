@@ -16,12 +16,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import request
 from quart.globals import request_ctx
 from quart_trio import QuartTrio
-from trioserve import UnknownModel
+from trioserve import TrioserveError, UnknownModel
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._auth import another_field_line
 from ._extensions import model_config, model_statistics
-from ._gateway import Answer
+from ._gateway import Answer, error_answer
 from ._v2 import error_body, server_metadata
 
 if TYPE_CHECKING:
@@ -89,6 +89,24 @@ def control_app(gateway: Gateway) -> QuartTrio:
         else:
             message = f"{exc.name}: {exc.description}"
         return json(error_body(message), exc.code or 500, headers)
+
+    guard = gateway.control_plane
+    # What needs no operator's key: the health probes (they carry none: Kubernetes,
+    # Triton's and KServe's clients), and the data plane's own methods, whose callers
+    # are authenticated as tenants. Anything else (OPTIONS, an unknown route) needs it.
+    unguarded = {("live", "GET"), ("live", "HEAD"), ("ready", "GET"), ("ready", "HEAD"),
+                 ("infer", "POST"), ("stream_without_upgrade", "GET"),
+                 ("stream_without_upgrade", "HEAD")}
+
+    @app.before_request
+    async def control_plane_key() -> Any:
+        if guard.open or (request.endpoint, request.method) in unguarded:
+            return None
+        try:
+            guard.check(_authorization(request.headers.getlist("Authorization")))
+        except TrioserveError as exc:
+            return answer(error_answer(exc))
+        return None
 
     @app.get("/v2/health/live")
     async def live() -> Any:

@@ -33,7 +33,7 @@ from trioserve import (
     UnknownModel,
 )
 
-from ._auth import ANONYMOUS, Authenticator
+from ._auth import ANONYMOUS, Authenticator, ControlPlaneGuard
 from ._idempotency import IdempotencyStore
 from ._v2 import InferRequest, ModelSignature, encode_response, error_body
 
@@ -252,6 +252,7 @@ class Gateway:
         self.config = config if config is not None else runtime.config
         self.server_config = self.config.server
         self.auth = Authenticator(self.config.tenants)
+        self.control_plane = ControlPlaneGuard(self.server_config.control_plane_keys, self.auth)
         self.signatures = {n: ModelSignature.of(s) for n, s in runtime.models.items()}
         #: the request classes' names, highest first (a Triton priority level's order)
         self.class_names = tuple(c.name for c in runtime.config.classes)
