@@ -122,6 +122,15 @@ async def test_refusals_name_no_model_or_tenant(guarded):
     assert 'tenant="A"' in res.body.decode()
 
 
+async def test_the_repositorys_load_and_unload_need_the_key_too(guarded):
+    for action in ("load", "unload"):
+        target = f"/v2/repository/models/echo/{action}"
+        assert (await call(guarded, "POST", target)).status == 401
+        res = await call(guarded, "POST", target, keys=("ops-key",))
+        assert res.status == 400  # model control is off
+        assert "model control is off" in res.json()["error"]
+
+
 async def test_the_health_probes_stay_open(guarded):
     for target in ("/v2/health/live", "/v2/health/ready"):
         for method in ("GET", "HEAD"):
