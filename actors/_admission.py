@@ -165,7 +165,8 @@ class Admission:
         pushed nobody out and counted nothing (the caller simply does not hedge).
 
         A copy taken counts in its flow's ``hedged`` (not ``admitted``), and gives
-        its room back to any new request that needs it (see ``_drop_copy``).
+        its room back to any new request that needs it (see ``_drop_copy``; counted
+        then in ``gave_way``).
         """
         tenant = request.tenant
         c = self._rank.get(request.priority, len(self.classes) - 1)
@@ -225,6 +226,7 @@ class Admission:
         self._forget(req, req.tenant, c)
         if not q:
             self._active[c].pop(req.tenant, None)
+        self._stats(req.tenant, self.classes[c].name).gave_way += 1
         req.reply.set_error(
             Overloaded(
                 f"model {self.model!r}: a hedge copy gave its room in the queue to a "

@@ -44,17 +44,16 @@ class FlowStats:
     ``admitted`` and ``shed`` count callers' requests only. ``shed`` counts the
     requests refused at admission (never admitted) and those pushed out of a full
     queue (admitted, then answered Overloaded); ``pushed_out`` is the part of ``shed``
-    that had been admitted. Each admitted request is, at any time, still queued or
-    counted once more: in ``dispatched``, ``expired``, ``withdrawn``, ``closed`` or
-    ``pushed_out``. So, with no hedge, ``admitted == dispatched + expired + withdrawn
-    + closed + pushed_out + queued`` (the live count, :meth:`FairQueue.queued_by_flow`).
-    ``hedged`` counts the copies of hedged requests the queue took (into free room
-    only, see :meth:`FairQueue.offer_spare`); a copy refused, or giving its room back
-    to a new request, is counted nowhere else (never in ``shed`` nor ``pushed_out``).
-    A copy that runs counts in ``dispatched`` and ``served_cost`` (its device time is
-    its tenant's service), one that expires queued in ``expired``, and one failed
-    queued in ``closed``; one withdrawn because its original answered first is not
-    counted again, nor is an original withdrawn because its copy answered first.
+    that had been admitted. ``hedged`` counts the copies of hedged requests the queue
+    took (into free room only, see :meth:`FairQueue.offer_spare`), apart from
+    ``admitted``; a copy refused is counted nowhere. Each admitted request and each
+    copy taken is, at any time, still queued or counted once more: in ``dispatched``
+    (a copy's device time is its tenant's service, in ``served_cost`` too),
+    ``expired``, ``withdrawn``, ``closed``, ``pushed_out``, ``superseded`` or
+    ``gave_way``. So ``admitted + hedged == dispatched + expired + withdrawn + closed
+    + pushed_out + superseded + gave_way + queued`` (the live count,
+    :meth:`FairQueue.queued_by_flow`); with no hedge, ``hedged``, ``superseded`` and
+    ``gave_way`` are 0.
     """
 
     admitted: int = 0
@@ -75,6 +74,12 @@ class FlowStats:
     #: request or call (answered Overloaded, never run): the part of ``shed`` that
     #: had been admitted.
     pushed_out: int = 0
+    #: Requests or hedge copies withdrawn while queued, never run, because their twin
+    #: (the copy of a hedged request, or its original) answered first.
+    superseded: int = 0
+    #: Hedge copies that gave their room in a full queue to a new request (answered
+    #: Overloaded, never run; the original still runs or waits).
+    gave_way: int = 0
     #: Entries the flow holds: a withdrawn or expired request stays among them until
     #: passed (see FairQueue.queued_by_flow for the live count).
     queued: int = 0
@@ -297,6 +302,12 @@ class FairQueue(Admission):
         its flow's ``withdrawn``."""
         c = self._rank.get(request.priority, len(self.classes) - 1)
         self._stats(request.tenant, self.classes[c].name).withdrawn += 1
+
+    def note_superseded(self, request: Request) -> None:
+        """``request``, a hedged request or its copy, was withdrawn queued because its
+        twin answered first: count it in its flow's ``superseded``."""
+        c = self._rank.get(request.priority, len(self.classes) - 1)
+        self._stats(request.tenant, self.classes[c].name).superseded += 1
 
     def withdrawn_at_deadline(self, request: Request, now: float) -> None:
         """``request``'s caller withdrew it, queued, because its own deadline passed

@@ -1,10 +1,11 @@
 """The queue suite's reference model of the callers above a queue: what the runtime
-(``Runtime._submit``, ``Runtime._hedged``, ``_note_withdrawal``) does with a request's
-reply, without trio. Each caller pays its cost once when its request is admitted, may
-be hedged (a copy through ``offer_spare``), takes the first answer of its original or
-its copy (a "never ran" error, Overloaded or one answered in the queue, ``in_queue``, is no
-answer while the other may still run), withdraws the other, and leaves at its deadline
-or when cancelled. It gets its credits back exactly when none of its requests ran.
+(``Runtime._submit``, ``Runtime._hedged``, ``_note_hedge_over``, ``_note_withdrawal``)
+does with a request's reply, without trio. Each caller pays its cost once when its
+request is admitted, may be hedged (a copy through ``offer_spare``), takes the first
+answer of its original or its copy (a "never ran" error, Overloaded or one answered in
+the queue, ``in_queue``, is no answer while the other may still run), withdraws the
+other, and leaves at its deadline or when cancelled. It gets its credits back exactly
+when none of its requests ran.
 
 The model never trusts the queue's word for "ran": the credit check compares what the
 replies say (the runtime's rule for refunds) with what the observer saw dispatched.
@@ -63,7 +64,7 @@ class Caller:
 class Callers:
     """The callers of one queue, and the flow statistics the queue should report
     (``expected``: (tenant, class) -> admitted / hedged / expired / withdrawn /
-    closed / pushed_out / shed)."""
+    closed / pushed_out / superseded / gave_way / shed)."""
 
     def __init__(self, observer: QueueObserver, cancelled: set[int]) -> None:
         self.observer = observer
@@ -112,14 +113,16 @@ class Callers:
     def leave(self, caller: Caller, now: float) -> None:
         """The caller left (cancelled, or its cancel scope fired at its deadline):
         withdraw its requests, refund it if none ran, and note the withdrawal to
-        the queue as the runtime does (``_note_withdrawal``: the original only, and
-        only if the withdrawal found it queued and the queue still owns it)."""
+        the queue as the runtime does (``_note_withdrawal``, through
+        ``_note_hedge_over`` for a hedged one: the original and its copy, each only if
+        the withdrawal found it queued and the queue still owns it)."""
         for r in caller.requests:
             self._withdraw(r)
         if all(never_ran(r) for r in caller.requests):
             caller.refunded += caller.charged
-        r = caller.original
-        if r.reply.state is CANCELLED:
+        for r in caller.requests:
+            if r.reply.state is not CANCELLED:
+                continue
             queue = getattr(r.reply.on_cancel, "__self__", None)
             flow = self.expected[r.tenant, r.priority]
             if queue is not None and now >= r.deadline:
@@ -129,6 +132,8 @@ class Callers:
             elif queue is not None:
                 queue.withdrawn_by_caller(r)
                 flow["withdrawn"] += 1
+                if r is caller.copy:
+                    self.observer.exercised["hedge copies withdrawn by their caller"] += 1
         self._end(caller, "left", now)
 
     def settle(self, now: float) -> None:
@@ -150,6 +155,13 @@ class Callers:
                         self._withdraw(other)
                         if caller.copy is not None:
                             self.observer.exercised["hedges: one answered, its twin withdrawn"] += 1
+                        # the runtime's ``_note_hedge_over``: the twin withdrawn queued
+                        # (and still the queue's) is superseded
+                        queue = getattr(other.reply.on_cancel, "__self__", None)
+                        if other.reply.state is CANCELLED and queue is not None:
+                            queue.note_superseded(other)
+                            self.expected[other.tenant, other.priority]["superseded"] += 1
+                            self.observer.exercised["hedges: twin superseded queued"] += 1
                 self._end(caller, "answered", now)
                 return True
         if any(r.reply.state is CANCELLED and id(r.reply) not in self.cancelled for r in reqs):

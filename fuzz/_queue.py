@@ -513,9 +513,10 @@ class QueueMachine(RuleBasedStateMachine):
     def _check_accounting(self) -> None:
         """The queue's counts against the reference: live requests, the cost in
         service, the service rate, each flow's admitted / hedged / expired /
-        withdrawn / closed (drained at the end) / pushed_out / shed (refused, or
-        pushed out), and each flow's balance: every admitted request still queued or
-        counted once in dispatched, expired, withdrawn, closed or pushed_out."""
+        withdrawn / closed (drained at the end) / pushed_out / superseded / gave_way /
+        shed (refused, or pushed out), and each flow's balance: every admitted request
+        and hedge copy still queued or counted once in dispatched, expired, withdrawn,
+        closed, pushed_out, superseded or gave_way."""
         queue = self.queue
         live = len(self.observer.pending)
         if len(queue) != live:
@@ -546,7 +547,8 @@ class QueueMachine(RuleBasedStateMachine):
             want = expected.get(key)
             got = queue.stats.get(key)
             for field in (
-                "admitted", "hedged", "expired", "withdrawn", "closed", "pushed_out", "shed"
+                "admitted", "hedged", "expired", "withdrawn", "closed", "pushed_out",
+                "superseded", "gave_way", "shed",
             ):
                 w = 0 if want is None else want[field]
                 g = 0 if got is None else getattr(got, field)
@@ -567,26 +569,27 @@ class QueueMachine(RuleBasedStateMachine):
             )
 
     def _check_balance(self) -> None:
-        """``admitted == dispatched + expired + withdrawn + closed + pushed_out +
-        queued`` for each flow (its live requests, ``queued_by_flow``). A hedged flow's
-        copies count in ``hedged``, not ``admitted``, and a copy (or an original)
-        withdrawn queued because its twin answered first counts nowhere, so there
-        ``admitted + hedged`` exceeds the sum by at most ``hedged``."""
+        """``admitted + hedged == dispatched + expired + withdrawn + closed +
+        pushed_out + superseded + gave_way + queued`` for each flow (its live
+        requests, ``queued_by_flow``): every request admitted and every hedge copy
+        taken is still queued or counted once, a copy or an original withdrawn queued
+        because its twin answered first in ``superseded``, a copy that gave its room
+        to a new request in ``gave_way``."""
         queue = self.queue
         live = queue.queued_by_flow()
         for key, s in queue.stats.items():
             accounted = (
                 s.dispatched + s.expired + s.withdrawn + s.closed + s.pushed_out
-                + live.get(key, 0)
+                + s.superseded + s.gave_way + live.get(key, 0)
             )
-            extra = s.admitted + s.hedged - accounted
-            if (extra != 0) if s.hedged == 0 else not 0 <= extra <= s.hedged:
+            if s.admitted + s.hedged != accounted:
                 raise InvariantViolation(
                     "accounting",
                     f"after a {self.step!r} step at t={self.now:.6g} flow {key} does not "
-                    f"balance: admitted {s.admitted} (hedged {s.hedged}), but dispatched "
+                    f"balance: admitted {s.admitted} + hedged {s.hedged}, but dispatched "
                     f"{s.dispatched} + expired {s.expired} + withdrawn {s.withdrawn} + "
-                    f"closed {s.closed} + pushed_out {s.pushed_out} + queued "
+                    f"closed {s.closed} + pushed_out {s.pushed_out} + superseded "
+                    f"{s.superseded} + gave_way {s.gave_way} + queued "
                     f"{live.get(key, 0)} = {accounted}",
                 )
 
@@ -651,6 +654,7 @@ class QueueMachine(RuleBasedStateMachine):
                 if not self.step_refusal:
                     if copy:
                         self.observer.exercised["hedge copies giving their room"] += 1
+                        flow["gave_way"] += 1
                         return
                     held = [c for c in self.step_copies if c.reply.state is RequestState.QUEUED]
                     if held:

@@ -32,7 +32,7 @@ from ._errors import (
     Unauthorized,
     UnknownModel,
 )
-from ._messages import CANCELLED, Reply, ReplyGroup, Request
+from ._messages import CANCELLED, DONE, Reply, ReplyGroup, Request
 from ._model import ModelBackend, item_list
 from ._zygote import Zygote, ZygoteError
 
@@ -526,6 +526,8 @@ class Runtime:
                 "withdrawn": f.withdrawn,
                 "closed": f.closed,
                 "pushed_out": f.pushed_out,
+                "superseded": f.superseded,
+                "gave_way": f.gave_way,
                 "wait": f.wait.summary(),
             }
             for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items())
@@ -893,8 +895,10 @@ class Runtime:
         """
         answer: list[outcome.Outcome] = []
         unrun: list[outcome.Outcome | None] = [None, None]  # the original's, the copy's
+        won: list[int] = []  # which of the two answered first (not a never-ran error)
         pending = 1
         copy: Request | None = None
+        left = False
         try:
             async with trio.open_nursery() as nursery:
 
@@ -913,8 +917,11 @@ class Runtime:
                             if pending:
                                 return  # the other may still run
                             value = unrun[0] or value
+                            i = -1  # neither ran: no answer came first
                     if not answer:
                         answer.append(value)
+                        if i >= 0:
+                            won.append(i)
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(wait_for, 0, request.reply)
@@ -929,15 +936,16 @@ class Runtime:
         except BaseException:  # the caller left: a group of Cancelled, from the nursery
             # Both waits withdrew their requests. Neither ran if each was withdrawn
             # while queued or had been answered a never-ran error.
+            left = True
             if (request.reply.state is CANCELLED or unrun[0] is not None) and (
                 copy is None or copy.reply.state is CANCELLED or unrun[1] is not None
             ):
                 refund()
-                _note_withdrawal([request])
             raise
         finally:
             if copy is not None:
                 scheduler.forget_copy(request, copy)
+            _note_hedge_over(request, copy, won, left=left)
         return answer[0].unwrap()
 
     async def _infer_split(
@@ -1277,6 +1285,30 @@ def _note_withdrawal(requests: Sequence[Request]) -> None:
                 note = getattr(queue, "withdrawn_by_caller", None)
                 if note is not None:
                     note(r)
+
+
+def _note_hedge_over(
+    request: Request, copy: Request | None, won: list[int], *, left: bool
+) -> None:
+    """A hedged caller is done with ``request`` and its ``copy`` (None: none was
+    queued); ``won`` holds which of the two answered first, if one did. Count the other
+    in its flow's ``superseded`` if it was withdrawn queued; or, if the caller left
+    before any answer, count each one it withdrew queued as ``_note_withdrawal`` does
+    (so a copy withdrawn so counts as its original would)."""
+    pair = (request,) if copy is None else (request, copy)
+    if not won and left and copy is not None:
+        # An answer delivered as the caller left, before its wait took it, still came
+        # first (the replica withdrew the other at once).
+        won = [i for i, r in enumerate(pair) if r.reply.state is DONE and r.reply.run][:1]
+    if won:
+        if copy is not None:
+            other = pair[1 - won[0]].reply
+            if other.state is CANCELLED:
+                note = getattr(getattr(other.on_cancel, "__self__", None), "note_superseded", None)
+                if note is not None:
+                    note(pair[1 - won[0]])
+    elif left:
+        _note_withdrawal(pair)
 
 
 def _never_ran(exc: BaseException) -> bool:

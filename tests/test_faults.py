@@ -749,6 +749,135 @@ async def test_a_hedged_caller_leaving_while_its_copy_runs_is_charged(autojump_c
         model.release()
 
 
+FLOW_ENDS = (
+    "dispatched", "expired", "withdrawn", "closed", "pushed_out", "superseded", "gave_way",
+    "queued",
+)
+
+
+def hedged_flow(rt: trioserve.Runtime, flow: str) -> dict[str, int]:
+    """``flow``'s counts in ``rt.statistics()``, checked to balance exactly."""
+    f = rt.statistics()["m"]["flows"][flow]
+    assert f["admitted"] + f["hedged"] == sum(f[k] for k in FLOW_ENDS), f
+    return {k: f[k] for k in ("admitted", "hedged", *FLOW_ENDS)}
+
+
+class HeldOnce(HeldKeys):
+    """HeldKeys holding only the first batch with each held key (a hedge copy of it
+    then runs at once)."""
+
+    def __init__(self, *held: float) -> None:
+        super().__init__(*held)
+        self.seen: set[float] = set()
+
+    def __call__(self, items):
+        keys = [key(it) for it in items]
+        with self._lock:
+            self.batches.append(keys)
+            first = [k for k in keys if k in self.gates and k not in self.seen]
+            self.seen.update(keys)
+        for k in first:
+            if not self.gates[k].wait(GATE_LIMIT_S):
+                raise RuntimeError(f"{k:g} never released")
+        return [{"y": it["x"]} for it in items]
+
+
+async def test_a_hedged_flow_balances_when_its_copy_answers_while_the_original_runs(
+    autojump_clock,
+):
+    """Whichever of the two answers, the flow's counts add up exactly: here the copy
+    answers while the original, already dispatched, still runs (a copy queues behind
+    its original, so it never runs while the original is still queued)."""
+    model = HeldOnce(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(5.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                answered = trio.Event()
+
+                async def call() -> None:
+                    out = await rt.infer("m", item(1.0), tenant="a")
+                    assert float(out["y"][0]) == 1.0
+                    answered.set()
+
+                nursery.start_soon(call)  # runs, held, on the other replica
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1  # the copy waits in the queue
+                assert hedged_flow(rt, "a/realtime")["queued"] == 1
+                model.release(5.0)  # the copy runs on the freed replica, and answers
+                await answered.wait()
+                flow = hedged_flow(rt, "a/realtime")
+                assert (flow["admitted"], flow["hedged"], flow["dispatched"]) == (1, 1, 2)
+                assert flow["superseded"] == flow["withdrawn"] == flow["queued"] == 0
+                model.release(1.0)
+    finally:
+        model.release()
+    assert sorted(model.batches) == [[1.0], [1.0], [5.0]]
+
+
+async def test_a_hedge_copy_withdrawn_queued_when_its_original_answers_is_superseded(
+    autojump_clock,
+):
+    """A copy withdrawn from the queue because its original answered first was
+    counted nowhere, so a hedged flow's counts fell short of admitted + hedged."""
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(5.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                answered = trio.Event()
+
+                async def call() -> None:
+                    await rt.infer("m", item(1.0), tenant="a")
+                    answered.set()
+
+                nursery.start_soon(call)
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1
+                assert hedged_flow(rt, "a/realtime")["queued"] == 1  # the copy
+                model.release(1.0)  # the original answers; its copy is still queued
+                await answered.wait()
+                flow = hedged_flow(rt, "a/realtime")
+                assert (flow["admitted"], flow["hedged"], flow["dispatched"]) == (1, 1, 1)
+                assert (flow["superseded"], flow["withdrawn"], flow["queued"]) == (1, 0, 0)
+                model.release(5.0)
+            # A caller leaving while its original runs withdraws its queued copy:
+            # counted as its withdrawal, not as superseded.
+            model.gates.update({2.0: threading.Event(), 6.0: threading.Event()})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(6.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                left = trio.Event()
+                scope = trio.CancelScope()
+
+                async def leaving() -> None:
+                    with scope:
+                        await rt.infer("m", item(2.0), tenant="a")
+                    left.set()
+
+                nursery.start_soon(leaving)
+                await trio.testing.wait_all_tasks_blocked()  # 2.0 runs, held
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 2  # its copy waits in the queue
+                scope.cancel()  # cancelled, not at its deadline
+                await left.wait()
+                model.release()
+            flow = hedged_flow(rt, "a/realtime")
+            assert (flow["admitted"], flow["hedged"], flow["dispatched"]) == (2, 2, 2)
+            assert (flow["superseded"], flow["withdrawn"], flow["queued"]) == (1, 1, 0), flow
+    finally:
+        model.release()
+
+
 async def test_a_hedge_copy_takes_only_free_room_and_pushes_nobody_out(autojump_clock):
     """The copy was admitted like a new request: in a full queue it pushed out
     another tenant's real request, which got 503."""

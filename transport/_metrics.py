@@ -163,7 +163,9 @@ class GatewayCollector(Collector):
             "hedged: copies of hedged requests queued, counted apart from admitted; "
             "withdrawn: left by their caller while queued, never run; closed: failed "
             "while queued, never run, because the queue closed: shutdown, or no replica "
-            "left to serve it).",
+            "left to serve it; superseded: a hedged request or its copy withdrawn while "
+            "queued, never run, because its twin answered first; gave_way: hedge copies "
+            "that gave their room in a full queue to a new request, never run).",
             labels=[*labels, "outcome"],
         )
         cost = CounterMetricFamily(
@@ -206,7 +208,7 @@ class GatewayCollector(Collector):
                 depth.add_metric(key, sum(n for _, n in parts))
                 for outcome in (
                     "admitted", "shed", "expired", "dispatched", "hedged", "withdrawn",
-                    "closed", "pushed_out",
+                    "closed", "pushed_out", "superseded", "gave_way",
                 ):
                     outcomes.add_metric(
                         [*key, outcome], sum(getattr(f, outcome) for f, _ in parts)
