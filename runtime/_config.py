@@ -144,13 +144,20 @@ def _segments(v: Any) -> None:
         _segment(s)
 
 
-def _strs(*, allow_empty: bool) -> Callable[[Any], None]:
+def _strs(*, allow_empty: bool, secret: bool = False) -> Callable[[Any], None]:
+    """A list of non-empty, distinct strings. ``secret`` (API keys): an error names
+    no element, which would put a key in the log."""
+
     def check(v: Any) -> None:
         if not isinstance(v, tuple) or not all(isinstance(s, str) and s for s in v):
+            if secret:
+                raise ValueError("must be a list of non-empty strings")
             raise ValueError(f"must be a list of non-empty strings, got {_shown(v)}")
         if not v and not allow_empty:
             raise ValueError("must not be empty")
         if len(set(v)) != len(v):
+            if secret:
+                raise ValueError(f"has duplicates: {len(v)} keys, {len(set(v))} distinct")
             raise ValueError(f"has duplicates: {list(v)!r}")
 
     return check
@@ -310,7 +317,9 @@ class TenantConfig:
     """
 
     name: str = _field(_str)
-    api_keys: tuple[str, ...] = _field(_strs(allow_empty=True), (), converter=_tuple)
+    api_keys: tuple[str, ...] = _field(
+        _strs(allow_empty=True, secret=True), (), converter=_tuple
+    )
     weight: float = _field(_number(0.0, strict=True), 1.0)
     default: bool = _field(_bool, False)
     classes: tuple[str, ...] = _field(_strs(allow_empty=True), (), converter=_tuple)
@@ -392,7 +401,7 @@ class ServerConfig:
     #: API keys that may read the control plane (all but inference and the health
     #: probes); empty: it answers anyone. No tenant's key may be one of them.
     control_plane_keys: tuple[str, ...] = _field(
-        _strs(allow_empty=True), (), converter=_tuple
+        _strs(allow_empty=True, secret=True), (), converter=_tuple
     )
 
     def _path(self) -> str:

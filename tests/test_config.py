@@ -239,6 +239,19 @@ def test_bad_model_values_name_the_key(tmp_path, line, message):
 
 
 @pytest.mark.parametrize(
+    "keys", [["sk-secret-1", "sk-secret-1"], ["sk-secret-1", ""], ["sk-secret-1", 7]]
+)
+def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
+    with pytest.raises(trioserve.ConfigError) as tenant:
+        trioserve.TenantConfig(name="t", api_keys=tuple(keys))
+    with pytest.raises(trioserve.ConfigError) as server:
+        trioserve.ServerConfig(control_plane_keys=tuple(keys))
+    for error, key in ((tenant, "api_keys"), (server, "control_plane_keys")):
+        assert key in str(error.value)
+        assert "sk-secret" not in str(error.value)
+
+
+@pytest.mark.parametrize(
     ("toml", "message"),
     [
         ("[models.m]\nmax_batch_size = 4\n", "models.m.backend: is required"),
@@ -285,11 +298,11 @@ def test_bad_model_values_name_the_key(tmp_path, line, message):
         ),
         (
             "[models.m]\nbackend = 'echo'\n[tenants.t]\napi_keys = 'k'\n",
-            "tenants.t.api_keys: must be a list of non-empty strings, got 'k'",
+            "tenants.t.api_keys: must be a list of non-empty strings",  # no key shown
         ),
         (
             "[models.m]\nbackend = 'echo'\n[tenants.t]\napi_keys = ['k', 'k']\n",
-            "tenants.t.api_keys: has duplicates: ['k', 'k']",
+            "tenants.t.api_keys: has duplicates: 2 keys, 1 distinct",  # no key shown
         ),
         (
             "[models.m]\nbackend = 'echo'\n[tenants.a]\ndefault = true\n"
