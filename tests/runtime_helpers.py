@@ -250,6 +250,29 @@ DEVICE_LOST = "CUDA error: device-side assert triggered"
 _device_lost = False  # this process's device is unusable (it ran a negative input)
 
 
+class LosesItsDevice(ModelBackend):
+    """A model whose replicas a negative input leaves with an unusable device (as a
+    CUDA device-side assert does a thread's, i.e. the process's, context): the
+    batch raises, and ``device_lost`` (patched in by ``lose_devices``) then says so
+    for that device. Otherwise ``y = x``."""
+
+    inputs = (X,)
+    outputs = (Y,)
+
+    def __init__(self, lost: set[str], execution: str = "thread") -> None:
+        self.lost = lost
+        self.default_execution = execution
+
+    def load(self, device, *, torch_threads=1):
+        def run(items):
+            if device in self.lost or any(it["x"][0] < 0 for it in items):
+                self.lost.add(device)
+                raise RuntimeError(DEVICE_LOST)
+            return [{"y": it["x"].copy()} for it in items]
+
+        return run
+
+
 def breaks_its_device(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """A model for worker processes that a negative x[0] breaks for good, as an
     out-of-range index breaks a CUDA context: the batch holding it raises, and so

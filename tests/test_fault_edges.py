@@ -12,7 +12,17 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import DEVICE_LOST, GATE_LIMIT_S, ILLEGAL_ACCESS, X, Y, config, item, key
+from runtime_helpers import (
+    DEVICE_LOST,
+    GATE_LIMIT_S,
+    ILLEGAL_ACCESS,
+    LosesItsDevice,
+    X,
+    Y,
+    config,
+    item,
+    key,
+)
 from trioserve import DeadlineExceeded, ModelConfig, ModelError, Request
 from trioserve.actors import BatchLimits, FairQueue, SchedulerActor
 from trioserve.actors._scheduler import ELSEWHERE_RECHECK
@@ -436,30 +446,12 @@ async def test_a_closing_queue_marks_the_errors_of_what_never_ran():
     ]
 
 
-class Loses(trioserve.ModelBackend):
-    """A model whose replica a negative input leaves with an unusable device
-    (``device_lost`` says so, through ``lose_devices``); an item costs its length.
-    Otherwise ``y = x``."""
-
-    inputs = (X,)
-    outputs = (Y,)
-
-    def __init__(self, lost: set[str], execution: str) -> None:
-        self.lost = lost
-        self.default_execution = execution
+class Loses(LosesItsDevice):
+    """:class:`LosesItsDevice` whose item costs its length (for the slow lane)."""
 
     def prepare(self, name, inputs):
         it, _ = super().prepare(name, inputs)
         return it, int(it["x"].shape[0])
-
-    def load(self, device, *, torch_threads=1):
-        def run(items):
-            if device in self.lost or any(it["x"][0] < 0 for it in items):
-                self.lost.add(device)
-                raise RuntimeError(DEVICE_LOST)
-            return [{"y": it["x"].copy()} for it in items]
-
-        return run
 
 
 async def test_a_slow_lane_whose_replicas_are_lost_is_retired_alone(mock_clock, lose_devices):

@@ -26,6 +26,7 @@ import trioserve
 from runtime_helpers import (
     DEVICE_LOST,
     ILLEGAL_ACCESS,
+    LosesItsDevice,
     X,
     Y,
     breaks_its_device,
@@ -315,29 +316,6 @@ async def test_an_input_that_breaks_its_workers_device_is_poison_and_nothing_els
     assert DEVICE_LOST in poison
     assert got == {(c, j): values[c][j] for c, j in got}  # each its value, no error
     assert 1 <= sum(lost) <= 4  # the bad input's runs, each of which took a worker
-
-
-class LosesItsDevice(trioserve.ModelBackend):
-    """A model whose replicas a negative input leaves with an unusable device (as a
-    CUDA device-side assert does a thread's, i.e. the process's, context): the
-    batch raises, and ``device_lost`` (patched in by ``lose_devices``) then says so
-    for that device. Otherwise ``y = x``."""
-
-    inputs = (X,)
-    outputs = (Y,)
-
-    def __init__(self, lost: set[str], execution: str = "thread") -> None:
-        self.lost = lost
-        self.default_execution = execution
-
-    def load(self, device, *, torch_threads=1):
-        def run(items):
-            if device in self.lost or any(it["x"][0] < 0 for it in items):
-                self.lost.add(device)
-                raise RuntimeError(DEVICE_LOST)
-            return [{"y": it["x"].copy()} for it in items]
-
-        return run
 
 
 async def test_a_thread_replica_whose_device_is_lost_serves_no_more(mock_clock, lose_devices):
