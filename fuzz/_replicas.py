@@ -317,22 +317,27 @@ def scheduler_class(base: type, replicas: Replicas, part_of: Any) -> type:
             super().keep_apart(request)
 
         def _next_retry(self, puller: Any, now: float) -> list[Any] | None:
-            batch = super()._next_retry(puller, now)
-            if batch is None:
-                note("runtime", "elsewhere: retry pulls leaving a part to another replica")
-            elif batch and puller is not None:
-                replicas.handed_back(puller, batch, part_of)
-            return batch
+            return handed_out(
+                super()._next_retry(puller, now), puller,
+                "elsewhere: retry pulls leaving a part to another replica",
+            )
 
         def _next_apart(self, puller: Any, now: float) -> list[Any] | None:
             # a part marked to run elsewhere may be kept apart from its twin's
             # replica too: the same rule holds for its next pull
-            batch = super()._next_apart(puller, now)
-            if batch is None:
-                note("runtime", "elsewhere: pulls leaving a part kept apart to another replica")
-            elif batch and puller is not None:
-                replicas.handed_back(puller, batch, part_of)
-            return batch
+            return handed_out(
+                super()._next_apart(puller, now), puller,
+                "elsewhere: pulls leaving a part kept apart to another replica",
+            )
+
+    def handed_out(batch: list[Any] | None, puller: Any, left: str) -> list[Any] | None:
+        """``batch`` given to ``puller`` is checked against the elsewhere rule; None
+        (each waits for another replica) is noted as ``left``."""
+        if batch is None:
+            note("runtime", left)
+        elif batch and puller is not None:
+            replicas.handed_back(puller, batch, part_of)
+        return batch
 
     ObservedScheduler.__name__ = ObservedScheduler.__qualname__ = f"Observed{base.__name__}"
     return ObservedScheduler
