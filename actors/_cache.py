@@ -763,21 +763,24 @@ class Cache:
         ns = namespace_for(tenant, shareable=rule.shareable)
         return cache_key(model, version, ns, inputs, params)
 
-    def raw_key(self, model: str, version: str, tenant: str, raw: bytes) -> CacheKey | None:
+    def raw_key(
+        self, model: str, version: str, tenant: str, raw: bytes, variant: bytes = b""
+    ) -> CacheKey | None:
         """The key of an encoded request (a wire body, as bytes) by ``tenant``: for an
         edge that keeps whole encoded answers. Never equal to a :meth:`key`. Always in
         the tenant's own namespace, even for a shareable model: the body holds a
         request class, which each tenant must be checked for (the item cache behind
-        still shares the computed values)."""
+        still shares the computed values). ``variant`` names a form of the answer (its
+        content coding): the same body with another variant is another key."""
         rule = self.rule(model)
         if not rule.enabled:
             return None
         if len(raw) <= RAW_INLINE:
             # The body itself: hashing it for the table (~0.5 us for 2 KiB) is cheaper
             # than a blake2b digest (~3.5 us), and equality is exact.
-            digest: Any = (_RAW, raw)
+            digest: Any = (_RAW, raw, variant)
         else:
-            digest = (_RAW_DIGEST, hashlib.blake2b(raw, digest_size=16).digest())
+            digest = (_RAW_DIGEST, hashlib.blake2b(raw, digest_size=16).digest(), variant)
         return CacheKey(namespace_for(tenant, shareable=False), model, version, digest)
 
     @staticmethod

@@ -544,16 +544,18 @@ class Runtime:
         return self.cache.statistics() if self.cache is not None else {}
 
     # ---- the edge's use of the cache: whole encoded answers, keyed by the raw request
-    def response_key(self, model: str, version: str | None, tenant: str, raw: bytes) -> Any:
+    def response_key(
+        self, model: str, version: str | None, tenant: str, raw: bytes, variant: bytes = b""
+    ) -> Any:
         """The cache key of a wire request's encoded answer, an opaque value for
         ``cached_response`` and ``keep_response`` (None: ``model`` is not cached).
-        Identical bytes from the same tenant (or any tenant, for a shareable model) get
-        the same answer without being parsed, run or encoded again."""
+        Identical bytes from the same tenant get the same answer without being parsed,
+        run or encoded again; ``variant`` (a content coding) keeps each form apart."""
         if model not in self._cached or self.cache.cache is None:
             return None
         cache = self.cache.cache
         version = version or self.models[model].config.versions[-1]  # the default: the last
-        key = cache.raw_key(model, version, tenant, raw)
+        key = cache.raw_key(model, version, tenant, raw, variant)
         if key is None:
             return None
         # The answer is kept no longer than the cached results it is made of (a

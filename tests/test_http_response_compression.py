@@ -17,7 +17,7 @@ import trioserve
 from http_helpers import config, echo_model, serving, v2_input
 from runtime_helpers import Recorder, callable_model
 from trioserve import CacheConfig, TenantConfig
-from trioserve.transport import _coding, _http, open_http
+from trioserve.transport import _coding, _gateway, _http, open_http
 from trioserve.transport._coding import (
     COMPRESS_STEP,
     DEFLATE,
@@ -290,7 +290,7 @@ async def test_the_fast_path_takes_requests_with_and_without_accept_encoding(mon
     """Both are parsed by llhttp; without Accept-Encoding nothing is negotiated."""
     parsed: list[bool] = []
     encoded: list[bytes] = []
-    parse, encode = _http._data_plane_request, _http.encode_answer
+    parse, encode = _http._data_plane_request, _gateway.encode_answer
 
     def parse_spy(buf, max_body):
         out = parse(buf, max_body)
@@ -302,7 +302,7 @@ async def test_the_fast_path_takes_requests_with_and_without_accept_encoding(mon
         return await encode(answer, accept)
 
     monkeypatch.setattr(_http, "_data_plane_request", parse_spy)
-    monkeypatch.setattr(_http, "encode_answer", encode_spy)
+    monkeypatch.setattr(_gateway, "encode_answer", encode_spy)
     async with serving(config(echo_model())) as gw:
         stream = await trio.open_tcp_stream(*gw.addresses[0])
         async with stream:
@@ -334,9 +334,18 @@ async def test_the_h11_path_compresses_too_and_closes_after():
     assert orjson.loads(gzip.decompress(body))["id"] == "r"
 
 
-async def test_a_kept_answer_is_compressed_on_the_way_out_and_stays_plain():
-    """The edge cache keeps the plain answer; a hit asked for gzip is compressed as it
-    leaves, and a later plain hit is the kept answer unchanged."""
+async def test_the_edge_keeps_each_coding_of_an_answer_apart(monkeypatch):
+    """The edge cache keeps an answer as it was sent: a gzip client's repeat is a hit
+    that is not compressed again, a plain client's is the plain answer, and each form
+    is an entry charged for its own bytes."""
+    compressed: list[bytes] = []
+    encode = _coding.encode_body
+
+    async def encode_spy(body, coding):
+        compressed.append(coding)
+        return await encode(body, coding)
+
+    monkeypatch.setattr(_coding, "encode_body", encode_spy)
     model = Recorder(timed=False)
     cfg = trioserve.Config(
         models=(callable_model("m", model),), tenants=(TenantConfig(name="A", default=True),),
@@ -344,15 +353,79 @@ async def test_a_kept_answer_is_compressed_on_the_way_out_and_stays_plain():
     )
     body = orjson.dumps({"inputs": [v2_input([1.0 + i / 7 for i in range(400)])]})
     path = "/v2/models/m/infer"
+    gz = [("Accept-Encoding", "gzip")]
     async with serving(cfg) as gw, open_http(gw.url) as http:
         first = await http.request("POST", path, body)
-        packed = await http.request("POST", path, body, headers=[("Accept-Encoding", "gzip")])
+        entries = gw.runtime.cache_statistics()["entries"]
+        packed = [await http.request("POST", path, body, headers=gz) for _ in range(3)]
+        assert gw.runtime.cache_statistics()["entries"] == entries + 1
+        flate = await http.request("POST", path, body, headers=[("Accept-Encoding", "deflate")])
         again = await http.request("POST", path, body)
-    assert len(model.batches) == 1  # the others were hits
-    assert packed.headers["content-encoding"] == "gzip"
-    assert gzip.decompress(packed.body) == first.body
+        stats = gw.runtime.cache_statistics()
+    assert len(model.batches) == 1  # every other answer came from the cache
+    assert compressed == [GZIP, DEFLATE]  # once a coding, not once a request
+    for res in packed:
+        assert res.headers["content-encoding"] == "gzip"
+        assert res.headers["vary"] == "accept-encoding"
+        assert gzip.decompress(res.body) == first.body
+    assert packed[1].body == packed[0].body
+    assert zlib.decompress(flate.body) == first.body
     assert again.body == first.body
-    assert again.headers == first.headers  # neither Content-Encoding nor Vary kept
+    assert again.headers == first.headers  # neither Content-Encoding nor Vary
+    assert stats["entries"] == entries + 2
+    assert stats["bytes_used"] <= 1 << 20
+
+
+async def test_a_kept_small_answer_keeps_the_form_each_accept_encoding_asks_for():
+    """A small answer goes plain to "gzip" but compressed to a client that refuses
+    identity, and an answer to any Accept-Encoding says Vary while one to none does
+    not: four forms of one body, none handed to a client that asked for another."""
+    cfg = trioserve.Config(
+        models=(callable_model("m", Recorder(timed=False)),),
+        tenants=(TenantConfig(name="A", default=True),),
+        cache=CacheConfig(capacity_bytes=1 << 20),
+    )
+    body = orjson.dumps({"inputs": [v2_input([1.5, 2.5])]})
+    asks = [None, "gzip", "gzip, identity;q=0", "br"]
+    async with serving(cfg) as gw, open_http(gw.url) as http:
+        rounds = []
+        for _ in range(2):  # the second round is all hits
+            rounds.append([
+                await http.request(
+                    "POST", "/v2/models/m/infer", body,
+                    headers=[] if a is None else [("Accept-Encoding", a)])
+                for a in asks
+            ])
+    for none, gz, forced, br in rounds:
+        assert "vary" not in none.headers
+        assert "content-encoding" not in none.headers
+        assert len(none.body) < MIN_COMPRESS
+        assert gz.headers["vary"] == br.headers["vary"] == "accept-encoding"
+        assert "content-encoding" not in gz.headers
+        assert "content-encoding" not in br.headers
+        assert gz.body == br.body == none.body
+        assert forced.headers["content-encoding"] == "gzip"
+        assert gzip.decompress(forced.body) == none.body
+
+
+async def test_an_idempotent_replay_takes_the_coding_its_retry_asks_for():
+    """The idempotency store keeps the plain answer; each replay is encoded as its own
+    Accept-Encoding says."""
+    async with serving(config(echo_model())) as gw, open_http(gw.url) as http:
+        key = ("Idempotency-Key", "k1")
+        plain = await http.request("POST", INFER, LARGE, headers=[key])
+        packed = await http.request(
+            "POST", INFER, LARGE, headers=[key, ("Accept-Encoding", "gzip")])
+        flate = await http.request(
+            "POST", INFER, LARGE, headers=[key, ("Accept-Encoding", "deflate")])
+        again = await http.request("POST", INFER, LARGE, headers=[key])
+    assert "content-encoding" not in plain.headers
+    assert packed.headers["content-encoding"] == "gzip"
+    assert gzip.decompress(packed.body) == plain.body
+    assert flate.headers["content-encoding"] == "deflate"
+    assert zlib.decompress(flate.body) == plain.body
+    assert again.body == plain.body
+    assert "content-encoding" not in again.headers
 
 
 async def test_error_answers_stay_plain():

@@ -256,17 +256,17 @@ async def test_compressed_answers_to_tritonclient(server, monkeypatch, algorithm
     compressed (gzip, or deflate in the zlib format, as tritonclient reads it) and
     tritonclient's values are the plain answer's; for binary outputs the
     Inference-Header-Content-Length counts the JSON before compression."""
-    from trioserve.transport import _http
+    from trioserve.transport import _gateway
 
     codings: list[str | None] = []
-    encode = _http.encode_answer
+    encode = _gateway.encode_answer
 
     async def spy(answer, accept):
         out = await encode(answer, accept)
         codings.append(dict(out[1]).get(b"content-encoding", b"").decode() or None)
         return out
 
-    monkeypatch.setattr(_http, "encode_answer", spy)
+    monkeypatch.setattr(_gateway, "encode_answer", spy)
     # an answer of ~8 KiB as float32 bytes, ~40 KiB as JSON: over MIN_COMPRESS
     x = np.random.default_rng(3).standard_normal((2, 1024)).astype(np.float32)
 

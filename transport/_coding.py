@@ -16,10 +16,13 @@ from __future__ import annotations
 import functools
 import re
 import zlib
+from typing import TYPE_CHECKING
 
 import trio
 
-from ._gateway import Answer
+if TYPE_CHECKING:
+    from ._gateway import Answer
+
 
 GZIP = b"gzip"
 DEFLATE = b"deflate"

@@ -34,6 +34,7 @@ from trioserve import (
 )
 
 from ._auth import ANONYMOUS, Authenticator, ControlPlaneGuard
+from ._coding import encode_answer, negotiate
 from ._idempotency import IdempotencyStore
 from ._v2 import InferRequest, ModelSignature, encode_response, error_body
 
@@ -163,6 +164,15 @@ class _Inflater:
 #: ``credit_rate``; an infinite wait) is told to come back then, not in 10**300 s,
 #: which neither a header parser nor a stream frame's 64-bit integer would take.
 RETRY_AFTER_MAX = 86_400
+
+
+def _form(accept_encoding: bytes) -> bytes:
+    """What an answer to ``accept_encoding`` looks like, as an edge cache key's
+    variant: the coding negotiated (identity for none) and whether plain is
+    acceptable (a small answer goes plain only then). Each form carries
+    ``Vary: Accept-Encoding``, which an answer to a request without the header lacks."""
+    coding, plain_ok = negotiate(accept_encoding)
+    return (coding or b"identity") + (b"" if plain_ok else b";q0")
 
 
 def retry_after_seconds(retry_after: float) -> int:
@@ -311,6 +321,7 @@ class Gateway:
         header_length: bytes | str | None = None,
         idempotency_key: bytes | str | None = None,
         content_encoding: bytes | str | None = None,
+        accept_encoding: bytes | None = None,
     ) -> Answer:
         """Answer one v2 infer request (``POST /v2/models/{model}[/versions/{v}]/infer``).
 
@@ -320,7 +331,9 @@ class Gateway:
         the first answer (see :mod:`._idempotency`). A body sent with
         ``Content-Encoding`` gzip or deflate (as ``tritonclient`` compresses requests)
         is decompressed first, within ``server.max_body_bytes`` (413 past it); any
-        other coding is 415.
+        other coding is 415. With ``accept_encoding`` (the request's Accept-Encoding)
+        a 200 is compressed as :func:`._coding.encode_answer` says, and the edge cache
+        keeps it so: a hit in the same coding is not compressed again.
         """
         label = model if model in self.signatures else UNKNOWN_MODEL
         try:
@@ -362,8 +375,13 @@ class Gateway:
             )
             if not ran:  # a replay, or 422 for the key used with another body
                 self.requests[(label, tenant, answer[0])] += 1
+            # The store keeps the plain answer: a retry may take another coding.
+            if accept_encoding is not None and answer[0] == 200:
+                answer = await encode_answer(answer, accept_encoding)
             return answer
-        return await self._infer(model, version, body, tenant, label, header_length)
+        return await self._infer(
+            model, version, body, tenant, label, header_length, accept_encoding
+        )
 
     async def _infer(
         self,
@@ -373,6 +391,7 @@ class Gateway:
         tenant: str,
         label: str,
         header_length: bytes | str | None,
+        accept_encoding: bytes | None = None,
     ) -> Answer:
         """:meth:`infer` for an authenticated ``tenant`` and a decoded body; ``label``
         is the model's in the counters."""
@@ -403,7 +422,12 @@ class Gateway:
             rkey = None
             if rt.cache is not None:
                 raw = body if hlen is None else b"%d|" % hlen + body
-                rkey = rt.response_key(model, version, tenant, raw)
+                # Kept as it is sent: compressed for a client that takes a coding
+                # (compressing a 5 KiB answer costs more than the hit itself).
+                form = b""
+                if accept_encoding is not None:
+                    form = _form(accept_encoding)
+                rkey = rt.response_key(model, version, tenant, raw, form)
                 if rkey is not None:
                     hit = rt.cached_response(rkey)
                     if hit is not None:
@@ -427,8 +451,10 @@ class Gateway:
             answer = 200, [JSON], out
         else:
             answer = 200, [OCTETS, (b"inference-header-content-length", b"%d" % json_len)], out
+        if accept_encoding is not None:
+            answer = await encode_answer(answer, accept_encoding)
         if rkey is not None:
-            self.runtime.keep_response(rkey, answer, len(out) + 256, tenant)
+            self.runtime.keep_response(rkey, answer, len(answer[2]) + 256, tenant)
         return answer
 
     async def run_request(self, request: InferRequest, tenant: str) -> list[Any]:

@@ -460,6 +460,7 @@ class _Connection:
                     status, headers, out = await infer(
                         route[0], route[1], body, authorization=auth, header_length=hlen,
                         idempotency_key=idem, content_encoding=encoding,
+                        accept_encoding=accept,  # 200s come back compressed so
                     )
                 except trio.Cancelled:
                     if conn.gone:  # by the watch: withdrawn if queued, else dropped
@@ -467,9 +468,6 @@ class _Connection:
                     raise
                 finally:
                     conn.waiting = False
-                if accept is not None and status == 200:
-                    # compressed as the client asks (``._coding``); errors go plain
-                    status, headers, out = await encode_answer((status, headers, out), accept)
                 if keep_alive and not gateway.draining:
                     # Written from the template (see the module's docstring); the
                     # bytes already received after this request begin the next.
