@@ -457,7 +457,9 @@ class BatcherActor(Actor):
         items = [req.item for req in batch]
         if self._inline:
             try:
-                outputs = check_outputs(self._runner(items), len(items))
+                outputs = self._backend.conform_outputs(
+                    self.model, check_outputs(self._runner(items), len(items))
+                )
             except Exception as exc:
                 if device_lost(self.device):
                     self._lose_device(batch, exc)
@@ -507,7 +509,9 @@ class BatcherActor(Actor):
         with _threads_lock:
             _threads_running += 1
         try:
-            return check_outputs(self._runner(items), len(items))
+            return self._backend.conform_outputs(
+                self.model, check_outputs(self._runner(items), len(items))
+            )
         except Exception as exc:
             if device_lost(self.device):  # a synchronize: here, not on the event loop
                 raise _DeviceLost() from exc
@@ -703,15 +707,23 @@ class BatcherActor(Actor):
         self.busy_time += t1 - t0
         self._metrics.record_batch(len(batch), t1 - t0, t1)
         run = (t0, t1 - t0)  # one object per execution: the callers tell them apart
+        refused = 0
         for req, out in zip(batch, outputs, strict=True):
             reply = req.reply
             reply.run = run
+            if isinstance(out, ModelError):
+                # The model answered this item with an output its signature does not
+                # declare (ModelBackend.conform_outputs): its caller alone gets that.
+                refused += reply.set_error(out)
+                continue
             if reply.suspect and reply.raised_on is not None and reply.set_result(out):
                 origin, its_run = reply.raised_on
                 if origin is not self:
                     origin._failed_here(its_run)
                 continue
             reply.set_result(out)
+        if refused:
+            self._metrics.statuses["model_error"] += refused
         twins = self._scheduler.twins
         if twins:
             # Answered: a hedge twin still queued or waiting for a replica need not

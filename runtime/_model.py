@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ._errors import InvalidInput
+from ._errors import InvalidInput, ModelError
 
 #: Open Inference Protocol v2 datatypes and their numpy dtypes.
 V2_DTYPES: dict[str, Any] = {
@@ -64,6 +64,104 @@ def check_outputs(outputs: Any, n: int) -> Sequence[Mapping[str, Any]]:
 
 def _kind(value: Any) -> str:
     return "None" if value is None else f"a value of type {type(value).__qualname__}"
+
+
+#: numpy dtype -> v2 datatype, BYTES left out (it takes strings and objects alike).
+_DATATYPE_OF = {dt: name for name, dt in V2_DTYPES.items() if name != "BYTES"}
+
+
+def _described(arr: np.ndarray) -> str:
+    """What an array holds, for an error: "is FP64", "holds strings", ..."""
+    name = _DATATYPE_OF.get(arr.dtype)
+    if name is not None:
+        return f"is {name}"
+    if arr.dtype.kind in "SU":
+        return "holds strings"
+    if arr.dtype.kind == "O":
+        return "holds Python objects"
+    return f"is of numpy dtype {arr.dtype}"
+
+
+def _conformed_output(
+    spec: TensorSpec, value: Any, model: str, *, rows: bool = False
+) -> np.ndarray:
+    """One item's output ``value`` as its ``spec`` declares it: a numpy array of its
+    datatype (a numeric value converted within its kind, float64 to FP32 say; to an
+    integer type only when every value fits; strings kept for BYTES) and its per-item
+    shape (``rows``: the items' outputs stacked, a leading dimension first). Raises
+    ModelError naming the model and the output, in the words the v2 encoder uses for
+    the same answer."""
+    try:
+        arr = to_numpy(value)
+    except NOT_AN_ARRAY as exc:
+        raise ModelError(f"model {model!r}: output {spec.name!r} is not an array ({exc})") from None
+    dtype = spec.dtype
+    if arr.dtype != dtype:
+        kind = arr.dtype.kind
+        if dtype.kind == "O":
+            if kind not in "OSU":
+                raise ModelError(
+                    f"model {model!r}: output {spec.name!r} {_described(arr)}, "
+                    f"the model declares BYTES"
+                )
+        elif kind in "biuf" and np.can_cast(arr.dtype, dtype, "same_kind"):
+            if dtype.kind in "iu" and arr.size:
+                info = np.iinfo(dtype)
+                if arr.min() < info.min or arr.max() > info.max:
+                    raise ModelError(
+                        f"model {model!r}: output {spec.name!r} holds values out of "
+                        f"the range of {spec.datatype}, which the model declares"
+                    )
+            arr = arr.astype(dtype)
+        else:
+            raise ModelError(
+                f"model {model!r}: output {spec.name!r} {_described(arr)}, the "
+                f"model declares {spec.datatype}"
+            )
+    shape = arr.shape[1:] if rows else arr.shape
+    if not spec.accepts_shape(shape):
+        raise ModelError(
+            f"model {model!r}: output {spec.name!r} has shape {list(shape)} per "
+            f"item, the model declares {list(spec.shape)}"
+        )
+    return arr
+
+
+def _fast_check(
+    spec: TensorSpec,
+) -> tuple[str, np.dtype, tuple[int, ...] | None, int, tuple[tuple[int, int], ...]]:
+    """What :meth:`ModelBackend.conform_outputs` compares an output with: its name,
+    dtype, shape when it has no free dimension (else None), rank, fixed dimensions."""
+    fixed = tuple((i, d) for i, d in enumerate(spec.shape) if d != -1)
+    exact = spec.shape if len(fixed) == len(spec.shape) else None
+    return spec.name, spec.dtype, exact, len(spec.shape), fixed
+
+
+def _fits(shape: tuple[int, ...], fixed: tuple[tuple[int, int], ...]) -> bool:
+    for i, d in fixed:
+        if shape[i] != d:
+            return False
+    return True
+
+
+def _conformed_item(
+    specs: tuple[TensorSpec, ...], out: Mapping[str, Any], model: str
+) -> dict[str, Any] | ModelError:
+    """A copy of one item's outputs with each declared one conformed (others kept as
+    they are), or the ModelError that says why one cannot be."""
+    conformed = dict(out)
+    try:
+        for spec in specs:
+            if spec.name not in out:
+                produced = ", ".join(map(repr, out)) or "none"
+                raise ModelError(
+                    f"model {model!r} returned no output {spec.name!r}, which it "
+                    f"declares (it returned {produced})"
+                )
+            conformed[spec.name] = _conformed_output(spec, out[spec.name], model)
+    except ModelError as exc:
+        return exc
+    return conformed
 
 
 def v2_datatype(dtype: np.dtype) -> str:
@@ -350,6 +448,87 @@ class ModelBackend:
     def load(self, device: str, *, torch_threads: int = 1) -> Runner:
         """Load the model on ``device`` and return its runner. Runs in a worker thread."""
         raise NotImplementedError
+
+    def conform_outputs(
+        self, name: str, outputs: Sequence[Mapping[str, Any]]
+    ) -> Sequence[Mapping[str, Any] | ModelError]:
+        """Each item's outputs as the signature declares them: every declared output
+        present, a numpy array of its datatype and per-item shape (a numeric value
+        converted within its kind, float64 to FP32 say; to an integer type only when
+        every value fits). ``outputs`` is what :func:`check_outputs` passed (one
+        mapping per item); an output the signature does not declare is kept as it
+        is, and an open backend's outputs (``echo``) are not checked.
+
+        Returns ``outputs`` itself when every item conforms already (the usual case:
+        a few comparisons per item); else a list in which an item that could be
+        converted is a converted copy, and one that could not is the ModelError
+        (naming the model and the output) its caller is to get. Runs where the
+        model runs (a worker thread, a worker process, or inline); never raises.
+        """
+        specs = self.outputs
+        if self.open_inputs or not specs:
+            return outputs
+        plan = self.__dict__.get("_output_plan")
+        if plan is None or plan[0] is not specs:
+            self._output_plan = plan = (specs, tuple(_fast_check(s) for s in specs))
+        checks = plan[1]
+        for i, out in enumerate(outputs):
+            for key, dtype, exact, ndim, fixed in checks:
+                v = out.get(key)
+                if type(v) is not np.ndarray or v.dtype is not dtype:
+                    break
+                shape = v.shape
+                if exact is not None:
+                    if shape != exact:
+                        break
+                elif len(shape) != ndim or (fixed and not _fits(shape, fixed)):
+                    break
+            else:
+                continue
+            # item i (at least) needs converting, or cannot be
+            return [*outputs[:i], *(
+                _conformed_item(specs, out, name) for out in outputs[i:]
+            )]
+        return outputs
+
+    def conform_rows(
+        self, name: str, outputs: Mapping[str, Any], n: int
+    ) -> Mapping[str, Any] | list[ModelError]:
+        """As :meth:`conform_outputs` for the outputs of ``n`` items stacked (name ->
+        array with one row per item, as a runner's ``stacked`` returns them): checked
+        once for the batch, ``outputs`` itself when they conform, else a converted
+        copy. When they cannot be (another number of rows among them), one ModelError
+        per item (each its own instance: each caller raises its own)."""
+        specs = self.outputs
+        if self.open_inputs or not specs:
+            return outputs
+        conformed = None
+        try:
+            for spec in specs:
+                if spec.name not in outputs:
+                    produced = ", ".join(map(repr, outputs)) or "none"
+                    raise ModelError(
+                        f"model {name!r} returned no output {spec.name!r}, which it "
+                        f"declares (it returned {produced})"
+                    )
+                arr = outputs[spec.name]
+                if type(arr) is np.ndarray and arr.dtype is spec.dtype and arr.ndim and (
+                    len(arr) == n and spec.accepts_shape(arr.shape[1:])
+                ):
+                    continue
+                arr = _conformed_output(spec, arr, name, rows=True)
+                if arr.ndim == 0 or len(arr) != n:
+                    rows = "no batch dimension" if arr.ndim == 0 else _count(len(arr), "row")
+                    raise ModelError(
+                        f"model {name!r} returned output {spec.name!r} with {rows} for "
+                        f"{_count(n, 'item')}; expected one row per item"
+                    )
+                if conformed is None:
+                    conformed = dict(outputs)
+                conformed[spec.name] = arr
+        except ModelError as exc:
+            return [ModelError(str(exc)) for _ in range(n)]
+        return outputs if conformed is None else conformed
 
     def split(self, item: Item, budget: int) -> list[tuple[Item, int]]:
         """Split an oversize item into parts of cost <= budget (for ``oversize="split"``)."""

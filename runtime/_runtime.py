@@ -161,7 +161,8 @@ class Runtime:
         if it has not been dispatched yet.
 
         Raises UnknownModel, InvalidInput, Overloaded, DeadlineExceeded (the model's
-        timeout), ModelError (the model raised), ActorClosed (shut down). A refusal
+        timeout), ModelError (the model raised, or answered against its declared
+        outputs), ActorClosed (shut down). A refusal
         before the request waited anywhere is a checkpoint too, so a caller that
         retries at once cannot hold the event loop (and the queue it waits to enter)
         to itself.

@@ -48,10 +48,13 @@ def write_frame(fd: int, obj: Any) -> None:
         view = view[os.write(fd, view) :]
 
 
-def stack_outputs(outputs: list[dict[str, Any]]) -> Any:
-    """{name: stacked array} when every item's outputs share shapes; else the list."""
+def stack_outputs(outputs: Any) -> Any:
+    """{name: stacked array} when every item's outputs share shapes; else the list
+    (where an item's ModelError, from ``conform_outputs``, stays as it is)."""
     if not outputs:
         return {}
+    if any(isinstance(o, Exception) for o in outputs):
+        return list(outputs)
     names = list(outputs[0])
     try:
         return {n: np.stack([np.asarray(o[n]) for o in outputs]) for n in names}
@@ -127,13 +130,17 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
                     for name, dtype, shape, offset in payload
                 }
                 if stacked_run is not None:
-                    out: Any = stacked_run(arrays)
+                    out: Any = backend.conform_rows(cfg.name, stacked_run(arrays), n)
                 else:
                     items = [{k: a[i] for k, a in arrays.items()} for i in range(n)]
-                    out = stack_outputs(list(check_outputs(runner(items), n)))
+                    out = stack_outputs(
+                        backend.conform_outputs(cfg.name, check_outputs(runner(items), n))
+                    )
                 del arrays
             else:
-                out = stack_outputs(list(check_outputs(runner(payload), n)))
+                out = stack_outputs(
+                    backend.conform_outputs(cfg.name, check_outputs(runner(payload), n))
+                )
             write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"

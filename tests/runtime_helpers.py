@@ -101,6 +101,26 @@ def misshapen(items: list[dict[str, np.ndarray]]) -> Any:
     }.get(key(items[0]), outputs)
 
 
+#: x[0] of an item -> what ``off_signature`` answers it with (y is declared FP32 [-1]).
+OFF_SIGNATURE = {
+    1.0: lambda x: {"y": x.astype(np.float64) * 2},  # converted to FP32
+    2.0: lambda x: {"y": (x * 2).tolist()},  # a list: converted to an FP32 array
+    3.0: lambda x: {"z": x},  # no y
+    4.0: lambda x: {"y": np.array(["a", "b"])},  # strings
+    5.0: lambda x: {"y": (x * 2).reshape(1, -1)},  # one dimension too many
+    6.0: lambda x: {"y": 1.5},  # a scalar: shape []
+    7.0: lambda x: {"y": None},
+    8.0: lambda x: {"y": (x * 2).astype(np.complex64)},  # no FP32 in it
+}
+
+
+def off_signature(items: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+    """A model whose output for each item is ``OFF_SIGNATURE[x[0]](x)`` (``y = 2x``
+    for any other x[0]): outputs against its declared ``y`` FP32 [-1], some
+    convertible. Importable, so a worker process can run it."""
+    return [OFF_SIGNATURE.get(key(it), lambda x: {"y": x * 2})(it["x"]) for it in items]
+
+
 def crash_on_666(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """A model for a worker process: a batch holding an item with x[0] == 666 ends the
     process at once (``os._exit``, as a segfault would); otherwise ``y = x``.

@@ -604,11 +604,16 @@ async def test_items_whose_outputs_cannot_be_stacked_are_500():
         assert error_of(res).startswith(
             "model 'm': output 'y' cannot be stacked across the request's items ("
         )
+    # An item without a declared output is refused as it leaves the model (its
+    # caller is told which output), before the response is stacked.
     halves = iter([{"y": np.ones(2, np.float32)}, {}])
     model = outputs_model(lambda it: next(halves))
     async with serving(config(model)) as gw:
         res = await infer_m(gw, rows=2)
-        assert error_of(res) == "model 'm' returned output 'y' for some items only"
+        assert res.status == 500
+        assert error_of(res) == (
+            "model 'm' returned no output 'y', which it declares (it returned none)"
+        )
 
 
 async def test_an_open_model_asked_for_an_output_it_has_not_is_still_400(server):

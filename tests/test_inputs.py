@@ -51,7 +51,7 @@ async def rt(seen):
             "text",
             lambda items: [{"y": it["text"]} for it in items],
             inputs=TEXT,
-            outputs=TEXT,
+            outputs=(TensorSpec(name="y", datatype="BYTES", shape=(1,)),),
             max_wait_ms=0,
         ),
         ModelConfig(name="echo", backend="echo", max_wait_ms=0),
