@@ -193,11 +193,16 @@ class TensorSpec:
 
 
 def to_numpy(value: Any) -> np.ndarray:
-    """An array-like (numpy array, torch tensor, nested list, scalar) as a numpy array."""
+    """An array-like (numpy array, torch tensor, nested list, scalar) as a numpy array.
+    A torch tensor may be on any device; a bfloat16 one (numpy has no such dtype)
+    comes as float32, which holds each of its values exactly."""
     if isinstance(value, np.ndarray):
         return value
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, any device
-        return value.detach().cpu().numpy()
+        tensor = value.detach().cpu()
+        if tensor.dtype is getattr(sys.modules.get("torch"), "bfloat16", None):
+            tensor = tensor.float()
+        return tensor.numpy()
     return np.asarray(value)
 
 

@@ -69,6 +69,11 @@ async def rt(seen):
         pytest.param(np.array([1, 2, 3, 4], dtype=np.int32), id="numpy-int"),
         pytest.param(torch.tensor([1.0, 2.0, 3.0, 4.0]), id="torch"),
         pytest.param(torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True), id="torch-grad"),
+        # numpy has no bfloat16: "not an array (Got unsupported ScalarType BFloat16)"
+        pytest.param(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16), id="torch-bf16"),
+        pytest.param(np.array([[1, 9], [2, 9], [3, 9], [4, 9]], np.float32)[:, 0], id="strided"),
+        pytest.param(torch.tensor([[1.0, 9.0], [2.0, 9.0], [3.0, 9.0], [4.0, 9.0]])[:, 0],
+                     id="torch-strided"),
         pytest.param([1, 2, 3, 4], id="list-int"),
         pytest.param([1.0, 2.0, 3.0, 4.0], id="list-float"),
     ],
