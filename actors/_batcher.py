@@ -81,6 +81,17 @@ def model_threads_running() -> int:
     return _threads_running
 
 
+def _text(exc: BaseException) -> str:
+    """``Type: message`` of an exception a model raised. One whose ``str()`` raises
+    too is said so: formatting it crashed the replica that was answering with it
+    (ActorBroken for its batch, a restart spent)."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as err:
+        why = f"its message cannot be shown: str() raised {type(err).__name__}"
+        return f"{type(exc).__name__} ({why})"
+
+
 def _all_lost(scheduler: SchedulerActor) -> bool:
     """Whether every replica of ``scheduler``'s queue (all of them started) lost its
     device: none will ever pull from it again."""
@@ -247,9 +258,7 @@ class BatcherActor(Actor):
                 reason = details.rstrip().rpartition("\n")[2] if details else str(exc)
                 raise ModelLoadError(f"{what} failed to load: {reason}") from exc
             except Exception as exc:
-                raise ModelLoadError(
-                    f"{what} failed to load: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise ModelLoadError(f"{what} failed to load: {_text(exc)}") from exc
             finally:
                 if armed is not None:
                     watchdog.disarm(armed)  # type: ignore[union-attr]
@@ -527,7 +536,7 @@ class BatcherActor(Actor):
         loop's device context. The batch's callers get the error (not retried: each
         run of the input that did this would take one more device), and the replica
         serves no more; the model is ready while another replica is."""
-        text = f"{type(exc).__name__}: {exc}"
+        text = _text(exc)
         self.lost = text
         self._metrics.statuses["device_lost"] += 1
         log.error(
@@ -632,8 +641,8 @@ class BatcherActor(Actor):
         )
         if opened:
             log.warning(
-                "%s: circuit breaker open: the model keeps raising here (%s: %s) while "
-                "other replicas succeed", self.name, type(exc).__name__, exc,
+                "%s: circuit breaker open: the model keeps raising here (%s) while "
+                "other replicas succeed", self.name, _text(exc),
             )
         alive = [r for r in batch if r.reply.answerable]
         if len(batch) > 1 and alive:  # not alone: any one of them may be the cause
@@ -652,9 +661,7 @@ class BatcherActor(Actor):
             self._metrics.statuses["retried"] += 1
             self._scheduler.retry([alive])
             return opened
-        msg = (
-            f"model {self.model!r} failed on {self.device}: {type(exc).__name__}: {exc}"
-        )
+        msg = f"model {self.model!r} failed on {self.device}: {_text(exc)}"
         self._answer_error(batch, alive, msg)
         return opened
 

@@ -143,7 +143,11 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
                 )
             write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
         except Exception as exc:
-            text = f"{type(exc).__name__}: {exc}"
+            try:
+                text = f"{type(exc).__name__}: {exc}"
+            except Exception as err:  # its str() raised: this loop must go on
+                text = (f"{type(exc).__name__} (its message cannot be shown: str() "
+                        f"raised {type(err).__name__})")
             if context_lost(device):
                 # Every later call here would fail too: say why, and wait for the
                 # parent to kill us (exiting now, our exit could be seen before

@@ -121,6 +121,21 @@ def off_signature(items: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
     return [OFF_SIGNATURE.get(key(it), lambda x: {"y": x * 2})(it["x"]) for it in items]
 
 
+class Unprintable(Exception):
+    """An exception whose message cannot be read: ``str()`` of it raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+def unprintable_on_1(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """``y = x``, but a batch holding an item with x[0] == 1 raises Unprintable.
+    Importable, so a worker process can run it."""
+    if any(key(it) == 1.0 for it in items):
+        raise Unprintable()
+    return [{"y": it["x"]} for it in items]
+
+
 def crash_on_666(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """A model for a worker process: a batch holding an item with x[0] == 666 ends the
     process at once (``os._exit``, as a segfault would); otherwise ``y = x``.

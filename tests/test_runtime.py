@@ -31,6 +31,7 @@ from runtime_helpers import (
     item,
     misshapen,
     pythonpath_with,
+    unprintable_on_1,
 )
 from trioserve import (
     ActorClosed,
@@ -495,6 +496,34 @@ async def test_a_model_raising_on_one_input_fails_only_that_callers_request(
     assert stats["statuses"]["retried"] == 4
     assert stats["replicas"][0]["restarts"] == 0
     assert stats["replicas"][0]["state"] == "running"
+
+
+@pytest.mark.parametrize("execution", ["inline", "thread", "process"])
+async def test_a_model_raising_an_exception_that_cannot_be_shown_is_a_model_error(
+    monkeypatch, execution
+):
+    # Formatting its message raised in the replica answering with it: the batcher
+    # crashed (ActorBroken for the caller, a restart spent; with none left the
+    # runtime went down); in a worker process, its loop. Real time (the process).
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = config(
+        callable_model(
+            "m", unprintable_on_1, execution=execution, max_wait_ms=0, timeout_ms=None
+        ),
+        restart_intensity=0,
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(ModelError) as info:
+            await rt.infer("m", item(1))
+        after = await rt.infer("m", item(2))
+        stats = rt.statistics()["m"]
+    prefix = "WorkerError: " if execution == "process" else ""
+    assert str(info.value) == (
+        f"model 'm' failed on cpu: {prefix}Unprintable (its message cannot be shown: "
+        "str() raised RuntimeError)"
+    )
+    assert after["y"].tolist() == [2.0]
+    assert stats["replicas"][0]["restarts"] == 0
 
 
 async def test_wrong_number_of_outputs_is_a_model_error(autojump_clock):
