@@ -243,6 +243,15 @@ async def test_unknown_model_and_unknown_version(rt):
         await rt.infer_batch("two", [{"a": [1, 2, 3], "b": [1]}] * 2, version="3")
 
 
+async def test_an_unknown_keyword_is_a_type_error_before_anything_is_submitted(rt, seen):
+    # No ``timeout=`` on the async calls: a cancel scope bounds them (embedding.md).
+    with pytest.raises(TypeError, match="unexpected keyword argument 'timeout'"):
+        rt.infer("one", [1.0] * 4, timeout=1.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'timeout'"):
+        rt.infer_batch("one", [[1.0] * 4], timeout=1.0)
+    assert seen["one"].items == []
+
+
 async def test_one_bad_item_fails_infer_batch_before_anything_runs(rt, seen):
     with pytest.raises(InvalidInput, match=r"expected shape \[4\]"):
         await rt.infer_batch("one", [[1, 2, 3, 4], [1, 2]])

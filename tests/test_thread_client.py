@@ -115,6 +115,12 @@ def test_client_errors_are_the_runtime_errors(served):
         served.infer("nope", item(1))
     with pytest.raises(InvalidInput, match=r"expected shape \[-1\]"):
         served.infer("double", {"x": [[1.0, 2.0]]})
+    # An unknown keyword is Python's TypeError, in the calling thread, before
+    # anything is submitted (there is no ``deadline=``: ``timeout=`` is in seconds).
+    with pytest.raises(TypeError, match="unexpected keyword argument 'deadline'"):
+        served.infer("double", item(1), deadline=1.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'return_exception'"):
+        served.infer_many("double", [item(1)], return_exception=True)
 
 
 def test_calls_after_the_block_raise_actor_closed():
@@ -264,3 +270,39 @@ def test_infer_many_of_no_sequence_of_items_is_invalid_input(served, inputs):
     ):
         served.infer_many("double", inputs)
     assert served.infer_many("double", iter([item(1)]))[0]["y"].tolist() == [3.0]
+
+
+def test_leaving_the_block_answers_every_thread_in_flight_with_actor_closed():
+    # Five threads call a model held by its gate: one call running, four queued.
+    # Leaving the block (its grace spent on the stuck call) must answer each of them,
+    # and return, however long the model stays stuck.
+    gate = Gate()
+    cfg = config(
+        callable_model("g", gate, execution="thread", max_batch_size=1, max_wait_ms=0,
+                       timeout_ms=None),
+        graceful_timeout_s=0.2,
+    )
+    got: dict[int, object] = {}
+    try:
+        with trioserve.serve_in_thread(cfg) as client:
+            threads = [
+                threading.Thread(
+                    target=lambda i=i: got.__setitem__(
+                        i, outcome_of(lambda: client.infer("g", item(float(i))))
+                    )
+                )
+                for i in range(5)
+            ]
+            for t in threads:
+                t.start()
+            # every call in: one running (the gate holds it), the others queued
+            while client.statistics()["g"]["queue_depth"] < 4 or not gate.seen:
+                pass
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        gate.release()
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    assert all(isinstance(e, ActorClosed) for e in got.values()), got
+    assert len(gate.seen) == 1  # the queued ones never ran
