@@ -81,10 +81,28 @@ def model_threads_running() -> int:
     return _threads_running
 
 
+class _Escaped(Exception):
+    """A model's StopIteration or SystemExit, carried as an ordinary error: out of a
+    worker thread the first reached the batcher as "RuntimeError: coroutine raised
+    StopIteration" (PEP 479), and the second ended the batcher, and with it the
+    runtime. The model's own exception is ``exc``."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.exc = exc
+
+
+#: What a model may raise that is not an ordinary error in the batcher's loop (a
+#: KeyboardInterrupt is left alone: inline it is the process's Ctrl-C).
+_ESCAPES = (StopIteration, StopAsyncIteration, SystemExit)
+
+
 def _text(exc: BaseException) -> str:
     """``Type: message`` of an exception a model raised. One whose ``str()`` raises
     too is said so: formatting it crashed the replica that was answering with it
     (ActorBroken for its batch, a restart spent)."""
+    if type(exc) is _Escaped:
+        exc = exc.exc
     try:
         return f"{type(exc).__name__}: {exc}"
     except Exception as err:
@@ -466,9 +484,12 @@ class BatcherActor(Actor):
         items = [req.item for req in batch]
         if self._inline:
             try:
-                outputs = self._backend.conform_outputs(
-                    self.model, check_outputs(self._runner(items), len(items))
-                )
+                try:
+                    outputs = self._backend.conform_outputs(
+                        self.model, check_outputs(self._runner(items), len(items))
+                    )
+                except _ESCAPES as exc:
+                    raise _Escaped(exc) from exc
             except Exception as exc:
                 if device_lost(self.device):
                     self._lose_device(batch, exc)
@@ -521,6 +542,8 @@ class BatcherActor(Actor):
             return self._backend.conform_outputs(
                 self.model, check_outputs(self._runner(items), len(items))
             )
+        except _ESCAPES as exc:
+            raise _Escaped(exc) from exc
         except Exception as exc:
             if device_lost(self.device):  # a synchronize: here, not on the event loop
                 raise _DeviceLost() from exc

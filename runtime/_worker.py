@@ -142,7 +142,7 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
                     backend.conform_outputs(cfg.name, check_outputs(runner(payload), n))
                 )
             write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # the model's sys.exit() ends no worker
             try:
                 text = f"{type(exc).__name__}: {exc}"
             except Exception as err:  # its str() raised: this loop must go on

@@ -136,6 +136,17 @@ def unprintable_on_1(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.nd
     return [{"y": it["x"]} for it in items]
 
 
+def escapes_on_1(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """``y = x``, but a batch holding an item with x[0] == 1 raises what is not an
+    ordinary error in a loop (StopIteration) and one with x[0] == 2 calls
+    ``sys.exit``. Importable, so a worker process can run it."""
+    if any(key(it) == 1.0 for it in items):
+        raise StopIteration("ran out")
+    if any(key(it) == 2.0 for it in items):
+        sys.exit("model says bye")
+    return [{"y": it["x"]} for it in items]
+
+
 def crash_on_666(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """A model for a worker process: a batch holding an item with x[0] == 666 ends the
     process at once (``os._exit``, as a segfault would); otherwise ``y = x``.

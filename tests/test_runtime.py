@@ -28,6 +28,7 @@ from runtime_helpers import (
     at,
     callable_model,
     config,
+    escapes_on_1,
     item,
     misshapen,
     pythonpath_with,
@@ -523,6 +524,33 @@ async def test_a_model_raising_an_exception_that_cannot_be_shown_is_a_model_erro
         "str() raised RuntimeError)"
     )
     assert after["y"].tolist() == [2.0]
+    assert stats["replicas"][0]["restarts"] == 0
+
+
+@pytest.mark.parametrize("execution", ["inline", "thread", "process"])
+async def test_a_model_raising_stop_iteration_or_system_exit_is_a_model_error(
+    monkeypatch, execution
+):
+    # StopIteration left a thread's coroutine as "RuntimeError: coroutine raised
+    # StopIteration" (PEP 479); SystemExit ended the batcher and the runtime with it
+    # (inline, thread) or the worker process (a lost worker, retried as poison). The
+    # caller gets the model's error as for any other; the replica serves on.
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = config(
+        callable_model("m", escapes_on_1, execution=execution, max_wait_ms=0, timeout_ms=None),
+        restart_intensity=0,
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(ModelError) as stopped:
+            await rt.infer("m", item(1))
+        with pytest.raises(ModelError) as exited:
+            await rt.infer("m", item(2))
+        after = await rt.infer("m", item(3))
+        stats = rt.statistics()["m"]
+    prefix = "WorkerError: " if execution == "process" else ""
+    assert str(stopped.value) == f"model 'm' failed on cpu: {prefix}StopIteration: ran out"
+    assert str(exited.value) == f"model 'm' failed on cpu: {prefix}SystemExit: model says bye"
+    assert after["y"].tolist() == [3.0]
     assert stats["replicas"][0]["restarts"] == 0
 
 
