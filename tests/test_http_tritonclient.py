@@ -155,6 +155,31 @@ async def test_errors_reach_the_client_as_inference_server_exceptions(server):
     assert "unknown model 'nope'" in missing.message()
 
 
+async def test_an_output_in_shared_memory_is_refused_not_answered_in_the_body(server):
+    """``InferRequestedOutput.set_shared_memory``: the client then reads the output
+    from its region. The parameter was ignored and the tensor answered in the body,
+    so the client read a region nothing wrote; now a 400 names the parameter."""
+
+    def call():
+        client = _client(server)
+        try:
+            inp = tritonclient_http.InferInput("x", [1, 256], "FP32")
+            inp.set_data_from_numpy(np.ones((1, 256), np.float32))
+            out = tritonclient_http.InferRequestedOutput("y")
+            out.set_shared_memory("outputs", 64)
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer("mlp", [inp], outputs=[out])
+            return refused.value
+        finally:
+            client.close()
+
+    refused = await trio.to_thread.run_sync(call)
+    assert refused.status() == "400"
+    assert refused.message().startswith(
+        "output 'y': parameters.shared_memory_region: this server has no shared memory"
+    )
+
+
 async def test_model_config_and_statistics_as_tritons_extensions():
     """``get_model_config`` and ``get_inference_statistics`` (Triton's model
     configuration and statistics extensions) get Triton's documents."""

@@ -663,3 +663,42 @@ def test_an_id_that_is_not_a_string_or_an_integer_says_what_is_taken(rid):
     with pytest.raises(InvalidInput) as info:
         parse({"inputs": [x], "id": rid})
     assert str(info.value) == f"'id' must be a string or an integer, got {rid!r}"
+
+
+def test_a_tensor_in_shared_memory_is_refused_naming_the_parameter():
+    """This server has no shared memory. An output asked for in a region was answered
+    in the body, the region left unwritten for the client to read; an input in one
+    was refused for having "no 'data'"."""
+    x = {"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}
+    region = {"shared_memory_region": "r0", "shared_memory_byte_size": 8}
+    with pytest.raises(InvalidInput) as info:
+        parse({"inputs": [x], "outputs": [{"name": "y", "parameters": region}]})
+    assert str(info.value) == (
+        "output 'y': parameters.shared_memory_region: this server has no shared memory "
+        "(Triton's system_shared_memory and cuda_shared_memory are not served); "
+        "leave it out to get the tensor in the answer"
+    )
+    shm = {"name": "x", "shape": [4], "datatype": "FP32", "parameters": region}
+    with pytest.raises(InvalidInput) as info:
+        parse({"inputs": [shm]})
+    assert str(info.value) == (
+        "input 'x': parameters.shared_memory_region: this server has no shared memory "
+        "(Triton's system_shared_memory and cuda_shared_memory are not served); "
+        "send the tensor as 'data' or as binary data"
+    )
+
+
+@pytest.mark.parametrize("params", [[1], "binary_data", 1])
+def test_parameters_of_an_input_or_output_must_be_an_object(params):
+    """As the request's own ``parameters``: they were ignored, so a malformed
+    ``binary_data`` or ``classification`` went unseen."""
+    x = {"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}
+    with pytest.raises(InvalidInput) as info:
+        parse({"inputs": [{**x, "parameters": params}]})
+    assert str(info.value) == "input 'x': 'parameters' must be a JSON object"
+    with pytest.raises(InvalidInput) as info:
+        parse({"inputs": [x], "outputs": [{"name": "y", "parameters": params}]})
+    assert str(info.value) == "output 'y': 'parameters' must be a JSON object"
+    # null is no parameters, as for the request's
+    assert parse({"inputs": [{**x, "parameters": None}],
+                  "outputs": [{"name": "y", "parameters": None}]}).outputs == (("y", False, 0),)

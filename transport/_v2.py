@@ -534,7 +534,15 @@ def _decode_tensor(
             f"[N, {want_text}] with a batch dimension, got {shape}"
         )
     params = t.get("parameters")
-    size = params.get("binary_data_size") if type(params) is dict else None
+    size = None
+    if params is not None:
+        if type(params) is not dict:
+            raise InvalidInput(f"input {name!r}: 'parameters' must be a JSON object")
+        size = params.get("binary_data_size")
+        if "shared_memory_region" in params:
+            raise InvalidInput(_no_shared_memory(
+                f"input {name!r}", "send the tensor as 'data' or as binary data"
+            ))
     if size is None:
         data = t.get("data")
         if data is None:
@@ -825,7 +833,15 @@ def _requested_outputs(
         params = o.get("parameters")
         binary = binary_all
         classes = 0
-        if type(params) is dict:
+        if params is not None:
+            if type(params) is not dict:
+                raise InvalidInput(f"output {name!r}: 'parameters' must be a JSON object")
+            if "shared_memory_region" in params:
+                # ignored, the answer would carry the tensor while the client reads
+                # its region, which nothing wrote
+                raise InvalidInput(_no_shared_memory(
+                    f"output {name!r}", "leave it out to get the tensor in the answer"
+                ))
             binary = params.get("binary_data", binary_all)
             if type(binary) is not bool:
                 raise InvalidInput(
@@ -840,6 +856,14 @@ def _requested_outputs(
                 )
         out.append((name, binary, classes))
     return tuple(out)
+
+
+def _no_shared_memory(tensor: str, advice: str) -> str:
+    """The refusal of a tensor in shared memory (Triton's extensions, not served)."""
+    return (
+        f"{tensor}: parameters.shared_memory_region: this server has no shared memory "
+        f"(Triton's system_shared_memory and cuda_shared_memory are not served); {advice}"
+    )
 
 
 def _classify(
