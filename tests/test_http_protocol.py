@@ -4,6 +4,7 @@ HTTP/1.0, Expect: 100-continue, HEAD, OPTIONS, request targets."""
 from __future__ import annotations
 
 import h11
+import numpy as np
 import orjson
 import pytest
 import trio
@@ -500,3 +501,32 @@ async def test_a_data_plane_request_h11_refuses_is_400_whichever_parser_reads_it
     await stream.aclose()
     assert [s for s, _, _ in responses] == [400]
     assert orjson.loads(responses[0][2])["error"].startswith("bad HTTP request: ")
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["llhttp", "h11"])
+async def test_the_inference_header_length_given_twice_is_400(server, close):
+    """Two Inference-Header-Content-Length lines: the last was taken (Triton takes the
+    first), so the JSON was cut where one reader of the request would not cut it. Now
+    refused whichever parser reads the head; the request behind it is answered."""
+    x = np.arange(2, dtype=np.float32)
+    head = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": x.nbytes}}]})
+    body = head + x.tobytes()
+    twice = b"".join(
+        b"Inference-Header-Content-Length: %d\r\n" % n for n in (len(head), len(head) - 1)
+    )
+    request = (
+        b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n%s%s\r\n%s"
+        % (len(body), twice, b"Connection: close\r\n" if close else b"", body)
+    )
+    once = request.replace(b"Inference-Header-Content-Length: %d\r\n" % (len(head) - 1), b"")
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(once.replace(b"Connection: close\r\n", b"") + request
+                          + (b"" if close else infer_request(2.0)))
+    responses = await read_responses(stream, 2 if close else 3)
+    await stream.aclose()
+    assert [s for s, _, _ in responses] == [200, 400] + ([] if close else [200])
+    assert orjson.loads(responses[1][2])["error"] == (
+        "Inference-Header-Content-Length must be an integer, 0 or more in plain digits, "
+        f"given once (the length of the body's JSON part), got '{len(head)}, {len(head) - 1}'"
+    )

@@ -222,7 +222,9 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 version,
                 body,
                 authorization=_authorization(request.headers.getlist("Authorization")),
-                header_length=request.headers.get("Inference-Header-Content-Length"),
+                header_length=", ".join(
+                    request.headers.getlist("Inference-Header-Content-Length")
+                ) or None,
                 idempotency_key=request.headers.get("Idempotency-Key"),
                 content_encoding=request.headers.get("Content-Encoding"),
             )

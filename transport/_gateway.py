@@ -406,7 +406,8 @@ class Gateway:
             hlen = None
             if header_length is not None:
                 # digits only, as HTTP's Content-Length: int() would also take "1_0",
-                # " 10" or "+10"
+                # " 10" or "+10"; several field lines come as one list ("5, 6"), and
+                # are refused: a proxy that reads the first would split the body elsewhere
                 if not (
                     header_length.isdigit() and header_length.isascii()
                     and len(header_length) <= 18  # int() refuses past 4,300 digits
@@ -414,8 +415,9 @@ class Gateway:
                     if isinstance(header_length, bytes):
                         header_length = header_length.decode("latin-1")
                     raise InvalidInput(
-                        "Inference-Header-Content-Length must be an integer, got "
-                        f"{header_length!r}"
+                        "Inference-Header-Content-Length must be an integer, 0 or more "
+                        "in plain digits, given once (the length of the body's JSON "
+                        f"part), got {header_length!r}"
                     )
                 hlen = int(header_length)
             rt = self.runtime

@@ -375,7 +375,8 @@ class _Connection:
                     elif name == b"authorization":
                         auth = value if auth is None else another_field_line(auth, value)
                     elif name == b"inference-header-content-length":
-                        hlen = value
+                        # two lines are one list (RFC 9110 5.3), refused as not digits
+                        hlen = value if hlen is None else hlen + b", " + value
                     elif name == b"idempotency-key":
                         idem = value
                     elif name == b"content-encoding":
@@ -589,7 +590,8 @@ def _data_plane_request(
             value = value.rstrip(_OWS)
             auth = value if auth is None else another_field_line(auth, value)
         elif name == b"inference-header-content-length":
-            hlen = value.rstrip(_OWS)
+            value = value.rstrip(_OWS)
+            hlen = value if hlen is None else hlen + b", " + value  # refused
         elif name == b"idempotency-key":
             idem = value.rstrip(_OWS)
         elif name == b"content-encoding":
