@@ -702,3 +702,31 @@ def test_parameters_of_an_input_or_output_must_be_an_object(params):
     # null is no parameters, as for the request's
     assert parse({"inputs": [{**x, "parameters": None}],
                   "outputs": [{"name": "y", "parameters": None}]}).outputs == (("y", False, 0),)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "message"),
+    [
+        ("INT64", "[9223372036854775808, 1]", "a value is out of range for INT64"),
+        ("INT64", "[-9223372036854775809, 1]", "a value is out of range for INT64"),
+        ("INT64", "[1, 1e19]", "a value is out of range for INT64"),
+        ("UINT64", "[18446744073709551616, 1]", "a value is out of range for UINT64"),
+        ("UINT64", "[-1, 18446744073709551615]", "a value is out of range for UINT64"),
+        ("INT32", "[9223372036854775808, 1]", "a value is out of range for INT32"),
+        # floats are still floats
+        ("INT64", "[1.5, 9223372036854775808]", "expected INT64 values, got floats in 'data'"),
+        ("INT64", "[2.0, 1]", "expected INT64 values, got floats in 'data'"),
+    ],
+)
+def test_an_integer_past_64_bits_is_out_of_range_not_a_float(datatype, data, message):
+    """numpy makes floats of integers past INT64's range (and orjson of those past 64
+    bits), so such an integer was refused as "got floats in 'data'"."""
+    body = ('{"inputs": [{"name": "x", "shape": [2], "datatype": "%s", "data": %s}]}'
+            % (datatype, data)).encode()
+    with pytest.raises(InvalidInput) as info:
+        InferRequest.from_v2_json(body, OPEN)
+    assert str(info.value) == f"input 'x': {message}"
+    edge = "18446744073709551615" if datatype == "UINT64" else "-9223372036854775808"
+    ok = body.replace(data.encode(), f"[{edge}, 1]".encode())
+    if datatype != "INT32":
+        assert InferRequest.from_v2_json(ok, OPEN).items[0]["x"][0] == int(edge)

@@ -646,6 +646,10 @@ def _convert(
     except ValueError as exc:  # ragged nesting
         raise InvalidInput(f"input {name!r}: data is not a regular array ({exc})") from None
     if arr.dtype.kind not in _JSON_KINDS[dtype.kind] and arr.size:
+        if dtype.kind in "iu" and arr.dtype.kind in "fO" and _past_int64(data):
+            # numpy makes floats (or objects) of integers past INT64's range, and the
+            # JSON parser floats of those past 64 bits: not the caller's floats
+            return arr, False
         raise InvalidInput(
             f"input {name!r}: expected {datatype} values, got {_json_kind(arr)} in 'data'"
         )
@@ -657,6 +661,21 @@ def _convert(
         return cast, bool(np.isfinite(cast).all())
     cast = arr.astype(dtype)
     return cast, dtype.kind not in "iu" or bool(np.array_equal(cast, arr))
+
+
+def _past_int64(data: list[Any]) -> bool:
+    """Whether ``data`` holds only integers (or integral floats) and one of them at
+    least 2**63 in magnitude: a value out of an integer datatype's range."""
+    past = False
+    for v in _flatten(data):
+        kind = type(v)
+        if kind is float:
+            if not v.is_integer():
+                return False
+        elif kind is not int:
+            return False
+        past = past or abs(v) >= 2**63
+    return past
 
 
 def _pack(data: list[Any], dtype: np.dtype, count: int) -> np.ndarray | None:
