@@ -99,6 +99,35 @@ async def test_the_classification_extension(server, binary):
         ]
 
 
+async def test_async_infer_gets_each_request_its_own_answer(server):
+    """``async_infer`` with several requests in flight over the client's connection
+    pool: each answer is its own request's (id and values), binary and JSON alike."""
+    xs = np.arange(8 * 3, dtype=np.float32).reshape(8, 1, 3)
+
+    def calls():
+        client = tritonclient_http.InferenceServerClient(
+            url="%s:%d" % server.addresses[0], concurrency=4
+        )
+        try:
+            pending = []
+            for i, x in enumerate(xs):
+                inp = tritonclient_http.InferInput("x", [1, 3], "FP32")
+                inp.set_data_from_numpy(x, binary_data=i % 2 == 0)
+                out = tritonclient_http.InferRequestedOutput("x", binary_data=i % 3 == 0)
+                pending.append(
+                    client.async_infer("echo", [inp], outputs=[out], request_id=f"r{i}")
+                )
+            results = [p.get_result() for p in pending]
+            return [(r.get_response()["id"], r.as_numpy("x")) for r in results]
+        finally:
+            client.close()
+
+    answers = await trio.to_thread.run_sync(calls)
+    assert [rid for rid, _ in answers] == [f"r{i}" for i in range(8)]
+    for x, (_, got) in zip(xs, answers, strict=True):
+        np.testing.assert_array_equal(got, x)
+
+
 async def test_infer_with_default_outputs_and_a_version(server):
     x = np.arange(6, dtype=np.int64).reshape(2, 3)
 

@@ -730,3 +730,18 @@ def test_an_integer_past_64_bits_is_out_of_range_not_a_float(datatype, data, mes
     ok = body.replace(data.encode(), f"[{edge}, 1]".encode())
     if datatype != "INT32":
         assert InferRequest.from_v2_json(ok, OPEN).items[0]["x"][0] == int(edge)
+
+
+def test_sequence_and_unknown_parameters_are_ignored_as_triton_does_without_a_sequence_batcher():
+    """No model here has a sequence batcher; Triton ignores a correlation id for such
+    a model, and so does this server (docs/gateway.md): the request is the same."""
+    x = {"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}
+    plain = parse({"inputs": [x], "id": "s"})
+    for params in (
+        {"sequence_id": 7, "sequence_start": True, "sequence_end": False},
+        {"sequence_id": "abc", "sequence_start": "yes", "custom": {"a": 1}},
+    ):
+        req = parse({"inputs": [x], "id": "s", "parameters": params})
+        assert (req.id, req.outputs, req.priority, req.timeout, req.count) == (
+            plain.id, plain.outputs, plain.priority, plain.timeout, plain.count
+        )
