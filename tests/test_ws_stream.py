@@ -333,6 +333,49 @@ async def test_another_websocket_version_is_426_naming_the_one_spoken():
     assert b"unsupported WebSocket version" in data
 
 
+_KEY = b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+
+
+@pytest.mark.parametrize(
+    ("head", "error"),
+    [
+        (_HANDSHAKE.replace(_KEY, b"Sec-WebSocket-Key: abc\r\n"),
+         "Sec-WebSocket-Key must be 16 bytes in base64 (24 characters), got 'abc'"),
+        (_HANDSHAKE.replace(_KEY, b"Sec-WebSocket-Key: !!!!!!!!!!!!!!!!!!!!!!!!\r\n"),
+         "Sec-WebSocket-Key must be 16 bytes in base64 (24 characters), "
+         "got '!!!!!!!!!!!!!!!!!!!!!!!!'"),
+        (_HANDSHAKE.replace(_KEY, b"Sec-WebSocket-Key: \r\n"),
+         "Sec-WebSocket-Key must be 16 bytes in base64 (24 characters), got ''"),
+        (_HANDSHAKE.replace(_KEY, _KEY + _KEY), "Sec-WebSocket-Key appears 2 times; send it once"),
+        (_HANDSHAKE.replace(b"Connection: Upgrade", b"Connection: Upgrade, \xff"),
+         "the Connection header must be ASCII"),
+        (_HANDSHAKE.replace(_KEY, _KEY + b"Sec-WebSocket-Protocol: v2, \xe9\r\n"),
+         "the Sec-WebSocket-Protocol header must be ASCII"),
+        (_HANDSHAKE.replace(_KEY, _KEY + b"Sec-WebSocket-Extensions: \xff\r\n"),
+         "the Sec-WebSocket-Extensions header must be ASCII"),
+        (_HANDSHAKE.replace(b"Host: x", b"Host: xn--zz"),
+         "the Host header is not a valid host name"),
+        (_HANDSHAKE.replace(b"Host: x", b"Host: \xc3\xa9"),
+         "the Host header is not a valid host name"),
+    ],
+    ids=["short-key", "key-not-base64", "empty-key", "two-keys", "connection-not-ascii",
+         "protocol-not-ascii", "extensions-not-ascii", "host-not-idna", "host-not-ascii"],
+)
+async def test_a_malformed_handshake_header_is_400_naming_it(head, error, caplog):
+    """RFC 6455 4.2.1: one key, the base64 of 16 bytes (any key was accepted). A
+    header wsproto decodes as text failed the connection with a logged traceback
+    and no answer."""
+    async with serving(config(echo_model())) as gw:
+        data = await _handshake_answer(gw, head)
+        await settle()
+        assert gw.statistics().connections == 0
+        assert gw.statistics().streams == 0
+    assert data.startswith(b"HTTP/1.1 400 ")
+    body = data.partition(b"\r\n\r\n")[2]
+    assert json.loads(body) == {"error": f"bad WebSocket handshake: {error}"}
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
 async def test_a_refused_key_on_the_stream_says_how_to_authenticate():
     tenants = (trioserve.TenantConfig(name="acme", api_keys=("k1",)),)
     async with serving(config(echo_model(), tenants=tenants)) as gw:
