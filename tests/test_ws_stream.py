@@ -960,3 +960,55 @@ async def test_two_authorization_headers_refuse_the_handshake():
         async with open_stream(gw.url, api_key="k1") as stream:  # one is fine
             assert (await stream.infer("echo", {"x": f32(1)}))["x"].tolist() == [1]
         assert dict(gw.requests) == {("echo", "acme", 200): 1}
+
+
+_LATE = _infer_frame("late")  # one frame: each call masks with a key of its own
+
+
+def _fragments(n: int) -> list[bytes]:
+    """A text message's first fragment, then ``n - 1`` continuations, none final."""
+    first = _frame_header(2, fin=False) + _masked(b"{ ")
+    return [first] + [_frame_header(1, opcode=0x0, fin=False) + _masked(b" ")] * (n - 1)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [_LATE[i:i + 1] for i in range(4)],  # a frame header, a byte at a time
+        [_LATE[i:i + 12] for i in range(0, 48, 12)],  # into its payload
+        _fragments(4),  # a fragmented message, never finished
+    ],
+    ids=["header", "payload", "fragments"],
+)
+async def test_a_message_not_received_whole_in_time_closes_the_stream_with_1008(
+    autojump_clock, pieces
+):
+    """A message begun must arrive whole within ``server.request_timeout_s``, as an
+    HTTP request must (it held the connection, and its bytes so far, for ever);
+    counted from its first bytes, not afresh with each. An idle stream is not
+    closed."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    cfg = config(echo_model(), server={"request_timeout_s": 10})
+    async with serving(cfg) as gw:
+        sock, ws = await _raw_handshake(gw)
+        await sock.send_all(_infer_frame("whole"))
+        events = await _events_until(sock, ws, TextMessage)
+        assert json.loads(events[-1].data)["id"] == "whole"
+        await trio.sleep(100)  # idle, nothing begun
+        assert gw.statistics().streams == 1
+        t0 = trio.current_time()
+        for i, piece in enumerate(pieces):  # at t0, t0 + 3, t0 + 6, t0 + 9
+            if i:
+                await trio.sleep_until(t0 + 3 * i)
+            await sock.send_all(piece)
+            await settle()
+        await trio.sleep_until(t0 + 9.9)
+        assert gw.statistics().streams == 1
+        await trio.sleep_until(t0 + 10.1)
+        assert gw.statistics().streams == 0
+        ws.receive_data(await _read_to_eof(sock))
+        closes = [e for e in ws.events() if isinstance(e, CloseConnection)]
+        assert [(e.code, e.reason) for e in closes] == [
+            (1008, "a message not received whole within 10 s (server.request_timeout_s)")]
+        await sock.aclose()

@@ -432,6 +432,19 @@ def _bad_key(keys: Sequence[bytes]) -> str | None:
             f"got {shown!r}")
 
 
+def _begun(frames: Any, partial: bytearray | None, size: int) -> bool:
+    """Whether the client has sent part of a message (or of a frame) and not the rest:
+    a fragment or part of a frame's payload handed over, or bytes wsproto's frame
+    decoder (``frames``) holds (a header, a control frame's payload). Without that
+    private state, only what was handed over counts."""
+    if partial is not None or size:
+        return True
+    try:
+        return frames.header is not None or len(frames.buffer) > 0
+    except (AttributeError, TypeError):
+        return False
+
+
 def _unread(frames: Any, texts: Any) -> int:
     """The bytes of the message being received that wsproto holds but has not handed
     over: the rest its pending frame header announced (payload not yet read) and the
@@ -493,6 +506,8 @@ class _Session:
         #: (code, reason) we fail the connection with: a protocol error, a message
         #: over the limit, a client that does not take its answers
         self._closing: tuple[int, str] | None = None
+        #: the client took none of its answers for the write timeout (see ``run``)
+        self._stalled = False
         sock = getattr(stream.transport_stream, "socket", None)
         self._fd: int | None = sock.fileno() if sock is not None else None
         #: the gateway's hang-up watch, once armed for this socket (see _wait_for_room)
@@ -520,6 +535,7 @@ class _Session:
                     timeout = self.stream.write_timeout
                     key = ("write_timeout_s" if self.gateway.server_config
                            .stream_write_timeout_s is None else "stream_write_timeout_s")
+                    self._stalled = True
                     self._closing = (1008, f"answers not read for {timeout:g} s "
                                            f"(server.{key})")
                     self.gateway.stream_write_timeouts += 1
@@ -580,9 +596,22 @@ class _Session:
         proto = getattr(ws, "_proto", None)
         frames = getattr(proto, "_frame_decoder", None)
         texts = getattr(proto, "_message_decoder", None)
+        # A message begun must arrive whole within server.request_timeout_s, as an
+        # HTTP request must: counted from the read that brought its first bytes (or
+        # from the end of a wait at the in-flight bound, when the server read none).
+        patience = gateway.server_config.request_timeout_s
+        deadline = math.inf
         while True:
             try:
-                data = await stream.receive_some(RECEIVE_SIZE)
+                if deadline == math.inf:
+                    data = await stream.receive_some(RECEIVE_SIZE)
+                else:
+                    with trio.move_on_at(deadline) as waiting:
+                        data = await stream.receive_some(RECEIVE_SIZE)
+                    if waiting.cancelled_caught:
+                        self._closing = (1008, f"a message not received whole within "
+                                               f"{patience:g} s (server.request_timeout_s)")
+                        return False
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return True  # reset by the peer: it is gone, as at EOF
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
@@ -608,6 +637,7 @@ class _Session:
                     size = 0
                     if self.in_flight >= bound:
                         await self._wait_for_room()
+                        deadline = math.inf  # the server did not read: count afresh
                     self.in_flight += 1
                     if self.in_flight > gateway.stream_in_flight_peak:
                         gateway.stream_in_flight_peak = self.in_flight
@@ -628,6 +658,10 @@ class _Session:
             if frames is not None and size + _unread(frames, texts) > limit:
                 self._closing = (1009, f"message over {limit} bytes")
                 return False
+            if not _begun(frames, partial, size):
+                deadline = math.inf
+            elif deadline == math.inf:
+                deadline = trio.current_time() + patience
 
     async def _send(self, data: bytes) -> None:
         try:
@@ -646,7 +680,7 @@ class _Session:
             code, reason = self._closing
             frame = ws.send(CloseConnection(code=code, reason=reason))
             try:
-                if code == 1008:
+                if self._stalled:
                     await self.stream.send_final(frame)
                 else:
                     await self.stream.send_all(frame)
