@@ -386,6 +386,9 @@ class ServerConfig:
     #: a request begun must have arrived whole (head and body) this long after: else 408
     request_timeout_s: float = _field(_number(0.0, strict=True), 30.0)
     stream_in_flight: int = _field(_int(1), 256)
+    #: a /v2/stream that sent nothing for this long is pinged, and closed with 1011
+    #: when it sends nothing for as long again (a peer gone without a FIN); 0: never
+    stream_ping_interval_s: float = _field(_number(0.0), 20.0)
     #: open client connections (HTTP and /v2/stream) at most; past it a new one is
     #: answered 503 (or takes the place of the oldest idle keep-alive connection)
     max_connections: int = _field(_int(1), 4096)

@@ -63,12 +63,14 @@ def config(
     server: dict[str, Any] | None = None,
     **runtime: Any,
 ) -> trioserve.Config:
-    """A config serving ``models`` (default tenant: one open tenant ``t``)."""
+    """A config serving ``models`` (default tenant: one open tenant ``t``). Streams
+    are not pinged unless ``server`` says so: under an autojump clock a test that
+    waits on a thread would see 40 s pass, and a stream that answers no ping closed."""
     return trioserve.Config(
         models=models,
         tenants=tenants or (trioserve.TenantConfig(name="t", default=True),),
         runtime=trioserve.RuntimeLimits(**runtime),
-        server=trioserve.ServerConfig(**(server or {})),
+        server=trioserve.ServerConfig(**{"stream_ping_interval_s": 0, **(server or {})}),
     )
 
 

@@ -1012,3 +1012,77 @@ async def test_a_message_not_received_whole_in_time_closes_the_stream_with_1008(
         assert [(e.code, e.reason) for e in closes] == [
             (1008, "a message not received whole within 10 s (server.request_timeout_s)")]
         await sock.aclose()
+
+
+async def _quiet_until(sock, when: float) -> None:
+    """Assert that the server sends nothing before ``when``."""
+    with trio.move_on_at(when):
+        data = await sock.receive_some(65536)
+        raise AssertionError(f"the server sent {data!r} at {trio.current_time()}")
+
+
+async def test_a_silent_stream_is_pinged_then_closed_with_1011(autojump_clock):
+    """A stream that sends nothing for ``server.stream_ping_interval_s`` is pinged;
+    nothing again for as long, not even the pong, and it is closed with 1011 (a peer
+    gone without a FIN held its connection for ever)."""
+    from wsproto.events import CloseConnection, Ping, TextMessage
+
+    cfg = config(echo_model(), server={"stream_ping_interval_s": 20})
+    async with serving(cfg) as gw:
+        sock, ws = await _raw_handshake(gw)
+        await sock.send_all(_infer_frame("r"))
+        t0 = trio.current_time()  # the server read the request now
+        events = await _events_until(sock, ws, TextMessage)
+        assert json.loads(events[-1].data)["id"] == "r"
+        await _quiet_until(sock, t0 + 19.9)
+        pings = await _events_until(sock, ws, Ping)
+        assert [e.payload for e in pings] == [b"trioserve"]
+        assert trio.current_time() == pytest.approx(t0 + 20)
+        await trio.sleep_until(t0 + 39.9)
+        assert gw.statistics().streams == 1
+        await trio.sleep_until(t0 + 40.1)
+        assert gw.statistics().streams == 0
+        assert gw.statistics().stream_ping_timeouts == 1
+        ws.receive_data(await _read_to_eof(sock))
+        closes = [e for e in ws.events() if isinstance(e, CloseConnection)]
+        assert [(e.code, e.reason) for e in closes] == [
+            (1011, "no answer to a ping within 20 s (server.stream_ping_interval_s)")]
+        await sock.aclose()
+
+
+async def test_a_stream_that_answers_pings_or_sends_is_never_closed(autojump_clock):
+    """A pong, or any message, counts: each starts the quiet interval again, so an
+    idle client that answers pings stays open, and a busy one is never pinged."""
+    from wsproto.events import Ping, TextMessage
+
+    cfg = config(echo_model(), server={"stream_ping_interval_s": 20})
+    async with serving(cfg) as gw:
+        sock, ws = await _raw_handshake(gw)
+        t = trio.current_time()
+        for _ in range(5):  # a request every 15 s: never pinged
+            await _quiet_until(sock, t + 15)
+            await sock.send_all(_infer_frame("busy"))
+            t = trio.current_time()
+            events = await _events_until(sock, ws, TextMessage)
+            assert not any(isinstance(e, Ping) for e in events)
+        for _ in range(5):  # idle, answering each ping at once: one ping every 20 s
+            pings = await _events_until(sock, ws, Ping)
+            assert trio.current_time() == pytest.approx(t + 20)
+            await sock.send_all(ws.send(pings[-1].response()))
+            t = trio.current_time()
+        assert gw.statistics().streams == 1
+        assert gw.statistics().stream_ping_timeouts == 0
+        await sock.aclose()
+
+
+async def test_streams_are_not_pinged_with_the_interval_at_0(autojump_clock):
+    cfg = config(echo_model(), server={"stream_ping_interval_s": 0})
+    async with serving(cfg) as gw:
+        sock, _ = await _raw_handshake(gw)
+        await _quiet_until(sock, trio.current_time() + 10_000)
+        assert gw.statistics().streams == 1
+        await sock.aclose()
+
+
+def test_the_default_stream_ping_interval_is_20_s():
+    assert trioserve.ServerConfig().stream_ping_interval_s == 20.0

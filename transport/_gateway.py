@@ -219,6 +219,7 @@ class GatewayStatistics:
     clients_gone: int
     draining: bool
     stream_write_timeouts: int = 0
+    stream_ping_timeouts: int = 0
     http_write_timeouts: int = 0
     connections_refused: int = 0
     connections_evicted: int = 0
@@ -277,6 +278,8 @@ class Gateway:
         self.clients_gone = 0
         #: streams closed because their client did not take their answers in time
         self.stream_write_timeouts = 0
+        #: streams closed (1011) because they answered no ping (a peer gone silently)
+        self.stream_ping_timeouts = 0
         #: HTTP connections closed because their client did not take an answer in time
         self.http_write_timeouts = 0
         #: connections refused (503) at ``server.max_connections``, and idle ones
@@ -592,6 +595,7 @@ class Gateway:
             clients_gone=self.clients_gone,
             draining=self.draining,
             stream_write_timeouts=self.stream_write_timeouts,
+            stream_ping_timeouts=self.stream_ping_timeouts,
             http_write_timeouts=self.http_write_timeouts,
             connections_refused=self.connections_refused,
             connections_evicted=self.connections_evicted,

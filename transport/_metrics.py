@@ -127,6 +127,13 @@ class GatewayCollector(Collector):
             value=stats.stream_write_timeouts,
         )
         yield CounterMetricFamily(
+            "trioserve_stream_ping_timeouts",
+            "/v2/stream connections closed (1011) because the client sent nothing, "
+            "not even a pong, for twice server.stream_ping_interval_s (its requests in "
+            "flight withdrawn).",
+            value=stats.stream_ping_timeouts,
+        )
+        yield CounterMetricFamily(
             "trioserve_http_write_timeouts",
             "HTTP connections closed because the client took no byte of an answer for "
             "server.write_timeout_s (requests it pipelined behind it never admitted).",

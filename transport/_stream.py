@@ -601,19 +601,41 @@ class _Session:
         # from the end of a wait at the in-flight bound, when the server read none).
         patience = gateway.server_config.request_timeout_s
         deadline = math.inf
+        # A stream that sends nothing for ping_every is pinged; nothing again for as
+        # long (not even the pong), and the peer is taken for gone: a client whose
+        # host or network went away without a FIN would hold its connection (and its
+        # place under max_connections) for ever.
+        ping_every = gateway.server_config.stream_ping_interval_s or math.inf
+        quiet_at = trio.current_time() + ping_every
+        pinged = False
         while True:
             try:
-                if deadline == math.inf:
+                wake = deadline if deadline < quiet_at else quiet_at
+                if wake == math.inf:
                     data = await stream.receive_some(RECEIVE_SIZE)
                 else:
-                    with trio.move_on_at(deadline) as waiting:
+                    with trio.move_on_at(wake) as waiting:
                         data = await stream.receive_some(RECEIVE_SIZE)
                     if waiting.cancelled_caught:
-                        self._closing = (1008, f"a message not received whole within "
-                                               f"{patience:g} s (server.request_timeout_s)")
-                        return False
+                        if wake == deadline:
+                            self._closing = (1008, f"a message not received whole within "
+                                                   f"{patience:g} s (server.request_timeout_s)")
+                            return False
+                        if pinged:
+                            self._closing = (1011, f"no answer to a ping within "
+                                                   f"{ping_every:g} s "
+                                                   f"(server.stream_ping_interval_s)")
+                            gateway.stream_ping_timeouts += 1
+                            return False
+                        pinged = True
+                        quiet_at = trio.current_time() + ping_every
+                        await self._send(ws.send(Ping(payload=b"trioserve")))
+                        continue
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return True  # reset by the peer: it is gone, as at EOF
+            if ping_every != math.inf:
+                pinged = False
+                quiet_at = trio.current_time() + ping_every
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
             for event in ws.events():
                 kind = type(event)
@@ -638,6 +660,8 @@ class _Session:
                     if self.in_flight >= bound:
                         await self._wait_for_room()
                         deadline = math.inf  # the server did not read: count afresh
+                        if ping_every != math.inf:
+                            quiet_at = trio.current_time() + ping_every
                     self.in_flight += 1
                     if self.in_flight > gateway.stream_in_flight_peak:
                         gateway.stream_in_flight_peak = self.in_flight
