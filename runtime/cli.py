@@ -65,27 +65,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="listen port, 0-65535 (default: the config's [server] port, 8000)")
 
     b = sub.add_parser("bench", help="closed-loop load, in process or against --url")
-    b.add_argument("--config", help="TOML config file (default: the built-in configuration)")
+    b.add_argument("--config",
+                   help="TOML config file, in process (default: the built-in configuration)")
     b.add_argument("--url", help="bench a running server over HTTP instead of in process")
-    b.add_argument("--model", default="mlp")
+    b.add_argument("--model", default="mlp", help="the model to bench (default mlp)")
     b.add_argument("-c", "--concurrency", type=_COUNT, default=None,
                    help="concurrent callers (default 256 in process, 64 over HTTP)")
     b.add_argument("-d", "--duration", type=_SECONDS, default=None,
                    help="seconds measured (default 10; a scenario has its own)")
-    b.add_argument("--warmup", type=_number(float, low=0.0), default=2.0)
-    b.add_argument("--replicas", type=_COUNT)
-    b.add_argument("--max-batch-size", type=_COUNT)
-    b.add_argument("--max-wait-ms", type=_number(float, low=0.0))
-    b.add_argument("--torch-threads", type=_COUNT)
+    b.add_argument("--warmup", type=_number(float, low=0.0), default=2.0,
+                   help="seconds of load before the measurement (default 2)")
+    b.add_argument("--replicas", type=_COUNT, help="in process: the model's replicas")
+    b.add_argument("--max-batch-size", type=_COUNT, help="in process: the model's max_batch_size")
+    b.add_argument("--max-wait-ms", type=_number(float, low=0.0),
+                   help="in process: the model's max_wait_ms")
+    b.add_argument("--torch-threads", type=_COUNT, help="in process: the model's torch_threads")
     b.add_argument("--execution", choices=EXECUTIONS,
-                   help="where the model runs (default: the model's own choice)")
+                   help="in process: where the model runs (default: the model's own choice)")
     b.add_argument("--batch-dim", type=_COUNT, default=1,
                    help="items per HTTP request (shape [N, ...]); --url only")
     b.add_argument("--stream", action="store_true", help="--url only: use the WebSocket stream")
     b.add_argument("--no-offline", action="store_true", help="skip the offline measurement")
     b.add_argument("--json", help="write the figures here (default bench-results/)")
     b.add_argument("--scenario", choices=sorted(SCENARIOS),
-                   help="run a named scenario instead of plain load: "
+                   help="run a named scenario instead of plain load (its own configuration "
+                   "and load: of the options above only -d and --json apply): "
                    + "; ".join(f"{k}: {v[1]}" for k, v in sorted(SCENARIOS.items()))
                    .replace("%", "%%"))  # argparse formats help with %
     return p

@@ -24,6 +24,24 @@ def test_help_prints_and_exits_zero(argv, capsys):
     assert "``" not in out  # plain text, not a docstring's markup
 
 
+def test_every_option_says_what_it_does():
+    """Each option of each command has a help text (``--warmup``, ``--replicas`` and
+    four more of ``bench`` had none: a bare ``--warmup WARMUP`` in ``--help``)."""
+    from trioserve.cli import _parser
+
+    for command, parser in [("", _parser()), *_subparsers(_parser()).items()]:
+        for action in parser._actions:
+            if action.option_strings:
+                assert action.help, (command, action.option_strings)
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def test_version_prints_and_exits_zero(capsys):
     import trioserve
 
