@@ -95,8 +95,54 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: bench options that act in process only (dest, as typed)
+_IN_PROCESS = (("config", "--config"), ("replicas", "--replicas"),
+               ("max_batch_size", "--max-batch-size"), ("max_wait_ms", "--max-wait-ms"),
+               ("torch_threads", "--torch-threads"), ("execution", "--execution"))
+#: bench options that act over HTTP only
+_URL_ONLY = (("batch_dim", "--batch-dim"), ("stream", "--stream"))
+
+
+def _misplaced(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """Why a ``bench`` option given has no effect where it is given, or None: a
+    scenario brings its own configuration and load, ``--url`` benches the server's
+    configuration, and some options shape the HTTP load only. Silently ignored, the
+    figures would be read as the option's."""
+    defaults = vars(parser.parse_args(["bench"]))
+
+    def given(dest: str) -> bool:
+        return getattr(args, dest) != defaults[dest]
+
+    if args.scenario:
+        allowed = {"scenario", "json", "command"}
+        if args.scenario != "cache":
+            allowed.add("duration")
+        for dest in vars(args):
+            if dest not in allowed and given(dest):
+                flag = "-d" if dest == "duration" else "--" + dest.replace("_", "-")
+                why = ("its traces are fixed" if dest == "duration"
+                       else "it brings its own configuration and load; only -d and --json apply")
+                return f"{flag} does not apply to --scenario {args.scenario}: {why}"
+        return None
+    if args.url:
+        for dest, flag in _IN_PROCESS:
+            if given(dest):
+                return (f"{flag} acts in process only: with --url the server's own "
+                        "configuration applies")
+        return None
+    for dest, flag in _URL_ONLY:
+        if given(dest):
+            return f"{flag} applies with --url only"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        why = _misplaced(parser, args)
+        if why is not None:
+            parser.error(f"bench: {why}")
     try:
         if args.command == "serve":
             from trioserve.transport import serve_main

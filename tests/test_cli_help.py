@@ -74,6 +74,32 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--scenario", "cache", "-d", "5"],
+         "-d does not apply to --scenario cache: its traces are fixed"),
+        (["--scenario", "fair", "--model", "minilm"],
+         "--model does not apply to --scenario fair: it brings its own configuration"),
+        (["--scenario", "gateway", "-c", "8"], "--concurrency does not apply to --scenario"),
+        (["--scenario", "faults", "--config", "x.toml"], "--config does not apply"),
+        (["--url", "http://127.0.0.1:1", "--replicas", "2"],
+         "--replicas acts in process only: with --url the server's own configuration"),
+        (["--url", "http://127.0.0.1:1", "--config", "x.toml"], "--config acts in process only"),
+        (["--url", "http://127.0.0.1:1", "--execution", "thread"],
+         "--execution acts in process only"),
+        (["--stream"], "--stream applies with --url only"),
+        (["--batch-dim", "4"], "--batch-dim applies with --url only"),
+    ],
+)
+def test_a_bench_option_that_would_be_ignored_is_a_usage_error(argv, message, capsys):
+    """Each was silently ignored, and the figures read as the option's."""
+    with pytest.raises(SystemExit) as done:
+        main(["bench", *argv])
+    assert done.value.code == 2
+    assert f"bench: {message}" in capsys.readouterr().err
+
+
 def test_a_bench_against_a_server_that_is_not_there_says_so_in_a_line(capsys):
     code = main(["bench", "--url", "http://127.0.0.1:1", "-c", "1", "-d", "1", "--no-offline"])
     assert code == 1

@@ -1,7 +1,8 @@
 """Scenario benches: ``trioserve bench --scenario NAME``.
 
 Each scenario lives in a module here with ``run(name, args) -> int`` (``args`` are
-``trioserve bench``'s options: ``--duration``, ``--config``, ``--json`` …); it prints
+``trioserve bench``'s options, of which a scenario reads ``--duration`` and ``--json``;
+the command refuses the others with a scenario, and ``-d`` for ``cache``); it prints
 its figures and whether each target holds, writes them as JSON under
 ``bench-results/``, and returns 0 when every target holds, 1 otherwise. Modules are
 imported only when their scenario runs.
