@@ -20,7 +20,7 @@ from ._harness import SUITES, Failure, Profile, Suite, chunk_seed, default_datab
 from ._known import strict
 from ._mutants import MUTANTS
 from ._selftest import check_bug
-from ._stats import EXAMPLES, FEATURES
+from ._stats import EXAMPLES, EXPECTED, FEATURES
 
 #: Without a terminal (nohup, CI logs) the progress line is printed this often.
 PLAIN_PROGRESS_S = 30.0
@@ -210,7 +210,7 @@ def _summary(console: Console, progress: _Progress) -> None:
     table.add_column("examples/s", justify="right")
     table.add_column("exercised")
     for name, n in progress.counts().items():
-        feats = FEATURES.get(name, {})
+        feats = {f: 0 for f in EXPECTED.get(name, ())} | dict(FEATURES.get(name, {}))
         shown = ", ".join(f"{k} {v:,}" for k, v in sorted(feats.items()))
         table.add_row(name, f"{n:,}", f"{n / elapsed:,.1f}" if elapsed else "-", shown)
     console.print(table)

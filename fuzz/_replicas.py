@@ -36,9 +36,26 @@ from typing import Any
 import attrs
 from trioserve import RequestState
 
-from ._stats import note
+from ._stats import expect, note
 
 RKey = tuple[int, int, bool]
+
+# The scheduler's paths for several replicas, shown in the summary even when a run
+# never takes them.
+expect(
+    "runtime",
+    "hedge: copies queued",
+    "hedge: requests kept apart from their twin's replica",
+    "hedge: requests kept apart, their twin in flight",
+    "elsewhere: parts marked to run on another replica",
+    "elsewhere: retry pulls leaving a part to another replica",
+    "elsewhere: parts taken back (no other replica ready)",
+    "elsewhere: marked parts kept apart from their twin's replica",
+    "elsewhere: pulls leaving a part kept apart to another replica",
+    "elsewhere: marked parts kept apart, then handed to another replica",
+    "elsewhere: parts taken back (no other replica ready), kept apart before",
+    "breakers opened",
+)
 
 
 @attrs.define
@@ -159,13 +176,21 @@ class Replicas:
         self.twin[id(copy.reply)] = original.reply
         self.copies[id(copy.reply)] = (original, copy)
 
-    def handed_back(self, puller: Any, batch: list[Any], part_of: Any) -> None:
-        """``_next_retry`` gave ``batch`` to ``puller``: a part marked to run
-        elsewhere goes back to the replica it raised on only if no other is ready."""
+    def handed_back(self, puller: Any, batch: list[Any], part_of: Any, how: str) -> None:
+        """``_next_retry`` or ``_next_apart`` (``how``: "retry", "apart") gave
+        ``batch`` to ``puller``: a part marked to run elsewhere goes back to the
+        replica it raised on only if no other is ready."""
         for req in batch:
             key = self.rkey(part_of(req), req)
             mark = self.marks.get(key)
-            if mark is None or not mark.pending or mark.replica != puller.index:
+            if mark is None or not mark.pending:
+                continue
+            if mark.replica != puller.index:
+                if how == "apart":
+                    note(
+                        "runtime",
+                        "elsewhere: marked parts kept apart, then handed to another replica",
+                    )
                 continue
             ready = self.others_ready(puller.index)
             if ready:
@@ -173,11 +198,16 @@ class Replicas:
                     "elsewhere",
                     f"item {key[0]} (part at {key[1]}{', hedge copy' if key[2] else ''}) "
                     f"raised alone on replica {mark.replica} as a retry while another "
-                    f"replica was ready, and was handed back to replica {puller.index} "
-                    f"while replica(s) {ready} were ready: it runs once elsewhere",
+                    f"replica was ready, and was handed back to replica {puller.index}"
+                    + (" (kept apart from its hedge twin's replica)" if how == "apart" else "")
+                    + f" while replica(s) {ready} were ready: it runs once elsewhere",
                 )
             else:
-                note("runtime", "elsewhere: parts taken back (no other replica ready)")
+                note(
+                    "runtime",
+                    "elsewhere: parts taken back (no other replica ready)"
+                    + (", kept apart before" if how == "apart" else ""),
+                )
 
     # ---------------------------------------------------------------- the replicas
     def started(self, ex: Any, batch: list[Any]) -> None:
@@ -314,11 +344,16 @@ def scheduler_class(base: type, replicas: Replicas, part_of: Any) -> type:
 
         def keep_apart(self, request: Any) -> None:
             note("runtime", "hedge: requests kept apart from their twin's replica")
+            twin = self.twins.get(request.reply)
+            if twin is not None and any(b.holds(twin) for b in self.batchers):
+                note("runtime", "hedge: requests kept apart, their twin in flight")
+            if request.reply.raised_on is not None:
+                note("runtime", "elsewhere: marked parts kept apart from their twin's replica")
             super().keep_apart(request)
 
         def _next_retry(self, puller: Any, now: float) -> list[Any] | None:
             return handed_out(
-                super()._next_retry(puller, now), puller,
+                super()._next_retry(puller, now), puller, "retry",
                 "elsewhere: retry pulls leaving a part to another replica",
             )
 
@@ -326,17 +361,19 @@ def scheduler_class(base: type, replicas: Replicas, part_of: Any) -> type:
             # a part marked to run elsewhere may be kept apart from its twin's
             # replica too: the same rule holds for its next pull
             return handed_out(
-                super()._next_apart(puller, now), puller,
+                super()._next_apart(puller, now), puller, "apart",
                 "elsewhere: pulls leaving a part kept apart to another replica",
             )
 
-    def handed_out(batch: list[Any] | None, puller: Any, left: str) -> list[Any] | None:
+    def handed_out(
+        batch: list[Any] | None, puller: Any, how: str, left: str
+    ) -> list[Any] | None:
         """``batch`` given to ``puller`` is checked against the elsewhere rule; None
         (each waits for another replica) is noted as ``left``."""
         if batch is None:
             note("runtime", left)
         elif batch and puller is not None:
-            replicas.handed_back(puller, batch, part_of)
+            replicas.handed_back(puller, batch, part_of, how)
         return batch
 
     ObservedScheduler.__name__ = ObservedScheduler.__qualname__ = f"Observed{base.__name__}"
