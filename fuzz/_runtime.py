@@ -62,7 +62,13 @@ from trioserve import (
 from ._checker import InvariantViolation, QueueObserver, batch_cost
 from ._product import PRODUCT, Product, observed_queue_class, submission
 from ._replicas import Replicas, scheduler_class
-from ._stats import count_example, note
+from ._stats import count_example, expect, note
+
+expect(
+    "runtime",
+    "oversize: items run in parts",
+    "pipeline: batches pulled while another was in flight",
+)
 
 MS = 1e-3
 #: How long after the last arrival a caller may take before it counts as lost (trio
@@ -151,6 +157,10 @@ class Scenario:
     hedge_after_ms: int | None = None
     #: extra latency of every batch on each replica (by index; missing: none)
     replica_delay_ms: tuple[int, ...] = ()
+    #: batches each replica (by index; missing: 1) holds in flight (running, or staged
+    #: behind the one running), as a worker process's pipeline does: 1 is the
+    #: product's inline loop
+    pipeline: tuple[int, ...] = ()
     broken: tuple[Broken, ...] = ()
     classes: tuple[ClassSetup, ...] = (ClassSetup(),)
     tenants: tuple[TenantSetup, ...] = (TenantSetup(),)
@@ -171,10 +181,25 @@ _BURSTS = st.sampled_from([0] * 8 + [1, 2, 5, 20, 100])
 _FAULT = st.sampled_from([None] * 12 + ["error", "crash"])
 #: with several replicas hedging or broken: inputs that raise (poison) more often
 _POISON = st.sampled_from([None] * 16 + ["error", "crash"])
+#: the same on pipelined replicas: a crash there would take the batches staged behind
+#: with it, which the simulated pipeline does not hand back as a worker's loss does
+_POISON_NO_CRASH = st.sampled_from([None] * 16 + ["error"])
+#: batches a replica holds in flight, with several replicas hedging (1: the inline
+#: loop; more: a worker process's pipeline, so a replica pulls while it holds a
+#: hedge twin)
+_PIPELINE = st.sampled_from([1, 1, 2, 3])
 _REPLICA_DELAY = st.sampled_from([0, 2, 5, 20, 100])
 _MAX_TOKENS = st.none() | st.integers(1, 10)
 _MODE = st.sampled_from(["plain", "hedge", "broken", "both"])
+#: without a slow lane (so that its three replicas serve one lane)
+_MODE_ONE_LANE = st.sampled_from(["plain", "hedge", "broken", "both", "apart", "apart"])
 _HEDGE_AFTER = st.sampled_from([1, 2, 5, 20])
+#: "apart": hedges sent early, one replica broken from the start, the others pipelined
+_APART_HEDGE_AFTER = st.sampled_from([1, 2])
+_APART_UNTIL = st.sampled_from([None, None, 50, 200])
+_APART_PIPELINE = st.sampled_from([2, 3])
+_APART_SLOWER = st.sampled_from([5, 20])
+_APART_MAX_WAIT = st.sampled_from([1, 5, 20])
 _AGING = st.sampled_from([0, 2, 10, 50, 1000])
 _CLASS_TIMEOUT = st.none() | st.sampled_from([1, 10, 100])
 _OVER_QUOTA = st.sampled_from(["reject", "wait"])
@@ -232,14 +257,13 @@ def _broken(replicas: int) -> st.SearchStrategy[tuple[Broken, ...]]:
 @functools.cache
 def _calls(
     *, max_tokens: int | None, busy: bool, plain: bool, n_tenants: int, n_classes: int,
-    most_items: int,
+    most_items: int, crash: bool = True,
 ) -> st.SearchStrategy[list[Call]]:
     """The calls of a scenario, their ``at_ms`` the gap after the previous call."""
     cost = st.integers(1, 4) if max_tokens is None else st.integers(1, max_tokens + 2)
     # (several replicas hedging or broken: poison inputs more often)
-    item = st.builds(
-        Item, cost=cost, latency_ms=_BUSY if busy else _LATENCY, fault=_FAULT if plain else _POISON
-    )
+    fault = _FAULT if plain else _POISON if crash else _POISON_NO_CRASH
+    item = st.builds(Item, cost=cost, latency_ms=_BUSY if busy else _LATENCY, fault=fault)
     call = st.builds(
         Call,
         # after the previous call (in bursts with several replicas hedging or broken:
@@ -279,14 +303,37 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     # while or for good (the others sound, or all broken), poison inputs, and
     # replicas slower than others (so that a copy on a fast one answers first, and a
     # part waits for the replica it is kept for).
-    hedge_after, delays, broken = None, (), ()
-    mode = draw(_MODE) if replicas > 1 else "plain"
+    # "apart" aims at a part that raised alone on a broken replica while its hedge
+    # twin runs on another, pipelined one, which pulls the part, keeps it apart, and
+    # leaves it for a third (SchedulerActor._next_apart): three replicas and no
+    # slow lane, one broken from the start, inline and faster than the others, which
+    # pull while they hold batches in flight; copies sent after 1-2 ms.
+    hedge_after, delays, broken, pipeline = None, (), (), ()
+    mode = "plain"
+    if replicas > 1:
+        mode = draw(_MODE if slow_cost is not None else _MODE_ONE_LANE)
+    if mode == "apart":
+        replicas, most_items = 3, 1  # (calls of one item: each may be hedged)
     if mode != "plain":
         delays = tuple(draw(_REPLICA_DELAY) for _ in range(replicas))
     if mode in ("hedge", "both"):
+        if slow_cost is None:  # (a slow lane's replicas stay busy, so that it fills)
+            pipeline = (draw(_PIPELINE),) * replicas
         hedge_after = draw(_HEDGE_AFTER)
     if mode in ("broken", "both"):
         broken = draw(_broken(replicas))
+    if mode == "apart":
+        hedge_after = draw(_APART_HEDGE_AFTER)
+        bad = draw(st.integers(0, replicas - 1))
+        # (the broken one inline: it pulls again as soon as its batch failed, so it
+        # takes a part of it, which raises alone there)
+        pipeline = tuple(1 if i == bad else draw(_APART_PIPELINE) for i in range(replicas))
+        broken = (Broken(replica=bad, until_ms=draw(_APART_UNTIL)),)
+        # the sound replicas slower than the broken one: a copy there still runs
+        # when the part has raised alone on the broken one
+        delays = tuple(
+            0 if i == bad else d + draw(_APART_SLOWER) for i, d in enumerate(delays)
+        )
     n_classes = draw(st.integers(1, 3))
     n_tenants = draw(st.integers(1 if slow_cost is None else 2, 3))
     classes = tuple(
@@ -313,6 +360,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     gaps = draw(_calls(
         max_tokens=max_tokens, busy=slow_cost is not None, plain=mode == "plain",
         n_tenants=n_tenants, n_classes=n_classes, most_items=most_items,
+        crash=max(pipeline, default=1) == 1,
     ))
     at, calls = 0, []
     for c in gaps:  # arrival times accumulate the gaps
@@ -323,7 +371,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         max_batch_tokens=max_tokens,
         padded=draw(st.booleans()),
         oversize=draw(_OVERSIZE),
-        max_wait_ms=draw(_MAX_WAIT),
+        # ("apart": batches wait for company, so that a broken replica fails a batch
+        # of several, whose parts it then runs alone)
+        max_wait_ms=draw(_APART_MAX_WAIT if mode == "apart" else _MAX_WAIT),
         timeout_ms=draw(_TIMEOUT[mode == "plain"]),
         replicas=replicas,
         slow_lane_cost=slow_cost,
@@ -335,6 +385,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         shutdown_at_ms=draw(_SHUTDOWN),
         hedge_after_ms=hedge_after,
         replica_delay_ms=delays,
+        pipeline=pipeline,
         broken=broken,
         classes=classes,
         tenants=tuple(tenants),
@@ -440,21 +491,28 @@ def batcher_class(base: type, run: Run) -> type:
     checked against the deadlines and budgets here."""
 
     class SimulatedDevice(base):  # type: ignore[misc, valid-type]
-        async def _execute(self, batch: list[Any]) -> None:
-            now = trio.current_time()
+        def _stage(self, batch: list[Any]) -> Execution:
+            """``batch`` is handed to this replica's device: checked, and noted."""
             parts = [part_id(req.item["x"]) for req in batch]
-            ex = Execution(at=now, replica=self.index, parts=parts, reqs=list(batch))
+            ex = Execution(
+                at=trio.current_time(), replica=self.index, parts=parts, reqs=list(batch)
+            )
             run.executions.append(ex)
             run.check_started(ex, batch)
             run.replicas.started(ex, batch)
+            return ex
+
+        async def _execute(self, batch: list[Any], ex: Execution | None = None) -> None:
+            if ex is None:
+                ex = self._stage(batch)
             try:
                 latency = (
                     run.scenario.batch_latency_ms + run.replica_delay(self.index)
-                    + max(run.latency(k) for k, _ in parts)
+                    + max(run.latency(k) for k, _ in ex.parts)
                 )
                 if latency:
                     await trio.sleep(latency * MS)
-                crash = [k for k, _ in parts if run.fault(k) == "crash"]
+                crash = [k for k, _ in ex.parts if run.fault(k) == "crash"]
                 if crash:
                     ex.status = "crash"
                     raise RuntimeError(f"planted replica crash on item {crash[0]}")
@@ -465,6 +523,54 @@ def batcher_class(base: type, run: Run) -> type:
                 # checkpoint since)
                 ex.end = trio.current_time()
                 run.replicas.ended(ex, batch, ex.end)
+
+        async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            pipeline = run.scenario.pipeline
+            slots = pipeline[self.index] if self.index < len(pipeline) else 1
+            if slots <= 1:
+                await super().run(task_status=task_status)
+                return
+            # The pipeline of a worker-process replica (BatcherActor._serve_worker):
+            # it pulls while it has room, so it holds batches in flight when it
+            # pulls (``holds``, ``_keep_apart``), and the device runs them in order.
+            # Its worker's loss and replacement are not simulated.
+            if self._runner is None:
+                self._runner = self._backend.load(self.device)
+            task_status.started(self)
+            room = trio.Semaphore(slots)
+            staged_send, staged_recv = trio.open_memory_channel[tuple[list[Any], Execution]](
+                slots
+            )
+            pull = self._scheduler.pull
+            twins = self._scheduler.twins
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._device, staged_recv, room)
+                while True:
+                    await self._wait_breaker()
+                    await room.acquire()
+                    batch = await pull(self)
+                    if self._in_flight:
+                        note("runtime", "pipeline: batches pulled while another was in flight")
+                    if twins:
+                        batch = self._keep_apart(batch)
+                        if not batch:
+                            room.release()
+                            continue
+                    self._in_flight.append(batch)
+                    await staged_send.send((batch, self._stage(batch)))
+                    if trioserve.actors.retried(batch) and self._scheduler.replicas > 1:
+                        # as _serve_worker: nothing staged behind a retry
+                        for _ in range(slots):
+                            await room.acquire()
+                        for _ in range(slots):
+                            room.release()
+
+        async def _device(self, staged: Any, room: trio.Semaphore) -> None:
+            async for batch, ex in staged:
+                await self._execute(batch, ex)
+                if self._in_flight and self._in_flight[0] is batch:
+                    self._in_flight.popleft()
+                room.release()
 
     return SimulatedDevice
 
@@ -810,6 +916,7 @@ def check(run: Run) -> None:
             history.setdefault(k, []).append(ex)
         note("runtime", f"replica batches: {ex.status}")
     note("runtime", "parts retried", sum(len(h) > 1 for h in history.values()))
+    note("runtime", "oversize: items run in parts", len({p[0] for p in history if p[1]}))
     if sc.shutdown_at_ms is not None:
         note("runtime", "early shutdowns")
     run.replicas.finish()
