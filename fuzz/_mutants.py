@@ -224,6 +224,25 @@ class RetriesWhereTheyRaised(SchedulerActor):
         return False
 
 
+class KeepsApartWhereTheyRaised(SchedulerActor):
+    """A request kept apart from its hedge twin's replica goes to the first other
+    replica that pulls, even the one it raised alone on as a part of a failed batch:
+    ``_next_apart`` forgets the elsewhere rule (``_next_retry`` keeps it)."""
+
+    def _next_apart(self, puller: Any, now: float) -> list[Request] | None:
+        apart = self._apart
+        for _ in range(len(apart)):
+            req = apart.popleft()
+            if self._drop_apart(req, now):
+                continue
+            twin = self.twins.get(req.reply)
+            if puller is not None and twin is not None and puller.holds(twin):
+                apart.append(req)
+                continue
+            return [req]
+        return []
+
+
 class ConfirmsAcrossRuns(Breaker):
     """A part answered elsewhere counts against the replica it raised on whenever
     it comes in: after that replica succeeded since (a later run: the evidence is
@@ -410,6 +429,14 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         "a part marked to run on another replica is taken by the replica it raised on",
         attrs.evolve(
             PRODUCT, name="elsewhere-same-replica", scheduler_class=RetriesWhereTheyRaised
+        ),
+        ("runtime",),
+    ),
+    "apart-same-replica": (
+        "a part kept apart from its hedge twin's replica is taken by the replica it "
+        "raised alone on",
+        attrs.evolve(
+            PRODUCT, name="apart-same-replica", scheduler_class=KeepsApartWhereTheyRaised
         ),
         ("runtime",),
     ),
