@@ -70,7 +70,7 @@ def _kind(value: Any) -> str:
 _DATATYPE_OF = {dt: name for name, dt in V2_DTYPES.items() if name != "BYTES"}
 
 
-def _described(arr: np.ndarray) -> str:
+def described(arr: np.ndarray) -> str:
     """What an array holds, for an error: "is FP64", "holds strings", ..."""
     name = _DATATYPE_OF.get(arr.dtype)
     if name is not None:
@@ -95,36 +95,7 @@ def _conformed_output(
         arr = to_numpy(value)
     except NOT_AN_ARRAY as exc:
         raise ModelError(f"model {model!r}: output {spec.name!r} is not an array ({exc})") from None
-    dtype = spec.dtype
-    if arr.dtype != dtype:
-        kind = arr.dtype.kind
-        if dtype.kind == "O":
-            if kind not in "OSU":
-                raise ModelError(
-                    f"model {model!r}: output {spec.name!r} {_described(arr)}, "
-                    f"the model declares BYTES"
-                )
-        elif kind in "biuf" and np.can_cast(arr.dtype, dtype, "same_kind"):
-            if dtype.kind in "iu" and arr.size:
-                info = np.iinfo(dtype)
-                if arr.min() < info.min or arr.max() > info.max:
-                    raise ModelError(
-                        f"model {model!r}: output {spec.name!r} holds values out of "
-                        f"the range of {spec.datatype}, which the model declares"
-                    )
-            arr = arr.astype(dtype)
-        else:
-            raise ModelError(
-                f"model {model!r}: output {spec.name!r} {_described(arr)}, the "
-                f"model declares {spec.datatype}"
-            )
-    shape = arr.shape[1:] if rows else arr.shape
-    if not spec.accepts_shape(shape):
-        raise ModelError(
-            f"model {model!r}: output {spec.name!r} has shape {list(shape)} per "
-            f"item, the model declares {list(spec.shape)}"
-        )
-    return arr
+    return spec.conform(arr, model, arr.shape[1:] if rows else arr.shape)
 
 
 def _fast_check(
@@ -190,6 +161,42 @@ class TensorSpec:
         return len(shape) == len(self.shape) and all(
             want == -1 or want == got for want, got in zip(self.shape, shape, strict=True)
         )
+
+    def conform(self, arr: np.ndarray, model: str, shape: tuple[int, ...]) -> np.ndarray:
+        """An output ``arr`` of ``model`` as this declaration says it is: of its
+        datatype (a numeric value converted within its kind, float64 to FP32 say; to
+        an integer type only when every value fits; strings or objects for BYTES), and
+        ``shape`` (its per-item shape) accepted. Raises ModelError naming the model
+        and the output: an answer otherwise would contradict the model's metadata."""
+        dtype = self.dtype
+        if arr.dtype != dtype:
+            kind = arr.dtype.kind
+            if dtype.kind == "O":
+                if kind not in "OSU":
+                    raise ModelError(
+                        f"model {model!r}: output {self.name!r} {described(arr)}, "
+                        f"the model declares BYTES"
+                    )
+            elif kind in "biuf" and np.can_cast(arr.dtype, dtype, "same_kind"):
+                if dtype.kind in "iu" and arr.size:
+                    info = np.iinfo(dtype)
+                    if arr.min() < info.min or arr.max() > info.max:
+                        raise ModelError(
+                            f"model {model!r}: output {self.name!r} holds values out of "
+                            f"the range of {self.datatype}, which the model declares"
+                        )
+                arr = arr.astype(dtype)
+            else:
+                raise ModelError(
+                    f"model {model!r}: output {self.name!r} {described(arr)}, the "
+                    f"model declares {self.datatype}"
+                )
+        if not self.accepts_shape(shape):
+            raise ModelError(
+                f"model {model!r}: output {self.name!r} has shape {list(shape)} per "
+                f"item, the model declares {list(self.shape)}"
+            )
+        return arr
 
 
 def to_numpy(value: Any) -> np.ndarray:

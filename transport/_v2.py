@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 import simdjson
 from trioserve import V2_DTYPES, InvalidInput, ModelError, TensorSpec, UnknownModel
+from trioserve._model import described
 
 #: Open Inference Protocol datatypes and their numpy dtypes (BYTES: object arrays).
 DTYPES: Mapping[str, np.dtype] = V2_DTYPES
@@ -999,7 +1000,7 @@ def encode_response(
             shape = arr.shape[1:] if request.batched or len(results) > 1 else arr.shape
             # (the usual case, the declared dtype and shape, in two comparisons)
             if arr.dtype is not spec.dtype or shape != spec.shape:
-                arr = _conformed(arr, spec, model, shape)
+                arr = spec.conform(arr, model, shape)
         if classes:
             arr = _top_classes(arr, classes, request.batched or len(results) > 1, model, name)
         try:
@@ -1063,44 +1064,6 @@ def _shown(v: Any) -> str:
     return "None" if v is None else f"a value of type {type(v).__qualname__}"
 
 
-def _conformed(
-    arr: np.ndarray, spec: TensorSpec, model: str, shape: tuple[int, ...]
-) -> np.ndarray:
-    """A declared output as the model's metadata says it is: of its datatype (a
-    numeric value converted within its kind: float64 to FP32, say; an integer only
-    when every value fits) and its per-item shape. A model that returns something
-    else gets ModelError (500): its answer would contradict its own metadata."""
-    dtype = spec.dtype
-    if arr.dtype != dtype:
-        kind = arr.dtype.kind
-        if dtype.kind == "O":
-            if kind not in "OSU":
-                raise ModelError(
-                    f"model {model!r}: output {spec.name!r} {_described(arr)}, "
-                    f"the model declares BYTES"
-                )
-        elif kind in "biuf" and np.can_cast(arr.dtype, dtype, "same_kind"):
-            if dtype.kind in "iu" and arr.size:
-                info = np.iinfo(dtype)
-                if arr.min() < info.min or arr.max() > info.max:
-                    raise ModelError(
-                        f"model {model!r}: output {spec.name!r} holds values out of "
-                        f"the range of {spec.datatype}, which the model declares"
-                    )
-            arr = arr.astype(dtype)
-        else:
-            raise ModelError(
-                f"model {model!r}: output {spec.name!r} {_described(arr)}, the "
-                f"model declares {spec.datatype}"
-            )
-    if not spec.accepts_shape(shape):
-        raise ModelError(
-            f"model {model!r}: output {spec.name!r} has shape {list(shape)} per item, "
-            f"the model declares {list(spec.shape)}"
-        )
-    return arr
-
-
 def _top_classes(
     arr: np.ndarray, count: int, stacked: bool, model: str, name: str
 ) -> np.ndarray:
@@ -1111,7 +1074,7 @@ def _top_classes(
     item."""
     if arr.dtype.kind not in "biuf":
         raise ModelError(
-            f"model {model!r}: output {name!r} {_described(arr)}: it has no classes "
+            f"model {model!r}: output {name!r} {described(arr)}: it has no classes "
             f"to rank (parameters.classification)"
         )
     rows = arr.reshape(arr.shape[0] if stacked else 1, -1)
@@ -1124,18 +1087,6 @@ def _top_classes(
         values = row[order].tolist()
         out[r] = [fmt.format(v, int(i)) for v, i in zip(values, order, strict=True)]
     return out if stacked else out[0]
-
-
-def _described(arr: np.ndarray) -> str:
-    """What an array holds, for an error: "is FP64", "holds strings", ..."""
-    name = _DATATYPE_OF.get(arr.dtype)
-    if name is not None:
-        return f"is {name}"
-    if arr.dtype.kind in "SU":
-        return "holds strings"
-    if arr.dtype.kind == "O":
-        return "holds Python objects"
-    return f"is of numpy dtype {arr.dtype}"
 
 
 def encode_inputs(inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Any]:
