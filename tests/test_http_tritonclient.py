@@ -163,6 +163,37 @@ async def test_nan_and_infinities_go_both_ways_as_json_data(server, binary):
     np.testing.assert_array_equal(await trio.to_thread.run_sync(call), x)
 
 
+async def test_bytes_that_are_not_utf8_come_back_whole_as_binary_and_refused_as_json(server):
+    """An output element that is not UTF-8 went out as JSON data with U+FFFD in place
+    of its bytes; asked for as JSON it is now a 400 saying to ask for binary data,
+    and as binary data it comes back exactly as the model gave it."""
+    x = np.array([[b"ok", b"\xff\xfe\x00", "é".encode()]], dtype=object)
+
+    def call(binary):
+        client = _client(server)
+        try:
+            inp = tritonclient_http.InferInput("x", [1, 3], "BYTES")
+            inp.set_data_from_numpy(x, binary_data=True)  # reaches echo as bytes
+            out = tritonclient_http.InferRequestedOutput("x", binary_data=binary)
+            if binary:
+                return client.infer("echo", [inp], outputs=[out]).as_numpy("x")
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer("echo", [inp], outputs=[out])
+            return refused.value
+        finally:
+            client.close()
+
+    got = await trio.to_thread.run_sync(call, True)
+    assert got.tolist() == x.tolist()
+    refused = await trio.to_thread.run_sync(call, False)
+    assert refused.status() == "400"
+    assert refused.message() == (
+        "model 'echo': output 'x': element 1 is bytes that are not UTF-8 text, which "
+        "JSON data cannot carry unaltered; ask for the output as binary data "
+        '("binary_data": true in its parameters)'
+    )
+
+
 async def test_errors_reach_the_client_as_inference_server_exceptions(server):
     def call():
         client = _client(server)

@@ -158,6 +158,42 @@ def test_bytes_tensors_in_binary_are_length_prefixed():
     assert req.items[0]["s"].tolist() == values
 
 
+def test_bytes_output_that_is_not_utf8_is_refused_as_json_and_sent_whole_as_binary():
+    """JSON data is text: an output element that is not UTF-8 was decoded with
+    replacement characters (b"\\xff" went out as "\\ufffd"), so the client got bytes the
+    model never produced. Asked for as JSON it is now a 400 that names the output and
+    says how to ask for it; as binary data its bytes go out as they are."""
+    values = [b"ok", b"\xff\xfe", "é".encode()]
+    bad = np.array(values, dtype=object)
+    tensor = {"name": "s", "shape": [3], "datatype": "BYTES", "data": ["a", "b", "c"]}
+    as_json = parse({"inputs": [tensor], "outputs": [{"name": "s"}]}, OPEN)
+    with pytest.raises(InvalidInput) as info:
+        encode_response(as_json, [{"s": bad}], OPEN)
+    assert str(info.value) == (
+        "model 'm': output 's': element 1 is bytes that are not UTF-8 text, which JSON "
+        "data cannot carry unaltered; ask for the output as binary data "
+        "(\"binary_data\": true in its parameters)"
+    )
+    # the stream's text frames carry JSON only
+    with pytest.raises(InvalidInput) as info:
+        encode_response(as_json, [{"s": bad}], OPEN, binary=False)
+    assert str(info.value).endswith(
+        "which JSON data cannot carry unaltered; the stream sends JSON only: ask for "
+        "the output over HTTP as binary data"
+    )
+    # as binary data (either way of asking), the bytes exactly
+    for doc in ({"outputs": [{"name": "s", "parameters": {"binary_data": True}}]},
+                {"parameters": {"binary_data_output": True}}):
+        req = parse({"inputs": [tensor], **doc}, OPEN)
+        body, hlen = encode_response(req, [{"s": bad}], OPEN)
+        assert body[hlen:] == b"".join(len(v).to_bytes(4, "little") + v for v in values)
+        got = decode_outputs(orjson.loads(body[:hlen]), body[hlen:])["s"]
+        assert got.tolist() == values
+    # UTF-8 bytes are still their text in JSON
+    body, _ = encode_response(as_json, [{"s": np.array([b"ok", "é".encode()], object)}], OPEN)
+    assert orjson.loads(body)["outputs"][0]["data"] == ["ok", "é"]
+
+
 @given(
     rows=st.integers(min_value=1, max_value=5),
     values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False),

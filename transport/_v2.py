@@ -1021,6 +1021,8 @@ def encode_response(
                 )
         except TypeError as exc:
             raise ModelError(f"model {model!r}: output {name!r}: {exc}") from None
+        except UnicodeDecodeError:
+            raise InvalidInput(_not_text(arr, model, name, binary)) from None
         outs.append(entry)
     doc: dict[str, Any] = {
         "model_name": request.model,
@@ -1052,12 +1054,36 @@ def _to_binary(arr: np.ndarray) -> bytes:
 
 
 def _element(v: Any) -> str:
-    """A BYTES element as JSON data: text (bytes decoded as UTF-8, errors replaced)."""
+    """A BYTES element as JSON data: text (bytes decoded as UTF-8; UnicodeDecodeError
+    when they are not, since a replaced byte would reach the client as the model's)."""
     if isinstance(v, str):
         return v
     if isinstance(v, bytes):
-        return v.decode("utf-8", "replace")
+        return v.decode("utf-8")
     raise TypeError(f"a BYTES element is {_shown(v)}, not a string or bytes")
+
+
+def _is_text(v: Any) -> bool:
+    try:
+        _element(v)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _not_text(arr: np.ndarray, model: str, name: str, binary: bool) -> str:
+    """The refusal of a BYTES output asked for as JSON data that holds bytes that are
+    not UTF-8 (JSON strings are text), naming the first such element."""
+    index = next(i for i, v in enumerate(arr.reshape(-1).tolist()) if not _is_text(v))
+    how = (
+        'ask for the output as binary data ("binary_data": true in its parameters)'
+        if binary else
+        "the stream sends JSON only: ask for the output over HTTP as binary data"
+    )
+    return (
+        f"model {model!r}: output {name!r}: element {index} is bytes that are not UTF-8 "
+        f"text, which JSON data cannot carry unaltered; {how}"
+    )
 
 
 def _shown(v: Any) -> str:
