@@ -701,6 +701,19 @@ def test_an_id_that_is_not_a_string_or_an_integer_says_what_is_taken(rid):
     assert str(info.value) == f"'id' must be a string or an integer, got {rid!r}"
 
 
+def test_an_empty_id_is_left_out_of_the_answer_as_triton_does():
+    """Triton's answer has an "id" only when the request's is not empty; ``"id": ""``
+    was echoed. On the stream the id tags the answer, so it is echoed as sent."""
+    x = {"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}
+    results = [{"y": np.zeros(2, np.float32)}]
+    for rid, echoed in (("", "absent"), ("r", "r"), (0, 0), (None, "absent")):
+        req = parse({"inputs": [x], "id": rid})
+        answer = orjson.loads(encode_response(req, results, VEC)[0])
+        assert answer.get("id", "absent") == echoed
+        streamed = orjson.loads(encode_response(req, results, VEC, binary=False)[0])
+        assert streamed.get("id", "absent") == ("absent" if rid is None else rid)
+
+
 def test_a_tensor_in_shared_memory_is_refused_naming_the_parameter():
     """This server has no shared memory. An output asked for in a region was answered
     in the body, the region left unwritten for the client to read; an input in one

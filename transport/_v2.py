@@ -956,7 +956,9 @@ def encode_response(
 ) -> tuple[bytes, int | None]:
     """The v2 response for ``request``'s items' ``results``: (body, JSON header length
     when binary output data follows the JSON, else None). With ``binary`` False every
-    output is sent as JSON data, whatever the request asked (WebSocket text frames)."""
+    output is sent as JSON data, whatever the request asked (WebSocket text frames).
+    An empty id is left out over HTTP, as Triton leaves it out; on the stream (``binary``
+    False) it is echoed, since the id tags the answer."""
     if request.outputs is not None:
         wanted = request.outputs
     elif signature.open_inputs:
@@ -1028,8 +1030,9 @@ def encode_response(
         "model_name": request.model,
         "model_version": request.version or signature.versions[-1],
     }
-    if request.id is not None:
-        doc["id"] = request.id
+    rid = request.id
+    if rid is not None and (rid != "" or not binary):
+        doc["id"] = rid
     doc["outputs"] = outs
     head = dumps(doc)
     if not blobs:
