@@ -131,6 +131,16 @@ async def test_tritons_timeout_0_is_no_timeout_of_the_requests_own(gw):
     refused = await post(gw, "key-a", timeout_ms=0)
     assert refused.status == 400
     assert "parameters.timeout_ms must be a positive number, got 0" in refused.json()["error"]
+    # 0.0 is the same 0 (it was a 400); a huge timeout is a deadline far off
+    for timeout in (0.0, 1e300, 2**64 - 1):
+        res = await post(gw, "key-a", timeout=timeout)
+        assert res.status == 200, (timeout, res.body)
+    for timeout in (True, -0.5):
+        refused = await post(gw, "key-a", timeout=timeout)
+        assert refused.status == 400
+        assert refused.json()["error"] == (
+            f"parameters.timeout must be a positive number, got {timeout!r}"
+        )
 
 
 async def test_over_quota_realtime_is_429_with_retry_after_from_the_refill(gw):

@@ -104,9 +104,18 @@ def test_parameters_set_priority_and_timeout():
     [
         ({"timeout": 0}, None),  # Triton's default: no timeout of the request's own
         ({"timeout": 0, "priority": 1}, None),
+        # 0.0 is the same number: it was a 400 while 1.5 was taken
+        ({"timeout": 0.0}, None),
+        ({"timeout": -0.0}, None),
         ({"timeout_ms": 1e308}, 1e305),
         ({"timeout": 2**64 - 1}, (2**64 - 1) * 1e-6),
+        ({"timeout": 1.5e300}, 1.5e300 * 1e-6),
         ({"timeout_ms": 250, "timeout": 0}, 0.25),
+        ({"timeout_ms": 250, "timeout": 0.0}, 0.25),
+        # a fraction of the unit is taken, for both
+        ({"timeout": 1500.5}, 1500.5 * 1e-6),
+        ({"timeout_ms": 0.5}, 0.5 * 1e-3),
+        ({"timeout": 0.5}, 0.5 * 1e-6),
     ],
 )
 def test_timeout_parameters_that_are_taken(params, timeout):
@@ -118,8 +127,9 @@ def test_timeout_parameters_that_are_taken(params, timeout):
     "params",
     [
         {"timeout_ms": 0}, {"timeout_ms": -1}, {"timeout_ms": 0.0}, {"timeout_ms": "5"},
-        {"timeout_ms": True}, {"timeout": -1}, {"timeout": -0.0}, {"timeout": 0.0},
-        {"timeout": "0"}, {"timeout": False},
+        {"timeout_ms": True}, {"timeout_ms": -0.5}, {"timeout": -1}, {"timeout": -0.5},
+        {"timeout": "0"}, {"timeout": False}, {"timeout": True},
+        {"timeout": [1]},
     ],
 )
 def test_timeout_parameters_that_are_refused(params):
@@ -127,6 +137,19 @@ def test_timeout_parameters_that_are_refused(params):
     (key,) = params
     with pytest.raises(InvalidInput, match=rf"parameters\.{key} must be a positive number"):
         parse({**base, "parameters": params})
+
+
+@pytest.mark.parametrize("key", ["timeout", "timeout_ms"])
+@pytest.mark.parametrize("value", ["1" + "0" * 400, "1e400", "-1e400", "NaN", "Infinity"])
+def test_a_timeout_past_a_floats_range_is_a_400(key, value):
+    """orjson refuses such numbers as malformed JSON; a body it cannot read (one with
+    NaN in its data) is read again by the standard library's decoder, which makes a
+    Python int of 10**400 and inf of 1e400: the int raised OverflowError (a 500)."""
+    body = ('{"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", '
+            '"data": [NaN, 0, 0, 0]}], "parameters": {"%s": %s}}' % (key, value)).encode()
+    with pytest.raises(InvalidInput) as info:
+        InferRequest.from_v2_json(body, VEC)
+    assert str(info.value).startswith(f"parameters.{key} must be a positive number")
 
 
 def test_binary_inputs_and_outputs_follow_the_json_header():

@@ -924,12 +924,20 @@ def _classify(
     timeout = None
     for key, scale in (("timeout_ms", 1e-3), ("timeout", 1e-6)):
         v = params.get(key)
-        if v is None or (key == "timeout" and type(v) is int and v == 0):
-            continue  # Triton's timeout 0: none (its default, as if not sent)
-        if type(v) not in (int, float) or not v > 0 or not math.isfinite(v):
-            raise InvalidInput(f"parameters.{key} must be a positive number, got {v!r}")
-        timeout = v * scale
-        break
+        if v is None:
+            continue
+        kind = type(v)  # not isinstance: a bool is not a number here
+        if kind is int or kind is float:
+            if key == "timeout" and v == 0:
+                continue  # Triton's timeout 0 (or 0.0): none (its default, as if not sent)
+            if v > 0:
+                try:
+                    timeout = v * scale
+                except OverflowError:  # an int past a float's range (the stdlib decoder's)
+                    timeout = math.inf
+                if math.isfinite(timeout):
+                    break
+        raise InvalidInput(f"parameters.{key} must be a positive number, got {v!r}")
     return priority, timeout
 
 
