@@ -148,6 +148,52 @@ async def test_expect_100_continue_gets_an_interim_response(server):
     assert data.endswith(b"[7.0]}]}")
 
 
+@pytest.mark.parametrize(
+    ("request_bytes", "got"),
+    [
+        (infer_request(1.0, extra=b"Expect: 200-ok\r\n"), "200-ok"),  # llhttp's kind
+        (infer_request(1.0, extra=b"Expect: 100-continue, x-fast\r\n"),
+         "100-continue, x-fast"),
+        (infer_request(1.0, extra=b"Expect: 100-continue\r\nExpect: gzip\r\n"),
+         "100-continue, gzip"),
+        (b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\nExpect: x-later\r\n\r\n",
+         "x-later"),  # h11's kind
+    ],
+    ids=["data-plane", "two-members", "two-lines", "control-plane"],
+)
+async def test_an_expectation_other_than_100_continue_is_417(server, request_bytes, got):
+    """RFC 9110 10.1.1: a server may answer 417 to an expectation it cannot meet. It
+    was ignored, so a client relying on one went on as if it had been met. Refused
+    before the body is read (no 100 is sent), and the connection closes, whichever
+    parser would have read the head; the request behind it is never read."""
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(request_bytes + infer_request(2.0))
+    responses = await read_responses(stream)
+    await stream.aclose()
+    assert [s for s, _, _ in responses] == [417]
+    _, headers, body = responses[0]
+    assert headers[b"connection"] == b"close"
+    assert orjson.loads(body)["error"] == (
+        f"expectation failed: only 100-continue can be met, got Expect: {got!r}"
+    )
+
+
+async def test_100_continue_is_matched_case_insensitively_and_empty_expect_is_none(server):
+    """The field's value is case-insensitive (RFC 9110 10.1.1); an empty one asks
+    for nothing."""
+    body = orjson.dumps({"inputs": [v2_input([[7.0]])]})
+    head = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n"
+            b"Expect: 100-Continue \r\n\r\n" % len(body))
+    stream = await trio.open_tcp_stream(*server.addresses[0])
+    await stream.send_all(head)
+    interim = await stream.receive_some(65536)
+    assert interim.startswith(b"HTTP/1.1 100 ")
+    await stream.send_all(body + infer_request(2.0, extra=b"Expect:\r\n"))
+    responses = await read_responses(stream, 2)
+    await stream.aclose()
+    assert [s for s, _, _ in responses] == [200, 200]
+
+
 async def test_head_has_the_length_of_get_and_no_body(server):
     stream = await trio.open_tcp_stream(*server.addresses[0])
     await stream.send_all(b"HEAD /v2/models/echo HTTP/1.1\r\nHost: t\r\n\r\n"

@@ -355,7 +355,7 @@ class _Connection:
                     return False  # ConnectionClosed
                 conn.busy = True
                 request = event
-                auth = hlen = upgrade = idem = encoding = accept = None
+                auth = hlen = upgrade = idem = encoding = accept = expect = None
                 length = -1
                 chunked = False
                 version = request.http_version
@@ -385,6 +385,8 @@ class _Connection:
                         accept = value if accept is None else accept + b", " + value
                     elif name == b"upgrade":
                         upgrade = value
+                    elif name == b"expect":
+                        expect = value if expect is None else expect + b", " + value
                     elif name == b"connection" and b"close" in [
                         t.strip() for t in value.lower().split(b",")
                     ]:
@@ -400,6 +402,14 @@ class _Connection:
                     # refuse it and close (RFC 9112 6.1).
                     raise await _refuse(
                         self, 400, "bad HTTP request: both Transfer-Encoding and Content-Length"
+                    )
+                if expect is not None and _unmet(expect):
+                    # RFC 9110 10.1.1: 417 rather than going on as if it were met;
+                    # before the body, so no 100 is sent (llhttp hands any Expect here)
+                    raise await _refuse(
+                        self, 417,
+                        "expectation failed: only 100-continue can be met, got Expect: "
+                        f"{expect.decode('latin-1')!r}",
                     )
 
                 method = request.method
@@ -608,6 +618,12 @@ def _data_plane_request(
     return (
         route, buf[end:end + length], buf[end + length:], auth, hlen, idem, encoding, accept
     )
+
+
+def _unmet(expect: bytes) -> bool:
+    """Whether an Expect field value (its lines joined) has a member other than
+    100-continue (case-insensitive; an empty member asks for nothing)."""
+    return any(t.strip() not in (b"", b"100-continue") for t in expect.lower().split(b","))
 
 
 def _chunk_left(h: h11.Connection) -> int:
