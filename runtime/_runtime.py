@@ -666,6 +666,13 @@ class Runtime:
                 f"unknown model {model!r}; serving: {', '.join(sorted(self.models))}"
             )
         if version is not None and version not in served.config.versions:
+            if not isinstance(version, str):
+                # as in the config, where versions are names: 2 is not "02" or "v2"
+                raise InvalidInput(
+                    f"model {model!r}: version must be a string, one of "
+                    f"{', '.join(map(repr, served.config.versions))} (as the config "
+                    f"names them), got {type(version).__name__} {version!r}"
+                )
             raise UnknownModel(
                 f"model {model!r} has no version {version!r}; versions: "
                 f"{', '.join(served.config.versions)}"

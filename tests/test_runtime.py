@@ -447,6 +447,31 @@ async def test_infer_batch_returns_outputs_in_input_order(autojump_clock):
     assert [float(o["y"][0]) for o in from_a_generator] == [1, 3, 5]
 
 
+async def test_a_version_is_a_string_as_in_the_config_and_any_other_type_is_invalid_input(
+    autojump_clock,
+):
+    """Versions are named by strings in the config (``versions = ["1", "2"]``; an
+    integer there is a config error, and "02" or "v2" are names too). ``version=2``
+    was UnknownModel "has no version 2" while version "2" is served; it is now
+    InvalidInput saying a version is a string, checked only once the version is not
+    found, so a string costs nothing more."""
+    cfg = config(callable_model("m", Recorder(), max_batch_size=4, versions=("1", "2")))
+    async with trioserve.open_runtime(cfg) as rt:
+        assert float((await rt.infer("m", item(1), version="2"))["y"][0]) == 3.0
+        outs = await rt.infer_batch("m", [item(1), item(2)], version="2")
+        assert [float(o["y"][0]) for o in outs] == [3.0, 5.0]
+        for bad, shown in ((2, "int 2"), (True, "bool True"), (2.0, "float 2.0")):
+            for call, items in ((rt.infer, item(1)), (rt.infer_batch, [item(1)])):
+                with trio.testing.assert_checkpoints(), pytest.raises(InvalidInput) as info:
+                    await call("m", items, version=bad)
+                assert str(info.value) == (
+                    f"model 'm': version must be a string, one of '1', '2' (as the "
+                    f"config names them), got {shown}"
+                )
+        with pytest.raises(trioserve.UnknownModel, match="model 'm' has no version '3'"):
+            await rt.infer("m", item(1), version="3")
+
+
 async def test_statistics_before_and_after_a_request(autojump_clock):
     cfg = config(callable_model("m", Recorder(), max_batch_size=8, max_wait_ms=250))
     async with trioserve.open_runtime(cfg) as rt:

@@ -243,6 +243,12 @@ def test_a_version_and_a_bad_timeout(served):
     assert [float(o["y"][0]) for o in served.infer_many("double", [item(1)], version="1")] == [3.0]
     with pytest.raises(trioserve.UnknownModel, match="has no version '9'"):
         served.infer("double", item(2), version="9")
+    # a version is a string, as the config names it: version=1 was "has no version 1"
+    for bad in (1, True):
+        with pytest.raises(InvalidInput, match="version must be a string, one of '1'"):
+            served.infer("double", item(2), version=bad)
+        with pytest.raises(InvalidInput, match="version must be a string, one of '1'"):
+            served.infer_many("double", [item(1)], version=bad)
     for bad in (0, -1, float("nan"), float("inf"), "1", True):
         with pytest.raises(InvalidInput, match="timeout must be a positive number"):
             served.infer("double", item(2), timeout=bad)
