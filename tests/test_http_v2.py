@@ -812,6 +812,7 @@ def test_sequence_and_unknown_parameters_are_ignored_as_triton_does_without_a_se
     for params in (
         {"sequence_id": 7, "sequence_start": True, "sequence_end": False},
         {"sequence_id": "abc", "sequence_start": "yes", "custom": {"a": 1}},
+        {"triton_enable_empty_final_response": True},  # reserved in Triton: a 400 there
     ):
         req = parse({"inputs": [x], "id": "s", "parameters": params})
         assert (req.id, req.outputs, req.priority, req.timeout, req.count) == (
