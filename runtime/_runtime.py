@@ -589,10 +589,15 @@ class Runtime:
         """Drop the cached results of a model (or of one of its versions); return how
         many. Call it when the model's weights change under the same version: from then
         on no request of the model joins a computation started before, whether the
-        model is cached or only coalesced."""
+        model is cached or only coalesced.
+
+        Raises UnknownModel for a model or version not served (a name mistyped would
+        otherwise drop nothing and say 0), and InvalidInput for a version that is not
+        a string, as :meth:`infer` does."""
+        self._known(model, version)
         if self.cache is None:
             return 0
-        return self.cache.invalidate(model, None if version is None else str(version))
+        return self.cache.invalidate(model, version)
 
     def tenant_statistics(self) -> dict[str, dict[str, Any]]:
         """Per tenant: cost units admitted (credits used), refunded, and, for tenants
@@ -660,6 +665,13 @@ class Runtime:
 
     # ------------------------------------------------------------ internals
     def _served(self, model: str, version: str | None) -> ServedModel:
+        served = self._known(model, version)
+        if self._closed:
+            raise ActorClosed("the runtime is shut down")
+        return served
+
+    def _known(self, model: str, version: str | None) -> ServedModel:
+        """The model ``model`` serves, with ``version`` (if given) one of its own."""
         served = self.models.get(model) if isinstance(model, str) else None
         if served is None:
             raise UnknownModel(
@@ -677,8 +689,6 @@ class Runtime:
                 f"model {model!r} has no version {version!r}; versions: "
                 f"{', '.join(served.config.versions)}"
             )
-        if self._closed:
-            raise ActorClosed("the runtime is shut down")
         return served
 
     def _classify(self, tenant: str | None, priority: str | int | None) -> tuple[str, str]:

@@ -75,6 +75,11 @@ class Client:
         """``Runtime.cache_statistics()`` ({} when the cache is off)."""
         return self._call(self._read, "cache_statistics")
 
+    def invalidate_cache(self, model: str, version: str | None = None) -> int:
+        """``Runtime.invalidate_cache()``: drop the model's cached results (of one
+        version if given) and return how many, in the runtime's thread."""
+        return self._call(self._read, "invalidate_cache", model, version)
+
     # ---- trio side
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
@@ -97,9 +102,9 @@ class Client:
         if self.runtime.closed:
             raise ActorClosed("the runtime is shut down")
 
-    async def _read(self, name: str) -> Any:
+    async def _read(self, name: str, *args: Any) -> Any:
         self._check_open()
-        return getattr(self.runtime, name)()
+        return getattr(self.runtime, name)(*args)
 
     async def _one(
         self, model: str, inputs: Any, tenant: Any, priority: Any, version: Any,

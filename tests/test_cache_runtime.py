@@ -10,7 +10,7 @@ import pytest
 import trio
 import trioserve
 from runtime_helpers import Recorder, callable_model, item, key
-from trioserve import CacheConfig, ModelConfig, TenantConfig
+from trioserve import CacheConfig, InvalidInput, ModelConfig, TenantConfig, UnknownModel
 
 
 class Counting:
@@ -379,7 +379,7 @@ async def test_a_request_naming_no_version_is_kept_under_the_default_the_last(
         await rt.infer("m", item(1), version="2")  # the same answer: a hit
         assert model.seen == [1.0]
         assert rt.invalidate_cache("m", "1") == 0
-        assert rt.invalidate_cache("m", 2) == 1  # a version given as a number too
+        assert rt.invalidate_cache("m", "2") == 1
         key = rt.response_key("m", None, "a", b"{}")
         assert key[0] == rt.response_key("m", "2", "a", b"{}")[0]
 
@@ -455,3 +455,20 @@ async def test_credits_past_the_callers_deadline_are_refused_at_once_cached_or_n
         assert trio.current_time() == pytest.approx(t0 + 1.0)
         assert rt.tenant_statistics()["a"]["credits_used"] == 2
     assert model.seen == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("cached", [True, False])
+async def test_invalidating_a_model_or_version_not_served_says_so(autojump_clock, cached):
+    """A mistyped name dropped nothing and returned 0, as if done; a version given
+    as a number is refused as infer refuses it (versions are names: "02", "v2")."""
+    config = cfg(callable_model("m", Counting(), versions=["1", "2"]),
+                 capacity=1 << 20 if cached else 0)
+    async with trioserve.open_runtime(config) as rt:
+        with pytest.raises(UnknownModel, match="unknown model 'mm'; serving: m"):
+            rt.invalidate_cache("mm")
+        with pytest.raises(UnknownModel, match="model 'm' has no version '3'; versions: 1, 2"):
+            rt.invalidate_cache("m", "3")
+        with pytest.raises(InvalidInput, match="version must be a string"):
+            rt.invalidate_cache("m", 2)
+        assert rt.invalidate_cache("m", "2") == 0
+        assert rt.invalidate_cache("m") == 0

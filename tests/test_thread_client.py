@@ -211,7 +211,7 @@ def test_a_call_waiting_for_credits_at_shutdown_raises_actor_closed():
     assert str(error) == "the runtime shut down before this call was answered"
 
 
-def test_the_client_reads_tenant_and_cache_statistics_until_shutdown():
+def test_the_client_reads_tenant_and_cache_statistics_and_invalidates_until_shutdown():
     cfg = trioserve.Config(
         models=[ModelConfig(name="echo", backend="echo")],
         tenants=[TenantConfig(name="t", default=True, credit_rate=0.1, credit_burst=2)],
@@ -225,9 +225,16 @@ def test_the_client_reads_tenant_and_cache_statistics_until_shutdown():
         assert 1.0 <= credits["credits_available"] <= 2.0  # refilling at 0.1/s
         cache = client.cache_statistics()
         assert (cache["hits"], cache["misses"]) == (1, 1)
+        assert client.invalidate_cache("echo") == 1
+        with pytest.raises(trioserve.UnknownModel, match="unknown model 'ehco'"):
+            client.invalidate_cache("ehco")
+        client.infer("echo", {"a": [1]})  # computed again: the weights changed
+        assert client.cache_statistics()["misses"] == 2
     for read in (client.statistics, client.tenant_statistics, client.cache_statistics):
         with pytest.raises(ActorClosed, match="the runtime is shut down"):
             read()
+    with pytest.raises(ActorClosed, match="the runtime is shut down"):
+        client.invalidate_cache("echo")
 
 
 def test_a_runtime_that_cannot_start_raises_in_the_caller():
