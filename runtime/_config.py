@@ -386,6 +386,9 @@ class ServerConfig:
     #: a request begun must have arrived whole (head and body) this long after: else 408
     request_timeout_s: float = _field(_number(0.0, strict=True), 30.0)
     stream_in_flight: int = _field(_int(1), 256)
+    #: bytes of one /v2/stream's requests in flight (as received) and of its answers
+    #: not yet written, past which it stops reading; a larger message is served alone
+    stream_in_flight_bytes: int = _field(_int(1), 16 * 1024 * 1024)
     #: a /v2/stream that sent nothing for this long is pinged, and closed with 1011
     #: when it sends nothing for as long again (a peer gone without a FIN); 0: never
     stream_ping_interval_s: float = _field(_number(0.0), 20.0)

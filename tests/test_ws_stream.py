@@ -3,6 +3,7 @@ tagged by id; per-connection backpressure; bad messages; closing cancels."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -502,14 +503,19 @@ async def test_a_reset_stream_is_not_logged_as_an_error(caplog):
 
 
 # ---------------------------------------------------------------- leaving, draining, memory
+def _infer_text(rid, x=(1.0,), model: str = "echo") -> str:
+    """One request's message (ASCII: its length is its size in bytes)."""
+    return json.dumps(
+        {"id": rid, "model": model,
+         "inputs": [{"name": "x", "shape": [len(x)], "datatype": "FP32", "data": list(x)}]}
+    )
+
+
 def _infer_frame(rid, x=(1.0,), model: str = "echo") -> bytes:
     """A raw client's frame for one request."""
     from wsproto.events import TextMessage
 
-    return _raw_ws().send(TextMessage(data=json.dumps(
-        {"id": rid, "model": model,
-         "inputs": [{"name": "x", "shape": [len(x)], "datatype": "FP32", "data": list(x)}]}
-    )))
+    return _raw_ws().send(TextMessage(data=_infer_text(rid, x, model)))
 
 
 def _raw_ws():
@@ -1086,3 +1092,182 @@ async def test_streams_are_not_pinged_with_the_interval_at_0(autojump_clock):
 
 def test_the_default_stream_ping_interval_is_20_s():
     assert trioserve.ServerConfig().stream_ping_interval_s == 20.0
+
+
+# ---------------------------------------------------------------- the byte budget
+async def _answers(sock, ws, count: int) -> list[dict]:
+    """Read ``count`` whole answers from a raw client's socket."""
+    from wsproto.events import TextMessage
+
+    answers, pieces = [], []
+    while len(answers) < count:
+        data = await sock.receive_some(1 << 20)
+        assert data, f"closed after {len(answers)} answers"
+        ws.receive_data(data)
+        for event in ws.events():
+            if isinstance(event, TextMessage):
+                pieces.append(event.data)
+                if event.message_finished:
+                    answers.append(json.loads("".join(pieces)))
+                    pieces.clear()
+    return answers
+
+
+def _flow_is_whole(gw, model: str, count: int) -> None:
+    """``count`` requests admitted and dispatched on ``model``, none lost, shed or
+    withdrawn, all answered 200 on the stream."""
+    stats = gw.runtime.models[model].scheduler.policy.stats[("t", "realtime")]
+    assert (stats.admitted, stats.dispatched) == (count, count)
+    assert (stats.shed, stats.withdrawn, stats.expired) == (0, 0, 0)
+    assert gw.requests == {(model, "t", 200): count}
+
+
+async def test_at_the_byte_budget_the_server_stops_reading_until_requests_end():
+    """Messages are read while the bytes of those in flight fit
+    ``server.stream_in_flight_bytes``; the next one waits, not read further, well
+    under ``server.stream_in_flight``, and is read when a request ends."""
+    gate = Gate()
+    x = [1.0] * 1000
+    size = len(_infer_text(0, x, "held"))  # ids 0-9: all the same size
+    budget = 3 * size + size // 2  # three messages fit, not four
+    cfg = config(held_model(gate, max_batch_size=1), server={"stream_in_flight_bytes": budget})
+    try:
+        async with serving(cfg) as gw:
+            sock, ws = await _raw_handshake(gw)
+            await sock.send_all(b"".join(_infer_frame(i, x, "held") for i in range(10)))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            stats = gw.statistics()
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 2  # and one running
+            assert stats.stream_in_flight_peak == 3
+            assert stats.stream_in_flight_bytes_peak == 3 * size
+            assert stats.stream_byte_budget_waits == 1
+            gate.release()
+            answers = await _answers(sock, ws, 10)
+            assert sorted(a["id"] for a in answers) == list(range(10))
+            stats = gw.statistics()
+            assert stats.stream_in_flight_peak == 3
+            assert stats.stream_in_flight_bytes_peak <= budget
+            _flow_is_whole(gw, "held", 10)
+            await sock.aclose()
+    finally:
+        gate.release()
+
+
+async def test_answers_not_yet_written_count_in_the_byte_budget():
+    """A client that does not read: once the answers waiting for it hold the budget
+    the server reads no more (no request in flight); it reads again as the client
+    takes its answers."""
+    from trioserve.transport._http import serve_connection
+
+    x = [0.5] * 20_000
+    size = len(_infer_text(0, x))  # an answer is a little smaller (no spaces)
+    budget = 2 * size
+    cfg = config(echo_model(), server={"stream_in_flight_bytes": budget})
+    async with serving(cfg) as gw, trio.open_nursery() as nursery:
+        server, client = trio.socket.socketpair()
+        server.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, 4096)
+        client.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        nursery.start_soon(serve_connection, gw, trio.SocketStream(server))
+        sock = trio.SocketStream(client)
+        await sock.send_all(_HANDSHAKE)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await sock.receive_some(1)
+        nursery.start_soon(sock.send_all, b"".join(_infer_frame(i, x) for i in range(8)))
+        await settle()
+        # Two fit (2 * size); both answered at once; their answers wait for the client
+        # and hold more than the budget leaves for a third.
+        assert gw.runtime.models["echo"].metrics.items == 2
+        assert gw.statistics().stream_byte_budget_waits == 1
+        assert gw.statistics().stream_in_flight_bytes_peak == 2 * size
+        answers = await _answers(sock, _raw_ws(), 8)
+        assert sorted(a["id"] for a in answers) == list(range(8))
+        assert gw.statistics().stream_in_flight_bytes_peak <= budget
+        _flow_is_whole(gw, "echo", 8)
+        await sock.aclose()
+
+
+async def test_a_message_larger_than_the_byte_budget_is_served_alone():
+    """With nothing held a message is read whatever its size: one over the budget is
+    served, and nothing else is in flight with it."""
+    gate = Gate()
+    x = [1.0] * 500
+    size = len(_infer_text(0, x, "held"))
+    cfg = config(held_model(gate, max_batch_size=1), server={"stream_in_flight_bytes": 1000})
+    assert size > 1000
+    try:
+        async with serving(cfg) as gw:
+            sock, ws = await _raw_handshake(gw)
+            await sock.send_all(b"".join(_infer_frame(i, x, "held") for i in range(3)))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 0
+            assert gw.statistics().stream_in_flight_peak == 1
+            assert gw.statistics().stream_byte_budget_waits == 1
+            gate.release()
+            answers = await _answers(sock, ws, 3)
+            assert sorted(a["id"] for a in answers) == [0, 1, 2]
+            assert all(a["outputs"][0]["shape"] == [500] for a in answers)
+            stats = gw.statistics()
+            assert (stats.stream_in_flight_peak, stats.stream_in_flight_bytes_peak) == (1, size)
+            _flow_is_whole(gw, "held", 3)
+            await sock.aclose()
+    finally:
+        gate.release()
+
+
+async def test_a_client_that_never_reads_is_cut_by_the_write_timeout_at_the_byte_budget(
+    autojump_clock,
+):
+    """The read loop waits at the byte budget for answers the client never takes: the
+    write timeout still closes the stream (1008), the message it held back unread."""
+    from trioserve.transport._http import serve_connection
+    from wsproto.events import CloseConnection
+
+    x = np.random.default_rng(6).standard_normal(100_000).astype(np.float32).tolist()
+    cfg = config(echo_model(), server={"write_timeout_s": 20,
+                                       "stream_in_flight_bytes": 1 << 20})
+    async with serving(cfg) as gw, trio.open_nursery() as nursery:
+        server, client = trio.socket.socketpair()
+        server.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, 4096)
+        nursery.start_soon(serve_connection, gw, trio.SocketStream(server))
+        sock = trio.SocketStream(client)
+        frames = _HANDSHAKE + b"".join(_infer_frame(i, x) for i in range(3))
+
+        async def send() -> None:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await sock.send_all(frames)
+
+        nursery.start_soon(send)
+        await settle()
+        t0 = trio.current_time()
+        await trio.sleep(19.75)
+        stats = gw.statistics()
+        assert (stats.streams, stats.stream_write_timeouts) == (1, 0)
+        assert stats.stream_byte_budget_waits == 1
+        assert gw.runtime.models["echo"].metrics.items == 1  # the others never read
+        await trio.sleep(0.5)
+        assert trio.current_time() == t0 + 20.25
+        assert gw.statistics().stream_write_timeouts == 1
+        # What the server wrote, then a reset, not EOF: it closed with the client's
+        # messages unread.
+        data, reset = b"", False
+        while not reset:
+            try:
+                chunk = await sock.receive_some(1 << 20)
+            except trio.BrokenResourceError:
+                reset = True
+            else:
+                assert chunk, "EOF, not a reset"
+                data += chunk
+        ws = _raw_ws()
+        ws.receive_data(data.partition(b"\r\n\r\n")[2])
+        events = list(ws.events())
+        assert isinstance(events[-1], CloseConnection)
+        assert events[-1].code == 1008
+        await settle()  # the sender fails too: the server is gone
+        await sock.aclose()
+        await settle()
+        assert gw.statistics().streams == 0
+        assert gw.requests == {("echo", "t", 200): 1}

@@ -207,8 +207,10 @@ class GatewayStatistics:
     infer requests being answered, the most stream requests one connection has had
     in flight, HTTP infer requests given up because their client closed its
     connection while they waited, whether it is draining, streams closed (1008)
-    because their client took none of their answers for their write timeout,
-    HTTP connections closed for the same reason (``server.write_timeout_s``), and,
+    because their client took none of their answers for their write timeout, the
+    most bytes one stream held when it took a message (``stream_in_flight_bytes_peak``,
+    see ``server.stream_in_flight_bytes``) and the times a stream stopped reading at
+    that byte budget, HTTP connections closed for the same reason (``server.write_timeout_s``), and,
     at ``server.max_connections``, connections refused with 503 and idle ones closed
     to make room for a new one."""
 
@@ -220,6 +222,8 @@ class GatewayStatistics:
     draining: bool
     stream_write_timeouts: int = 0
     stream_ping_timeouts: int = 0
+    stream_in_flight_bytes_peak: int = 0
+    stream_byte_budget_waits: int = 0
     http_write_timeouts: int = 0
     connections_refused: int = 0
     connections_evicted: int = 0
@@ -272,6 +276,12 @@ class Gateway:
         self.draining = False
         self.in_flight = 0
         self.stream_in_flight_peak = 0
+        #: the most bytes one stream held when it took a message (its messages in
+        #: flight and its answers not yet written, the new message counted)
+        self.stream_in_flight_bytes_peak = 0
+        #: times a stream stopped reading at ``server.stream_in_flight_bytes`` (with
+        #: fewer than ``server.stream_in_flight`` requests in flight)
+        self.stream_byte_budget_waits = 0
         #: HTTP infer requests withdrawn (queued) or dropped (running) because their
         #: client closed its connection while they waited; never answered or counted
         #: in ``requests``.
@@ -596,6 +606,8 @@ class Gateway:
             draining=self.draining,
             stream_write_timeouts=self.stream_write_timeouts,
             stream_ping_timeouts=self.stream_ping_timeouts,
+            stream_in_flight_bytes_peak=self.stream_in_flight_bytes_peak,
+            stream_byte_budget_waits=self.stream_byte_budget_waits,
             http_write_timeouts=self.http_write_timeouts,
             connections_refused=self.connections_refused,
             connections_evicted=self.connections_evicted,

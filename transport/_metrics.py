@@ -134,6 +134,13 @@ class GatewayCollector(Collector):
             value=stats.stream_ping_timeouts,
         )
         yield CounterMetricFamily(
+            "trioserve_stream_byte_budget_waits",
+            "Times a /v2/stream stopped reading because its messages in flight and its "
+            "answers not yet written held server.stream_in_flight_bytes (with fewer "
+            "than server.stream_in_flight requests in flight).",
+            value=stats.stream_byte_budget_waits,
+        )
+        yield CounterMetricFamily(
             "trioserve_http_write_timeouts",
             "HTTP connections closed because the client took no byte of an answer for "
             "server.write_timeout_s (requests it pipelined behind it never admitted).",

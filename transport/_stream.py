@@ -4,8 +4,10 @@ Each client message is a v2 infer request (JSON text) with its own ``id`` and
 ``model`` (and optional ``version``); each answer is the v2 response tagged with that
 ``id``, sent as soon as it is ready, or an error frame ``{"id", "error", "status"}``
 (and ``retry_after`` with 429 and 503).
-At most ``server.stream_in_flight`` requests of one connection are in flight: at the
-bound the server stops reading the socket, so TCP pushes back on the client.
+At most ``server.stream_in_flight`` requests of one connection are in flight, and
+while their messages and the answers not yet written hold more than
+``server.stream_in_flight_bytes`` no other is read: at either bound the server stops
+reading the socket, so TCP pushes back on the client.
 Closing the socket cancels the connection's requests not yet dispatched.
 """
 
@@ -99,7 +101,8 @@ class ReplayStream(trio.abc.HalfCloseableStream):
     Writing coalesces: while :meth:`run_flusher` runs, ``send_all`` only queues its
     bytes, and the flusher sends everything queued in one write, so the answers of one
     batch leave in one syscall. At most ``limit`` bytes wait; beyond that ``send_all``
-    waits for the flusher (backpressure).
+    waits for the flusher (backpressure). :attr:`unsent` counts the bytes queued and
+    those of the write under way; ``on_sent`` is called (sync) after each flusher write.
 
     A write cancelled part way (a client that does not read, at the end of a drain)
     may have sent part of a frame: the stream is then broken, and nothing more is
@@ -128,12 +131,15 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         self.write_timeout = write_timeout
         #: called (sync) when a flusher write stalls
         self.on_stall: Callable[[], None] | None = None
+        #: called (sync) when a flusher write is done (``unsent`` fell)
+        self.on_sent: Callable[[], None] | None = None
         sock = getattr(stream, "socket", None)
         self._fd: int | None = sock.fileno() if sock is not None else None
         #: after a stall: the rest of the frame the stalled write cut
         self._rest: bytes | None = None
         self._out: list[bytes] = []
         self._out_size = 0
+        self._writing = 0  # bytes of the flusher's write under way
         self._flushing = False
         self._wake = trio.lowlevel.ParkingLot()  # the flusher waits here for bytes
         self._room = trio.lowlevel.ParkingLot()  # writers wait here when over the limit
@@ -151,6 +157,12 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         else:
             self._buffered = b""
         return data
+
+    @property
+    def unsent(self) -> int:
+        """Bytes given to :meth:`send_all` and not yet taken by the socket (queued, or in
+        the flusher's write under way)."""
+        return self._out_size + self._writing
 
     def release_held(self) -> None:
         """Make the ``held`` bytes the next to be read."""
@@ -188,6 +200,7 @@ class ReplayStream(trio.abc.HalfCloseableStream):
                     continue
                 pieces = self._take_pieces()
                 data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                self._writing = len(data)
                 try:
                     await self._write(data, report_stall=True)
                 except _Stalled as stall:
@@ -195,7 +208,13 @@ class ReplayStream(trio.abc.HalfCloseableStream):
                     return
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
+                # the write's bytes are freed now, not when the next write comes
+                del pieces, data
+                self._writing = 0
+                if self.on_sent is not None:
+                    self.on_sent()
         finally:
+            self._writing = 0
             self._flushing = False
             self._room.unpark_all()
             self._stopped.set()
@@ -486,8 +505,9 @@ class _Session:
 
     Frames are parsed straight from the socket's bytes (every message in a read is
     handled before the next read), answers are framed at once and leave through the
-    stream's flusher, several to a write. At ``stream_in_flight`` requests the loop
-    stops reading, so TCP pushes back on the client.
+    stream's flusher, several to a write. At ``stream_in_flight`` requests, or when a
+    message would take the bytes held past ``stream_in_flight_bytes``, the loop stops
+    reading, so TCP pushes back on the client.
     """
 
     def __init__(self, gateway: Gateway, ws: Connection, stream: ReplayStream, tenant: str,
@@ -500,7 +520,11 @@ class _Session:
         self.bound = gateway.server_config.stream_in_flight
         self.max_message = gateway.server_config.max_body_bytes
         self.in_flight = 0
-        self._room = trio.lowlevel.ParkingLot()  # the read loop waits here at the bound
+        #: the byte budget: messages of the requests in flight (their bytes as
+        #: received) plus the answers framed and not yet written (``stream.unsent``)
+        self.byte_budget = gateway.server_config.stream_in_flight_bytes
+        self.in_flight_bytes = 0
+        self._room = trio.lowlevel.ParkingLot()  # the read loop waits here at a bound
         self.pending: dict[int, Any] = {}  # token -> id of requests not yet answered
         self._tokens = itertools.count()
         #: (code, reason) we fail the connection with: a protocol error, a message
@@ -543,6 +567,7 @@ class _Session:
                     requests.cancel_scope.cancel("the client does not read its answers")
 
                 self.stream.on_stall = stalled
+                self.stream.on_sent = self._room.unpark  # answers left: bytes freed
                 with reading:
                     peer_closed = await self._read(requests)
                 if peer_closed or self._gone or self._closing is not None:
@@ -551,24 +576,35 @@ class _Session:
                     requests.cancel_scope.cancel("stream closed")
         finally:
             self.stream.on_stall = None
+            self.stream.on_sent = None
             self.conn.hang_up = None
             if self._watch is not None and self._fd is not None:
                 self._watch.forget(self._fd, self.conn)  # before the socket closes
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
                 await self._close(peer_closed)
 
-    async def _wait_for_room(self) -> None:
-        """Wait, not reading, until fewer than ``bound`` requests are in flight. A
-        checkpoint. Meanwhile the gateway's hang-up watch looks out for the client
-        leaving (the loop would see its close only once it reads again): a hang-up
-        cancels the read loop, and ``run`` withdraws what is in flight."""
+    def _over_budget(self, n: int) -> bool:
+        """Whether a message of ``n`` bytes must wait for bytes held to be freed: those
+        held (see ``byte_budget``) and ``n`` would pass the budget. With nothing held it
+        never waits, so a message larger than the budget is served, alone."""
+        held = self.in_flight_bytes + self.stream.unsent
+        return held > 0 and held + n > self.byte_budget
+
+    async def _wait_for_room(self, n: int) -> None:
+        """Wait, not reading, until fewer than ``bound`` requests are in flight and a
+        message of ``n`` bytes fits the byte budget. A checkpoint. Meanwhile the
+        gateway's hang-up watch looks out for the client leaving (the loop would see
+        its close only once it reads again): a hang-up cancels the read loop, and
+        ``run`` withdraws what is in flight."""
         conn, watch, fd = self.conn, self.gateway.hangups, self._fd
         if watch is not None and fd is not None and not conn.armed:
             watch.arm(fd, conn)  # once a stream, unless a hang-up was reported since
             self._watch = watch
+        if self.in_flight < self.bound:
+            self.gateway.stream_byte_budget_waits += 1
         conn.waiting = True
         try:
-            while self.in_flight >= self.bound:
+            while self.in_flight >= self.bound or self._over_budget(n):
                 await self._room.park()
         finally:
             conn.waiting = False
@@ -656,16 +692,20 @@ class _Session:
                             continue
                         message = bytes(partial)
                         partial = None
-                    size = 0
-                    if self.in_flight >= bound:
-                        await self._wait_for_room()
+                    n, size = size, 0
+                    if self.in_flight >= bound or self._over_budget(n):
+                        await self._wait_for_room(n)
                         deadline = math.inf  # the server did not read: count afresh
                         if ping_every != math.inf:
                             quiet_at = trio.current_time() + ping_every
                     self.in_flight += 1
+                    self.in_flight_bytes += n
                     if self.in_flight > gateway.stream_in_flight_peak:
                         gateway.stream_in_flight_peak = self.in_flight
-                    requests.start_soon(self._one, message)
+                    held = self.in_flight_bytes + stream.unsent
+                    if held > gateway.stream_in_flight_bytes_peak:
+                        gateway.stream_in_flight_bytes_peak = held
+                    requests.start_soon(self._one, message, n)
                 elif kind is Ping:
                     await self._send(ws.send(event.response()))
                 elif kind is CloseConnection:
@@ -733,7 +773,9 @@ class _Session:
         except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError):
             pass
 
-    async def _one(self, message: str | bytes) -> None:
+    async def _one(self, message: str | bytes, n: int) -> None:
+        """Answer one message of ``n`` bytes (counted in ``in_flight_bytes`` until it
+        is answered)."""
         gateway = self.gateway
         token = next(self._tokens)
         rid: Any = None
@@ -792,6 +834,7 @@ class _Session:
                 await self._send(self.ws.send(TextMessage(data=frame.decode())))
         finally:
             self.in_flight -= 1
+            self.in_flight_bytes -= n
             self._room.unpark()
 
 
