@@ -116,6 +116,7 @@ def test_load_config_reads_every_table(tmp_path):
     assert (echo.max_batch_size, echo.max_wait_ms, echo.oversize) == (64, 2.0, "reject")
     assert cfg.server.stream_in_flight == ServerConfig().stream_in_flight
     assert cfg.server.max_connections == ServerConfig().max_connections == 4096
+    assert cfg.server.stream_in_flight_bytes == ServerConfig().stream_in_flight_bytes == 16 << 20
 
 
 def test_one_write_timeout_serves_http_and_the_stream_unless_the_stream_has_its_own(
@@ -287,6 +288,10 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
         (
             "[models.m]\nbackend = 'echo'\n[server]\nmax_connections = 0\n",
             "server.max_connections: must be an integer >= 1, got 0",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\nstream_in_flight_bytes = 0\n",
+            "server.stream_in_flight_bytes: must be an integer >= 1, got 0",
         ),
         (
             "[models.m]\nbackend = 'echo'\n[server]\nstream_write_timeout_s = 0\n",
