@@ -8,13 +8,9 @@ from ._batching import BatchBuilder as BatchBuilder
 from ._batching import BatchLimits as BatchLimits
 from ._batching import FifoQueue as FifoQueue
 from ._batching import SchedulingPolicy as SchedulingPolicy
-from ._cache import CACHE_POLICIES as CACHE_POLICIES
 from ._cache import RAW_INLINE as RAW_INLINE
 from ._cache import Cache as Cache
 from ._cache import CacheRule as CacheRule
-from ._cache import CacheStatistics as CacheStatistics
-from ._cache import LruPolicy as LruPolicy
-from ._cache import WTinyLFU as WTinyLFU
 from ._cache_actor import CacheActor as CacheActor
 from ._cachekey import SHARED_NAMESPACE as SHARED_NAMESPACE
 from ._cachekey import CacheKey as CacheKey
@@ -28,6 +24,10 @@ from ._metrics import OUTCOMES as OUTCOMES
 from ._metrics import Latency as Latency
 from ._metrics import LatencySummary as LatencySummary
 from ._metrics import ModelMetrics as ModelMetrics
+from ._policy import CACHE_POLICIES as CACHE_POLICIES
+from ._policy import CacheStatistics as CacheStatistics
+from ._policy import LruPolicy as LruPolicy
+from ._policy import WTinyLFU as WTinyLFU
 from ._scheduler import SchedulerActor as SchedulerActor
 from ._singleflight import SingleFlight as SingleFlight
 from ._singleflight import SingleFlightStatistics as SingleFlightStatistics
