@@ -19,12 +19,13 @@ from runtime_helpers import (
     LosesItsDevice,
     X,
     Y,
+    callable_model,
     config,
     item,
     key,
 )
 from trioserve import DeadlineExceeded, ModelConfig, ModelError, Request
-from trioserve.actors import BatchLimits, FairQueue, SchedulerActor
+from trioserve.actors import BatchLimits, Breaker, FairQueue, SchedulerActor
 from trioserve.actors._scheduler import ELSEWHERE_RECHECK
 
 HOLD = 100.0  # the input that keeps its replica busy until the test releases it
@@ -213,6 +214,192 @@ async def test_a_request_kept_apart_is_answered_at_its_deadline_while_no_replica
         a.held.clear()
         assert await scheduler.pull(a) == [later]
         nursery.cancel_scope.cancel("the test is over")
+
+
+async def test_a_part_kept_apart_is_taken_at_once_when_its_twin_is_handed_back(
+    autojump_clock,
+):
+    """A part of a failed batch raised alone on A and waits for another replica;
+    B, a worker process pulling with room in its pipeline, keeps it apart because
+    it runs the part's hedge twin, and both park. The twin then raises alone on B
+    and is handed back to run elsewhere: the hand-back wakes both, and each takes
+    the other's request at that moment: B the part (its twin no longer on B), A
+    the twin. Neither waits for a later arrival, ELSEWHERE_RECHECK or a deadline
+    (``completed`` wakes nobody, but no request kept apart waits on it alone: a
+    twin answered ends the hedge, one handed back goes through ``retry``)."""
+    queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    a, b = _Holder(), _Holder()
+    scheduler.batchers = [a, b]
+    scheduler.replicas = 2
+    part, twin = _request(), _request()
+    scheduler.twins[part.reply] = twin.reply
+    scheduler.twins[twin.reply] = part.reply
+    await _raised_alone_on(scheduler, a, [part])
+    scheduler.submit_nowait(twin)
+    assert await scheduler.pull(b) == [twin]  # b runs the twin
+    b.held.add(twin.reply)
+    assert await scheduler.pull(b) == [part]  # and pulls the part with room left:
+    scheduler.keep_apart(part)  # kept apart (as BatcherActor._keep_apart does)
+
+    got: dict[str, list] = {}
+
+    async def pull(name: str, replica: _Holder) -> None:
+        got[name] = await scheduler.pull(replica)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull, "a", a)
+        nursery.start_soon(pull, "b", b)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == {}  # a: the part raised there, b ready; b: holds its twin
+        start = trio.current_time()
+        # The twin raises alone on b: handed back to run on another replica.
+        b.held.clear()
+        scheduler.completed([twin], failed=True)
+        twin.reply.suspect = True
+        twin.reply.raised_on = (b, 0)
+        scheduler.retry([[twin]])
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == {"a": [twin], "b": [part]}
+        assert trio.current_time() == start
+    assert scheduler.queue_depth() == 0
+
+
+class _ScriptedWorker:
+    """Stands in for a worker process in the batcher's pipeline (no process):
+    batches are staged up to SLOTS at a time and answered in order. Workers are
+    numbered as they are made (a replacement gets the next number); a batch
+    holding key 7 on worker 0 waits for ``gate``, then raises (``fate`` "raises")
+    or dies ("lost"); on any later worker but 1 it runs until cancelled. Records
+    each batch sent as (worker number, keys)."""
+
+    SLOTS = 3
+    Died = trioserve.WorkerProcess.Died
+    Failed = trioserve.WorkerProcess.Failed
+    gate: trio.Event
+    fate: str
+    sent: list
+    made: int
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.number = _ScriptedWorker.made
+        _ScriptedWorker.made += 1
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self._staged: list = []
+        self._exited = trio.Event()
+
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    def kill(self) -> None:
+        self._exited.set()
+
+    async def aclose(self) -> None:
+        self.kill()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_exited(self) -> None:
+        await self._exited.wait()
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        self.sent.append((self.number, [key(it) for it in items]))
+        self._staged.append(items)
+
+    async def result(self):
+        items = self._staged.pop(0)
+        if self.number != 1 and any(key(it) == 7.0 for it in items):
+            if self.number == 0:
+                await self.gate.wait()
+                if self.fate == "raises":
+                    raise self.Failed("cannot take 7")
+                raise self.Died("it exited")  # (the batcher kills what is left)
+            await trio.sleep_forever()
+        await trio.lowlevel.checkpoint()
+        return [{"y": it["x"]} for it in items]
+
+
+class _NoZygote:
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+@pytest.mark.parametrize("fate", ["raises", "lost"])
+async def test_a_copy_kept_apart_in_a_pipeline_settles_when_its_original_fails(
+    autojump_clock, monkeypatch, fate
+):
+    """Replica 0, a worker process, runs request 7 and, with room in its pipeline,
+    pulls 7's hedge copy and keeps it apart; replica 1 is not ready (its breaker
+    is open) until t=1. Replica 0 then parks in ``pull``, and ``completed`` would
+    not wake it. Whatever happens to the original, the copy waits for nothing it
+    should not: the original raising is the caller's answer at once (t=0.5) and
+    the copy never runs; the original's worker lost hands it back, to replica 0's
+    next worker (where it runs on), and the copy runs on replica 1 at t=1, the
+    moment that one becomes ready."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    _ScriptedWorker.gate, _ScriptedWorker.fate = trio.Event(), fate
+    _ScriptedWorker.sent, _ScriptedWorker.made = [], 0
+    monkeypatch.setattr(trioserve._runtime, "Zygote", _NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _ScriptedWorker)
+    breakers: list[Breaker] = []
+
+    def breaker() -> Breaker:
+        b = Breaker()
+        if breakers:  # replica 1's: open for its first second
+            b.open_until = trio.current_time() + 1.0
+        breakers.append(b)
+        return b
+
+    monkeypatch.setattr(trioserve.actors, "Breaker", breaker)
+    cfg = config(
+        callable_model(
+            "m", lambda items: items, execution="process", replicas=2, hedge=True,
+            hedge_after_ms=50, max_batch_size=4, max_wait_ms=0, timeout_ms=None,
+        )
+    )
+    outcome: list = []
+    async with trioserve.open_runtime(cfg) as rt:
+        scheduler = rt.models["m"].scheduler
+
+        async def call() -> None:
+            try:
+                outcome.append(await rt.infer("m", item(7)))
+            except ModelError as exc:
+                outcome.append(exc)
+            outcome.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await trio.sleep(0.5)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rt.hedges == 1
+            assert _ScriptedWorker.sent == [(0, [7.0])]
+            assert scheduler.queue_depth() == 1  # the copy, kept apart from replica 0
+            _ScriptedWorker.gate.set()
+            with trio.fail_after(10):
+                while not outcome:
+                    await trio.testing.wait_all_tasks_blocked()
+                    await trio.sleep(0.001)
+            if fate == "raises":
+                assert isinstance(outcome[0], ModelError)
+                assert outcome[1] == pytest.approx(0.5)
+                await trio.sleep(1.0)  # replica 1 pulls: it drops the withdrawn copy
+                assert _ScriptedWorker.sent == [(0, [7.0])]  # the copy never ran
+            else:
+                assert float(outcome[0]["y"][0]) == 7.0
+                assert outcome[1] == pytest.approx(1.0)
+                assert _ScriptedWorker.sent == [(0, [7.0]), (2, [7.0]), (1, [7.0])]
+            assert scheduler.queue_depth() == 0
 
 
 class _CountingScheduler(SchedulerActor):
