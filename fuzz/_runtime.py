@@ -282,6 +282,32 @@ def _calls(
     return st.lists(call, min_size=8, max_size=40)
 
 
+def _in_both_lanes(call: Call, slow_cost: int, *, top: int) -> Call:
+    """``call`` with its last item moved to the other lane (its cost mapped into that
+    lane's range, ``slow_cost`` to ``top`` or below ``slow_cost``) when it has
+    several items and all of them fall in one lane.
+
+    A mapping of the values drawn, not another draw: hypothesis makes the same
+    choices, so a seed's examples stay the same (the "apart" mode's among them)
+    but for these costs. The two-lane scenarios' share of a chunk's examples is
+    what hypothesis's mutations make of it (an apart scenario, calls of one item,
+    yields more variants and takes examples from the others), so their calls of
+    several items, about half of them in one lane before, now all span both.
+    """
+    items = call.items
+    if len(items) < 2:
+        return call
+    slow = [it.cost >= slow_cost for it in items]
+    if any(slow) and not all(slow):
+        return call
+    last = items[-1]
+    if slow[-1]:
+        cost = 1 + (last.cost - slow_cost) % (slow_cost - 1)
+    else:
+        cost = slow_cost + (last.cost - 1) % (top - slow_cost + 1)
+    return attrs.evolve(call, items=(*items[:-1], attrs.evolve(last, cost=cost)))
+
+
 @st.composite
 def scenarios(draw: st.DrawFn) -> Scenario:
     max_tokens = draw(_MAX_TOKENS)
@@ -362,6 +388,10 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         n_tenants=n_tenants, n_classes=n_classes, most_items=most_items,
         crash=max(pipeline, default=1) == 1,
     ))
+    if slow_cost is not None:
+        # (moved to the slow lane, an item stays within the token budget when it can)
+        top = max(slow_cost, 4 if max_tokens is None else max_tokens)
+        gaps = [_in_both_lanes(c, slow_cost, top=top) for c in gaps]
     at, calls = 0, []
     for c in gaps:  # arrival times accumulate the gaps
         at += c.at_ms
