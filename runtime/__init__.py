@@ -30,6 +30,7 @@ from ._errors import QuotaExceeded as QuotaExceeded
 from ._errors import TrioserveError as TrioserveError
 from ._errors import Unauthorized as Unauthorized
 from ._errors import UnknownModel as UnknownModel
+from ._front import Runtime as Runtime
 from ._messages import Reply as Reply
 from ._messages import Request as Request
 from ._messages import RequestState as RequestState
@@ -43,7 +44,6 @@ from ._model import device_lost as device_lost
 from ._process import WorkerProcess as WorkerProcess
 
 # The assembly: imports trioserve.actors, which imports the names above.
-from ._runtime import Runtime as Runtime
 from ._runtime import open_runtime as open_runtime
 from ._thread import Client as Client
 from ._thread import serve_in_thread as serve_in_thread

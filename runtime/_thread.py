@@ -12,8 +12,9 @@ import trio
 
 from ._config import Config, load_config
 from ._errors import ActorClosed, DeadlineExceeded, InvalidInput
+from ._front import Runtime
 from ._model import item_list
-from ._runtime import Runtime, open_runtime
+from ._runtime import open_runtime
 
 
 class Client:

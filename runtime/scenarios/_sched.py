@@ -31,7 +31,8 @@ import trio
 
 from .._config import ClassConfig, Config, ModelConfig, TenantConfig
 from .._errors import DeadlineExceeded
-from .._runtime import Runtime, open_runtime
+from .._front import Runtime
+from .._runtime import open_runtime
 
 DEVICE = {"delay_per_batch_ms": 20.0, "delay_per_item_ms": 0.1}
 #: For ``flood``: a slower device (about 1,400 items/s), so that offering 10x its

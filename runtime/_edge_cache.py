@@ -1,0 +1,67 @@
+"""The edge's use of the result cache: whole encoded answers of wire requests, keyed
+by the raw request, and invalidating a model's cached results."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import trio
+
+
+class _EdgeCache:
+    """The Runtime's edge cache hooks, over its cache actor (``Runtime.cache``)."""
+
+    def response_key(
+        self, model: str, version: str | None, tenant: str, raw: bytes, variant: bytes = b""
+    ) -> Any:
+        """The cache key of a wire request's encoded answer, an opaque value for
+        ``cached_response`` and ``keep_response`` (None: ``model`` is not cached).
+        Identical bytes from the same tenant get the same answer without being parsed,
+        run or encoded again; ``variant`` (a content coding) keeps each form apart."""
+        if model not in self._cached or self.cache.cache is None:
+            return None
+        cache = self.cache.cache
+        version = version or self.models[model].config.versions[-1]  # the default: the last
+        key = cache.raw_key(model, version, tenant, raw, variant)
+        if key is None:
+            return None
+        # The answer is kept no longer than the cached results it is made of (a
+        # model without a TTL: for as long as they are).
+        until = self.cache.track_expiry() if cache.rule(model).ttl < math.inf else None
+        return key, cache.generation(model), until
+
+    def cached_response(self, key: Any) -> Any:
+        """The kept answer of ``key``, or None. A miss here is not counted: the
+        request goes on to the item cache, whose lookups count its outcome (else a new
+        request counted as two misses)."""
+        cache = self.cache.cache
+        hit = cache.get(key[0], trio.current_time())
+        if hit is None:
+            cache.policy.misses -= 1
+        return hit
+
+    def keep_response(self, key: Any, answer: Any, size: int, tenant: str) -> None:
+        """Keep an encoded answer, unless its model was invalidated since ``key`` was
+        made (the answer may come from the weights invalidated), until the first of
+        the results it was made of expires (a cached one may be older than it)."""
+        key, generation, until = key
+        cache = self.cache.cache
+        if cache.generation(key.model) == generation:
+            size += cache.key_bytes(key)
+            cache.put(key, answer, size=size, now=trio.current_time(), tenant=tenant,
+                      expires=math.inf if until is None else until[0])
+
+    def invalidate_cache(self, model: str, version: str | None = None) -> int:
+        """Drop the cached results of a model (or of one of its versions); return how
+        many. Call it when the model's weights change under the same version: from then
+        on no request of the model joins a computation started before, whether the
+        model is cached or only coalesced.
+
+        Raises UnknownModel for a model or version not served (a name mistyped would
+        otherwise drop nothing and say 0), and InvalidInput for a version that is not
+        a string, as :meth:`infer` does."""
+        self._known(model, version)
+        if self.cache is None:
+            return 0
+        return self.cache.invalidate(model, version)

@@ -1,0 +1,42 @@
+"""``ServedModel``: one model as the runtime serves it (its config, backend, lanes'
+schedulers, batchers and metrics), made by the assembly and read by the front door."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ._config import ModelConfig
+from ._model import ModelBackend
+
+
+@attrs.define(eq=False)
+class ServedModel:
+    """A model as served: its config, backend, scheduler, batchers and metrics."""
+
+    config: ModelConfig
+    backend: ModelBackend
+    scheduler: Any
+    batchers: list[Any]
+    metrics: Any
+    limits: Any
+    timeout: float
+    #: requests of at least this cost go to the slow lane's own queue and replicas
+    slow_cost: int | None = None
+    slow_scheduler: Any = None
+    #: recent end-to-end latencies; their p95 is when a hedged request sends its copy
+    hedge_timer: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def scheduler_for(self, cost: int) -> Any:
+        if self.slow_cost is not None and cost >= self.slow_cost:
+            return self.slow_scheduler
+        return self.scheduler
+
+    @property
+    def schedulers(self) -> list[Any]:
+        return [s for s in (self.scheduler, self.slow_scheduler) if s is not None]

@@ -1,0 +1,90 @@
+"""The runtime's statistics and health: per-model counters, latency summaries and
+flows, the result cache's counters, and whether each model can serve now."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class _Statistics:
+    """The Runtime's statistics and health methods."""
+
+    def statistics(self) -> dict[str, Any]:
+        """Per-model counters and latency summaries (computed now; not for hot paths)."""
+        out = {}
+        for name, s in self.models.items():
+            m = s.metrics
+            out[name] = {
+                "queue_depth": sum(q.queue_depth() for q in s.schedulers),
+                "batches": m.batches,
+                "items": m.items,
+                "fill_ratio": m.fill_ratio,
+                "queue_wait": m.queue_wait.summary(),
+                "batch_exec": m.batch_exec.summary(),
+                "end_to_end": m.end_to_end.summary(),
+                "statuses": dict(m.statuses),
+                "replicas": [
+                    {"name": b.name, "state": b.state.value, "restarts": b.restarts}
+                    for b in s.batchers
+                ],
+                "ready": self.model_ready(name),
+                **self._queue_statistics(s.scheduler.policy),
+                "slow_lane": (
+                    self._queue_statistics(s.slow_scheduler.policy)
+                    if s.slow_scheduler is not None else None
+                ),
+                "hedges_after_s": s.hedge_timer.value if s.hedge_timer is not None else None,
+            }
+        return out
+
+    @staticmethod
+    def _queue_statistics(policy: Any) -> dict[str, Any]:
+        limit = getattr(policy, "limit", None)
+        live = policy.queued_by_flow() if hasattr(policy, "queued_by_flow") else {}
+        flows = {
+            f"{tenant}/{cls}": {
+                "queued": live.get((tenant, cls), 0),
+                "admitted": f.admitted,
+                "shed": f.shed,
+                "expired": f.expired,
+                "dispatched": f.dispatched,
+                "served_cost": f.served_cost,
+                "hedged": f.hedged,
+                "withdrawn": f.withdrawn,
+                "closed": f.closed,
+                "pushed_out": f.pushed_out,
+                "superseded": f.superseded,
+                "gave_way": f.gave_way,
+                "wait": f.wait.summary(),
+            }
+            for (tenant, cls), f in sorted(getattr(policy, "stats", {}).items())
+        }
+        return {
+            "flows": flows,
+            "admission_limit": limit.value if limit is not None else None,
+            "service_rate": getattr(policy, "rate", None),
+        }
+
+    def cache_statistics(self) -> dict[str, Any]:
+        """The result cache (hits, misses, hit rate, bytes, evictions, admissions
+        rejected) and coalescing (requests that joined one in flight); {} when off."""
+        return self.cache.statistics() if self.cache is not None else {}
+
+    def model_ready(self, model: str) -> bool:
+        """Whether ``model`` can serve now: the runtime is open and at least one of its
+        replicas is ready (running, not degraded by a straggler, not replacing its
+        worker, its circuit breaker closed)."""
+        served = self.models[model]
+        return not self._closed and any(
+            getattr(b, "ready", False) for b in served.batchers
+        )
+
+    def health(self) -> dict[str, Any]:
+        """Per model: ready or not, and each replica's health."""
+        return {
+            name: {
+                "ready": self.model_ready(name),
+                "replicas": {b.name: getattr(b, "health", b.state.value) for b in s.batchers},
+            }
+            for name, s in self.models.items()
+        }
