@@ -32,6 +32,8 @@ from ._scheduler import SchedulerActor as SchedulerActor
 from ._singleflight import SingleFlight as SingleFlight
 from ._singleflight import SingleFlightStatistics as SingleFlightStatistics
 from ._sketch import CountMinSketch as CountMinSketch
+from ._slo import SLO_WINDOWS as SLO_WINDOWS
+from ._slo import SloTracker as SloTracker
 from ._straggler import BatchTimer as BatchTimer
 from ._straggler import Breaker as Breaker
 from ._straggler import RecentQuantile as RecentQuantile

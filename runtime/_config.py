@@ -105,6 +105,11 @@ def _number(
     return check
 
 
+def _open_fraction(v: Any) -> None:
+    if not _finite(v) or not 0.0 < v < 1.0:
+        raise ValueError(f"must be a number above 0 and below 1, got {_shown(v)}")
+
+
 def _choice(options: tuple[str, ...], *, optional: bool = False):
     def check(v: Any) -> None:
         if v is None and optional:
@@ -245,6 +250,10 @@ class ModelConfig:
     cache_ttl_s: float | None = _field(_number(0.0, strict=True, optional=True), None)
     cache_shared: bool = _field(_bool, False)
     coalesce: bool = _field(_bool, False)
+    #: the latency objective: ``slo_target`` of the requests answered within this
+    #: (None: no objective tracked)
+    slo_ms: float | None = _field(_number(0.0, strict=True, optional=True), None)
+    slo_target: float = _field(_open_fraction, 0.99)
     options: Mapping[str, Any] = _field(_mapping, attrs.Factory(dict))
 
     @backend.validator

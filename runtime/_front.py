@@ -10,8 +10,8 @@ from __future__ import annotations
 import collections
 import math
 import operator
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import trio
 
@@ -33,6 +33,8 @@ from ._model import item_list
 from ._outcomes import _never_ran, _note_withdrawal
 from ._served import ServedModel
 from ._statistics import _Statistics
+
+T = TypeVar("T")
 
 
 class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
@@ -109,6 +111,10 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
         except TrioserveError:
             await trio.lowlevel.checkpoint()
             raise
+        if served.slo is not None:
+            return await _within_slo(served.slo, self._answer_prepared(
+                served, model, version, item, cost, tenant, priority
+            ))
         max_tokens = served.limits.max_tokens
         if model in self._cached or (max_tokens is not None and cost > max_tokens):
             return await self._answer_prepared(
@@ -189,6 +195,17 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
         except TrioserveError:
             await trio.lowlevel.checkpoint()
             raise
+        if served.slo is not None:
+            return await _within_slo(served.slo, self._batch_prepared(
+                served, model, version, prepared, tenant, priority
+            ))
+        return await self._batch_prepared(served, model, version, prepared, tenant, priority)
+
+    async def _batch_prepared(
+        self, served: ServedModel, model: str, version: str | None,
+        prepared: list[tuple[Any, int]], tenant: str, priority: str,
+    ) -> list[dict[str, Any]]:
+        """:meth:`infer_batch` for its items checked and prepared."""
         if len(prepared) == 1:
             item, cost = prepared[0]
             return [await self._answer_prepared(served, model, version, item, cost, tenant,
@@ -407,3 +424,20 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
                 for b in served.batchers:
                     await b.join_thread()
         self._grace_wait = None
+
+
+async def _within_slo(slo: Any, call: Awaitable[T]) -> T:
+    """``call`` awaited and counted against a model's objective (``SloTracker``): a
+    result, good or late; a failure of the server's (5xx: the model raised, a
+    deadline of the model's or class's passed, shed, shut down), bad. The client's
+    errors (4xx) and a caller's cancellation say nothing of the service."""
+    t0 = trio.current_time()
+    try:
+        result = await call
+    except TrioserveError as exc:
+        if exc.status >= 500:
+            slo.failed(trio.current_time())
+        raise
+    now = trio.current_time()
+    slo.answered(now, now - t0)
+    return result

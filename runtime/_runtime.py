@@ -238,6 +238,7 @@ async def _start_model(
         ModelMetrics,
         RecentQuantile,
         SchedulerActor,
+        SloTracker,
         StragglerPolicy,
     )
 
@@ -289,6 +290,7 @@ async def _start_model(
         slow_cost=m.slow_lane_cost,
         slow_scheduler=slow,
         hedge_timer=RecentQuantile(0.95) if m.hedge else None,
+        slo=SloTracker(m.slo_ms / 1e3, m.slo_target) if m.slo_ms is not None else None,
     )
     rt.models[m.name] = served
     if m.batch_timeout_cap_ms < m.batch_timeout_floor_ms:

@@ -27,6 +27,8 @@ class ServedModel:
     slow_scheduler: Any = None
     #: recent end-to-end latencies; their p95 is when a hedged request sends its copy
     hedge_timer: Any = None
+    #: the model's service-level objective (an ``SloTracker``; None: none)
+    slo: Any = None
 
     @property
     def name(self) -> str:

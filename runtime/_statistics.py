@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import trio
+
 
 class _Statistics:
     """The Runtime's statistics and health methods."""
@@ -12,6 +14,7 @@ class _Statistics:
     def statistics(self) -> dict[str, Any]:
         """Per-model counters and latency summaries (computed now; not for hot paths)."""
         out = {}
+        now = trio.current_time()
         for name, s in self.models.items():
             m = s.metrics
             out[name] = {
@@ -34,6 +37,7 @@ class _Statistics:
                     if s.slow_scheduler is not None else None
                 ),
                 "hedges_after_s": s.hedge_timer.value if s.hedge_timer is not None else None,
+                "slo": s.slo.statistics(now) if s.slo is not None else None,
             }
         return out
 

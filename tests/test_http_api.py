@@ -583,7 +583,7 @@ async def test_the_metrics_exposition_is_valid_after_traffic_through_every_featu
             echo_model(),
             attrs.evolve(echo_model(), name="idle"),
             trioserve.ModelConfig(
-                name="poison", max_wait_ms=0.0,
+                name="poison", max_wait_ms=0.0, slo_ms=100.0,
                 backend=trioserve.CallableBackend(
                     poison, inputs=[X], outputs=[Y], execution="inline"),
             ),
@@ -640,7 +640,7 @@ async def test_the_metrics_exposition_is_valid_after_traffic_through_every_featu
         f.name + "_total" if f.type == "counter" else f.name
         for f in text_string_to_metric_families(final.body.decode())
     }
-    assert len(exposed) == 39
+    assert len(exposed) == 42
     assert exposed - documented_series() == set()
     requests = {
         (dict(labels)["model"], dict(labels)["tenant"], dict(labels)["status"]): v

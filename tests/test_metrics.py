@@ -142,7 +142,7 @@ async def test_every_metrics_series_is_documented_with_its_labels(autojump_clock
     ``_total``) with its labels, and the outcomes it lists."""
     cfg = trioserve.Config(
         models=(
-            callable_model("a", Recorder()),
+            callable_model("a", Recorder(), slo_ms=50.0),
             callable_model("b", Recorder(), replicas=2, slow_lane_cost=4),
         ),
         tenants=(TenantConfig(name="t", default=True, credit_rate=1000.0),),

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import trio
 from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
@@ -23,7 +24,7 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
-from trioserve.actors import OUTCOMES
+from trioserve.actors import OUTCOMES, SLO_WINDOWS
 
 if TYPE_CHECKING:
     from ._gateway import Gateway
@@ -37,6 +38,41 @@ class GatewayCollector(Collector):
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
+
+    @staticmethod
+    def _slo(gw: Gateway) -> Iterator[Metric]:
+        """The models' service-level objectives (``slo_ms``): a sample for each model
+        that has one (docs/gateway.md's metrics table)."""
+        counted = CounterMetricFamily(
+            "trioserve_slo_requests",
+            "Requests counted against the model's objective (slo_ms, slo_target): good "
+            "(a result within slo_ms) or bad (later, or a 5xx failure); in process and "
+            "over HTTP and the stream alike.",
+            labels=["model", "outcome"],
+        )
+        target = GaugeMetricFamily(
+            "trioserve_slo_target",
+            "The share of requests the objective promises good (slo_target).",
+            labels=["model"],
+        )
+        burn = GaugeMetricFamily(
+            "trioserve_slo_burn_rate",
+            "The share of bad requests over the last window over the share the objective "
+            "allows (1 - slo_target): 1 spends the error budget exactly over the "
+            "objective's period, 14.4 a 30-day budget in two days.",
+            labels=["model", "window"],
+        )
+        now = trio.current_time()
+        for name, served in sorted(gw.runtime.models.items()):
+            slo = served.slo
+            if slo is None:
+                continue
+            counted.add_metric([name, "good"], slo.good)
+            counted.add_metric([name, "bad"], slo.bad)
+            target.add_metric([name], slo.target)
+            for window, seconds in SLO_WINDOWS:
+                burn.add_metric([name, window], slo.burn_rate(now, seconds))
+        yield from (counted, target, burn)
 
     def collect(self) -> Iterator[Metric]:
         gw = self._gateway
@@ -97,6 +133,7 @@ class GatewayCollector(Collector):
             for outcome in sorted(set(OUTCOMES) | set(m.statuses)):
                 outcomes.add_metric([name, str(outcome)], m.statuses[outcome])
         yield from (latency, batches, items, fill, depth, outcomes)
+        yield from self._slo(gw)
         yield from self._flows(gw)
 
         stats = gw.statistics()
