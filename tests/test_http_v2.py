@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from trioserve import InvalidInput, TensorSpec
 from trioserve.transport import InferRequest, ModelSignature, encode_response
-from trioserve.transport._v2 import decode_outputs, dumps, encode_inputs, json_loads
+from trioserve.transport._request import encode_inputs
+from trioserve.transport._response import decode_outputs
+from trioserve.transport._v2 import dumps, json_loads
 
 
 class _Served:
@@ -305,7 +307,7 @@ def test_packed_json_data_agrees_with_numpys_conversion(monkeypatch_module, data
                                                         datatype):
     """The struct fast path gives the same array, or the same refusal, as numpy's
     conversion alone, for numbers, bools, null, strings and bad nesting."""
-    from trioserve.transport import _v2
+    from trioserve.transport import _tensors
 
     data, shape = data_shape
     sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1,))])
@@ -320,7 +322,7 @@ def test_packed_json_data_agrees_with_numpys_conversion(monkeypatch_module, data
         return [(it["x"].dtype.str, it["x"].shape, it["x"].tobytes()) for it in req.items]
 
     fast = outcome()
-    monkeypatch_module.setattr(_v2, "_pack", lambda data, dtype, count: None)
+    monkeypatch_module.setattr(_tensors, "_pack", lambda data, dtype, count: None)
     try:
         slow = outcome()
     finally:
@@ -422,7 +424,7 @@ def test_the_scan_for_booleans_never_misses_one(value, text, indent):
     that holds a boolean as an array element (as bytes and as str, compact or
     indented); it may say so for others too: always after 16 other hits of a word's
     first letter, and never when neither word appears before that."""
-    from trioserve.transport._v2 import _may_hold_bool
+    from trioserve.transport._tensors import _may_hold_bool
 
     body = orjson.dumps(value, option=orjson.OPT_INDENT_2 if indent else 0)
     if _holds_a_bool(value):
@@ -476,7 +478,7 @@ def _v2_body(draw):
 def test_large_bodies_decode_as_orjson_decodes_them(monkeypatch_module, body_type):
     """The numeric decoder (used for bodies of NUMERIC_PARSE_MIN bytes and more) gives
     the same request, or the same refusal, as orjson and the checks after it."""
-    from trioserve.transport import _v2
+    from trioserve.transport import _request_json
 
     body, datatype = body_type
     sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1,))])
@@ -490,7 +492,7 @@ def test_large_bodies_decode_as_orjson_decodes_them(monkeypatch_module, body_typ
                 for it in req.items]
         return rows, req.id, req.outputs, req.priority, req.binary_outputs
 
-    monkeypatch_module.setattr(_v2, "NUMERIC_PARSE_MIN", 0)
+    monkeypatch_module.setattr(_request_json, "NUMERIC_PARSE_MIN", 0)
     try:
         fast = outcome()
     finally:
@@ -499,7 +501,7 @@ def test_large_bodies_decode_as_orjson_decodes_them(monkeypatch_module, body_typ
 
 
 def test_a_large_float_request_is_decoded_without_python_floats():
-    from trioserve.transport._v2 import NUMERIC_PARSE_MIN, _loads_numeric
+    from trioserve.transport._request_json import NUMERIC_PARSE_MIN, _loads_numeric
 
     x = np.random.default_rng(3).standard_normal((32, 256)).astype(np.float32)
     for data in (x.tolist(), x.reshape(-1).tolist()):
@@ -524,7 +526,7 @@ def test_a_large_float_request_is_decoded_without_python_floats():
         assert _loads_numeric(bad) is None
     # a text message (the WebSocket stream's) takes the same way; one that cannot be
     # UTF-8 gets orjson's refusal
-    from trioserve.transport._v2 import loads_request
+    from trioserve.transport._request_json import loads_request
 
     assert type(loads_request(body.decode())["inputs"][0]["data"]) is np.ndarray
     with pytest.raises(InvalidInput, match="malformed JSON body"):
@@ -552,10 +554,10 @@ def test_deeply_nested_data_with_a_boolean_elsewhere_is_a_400_not_a_recursion():
 def test_a_boolean_only_as_an_objects_value_costs_no_exact_check(monkeypatch):
     """tritonclient sends "binary_data": true with each requested output: the data
     is not walked for it."""
-    from trioserve.transport import _v2
+    from trioserve.transport import _tensors
 
     walked = []
-    monkeypatch.setattr(_v2, "_holds_bool", lambda data: walked.append(1) or False)
+    monkeypatch.setattr(_tensors, "_holds_bool", lambda data: walked.append(1) or False)
     parse({"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
            "outputs": [{"name": "y", "parameters": {"binary_data": True}}]})
     assert walked == []
@@ -568,11 +570,11 @@ def test_only_json_data_has_its_body_scanned_for_booleans(monkeypatch):
     """A binary input's JSON head (with tritonclient's "binary_data": true) is never
     scanned; once an input carries JSON data the body is scanned once, and a boolean
     among its numbers is still refused, whatever comes before it."""
-    from trioserve.transport import _v2
+    from trioserve.transport import _request
 
     scans = []
-    scan = _v2._may_hold_bool
-    monkeypatch.setattr(_v2, "_may_hold_bool", lambda text: scans.append(1) or scan(text))
+    scan = _request._may_hold_bool
+    monkeypatch.setattr(_request, "_may_hold_bool", lambda text: scans.append(1) or scan(text))
     x = np.arange(4, dtype=np.float32)
     header = orjson.dumps({
         "inputs": [{"name": "x", "shape": [4], "datatype": "FP32",

@@ -36,7 +36,7 @@ async def test_each_answer_is_tagged_with_its_requests_id(mlp_input):
 
 
 async def test_a_large_batch_message_is_split_and_answered_like_a_small_one():
-    # Messages of 16 KiB and more are decoded another way first (transport/_v2.py).
+    # Messages of 16 KiB and more are decoded another way first (transport/_request_json.py).
     x = np.random.default_rng(5).standard_normal((24, 256)).astype(np.float32)
     async with serving(config(mlp_model())) as gw:
         want = np.stack([(await gw.runtime.infer("mlp", row))["y"] for row in x])

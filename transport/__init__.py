@@ -20,9 +20,9 @@ from ._gateway import open_listeners as open_listeners
 from ._main import bench_http_main as bench_http_main
 from ._main import serve as serve
 from ._main import serve_main as serve_main
+from ._request import InferRequest as InferRequest
+from ._response import encode_response as encode_response
+from ._signature import ModelSignature as ModelSignature
 from ._stream import StreamClient as StreamClient
 from ._stream import StreamReply as StreamReply
 from ._stream import open_stream as open_stream
-from ._v2 import InferRequest as InferRequest
-from ._v2 import ModelSignature as ModelSignature
-from ._v2 import encode_response as encode_response

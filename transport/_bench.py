@@ -13,8 +13,9 @@ from trioserve import ModelError, TensorSpec
 from trioserve._bench import _progress, run_load
 
 from ._client import HttpClient
+from ._request import sample_inputs
 from ._stream import ERROR_OF_STATUS, open_stream
-from ._v2 import dumps, sample_inputs
+from ._v2 import dumps
 
 
 async def _batch_counters(url: str, model: str) -> tuple[float, float] | None:

@@ -16,7 +16,9 @@ import orjson
 import trio
 from trioserve import ModelError, TrioserveError
 
-from ._v2 import decode_outputs, dumps, encode_inputs, json_loads
+from ._request import encode_inputs
+from ._response import decode_outputs
+from ._v2 import dumps, json_loads
 
 RECEIVE_SIZE = 64 * 1024
 

@@ -22,7 +22,8 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from ._auth import another_field_line
 from ._extensions import model_config, model_statistics
 from ._gateway import Answer, error_answer
-from ._v2 import error_body, server_metadata
+from ._signature import server_metadata
+from ._v2 import error_body
 
 if TYPE_CHECKING:
     from ._gateway import Gateway

@@ -36,7 +36,10 @@ from trioserve import (
 from ._auth import ANONYMOUS, Authenticator, ControlPlaneGuard
 from ._coding import encode_answer, negotiate
 from ._idempotency import IdempotencyStore
-from ._v2 import InferRequest, ModelSignature, encode_response, error_body
+from ._request import InferRequest
+from ._response import encode_response
+from ._signature import ModelSignature
+from ._v2 import error_body
 
 if TYPE_CHECKING:
     from ._hangup import HangupWatch

@@ -26,7 +26,8 @@ from trioserve import (
 from trioserve._builtin import warm_imports
 
 from ._gateway import Gateway, open_gateway, open_listeners
-from ._v2 import dumps, sample_inputs
+from ._request import sample_inputs
+from ._v2 import dumps
 
 # ---------------------------------------------------------------- serve
 

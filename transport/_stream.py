@@ -59,15 +59,10 @@ from wsproto.utilities import RemoteProtocolError
 from ._auth import another_field_line
 from ._gateway import UNKNOWN_MODEL, WWW_AUTHENTICATE, error_answer, log
 from ._http import _wait_writable, _write_some
-from ._v2 import (
-    InferRequest,
-    decode_outputs,
-    dumps,
-    encode_inputs,
-    encode_response,
-    json_loads,
-    loads_request,
-)
+from ._request import InferRequest, encode_inputs
+from ._request_json import loads_request
+from ._response import decode_outputs, encode_response
+from ._v2 import dumps, json_loads
 
 if TYPE_CHECKING:
     from ._gateway import Gateway, _Conn
