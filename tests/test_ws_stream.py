@@ -634,7 +634,7 @@ class _CutOnce(trio.abc.HalfCloseableStream):
 
 async def test_a_write_cancelled_part_way_breaks_the_stream():
     """Nothing is written after a cut frame: it would be read as the frame's rest."""
-    from trioserve.transport._stream import ReplayStream
+    from trioserve.transport._replay import ReplayStream
 
     socket = _CutOnce()
     stream = ReplayStream(socket, b"")

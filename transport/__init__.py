@@ -23,6 +23,6 @@ from ._main import serve_main as serve_main
 from ._request import InferRequest as InferRequest
 from ._response import encode_response as encode_response
 from ._signature import ModelSignature as ModelSignature
-from ._stream import StreamClient as StreamClient
-from ._stream import StreamReply as StreamReply
-from ._stream import open_stream as open_stream
+from ._stream_client import StreamClient as StreamClient
+from ._stream_client import StreamReply as StreamReply
+from ._stream_client import open_stream as open_stream

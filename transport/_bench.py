@@ -14,7 +14,7 @@ from trioserve._bench import _progress, run_load
 
 from ._client import HttpClient
 from ._request import sample_inputs
-from ._stream import ERROR_OF_STATUS, open_stream
+from ._stream_client import ERROR_OF_STATUS, open_stream
 from ._v2 import dumps
 
 

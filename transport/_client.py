@@ -37,7 +37,7 @@ class HttpResponse:
         """The outputs of a v2 infer response as numpy arrays (JSON or binary data).
         An error response raises its trioserve error (by status) with its message."""
         if self.status != 200:
-            from ._stream import ERROR_OF_STATUS
+            from ._stream_client import ERROR_OF_STATUS
 
             try:
                 message = self.json().get("error", "")

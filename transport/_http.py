@@ -503,7 +503,8 @@ class _Connection:
                 method == b"GET" and keep_alive and version == b"1.1"
                 and target.partition(b"?")[0] == b"/v2/stream"
             ):
-                from ._stream import ReplayStream, serve_stream
+                from ._replay import ReplayStream
+                from ._stream import serve_stream
 
                 if watch is not None:
                     watch.forget(fd, conn)  # the stream reads its socket, and closes it

@@ -1,0 +1,275 @@
+"""The stream a ``/v2/stream`` WebSocket is served over (:class:`ReplayStream`): it
+replays the handshake bytes the HTTP front end already read, and coalesces writes: a
+flusher task sends what the connection's answers queued, several to a write, bounded
+in bytes and in how long the client may take none of them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import trio
+
+from ._http import _wait_writable, _write_some
+
+KIB = 1024
+RECEIVE_SIZE = 64 * KIB
+#: How long a closing stream may take to tell its pending requests it is shutting down.
+CLOSE_GRACE = 1.0
+
+
+class _Stalled(Exception):
+    """A write the client took none of for the stream's ``write_timeout``; ``sent``
+    bytes of it had gone."""
+
+    def __init__(self, sent: int) -> None:
+        super().__init__(sent)
+        self.sent = sent
+
+
+class ReplayStream(trio.abc.HalfCloseableStream):
+    """The stream a WebSocket is served over, handed from the HTTP front end.
+
+    Reading first returns ``buffered`` (the handshake bytes the front end already
+    read), then reads ``stream``. ``held`` are bytes the front end read after the
+    handshake (the client's first frames, sent without waiting for the 101): they are
+    read after :meth:`release_held`, once the handshake is done (wsproto's server side
+    would drop bytes that come with the handshake).
+
+    Writing coalesces: while :meth:`run_flusher` runs, ``send_all`` only queues its
+    bytes, and the flusher sends everything queued in one write, so the answers of one
+    batch leave in one syscall. At most ``limit`` bytes wait; beyond that ``send_all``
+    waits for the flusher (backpressure). :attr:`unsent` counts the bytes queued and
+    those of the write under way; ``on_sent`` is called (sync) after each flusher write.
+
+    A write cancelled part way (a client that does not read, at the end of a drain)
+    may have sent part of a frame: the stream is then broken, and nothing more is
+    written (what followed would be read as the rest of the cut frame).
+
+    A socket's writes are bounded by ``write_timeout``: a write the client takes no
+    byte of for that long stalls. The flusher then stops, the stream is broken for
+    other writers, ``on_stall`` is called, and :meth:`send_final` may still send the
+    rest of the cut write's last frame and one more (the close frame): each
+    ``send_all`` holds whole frames, so the stream stays framed.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.HalfCloseableStream,
+        buffered: bytes,
+        *,
+        held: bytes = b"",
+        limit: int = 256 * KIB,
+        write_timeout: float = math.inf,
+    ) -> None:
+        self.transport_stream = stream
+        self._buffered = buffered
+        self._held = held
+        self._limit = limit
+        self.write_timeout = write_timeout
+        #: called (sync) when a flusher write stalls
+        self.on_stall: Callable[[], None] | None = None
+        #: called (sync) when a flusher write is done (``unsent`` fell)
+        self.on_sent: Callable[[], None] | None = None
+        sock = getattr(stream, "socket", None)
+        self._fd: int | None = sock.fileno() if sock is not None else None
+        #: after a stall: the rest of the frame the stalled write cut
+        self._rest: bytes | None = None
+        self._out: list[bytes] = []
+        self._out_size = 0
+        self._writing = 0  # bytes of the flusher's write under way
+        self._flushing = False
+        self._wake = trio.lowlevel.ParkingLot()  # the flusher waits here for bytes
+        self._room = trio.lowlevel.ParkingLot()  # writers wait here when over the limit
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._stopped = trio.Event()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if not self._buffered:
+            return await self.transport_stream.receive_some(max_bytes)
+        await trio.lowlevel.checkpoint()
+        data = self._buffered
+        if max_bytes is not None and max_bytes < len(data):
+            data, self._buffered = data[:max_bytes], data[max_bytes:]
+        else:
+            self._buffered = b""
+        return data
+
+    @property
+    def unsent(self) -> int:
+        """Bytes given to :meth:`send_all` and not yet taken by the socket (queued, or in
+        the flusher's write under way)."""
+        return self._out_size + self._writing
+
+    def release_held(self) -> None:
+        """Make the ``held`` bytes the next to be read."""
+        self._buffered += self._held
+        self._held = b""
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._error is not None:
+            raise trio.BrokenResourceError("the connection failed") from self._error
+        if not self._flushing:
+            if self._out:  # left by a flusher that has stopped: keep the order
+                await self._write(self._take())
+            await self._write(data)
+            return
+        self._out.append(bytes(data))
+        self._out_size += len(data)
+        self._wake.unpark_all()
+        if self._out_size > self._limit:
+            await self._room.park()
+            if self._error is not None:
+                raise trio.BrokenResourceError("the connection failed") from self._error
+        else:
+            await trio.lowlevel.checkpoint()
+
+    async def run_flusher(self) -> None:
+        """Send queued bytes until :meth:`stop_flusher` (or cancellation, which may
+        lose bytes taken for a write: stop it with :meth:`stop_flusher` instead)."""
+        self._flushing = True
+        try:
+            while True:
+                if not self._out:
+                    if self._stopping:
+                        return
+                    await self._wake.park()
+                    continue
+                pieces = self._take_pieces()
+                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                self._writing = len(data)
+                try:
+                    await self._write(data, report_stall=True)
+                except _Stalled as stall:
+                    self._stall(pieces, data, stall.sent)
+                    return
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+                # the write's bytes are freed now, not when the next write comes
+                del pieces, data
+                self._writing = 0
+                if self.on_sent is not None:
+                    self.on_sent()
+        finally:
+            self._writing = 0
+            self._flushing = False
+            self._room.unpark_all()
+            self._stopped.set()
+
+    async def stop_flusher(self) -> None:
+        """Let the flusher send everything queued, then stop; later writes go straight
+        to the transport. A checkpoint; returns once the flusher has stopped."""
+        self._stopping = True
+        self._wake.unpark_all()
+        if self._flushing:
+            await self._stopped.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+
+    def _take_pieces(self) -> list[bytes]:
+        """Everything queued (one piece per ``send_all``); wakes writers waiting for
+        room."""
+        pieces = self._out
+        self._out = []
+        self._out_size = 0
+        self._room.unpark_all()
+        return pieces
+
+    def _take(self) -> bytes:
+        """Everything queued, as one write; wakes writers waiting for room."""
+        return b"".join(self._take_pieces())
+
+    def _stall(self, pieces: list[bytes], data: bytes, sent: int) -> None:
+        """A flusher write of ``pieces`` (joined: ``data``) stalled after ``sent``
+        bytes: keep the rest of the piece it cut (whole frames end there), drop the
+        pieces after it, break the stream for other writers, report it."""
+        end = 0
+        for piece in pieces:
+            start, end = end, end + len(piece)
+            if end > sent:
+                self._rest = data[sent:end] if sent > start else b""
+                break
+        self._error = trio.BrokenResourceError(
+            f"the client took no data for {self.write_timeout:g} s"
+        )
+        if self.on_stall is not None:
+            self.on_stall()
+
+    async def send_final(self, data: bytes) -> None:
+        """After a stall: send the rest of the cut frame, then ``data`` (whole
+        frames), then nothing more. A checkpoint; bound it (the client may still not
+        read). Raises BrokenResourceError when there was no stall, or it fails."""
+        rest, self._rest = self._rest, None
+        if rest is None:
+            await trio.lowlevel.checkpoint()
+            raise trio.BrokenResourceError("the stream did not stall")
+        await self._write(rest + data)
+
+    async def _write(
+        self, data: bytes | bytearray | memoryview, *, report_stall: bool = False
+    ) -> None:
+        """Send ``data`` on the transport; a failure, a stall (BrokenResourceError, or
+        _Stalled if ``report_stall``), or a cancellation (which may leave part of it
+        sent), breaks the stream for later writes."""
+        try:
+            if self._fd is None or self.write_timeout == math.inf:
+                await self.transport_stream.send_all(data)
+            else:
+                await self._send_timed(self._fd, data)
+        except trio.Cancelled:
+            self._error = trio.BrokenResourceError("a write was cancelled part way")
+            raise
+        except _Stalled:
+            self._error = trio.BrokenResourceError("the client took no data")
+            if report_stall:
+                raise
+            raise self._error from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._error = exc
+            raise
+
+    async def _send_timed(self, fd: int, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` to the socket ``fd``, waiting while its buffer is full, at
+        most ``write_timeout`` at a time (each byte taken starts the wait afresh):
+        past that, _Stalled. A checkpoint."""
+        with memoryview(data) as view:
+            n = _write_some(fd, view)
+            if n == len(view):
+                await trio.lowlevel.checkpoint()
+                return
+            while n < len(view):
+                with trio.move_on_after(self.write_timeout):
+                    await _wait_writable(fd)
+                    n += _write_some(fd, view[n:])
+                    continue
+                raise _Stalled(n)
+
+    async def _flush_rest(self) -> None:
+        if self._out and self._error is None:
+            with trio.move_on_after(CLOSE_GRACE):
+                await self._write(self._take())
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.transport_stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._flush_rest()
+        await self.transport_stream.send_eof()
+
+    async def aclose(self) -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await self._flush_rest()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await self.transport_stream.aclose()
+
+
+__all__ = [
+    "CLOSE_GRACE",
+    "KIB",
+    "RECEIVE_SIZE",
+    "ReplayStream",
+]

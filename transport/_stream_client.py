@@ -1,0 +1,276 @@
+"""The client of ``/v2/stream``: :func:`open_stream` opens the WebSocket (on
+trio-websocket) and yields a :class:`StreamClient`, which sends requests tagged with
+ids (:func:`request_message`) and matches the answers (:class:`StreamReply`) to them."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import numpy as np
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionTimeout,
+    connect_websocket_url,
+)
+from trioserve import (
+    DeadlineExceeded,
+    Forbidden,
+    InvalidInput,
+    ModelError,
+    Overloaded,
+    QuotaExceeded,
+    TrioserveError,
+    Unauthorized,
+    UnknownModel,
+)
+
+from ._replay import CLOSE_GRACE, KIB, RECEIVE_SIZE
+from ._request import encode_inputs
+from ._response import decode_outputs
+from ._v2 import dumps, json_loads
+
+_NO_ID = object()
+
+
+ERROR_OF_STATUS: dict[int, type[TrioserveError]] = {
+    400: InvalidInput,
+    401: Unauthorized,
+    403: Forbidden,
+    404: UnknownModel,
+    429: QuotaExceeded,
+    503: Overloaded,
+    504: DeadlineExceeded,
+}
+
+
+@attrs.frozen(kw_only=True)
+class StreamReply:
+    """One answer from the stream: outputs (name -> array) or an error (with 429 and
+    503, ``retry_after``: seconds to wait before trying again)."""
+
+    id: Any
+    outputs: dict[str, np.ndarray] | None = attrs.field(default=None, eq=False)
+    error: str | None = None
+    status: int = 200
+    model_name: str | None = None
+    retry_after: float | None = None
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> StreamReply:
+        if "error" in doc:
+            status = int(doc.get("status", 500))
+            retry = doc.get("retry_after")
+            return cls(id=doc.get("id"), error=str(doc["error"]), status=status,
+                       retry_after=None if retry is None else float(retry))
+        return cls(id=doc.get("id"), outputs=decode_outputs(doc), model_name=doc.get("model_name"))
+
+    def unwrap(self) -> dict[str, np.ndarray]:
+        """The outputs, or the error raised as its trioserve error class."""
+        if self.error is None:
+            assert self.outputs is not None
+            return self.outputs
+        cls = ERROR_OF_STATUS.get(self.status, ModelError)
+        if issubclass(cls, Overloaded) and self.retry_after is not None:
+            raise cls(self.error, retry_after=self.retry_after)
+        raise cls(self.error)
+
+
+@attrs.define(eq=False, slots=True)
+class _Waiter:
+    """An :meth:`StreamClient.infer` caller waiting for the answer to its id."""
+
+    event: trio.Event = attrs.Factory(trio.Event)
+    doc: Any = None
+    #: the caller left (cancelled): its answer, when it comes, is dropped.
+    abandoned: bool = False
+
+
+def request_message(
+    id: Any,
+    model: str,
+    inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    *,
+    version: str | None = None,
+    outputs: Sequence[str] | None = None,
+    parameters: Mapping[str, Any] | None = None,
+) -> str:
+    """One stream message: a v2 infer request tagged with ``id`` and ``model``."""
+    doc: dict[str, Any] = {"id": id, "model": model, "inputs": encode_inputs(inputs)}
+    if version is not None:
+        doc["version"] = version
+    if outputs is not None:
+        doc["outputs"] = [{"name": n} for n in outputs]
+    if parameters:
+        doc["parameters"] = dict(parameters)
+    return dumps(doc).decode()
+
+
+class StreamClient:
+    """A client of ``/v2/stream``. Made by :func:`open_stream`.
+
+    Use either :meth:`infer` (matches answers to callers by id; many tasks may call
+    it at once) or :meth:`send` / :meth:`receive` (answers in completion order).
+    At most ``max_in_flight`` requests are outstanding: beyond that, sending waits.
+    """
+
+    def __init__(self, ws: Any, max_in_flight: int) -> None:
+        self.ws = ws
+        # A slot per request sent and not yet answered (and, for send, received).
+        self._slots = trio.Semaphore(max_in_flight)
+        self._waiters: dict[Any, _Waiter] = {}
+        self._send_replies, self._replies = trio.open_memory_channel[Any](max_in_flight)
+        self._ids = itertools.count()
+
+    async def send(
+        self,
+        id: Any,
+        model: str,
+        inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        **kw: Any,
+    ) -> None:
+        """Send one request (keywords: version, outputs, parameters); its answer comes
+        from :meth:`receive`. Waits while ``max_in_flight`` answers are outstanding."""
+        await self.send_raw(request_message(id, model, inputs, **kw))
+
+    async def send_raw(self, message: str | bytes) -> None:
+        """Send a message as it is (it takes an in-flight slot until answered)."""
+        await self._slots.acquire()
+        sent = False
+        try:
+            await self.ws.send_message(message)
+            sent = True
+        finally:
+            if not sent:
+                self._slots.release()
+
+    async def receive(self) -> StreamReply:
+        """The next answer not claimed by :meth:`infer`, in completion order.
+
+        Raises trio_websocket.ConnectionClosed once the stream has closed.
+        """
+        try:
+            doc = await self._replies.receive()
+        except trio.EndOfChannel:
+            raise ConnectionClosed(self.ws.closed) from None
+        self._slots.release()
+        return StreamReply.from_doc(doc)
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        **kw: Any,
+    ) -> dict[str, np.ndarray]:
+        """Send one request (keywords: version, outputs, parameters) and wait for its
+        answer: outputs name -> array, or the error raised as its trioserve class
+        (InvalidInput, UnknownModel, ...). Cancelling it drops the answer."""
+        rid = f"c{next(self._ids)}"
+        message = request_message(rid, model, inputs, **kw)
+        await self._slots.acquire()
+        waiter = self._waiters[rid] = _Waiter()
+        try:
+            await self.ws.send_message(message)
+            await waiter.event.wait()
+        finally:
+            # Left before the answer (cancelled, or the send failed): it may still
+            # come, and the dispatcher then drops it and frees the slot.
+            waiter.abandoned = waiter.doc is None
+        if waiter.doc is None:
+            raise ConnectionClosed(self.ws.closed)
+        return StreamReply.from_doc(waiter.doc).unwrap()
+
+    async def _dispatch(self) -> None:
+        ws = self.ws
+        try:
+            while True:
+                try:
+                    message = await ws.get_message()
+                except ConnectionClosed:
+                    return
+                doc = json_loads(message)
+                waiter = self._waiters.pop(doc.get("id", _NO_ID), None)
+                if waiter is None:
+                    await self._send_replies.send(doc)
+                    continue
+                self._slots.release()
+                if not waiter.abandoned:
+                    waiter.doc = doc
+                    waiter.event.set()
+        finally:
+            self._send_replies.close()
+            for waiter in self._waiters.values():
+                waiter.event.set()
+
+
+def stream_url(url: str) -> str:
+    """The ``ws://`` URL of ``/v2/stream`` for a server URL (``http://host:port``)."""
+    parts = urlsplit(url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    path = parts.path if parts.path not in ("", "/") else "/v2/stream"
+    return f"{scheme}://{parts.netloc}{path}"
+
+
+@asynccontextmanager
+async def open_stream(
+    url: str,
+    *,
+    api_key: str | None = None,
+    max_in_flight: int = 256,
+    max_message_size: int = 16 * 1024 * KIB,
+    connect_timeout: float = 10.0,
+) -> AsyncIterator[StreamClient]:
+    """Open a ``/v2/stream`` WebSocket to the server at ``url`` (``http://host:port``
+    or a ``ws://`` URL) and yield a :class:`StreamClient`; closed on leaving.
+
+    Raises trio_websocket.ConnectionRejected (status 401) for a refused API key and
+    trio_websocket.ConnectionTimeout when the handshake takes over ``connect_timeout``.
+    """
+    headers = [(b"authorization", b"Bearer " + api_key.encode())] if api_key else None
+    try:
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(connect_timeout) as connecting:
+                ws = await connect_websocket_url(
+                    nursery,
+                    stream_url(url),
+                    extra_headers=headers,
+                    message_queue_size=max(1, max_in_flight),
+                    max_message_size=max_message_size,
+                    receive_buffer_size=RECEIVE_SIZE,
+                )
+            if connecting.cancelled_caught:
+                raise ConnectionTimeout(f"no WebSocket handshake within {connect_timeout:g} s")
+            client = StreamClient(ws, max_in_flight)
+            nursery.start_soon(client._dispatch)
+            try:
+                yield client
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
+                    await ws.aclose()
+                nursery.cancel_scope.cancel("stream client closed")
+    except BaseExceptionGroup as group:
+        # A refused handshake fails trio-websocket's reader task: raise it unwrapped.
+        leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+__all__ = [
+    "StreamClient",
+    "StreamReply",
+    "open_stream",
+    "request_message",
+]
