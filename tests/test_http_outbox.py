@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import trio.testing
-from trioserve.transport._http import Outbox, _WriteStalled
+from trioserve.transport._wire import Outbox, _WriteStalled
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import socket
 import pytest
 import trio
 import trio.testing
-from trioserve.transport._http import RECEIVE_SIZE, _receive, _send_all
+from trioserve.transport._wire import RECEIVE_SIZE, _receive, _send_all
 
 
 def _pair():

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from ._http import LINGER, _close, _plain_response, _write_some, serve_connection
+from ._http import LINGER, _close, _plain_response, serve_connection
 from ._v2 import error_body
+from ._wire import _write_some
 
 if TYPE_CHECKING:
     from ._gateway import Gateway

@@ -43,7 +43,7 @@ from ._v2 import error_body
 
 if TYPE_CHECKING:
     from ._hangup import HangupWatch
-    from ._http import Outbox
+    from ._wire import Outbox
 
 log = logging.getLogger("trioserve.transport")
 
@@ -542,7 +542,7 @@ class Gateway:
         """
         from ._accept import accept_connections
         from ._hangup import HangupWatch
-        from ._http import Outbox
+        from ._wire import Outbox
 
         if listeners is None:
             listeners = await open_listeners(self.server_config, host, port)

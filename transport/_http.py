@@ -31,27 +31,38 @@ While a data-plane request waits for its answer the connection does not read its
 socket; the gateway's hang-up watch (``._hangup``) notices a client that closes it
 meanwhile and cancels the connection, so the request is withdrawn (or its answer
 dropped) and nothing is written.
+
+Here: the connection loop (``_Connection``) and its answers. The socket reads and
+writes and the :class:`Outbox` are ``._wire``'s, the llhttp parse and the infer route
+``._data_plane``'s, the control plane's ASGI call ``._asgi``'s.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, unquote_to_bytes
+from typing import TYPE_CHECKING
 
 import h11
-import httptools
-import outcome
 import trio
 
+from ._asgi import _call_asgi, _peer
 from ._auth import another_field_line
 from ._coding import encode_answer
-from ._gateway import JSON, Answer, Headers, error_answer
+from ._data_plane import _FAST_PREFIX, MAX_HEAD, _data_plane_request, _infer_route
+from ._gateway import JSON, Headers
 from ._target import MAX_TARGET, check_target, unusual
 from ._v2 import error_body
+from ._wire import (
+    KIB,
+    RECEIVE_SIZE,
+    _checkpoint,
+    _ReadTimeout,
+    _receive,
+    _send_all,
+    _WriteStalled,
+)
 
 if TYPE_CHECKING:
     from ._gateway import Gateway, _Conn
@@ -59,10 +70,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trioserve.transport")
 
-KIB = 1024
-RECEIVE_SIZE = 64 * KIB
-#: The largest request head (request line and headers) accepted.
-MAX_HEAD = 16 * KIB
 #: After an error answer, how long unread request bytes are drained before closing
 #: (closing with unread data would reset the connection before the client reads).
 LINGER = 1.0
@@ -72,114 +79,11 @@ _NEED_DATA = h11.NEED_DATA
 _Request = h11.Request
 _Data = h11.Data
 _EndOfMessage = h11.EndOfMessage
-_read = os.read
-_write = os.write
-_wait_readable = trio.lowlevel.wait_readable
-_checkpoint = trio.lowlevel.checkpoint
-_wait_writable = trio.lowlevel.wait_writable
 _CLOSE = (b"connection", b"close")
-#: How a data-plane request begins; only such a request is tried by llhttp.
-_FAST_PREFIX = b"POST /v2/models/"
-_VERSION_LINE_END = b" HTTP/1.1\r\n"
-_OWS = b" \t"
-#: Headers that make a request h11's to parse (or, for Connection, ``close``).
-_H11_FRAMING = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"connection"))
-_DROPPED_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"connection"))
 #: The methods of RFC 9110 (and PATCH); any other gets 501.
 _METHODS = frozenset(
     (b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"OPTIONS", b"TRACE", b"PATCH")
 )
-
-
-class Outbox:
-    """Writes the data plane's keep-alive answers of many connections together, once
-    per pass of the scheduler.
-
-    Under load an answer used to leave as soon as it was ready, one write every
-    ~90 µs, and the client, idle in between, had to be woken by each: on this machine
-    that wake-up is ~10% of the server's CPU (spent inside the write), and the client
-    too sleeps and wakes once per answer. Now the first answer of a round is written at
-    once and wakes the flusher task; answers ready before the flusher runs (on the
-    scheduler's next pass) wait for it and leave together, so the client wakes about
-    once a round. With one connection every answer is the first of its round: no wait.
-
-    A connection whose answer waits is parked until the flusher wrote what the socket
-    took; it waits for the rest itself, at most ``stall_after`` at a time (_WriteStalled).
-    Cancelled while parked, its answer is not written.
-    """
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[int, bytes, Any]] = []
-        self._flusher: Any = None  # the task of ``run``, once started
-        self._parked = False  # the flusher waits for a round to open
-        self._round = False  # a round is open: an answer was written, the flusher woken
-
-    async def run(self) -> None:
-        """The flusher. Runs until cancelled (after the connections it serves); once it
-        has ended, every answer is written at once. (Nothing waits for it while it is
-        parked: an answer waits only in a round, and a round wakes it.)"""
-        self._flusher = trio.lowlevel.current_task()
-        reschedule = trio.lowlevel.reschedule
-        try:
-            while True:
-                self._parked = True
-                await trio.lowlevel.wait_task_rescheduled(_abort_parked)
-                pending, self._pending = self._pending, []
-                self._round = False
-                for fd, data, task in pending:
-                    try:
-                        n = _write_some(fd, data)
-                    except trio.BrokenResourceError as exc:
-                        reschedule(task, outcome.Error(exc))
-                        continue
-                    reschedule(task, outcome.Value(n))
-        finally:
-            self._parked = False
-            self._flusher = None
-
-    async def send(self, fd: int, data: bytes, stall_after: float = math.inf) -> bool:
-        """Write ``data`` to the connection's socket, now or with the round's other
-        answers. Returns whether the task went through the scheduler (it waited).
-        Raises _WriteStalled when the socket takes no byte of it for ``stall_after``."""
-        if not self._round:
-            if self._parked:
-                self._round = True
-                self._parked = False
-                trio.lowlevel.reschedule(self._flusher)
-            await _send_all(fd, data, stall_after)
-            return False
-        entry = (fd, data, trio.lowlevel.current_task())
-        pending = self._pending
-        pending.append(entry)
-
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            for i, e in enumerate(pending):
-                if e is entry:
-                    del pending[i]
-                    break
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        n = await trio.lowlevel.wait_task_rescheduled(abort)
-        if n < len(data):
-            await _send_rest(fd, data, n, stall_after)
-        return True
-
-
-def _abort_parked(_: Any) -> trio.lowlevel.Abort:
-    return trio.lowlevel.Abort.SUCCEEDED
-
-
-class _ReadTimeout(Exception):
-    """No request within the keep-alive timeout (``idle``), or a request begun and not
-    received whole within the request timeout."""
-
-    def __init__(self, idle: bool) -> None:
-        self.idle = idle
-
-
-class _WriteStalled(Exception):
-    """The client took no byte of an answer for ``server.write_timeout_s``: it does not
-    read. Nothing more can be written on the connection (the answer is cut)."""
 
 
 class _Close(Exception):
@@ -541,86 +445,6 @@ class _Connection:
             waited = False  # this answer did not go through the scheduler
 
 
-class _Head:
-    """Collects a request head's target and headers from llhttp's callbacks."""
-
-    __slots__ = ("headers", "target")
-
-    def __init__(self) -> None:
-        self.target = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-
-    def on_url(self, url: bytes) -> None:
-        self.target += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-
-def _data_plane_request(
-    buf: bytes, max_body: int
-) -> tuple[tuple[str, str | None], bytes, bytes, Any, Any, Any, Any, Any] | None:
-    """The data plane's usual request, parsed by llhttp (httptools): a keep-alive
-    HTTP/1.1 ``POST`` to an infer route, framed by one Content-Length, whose head and
-    body ``buf`` holds whole. Returns (route, body, the bytes after it, and the values
-    of Authorization, Inference-Header-Content-Length, Idempotency-Key,
-    Content-Encoding and Accept-Encoding: several Accept-Encoding lines as one list),
-    or None for any other request, which h11 then parses as before: its answers,
-    refusals and error messages stay h11's. llhttp parses such a head in ~2 us where
-    h11 takes ~20 us.
-
-    What llhttp accepts and h11 would refuse is not taken here: more than one space
-    in the request line, a missing or repeated Host; values lose trailing whitespace
-    as h11's do. Not a checkpoint."""
-    end = buf.find(b"\r\n\r\n", 0, MAX_HEAD)
-    if end < 0:
-        return None
-    end += 4
-    head = _Head()
-    try:
-        httptools.HttpRequestParser(head).feed_data(buf[:end])
-    except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-        return None
-    target = head.target
-    n = 5 + len(target)
-    if buf[n:n + 11] != _VERSION_LINE_END or unusual(target):
-        return None
-    route = _infer_route(target)
-    if route is None:
-        return None
-    length = -1
-    hosts = 0
-    auth = hlen = idem = encoding = accept = None
-    for raw_name, value in head.headers:
-        name = raw_name.lower()
-        if name == b"content-length":
-            length = int(value)  # llhttp checked it: digits, one value
-        elif name == b"host":
-            hosts += 1
-        elif name == b"authorization":
-            value = value.rstrip(_OWS)
-            auth = value if auth is None else another_field_line(auth, value)
-        elif name == b"inference-header-content-length":
-            value = value.rstrip(_OWS)
-            hlen = value if hlen is None else hlen + b", " + value  # refused
-        elif name == b"idempotency-key":
-            idem = value.rstrip(_OWS)
-        elif name == b"content-encoding":
-            encoding = value.rstrip(_OWS)
-        elif name == b"accept-encoding":
-            value = value.rstrip(_OWS)
-            accept = value if accept is None else accept + b", " + value
-        elif name in _H11_FRAMING and (
-            name != b"connection" or b"close" in [t.strip() for t in value.lower().split(b",")]
-        ):
-            return None  # framing, an upgrade or 100-continue, or the last request
-    if hosts != 1 or length < 0 or length > max_body or end + length > len(buf):
-        return None
-    return (
-        route, buf[end:end + length], buf[end + length:], auth, hlen, idem, encoding, accept
-    )
-
-
 def _unmet(expect: bytes) -> bool:
     """Whether an Expect field value (its lines joined) has a member other than
     100-continue (case-insensitive; an empty member asks for nothing)."""
@@ -634,82 +458,6 @@ def _chunk_left(h: h11.Connection) -> int:
     is refused as its data arrives, as before."""
     left = getattr(getattr(h, "_reader", None), "_bytes_in_chunk", 0)
     return left if type(left) is int else 0
-
-
-async def _receive(
-    fd: int,
-    fresh: bool,
-    patience: float = math.inf,
-    *,
-    deadline: float = math.inf,
-    checkpoint: bool = True,
-) -> bytes:
-    """Up to ``RECEIVE_SIZE`` bytes from the connection's socket (b"" at EOF), read with
-    ``os.read`` on its descriptor; only when nothing is there does it wait for
-    readiness.
-
-    ``fresh`` (the first read of a request head) yields to the scheduler once first:
-    the client is still reading our last answer, and after the other connections' turns
-    its next request has often arrived, so the read succeeds without an epoll
-    registration. (Waiting for readiness first instead costs a registration every
-    request: more system time per request than trio's own order, measured.) This is
-    the checkpoint the connection loop has once per request; other reads are bounded
-    by the head and body limits. Against trio's ``receive_some`` + ``send_all``
-    (a checkpoint in each), one scheduler trip and its wrappers less per request.
-
-    Without ``checkpoint`` the task has just been through the scheduler (its answer
-    waited for the :class:`Outbox`), which serves the same purpose.
-
-    A wait ends at ``deadline``, or ``patience`` seconds after it began, whichever is
-    first, with _ReadTimeout (idle when ``fresh``); only a wait reads the clock.
-    """
-    if fresh and checkpoint:
-        await _checkpoint()
-    while True:
-        try:
-            return _read(fd, RECEIVE_SIZE)
-        except BlockingIOError:
-            until = min(deadline, trio.current_time() + patience)
-            with trio.move_on_at(until):
-                await _wait_readable(fd)
-                continue
-            raise _ReadTimeout(idle=fresh) from None
-        except OSError as exc:
-            raise trio.BrokenResourceError(f"connection lost: {exc}") from exc
-
-
-async def _send_all(fd: int, data: bytes, stall_after: float = math.inf) -> None:
-    """Write all of ``data`` to the connection's socket, waiting only when the socket
-    buffer is full. An answer that fits leaves in one ``write`` and no scheduler trip
-    (trio's ``send_all`` adds a checkpoint after every send). A socket that takes no
-    byte of it for ``stall_after`` raises _WriteStalled."""
-    n = _write_some(fd, data)
-    if n < len(data):
-        await _send_rest(fd, data, n, stall_after)
-
-
-async def _send_rest(fd: int, data: bytes, n: int, stall_after: float = math.inf) -> None:
-    """Write ``data[n:]``, waiting for the socket to take it: at most ``stall_after`` for
-    each byte (every write the socket takes starts the wait afresh, so a slow reader
-    is never cut); past that, _WriteStalled. Only a wait reads the clock."""
-    with memoryview(data) as view:
-        while n < len(view):
-            with trio.move_on_after(stall_after):
-                await _wait_writable(fd)
-                n += _write_some(fd, view[n:])
-                continue
-            raise _WriteStalled(f"the client took no byte for {stall_after:g} s")
-
-
-def _write_some(fd: int, data: bytes | memoryview) -> int:
-    """One ``write`` of ``data``: the bytes the socket took (0 when its buffer is full).
-    Raises BrokenResourceError when the connection is gone."""
-    try:
-        return _write(fd, data)
-    except BlockingIOError:
-        return 0
-    except OSError as exc:
-        raise trio.BrokenResourceError(f"connection lost: {exc}") from exc
 
 
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, phrase) for code, phrase in _REASONS.items()}
@@ -800,96 +548,9 @@ async def _close(stream: trio.SocketStream, linger: bool) -> None:
         await stream.aclose()
 
 
-def _infer_route(target: bytes) -> tuple[str, str | None] | None:
-    """(model, version) of ``/v2/models/{name}[/versions/{v}]/infer``, else None."""
-    path = target.partition(b"?")[0] if b"?" in target else target
-    parts = path.split(b"/")
-    n = len(parts)
-    if n == 5 and parts[4] == b"infer":
-        version = None
-    elif n == 7 and parts[4] == b"versions" and parts[6] == b"infer":
-        version = _text(parts[5])
-    else:
-        return None
-    return _text(parts[3]), version
-
-
-def _text(segment: bytes) -> str:
-    if b"%" in segment:
-        segment = unquote_to_bytes(segment)
-    return segment.decode("utf-8", "replace")
-
-
 def _head_bytes(request: h11.Request) -> bytes:
     """The request head again, as the client sent it (for the WebSocket handshake)."""
     lines = [b"%s %s HTTP/%s\r\n" % (request.method, request.target, request.http_version)]
     lines.extend(b"%s: %s\r\n" % (name, value) for name, value in request.headers.raw_items())
     lines.append(b"\r\n")
     return b"".join(lines)
-
-
-# ---------------------------------------------------------------- the control plane
-async def _call_asgi(
-    gateway: Gateway, stream: trio.SocketStream, request: h11.Request, target: bytes,
-    body: bytes,
-) -> Answer:
-    """Run one request (``target`` in origin-form) through the ASGI app in this task;
-    return its whole answer."""
-    raw_path, _, query = target.partition(b"?")
-    scope: dict[str, Any] = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": request.http_version.decode(),
-        "method": request.method.decode("ascii"),
-        "scheme": "http",
-        "path": unquote(raw_path.decode("latin-1")),
-        "raw_path": raw_path,
-        "query_string": query,
-        "root_path": "",
-        "headers": list(request.headers),
-        "client": _peer(stream, local=False),
-        "server": _peer(stream, local=True),
-        "extensions": {},
-    }
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await trio.sleep_forever()  # the app cancels its reader once it has answered
-        raise AssertionError("unreachable")
-
-    answer: dict[str, Any] = {"status": 500, "headers": [], "chunks": []}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            answer["status"] = message["status"]
-            answer["headers"] = [
-                (name, value)
-                for name, value in (
-                    (bytes(n).lower(), bytes(v)) for n, v in message.get("headers", ())
-                )
-                if name not in _DROPPED_HEADERS
-                # a sender of Upgrade lists it in Connection (RFC 9110 7.8)
-                or (name == b"connection" and value.lower() == b"upgrade")
-            ]
-        elif message["type"] == "http.response.body":
-            answer["chunks"].append(bytes(message.get("body", b"")))
-
-    try:
-        await gateway.app(scope, receive, send)
-    except Exception as exc:
-        log.exception("control plane: %s %s failed", scope["method"], scope["path"])
-        return error_answer(exc)
-    return answer["status"], answer["headers"], b"".join(answer["chunks"])
-
-
-def _peer(stream: trio.SocketStream, *, local: bool) -> tuple[str, int] | None:
-    try:
-        sock = stream.socket
-        addr = sock.getsockname() if local else sock.getpeername()
-        return addr[0], addr[1]
-    except (AttributeError, OSError, IndexError):
-        return None

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import trio
 
-from ._http import _wait_writable, _write_some
+from ._wire import _wait_writable, _write_some
 
 KIB = 1024
 RECEIVE_SIZE = 64 * KIB
