@@ -5,7 +5,8 @@ default) are answered with a result within ``slo_ms``, end to end in the runtime
 request is *good* when it is; *bad* when it is answered later, or fails for the
 server's reasons (the model raised, its deadline passed, the runtime shed it or shut
 down). A request the client got wrong (invalid input, an unknown model, a tenant over
-its own quota) or withdrew is neither: it says nothing of the service.
+its own quota) or withdrew within ``slo_ms`` is neither: it says nothing of the
+service; one withdrawn later is bad (the server had missed the objective already).
 
 The *burn rate* over a window is the share of bad requests in it over the share the
 objective allows (1 - target): at 1 the budget lasts exactly the objective's period,

@@ -34,11 +34,17 @@ class _EdgeCache:
     def cached_response(self, key: Any) -> Any:
         """The kept answer of ``key``, or None. A miss here is not counted: the
         request goes on to the item cache, whose lookups count its outcome (else a new
-        request counted as two misses)."""
+        request counted as two misses). A hit is a request answered at once: good
+        against its model's objective, as a hit of ``infer`` is."""
         cache = self.cache.cache
-        hit = cache.get(key[0], trio.current_time())
+        now = trio.current_time()
+        hit = cache.get(key[0], now)
         if hit is None:
             cache.policy.misses -= 1
+            return None
+        slo = self.models[key[0].model].slo
+        if slo is not None:
+            slo.answered(now, 0.0)
         return hit
 
     def keep_response(self, key: Any, answer: Any, size: int, tenant: str) -> None:

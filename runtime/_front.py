@@ -245,6 +245,8 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
     def _served(self, model: str, version: str | None) -> ServedModel:
         served = self._known(model, version)
         if self._closed:
+            if served.slo is not None:  # refused for the server's reason: bad
+                served.slo.failed(trio.current_time())
             raise ActorClosed("the runtime is shut down")
         return served
 
@@ -430,13 +432,20 @@ async def _within_slo(slo: Any, call: Awaitable[T]) -> T:
     """``call`` awaited and counted against a model's objective (``SloTracker``): a
     result, good or late; a failure of the server's (5xx: the model raised, a
     deadline of the model's or class's passed, shed, shut down), bad. The client's
-    errors (4xx) and a caller's cancellation say nothing of the service."""
+    errors (4xx) say nothing of the service, nor does a caller that leaves (its
+    cancel scope, an HTTP request's timeout_ms, a hang-up) within ``slo_ms``; one
+    that leaves later was already failed by the server: bad."""
     t0 = trio.current_time()
     try:
         result = await call
     except TrioserveError as exc:
         if exc.status >= 500:
             slo.failed(trio.current_time())
+        raise
+    except BaseException:
+        now = trio.current_time()
+        if now - t0 > slo.slo_s:
+            slo.failed(now)
         raise
     now = trio.current_time()
     slo.answered(now, now - t0)

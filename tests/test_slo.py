@@ -3,6 +3,7 @@ its windows, and where it is shown (statistics, /metrics)."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import orjson
 import pytest
@@ -11,9 +12,17 @@ import trioserve
 from http_helpers import serving, v2_input
 from prometheus_client.parser import text_string_to_metric_families
 from runtime_helpers import callable_model, config, item
-from trioserve import ConfigError, DeadlineExceeded, InvalidInput, ModelError, UnknownModel
+from trioserve import (
+    ActorClosed,
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    QuotaExceeded,
+    UnknownModel,
+)
 from trioserve.actors import SloTracker
-from trioserve.transport import open_http
+from trioserve.transport import open_gateway, open_http
 
 
 # ---------------------------------------------------------------- the tracker alone
@@ -176,3 +185,135 @@ async def test_the_objective_is_on_metrics_for_http_requests():
     for window in ("5m", "1h"):
         assert samples[("trioserve_slo_burn_rate", (("model", "m"), ("window", window)))] == (
             pytest.approx(0.5 / 0.1))
+
+
+# ---------------------------------------------------------------- every path, counted once
+def slo_counts(rt, model="m"):
+    slo = rt.models[model].slo
+    return slo.good, slo.bad
+
+
+def held_config(runtime=None, **cfg):
+    """A model whose lone request waits 500 ms for company before its batch closes."""
+    return config(callable_model(
+        "m", raising_on_7, slo_ms=50, max_wait_ms=500, max_batch_size=8, **cfg
+    ), **(runtime or {}))
+
+
+def infer_body(x, **parameters):
+    body = {"inputs": [v2_input(x)]}
+    if parameters:
+        body["parameters"] = parameters
+    return orjson.dumps(body)
+
+
+async def test_a_caller_that_leaves_after_the_objective_counts_bad_before_it_neither(
+    autojump_clock,
+):
+    async with trioserve.open_runtime(held_config()) as rt:
+        with trio.move_on_after(0.05):  # left at the objective, not past it
+            await rt.infer("m", item(1))
+        assert slo_counts(rt) == (0, 0)
+        with trio.move_on_after(0.2):  # the objective missed, whoever leaves after
+            await rt.infer("m", item(1))
+        assert slo_counts(rt) == (0, 1)
+        with trio.move_on_after(0.2):
+            await rt.infer_batch("m", [item(1), item(2)])
+        assert slo_counts(rt) == (0, 2)
+
+
+async def test_a_request_timeout_over_http_is_bad_past_the_objective(autojump_clock):
+    async with trioserve.open_runtime(held_config()) as rt, open_gateway(
+        rt, host="127.0.0.1", port=0
+    ) as gw:
+        short = await gw.infer("m", None, infer_body([1.0], timeout_ms=20))
+        assert slo_counts(rt) == (0, 0)  # the client's choice, within the objective
+        long = await gw.infer("m", None, infer_body([1.0], timeout_ms=200))
+        assert slo_counts(rt) == (0, 1)
+    assert (short[0], long[0]) == (504, 504)
+
+
+async def test_an_edge_cache_hit_over_http_counts_good_as_an_in_process_hit(autojump_clock):
+    cfg = config(callable_model("m", raising_on_7, slo_ms=50, max_wait_ms=0))
+    cfg = attrs.evolve(cfg, cache=trioserve.CacheConfig(capacity_bytes=1 << 20))
+    async with trioserve.open_runtime(cfg) as rt, open_gateway(
+        rt, host="127.0.0.1", port=0
+    ) as gw:
+        body = infer_body([1.0])
+        first = await gw.infer("m", None, body)
+        again = await gw.infer("m", None, body)  # the whole answer, from the edge
+        assert (first[0], again[0]) == (200, 200)
+        assert first[2] == again[2]
+        assert rt.cache_statistics()["hits"] == 1
+        assert slo_counts(rt) == (2, 0)
+
+
+async def test_an_idempotent_replay_is_not_a_new_request(autojump_clock):
+    async with trioserve.open_runtime(slo_config()) as rt, open_gateway(
+        rt, host="127.0.0.1", port=0
+    ) as gw:
+        ok = [await gw.infer("m", None, infer_body([1.0]), idempotency_key="a")
+              for _ in range(3)]
+        assert [a[0] for a in ok] == [200, 200, 200]
+        assert slo_counts(rt) == (1, 0)  # two replays of the first answer
+        # A 5xx is not kept (a retry is worth it): each retry runs, a request again.
+        bad = [await gw.infer("m", None, infer_body([7.0]), idempotency_key="b")
+               for _ in range(2)]
+        assert [a[0] for a in bad] == [500, 500]
+        assert slo_counts(rt) == (1, 2)
+
+
+async def test_a_batch_dimension_over_http_is_one_request(autojump_clock):
+    async with trioserve.open_runtime(slo_config()) as rt, open_gateway(
+        rt, host="127.0.0.1", port=0
+    ) as gw:
+        ok = await gw.infer("m", None, infer_body([[1.0], [2.0], [3.0]]))
+        bad = await gw.infer("m", None, infer_body([[1.0], [7.0]]))
+        assert (ok[0], bad[0]) == (200, 500)
+        assert slo_counts(rt) == (1, 1)
+
+
+async def test_coalesced_callers_count_one_each(autojump_clock):
+    async with trioserve.open_runtime(held_config(coalesce=True)) as rt:
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(rt.infer, "m", item(1, 2))
+        # one run of 500 ms, three callers: three requests, each late
+        assert slo_counts(rt) == (0, 3)
+
+
+async def test_over_quota_is_not_counted_and_shed_is_bad(autojump_clock):
+    cfg = trioserve.Config(
+        models=(callable_model("m", raising_on_7, slo_ms=50, max_wait_ms=0),),
+        tenants=(trioserve.TenantConfig(name="t", default=True, credit_rate=1.0,
+                                        credit_burst=1.0),),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        await rt.infer("m", item(1))
+        with pytest.raises(QuotaExceeded):
+            await rt.infer("m", item(1))  # the tenant's own quota: 429
+        assert slo_counts(rt) == (1, 0)
+
+
+async def test_shutdown_fails_requests_in_flight_and_refuses_new_ones_bad(autojump_clock):
+    errors = []
+
+    async def call(rt):
+        try:
+            await rt.infer("m", item(1))
+        except ActorClosed as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        async with trioserve.open_runtime(
+            held_config({"graceful_timeout_s": 0.01})
+        ) as rt:
+            nursery.start_soon(call, rt)
+            await trio.testing.wait_all_tasks_blocked()
+    assert len(errors) == 1  # cut at the end of the grace
+    assert slo_counts(rt) == (0, 1)
+    with pytest.raises(ActorClosed):
+        await rt.infer("m", item(1))  # refused: the runtime is shut down
+    with pytest.raises(ActorClosed):
+        await rt.infer_batch("m", [item(1), item(2)])
+    assert slo_counts(rt) == (0, 3)

@@ -46,8 +46,8 @@ class GatewayCollector(Collector):
         counted = CounterMetricFamily(
             "trioserve_slo_requests",
             "Requests counted against the model's objective (slo_ms, slo_target): good "
-            "(a result within slo_ms) or bad (later, or a 5xx failure); in process and "
-            "over HTTP and the stream alike.",
+            "(a result within slo_ms) or bad (later, a 5xx failure, or a caller that left "
+            "after slo_ms); in process and over HTTP and the stream alike.",
             labels=["model", "outcome"],
         )
         target = GaugeMetricFamily(
