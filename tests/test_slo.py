@@ -10,6 +10,8 @@ import pytest
 import trio
 import trioserve
 from http_helpers import serving, v2_input
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from runtime_helpers import callable_model, config, item
 from trioserve import (
@@ -69,6 +71,64 @@ def test_buckets_skipped_are_emptied_and_the_ring_holds_an_hour():
     slo.answered(3605.0, 0.0)  # the bucket of t=5 is reused for t=3605
     assert slo.counts(3605.0, 3600) == (1, 1)
     assert slo.counts(3605.0, 10) == (1, 0)
+
+
+def test_buckets_split_at_multiples_of_their_width_below_zero_too():
+    # MockClock starts at 0; trio's own clock may be any float, negative included
+    slo = SloTracker(1.0, 0.5, bucket_s=10.0)
+    slo.failed(-10.0)  # bucket -1 is [-10, 0)
+    slo.failed(-1e-9)
+    slo.answered(0.0, 0.0)  # bucket 0
+    slo.answered(9.999, 0.0)
+    assert slo.counts(9.999, 10) == (2, 0)
+    assert slo.counts(9.999, 20) == (2, 2)
+    slo.answered(10.0, 0.0)  # bucket 1
+    assert slo.counts(10.0, 10) == (1, 0)
+    assert slo.counts(10.0, 30) == (3, 2)
+    # the window is whole buckets: 5 s is the current one, 10.001 s two
+    assert slo.counts(10.0, 5) == (1, 0)
+    assert slo.counts(10.0, 10.001) == (3, 0)
+
+
+@pytest.mark.parametrize("start", [0.0, -5_000.0, 1.5e5, 1e15])
+@pytest.mark.parametrize("gap", [3590.0, 3600.0, 1e6, 1e12])
+def test_a_gap_past_the_horizon_empties_every_bucket(start, gap):
+    slo = SloTracker(1.0, 0.5, bucket_s=10.0)
+    slo.failed(start)
+    slo.answered(start + gap, 0.0)
+    # each start is a multiple of 10 s: 3590 s later is 359 buckets on, in the hour
+    assert slo.counts(start + gap, 3600) == (1, 1 if gap < 3600.0 else 0)
+    assert slo.counts(start + gap, 1e9) == slo.counts(start + gap, 3600)  # the horizon
+    assert (slo.good, slo.bad) == (1, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(st.floats(0, 900), st.sampled_from(["good", "bad", "read"])),
+        max_size=60,
+    ),
+    start=st.floats(-1e6, 1e6),
+)
+def test_reading_the_counts_changes_none_of_them(events, start):
+    """statistics() and /metrics read counts at scrape times between requests: a
+    tracker read so counts what a tracker never read does."""
+    read, unread = SloTracker(0.05, 0.99), SloTracker(0.05, 0.99)
+    now = start
+    for gap, what in events:
+        now += gap
+        if what == "read":
+            read.statistics(now)
+            continue
+        for slo in (read, unread):
+            if what == "good":
+                slo.answered(now, 0.01)
+            else:
+                slo.failed(now)
+    for later in (0.0, 299.0, 3599.0):
+        for window in (10.0, 300.0, 3600.0):
+            assert read.counts(now + later, window) == unread.counts(now + later, window)
+    assert read.statistics(now) == unread.statistics(now)
 
 
 @pytest.mark.parametrize("target", [0.0, 1.0, -0.5, 2.0])
