@@ -111,18 +111,16 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
         except TrioserveError:
             await trio.lowlevel.checkpoint()
             raise
-        if served.slo is not None:
-            return await _within_slo(served.slo, self._answer_prepared(
-                served, model, version, item, cost, tenant, priority
-            ))
         max_tokens = served.limits.max_tokens
         if model in self._cached or (max_tokens is not None and cost > max_tokens):
-            return await self._answer_prepared(
-                served, model, version, item, cost, tenant, priority
-            )
-        # uncached and within the budget: what _answer_prepared would do, one
-        # coroutine call instead of three
-        return await self._submit(served, item, cost, tenant, priority)
+            call = self._answer_prepared(served, model, version, item, cost, tenant, priority)
+        else:
+            # uncached and within the budget: what _answer_prepared would do, one
+            # coroutine call instead of three
+            call = self._submit(served, item, cost, tenant, priority)
+        if served.slo is not None:
+            return await _within_slo(served.slo, call)
+        return await call
 
     async def _answer_prepared(
         self, served: ServedModel, model: str, version: str | None, item: Any, cost: int,
