@@ -6,6 +6,7 @@ the key (``models.mlp.max_batch_size``) and the reason. Unknown keys are errors.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import math
 import tomllib
@@ -260,9 +261,16 @@ class ModelConfig:
     def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, str):
             if value not in BUILTIN_BACKENDS and not _import_string(value):
+                module, dot, attr = value.rpartition(".")
+                hint = (
+                    f" (did you mean '{module}:{attr}'?)"
+                    if dot and ":" not in value and _import_string(f"{module}:{attr}")
+                    else ""
+                )
                 raise ConfigError(
                     f"{self._path()}.backend: {_shown(value)} is neither a built-in backend "
                     f"({', '.join(BUILTIN_BACKENDS)}) nor an import string 'module:attr'"
+                    f"{hint}"
                 )
         elif value is None:
             raise ConfigError(f"{self._path()}.backend: is required")
@@ -523,8 +531,15 @@ def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
     names = [f.name for f in attrs.fields(cls) if f.name not in extra]
     for key in table:
         if key not in names:
-            raise ConfigError(f"{path}.{key}: unknown key; expected one of {', '.join(names)}")
+            raise ConfigError(f"{path}.{key}: unknown key;{_did_you_mean(key, names)} "
+                              f"expected one of {', '.join(names)}")
     return cls(**extra, **table)
+
+
+def _did_you_mean(key: Any, names: list[str] | tuple[str, ...]) -> str:
+    """`` did you mean 'max_batch_size'?`` for a key close to one of ``names``."""
+    close = difflib.get_close_matches(str(key), names, n=1)
+    return f" did you mean {close[0]!r}?" if close else ""
 
 
 def config_from_mapping(data: Mapping[str, Any]) -> Config:
@@ -533,7 +548,8 @@ def config_from_mapping(data: Mapping[str, Any]) -> Config:
     ``[cache]``)."""
     for key in data:
         if key not in _TOP_KEYS:
-            raise ConfigError(f"{key}: unknown key; expected one of {', '.join(_TOP_KEYS)}")
+            raise ConfigError(f"{key}: unknown key;{_did_you_mean(key, _TOP_KEYS)} "
+                              f"expected one of {', '.join(_TOP_KEYS)}")
     models_t = data.get("models", {})
     tenants_t = data.get("tenants", None)
     if not isinstance(models_t, Mapping):

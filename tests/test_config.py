@@ -179,8 +179,17 @@ def test_unknown_model_key_is_named(tmp_path):
     with pytest.raises(ConfigError) as excinfo:
         trioserve.load_config(path)
     msg = str(excinfo.value)
-    assert msg.startswith("models.mlp.max_batch: unknown key; expected one of backend, ")
-    assert "max_batch_size" in msg
+    assert msg.startswith(
+        "models.mlp.max_batch: unknown key; did you mean 'max_batch_size'? "
+        "expected one of backend, "
+    )
+
+
+def test_an_unknown_key_far_from_every_key_gets_no_guess(tmp_path):
+    path = write(tmp_path, '[models.mlp]\nbackend = "mlp"\nzzz = 8\n')
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value).startswith("models.mlp.zzz: unknown key; expected one of backend, ")
 
 
 @pytest.mark.parametrize(
@@ -211,6 +220,11 @@ def test_unknown_model_key_is_named(tmp_path):
         ('backend = ":"', "models.mlp.backend: ':' is neither a built-in backend"),
         ('backend = "pkg..mod:f"', "models.mlp.backend: 'pkg..mod:f' is neither a built-in"),
         ('backend = "pkg.mod:"', "models.mlp.backend: 'pkg.mod:' is neither a built-in"),
+        (
+            'backend = "pkg.mod.attr"',
+            "models.mlp.backend: 'pkg.mod.attr' is neither a built-in backend (mlp, echo, "
+            "sleep, minilm) nor an import string 'module:attr' (did you mean 'pkg.mod:attr'?)",
+        ),
         (f"max_wait_ms = {HUGE}", f"models.mlp.max_wait_ms: must be a finite number >= 0.0, "
                                   f"got {HUGE_SHOWN}"),
         (f"timeout_ms = {HUGE}", "models.mlp.timeout_ms: must be a finite number > 0.0, got 9"),
@@ -256,7 +270,10 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
     ("toml", "message"),
     [
         ("[models.m]\nmax_batch_size = 4\n", "models.m.backend: is required"),
-        ("[modelz.m]\nbackend = 'echo'\n", "modelz: unknown key; expected one of models, "),
+        (
+            "[modelz.m]\nbackend = 'echo'\n",
+            "modelz: unknown key; did you mean 'models'? expected one of models, ",
+        ),
         ("models = 3\n", "models: must be a table of [models.NAME] tables"),
         ("[models]\nm = 3\n", "models.m: must be a table, got 3"),
         ("[tenants.t]\ndefault = true\n", "models: at least one model must be configured"),
@@ -271,7 +288,8 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
         ),
         (
             "[models.m]\nbackend = 'echo'\n[runtime]\nrestarts = 3\n",
-            "runtime.restarts: unknown key; expected one of queue_bound, ",
+            "runtime.restarts: unknown key; did you mean 'restart_period_s'? "
+            "expected one of queue_bound, ",
         ),
         (
             "[models.m]\nbackend = 'echo'\n[server]\nport = -1\n",
