@@ -174,22 +174,43 @@ def resolve_backend(cfg: ModelConfig) -> ModelBackend:
         try:
             obj = getattr(importlib.import_module(module), attr)
         except Exception as exc:  # not found, or the module failed while importing
+            hint = ""
+            if isinstance(exc, ModuleNotFoundError) and exc.name is not None and (
+                module == exc.name or module.startswith(exc.name + ".")
+            ):
+                hint = (
+                    f" (put the directory that holds {exc.name!r} on PYTHONPATH, "
+                    f"or install it)"
+                )
             raise ConfigError(
-                f"models.{cfg.name}.backend: cannot import {b!r}: {type(exc).__name__}: {exc}"
+                f"models.{cfg.name}.backend: cannot import {b!r}: "
+                f"{type(exc).__name__}: {exc}{hint}"
             ) from exc
         if not isinstance(obj, ModelBackend) and callable(obj):
             try:
                 obj = obj(**cfg.options)
             except Exception as exc:  # a factory's options or its own failure
+                # A TypeError: options it does not take, or not a factory at all (the
+                # model's own function named instead of a backend built around it).
+                hint = f" ({_EXPECTED})" if isinstance(exc, TypeError) else ""
                 raise ConfigError(
                     f"models.{cfg.name}.backend: {b!r} failed with its options "
-                    f"{dict(cfg.options)!r}: {type(exc).__name__}: {exc}"
+                    f"{dict(cfg.options)!r}: {type(exc).__name__}: {exc}{hint}"
                 ) from exc
     if not isinstance(obj, ModelBackend):
         raise ConfigError(
-            f"models.{cfg.name}.backend: {b!r} is not a ModelBackend (got {type(obj).__name__})"
+            f"models.{cfg.name}.backend: {b!r} is not a ModelBackend "
+            f"(got {type(obj).__name__}; {_EXPECTED})"
         )
     return obj
+
+
+#: What a backend named by an import string must be.
+_EXPECTED = (
+    "name a ModelBackend, such as trioserve.CallableBackend(fn, inputs=..., outputs=...) "
+    "or trioserve.TorchBackend(factory, inputs=..., outputs=...), or a function that "
+    "takes the model's options as keywords and returns one"
+)
 
 
 def warm_imports(models: Sequence[ModelConfig]) -> None:

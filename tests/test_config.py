@@ -563,7 +563,36 @@ async def test_a_backend_factory_that_fails_is_a_config_error(options, message):
 
 async def test_unimportable_backend_fails_open_runtime():
     cfg = Config(models=(ModelConfig(name="x", backend="no_such_module_here:factory"),))
-    with pytest.raises(ConfigError, match=r"^models\.x\.backend: cannot import"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^models\.x\.backend: cannot import 'no_such_module_here:factory': "
+        r"ModuleNotFoundError: No module named 'no_such_module_here' \(put the directory "
+        r"that holds 'no_such_module_here' on PYTHONPATH, or install it\)$",
+    ):
+        async with trioserve.open_runtime(cfg):
+            pytest.fail("started without its model")
+
+
+def _model_function(items):
+    return items
+
+
+def _not_a_backend():
+    return [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("attr", "message"),
+    [
+        # the model's function named where its backend belongs
+        ("_model_function", r"failed with its options \{\}: TypeError: .*'items' \(name a "
+                            r"ModelBackend, such as trioserve\.CallableBackend\(fn, "),
+        ("_not_a_backend", r"is not a ModelBackend \(got list; name a ModelBackend, such as "),
+    ],
+)
+async def test_a_backend_that_is_no_model_backend_says_what_to_name(attr, message):
+    cfg = Config(models=(ModelConfig(name="f", backend=f"{__name__}:{attr}"),))
+    with pytest.raises(ConfigError, match=rf"^models\.f\.backend: '{__name__}:{attr}' {message}"):
         async with trioserve.open_runtime(cfg):
             pytest.fail("started without its model")
 
