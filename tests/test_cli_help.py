@@ -214,3 +214,34 @@ def test_the_readme_lists_every_bench_scenario():
     block = readme[readme.index("bench --scenario") :].split("\n\n")[0]
     listed = re.findall(r"[a-z][a-z-]*", block.replace("bench --scenario", "").replace("also:", ""))
     assert sorted(listed) == sorted(SCENARIOS)
+
+
+@pytest.mark.parametrize("keyless", [True, False])
+async def test_the_banners_curl_line_carries_a_key_when_one_is_needed(keyless):
+    """Without a default tenant the pasted curl line was answered 401: it now sends
+    ``Authorization: Bearer KEY`` and says that KEY is a tenant's API key."""
+    import trioserve
+    from trioserve.transport._gateway import Gateway
+    from trioserve.transport._main import banner
+
+    tenants = (
+        (trioserve.TenantConfig(name="demo", default=True),)
+        if keyless
+        else (trioserve.TenantConfig(name="acme", api_keys=("secret-key-1",)),)
+    )
+    cfg = trioserve.Config(
+        models=(trioserve.ModelConfig(name="e", backend="echo"),), tenants=tenants
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        gateway = Gateway(rt)
+        gateway.addresses = [("127.0.0.1", 8321)]
+        text = banner(gateway)
+    curl = text.splitlines()[-1]
+    assert curl.startswith("    curl -s http://127.0.0.1:8321/v2/models/e/infer ")
+    assert "secret-key-1" not in text
+    if keyless:
+        assert text.splitlines()[-2] == "  try it:"
+        assert "Authorization" not in curl
+    else:
+        assert text.splitlines()[-2] == "  try it, with one of a tenant's api_keys for KEY:"
+        assert " -H 'Authorization: Bearer KEY' -d '" in curl

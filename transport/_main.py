@@ -222,7 +222,8 @@ async def _watch_signals(signals: Any, stop: _Stop, scope: trio.CancelScope) -> 
 
 
 def banner(gateway: Gateway) -> str:
-    """Where the gateway listens, and a curl line to paste."""
+    """Where the gateway listens, and a curl line to paste (with an API key to fill
+    in when no tenant takes requests without one)."""
     url = gateway.url
     lines = [
         f"trioserve {trioserve.__version__}: serving {', '.join(gateway.signatures)} on {url}",
@@ -236,10 +237,12 @@ def banner(gateway: Gateway) -> str:
         body = '{"inputs":[{"name":"x","shape":[1,256],"datatype":"FP32","data":' + data + "}]}"
     else:
         body = dumps({"inputs": sample_inputs(name, sig.inputs, 1, literal=True)}).decode()
-    lines.append("  try it:")
+    keyless = any(t.default for t in gateway.config.tenants)
+    lines.append("  try it:" if keyless else "  try it, with one of a tenant's api_keys for KEY:")
+    auth = "" if keyless else "-H 'Authorization: Bearer KEY' "
     lines.append(
         f"    curl -s {url}/v2/models/{name}/infer -H 'Content-Type: application/json' "
-        f"-d '{body}'"
+        f"{auth}-d '{body}'"
     )
     return "\n".join(lines)
 
