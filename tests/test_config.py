@@ -645,6 +645,11 @@ def test_the_serve_command_says_in_one_line_that_it_cannot_listen(tmp_path, caps
     # at once: the address is bound before any model loads
     assert out == ""
     assert err.startswith(f"trioserve: cannot listen on 127.0.0.1:{port}: ")
+    # and what to do about it
+    assert err.endswith(
+        " (another process listens there: stop it, or pick another port with --port "
+        "or [server] port; 0 takes a free one)\n"
+    )
     assert err.count("\n") == 1
 
 

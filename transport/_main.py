@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import math
@@ -121,8 +122,21 @@ def _cannot_listen(
         f"{host if host is not None else config.server.host}:"
         f"{port if port is not None else config.server.port}"
     )
-    print(f"trioserve: cannot listen on {where}: {_leaf(exc)}", file=sys.stderr)
+    leaf = _leaf(exc)
+    hint = _LISTEN_HINTS.get(getattr(leaf, "errno", None), "")
+    print(f"trioserve: cannot listen on {where}: {leaf}{hint}", file=sys.stderr)
     return 1
+
+
+#: What to do when binding fails so (the address is in the message before it).
+_LISTEN_HINTS = {
+    errno.EADDRINUSE: " (another process listens there: stop it, or pick another port "
+    "with --port or [server] port; 0 takes a free one)",
+    errno.EACCES: " (a port below 1024 needs privileges: pick another with --port or "
+    "[server] port)",
+    errno.EADDRNOTAVAIL: " (no interface of this machine has that address: pick another "
+    "with --host or [server] host)",
+}
 
 
 #: Allocations between two collections of the young generation while serving.
