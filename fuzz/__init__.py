@@ -7,11 +7,11 @@ The names below are what a pasted reproduction imports.
 
 from ._admission import BucketMachine as BucketMachine
 from ._admission import BucketSetup as BucketSetup
-from ._cache import Ask as Ask
-from ._cache import CacheScenario as CacheScenario
-from ._cache import Invalidate as Invalidate
-from ._cache import ModelRule as ModelRule
 from ._cache import run_cache_scenario as run_cache_scenario
+from ._cache_scenario import Ask as Ask
+from ._cache_scenario import CacheScenario as CacheScenario
+from ._cache_scenario import Invalidate as Invalidate
+from ._cache_scenario import ModelRule as ModelRule
 from ._checker import INVARIANTS as INVARIANTS
 from ._checker import InvariantViolation as InvariantViolation
 from ._checker import QueueObserver as QueueObserver
@@ -24,10 +24,10 @@ from ._product import Product as Product
 from ._queue import Arrival as Arrival
 from ._queue import QueueMachine as QueueMachine
 from ._queue import QueueSetup as QueueSetup
-from ._runtime import Broken as Broken
-from ._runtime import Call as Call
-from ._runtime import ClassSetup as ClassSetup
-from ._runtime import Item as Item
-from ._runtime import Scenario as Scenario
-from ._runtime import TenantSetup as TenantSetup
 from ._runtime import run_scenario as run_scenario
+from ._scenario import Broken as Broken
+from ._scenario import Call as Call
+from ._scenario import ClassSetup as ClassSetup
+from ._scenario import Item as Item
+from ._scenario import Scenario as Scenario
+from ._scenario import TenantSetup as TenantSetup

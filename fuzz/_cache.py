@@ -34,14 +34,16 @@ says where it came from. :func:`run_cache_scenario` plays the script and checks:
 Time is counted in ticks of 2**-10 s: sums of ticks are exact in binary floating point,
 so an entry kept at t with a TTL of n ticks expires at the very instant a caller
 arriving n ticks later looks it up (a TTL compared at the wrong instant shows).
+
+The scenario and its strategies are in ``fuzz/_cache_scenario.py``, the checks of a
+played scenario in ``fuzz/_cache_checks.py``; this module plays one through
+``open_runtime`` (:func:`play_cache`, :func:`run_cache_scenario`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,156 +53,16 @@ import trio
 import trio.testing
 import trioserve
 import trioserve.actors
-from hypothesis import strategies as st
 from hypothesis.internal.entropy import deterministic_PRNG
-from trioserve import ModelBackend, ModelError, Overloaded, TensorSpec
+from trioserve import ModelBackend, TensorSpec
 
+from ._cache_checks import GEN, KEY, MODEL, RUN, check_cache
+from ._cache_scenario import HORIZON_S, TICK, Ask, CacheScenario, Invalidate
+from ._cache_scenario import cache_scenarios as cache_scenarios
 from ._checker import InvariantViolation
 from ._product import PRODUCT, Product
 from ._runtime import Outcome, _tasks
-from ._stats import count_example, note
-
-#: One tick of scenario time: a power of two, so every sum of ticks is exact.
-TICK = 2.0**-10
-#: How long after the last event a caller may take before it counts as lost.
-HORIZON_S = 3600.0
-#: The keys callers ask for: few, so that answers repeat.
-KEYS = 4
-#: The fields of an answer ``y``.
-MODEL, KEY, GEN, TENANT, RUN = range(5)
-
-
-# ---------------------------------------------------------------- the script
-@attrs.frozen(kw_only=True)
-class ModelRule:
-    """One model's cache settings: ``cache`` (its results are kept), ``shared`` (one
-    namespace for every tenant), ``ttl`` (ticks; None: no expiry), ``coalesce``
-    (identical requests in flight are joined even when nothing is kept)."""
-
-    cache: bool = True
-    shared: bool = False
-    ttl: int | None = None
-    coalesce: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class Ask:
-    """A caller arriving at ``at`` (ticks): ``keys`` of model ``model``, by ``infer``
-    (one key, ``batch`` False) or ``infer_batch``. ``cancel`` (ticks after arrival):
-    "deadline" sets its cancel scope's deadline, "cancel" calls ``scope.cancel()``."""
-
-    at: int = 0
-    tenant: int = 0
-    cls: int = 0
-    model: int = 0
-    keys: tuple[int, ...] = (0,)
-    batch: bool = False
-    cancel: int | None = None
-    cancel_how: str = "deadline"
-
-
-@attrs.frozen(kw_only=True)
-class Invalidate:
-    """``rt.invalidate_cache(model)`` at ``at`` (ticks): the model's weights change."""
-
-    at: int = 0
-    model: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class CacheScenario:
-    capacity: int = 1200
-    policy: str = "tinylfu"
-    quota: int | None = None
-    replicas: int = 1
-    max_batch_size: int = 2
-    tenants: int = 2
-    classes: int = 1
-    models: tuple[ModelRule, ...] = (ModelRule(),)
-    #: per key: the model's latency on it (ticks); a batch takes its slowest item's
-    latency: tuple[int, ...] = (0,) * KEYS
-    #: per key: how many of its first runs (per model) raise
-    flaky: tuple[int, ...] = (0,) * KEYS
-    asks: tuple[Ask, ...] = ()
-    invalidations: tuple[Invalidate, ...] = ()
-
-
-# ---------------------------------------------------------------- strategies
-# Built once, never inside a draw (as in fuzz/_runtime.py: a fresh strategy object is
-# validated again on its first draw); the draws, and so a seed's examples, are the
-# same either way.
-_GAP = st.sampled_from([0, 0, 1, 1, 2, 3, 4, 4, 8, 32])
-_KEY = st.sampled_from([0, 0, 0, 0, 1, 1, 2, 3])
-_LATENCY = st.sampled_from([0, 0, 1, 2, 4, 8])
-_FLAKY = st.sampled_from([0, 0, 0, 0, 1, 2])
-_N_MODELS = st.sampled_from([1, 1, 2, 3])
-_N_TENANTS = st.sampled_from([1, 2, 2, 3])
-_N_CLASSES = st.sampled_from([1, 1, 2])
-_CACHED = st.sampled_from([True, True, True, False])
-_TTL = st.sampled_from([None, None, 1, 2, 4, 8, 32])
-_KEYS = st.tuples(_KEY) | st.lists(_KEY, min_size=1, max_size=4).map(tuple)
-_BATCH = st.sampled_from([False, False, True])
-_CANCEL = st.none() | st.none() | st.sampled_from([0, 1, 2, 4, 16])
-_CANCEL_HOW = st.sampled_from(["deadline", "cancel"])
-_CAPACITY = st.sampled_from([300, 600, 1200, 2400, 100_000])
-_POLICY = st.sampled_from(["tinylfu", "lru"])
-_QUOTA = st.sampled_from([None, None, None, 300, 600])
-_LATENCIES = st.lists(_LATENCY, min_size=KEYS, max_size=KEYS)
-_FLAKIES = st.lists(_FLAKY, min_size=KEYS, max_size=KEYS)
-
-
-@functools.cache
-def _events(n_models: int, n_tenants: int, n_classes: int) -> st.SearchStrategy[list[Any]]:
-    """A scenario's asks and invalidations, their ``at`` the gap after the previous."""
-    ask = st.builds(
-        Ask,
-        at=_GAP,
-        tenant=st.integers(0, n_tenants - 1),
-        cls=st.integers(0, n_classes - 1),
-        model=st.integers(0, n_models - 1),
-        keys=_KEYS,
-        batch=_BATCH,
-        cancel=_CANCEL,
-        cancel_how=_CANCEL_HOW,
-    )
-    invalidate = st.builds(Invalidate, at=_GAP, model=st.integers(0, n_models - 1))
-    return st.lists(ask | ask | ask | ask | invalidate, min_size=10, max_size=30)
-
-
-@st.composite
-def cache_scenarios(draw: st.DrawFn) -> CacheScenario:
-    n_models = draw(_N_MODELS)
-    n_tenants = draw(_N_TENANTS)
-    n_classes = draw(_N_CLASSES)
-    models = tuple(
-        ModelRule(
-            cache=draw(_CACHED),
-            shared=draw(st.booleans()),
-            ttl=draw(_TTL),
-            coalesce=draw(st.booleans()),
-        )
-        for _ in range(n_models)
-    )
-    events = draw(_events(n_models, n_tenants, n_classes))
-    at, asks, invalidations = 0, [], []
-    for e in events:  # times accumulate the gaps
-        at += e.at
-        (asks if isinstance(e, Ask) else invalidations).append(attrs.evolve(e, at=at))
-    return CacheScenario(
-        capacity=draw(_CAPACITY),
-        policy=draw(_POLICY),
-        quota=draw(_QUOTA),
-        replicas=draw(st.integers(1, 2)),
-        max_batch_size=draw(st.integers(1, 4)),
-        tenants=n_tenants,
-        classes=n_classes,
-        models=models,
-        latency=tuple(draw(_LATENCIES)),
-        flaky=tuple(draw(_FLAKIES)),
-        asks=tuple(asks),
-        invalidations=tuple(invalidations),
-    )
-
+from ._stats import count_example
 
 # ---------------------------------------------------------------- the model
 X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
@@ -678,157 +540,3 @@ def play_cache(scenario: CacheScenario, product: Product = PRODUCT) -> CacheRun:
     with deterministic_PRNG(0):
         trio.run(_play, run, clock=clock)
     return run
-
-
-# ---------------------------------------------------------------- the checks
-def check_cache(run: CacheRun) -> None:
-    sc = run.scenario
-    if not run.caches:
-        raise RuntimeError(
-            "fuzz: open_runtime did not build its cache from trioserve.actors.Cache; "
-            "update fuzz/_cache.py:product_installed"
-        )
-    s = run.caches[0].statistics()
-    note("cache", "hits", s.hits)
-    note("cache", "misses", s.misses)
-    note("cache", "evictions", s.evictions)
-    note("cache", "expirations", s.expirations)
-    note("cache", "invalidations", s.invalidations)
-    note("cache", "joined flights", run.flights.get("coalesced", 0))
-    note("cache", "model runs", len(run.runs))
-    for out in run.outcomes.values():
-        kind = type(out.value).__name__ if out.kind == "error" else out.kind
-        note("cache", f"outcome: {kind}")
-    if run.violations:
-        raise InvariantViolation(*run.violations[0])
-    for i, ask in enumerate(sc.asks):
-        _check_ask(run, i, ask)
-
-
-def _describe(i: int, ask: Ask) -> str:
-    how = "infer_batch" if ask.batch or len(ask.keys) > 1 else "infer"
-    return (
-        f"ask #{i} (tick {ask.at}, tenant t{ask.tenant}, class c{ask.cls}, {how} of m"
-        f"{ask.model} keys {list(ask.keys)})"
-    )
-
-
-_RUN_OF_ERROR = re.compile(r"planted model error on key (\d+) \(run (\d+)\)")
-
-
-def _check_ask(run: CacheRun, i: int, ask: Ask) -> None:
-    sc = run.scenario
-    who = _describe(i, ask)
-    out = run.outcomes.get(i)
-    if out is None:
-        raise InvariantViolation(
-            "lost", f"{who} never got an answer ({HORIZON_S:g} s of trio time after the last event)"
-        )
-    start, gen0 = run.started[i]
-    cancel_at = None if ask.cancel is None else start + ask.cancel * TICK
-    if cancel_at is not None and out.at > cancel_at:
-        raise InvariantViolation(
-            "outcome", f"{who} returned at {run.at(out.at)}, after its cancel time "
-            f"{run.at(cancel_at)}"
-        )
-    if out.kind == "cancelled":
-        if cancel_at is None or out.at != cancel_at:
-            raise InvariantViolation(
-                "outcome", f"{who} was cancelled at {run.at(out.at)} but nobody cancelled it then"
-            )
-        return
-    rule = sc.models[ask.model]
-    if out.kind == "result":
-        values = list(out.value)
-        if len(values) != len(ask.keys):
-            raise InvariantViolation(
-                "misrouted", f"{who} got {len(values)} answers for {len(ask.keys)} keys"
-            )
-        for j, (value, k) in enumerate(zip(values, ask.keys, strict=True)):
-            _check_answer(run, who, ask, j, k, np.asarray(value["y"]), start, gen0, rule)
-        return
-    exc = out.value
-    if isinstance(exc, Overloaded) and _sheddable(ask, rule):
-        return
-    m = _RUN_OF_ERROR.search(str(exc)) if isinstance(exc, ModelError) else None
-    if m is None:
-        left = [
-            j for j, a in enumerate(sc.asks)
-            if j != i and a.cancel is not None and a.model == ask.model
-            and run.outcomes.get(j) is not None and run.outcomes[j].kind == "cancelled"
-            and set(a.keys) & set(ask.keys)
-        ]
-        hint = (
-            f" (callers of the same keys that left: {', '.join(f'#{j}' for j in left)}: "
-            "a caller that left must not cancel what others wait for)" if left else ""
-        )
-        raise InvariantViolation(
-            "outcome",
-            f"{who} raised {type(exc).__name__}: {exc} — not an outcome its situation "
-            f"allows{hint}",
-        )
-    key, number = int(m.group(1)), int(m.group(2))
-    r = run.runs[number] if number < len(run.runs) else None
-    mine = r is not None and r.model == ask.model and any(
-        k == key and t == ask.tenant for k, t, _ in r.items
-    )
-    if r is None or r.status != "error" or not mine or key not in ask.keys:
-        raise InvariantViolation(
-            "misrouted",
-            f"{who} got the ModelError of run {number} on key {key}, which is not a failed "
-            f"run of its own model, tenant and keys",
-        )
-    if r.end < start:
-        raise InvariantViolation(
-            "cached-error",
-            f"{who} got the ModelError of run {number} (key {key}), which raised at "
-            f"{run.at(r.end)}, before the call started at {run.at(start)}: an error was "
-            "kept and served again",
-        )
-
-
-def _sheddable(ask: Ask, rule: ModelRule) -> bool:
-    """Whether the runtime may shed the call (Overloaded: it could not be served
-    before its deadline). Only a caller whose deadline it sees, and not through a
-    flight: a flight runs in the cache actor's nursery, without its callers' deadlines
-    (the queue holds far more than a scenario asks)."""
-    flight = (rule.cache or rule.coalesce) and len(ask.keys) == 1  # infer_batch of one too
-    return ask.cancel is not None and ask.cancel_how == "deadline" and not flight
-
-
-def _check_answer(
-    run: CacheRun, who: str, ask: Ask, j: int, k: int, y: np.ndarray, start: float,
-    gen0: int, rule: ModelRule,
-) -> None:
-    if y.shape != (5,) or int(y[MODEL]) != ask.model or int(y[KEY]) != k:
-        raise InvariantViolation(
-            "misrouted",
-            f"{who}: answer {j} is not its own (expected m{ask.model}'s answer for key {k}, "
-            f"got {y.tolist()})",
-        )
-    number, gen, tenant = int(y[RUN]), int(y[GEN]), int(y[TENANT])
-    r = run.runs[number] if 0 <= number < len(run.runs) else None
-    if (
-        r is None
-        or r.status != "ok"
-        or r.model != ask.model
-        or r.gen != gen
-        or not any(rk == k and rt == tenant for rk, rt, _ in r.items)
-    ):
-        raise InvariantViolation(
-            "misrouted",
-            f"{who}: answer {j} ({y.tolist()}) is not what run {number} of the model answered",
-        )
-    if tenant != ask.tenant and not (rule.cache and rule.shared):
-        raise InvariantViolation(
-            "isolation",
-            f"{who}: answer {j} was computed for tenant t{tenant} (run {number} at "
-            f"{run.at(r.at)}), but m{ask.model} is not shareable",
-        )
-    if gen < gen0:
-        raise InvariantViolation(
-            "freshness",
-            f"{who}: answer {j} was computed by run {number} at {run.at(r.at)} with "
-            f"generation {gen} of the weights, but the call started at {run.at(start)}, "
-            f"after m{ask.model}'s invalidation to generation {gen0}",
-        )

@@ -5,7 +5,7 @@ part of a failed batch run once elsewhere after it raised alone on a replica
 breaker (``Breaker.raised``, ``Breaker.confirmed``, docs/faults.md).
 
 :class:`Replicas` is told every batch a replica starts and ends (by the simulated
-device of ``fuzz/_runtime.py``), and what the scheduler does with hedge copies and
+device of ``fuzz/_device.py``), and what the scheduler does with hedge copies and
 retries (by :func:`scheduler_class`, a subclass of the product's scheduler), and
 records violations of:
 

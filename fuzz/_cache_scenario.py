@@ -1,0 +1,154 @@
+"""The cache suite's scenarios: the script a run plays, and its hypothesis strategies.
+
+A :class:`CacheScenario` is the cache (capacity, policy, quota), one to three models
+with their rules (:class:`ModelRule`), per-key model latencies and flaky keys, and the
+callers (:class:`Ask`) and invalidations (:class:`Invalidate`), their times in ticks.
+:func:`cache_scenarios` draws one; ``fuzz/_cache.py`` plays it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+from hypothesis import strategies as st
+
+#: One tick of scenario time: a power of two, so every sum of ticks is exact.
+TICK = 2.0**-10
+#: How long after the last event a caller may take before it counts as lost.
+HORIZON_S = 3600.0
+#: The keys callers ask for: few, so that answers repeat.
+KEYS = 4
+
+
+# ---------------------------------------------------------------- the script
+@attrs.frozen(kw_only=True)
+class ModelRule:
+    """One model's cache settings: ``cache`` (its results are kept), ``shared`` (one
+    namespace for every tenant), ``ttl`` (ticks; None: no expiry), ``coalesce``
+    (identical requests in flight are joined even when nothing is kept)."""
+
+    cache: bool = True
+    shared: bool = False
+    ttl: int | None = None
+    coalesce: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Ask:
+    """A caller arriving at ``at`` (ticks): ``keys`` of model ``model``, by ``infer``
+    (one key, ``batch`` False) or ``infer_batch``. ``cancel`` (ticks after arrival):
+    "deadline" sets its cancel scope's deadline, "cancel" calls ``scope.cancel()``."""
+
+    at: int = 0
+    tenant: int = 0
+    cls: int = 0
+    model: int = 0
+    keys: tuple[int, ...] = (0,)
+    batch: bool = False
+    cancel: int | None = None
+    cancel_how: str = "deadline"
+
+
+@attrs.frozen(kw_only=True)
+class Invalidate:
+    """``rt.invalidate_cache(model)`` at ``at`` (ticks): the model's weights change."""
+
+    at: int = 0
+    model: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class CacheScenario:
+    capacity: int = 1200
+    policy: str = "tinylfu"
+    quota: int | None = None
+    replicas: int = 1
+    max_batch_size: int = 2
+    tenants: int = 2
+    classes: int = 1
+    models: tuple[ModelRule, ...] = (ModelRule(),)
+    #: per key: the model's latency on it (ticks); a batch takes its slowest item's
+    latency: tuple[int, ...] = (0,) * KEYS
+    #: per key: how many of its first runs (per model) raise
+    flaky: tuple[int, ...] = (0,) * KEYS
+    asks: tuple[Ask, ...] = ()
+    invalidations: tuple[Invalidate, ...] = ()
+
+
+# ---------------------------------------------------------------- strategies
+# Built once, never inside a draw (as in fuzz/_scenario.py: a fresh strategy object is
+# validated again on its first draw); the draws, and so a seed's examples, are the
+# same either way.
+_GAP = st.sampled_from([0, 0, 1, 1, 2, 3, 4, 4, 8, 32])
+_KEY = st.sampled_from([0, 0, 0, 0, 1, 1, 2, 3])
+_LATENCY = st.sampled_from([0, 0, 1, 2, 4, 8])
+_FLAKY = st.sampled_from([0, 0, 0, 0, 1, 2])
+_N_MODELS = st.sampled_from([1, 1, 2, 3])
+_N_TENANTS = st.sampled_from([1, 2, 2, 3])
+_N_CLASSES = st.sampled_from([1, 1, 2])
+_CACHED = st.sampled_from([True, True, True, False])
+_TTL = st.sampled_from([None, None, 1, 2, 4, 8, 32])
+_KEYS = st.tuples(_KEY) | st.lists(_KEY, min_size=1, max_size=4).map(tuple)
+_BATCH = st.sampled_from([False, False, True])
+_CANCEL = st.none() | st.none() | st.sampled_from([0, 1, 2, 4, 16])
+_CANCEL_HOW = st.sampled_from(["deadline", "cancel"])
+_CAPACITY = st.sampled_from([300, 600, 1200, 2400, 100_000])
+_POLICY = st.sampled_from(["tinylfu", "lru"])
+_QUOTA = st.sampled_from([None, None, None, 300, 600])
+_LATENCIES = st.lists(_LATENCY, min_size=KEYS, max_size=KEYS)
+_FLAKIES = st.lists(_FLAKY, min_size=KEYS, max_size=KEYS)
+
+
+@functools.cache
+def _events(n_models: int, n_tenants: int, n_classes: int) -> st.SearchStrategy[list[Any]]:
+    """A scenario's asks and invalidations, their ``at`` the gap after the previous."""
+    ask = st.builds(
+        Ask,
+        at=_GAP,
+        tenant=st.integers(0, n_tenants - 1),
+        cls=st.integers(0, n_classes - 1),
+        model=st.integers(0, n_models - 1),
+        keys=_KEYS,
+        batch=_BATCH,
+        cancel=_CANCEL,
+        cancel_how=_CANCEL_HOW,
+    )
+    invalidate = st.builds(Invalidate, at=_GAP, model=st.integers(0, n_models - 1))
+    return st.lists(ask | ask | ask | ask | invalidate, min_size=10, max_size=30)
+
+
+@st.composite
+def cache_scenarios(draw: st.DrawFn) -> CacheScenario:
+    n_models = draw(_N_MODELS)
+    n_tenants = draw(_N_TENANTS)
+    n_classes = draw(_N_CLASSES)
+    models = tuple(
+        ModelRule(
+            cache=draw(_CACHED),
+            shared=draw(st.booleans()),
+            ttl=draw(_TTL),
+            coalesce=draw(st.booleans()),
+        )
+        for _ in range(n_models)
+    )
+    events = draw(_events(n_models, n_tenants, n_classes))
+    at, asks, invalidations = 0, [], []
+    for e in events:  # times accumulate the gaps
+        at += e.at
+        (asks if isinstance(e, Ask) else invalidations).append(attrs.evolve(e, at=at))
+    return CacheScenario(
+        capacity=draw(_CAPACITY),
+        policy=draw(_POLICY),
+        quota=draw(_QUOTA),
+        replicas=draw(st.integers(1, 2)),
+        max_batch_size=draw(st.integers(1, 4)),
+        tenants=n_tenants,
+        classes=n_classes,
+        models=models,
+        latency=tuple(draw(_LATENCIES)),
+        flaky=tuple(draw(_FLAKIES)),
+        asks=tuple(asks),
+        invalidations=tuple(invalidations),
+    )
