@@ -3,6 +3,7 @@ server on a free loopback port."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -90,3 +91,119 @@ def v2_input(x: Any, name: str = "x", datatype: str = "FP32") -> dict[str, Any]:
     arr = np.asarray(x)
     return {"name": name, "shape": list(arr.shape), "datatype": datatype,
             "data": arr.reshape(-1).tolist()}
+
+
+def f32(*values: float) -> np.ndarray:
+    return np.asarray(values, np.float32)
+
+
+# ---------------------------------------------------------------- raw WebSocket clients
+async def _raw_client(gw, head: bytes | None = None):
+    """A bare TCP stream and a wsproto client that has completed the handshake."""
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection, Request
+
+    sock = await trio.open_tcp_stream(*gw.addresses[0])
+    ws = WSConnection(ConnectionType.CLIENT)
+    await sock.send_all(ws.send(Request(host="localhost", target="/v2/stream")))
+    accepted = False
+    while not accepted:
+        ws.receive_data(await sock.receive_some(65536))
+        accepted = any(isinstance(e, AcceptConnection) for e in ws.events())
+    return sock, ws
+
+
+async def _events_until(sock, ws, kind, limit: int = 100):
+    seen = []
+    for _ in range(limit):
+        data = await sock.receive_some(65536)
+        ws.receive_data(data or None)
+        for event in ws.events():
+            seen.append(event)
+            if isinstance(event, kind):
+                return seen
+        if not data:
+            break
+    raise AssertionError(f"no {kind.__name__} in {seen}")
+
+
+_HANDSHAKE = (b"GET /v2/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+              b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+
+
+def _client_frame(payload: bytes, opcode: int = 0x1, *, masked: bool = True) -> bytes:
+    """One final client frame (payload under 126 bytes), masked unless told."""
+    assert len(payload) < 126
+    mask = b"\x01\x02\x03\x04"
+    if not masked:
+        return bytes([0x80 | opcode, len(payload)]) + payload
+    body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + body
+
+
+async def _raw_handshake(gw, extra: bytes = b""):
+    """A raw socket that sent the handshake (and ``extra`` in the same write) and a
+    wsproto client fed the server's 101; returns (sock, ws, bytes after the 101)."""
+    from wsproto import ConnectionType
+    from wsproto.connection import Connection
+
+    sock = await trio.open_tcp_stream(*gw.addresses[0])
+    await sock.send_all(_HANDSHAKE + extra)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await sock.receive_some(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101 ")
+    ws = Connection(ConnectionType.CLIENT)
+    ws.receive_data(rest)
+    return sock, ws
+
+
+def _infer_text(rid, x=(1.0,), model: str = "echo") -> str:
+    """One request's message (ASCII: its length is its size in bytes)."""
+    return json.dumps(
+        {"id": rid, "model": model,
+         "inputs": [{"name": "x", "shape": [len(x)], "datatype": "FP32", "data": list(x)}]}
+    )
+
+
+def _infer_frame(rid, x=(1.0,), model: str = "echo") -> bytes:
+    """A raw client's frame for one request."""
+    from wsproto.events import TextMessage
+
+    return _raw_ws().send(TextMessage(data=_infer_text(rid, x, model)))
+
+
+def _raw_ws():
+    from wsproto import ConnectionType
+    from wsproto.connection import Connection
+
+    return Connection(ConnectionType.CLIENT)
+
+
+def _frame_header(length: int, opcode: int = 0x1, *, fin: bool = True) -> bytes:
+    """A masked client frame's header (and mask) announcing ``length`` bytes."""
+    import struct
+
+    first = bytes([(0x80 if fin else 0) | opcode])
+    if length < 126:
+        size = bytes([0x80 | length])
+    elif length < 1 << 16:
+        size = bytes([0x80 | 126]) + struct.pack("!H", length)
+    else:
+        size = bytes([0x80 | 127]) + struct.pack("!Q", length)
+    return first + size + b"\x01\x02\x03\x04"
+
+
+async def _read_to_eof(sock) -> bytes:
+    data = b""
+    while chunk := await sock.receive_some(1 << 20):
+        data += chunk
+    return data
+
+
+def _masked(payload: bytes) -> bytes:
+    """``payload`` masked with the key of :func:`_frame_header`."""
+    mask = b"\x01\x02\x03\x04"
+    return bytes(b ^ mask[i % 4] for i, b in enumerate(payload))

@@ -1,0 +1,474 @@
+"""How a /v2/stream WebSocket ends: a client that closes or leaves (its requests
+withdrawn), draining, failing the connection on a protocol error, and the timeouts
+that close it: answers not taken (1008), a message not received whole (1008), a
+silent stream pinged then closed (1011), the write timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import numpy as np
+import pytest
+import trio
+import trioserve
+from http_helpers import (
+    _HANDSHAKE,
+    Gate,
+    _client_frame,
+    _events_until,
+    _frame_header,
+    _infer_frame,
+    _masked,
+    _raw_handshake,
+    _raw_ws,
+    _read_to_eof,
+    config,
+    echo_model,
+    f32,
+    held_model,
+    serving,
+    settle,
+)
+from trioserve.transport import open_stream
+
+
+async def test_closing_the_socket_cancels_requests_not_yet_dispatched():
+    gate = Gate()
+    async with serving(config(held_model(gate, max_batch_size=1))) as gw:
+        async with open_stream(gw.url) as stream:
+            for i in range(5):
+                await stream.send(i, "held", {"x": f32(1)})
+            await settle()
+            assert gw.statistics().streams == 1
+        await settle()
+        gate.release()
+        # One replica, batches of one: this request runs after the held batch ends.
+        async with open_stream(gw.url) as stream:
+            assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
+        metrics = gw.runtime.models["held"].metrics
+        assert metrics.items == 2  # the dispatched one and the last: 4 were withdrawn
+        await settle()
+        assert gw.statistics().streams == 0
+        assert gw.statistics().connections == 0
+
+
+async def test_a_client_that_leaves_at_the_in_flight_bound_is_seen_at_once():
+    """At the bound the server does not read; the client's leaving is still noticed:
+    its queued requests are withdrawn and refunded, and the requests it sent past the
+    bound are never read or run."""
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(held_model(gate, max_batch_size=1), tenants=tenants,
+                 server={"stream_in_flight": 4})
+    async with serving(cfg) as gw:
+        rt = gw.runtime
+        sock, _ = await _raw_handshake(gw)
+        await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(10)))
+        await settle()
+        scheduler = rt.models["held"].scheduler
+        assert scheduler.queue_depth() == 3  # and one running, held by the gate
+        assert gw.statistics().stream_in_flight_peak == 4
+        await sock.aclose()
+        await settle()
+        assert scheduler.queue_depth() == 0
+        assert rt.credits_refunded["t"] == 3
+        assert gw.statistics().streams == 0
+        gate.release()
+        # One replica, batches of one: this request runs after the held batch ends.
+        async with open_stream(gw.url) as stream:
+            assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
+        assert rt.models["held"].metrics.items == 2
+        assert rt.credits_refunded["t"] == 3
+
+
+async def test_an_answer_waiting_to_be_written_when_the_grace_ends_is_not_also_a_503():
+    """A client that does not read during a drain: answers already framed are its
+    answers (sent once it reads), never followed by a 503 frame for the same id."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    x = np.random.default_rng(3).standard_normal(100_000).astype(np.float32).tolist()
+    async with serving(config(echo_model())) as gw:
+        raw = trio.socket.socket()
+        raw.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        await raw.connect(gw.addresses[0])
+        sock = trio.SocketStream(raw)
+        await sock.send_all(_HANDSHAKE + b"".join(_infer_frame(i, x) for i in range(4)))
+        # The answers (~1 MB each) wait: the client does not read. Until all four are
+        # framed (the last of the 4.8 MB may still be in the kernel's buffers when the
+        # server's tasks first block), a drain would rightly answer one 503.
+        with trio.fail_after(30):
+            while sum(n for (_, _, st), n in gw.requests.items() if st == 200) < 4:
+                await settle()
+                await trio.sleep(0.001)  # real socket data in flight: poll, bounded
+        ids: list[tuple[object, int]] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gw.drain, 0)  # the grace ends at once
+            await settle()
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await sock.receive_some(65536)
+            ws = _raw_ws()
+            ws.receive_data(data.partition(b"\r\n\r\n")[2])
+            pieces: list[str] = []
+            closed = None
+            while closed is None:
+                for event in ws.events():
+                    if isinstance(event, TextMessage):
+                        pieces.append(event.data)
+                        if event.message_finished:
+                            doc = json.loads("".join(pieces))
+                            pieces.clear()
+                            ids.append((doc["id"], doc.get("status", 200)))
+                    elif isinstance(event, CloseConnection):
+                        closed = event
+                        await sock.send_all(ws.send(event.response()))
+                if closed is None:
+                    ws.receive_data(await sock.receive_some(1 << 20) or None)
+        await sock.aclose()
+    assert closed.code == 1001
+    assert sorted(ids) == [(i, 200) for i in range(4)]
+
+
+class _CutOnce(trio.abc.HalfCloseableStream):
+    """A socket whose first write sends 10 bytes, then blocks until cancelled; later
+    writes send everything."""
+
+    def __init__(self) -> None:
+        self.sent = b""
+        self.writes = 0
+
+    async def send_all(self, data) -> None:
+        self.writes += 1
+        if self.writes == 1:
+            self.sent += bytes(data[:10])
+            await trio.sleep_forever()
+        self.sent += bytes(data)
+        await trio.lowlevel.checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return b""
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_a_write_cancelled_part_way_breaks_the_stream():
+    """Nothing is written after a cut frame: it would be read as the frame's rest."""
+    from trioserve.transport._replay import ReplayStream
+
+    socket = _CutOnce()
+    stream = ReplayStream(socket, b"")
+    async with trio.open_nursery() as nursery:
+        flushing = trio.CancelScope()
+
+        async def flusher() -> None:
+            with flushing:
+                await stream.run_flusher()
+
+        nursery.start_soon(flusher)
+        await settle()
+        await stream.send_all(b"A" * 100)
+        await settle()
+        assert socket.sent == b"A" * 10  # and the write waits
+        flushing.cancel()  # as a drain does to a client that does not read
+    with pytest.raises(trio.BrokenResourceError):
+        await stream.send_all(b"B" * 10)
+    await stream.aclose()
+    assert socket.sent == b"A" * 10
+
+
+async def test_a_protocol_error_closes_at_once_and_withdraws_requests_in_flight(autojump_clock):
+    """Failing the connection (RFC 6455 7.1.7): the close frame is not held back until
+    the requests in flight are answered, and the server does not wait for the client's
+    close frame; a queued request is withdrawn (refunded), nothing answers it."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None), tenants=tenants)
+    try:
+        async with serving(cfg) as gw:
+            sock, ws = await _raw_handshake(gw)
+            await sock.send_all(_infer_frame("running", model="held")
+                                + _infer_frame("queued", model="held"))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 1
+            t0 = trio.current_time()
+            await sock.send_all(_client_frame(b"{}", masked=False))
+            ws.receive_data(await _read_to_eof(sock))
+            events = list(ws.events())
+            assert trio.current_time() == t0
+            assert [type(e) for e in events] == [CloseConnection]
+            assert events[0].code == 1002
+            assert not any(isinstance(e, TextMessage) for e in events)
+            await sock.aclose()
+            await settle()
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 0
+            assert gw.runtime.credits_refunded["t"] == 1
+            assert gw.statistics().streams == 0
+    finally:
+        gate.release()
+
+
+@pytest.mark.parametrize(
+    ("server", "key"),
+    [
+        ({"stream_write_timeout_s": 20}, "stream_write_timeout_s"),
+        ({"write_timeout_s": 20}, "write_timeout_s"),  # the stream's bound by default
+        ({"write_timeout_s": 5, "stream_write_timeout_s": 20}, "stream_write_timeout_s"),
+    ],
+    ids=["stream", "general", "stream-over-general"],
+)
+async def test_a_client_that_takes_no_answers_is_closed_with_1008_after_the_timeout(
+    autojump_clock, server, key
+):
+    """Its answers fill the socket; after its write timeout (``server.stream_write_timeout_s``,
+    else ``server.write_timeout_s``) with none
+    of them taken the stream closes with 1008 and its requests in flight are withdrawn
+    (a queued one refunded). A client that reads again then sees whole answers, then
+    the close frame: the answer cut by the timeout is finished first."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(echo_model(), held_model(gate, max_batch_size=1, timeout_ms=None),
+                 tenants=tenants, server=server)
+    from trioserve.transport._http import serve_connection
+
+    x = np.random.default_rng(4).standard_normal(100_000).astype(np.float32).tolist()
+    try:
+        async with serving(cfg) as gw, trio.open_nursery() as nursery:
+            # A socket pair, not TCP: no delayed acknowledgement makes a write wait on
+            # the wall clock while the mock clock jumps, so the client not reading is
+            # the only thing that stops the server's writes.
+            server, client = trio.socket.socketpair()
+            server.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, 4096)
+            nursery.start_soon(serve_connection, gw, trio.SocketStream(server))
+            sock = trio.SocketStream(client)
+            await sock.send_all(_HANDSHAKE + _infer_frame("running", model="held")
+                                + _infer_frame("queued", model="held"))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await sock.send_all(b"".join(_infer_frame(i, x) for i in range(4)))
+            await settle()  # the answers (~1 MB each) wait: the client does not read
+            t0 = trio.current_time()
+            await trio.sleep(19.75)
+            assert gw.statistics().streams == 1
+            assert gw.statistics().stream_write_timeouts == 0
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 1
+            await trio.sleep(0.5)
+            assert trio.current_time() == t0 + 20.25
+            assert gw.statistics().stream_write_timeouts == 1
+            assert gw.runtime.models["held"].scheduler.queue_depth() == 0
+            assert gw.runtime.credits_refunded["t"] == 1
+            ws = _raw_ws()
+            ws.receive_data((await _read_to_eof(sock)).partition(b"\r\n\r\n")[2])
+            events = list(ws.events())
+            answers, pieces = [], []
+            for event in events[:-1]:
+                assert isinstance(event, TextMessage)
+                pieces.append(event.data)
+                if event.message_finished:
+                    answers.append(json.loads("".join(pieces)))
+                    pieces.clear()
+            assert not pieces  # the cut answer was finished
+            assert answers
+            assert all(a["outputs"][0]["shape"] == [100_000] for a in answers)
+            assert isinstance(events[-1], CloseConnection)
+            assert (events[-1].code, events[-1].reason) == (
+                1008, f"answers not read for 20 s (server.{key})")
+            await sock.aclose()
+            await settle()
+            assert gw.statistics().streams == 0
+    finally:
+        gate.release()
+
+
+_LATE = _infer_frame("late")  # one frame: each call masks with a key of its own
+
+
+def _fragments(n: int) -> list[bytes]:
+    """A text message's first fragment, then ``n - 1`` continuations, none final."""
+    first = _frame_header(2, fin=False) + _masked(b"{ ")
+    return [first] + [_frame_header(1, opcode=0x0, fin=False) + _masked(b" ")] * (n - 1)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [_LATE[i:i + 1] for i in range(4)],  # a frame header, a byte at a time
+        [_LATE[i:i + 12] for i in range(0, 48, 12)],  # into its payload
+        _fragments(4),  # a fragmented message, never finished
+    ],
+    ids=["header", "payload", "fragments"],
+)
+async def test_a_message_not_received_whole_in_time_closes_the_stream_with_1008(
+    autojump_clock, pieces
+):
+    """A message begun must arrive whole within ``server.request_timeout_s``, as an
+    HTTP request must (it held the connection, and its bytes so far, for ever);
+    counted from its first bytes, not afresh with each. An idle stream is not
+    closed."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    cfg = config(echo_model(), server={"request_timeout_s": 10})
+    async with serving(cfg) as gw:
+        sock, ws = await _raw_handshake(gw)
+        await sock.send_all(_infer_frame("whole"))
+        events = await _events_until(sock, ws, TextMessage)
+        assert json.loads(events[-1].data)["id"] == "whole"
+        await trio.sleep(100)  # idle, nothing begun
+        assert gw.statistics().streams == 1
+        t0 = trio.current_time()
+        for i, piece in enumerate(pieces):  # at t0, t0 + 3, t0 + 6, t0 + 9
+            if i:
+                await trio.sleep_until(t0 + 3 * i)
+            await sock.send_all(piece)
+            await settle()
+        await trio.sleep_until(t0 + 9.9)
+        assert gw.statistics().streams == 1
+        await trio.sleep_until(t0 + 10.1)
+        assert gw.statistics().streams == 0
+        ws.receive_data(await _read_to_eof(sock))
+        closes = [e for e in ws.events() if isinstance(e, CloseConnection)]
+        assert [(e.code, e.reason) for e in closes] == [
+            (1008, "a message not received whole within 10 s (server.request_timeout_s)")]
+        await sock.aclose()
+
+
+async def _quiet_until(sock, when: float) -> None:
+    """Assert that the server sends nothing before ``when``."""
+    with trio.move_on_at(when):
+        data = await sock.receive_some(65536)
+        raise AssertionError(f"the server sent {data!r} at {trio.current_time()}")
+
+
+async def test_a_silent_stream_is_pinged_then_closed_with_1011(autojump_clock):
+    """A stream that sends nothing for ``server.stream_ping_interval_s`` is pinged;
+    nothing again for as long, not even the pong, and it is closed with 1011 (a peer
+    gone without a FIN held its connection for ever)."""
+    from wsproto.events import CloseConnection, Ping, TextMessage
+
+    cfg = config(echo_model(), server={"stream_ping_interval_s": 20})
+    async with serving(cfg) as gw:
+        sock, ws = await _raw_handshake(gw)
+        await sock.send_all(_infer_frame("r"))
+        t0 = trio.current_time()  # the server read the request now
+        events = await _events_until(sock, ws, TextMessage)
+        assert json.loads(events[-1].data)["id"] == "r"
+        await _quiet_until(sock, t0 + 19.9)
+        pings = await _events_until(sock, ws, Ping)
+        assert [e.payload for e in pings] == [b"trioserve"]
+        assert trio.current_time() == pytest.approx(t0 + 20)
+        await trio.sleep_until(t0 + 39.9)
+        assert gw.statistics().streams == 1
+        await trio.sleep_until(t0 + 40.1)
+        assert gw.statistics().streams == 0
+        assert gw.statistics().stream_ping_timeouts == 1
+        ws.receive_data(await _read_to_eof(sock))
+        closes = [e for e in ws.events() if isinstance(e, CloseConnection)]
+        assert [(e.code, e.reason) for e in closes] == [
+            (1011, "no answer to a ping within 20 s (server.stream_ping_interval_s)")]
+        await sock.aclose()
+
+
+async def test_a_stream_that_answers_pings_or_sends_is_never_closed(autojump_clock):
+    """A pong, or any message, counts: each starts the quiet interval again, so an
+    idle client that answers pings stays open, and a busy one is never pinged."""
+    from wsproto.events import Ping, TextMessage
+
+    cfg = config(echo_model(), server={"stream_ping_interval_s": 20})
+    async with serving(cfg) as gw:
+        sock, ws = await _raw_handshake(gw)
+        t = trio.current_time()
+        for _ in range(5):  # a request every 15 s: never pinged
+            await _quiet_until(sock, t + 15)
+            await sock.send_all(_infer_frame("busy"))
+            t = trio.current_time()
+            events = await _events_until(sock, ws, TextMessage)
+            assert not any(isinstance(e, Ping) for e in events)
+        for _ in range(5):  # idle, answering each ping at once: one ping every 20 s
+            pings = await _events_until(sock, ws, Ping)
+            assert trio.current_time() == pytest.approx(t + 20)
+            await sock.send_all(ws.send(pings[-1].response()))
+            t = trio.current_time()
+        assert gw.statistics().streams == 1
+        assert gw.statistics().stream_ping_timeouts == 0
+        await sock.aclose()
+
+
+async def test_streams_are_not_pinged_with_the_interval_at_0(autojump_clock):
+    cfg = config(echo_model(), server={"stream_ping_interval_s": 0})
+    async with serving(cfg) as gw:
+        sock, _ = await _raw_handshake(gw)
+        await _quiet_until(sock, trio.current_time() + 10_000)
+        assert gw.statistics().streams == 1
+        await sock.aclose()
+
+
+def test_the_default_stream_ping_interval_is_20_s():
+    assert trioserve.ServerConfig().stream_ping_interval_s == 20.0
+
+
+async def test_a_client_that_never_reads_is_cut_by_the_write_timeout_at_the_byte_budget(
+    autojump_clock,
+):
+    """The read loop waits at the byte budget for answers the client never takes: the
+    write timeout still closes the stream (1008), the message it held back unread."""
+    from trioserve.transport._http import serve_connection
+    from wsproto.events import CloseConnection
+
+    x = np.random.default_rng(6).standard_normal(100_000).astype(np.float32).tolist()
+    cfg = config(echo_model(), server={"write_timeout_s": 20,
+                                       "stream_in_flight_bytes": 1 << 20})
+    async with serving(cfg) as gw, trio.open_nursery() as nursery:
+        server, client = trio.socket.socketpair()
+        server.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, 4096)
+        nursery.start_soon(serve_connection, gw, trio.SocketStream(server))
+        sock = trio.SocketStream(client)
+        frames = _HANDSHAKE + b"".join(_infer_frame(i, x) for i in range(3))
+
+        async def send() -> None:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await sock.send_all(frames)
+
+        nursery.start_soon(send)
+        await settle()
+        t0 = trio.current_time()
+        await trio.sleep(19.75)
+        stats = gw.statistics()
+        assert (stats.streams, stats.stream_write_timeouts) == (1, 0)
+        assert stats.stream_byte_budget_waits == 1
+        assert gw.runtime.models["echo"].metrics.items == 1  # the others never read
+        await trio.sleep(0.5)
+        assert trio.current_time() == t0 + 20.25
+        assert gw.statistics().stream_write_timeouts == 1
+        # What the server wrote, then a reset, not EOF: it closed with the client's
+        # messages unread.
+        data, reset = b"", False
+        while not reset:
+            try:
+                chunk = await sock.receive_some(1 << 20)
+            except trio.BrokenResourceError:
+                reset = True
+            else:
+                assert chunk, "EOF, not a reset"
+                data += chunk
+        ws = _raw_ws()
+        ws.receive_data(data.partition(b"\r\n\r\n")[2])
+        events = list(ws.events())
+        assert isinstance(events[-1], CloseConnection)
+        assert events[-1].code == 1008
+        await settle()  # the sender fails too: the server is gone
+        await sock.aclose()
+        await settle()
+        assert gw.statistics().streams == 0
+        assert gw.requests == {("echo", "t", 200): 1}
