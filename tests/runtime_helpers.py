@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import trio
 import trioserve
-from trioserve import CallableBackend, ModelBackend, ModelConfig, TensorSpec
+from trioserve import CallableBackend, ModelBackend, ModelConfig, TensorSpec, WorkerProcess
 
 X = TensorSpec(name="x", datatype="FP32", shape=(-1,))
 Y = TensorSpec(name="y", datatype="FP32", shape=(-1,))
@@ -335,3 +335,38 @@ def breaks_its_device(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.n
     if _device_lost:
         raise RuntimeError(DEVICE_LOST)
     return [{"y": it["x"].copy()} for it in items]
+
+
+# ---------------------------------------------------------------- stragglers, stand-in workers
+def straggler_model(fn, **cfg) -> ModelConfig:
+    cfg.setdefault("batch_timeout_floor_ms", 50.0)
+    cfg.setdefault("batch_timeout_cap_ms", 50.0)
+    return callable_model("m", fn, execution="thread", max_batch_size=8, max_wait_ms=5, **cfg)
+
+
+class _StandIn:
+    """What the batcher asks of a worker process besides running batches: its error
+    types, its pipeline depth, and closing and waiting for its exit."""
+
+    SLOTS = 3
+    Died = WorkerProcess.Died
+    Failed = WorkerProcess.Failed
+    _exited: trio.Event
+
+    def kill(self) -> None:
+        self._exited.set()
+
+    async def aclose(self) -> None:
+        self.kill()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_exited(self) -> None:
+        await self._exited.wait()
+
+
+class NoZygote:
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()

@@ -1,0 +1,584 @@
+"""The slow lane and hedging: long requests kept from holding back short ones; a
+hedged request's copy answering for a straggling original, taking only free room in
+the queue, expiring, withdrawn or superseded, never in its original's batch nor
+staged behind it on a worker process; what a hedged caller is charged or refunded."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from functools import partial
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+import trioserve
+from runtime_helpers import (
+    GATE_LIMIT_S,
+    NoZygote,
+    _StandIn,
+    callable_model,
+    config,
+    crash_on_666,
+    item,
+    key,
+)
+from trioserve import ModelConfig, TenantConfig
+from trioserve.actors import Breaker
+
+
+# ---------------------------------------------------------------- slow lane, hedging
+class LenCost(trioserve.ModelBackend):
+    """Items cost their length; run in a worker thread; an item starting with 99 waits
+    for ``release``. Records the thread (replica) each batch ran on."""
+
+    inputs = (trioserve.TensorSpec(name="x", datatype="FP32", shape=(-1,)),)
+    outputs = (trioserve.TensorSpec(name="y", datatype="FP32", shape=(-1,)),)
+    default_execution = "thread"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.ran: list[tuple[int, list[float]]] = []
+
+    def prepare(self, name, inputs):
+        it, _ = super().prepare(name, inputs)
+        return it, int(it["x"].shape[0])
+
+    def load(self, device, *, torch_threads=1):
+        def run(items):
+            self.ran.append((threading.get_ident(), [key(it) for it in items]))
+            if any(key(it) == 99.0 for it in items):
+                self.release.wait(30)
+            return [{"y": it["x"]} for it in items]
+
+        return run
+
+
+async def test_the_slow_lane_keeps_long_requests_from_holding_back_short_ones(autojump_clock):
+    backend = LenCost()
+    cfg = config(
+        ModelConfig(
+            name="m", backend=backend, replicas=2, slow_lane_cost=100, max_batch_size=8,
+            max_wait_ms=1, timeout_ms=None,
+        )
+    )
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            served = rt.models["m"]
+            async with trio.open_nursery() as nursery:
+                long = np.zeros(200, np.float32)
+                long[0] = 99.0
+                nursery.start_soon(rt.infer, "m", {"x": long})  # held in the slow lane
+                await trio.testing.wait_all_tasks_blocked()
+                outs = [await rt.infer("m", item(v, n=4)) for v in range(3)]
+                assert [float(o["y"][0]) for o in outs] == [0.0, 1.0, 2.0]
+                assert served.slow_scheduler.policy.stats[("t", "realtime")].dispatched == 1
+                assert served.scheduler.policy.stats[("t", "realtime")].dispatched == 3
+                backend.release.set()
+    finally:
+        backend.release.set()
+    slow_thread = next(t for t, keys in backend.ran if 99.0 in keys)
+    assert all(t != slow_thread for t, keys in backend.ran if 99.0 not in keys)
+
+
+async def test_a_slow_lane_needs_a_replica_of_its_own():
+    cfg = config(ModelConfig(name="m", backend=LenCost(), slow_lane_cost=10))
+    with pytest.raises(trioserve.ConfigError, match=r"^models\.m\.slow_lane_replicas: the slow"):
+        async with trioserve.open_runtime(cfg):
+            pass
+
+
+async def test_a_hedged_request_takes_the_copys_answer_when_the_first_straggles(autojump_clock):
+    backend = LenCost()
+    first_run = threading.Event()
+
+    class OnceSlow(LenCost):
+        def load(self, device, *, torch_threads=1):
+            def run(items):
+                self.ran.append((threading.get_ident(), [key(it) for it in items]))
+                if not first_run.is_set():
+                    first_run.set()
+                    self.release.wait(30)  # the first run of all straggles
+                return [{"y": it["x"] + 1} for it in items]
+
+            return run
+
+    backend = OnceSlow()
+    cfg = config(
+        ModelConfig(
+            name="m", backend=backend, replicas=2, hedge=True, hedge_after_ms=50,
+            max_batch_size=4, max_wait_ms=0, timeout_ms=None,
+        )
+    )
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            t0 = trio.current_time()
+            out = await rt.infer("m", item(7))
+            assert float(out["y"][0]) == 8.0
+            assert trio.current_time() - t0 >= 0.05  # the copy went after 50 ms
+            assert rt.hedges == 1
+            backend.release.set()
+            # A batch-class request is never hedged.
+            await rt.infer("m", item(8), priority="batch")
+            assert rt.hedges == 1
+    finally:
+        backend.release.set()
+    assert [keys for _, keys in backend.ran[:2]] == [[7.0], [7.0]]
+
+
+class HeldKeys:
+    """A worker-thread model echoing ``x``; a batch holding a key of ``held`` waits
+    until the test releases that key. Records each batch's keys."""
+
+    def __init__(self, *held: float) -> None:
+        self.gates = {k: threading.Event() for k in held}
+        self.batches: list[list[float]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, items):
+        keys = [key(it) for it in items]
+        with self._lock:
+            self.batches.append(keys)
+        for k in keys:
+            gate = self.gates.get(k)
+            if gate is not None and not gate.wait(GATE_LIMIT_S):
+                raise RuntimeError(f"{k:g} never released")
+        return [{"y": it["x"]} for it in items]
+
+    def release(self, *keys: float) -> None:
+        for k in keys or self.gates:
+            self.gates[k].set()
+
+
+def two_tenants(model: ModelConfig, **runtime) -> trioserve.Config:
+    """``model`` served to tenants a (the default) and b."""
+    return trioserve.Config(
+        models=(model,),
+        tenants=(TenantConfig(name="a", default=True), TenantConfig(name="b")),
+        runtime=trioserve.RuntimeLimits(**runtime),
+    )
+
+
+def hedged_threads(model: HeldKeys, **cfg) -> ModelConfig:
+    """Two worker-thread replicas of ``model``; realtime requests hedge after 50 ms."""
+    cfg = {"max_batch_size": 1, "max_wait_ms": 0, "timeout_ms": None, **cfg}
+    return callable_model(
+        "m", model, execution="thread", replicas=2, hedge=True, hedge_after_ms=50,
+        adaptive_limit=False, **cfg,
+    )
+
+
+async def test_a_running_request_whose_hedge_copy_gives_its_room_away_is_answered(
+    autojump_clock,
+):
+    """The copy's Overloaded was taken as the first answer: the caller got 503 while
+    its original ran, and would have answered."""
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model), queue_bound=1)
+    results = {}
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            queue = rt.models["m"].scheduler.policy
+
+            async def call(v: float, tenant: str, priority: str | None = None) -> None:
+                results[v] = await rt.infer("m", item(v), tenant=tenant, priority=priority)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 5.0, "b", "batch")  # holds one replica (no hedge)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 1.0, "a")  # runs, held, on the other
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1
+                assert len(queue) == 1  # the copy, in the queue's only room
+                # takes the copy's room (a batch request: it is never hedged, so no
+                # copy of its own races the worker thread while the clock jumps)
+                nursery.start_soon(call, 2.0, "b", "batch")
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(queue) == 1
+                assert 1.0 not in results  # the caller still waits for its original
+                model.release(5.0)  # the freed replica runs b's second request
+                model.release(1.0)
+        assert {v: float(r["y"][0]) for v, r in results.items()} == {1.0: 1, 2.0: 2, 5.0: 5}
+        assert sorted(model.batches) == [[1.0], [2.0], [5.0]]  # the copy never ran
+        a, b = queue.stats["a", "realtime"], queue.stats["b", "batch"]
+        assert (a.admitted, a.hedged, a.shed, a.dispatched) == (1, 1, 0, 1)
+        assert (b.admitted, b.shed) == (2, 0)
+        assert rt.hedges == 1
+        assert rt.credits_refunded["a"] == 0
+    finally:
+        model.release()
+
+
+async def test_a_hedge_copy_expiring_in_the_queue_does_not_fail_its_running_original(
+    autojump_clock,
+):
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model, timeout_ms=1000))
+    results = {}
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            queue = rt.models["m"].scheduler.policy
+
+            async def call(v: float, tenant: str, priority: str | None = None) -> None:
+                results[v] = await rt.infer("m", item(v), tenant=tenant, priority=priority)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 5.0, "b", "batch")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 1.0, "a")
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(1.0)  # both replicas busy: the copy expires queued
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1
+                assert queue.stats["a", "realtime"].expired == 1
+                assert 1.0 not in results
+                model.release()
+        assert {v: float(r["y"][0]) for v, r in results.items()} == {1.0: 1, 5.0: 5}
+        assert sorted(model.batches) == [[1.0], [5.0]]
+    finally:
+        model.release()
+
+
+async def test_a_hedged_caller_leaving_before_either_copy_ran_is_refunded(autojump_clock):
+    """A hedged caller that left while its request and its copy were both queued kept
+    paying for work that never ran (only the unhedged path refunded)."""
+    model = HeldKeys(5.0, 6.0)
+    cfg = two_tenants(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            queue = rt.models["m"].scheduler.policy
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(5.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(partial(rt.infer, "m", item(6.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()  # both replicas held
+                with trio.move_on_after(0.2) as scope:  # the caller leaves
+                    await rt.infer("m", item(1.0), tenant="a")
+                assert scope.cancelled_caught
+                assert rt.hedges == 1  # its copy was queued too
+                assert rt.credits_used["a"] == 0
+                assert rt.credits_refunded["a"] == 1
+                model.release()
+        assert sorted(model.batches) == [[5.0], [6.0]]  # neither copy ran
+        assert queue.stats["a", "realtime"].hedged == 1
+    finally:
+        model.release()
+
+
+async def test_a_hedged_caller_leaving_while_its_copy_runs_is_charged(autojump_clock):
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(5.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                left = trio.Event()
+                scope = trio.CancelScope()
+
+                async def leaving() -> None:
+                    with scope:
+                        await rt.infer("m", item(1.0), tenant="a")
+                    left.set()
+
+                nursery.start_soon(leaving)
+                await trio.testing.wait_all_tasks_blocked()  # 1.0 runs, held
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1  # the copy waits for a replica
+                model.release(5.0)  # the copy runs on the freed one, held
+                while len(model.batches) < 3:
+                    await trio.testing.wait_all_tasks_blocked()
+                    await trio.sleep(0.001)
+                scope.cancel()
+                await left.wait()
+                assert rt.credits_refunded["a"] == 0  # it ran: charged
+                assert rt.credits_used["a"] == 1
+                model.release()
+        assert sorted(model.batches) == [[1.0], [1.0], [5.0]]
+    finally:
+        model.release()
+
+
+FLOW_ENDS = (
+    "dispatched", "expired", "withdrawn", "closed", "pushed_out", "superseded", "gave_way",
+    "queued",
+)
+
+
+def hedged_flow(rt: trioserve.Runtime, flow: str) -> dict[str, int]:
+    """``flow``'s counts in ``rt.statistics()``, checked to balance exactly."""
+    f = rt.statistics()["m"]["flows"][flow]
+    assert f["admitted"] + f["hedged"] == sum(f[k] for k in FLOW_ENDS), f
+    return {k: f[k] for k in ("admitted", "hedged", *FLOW_ENDS)}
+
+
+class HeldOnce(HeldKeys):
+    """HeldKeys holding only the first batch with each held key (a hedge copy of it
+    then runs at once)."""
+
+    def __init__(self, *held: float) -> None:
+        super().__init__(*held)
+        self.seen: set[float] = set()
+
+    def __call__(self, items):
+        keys = [key(it) for it in items]
+        with self._lock:
+            self.batches.append(keys)
+            first = [k for k in keys if k in self.gates and k not in self.seen]
+            self.seen.update(keys)
+        for k in first:
+            if not self.gates[k].wait(GATE_LIMIT_S):
+                raise RuntimeError(f"{k:g} never released")
+        return [{"y": it["x"]} for it in items]
+
+
+async def test_a_hedged_flow_balances_when_its_copy_answers_while_the_original_runs(
+    autojump_clock,
+):
+    """Whichever of the two answers, the flow's counts add up exactly: here the copy
+    answers while the original, already dispatched, still runs (a copy queues behind
+    its original, so it never runs while the original is still queued)."""
+    model = HeldOnce(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(5.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                answered = trio.Event()
+
+                async def call() -> None:
+                    out = await rt.infer("m", item(1.0), tenant="a")
+                    assert float(out["y"][0]) == 1.0
+                    answered.set()
+
+                nursery.start_soon(call)  # runs, held, on the other replica
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1  # the copy waits in the queue
+                assert hedged_flow(rt, "a/realtime")["queued"] == 1
+                model.release(5.0)  # the copy runs on the freed replica, and answers
+                await answered.wait()
+                flow = hedged_flow(rt, "a/realtime")
+                assert (flow["admitted"], flow["hedged"], flow["dispatched"]) == (1, 1, 2)
+                assert flow["superseded"] == flow["withdrawn"] == flow["queued"] == 0
+                model.release(1.0)
+    finally:
+        model.release()
+    assert sorted(model.batches) == [[1.0], [1.0], [5.0]]
+
+
+async def test_a_hedge_copy_withdrawn_queued_when_its_original_answers_is_superseded(
+    autojump_clock,
+):
+    """A copy withdrawn from the queue because its original answered first was
+    counted nowhere, so a hedged flow's counts fell short of admitted + hedged."""
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(5.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                answered = trio.Event()
+
+                async def call() -> None:
+                    await rt.infer("m", item(1.0), tenant="a")
+                    answered.set()
+
+                nursery.start_soon(call)
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1
+                assert hedged_flow(rt, "a/realtime")["queued"] == 1  # the copy
+                model.release(1.0)  # the original answers; its copy is still queued
+                await answered.wait()
+                flow = hedged_flow(rt, "a/realtime")
+                assert (flow["admitted"], flow["hedged"], flow["dispatched"]) == (1, 1, 1)
+                assert (flow["superseded"], flow["withdrawn"], flow["queued"]) == (1, 0, 0)
+                model.release(5.0)
+            # A caller leaving while its original runs withdraws its queued copy:
+            # counted as its withdrawal, not as superseded.
+            model.gates.update({2.0: threading.Event(), 6.0: threading.Event()})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(rt.infer, "m", item(6.0), tenant="b", priority="batch"))
+                await trio.testing.wait_all_tasks_blocked()
+                left = trio.Event()
+                scope = trio.CancelScope()
+
+                async def leaving() -> None:
+                    with scope:
+                        await rt.infer("m", item(2.0), tenant="a")
+                    left.set()
+
+                nursery.start_soon(leaving)
+                await trio.testing.wait_all_tasks_blocked()  # 2.0 runs, held
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 2  # its copy waits in the queue
+                scope.cancel()  # cancelled, not at its deadline
+                await left.wait()
+                model.release()
+            flow = hedged_flow(rt, "a/realtime")
+            assert (flow["admitted"], flow["hedged"], flow["dispatched"]) == (2, 2, 2)
+            assert (flow["superseded"], flow["withdrawn"], flow["queued"]) == (1, 1, 0), flow
+    finally:
+        model.release()
+
+
+async def test_a_hedge_copy_takes_only_free_room_and_pushes_nobody_out(autojump_clock):
+    """The copy was admitted like a new request: in a full queue it pushed out
+    another tenant's real request, which got 503."""
+    model = HeldKeys(1.0, 5.0)
+    cfg = two_tenants(hedged_threads(model), queue_bound=2)
+    results = {}
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            queue = rt.models["m"].scheduler.policy
+
+            async def call(v: float, tenant: str, priority: str | None = None) -> None:
+                results[v] = await rt.infer("m", item(v), tenant=tenant, priority=priority)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 5.0, "b", "batch")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 1.0, "a")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 2.0, "b")
+                nursery.start_soon(call, 3.0, "b")  # the queue is full
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 0  # no free room: no copy
+                assert len(queue) == 2
+                model.release()
+        assert sorted(results) == [1.0, 2.0, 3.0, 5.0]
+        a, b = queue.stats["a", "realtime"], queue.stats["b", "realtime"]
+        assert (a.admitted, a.hedged, a.shed) == (1, 0, 0)
+        assert (b.admitted, b.shed) == (2, 0)
+    finally:
+        model.release()
+
+
+async def test_a_hedge_copy_is_not_run_in_the_same_batch_as_its_original(autojump_clock):
+    model = HeldKeys(5.0, 6.0)
+    cfg = config(hedged_threads(model, max_batch_size=4))
+    results = {}
+    answered = collections.defaultdict(trio.Event)
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            scheduler = rt.models["m"].scheduler
+
+            async def call(v: float, priority: str | None = None) -> None:
+                results[v] = await rt.infer("m", item(v), priority=priority)
+                answered[v].set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 5.0, "batch")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 6.0, "batch")  # both replicas busy
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 1.0)
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1
+                assert len(scheduler.policy) == 2  # the original and its copy, queued
+                model.release(5.0)  # the freed replica pulls both: it runs one
+                await answered[1.0].wait()
+                model.release(6.0)
+        assert sorted(model.batches) == [[1.0], [5.0], [6.0]]
+        assert scheduler.queue_depth() == 0
+        assert scheduler.twins == {}
+    finally:
+        model.release()
+
+
+class FakeWorker(_StandIn):
+    """Stands in for a worker process in the batcher's pipeline (no process): batches
+    are staged up to SLOTS at a time and run in order; the first worker made runs a
+    batch holding ``HELD`` only once ``gate`` is set. Records each batch sent as
+    (worker, keys)."""
+
+    HELD = 7.0
+    gate: trio.Event
+    sent: list
+    made = False
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.holds = not FakeWorker.made
+        FakeWorker.made = True
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self.in_flight = 0
+        self._staged: collections.deque = collections.deque()
+        self._exited = trio.Event()
+
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        self.sent.append((self, [key(it) for it in items]))
+        self._staged.append(items)
+
+    async def result(self):
+        items = self._staged[0]
+        if self.holds and any(key(it) == self.HELD for it in items):
+            await self.gate.wait()
+        self._staged.popleft()
+        return [{"y": it["x"]} for it in items]
+
+
+async def test_a_worker_process_replica_never_stages_a_hedge_copy_behind_its_original(
+    autojump_clock, monkeypatch
+):
+    """A process replica pulls while it has room in its pipeline: it took the copy of
+    the request it was running, to run after it, while another replica sat idle."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    FakeWorker.gate, FakeWorker.sent, FakeWorker.made = trio.Event(), [], False
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", FakeWorker)
+    breakers: list[Breaker] = []
+
+    def breaker() -> Breaker:
+        # The second replica's breaker is open for its first second: the first
+        # replica alone is pulling when the copy is queued.
+        b = Breaker()
+        if breakers:
+            b.open_until = trio.current_time() + 1.0
+        breakers.append(b)
+        return b
+
+    monkeypatch.setattr(trioserve.actors, "Breaker", breaker)
+    cfg = config(
+        callable_model(
+            "m", crash_on_666, execution="process", replicas=2, hedge=True,
+            hedge_after_ms=50, max_batch_size=4, max_wait_ms=0, timeout_ms=None,
+        )
+    )
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            first, second = (b._worker for b in rt.models["m"].batchers)
+            with trio.fail_after(10):
+                out = await rt.infer("m", item(7))
+            # The copy waited for the second replica, which answered at once.
+            assert trio.current_time() == pytest.approx(1.0)
+            assert float(out["y"][0]) == 7.0
+            assert FakeWorker.sent == [(first, [7.0]), (second, [7.0])]
+            assert rt.hedges == 1
+            FakeWorker.gate.set()
+    finally:
+        FakeWorker.gate.set()
