@@ -3,8 +3,8 @@ an argument): weighted fair share between tenants (virtual-time counting), no cr
 for idle tenants, costs rather than requests, strict priority between classes with
 aging, FIFO within a flow, deadline expiry; and the AimdLimit and TokenBucket cores.
 
-Admission (shedding, push-out, quotas) and the runtime's classification and credits
-are in test_admission.py.
+Admission (shedding, push-out, quotas) is in test_admission.py, the runtime's
+classification and credits in test_admission_runtime.py.
 """
 
 from __future__ import annotations
