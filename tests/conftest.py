@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import trioserve
 from hypothesis import settings
+from runtime_helpers import Gate
 
 # Property tests check results, not speed: hypothesis's per-example deadline (200 ms)
 # fails them when a shared machine stalls for a moment (seen: one example at 346 ms,
@@ -33,3 +34,19 @@ def small_config(*models, **runtime):
         tenants=(trioserve.TenantConfig(name="t", default=True),),
         runtime=trioserve.RuntimeLimits(**runtime),
     )
+
+
+@pytest.fixture
+def gates():
+    """Make Gates; every one is released at teardown so no worker thread outlives the
+    test by more than its batch."""
+    made: list[Gate] = []
+
+    def make(**kw) -> Gate:
+        g = Gate(**kw)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.release()

@@ -370,3 +370,24 @@ class NoZygote:
 
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()
+
+
+# ---------------------------------------------------------------- runtime calls
+async def call_all(rt, model, inputs, *, stagger: float = 0.0):
+    """Infer every input from its own task, the i-th arriving at start + i*stagger.
+    Returns {i: (outputs or the exception, trio time answered)}."""
+    results: dict[int, tuple[object, float]] = {}
+    start = trio.current_time()
+
+    async def one(i, x):
+        await trio.sleep_until(start + i * stagger)
+        try:
+            out = await rt.infer(model, x)
+        except Exception as exc:
+            out = exc
+        results[i] = (out, trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        for i, x in enumerate(inputs):
+            nursery.start_soon(one, i, x)
+    return results
