@@ -280,7 +280,11 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
         if tenant is None:
             tenant = self._default_tenant
             if tenant is None:
-                raise Unauthorized("no tenant given and no default tenant is configured")
+                raise Unauthorized(
+                    "no tenant given and no default tenant is configured: pass tenant= "
+                    f"one of {', '.join(map(repr, sorted(self._tenants)))}, or set "
+                    "default = true on a tenant in the config"
+                )
         elif type(tenant) is not str and not isinstance(tenant, str):
             raise InvalidInput(f"a tenant is named by a string, got {tenant!r}")
         classes = self._tenant_classes.get(tenant)

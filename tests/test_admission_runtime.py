@@ -47,7 +47,8 @@ async def test_unknown_tenants_and_classes_and_forbidden_classes_are_refused(aut
         with pytest.raises(Unauthorized, match=r"^unknown tenant 'zz'; tenants: a, b$"):
             await rt.infer("m", item(1), tenant="zz")
         with pytest.raises(
-            Unauthorized, match=r"^no tenant given and no default tenant is configured$"
+            Unauthorized, match=r"^no tenant given and no default tenant is configured: "
+            r"pass tenant= one of 'a', 'b', or set default = true on a tenant in the config$"
         ):
             await rt.infer("m", item(1))
         with pytest.raises(
