@@ -44,7 +44,14 @@ def error_of(res) -> str:
     [
         (b"{not json", 400, "malformed JSON body"),
         (b"[1, 2]", 400, "must be a JSON object"),
-        ({"inputs": []}, 400, "'inputs' must be a non-empty list"),
+        ({"inputs": []}, 400, "'inputs' must be a non-empty list of tensors, got an empty list"),
+        ({"inputs": {"x": [1.0]}}, 400, "non-empty list of tensors, got a JSON object"),
+        ({"inputs": None}, 400, "non-empty list of tensors, got null"),
+        ({"input": [v2_input([1.0])], "id": "r"}, 400,
+         "the request has no 'inputs' (its keys: 'input', 'id'); did you mean 'inputs' for "
+         "'input'?"),
+        ({"id": "r"}, 400, "the request has no 'inputs' (its keys: 'id')"),
+        ({}, 400, "the request has no 'inputs' (its keys: none)"),
         ({"inputs": [{"name": "z", "shape": [1], "datatype": "FP32", "data": [1.0]}]},
          400, "unknown input 'z'; expected x"),
         ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "INT32",

@@ -9,6 +9,7 @@ for the batcher; :func:`encode_response` (``._response``) stacks the items' outp
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -103,7 +104,7 @@ class InferRequest:
             raise InvalidInput("the request body must be a JSON object with 'inputs'")
         tensors = doc.get("inputs")
         if type(tensors) is not list or not tensors:
-            raise InvalidInput("'inputs' must be a non-empty list of tensors")
+            raise InvalidInput(_no_inputs(doc, tensors))
         name = signature.name
         params = doc.get("parameters")
         if params is not None and type(params) is not dict:
@@ -349,3 +350,24 @@ __all__ = [
     "encode_inputs",
     "sample_inputs",
 ]
+
+
+def _no_inputs(doc: dict[str, Any], tensors: Any) -> str:
+    """Why a request has no input tensors: 'inputs' missing (naming the keys that were
+    sent, and the near miss, as 'input'), of another type, or empty."""
+    base = "'inputs' must be a non-empty list of tensors"
+    if "inputs" in doc:
+        got = "an empty list" if tensors == [] else _kind_of(tensors)
+        return f"{base}, got {got}"
+    sent = [k for k in doc if isinstance(k, str)]
+    close = difflib.get_close_matches("inputs", sent, n=1, cutoff=0.7)
+    hint = f"; did you mean 'inputs' for {close[0]!r}?" if close else ""
+    keys = ", ".join(map(repr, sent[:8])) or "none"
+    return f"{base}: the request has no 'inputs' (its keys: {keys}){hint}"
+
+
+def _kind_of(v: Any) -> str:
+    return "null" if v is None else f"a JSON {_JSON_TYPES.get(type(v), type(v).__name__)}"
+
+
+_JSON_TYPES = {dict: "object", str: "string", int: "number", float: "number", bool: "boolean"}
