@@ -13,6 +13,7 @@ import numpy as np
 import trio
 import trioserve
 from trioserve import CallableBackend, ModelBackend, ModelConfig, TensorSpec, WorkerProcess
+from trioserve.actors import CacheKey
 
 X = TensorSpec(name="x", datatype="FP32", shape=(-1,))
 Y = TensorSpec(name="y", datatype="FP32", shape=(-1,))
@@ -391,3 +392,9 @@ async def call_all(rt, model, inputs, *, stagger: float = 0.0):
         for i, x in enumerate(inputs):
             nursery.start_soon(one, i, x)
     return results
+
+
+# ---------------------------------------------------------------- result cache keys
+def k(model="m", version="1", namespace="t", digest=b"d"):
+    """A result-cache key whose parts default to one model version of tenant ``t``."""
+    return CacheKey(namespace, model, version, digest)
