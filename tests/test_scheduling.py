@@ -1,10 +1,12 @@
 """The multi-tenant scheduling rules of the sans-IO FairQueue, driven directly (time is
 an argument): weighted fair share between tenants (virtual-time counting), no credit
 for idle tenants, costs rather than requests, strict priority between classes with
-aging, FIFO within a flow, deadline expiry; and the AimdLimit and TokenBucket cores.
+aging, FIFO within a flow, deadline expiry, and the queue's capacity following its
+adaptive limit.
 
 Admission (shedding, push-out, quotas) is in test_admission.py, the runtime's
-classification and credits in test_admission_runtime.py.
+classification and credits in test_admission_runtime.py, the AimdLimit and TokenBucket
+cores in test_aimd_and_token_bucket.py.
 """
 
 from __future__ import annotations
@@ -12,18 +14,24 @@ from __future__ import annotations
 import collections
 import math
 import random
-from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trioserve import DeadlineExceeded, Request, RequestState
-from trioserve.actors import AimdLimit, BatchLimits, ClassSpec, FairQueue, TokenBucket
+from trioserve.actors import BatchLimits, ClassSpec, FairQueue
 
 QUEUED = RequestState.QUEUED
+
+
 DISPATCHED = RequestState.DISPATCHED
+
+
 DONE = RequestState.DONE
+
+
 CANCELLED = RequestState.CANCELLED
+
 
 #: float slack for comparing sums of cost/weight computed in different orders
 EPS = 1e-9
@@ -551,75 +559,7 @@ def test_withdrawn_requests_are_compacted_away_at_once():
     assert q.next_batch(0.0) == [rs[-1]]
 
 
-# ---------------------------------------------------------------- 7. AimdLimit
-def test_aimd_cuts_multiplicatively_at_most_once_per_interval_down_to_the_minimum():
-    lim = AimdLimit(minimum=10, maximum=100, backoff=0.5, interval=1.0)
-    assert (lim.limit, lim.value) == (100.0, 100)
-    lim.on_congestion(0.0)
-    assert lim.limit == 50.0
-    lim.on_congestion(0.999)  # within the interval: ignored
-    assert lim.limit == 50.0
-    lim.on_dispatch(5, True, 0.5)  # a congested dispatch is a congestion signal too
-    assert lim.limit == 50.0
-    lim.on_congestion(1.0)
-    assert lim.limit == 25.0
-    lim.on_dispatch(5, True, 2.0)
-    assert lim.limit == 12.5
-    lim.on_congestion(3.0)
-    assert lim.limit == 10.0  # 6.25 is below the minimum
-    lim.on_congestion(4.0)
-    assert lim.limit == 10.0
-
-
-def test_aimd_grows_additively_to_the_maximum():
-    lim = AimdLimit(minimum=4, maximum=6, backoff=0.5, interval=1.0)
-    lim.on_congestion(0.0)
-    lim.on_congestion(1.0)
-    assert lim.limit == 4.0
-    lim.on_dispatch(4, False, 2.0)  # +4/4
-    assert lim.limit == 5.0
-    lim.on_dispatch(5, False, 2.0)  # +5/5
-    assert lim.limit == 6.0
-    lim.on_dispatch(100, False, 2.0)
-    assert (lim.limit, lim.value) == (6.0, 6)
-
-
-def test_aimd_minimum_is_at_least_one_and_at_most_the_maximum():
-    assert AimdLimit(minimum=0, maximum=8).minimum == 1.0
-    assert AimdLimit(minimum=50, maximum=8).minimum == 8.0
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    events=st.lists(
-        st.tuples(st.integers(0, 30), st.booleans(), st.integers(1, 20)),  # dt ms, congested, n
-        max_size=80,
-    ),
-    minimum=st.integers(1, 20),
-    maximum=st.integers(1, 200),
-    backoff=st.sampled_from([0.5, 0.75, 0.9]),
-)
-def test_aimd_limit_stays_in_bounds_cuts_once_per_interval_and_grows_additively(
-    events, minimum, maximum, backoff
-):
-    lim = AimdLimit(minimum=minimum, maximum=maximum, backoff=backoff, interval=0.05)
-    lo, hi = max(1, min(minimum, maximum)), maximum
-    now, last_cut = 0.0, -math.inf
-    for dt_ms, congested, n in events:
-        now += dt_ms / 1000
-        before = lim.limit
-        lim.on_dispatch(n, congested, now)
-        after = lim.limit
-        assert lo <= after <= hi
-        if not congested:
-            assert after == min(hi, before + n / before)
-        elif now - last_cut >= 0.05:  # the same float expression the limit evaluates
-            assert after == max(lo, before * backoff)
-            last_cut = now
-        else:
-            assert after == before  # at most one cut per interval
-
-
+# ---------------------------------------------------------------- 7. the adaptive limit
 def test_queue_capacity_follows_the_adaptive_limit_on_expiry():
     q = FairQueue(BatchLimits(max_size=5), bound=100, model="m", min_limit=10)
     assert q.capacity() == 100
@@ -636,199 +576,3 @@ def test_queue_capacity_follows_the_adaptive_limit_on_expiry():
         q.offer(req("a", deadline=2.0 + k, answer_expiry=True), 0.0)
         q.expire(2.0 + k)
     assert q.capacity() == 10
-
-
-# ---------------------------------------------------------------- 8. TokenBucket
-class RefBucket:
-    """The token-bucket rules in exact arithmetic: the level refills at ``rate`` up to
-    ``burst``; a take needs min(cost, burst) and may leave a debt; a reservation starts
-    when its need is there but never before one made earlier; a refund goes back to the
-    level less what would have filled the bucket past the burst before a waiter after
-    the earliest starts (the waiters' peaks: the level each meets at its start; past 16
-    waiting entries, a new one is merged into the latest)."""
-
-    def __init__(self, rate, burst, now):
-        self.rate, self.burst = Fraction(rate), Fraction(burst)
-        self.level, self.stamp, self.used = Fraction(burst), Fraction(now), Fraction(0)
-        self.tail = None
-        self.waiting: list[list] = []  # [start, peak, n], after ``stamp``
-
-    def at(self, now):
-        now = Fraction(now)
-        if now > self.stamp:
-            self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
-            self.stamp = now
-            self.waiting = [e for e in self.waiting if e[0] > now]
-        return self.level
-
-    def reserve(self, cost, now, latest):
-        level = self.at(now)
-        need = min(cost, self.burst)
-        go = now if level >= need else now + (need - level) / self.rate
-        if self.tail is not None and go < self.tail:
-            go = self.tail
-        if go > latest:
-            return None
-        if go > now:
-            ahead = (go - now) * self.rate
-            peak = min(self.burst, level + ahead)
-            level = min(level, self.burst - ahead)
-            if len(self.waiting) >= 16:
-                last = self.waiting[-1]
-                last[:] = [go, max(last[1], peak), last[2] + 1]
-            else:
-                self.waiting.append([go, peak, 1])
-            self.tail = go
-        self.level = level - cost
-        self.used += cost
-        return go
-
-    def refund(self, cost):
-        self.used -= cost
-        give = Fraction(cost)
-        peaks = [e[1] for e in self.waiting[1:]]
-        if self.waiting and self.waiting[0][2] > 1:
-            peaks.append(self.waiting[0][1])
-        if peaks:
-            give = max(Fraction(0), min(give, self.burst - max(peaks)))
-        for e in self.waiting:
-            e[1] += give
-        self.level = min(self.burst, self.level + give)
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    rate=st.sampled_from([1, 2, 4, 8]),
-    burst=st.integers(1, 16),
-    ops=st.lists(
-        st.tuples(
-            st.sampled_from(["take", "take", "reserve", "refund"]),
-            st.integers(0, 24),  # time step in 1/8 s
-            st.integers(1, 24),  # cost
-            st.integers(0, 32),  # reserve: latest, in 1/8 s after now
-        ),
-        max_size=60,
-    ),
-)
-def test_token_bucket_matches_the_reference_model(rate, burst, ops):
-    # Rates are powers of two and times multiples of 1/8 s: every float here is exact.
-    b = TokenBucket(float(rate), float(burst), 0.0)
-    ref = RefBucket(rate, burst, 0)
-    now = Fraction(0)
-    taken: list[int] = []
-    for op, step, cost, latest in ops:
-        now += Fraction(step, 8)
-        if op == "take":
-            level = ref.at(now)
-            need = min(cost, ref.burst)
-            got = b.try_take(cost, float(now))
-            if level >= need:
-                assert got == 0.0
-                ref.level -= cost
-                ref.used += cost
-                taken.append(cost)
-            else:
-                assert got == (need - level) / ref.rate > 0
-        elif op == "reserve":
-            latest_t = now + Fraction(latest, 8)
-            go = ref.reserve(cost, now, latest_t)
-            got = b.reserve(cost, float(now), float(latest_t))
-            assert got == go  # None when too late, and nothing taken (checked below)
-            if go is not None:
-                taken.append(cost)
-        elif taken:
-            c = taken.pop()
-            b.refund(c)
-            ref.refund(c)
-        assert b.level <= burst
-        assert b.level == ref.level
-        assert b.used == ref.used
-
-
-def test_token_bucket_reserve_returns_the_exact_refill_time_in_reservation_order():
-    b = TokenBucket(10.0, 5.0, 100.0)
-    assert b.reserve(5, 100.0, 100.0) == 100.0  # the full burst, now
-    assert b.reserve(2, 100.0, 200.0) == pytest.approx(100.2)
-    assert b.reserve(3, 100.0, 200.0) == pytest.approx(100.5)  # after the first waiter
-    assert b.reserve(1, 100.0, 100.55) is None  # would be 100.6
-    assert b.level == pytest.approx(-5.0)  # the refused one took nothing
-    assert b.used == 10.0
-
-
-def test_token_bucket_cost_above_burst_is_served_from_a_full_bucket_as_a_debt():
-    b = TokenBucket(2.0, 4.0, 0.0)
-    assert b.try_take(10, 0.0) == 0.0
-    assert b.level == -6.0
-    assert b.try_take(1, 0.0) == 3.5  # the debt is paid back first
-    assert b.try_take(10, 5.0) == 0.0  # full again (4) after 5 s
-
-
-def test_token_bucket_refund_restores_level_and_used():
-    b = TokenBucket(1.0, 3.0, 0.0)
-    assert b.try_take(2, 0.0) == 0.0
-    assert b.reserve(3, 0.0, 10.0) == 2.0
-    assert (b.level, b.used) == (-2.0, 5.0)
-    b.refund(3)
-    assert (b.level, b.used) == (1.0, 2.0)
-    b.refund(2)
-    assert (b.level, b.used) == (3.0, 0.0)
-    b.refund(1)  # never above the burst
-    assert b.level == 3.0
-
-
-def test_token_bucket_wait_time_counts_the_reservations_ahead():
-    b = TokenBucket(1.0, 4.0, 0.0)
-    assert b.wait_time(3, 0.0) == 0.0
-    assert b.reserve(4, 0.0, 0.0) == 0.0
-    assert b.reserve(2, 0.0, 10.0) == 2.0
-    assert b.reserve(2, 0.0, 10.0) == 4.0
-    b.refund(2)  # the first waiter left: the level rises, the later start stays
-    assert b.level == -2.0
-    # From the level alone the next start would be 4.0 - 0.0 = 4 s away; it also waits
-    # for the reservation starting at 4.0, so 4 s either way, and never less.
-    assert b.wait_time(2, 0.0) == 4.0
-    assert b.wait_time(1, 0.0) == 4.0  # the level says 3 s; the waiter ahead says 4
-    assert b.reserve(1, 0.0, 3.5) is None
-    assert b.level == -2.0  # wait_time and the refusal took nothing
-
-
-def test_token_bucket_refund_of_a_started_grant_leaves_the_waiters_their_room():
-    b = TokenBucket(1.0, 10.0, 0.0)
-    assert b.reserve(10, 0.0, 0.0) == 0.0  # A starts now ...
-    a = b.seq
-    assert b.reserve(10, 0.0, 20.0) == 10.0  # ... B waits for the refill
-    b.refund(10, since=a)  # A is pushed out of the queue: B's start cannot move
-    assert b.level == -10.0  # so nothing comes back: B meets a full bucket at 10
-    assert b.try_take(10, 10.0) > 0.0  # no second burst at B's start
-    assert b.used == 10.0
-
-
-def test_token_bucket_refund_of_a_started_grant_counts_the_levels_since():
-    b = TokenBucket(100.0, 0.5, 0.0)
-    assert b.reserve(1, 0.0, 0.0) == 0.0
-    a = b.seq
-    assert b.reserve(1, 0.01, 0.01) == 0.01  # full again (0.5) just before this take
-    b.refund(1, since=a)  # the bucket was full since A: A's credits were lost to it
-    assert b.level == -0.5
-    assert b.try_take(1, 0.01) > 0.0
-    # with no take since and nothing waiting, a started grant's credits all come back
-    c = TokenBucket(1.0, 4.0, 0.0)
-    assert c.try_take(3, 0.0) == 0.0
-    c.refund(3, since=c.seq)
-    assert (c.level, c.used) == (4.0, 0.0)
-
-
-def test_token_bucket_refund_after_forgotten_takes_gives_nothing_back():
-    b = TokenBucket(1000.0, 1000.0, 0.0)
-    assert b.try_take(5, 0.0) == 0.0
-    a = b.seq
-    for _ in range(64):
-        assert b.try_take(1, 0.0) == 0.0
-    b.refund(5, since=a)  # 64 takes later: their levels are known (all below 995)
-    assert b.level == 1000.0 - 64
-    assert b.try_take(5, 0.0) == 0.0
-    a = b.seq
-    for _ in range(65):
-        assert b.try_take(1, 0.0) == 0.0
-    b.refund(5, since=a)  # 65 takes later: the history since is gone
-    assert b.level == 1000.0 - 64 - 5 - 65
