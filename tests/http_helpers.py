@@ -13,7 +13,8 @@ import numpy as np
 import trio
 import trioserve
 from trioserve import CallableBackend, ModelConfig, TensorSpec
-from trioserve.transport import Gateway, open_gateway
+from trioserve.transport import Gateway, InferRequest, ModelSignature, open_gateway
+from trioserve.transport._v2 import dumps
 
 X = TensorSpec(name="x", datatype="FP32", shape=(-1,))
 Y = TensorSpec(name="y", datatype="FP32", shape=(-1,))
@@ -207,3 +208,26 @@ def _masked(payload: bytes) -> bytes:
     """``payload`` masked with the key of :func:`_frame_header`."""
     mask = b"\x01\x02\x03\x04"
     return bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+# ---------------------------------------------------------------- v2 wire format, sans IO
+class _Served:
+    def __init__(self, backend, **cfg):
+        self.backend = backend
+        self.config = trioserve.ModelConfig(name=cfg.pop("name", "m"), backend=backend, **cfg)
+
+
+def signature(inputs, outputs=None, *, open_inputs=False, **cfg) -> ModelSignature:
+    backend = trioserve.CallableBackend(
+        lambda items: items, inputs=inputs, outputs=outputs or inputs, open_inputs=open_inputs
+    )
+    return ModelSignature.of(_Served(backend, **cfg))
+
+
+VEC = signature([TensorSpec(name="x", datatype="FP32", shape=(4,))],
+                [TensorSpec(name="y", datatype="FP32", shape=(2,))], versions=("1", "3"))
+OPEN = signature([TensorSpec(name="x", datatype="FP32", shape=(-1,))], open_inputs=True)
+
+
+def parse(doc, sig=VEC, **kw) -> InferRequest:
+    return InferRequest.from_v2_json(dumps(doc), sig, **kw)
