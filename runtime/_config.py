@@ -106,7 +106,13 @@ def _number(
     return check
 
 
+#: The share of requests a model's objective promises when ``slo_target`` is not set.
+DEFAULT_SLO_TARGET = 0.99
+
+
 def _open_fraction(v: Any) -> None:
+    if v is None:
+        return
     if not _finite(v) or not 0.0 < v < 1.0:
         raise ValueError(f"must be a number above 0 and below 1, got {_shown(v)}")
 
@@ -254,8 +260,19 @@ class ModelConfig:
     #: the latency objective: ``slo_target`` of the requests answered within this
     #: (None: no objective tracked)
     slo_ms: float | None = _field(_number(0.0, strict=True, optional=True), None)
-    slo_target: float = _field(_open_fraction, 0.99)
+    #: the share of requests the objective promises within ``slo_ms`` (None:
+    #: DEFAULT_SLO_TARGET); only with ``slo_ms``
+    slo_target: float | None = _field(_open_fraction, None)
     options: Mapping[str, Any] = _field(_mapping, attrs.Factory(dict))
+
+    @slo_target.validator
+    def _check_slo_target(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and self.slo_ms is None:
+            raise ConfigError(
+                f"{self._path()}.slo_target: an objective needs slo_ms, the latency "
+                "its share of requests is to be answered within; set slo_ms too, or "
+                "leave slo_target out"
+            )
 
     @backend.validator
     def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:

@@ -16,7 +16,7 @@ import trio
 
 from ._actor import RestartPolicy, supervise
 from ._builtin import resolve_backend
-from ._config import Config, ModelConfig, load_config
+from ._config import DEFAULT_SLO_TARGET, Config, ModelConfig, load_config
 from ._errors import ActorClosed, ConfigError, ModelLoadError
 from ._front import Runtime
 from ._model import ModelBackend
@@ -290,7 +290,9 @@ async def _start_model(
         slow_cost=m.slow_lane_cost,
         slow_scheduler=slow,
         hedge_timer=RecentQuantile(0.95) if m.hedge else None,
-        slo=SloTracker(m.slo_ms / 1e3, m.slo_target) if m.slo_ms is not None else None,
+        slo=SloTracker(
+            m.slo_ms / 1e3, DEFAULT_SLO_TARGET if m.slo_target is None else m.slo_target
+        ) if m.slo_ms is not None else None,
     )
     rt.models[m.name] = served
     if m.batch_timeout_cap_ms < m.batch_timeout_floor_ms:

@@ -144,6 +144,9 @@ def test_a_target_must_lie_between_0_and_1(target):
         ("slo_target", 1.0, "models.m.slo_target: must be a number above 0 and below 1, got 1.0"),
         ("slo_target", 0, "models.m.slo_target: must be a number above 0 and below 1, got 0"),
         ("slo_target", "high", "models.m.slo_target: must be a number above 0 and below 1"),
+        ("slo_target", 0.95, "models.m.slo_target: an objective needs slo_ms, the latency "
+         "its share of requests is to be answered within; set slo_ms too, or leave "
+         "slo_target out"),
     ],
 )
 def test_the_objective_is_checked_in_the_config(tmp_path, field, value, message):
@@ -195,6 +198,7 @@ async def test_a_result_later_than_the_objective_is_bad(autojump_clock):
         await rt.infer("m", item(1))
         stats = rt.statistics()["m"]["slo"]
     assert (stats["good"], stats["bad"]) == (0, 1)
+    assert stats["target"] == 0.99  # slo_target not set: the default
 
 
 async def test_a_deadline_of_the_model_is_bad_and_a_cache_hit_good(autojump_clock):
