@@ -55,11 +55,10 @@ class SloTracker:
         idx = int(now // self.bucket_s)
         head = self._head
         n = len(self._good)
-        if head is None or idx - head >= n:
-            if head is None or idx > head:
-                self._good[:] = [0] * n
-                self._bad[:] = [0] * n
-                self._head = idx
+        if head is None or idx - head >= n:  # the whole ring has passed
+            self._good[:] = [0] * n
+            self._bad[:] = [0] * n
+            self._head = idx
         elif idx > head:
             for i in range(head + 1, idx + 1):
                 self._good[i % n] = 0
