@@ -354,6 +354,13 @@ class _StandIn:
     Failed = WorkerProcess.Failed
     _exited: trio.Event
 
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
     def kill(self) -> None:
         self._exited.set()
 

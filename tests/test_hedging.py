@@ -520,13 +520,6 @@ class FakeWorker(_StandIn):
         self._staged: collections.deque = collections.deque()
         self._exited = trio.Event()
 
-    async def start(self) -> None:
-        await trio.lowlevel.checkpoint()
-
-    @property
-    def alive(self) -> bool:
-        return not self._exited.is_set()
-
     async def submit(self, items) -> None:
         await trio.lowlevel.checkpoint()
         self.sent.append((self, [key(it) for it in items]))

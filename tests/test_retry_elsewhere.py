@@ -286,13 +286,6 @@ class _ScriptedWorker(_StandIn):
         self._staged: list = []
         self._exited = trio.Event()
 
-    async def start(self) -> None:
-        await trio.lowlevel.checkpoint()
-
-    @property
-    def alive(self) -> bool:
-        return not self._exited.is_set()
-
     async def submit(self, items) -> None:
         await trio.lowlevel.checkpoint()
         self.sent.append((self.number, [key(it) for it in items]))
