@@ -224,9 +224,19 @@ class SchedulerActor(Actor):
 
     def forget_copy(self, original: Request, copy: Request) -> None:
         """The hedge of ``original`` by ``copy`` is over (one answered, or its caller
-        left): batchers may take either anywhere again."""
+        left): batchers may take either anywhere again. One of them kept apart for
+        another replica and withdrawn leaves now, not at the next pull: until then it
+        would count in the queue depth and, as cost on the devices, in every
+        newcomer's estimated wait."""
         self.twins.pop(original.reply, None)
         self.twins.pop(copy.reply, None)
+        apart = self._apart
+        if apart:
+            now = trio.current_time()
+            for _ in range(len(apart)):
+                req = apart.popleft()
+                if (req is not original and req is not copy) or not self._drop_apart(req, now):
+                    apart.append(req)
 
     # ---- batchers
     async def pull(self, puller: Any = None) -> list[Request]:

@@ -9,6 +9,7 @@ import collections
 import threading
 from functools import partial
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -575,3 +576,31 @@ async def test_a_worker_process_replica_never_stages_a_hedge_copy_behind_its_ori
             FakeWorker.gate.set()
     finally:
         FakeWorker.gate.set()
+
+
+async def test_a_twin_kept_apart_leaves_the_queue_when_its_hedge_ends(autojump_clock):
+    """A copy kept apart from the replica running its original used to stay among the
+    requests held for another replica after its hedge ended (the original's error
+    answered the caller) until some replica pulled again: meanwhile it counted in
+    the queue depth and, as cost on the devices, in every newcomer's estimated wait."""
+    from trioserve import ModelError, Reply, Request
+    from trioserve.actors import BatchLimits, FairQueue, SchedulerActor
+
+    queue = FairQueue(BatchLimits(max_size=4), bound=8, adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    now = trio.current_time()
+    original = Request(model="m", item=None, cost=3, arrival=now)
+    copy = attrs.evolve(original, reply=Reply())
+    scheduler.submit_nowait(original)
+    assert scheduler.submit_copy_nowait(original, copy)
+    assert queue.next_batch(now) == [original, copy]  # one replica pulled both
+    scheduler.keep_apart(copy)  # it holds the original: the copy waits for another
+    assert (scheduler.queue_depth(), queue.in_service) == (1, 6)
+    original.reply.set_error(ModelError("model 'm' failed"))
+    scheduler.completed([original], failed=True)
+    copy.reply.withdraw()  # the caller took the error and left
+    scheduler.forget_copy(original, copy)
+    assert (scheduler.queue_depth(), queue.in_service) == (0, 0)
+    assert queue.estimated_wait("default", 0, 1) == 0.0  # no rate measured yet
+    queue.rate = 1.0
+    assert queue.estimated_wait("default", 0, 1) == 1.0  # only its own cost
