@@ -591,7 +591,9 @@ class FairQueue(Admission):
         """A dispatched batch finished: answered, or ``failed`` (handed back for retry,
         or answered with errors). Two full batches answered in a row (closed on size
         or tokens: the queue was backlogged) make a service-rate sample: the second
-        one's cost over the time between their completions."""
+        one's cost over the time since the first completed, or since the second
+        started (its requests' ``reply.run``) when the device was idle in between,
+        so that idle time between bursts is not counted as service time."""
         cost = sum(r.cost for r in batch)
         self.in_service = max(0, self.in_service - cost)
         if failed:
@@ -601,8 +603,12 @@ class FairQueue(Admission):
         full = len(batch) >= lim.max_size or (
             lim.max_tokens is not None and 2 * cost > lim.max_tokens
         )
-        if full and self._prev_full and now > self._last_done:
-            sample = cost / (now - self._last_done)
+        since = self._last_done
+        run = batch[0].reply.run if batch else None
+        if run is not None and run[0] > since:
+            since = run[0]  # it started on an idle device
+        if full and self._prev_full and now > since:
+            sample = cost / (now - since)
             self.rate = sample if self.rate <= 0.0 else 0.9 * self.rate + 0.1 * sample
         self._prev_full = full
         self._last_done = now

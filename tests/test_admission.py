@@ -651,3 +651,29 @@ def test_a_hedge_copy_that_would_wait_past_its_deadline_is_refused_quietly():
     assert q.offer_spare(req("a", arrival=now, deadline=now + 4.0), now)  # 3.5 s: in time
     s = q.stats["a", "default"]
     assert (s.admitted, s.hedged, s.shed) == (6 + 4, 1, 0)
+
+
+def test_an_idle_device_between_full_batches_is_not_measured_as_service():
+    """The service rate was the second of two full batches' cost over the time between
+    their completions, idle time included: bursts of one full batch 10 s apart measured
+    a device doing 4 items in 10 ms at 0.4 items/s, and a burst then got 503 for a
+    1 s deadline it would have met 100 times over. A batch that started after the one
+    before it completed is measured from its own start."""
+    q = queue(16, max_size=4)
+    for t in (0.0, 10.0, 20.0):
+        fill(q, "a", 4, arrival=t)
+        batch = q.next_batch(t)
+        for r in batch:
+            r.reply.run = (t, 0.01)  # as the batcher sets it: (start, seconds)
+        q.completed(batch, t + 0.01)
+    assert q.rate == pytest.approx(400.0)
+    for _ in range(8):
+        q.offer(req("a", arrival=30.0, deadline=31.0), 30.0)
+    assert len(q) == 8
+    # Batches overlapping on two replicas: from the previous completion, as before.
+    b1, b2 = q.next_batch(30.0), q.next_batch(30.0)
+    for r in b1 + b2:
+        r.reply.run = (30.0, 0.01)
+    q.completed(b1, 30.01)
+    q.completed(b2, 30.015)  # 4 items 5 ms after the last: 800/s
+    assert q.rate == pytest.approx(0.9 * 400.0 + 0.1 * 800.0)
