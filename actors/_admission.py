@@ -592,8 +592,15 @@ class Admission:
     def estimated_wait(self, tenant: str, c: int, cost: int) -> float:
         """Seconds until a new request of ``cost`` from ``tenant`` in class ``c``
         would be served: the cost served before it under strict priority and weighted
-        fair share, what the devices hold, and its own cost, over the service rate."""
-        if self.rate <= 0.0:
+        fair share, what the devices hold, and its own cost, over the service rate.
+
+        Below the top class, at most its aging bound plus the time to serve what the
+        devices hold, every request queued below the top class and its own cost: once
+        aged it goes before the top class (only requests promoted earlier, all below
+        the top class, go before it), so a backlog of the top class does not refuse
+        it for a deadline it meets."""
+        rate = self.rate
+        if rate <= 0.0:
             return 0.0
         ahead = float(self.in_service)
         for k in range(c):
@@ -604,4 +611,9 @@ class Admission:
         for u, q in self._cost[c].items():
             if u != tenant and q:
                 ahead += min(q, own * self._weight(u) / w)
-        return ahead / self.rate
+        wait = ahead / rate
+        aging = self.classes[c].aging
+        if c and aging < wait:
+            below = sum(sum(self._cost[k].values()) for k in range(1, len(self.classes)))
+            wait = min(wait, aging + (self.in_service + below + cost) / rate)
+        return wait

@@ -677,3 +677,27 @@ def test_an_idle_device_between_full_batches_is_not_measured_as_service():
     q.completed(b1, 30.01)
     q.completed(b2, 30.015)  # 4 items 5 ms after the last: 800/s
     assert q.rate == pytest.approx(0.9 * 400.0 + 0.1 * 800.0)
+
+
+def test_a_lower_class_request_is_not_refused_for_a_backlog_its_aging_jumps():
+    """The estimated wait counted every request of the higher classes ahead, though
+    its aging bound puts it before them: under a realtime backlog of 5 s a batch
+    request with 3 s to go was refused 503, yet it is served once aged, after 1 s."""
+    classes = [ClassSpec(name="rt"), ClassSpec(name="batch", aging=1.0)]
+    q = queue(1000, max_size=10, classes=classes)
+    q.rate = 100.0
+    for _ in range(500):
+        q.offer(req("a", cls="rt"), 0.0)
+    # 1 s of aging, then 2 units queued below the top class at 100 units/s
+    assert q.estimated_wait("b", 1, 1) == pytest.approx(1.01)
+    q.offer(req("b", cls="batch", deadline=3.0), 0.0)
+    late = req("b", cls="batch", deadline=1.01)  # 1 s + 2 units at 100/s: 1.02 s
+    with pytest.raises(Overloaded, match="estimated time to serve it 1020 ms"):
+        q.offer(late, 0.0)
+    served_at = None
+    for step in range(1, 20):
+        batch = q.next_batch(step * 0.1)
+        if any(r.tenant == "b" for r in batch):
+            served_at = step * 0.1
+            break
+    assert served_at == pytest.approx(1.0)
