@@ -627,6 +627,27 @@ def default_config() -> Config:
     return Config(models=tuple(models), tenants=(TenantConfig(name="demo", default=True),))
 
 
+def given_config(config: Any, call: str) -> Config:
+    """``config`` as ``call`` (``open_runtime``, ``serve_in_thread``) takes it: a
+    Config, or None for the built-in default. Anything else (a file's path, a parsed
+    TOML mapping) is a ConfigError saying how to make a Config of it."""
+    if config is None:
+        return load_config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, str | PathLike):
+        how = "read a config file with trioserve.load_config(path)"
+    elif isinstance(config, Mapping):
+        how = "build one from a TOML-shaped mapping with trioserve.config_from_mapping(data)"
+    else:
+        how = ("build one with trioserve.Config(models=[...]), or read a file with "
+               "trioserve.load_config(path)")
+    raise ConfigError(
+        f"{call} takes a trioserve.Config (or None: the built-in default), got "
+        f"{type(config).__name__} {_shown(config)}: {how}"
+    )
+
+
 def load_config(path: str | PathLike[str] | None = None) -> Config:
     """Read a TOML config file, or return the built-in default when ``path`` is None.
 

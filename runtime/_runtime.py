@@ -16,7 +16,7 @@ import trio
 
 from ._actor import RestartPolicy, supervise
 from ._builtin import resolve_backend
-from ._config import DEFAULT_SLO_TARGET, Config, ModelConfig, load_config
+from ._config import DEFAULT_SLO_TARGET, Config, ModelConfig, given_config
 from ._errors import ActorClosed, ConfigError, ModelLoadError
 from ._front import Runtime
 from ._model import ModelBackend
@@ -79,8 +79,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     still waiting is failed with ActorClosed: nothing hangs and nothing is lost. If the block
     raises, or an actor escalates, everything is cancelled at once.
     """
-    if config is None:
-        config = load_config()
+    config = given_config(config, "open_runtime")
     limits_cfg = config.runtime
     _check_devices(config)
     backends = {m.name: resolve_backend(m) for m in config.models}

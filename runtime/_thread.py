@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from ._config import Config, load_config
+from ._config import Config, given_config
 from ._errors import ActorClosed, DeadlineExceeded, InvalidInput
 from ._front import Runtime
 from ._model import item_list
@@ -155,8 +155,7 @@ def serve_in_thread(config: Config | None = None) -> Iterator[Client]:
     failed (ActorClosed), and later calls raise ActorClosed, as does a call that the
     shutdown overtakes. Never hangs.
     """
-    if config is None:
-        config = load_config()
+    config = given_config(config, "serve_in_thread")  # refused here, not in its thread
     ready = threading.Event()
     box: dict[str, Any] = {}
 

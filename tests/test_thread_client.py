@@ -3,6 +3,7 @@ plain threads call it. These tests are synchronous and use the real clock."""
 
 from __future__ import annotations
 
+import pathlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -242,6 +243,32 @@ def test_a_runtime_that_cannot_start_raises_in_the_caller():
     with pytest.raises(ConfigError, match=r"models\.m\.backend: cannot import"):
         with trioserve.serve_in_thread(cfg):
             pytest.fail("started without its model")
+
+
+# Regression: a path or a parsed TOML mapping where a Config belongs failed with
+# AttributeError ('str' object has no attribute 'runtime'), from the runtime's thread.
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("my.toml", r"got str 'my\.toml': read a config file with trioserve\.load_config"),
+        (pathlib.Path("my.toml"), r"got PosixPath .*trioserve\.load_config\(path\)"),
+        ({"models": {"e": {"backend": "echo"}}},
+         r"got dict .*trioserve\.config_from_mapping\(data\)"),
+        (ModelConfig(name="e", backend="echo"), r"got ModelConfig .*trioserve\.Config\(models="),
+    ],
+)
+async def test_something_else_than_a_config_is_a_config_error_saying_what_to_pass(
+    given, message
+):
+    with pytest.raises(ConfigError, match=r"^open_runtime takes a trioserve\.Config \(or "
+                                          r"None: the built-in default\), " + message):
+        async with trioserve.open_runtime(given):
+            pytest.fail("opened")  # pragma: no cover
+    threads = threading.active_count()
+    with pytest.raises(ConfigError, match=r"^serve_in_thread takes a trioserve\.Config"):
+        with trioserve.serve_in_thread(given):
+            pytest.fail("opened")  # pragma: no cover
+    assert threading.active_count() == threads  # refused before a thread started
 
 
 def test_a_version_and_a_bad_timeout(served):
