@@ -168,7 +168,8 @@ def resolve_backend(cfg: ModelConfig) -> ModelBackend:
             )
         )
     if callable(b):
-        obj = b()
+        # a factory given from Python: called as one named in TOML is
+        obj = _made(cfg, b, _name(b))
     else:
         module, _, attr = str(b).partition(":")
         try:
@@ -187,22 +188,34 @@ def resolve_backend(cfg: ModelConfig) -> ModelBackend:
                 f"{type(exc).__name__}: {exc}{hint}"
             ) from exc
         if not isinstance(obj, ModelBackend) and callable(obj):
-            try:
-                obj = obj(**cfg.options)
-            except Exception as exc:  # a factory's options or its own failure
-                # A TypeError: options it does not take, or not a factory at all (the
-                # model's own function named instead of a backend built around it).
-                hint = f" ({_EXPECTED})" if isinstance(exc, TypeError) else ""
-                raise ConfigError(
-                    f"models.{cfg.name}.backend: {b!r} failed with its options "
-                    f"{dict(cfg.options)!r}: {type(exc).__name__}: {exc}{hint}"
-                ) from exc
+            obj = _made(cfg, obj, repr(b))
     if not isinstance(obj, ModelBackend):
+        shown = repr(b) if isinstance(b, str) else f"{_name(b)}()"
         raise ConfigError(
-            f"models.{cfg.name}.backend: {b!r} is not a ModelBackend "
+            f"models.{cfg.name}.backend: {shown} is not a ModelBackend "
             f"(got {type(obj).__name__}; {_EXPECTED})"
         )
     return obj
+
+
+def _name(factory: Any) -> str:
+    return getattr(factory, "__qualname__", type(factory).__qualname__)
+
+
+def _made(cfg: ModelConfig, factory: Any, shown: str) -> Any:
+    """What the backend factory ``factory`` returns, called with the model's options
+    as keywords; its failure is a ConfigError naming the key (``shown``: the factory
+    as the message names it)."""
+    try:
+        return factory(**cfg.options)
+    except Exception as exc:  # a factory's options or its own failure
+        # A TypeError: options it does not take, or not a factory at all (the
+        # model's own function named instead of a backend built around it).
+        hint = f" ({_EXPECTED})" if isinstance(exc, TypeError) else ""
+        raise ConfigError(
+            f"models.{cfg.name}.backend: {shown} failed with its options "
+            f"{dict(cfg.options)!r}: {type(exc).__name__}: {exc}{hint}"
+        ) from exc
 
 
 #: What a backend named by an import string must be.

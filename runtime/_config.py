@@ -226,7 +226,8 @@ class ModelConfig:
 
     ``backend`` is a built-in name (mlp, echo, sleep, minilm), an import string
     ``"package.module:attr"`` naming a ModelBackend (or a factory returning one),
-    or, from Python, a ModelBackend object.
+    or, from Python, a ModelBackend object or a callable that takes the model's
+    ``options`` as keywords and returns one.
     """
 
     name: str = _field(_segment)

@@ -92,6 +92,56 @@ def test_load_timeout_s_is_checked():
             ModelConfig(name="m", backend="echo", load_timeout_s=bad)
 
 
+def double(items):
+    return [{"y": it["x"] * 2} for it in items]
+
+
+def no_backend():
+    return None
+
+
+def broken_factory(**options):
+    raise OSError("no such file: weights.pt")
+
+
+# Regression: a callable given from Python as the backend was called bare, and a
+# failure was raised as it came: the model's own function (not a factory) as
+# TypeError "double() missing 1 required positional argument", a factory's own error
+# unwrapped. Now it is called as a factory named in TOML is, with the same ConfigError.
+@pytest.mark.parametrize(
+    ("factory", "options", "message"),
+    [
+        (double, {}, "double failed with its options {}: TypeError: double() missing 1 "
+                     "required positional argument: 'items' (name a ModelBackend, such as "
+                     "trioserve.CallableBackend(fn, inputs=..., outputs=...)"),
+        (broken_factory, {"size": 2}, "broken_factory failed with its options {'size': 2}: "
+                                      "OSError: no such file: weights.pt"),
+        (no_backend, {}, "no_backend() is not a ModelBackend (got NoneType; name a "
+                         "ModelBackend"),
+    ],
+)
+async def test_a_backend_factory_given_from_python_that_fails_is_a_config_error(
+    factory, options, message
+):
+    cfg = trioserve.Config(models=(ModelConfig(name="m", backend=factory, options=options),))
+    with pytest.raises(ConfigError) as caught:
+        async with trioserve.open_runtime(cfg):
+            pytest.fail("opened")  # pragma: no cover
+    assert str(caught.value).startswith(f"models.m.backend: {message}")
+
+
+async def test_a_backend_factory_given_from_python_takes_the_models_options():
+    def factory(*, scale):
+        return trioserve.CallableBackend(
+            lambda items: [{"y": it["x"] * scale} for it in items], inputs=[X], outputs=[Y]
+        )
+
+    cfg = trioserve.Config(models=(ModelConfig(name="m", backend=factory,
+                                               options={"scale": 3.0}),))
+    async with trioserve.open_runtime(cfg) as rt:
+        assert (await rt.infer("m", [2.0]))["y"].tolist() == [6.0]
+
+
 BACKEND = """
     from trioserve import ModelBackend, TensorSpec
 
