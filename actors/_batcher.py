@@ -222,7 +222,7 @@ class BatcherActor(Actor):
         if self._runner is None:
             self._runner = await self._load(
                 lambda: trio.to_thread.run_sync(
-                    lambda: self._backend.load(self.device, torch_threads=self._torch_threads),
+                    self._load_runner,
                     limiter=self._limiter,
                     # a load past its time is left to finish (a thread cannot be
                     # stopped); the runtime's start fails meanwhile
@@ -243,6 +243,18 @@ class BatcherActor(Actor):
             await self._execute(batch)
             self._in_flight.clear()
         await trio.sleep_forever()  # its device is lost: it pulls no more
+
+    def _load_runner(self) -> Any:
+        """The backend's runner on this replica's device (in a worker thread). A load
+        that returns no callable (None, say) fails here, not every batch later."""
+        runner = self._backend.load(self.device, torch_threads=self._torch_threads)
+        if not callable(runner):
+            what = "None" if runner is None else f"a value of type {type(runner).__qualname__}"
+            raise TypeError(
+                f"{type(self._backend).__qualname__}.load returned {what}; expected the "
+                "runner: a callable over a list of items, returning one output mapping each"
+            )
+        return runner
 
     @property
     def device_seconds(self) -> float:

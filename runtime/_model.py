@@ -668,6 +668,19 @@ class TorchBackend(ModelBackend):
         return run
 
 
+def load_runner(backend: ModelBackend, device: str, torch_threads: int) -> Runner:
+    """``backend.load(device, ...)``, checked: a runner is callable. A load that
+    returns anything else (None, say) raises TypeError here, so the replica fails its
+    start instead of every batch failing on it later."""
+    runner = backend.load(device, torch_threads=torch_threads)
+    if not callable(runner):
+        raise TypeError(
+            f"{type(backend).__qualname__}.load returned {_kind(runner)}; expected the "
+            "runner: a callable over a list of items, returning one output mapping each"
+        )
+    return runner
+
+
 def device_lost(device: str) -> bool:
     """Whether ``device`` is unusable for the rest of this process, asked after a model
     raised on it: on a CUDA device, a synchronize raises again. A device-side assert

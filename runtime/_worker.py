@@ -83,7 +83,7 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
     import threading
 
     from trioserve._builtin import resolve_backend
-    from trioserve._model import check_outputs
+    from trioserve._model import check_outputs, load_runner
 
     threading.Thread(target=exit_when_orphaned, args=(rfd,), daemon=True).start()
     try:
@@ -106,7 +106,7 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
         shm = mmap.mmap(shm_fd, shm_size)
         os.close(shm_fd)
         backend = resolve_backend(cfg)
-        runner = backend.load(device, torch_threads=torch_threads)
+        runner = load_runner(backend, device, torch_threads)
     except Exception as exc:
         # The backend's own frames (this function's left out), the deepest last.
         tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None

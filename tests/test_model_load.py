@@ -142,6 +142,40 @@ async def test_a_backend_factory_given_from_python_takes_the_models_options():
         assert (await rt.infer("m", [2.0]))["y"].tolist() == [6.0]
 
 
+NO_RUNNER = """
+    from trioserve import ModelBackend, TensorSpec
+
+    class NoRunner(ModelBackend):
+        inputs = (TensorSpec(name="x", datatype="FP32", shape=(-1,)),)
+        outputs = (TensorSpec(name="y", datatype="FP32", shape=(-1,)),)
+
+        def load(self, device, *, torch_threads=1):
+            return None  # forgot to return the runner
+"""
+
+
+# Regression: a load that returned no runner started the model, ready, and then
+# failed every batch with "TypeError: 'NoneType' object is not callable".
+@pytest.mark.parametrize("execution", ["thread", "inline", "process"])
+async def test_a_load_that_returns_no_runner_fails_the_start(tmp_path, monkeypatch, execution):
+    (tmp_path / "norunner.py").write_text(textwrap.dedent(NO_RUNNER))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(tmp_path))
+    from norunner import NoRunner
+
+    cfg = trioserve.Config(
+        models=(ModelConfig(name="m", backend=NoRunner(), execution=execution),)
+    )
+    with pytest.raises(ModelLoadError) as caught:
+        async with trioserve.open_runtime(cfg):
+            pytest.fail("started without a runner")  # pragma: no cover
+    assert str(caught.value) == (
+        "model 'm': replica 0 on cpu failed to load: TypeError: NoRunner.load returned "
+        "None; expected the runner: a callable over a list of items, returning one "
+        "output mapping each"
+    )
+
+
 BACKEND = """
     from trioserve import ModelBackend, TensorSpec
 
