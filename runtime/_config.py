@@ -178,8 +178,10 @@ def _strs(*, allow_empty: bool, secret: bool = False) -> Callable[[Any], None]:
 def _devices(v: Any) -> None:
     _strs(allow_empty=False)(tuple(dict.fromkeys(v)) if isinstance(v, tuple) else v)
     for d in v:
-        head, _, index = d.partition(":")
-        if head not in ("cpu", "cuda") or (index and not index.isdigit()):
+        head, colon, index = d.partition(":")
+        # an index is digits, after a colon that is there only with it ("cuda:" is
+        # no device to torch)
+        if head not in ("cpu", "cuda") or (colon and not (index.isascii() and index.isdigit())):
             raise ValueError(f"device {d!r} is not 'cpu' or 'cuda:N'")
 
 

@@ -204,6 +204,11 @@ def test_an_unknown_key_far_from_every_key_gets_no_guess(tmp_path):
         ),
         ('devices = ["gpu"]', "models.mlp.devices: device 'gpu' is not 'cpu' or 'cuda:N'"),
         ('devices = ["cuda:x"]', "models.mlp.devices: device 'cuda:x' is not 'cpu' or 'cuda:N'"),
+        # torch refused these at load: "Invalid device string"
+        ('devices = ["cuda:"]', "models.mlp.devices: device 'cuda:' is not 'cpu' or 'cuda:N'"),
+        ('devices = ["cpu:"]', "models.mlp.devices: device 'cpu:' is not 'cpu' or 'cuda:N'"),
+        ('devices = ["cuda:\u0661"]',
+         "models.mlp.devices: device 'cuda:\u0661' is not 'cpu' or 'cuda:N'"),
         ("devices = []", "models.mlp.devices: must not be empty"),
         ("replicas = 0", "models.mlp.replicas: must be an integer >= 1, got 0"),
         ("max_batch_tokens = 0", "models.mlp.max_batch_tokens: must be an integer >= 1, got 0"),
