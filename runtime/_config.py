@@ -277,6 +277,14 @@ class ModelConfig:
                 "leave slo_target out"
             )
 
+    @hedge_after_ms.validator
+    def _check_hedge_after(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and not self.hedge:
+            raise ConfigError(
+                f"{self._path()}.hedge_after_ms: hedged requests are off (hedge = "
+                "false); set hedge = true too, or leave hedge_after_ms out"
+            )
+
     @backend.validator
     def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, str):
