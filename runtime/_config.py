@@ -491,6 +491,12 @@ class Config:
         if not self.models:
             raise ConfigError("models: at least one model must be configured")
         _unique("models", [m.name for m in self.models])
+        if not self.tenants:
+            # no request could name a tenant, nor go without one
+            raise ConfigError(
+                "tenants: at least one tenant must be configured (without [tenants.*] "
+                "at all: one open default tenant)"
+            )
         _unique("tenants", [t.name for t in self.tenants])
         if not self.classes:
             raise ConfigError("classes: at least one request class must be configured")

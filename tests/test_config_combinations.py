@@ -24,3 +24,21 @@ def test_hedge_after_ms_needs_hedge_in_toml_too(tmp_path):
     path.write_text('[models.m]\nbackend = "echo"\nhedge_after_ms = 20\n')
     with pytest.raises(ConfigError, match=r"^models\.m\.hedge_after_ms: hedged requests are off"):
         trioserve.load_config(path)
+
+
+# Regression: an empty [tenants] table (or tenants=() from Python) made a runtime that
+# refused every request (Unauthorized: no tenant given and no default tenant).
+def test_no_tenants_at_all_is_refused(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[models.m]\nbackend = "echo"\n[tenants]\n')
+    message = (
+        "tenants: at least one tenant must be configured (without [tenants.*] at all: "
+        "one open default tenant)"
+    )
+    with pytest.raises(ConfigError) as caught:
+        trioserve.load_config(path)
+    assert str(caught.value) == message
+    with pytest.raises(ConfigError, match=r"^tenants: at least one tenant"):
+        trioserve.Config(models=[ModelConfig(name="m", backend="echo")], tenants=[])
+    path.write_text('[models.m]\nbackend = "echo"\n')
+    assert [t.name for t in trioserve.load_config(path).tenants] == ["default"]
