@@ -684,6 +684,10 @@ def load_config(path: str | PathLike[str] | None = None) -> Config:
         raise ConfigError(
             f"{path}: not a config file: over {MAX_CONFIG_BYTES // 1024**2} MiB"
         )
+    if raw.startswith(b"\xef\xbb\xbf"):
+        # a byte order mark, as Windows editors save UTF-8: tomllib refused it as
+        # "Invalid statement (at line 1, column 1)"
+        raw = raw[3:]
     try:
         text = raw.decode("utf-8")  # TOML is UTF-8 (what tomllib.load decodes)
     except UnicodeDecodeError as exc:

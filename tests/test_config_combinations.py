@@ -42,3 +42,14 @@ def test_no_tenants_at_all_is_refused(tmp_path):
         trioserve.Config(models=[ModelConfig(name="m", backend="echo")], tenants=[])
     path.write_text('[models.m]\nbackend = "echo"\n')
     assert [t.name for t in trioserve.load_config(path).tenants] == ["default"]
+
+
+# Regression: a file saved with a UTF-8 byte order mark (Windows editors do) failed
+# with "invalid TOML: Invalid statement (at line 1, column 1)".
+def test_a_utf8_byte_order_mark_is_read_past(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_bytes(b'\xef\xbb\xbf[models.m]\nbackend = "echo"\nmax_batch_size = 8\n')
+    assert trioserve.load_config(path).model("m").max_batch_size == 8
+    path.write_bytes(b'\xef\xbb\xbf[models.m]\nbackend = "echo"\nmax_batch_size = \n')
+    with pytest.raises(ConfigError, match=r"invalid TOML: .*\(at line 3, column 18\)"):
+        trioserve.load_config(path)
