@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from ._config import Config, given_config
-from ._errors import ActorClosed, DeadlineExceeded, InvalidInput
+from ._errors import ActorClosed, DeadlineExceeded, InvalidInput, TrioserveError
 from ._front import Runtime
 from ._model import item_list
 from ._runtime import open_runtime
@@ -125,6 +125,16 @@ class Client:
         limit: float | None,
     ) -> list[Any]:
         self._check_open()
+        rt = self.runtime
+        try:
+            served = rt._served(model, version)
+            name, _ = rt._classify(tenant, priority)
+        except TrioserveError:
+            pass  # each item is answered with it, in its place
+        else:
+            # More items than the queue ever holds for the tenant: those past it were
+            # answered Overloaded by the call's own other items, whatever the load.
+            rt._check_count(served, items, name)
         results: list[Any] = [None] * len(items)
 
         async def one(i: int) -> None:
