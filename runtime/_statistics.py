@@ -77,8 +77,8 @@ class _Statistics:
     def model_ready(self, model: str) -> bool:
         """Whether ``model`` can serve now: the runtime is open and at least one of its
         replicas is ready (running, not degraded by a straggler, not replacing its
-        worker, its circuit breaker closed)."""
-        served = self.models[model]
+        worker, its circuit breaker closed). UnknownModel for a model not served."""
+        served = self._known(model, None)
         return not self._closed and any(
             getattr(b, "ready", False) for b in served.batchers
         )

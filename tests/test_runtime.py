@@ -428,3 +428,15 @@ async def test_statistics_before_and_after_a_request(autojump_clock):
     assert after["queue_wait"].count == 1
     assert after["queue_wait"].max_ms == pytest.approx(250, rel=0.01)
     assert after["end_to_end"].max_ms == pytest.approx(250, rel=0.01)
+
+
+# Regression: model_ready of a model not served raised a bare KeyError('nope').
+async def test_model_ready_of_a_model_not_served_is_unknown_model(autojump_clock):
+    cfg = config(callable_model("m", Recorder()))
+    async with trioserve.open_runtime(cfg) as rt:
+        assert rt.model_ready("m")
+        with pytest.raises(trioserve.UnknownModel, match=r"^unknown model 'nope'; serving: m$"):
+            rt.model_ready("nope")
+        with pytest.raises(trioserve.UnknownModel, match=r"^unknown model \['m'\]"):
+            rt.model_ready(["m"])  # unhashable: was TypeError
+    assert not rt.model_ready("m")
