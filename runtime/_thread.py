@@ -126,20 +126,31 @@ class Client:
     ) -> list[Any]:
         self._check_open()
         rt = self.runtime
+        window = len(items)
         try:
             served = rt._served(model, version)
             name, _ = rt._classify(tenant, priority)
         except TrioserveError:
             pass  # each item is answered with it, in its place
         else:
-            # More items than the queue ever holds for the tenant: those past it were
-            # answered Overloaded by the call's own other items, whatever the load.
-            rt._check_count(served, items, name)
+            window = _window(served, name)
+        # At most ``window`` items in flight: submitted all at once, a long call's own
+        # items filled the queue and those past it were answered Overloaded, whatever
+        # the load. ``limit`` bounds the whole call, the wait for the window included.
+        room = trio.CapacityLimiter(max(1, min(window, len(items))))
+        deadline = math.inf if limit is None else trio.current_time() + limit
         results: list[Any] = [None] * len(items)
 
         async def one(i: int) -> None:
             try:
-                results[i] = await self._one(model, items[i], tenant, priority, version, limit)
+                with trio.move_on_at(deadline):
+                    async with room:
+                        results[i] = await rt.infer(
+                            model, items[i], tenant=tenant, priority=priority,
+                            version=version,
+                        )
+                        return
+                raise DeadlineExceeded(f"model {model!r}: no answer within {limit:g}s")
             except Exception as exc:
                 results[i] = exc
 
@@ -147,6 +158,15 @@ class Client:
             for i in range(len(items)):
                 nursery.start_soon(one, i)
         return results
+
+
+def _window(served: Any, tenant: str) -> int:
+    """How many items of one ``infer_many`` call are in flight at once: enough to keep
+    each replica's next batches full (four batches a replica), and never more than the
+    tenant may queue (its ``queue_share`` of ``runtime.queue_bound``)."""
+    cfg = served.config
+    ahead = 4 * cfg.max_batch_size * max(1, len(served.batchers))
+    return max(1, min(ahead, served.scheduler.policy.most_queued(tenant)))
 
 
 def _check_timeout(timeout: float | None) -> None:

@@ -125,9 +125,9 @@ def test_client_errors_are_the_runtime_errors(served):
 
 
 # Regression: infer_many of more items than the queue ever holds answered those past
-# the bound Overloaded (queue full: the call's own other items), at no load at all;
-# infer_batch refuses such a call whole, and now infer_many does too.
-def test_infer_many_of_more_items_than_the_queue_holds_is_refused_whole():
+# the bound Overloaded (queue full: the call's own other items), at no load at all.
+# The call now keeps at most what the tenant may queue in flight, so every item runs.
+def test_infer_many_of_more_items_than_the_queue_holds_runs_them_all():
     recorder = Recorder(timed=False)
     cfg = trioserve.Config(
         models=[callable_model("m", recorder, adaptive_limit=False)],
@@ -136,18 +136,11 @@ def test_infer_many_of_more_items_than_the_queue_holds_is_refused_whole():
         runtime=trioserve.RuntimeLimits(queue_bound=8),
     )
     with trioserve.serve_in_thread(cfg) as client:
-        with pytest.raises(InvalidInput) as caught:
-            client.infer_many("m", [item(i) for i in range(9)], return_exceptions=True)
-        assert str(caught.value) == (
-            "model 'm': 9 items in one request; at most 8 (the queue's bound, "
-            "runtime.queue_bound)"
-        )
-        with pytest.raises(InvalidInput, match=r"^model 'm': 5 items in one request; "
-                                               r"tenant 'half' may queue at most 4"):
-            client.infer_many("m", [item(i) for i in range(5)], tenant="half")
-        assert recorder.seen == []  # nothing was submitted
-        outs = client.infer_many("m", [item(i) for i in range(8)])
-        assert [float(o["y"][0]) for o in outs] == [2.0 * i + 1 for i in range(8)]
+        for tenant in ("t", "half"):
+            recorder.batches.clear()
+            outs = client.infer_many("m", [item(i) for i in range(50)], tenant=tenant)
+            assert [float(o["y"][0]) for o in outs] == [2.0 * i + 1 for i in range(50)]
+            assert sorted(recorder.seen) == list(range(50))  # each item ran once
         # a call-wide mistake is still each item's answer, in its place
         assert [type(e) for e in client.infer_many(
             "nope", [item(i) for i in range(9)], return_exceptions=True
