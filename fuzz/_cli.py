@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import faulthandler
 import logging
+import math
 import random
 import sys
 import time
@@ -29,6 +30,19 @@ PLAIN_PROGRESS_S = 30.0
 HUNG_CHUNK_S = 600
 
 
+def _positive(text: str) -> float:
+    """A finite number above 0 (argparse's ``float`` takes 0, -3, nan and inf: a run
+    of 0 or fewer minutes ran no example and said it found nothing, one of nan or inf
+    minutes never ended, a self-test budget of 0 let every planted bug escape)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fuzz",
@@ -36,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
         "invariants (docs/fuzzing.md).",
     )
     p.add_argument(
-        "--minutes", type=float, default=1.0, help="time budget of a long run (default 1)"
+        "--minutes", type=_positive, default=1.0, help="time budget of a long run (default 1)"
     )
     p.add_argument(
         "--seed", type=int, default=None, help="the run's seed (default: random, printed)"
@@ -59,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the suites against planted bugs; each must be caught",
     )
-    p.add_argument("--budget", type=float, default=60.0, help="self-test: seconds allowed per bug")
+    p.add_argument(
+        "--budget", type=_positive, default=60.0, help="self-test: seconds allowed per bug"
+    )
     p.add_argument(
         "--strict",
         action="store_true",

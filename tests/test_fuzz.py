@@ -131,6 +131,23 @@ def test_cli_ci_profile_of_one_suite(capsys):
     assert "no invariant broken" in out
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--minutes", "0"], ["--minutes", "-3"], ["--minutes", "nan"], ["--minutes", "inf"],
+     ["--self-test", "--budget", "0"], ["--self-test", "--budget", "nan"]],
+)
+def test_cli_refuses_a_budget_that_is_not_a_finite_positive_number(argv, capsys):
+    """0 or fewer minutes ran no example and printed "no invariant broken" (exit 0);
+    nan or inf minutes never ended; a self-test budget of 0 let every planted bug
+    escape."""
+    from fuzz._cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "must be a finite number above 0" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- bugs the fuzzer found
 async def test_a_model_error_reaches_only_its_own_input_when_the_poison_caller_left(
     autojump_clock,
