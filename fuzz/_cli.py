@@ -212,7 +212,7 @@ def _fuzz(
         print(progress.line().plain, flush=True)
     _summary(console, progress)
     if failure is not None:
-        _report(failure)
+        _report(failure, saved=database is not None)
     else:
         print("fuzz: no invariant broken.", flush=True)
     return failure
@@ -232,7 +232,7 @@ def _summary(console: Console, progress: _Progress) -> None:
     console.print(table)
 
 
-def _report(failure: Failure) -> None:
+def _report(failure: Failure, *, saved: bool) -> None:
     print(
         f"\nFAILED: suite {failure.suite!r}, hypothesis seed {failure.seed} "
         f"(run seed {failure.run_seed}): {failure.message}\n",
@@ -243,11 +243,17 @@ def _report(failure: Failure) -> None:
     blob = failure.blob()
     if blob:
         print(f"(hypothesis can also replay it exactly: {blob})")
-    print(
-        "The example is saved in .hypothesis/examples; the next run of this suite "
-        "replays it first.",
-        flush=True,
-    )
+    if saved:
+        print(
+            "The example is saved in .hypothesis/examples; the next run of this suite "
+            "replays it first.",
+            flush=True,
+        )
+    else:  # the ci profile, or --no-database
+        print(
+            "No example database: the example is not saved; replay it by its seed.",
+            flush=True,
+        )
 
 
 def _self_test(console: Console, budget: float) -> int:

@@ -148,6 +148,22 @@ def test_cli_refuses_a_budget_that_is_not_a_finite_positive_number(argv, capsys)
     assert "must be a finite number above 0" in capsys.readouterr().err
 
 
+def test_cli_failure_without_a_database_does_not_claim_the_example_was_saved(
+    monkeypatch, capsys
+):
+    """With --no-database or the ci profile nothing is written to .hypothesis/: the
+    report said the example was saved and would be replayed first."""
+    from fuzz import _cli
+
+    planted = functools.partial(run_chunk, product=fuzz.MUTANTS["over-budget"][1])
+    monkeypatch.setattr(_cli, "run_chunk", planted)
+    assert _cli.main(["--profile", "ci", "--suite", "queue"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: suite 'queue'" in out
+    assert "saved in .hypothesis/examples" not in out
+    assert "the example is not saved; replay it by its seed" in out
+
+
 # ---------------------------------------------------------------- bugs the fuzzer found
 async def test_a_model_error_reaches_only_its_own_input_when_the_poison_caller_left(
     autojump_clock,
