@@ -138,6 +138,23 @@ class CacheActor(Actor):
         _answered_until.set(box)
         return box
 
+    def keep(
+        self, key: Any, value: Any, *, size: int, tenant: str, expires: float = math.inf
+    ) -> bool:
+        """``Cache.put`` now (trio time), for a value made outside :meth:`answer` (the
+        edge's encoded answers): the actor's timer is moved up if the value expires
+        before everything else kept, so that it is dropped when its TTL passes, not at
+        the next lookup. Returns whether it is resident. Not a checkpoint."""
+        cache = self.cache
+        assert cache is not None
+        before = cache.next_expiry()
+        kept = cache.put(
+            key, value, size=size, now=trio.current_time(), tenant=tenant, expires=expires
+        )
+        if cache.next_expiry() < before:
+            self._wake.unpark_all()
+        return kept
+
     def generation(self, model: str) -> int:
         """How many times ``model`` was invalidated (:meth:`Cache.generation`)."""
         if self.cache is not None:

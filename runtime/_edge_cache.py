@@ -55,8 +55,9 @@ class _EdgeCache:
         cache = self.cache.cache
         if cache.generation(key.model) == generation:
             size += cache.key_bytes(key)
-            cache.put(key, answer, size=size, now=trio.current_time(), tenant=tenant,
-                      expires=math.inf if until is None else until[0])
+            # through the actor: its timer drops the answer when it expires
+            self.cache.keep(key, answer, size=size, tenant=tenant,
+                            expires=math.inf if until is None else until[0])
 
     def invalidate_cache(self, model: str, version: str | None = None) -> int:
         """Drop the cached results of a model (or of one of its versions); return how

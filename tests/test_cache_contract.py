@@ -274,3 +274,32 @@ async def test_the_cache_counters_on_metrics_move_as_documented(autojump_clock):
     assert after["trioserve_cache_entries"] == stats["entries"] == 3
     assert after["trioserve_cache_bytes_used"] == stats["bytes_used"] == 3 * 260
     assert after["trioserve_cache_hit_rate"] == 1 / 9
+
+
+async def test_an_edge_answer_whose_item_was_not_kept_is_dropped_when_its_ttl_passes(
+    autojump_clock,
+):
+    """The cache actor's timer drops an answer kept at the edge when its TTL passes,
+    also when the item it was made of was not kept (here a 8 KiB result over the 1 KB
+    capacity, asked for as its top class): the timer was armed only by the item
+    cache, so the expired answer stayed counted in bytes and entries until a lookup."""
+
+    def wide(items):
+        return [{"y": np.arange(2000, dtype=np.float32) + it["x"][0]} for it in items]
+
+    config = cfg(callable_model("m", wide, cache_ttl_s=10.0, max_wait_ms=0),
+                 capacity_bytes=1_000)
+    doc = {"inputs": [v2_input([1.0])],
+           "outputs": [{"name": "y", "parameters": {"classification": 1}}]}
+    async with trioserve.open_runtime(config) as rt:
+        client = Gateway(rt).app.test_client()
+        res = await client.post("/v2/models/m/infer", data=orjson.dumps(doc),
+                                headers={"authorization": "Bearer key-a"})
+        assert res.status_code == 200, await res.get_data()
+        kept = trio.current_time()
+        stats = rt.cache_statistics()
+        assert (stats["entries"], stats["admissions_rejected"]) == (1, 1)  # the edge's
+        await trio.sleep(kept + 10.0 - trio.current_time())
+        await trio.testing.wait_all_tasks_blocked()
+        stats = rt.cache_statistics()
+    assert (stats["entries"], stats["bytes_used"], stats["expirations"]) == (0, 0, 1)
