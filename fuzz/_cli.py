@@ -91,10 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("trioserve").setLevel(logging.ERROR)  # planted crashes log restarts
     if args.strict:
         strict()
-    if args.self_test:
-        return _self_test(console, args.budget)
     wanted = args.suite or ["all"]
     names = list(SUITES) if "all" in wanted else list(dict.fromkeys(wanted))
+    if args.self_test:
+        return _self_test(console, args.budget, names, 0 if args.seed is None else args.seed)
     suites = [SUITES[n] for n in names]
     profile = Profile(args.profile)
     run_seed = args.seed
@@ -256,16 +256,24 @@ def _report(failure: Failure, *, saved: bool) -> None:
         )
 
 
-def _self_test(console: Console, budget: float) -> int:
+def _self_test(console: Console, budget: float, names: list[str], seed: int) -> int:
+    """The planted bugs that the suites ``names`` can see, each against those of
+    them (``--suite`` and ``--seed`` apply: they were ignored, and every bug ran
+    against every suite with seed 0)."""
+    bugs = {
+        name: (description, [s for s in suites if s in names])
+        for name, (description, _, suites) in MUTANTS.items()
+        if any(s in names for s in suites)
+    }
     print(
-        f"fuzz --self-test: {len(MUTANTS)} planted bugs, each against every suite that "
-        f"can see it, {budget:g} s each",
+        f"fuzz --self-test: {len(bugs)} planted bugs, each against every suite that "
+        f"can see it ({', '.join(names)}), {budget:g} s each, seed {seed}",
         flush=True,
     )
     missed = []
-    for name, (description, _, suites) in MUTANTS.items():
+    for name, (description, suites) in bugs.items():
         print(f"{name}: {description}", flush=True)
-        results = [check_bug(name, s, budget=budget) for s in suites]
+        results = [check_bug(name, s, budget=budget, seed=seed) for s in suites]
         for r in results:
             if r.caught:
                 print(
@@ -280,7 +288,7 @@ def _self_test(console: Console, budget: float) -> int:
     if missed:
         print(f"fuzz --self-test: NOT caught: {', '.join(missed)}", flush=True)
         return 1
-    print(f"fuzz --self-test: all {len(MUTANTS)} planted bugs caught", flush=True)
+    print(f"fuzz --self-test: all {len(bugs)} planted bugs caught", flush=True)
     return 0
 
 

@@ -164,6 +164,22 @@ def test_cli_failure_without_a_database_does_not_claim_the_example_was_saved(
     assert "the example is not saved; replay it by its seed" in out
 
 
+def test_cli_self_test_runs_only_the_suites_named(capsys):
+    """--suite (and --seed) narrow the self-test: they were ignored, and every
+    planted bug ran against every suite (half a minute) whatever was asked."""
+    from fuzz._cli import main
+
+    assert main(["--self-test", "--suite", "cache", "--seed", "3", "--budget", "30"]) == 0
+    out = capsys.readouterr().out
+    cache_bugs = [n for n, (_, _, suites) in fuzz.MUTANTS.items() if "cache" in suites]
+    assert f"{len(cache_bugs)} planted bugs" in out
+    assert "(cache), 30 s each, seed 3" in out
+    assert out.count("caught by cache") == len(cache_bugs)
+    assert "caught by queue" not in out
+    assert "drop-request" not in out
+    assert f"all {len(cache_bugs)} planted bugs caught" in out
+
+
 # ---------------------------------------------------------------- bugs the fuzzer found
 async def test_a_model_error_reaches_only_its_own_input_when_the_poison_caller_left(
     autojump_clock,
