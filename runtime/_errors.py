@@ -73,7 +73,8 @@ class ModelError(TrioserveError):
     """The model raised while running the batch that held this request, returned
     something other than one output mapping per item, or answered this request with
     outputs against its signature (a declared one missing, or of another datatype or
-    shape); the message names the model (and the output)."""
+    shape), or its backend's own ``prepare`` raised an error of its own; the
+    message names the model (and the output)."""
 
     status = 500
 

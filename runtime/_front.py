@@ -22,6 +22,7 @@ from ._errors import (
     ActorClosed,
     Forbidden,
     InvalidInput,
+    ModelError,
     TrioserveError,
     Unauthorized,
     UnknownModel,
@@ -107,7 +108,12 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
         try:
             served = self._served(model, version)
             tenant, priority = self._classify(tenant, priority)
-            item, cost = served.backend.prepare(model, inputs)
+            try:
+                item, cost = served.backend.prepare(model, inputs)
+            except TrioserveError:
+                raise
+            except Exception as exc:
+                raise _prepare_failed(model, exc) from exc
         except TrioserveError:
             await trio.lowlevel.checkpoint()
             raise
@@ -185,11 +191,16 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
             tenant, priority = self._classify(tenant, priority)
             items = item_list(model, items, "infer_batch")  # any iterable, as before
             self._check_count(served, items, tenant)
-            if isinstance(items, Mapping):
-                prepared = served.backend.prepare_rows(model, items)
-                items = [item for item, _ in prepared]
-            else:
-                prepared = [served.backend.prepare(model, x) for x in items]
+            try:
+                if isinstance(items, Mapping):
+                    prepared = served.backend.prepare_rows(model, items)
+                    items = [item for item, _ in prepared]
+                else:
+                    prepared = [served.backend.prepare(model, x) for x in items]
+            except TrioserveError:
+                raise
+            except Exception as exc:
+                raise _prepare_failed(model, exc) from exc
         except TrioserveError:
             await trio.lowlevel.checkpoint()
             raise
@@ -428,6 +439,17 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
                 for b in served.batchers:
                     await b.join_thread()
         self._grace_wait = None
+
+
+def _prepare_failed(model: str, exc: Exception) -> ModelError:
+    """A backend's own ``prepare`` raised something else than a trioserve error (a
+    KeyError of its own making, say): the model's error, naming it, so that a caller
+    only ever sees the documented errors (over HTTP a 500 with this message)."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # its str() raises too
+        text = type(exc).__name__
+    return ModelError(f"model {model!r}: preparing the inputs raised {text}")
 
 
 async def _within_slo(slo: Any, call: Awaitable[T]) -> T:
