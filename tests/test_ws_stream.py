@@ -154,6 +154,35 @@ async def test_a_cancelled_infer_frees_its_slot_when_its_answer_comes():
         assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
 
 
+async def test_an_infer_cancelled_before_its_message_left_frees_its_slot_at_once(
+    autojump_clock,
+):
+    from trioserve.transport import StreamClient
+
+    class _Blocked:
+        """A socket whose first send never completes (the server has stopped reading,
+        or another caller holds the send), then sends at once."""
+
+        def __init__(self) -> None:
+            self.sends = 0
+
+        async def send_message(self, message: str) -> None:
+            self.sends += 1
+            if self.sends == 1:
+                await trio.sleep_forever()
+            await trio.lowlevel.checkpoint()
+
+    client = StreamClient(_Blocked(), max_in_flight=1)
+    with trio.move_on_after(1):
+        await client.infer("echo", {"x": f32(1)})
+    # The message never left, so no answer will come to free the only slot: leaving
+    # frees it, and forgets the caller, at once.
+    assert client._waiters == {}
+    with trio.move_on_after(1) as blocked:
+        await client.send("a", "echo", {"x": f32(1)})
+    assert not blocked.cancelled_caught
+
+
 async def test_a_ping_is_answered_with_a_pong_carrying_its_payload():
     from wsproto.events import Ping, Pong
 

@@ -174,12 +174,19 @@ class StreamClient:
         message = request_message(rid, model, inputs, **kw)
         await self._slots.acquire()
         waiter = self._waiters[rid] = _Waiter()
+        sent = False
         try:
             await self.ws.send_message(message)
+            sent = True
             await waiter.event.wait()
         finally:
-            # Left before the answer (cancelled, or the send failed): it may still
-            # come, and the dispatcher then drops it and frees the slot.
+            if not sent:
+                # The message did not leave whole (cancelled, or the send failed), so
+                # no answer will come to free the slot: free it now.
+                self._waiters.pop(rid, None)
+                self._slots.release()
+            # Left before the answer: it may still come, and the dispatcher then drops
+            # it and frees the slot.
             waiter.abandoned = waiter.doc is None
         if waiter.doc is None:
             raise ConnectionClosed(self.ws.closed)
