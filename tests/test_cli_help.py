@@ -245,3 +245,38 @@ async def test_the_banners_curl_line_carries_a_key_when_one_is_needed(keyless):
     else:
         assert text.splitlines()[-2] == "  try it, with one of a tenant's api_keys for KEY:"
         assert " -H 'Authorization: Bearer KEY' -d '" in curl
+
+
+async def test_the_banners_curl_line_works_for_any_model_name_and_input_name():
+    """The curl line put the model's name in the URL as it is and the body in single
+    quotes: a name with a space, ``?`` or ``#`` (names are any path segment) made a
+    line curl read as two URLs or another path, and an input named with a quote broke
+    the shell's quoting. Split as a shell splits it, the line now asks the server for
+    that model and is answered 200."""
+    import shlex
+
+    import trioserve
+    from http_helpers import config, serving
+    from trioserve.transport._client import HttpClient
+    from trioserve.transport._main import banner
+
+    quoted = trioserve.TensorSpec(name="it's", datatype="FP32", shape=(-1,))
+    backend = trioserve.CallableBackend(
+        lambda items: [{"y": it["it's"]} for it in items],
+        inputs=[quoted],
+        outputs=[trioserve.TensorSpec(name="y", datatype="FP32", shape=(-1,))],
+        execution="inline",
+    )
+    cfg = config(trioserve.ModelConfig(name="a b?#é", backend=backend, max_wait_ms=0.0))
+    async with serving(cfg) as gw:
+        argv = shlex.split(banner(gw).splitlines()[-1])
+        assert argv[:2] == ["curl", "-s"]
+        url, body = argv[2], argv[argv.index("-d") + 1]
+        assert url.startswith(gw.url)
+        client = HttpClient(gw.url)
+        try:
+            answer = await client.request("POST", url[len(gw.url):], body.encode())
+        finally:
+            await client.aclose()
+    assert answer.status == 200, answer.body
+    assert answer.json()["model_name"] == "a b?#é"

@@ -7,10 +7,12 @@ import gc
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 import traceback
 from typing import Any
+from urllib.parse import quote
 
 import attrs
 import trio
@@ -248,15 +250,19 @@ def banner(gateway: Gateway) -> str:
     sig = gateway.signatures[name]
     if name == "mlp" and sig.by_name.get("x") is not None and sig.by_name["x"].shape == (256,):
         data = "['\"$(python3 -c 'print(\",\".join([\"0.5\"]*256))')\"']"
-        body = '{"inputs":[{"name":"x","shape":[1,256],"datatype":"FP32","data":' + data + "}]}"
+        body = ("'{\"inputs\":[{\"name\":\"x\",\"shape\":[1,256],\"datatype\":\"FP32\","
+                "\"data\":" + data + "}]}'")
     else:
-        body = dumps({"inputs": sample_inputs(name, sig.inputs, 1, literal=True)}).decode()
+        body = shlex.quote(
+            dumps({"inputs": sample_inputs(name, sig.inputs, 1, literal=True)}).decode()
+        )
     keyless = any(t.default for t in gateway.config.tenants)
     lines.append("  try it:" if keyless else "  try it, with one of a tenant's api_keys for KEY:")
     auth = "" if keyless else "-H 'Authorization: Bearer KEY' "
     lines.append(
-        f"    curl -s {url}/v2/models/{name}/infer -H 'Content-Type: application/json' "
-        f"{auth}-d '{body}'"
+        # A name is any path segment: encoded, so a space, "?" or "#" stays in it.
+        f"    curl -s {url}/v2/models/{quote(name, safe='')}/infer "
+        f"-H 'Content-Type: application/json' {auth}-d {body}"
     )
     return "\n".join(lines)
 
