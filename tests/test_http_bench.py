@@ -9,6 +9,7 @@ import pytest
 import trio
 from http_helpers import config, echo_model, serving
 from trioserve.transport import bench_http_main
+from trioserve.transport._client import open_http
 
 
 @pytest.mark.parametrize(("stream", "batch_dim"), [(False, 1), (False, 4), (True, 2)])
@@ -35,3 +36,30 @@ async def test_bench_prints_the_in_process_report_and_writes_json(
     assert res["batch_dim"] == batch_dim
     assert res["items_per_s"] == pytest.approx(res["requests_per_s"] * batch_dim)
     assert 0 < res["fill_ratio"] <= 1
+
+
+async def test_bench_reaches_a_model_whose_name_needs_encoding_in_a_url(tmp_path, capsys):
+    """A model's name is any path segment: bench put it in its URLs as it is, so a
+    space crashed it (h11: illegal target characters) and "?" or "#" asked for
+    another model (404 for 'q'), and so did the tests' HttpClient.infer. The name (and
+    a version) is now percent-encoded in the URLs."""
+    import trioserve
+
+    out = tmp_path / "bench.json"
+    model = trioserve.ModelConfig(name="a b?#q", backend="echo", max_wait_ms=0.0)
+    async with serving(config(model)) as gw:
+        args = argparse.Namespace(
+            url=gw.url, model="a b?#q", concurrency=2, duration=0.5, warmup=0.0,
+            batch_dim=1, stream=False, json=str(out), no_offline=True,
+        )
+        rc = await trio.to_thread.run_sync(bench_http_main, args)
+        # and the tests' client, which bench's requests are made with
+        async with open_http(gw.url) as client:
+            answer = await client.infer("a b?#q", {"x": [[1.0]]}, version="1")
+    assert answer.status == 200, answer.body
+    assert answer.json()["model_name"] == "a b?#q"
+    assert rc == 0, capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert res["errors"] == 0
+    assert res["requests"] > 0
+    assert res["mean_batch"] >= 1  # the server's counters for it were found too

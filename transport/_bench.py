@@ -6,6 +6,7 @@ Reuses the in-process bench's ``run_load`` so both report the same figures.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import trio
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,7 +46,7 @@ async def _batch_counters(url: str, model: str) -> tuple[float, float] | None:
 async def _model_metadata(url: str, model: str) -> dict[str, Any]:
     client = HttpClient(url)
     try:
-        res = await client.get(f"/v2/models/{model}")
+        res = await client.get(f"/v2/models/{quote(model, safe='')}")
     finally:
         await client.aclose()
     if res.status != 200:
@@ -105,7 +106,7 @@ async def bench_http(
             res = await load(call_stream)
     else:
         body = dumps({"inputs": inputs})
-        target = f"/v2/models/{model}/infer"
+        target = f"/v2/models/{quote(model, safe='')}/infer"  # a name is any segment
         pool = [HttpClient(url) for _ in range(concurrency)]
         try:
             async with trio.open_nursery() as nursery:

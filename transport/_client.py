@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import attrs
 import h11
@@ -172,7 +172,9 @@ class HttpClient:
         **kw: Any,
     ) -> HttpResponse:
         """POST a v2 JSON infer request (see :func:`infer_body`) and return the response."""
-        target = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
+        target = f"/v2/models/{quote(model, safe='')}" + (
+            f"/versions/{quote(version, safe='')}" if version else ""
+        ) + "/infer"
         return await self.request("POST", target, infer_body(inputs, **kw))
 
     async def aclose(self) -> None:
