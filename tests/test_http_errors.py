@@ -14,7 +14,7 @@ import trio
 import trioserve
 from http_helpers import Gate, config, echo_model, held_model, mlp_model, serving, settle, v2_input
 from trioserve import QuotaExceeded
-from trioserve.transport import open_http
+from trioserve.transport import open_http, open_stream
 from trioserve.transport._gateway import error_answer
 
 ONE = {"inputs": [v2_input(np.zeros((1, 256), np.float32))]}
@@ -139,6 +139,46 @@ async def test_bad_binary_data_is_400(server):
                      headers=[("Inference-Header-Content-Length", str(len(header)))])
     assert res.status == 400
     assert "binary_data_size 1024 does not fit" in error_of(res)
+
+
+@pytest.mark.parametrize(("size", "message"), [
+    (-8, "parameters.binary_data_size must be a count of bytes (an integer, 0 or more), "
+         "got -8"),
+    ("8", "parameters.binary_data_size must be a count of bytes (an integer, 0 or more), "
+          "got '8'"),
+    (8.0, "parameters.binary_data_size must be a count of bytes (an integer, 0 or more), "
+          "got 8.0"),
+])
+async def test_a_binary_data_size_that_is_no_byte_count_says_so(server, size, message):
+    """It was told it "does not fit the 8 bytes of binary data left in the body",
+    bytes that were there."""
+    header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
+                                       "parameters": {"binary_data_size": size}}]})
+    res = await post(server, "/v2/models/echo/infer", header + b"\0" * 8,
+                     headers=[("Inference-Header-Content-Length", str(len(header)))])
+    assert res.status == 400
+    assert error_of(res) == f"input 'x': {message}"
+
+
+async def test_binary_data_without_a_binary_part_says_how_to_send_it(server):
+    """Without Inference-Header-Content-Length (and on the stream, whose messages are
+    JSON only) the refusal spoke of "the 0 bytes of binary data left in the body":
+    it now says what is missing, for both."""
+    doc = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32",
+                       "parameters": {"binary_data_size": 8}}]}
+    expected = (
+        "input 'x': parameters.binary_data_size is given but the request has no binary "
+        "data: over HTTP, send the tensors' bytes after the JSON with the JSON's length "
+        "in Inference-Header-Content-Length; a /v2/stream message takes tensors as "
+        "'data' only"
+    )
+    res = await post(server, "/v2/models/echo/infer", doc)
+    assert res.status == 400
+    assert error_of(res) == expected
+    async with open_stream(server.url) as stream:
+        await stream.send_raw(orjson.dumps({"id": "b", "model": "echo", **doc}).decode())
+        reply = await stream.receive()
+    assert (reply.id, reply.status, reply.error) == ("b", 400, expected)
 
 
 async def test_bool_binary_data_is_only_bytes_0_and_1(server):

@@ -93,7 +93,20 @@ def _decode_tensor(
                 f"input {name!r}: both 'data' and parameters.binary_data_size are given; "
                 "send the tensor one way"
             )
-        if type(size) is not int or size < 0 or offset + size > len(binary):
+        if type(size) is not int or size < 0:
+            raise InvalidInput(
+                f"input {name!r}: parameters.binary_data_size must be a count of bytes "
+                f"(an integer, 0 or more), got {size!r}"
+            )
+        if not len(binary):
+            # no binary part at all: the header is missing (or this is the stream)
+            raise InvalidInput(
+                f"input {name!r}: parameters.binary_data_size is given but the request "
+                "has no binary data: over HTTP, send the tensors' bytes after the JSON "
+                "with the JSON's length in Inference-Header-Content-Length; a "
+                "/v2/stream message takes tensors as 'data' only"
+            )
+        if offset + size > len(binary):
             raise InvalidInput(
                 f"input {name!r}: binary_data_size {size!r} does not fit the "
                 f"{len(binary) - offset} bytes of binary data left in the body"
