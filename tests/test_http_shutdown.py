@@ -95,6 +95,76 @@ async def test_requests_still_held_when_the_grace_period_ends_are_answered_503()
     assert "shutting down" in frame.error
 
 
+async def test_a_stream_handshake_completed_during_a_drain_is_refused_503(autojump_clock):
+    """A handshake whose head was still arriving when the drain began was accepted,
+    and the new stream read and ran messages for the whole grace period, while every
+    other stream had stopped reading: the drain waited for it. It is now refused as
+    the drain refuses new work, 503 with Retry-After, and the drain ends at once."""
+    from http_helpers import _HANDSHAKE, echo_model
+
+    async with serving(config(echo_model())) as gw:
+        sock = await trio.open_tcp_stream(*gw.addresses[0])
+        await sock.send_all(_HANDSHAKE[:-2])  # the head but its last line break
+        await settle()
+        async with trio.open_nursery() as nursery:
+            drained = trio.Event()
+
+            async def drain() -> None:
+                await gw.drain(10.0)
+                drained.set()
+
+            nursery.start_soon(drain)
+            await settle()
+            started = trio.current_time()
+            await sock.send_all(_HANDSHAKE[-2:])
+            data = b""
+            while chunk := await sock.receive_some(65536):
+                data += chunk
+            await drained.wait()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ")
+        assert b"\r\nretry-after: 1\r\n" in head.lower()
+        assert b"shutting down" in body
+        assert trio.current_time() - started < 1.0  # not the grace period
+        await sock.aclose()
+
+
+async def test_a_stream_whose_handshake_ends_during_a_drain_closes_at_once(
+    autojump_clock, monkeypatch
+):
+    """The same race a step later: the drain begins while the 101 is being written.
+    The stream reads nothing then, and closes (1001) at once."""
+    from http_helpers import _infer_frame, _raw_handshake, echo_model
+    from trioserve.transport import _stream
+    from wsproto.events import CloseConnection, TextMessage
+
+    handshake, go_on = _stream._handshake, trio.Event()
+
+    async def slow_handshake(*args: Any) -> Any:
+        session = await handshake(*args)
+        await go_on.wait()
+        return session
+
+    monkeypatch.setattr(_stream, "_handshake", slow_handshake)
+    async with serving(config(echo_model())) as gw:
+        sock, ws = await _raw_handshake(gw, _infer_frame("early"))
+        await settle()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gw.drain, 10.0)
+            await settle()
+            started = trio.current_time()
+            go_on.set()
+            data = b""
+            while chunk := await sock.receive_some(65536):
+                data += chunk
+        ws.receive_data(data)
+        events = list(ws.events())
+        assert not any(isinstance(e, TextMessage) for e in events)  # "early" not run
+        assert [e.code for e in events if isinstance(e, CloseConnection)] == [1001]
+        assert trio.current_time() - started < 2.0  # not the grace period
+        await sock.aclose()
+
+
 async def test_leaving_open_gateway_drains_within_the_configured_grace():
     gate = Gate()
     answered, graces = [], []

@@ -410,6 +410,14 @@ class _Connection:
                 from ._replay import ReplayStream
                 from ._stream import serve_stream
 
+                if gateway.draining:
+                    # Its head was still arriving when the drain began: no new stream
+                    # (it would read and run messages for the whole grace period).
+                    body = error_body("the server is shutting down; open the stream again "
+                                      "elsewhere or later")
+                    headers = [JSON, (b"retry-after", b"1")]
+                    await _send_all(fd, _response(h, 503, headers, body, True), stall)
+                    raise _Close()
                 if watch is not None:
                     watch.forget(fd, conn)  # the stream reads its socket, and closes it
                 replay = ReplayStream(stream, _head_bytes(request), held=h.trailing_data[0])

@@ -270,6 +270,8 @@ class _Session:
     async def run(self) -> None:
         reading = trio.CancelScope()
         self.conn.stop_reading = lambda: reading.cancel("gateway draining: stop reading")
+        if self.gateway.draining:  # began during the handshake: read nothing, close (1001)
+            reading.cancel("gateway draining: stop reading")
 
         def hang_up() -> None:
             self._gone = True
