@@ -696,38 +696,3 @@ def test_the_error_table_of_docs_embedding_md_gives_each_errors_status():
         status = error_answer(getattr(trioserve, name)("x"))[0]
         assert (name, status) == (name, int(code))
 
-
-class _Preparing(trioserve.ModelBackend):
-    """A backend whose own ``prepare`` raises an error of its own making."""
-
-    inputs = (trioserve.TensorSpec(name="x", datatype="FP32", shape=(-1,)),)
-    outputs = (trioserve.TensorSpec(name="y", datatype="FP32", shape=(-1,)),)
-
-    def load(self, device, *, torch_threads=1):
-        return lambda items: [{"y": it["x"]} for it in items]
-
-    def prepare(self, name, inputs):
-        raise KeyError("no such feature")
-
-    def prepare_rows(self, name, inputs):
-        raise KeyError("no such feature")
-
-
-# Regression: a KeyError raised by a backend's own prepare reached the caller raw (an
-# in-process caller got an error outside the documented ones). It is the model's error.
-async def test_a_backend_prepare_raising_its_own_error_is_a_model_error():
-    cfg = config(trioserve.ModelConfig(name="m", backend=_Preparing(), execution="inline"))
-    said = "model 'm': preparing the inputs raised KeyError: 'no such feature'"
-    async with serving(cfg) as gw:
-        rt = gw.runtime
-        for call in (lambda: rt.infer("m", [1.0]), lambda: rt.infer_batch("m", [[1.0]]),
-                     lambda: rt.infer_batch("m", {"x": np.ones((2, 1), np.float32)})):
-            with pytest.raises(trioserve.ModelError) as caught:
-                await call()
-            assert str(caught.value) == said
-            assert isinstance(caught.value.__cause__, KeyError)
-        for shape in ([1, 1], [2, 1]):
-            body = {"inputs": [{"name": "x", "shape": shape, "datatype": "FP32",
-                                "data": [1.0] * shape[0]}]}
-            res = await post(gw, "/v2/models/m/infer", body)
-            assert (res.status, error_of(res)) == (500, said)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import orjson
 import pytest
 import trio
 import trioserve
+from http_helpers import config as http_config
+from http_helpers import serving
 from runtime_helpers import (
     OFF_SIGNATURE,
     callable_model,
@@ -23,6 +26,7 @@ from runtime_helpers import (
     pythonpath_with,
 )
 from trioserve import ModelConfig, ModelError, TensorSpec
+from trioserve.transport import open_http
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 DECLARES = "the model declares"
@@ -212,3 +216,40 @@ async def test_a_torch_module_answering_float64_is_answered_as_declared(autojump
     async with trioserve.open_runtime(cfg) as rt:
         out = await rt.infer("m", [1.5, 2.5])
     assert (out["y"].dtype, out["y"].tolist()) == (np.float32, [1.5, 2.5])
+
+
+class _Preparing(trioserve.ModelBackend):
+    """A backend whose own ``prepare`` raises an error of its own making."""
+
+    inputs = (TensorSpec(name="x", datatype="FP32", shape=(-1,)),)
+    outputs = (TensorSpec(name="y", datatype="FP32", shape=(-1,)),)
+
+    def load(self, device, *, torch_threads=1):
+        return lambda items: [{"y": it["x"]} for it in items]
+
+    def prepare(self, name, inputs):
+        raise KeyError("no such feature")
+
+    def prepare_rows(self, name, inputs):
+        raise KeyError("no such feature")
+
+
+# Regression: a KeyError raised by a backend's own prepare reached the caller raw (an
+# in-process caller got an error outside the documented ones). It is the model's error.
+async def test_a_backend_prepare_raising_its_own_error_is_a_model_error():
+    cfg = http_config(ModelConfig(name="m", backend=_Preparing(), execution="inline"))
+    said = "model 'm': preparing the inputs raised KeyError: 'no such feature'"
+    async with serving(cfg) as gw:
+        rt = gw.runtime
+        for call in (lambda: rt.infer("m", [1.0]), lambda: rt.infer_batch("m", [[1.0]]),
+                     lambda: rt.infer_batch("m", {"x": np.ones((2, 1), np.float32)})):
+            with pytest.raises(ModelError) as caught:
+                await call()
+            assert str(caught.value) == said
+            assert isinstance(caught.value.__cause__, KeyError)
+        for shape in ([1, 1], [2, 1]):
+            body = {"inputs": [{"name": "x", "shape": shape, "datatype": "FP32",
+                                "data": [1.0] * shape[0]}]}
+            async with open_http(gw.url) as http:
+                res = await http.request("POST", "/v2/models/m/infer", orjson.dumps(body))
+            assert (res.status, res.json()) == (500, {"error": said})
