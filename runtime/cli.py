@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-dim", type=_COUNT, default=1,
                    help="items per HTTP request (shape [N, ...]); --url only")
     b.add_argument("--stream", action="store_true", help="--url only: use the WebSocket stream")
+    b.add_argument("--api-key", help="--url only: the tenant's API key, sent as "
+                   "'Authorization: Bearer KEY' (default: none, the open tenant's)")
     b.add_argument("--no-offline", action="store_true", help="skip the offline measurement")
     b.add_argument("--json", help="write the figures here (default bench-results/)")
     b.add_argument("--scenario", choices=sorted(SCENARIOS),
@@ -100,7 +102,7 @@ _IN_PROCESS = (("config", "--config"), ("replicas", "--replicas"),
                ("max_batch_size", "--max-batch-size"), ("max_wait_ms", "--max-wait-ms"),
                ("torch_threads", "--torch-threads"), ("execution", "--execution"))
 #: bench options that act over HTTP only
-_URL_ONLY = (("batch_dim", "--batch-dim"), ("stream", "--stream"))
+_URL_ONLY = (("batch_dim", "--batch-dim"), ("stream", "--stream"), ("api_key", "--api-key"))
 
 
 def _misplaced(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:

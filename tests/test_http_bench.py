@@ -63,3 +63,36 @@ async def test_bench_reaches_a_model_whose_name_needs_encoding_in_a_url(tmp_path
     assert res["errors"] == 0
     assert res["requests"] > 0
     assert res["mean_batch"] >= 1  # the server's counters for it were found too
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_bench_sends_its_api_key_to_a_server_without_an_open_tenant(tmp_path, capsys, stream):
+    """With no default tenant every request needs a key: bench had no way to send
+    one, so each of its requests was 401. ``--api-key`` is sent on each request
+    (and stream), and a wrong key is counted as errors, not as service."""
+    import trioserve
+
+    tenants = (trioserve.TenantConfig(name="acme", api_keys=["k1"]),)
+    async with serving(config(echo_model(), tenants=tenants)) as gw:
+        results = {}
+        for key in ("k1", None):
+            out = tmp_path / f"bench-{key}.json"
+            args = argparse.Namespace(
+                url=gw.url, model="echo", concurrency=2, duration=0.5, warmup=0.0,
+                batch_dim=1, stream=stream, json=str(out), no_offline=True, api_key=key,
+            )
+            rc = await trio.to_thread.run_sync(bench_http_main, args)
+            results[key] = (rc, json.loads(out.read_text()) if out.exists() else None)
+    rc, res = results["k1"]
+    assert rc == 0, capsys.readouterr()
+    assert res["errors"] == 0
+    assert res["requests"] > 0
+    rc, res = results[None]
+    assert rc == 1
+    err = capsys.readouterr().err
+    if stream:  # the handshake is refused: said in a line, no traceback
+        assert res is None
+        assert "refused the stream: HTTP 401; a server with no open tenant needs --api-key" in err
+    else:
+        assert (res["requests"], set(res["error_kinds"])) == (0, {"Unauthorized"})
+        assert "the server wants an API key: pass a tenant's with --api-key" in err

@@ -19,9 +19,11 @@ from ._stream_client import ERROR_OF_STATUS, open_stream
 from ._v2 import dumps
 
 
-async def _batch_counters(url: str, model: str) -> tuple[float, float] | None:
+async def _batch_counters(
+    url: str, model: str, api_key: str | None = None
+) -> tuple[float, float] | None:
     """(batches, items) of ``model`` from the server's /metrics, if it has them."""
-    client = HttpClient(url)
+    client = HttpClient(url, api_key=api_key)
     try:
         res = await client.get("/metrics")
     except OSError:
@@ -43,8 +45,8 @@ async def _batch_counters(url: str, model: str) -> tuple[float, float] | None:
     return found["trioserve_batches_total"], found["trioserve_batch_items_total"]
 
 
-async def _model_metadata(url: str, model: str) -> dict[str, Any]:
-    client = HttpClient(url)
+async def _model_metadata(url: str, model: str, api_key: str | None = None) -> dict[str, Any]:
+    client = HttpClient(url, api_key=api_key)
     try:
         res = await client.get(f"/v2/models/{quote(model, safe='')}")
     finally:
@@ -63,15 +65,17 @@ async def bench_http(
     warmup: float,
     batch_dim: int = 1,
     stream: bool = False,
+    api_key: str | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Closed-loop load on ``url``: ``concurrency`` keep-alive HTTP connections, or
     (``stream``) one WebSocket with ``concurrency`` requests in flight. Each request
-    carries ``batch_dim`` items (shape [N, ...]) made from the model's metadata.
+    carries ``batch_dim`` items (shape [N, ...]) made from the model's metadata, and
+    ``api_key`` (if given) as its bearer token, as do the metadata and /metrics reads.
 
     The server's batch counters (from /metrics) are read around the measured
     window, after the warm-up, for the mean batch and its fill."""
-    meta = await _model_metadata(url, model)
+    meta = await _model_metadata(url, model, api_key)
     specs = [  # the metadata's shapes carry a leading batch dimension
         TensorSpec(name=t["name"], datatype=t["datatype"], shape=tuple(t["shape"][1:]))
         for t in meta["inputs"]
@@ -84,7 +88,7 @@ async def bench_http(
         if warmup > 0:
             await run_load(call, concurrency=concurrency, duration=warmup, warmup=0)
         nonlocal before
-        before = await _batch_counters(url, model)
+        before = await _batch_counters(url, model, api_key)
         if bar is not None:
             bar.start()
         try:
@@ -97,7 +101,7 @@ async def bench_http(
 
     before = None
     if stream:
-        async with open_stream(url, max_in_flight=concurrency) as client:
+        async with open_stream(url, api_key=api_key, max_in_flight=concurrency) as client:
             infer = client.infer
 
             async def call_stream() -> Any:
@@ -107,7 +111,7 @@ async def bench_http(
     else:
         body = dumps({"inputs": inputs})
         target = f"/v2/models/{quote(model, safe='')}/infer"  # a name is any segment
-        pool = [HttpClient(url) for _ in range(concurrency)]
+        pool = [HttpClient(url, api_key=api_key) for _ in range(concurrency)]
         try:
             async with trio.open_nursery() as nursery:
                 for c in pool:
@@ -127,7 +131,7 @@ async def bench_http(
         finally:
             for c in pool:
                 await c.aclose()
-    after = await _batch_counters(url, model)
+    after = await _batch_counters(url, model, api_key)
     if before and after and after[0] > before[0]:
         res["mean_batch"] = (after[1] - before[1]) / (after[0] - before[0])
         max_batch = meta.get("parameters", {}).get("max_batch_size")

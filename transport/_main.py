@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 import attrs
 import trio
+import trio_websocket
 import trioserve
 from trioserve import (
     Config,
@@ -292,6 +293,7 @@ def bench_http_main(args: Any) -> int:
                 warmup=args.warmup,
                 batch_dim=max(1, args.batch_dim),
                 stream=args.stream,
+                api_key=getattr(args, "api_key", None),
                 progress=os.isatty(2),
             )
         )
@@ -305,6 +307,14 @@ def bench_http_main(args: Any) -> int:
                 exc = exc.exceptions[0]
         print(f"trioserve: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
+    except trio_websocket.ConnectionRejected as exc:
+        key = ("" if getattr(args, "api_key", None)
+               else "; a server with no open tenant needs --api-key")
+        print(
+            f"trioserve: {args.url} refused the stream: HTTP {exc.status_code}{key}",
+            file=sys.stderr,
+        )
+        return 1
     if offline:
         res["offline"] = offline
         res["served_over_offline"] = res["items_per_s"] / offline["items_per_s"]
@@ -313,4 +323,11 @@ def bench_http_main(args: Any) -> int:
         print(f"  items/s        {res['items_per_s']:,.0f}  ({res['batch_dim']} per request)")
     path = args.json or f"bench-results/bench-{res['mode']}-{res['model']}.json"
     print(f"  json           {write_json(res, path)}")
+    if not res["requests"] and res.get("error_kinds", {}).get("Unauthorized"):
+        print(
+            "trioserve: the server wants an API key: pass a tenant's with --api-key"
+            if not getattr(args, "api_key", None)
+            else "trioserve: the server refused the API key given with --api-key",
+            file=sys.stderr,
+        )
     return 0 if res["requests"] else 1
