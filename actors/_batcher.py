@@ -46,6 +46,7 @@ from trioserve import (
     WorkerProcess,
     check_outputs,
     device_lost,
+    load_runner,
 )
 
 from ._metrics import ModelMetrics
@@ -222,7 +223,7 @@ class BatcherActor(Actor):
         if self._runner is None:
             self._runner = await self._load(
                 lambda: trio.to_thread.run_sync(
-                    self._load_runner,
+                    self._load_in_thread,
                     limiter=self._limiter,
                     # a load past its time is left to finish (a thread cannot be
                     # stopped); the runtime's start fails meanwhile
@@ -244,18 +245,6 @@ class BatcherActor(Actor):
             self._in_flight.clear()
         await trio.sleep_forever()  # its device is lost: it pulls no more
 
-    def _load_runner(self) -> Any:
-        """The backend's runner on this replica's device (in a worker thread). A load
-        that returns no callable (None, say) fails here, not every batch later."""
-        runner = self._backend.load(self.device, torch_threads=self._torch_threads)
-        if not callable(runner):
-            what = "None" if runner is None else f"a value of type {type(runner).__qualname__}"
-            raise TypeError(
-                f"{type(self._backend).__qualname__}.load returned {what}; expected the "
-                "runner: a callable over a list of items, returning one output mapping each"
-            )
-        return runner
-
     @property
     def device_seconds(self) -> float:
         """Seconds its device spent running batches: measured inside the worker process,
@@ -264,6 +253,15 @@ class BatcherActor(Actor):
             w = self._worker
             return self._worker_seconds + (w.busy_seconds if w is not None else 0.0)
         return self.busy_time
+
+    def _load_in_thread(self) -> Any:
+        """The backend's load, its StopIteration or SystemExit carried as an ordinary
+        error (:class:`_Escaped`), as a model call's are: a load calling
+        ``sys.exit()`` ended the program out of ``open_runtime``."""
+        try:  # a load that returns no callable (None, say) fails here, not every batch
+            return load_runner(self._backend, self.device, self._torch_threads)
+        except _ESCAPES as exc:
+            raise _Escaped(exc) from exc
 
     async def _load(self, load: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``load`` (the replica's model load, in a thread or a worker process)
@@ -288,7 +286,8 @@ class BatcherActor(Actor):
                 reason = details.rstrip().rpartition("\n")[2] if details else str(exc)
                 raise ModelLoadError(f"{what} failed to load: {reason}") from exc
             except Exception as exc:
-                raise ModelLoadError(f"{what} failed to load: {_text(exc)}") from exc
+                cause = exc.exc if type(exc) is _Escaped else exc
+                raise ModelLoadError(f"{what} failed to load: {_text(exc)}") from cause
             finally:
                 if armed is not None:
                     watchdog.disarm(armed)  # type: ignore[union-attr]

@@ -41,6 +41,7 @@ from ._model import TensorSpec as TensorSpec
 from ._model import TorchBackend as TorchBackend
 from ._model import check_outputs as check_outputs
 from ._model import device_lost as device_lost
+from ._model import load_runner as load_runner
 from ._process import WorkerProcess as WorkerProcess
 
 # The assembly: imports trioserve.actors, which imports the names above.

@@ -107,7 +107,7 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
         os.close(shm_fd)
         backend = resolve_backend(cfg)
         runner = load_runner(backend, device, torch_threads)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a load's sys.exit() is its failure too
         # The backend's own frames (this function's left out), the deepest last.
         tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
         text = "".join(traceback.format_exception(type(exc), exc, tb, limit=-20))

@@ -17,6 +17,8 @@ from runtime_helpers import X, Y, callable_model, pythonpath_with
 from trioserve import ConfigError, ModelBackend, ModelConfig, ModelLoadError
 from trioserve.cli import main
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
 #: Real seconds a test waits for a stuck load's thread before giving up on it.
 STUCK_LIMIT_S = 30.0
 
@@ -41,9 +43,8 @@ class Loading(ModelBackend):
 
 
 def one_model(backend: ModelBackend, **cfg) -> trioserve.Config:
-    return trioserve.Config(
-        models=(ModelConfig(name="m", backend=backend, execution="thread", **cfg),)
-    )
+    cfg.setdefault("execution", "thread")
+    return trioserve.Config(models=(ModelConfig(name="m", backend=backend, **cfg),))
 
 
 async def test_a_load_that_raises_is_a_model_load_error_naming_the_replica():
@@ -56,6 +57,64 @@ async def test_a_load_that_raises_is_a_model_load_error_naming_the_replica():
     )
     assert isinstance(caught.value.__cause__, OSError)  # the backend's own error
     assert backend.loads == 1  # a start-up failure is not retried
+
+
+class Escaping(ModelBackend):
+    """A backend whose load raises what is no ordinary error: ``sys.exit`` (a
+    command-line helper's way to give up) or a stray StopIteration."""
+
+    inputs = (X,)
+    outputs = (Y,)
+
+    def __init__(self, exc: BaseException, execution: str = "thread") -> None:
+        self.exc = exc
+        self.default_execution = execution
+
+    def load(self, device: str, *, torch_threads: int = 1):
+        raise self.exc
+
+
+def exits_on_load() -> Escaping:
+    """An Escaping backend calling ``sys.exit`` in a worker process (importable)."""
+    return Escaping(SystemExit("no weights in /models/m"), execution="process")
+
+
+@pytest.mark.parametrize("execution", ["thread", "inline"])
+@pytest.mark.parametrize(
+    ("exc", "said"),
+    [
+        (SystemExit("no weights in /models/m"), "SystemExit: no weights in /models/m"),
+        (StopIteration("no files left"), "StopIteration: no files left"),
+    ],
+)
+async def test_a_load_that_exits_or_raises_stopiteration_is_a_model_load_error(
+    execution, exc, said
+):
+    """A load calling ``sys.exit()`` ended the program out of ``open_runtime`` with
+    the load's message as its only word (SystemExit is no Exception), and a stray
+    StopIteration was told as "RuntimeError: coroutine raised StopIteration" (PEP
+    479, out of the load's thread). Both are a load that raises: ModelLoadError,
+    naming the replica, its cause the backend's own exception."""
+    with pytest.raises(ModelLoadError) as caught:
+        async with trioserve.open_runtime(one_model(Escaping(exc), execution=execution)):
+            pass  # pragma: no cover
+    assert str(caught.value) == f"model 'm': replica 0 on cpu failed to load: {said}"
+    assert caught.value.__cause__ is exc
+
+
+async def test_a_load_that_exits_in_a_worker_process_says_why(monkeypatch):
+    """In a worker process the same ``sys.exit()`` ended the worker: the start failed
+    with "worker process exited (pid N)" and no reason."""
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = trioserve.Config(
+        models=(ModelConfig(name="m", backend="test_model_load:exits_on_load"),)
+    )
+    with pytest.raises(ModelLoadError) as caught:
+        async with trioserve.open_runtime(cfg):
+            pass  # pragma: no cover
+    assert str(caught.value) == (
+        "model 'm': replica 0 on cpu failed to load: SystemExit: no weights in /models/m"
+    )
 
 
 async def test_a_load_past_its_timeout_fails_the_start_in_wall_time():
