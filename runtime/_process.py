@@ -211,8 +211,13 @@ class WorkerProcess:
         return out
 
     def _stack(self, items: list[dict[str, Any]], base: int) -> list[tuple] | None:
-        # Stack fixed-shape numeric inputs straight into a shared-memory slot.
+        # Stack fixed-shape numeric inputs straight into a shared-memory slot, by the
+        # first item's layout: only when every item has its inputs (an item with
+        # another input lost it, the worker rebuilding items from the layout).
         first = items[0]
+        names = first.keys()
+        if any(it.keys() != names for it in items):
+            return None
         offset = base
         limit = base + self._slot_size
         layout = []
@@ -335,13 +340,17 @@ def _stack_into(flat: np.ndarray, arrays: list[np.ndarray], shape: tuple[int, ..
     size. What ``np.stack(arrays, out=...)`` does, in one ``concatenate`` of flattened
     views: np.stack makes an expanded view of every array first, which is most of its
     cost on a batch of small items (64 rows of 256 floats: ~28 → ~12 µs). Raises
-    ValueError when an array is not of ``shape``."""
-    if not shape:
-        np.stack(arrays, out=flat)
-        return
+    ValueError when an array is not of ``shape``, or not of ``flat``'s dtype (it would
+    be cast to it: an item's int64 input came back float32)."""
+    dtype = flat.dtype
     for a in arrays:
         if a.shape != shape:
             raise ValueError(f"an item of shape {a.shape} among items of shape {shape}")
+        if a.dtype != dtype:
+            raise ValueError(f"an item of dtype {a.dtype} among items of dtype {dtype}")
+    if not shape:
+        np.stack(arrays, out=flat)
+        return
     np.concatenate(arrays, out=flat.reshape((len(arrays) * shape[0], *shape[1:])))
 
 

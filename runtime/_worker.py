@@ -49,17 +49,22 @@ def write_frame(fd: int, obj: Any) -> None:
 
 
 def stack_outputs(outputs: Any) -> Any:
-    """{name: stacked array} when every item's outputs share shapes; else the list
-    (where an item's ModelError, from ``conform_outputs``, stays as it is)."""
+    """{name: stacked array} when every item's outputs have the same names, shapes and
+    dtypes; else the list (where an item's ModelError, from ``conform_outputs``, stays
+    as it is). Stacked otherwise, an item's other output was lost, and its arrays were
+    cast to a dtype they all fit (an int64 output came back float64)."""
     if not outputs:
         return {}
     if any(isinstance(o, Exception) for o in outputs):
         return list(outputs)
-    names = list(outputs[0])
-    try:
-        return {n: np.stack([np.asarray(o[n]) for o in outputs]) for n in names}
-    except (ValueError, KeyError):
-        return [{k: np.asarray(v) for k, v in o.items()} for o in outputs]
+    listed = [{k: np.asarray(v) for k, v in o.items()} for o in outputs]
+    first = listed[0]
+    for o in listed:
+        if o.keys() != first.keys() or any(
+            a.dtype != first[k].dtype or a.shape != first[k].shape for k, a in o.items()
+        ):
+            return listed
+    return {n: np.stack([o[n] for o in listed]) for n in first}
 
 
 def exit_when_orphaned(rfd: int) -> None:

@@ -75,3 +75,25 @@ async def test_a_batch_larger_than_its_slot_goes_through_the_pipe(monkeypatch):
         outs = await rt.infer_batch("s", items)
     assert [o["y"].tolist() for o in outs] == [[float(v)] * 8 for v in range(8)]
     assert None in layouts  # not stacked into the slot: sent as items
+
+
+async def test_items_of_other_inputs_or_dtypes_in_one_batch_come_back_as_they_were():
+    """A batch was staged in shared memory by its first item's inputs: another item's
+    extra input was dropped, and its arrays were cast to the first item's dtypes
+    (echo in a worker process answered {"a": int64 [7, 8], "b": ...} with {"a":
+    float32 [7., 8.]}). The worker's outputs were stacked the same way. Such a
+    batch now travels as items, and each answer is its own input."""
+    cfg = config(ModelConfig(name="e", backend="echo", execution="process", max_batch_size=8))
+    items = [
+        {"a": np.array([1.5, 2.5], np.float32)},
+        {"a": np.array([7, 8], np.int64), "b": np.array([3.0], np.float32)},
+        {"a": np.array([1.0, 2.0], np.float64)},
+        {"a": np.array([4.5, 5.5], np.float32)},
+    ]
+    async with trioserve.open_runtime(cfg) as rt:
+        outs = await rt.infer_batch("e", items)
+    for item, out in zip(items, outs, strict=True):
+        assert sorted(out) == sorted(item)
+        for name, arr in item.items():
+            assert out[name].dtype == arr.dtype
+            assert out[name].tolist() == arr.tolist()
