@@ -323,6 +323,13 @@ class BatcherActor(Actor):
                     self._worker_seconds += self._worker.busy_seconds
                     await self._worker.aclose()
                     self._worker = None
+            finally:
+                self._replacing = False
+            # Workers that keep dying on fresh work opened the breaker: its cooldown
+            # spaces their successors (forked back to back, a dozen a second, before).
+            await self._wait_breaker()
+            self._replacing = True
+            try:
                 delay = START_RETRY_MIN
                 while True:
                     try:

@@ -12,6 +12,7 @@ test_shutdown_grace.py, the slow lane and hedging in test_hedging.py.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import signal
 import threading
@@ -618,3 +619,53 @@ async def test_new_work_is_not_staged_behind_a_retried_batch_on_a_worker(
             assert at <= poisoned_at + TimedWorker.START + TimedWorker.RUN
     if replicas == 2:
         assert not [s for s in TimedWorker.submitted if s[2]]  # nothing behind a retry
+
+
+class ShortLived(TimedWorker):
+    """A worker process in trio time that exits on its own ``LIFE`` s after its start,
+    idle (a model's native thread crashing it), unless ``healed``."""
+
+    LIFE = 0.05
+    healed = False
+    starts: list
+
+    async def start(self) -> None:
+        await super().start()
+        ShortLived.starts.append(trio.current_time())
+
+    async def wait_exited(self) -> None:
+        if not ShortLived.healed:
+            with trio.move_on_after(self.LIFE):
+                await self._exited.wait()
+            self._exited.set()  # dead, not killed: the batcher finds out
+        await self._exited.wait()
+
+
+async def test_workers_that_keep_dying_are_replaced_at_the_pace_of_the_breaker(
+    autojump_clock, timed_workers, monkeypatch
+):
+    """A worker that died idle right after each start was replaced at once, for ever:
+    forked and loading the model a dozen times a second. Its deaths open the breaker
+    (5 in a row), whose cooldown (1 s, doubling) now spaces its successors; the
+    replica is 'open' meanwhile, and serves again once its workers live."""
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", ShortLived)
+    ShortLived.starts, ShortLived.healed = [], False
+    async with trioserve.open_runtime(config(timed_model())) as rt:
+        batcher = rt.models["m"].batchers[0]
+        await trio.sleep(20)
+        assert batcher.health == "open"
+        starts = ShortLived.starts
+        gaps = [b - a for a, b in itertools.pairwise(starts)]
+        # the first four deaths replaced at once (each gap a start and a life); the
+        # fifth opens the breaker, and each death after it doubles its cooldown
+        assert all(g == pytest.approx(ShortLived.START + ShortLived.LIFE) for g in gaps[:4])
+        for gap, cooldown in zip(gaps[4:], [1.0, 2.0, 4.0, 8.0], strict=True):
+            assert gap >= cooldown
+        assert batcher.workers_lost == len(starts)
+        ShortLived.healed = True
+        with trio.fail_after(60):
+            out = await rt.infer("m", item(3.0))
+        assert float(out["y"][0]) == 3.0
+        assert batcher.health == "ready"
