@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -180,24 +181,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _lingering() -> list[threading.Thread]:
+    """Threads that would keep the process alive once the command is done: not
+    daemons, started by a model (a backend factory's watcher, an inline model's
+    helper) and never stopped; the interpreter would wait for them for ever."""
+    main_thread = threading.main_thread()
+    return [t for t in threading.enumerate() if not t.daemon and t is not main_thread]
+
+
 def entry() -> None:
     """The ``trioserve`` command: :func:`main`, then exit with its status.
 
     A model call that outlived the runtime's grace in a worker thread (a thread cannot
     be stopped) would make the interpreter's finalisation abort the process (torch
     calls ``std::terminate`` when the thread resumes), so then the process ends at
-    once, with its status, once the output is flushed.
+    once, with its status, once the output is flushed. So it does when a thread a
+    model started and never stopped (no daemon) would keep the process alive.
     """
     from trioserve.actors import model_threads_running
 
     try:
         code = main()
     except BaseException:
-        if not model_threads_running():
+        if not model_threads_running() and not _lingering():
             raise
         traceback.print_exc()  # an unexpected error, with a model thread still running
         code = 1
-    if model_threads_running():
+    lingering = _lingering()
+    if lingering and not model_threads_running():
+        names = ", ".join(t.name for t in lingering)
+        n = len(lingering)
+        print(
+            f"trioserve: not waiting for {n} thread{'s' if n != 1 else ''} the models "
+            f"left running: {names}", file=sys.stderr,
+        )
+    if model_threads_running() or lingering:
         for out in (sys.stdout, sys.stderr):
             try:
                 out.flush()

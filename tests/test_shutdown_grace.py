@@ -165,3 +165,32 @@ def test_the_command_ends_at_once_when_a_model_call_outlived_the_runtime(monkeyp
     with pytest.raises(SystemExit) as info:
         cli.entry()
     assert info.value.code == 3
+
+
+def test_the_command_does_not_wait_for_threads_a_model_left_running(monkeypatch, capsys):
+    """A thread a model started and never stopped (a backend factory's watcher, an
+    inline model's helper: not a daemon) kept ``trioserve serve`` alive for ever
+    after "stopped", the interpreter waiting to join it. The command now ends with
+    main's status and says which threads it did not wait for."""
+    from trioserve import cli
+
+    class Exited(BaseException):
+        pass
+
+    def fake_exit(code: int) -> None:
+        raise Exited(code)
+
+    stop = threading.Event()
+    leaked = threading.Thread(target=stop.wait, args=(60,), name="weights-watcher")
+    monkeypatch.setattr(cli, "main", lambda: (leaked.start(), 0)[1])
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    try:
+        with pytest.raises(Exited) as ended:
+            cli.entry()
+    finally:
+        stop.set()
+        leaked.join()
+    assert ended.value.args == (0,)
+    assert "not waiting for 1 thread the models left running: weights-watcher" in (
+        capsys.readouterr().err
+    )
