@@ -213,10 +213,11 @@ class WorkerProcess:
     def _stack(self, items: list[dict[str, Any]], base: int) -> list[tuple] | None:
         # Stack fixed-shape numeric inputs straight into a shared-memory slot, by the
         # first item's layout: only when every item has its inputs (an item with
-        # another input lost it, the worker rebuilding items from the layout).
+        # another input lost it, the worker rebuilding items from the layout). As
+        # many as the first, each of the first's found below (KeyError): the same.
         first = items[0]
-        names = first.keys()
-        if any(it.keys() != names for it in items):
+        n_inputs = len(first)
+        if any(len(it) != n_inputs for it in items):
             return None
         offset = base
         limit = base + self._slot_size
