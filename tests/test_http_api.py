@@ -55,6 +55,7 @@ async def test_model_metadata_reports_a_leading_dynamic_batch_dimension(mlp_serv
     async with open_http(mlp_server.url) as http:
         res = await http.get("/v2/models/mlp")
         by_version = await http.get("/v2/models/mlp/versions/2")
+        unknown = await http.get("/v2/models/mlp/versions/3")
         echo = await http.get("/v2/models/echo")
     assert res.status == 200
     doc = res.json()
@@ -63,7 +64,9 @@ async def test_model_metadata_reports_a_leading_dynamic_batch_dimension(mlp_serv
     assert doc["platform"] == "pytorch"
     assert doc["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
     assert doc["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 16]}]
-    assert by_version.json() == doc
+    # one version asked: that version only, as Triton answers
+    assert by_version.json() == {**doc, "versions": ["2"]}
+    assert unknown.status == 404
     assert echo.json()["inputs"][0]["shape"] == [-1, -1]
 
 

@@ -130,7 +130,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.get("/v2/models/<name>")
     @app.get("/v2/models/<name>/versions/<version>")
     async def model_metadata(name: str, version: str | None = None) -> Any:
-        return json(signature(name, version).metadata_json)
+        return json(signature(name, version).metadata(version))
 
     @app.get("/v2/models/<name>/ready")
     @app.get("/v2/models/<name>/versions/<version>/ready")

@@ -25,6 +25,8 @@ class ModelSignature:
     by_name: Mapping[str, TensorSpec] = attrs.field(eq=False, repr=False)
     outputs_by_name: Mapping[str, TensorSpec] = attrs.field(eq=False, repr=False)
     metadata_json: bytes = attrs.field(eq=False, repr=False)
+    #: the metadata document asked for one version: that version only, as Triton's
+    version_json: Mapping[str, bytes] = attrs.field(eq=False, repr=False, factory=dict)
 
     @classmethod
     def of(cls, served: Any) -> ModelSignature:
@@ -60,7 +62,16 @@ class ModelSignature:
             by_name={s.name: s for s in inputs},
             outputs_by_name={s.name: s for s in outputs},
             metadata_json=orjson.dumps(doc),
+            version_json={v: orjson.dumps({**doc, "versions": [v]}) for v in cfg.versions},
         )
+
+    def metadata(self, version: str | None) -> bytes:
+        """The model's metadata document (``GET /v2/models/NAME[/versions/V]``): its
+        versions, or only ``version`` when one is asked (checked served)."""
+        if version is None:
+            return self.metadata_json
+        self.check_version(version)
+        return self.version_json[version]
 
     def check_version(self, version: str | None) -> None:
         """Raise UnknownModel (404) when ``version`` is not served."""
