@@ -89,9 +89,15 @@ class FlowStats:
 class FairQueue(Admission):
     """A model's queue of (tenant, class) flows.
 
-    - Between classes: strict priority, except that a request queued longer than its
-      class's aging bound is taken first (earliest promotion first), so no class
-      starves.
+    - Between classes: strict priority, with aging. A request queued longer than its
+      class's aging bound is *aged*. While aged requests and others (the top class,
+      or lower ones not yet aged) both wait, the two groups share the service half
+      and half by cost: a counter carried across batches holds the aged group's cost
+      served less the others', counted only while both wait (0 again as soon as one
+      is served alone, so neither banks credit); the aged group goes next when it is
+      <= 0, earliest promotion first, the others otherwise, in strict priority. So
+      no class starves, the top one included: under any backlog of aged requests
+      the top class keeps half the service, and an aged request is served.
     - Within a class: the backlogged tenant with the least weighted service (cost
       served / weight) goes next; a tenant that becomes backlogged is lifted to the
       least counter among the backlogged ones (or to where service last was), so an
@@ -181,6 +187,9 @@ class FairQueue(Admission):
         #: hedge copies taken by offer_spare, oldest first (those no longer queued
         #: are dropped at the next offer_spare)
         self._copies: list[Request] = []
+        #: the aged requests' cost served less the other requests' while both groups
+        #: waited (see _next_batch); reset to 0 by a request taken while one is empty
+        self._aged_lead = 0
 
     # ------------------------------------------------------------ helpers
     def __len__(self) -> int:
@@ -417,6 +426,31 @@ class FairQueue(Admission):
                     return c, tenant, self._flows[c][tenant], bound
         return None
 
+    def _pick_rest(self, now: float) -> tuple[int, str, collections.deque[Request]] | None:
+        """While aged requests wait: the flow whose head the other group serves next,
+        (class, tenant, its deque), among the flows whose head has not aged (a flow
+        whose head has aged is the aged group's, FIFO holding the rest of it behind
+        that head): strict priority, then the least weighted service. None when no
+        such flow waits."""
+        aging = self._aging
+        for c in range(len(self.classes)):
+            active = self._active[c]
+            if not active:
+                continue
+            vt = self._vt[c]
+            best: str | None = None
+            least = math.inf
+            for tenant in list(active):  # _head deactivates a flow it finds empty
+                head = self._head(tenant, c, now)
+                if head is None or (c and head.arrival + aging[c] <= now):
+                    continue
+                v = vt[tenant]
+                if best is None or v < least:
+                    best, least = tenant, v
+            if best is not None:
+                return c, best, self._flows[c][best]
+        return None
+
     def _take(self, req: Request, c: int, now: float) -> None:
         """Dispatch ``req``, the head of its flow."""
         tenant = req.tenant
@@ -532,11 +566,23 @@ class FairQueue(Admission):
         self._congested = False
         aged = len(self.classes) > 1
         closed = False
+        # While aged requests and others both wait, each request taken is decided by
+        # ``_aged_lead`` (the aged group's cost served less the others', carried
+        # across batches): the aged group's turn when it is <= 0, the others'
+        # otherwise. A request taken while one group is empty resets it to 0. It is
+        # changed only by a request taken, never by a pick that closes the batch.
         while not closed:
             if aged:
                 picked = self._peek_aged(now)
                 if picked is None:
                     aged = False  # nothing more ages at this ``now``
+                    continue
+                rest = self._pick_rest(now)
+                if rest is not None and self._aged_lead > 0:
+                    n = len(taken)
+                    closed = self._run(*rest, -math.inf, now, builder, taken)  # one request
+                    if len(taken) > n:
+                        self._aged_lead -= taken[-1].cost
                     continue
                 req, c = picked
                 alone = builder.count == 0 and lim.oversize_cost(req.cost)
@@ -545,6 +591,7 @@ class FairQueue(Admission):
                 self._take(req, c, now)
                 builder.add(req.cost)
                 taken.append(req)
+                self._aged_lead = 0 if rest is None else self._aged_lead + req.cost
                 if 2 * (now - req.arrival) > req.deadline - req.arrival:
                     self._congested = True
                 closed = alone or builder.count >= lim.max_size
@@ -552,7 +599,10 @@ class FairQueue(Admission):
             flow = self._pick_flow(now)
             if flow is None:
                 break
+            n = len(taken)
             closed = self._run(*flow, now, builder, taken)
+            if len(taken) > n:
+                self._aged_lead = 0  # no aged request waits
         if not taken:
             return None
         self.in_service += sum(r.cost for r in taken)
@@ -664,6 +714,7 @@ class FairQueue(Admission):
         self._tenant_count.clear()
         self._expiry.clear()
         self._copies = []
+        self._aged_lead = 0
         for s in self.stats.values():
             s.queued = 0
         return alive

@@ -11,8 +11,9 @@ arithmetic on the requests' own times:
 - batch budgets: ``max_size`` items and ``max_tokens`` cost units (padding counted),
   except an oversize request alone;
 - deadlines: nothing is dispatched at or after its deadline;
-- aging (the starvation bound): while a lower-class request has waited past its
-  class's aging bound, a batch takes nothing else before it (earliest promotion first);
+- aging (no class starves): while requests past their class's aging bound and others
+  both wait, the two groups share the service half and half by cost, aged requests
+  earliest promotion first, the others in strict priority;
 - the fair-share lag bound within a class (see :meth:`QueueObserver._check_lag`);
 - bounded memory: the queue never holds more than its bound.
 
@@ -45,8 +46,10 @@ INVARIANTS: dict[str, str] = {
     "(except an oversize request run alone)",
     "deadline": "no request is dispatched at or after its deadline, and none is answered "
     "DeadlineExceeded before it",
-    "aging": "a lower-class request queued past its aging bound is taken before anything "
-    "not yet promoted (earliest promotion first)",
+    "aging": "while requests queued past their class's aging bound (aged) and others both "
+    "wait, the two groups share the service half and half by cost (the aged group's turn "
+    "while the aged cost taken less the others' is <= 0); aged requests go earliest "
+    "promotion first, the others in strict priority",
     "fair-share": "two continuously backlogged tenants of a class receive weighted service "
     "within a bounded lag of each other",
     "memory": "a queue never holds more requests than its bound; the cache never more "
@@ -183,6 +186,9 @@ class QueueObserver:
         #: per class: tenant -> the largest cost / weight of its requests there
         self._lag_unit: list[dict[str, float]] = [{} for _ in range(n)]
         self._aged_seen = [False] * n
+        #: the aged requests' cost taken less the others', over the requests taken
+        #: while both groups waited (see ``_check_aging``)
+        self._aged_lead = 0
         self._sweeps = 0
         self.max_len = 0
         #: when set, every request a sweep finds gone is also kept in ``gone`` until
@@ -393,8 +399,21 @@ class QueueObserver:
                 break
 
     def _check_aging(self, no: int, now: float, taken: list[Tracked]) -> None:
-        """A batch takes aged requests first, earliest promotion first; a request not
-        yet promoted (or of the top class) may follow only when none is left over."""
+        """The aging rule, request by request in batch order.
+
+        A request below the top class is aged once it has waited its class's aging
+        bound. Before each request taken, the groups waiting are worked out flow by
+        flow from the requests live then (those still queued after the batch, and
+        those taken from it on): a flow whose first live request has aged is the aged
+        group's, any other the rest's. While both wait, the request taken is the aged
+        group's when the lead (the aged cost taken less the rest's, over the requests
+        taken while both waited, carried across batches) is <= 0, the rest's
+        otherwise; a request taken while one group is empty sets the lead to 0. From
+        the aged group, one of the earliest promotion; from the rest, one of its
+        highest class (strict priority). So the aged group and the rest share the
+        service half and half while both wait, and within the aged group the order is
+        earliest promotion first: nothing aged waits forever while the rest is served.
+        """
         classes = self.classes
         if len(classes) < 2:
             return
@@ -402,28 +421,78 @@ class QueueObserver:
         def promotion(t: Tracked) -> float:
             return t.request.arrival + classes[t.cls].aging if t.cls > 0 else math.inf
 
-        aged_taken = False
-        for t in taken:
-            if t.cls > 0 and promotion(t) <= now:
-                self._aged_seen[t.cls] = True
-                aged_taken = True
-        left = [t for t in self.live(now) if t.cls > 0 and promotion(t) <= now]
-        if aged_taken or left:
+        heads: dict[tuple[str, int], Tracked] = {}
+        for t in self.live(now):
+            h = heads.get(t.flow)
+            if h is None or t.seq < h.seq:
+                heads[t.flow] = t
+        # (the earliest promotion among the aged flows, the highest class among the
+        # others) before each request taken, worked out from the last one back
+        before: list[tuple[Tracked | None, int | None]] = []
+        for t in reversed(taken):
+            h = heads.get(t.flow)
+            if h is None or t.seq < h.seq:
+                heads[t.flow] = t
+            first: Tracked | None = None
+            top: int | None = None
+            for h in heads.values():
+                p = promotion(h)
+                if p <= now:
+                    if first is None or p < promotion(first):
+                        first = h
+                elif top is None or h.cls < top:
+                    top = h.cls
+            before.append((first, top))
+        before.reverse()
+        for h in heads.values():  # the flows at the start of the pull
+            if promotion(h) <= now:
+                # its flows with an aged head are served by promotion, and the others
+                # of the class without them: fair share no longer holds there
+                self._aged_seen[h.cls] = True
+        if before[0][0] is not None:
             self.exercised["aging: batch pulled with a promoted request waiting"] += 1
-        if not left:
-            return
-        self.exercised["aging: a promoted request left over after a batch"] += 1
-        oldest = min(left, key=lambda t: (promotion(t), t.cls, t.seq))
-        p = promotion(oldest)
-        for t in taken:
-            if promotion(t) > p:
-                waited = now - oldest.request.arrival
+        for i, t in enumerate(taken):
+            first, top = before[i]
+            aged = promotion(t) <= now
+            cost = t.request.cost
+            if first is not None and top is not None:
+                self.exercised["aging: a request taken with aged ones and others waiting"] += 1
+                lead = self._aged_lead
+                if aged != (lead <= 0):
+                    turn = "the aged requests'" if lead <= 0 else "the others'"
+                    other = (
+                        f"{self.describe(first)}, aged {now - promotion(first):.6g}s ago"
+                        if lead <= 0
+                        else f"a request of class {classes[top].name!r} not aged"
+                    )
+                    self._fail(
+                        "aging",
+                        f"batch {no} at t={now:.6g} took {self.describe(t)}"
+                        f"{' (aged)' if aged else ' (not aged)'} while aged requests and "
+                        f"others both waited and it was {turn} turn (the aged cost taken "
+                        f"less the others' while both waited: {lead:g}); {other} was "
+                        "left queued",
+                    )
+                    return
+                self._aged_lead = lead + cost if aged else lead - cost
+            else:
+                self._aged_lead = 0
+            if aged and first is not None and promotion(t) > promotion(first):
                 self._fail(
                     "aging",
-                    f"batch {no} at t={now:.6g} took {self.describe(t)}"
-                    f"{' (not promoted)' if promotion(t) > now else ''} while "
-                    f"{self.describe(oldest)} had waited {waited:.6g}s, past its class's "
-                    f"aging bound of {classes[oldest.cls].aging:.6g}s, and was left queued",
+                    f"batch {no} at t={now:.6g} took {self.describe(t)}, promoted at "
+                    f"t={promotion(t):.6g}, while {self.describe(first)}, promoted at "
+                    f"t={promotion(first):.6g}, had waited {now - first.request.arrival:.6g}s, "
+                    f"past its class's aging bound of {classes[first.cls].aging:.6g}s, "
+                    "and was left queued: aged requests go earliest promotion first",
+                )
+                return
+            if not aged and top is not None and t.cls > top:
+                self._fail(
+                    "aging",
+                    f"batch {no} at t={now:.6g} took {self.describe(t)} (not aged) while a "
+                    f"request of the higher class {classes[top].name!r}, not aged either, "
+                    "was left queued (strict priority among requests not aged)",
                 )
                 return
 
@@ -438,8 +507,9 @@ class QueueObserver:
         most one request, so every backlogged counter stays within [m, m + u_k]; the
         weighted service of an interval is the change of the counter.
 
-        A class whose aged requests were served (in promotion order, not by share) is no
-        longer checked: aging overrides fair share by design.
+        A class that had an aged request waiting at a pull is no longer checked: its
+        aged requests are served by promotion, not by share, and its other tenants'
+        flows meanwhile by share among themselves alone, by design.
         """
         backlogged: list[set[str]] = [set() for _ in self.classes]
         spare = self.spare

@@ -73,6 +73,14 @@ class NoAging(FairQueue):
         super().__init__(limits, **kw)
 
 
+class AgedFirst(FairQueue):
+    """The aging rule as it was: aged requests go before everything else (the others
+    are never picked while one waits), so a backlog of them starves the top class."""
+
+    def _pick_rest(self, now: float) -> Any:
+        return None
+
+
 class IgnoresWeights(FairQueue):
     """Fair share treats every tenant as weight 1."""
 
@@ -350,6 +358,11 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "no-aging": (
         "aging is disabled",
         attrs.evolve(PRODUCT, name="no-aging", queue_class=NoAging),
+        ("queue", "runtime"),
+    ),
+    "aged-first": (
+        "aged requests go before everything else: a backlog of them starves the top class",
+        attrs.evolve(PRODUCT, name="aged-first", queue_class=AgedFirst),
         ("queue", "runtime"),
     ),
     # Beyond the five of the issue: the FIFO and fair-share checks need teeth too.
