@@ -595,10 +595,12 @@ class Admission:
         fair share, what the devices hold, and its own cost, over the service rate.
 
         Below the top class, at most its aging bound plus the time to serve what the
-        devices hold, every request queued below the top class and its own cost: once
-        aged it goes before the top class (only requests promoted earlier, all below
-        the top class, go before it), so a backlog of the top class does not refuse
-        it for a deadline it meets."""
+        devices hold, the requests queued below the top class (aged before it, at
+        most all of them), as much again of the top class's (the aged requests and
+        the others share the service half and half while both wait; at most what the
+        top class holds now) and its own cost: so a backlog of the top class does not
+        refuse it for a deadline its aging meets. Like the rest of the estimate it
+        counts no later arrival, so it errs on the side of admitting."""
         rate = self.rate
         if rate <= 0.0:
             return 0.0
@@ -615,5 +617,6 @@ class Admission:
         aging = self.classes[c].aging
         if c and aging < wait:
             below = sum(sum(self._cost[k].values()) for k in range(1, len(self.classes)))
-            wait = min(wait, aging + (self.in_service + below + cost) / rate)
+            top = sum(self._cost[0].values())
+            wait = min(wait, aging + (self.in_service + below + min(below, top) + cost) / rate)
         return wait

@@ -688,11 +688,13 @@ def test_a_lower_class_request_is_not_refused_for_a_backlog_its_aging_jumps():
     q.rate = 100.0
     for _ in range(500):
         q.offer(req("a", cls="rt"), 0.0)
-    # 1 s of aging, then 2 units queued below the top class at 100 units/s
+    # 1 s of aging, then its own unit at 100 units/s
     assert q.estimated_wait("b", 1, 1) == pytest.approx(1.01)
     q.offer(req("b", cls="batch", deadline=3.0), 0.0)
-    late = req("b", cls="batch", deadline=1.01)  # 1 s + 2 units at 100/s: 1.02 s
-    with pytest.raises(Overloaded, match="estimated time to serve it 1020 ms"):
+    # 1 s, then the aged unit ahead of it, one realtime unit taking its turn after
+    # that one, and its own: 1.03 s
+    late = req("b", cls="batch", deadline=1.01)
+    with pytest.raises(Overloaded, match="estimated time to serve it 1030 ms"):
         q.offer(late, 0.0)
     served_at = None
     for step in range(1, 20):
@@ -701,3 +703,30 @@ def test_a_lower_class_request_is_not_refused_for_a_backlog_its_aging_jumps():
             served_at = step * 0.1
             break
     assert served_at == pytest.approx(1.0)
+
+
+def test_a_lower_class_request_s_estimate_counts_the_top_class_s_turns_once_aged():
+    """Once aged, a batch request shares the service half and half with a realtime
+    backlog: the aged units ahead of it are each followed by as much of realtime's.
+    The estimate counts them, and the queue serves it by then: it used to count the
+    aged units alone, as if they all went first."""
+    classes = [ClassSpec(name="rt"), ClassSpec(name="batch", aging=1.0)]
+    q = queue(1000, max_size=10, classes=classes)
+    q.rate = 100.0
+    fill(q, "a", 500, cls="rt")
+    fill(q, "b", 10, cls="batch")
+    # 1 s, then 10 aged units, 10 of realtime's and its own at 100 units/s
+    assert q.estimated_wait("b", 1, 1) == pytest.approx(1.21)
+    mine = req("b", cls="batch", deadline=1.22)
+    q.offer(mine, 0.0)
+    # One more behind it: 11 aged units ahead, 11 of realtime's, its own
+    with pytest.raises(Overloaded, match="estimated time to serve it 1230 ms"):
+        q.offer(req("b", cls="batch", deadline=1.22), 0.0)
+    served_at = None
+    for step in range(1, 30):  # a full batch every 0.1 s: 100 units/s
+        batch = q.next_batch(step * 0.1)
+        assert len(batch) == 10
+        if mine in batch:
+            served_at = step * 0.1
+            break
+    assert served_at == pytest.approx(1.2)  # dispatched by then, done 0.1 s later
