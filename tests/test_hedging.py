@@ -40,6 +40,7 @@ class LenCost(trioserve.ModelBackend):
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.holding = threading.Event()  # an item starting with 99 is running
         self.ran: list[tuple[int, list[float]]] = []
 
     def prepare(self, name, inputs):
@@ -50,6 +51,7 @@ class LenCost(trioserve.ModelBackend):
         def run(items):
             self.ran.append((threading.get_ident(), [key(it) for it in items]))
             if any(key(it) == 99.0 for it in items):
+                self.holding.set()
                 self.release.wait(30)
             return [{"y": it["x"]} for it in items]
 
@@ -71,7 +73,9 @@ async def test_the_slow_lane_keeps_long_requests_from_holding_back_short_ones(au
                 long = np.zeros(200, np.float32)
                 long[0] = 99.0
                 nursery.start_soon(rt.infer, "m", {"x": long})  # held in the slow lane
-                await trio.testing.wait_all_tasks_blocked()
+                # Running, holding its thread: had the short ones run first, trio's
+                # thread cache could have handed one of their threads to it after.
+                assert await trio.to_thread.run_sync(backend.holding.wait, 30)
                 outs = [await rt.infer("m", item(v, n=4)) for v in range(3)]
                 assert [float(o["y"][0]) for o in outs] == [0.0, 1.0, 2.0]
                 assert served.slow_scheduler.policy.stats[("t", "realtime")].dispatched == 1
