@@ -286,3 +286,24 @@ async def test_a_429_frame_says_when_to_retry_and_the_stream_goes_on(rate, retry
         assert over.value.retry_after == retry_after
         await stream.send("c", "missing", {"x": f32(1)})
         assert ((await stream.receive()).id, gw.statistics().streams) == ("c", 1)
+
+
+async def test_an_echoed_id_that_is_a_list_or_object_reaches_receive():
+    """The server echoes a refused id as it read it; a list or an object, unhashable,
+    crashed the client's dispatcher (and the stream) while an infer was waiting."""
+    gate = Gate()
+    async with serving(config(held_model(gate))) as gw, open_stream(gw.url) as stream:
+        async with trio.open_nursery() as nursery:
+            held: dict[str, np.ndarray] = {}
+
+            async def waiting() -> None:
+                held.update(await stream.infer("held", {"x": f32(1)}))
+
+            nursery.start_soon(waiting)
+            await trio.to_thread.run_sync(gate.holding.wait)
+            for rid in ([1, 2], {"a": 1}):
+                await stream.send_raw(json.dumps({"id": rid, "model": "held", "inputs": []}))
+                refused = await stream.receive()
+                assert (refused.id, refused.status) == (rid, 400)
+            gate.release()
+        assert held["y"].tolist() == [1]

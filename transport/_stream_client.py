@@ -201,7 +201,10 @@ class StreamClient:
                 except ConnectionClosed:
                     return
                 doc = json_loads(message)
-                waiter = self._waiters.pop(doc.get("id", _NO_ID), None)
+                rid = doc.get("id", _NO_ID)
+                # infer's ids are strings; an id the server echoes as a list or an
+                # object (refused, from send_raw) is not hashable: receive's
+                waiter = self._waiters.pop(rid, None) if type(rid) is str else None
                 if waiter is None:
                     await self._send_replies.send(doc)
                     continue
