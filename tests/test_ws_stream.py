@@ -160,27 +160,66 @@ async def test_an_infer_cancelled_before_its_message_left_frees_its_slot_at_once
     from trioserve.transport import StreamClient
 
     class _Blocked:
-        """A socket whose first send never completes (the server has stopped reading,
-        or another caller holds the send), then sends at once."""
+        """A socket whose first send does not complete until ``go`` (the server has
+        stopped reading), then sends at once."""
 
         def __init__(self) -> None:
-            self.sends = 0
+            self.sent: list[str] = []
+            self.go = trio.Event()
 
         async def send_message(self, message: str) -> None:
-            self.sends += 1
-            if self.sends == 1:
-                await trio.sleep_forever()
+            if not self.sent and not self.go.is_set():
+                await self.go.wait()
+            self.sent.append(message)
             await trio.lowlevel.checkpoint()
 
-    client = StreamClient(_Blocked(), max_in_flight=1)
-    with trio.move_on_after(1):
-        await client.infer("echo", {"x": f32(1)})
-    # The message never left, so no answer will come to free the only slot: leaving
-    # frees it, and forgets the caller, at once.
-    assert client._waiters == {}
-    with trio.move_on_after(1) as blocked:
-        await client.send("a", "echo", {"x": f32(1)})
-    assert not blocked.cancelled_caught
+    ws = _Blocked()
+    client = StreamClient(ws, max_in_flight=2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.run_writer)
+        with trio.move_on_after(1):
+            await client.infer("echo", {"x": f32(1)})  # taken by the writer, held
+        with trio.move_on_after(1):
+            await client.infer("echo", {"x": f32(2)})  # waits for the writer
+        # The second never left, so no answer will come to free its slot: leaving
+        # frees it, and forgets the caller, at once. The first is being written: it
+        # goes whole, and its answer (dropped) will free its slot.
+        assert list(client._waiters) == ["c0"]
+        ws.go.set()
+        with trio.move_on_after(1) as blocked:
+            await client.send("a", "echo", {"x": f32(3)})
+        assert not blocked.cancelled_caught
+        assert [json.loads(m)["id"] for m in ws.sent] == ["c0", "a"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_send_cancelled_part_way_still_leaves_whole_and_the_stream_goes_on():
+    """A caller cancelled while its large message was being written (the server had
+    stopped reading at its in-flight bound) cut the frame: the next message's bytes
+    were read as the rest of it and the stream failed (1007) under every caller."""
+    gate = Gate()
+    big = np.full(2_000_000, -0.123456789, np.float32)  # ~24 MB of JSON: past the
+    # socket buffers, so the write blocks part way while the server does not read
+    cfg = config(held_model(gate), server={"stream_in_flight": 1,
+                                           "max_body_bytes": 64 << 20})
+    async with serving(cfg) as gw, open_stream(gw.url, max_message_size=64 << 20) as stream:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.infer, "held", {"x": f32(1)})
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await stream.send("small", "held", {"x": f32(-2)})  # read; waits for room
+            with trio.CancelScope() as cut:
+                nursery.start_soon(_cancel_when_blocked, cut)
+                await stream.infer("held", {"x": big})
+            assert cut.cancelled_caught
+            gate.release()
+        assert (await stream.receive()).id == "small"
+        assert (await stream.infer("held", {"x": f32(-3)}))["y"].tolist() == [-3]
+        assert gw.statistics().streams == 1
+
+
+async def _cancel_when_blocked(scope: trio.CancelScope) -> None:
+    await settle()
+    scope.cancel()
 
 
 async def test_a_ping_is_answered_with_a_pong_carrying_its_payload():

@@ -91,6 +91,18 @@ class _Waiter:
     abandoned: bool = False
 
 
+@attrs.define(eq=False, slots=True)
+class _Outgoing:
+    """A message handed to the client's writer task, and how its write ended."""
+
+    message: str | bytes
+    #: the infer caller, woken as well when the write fails
+    waiter: _Waiter | None = None
+    done: trio.Event = attrs.Factory(trio.Event)
+    #: why the write failed (ConnectionClosed, or the message's own error)
+    error: Exception | None = None
+
+
 def request_message(
     id: Any,
     model: str,
@@ -117,10 +129,19 @@ class StreamClient:
     Use either :meth:`infer` (matches answers to callers by id; many tasks may call
     it at once) or :meth:`send` / :meth:`receive` (answers in completion order).
     At most ``max_in_flight`` requests are outstanding: beyond that, sending waits.
+
+    Messages are written by one writer task (:meth:`run_writer`, started by
+    :func:`open_stream`), each whole: a caller cancelled while its message waits for
+    the writer withdraws it, and one cancelled once the writer has taken it leaves
+    the write to finish. (A write cut part way, as a cancelled ``send_message``
+    leaves it, would make the next message's bytes the rest of the cut frame and
+    fail the stream for every caller.)
     """
 
     def __init__(self, ws: Any, max_in_flight: int) -> None:
         self.ws = ws
+        # Unbuffered: a message handed over is one the writer has taken.
+        self._to_writer, self._outgoing = trio.open_memory_channel[_Outgoing](0)
         # A slot per request sent and not yet answered (and, for send, received).
         self._slots = trio.Semaphore(max_in_flight)
         self._waiters: dict[Any, _Waiter] = {}
@@ -139,15 +160,48 @@ class StreamClient:
         await self.send_raw(request_message(id, model, inputs, **kw))
 
     async def send_raw(self, message: str | bytes) -> None:
-        """Send a message as it is (it takes an in-flight slot until answered)."""
+        """Send a message as it is (it takes an in-flight slot until answered).
+        Returns once it is written. Cancelled before the writer took it, it is not
+        sent; after, it is still sent whole, and its answer comes to receive()."""
         await self._slots.acquire()
-        sent = False
+        item = await self._hand_over(message)
+        await item.done.wait()
+        if item.error is not None:
+            self._slots.release()  # no answer will come
+            raise item.error
+
+    async def _hand_over(self, message: str | bytes, waiter: _Waiter | None = None) -> _Outgoing:
+        """Hand ``message`` to the writer (holding a slot); cancelled or failed
+        before the writer took it, the slot is freed."""
+        item = _Outgoing(message=message, waiter=waiter)
+        taken = False
         try:
-            await self.ws.send_message(message)
-            sent = True
+            await self._to_writer.send(item)
+            taken = True
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise ConnectionClosed(self.ws.closed) from None
         finally:
-            if not sent:
+            if not taken:
                 self._slots.release()
+        return item
+
+    async def run_writer(self) -> None:
+        """Write the messages handed over, one at a time and each whole, until
+        cancelled. A failed write (the connection closed) fails its caller only."""
+        with self._outgoing:
+            async for item in self._outgoing:
+                written = False
+                try:
+                    await self.ws.send_message(item.message)
+                    written = True
+                except Exception as exc:  # ConnectionClosed, or a message not str/bytes
+                    item.error = exc
+                finally:
+                    if not written and item.error is None:  # cancelled: the client closes
+                        item.error = ConnectionClosed(self.ws.closed)
+                    item.done.set()
+                    if item.error is not None and item.waiter is not None:
+                        item.waiter.event.set()
 
     async def receive(self) -> StreamReply:
         """The next answer not claimed by :meth:`infer`, in completion order.
@@ -174,17 +228,20 @@ class StreamClient:
         message = request_message(rid, model, inputs, **kw)
         await self._slots.acquire()
         waiter = self._waiters[rid] = _Waiter()
-        sent = False
+        item = None
         try:
-            await self.ws.send_message(message)
-            sent = True
-            await waiter.event.wait()
+            item = await self._hand_over(message, waiter)
+            await waiter.event.wait()  # the answer, or the write failed
+            if item.error is not None:
+                raise item.error
         finally:
-            if not sent:
-                # The message did not leave whole (cancelled, or the send failed), so
-                # no answer will come to free the slot: free it now.
+            if item is None or item.error is not None:
+                # Not sent (withdrawn before the writer took it, or the write failed),
+                # so no answer will come to free the slot (_hand_over freed it if the
+                # writer never took it): forget the caller now.
                 self._waiters.pop(rid, None)
-                self._slots.release()
+                if item is not None:
+                    self._slots.release()
             # Left before the answer: it may still come, and the dispatcher then drops
             # it and frees the slot.
             waiter.abandoned = waiter.doc is None
@@ -257,6 +314,7 @@ async def open_stream(
                 raise ConnectionTimeout(f"no WebSocket handshake within {connect_timeout:g} s")
             client = StreamClient(ws, max_in_flight)
             nursery.start_soon(client._dispatch)
+            nursery.start_soon(client.run_writer)
             try:
                 yield client
             finally:
