@@ -130,6 +130,53 @@ async def test_an_answer_waiting_to_be_written_when_the_grace_ends_is_not_also_a
     assert sorted(ids) == [(i, 200) for i in range(4)]
 
 
+async def test_a_drain_answers_messages_read_but_not_started_with_503():
+    """Messages the server had read when a drain began, but not started (it waited
+    at the in-flight bound), got no answer at all before the close (1001): on a
+    stream each id gets one answer. They get a 503 frame at once, ahead of the
+    requests in flight, which finish."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    gate = Gate()
+    cfg = config(held_model(gate, max_batch_size=8), server={"stream_in_flight": 2})
+    async with serving(cfg) as gw:
+        sock = await trio.open_tcp_stream(*gw.addresses[0])
+        # One write: the server reads all six with the handshake.
+        frames = [_infer_frame(i, (1.0,), model="held") for i in range(6)]
+        await sock.send_all(_HANDSHAKE + b"".join(frames))
+        await trio.to_thread.run_sync(gate.holding.wait)
+        await settle()
+        assert gw.stream_in_flight_peak == 2
+        answers: list[tuple[object, int, str | None]] = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gw.drain, 30)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += await sock.receive_some(65536)
+                ws = _raw_ws()
+                ws.receive_data(data.partition(b"\r\n\r\n")[2])
+                closed = None
+                while closed is None:
+                    for event in ws.events():
+                        if isinstance(event, TextMessage):
+                            doc = json.loads(event.data)
+                            answers.append((doc["id"], doc.get("status", 200),
+                                            doc.get("error")))
+                            if len(answers) == 4:  # the 503s come first: run the rest
+                                gate.release()
+                        elif isinstance(event, CloseConnection):
+                            closed = event
+                            await sock.send_all(ws.send(event.response()))
+                    if closed is None:
+                        ws.receive_data(await sock.receive_some(65536) or None)
+        await sock.aclose()
+    assert closed.code == 1001
+    assert answers[:4] == [
+        (i, 503, "the server is shutting down; request not run") for i in range(2, 6)]
+    assert sorted(answers[4:]) == [(0, 200, None), (1, 200, None)]
+
+
 class _CutOnce(trio.abc.HalfCloseableStream):
     """A socket whose first write sends 10 bytes, then blocks until cancelled; later
     writes send everything."""

@@ -266,6 +266,10 @@ class _Session:
         self._watch: HangupWatch | None = None
         #: the hang-up watch found the client gone while the loop was not reading
         self._gone = False
+        #: messages read but not started when a drain stopped the read loop
+        self._unstarted: list[str | bytes] = []
+        #: the answer to a close frame found among them (the client is leaving)
+        self._close_answer: bytes | None = None
 
     async def run(self) -> None:
         reading = trio.CancelScope()
@@ -300,6 +304,8 @@ class _Session:
                 self.stream.on_sent = self._room.unpark  # answers left: bytes freed
                 with reading:
                     peer_closed = await self._read(requests)
+                if self._unstarted or self._close_answer is not None:
+                    await self._refuse_unstarted()
                 if peer_closed or self._gone or self._closing is not None:
                     # The client is gone or closing, or the connection failed: withdraw
                     # what is in flight (no answer may follow a close frame).
@@ -403,52 +409,63 @@ class _Session:
                 pinged = False
                 quiet_at = trio.current_time() + ping_every
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
-            for event in ws.events():
-                kind = type(event)
-                if kind is TextMessage or kind is BytesMessage:
-                    n = len(event.data)
-                    if kind is TextMessage and size + 4 * n > limit:
-                        n = len(event.data.encode())  # UTF-8 bytes, not characters
-                    size += n
-                    if size > limit:
-                        self._closing = (1009, f"message over {limit} bytes")
-                        return False
-                    message: str | bytes = event.data
-                    if partial is not None or not event.message_finished:
-                        if partial is None:
-                            partial = bytearray()
-                        partial += message.encode() if isinstance(message, str) else message
-                        if not event.message_finished:
-                            continue
-                        message = bytes(partial)
-                        partial = None
-                    n, size = size, 0
-                    if self.in_flight >= bound or self._over_budget(n):
-                        await self._wait_for_room(n)
-                        deadline = math.inf  # the server did not read: count afresh
-                        if ping_every != math.inf:
-                            quiet_at = trio.current_time() + ping_every
-                    self.in_flight += 1
-                    self.in_flight_bytes += n
-                    if self.in_flight > gateway.stream_in_flight_peak:
-                        gateway.stream_in_flight_peak = self.in_flight
-                    held = self.in_flight_bytes + stream.unsent
-                    if held > gateway.stream_in_flight_bytes_peak:
-                        gateway.stream_in_flight_bytes_peak = held
-                    requests.start_soon(self._one, message, n)
-                elif kind is Ping:
-                    await self._send(ws.send(event.response()))
-                elif kind is CloseConnection:
-                    if ws.state is ConnectionState.REMOTE_CLOSING:
+            events = ws.events()
+            waiting: str | bytes | None = None  # a message read, waiting for room
+            try:
+                for event in events:
+                    kind = type(event)
+                    if kind is TextMessage or kind is BytesMessage:
+                        n = len(event.data)
+                        if kind is TextMessage and size + 4 * n > limit:
+                            n = len(event.data.encode())  # UTF-8 bytes, not characters
+                        size += n
+                        if size > limit:
+                            self._closing = (1009, f"message over {limit} bytes")
+                            return False
+                        message: str | bytes = event.data
+                        if partial is not None or not event.message_finished:
+                            if partial is None:
+                                partial = bytearray()
+                            partial += message.encode() if isinstance(message, str) else message
+                            if not event.message_finished:
+                                continue
+                            message = bytes(partial)
+                            partial = None
+                        n, size = size, 0
+                        if self.in_flight >= bound or self._over_budget(n):
+                            waiting = message
+                            await self._wait_for_room(n)
+                            waiting = None
+                            deadline = math.inf  # the server did not read: count afresh
+                            if ping_every != math.inf:
+                                quiet_at = trio.current_time() + ping_every
+                        self.in_flight += 1
+                        self.in_flight_bytes += n
+                        if self.in_flight > gateway.stream_in_flight_peak:
+                            gateway.stream_in_flight_peak = self.in_flight
+                        held = self.in_flight_bytes + stream.unsent
+                        if held > gateway.stream_in_flight_bytes_peak:
+                            gateway.stream_in_flight_bytes_peak = held
+                        requests.start_soon(self._one, message, n)
+                    elif kind is Ping:
                         await self._send(ws.send(event.response()))
+                    elif kind is CloseConnection:
+                        if ws.state is ConnectionState.REMOTE_CLOSING:
+                            await self._send(ws.send(event.response()))
+                            return True
+                        if ws.state is ConnectionState.OPEN:
+                            # wsproto found a protocol error (bad framing, text that is
+                            # not UTF-8): fail with its code (1002, 1007), not 1000.
+                            self._closing = (event.code, event.reason or "")
+                            return False
                         return True
-                    if ws.state is ConnectionState.OPEN:
-                        # wsproto found a protocol error (bad framing, text that is
-                        # not UTF-8): fail with its code (1002, 1007), not 1000.
-                        self._closing = (event.code, event.reason or "")
-                        return False
-                    return True
-                # Pong: nothing to do.
+                    # Pong: nothing to do.
+            except trio.Cancelled:
+                # A drain stopped the loop: the messages read and not started get
+                # their 503 (see _refuse_unstarted), as those it cancels do.
+                if gateway.draining and not self._gone:
+                    self._unread_rest(waiting, events, partial)
+                raise
             if frames is not None and size + _unread(frames, texts) > limit:
                 self._closing = (1009, f"message over {limit} bytes")
                 return False
@@ -456,6 +473,52 @@ class _Session:
                 deadline = math.inf
             elif deadline == math.inf:
                 deadline = trio.current_time() + patience
+
+    def _unread_rest(self, waiting: str | bytes | None, events: Any,
+                     partial: bytearray | None) -> None:
+        """A drain stopped the read loop with ``waiting`` (a message read, waiting for
+        room) or None, the rest of the read's ``events`` not handled and ``partial``
+        the message being gathered: keep the whole messages for
+        :meth:`_refuse_unstarted`; a close frame among them (the client is leaving)
+        is answered there, and its messages, as at any close, withdrawn."""
+        found = [] if waiting is None else [waiting]
+        for event in events:
+            kind = type(event)
+            if kind is CloseConnection:
+                if self.ws.state is ConnectionState.REMOTE_CLOSING:
+                    self._close_answer = self.ws.send(event.response())
+                self._gone = True
+                return
+            if kind is not TextMessage and kind is not BytesMessage:
+                continue
+            data = event.data
+            if partial is None and event.message_finished:
+                found.append(data)
+                continue
+            if partial is None:
+                partial = bytearray()
+            partial += data.encode() if isinstance(data, str) else data
+            if event.message_finished:
+                found.append(bytes(partial))
+                partial = None
+        self._unstarted = found
+
+    async def _refuse_unstarted(self) -> None:
+        """Answer each message a drain left read but not started with a 503 frame
+        (its id as read, null when it has none): it was not run."""
+        unstarted, self._unstarted = self._unstarted, []
+        if self._close_answer is not None:
+            await self._send(self._close_answer)
+            return
+        for message in unstarted:
+            try:
+                doc = loads_request(message)
+            except Exception:  # not JSON: its id is null, as its 400 would say
+                doc = None
+            frame = {"id": doc.get("id") if type(doc) is dict else None,
+                     "error": "the server is shutting down; request not run",
+                     "status": 503, "retry_after": 1}
+            await self._send(self.ws.send(TextMessage(data=orjson.dumps(frame).decode())))
 
     async def _send(self, data: bytes) -> None:
         try:
