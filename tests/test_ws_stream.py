@@ -346,3 +346,11 @@ async def test_an_echoed_id_that_is_a_list_or_object_reaches_receive():
                 assert (refused.id, refused.status) == (rid, 400)
             gate.release()
         assert held["y"].tolist() == [1]
+
+
+@pytest.mark.parametrize("bound", [0, -1, 1.5])
+async def test_a_max_in_flight_under_one_is_refused_before_connecting(bound):
+    """0 opened a stream on which every send waited for ever (no slot)."""
+    with pytest.raises(ValueError, match="max_in_flight must be an integer of at least 1"):
+        async with open_stream("http://127.0.0.1:9", max_in_flight=bound):
+            pass

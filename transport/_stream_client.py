@@ -139,6 +139,7 @@ class StreamClient:
     """
 
     def __init__(self, ws: Any, max_in_flight: int) -> None:
+        _check_max_in_flight(max_in_flight)
         self.ws = ws
         # Unbuffered: a message handed over is one the writer has taken.
         self._to_writer, self._outgoing = trio.open_memory_channel[_Outgoing](0)
@@ -275,6 +276,13 @@ class StreamClient:
                 waiter.event.set()
 
 
+def _check_max_in_flight(max_in_flight: int) -> None:
+    # 0 made every send wait for ever (no slot), a negative number a Semaphore error
+    if type(max_in_flight) is not int or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be an integer of at least 1, "
+                         f"got {max_in_flight!r}")
+
+
 def stream_url(url: str) -> str:
     """The ``ws://`` URL of ``/v2/stream`` for a server URL (``http://host:port``)."""
     parts = urlsplit(url)
@@ -298,6 +306,7 @@ async def open_stream(
     Raises trio_websocket.ConnectionRejected (status 401) for a refused API key and
     trio_websocket.ConnectionTimeout when the handshake takes over ``connect_timeout``.
     """
+    _check_max_in_flight(max_in_flight)
     headers = [(b"authorization", b"Bearer " + api_key.encode())] if api_key else None
     try:
         async with trio.open_nursery() as nursery:
