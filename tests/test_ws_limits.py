@@ -252,6 +252,36 @@ async def test_at_the_byte_budget_the_server_stops_reading_until_requests_end():
         gate.release()
 
 
+async def test_the_byte_budget_counts_a_text_messages_utf_8_bytes_not_characters():
+    """A text message's size was its length in characters: messages of 4-byte
+    characters held four times the budget."""
+    from wsproto.events import TextMessage
+
+    gate = Gate()
+    texts = [json.dumps({"id": "\U0001F600" * 3000 + str(i), "model": "held", "inputs": [
+        {"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}, ensure_ascii=False)
+        for i in range(4)]
+    size = len(texts[0].encode())  # ~12 KB, ~3,100 characters
+    budget = 2 * size  # two messages fit, not three
+    cfg = config(held_model(gate, max_batch_size=1), server={"stream_in_flight_bytes": budget})
+    try:
+        async with serving(cfg) as gw:
+            sock, ws = await _raw_handshake(gw)
+            await sock.send_all(b"".join(ws.send(TextMessage(data=t)) for t in texts))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            stats = gw.statistics()
+            assert stats.stream_in_flight_peak == 2
+            assert stats.stream_in_flight_bytes_peak == 2 * size
+            gate.release()
+            answers = await _answers(sock, ws, 4)
+            assert len(answers) == 4
+            assert gw.statistics().stream_in_flight_bytes_peak <= budget
+            await sock.aclose()
+    finally:
+        gate.release()
+
+
 async def test_answers_not_yet_written_count_in_the_byte_budget():
     """A client that does not read: once the answers waiting for it hold the budget
     the server reads no more (no request in flight); it reads again as the client

@@ -416,8 +416,9 @@ class _Session:
                     kind = type(event)
                     if kind is TextMessage or kind is BytesMessage:
                         n = len(event.data)
-                        if kind is TextMessage and size + 4 * n > limit:
-                            n = len(event.data.encode())  # UTF-8 bytes, not characters
+                        if kind is TextMessage and not event.data.isascii():  # O(1)
+                            # UTF-8 bytes, not characters: the limit and the budget
+                            n = len(event.data.encode())
                         size += n
                         if size > limit:
                             self._closing = (1009, f"message over {limit} bytes")
