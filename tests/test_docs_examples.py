@@ -505,3 +505,73 @@ async def test_curl_lines_are_answered_by_the_server_make_serve_runs(client):
                 await http.aclose()
             assert answer.status == 200, (where, answer.body[:300])
             assert answer.json()["outputs"], where
+
+
+# ---------------------------------------------------------------- claims the pages make
+def test_the_error_table_gives_each_errors_http_status():
+    """docs/embedding.md's Errors table: each error derives from TrioserveError and
+    is answered over HTTP with the status the table gives (— : never an answer)."""
+    text = (ROOT / "docs" / "embedding.md").read_text()
+    table = text[text.index("| error | meaning | HTTP |") :].split("\n\n")[0]
+    rows = re.findall(r"^\| (`.+?`) \|.*\| ([^|]+) \|$", table, re.MULTILINE)
+    assert len(rows) >= 10
+    for names, statuses in rows:
+        errors = re.findall(r"`(\w+)`", names)
+        codes = [s.strip() for s in statuses.split("/")]
+        for name, code in zip(errors, codes * len(errors) if len(codes) == 1 else codes,
+                              strict=True):
+            error = getattr(trioserve, name)
+            assert issubclass(error, trioserve.TrioserveError), name
+            if code != "—":
+                assert error.status == int(code), (name, code)
+
+
+def _documented_metrics() -> set[str]:
+    """The metric names the pages give (``trioserve_cache_{hits,misses}_total``
+    expanded, a label set ``{model}`` dropped; ``trioserve_flow_*`` kept as it is)."""
+    names = set()
+    for page in PAGES:
+        for name in re.findall(r"\btrioserve_[\w{},*]+", page.read_text()):
+            name = re.sub(r"(?<=[^_])\{.*", "", name)  # labels
+            if braces := re.fullmatch(r"(\w*_)\{([\w,]+)\}(\w*)", name):
+                names |= {braces[1] + part + braces[3] for part in braces[2].split(",")}
+            else:
+                names.add(name.rstrip(",").removesuffix("_"))
+    return names
+
+
+async def test_every_metric_the_docs_name_is_on_metrics_and_back():
+    """Each ``trioserve_*`` name the pages give is a series of ``/metrics`` (a
+    histogram's ``_bucket`` / ``_count`` / ``_sum`` its own), and each series
+    ``/metrics`` has is named on some page, with every feature that adds series on."""
+    from trioserve.transport import open_gateway
+    from trioserve.transport._client import HttpClient
+
+    config = trioserve.Config(
+        models=[trioserve.ModelConfig(name="echo", backend="echo", slo_ms=50.0)],
+        tenants=[trioserve.TenantConfig(name="t", default=True, credit_rate=100.0)],
+        cache=trioserve.CacheConfig(capacity_bytes=1 << 20),
+    )
+    async with (
+        trioserve.open_runtime(config) as rt,
+        open_gateway(rt, host="127.0.0.1", port=0) as gw,
+    ):
+        await rt.infer("echo", {"x": np.zeros(3, np.float32)})
+        http = HttpClient(gw.url)
+        try:
+            answer = await http.get("/metrics")
+        finally:
+            await http.aclose()
+    assert answer.status == 200
+    text = answer.body.decode()
+    exposed = set(re.findall(r"^(trioserve_\w+)", text, re.MULTILINE))
+    exposed |= set(re.findall(r"^# TYPE (trioserve_\w+)", text, re.MULTILINE))
+    documented = _documented_metrics()
+    prefixes = tuple(n.removesuffix("*") for n in documented if n.endswith("*"))
+    for name in documented:
+        if not name.endswith("*"):
+            assert name in exposed or re.sub(r"_(bucket|count|sum)$", "", name) in exposed, name
+    for series in exposed:
+        base = re.sub(r"_(bucket|count|sum)$", "", series)
+        assert series in documented or base in documented or series.startswith(prefixes), series
+    assert len(documented) > 20
