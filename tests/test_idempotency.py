@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import orjson
+import pytest
 import trio
 import trioserve
 from http_helpers import Gate, config, echo_model, held_model, serving, v2_input
@@ -252,3 +253,47 @@ async def test_every_answer_is_counted_in_trioserve_requests_replays_and_refusal
         ("-", "-", 401): 1, ("-", "t", 404): 2,
     }
     assert sum(counts.values()) == len(statuses)
+
+
+TWO_KEYS = "more than one Idempotency-Key header: send one key"
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["llhttp", "h11"])
+async def test_two_idempotency_key_lines_are_400(close):
+    """Two Idempotency-Key field lines: the last was taken, so a proxy that keyed its
+    own retries on the first and the server disagreed on which request this repeats.
+    A singleton field sent twice is refused (400), whichever keys they hold, as two
+    Authorization or Inference-Header-Content-Length lines are; nothing runs or is
+    kept, and the answer is counted."""
+    extra = [("connection", "close")] if close else []
+    async with serving(config(echo_model())) as gw:
+        for keys in (("k1", "k2"), ("k1", "k1")):
+            async with open_http(gw.url) as http:
+                res = await http.request(
+                    "POST", "/v2/models/echo/infer", body(1),
+                    headers=[("idempotency-key", k) for k in keys] + extra,
+                )
+            assert res.status == 400, (keys, res.body)
+            assert res.json() == {"error": TWO_KEYS}
+        once = await post(gw, "echo", body(1), key="k2")  # k2 was not taken
+        items = gw.runtime.models["echo"].metrics.items
+        counts = dict(gw.requests)
+    assert once.status == 200
+    assert "idempotent-replayed" not in once.headers
+    assert items == 1
+    assert counts == {("echo", "t", 400): 2, ("echo", "t", 200): 1}
+
+
+async def test_two_idempotency_key_lines_are_400_on_the_control_plane_route_and_in_process():
+    async with serving(config(echo_model())) as gw:
+        client = gw.app.test_client()
+        res = await client.post(
+            "/v2/models/echo/infer", data=body(1),
+            headers=[("Idempotency-Key", "k1"), ("Idempotency-Key", "k2")],
+        )
+        assert res.status_code == 400
+        assert orjson.loads(await res.get_data()) == {"error": TWO_KEYS}
+        answer = await gw.infer("echo", None, body(1), idempotency_key=(b"k1", b"k2"))
+        assert answer[0] == 400
+        assert orjson.loads(answer[2]) == {"error": TWO_KEYS}
+        assert len(gw.idempotency) == 0

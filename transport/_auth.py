@@ -101,11 +101,13 @@ def bearer_key(authorization: bytes | str | tuple[bytes | str, ...] | None) -> b
     return key
 
 
-def another_field_line(authorization: Any, value: bytes | str) -> Any:
-    """What the header loops keep for Authorization after a field line of ``value``:
-    the value, or after an earlier one, a tuple of them (refused by ``tenant``)."""
-    if authorization is None:
+def another_field_line(field: Any, value: bytes | str) -> Any:
+    """What the header loops keep for a singleton field (Authorization,
+    Idempotency-Key) after a field line of ``value``: the value, or after an earlier
+    one, a tuple of them (refused: by ``tenant`` for Authorization, by
+    ``Gateway.infer`` for Idempotency-Key)."""
+    if field is None:
         return value
-    if type(authorization) is tuple:
-        return (*authorization, value)
-    return (authorization, value)
+    if type(field) is tuple:
+        return (*field, value)
+    return (field, value)

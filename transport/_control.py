@@ -104,7 +104,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
         if guard.open or (request.endpoint, request.method) in unguarded:
             return None
         try:
-            guard.check(_authorization(request.headers.getlist("Authorization")))
+            guard.check(_field_lines(request.headers.getlist("Authorization")))
         except TrioserveError as exc:
             return answer(error_answer(exc))
         return None
@@ -222,11 +222,11 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 name,
                 version,
                 body,
-                authorization=_authorization(request.headers.getlist("Authorization")),
+                authorization=_field_lines(request.headers.getlist("Authorization")),
                 header_length=", ".join(
                     request.headers.getlist("Inference-Header-Content-Length")
                 ) or None,
-                idempotency_key=request.headers.get("Idempotency-Key"),
+                idempotency_key=_field_lines(request.headers.getlist("Idempotency-Key")),
                 content_encoding=request.headers.get("Content-Encoding"),
             )
         )
@@ -254,13 +254,14 @@ def control_app(gateway: Gateway) -> QuartTrio:
     return app
 
 
-def _authorization(values: list[str]) -> Any:
-    """The Authorization values of a request as ``Gateway.infer`` takes them: None,
-    the one value, or a tuple of several (refused)."""
-    auth: Any = None
+def _field_lines(values: list[str]) -> Any:
+    """A singleton field's values (Authorization, Idempotency-Key) as
+    ``Gateway.infer`` takes them: None, the one value, or a tuple of several
+    (refused)."""
+    field: Any = None
     for value in values:
-        auth = another_field_line(auth, value)
-    return auth
+        field = another_field_line(field, value)
+    return field
 
 
 def _quote(name: str) -> bytes:

@@ -335,7 +335,7 @@ class Gateway:
         *,
         authorization: bytes | str | None = None,
         header_length: bytes | str | None = None,
-        idempotency_key: bytes | str | None = None,
+        idempotency_key: bytes | str | tuple[bytes | str, ...] | None = None,
         content_encoding: bytes | str | None = None,
         accept_encoding: bytes | None = None,
     ) -> Answer:
@@ -344,7 +344,9 @@ class Gateway:
         Never raises for bad input: every failure is an error answer with its status.
         A checkpoint. Cancelling it withdraws the request's items not yet dispatched.
         With ``idempotency_key``, a repeat of the same request by the same tenant gets
-        the first answer (see :mod:`._idempotency`). A body sent with
+        the first answer (see :mod:`._idempotency`); a tuple (several Idempotency-Key
+        field lines) is 400, as a proxy and the server could take different ones. A
+        body sent with
         ``Content-Encoding`` gzip or deflate (as ``tritonclient`` compresses requests)
         is decompressed first, within ``server.max_body_bytes`` (413 past it); any
         other coding is 415. With ``accept_encoding`` (the request's Accept-Encoding)
@@ -357,6 +359,14 @@ class Gateway:
         except TrioserveError as exc:
             answer = error_answer(exc)
             self.requests[(label, ANONYMOUS, answer[0])] += 1
+            return answer
+        if type(idempotency_key) is tuple:
+            # a singleton field, as Authorization: a proxy keying its retries on one
+            # line and the server on another would disagree on what is a repeat
+            answer = error_answer(
+                InvalidInput("more than one Idempotency-Key header: send one key")
+            )
+            self.requests[(label, tenant, answer[0])] += 1
             return answer
         if content_encoding:
             # Only for a known tenant (a few KiB may inflate to the body limit), and

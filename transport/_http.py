@@ -282,7 +282,7 @@ class _Connection:
                         # two lines are one list (RFC 9110 5.3), refused as not digits
                         hlen = value if hlen is None else hlen + b", " + value
                     elif name == b"idempotency-key":
-                        idem = value
+                        idem = value if idem is None else another_field_line(idem, value)
                     elif name == b"content-encoding":
                         encoding = value
                     elif name == b"accept-encoding":
