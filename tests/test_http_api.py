@@ -391,7 +391,7 @@ async def test_a_bad_classification_count_is_400(mlp_server, bad):
     assert res.status == 400
     assert res.json()["error"] == (
         f"output 'y': parameters.classification must be a count of classes, 1 to 65536, "
-        f"got {bad!r}"
+        f"got {orjson.dumps(bad).decode()}"  # as JSON writes it: "3", true
     )
 
 
@@ -408,7 +408,7 @@ async def test_ambiguous_output_and_input_requests_are_400_on_a_kept_connection(
         ({"inputs": [v2_input(x)], "outputs": [{"name": "y", "parameters": {"binary_data": 1}}]},
          None, "output 'y': parameters.binary_data must be true or false, got 1"),
         ({"inputs": [v2_input(x)], "parameters": {"binary_data_output": "yes"}}, None,
-         "parameters.binary_data_output must be true or false, got 'yes'"),
+         'parameters.binary_data_output must be true or false, got "yes"'),
         (head + x.tobytes(), len(head),
          "input 'x': both 'data' and parameters.binary_data_size are given; "
          "send the tensor one way"),

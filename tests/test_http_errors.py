@@ -145,7 +145,7 @@ async def test_bad_binary_data_is_400(server):
     (-8, "parameters.binary_data_size must be a count of bytes (an integer, 0 or more), "
          "got -8"),
     ("8", "parameters.binary_data_size must be a count of bytes (an integer, 0 or more), "
-          "got '8'"),
+          'got "8"'),
     (8.0, "parameters.binary_data_size must be a count of bytes (an integer, 0 or more), "
           "got 8.0"),
 ])

@@ -89,7 +89,7 @@ async def test_the_class_comes_from_parameters(gw, params, cls):
         ({"class": "batch", "priority": "realtime"}, "disagree"),
         (
             {"class": "batch", "priority": 1},
-            "parameters.class 'batch' and parameters.priority '1' (class 'realtime') "
+            'parameters.class "batch" and parameters.priority 1 (class \'realtime\') '
             "disagree; send one of them",
         ),
         ({"class": "realtime", "priority": "2"}, "(class 'batch') disagree"),
@@ -139,7 +139,7 @@ async def test_tritons_timeout_0_is_no_timeout_of_the_requests_own(gw):
         refused = await post(gw, "key-a", timeout=timeout)
         assert refused.status == 400
         assert refused.json()["error"] == (
-            f"parameters.timeout must be a positive number, got {timeout!r}"
+            f"parameters.timeout must be a positive number, got {orjson.dumps(timeout).decode()}"
         )
 
 

@@ -241,13 +241,14 @@ def test_binary_data_parameters_must_be_booleans(value):
     x = {"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}
     with pytest.raises(InvalidInput) as info:
         parse({"inputs": [x], "outputs": [{"name": "y", "parameters": {"binary_data": value}}]})
+    sent = orjson.dumps(value).decode()  # echoed as JSON writes it: "yes", null
     assert str(info.value) == (
-        f"output 'y': parameters.binary_data must be true or false, got {value!r}"
+        f"output 'y': parameters.binary_data must be true or false, got {sent}"
     )
     with pytest.raises(InvalidInput) as info:
         parse({"inputs": [x], "parameters": {"binary_data_output": value}})
     assert str(info.value) == (
-        f"parameters.binary_data_output must be true or false, got {value!r}"
+        f"parameters.binary_data_output must be true or false, got {sent}"
     )
     req = parse({"inputs": [x], "parameters": {"binary_data_output": True},
                  "outputs": [{"name": "y", "parameters": {"binary_data": False}}]})
@@ -269,14 +270,16 @@ def test_an_input_with_both_data_and_binary_data_is_refused():
     )
 
 
-@pytest.mark.parametrize("rid", [1.5, [1], {"a": 1}, True])
-def test_an_id_that_is_not_a_string_or_an_integer_says_what_is_taken(rid):
+@pytest.mark.parametrize(
+    ("rid", "sent"), [(1.5, "1.5"), ([1], "[1]"), ({"a": 1}, '{"a": 1}'), (True, "true")]
+)
+def test_an_id_that_is_not_a_string_or_an_integer_says_what_is_taken(rid, sent):
     """An integer id is taken and echoed; the refusal said "must be a string"."""
     x = {"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}
     assert parse({"inputs": [x], "id": 7}).id == 7
     with pytest.raises(InvalidInput) as info:
         parse({"inputs": [x], "id": rid})
-    assert str(info.value) == f"'id' must be a string or an integer, got {rid!r}"
+    assert str(info.value) == f"'id' must be a string or an integer, got {sent}"
 
 
 def test_an_empty_id_is_left_out_of_the_answer_as_triton_does():
@@ -373,3 +376,65 @@ def test_sequence_and_unknown_parameters_are_ignored_as_triton_does_without_a_se
         assert (req.id, req.outputs, req.priority, req.timeout, req.count) == (
             plain.id, plain.outputs, plain.priority, plain.timeout, plain.count
         )
+
+
+_X = '{"name": "x", "shape": [4], "datatype": "FP32", "data": [0, 0, 0, 0]}'
+_BIG = "99999999999999999999"  # past 64 bits: the JSON parser reads it as 1e20
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('{"inputs": [X], "id": null, "parameters": {"binary_data_output": null}}',
+         "parameters.binary_data_output must be true or false, got null"),
+        ('{"inputs": [X], "parameters": {"timeout_ms": true}}',
+         "parameters.timeout_ms must be a positive number, got true"),
+        ('{"inputs": [X], "parameters": {"timeout_ms": NaN}}',
+         "parameters.timeout_ms must be a positive number, got NaN"),
+        ('{"inputs": [X], "parameters": {"timeout": -Infinity}}',
+         "parameters.timeout must be a positive number, got -Infinity"),
+        ('{"inputs": [X], "parameters": {"priority": -BIG}}',
+         "parameters.priority must be a class name or a level >= 0, got -BIG"),
+        ('{"inputs": [X], "parameters": {"class": "batch", "priority": 1}}',
+         'parameters.class "batch" and parameters.priority 1 (class \'realtime\') '
+         "disagree; send one of them"),
+        ('{"inputs": [X], "id": BIG}', "'id' must be a string or an integer, got BIG"),
+        ('{"inputs": [X], "id": 1.5}', "'id' must be a string or an integer, got 1.5"),
+        ('{"inputs": [X], "id": {"a": [1, false]}}',
+         "'id' must be a string or an integer, got {\"a\": [1, false]}"),
+        ('{"inputs": [X], "outputs": [{"name": "y", "parameters": {"binary_data": "abc"}}]}',
+         'output \'y\': parameters.binary_data must be true or false, got "abc"'),
+        ('{"inputs": [X], "outputs": [{"name": "y", "parameters": {"classification": BIG}}]}',
+         "output 'y': parameters.classification must be a count of classes, 1 to 65536, "
+         "got BIG"),
+        ('{"inputs": [{"name": "x", "shape": "4", "datatype": "FP32", "data": [0]}]}',
+         "input 'x': 'shape' must be a list of integers, got \"4\""),
+        ('{"inputs": [{"name": "x", "shape": [null], "datatype": "FP32", "data": [0]}]}',
+         "input 'x': 'shape' must be a list of non-negative integers, got [null]"),
+        ('{"inputs": [{"name": "x", "shape": [4], "datatype": null, "data": [0]}]}',
+         "input 'x': datatype null is not one of "),
+        ('{"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", '
+         '"parameters": {"binary_data_size": BIG}}]}',
+         "input 'x': parameters.binary_data_size must be a count of bytes "
+         "(an integer, 0 or more), got BIG"),
+        # a string with quotes and a backslash is escaped as JSON writes it; a long
+        # one is cut
+        ('{"inputs": [X], "id": ["say \\"hi\\" \\\\", 1]}',
+         "'id' must be a string or an integer, got [\"say \\\"hi\\\" \\\\\", 1]"),
+        ('{"inputs": [X], "parameters": {"class": "' + "c" * 500 + '", "priority": 9.5}}',
+         "parameters.priority must be a class name or a level >= 0, got 9.5"),
+        ('{"inputs": [X], "parameters": {"timeout_ms": "' + "t" * 500 + '"}}',
+         'parameters.timeout_ms must be a positive number, got "' + "t" * 79 + "..."),
+    ],
+)
+def test_refusals_echo_json_values_as_json_writes_them(body, message):
+    """The values a refusal echoes were written as Python writes them: None, True,
+    'abc', 1e+20 for an integer sent as 99999999999999999999. A JSON client sent
+    null, true, "abc" and the integer's digits, and reads them back so."""
+    raw = body.replace("X", _X).replace("BIG", _BIG).encode()
+    with pytest.raises(InvalidInput) as info:
+        InferRequest.from_v2_json(raw, VEC, classes=("realtime", "batch"))
+    expected = message.replace("BIG", _BIG)
+    assert str(info.value).startswith(expected), str(info.value)
+    if not expected.endswith(" "):
+        assert str(info.value) == expected

@@ -21,7 +21,7 @@ from trioserve import InvalidInput, TensorSpec
 from ._request_json import loads_request
 from ._signature import ModelSignature
 from ._tensors import _decode_tensor, _may_hold_bool, _no_shared_memory
-from ._v2 import DTYPES, datatype_of, json_data
+from ._v2 import DTYPES, datatype_of, json_data, shown
 
 #: The most classes an output may be asked for (the classification extension).
 MAX_CLASSES = 65_536
@@ -121,7 +121,7 @@ class InferRequest:
                 if data is not None and type(data) is not np.ndarray:
                     bools = _may_hold_bool(body)
             arr, offset, spec_rank = _decode_tensor(
-                t, signature, binary, offset, True if bools is None else bools
+                t, signature, binary, offset, True if bools is None else bools, body
             )
             n = arr.shape[0] if arr.ndim == spec_rank + 1 else -1
             if batch is None:
@@ -156,18 +156,21 @@ class InferRequest:
             binary_all = params.get("binary_data_output", False)
             if type(binary_all) is not bool:
                 raise InvalidInput(
-                    f"parameters.binary_data_output must be true or false, got {binary_all!r}"
+                    "parameters.binary_data_output must be true or false, "
+                    f"got {shown(binary_all, body)}"
                 )
-            priority, timeout = _classify(params, classes)
+            priority, timeout = _classify(params, classes, body)
         else:
             binary_all, priority, timeout = False, None, None
         outputs = None
         requested = doc.get("outputs")
         if requested is not None and requested != []:  # none named: all (as Triton)
-            outputs = _requested_outputs(requested, signature, binary_all)
+            outputs = _requested_outputs(requested, signature, binary_all, body)
         rid = doc.get("id")
         if rid is not None and type(rid) not in (str, int):
-            raise InvalidInput(f"'id' must be a string or an integer, got {rid!r}")
+            raise InvalidInput(
+                f"'id' must be a string or an integer, got {shown(rid, body)}"
+            )
         return cls(
             model=name,
             version=version,
@@ -188,8 +191,9 @@ def _batch_text(n: int) -> str:
 
 
 def _requested_outputs(
-    requested: Any, signature: ModelSignature, binary_all: bool
+    requested: Any, signature: ModelSignature, binary_all: bool, text: bytes | str = b""
 ) -> tuple[tuple[str, bool, int], ...]:
+    """The outputs asked for; ``text`` is the request's JSON (for messages)."""
     if type(requested) is not list:
         raise InvalidInput("'outputs' must be a list of {name} objects")
     known = {s.name for s in signature.outputs}
@@ -224,20 +228,20 @@ def _requested_outputs(
             if type(binary) is not bool:
                 raise InvalidInput(
                     f"output {name!r}: parameters.binary_data must be true or false, "
-                    f"got {binary!r}"
+                    f"got {shown(binary, text)}"
                 )
             classes = params.get("classification", 0)
             if type(classes) is not int or not 0 <= classes <= MAX_CLASSES:
                 raise InvalidInput(
                     f"output {name!r}: parameters.classification must be a count of "
-                    f"classes, 1 to {MAX_CLASSES}, got {classes!r}"
+                    f"classes, 1 to {MAX_CLASSES}, got {shown(classes, text)}"
                 )
         out.append((name, binary, classes))
     return tuple(out)
 
 
 def _classify(
-    params: dict[str, Any], classes: Sequence[str] | None = None
+    params: dict[str, Any], classes: Sequence[str] | None = None, text: bytes | str = b""
 ) -> tuple[str | None, float | None]:
     """The request class and the timeout (seconds) of ``parameters``.
 
@@ -249,24 +253,28 @@ def _classify(
     ``timeout_ms`` is ours; ``timeout`` (microseconds) is what Triton clients send,
     where 0 means no timeout of the request's own, as in Triton. A ``tenant``
     parameter is ignored: over HTTP the tenant is the API key's, never the body's.
+    ``text`` is the request's JSON, for the messages.
     """
-    priority = params.get("priority")
+    priority = sent = params.get("priority")
     if priority is not None:
         if type(priority) is int and priority >= 0:
             priority = str(priority)
         elif type(priority) is not str or not priority:
             raise InvalidInput(
-                f"parameters.priority must be a class name or a level >= 0, got {priority!r}"
+                "parameters.priority must be a class name or a level >= 0, "
+                f"got {shown(priority, text)}"
             )
     cls = params.get("class")
     if cls is not None:
         if type(cls) is not str or not cls:
-            raise InvalidInput(f"parameters.class must be a class name, got {cls!r}")
+            raise InvalidInput(
+                f"parameters.class must be a class name, got {shown(cls, text)}"
+            )
         if priority is not None and priority != cls:
             named = _class_of_level(priority, classes)
             if named is not None and named != cls:
                 raise InvalidInput(
-                    f"parameters.class {cls!r} and parameters.priority {priority!r}"
+                    f"parameters.class {shown(cls)} and parameters.priority {shown(sent)}"
                     + ("" if named == priority else f" (class {named!r})")
                     + " disagree; send one of them"
                 )
@@ -287,7 +295,9 @@ def _classify(
                     timeout = math.inf
                 if math.isfinite(timeout):
                     break
-        raise InvalidInput(f"parameters.{key} must be a positive number, got {v!r}")
+        raise InvalidInput(
+            f"parameters.{key} must be a positive number, got {shown(v, text)}"
+        )
     return priority, timeout
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from trioserve import InvalidInput, TensorSpec
 
 from ._signature import ModelSignature
-from ._v2 import _LEN, DTYPES
+from ._v2 import _LEN, DTYPES, shown
 
 # numpy kinds a JSON list may decode to, per target kind (ints are fine as floats).
 _JSON_KINDS = {"b": "b", "u": "iu", "i": "iu", "f": "iuf"}
@@ -34,10 +34,12 @@ def _decode_tensor(
     binary: Any,
     offset: int,
     bools: bool = True,
+    text: bytes | str = b"",
 ) -> tuple[np.ndarray, int, int]:
     """One input tensor as an array of its declared shape; returns (array, new binary
     offset, rank of one item). ``bools``: whether the JSON may hold a boolean (False
-    only when :func:`_may_hold_bool` found none)."""
+    only when :func:`_may_hold_bool` found none); ``text``: the request's JSON, for
+    the messages."""
     name = t.get("name")
     datatype = t.get("datatype")
     shape = t.get("shape")
@@ -46,12 +48,15 @@ def _decode_tensor(
     if spec is None or dtype is None or (datatype != spec.datatype and not signature.open_inputs):
         _check_name_and_datatype(signature, name, datatype, spec)
     if type(shape) is not list:
-        raise InvalidInput(f"input {name!r}: 'shape' must be a list of integers, got {shape!r}")
+        raise InvalidInput(
+            f"input {name!r}: 'shape' must be a list of integers, got {shown(shape, text)}"
+        )
     count = 1
     for d in shape:
         if type(d) is not int or d < 0:
             raise InvalidInput(
-                f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}"
+                f"input {name!r}: 'shape' must be a list of non-negative integers, "
+                f"got {shown(shape, text)}"
             )
         count *= d
     # The item rank: the spec's; for an open model's unnamed inputs, a leading
@@ -96,7 +101,7 @@ def _decode_tensor(
         if type(size) is not int or size < 0:
             raise InvalidInput(
                 f"input {name!r}: parameters.binary_data_size must be a count of bytes "
-                f"(an integer, 0 or more), got {size!r}"
+                f"(an integer, 0 or more), got {shown(size, text)}"
             )
         if not len(binary):
             # no binary part at all: the header is missing (or this is the stream)
@@ -135,7 +140,7 @@ def _check_name_and_datatype(
         )
     if datatype not in DTYPES:
         raise InvalidInput(
-            f"input {name!r}: datatype {datatype!r} is not one of {', '.join(DTYPES)}"
+            f"input {name!r}: datatype {shown(datatype)} is not one of {', '.join(DTYPES)}"
         )
     if spec is not None and not signature.open_inputs and datatype != spec.datatype:
         raise InvalidInput(

@@ -10,6 +10,8 @@ kept in ``._signature``.
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -90,6 +92,82 @@ def loads(body: bytes | str) -> Any:
         raise InvalidInput(f"malformed JSON body: {exc}") from None
 
 
+#: A value echoed in an error message is cut to this many characters (and "...").
+SHOWN_MAX = 80
+#: An integer token of 19 digits or more (2**63 has 19), not part of a fraction.
+_LONG_INT = re.compile(rb"(?<![0-9.eE+-])-?[0-9]{19,}(?![0-9.eE])")
+
+
+def shown(value: Any, text: bytes | str = b"") -> str:
+    """A value of a request's JSON as an error message echoes it: as JSON writes it
+    (``null``, ``true``, ``"abc"``, ``[1, null]``, ``{"a": 1}``; ``NaN``,
+    ``Infinity`` and ``-Infinity`` as Triton writes them), cut to ``SHOWN_MAX``
+    characters and "..." when longer. An integer past 64 bits, which the JSON parser
+    read as a float, is shown with the digits the JSON ``text`` holds for it (when
+    it holds one such integer of that value). Messages about Python calls keep
+    Python's spelling (``repr``): this is for what a JSON client sent."""
+    out: list[str] = []
+    size = 0
+    for piece in _pieces(value, text):
+        out.append(piece)
+        size += len(piece)
+        if size > SHOWN_MAX:
+            return "".join(out)[:SHOWN_MAX] + "..."
+    return "".join(out)
+
+
+def _pieces(value: Any, text: bytes | str) -> Any:
+    """The JSON text of ``value`` in pieces (so a long one is cut without being
+    written whole)."""
+    kind = type(value)
+    if value is None:
+        yield "null"
+    elif kind is bool:
+        yield "true" if value else "false"
+    elif kind is int:
+        try:
+            yield str(value)
+        except ValueError:  # past Python's limit on an integer's digits
+            yield f"(an integer of {value.bit_length()} bits)"
+    elif kind is float:
+        yield _float_text(value, text)
+    elif kind is str:
+        head = value[: SHOWN_MAX + 1]  # enough to know it is cut
+        try:
+            yield orjson.dumps(head).decode()
+        except orjson.JSONEncodeError:  # a lone surrogate (the stdlib's decoder keeps it)
+            yield json.dumps(head)
+    elif kind is list:
+        yield "["
+        for i, v in enumerate(value):
+            if i:
+                yield ", "
+            yield from _pieces(v, text)
+        yield "]"
+    elif kind is dict:
+        yield "{"
+        for i, (k, v) in enumerate(value.items()):
+            if i:
+                yield ", "
+            yield from _pieces(k, text)
+            yield ": "
+            yield from _pieces(v, text)
+        yield "}"
+    else:  # not a JSON value (a decoded array): as Python shows it
+        yield repr(value)
+
+
+def _float_text(value: float, text: bytes | str) -> str:
+    if not math.isfinite(value):
+        return "NaN" if value != value else "Infinity" if value > 0 else "-Infinity"
+    if value.is_integer() and abs(value) >= 2**63 and text:
+        raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+        sent = {m for m in _LONG_INT.findall(raw) if float(m) == value}
+        if len(sent) == 1:
+            return sent.pop().decode()
+    return orjson.dumps(value).decode()
+
+
 def error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
 
@@ -112,4 +190,5 @@ __all__ = [
     "json_data",
     "json_loads",
     "loads",
+    "shown",
 ]
