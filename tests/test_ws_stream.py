@@ -26,6 +26,7 @@ from http_helpers import (
 )
 from trioserve import InvalidInput, UnknownModel
 from trioserve.transport import open_stream
+from trioserve.transport._stream_client import stream_url
 
 
 async def test_each_answer_is_tagged_with_its_requests_id(mlp_input):
@@ -354,3 +355,27 @@ async def test_a_max_in_flight_under_one_is_refused_before_connecting(bound):
     with pytest.raises(ValueError, match="max_in_flight must be an integer of at least 1"):
         async with open_stream("http://127.0.0.1:9", max_in_flight=bound):
             pass
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://host:8000", "ws://host:8000/v2/stream"),
+        ("http://host:8000/", "ws://host:8000/v2/stream"),
+        ("https://host", "wss://host/v2/stream"),
+        # a server behind a path prefix (a proxy's route): the stream is under it
+        ("http://host/prefix", "ws://host/prefix/v2/stream"),
+        ("https://host/a/b/", "wss://host/a/b/v2/stream"),
+        # the stream's own URL, in either scheme, is taken as it is
+        ("http://host/prefix/v2/stream", "ws://host/prefix/v2/stream"),
+        ("ws://host:8000", "ws://host:8000/v2/stream"),
+        ("ws://host/prefix/v2/stream", "ws://host/prefix/v2/stream"),
+        ("wss://host/socket", "wss://host/socket"),
+        ("http://host/prefix?token=t", "ws://host/prefix/v2/stream?token=t"),
+    ],
+)
+def test_stream_url_puts_the_stream_under_a_base_urls_path(url, expected):
+    """``http://host/prefix`` was taken as the stream's path itself (``/prefix``): a
+    server URL names where the server's routes begin, so its stream is
+    ``/prefix/v2/stream``; a ``ws://`` URL is the stream's own."""
+    assert stream_url(url) == expected

@@ -284,11 +284,23 @@ def _check_max_in_flight(max_in_flight: int) -> None:
 
 
 def stream_url(url: str) -> str:
-    """The ``ws://`` URL of ``/v2/stream`` for a server URL (``http://host:port``)."""
+    """The ``ws://`` (``wss://``) URL of the stream for ``url``.
+
+    An ``http://`` or ``https://`` URL is the server's base URL: its path, if any, is
+    the prefix the server's routes sit under (a proxy's route), so
+    ``http://host/prefix`` gives ``ws://host/prefix/v2/stream``; one that already ends
+    in ``/v2/stream`` is the stream's own. A ``ws://`` or ``wss://`` URL is the
+    stream's own, taken as it is (with no path: ``/v2/stream``). A query is kept.
+    """
     parts = urlsplit(url)
     scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
-    path = parts.path if parts.path not in ("", "/") else "/v2/stream"
-    return f"{scheme}://{parts.netloc}{path}"
+    path = parts.path
+    if path in ("", "/"):
+        path = "/v2/stream"
+    elif scheme != parts.scheme and not path.endswith("/v2/stream"):
+        path = path.rstrip("/") + "/v2/stream"
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{scheme}://{parts.netloc}{path}{query}"
 
 
 @asynccontextmanager
@@ -300,8 +312,10 @@ async def open_stream(
     max_message_size: int = 16 * 1024 * KIB,
     connect_timeout: float = 10.0,
 ) -> AsyncIterator[StreamClient]:
-    """Open a ``/v2/stream`` WebSocket to the server at ``url`` (``http://host:port``
-    or a ``ws://`` URL) and yield a :class:`StreamClient`; closed on leaving.
+    """Open a ``/v2/stream`` WebSocket to the server at ``url`` (its base URL,
+    ``http://host:port`` or ``http://host/prefix`` for a server behind a path prefix,
+    or the stream's ``ws://`` URL: :func:`stream_url`) and yield a
+    :class:`StreamClient`; closed on leaving.
 
     Raises trio_websocket.ConnectionRejected (status 401) for a refused API key and
     trio_websocket.ConnectionTimeout when the handshake takes over ``connect_timeout``.
