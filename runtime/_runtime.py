@@ -243,6 +243,10 @@ async def _start_model(
 
     limits = _limits(m, backend)
     cfg = rt.config
+    n_replicas = len(m.replica_devices)
+    # The adaptive limit's floor is two full batches per replica that pulls from the
+    # lane: with a slow lane, its replicas are not the fast lane's.
+    fast_replicas = n_replicas - (m.slow_lane_replicas if m.slow_lane_cost is not None else 0)
     queue = FairQueue(
         limits,
         bound=cfg.runtime.queue_bound,
@@ -251,10 +255,9 @@ async def _start_model(
         shares={t.name: t.queue_share for t in cfg.tenants},
         model=m.name,
         adaptive=m.adaptive_limit,
-        min_limit=2 * m.max_batch_size * len(m.replica_devices),
+        min_limit=2 * m.max_batch_size * max(fast_replicas, 1),
     )
     scheduler = SchedulerActor(m.name, queue)
-    n_replicas = len(m.replica_devices)
     slow = None
     if m.slow_lane_cost is not None:
         if m.slow_lane_replicas >= n_replicas:

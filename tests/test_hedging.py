@@ -87,6 +87,23 @@ async def test_the_slow_lane_keeps_long_requests_from_holding_back_short_ones(au
     assert all(t != slow_thread for t, keys in backend.ran if 99.0 not in keys)
 
 
+async def test_each_lanes_adaptive_limit_floor_counts_its_own_replicas():
+    """The floor is two full batches per replica of the lane's own (scheduling.md):
+    the fast lane counted every replica of the model, the slow lane's too, so with 3
+    replicas, 1 of them slow, its floor was 48 where its 2 replicas drain 32."""
+    cfg = config(
+        ModelConfig(
+            name="m", backend=LenCost(), replicas=3, slow_lane_cost=100,
+            slow_lane_replicas=1, max_batch_size=8,
+        )
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        served = rt.models["m"]
+        fast = served.scheduler.policy.limit
+        slow = served.slow_scheduler.policy.limit
+    assert (fast.minimum, slow.minimum) == (2 * 8 * 2, 2 * 8 * 1)
+
+
 async def test_a_slow_lane_needs_a_replica_of_its_own():
     cfg = config(ModelConfig(name="m", backend=LenCost(), slow_lane_cost=10))
     with pytest.raises(trioserve.ConfigError, match=r"^models\.m\.slow_lane_replicas: the slow"):
