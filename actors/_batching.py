@@ -80,6 +80,7 @@ class SchedulingPolicy(Protocol):
     def next_expiry(self) -> float: ...
     def drain(self) -> list[Request]: ...
     def completed(self, batch: list[Request], now: float, *, failed: bool = False) -> None: ...
+    def left(self, requests: list[Request]) -> None: ...
     def __len__(self) -> int: ...
 
 
@@ -228,6 +229,10 @@ class FifoQueue:
 
     def completed(self, batch: list[Request], now: float, *, failed: bool = False) -> None:
         """A dispatched batch finished (FIFO keeps no measurements)."""
+
+    def left(self, requests: list[Request]) -> None:
+        """Dispatched requests left the devices without running (FIFO keeps no
+        measurements)."""
 
     def drain(self) -> list[Request]:
         """Remove and return every still-queued request (for shutdown)."""

@@ -663,6 +663,13 @@ class FairQueue(Admission):
         self._prev_full = full
         self._last_done = now
 
+    def left(self, requests: list[Request]) -> None:
+        """Dispatched ``requests`` left the devices without running as a batch (a
+        hedge twin kept apart for another replica, dropped): their cost is no longer
+        in service. Not a batch, so the service rate's measurement (the pair of full
+        batches in a row) is left as it was."""
+        self.in_service = max(0, self.in_service - sum(r.cost for r in requests))
+
     def next_close_time(self) -> float:
         """When the oldest queued request has waited ``max_wait`` (inf when empty)."""
         best = math.inf

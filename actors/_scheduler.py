@@ -366,7 +366,9 @@ class SchedulerActor(Actor):
                 )
             else:
                 reply.withdraw()
-        self.policy.completed([req], now, failed=True)  # it left the devices
+        # it left the devices, but not as a batch: the service rate's pair of full
+        # batches goes on
+        self.policy.left([req])
         return True
 
     def _expire_held(self, now: float) -> float:

@@ -599,6 +599,42 @@ async def test_a_worker_process_replica_never_stages_a_hedge_copy_behind_its_ori
         FakeWorker.gate.set()
 
 
+async def test_a_twin_dropped_from_apart_does_not_disturb_the_service_rate(autojump_clock):
+    """Dropping a twin kept apart (its hedge over) went through
+    ``completed(failed=True)``, which forgets the full batch just answered: the pair
+    of full batches in a row the rate is measured on was broken by a request that
+    never ran as a batch. Its cost leaves the devices; the measurement goes on."""
+    from trioserve import Reply, Request
+    from trioserve.actors import BatchLimits, FairQueue, SchedulerActor
+
+    queue = FairQueue(BatchLimits(max_size=2), bound=16, adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    now = trio.current_time()
+    original = Request(model="m", item=None, cost=1, arrival=now)
+    copy = attrs.evolve(original, reply=Reply())
+    scheduler.submit_nowait(original)
+    assert scheduler.submit_copy_nowait(original, copy)
+    assert queue.next_batch(now) == [original, copy]  # one replica pulled both
+    scheduler.keep_apart(copy)  # it holds the original: the copy waits for another
+    full = [Request(model="m", item=None, cost=1, arrival=now) for _ in range(4)]
+    for r in full:
+        scheduler.submit_nowait(r)
+    first = queue.next_batch(now)
+    assert first == full[:2]
+    scheduler.completed(first)  # a full batch answered at 0
+    original.reply.set_result({})
+    copy.reply.withdraw()  # its twin answered
+    scheduler.forget_copy(original, copy)  # the copy kept apart is dropped
+    # two queued; on the devices only the original, its batch not done yet
+    assert (scheduler.queue_depth(), queue.in_service) == (2, 1)
+    second = queue.next_batch(now)
+    for r in second:
+        r.reply.run = (now, 0.5)
+    await trio.sleep(0.5)
+    scheduler.completed(second)  # the next full batch, 0.5 s later: 2 items over 0.5 s
+    assert queue.rate == pytest.approx(4.0)
+
+
 async def test_a_twin_kept_apart_leaves_the_queue_when_its_hedge_ends(autojump_clock):
     """A copy kept apart from the replica running its original used to stay among the
     requests held for another replica after its hedge ended (the original's error
