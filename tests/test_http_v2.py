@@ -438,3 +438,14 @@ def test_refusals_echo_json_values_as_json_writes_them(body, message):
     assert str(info.value).startswith(expected), str(info.value)
     if not expected.endswith(" "):
         assert str(info.value) == expected
+
+
+@pytest.mark.parametrize(("datatype", "sent"), [([1], "[1]"), ({"a": "FP32"}, '{"a": "FP32"}')])
+def test_a_datatype_that_is_a_list_or_an_object_is_400_not_500(datatype, sent):
+    """A list or an object as an input's datatype was looked up among the datatypes
+    as it was, and being unhashable raised TypeError: a 500 "internal error" for the
+    client's mistake."""
+    doc = {"inputs": [{"name": "x", "shape": [4], "datatype": datatype, "data": [0] * 4}]}
+    with pytest.raises(InvalidInput) as info:
+        parse(doc)
+    assert str(info.value).startswith(f"input 'x': datatype {sent} is not one of BOOL, ")

@@ -138,7 +138,7 @@ def _check_name_and_datatype(
             f"model {model!r}: unknown input {name!r}; expected "
             f"{', '.join(s.name for s in signature.inputs)}"
         )
-    if datatype not in DTYPES:
+    if type(datatype) is not str or datatype not in DTYPES:  # a list is unhashable
         raise InvalidInput(
             f"input {name!r}: datatype {shown(datatype)} is not one of {', '.join(DTYPES)}"
         )
