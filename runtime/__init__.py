@@ -8,6 +8,7 @@ from ._actor import Actor as Actor
 from ._actor import ActorState as ActorState
 from ._actor import RestartPolicy as RestartPolicy
 from ._actor import supervise as supervise
+from ._config import AutoscalingConfig as AutoscalingConfig
 from ._config import CacheConfig as CacheConfig
 from ._config import ClassConfig as ClassConfig
 from ._config import Config as Config

@@ -223,6 +223,48 @@ def _field(check: Callable[[Any], None], default: Any = attrs.NOTHING, **kw: Any
 
 # ---------------------------------------------------------------- the config values
 @attrs.frozen(kw_only=True)
+class AutoscalingConfig:
+    """A model's replicas scaled with its load (``[models.NAME.autoscaling]``; names
+    as Ray Serve's ``autoscaling_config``). The scaler looks every ``interval_s``
+    at the cost queued plus in service, wants ceil(load /
+    ``target_queued_per_replica``) replicas within [``min_replicas``,
+    ``max_replicas``], and moves there once it wanted more for ``upscale_delay_s``
+    (fewer: ``downscale_delay_s``). None: ``min_replicas`` the replicas the model
+    starts with, ``target_queued_per_replica`` two full batches."""
+
+    min_replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)
+    max_replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)
+    target_queued_per_replica: float | None = _field(
+        _number(0.0, strict=True, optional=True), None
+    )
+    upscale_delay_s: float = _field(_number(0.0), 5.0)
+    downscale_delay_s: float = _field(_number(0.0), 60.0)
+    interval_s: float = _field(_number(0.0, strict=True), 1.0)
+
+    @max_replicas.validator
+    def _check_max(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None:
+            raise ConfigError(f"{self._path()}.max_replicas: is required")
+
+    def _path(self) -> str:
+        return "autoscaling"
+
+
+def _autoscaling(value: Any, model: ModelConfig) -> Any:
+    """A TOML table (or a mapping from Python) as an AutoscalingConfig; its errors
+    name the model's key."""
+    if not isinstance(value, Mapping):
+        return value
+    try:
+        return _build(AutoscalingConfig, value, f"{model._path()}.autoscaling")
+    except ConfigError as exc:
+        text = str(exc)
+        if text.startswith("autoscaling."):
+            raise ConfigError(f"{model._path()}.{text}") from None
+        raise
+
+
+@attrs.frozen(kw_only=True)
 class ModelConfig:
     """One served model.
 
@@ -267,6 +309,37 @@ class ModelConfig:
     #: DEFAULT_SLO_TARGET); only with ``slo_ms``
     slo_target: float | None = _field(_open_fraction, None)
     options: Mapping[str, Any] = _field(_mapping, attrs.Factory(dict))
+    #: replicas that scale with the load (None: fixed at ``replicas``)
+    autoscaling: AutoscalingConfig | None = attrs.field(
+        default=None, converter=attrs.Converter(_autoscaling, takes_self=True)
+    )
+
+    @autoscaling.validator
+    def _check_autoscaling(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None:
+            return
+        path = f"{self._path()}.autoscaling"
+        if not isinstance(value, AutoscalingConfig):
+            raise ConfigError(
+                f"{path}: must be a table (an AutoscalingConfig), got {_shown(value)}"
+            )
+        if self.slow_lane_cost is not None:
+            raise ConfigError(
+                f"{path}: not supported yet with slow_lane_cost (a slow lane's "
+                "replicas are fixed); leave one of them out"
+            )
+        start = len(self.replica_devices)
+        lo, hi = value.min_replicas, value.max_replicas
+        if lo is not None and lo > start:
+            raise ConfigError(
+                f"{path}.min_replicas: must be <= the replicas the model starts with "
+                f"({start}), got {lo}"
+            )
+        if hi is not None and hi < start:
+            raise ConfigError(
+                f"{path}.max_replicas: must be >= the replicas the model starts with "
+                f"({start}: replicas, or one per device), got {hi}"
+            )
 
     @slo_target.validator
     def _check_slo_target(self, attribute: attrs.Attribute, value: Any) -> None:
