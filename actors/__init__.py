@@ -31,6 +31,7 @@ from ._policy import CACHE_POLICIES as CACHE_POLICIES
 from ._policy import CacheStatistics as CacheStatistics
 from ._policy import LruPolicy as LruPolicy
 from ._policy import WTinyLFU as WTinyLFU
+from ._scaling import ScalingController as ScalingController
 from ._scheduler import SchedulerActor as SchedulerActor
 from ._singleflight import SingleFlight as SingleFlight
 from ._singleflight import SingleFlightStatistics as SingleFlightStatistics

@@ -63,6 +63,12 @@ class AimdLimit:
             self._last_cut = now
             self.limit = max(self.minimum, self.limit * self.backoff)
 
+    def set_minimum(self, minimum: int) -> None:
+        """Move the floor (a model's replicas changed: two full batches each); the
+        limit rises to a floor above it."""
+        self.minimum = float(max(1, min(minimum, self.maximum)))
+        self.limit = max(self.limit, self.minimum)
+
     @property
     def value(self) -> int:
         return int(self.limit)

@@ -50,6 +50,7 @@ from trioserve import (
 )
 
 from ._metrics import ModelMetrics
+from ._retiring import Retiring
 from ._scheduler import SchedulerActor
 from ._singleflight import own_error
 from ._straggler import BatchTimer, Breaker, StragglerPolicy, retried, split, split_failed
@@ -119,7 +120,7 @@ def _all_lost(scheduler: SchedulerActor) -> bool:
     )
 
 
-class BatcherActor(Actor):
+class BatcherActor(Retiring, Actor):
     def __init__(
         self,
         *,
@@ -173,6 +174,7 @@ class BatcherActor(Actor):
         #: set with ``_replace_due``: ends a wait for the breaker's cooldown, so that
         #: the worker is replaced when the breaker opens, not when it closes
         self._replace_wake = trio.Event()
+        self._init_retiring(retirable=config.autoscaling is not None)
 
     # ------------------------------------------------------------------ health
     @property
@@ -181,12 +183,15 @@ class BatcherActor(Actor):
         left its device unusable: it serves no more), ``degraded`` (a straggling
         thread still runs),
         ``replacing`` (a new worker process is starting), ``open`` (its circuit breaker
-        is open after repeated failures), or the actor's state when it is not
+        is open after repeated failures), ``retiring`` (the autoscaler retires it: it
+        finishes what it holds and pulls no more), or the actor's state when it is not
         running (starting, restarting, stopped, broken)."""
         if self.state is not ActorState.RUNNING:
             return self.state.value
         if self.lost is not None:
             return "lost"
+        if self._retire_asked.is_set():
+            return "retiring"
         if self._degraded:
             return "degraded"
         if self._replacing:
@@ -209,6 +214,10 @@ class BatcherActor(Actor):
 
     # ------------------------------------------------------------------ the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        if self._retire_asked.is_set():  # restarted after a crash while retiring
+            task_status.started(self)
+            self._retired.set()
+            return
         if self._process:
             try:
                 await self._start_worker()
@@ -219,6 +228,7 @@ class BatcherActor(Actor):
                     self._worker_seconds += self._worker.busy_seconds
                     await self._worker.aclose()
                     self._worker = None
+            self._retired.set()  # the loop returns only when it is retired
             return
         if self._runner is None:
             self._runner = await self._load(
@@ -233,9 +243,16 @@ class BatcherActor(Actor):
         task_status.started(self)
         pull = self._scheduler.pull
         twins = self._scheduler.twins
+        retirable = self._retirable
         while self.lost is None:
-            await self._wait_breaker()
-            batch = await pull(self)
+            if retirable:
+                taken = await self._pull_unless_retired()
+                if taken is None:
+                    break
+                batch = taken
+            else:
+                await self._wait_breaker()
+                batch = await pull(self)
             if twins:
                 batch = self._keep_apart(batch)
                 if not batch:
@@ -243,7 +260,12 @@ class BatcherActor(Actor):
             self._in_flight.append(batch)
             await self._execute(batch)
             self._in_flight.clear()
-        await trio.sleep_forever()  # its device is lost: it pulls no more
+        else:
+            await trio.sleep_forever()  # its device is lost: it pulls no more
+        # Retired: its batch answered (a straggling thread returned: _execute waits
+        # for it), the model it loaded is let go.
+        self._runner = None
+        self._retired.set()
 
     @property
     def device_seconds(self) -> float:
@@ -308,11 +330,16 @@ class BatcherActor(Actor):
         self._worker = worker
 
     async def _loop_process(self) -> None:
+        """Feed the worker, and replace it when it is lost, until the replica is
+        retired (only then does it return)."""
         while True:
             try:
                 await self._serve_worker()
+                return  # retired: every batch it staged was answered
             except* _WorkerLost:
                 pass
+            if self._retire_asked.is_set():
+                return  # lost while retiring: its batches went back to the queue
             # The lost worker's batches were handed back; start its successor. One
             # that cannot start is tried again, backing off, while the replica is not
             # ready: crashing the actor instead used up the supervisor's restarts in
@@ -342,15 +369,20 @@ class BatcherActor(Actor):
                             "trying again in %.1fs",
                             self.name, type(exc).__name__, exc, delay,
                         )
-                    await trio.sleep(delay)
+                    with trio.move_on_after(delay):
+                        await self._retire_asked.wait()
+                    if self._retire_asked.is_set():
+                        return
                     delay = min(delay * 2, START_RETRY_MAX)
             finally:
                 self._replacing = False
 
     async def _serve_worker(self) -> None:
-        """Feed the worker until it is lost. Several batches are in flight: while it
-        runs one, the next are already staged in shared memory, so the device never
-        waits on the event loop. It still pulls only when its device has room."""
+        """Feed the worker until it is lost (raises _WorkerLost) or the replica is
+        retired (returns once the batches it staged are answered). Several batches
+        are in flight: while it runs one, the next are already staged in shared
+        memory, so the device never waits on the event loop. It still pulls only
+        when its device has room."""
         slots = WorkerProcess.SLOTS
         room = trio.Semaphore(slots)
         sent_send, sent_recv = trio.open_memory_channel[tuple[list[Request], float]](slots)
@@ -358,15 +390,27 @@ class BatcherActor(Actor):
         twins = self._scheduler.twins
         worker = self._worker
         assert worker is not None
+        retirable = self._retirable
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._collect, worker, sent_recv, room)
             nursery.start_soon(self._watch, worker)
             while True:
-                await self._wait_breaker()
-                if self._replace_due:
-                    self._replace_broken(worker)
-                await room.acquire()
-                batch = await pull(self)
+                if retirable:
+                    taken = await self._pull_unless_retired(room, worker)
+                    if taken is None:
+                        # Retired: wait until every batch staged was collected (a
+                        # worker lost meanwhile hands them back: _WorkerLost).
+                        for _ in range(slots):
+                            await room.acquire()
+                        nursery.cancel_scope.cancel("replica retired")
+                        return
+                    batch = taken
+                else:
+                    await self._wait_breaker()
+                    if self._replace_due:
+                        self._replace_broken(worker)
+                    await room.acquire()
+                    batch = await pull(self)
                 if not worker.alive:
                     # Lost while we waited (our cancellation comes at the next
                     # checkpoint): this batch never reached it; hand it back as it is.

@@ -237,6 +237,12 @@ class FairQueue(Admission):
         lim = self.limit
         self._capacity = min(self.bound, lim.value) if lim is not None else self.bound
 
+    def set_min_limit(self, minimum: int) -> None:
+        """The adaptive limit's floor, as the replicas change (``AimdLimit``)."""
+        if self.limit is not None:
+            self.limit.set_minimum(minimum)
+            self._update_capacity()
+
     def queued_cost(self) -> int:
         """Cost units queued (withdrawn requests included until they are skipped)."""
         return self._total_cost

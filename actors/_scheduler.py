@@ -466,6 +466,21 @@ class SchedulerActor(Actor):
             if policy.expire(now) and self._idle:
                 self._idle.unpark_all()  # the oldest request may have changed
 
+    def load(self) -> float:
+        """Cost units queued, in service and held here for another run (retries,
+        requests kept apart): what the autoscaler scales to. Not a checkpoint."""
+        policy = self.policy
+        queued = getattr(policy, "queued_cost", None)
+        held = sum(r.cost for b in self._retries for r in b) + sum(r.cost for r in self._apart)
+        if queued is None:  # a policy that does not count cost (FifoQueue): requests
+            return len(policy) + held
+        return queued() + getattr(policy, "in_service", 0) + held
+
+    @property
+    def closed(self) -> bool:
+        """Whether it takes no more requests (shut down, or retired)."""
+        return self._closed
+
     def queue_depth(self) -> int:
         return len(self.policy) + sum(len(b) for b in self._retries) + len(self._apart)
 

@@ -319,15 +319,17 @@ async def _start_model(
         "model %r: loading %s (%s)", m.name,
         _count(n_replicas, "replica"), f"{execution} on {', '.join(m.devices)}",
     )
-    for i, device in enumerate(m.replica_devices):
-        lane = slow if slow is not None and i >= n_replicas - m.slow_lane_replicas else scheduler
+
+    async def start_replica(index: int, device: str, lane: Any = scheduler) -> Any:
+        """Start replica ``index`` on ``device``, registered with the model and its
+        lane; returns it once its model is loaded (the autoscaler adds replicas so)."""
         batcher = BatcherActor(
             config=m,
             backend=backend,
             scheduler=lane,
             metrics=metrics,
             device=device,
-            index=i,
+            index=index,
             execution=execution,
             torch_threads=m.torch_threads,
             zygote=zygote,
@@ -338,8 +340,52 @@ async def _start_model(
         served.batchers.append(batcher)
         lane.replicas += 1
         lane.batchers.append(batcher)
-        await nursery.start(supervise, batcher, policy)
+        try:
+            await nursery.start(supervise, batcher, policy)
+        except Exception:
+            served.remove_replica(batcher)  # it never took work
+            raise
+        return batcher
+
+    for i, device in enumerate(m.replica_devices):
+        lane = slow if slow is not None and i >= n_replicas - m.slow_lane_replicas else scheduler
+        await start_replica(i, device, lane)
     log.info("model %r: ready in %.2f s", m.name, trio.current_time() - started)
+    if m.autoscaling is not None:
+        await _start_autoscaler(nursery, rt, served, start_replica, policy)
+
+
+async def _start_autoscaler(
+    nursery: trio.Nursery, rt: Runtime, served: ServedModel, start_replica: Any,
+    policy: RestartPolicy,
+) -> None:
+    """The controller that scales ``served``'s replicas with its load."""
+    from trioserve.actors import Autoscaler, ScalingController
+
+    m = served.config
+    a = m.autoscaling
+    assert a is not None
+    start = len(m.replica_devices)
+    scaler = Autoscaler(
+        minimum=a.min_replicas if a.min_replicas is not None else start,
+        maximum=a.max_replicas if a.max_replicas is not None else start,
+        target=(
+            a.target_queued_per_replica if a.target_queued_per_replica is not None
+            else 2 * m.max_batch_size
+        ),
+        upscale_delay=a.upscale_delay_s,
+        downscale_delay=a.downscale_delay_s,
+        interval=a.interval_s,
+        now=trio.current_time() + a.interval_s,
+    )
+    served.scaler = ScalingController(
+        served=served,
+        scaler=scaler,
+        start_replica=start_replica,
+        closing=lambda: rt._closed,
+        floor_per_replica=2 * m.max_batch_size,
+    )
+    await nursery.start(supervise, served.scaler, policy)
 
 
 def _count(n: int, noun: str) -> str:

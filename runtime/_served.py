@@ -29,6 +29,8 @@ class ServedModel:
     hedge_timer: Any = None
     #: the model's service-level objective (an ``SloTracker``; None: none)
     slo: Any = None
+    #: the controller scaling its replicas with its load (None: they are fixed)
+    scaler: Any = None
 
     @property
     def name(self) -> str:
@@ -38,6 +40,15 @@ class ServedModel:
         if self.slow_cost is not None and cost >= self.slow_cost:
             return self.slow_scheduler
         return self.scheduler
+
+    def remove_replica(self, batcher: Any) -> None:
+        """Unregister ``batcher`` (retired, or failed to start) from the model and
+        its lane: it is no longer counted, asked for its health or closed."""
+        self.batchers.remove(batcher)
+        for lane in self.schedulers:
+            if batcher in lane.batchers:
+                lane.batchers.remove(batcher)
+                lane.replicas -= 1
 
     @property
     def schedulers(self) -> list[Any]:
