@@ -30,6 +30,9 @@ class _Statistics:
                     {"name": b.name, "state": b.state.value, "restarts": b.restarts}
                     for b in s.batchers
                 ],
+                "replica_count": len(s.batchers),
+                # (None: the replicas are fixed; docs/faults.md, Autoscaling)
+                "autoscaler": s.scaler.statistics() if s.scaler is not None else None,
                 "ready": self.model_ready(name),
                 **self._queue_statistics(s.scheduler.policy),
                 "slow_lane": (

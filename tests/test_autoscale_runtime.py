@@ -9,6 +9,7 @@ trio time, so every timing below is exact under the autojumping MockClock."""
 from __future__ import annotations
 
 import collections
+import logging
 
 import pytest
 import trio
@@ -437,3 +438,68 @@ async def test_worker_process_replicas_are_added_and_retired():
         assert scaler.decisions == {"up": 1, "down": 1}
         out = await rt.infer("s", item(2.0))
     assert float(out["y"][0]) == 2.0
+
+
+async def test_scale_events_are_in_the_statistics_the_metrics_and_the_log(
+    autojump_clock, workers, caplog
+):
+    """``rt.statistics()`` has the replica count and the autoscaler's state, /metrics
+    ``trioserve_replicas`` and ``trioserve_autoscale_decisions_total``, and the log
+    each scale event at INFO; a model with fixed replicas has no autoscaler and
+    counts no decision."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from trioserve.transport import Gateway
+
+    caplog.set_level(logging.INFO, logger="trioserve")
+    cfg = config(
+        model(autoscaling=AutoscalingConfig(
+            max_replicas=3, target_queued_per_replica=4, upscale_delay_s=1,
+            downscale_delay_s=2, interval_s=0.9,  # looks apart from batch ends
+        )),
+        callable_model("fixed", crash_on_666, execution="process", replicas=2),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        t0 = trio.current_time()
+        before = rt.statistics()
+        async with trio.open_nursery() as nursery:
+            for x in range(1, 25):
+                nursery.start_soon(call, rt, float(x), {})
+            await trio.sleep_until(t0 + 3)
+            up = rt.statistics()["m"]
+        await trio.sleep_until(t0 + 20)
+        down = rt.statistics()["m"]
+        text = (await (await Gateway(rt).app.test_client().get("/metrics")).get_data()).decode()
+    assert before["m"]["replica_count"] == 1
+    assert before["m"]["autoscaler"] == {
+        "replicas": 1, "min_replicas": 1, "max_replicas": 3,
+        "target_queued_per_replica": 4, "desired": None, "last_decision": None,
+        "decisions": {"up": 0, "down": 0}, "start_failures": 0,
+    }
+    assert (before["fixed"]["replica_count"], before["fixed"]["autoscaler"]) == (2, None)
+    assert up["replica_count"] == up["autoscaler"]["replicas"] == 3
+    # up at the look at 2.7 (wanted more since 0.9), 2 batches of 2 run by then
+    assert up["autoscaler"]["last_decision"] == {
+        "direction": "up", "from": 1, "to": 3, "at": pytest.approx(t0 + 2.7), "load": 20,
+    }
+    assert down["replica_count"] == down["autoscaler"]["replicas"] == 1
+    assert down["autoscaler"]["last_decision"]["direction"] == "down"
+    assert down["autoscaler"]["decisions"] == {"up": 1, "down": 1}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text) for s in family.samples
+    }
+    assert samples["trioserve_replicas", (("model", "m"),)] == 1
+    assert samples["trioserve_replicas", (("model", "fixed"),)] == 2
+    for model_name, direction, n in (
+        ("m", "up", 1), ("m", "down", 1), ("fixed", "up", 0), ("fixed", "down", 0)
+    ):
+        labels = (("direction", direction), ("model", model_name))
+        assert samples["trioserve_autoscale_decisions_total", labels] == n
+    events = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    scaling = "model 'm': scaling {} replicas (load {} cost units, 4 per replica wanted)"
+    assert scaling.format("up from 1 to 3", 20) in events
+    assert scaling.format("down from 3 to 1", 0) in events
+    for n in (1, 2):
+        assert f"model 'm': replica batcher[m#{n}@cpu] serving" in events
+        assert f"model 'm': retiring replica batcher[m#{n}@cpu]" in events
+        assert f"model 'm': replica batcher[m#{n}@cpu] retired" in events

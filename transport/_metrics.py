@@ -105,6 +105,17 @@ class GatewayCollector(Collector):
         depth = GaugeMetricFamily(
             "trioserve_queue_depth", "Requests waiting in the model's scheduler.", labels=["model"]
         )
+        replicas = GaugeMetricFamily(
+            "trioserve_replicas",
+            "The model's replicas (starting, serving or being retired).",
+            labels=["model"],
+        )
+        scaled = CounterMetricFamily(
+            "trioserve_autoscale_decisions",
+            "Changes of the replica count the autoscaler decided, up or down (0 for a "
+            "model whose replicas are fixed).",
+            labels=["model", "direction"],
+        )
         outcomes = CounterMetricFamily(
             "trioserve_batcher_outcomes",
             "Abnormal batch outcomes: items retried or answered model_error, poison "
@@ -129,10 +140,14 @@ class GatewayCollector(Collector):
             items.add_metric([name], m.items)
             fill.add_metric([name], m.fill_ratio)
             depth.add_metric([name], sum(q.queue_depth() for q in served.schedulers))
+            replicas.add_metric([name], len(served.batchers))
+            decided = served.scaler.scaler.decisions if served.scaler is not None else {}
+            for direction in ("up", "down"):
+                scaled.add_metric([name, direction], decided.get(direction, 0))
             # every outcome from the start, at 0 until it happens
             for outcome in sorted(set(OUTCOMES) | set(m.statuses)):
                 outcomes.add_metric([name, str(outcome)], m.statuses[outcome])
-        yield from (latency, batches, items, fill, depth, outcomes)
+        yield from (latency, batches, items, fill, depth, replicas, scaled, outcomes)
         yield from self._slo(gw)
         yield from self._flows(gw)
 
