@@ -444,9 +444,9 @@ async def test_scale_events_are_in_the_statistics_the_metrics_and_the_log(
     autojump_clock, workers, caplog
 ):
     """``rt.statistics()`` has the replica count and the autoscaler's state, /metrics
-    ``trioserve_replicas`` and ``trioserve_autoscale_decisions_total``, and the log
-    each scale event at INFO; a model with fixed replicas has no autoscaler and
-    counts no decision."""
+    ``trioserve_autoscale_replicas`` and ``trioserve_autoscale_decisions_total`` for
+    the autoscaled model (not for one with fixed replicas), and the log each scale
+    event at INFO."""
     from prometheus_client.parser import text_string_to_metric_families
     from trioserve.transport import Gateway
 
@@ -488,13 +488,12 @@ async def test_scale_events_are_in_the_statistics_the_metrics_and_the_log(
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text) for s in family.samples
     }
-    assert samples["trioserve_replicas", (("model", "m"),)] == 1
-    assert samples["trioserve_replicas", (("model", "fixed"),)] == 2
-    for model_name, direction, n in (
-        ("m", "up", 1), ("m", "down", 1), ("fixed", "up", 0), ("fixed", "down", 0)
-    ):
-        labels = (("direction", direction), ("model", model_name))
-        assert samples["trioserve_autoscale_decisions_total", labels] == n
+    autoscale = {k: v for k, v in samples.items() if k[0].startswith("trioserve_autoscale_")}
+    assert autoscale == {
+        ("trioserve_autoscale_replicas", (("model", "m"),)): 1,
+        ("trioserve_autoscale_decisions_total", (("direction", "down"), ("model", "m"))): 1,
+        ("trioserve_autoscale_decisions_total", (("direction", "up"), ("model", "m"))): 1,
+    }
     events = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     scaling = "model 'm': scaling {} replicas (load {} cost units, 4 per replica wanted)"
     assert scaling.format("up from 1 to 3", 20) in events
@@ -503,3 +502,13 @@ async def test_scale_events_are_in_the_statistics_the_metrics_and_the_log(
         assert f"model 'm': replica batcher[m#{n}@cpu] serving" in events
         assert f"model 'm': retiring replica batcher[m#{n}@cpu]" in events
         assert f"model 'm': replica batcher[m#{n}@cpu] retired" in events
+
+
+async def test_a_runtime_without_autoscaling_exposes_no_autoscale_series(autojump_clock):
+    from trioserve.transport import Gateway
+
+    cfg = config(callable_model("m", crash_on_666, replicas=2))
+    async with trioserve.open_runtime(cfg) as rt:
+        text = (await (await Gateway(rt).app.test_client().get("/metrics")).get_data()).decode()
+        assert rt.statistics()["m"]["autoscaler"] is None
+    assert "trioserve_autoscale" not in text

@@ -74,6 +74,30 @@ class GatewayCollector(Collector):
                 burn.add_metric([name, window], slo.burn_rate(now, seconds))
         yield from (counted, target, burn)
 
+    @staticmethod
+    def _autoscaling(gw: Gateway) -> Iterator[Metric]:
+        """The replicas and decisions of autoscaled models (``[models.NAME.autoscaling]``);
+        nothing at all when no model is (the series of a runtime without autoscaling
+        are what they were)."""
+        scaled = [(n, s) for n, s in sorted(gw.runtime.models.items()) if s.scaler is not None]
+        if not scaled:
+            return
+        replicas = GaugeMetricFamily(
+            "trioserve_autoscale_replicas",
+            "An autoscaled model's replicas (starting, serving or being retired).",
+            labels=["model"],
+        )
+        decisions = CounterMetricFamily(
+            "trioserve_autoscale_decisions",
+            "Changes of an autoscaled model's replica count, up or down.",
+            labels=["model", "direction"],
+        )
+        for name, served in scaled:
+            replicas.add_metric([name], len(served.batchers))
+            for direction, n in sorted(served.scaler.scaler.decisions.items()):
+                decisions.add_metric([name, direction], n)
+        yield from (replicas, decisions)
+
     def collect(self) -> Iterator[Metric]:
         gw = self._gateway
         requests = CounterMetricFamily(
@@ -105,17 +129,6 @@ class GatewayCollector(Collector):
         depth = GaugeMetricFamily(
             "trioserve_queue_depth", "Requests waiting in the model's scheduler.", labels=["model"]
         )
-        replicas = GaugeMetricFamily(
-            "trioserve_replicas",
-            "The model's replicas (starting, serving or being retired).",
-            labels=["model"],
-        )
-        scaled = CounterMetricFamily(
-            "trioserve_autoscale_decisions",
-            "Changes of the replica count the autoscaler decided, up or down (0 for a "
-            "model whose replicas are fixed).",
-            labels=["model", "direction"],
-        )
         outcomes = CounterMetricFamily(
             "trioserve_batcher_outcomes",
             "Abnormal batch outcomes: items retried or answered model_error, poison "
@@ -140,14 +153,11 @@ class GatewayCollector(Collector):
             items.add_metric([name], m.items)
             fill.add_metric([name], m.fill_ratio)
             depth.add_metric([name], sum(q.queue_depth() for q in served.schedulers))
-            replicas.add_metric([name], len(served.batchers))
-            decided = served.scaler.scaler.decisions if served.scaler is not None else {}
-            for direction in ("up", "down"):
-                scaled.add_metric([name, direction], decided.get(direction, 0))
             # every outcome from the start, at 0 until it happens
             for outcome in sorted(set(OUTCOMES) | set(m.statuses)):
                 outcomes.add_metric([name, str(outcome)], m.statuses[outcome])
-        yield from (latency, batches, items, fill, depth, replicas, scaled, outcomes)
+        yield from (latency, batches, items, fill, depth, outcomes)
+        yield from self._autoscaling(gw)
         yield from self._slo(gw)
         yield from self._flows(gw)
 
