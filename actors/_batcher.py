@@ -55,18 +55,9 @@ from ._scheduler import SchedulerActor
 from ._singleflight import own_error
 from ._straggler import BatchTimer, Breaker, StragglerPolicy, retried, split, split_failed
 from ._watchdog import Watchdog
+from ._worker_feed import WorkerFeed
 
 log = logging.getLogger("trioserve")
-
-#: A lost worker's successor that cannot start is tried again after this long,
-#: doubling up to START_RETRY_MAX seconds.
-START_RETRY_MIN = 0.1
-START_RETRY_MAX = 10.0
-
-
-class _WorkerLost(Exception):
-    """The worker process died or was killed as a straggler (handled in the batcher)."""
-
 
 class _DeviceLost(Exception):
     """The model raised in a worker thread and left its device unusable
@@ -120,7 +111,7 @@ def _all_lost(scheduler: SchedulerActor) -> bool:
     )
 
 
-class BatcherActor(Retiring, Actor):
+class BatcherActor(WorkerFeed, Retiring, Actor):
     def __init__(
         self,
         *,
@@ -328,216 +319,6 @@ class BatcherActor(Retiring, Actor):
             await worker.aclose()
             raise
         self._worker = worker
-
-    async def _loop_process(self) -> None:
-        """Feed the worker, and replace it when it is lost, until the replica is
-        retired (only then does it return)."""
-        while True:
-            try:
-                await self._serve_worker()
-                return  # retired: every batch it staged was answered
-            except* _WorkerLost:
-                pass
-            if self._retire_asked.is_set():
-                return  # lost while retiring: its batches went back to the queue
-            # The lost worker's batches were handed back; start its successor. One
-            # that cannot start is tried again, backing off, while the replica is not
-            # ready: crashing the actor instead used up the supervisor's restarts in
-            # milliseconds, and the escalation took every model down.
-            self._replacing = True
-            try:
-                if self._worker is not None:
-                    self._worker_seconds += self._worker.busy_seconds
-                    await self._worker.aclose()
-                    self._worker = None
-            finally:
-                self._replacing = False
-            # Workers that keep dying on fresh work opened the breaker: its cooldown
-            # spaces their successors (forked back to back, a dozen a second, before).
-            await self._wait_breaker()
-            self._replacing = True
-            try:
-                delay = START_RETRY_MIN
-                while True:
-                    try:
-                        await self._start_worker()
-                        break
-                    except Exception as exc:
-                        self.start_failures += 1
-                        log.warning(
-                            "%s: its worker process could not start (%s: %s); "
-                            "trying again in %.1fs",
-                            self.name, type(exc).__name__, exc, delay,
-                        )
-                    with trio.move_on_after(delay):
-                        await self._retire_asked.wait()
-                    if self._retire_asked.is_set():
-                        return
-                    delay = min(delay * 2, START_RETRY_MAX)
-            finally:
-                self._replacing = False
-
-    async def _serve_worker(self) -> None:
-        """Feed the worker until it is lost (raises _WorkerLost) or the replica is
-        retired (returns once the batches it staged are answered). Several batches
-        are in flight: while it runs one, the next are already staged in shared
-        memory, so the device never waits on the event loop. It still pulls only
-        when its device has room."""
-        slots = WorkerProcess.SLOTS
-        room = trio.Semaphore(slots)
-        sent_send, sent_recv = trio.open_memory_channel[tuple[list[Request], float]](slots)
-        pull = self._scheduler.pull
-        twins = self._scheduler.twins
-        worker = self._worker
-        assert worker is not None
-        retirable = self._retirable
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._collect, worker, sent_recv, room)
-            nursery.start_soon(self._watch, worker)
-            while True:
-                if retirable:
-                    taken = await self._pull_unless_retired(room, worker)
-                    if taken is None:
-                        # Retired: wait until every batch staged was collected (a
-                        # worker lost meanwhile hands them back: _WorkerLost).
-                        for _ in range(slots):
-                            await room.acquire()
-                        nursery.cancel_scope.cancel("replica retired")
-                        return
-                    batch = taken
-                else:
-                    await self._wait_breaker()
-                    if self._replace_due:
-                        self._replace_broken(worker)
-                    await room.acquire()
-                    batch = await pull(self)
-                if not worker.alive:
-                    # Lost while we waited (our cancellation comes at the next
-                    # checkpoint): this batch never reached it; hand it back as it is.
-                    self._scheduler.completed(batch, failed=True)
-                    self._scheduler.retry([batch])
-                    raise _WorkerLost("the worker was lost before this batch was sent")
-                if twins:
-                    # With room for more, this replica pulls while it runs a hedged
-                    # request: its copy would be staged behind it.
-                    batch = self._keep_apart(batch)
-                    if not batch:
-                        room.release()
-                        continue
-                self._in_flight.append(batch)
-                t0 = trio.current_time()
-                self._metrics.queue_wait.record_many([t0 - req.arrival for req in batch])
-                try:
-                    await worker.submit([req.item for req in batch])
-                except trio.Cancelled:
-                    worker.kill()
-                    raise
-                except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its worker process died ({exc})")
-                await sent_send.send((batch, t0))
-                if retried(batch) and self._scheduler.replicas > 1:
-                    # A retry of a failed batch may hang or kill its worker again:
-                    # stage nothing behind it (what was staged would wait out its
-                    # deadline and go back, round after round, as innocent as it
-                    # was), and pull again once it is done; other replicas take the
-                    # new work meanwhile. (A lone replica has nowhere else to run it:
-                    # what it stages goes back once, before the retry's next run.)
-                    for _ in range(slots):
-                        await room.acquire()
-                    for _ in range(slots):
-                        room.release()
-
-    async def _collect(
-        self, worker: WorkerProcess, sent: trio.MemoryReceiveChannel, room: trio.Semaphore
-    ) -> None:
-        async for batch, t0 in sent:
-            # The worker starts it when the previous one is done (or when it arrives),
-            # which is about when we start waiting for it.
-            deadline = self._timer.deadline()
-            with trio.CancelScope() as timer:
-                armed = self._arm(deadline, timer)
-                try:
-                    outputs = await worker.result()
-                except trio.Cancelled:
-                    if not timer.cancel_called:
-                        worker.kill()
-                    raise
-                except WorkerProcess.Failed as exc:
-                    outputs = exc
-                except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its worker process died ({exc})")
-                finally:
-                    self._disarm(armed)
-            if timer.cancelled_caught:
-                self.stragglers += 1
-                self._metrics.statuses["straggler"] += 1
-                self._lose(worker, f"it ran past its batch deadline of {deadline:.3f}s")
-            broken = False
-            if isinstance(outputs, Exception):
-                broken = self._model_failed(batch, outputs)
-            else:
-                self._timer.record(worker.last_run_seconds)
-                self._breaker.success()
-                self._deliver(batch, outputs, t0)
-            if self._in_flight and self._in_flight[0] is batch:
-                self._in_flight.popleft()
-            if broken or self._replace_due:
-                self._replace_broken(worker)
-            room.release()
-
-    async def _watch(self, worker: WorkerProcess) -> None:
-        # A worker can die while idle, with no batch to find out by: its replica would
-        # be reported ready, and replaced only when the next request hit it.
-        await worker.wait_exited()
-        self._lose(worker, f"its worker process exited (pid {worker.pid})")
-
-    def _lose(self, worker: WorkerProcess, why: str) -> None:
-        """The worker is gone (or must go): kill it, hand its batches back — the one it
-        was running as a suspect, split in ``retry_parts``; the staged ones as they were
-        — and raise _WorkerLost to stop feeding it."""
-        if not worker.alive:
-            raise _WorkerLost(why)  # already lost and handled (by the other task)
-        worker.kill()
-        self.workers_lost += 1
-        self._metrics.statuses["worker_lost"] += 1
-        batches = list(self._in_flight)
-        if not (batches and retried(batches[0])):
-            # A retry that crashes again is its requests' doing (it counts towards
-            # their poison attempts): a few poison requests, bisected, would open
-            # the breaker of a sound replica and hold every other request back.
-            self._breaker.failure(trio.current_time())
-        self._in_flight.clear()
-        if batches:
-            # The staged ones first: they ran into nothing, and have waited already.
-            for b in batches[1:]:
-                self._scheduler.completed(b, failed=True)
-            self._scheduler.retry(batches[1:])
-            self._suspect(batches[0], f"its batch failed: {why}")
-        raise _WorkerLost(why)
-
-    def _replace_broken(self, worker: WorkerProcess) -> None:
-        """Its breaker opened because the model kept raising on this worker while
-        other replicas succeeded: a sticky device error (CUDA's "an illegal memory
-        access was encountered" fails every later call in its process) or a bad
-        device. Kill the worker, so that its successor (a fresh process: a fresh CUDA
-        context) runs the breaker's trial; the batches staged behind go back as they
-        were (they ran into nothing of theirs). Raises _WorkerLost."""
-        why = "its model kept raising there while other replicas succeeded"
-        self._replace_due = False
-        self._replace_wake = trio.Event()
-        self._breaker.replaced(trio.current_time())
-        if not worker.alive:
-            raise _WorkerLost(why)  # lost meanwhile: replaced anyway
-        worker.kill()
-        self.workers_broken += 1
-        self._metrics.statuses["worker_broken"] += 1
-        log.warning("%s: its worker process is replaced: %s", self.name, why)
-        batches = list(self._in_flight)
-        self._in_flight.clear()
-        for b in batches:
-            self._scheduler.completed(b, failed=True)
-        self._scheduler.retry(batches)
-        raise _WorkerLost(why)
 
     # ------------------------------------------------------------------ thread, inline
     async def _execute(self, batch: list[Request]) -> None:
