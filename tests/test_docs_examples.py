@@ -216,8 +216,9 @@ def test_toml_example_loads(block, tmp_path):
 
 
 def _full_example() -> Block:
-    (block,) = [b for b in _run("toml") if b.page == "docs/configuration.md"]
-    return block
+    """configuration.md's full example: its first TOML block (later ones show one
+    table on its own)."""
+    return next(b for b in _run("toml") if b.page == "docs/configuration.md")
 
 
 _TABLES = {
