@@ -21,6 +21,10 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "long-inputs": ("trioserve.scenarios._sched", "minilm: A's texts 8x longer than B's"),
     "overload": ("trioserve.scenarios._sched", "5x capacity offered with 500 ms deadlines"),
     "faults": ("trioserve.scenarios._faults", "a 10 s straggler, killed workers, a raising model"),
+    "autoscale": (
+        "trioserve.scenarios._autoscale",
+        "sleep device, 1-4 replicas: load steps low, high (3 replicas' worth), low",
+    ),
     "cache-http": ("trioserve.scenarios._cache_http", "HTTP on mlp, Zipf keys, cache on vs off"),
     "gateway": ("trioserve.scenarios._gateway", "HTTP, batch dimension and WebSocket on mlp"),
     "cache": (

@@ -509,7 +509,7 @@ def run_async(fn: Callable[[argparse.Namespace], Any], name: str, args: argparse
 def format_result(res: dict[str, Any]) -> str:
     lines = [f"scenario {res['scenario']}"]
     for k, v in res.items():
-        if k in ("scenario", "checks"):
+        if k in ("scenario", "checks", "samples"):  # samples: in the JSON only
             continue
         lines.append(f"  {k:<32} {_fmt(v)}")
     for what, ok in res.get("checks", {}).items():
