@@ -4,11 +4,16 @@ when to move there.
 Every ``interval`` seconds the controller (``actors/_scaling.py``) tells
 :meth:`Autoscaler.decide` the model's load (cost units queued plus in service) and
 how many replicas serve now. The load asks for ceil(load / ``target``) replicas,
-clamped to [``minimum``, ``maximum``] (``desired``). The count moves to it only once
-``desired`` stayed above the current count for ``upscale_delay`` seconds (below it:
-``downscale_delay``); a look that asks for no change, or for a change the other way,
-starts that wait again. So a load that swings faster than the delays moves nothing,
-and one that holds moves the count once, straight to what it asks for.
+clamped to [``minimum``, ``maximum``] (``desired``). The count moves up only once
+``desired`` stayed above the current count for ``upscale_delay`` seconds, to what
+the last look asks for; it moves down only once ``desired`` stayed below it for
+``downscale_delay`` seconds, to the most any look of that wait asked for (as
+Kubernetes' horizontal autoscaler's stabilization window does: a load sampled
+between its peaks asks for fewer replicas than it needs, and going down to the
+last look's count dropped a replica the next peak wanted back). A look that asks
+for no change, or for a change the other way, starts the wait again. So a load
+that swings faster than the delays moves nothing, and one that holds moves the
+count once.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ class Autoscaler:
         #: since when the looks ask for more replicas than serve (None: the last did not)
         self._above_since: float | None = None
         self._below_since: float | None = None
+        #: the most replicas a look asked for since ``_below_since``
+        self._below_peak = 0
         self.desired: int | None = None
         self.last_decision: ScaleDecision | None = None
         self.decisions = {UP: 0, DOWN: 0}
@@ -112,9 +119,12 @@ class Autoscaler:
             self._above_since = None
             if self._below_since is None:
                 self._below_since = now
+                self._below_peak = desired
+            else:
+                self._below_peak = max(self._below_peak, desired)
             if now - self._below_since < self.downscale_delay:
                 return current
-            return self._move(DOWN, current, desired, now, load)
+            return self._move(DOWN, current, self._below_peak, now, load)
         self._above_since = self._below_since = None
         return current
 

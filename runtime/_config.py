@@ -229,8 +229,9 @@ class AutoscalingConfig:
     at the cost queued plus in service, wants ceil(load /
     ``target_queued_per_replica``) replicas within [``min_replicas``,
     ``max_replicas``], and moves there once it wanted more for ``upscale_delay_s``
-    (fewer: ``downscale_delay_s``). None: ``min_replicas`` the replicas the model
-    starts with, ``target_queued_per_replica`` two full batches."""
+    (fewer: ``downscale_delay_s``, to the most it wanted meanwhile). None:
+    ``min_replicas`` the replicas the model starts with, ``target_queued_per_replica``
+    one full batch (``max_batch_size``)."""
 
     min_replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)
     max_replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)

@@ -371,7 +371,7 @@ async def _start_autoscaler(
         maximum=a.max_replicas if a.max_replicas is not None else start,
         target=(
             a.target_queued_per_replica if a.target_queued_per_replica is not None
-            else 2 * m.max_batch_size
+            else m.max_batch_size
         ),
         upscale_delay=a.upscale_delay_s,
         downscale_delay=a.downscale_delay_s,

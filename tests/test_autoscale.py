@@ -45,6 +45,22 @@ def test_it_scales_down_once_the_load_stayed_low_for_the_downscale_delay():
     assert s.statistics().decisions == {"up": 0, "down": 1}
 
 
+def test_it_scales_down_to_the_most_its_wait_asked_for():
+    """A load sampled between its peaks asks for fewer replicas than it needs: going
+    down to the last look's count (2 here) dropped replicas the next peak wanted
+    back, and the count swung. It goes down to the most the wait's looks asked for."""
+    s = scaler(downscale_delay=5.0)
+    loads = [15, 25, 12, 28, 11, 14]  # ask for 2, 3, 2, 3, 2, 2: all below 4
+    for t, load in enumerate(loads[:-1]):
+        assert s.decide(float(t), load=load, current=4) == 4
+    assert s.decide(5.0, load=loads[-1], current=4) == 3
+    assert s.last_decision == ScaleDecision(direction="down", before=4, after=3, at=5.0, load=14)
+    # the next wait starts afresh: its own looks only
+    for t in range(6, 11):
+        assert s.decide(float(t), load=5, current=3) == 3
+    assert s.decide(11.0, load=5, current=3) == 1
+
+
 def test_a_blip_starts_the_wait_again():
     s = scaler()
     for t in range(4):

@@ -483,7 +483,9 @@ async def test_scale_events_are_in_the_statistics_the_metrics_and_the_log(
     }
     assert down["replica_count"] == down["autoscaler"]["replicas"] == 1
     assert down["autoscaler"]["last_decision"]["direction"] == "down"
-    assert down["autoscaler"]["decisions"] == {"up": 1, "down": 1}
+    # down in two steps: a look of the first wait still wanted 2 (the backlog
+    # draining), and a step down goes to the most its wait's looks wanted
+    assert down["autoscaler"]["decisions"] == {"up": 1, "down": 2}
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text) for s in family.samples
@@ -491,13 +493,14 @@ async def test_scale_events_are_in_the_statistics_the_metrics_and_the_log(
     autoscale = {k: v for k, v in samples.items() if k[0].startswith("trioserve_autoscale_")}
     assert autoscale == {
         ("trioserve_autoscale_replicas", (("model", "m"),)): 1,
-        ("trioserve_autoscale_decisions_total", (("direction", "down"), ("model", "m"))): 1,
+        ("trioserve_autoscale_decisions_total", (("direction", "down"), ("model", "m"))): 2,
         ("trioserve_autoscale_decisions_total", (("direction", "up"), ("model", "m"))): 1,
     }
     events = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     scaling = "model 'm': scaling {} replicas (load {} cost units, 4 per replica wanted)"
     assert scaling.format("up from 1 to 3", 20) in events
-    assert scaling.format("down from 3 to 1", 0) in events
+    assert scaling.format("down from 3 to 2", 0) in events
+    assert scaling.format("down from 2 to 1", 0) in events
     for n in (1, 2):
         assert f"model 'm': replica batcher[m#{n}@cpu] serving" in events
         assert f"model 'm': retiring replica batcher[m#{n}@cpu]" in events

@@ -10,7 +10,7 @@ request each, at a rate stepped in three phases:
 - *high*: 2.7 replicas' worth (three are needed);
 - *low* again: back to 30% of one.
 
-The phases take 25%, 40% and 35% of ``--duration`` (20 s by default: 5, 8, 7 s), and
+The phases take 25%, 35% and 40% of ``--duration`` (20 s by default: 5, 7, 8 s), and
 the autoscaler's delays scale with it (at 20 s: ``upscale_delay_s`` 1,
 ``downscale_delay_s`` 3, ``interval_s`` 0.25). At the end the arrivals stop and
 every request sent is awaited, so a request lost would show as unanswered.
@@ -24,12 +24,13 @@ replicas seen; the replica count over time; the time from the step up until the
 replicas serving reached what the load asks for (``NEED_HIGH``), until the backlog
 built meanwhile was drained, and from the step down until back at one replica.
 
-The load per replica it aims at (``target_queued_per_replica``) is 0.75 of a full
-batch, 12 items, not the default two full batches (32). Seen from the queue, a
-replica below saturation holds about one batch in service and a few items waiting:
-at the high phase's rate four replicas hold ~41 items, which asks for four at 12
-and for two at 32; two cannot carry 2.7 replicas' worth, so at the default the
-count swings 4 -> 2 -> 4 (docs/benchmarks.md has the figures).
+The load per replica it aims at is the default (``target_queued_per_replica``: one
+full batch, 16 items). Seen from the queue, a replica below saturation holds about
+one batch in service and a few items waiting: at the high phase's rate four replicas
+hold 25-70 items, looks that ask for two to five replicas. The step down goes to the
+most the looks of its wait asked for, so the count holds at four through the high
+phase; after the step down it goes 4 -> 3 (the wait's first looks still saw the
+high phase's last batches) -> 1 (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ LOW = 0.3  # of one replica's capacity
 HIGH = 2.7
 NEED_HIGH = math.ceil(HIGH)
 MIN_REPLICAS, MAX_REPLICAS = 1, 4
-TARGET = 0.75 * MAX_BATCH
+TARGET: float | None = None  # the default: one full batch
 #: (name, share of the duration, rate in replicas' worth)
-PHASES = (("low", 0.25, LOW), ("high", 0.40, HIGH), ("low again", 0.35, LOW))
+PHASES = (("low", 0.25, LOW), ("high", 0.35, HIGH), ("low again", 0.40, LOW))
 DEFAULT_DURATION = 20.0
 #: the autoscaler's delays and interval at the default duration (they scale with it)
 UPSCALE_S, DOWNSCALE_S, INTERVAL_S = 1.0, 3.0, 0.25
@@ -121,7 +122,7 @@ async def autoscale(
     duration: float, *, execution: str = "thread", target: float | None = TARGET
 ) -> dict[str, Any]:
     """Run the scenario for ``duration`` seconds of load and return its report
-    (``target``: the load per replica aimed at; None, the default two full batches)."""
+    (``target``: the load per replica aimed at; None, the default one full batch)."""
     scale = duration / DEFAULT_DURATION
     cfg = config(scale, execution=execution, target=target)
     auto = cfg.models[0].autoscaling
