@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import traceback
+from pathlib import Path
 from typing import Any
 
 from ._config import EXECUTIONS
@@ -139,11 +140,34 @@ def _misplaced(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
     return None
 
 
+def _unwritable(path: str) -> str | None:
+    """Why the figures could not be written to ``path`` (``bench --json``), or None.
+    Checked before the load runs: found when it was written, a bad path cost the
+    whole run (a traceback after the report). Creates the folders the bench would
+    create; leaves no file behind."""
+    out = Path(path)
+    if out.is_dir():
+        return "is a folder: name a file"
+    existed = out.exists()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a"):
+            pass
+    except OSError as exc:
+        return f"cannot write there: {exc.strerror or exc}"
+    if not existed:
+        out.unlink()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
         why = _misplaced(parser, args)
+        if why is None and args.json:
+            why = _unwritable(args.json)
+            why = why and f"--json {args.json}: {why}"
         if why is not None:
             parser.error(f"bench: {why}")
     try:

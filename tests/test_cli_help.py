@@ -100,6 +100,48 @@ def test_a_bench_option_that_would_be_ignored_is_a_usage_error(argv, message, ca
     assert f"bench: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["folder", "under a file"])
+def test_a_bench_json_path_that_cannot_be_written_is_refused_before_the_run(
+    where, tmp_path, capsys, monkeypatch
+):
+    """``--json`` naming a folder, or a path under a file, was found only when the
+    figures were written: after the whole run, as a traceback, exit 1. Now a usage
+    error (exit 2) before any load runs."""
+    import trioserve._bench
+
+    def never(*args, **kwargs):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(trioserve._bench, "main_in_process", never)
+    (tmp_path / "f").write_text("")
+    path = tmp_path if where == "folder" else tmp_path / "f" / "x.json"
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--model", "echo", "--json", str(path)])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    why = "is a folder: name a file" if where == "folder" else "cannot write there: "
+    assert f"bench: --json {path}: {why}" in err
+    assert "Traceback" not in err
+
+
+def test_a_bench_json_path_that_can_be_written_is_left_as_it_was(tmp_path, monkeypatch):
+    """The check writes nothing: a new path's folders are made (as the bench would),
+    no file is left, and an existing file keeps its content."""
+    import trioserve._bench
+
+    ran = []
+    monkeypatch.setattr(trioserve._bench, "main_in_process", lambda *a: ran.append(a) or 0)
+    new = tmp_path / "a" / "b" / "x.json"
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    for path in (new, old):
+        assert main(["bench", "--model", "echo", "--json", str(path)]) == 0
+    assert [a[2] for a in ran] == [str(new), str(old)]
+    assert new.parent.is_dir()
+    assert not new.exists()
+    assert old.read_text() == "kept"
+
+
 def test_a_bench_against_a_server_that_is_not_there_says_so_in_a_line(capsys):
     code = main(["bench", "--url", "http://127.0.0.1:1", "-c", "1", "-d", "1", "--no-offline"])
     assert code == 1
