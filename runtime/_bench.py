@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -292,4 +293,19 @@ def main_in_process(spec: BenchSpec, config_path: str | None, json_path: str | N
     res = trio.run(lambda: bench_in_process(spec, base, progress=os.isatty(2)))
     print(format_report(res))
     print(f"  json           {write_json(res, json_path)}")
-    return 0
+    return _answered_any(res)
+
+
+def _answered_any(res: dict[str, Any]) -> int:
+    """0 when some request was answered with a result; else 1, with a line on stderr
+    saying so (figures of no answers are no measurement; ``bench --url`` says the
+    same with the same status)."""
+    if res["requests"]:
+        return 0
+    kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(res.get("error_kinds", {}).items()))
+    print(
+        f"trioserve: no request was answered with a result in {res['seconds']:.1f} s"
+        + (f" (errors: {kinds})" if kinds else ""),
+        file=sys.stderr,
+    )
+    return 1

@@ -95,4 +95,5 @@ async def test_bench_sends_its_api_key_to_a_server_without_an_open_tenant(tmp_pa
         assert "refused the stream: HTTP 401; a server with no open tenant needs --api-key" in err
     else:
         assert (res["requests"], set(res["error_kinds"])) == (0, {"Unauthorized"})
+        assert "trioserve: no request was answered with a result" in err
         assert "the server wants an API key: pass a tenant's with --api-key" in err

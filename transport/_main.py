@@ -273,7 +273,7 @@ def bench_http_main(args: Any) -> int:
     """``trioserve bench --url``: closed-loop load over HTTP (C keep-alive connections)
     or over one WebSocket stream (``--stream``, C requests in flight); prints the same
     report as the in-process bench and writes the figures as JSON."""
-    from trioserve._bench import format_report, offline_throughput, write_json
+    from trioserve._bench import _answered_any, format_report, offline_throughput, write_json
 
     from ._bench import bench_http
 
@@ -323,11 +323,12 @@ def bench_http_main(args: Any) -> int:
         print(f"  items/s        {res['items_per_s']:,.0f}  ({res['batch_dim']} per request)")
     path = args.json or f"bench-results/bench-{res['mode']}-{res['model']}.json"
     print(f"  json           {write_json(res, path)}")
-    if not res["requests"] and res.get("error_kinds", {}).get("Unauthorized"):
+    code = _answered_any(res)
+    if code and res.get("error_kinds", {}).get("Unauthorized"):
         print(
             "trioserve: the server wants an API key: pass a tenant's with --api-key"
             if not getattr(args, "api_key", None)
             else "trioserve: the server refused the API key given with --api-key",
             file=sys.stderr,
         )
-    return 0 if res["requests"] else 1
+    return code
