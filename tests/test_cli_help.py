@@ -4,7 +4,9 @@ and the commands the docs show use only options and scenarios there are."""
 from __future__ import annotations
 
 import argparse
+import errno
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,32 @@ def test_a_bench_json_path_that_can_be_written_is_left_as_it_was(tmp_path, monke
     assert new.parent.is_dir()
     assert not new.exists()
     assert old.read_text() == "kept"
+
+
+class _ClosedPipe:
+    """A stdout whose reader has gone: every write fails, as ``| head -1``'s does."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    def flush(self) -> None:
+        pass
+
+
+def test_serve_reports_cannot_listen_only_when_binding_failed(tmp_path, capsys, monkeypatch):
+    """Any OSError while serving was reported as a failure to bind: the banner
+    written to a closed pipe gave "cannot listen on 127.0.0.1:0: [Errno 32] Broken
+    pipe", exit 1, with the address bound and served. That error now goes up as
+    itself; a bind failure is still one line (tests/test_config.py)."""
+    path = tmp_path / "echo.toml"
+    path.write_bytes(b'[models.e]\nbackend = "echo"\n')
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    with pytest.raises(BaseExceptionGroup) as failed:
+        main(["serve", "--config", str(path), "--host", "127.0.0.1", "--port", "0"])
+    broken, rest = failed.value.split(BrokenPipeError)
+    assert broken is not None
+    assert rest is None
+    assert "cannot listen" not in capsys.readouterr().err
 
 
 def test_a_bench_against_a_server_that_is_not_there_says_so_in_a_line(capsys):

@@ -55,11 +55,21 @@ def serve_main(
         failed, rest = group.split(ModelLoadError)
         if failed is not None and rest is None:
             return _cannot_load(_leaf(failed))
-        return _cannot_listen(group, config, host, port)
+        raise
     except ModelLoadError as exc:
         return _cannot_load(exc)
-    except OSError as exc:
-        return _cannot_listen(exc, config, host, port)
+    except _CannotListen as exc:
+        return _cannot_listen(exc.error, config, host, port)
+
+
+class _CannotListen(OSError):
+    """Binding the address failed (``error``, whose errno and text it has): only
+    this is reported as "cannot listen". Another OSError while serving (the banner
+    written to a closed pipe) was reported so too, naming the address it listened on."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.errno, error.strerror or str(error))
+        self.error = error
 
 
 class _progress_shown:
@@ -115,19 +125,15 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 def _cannot_listen(
-    exc: BaseException, config: Config, host: str | None, port: int | None
+    exc: OSError, config: Config, host: str | None, port: int | None
 ) -> int:
-    """Listening failed (address in use, ...): say so without a traceback; anything
-    else than OSErrors goes on up."""
-    if isinstance(exc, BaseExceptionGroup) and exc.split(OSError)[1] is not None:
-        raise exc
+    """Listening failed (address in use, ...): say so without a traceback."""
     where = (
         f"{host if host is not None else config.server.host}:"
         f"{port if port is not None else config.server.port}"
     )
-    leaf = _leaf(exc)
-    hint = _LISTEN_HINTS.get(getattr(leaf, "errno", None), "")
-    print(f"trioserve: cannot listen on {where}: {leaf}{hint}", file=sys.stderr)
+    hint = _LISTEN_HINTS.get(exc.errno, "")
+    print(f"trioserve: cannot listen on {where}: {exc}{hint}", file=sys.stderr)
     return 1
 
 
@@ -175,7 +181,10 @@ async def serve(config: Config, host: str | None = None, port: int | None = None
     """
     grace = config.runtime.graceful_timeout_s
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        listeners = await open_listeners(config.server, host, port)
+        try:
+            listeners = await open_listeners(config.server, host, port)
+        except OSError as exc:
+            raise _CannotListen(exc) from exc
         try:
             stop = _Stop(grace=grace)
             # The watcher of signals outlives the runtime's close, so that a second
