@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import trio
 from trioserve.cli import main
 from trioserve.scenarios import SCENARIOS
 
@@ -350,3 +351,44 @@ async def test_the_banners_curl_line_works_for_any_model_name_and_input_name():
             await client.aclose()
     assert answer.status == 200, answer.body
     assert answer.json()["model_name"] == "a b?#é"
+
+
+class _TwoAddresses(trio.abc.HostnameResolver):
+    """Resolves every name as a dual-stack ``localhost`` does, to two addresses
+    (here both IPv4 loopback, which every test machine has)."""
+
+    async def getaddrinfo(self, host, port, family=0, type=0, proto=0, flags=0):
+        return [
+            (trio.socket.AF_INET, trio.socket.SOCK_STREAM, 6, "", (a, port))
+            for a in ("127.0.0.1", "127.0.0.2")
+        ]
+
+    async def getnameinfo(self, sockaddr, flags):
+        raise NotImplementedError
+
+
+async def test_port_0_on_a_host_of_several_addresses_listens_on_one_port():
+    """``serve --host localhost --port 0`` where localhost is 127.0.0.1 and ::1:
+    trio gave each address its own free port, and the banner names the first, so
+    the URL printed did not reach the server at the other address (or reached
+    another process there). Every address now listens on the one port printed."""
+    import trioserve
+    from trioserve.transport import open_listeners
+
+    trio.socket.set_custom_hostname_resolver(_TwoAddresses())
+    try:
+        listeners = await open_listeners(trioserve.ServerConfig(), "both", 0)
+    finally:
+        trio.socket.set_custom_hostname_resolver(None)
+    try:
+        names = [ls.socket.getsockname() for ls in listeners]
+        assert [host for host, _ in names] == ["127.0.0.1", "127.0.0.2"]
+        port = names[0][1]
+        assert port != 0
+        assert [p for _, p in names] == [port, port]
+        for host, _ in names:  # each accepts a connection on that port
+            stream = await trio.open_tcp_stream(host, port)
+            await stream.aclose()
+    finally:
+        for ls in listeners:
+            await ls.aclose()

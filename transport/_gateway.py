@@ -12,6 +12,7 @@ answer, count.
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import logging
 import math
@@ -641,7 +642,50 @@ async def open_listeners(
     so that it says so at once rather than after the load."""
     host = host if host is not None else server.host
     port = port if port is not None else server.port
-    return await trio.open_tcp_listeners(port, host=host)
+    for _ in range(PORT_0_ATTEMPTS):
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        if port != 0 or len({ls.socket.getsockname()[1] for ls in listeners}) == 1:
+            return listeners
+        try:
+            return await _on_one_port(listeners)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(
+        errno.EADDRINUSE, f"no free port for every address of {host!r} at once"
+    )
+
+
+#: Tries at port 0 to find one free port on every address of the host.
+PORT_0_ATTEMPTS = 8
+
+
+async def _on_one_port(listeners: list[trio.SocketListener]) -> list[trio.SocketListener]:
+    """``listeners`` (port 0 on a name of several addresses, such as localhost's
+    127.0.0.1 and ::1, where trio gives each address a free port of its own), each
+    after the first bound again on the first's port: the one URL printed reaches the
+    server at every address of its host. Closes ``listeners`` but the first; on
+    failure (that port taken at another address: EADDRINUSE) closes them all."""
+    port = listeners[0].socket.getsockname()[1]
+    socks = [listeners[0].socket]
+    try:
+        for old in listeners[1:]:
+            sock = trio.socket.socket(old.socket.family, old.socket.type, old.socket.proto)
+            socks.append(sock)
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+            if sock.family == trio.socket.AF_INET6:
+                sock.setsockopt(trio.socket.IPPROTO_IPV6, trio.socket.IPV6_V6ONLY, 1)
+            address = old.socket.getsockname()
+            await sock.bind((address[0], port, *address[2:]))
+            sock.listen(0xFFFF)  # trio's own backlog (capped by the kernel's)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    finally:
+        for old in listeners[1:]:
+            old.socket.close()
+    return [listeners[0], *(trio.SocketListener(sock) for sock in socks[1:])]
 
 
 @asynccontextmanager
