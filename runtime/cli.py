@@ -38,8 +38,12 @@ def _number(kind: type, *, low: float, low_ok: bool = True, high: float | None =
 
 
 def _host(text: str) -> str:
+    """A listen address; an IPv6 one may come in brackets, as URLs (and the banner)
+    write it: ``[::1]`` is ``::1``."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must be an address or host name, got nothing")
+    if text.startswith("[") and text.endswith("]") and ":" in text:
+        return text[1:-1]
     return text
 
 
@@ -62,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the configured models over HTTP and WebSocket")
     s.add_argument("--config", help="TOML config file (default: the built-in configuration)")
     s.add_argument("--host", type=_host,
-                   help="listen address (default: the config's [server] host, 127.0.0.1)")
+                   help="listen address, an IPv6 one bare or in brackets (default: the "
+                   "config's [server] host, 127.0.0.1)")
     s.add_argument("--port", type=_PORT,
                    help="listen port, 0-65535 (default: the config's [server] port, 8000)")
 

@@ -171,6 +171,30 @@ def test_serve_reports_cannot_listen_only_when_binding_failed(tmp_path, capsys, 
     assert "cannot listen" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("given", "host"), [("[::1]", "::1"), ("::1", "::1"), ("h", "h")])
+def test_serve_takes_an_ipv6_host_in_brackets_as_urls_write_it(given, host):
+    """``--host [::1]``, as the banner's URL writes it, failed: "Name or service not
+    known"."""
+    from trioserve.cli import _parser
+
+    assert _parser().parse_args(["serve", "--host", given]).host == host
+
+
+def test_cannot_listen_writes_an_ipv6_address_in_brackets(capsys):
+    """"cannot listen on fe80::1:0" did not say where the address ends and the port
+    begins."""
+    import trioserve
+    from trioserve.transport._main import _cannot_listen
+
+    cfg = trioserve.Config(models=(trioserve.ModelConfig(name="e", backend="echo"),))
+    exc = OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+    assert _cannot_listen(exc, cfg, "fe80::1", 0) == 1
+    assert _cannot_listen(exc, cfg, None, None) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("trioserve: cannot listen on [fe80::1]:0: [Errno 99] ")
+    assert lines[1].startswith("trioserve: cannot listen on 127.0.0.1:8000: ")
+
+
 def test_a_bench_against_a_server_that_is_not_there_says_so_in_a_line(capsys):
     code = main(["bench", "--url", "http://127.0.0.1:1", "-c", "1", "-d", "1", "--no-offline"])
     assert code == 1

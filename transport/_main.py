@@ -128,8 +128,9 @@ def _cannot_listen(
     exc: OSError, config: Config, host: str | None, port: int | None
 ) -> int:
     """Listening failed (address in use, ...): say so without a traceback."""
+    name = host if host is not None else config.server.host
     where = (
-        f"{host if host is not None else config.server.host}:"
+        f"{f'[{name}]' if ':' in name else name}:"  # an IPv6 address, as in a URL
         f"{port if port is not None else config.server.port}"
     )
     hint = _LISTEN_HINTS.get(exc.errno, "")
