@@ -416,3 +416,25 @@ async def test_port_0_on_a_host_of_several_addresses_listens_on_one_port():
     finally:
         for ls in listeners:
             await ls.aclose()
+
+
+def test_serve_writes_progress_to_stdout_and_warnings_named_to_stderr(capsys):
+    """While serving, a warning (max_connections over ulimit -n, an actor's crash)
+    was written to stderr bare, unlike every other line of the command; now
+    ``trioserve: WARNING: ...``. Progress stays on stdout, once."""
+    import logging
+
+    from trioserve.transport._main import _progress_shown
+
+    log = logging.getLogger("trioserve.transport")
+    with _progress_shown():
+        logging.getLogger("trioserve").info("model %r: ready", "m")
+        log.warning("server.max_connections (%d) is not below the open-file limit", 9)
+        log.error("accept failed")
+    logging.getLogger("trioserve").warning("after serving: not ours to write")
+    out, err = capsys.readouterr()
+    assert out == "trioserve: model 'm': ready\n"
+    assert err.splitlines()[:2] == [
+        "trioserve: WARNING: server.max_connections (9) is not below the open-file limit",
+        "trioserve: ERROR: accept failed",
+    ]

@@ -74,7 +74,8 @@ class _CannotListen(OSError):
 
 class _progress_shown:
     """While serving: the runtime's progress (models loading, ready) on stdout as
-    ``trioserve: ...`` lines; its warnings stay on stderr."""
+    ``trioserve: ...`` lines; its warnings and errors on stderr as
+    ``trioserve: WARNING: ...`` (``ERROR``) lines."""
 
     def __enter__(self) -> None:
         logger = logging.getLogger("trioserve")
@@ -84,6 +85,8 @@ class _progress_shown:
         handler.addFilter(lambda record: record.levelno < logging.WARNING)
         self._warnings = warnings = logging.StreamHandler()  # stderr
         warnings.setLevel(logging.WARNING)
+        # named and ranked, as every other line the command writes is named
+        warnings.setFormatter(logging.Formatter("trioserve: %(levelname)s: %(message)s"))
         logger.addHandler(handler)
         logger.addHandler(warnings)
         if logger.getEffectiveLevel() > logging.INFO:
