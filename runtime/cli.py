@@ -47,6 +47,12 @@ def _host(text: str) -> str:
     return text
 
 
+def _file(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a TOML file, got nothing")
+    return text
+
+
 _PORT = _number(int, low=0, high=65535)
 _COUNT = _number(int, low=1)
 _SECONDS = _number(float, low=0.0, low_ok=False)
@@ -64,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the configured models over HTTP and WebSocket")
-    s.add_argument("--config", help="TOML config file (default: the built-in configuration)")
+    s.add_argument("--config", type=_file,
+                   help="TOML config file (default: the built-in configuration)")
     s.add_argument("--host", type=_host,
                    help="listen address, an IPv6 one bare or in brackets (default: the "
                    "config's [server] host, 127.0.0.1)")
@@ -72,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="listen port, 0-65535 (default: the config's [server] port, 8000)")
 
     b = sub.add_parser("bench", help="closed-loop load, in process or against --url")
-    b.add_argument("--config",
+    b.add_argument("--config", type=_file,
                    help="TOML config file, in process (default: the built-in configuration)")
     b.add_argument("--url", help="bench a running server over HTTP instead of in process")
     b.add_argument("--model", default="mlp", help="the model to bench (default mlp)")

@@ -60,6 +60,8 @@ def test_version_prints_and_exits_zero(capsys):
         (["serve", "--port", "70000"], "--port: must be at least 0 and at most 65535, got 70000"),
         (["serve", "--port", "-1"], "--port: must be at least 0 and at most 65535, got -1"),
         (["serve", "--host", ""], "--host: must be an address or host name, got nothing"),
+        (["serve", "--config", ""], "--config: must name a TOML file, got nothing"),
+        (["bench", "--config", " "], "--config: must name a TOML file, got nothing"),
         (["bench", "-c", "0"], "--concurrency: must be at least 1, got 0"),
         (["bench", "-d", "-1"], "--duration: must be above 0, got -1"),
         (["bench", "-d", "nan"], "--duration: must be above 0, got nan"),
