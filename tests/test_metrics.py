@@ -232,3 +232,41 @@ async def test_requests_pushed_out_are_exposed_apart_from_those_refused(autojump
             f'outcome="{outcome}",tenant="{tenant}"}} {n}.0'
         )
         assert line in text, line
+
+
+async def test_what_each_series_counts_for_a_request_with_a_batch_dimension(autojump_clock):
+    """docs/gateway.md's /metrics section says what one v2 request of shape [N, ...]
+    counts in each series: one answer in trioserve_requests_total and one
+    end_to_end latency, but N items everywhere the scheduler sees them (queue wait,
+    flow outcomes, cost, credits, batch items), as ``rt.statistics()`` has them."""
+    cfg = trioserve.Config(
+        models=(callable_model("m", Recorder(), max_batch_size=2, max_wait_ms=0.0),),
+        tenants=(TenantConfig(name="t", default=True),),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        client = Gateway(rt).app.test_client()
+        data = orjson.dumps({"inputs": [v2_input(np.ones((3, 1), np.float32))]})
+        assert (await client.post("/v2/models/m/infer", data=data)).status_code == 200
+        text = (await (await client.get("/metrics")).get_data()).decode()
+        stats = rt.statistics()["m"]
+        credits = rt.tenant_statistics()["t"]["credits_used"]
+    got = _samples(text)
+    flow = (("class", "realtime"), ("model", "m"), ("tenant", "t"))
+
+    def outcome(name: str) -> float:
+        return got["trioserve_flow_requests_total", (*flow[:2], ("outcome", name), flow[2])]
+
+    answered = (("model", "m"), ("status", "200"), ("tenant", "t"))
+    assert got["trioserve_requests_total", answered] == 1
+    assert got["trioserve_latency_seconds_count", (("model", "m"), ("stage", "end_to_end"))] == 1
+    assert stats["end_to_end"].count == 1
+    assert got["trioserve_latency_seconds_count", (("model", "m"), ("stage", "queue_wait"))] == 3
+    assert stats["queue_wait"].count == 3
+    assert outcome("admitted") == outcome("dispatched") == 3
+    assert stats["flows"]["t/realtime"]["admitted"] == 3
+    assert got["trioserve_flow_served_cost_total", flow] == 3
+    assert got["trioserve_flow_wait_seconds_count", flow] == 3
+    assert got["trioserve_credits_used_total", (("tenant", "t"),)] == credits == 3
+    assert got["trioserve_batch_items_total", (("model", "m"),)] == stats["items"] == 3
+    assert got["trioserve_batches_total", (("model", "m"),)] == stats["batches"] == 2
+    assert got["trioserve_latency_seconds_count", (("model", "m"), ("stage", "batch_exec"))] == 2
