@@ -34,6 +34,9 @@ def test_bulk_fold_equals_per_value_recording(values):
         assert lat.hist.max_value == ref.max_value
     # the exact count and sum, overflow included (values below 1 µs count as 1)
     assert lat.totals() == (len(values), sum(max(int(us / 1e6 * 1e6), 1) for us in values))
+    if lat.hist.total_count:  # the summary's mean is the exact one, overflow included
+        count, total = lat.totals()
+        assert lat.summary().mean_ms == total / count / 1e3
 
 
 def test_summary_reads_buffered_values():
@@ -44,6 +47,7 @@ def test_summary_reads_buffered_values():
     assert s.count == 5
     assert 2.9 <= s.p50_ms <= 3.1
     assert 99 <= s.max_ms <= 101
+    assert s.mean_ms == 22.0  # exact, from the exact sum (hdrh's own walked every bucket)
     lat.record(0.5)  # still buffered: totals() folds it
     assert lat.totals() == (6, 1_000 + 2_000 + 3_000 + 4_000 + 100_000 + 500_000)
     lat.reset()
