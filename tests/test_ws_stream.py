@@ -293,6 +293,18 @@ async def test_a_reset_stream_is_not_logged_as_an_error(caplog):
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
 
+async def test_an_id_of_another_type_is_refused_naming_what_was_sent():
+    """It said the message "needs an 'id'" though it had one (true, 1.5, a list)."""
+    async with serving(config(echo_model())) as gw, open_stream(gw.url) as stream:
+        for rid in (True, [1, None], {"a": "b"}):
+            await stream.send_raw(json.dumps({"id": rid, "model": "echo", "inputs": []}))
+            refused = await stream.receive()
+            assert (refused.id, refused.status) == (rid, 400)
+            assert refused.error == (  # as JSON writes it: true, [1, null], {"a": "b"}
+                f"a stream message's 'id' must be a string or an integer, got {json.dumps(rid)}"
+            )
+
+
 async def test_an_integer_id_past_64_bits_is_refused_saying_so():
     """JSON parsers read it as a float: the error says what an integer id may be."""
     async with serving(config(echo_model())) as gw, open_stream(gw.url) as stream:
@@ -303,7 +315,7 @@ async def test_an_integer_id_past_64_bits_is_refused_saying_so():
     assert [r.id for r in replies] == [1.5, 2**64 - 1, 1e30]
     assert replies[1].error is None
     assert (replies[0].status, replies[0].error) == (
-        400, "a stream message needs an 'id' (string or integer)")
+        400, "a stream message's 'id' must be a string or an integer, got 1.5")
     assert replies[2].status == 400
     assert "within 64 bits" in replies[2].error
 

@@ -51,6 +51,7 @@ from ._replay import CLOSE_GRACE, RECEIVE_SIZE
 from ._request import InferRequest
 from ._request_json import loads_request
 from ._response import encode_response
+from ._v2 import shown
 
 if TYPE_CHECKING:
     from ._gateway import Gateway, _Conn
@@ -585,11 +586,14 @@ class _Session:
                 if rid is None or type(rid) not in (str, int):
                     # JSON parsers read a larger integer as a float (10**30 as 1e30)
                     raise InvalidInput(
-                        "a stream message needs an 'id' (string or integer); an integer "
-                        "id must be within 64 bits (-2**63 to 2**64-1): use a string"
-                        if type(rid) is float and rid.is_integer()
-                        and not -(2**63) <= rid < 2**64 else
                         "a stream message needs an 'id' (string or integer)"
+                        if rid is None else
+                        "a stream message's 'id' must be a string or an integer; an "
+                        "integer id must be within 64 bits (-2**63 to 2**64-1): use a "
+                        "string" if type(rid) is float and rid.is_integer()
+                        and not -(2**63) <= rid < 2**64 else
+                        "a stream message's 'id' must be a string or an integer, got "
+                        f"{shown(rid, message)}"
                     )
                 model = doc.get("model")
                 if type(model) is not str:
