@@ -54,6 +54,19 @@ def test_version_prints_and_exits_zero(capsys):
     assert capsys.readouterr().out == f"trioserve {trioserve.__version__}\n"
 
 
+def test_python_dash_m_trioserve_is_the_command():
+    """``python -m trioserve`` had no ``__main__``: "No module named trioserve.__main__"."""
+    import subprocess
+
+    import trioserve
+
+    done = subprocess.run(
+        [sys.executable, "-m", "trioserve", "--version"], capture_output=True, text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (0, f"trioserve {trioserve.__version__}\n")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
