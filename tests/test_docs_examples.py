@@ -405,10 +405,13 @@ def _shell_commands() -> list[tuple[str, str, list[str]]]:
 def test_command_line_parses(where, line, argv):
     """A ``trioserve`` line (any path to it) parses as the CLI parses it, bench's
     combinations included; ``make T ARGS=...`` names a target of the Makefile and its
-    ARGS parse for ``serve`` and ``bench``; ``python -m fuzz`` lines parse as fuzz's."""
+    ARGS parse for ``serve`` and ``bench``; ``python -m trioserve`` is the first;
+    ``python -m fuzz`` lines parse as fuzz's."""
     program = Path(argv[0]).name
     if program == "trioserve":
         _check_trioserve(argv[1:])
+    elif program.startswith("python") and argv[1:3] == ["-m", "trioserve"]:
+        _check_trioserve(argv[3:])  # the same command, as a module
     elif program == "make":
         target, *rest = argv[1:]
         assert target in _make_targets(), line
