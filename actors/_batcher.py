@@ -111,6 +111,34 @@ def _all_lost(scheduler: SchedulerActor) -> bool:
     )
 
 
+def retire_if_lost(scheduler: SchedulerActor, text: str) -> None:
+    """Retire ``scheduler``'s queue, and with it the model's other lanes when none
+    of them serves either, once every replica of it lost its device (the last one:
+    ``text``; see :meth:`BatcherActor._lose_device`). Called when a replica loses its
+    device, and when an autoscaled model's retired replica leaves the replicas that
+    all lost theirs. Not a checkpoint."""
+    model = scheduler.model
+    if not _all_lost(scheduler):
+        return
+    # Nothing will ever serve its queue: answer what waits, and what comes, at once
+    # (not at its deadline). While another lane of the model serves, the model is
+    # ready and the error names the lane; once none does, every lane refuses with
+    # the model's error (a lane retired before is retired again with it).
+    if any(not _all_lost(lane) for lane in scheduler.lanes):
+        scheduler.retire(ModelError(
+            f"model {model!r}: no replica can serve its {scheduler.lane} any "
+            f"more: each left its device unusable (here: {text}); its other "
+            "requests are still served; restart the server to recover the lane"
+        ))
+        return
+    error = ModelError(
+        f"model {model!r}: no replica can serve it any more: each left its "
+        f"device unusable (here: {text}); restart the server"
+    )
+    for lane in scheduler.lanes:
+        lane.retire(error)
+
+
 class BatcherActor(WorkerFeed, Retiring, Actor):
     def __init__(
         self,
@@ -414,26 +442,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             f"model {self.model!r} failed on {self.device} and left it unusable: {text}"
         )
         self._answer_error(batch, [r for r in batch if r.reply.answerable], msg)
-        scheduler = self._scheduler
-        if not _all_lost(scheduler):
-            return
-        # Nothing will ever serve its queue: answer what waits, and what comes, at once
-        # (not at its deadline). While another lane of the model serves, the model is
-        # ready and the error names the lane; once none does, every lane refuses with
-        # the model's error (a lane retired before is retired again with it).
-        if any(not _all_lost(lane) for lane in scheduler.lanes):
-            scheduler.retire(ModelError(
-                f"model {self.model!r}: no replica can serve its {scheduler.lane} any "
-                f"more: each left its device unusable (here: {text}); its other "
-                "requests are still served; restart the server to recover the lane"
-            ))
-            return
-        error = ModelError(
-            f"model {self.model!r}: no replica can serve it any more: each left its "
-            f"device unusable (here: {text}); restart the server"
-        )
-        for lane in scheduler.lanes:
-            lane.retire(error)
+        retire_if_lost(self._scheduler, text)
 
     async def join_thread(self) -> None:
         """Wait until this replica's model call in a worker thread, if any (one given

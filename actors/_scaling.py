@@ -32,6 +32,7 @@ import trio
 from trioserve import Actor, ActorState
 
 from ._autoscale import Autoscaler
+from ._batcher import retire_if_lost
 
 log = logging.getLogger("trioserve")
 
@@ -139,6 +140,7 @@ class ScalingController(Actor):
             except Exception as exc:
                 self.start_failures += 1
                 self.scaler.failed()
+                self._retire_if_lost()
                 log.warning(
                     "model %r: a new replica on %s failed to start (%s); the next try "
                     "waits the upscale delay", self.model, device, exc,
@@ -162,6 +164,17 @@ class ScalingController(Actor):
         await batcher.wait_retired()
         self._served.remove_replica(batcher)
         log.info("model %r: replica %s retired", self.model, batcher.name)
+        self._retire_if_lost()
+
+    def _retire_if_lost(self) -> None:
+        """A replica left (retired, or failed to start): it may have been the last
+        one that could serve the queue. Should every one left have lost its device,
+        nothing will pull from it again (no replica is placed on a lost device), so
+        it refuses at once, as when the last replica loses its device."""
+        scheduler = self._served.scheduler
+        lost = [b.lost for b in scheduler.batchers if b.lost is not None]
+        if lost:
+            retire_if_lost(scheduler, lost[-1])
 
     def _set_floor(self) -> None:
         """The adaptive limit's floor: two full batches per replica that pulls."""

@@ -1,0 +1,105 @@
+"""Edges of autoscaling (docs/faults.md, Autoscaling) where a retirement meets a
+fault or shutdown: the queue retired once the last replica that could serve it was
+retired and every one left lost its device."""
+
+from __future__ import annotations
+
+import threading
+
+import trio
+import trio.testing
+import trioserve
+from runtime_helpers import DEVICE_LOST, GATE_LIMIT_S, X, Y, config, item
+from trioserve import AutoscalingConfig, ModelConfig, ModelError
+
+
+class FirstLosesItsDevice(trioserve.ModelBackend):
+    """Thread replicas on one device: each batch waits for ``gate``; then the first
+    replica loaded raises and leaves the device unusable (``device_lost`` says so,
+    through ``lose_devices``), the others answer ``y = x``. ``started`` counts the
+    batches waiting."""
+
+    inputs = (X,)
+    outputs = (Y,)
+    default_execution = "thread"
+
+    def __init__(self, lost: set[str]) -> None:
+        self.lost = lost
+        self.loaded = 0
+        self.gates = [threading.Event(), threading.Event()]
+        self.started = [threading.Event(), threading.Event()]
+
+    def load(self, device, *, torch_threads=1):
+        number = self.loaded
+        self.loaded += 1
+
+        def run(items):
+            self.started[number].set()
+            if not self.gates[number].wait(GATE_LIMIT_S):
+                raise RuntimeError("gate never opened")
+            if number == 0:
+                self.lost.add(device)
+                raise RuntimeError(DEVICE_LOST)
+            return [{"y": it["x"].copy()} for it in items]
+
+        return run
+
+
+async def test_the_queue_is_retired_when_the_last_replica_that_serves_it_retires(
+    autojump_clock, lose_devices
+):
+    """Two thread replicas on cpu:0, both running a batch: the newest is retired
+    (one replica wanted), then the other loses the device. The retired one answers
+    its batch and is unregistered; only the lost one is left, and no new replica
+    can be placed (its device is lost): the queue is retired, so a request gets the
+    model's error at once. Before, the queue stayed open and every later request
+    waited for a replica that would never come (here, with no timeout, for ever)."""
+    backend = FirstLosesItsDevice(lose_devices)
+    cfg = config(ModelConfig(
+        name="m", backend=backend, devices=("cpu:0",), replicas=2, max_batch_size=1,
+        max_wait_ms=0, timeout_ms=None, autoscaling=AutoscalingConfig(
+            min_replicas=1, max_replicas=2, target_queued_per_replica=4,
+            upscale_delay_s=0, downscale_delay_s=0, interval_s=1,
+        ),
+    ))
+    answers: dict = {}
+    answered = trio.Event()  # the first answer came
+
+    async def call(x: float) -> None:
+        try:
+            answers[x] = float((await rt.infer("m", item(x)))["y"][0])
+        except trioserve.TrioserveError as exc:
+            answers[x] = exc
+        answered.set()
+
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            t0 = trio.current_time()
+            served = rt.models["m"]
+            first, second = served.batchers
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 1.0)
+                nursery.start_soon(call, 2.0)
+                for started in backend.started:
+                    await trio.to_thread.run_sync(started.wait, GATE_LIMIT_S)
+                await trio.sleep_until(t0 + 1.5)  # the look at 1 retired the newest
+                assert second.retiring
+                assert not first.retiring
+                backend.gates[0].set()
+                await answered.wait()
+                assert first.lost is not None
+                assert not served.scheduler.closed  # the retiring one still serves
+                backend.gates[1].set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert served.batchers == [first]
+            assert served.scheduler.closed
+            with trio.fail_after(5):
+                await call(3.0)
+    finally:
+        for gate in backend.gates:
+            gate.set()
+    assert isinstance(answers[3.0], ModelError)
+    assert "no replica can serve it any more" in str(answers[3.0])
+    held = [answers[1.0], answers[2.0]]
+    assert sum(isinstance(a, ModelError) for a in held) == 1
+    assert sorted(a for a in held if not isinstance(a, ModelError)) in ([1.0], [2.0])
