@@ -125,6 +125,8 @@ class ScalingController(Actor):
 
     async def _scale_up(self, n: int) -> None:
         for _ in range(n):
+            if self._closing() or self._served.scheduler.closed:
+                return  # shutdown began while the one before loaded: no more
             device = self._place()
             if device is None:
                 log.warning(

@@ -1,6 +1,7 @@
-"""Edges of autoscaling (docs/faults.md, Autoscaling) where a retirement meets a
-fault or shutdown: the queue retired once the last replica that could serve it was
-retired and every one left lost its device."""
+"""Edges of autoscaling (docs/faults.md, Autoscaling) where a retirement or a scale-up
+meets a fault or shutdown: the queue retired once the last replica that could serve
+it was retired and every one left lost its device; a scale-up under way when
+shutdown begins adds no more replicas."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import trio
 import trio.testing
 import trioserve
 from runtime_helpers import DEVICE_LOST, GATE_LIMIT_S, X, Y, config, item
+from test_autoscale_runtime import call, model, ran_keys
+from test_autoscale_runtime import workers as workers  # the stand-in workers' fixture
 from trioserve import AutoscalingConfig, ModelConfig, ModelError
 
 
@@ -103,3 +106,34 @@ async def test_the_queue_is_retired_when_the_last_replica_that_serves_it_retires
     held = [answers[1.0], answers[2.0]]
     assert sum(isinstance(a, ModelError) for a in held) == 1
     assert sorted(a for a in held if not isinstance(a, ModelError)) in ([1.0], [2.0])
+
+
+async def test_a_scale_up_adds_no_more_replicas_once_shutdown_began(
+    autojump_clock, workers
+):
+    """A look at 1 s asks for two more replicas (each takes 5 s to load); the block
+    is left at 2 s while the first loads. It serves once loaded (it helps the
+    drain), but the second is not started: shutdown stops the decisions, and
+    before it the rest of a decision already under way was carried out, loading a
+    model on a device during the grace."""
+    workers.load_s = 5.0
+    cfg = trioserve.Config(
+        models=(model(autoscaling=AutoscalingConfig(
+            max_replicas=3, target_queued_per_replica=2, upscale_delay_s=0, interval_s=1,
+        )),),
+        tenants=(trioserve.TenantConfig(name="t", default=True),),
+        runtime=trioserve.RuntimeLimits(graceful_timeout_s=30),
+    )
+    answers: dict = {}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as callers:
+            async with trioserve.open_runtime(cfg) as rt:
+                t0 = trio.current_time()
+                for x in range(1, 21):
+                    callers.start_soon(call, rt, float(x), answers)
+                await trio.sleep_until(t0 + 2)
+                assert len(workers.made) == 2  # the first new one loads
+    assert len(workers.made) == 2
+    assert answers == {float(x): [2.0 * x + 1] for x in range(1, 21)}
+    assert ran_keys(workers.ran) == dict.fromkeys(answers, 1)
+    assert {w for w, _ in workers.ran} == {0, 1}
