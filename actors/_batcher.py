@@ -280,7 +280,9 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             await self._execute(batch)
             self._in_flight.clear()
         else:
-            await trio.sleep_forever()  # its device is lost: it pulls no more
+            # Its device is lost: it pulls no more (one being retired ends, as retired)
+            if not self._retire_asked.is_set():
+                await trio.sleep_forever()
         # Retired: its batch answered (a straggling thread returned: _execute waits
         # for it), the model it loaded is let go.
         self._runner = None

@@ -48,6 +48,7 @@ class WorkerFeed:
         _replace_wake: trio.Event
         _retirable: bool
         _retire_asked: trio.Event
+        _retire_scope: trio.CancelScope | None
         _in_flight: collections.deque[list[Request]]
         _scheduler: SchedulerActor
         _metrics: ModelMetrics
@@ -95,7 +96,14 @@ class WorkerFeed:
                 self._replacing = False
             # Workers that keep dying on fresh work opened the breaker: its cooldown
             # spaces their successors (forked back to back, a dozen a second, before).
-            await self._wait_breaker()
+            # A retire cuts the wait short: no successor for a replica that goes.
+            with trio.CancelScope() as scope:
+                self._retire_scope = scope
+                if not self._retire_asked.is_set():
+                    await self._wait_breaker()
+            self._retire_scope = None
+            if self._retire_asked.is_set():
+                return
             self._replacing = True
             try:
                 delay = START_RETRY_MIN

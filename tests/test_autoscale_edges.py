@@ -13,7 +13,7 @@ import trioserve
 from runtime_helpers import DEVICE_LOST, GATE_LIMIT_S, X, Y, config, item
 from test_autoscale_runtime import call, model, ran_keys
 from test_autoscale_runtime import workers as workers  # the stand-in workers' fixture
-from trioserve import AutoscalingConfig, ModelConfig, ModelError
+from trioserve import ActorState, AutoscalingConfig, ModelConfig, ModelError
 
 
 class FirstLosesItsDevice(trioserve.ModelBackend):
@@ -26,8 +26,9 @@ class FirstLosesItsDevice(trioserve.ModelBackend):
     outputs = (Y,)
     default_execution = "thread"
 
-    def __init__(self, lost: set[str]) -> None:
+    def __init__(self, lost: set[str], loser: int = 0) -> None:
         self.lost = lost
+        self.loser = loser  # the replica (in load order) whose batch loses the device
         self.loaded = 0
         self.gates = [threading.Event(), threading.Event()]
         self.started = [threading.Event(), threading.Event()]
@@ -40,7 +41,7 @@ class FirstLosesItsDevice(trioserve.ModelBackend):
             self.started[number].set()
             if not self.gates[number].wait(GATE_LIMIT_S):
                 raise RuntimeError("gate never opened")
-            if number == 0:
+            if number == self.loser:
                 self.lost.add(device)
                 raise RuntimeError(DEVICE_LOST)
             return [{"y": it["x"].copy()} for it in items]
@@ -137,3 +138,61 @@ async def test_a_scale_up_adds_no_more_replicas_once_shutdown_began(
     assert answers == {float(x): [2.0 * x + 1] for x in range(1, 21)}
     assert ran_keys(workers.ran) == dict.fromkeys(answers, 1)
     assert {w for w, _ in workers.ran} == {0, 1}
+
+
+async def test_a_replica_that_loses_its_device_while_retiring_ends_and_leaves(
+    autojump_clock, lose_devices
+):
+    """The newest of two thread replicas is retired while it runs a batch, and that
+    batch leaves its device unusable: its caller gets the model's error, and the
+    replica ends and is unregistered. Before, a thread replica that lost its device
+    slept for ever, retired or not: it stayed registered, and the controller's wait
+    for it never ended."""
+    backend = FirstLosesItsDevice(lose_devices, loser=1)
+    cfg = config(ModelConfig(
+        name="m", backend=backend, devices=("cpu:0", "cpu:1"), replicas=2,
+        max_batch_size=1, max_wait_ms=0, timeout_ms=None,
+        autoscaling=AutoscalingConfig(
+            min_replicas=1, max_replicas=2, target_queued_per_replica=4,
+            upscale_delay_s=0, downscale_delay_s=0, interval_s=1,
+        ),
+    ))
+    answers: dict = {}
+    answered = trio.Event()  # the first answer came
+
+    async def call(x: float) -> None:
+        try:
+            answers[x] = float((await rt.infer("m", item(x)))["y"][0])
+        except trioserve.TrioserveError as exc:
+            answers[x] = exc
+        answered.set()
+
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            t0 = trio.current_time()
+            served = rt.models["m"]
+            first, second = served.batchers
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 1.0)
+                nursery.start_soon(call, 2.0)
+                for started in backend.started:
+                    await trio.to_thread.run_sync(started.wait, GATE_LIMIT_S)
+                await trio.sleep_until(t0 + 1.5)  # the look at 1 retired the newest
+                assert second.retiring
+                backend.gates[1].set()  # its batch loses cpu:1
+                await answered.wait()  # (no trio timeout: the clock jumps past a thread)
+                await trio.testing.wait_all_tasks_blocked()
+                assert second.lost is not None
+                assert second.state is ActorState.STOPPED  # it ended, as retired
+                backend.gates[0].set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert served.batchers == [first]
+            assert not served.scheduler.closed  # the first still serves
+            await call(3.0)  # (no trio timeout: the clock jumps past a thread)
+    finally:
+        for gate in backend.gates:
+            gate.set()
+    assert answers[3.0] == 3.0
+    held = [answers[1.0], answers[2.0]]
+    assert sum(isinstance(a, ModelError) for a in held) == 1
+    assert sorted(a for a in held if not isinstance(a, ModelError)) in ([1.0], [2.0])
