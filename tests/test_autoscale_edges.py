@@ -13,6 +13,7 @@ import trioserve
 from runtime_helpers import DEVICE_LOST, GATE_LIMIT_S, X, Y, config, item
 from test_autoscale_runtime import call, model, ran_keys
 from test_autoscale_runtime import workers as workers  # the stand-in workers' fixture
+from test_faults import timed_workers as timed_workers  # stand-in workers in trio time
 from trioserve import ActorState, AutoscalingConfig, ModelConfig, ModelError
 
 
@@ -196,3 +197,32 @@ async def test_a_replica_that_loses_its_device_while_retiring_ends_and_leaves(
     held = [answers[1.0], answers[2.0]]
     assert sum(isinstance(a, ModelError) for a in held) == 1
     assert sorted(a for a in held if not isinstance(a, ModelError)) in ([1.0], [2.0])
+
+
+async def test_a_replica_retired_while_its_dead_workers_successor_waits_ends_at_once(
+    autojump_clock, timed_workers, monkeypatch
+):
+    """Two process replicas whose workers die idle right after each start: their
+    breakers open and space the successors (cooldowns 1, 2, 4, 8 s). The newest is
+    retired at 11 s, inside its 8 s wait: it ends then. Before, it waited the cooldown
+    out (to ~16 s) and started a worker only to close it."""
+    import trioserve.actors._batcher
+    from test_faults import ShortLived, timed_model
+
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", ShortLived)
+    ShortLived.starts, ShortLived.healed = [], False
+    cfg = config(timed_model(replicas=2, autoscaling=AutoscalingConfig(
+        min_replicas=1, max_replicas=2, downscale_delay_s=10, interval_s=1,
+    )))
+    async with trioserve.open_runtime(cfg) as rt:
+        t0 = trio.current_time()
+        served = rt.models["m"]
+        first, second = served.batchers
+        await trio.sleep_until(t0 + 10.5)
+        assert second.health == "open"  # waiting out a cooldown
+        lost = second.workers_lost
+        await trio.sleep_until(t0 + 11.5)  # the look at 11 retired it
+        assert second.state is ActorState.STOPPED
+        assert served.batchers == [first]
+        assert second.workers_lost == lost  # no successor started and lost
+        ShortLived.healed = True
