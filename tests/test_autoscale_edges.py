@@ -1,7 +1,8 @@
 """Edges of autoscaling (docs/faults.md, Autoscaling) where a retirement or a scale-up
 meets a fault or shutdown: the queue retired once the last replica that could serve
 it was retired and every one left lost its device; a scale-up under way when
-shutdown begins adds no more replicas."""
+shutdown begins adds no more replicas; a replica that loses its device while
+retiring, or is retired while its dead worker's successor waits, ends at once."""
 
 from __future__ import annotations
 
