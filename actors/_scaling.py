@@ -179,8 +179,9 @@ class ScalingController(Actor):
             retire_if_lost(scheduler, lost[-1])
 
     def _set_floor(self) -> None:
-        """The adaptive limit's floor: two full batches per replica that pulls."""
-        pulling = sum(1 for b in self._served.batchers if not b.retiring)
+        """The adaptive limit's floor: two full batches per replica that pulls (one
+        that lost its device, is broken or stopped, or retires, pulls nothing)."""
+        pulling = sum(1 for b in self._served.batchers if serves(b))
         set_min_limit = getattr(self._served.scheduler.policy, "set_min_limit", None)
         if set_min_limit is not None:
             set_min_limit(self._floor * max(1, pulling))

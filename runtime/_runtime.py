@@ -342,7 +342,7 @@ async def _start_model(
         lane.batchers.append(batcher)
         try:
             await nursery.start(supervise, batcher, policy)
-        except Exception:
+        except BaseException:  # its load failed, or the start was cancelled
             served.remove_replica(batcher)  # it never took work
             raise
         return batcher
