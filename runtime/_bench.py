@@ -22,8 +22,6 @@ from ._config import (
     Config,
     ConfigError,
     ModelConfig,
-    RuntimeLimits,
-    TenantConfig,
     load_config,
 )
 from ._runtime import open_runtime
@@ -73,9 +71,29 @@ class BenchSpec:
     torch_threads: int | None = None
     execution: str | None = None
     offline: bool = True
+    config: str | None = None  # the config file's path; None: the built-in configuration
+
+
+class NoOpenTenant(ConfigError):
+    """The configuration has no tenant that takes requests without an API key, which
+    the in-process bench's callers need: a usage error of the bench, not a wrong file."""
 
 
 def _bench_config(base: Config, spec: BenchSpec) -> Config:
+    """The configuration the bench runs: ``base`` with the chosen model alone (the
+    others are not loaded: they would take memory and start-up time, and no load goes
+    to them), the bench's overrides applied to that model's settings, and ``base``'s
+    tenants, classes, runtime limits and cache as they are. The callers call as the
+    default tenant (NoOpenTenant when there is none). Only the built-in configuration's
+    queue bound is raised to twice the callers, so that they are not shed."""
+    if not any(t.default for t in base.tenants):
+        where = f"--config {spec.config}" if spec.config else "the configuration"
+        raise NoOpenTenant(
+            f"{where} has no open tenant: the in-process bench calls without an API key, "
+            "as the tenant with 'default = true'; mark one of its tenants "
+            f"({', '.join(t.name for t in base.tenants)}) so, or bench a server with "
+            "--url and --api-key"
+        )
     try:
         m = base.model(spec.model)
     except KeyError:
@@ -100,10 +118,12 @@ def _bench_config(base: Config, spec: BenchSpec) -> Config:
         if v is not None
     }
     m = attrs.evolve(m, **changes)
-    limits = attrs.evolve(
-        base.runtime, queue_bound=max(base.runtime.queue_bound, spec.concurrency * 2),
-    ) if isinstance(base.runtime, RuntimeLimits) else base.runtime
-    return Config(models=(m,), tenants=(TenantConfig(name="bench", default=True),), runtime=limits)
+    limits = base.runtime
+    if spec.config is None:
+        limits = attrs.evolve(
+            limits, queue_bound=max(limits.queue_bound, spec.concurrency * 2)
+        )
+    return attrs.evolve(base, models=(m,), runtime=limits)
 
 
 async def run_load(
@@ -234,6 +254,7 @@ async def bench_in_process(spec: BenchSpec, base: Config, *, progress: bool) -> 
         res["queue_wait_ms"] = attrs.asdict(served.metrics.queue_wait.summary())
     res.update(
         mode="in-process",
+        config=spec.config,
         model=name,
         concurrency=spec.concurrency,
         replicas=len(mcfg.replica_devices),
@@ -257,6 +278,7 @@ def format_report(res: dict[str, Any]) -> str:
         + f"duration={res['seconds']:.1f}s",
         f"  requests/s     {res['requests_per_s']:,.0f}   ({res['requests']:,} ok, "
         f"{res['errors']:,} errors {res.get('error_kinds') or ''})",
+        *([f"  config         {res['config'] or '(built-in)'}"] if "config" in res else []),
         f"  latency ms     p50 {lat['p50_ms']:.2f}  p90 {lat['p90_ms']:.2f}  "
         f"p99 {lat['p99_ms']:.2f}  max {lat['max_ms']:.2f}",
     ]
@@ -290,6 +312,7 @@ def write_json(res: dict[str, Any], path: str | None) -> Path:
 
 def main_in_process(spec: BenchSpec, config_path: str | None, json_path: str | None) -> int:
     base = load_config(config_path)
+    spec = attrs.evolve(spec, config=config_path)
     res = trio.run(lambda: bench_in_process(spec, base, progress=os.isatty(2)))
     print(format_report(res))
     print(f"  json           {write_json(res, json_path)}")

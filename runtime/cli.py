@@ -210,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             return main_in_process(spec, args.config, args.json)
     except ConfigError as exc:
+        from ._bench import NoOpenTenant
+
+        if isinstance(exc, NoOpenTenant):  # a valid file the bench cannot call
+            print(f"trioserve: bench: {exc}", file=sys.stderr)
+            return 2
         print(f"trioserve: invalid configuration: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
