@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", type=_file,
                    help="TOML config file (default: the built-in configuration)")
     s.add_argument("--host", type=_host,
-                   help="listen address, an IPv6 one bare or in brackets (default: the "
-                   "config's [server] host, 127.0.0.1)")
+                   help="listen address, an IPv6 one bare or in brackets; :: takes IPv4 "
+                   "clients too (default: the config's [server] host, 127.0.0.1)")
     s.add_argument("--port", type=_PORT,
                    help="listen port, 0-65535 (default: the config's [server] port, 8000)")
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import collections
 import errno
 import functools
+import ipaddress
 import logging
 import math
+import sys
 import zlib
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -639,9 +641,18 @@ async def open_listeners(
 ) -> list[trio.SocketListener]:
     """Bind ``host:port`` (``server``'s by default; port 0 picks a free one). An
     address in use fails here: ``trioserve serve`` binds before it loads the models,
-    so that it says so at once rather than after the load."""
+    so that it says so at once rather than after the load.
+
+    The IPv6 any address (``::``) listens dual stack where the system allows it: IPv4
+    clients connect too (as ``127.0.0.1`` or any IPv4 address of the machine), as with
+    uvicorn, hypercorn or Triton; trio binds it IPv6 only. ``::1`` and every other
+    address are bound as given."""
     host = host if host is not None else server.host
     port = port if port is not None else server.port
+    if _ipv6_any(host):
+        listener = await _dual_stack(port)
+        if listener is not None:
+            return [listener]
     for _ in range(PORT_0_ATTEMPTS):
         listeners = await trio.open_tcp_listeners(port, host=host)
         if port != 0 or len({ls.socket.getsockname()[1] for ls in listeners}) == 1:
@@ -658,6 +669,35 @@ async def open_listeners(
 
 #: Tries at port 0 to find one free port on every address of the host.
 PORT_0_ATTEMPTS = 8
+
+
+def _ipv6_any(host: str) -> bool:
+    """Whether ``host`` is the IPv6 any address, however written (``::``, ``0::0``)."""
+    try:
+        return ipaddress.ip_address(host) == ipaddress.IPv6Address("::")
+    except ValueError:
+        return False
+
+
+async def _dual_stack(port: int) -> trio.SocketListener | None:
+    """A listener on ``[::]:port`` with IPV6_V6ONLY cleared, so that it takes IPv4
+    connections too; None where the system will not clear it (an IPv6-only stack:
+    then trio's own bind serves IPv6 alone). Binding errors are raised as trio's."""
+    sock = trio.socket.socket(trio.socket.AF_INET6, trio.socket.SOCK_STREAM)
+    try:
+        try:
+            sock.setsockopt(trio.socket.IPPROTO_IPV6, trio.socket.IPV6_V6ONLY, 0)
+        except (OSError, AttributeError):
+            sock.close()
+            return None
+        if sys.platform != "win32":  # as trio does: on Windows it lets others steal the port
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        await sock.bind(("::", port))
+        sock.listen(0xFFFF)  # trio's own backlog (capped by the kernel's)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
 
 
 async def _on_one_port(listeners: list[trio.SocketListener]) -> list[trio.SocketListener]:
