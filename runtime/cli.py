@@ -217,9 +217,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"trioserve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except (KeyboardInterrupt, BaseExceptionGroup) as exc:
+        if not _interrupted(exc):
+            raise
+        if args.command != "serve":
+            return 130
+        # Ctrl-C before serve listens for signals itself (imports, the config, the
+        # bind): it stops the start, as one a moment later does.
+        print("trioserve: SIGINT while starting: stopped", flush=True)
+        return 0
     return 0
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is a KeyboardInterrupt, alone or in a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        matched, rest = exc.split(KeyboardInterrupt)
+        return matched is not None and rest is None
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def _lingering() -> list[threading.Thread]:
