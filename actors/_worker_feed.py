@@ -249,6 +249,7 @@ class WorkerFeed:
         worker.kill()
         self.workers_lost += 1
         self._metrics.statuses["worker_lost"] += 1
+        log.warning("%s: worker process lost: %s; a new one is started", self.name, why)
         batches = list(self._in_flight)
         if not (batches and retried(batches[0])):
             # A retry that crashes again is its requests' doing (it counts towards

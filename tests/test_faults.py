@@ -669,3 +669,22 @@ async def test_workers_that_keep_dying_are_replaced_at_the_pace_of_the_breaker(
             out = await rt.infer("m", item(3.0))
         assert float(out["y"][0]) == 3.0
         assert batcher.health == "ready"
+
+
+async def test_a_lost_worker_is_logged_with_why(autojump_clock, timed_workers, caplog):
+    """A worker's death was only counted (worker_lost), never logged: an operator saw
+    nothing of workers dying and being replaced."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="trioserve")
+    async with trioserve.open_runtime(config(timed_model(max_batch_size=1))) as rt:
+        got = await answers(rt, [TimedWorker.CRASH])
+        batcher = rt.models["m"].batchers[0]
+    assert isinstance(got[TimedWorker.CRASH][0], ModelError)  # a poison request
+    lost = [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "worker process lost: " in r.getMessage()]
+    assert len(lost) == batcher.workers_lost >= 1
+    assert lost[0] == (
+        f"{batcher.name}: worker process lost: its worker process died (killed by its "
+        "batch); a new one is started"
+    )
