@@ -46,6 +46,7 @@ from trioserve import (
     WorkerProcess,
     check_outputs,
     device_lost,
+    exception_text,
     load_runner,
 )
 
@@ -94,13 +95,7 @@ def _text(exc: BaseException) -> str:
     """``Type: message`` of an exception a model raised. One whose ``str()`` raises
     too is said so: formatting it crashed the replica that was answering with it
     (ActorBroken for its batch, a restart spent)."""
-    if type(exc) is _Escaped:
-        exc = exc.exc
-    try:
-        return f"{type(exc).__name__}: {exc}"
-    except Exception as err:
-        why = f"its message cannot be shown: str() raised {type(err).__name__}"
-        return f"{type(exc).__name__} ({why})"
+    return exception_text(exc.exc if type(exc) is _Escaped else exc)
 
 
 def _all_lost(scheduler: SchedulerActor) -> bool:

@@ -97,3 +97,14 @@ class ActorBroken(TrioserveError):
     """An actor died (crashed past its restart budget, or mid-batch)."""
 
     status = 500
+
+
+def exception_text(exc: BaseException) -> str:
+    """``Type: message`` of an exception a model (or its backend) raised. One whose
+    ``str()`` raises too is said so, instead of the formatting raising in its turn
+    (it crashed the replica that was answering with it)."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as err:
+        why = f"its message cannot be shown: str() raised {type(err).__name__}"
+        return f"{type(exc).__name__} ({why})"

@@ -26,6 +26,7 @@ from ._errors import (
     TrioserveError,
     Unauthorized,
     UnknownModel,
+    exception_text,
 )
 from ._hedging import _Hedging
 from ._many import _ManyItems
@@ -445,11 +446,7 @@ def _prepare_failed(model: str, exc: Exception) -> ModelError:
     """A backend's own ``prepare`` raised something else than a trioserve error (a
     KeyError of its own making, say): the model's error, naming it, so that a caller
     only ever sees the documented errors (over HTTP a 500 with this message)."""
-    try:
-        text = f"{type(exc).__name__}: {exc}"
-    except Exception:  # its str() raises too
-        text = type(exc).__name__
-    return ModelError(f"model {model!r}: preparing the inputs raised {text}")
+    return ModelError(f"model {model!r}: preparing the inputs raised {exception_text(exc)}")
 
 
 async def _within_slo(slo: Any, call: Awaitable[T]) -> T:

@@ -88,6 +88,7 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
     import threading
 
     from trioserve._builtin import resolve_backend
+    from trioserve._errors import exception_text
     from trioserve._model import check_outputs, load_runner
 
     threading.Thread(target=exit_when_orphaned, args=(rfd,), daemon=True).start()
@@ -148,11 +149,7 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
                 )
             write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
         except (Exception, SystemExit) as exc:  # the model's sys.exit() ends no worker
-            try:
-                text = f"{type(exc).__name__}: {exc}"
-            except Exception as err:  # its str() raised: this loop must go on
-                text = (f"{type(exc).__name__} (its message cannot be shown: str() "
-                        f"raised {type(err).__name__})")
+            text = exception_text(exc)  # (its str() may raise: this loop must go on)
             if context_lost(device):
                 # Every later call here would fail too: say why, and wait for the
                 # parent to kill us (exiting now, our exit could be seen before
