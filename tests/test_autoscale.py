@@ -142,7 +142,7 @@ def test_the_count_never_leaves_its_bounds(bounds, delays, interval, steps):
 @settings(max_examples=300)
 @given(
     delays=st.tuples(st.floats(1, 30), st.floats(1, 30)),
-    every=st.floats(0.05, 1),
+    every=st.floats(0.05, 0.99),  # a look in every phase (at 1, float rounding can skip one)
     share=st.floats(0.05, 0.99),
     high=st.floats(31, 1000),
     start=st.integers(1, 3),
