@@ -150,6 +150,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         timer: BatchTimer | None = None,
         breaker: Breaker | None = None,
         watchdog: Watchdog | None = None,
+        retirable: bool = False,
     ) -> None:
         super().__init__()
         model = config.name
@@ -188,7 +189,9 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         #: set with ``_replace_due``: ends a wait for the breaker's cooldown, so that
         #: the worker is replaced when the breaker opens, not when it closes
         self._replace_wake = trio.Event()
-        self._init_retiring(retirable=config.autoscaling is not None)
+        # (an autoscaled model's replicas retire one by one; any replica of a model
+        # under explicit model control retires when its model is unloaded or reloaded)
+        self._init_retiring(retirable=retirable or config.autoscaling is not None)
 
     # ------------------------------------------------------------------ health
     @property

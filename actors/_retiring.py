@@ -58,7 +58,10 @@ class Retiring:
         worker process or its model, and its ``run`` returns. Not a checkpoint;
         :meth:`wait_retired` waits for the end."""
         if not self._retirable:
-            raise RuntimeError(f"{self.name}: only an autoscaled model's replica retires")
+            raise RuntimeError(
+                f"{self.name}: only an autoscaled model's replica, or one under explicit "
+                "model control, retires"
+            )
         self._retire_asked.set()
         if self._retire_scope is not None:
             self._retire_scope.cancel("replica retired")

@@ -91,6 +91,11 @@ class SchedulerActor(Actor):
         #: taken by a pull leaves it as it was, and the timer then finds none due.
         #: So the timer scans what is held only when one may be due, not at each wake
         self._held_at = math.inf
+        #: the queue new requests go to instead once this one is handed over (a
+        #: model reloaded or unloaded: ``hand_over``); None: none
+        self.successor: SchedulerActor | None = None
+        #: ``wait_empty`` callers, woken when a batch is taken or a batcher idles
+        self._emptied = trio.lowlevel.ParkingLot()
 
     # ---- callers
     def submit_nowait(self, request: Request) -> None:
@@ -100,6 +105,8 @@ class SchedulerActor(Actor):
         after shutdown, and ActorBroken if the policy itself fails.
         """
         if self._closed:
+            if self.successor is not None:
+                return self.successor.submit_nowait(request)
             raise self._refusal()
         policy = self.policy
         try:
@@ -122,6 +129,8 @@ class SchedulerActor(Actor):
         """Admit the requests of one call (one tenant and class, one deadline), all or
         none, as :meth:`submit_nowait` admits one; wakes idle batchers once."""
         if self._closed:
+            if self.successor is not None:
+                return self.successor.submit_all_nowait(requests)
             raise self._refusal()
         if not requests:
             return
@@ -154,6 +163,8 @@ class SchedulerActor(Actor):
         submitted.
         """
         if self._closed:
+            if self.successor is not None:
+                return self.successor.plan_all_nowait(requests)
             raise self._refusal()
         plan_all = getattr(self.policy, "plan_all", None)
         if plan_all is None or not requests:
@@ -176,6 +187,8 @@ class SchedulerActor(Actor):
             self.submit_all_nowait(requests)
             return
         if self._closed:
+            if self.successor is not None:
+                return self.successor.submit_planned_nowait(planned)
             raise self._refusal()
         policy = self.policy
         was = len(policy)
@@ -274,8 +287,12 @@ class SchedulerActor(Actor):
                     recheck = trio.current_time() + ELSEWHERE_RECHECK
             batch = policy.next_batch(trio.current_time())
             if batch:
+                if self._emptied:
+                    self._emptied.unpark_all()
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
+            if self._emptied:
+                self._emptied.unpark_all()
             with trio.move_on_at(min(policy.next_close_time(), recheck)):
                 await self._idle.park()
 
@@ -481,6 +498,24 @@ class SchedulerActor(Actor):
         """Whether it takes no more requests (shut down, or retired)."""
         return self._closed
 
+    def hand_over(self, successor: SchedulerActor) -> None:
+        """Take no more requests: each new one goes to ``successor`` instead (a
+        reloaded model's new queue, or an unloaded model's, which refuses it). What
+        is queued here stays, for this queue's batchers to pull (:meth:`wait_empty`).
+        Not a checkpoint."""
+        self.successor = successor
+        self._closed = True
+
+    async def wait_empty(self) -> None:
+        """Wait until nothing waits here to be pulled (queued, handed back, kept
+        apart): every request admitted is in a batcher's hands or answered. A
+        checkpoint; cancelling it changes nothing."""
+        await trio.lowlevel.checkpoint()
+        while self.queue_depth():
+            # woken when a batch is taken or a batcher finds none; a request withdrawn
+            # or expired leaves at the next pull or timer wake, which wakes the batchers
+            await self._emptied.park()
+
     def queue_depth(self) -> int:
         return len(self.policy) + sum(len(b) for b in self._retries) + len(self._apart)
 
@@ -523,6 +558,7 @@ class SchedulerActor(Actor):
             # never ran: not charged (a request refused by the closed queue is not)
             n += req.reply.set_error(_unrun(own_error(error)))
         self._idle.unpark_all()
+        self._emptied.unpark_all()
         return n
 
 

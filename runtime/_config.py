@@ -23,6 +23,7 @@ BUILTIN_BACKENDS = ("mlp", "echo", "sleep", "minilm")
 OVERSIZE_POLICIES = ("reject", "alone", "split")
 EXECUTIONS = ("thread", "inline", "process")
 OVER_QUOTA = ("reject", "wait")
+MODEL_CONTROL = ("none", "explicit")
 
 #: Upper bounds of the values that size what the runtime allocates or starts: items per
 #: batch (each worker process's staging memory, the queue's least adaptive limit),
@@ -310,6 +311,8 @@ class ModelConfig:
     #: DEFAULT_SLO_TARGET); only with ``slo_ms``
     slo_target: float | None = _field(_open_fraction, None)
     options: Mapping[str, Any] = _field(_mapping, attrs.Factory(dict))
+    #: loaded when the runtime starts (false: only with ``server.model_control = "explicit"``)
+    load_at_start: bool = _field(_bool, True)
     #: replicas that scale with the load (None: fixed at ``replicas``)
     autoscaling: AutoscalingConfig | None = attrs.field(
         default=None, converter=attrs.Converter(_autoscaling, takes_self=True)
@@ -528,6 +531,8 @@ class ServerConfig:
     control_plane_keys: tuple[str, ...] = _field(
         _strs(allow_empty=True, secret=True), (), converter=_tuple
     )
+    #: "explicit": models are loaded, reloaded and unloaded while serving (docs/model-control.md)
+    model_control: str = _field(_choice(MODEL_CONTROL), "none")
 
     def _path(self) -> str:
         return "server"
@@ -565,6 +570,12 @@ class Config:
         if not self.models:
             raise ConfigError("models: at least one model must be configured")
         _unique("models", [m.name for m in self.models])
+        for m in self.models:
+            if not m.load_at_start and self.server.model_control == "none":
+                raise ConfigError(
+                    f"{m._path()}.load_at_start: false needs server.model_control = "
+                    '"explicit": with model control off nothing could ever load it'
+                )
         if not self.tenants:
             # no request could name a tenant, nor go without one
             raise ConfigError(

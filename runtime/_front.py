@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import trio
 
 from ._config import Config
+from ._control import _Control, not_loaded
 from ._credits import _Credits
 from ._edge_cache import _EdgeCache
 from ._errors import (
@@ -39,7 +40,7 @@ from ._statistics import _Statistics
 T = TypeVar("T")
 
 
-class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
+class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache, _Control):
     """A running trioserve: call :meth:`infer`. Made by :func:`open_runtime`."""
 
     def __init__(self, config: Config) -> None:
@@ -258,6 +259,8 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache):
             if served.slo is not None:  # refused for the server's reason: bad
                 served.slo.failed(trio.current_time())
             raise ActorClosed("the runtime is shut down")
+        if not served.loaded:
+            raise not_loaded(model)
         return served
 
     def _known(self, model: str, version: str | None) -> ServedModel:

@@ -115,10 +115,13 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                             f"worker processes cannot start: {exc}"
                         ) from exc
                 await _start_cache(nursery, rt, policy)
-                for m in config.models:
-                    await _start_model(
-                        nursery, rt, m, backends[m.name], policy, zygote, watchdog
-                    )
+                if config.server.model_control == "explicit":
+                    await _start_control(nursery, rt, backends, policy, zygote, watchdog)
+                else:
+                    for m in config.models:
+                        await _start_model(
+                            nursery, rt, m, backends[m.name], policy, zygote, watchdog
+                        )
                 yield rt
                 # The grace begins now, unless the caller began it already (a server
                 # that drained its connections first): then they share it.
@@ -219,6 +222,66 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
+async def _start_control(
+    nursery: trio.Nursery, rt: Runtime, backends: dict[str, ModelBackend],
+    policy: RestartPolicy, zygote: Zygote | None, watchdog: Any,
+) -> None:
+    """Explicit model control (docs/model-control.md): every model has a stand-in
+    until it is loaded; those with ``load_at_start`` are loaded now, in order."""
+    from ._control import ModelControl
+
+    async def start_copy(
+        copy_nursery: trio.Nursery, m: ModelConfig, previous: ServedModel
+    ) -> ServedModel:
+        return await _start_model(
+            copy_nursery, rt, m, backends[m.name], policy, zygote, watchdog, previous
+        )
+
+    control = ModelControl(
+        rt, start_copy=start_copy,
+        unloaded=lambda m, previous: _unloaded(rt, m, backends[m.name], previous),
+    )
+    await nursery.start(control.run)
+    rt._control = control
+    for m in rt.config.models:
+        if m.load_at_start:
+            await control.load(m.name)
+
+
+def _unloaded(
+    rt: Runtime, m: ModelConfig, backend: ModelBackend, previous: ServedModel | None
+) -> ServedModel:
+    """The stand-in of a model not loaded: a queue that refuses every request (never
+    run: nothing pulls from it), no replica, and the metrics, objective and flows'
+    counters of the copy it replaces (new ones for a model never loaded)."""
+    from trioserve.actors import ClassSpec, FairQueue, ModelMetrics, SchedulerActor, SloTracker
+
+    from ._control import not_loaded
+
+    cfg = rt.config
+    queue = FairQueue(
+        _limits(m, backend), bound=cfg.runtime.queue_bound,
+        classes=[ClassSpec(name=c.name, aging=c.max_queue_wait_ms / 1e3) for c in cfg.classes],
+        model=m.name, adaptive=False,
+    )
+    if previous is not None:
+        queue.stats = previous.scheduler.policy.stats
+    scheduler = SchedulerActor(m.name, queue)
+    scheduler.retire(not_loaded(m.name))
+    return ServedModel(
+        config=m, backend=backend, scheduler=scheduler, batchers=[],
+        metrics=(
+            previous.metrics if previous is not None
+            else ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
+        ),
+        limits=queue.limits, timeout=math.inf,
+        slo=previous.slo if previous is not None else (SloTracker(
+            m.slo_ms / 1e3, DEFAULT_SLO_TARGET if m.slo_target is None else m.slo_target
+        ) if m.slo_ms is not None else None),
+        loaded=False,
+    )
+
+
 async def _start_model(
     nursery: trio.Nursery,
     rt: Runtime,
@@ -227,7 +290,13 @@ async def _start_model(
     policy: RestartPolicy,
     zygote: Zygote | None,
     watchdog: Any,
-) -> None:
+    previous: ServedModel | None = None,
+) -> ServedModel:
+    """Start a model's queues and replicas in ``nursery``; return it once they are
+    loaded. ``previous``: under explicit model control, what the copy started here
+    is to replace (the caller installs it); it keeps that one's metrics, objective
+    and flows' counters, and its replicas can retire. Otherwise it is installed
+    in ``rt.models`` at once."""
     from trioserve.actors import (
         BatcherActor,
         BatchTimer,
@@ -280,7 +349,10 @@ async def _start_model(
         scheduler.lanes = slow.lanes = [scheduler, slow]
         scheduler.lane = f"fast lane (requests of cost below {m.slow_lane_cost})"
         slow.lane = f"slow lane (requests of cost {m.slow_lane_cost} or more)"
-    metrics = ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
+    metrics = (
+        ModelMetrics(model=m.name, max_batch_size=m.max_batch_size) if previous is None
+        else previous.metrics
+    )
     served = ServedModel(
         config=m,
         backend=backend,
@@ -294,9 +366,13 @@ async def _start_model(
         hedge_timer=RecentQuantile(0.95) if m.hedge else None,
         slo=SloTracker(
             m.slo_ms / 1e3, DEFAULT_SLO_TARGET if m.slo_target is None else m.slo_target
-        ) if m.slo_ms is not None else None,
+        ) if m.slo_ms is not None and previous is None else getattr(previous, "slo", None),
     )
-    rt.models[m.name] = served
+    if previous is None:
+        rt.models[m.name] = served
+    else:  # the flows' counters carry on
+        for lane, before in zip(served.schedulers, previous.schedulers, strict=False):
+            lane.policy.stats = before.policy.stats
     if m.batch_timeout_cap_ms < m.batch_timeout_floor_ms:
         raise ConfigError(
             f"models.{m.name}.batch_timeout_cap_ms: must be >= batch_timeout_floor_ms "
@@ -336,6 +412,7 @@ async def _start_model(
             timer=timer,
             breaker=Breaker(),
             watchdog=watchdog,
+            retirable=previous is not None,
         )
         served.batchers.append(batcher)
         lane.replicas += 1
@@ -353,6 +430,7 @@ async def _start_model(
     log.info("model %r: ready in %.2f s", m.name, trio.current_time() - started)
     if m.autoscaling is not None:
         await _start_autoscaler(nursery, rt, served, start_replica, policy)
+    return served
 
 
 async def _start_autoscaler(

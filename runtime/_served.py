@@ -31,6 +31,9 @@ class ServedModel:
     slo: Any = None
     #: the controller scaling its replicas with its load (None: they are fixed)
     scaler: Any = None
+    #: False for a model known to the configuration and not loaded (explicit model
+    #: control): it refuses every request and has no replica
+    loaded: bool = True
 
     @property
     def name(self) -> str:

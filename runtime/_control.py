@@ -1,0 +1,380 @@
+"""Explicit model control (``server.model_control = "explicit"``): loading, reloading
+and unloading a configured model while the runtime serves, as Triton's model control
+mode EXPLICIT does (docs/model-control.md).
+
+Every configured model has an entry in ``Runtime.models`` at all times. A model not
+loaded is served by a stand-in (``ServedModel.loaded`` false) whose queue refuses every
+request with UnknownModel and which has no replica; its metrics are the model's, so
+they carry on across unloads and reloads. A loaded model is a *copy*: its queues,
+replicas and controllers run in a nursery of their own, in one task of the control's
+nursery (itself in the runtime's root nursery), supervised as at the start.
+
+- **load**: a new copy is started (its replicas' models loaded, each within the
+  model's ``load_timeout_s``); once it is ready it replaces the entry, so new requests
+  go to it, and the copy it replaced (a reload) is drained.
+- **unload**: the stand-in replaces the entry; the copy is drained.
+- **draining** a copy: its queues hand every new request over to what replaced them
+  (a request that looked the model up before the swap still gets the new copy, or the
+  stand-in's refusal); what they hold is pulled by the copy's replicas, which then
+  retire (each finishes the batches it holds, releases its worker process or its
+  model); then the copy's nursery is cancelled (its queues' timers, its autoscaler).
+
+Loads and unloads of one model are serialized (a lock per model); a load or unload
+asked while another of the same kind is under way shares it. Each runs as a task of
+the control's nursery, so a caller that leaves (cancelled) does not cut it short, and
+the runtime's shutdown cancels it cleanly: its callers get ActorClosed.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from ._actor import ActorState
+from ._config import ModelConfig
+from ._errors import ActorClosed, ConfigError, ModelLoadError, TrioserveError, UnknownModel
+from ._served import ServedModel
+
+log = logging.getLogger("trioserve")
+
+
+class ModelState(enum.Enum):
+    """A configured model's state, as Triton's repository index names them."""
+
+    UNAVAILABLE = "UNAVAILABLE"  # not loaded (never, unloaded, or its load failed)
+    LOADING = "LOADING"  # a copy is loading (a reload: the loaded copy serves meanwhile)
+    READY = "READY"  # loaded
+    UNLOADING = "UNLOADING"  # refusing new requests; those admitted finish
+
+
+_MOVES = {
+    ModelState.UNAVAILABLE: {ModelState.LOADING},
+    ModelState.LOADING: {ModelState.READY, ModelState.UNAVAILABLE},
+    ModelState.READY: {ModelState.LOADING, ModelState.UNLOADING},
+    ModelState.UNLOADING: {ModelState.UNAVAILABLE},
+}
+
+
+def not_loaded(model: str) -> UnknownModel:
+    """What a request for a configured model that is not loaded gets."""
+    return UnknownModel(
+        f"model {model!r} is not loaded (model control is explicit: load it with "
+        f"POST /v2/repository/models/{model}/load, or Runtime.load_model)"
+    )
+
+
+@attrs.define(eq=False)
+class _Op:
+    """A load or an unload under way; its callers share its outcome."""
+
+    done: trio.Event = attrs.Factory(trio.Event)
+    error: BaseException | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+    async def wait(self) -> None:
+        await self.done.wait()
+        if self.error is not None:
+            # a copy for each caller: one exception raised in several tasks would
+            # gather their tracebacks
+            error = self.error
+            raise type(error)(str(error)) from error
+
+
+@attrs.define(eq=False)
+class _Copy:
+    """A loaded copy of a model, served by one task of the control's nursery."""
+
+    served: ServedModel
+    #: set when it is to drain, with ``successor`` (what replaced it)
+    stop: trio.Event = attrs.Factory(trio.Event)
+    successor: ServedModel | None = None
+    #: set when it has drained (or its task ended)
+    finished: trio.Event = attrs.Factory(trio.Event)
+
+    def retire(self, successor: ServedModel) -> None:
+        self.successor = successor
+        self.stop.set()
+
+
+@attrs.define(eq=False)
+class _Entry:
+    """One configured model under control."""
+
+    config: ModelConfig
+    state: ModelState = ModelState.UNAVAILABLE
+    reason: str = "not loaded"
+    lock: trio.Lock = attrs.Factory(trio.Lock)
+    copy: _Copy | None = None  # the copy serving (None: not loaded)
+    loading: _Op | None = None
+    unloading: _Op | None = None
+
+    def move(self, to: ModelState, reason: str = "") -> None:
+        """The one transition function: refuses a move the lifecycle does not have."""
+        if to not in _MOVES[self.state]:
+            raise RuntimeError(
+                f"model {self.config.name!r}: no move from {self.state.value} to {to.value}"
+            )
+        self.state = to
+        self.reason = reason
+
+
+class ModelControl:
+    """Loads, reloads and unloads a runtime's models (see the module's docstring).
+
+    ``start_copy(nursery, config, previous)`` starts a copy of a model in ``nursery``
+    and returns it once its replicas are loaded (``previous``: what it replaces, whose
+    metrics it takes over); ``unloaded(config, previous)`` makes a model's stand-in.
+    """
+
+    def __init__(
+        self,
+        rt: Any,
+        *,
+        start_copy: Callable[[trio.Nursery, ModelConfig, ServedModel], Awaitable[ServedModel]],
+        unloaded: Callable[[ModelConfig, ServedModel | None], ServedModel],
+    ) -> None:
+        self._rt = rt
+        self._start_copy = start_copy
+        self._unloaded = unloaded
+        self._entries = {m.name: _Entry(config=m) for m in rt.config.models}
+        self._nursery: trio.Nursery | None = None
+        for m in rt.config.models:
+            rt.models[m.name] = unloaded(m, None)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The nursery of the loads, unloads and copies; runs until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started(self)
+            await trio.sleep_forever()
+
+    def state(self, model: str) -> tuple[ModelState, str]:
+        entry = self._entry(model)
+        return entry.state, entry.reason
+
+    def _entry(self, model: str) -> _Entry:
+        entry = self._entries.get(model) if isinstance(model, str) else None
+        if entry is None:
+            raise UnknownModel(
+                f"unknown model {model!r}: not in the configuration; configured: "
+                f"{', '.join(sorted(self._entries))}"
+            )
+        return entry
+
+    def _ready_nursery(self) -> trio.Nursery:
+        if self._nursery is None or self._rt.closed:
+            raise ActorClosed("the runtime is shut down")
+        return self._nursery
+
+    # ------------------------------------------------------------ load
+    async def load(self, model: str) -> None:
+        """Load ``model``, or reload it if loaded; return once the new copy serves.
+        A checkpoint. Cancelling it leaves the load under way (its outcome is the
+        model's state). Raises UnknownModel, ModelLoadError (the model kept what it
+        had: a reload's old copy serves on), ConfigError, ActorClosed."""
+        entry = self._entry(model)
+        nursery = self._ready_nursery()
+        op = entry.loading
+        if op is None:
+            op = entry.loading = _Op()
+            nursery.start_soon(self._load, entry, op)
+        await op.wait()
+
+    async def _load(self, entry: _Entry, op: _Op) -> None:
+        name = entry.config.name
+        rt = self._rt
+        copy: _Copy | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                async with entry.lock:
+                    old = entry.copy
+                    entry.move(
+                        ModelState.LOADING,
+                        "reloading (the loaded copy serves meanwhile)" if old else "loading",
+                    )
+                    try:
+                        served = await self._start_copy(nursery, entry.config, rt.models[name])
+                    except TrioserveError as exc:
+                        failure = (
+                            exc if isinstance(exc, ModelLoadError | ConfigError)
+                            else ModelLoadError(f"model {name!r}: {exc}")
+                        )
+                        if old is not None:
+                            entry.move(ModelState.READY)
+                            log.warning("model %r: reload failed, the loaded copy serves "
+                                        "on: %s", name, failure)
+                        else:
+                            entry.move(ModelState.UNAVAILABLE, f"failed to load: {failure}")
+                        entry.loading = None
+                        op.finish(failure)
+                        nursery.cancel_scope.cancel("the model failed to load")
+                        return
+                    copy = _Copy(served=served)
+                    entry.copy = copy
+                    rt.models[name] = served
+                    _invalidate(rt, name)
+                    entry.move(ModelState.READY)
+                    entry.loading = None
+                    op.finish()
+                    if old is not None:
+                        log.info("model %r: reloaded; the copy replaced drains", name)
+                        old.retire(served)
+                await copy.stop.wait()
+                await _drain(copy)
+                nursery.cancel_scope.cancel("model copy drained")
+        finally:
+            if entry.loading is op:
+                entry.loading = None
+            op.finish(ActorClosed(
+                f"model {name!r}: the runtime shut down before the model loaded"
+            ))
+            if copy is not None:
+                if copy.stop.is_set():  # cut off while draining: answer what it held
+                    _close(copy.served)
+                copy.finished.set()
+
+    # ------------------------------------------------------------ unload
+    async def unload(self, model: str) -> None:
+        """Unload ``model``: new requests are refused at once (UnknownModel), those
+        admitted are answered, then its replicas are released; return then. A model
+        not loaded: nothing to do. A checkpoint; cancelling it leaves the unload
+        under way. Raises UnknownModel, ActorClosed."""
+        entry = self._entry(model)
+        nursery = self._ready_nursery()
+        op = entry.unloading
+        if op is None:
+            op = entry.unloading = _Op()
+            nursery.start_soon(self._unload, entry, op)
+        await op.wait()
+
+    async def _unload(self, entry: _Entry, op: _Op) -> None:
+        name = entry.config.name
+        rt = self._rt
+        try:
+            async with entry.lock:
+                copy = entry.copy
+                if copy is not None:
+                    entry.move(ModelState.UNLOADING, "unloading (requests admitted finish)")
+                    rt.models[name] = self._unloaded(entry.config, copy.served)
+                    entry.copy = None
+                    _invalidate(rt, name)
+                    copy.retire(rt.models[name])
+                    await copy.finished.wait()
+                    entry.move(ModelState.UNAVAILABLE, "unloaded")
+                    log.info("model %r: unloaded", name)
+                entry.unloading = None
+                op.finish()
+        finally:
+            if entry.unloading is op:
+                entry.unloading = None
+            op.finish(ActorClosed(
+                f"model {name!r}: the runtime shut down before the model unloaded"
+            ))
+
+
+def _invalidate(rt: Any, model: str) -> None:
+    """Drop the model's cached results: they may come from the copy gone."""
+    if rt.cache is not None and model in rt._cached:
+        rt.cache.invalidate(model, None)
+
+
+def _retiring(batcher: Any) -> bool:
+    """Whether ``batcher`` can retire (one that lost its device, or stopped, pulls
+    nothing and holds nothing)."""
+    return batcher.lost is None and batcher.state not in (ActorState.STOPPED, ActorState.BROKEN)
+
+
+async def _drain(copy: _Copy) -> None:
+    """Drain a copy replaced by ``copy.successor``: new requests go there; those
+    queued here are pulled by the copy's replicas, which then retire."""
+    served, successor = copy.served, copy.successor
+    assert successor is not None
+    for lane in served.schedulers:
+        after = successor.slow_scheduler if lane is served.slow_scheduler else None
+        lane.hand_over(after if after is not None else successor.scheduler)
+    for lane in served.schedulers:
+        await lane.wait_empty()
+    going = [b for b in served.batchers if _retiring(b)]
+    for b in going:
+        b.retire()
+    for b in going:
+        await b.wait_retired()
+    _close(served)
+
+
+def _close(served: ServedModel) -> None:
+    """Answer whatever a drained (or cut off) copy still holds: nothing, unless a
+    retiring replica handed a batch back, or the runtime shut down meanwhile."""
+    gone = ActorClosed(
+        f"model {served.name!r}: its copy was unloaded before this request was answered"
+    )
+    for b in served.batchers:
+        b.close()
+    for lane in served.schedulers:
+        lane.close(gone)
+
+
+class _Control:
+    """The Runtime's model control methods (``load_model``, ``unload_model``)."""
+
+    #: the model control (None: ``server.model_control = "none"``); set by the assembly
+    _control: ModelControl | None = None
+
+    async def load_model(self, model: str) -> None:
+        """Load ``model`` (one of the configuration's), or reload it if it is loaded:
+        a new copy is started and made ready, then takes the new requests, then the
+        old copy drains (the requests it holds are answered by it). Returns once the
+        new copy serves. Two loads of a model at once share one; loads and unloads of
+        a model are serialized. A checkpoint; cancelling it leaves the load under way.
+
+        Raises ConfigError (model control is off), UnknownModel (not configured),
+        ModelLoadError (it failed to load: the model keeps what it had), ActorClosed.
+        """
+        await self._controlled("load", model).load(model)
+
+    async def unload_model(self, model: str) -> None:
+        """Unload ``model``: from now on its requests get UnknownModel (not loaded);
+        those admitted are answered; then its replicas are closed and their workers
+        or models released. Returns then. Unloading a model not loaded does nothing.
+        A checkpoint; cancelling it leaves the unload under way. Raises as
+        :meth:`load_model` (but ModelLoadError)."""
+        await self._controlled("unload", model).unload(model)
+
+    def check_loaded(self, model: str) -> None:
+        """Raise UnknownModel unless ``model`` is served and loaded (under explicit
+        model control, a configured model may not be). Not a checkpoint."""
+        if not self._known(model, None).loaded:  # type: ignore[attr-defined]
+            raise not_loaded(model)
+
+    def model_state(self, model: str) -> tuple[str, str]:
+        """``model``'s state and why, as Triton's repository index gives them:
+        READY, UNAVAILABLE, LOADING or UNLOADING, and a reason ("" when ready).
+        UnknownModel for a model not configured."""
+        if self._control is None:
+            self._known(model, None)  # type: ignore[attr-defined]
+            state, reason = ModelState.READY, ""
+        else:
+            state, reason = self._control.state(model)
+        if self.closed:  # type: ignore[attr-defined]
+            return ModelState.UNAVAILABLE.value, "the runtime is shut down"
+        if state is ModelState.READY and not self.model_ready(model):  # type: ignore[attr-defined]
+            return ModelState.UNAVAILABLE.value, "no replica ready"
+        return state.value, reason
+
+    def _controlled(self, action: str, model: str) -> ModelControl:
+        if self._control is None:
+            raise ConfigError(
+                f"cannot {action} model {model!r}: model control is off "
+                '(server.model_control = "none"): the models served are the '
+                "configuration's, loaded at start"
+            )
+        return self._control

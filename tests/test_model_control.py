@@ -1,0 +1,339 @@
+"""Explicit model control through the embedding API (``rt.load_model``,
+``rt.unload_model``): a model not loaded at start, loads, unloads that answer every
+request admitted, reloads that move traffic to a new copy while the old one finishes
+what it holds, a reload that fails, loads shared, loads and unloads serialized, and a
+shutdown during a load. The model runs in a stand-in for a worker process whose
+starts and batches take trio time, so every timing is exact under the MockClock."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import trio
+import trio.testing
+import trioserve
+from runtime_helpers import NoZygote, _StandIn, callable_model, item, key
+from trioserve import (
+    ActorClosed,
+    ConfigError,
+    ModelLoadError,
+    ServerConfig,
+    UnknownModel,
+)
+
+RUN_S = 1.0  # trio seconds per batch
+
+
+class Worker(_StandIn):
+    """A stand-in worker process answering ``y = x * weight``, ``weight`` as it was
+    when the worker was made; its start takes ``load_s`` and raises when ``fail``
+    is set. Records every worker and every batch run as (worker, weight, keys)."""
+
+    made: list
+    ran: list
+    weight = 1.0
+    load_s = 0.0
+    fail = False
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = None
+        self.device = device
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self._staged: collections.deque = collections.deque()
+        self._exited = trio.Event()
+        self.weight = Worker.weight
+        Worker.made.append(self)
+
+    async def start(self) -> None:
+        await trio.sleep(Worker.load_s)
+        if Worker.fail:
+            raise RuntimeError("weights missing")
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        self._staged.append(items)
+
+    async def result(self):
+        items = self._staged[0]
+        await trio.sleep(RUN_S)
+        self._staged.popleft()
+        Worker.ran.append((self, [key(it) for it in items]))
+        return [{"y": it["x"] * self.weight} for it in items]
+
+
+@pytest.fixture
+def workers(monkeypatch):
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    Worker.made, Worker.ran = [], []
+    Worker.weight, Worker.load_s, Worker.fail = 1.0, 0.0, False
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", Worker)
+    return Worker
+
+
+def control_config(*, control="explicit", load_at_start=True, **model):
+    args = dict(execution="process", max_batch_size=2, max_wait_ms=0, timeout_ms=None,
+                load_at_start=load_at_start)
+    args.update(model)
+    return trioserve.Config(
+        models=(callable_model("m", lambda items: items, **args),),
+        tenants=(trioserve.TenantConfig(name="t", default=True),),
+        server=ServerConfig(model_control=control),
+    )
+
+
+async def call(rt, x: float, answers: dict) -> None:
+    try:
+        out = await rt.infer("m", item(x))
+    except trioserve.TrioserveError as exc:
+        answers.setdefault(x, []).append(exc)
+    else:
+        answers.setdefault(x, []).append(float(out["y"][0]))
+
+
+async def test_a_model_not_loaded_at_start_serves_once_loaded(autojump_clock, workers):
+    async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
+        assert workers.made == []
+        assert rt.model_state("m") == ("UNAVAILABLE", "not loaded")
+        assert rt.model_ready("m") is False
+        with pytest.raises(UnknownModel, match="model 'm' is not loaded"):
+            await rt.infer("m", item(1.0))
+        assert rt.statistics()["m"]["replica_count"] == 0
+        await rt.load_model("m")
+        assert rt.model_state("m") == ("READY", "")
+        assert rt.model_ready("m") is True
+        assert (await rt.infer("m", item(3.0)))["y"][0] == 3.0
+        assert len(workers.made) == 1
+
+
+async def test_unload_answers_every_admitted_request_then_refuses(autojump_clock, workers):
+    answers: dict = {}
+    async with trioserve.open_runtime(control_config()) as rt:
+        (worker,) = workers.made
+        async with trio.open_nursery() as callers:
+            for x in range(1, 7):
+                callers.start_soon(call, rt, float(x), answers)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            async with trio.open_nursery() as ops:
+                ops.start_soon(rt.unload_model, "m")
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.model_state("m") == ("UNLOADING", "unloading (requests admitted finish)")
+                with pytest.raises(UnknownModel, match="is not loaded"):
+                    await rt.infer("m", item(9.0))
+        # the unload returned once the six (three batches of two) were answered
+        assert trio.current_time() == pytest.approx(t0 + 3 * RUN_S)
+        assert answers == {float(x): [float(x)] for x in range(1, 7)}
+        assert not worker.alive  # its worker process was closed
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert rt.model_ready("m") is False
+        stats = rt.statistics()["m"]
+        assert stats["replica_count"] == 0
+        assert stats["items"] == 6  # the counters stay
+        assert stats["flows"]["t/realtime"]["dispatched"] == 6
+        await rt.unload_model("m")  # unloading an unloaded model: nothing to do
+
+
+async def test_reload_moves_new_requests_to_the_new_copy_and_the_old_finishes_its_own(
+    autojump_clock, workers
+):
+    answers: dict = {}
+    async with trioserve.open_runtime(control_config()) as rt:
+        (old,) = workers.made
+        workers.weight, workers.load_s = 10.0, 5.0
+        async with trio.open_nursery() as callers:
+            for x in range(1, 7):  # queued on the old copy: three batches
+                callers.start_soon(call, rt, float(x), answers)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            async with trio.open_nursery() as ops:
+                ops.start_soon(rt.load_model, "m")
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.model_state("m")[0] == "LOADING"
+                # while the new copy loads, the old one serves new requests too
+                callers.start_soon(call, rt, 7.0, answers)
+            assert trio.current_time() == pytest.approx(t0 + 5.0)
+            assert rt.model_state("m") == ("READY", "")
+            (_, new) = workers.made
+            for x in (11.0, 12.0):
+                callers.start_soon(call, rt, x, answers)
+        assert answers == {
+            **{float(x): [float(x)] for x in range(1, 8)},  # the old copy's answers
+            11.0: [110.0], 12.0: [120.0],  # the new copy's
+        }
+        assert {k for w, keys in workers.ran if w is new for k in keys} == {11.0, 12.0}
+        await trio.testing.wait_all_tasks_blocked()
+        assert not old.alive
+        assert new.alive
+        assert rt.statistics()["m"]["items"] == 9  # one series over both copies
+
+
+async def test_requests_queued_on_the_old_copy_at_the_swap_finish_there(
+    autojump_clock, workers
+):
+    """Twelve requests (six batches, three staged in the worker, three queued) when
+    the new copy is ready: the queued ones are still the old copy's to run."""
+    answers: dict = {}
+    async with trioserve.open_runtime(control_config()) as rt:
+        (old,) = workers.made
+        workers.weight, workers.load_s = 10.0, 0.5
+        async with trio.open_nursery() as callers:
+            for x in range(1, 13):
+                callers.start_soon(call, rt, float(x), answers)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rt.statistics()["m"]["queue_depth"] == 6
+            await rt.load_model("m")
+            assert rt.statistics()["m"]["queue_depth"] == 0  # the new copy's queue
+            callers.start_soon(call, rt, 20.0, answers)
+        assert answers == {**{float(x): [float(x)] for x in range(1, 13)}, 20.0: [200.0]}
+        assert sum(len(keys) for w, keys in workers.ran if w is old) == 12
+
+
+async def test_a_request_that_looked_the_model_up_before_a_reload_runs_on_the_new_copy(
+    autojump_clock, workers
+):
+    """A request waiting for its tenant's credits while the model is reloaded holds
+    the old copy: its queue hands it over to the new one, which answers it."""
+    cfg = control_config()
+    cfg = trioserve.Config(
+        models=cfg.models, server=cfg.server,
+        tenants=(trioserve.TenantConfig(name="t", default=True, credit_rate=0.5,
+                                        credit_burst=1),),
+    )
+    answers: dict = {}
+
+    async def call_batch(x):
+        out = await rt.infer("m", item(x), priority="batch")  # waits for credits
+        answers[x] = float(out["y"][0])
+
+    async with trioserve.open_runtime(cfg) as rt:
+        workers.weight = 10.0
+        async with trio.open_nursery() as callers:
+            callers.start_soon(call_batch, 1.0)  # takes the one credit
+            await trio.testing.wait_all_tasks_blocked()
+            callers.start_soon(call_batch, 2.0)  # waits 2 s for the next
+            await trio.testing.wait_all_tasks_blocked()
+            await rt.load_model("m")
+            assert rt.credit_waits["t"] == 1  # still waiting, on the old copy
+        assert answers == {1.0: 1.0, 2.0: 20.0}
+
+
+async def test_a_reload_that_fails_leaves_the_old_copy_serving(autojump_clock, workers):
+    async with trioserve.open_runtime(control_config()) as rt:
+        (old,) = workers.made
+        workers.fail = True
+        with pytest.raises(ModelLoadError, match="weights missing"):
+            await rt.load_model("m")
+        assert rt.model_state("m") == ("READY", "")
+        assert (await rt.infer("m", item(4.0)))["y"][0] == 4.0
+        assert old.alive
+        assert rt.models["m"].batchers[0]._worker is old
+
+
+async def test_a_load_that_fails_says_why_and_leaves_the_model_unloaded(
+    autojump_clock, workers
+):
+    async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
+        workers.fail = True
+        with pytest.raises(ModelLoadError, match="weights missing"):
+            await rt.load_model("m")
+        state, reason = rt.model_state("m")
+        assert state == "UNAVAILABLE"
+        assert reason.startswith("failed to load: ")
+        assert "weights missing" in reason
+        with pytest.raises(UnknownModel, match="not loaded"):
+            await rt.infer("m", item(1.0))
+        workers.fail = False
+        await rt.load_model("m")
+        assert (await rt.infer("m", item(2.0)))["y"][0] == 2.0
+
+
+async def test_two_loads_at_once_share_one(autojump_clock, workers):
+    async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
+        workers.load_s = 3.0
+        t0 = trio.current_time()
+        async with trio.open_nursery() as ops:
+            ops.start_soon(rt.load_model, "m")
+            ops.start_soon(rt.load_model, "m")
+        assert trio.current_time() == pytest.approx(t0 + 3.0)
+        assert len(workers.made) == 1
+
+
+async def test_a_load_and_an_unload_at_once_are_serialized(autojump_clock, workers):
+    async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
+        workers.load_s = 3.0
+        async with trio.open_nursery() as ops:
+            ops.start_soon(rt.load_model, "m")
+            await trio.testing.wait_all_tasks_blocked()
+            ops.start_soon(rt.unload_model, "m")  # waits for the load, then unloads it
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        (worker,) = workers.made
+        assert not worker.alive
+
+
+async def test_shutdown_during_a_load_is_clean(autojump_clock, workers):
+    failures: list = []
+
+    async def load(rt):
+        try:
+            await rt.load_model("m")
+        except ActorClosed as exc:
+            failures.append(exc)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as outside:
+            async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
+                workers.load_s = 10.0
+                outside.start_soon(load, rt)
+                await trio.sleep(2)
+                assert rt.model_state("m")[0] == "LOADING"
+            assert trio.current_time() == pytest.approx(2.0)
+    assert len(failures) == 1
+    assert "shut down before the model loaded" in str(failures[0])
+    assert all(not w.alive for w in workers.made)
+    with pytest.raises(ActorClosed):
+        await rt.load_model("m")
+
+
+async def test_a_model_not_configured_is_unknown(autojump_clock, workers):
+    async with trioserve.open_runtime(control_config()) as rt:
+        for op in (rt.load_model, rt.unload_model):
+            with pytest.raises(UnknownModel, match="not in the configuration; configured: m"):
+                await op("nope")
+
+
+async def test_with_model_control_off_load_and_unload_are_refused(autojump_clock, workers):
+    async with trioserve.open_runtime(control_config(control="none")) as rt:
+        for op, action in ((rt.load_model, "load"), (rt.unload_model, "unload")):
+            refused = f"cannot {action} model 'm': model control is off"
+            with pytest.raises(ConfigError, match=refused):
+                await op("m")
+        assert rt.model_state("m") == ("READY", "")
+
+
+def test_load_at_start_false_needs_explicit_model_control():
+    with pytest.raises(ConfigError, match=r"models\.m\.load_at_start: false needs server"):
+        control_config(control="none", load_at_start=False)
+    with pytest.raises(ConfigError, match=r"server\.model_control: must be one of"):
+        ServerConfig(model_control="poll")
+
+
+async def test_reloading_and_unloading_drop_the_models_cached_results(autojump_clock, workers):
+    cfg = control_config()
+    cfg = trioserve.Config(
+        models=cfg.models, tenants=cfg.tenants, server=cfg.server,
+        cache=trioserve.CacheConfig(capacity_bytes=1 << 20),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        assert (await rt.infer("m", item(5.0)))["y"][0] == 5.0
+        assert (await rt.infer("m", item(5.0)))["y"][0] == 5.0  # a hit
+        assert rt.cache_statistics()["hits"] == 1
+        workers.weight = 3.0
+        await rt.load_model("m")
+        assert (await rt.infer("m", item(5.0)))["y"][0] == 15.0  # the new copy's
+        await rt.unload_model("m")
+        with pytest.raises(UnknownModel):
+            await rt.infer("m", item(5.0))
