@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import request
 from quart.globals import request_ctx
 from quart_trio import QuartTrio
-from trioserve import TrioserveError, UnknownModel
+from trioserve import ConfigError, ModelLoadError, TrioserveError, UnknownModel
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._auth import another_field_line
@@ -91,6 +91,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
             message = f"{exc.name}: {exc.description}"
         return json(error_body(message), exc.code or 500, headers)
 
+    explicit = gateway.runtime.config.server.model_control == "explicit"
     guard = gateway.control_plane
     # What needs no operator's key: the health probes (they carry none: Kubernetes,
     # Triton's and KServe's clients), and the data plane's own methods, whose callers
@@ -127,10 +128,16 @@ def control_app(gateway: Gateway) -> QuartTrio:
     async def metadata() -> Any:
         return json(server_doc)
 
+    def loaded(name: str, version: str | None) -> Any:
+        """The signature of a model that is served and loaded (UnknownModel else)."""
+        sig = signature(name, version)
+        gateway.runtime.check_loaded(name)
+        return sig
+
     @app.get("/v2/models/<name>")
     @app.get("/v2/models/<name>/versions/<version>")
     async def model_metadata(name: str, version: str | None = None) -> Any:
-        return json(signature(name, version).metadata(version))
+        return json(loaded(name, version).metadata(version))
 
     @app.get("/v2/models/<name>/ready")
     @app.get("/v2/models/<name>/versions/<version>/ready")
@@ -143,7 +150,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.get("/v2/models/<name>/config")
     @app.get("/v2/models/<name>/versions/<version>/config")
     async def model_configuration(name: str, version: str | None = None) -> Any:
-        sig = signature(name, version)
+        sig = loaded(name, version)
         return json(model_config(gateway.runtime.models[name], sig.platform, classes))
 
     @app.get("/v2/models/stats")
@@ -189,6 +196,8 @@ def control_app(gateway: Gateway) -> QuartTrio:
         for name, sig in sorted(gateway.signatures.items()):
             if not gateway.ready:
                 state, reason = "UNAVAILABLE", "the server is shutting down"
+            elif explicit:
+                state, reason = rt.model_state(name)
             elif rt.model_ready(name):
                 state, reason = "READY", ""
             else:
@@ -205,13 +214,27 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.post("/v2/repository/models/<name>/unload")
     async def repository_control(name: str) -> Any:
         action = request.path.rpartition("/")[2]
-        return json(
-            error_body(
-                f"cannot {action} model {name!r}: model control is off; the models "
-                "served are the configuration's, loaded at start"
-            ),
-            400,
-        )
+        if not explicit:
+            return json(
+                error_body(
+                    f"cannot {action} model {name!r}: model control is off; the models "
+                    "served are the configuration's, loaded at start"
+                ),
+                400,
+            )
+        body = await request.get_data(cache=False)
+        refusal = repository_request(action, body)
+        if refusal is not None:
+            return json(error_body(refusal), 400)
+        rt = gateway.runtime
+        try:
+            await (rt.load_model(name) if action == "load" else rt.unload_model(name))
+        except (UnknownModel, ModelLoadError, ConfigError) as exc:
+            # as Triton answers a model it cannot find or load: 400
+            return json(error_body(f"failed to {action} {name!r}: {exc}"), 400)
+        except TrioserveError as exc:  # shut down meanwhile: 503
+            return answer(error_answer(exc))
+        return json(b"{}")
 
     @app.post("/v2/models/<name>/infer")
     @app.post("/v2/models/<name>/versions/<version>/infer")
@@ -252,6 +275,28 @@ def control_app(gateway: Gateway) -> QuartTrio:
         return Response(generate_latest(gateway.registry), content_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def repository_request(action: str, body: bytes) -> str | None:
+    """Why a load or unload request's body is refused (None: it is not). The body is
+    empty or Triton's: a JSON object with an optional ``parameters`` object, whose
+    ``unload_dependents`` is accepted and ignored (no model depends on another here);
+    a load's ``config`` or ``file:`` overrides are refused: a model's configuration
+    is the server's."""
+    if not body.strip():
+        return None
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return f"repository {action} request: invalid JSON: {exc}"
+    if not isinstance(doc, dict) or not isinstance(doc.get("parameters", {}), dict):
+        return (f"repository {action} request: expected a JSON object with an optional "
+                "'parameters' object")
+    overrides = [k for k in doc.get("parameters", {}) if k == "config" or k.startswith("file:")]
+    if overrides:
+        return (f"repository {action} request: parameter {overrides[0]!r} is not supported: "
+                "a model's configuration is the server's")
+    return None
 
 
 def _field_lines(values: list[str]) -> Any:

@@ -431,6 +431,8 @@ class Gateway:
                 raise UnknownModel(
                     f"unknown model {model!r}; serving: {', '.join(sorted(self.signatures))}"
                 )
+            if not self.runtime.models[model].loaded:  # explicit model control
+                self.runtime.check_loaded(model)
             sig.check_version(version)
             hlen = None
             if header_length is not None:

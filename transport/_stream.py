@@ -604,6 +604,8 @@ class _Session:
                         f"unknown model {model!r}; serving: "
                         f"{', '.join(sorted(gateway.signatures))}"
                     )
+                if not gateway.runtime.models[model].loaded:  # explicit model control
+                    gateway.runtime.check_loaded(model)
                 label = model
                 version = doc.get("version")
                 if version is not None and type(version) is not str:

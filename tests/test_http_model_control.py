@@ -1,0 +1,144 @@
+"""Triton's model repository extension with explicit model control, over real HTTP
+on a loopback port: load, unload and reload (``POST /v2/repository/models/NAME/load``
+and ``/unload``), the index's states, what an unloaded model answers, requests in
+flight through an unload and a reload, a failed load, and the control plane's keys.
+The model ``m`` runs in the stand-in worker of test_model_control (trio time)."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+import trio
+import trio.testing
+from http_helpers import config, echo_model, serving, v2_input
+from runtime_helpers import callable_model
+from test_model_control import Worker, workers  # noqa: F401  (a fixture)
+from trioserve.transport import open_http
+
+LOAD, UNLOAD = "/v2/repository/models/m/load", "/v2/repository/models/m/unload"
+
+
+def served_config(*, load_at_start=False, server=None):
+    m = callable_model(
+        "m", lambda items: items, execution="process", max_batch_size=2, max_wait_ms=0,
+        timeout_ms=None, load_at_start=load_at_start,
+    )
+    return config(m, echo_model(), server={"model_control": "explicit", **(server or {})})
+
+
+async def call(gw, method, target, body=b"", key=None):
+    headers = [("authorization", f"Bearer {key}")] if key else []
+    async with open_http(gw.url) as http:
+        return await http.request(method, target, body, headers=headers)
+
+
+async def infer(gw, x: float):
+    async with open_http(gw.url) as http:
+        return await http.infer("m", [v2_input(np.full(1, x, np.float32))])
+
+
+async def index(gw, body=b""):
+    res = await call(gw, "POST", "/v2/repository/index", body)
+    assert res.status == 200
+    return [(e["name"], e["state"], e["reason"]) for e in res.json()]
+
+
+async def test_load_and_unload_over_http_and_the_index_says_each_state(
+    autojump_clock, workers  # noqa: F811
+):
+    async with serving(served_config()) as gw:
+        assert await index(gw) == [("echo", "READY", ""), ("m", "UNAVAILABLE", "not loaded")]
+        assert await index(gw, b'{"ready": true}') == [("echo", "READY", "")]
+        # not loaded: as a model that is not served, but ready says not ready
+        for target in ("/v2/models/m", "/v2/models/m/config"):
+            res = await call(gw, "GET", target)
+            assert res.status == 404
+            assert "model 'm' is not loaded" in res.json()["error"]
+        assert (await call(gw, "GET", "/v2/models/m/ready")).status == 503
+        res = await infer(gw, 2.0)
+        assert res.status == 404
+        assert "model 'm' is not loaded" in res.json()["error"]
+
+        res = await call(gw, "POST", LOAD)
+        assert (res.status, res.body) == (200, b"{}")
+        assert await index(gw, b'{"ready": true}') == [("echo", "READY", ""), ("m", "READY", "")]
+        assert (await call(gw, "GET", "/v2/models/m/ready")).status == 200
+        assert (await call(gw, "GET", "/v2/models/m")).status == 200
+        res = await infer(gw, 2.0)
+        assert res.status == 200
+        assert res.outputs()["y"].tolist() == [2.0]
+
+        res = await call(gw, "POST", UNLOAD, b'{"parameters": {"unload_dependents": true}}')
+        assert (res.status, res.body) == (200, b"{}")
+        assert await index(gw) == [("echo", "READY", ""), ("m", "UNAVAILABLE", "unloaded")]
+        assert (await infer(gw, 2.0)).status == 404
+        assert (await call(gw, "POST", UNLOAD)).status == 200  # idempotent, as Triton's
+        stats = (await call(gw, "GET", "/v2/models/stats")).json()
+        (m_stats,) = [s for s in stats["model_stats"] if s["name"] == "m"]
+        assert m_stats["inference_count"] == 1  # an unloaded model's series stay
+        metrics = (await call(gw, "GET", "/metrics")).body.decode()
+        assert 'trioserve_batches_total{model="m"} 1.0' in metrics
+
+
+async def test_every_request_in_flight_through_a_reload_and_an_unload_is_answered(
+    autojump_clock, workers  # noqa: F811
+):
+    answers: dict = {}
+
+    async def one(gw, x):
+        res = await infer(gw, x)
+        answers[x] = (res.status, res.outputs()["y"].tolist() if res.status == 200 else None)
+
+    async with serving(served_config(load_at_start=True)) as gw:
+        workers.weight = 10.0
+        async with trio.open_nursery() as clients:
+            for x in range(1, 7):
+                clients.start_soon(one, gw, float(x))
+            await trio.testing.wait_all_tasks_blocked()
+            res = await call(gw, "POST", LOAD)  # a reload
+            assert res.status == 200
+            for x in range(11, 17):
+                clients.start_soon(one, gw, float(x))
+            await trio.testing.wait_all_tasks_blocked()
+            res = await call(gw, "POST", UNLOAD)
+            assert res.status == 200
+        assert answers == {
+            **{float(x): (200, [float(x)]) for x in range(1, 7)},  # the first copy
+            **{float(x): (200, [10.0 * x]) for x in range(11, 17)},  # the second
+        }
+        assert all(not w.alive for w in workers.made)
+
+
+async def test_a_failed_load_is_400_and_says_why(autojump_clock, workers):  # noqa: F811
+    async with serving(served_config(load_at_start=True)) as gw:
+        workers.fail = True
+        res = await call(gw, "POST", LOAD)
+        assert res.status == 400
+        assert "failed to load 'm'" in res.json()["error"]
+        assert "weights missing" in res.json()["error"]
+        assert (await infer(gw, 3.0)).outputs()["y"].tolist() == [3.0]  # the old copy
+        res = await call(gw, "POST", "/v2/repository/models/nope/load")
+        assert res.status == 400
+        assert "unknown model 'nope'" in res.json()["error"]
+        res = await call(gw, "POST", LOAD, orjson.dumps({"parameters": {"config": "{}"}}))
+        assert res.status == 400
+        assert "parameter 'config' is not supported" in res.json()["error"]
+
+
+async def test_load_and_unload_need_an_operators_key_when_keys_are_set(
+    autojump_clock, workers  # noqa: F811
+):
+    async with serving(served_config(server={"control_plane_keys": ("ops",)})) as gw:
+        for target in (LOAD, UNLOAD):
+            assert (await call(gw, "POST", target)).status == 401
+        assert (await call(gw, "POST", LOAD, key="ops")).status == 200
+        assert (await call(gw, "POST", UNLOAD, key="ops")).status == 200
+
+
+@pytest.mark.parametrize("action", ["load", "unload"])
+async def test_with_model_control_off_load_and_unload_stay_refused(action):
+    async with serving(config(echo_model())) as gw:
+        res = await call(gw, "POST", f"/v2/repository/models/echo/{action}")
+        assert res.status == 400
+        assert "model control is off" in res.json()["error"]
