@@ -56,6 +56,7 @@ async def test_load_and_unload_over_http_and_the_index_says_each_state(
             assert res.status == 404
             assert "model 'm' is not loaded" in res.json()["error"]
         assert (await call(gw, "GET", "/v2/models/m/ready")).status == 503
+        assert (await call(gw, "GET", "/v2/health/ready")).status == 200  # m not awaited
         res = await infer(gw, 2.0)
         assert res.status == 404
         assert "model 'm' is not loaded" in res.json()["error"]

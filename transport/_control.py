@@ -119,7 +119,11 @@ def control_app(gateway: Gateway) -> QuartTrio:
         if not gateway.ready:
             return json(error_body("not ready: the server is shutting down"), 503)
         rt = gateway.runtime
-        down = [name for name in sorted(rt.models) if not rt.model_ready(name)]
+        # (a model not loaded, under explicit model control, is not awaited: Triton's)
+        down = [
+            name for name, served in sorted(rt.models.items())
+            if served.loaded and not rt.model_ready(name)
+        ]
         if down:
             return json(error_body(f"not ready: no replica ready for {', '.join(down)}"), 503)
         return json(b'{"ready":true}')
