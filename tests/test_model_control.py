@@ -337,3 +337,11 @@ async def test_reloading_and_unloading_drop_the_models_cached_results(autojump_c
         await rt.unload_model("m")
         with pytest.raises(UnknownModel):
             await rt.infer("m", item(5.0))
+
+
+async def test_a_model_loaded_at_start_that_fails_fails_the_start(autojump_clock, workers):
+    """As with model control off: open_runtime raises the load's ModelLoadError."""
+    workers.fail = True
+    with pytest.raises(ModelLoadError, match="weights missing"):
+        async with trioserve.open_runtime(control_config()):
+            pytest.fail("the runtime started")
