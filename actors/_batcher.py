@@ -180,6 +180,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         #: replica: nothing can replace it); None while it is not
         self.lost: str | None = None
         self._replacing = False  # a worker process is being replaced
+        self._lost_why: str | None = None  # a dead worker's loss, logged once it is closed
         self.stragglers = 0
         self.workers_lost = 0
         self.workers_broken = 0  # workers replaced because the model kept raising there
@@ -241,10 +242,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 task_status.started(self)
                 await self._loop_process()
             finally:
-                if self._worker is not None:
-                    self._worker_seconds += self._worker.busy_seconds
-                    await self._worker.aclose()
-                    self._worker = None
+                await self._close_worker()
             self._retired.set()  # the loop returns only when it is retired
             return
         if self._runner is None:

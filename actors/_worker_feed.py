@@ -44,6 +44,7 @@ class WorkerFeed:
         _worker: WorkerProcess | None
         _worker_seconds: float
         _replacing: bool
+        _lost_why: str | None
         _replace_due: bool
         _replace_wake: trio.Event
         _retirable: bool
@@ -88,10 +89,7 @@ class WorkerFeed:
             # milliseconds, and the escalation took every model down.
             self._replacing = True
             try:
-                if self._worker is not None:
-                    self._worker_seconds += self._worker.busy_seconds
-                    await self._worker.aclose()
-                    self._worker = None
+                await self._close_worker()
             finally:
                 self._replacing = False
             # Workers that keep dying on fresh work opened the breaker: its cooldown
@@ -182,7 +180,7 @@ class WorkerFeed:
                     worker.kill()
                     raise
                 except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its worker process died ({exc})")
+                    self._lose(worker, f"its worker process died ({exc})", died=True)
                 await sent_send.send((batch, t0))
                 if retried(batch) and self._scheduler.replicas > 1:
                     # A retry of a failed batch may hang or kill its worker again:
@@ -214,7 +212,7 @@ class WorkerFeed:
                 except WorkerProcess.Failed as exc:
                     outputs = exc
                 except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its worker process died ({exc})")
+                    self._lose(worker, f"its worker process died ({exc})", died=True)
                 finally:
                     self._disarm(armed)
             if timer.cancelled_caught:
@@ -238,18 +236,22 @@ class WorkerFeed:
         # A worker can die while idle, with no batch to find out by: its replica would
         # be reported ready, and replaced only when the next request hit it.
         await worker.wait_exited()
-        self._lose(worker, f"its worker process exited (pid {worker.pid})")
+        self._lose(worker, f"its worker process exited (pid {worker.pid})", died=True)
 
-    def _lose(self, worker: WorkerProcess, why: str) -> None:
+    def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
         """The worker is gone (or must go): kill it, hand its batches back — the one it
         was running as a suspect, split in ``retry_parts``; the staged ones as they were
-        — and raise _WorkerLost to stop feeding it."""
+        — and raise _WorkerLost to stop feeding it. The loss is logged at once, or,
+        when the worker ``died`` on its own, once it is closed, with how it ended."""
         if not worker.alive:
             raise _WorkerLost(why)  # already lost and handled (by the other task)
         worker.kill()
         self.workers_lost += 1
         self._metrics.statuses["worker_lost"] += 1
-        log.warning("%s: worker process lost: %s; a new one is started", self.name, why)
+        if died:
+            self._lost_why = why
+        else:
+            log.warning("%s: worker process lost: %s; a new one is started", self.name, why)
         batches = list(self._in_flight)
         if not (batches and retried(batches[0])):
             # A retry that crashes again is its requests' doing (it counts towards
@@ -264,6 +266,31 @@ class WorkerFeed:
             self._scheduler.retry(batches[1:])
             self._suspect(batches[0], f"its batch failed: {why}")
         raise _WorkerLost(why)
+
+    async def _close_worker(self) -> None:
+        """Close the replica's worker, if any (killed, and waited for: shielded), and
+        log its loss if it died on its own (see :meth:`_log_death`)."""
+        worker = self._worker
+        if worker is None:
+            return
+        self._worker_seconds += worker.busy_seconds
+        try:
+            await worker.aclose()
+        finally:
+            self._worker = None
+            self._log_death(worker)
+
+    def _log_death(self, worker: WorkerProcess | None) -> None:
+        """Log the loss of a worker that died on its own (see :meth:`_lose`), with how
+        it ended (an exit status, a signal) when known: once it is closed, that is,
+        for a forked worker's status comes from its zygote after the exit."""
+        if self._lost_why is None:
+            return
+        why, self._lost_why = self._lost_why, None
+        how = worker.ended_how if worker is not None else None
+        if how is not None and how not in why:
+            why = f"{why}, {how}"
+        log.warning("%s: worker process lost: %s; a new one is started", self.name, why)
 
     def _replace_broken(self, worker: WorkerProcess) -> None:
         """Its breaker opened because the model kept raising on this worker while

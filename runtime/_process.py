@@ -101,8 +101,13 @@ class WorkerProcess:
         self._send: trio.lowlevel.FdStream | None = None
         self._recv: trio.lowlevel.FdStream | None = None
         self._buf = bytearray()
+        #: After kill: a copy of the reply pipe's descriptor and what was read of it,
+        #: for the zygote's word on how the worker ended (read by aclose).
+        self._tail: tuple[int, bytes] | None = None
         self._shm: Any = None
         self.pid: int | None = None
+        #: How the process ended (a wait status, as ``os.waitpid`` gives it), once known.
+        self.exit_status: int | None = None
 
     async def start(self) -> None:
         """Spawn the process and wait until its model is loaded. Raises WorkerDied."""
@@ -262,7 +267,11 @@ class WorkerProcess:
                     continue
                 frame = bytes(buf[_LEN.size:need])
                 del buf[:need]
-                return pickle.loads(frame)
+                reply = pickle.loads(frame)
+                if reply[0] == "exited":  # the zygote's word on how it ended: its last
+                    self.exit_status = reply[1]
+                    raise WorkerDied(self._death("worker process exited"))
+                return reply
             try:
                 chunk = await self._recv.receive_some(1 << 16)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -272,9 +281,21 @@ class WorkerProcess:
             buf += chunk
 
     def _death(self, what: str) -> str:
-        if self._proc is None:
+        how = self.ended_how
+        if how is None:
             return f"{what} (pid {self.pid})"
-        return f"{what} (pid {self.pid}, exit code {self._proc.poll()})"
+        return f"{what} (pid {self.pid}; {how})"
+
+    @property
+    def ended_how(self) -> str | None:
+        """How the process ended, in words ("killed by SIGKILL: an out-of-memory kill,
+        or kill -9", "exit status 3"), once known: a forked worker's status comes from
+        its zygote after the exit, and is read at the latest by :meth:`aclose`."""
+        if self._proc is not None and self.exit_status is None:
+            code = self._proc.poll()
+            if code is not None:
+                self.exit_status = _wait_status(code)
+        return None if self.exit_status is None else describe_exit(self.exit_status)
 
     async def wait_exited(self) -> None:
         """Wait until the process has exited, killed or on its own: it is gone (a
@@ -310,6 +331,9 @@ class WorkerProcess:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if (self._recv is not None and self._zygote is not None
+                and self.exit_status is None and self._tail is None):
+            self._tail = (os.dup(self._recv.fileno()), bytes(self._buf))
         for stream in (self._send, self._recv):
             if stream is not None:
                 stream.close()
@@ -334,6 +358,51 @@ class WorkerProcess:
             trio.lowlevel.notify_closing(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
+        if self._tail is not None:
+            fd, self._buf[:] = self._tail
+            self._tail = None
+            self._recv = trio.lowlevel.FdStream(fd)
+            try:
+                # The zygote writes it as soon as it reaps the worker (exited above).
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    while self.exit_status is None:
+                        await self._read()
+            except Exception:
+                pass  # the end of the pipe, or what the killed worker left half written
+            finally:
+                self._recv.close()
+                self._recv = None
+                self._buf.clear()
+
+
+#: What a signal that ends a worker most often means.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "an out-of-memory kill, or kill -9",
+    signal.SIGSEGV: "a crash in native code, in an extension or the model's library",
+    signal.SIGBUS: "a crash in native code, in an extension or the model's library",
+    signal.SIGABRT: "an abort in native code, in an extension or the model's library",
+}
+
+
+def _wait_status(returncode: int) -> int:
+    """The wait status of a subprocess' ``returncode`` (negative: the signal)."""
+    return -returncode if returncode < 0 else returncode << 8
+
+
+def describe_exit(status: int) -> str:
+    """A wait status in words: "exit status 3", or "killed by SIGKILL (an
+    out-of-memory kill, or kill -9)"."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        hint = _SIGNAL_HINTS.get(sig)
+        return f"killed by {name}" + (f": {hint}" if hint else "")
+    if os.WIFEXITED(status):
+        return f"exit status {os.WEXITSTATUS(status)}"
+    return f"wait status {status}"
 
 
 def _stack_into(flat: np.ndarray, arrays: list[np.ndarray], shape: tuple[int, ...]) -> None:

@@ -170,13 +170,23 @@ def context_lost(device: str) -> bool:
 
 
 def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
-    """Import what workers need once, then fork one per request on the socket."""
+    """Import what workers need once, then fork one per request on the socket. Each
+    child it reaps is reported to the runtime on the child's own reply pipe, as its
+    last frame: ``("exited", wait status)``; the runtime is not the child's parent and
+    could not learn otherwise whether it exited with a status or was killed by a
+    signal (SIGKILL: an out-of-memory kill; SIGSEGV: a crashing extension)."""
     import gc
     import importlib.util
+    import select
     import socket
 
     sock = socket.socket(fileno=sock_fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children
+    # SIGCHLD wakes the loop below (through the wakeup pipe), which reaps.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     import trioserve._builtin  # noqa: F401
 
     if importlib.util.find_spec("torch") is not None:
@@ -184,7 +194,22 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
     gc.collect()
     gc.freeze()  # fewer copy-on-write faults in the children
     sock.sendall(b"R")
+    reply_fds: dict[int, int] = {}  # child pid -> our copy of its reply pipe
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
     while True:
+        ready = {fd for fd, _ in poller.poll()}
+        if wake_r in ready:
+            while True:
+                try:
+                    if not os.read(wake_r, 512):
+                        break
+                except BlockingIOError:
+                    break
+            report_exits(reply_fds)
+        if sock.fileno() not in ready:
+            continue
         try:
             msg, fds, _, _ = socket.recv_fds(sock, 1, 3)
         except OSError:
@@ -196,15 +221,45 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
             code = 0
             try:
                 sock.close()
+                signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_r)
+                os.close(wake_w)
+                for fd in reply_fds.values():
+                    os.close(fd)
                 serve(*fds)
             except BaseException:
                 code = 1
             finally:
                 os._exit(code)
-        for fd in fds:
-            os.close(fd)
+        rfd, wfd, shm_fd = fds
+        os.close(rfd)
+        os.close(shm_fd)
+        reply_fds[pid] = wfd  # kept until the child is reaped
         sock.sendall(struct.pack("<q", pid))
+
+
+def report_exits(reply_fds: dict[int, int]) -> None:
+    """Reap every child that has exited and write its wait status on its reply pipe
+    (one small frame: atomic, and skipped when the pipe is full or its reader gone)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        fd = reply_fds.pop(pid, None)
+        if fd is None:
+            continue
+        data = pickle.dumps(("exited", status), protocol=5)
+        try:
+            os.set_blocking(fd, False)  # its only other writer, the child, is gone
+            os.write(fd, _LEN.pack(len(data)) + data)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def main() -> None:

@@ -6,8 +6,9 @@ Parent side: :class:`Zygote`. Child side: ``python -m trioserve._worker --zygote
 (:func:`trioserve._worker.zygote_main`). The parent sends a new worker's pipe ends and
 shared memory over a Unix socket (SCM_RIGHTS); the zygote forks, the child serves
 batches on them (:func:`trioserve._worker.serve`), and the zygote answers with the
-child's pid. The zygote ignores SIGCHLD, so its children are reaped by the kernel; it
-exits when the parent's end of the socket closes.
+child's pid. The zygote reaps its children and writes each one's wait status on the
+child's reply pipe (its last frame: the runtime learns how a worker ended, an exit
+status or a signal); it exits when the parent's end of the socket closes.
 
 A zygote that died (killed, crashed) or stopped answering is restarted by the next
 :meth:`Zygote.spawn`: the workers already forked keep running, and a worker loss never

@@ -352,6 +352,7 @@ class _StandIn:
     SLOTS = 3
     Died = WorkerProcess.Died
     Failed = WorkerProcess.Failed
+    ended_how: str | None = None
     _exited: trio.Event
 
     async def start(self) -> None:

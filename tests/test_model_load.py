@@ -117,6 +117,62 @@ async def test_a_load_that_exits_in_a_worker_process_says_why(monkeypatch):
     )
 
 
+class Dying(ModelBackend):
+    """A backend whose load ends its worker process: a signal, or an exit status."""
+
+    inputs = (X,)
+    outputs = (Y,)
+    default_execution = "process"
+
+    def __init__(self, how: int | signal.Signals) -> None:
+        self.how = how
+
+    def load(self, device: str, *, torch_threads: int = 1):
+        if isinstance(self.how, signal.Signals):
+            os.kill(os.getpid(), self.how)
+        os._exit(self.how)
+
+
+def killed_on_load() -> Dying:
+    return Dying(signal.SIGKILL)
+
+
+def crashes_on_load() -> Dying:
+    return Dying(signal.SIGSEGV)
+
+
+def exits_3_on_load() -> Dying:
+    return Dying(3)
+
+
+@pytest.mark.parametrize(
+    ("factory", "how"),
+    [
+        ("killed_on_load", "killed by SIGKILL: an out-of-memory kill, or kill -9"),
+        ("crashes_on_load",
+         "killed by SIGSEGV: a crash in native code, in an extension or the model's library"),
+        ("exits_3_on_load", "exit status 3"),
+    ],
+)
+async def test_a_worker_process_that_dies_loading_says_how(monkeypatch, factory, how):
+    """A worker killed while it loaded (the kernel's out-of-memory killer, a crashing
+    extension, a library's own exit) failed the start with "worker process exited
+    (pid N)" alone: now with its exit status, or its signal by name, which its zygote
+    (its parent: it reaps it) reports on the worker's reply pipe."""
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = trioserve.Config(
+        models=(ModelConfig(name="m", backend=f"test_model_load:{factory}"),)
+    )
+    with pytest.raises(ModelLoadError) as caught:
+        async with trioserve.open_runtime(cfg):
+            pass  # pragma: no cover
+    said = str(caught.value)
+    assert said.startswith(
+        "model 'm': replica 0 on cpu failed to load: worker process exited (pid "
+    )
+    assert said.endswith(f"; {how})")
+
+
 async def test_a_load_past_its_timeout_fails_the_start_in_wall_time():
     """A load that hangs (an import waiting on a lock, a stuck file system) left the
     runtime starting for ever: no listening socket, no error."""

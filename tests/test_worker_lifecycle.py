@@ -76,6 +76,27 @@ async def test_a_worker_that_dies_idle_is_replaced_before_the_next_request():
         assert rt.model_ready("s")
 
 
+async def test_a_worker_killed_while_serving_is_logged_with_its_signal(caplog):
+    """The loss of a worker that died on its own was logged as "its worker process
+    exited (pid N)", with nothing of how: now its signal (or exit status) too, once
+    its zygote has reaped it."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="trioserve")
+    async with trioserve.open_runtime(config(SLEEP)) as rt:
+        batcher = rt.models["s"].batchers[0]
+        first = batcher._worker.pid
+        await kill_and_wait(first)
+        with trio.fail_after(30):  # answered by its successor: the loss was logged
+            assert (await rt.infer("s", x(2.0)))["y"].tolist() == [2.0, 0.0]
+    lost = [r.getMessage() for r in caplog.records if "worker process lost: " in r.getMessage()]
+    assert len(lost) == batcher.workers_lost == 1
+    assert f"(pid {first})" in lost[0]
+    assert lost[0].endswith(
+        ", killed by SIGKILL: an out-of-memory kill, or kill -9; a new one is started"
+    )
+
+
 async def test_a_worker_lost_while_its_batch_is_taken_for_collection_crashes_nothing(
     monkeypatch,
 ):
