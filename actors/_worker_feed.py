@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from trioserve import Request, WorkerProcess
 
-from ._straggler import retried
+from ._straggler import retried, split
 
 if TYPE_CHECKING:
     import collections
@@ -41,6 +41,8 @@ class WorkerFeed:
 
     if TYPE_CHECKING:
         name: str
+        model: str
+        device: str
         _worker: WorkerProcess | None
         _worker_seconds: float
         _replacing: bool
@@ -69,6 +71,9 @@ class WorkerFeed:
         def _suspect(self, batch: list[Request], why: str) -> None: ...
         def _model_failed(self, batch: list[Request], exc: BaseException) -> bool: ...
         def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None: ...
+        def _answer_error(
+            self, batch: list[Request], alive: list[Request], msg: str
+        ) -> None: ...
         def _arm(self, deadline: float, scope: trio.CancelScope) -> Any: ...
         def _disarm(self, armed: Any) -> None: ...
 
@@ -181,6 +186,11 @@ class WorkerFeed:
                     raise
                 except WorkerProcess.Died as exc:
                     self._lose(worker, f"its worker process died ({exc})", died=True)
+                except WorkerProcess.TooLarge as exc:
+                    self._in_flight.pop()  # never sent: the worker goes on
+                    self._too_large(batch, exc)
+                    room.release()
+                    continue
                 await sent_send.send((batch, t0))
                 if retried(batch) and self._scheduler.replicas > 1:
                     # A retry of a failed batch may hang or kill its worker again:
@@ -220,7 +230,9 @@ class WorkerFeed:
                 self._metrics.statuses["straggler"] += 1
                 self._lose(worker, f"it ran past its batch deadline of {deadline:.3f}s")
             broken = False
-            if isinstance(outputs, Exception):
+            if isinstance(outputs, WorkerProcess.TooLarge):
+                self._too_large(batch, outputs)
+            elif isinstance(outputs, Exception):
                 broken = self._model_failed(batch, outputs)
             else:
                 self._timer.record(worker.last_run_seconds)
@@ -291,6 +303,22 @@ class WorkerFeed:
         if how is not None and how not in why:
             why = f"{why}, {how}"
         log.warning("%s: worker process lost: %s; a new one is started", self.name, why)
+
+    def _too_large(self, batch: list[Request], exc: Exception) -> None:
+        """The batch's inputs or outputs do not fit in one message to or from the
+        worker (its 4-byte length: 4 GiB): run it again in halves, and answer a request
+        alone that does not fit with ModelError. No fault of the model's or the
+        worker's: the breaker is not told."""
+        alive = [r for r in batch if r.reply.answerable]
+        if len(alive) > 1:
+            self._scheduler.completed(batch, failed=True)
+            self._metrics.statuses["retried"] += len(alive)
+            self._scheduler.retry(split(alive, 2))
+            return
+        self._answer_error(batch, alive, (
+            f"model {self.model!r} failed on {self.device}: {exc}; send a smaller "
+            'request, or use execution = "thread"'
+        ))
 
     def _replace_broken(self, worker: WorkerProcess) -> None:
         """Its breaker opened because the model kept raising on this worker while

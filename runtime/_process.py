@@ -36,6 +36,12 @@ class WorkerError(RuntimeError):
     """The model raised inside the worker process."""
 
 
+class FrameTooLarge(WorkerError):
+    """A batch's inputs or outputs are more than one message to or from a worker
+    process can carry (:attr:`WorkerProcess.MAX_FRAME_BYTES`): the batch was not run,
+    or its outputs could not be sent back; the worker goes on."""
+
+
 def _shared_memory(size: int) -> int:
     """A file descriptor of ``size`` bytes of shared memory that has no name, so that
     no end of either process (SIGKILL included) leaves a file behind: it is freed
@@ -60,11 +66,15 @@ class WorkerProcess:
 
     Died = WorkerDied
     Failed = WorkerError
+    TooLarge = FrameTooLarge
     #: Batches in flight per worker (one running, the rest staged in shared memory).
     SLOTS = 3
     #: The most shared memory a slot takes: a batch whose inputs do not fit is sent
     #: through the pipe instead (as one whose inputs cannot be stacked is).
     MAX_SLOT_BYTES = 64 * MIB
+    #: The most one message over the pipe carries, either way: its length is 4 bytes.
+    #: Told to the worker at its start, so both ends hold to the same limit.
+    MAX_FRAME_BYTES = (1 << 32) - 1
 
     def __init__(
         self,
@@ -150,7 +160,7 @@ class WorkerProcess:
         try:
             init = pickle.dumps(
                 ("init", _portable(cfg, backend), self._device, self._torch_threads,
-                 self._shm_size),
+                 self._shm_size, self.MAX_FRAME_BYTES),
                 protocol=5,
             )
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -178,20 +188,30 @@ class WorkerProcess:
 
     async def submit(self, items: list[dict[str, Any]]) -> None:
         """Send a batch. At most SLOTS may be in flight (one shared-memory slot each);
-        the worker runs them in order. Raises WorkerDied. Cancelling it leaves the pipe
-        mid-message: kill the worker after a cancelled call."""
+        the worker runs them in order. Raises WorkerDied, or FrameTooLarge (the batch
+        is not sent: its inputs do not fit in one message; the worker goes on).
+        Cancelling it leaves the pipe mid-message: kill the worker after a cancelled
+        call."""
         if self.in_flight >= self.SLOTS:
             raise RuntimeError(f"at most {self.SLOTS} batches may be in flight per worker")
         if self._shm is None:
             raise WorkerDied(self._death("the worker was killed"))
         n = len(items)
         layout = self._stack(items, self._next_slot * self._slot_size)
+        if layout is not None:
+            data = pickle.dumps(("stacked", n, layout), protocol=5)
+        else:
+            data = pickle.dumps(("items", n, items), protocol=5)
+            if len(data) > self.MAX_FRAME_BYTES:
+                # Before anything is counted: the worker never sees this batch.
+                raise FrameTooLarge(
+                    f"its batch's inputs are {len(data)} bytes in one message to its "
+                    f"worker process, more than the {self.MAX_FRAME_BYTES} bytes a "
+                    "message carries"
+                )
         self._next_slot = (self._next_slot + 1) % self.SLOTS
         self.in_flight += 1
-        if layout is not None:
-            await self._write(pickle.dumps(("stacked", n, layout), protocol=5))
-        else:
-            await self._write(pickle.dumps(("items", n, items), protocol=5))
+        await self._write(data)
 
     async def result(self) -> list[dict[str, Any]]:
         """The outputs of the oldest batch in flight. Raises WorkerError (the model
@@ -202,6 +222,8 @@ class WorkerProcess:
         self.in_flight -= 1
         if reply[0] == "error":
             raise WorkerError(reply[1])
+        if reply[0] == "too_large":
+            raise FrameTooLarge(reply[1])
         if reply[0] == "lost":  # its device context was lost: it exits
             raise WorkerDied(self._death(f"its device context was lost: {reply[1]}"))
         n, out = reply[1], reply[2]

@@ -23,6 +23,12 @@ from typing import Any
 import numpy as np
 
 _LEN = struct.Struct("<I")
+#: The most one frame carries; the parent sets it at the start (its 4-byte length).
+max_frame = (1 << 32) - 1
+
+
+class FrameTooLarge(ValueError):
+    """A frame longer than ``max_frame``."""
 
 
 def read_exact(fd: int, n: int) -> bytes:
@@ -42,7 +48,14 @@ def read_frame(fd: int) -> Any:
 
 
 def write_frame(fd: int, obj: Any) -> None:
+    """Write ``obj`` as one frame. Raises FrameTooLarge, before writing anything, when
+    it is longer than ``max_frame`` pickled."""
     data = pickle.dumps(obj, protocol=5)
+    if len(data) > max_frame:
+        raise FrameTooLarge(
+            f"its batch's outputs are {len(data)} bytes in one message from its worker "
+            f"process, more than the {max_frame} bytes a message carries"
+        )
     view = memoryview(_LEN.pack(len(data)) + data)
     while view:
         view = view[os.write(fd, view) :]
@@ -85,6 +98,7 @@ def exit_when_orphaned(rfd: int) -> None:
 
 
 def serve(rfd: int, wfd: int, shm_fd: int) -> None:
+    global max_frame
     import threading
 
     from trioserve._builtin import resolve_backend
@@ -93,7 +107,7 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
 
     threading.Thread(target=exit_when_orphaned, args=(rfd,), daemon=True).start()
     try:
-        _, cfg, device, torch_threads, shm_size = read_frame(rfd)
+        _, cfg, device, torch_threads, shm_size, limit = read_frame(rfd)
     except EOFError:
         return  # the parent is gone
     except Exception as exc:
@@ -108,6 +122,7 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
             'as __main__), or use execution = "thread"'
         ).replace("\n", " ")))
         return
+    max_frame = limit
     try:
         shm = mmap.mmap(shm_fd, shm_size)
         os.close(shm_fd)
@@ -148,6 +163,8 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
                     backend.conform_outputs(cfg.name, check_outputs(runner(payload), n))
                 )
             write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
+        except FrameTooLarge as exc:
+            write_frame(wfd, ("too_large", str(exc)))
         except (Exception, SystemExit) as exc:  # the model's sys.exit() ends no worker
             text = exception_text(exc)  # (its str() may raise: this loop must go on)
             if context_lost(device):

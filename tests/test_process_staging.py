@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import numpy as np
 import pytest
 import trioserve
 from runtime_helpers import config
-from trioserve import ModelConfig
+from trioserve import ModelConfig, ModelError
 from trioserve._builtin import mlp_backend
 from trioserve._config import MAX_BATCH_SIZE
 from trioserve._process import WorkerProcess, _stack_into
@@ -97,3 +99,36 @@ async def test_items_of_other_inputs_or_dtypes_in_one_batch_come_back_as_they_we
         for name, arr in item.items():
             assert out[name].dtype == arr.dtype
             assert out[name].tolist() == arr.tolist()
+
+
+@pytest.mark.parametrize("way", ["inputs", "outputs"])
+async def test_a_batch_past_a_workers_message_limit_is_split_and_a_lone_one_refused(
+    monkeypatch, way
+):
+    """One message to or from a worker carries at most 4 GiB (its length is 4 bytes).
+    A batch whose pickled inputs were longer raised struct.error out of the batcher
+    (the actor crashed, its requests failed with ActorBroken, and every such request
+    spent a restart); outputs as long failed in the worker with the same struct.error,
+    told as the model's. Now such a batch runs again in halves, and a request that
+    does not fit alone gets a ModelError saying so; the worker goes on. (The limit is
+    lowered here: the worker gets it from the parent at its start.)"""
+    monkeypatch.setattr(WorkerProcess, "MAX_FRAME_BYTES", 3000)
+    if way == "inputs":
+        monkeypatch.setattr(WorkerProcess, "MAX_SLOT_BYTES", 64)  # sent as items
+    cfg = config(ModelConfig(name="s", backend="sleep", execution="process", max_batch_size=8))
+    items = [{"x": np.full(200, v, np.float32)} for v in range(8)]  # ~6.4 KB in all
+    async with trioserve.open_runtime(cfg) as rt:
+        outs = await rt.infer_batch("s", items)
+        assert [o["y"].tolist() for o in outs] == [[float(v)] * 200 for v in range(8)]
+        assert rt.statistics()["s"]["statuses"]["retried"] >= 8  # split, not failed
+        with pytest.raises(ModelError) as caught:
+            await rt.infer("s", {"x": np.zeros(1000, np.float32)})  # 4 KB alone
+        assert re.fullmatch(
+            rf"model 's' failed on cpu: its batch's {way} are \d+ bytes in one message "
+            rf"(to|from) its worker process, more than the 3000 bytes a message carries; "
+            r'send a smaller request, or use execution = "thread"',
+            str(caught.value),
+        )
+        batcher = rt.models["s"].batchers[0]
+        assert (batcher.restarts, batcher.workers_lost) == (0, 0)
+        assert (await rt.infer("s", items[3]))["y"].tolist() == [3.0] * 200
