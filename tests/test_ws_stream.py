@@ -90,6 +90,23 @@ async def test_infer_matches_answers_to_concurrent_callers():
     assert {i: r.tolist() for i, r in results.items()} == {i: [i, i + 1] for i in range(100)}
 
 
+async def test_a_send_id_in_infers_id_space_is_refused_and_infer_gets_its_own_answer():
+    """send("c0", ...) and infer()'s first request (tagged "c0") shared an id: the
+    send's answer, arriving first, went to the infer caller, and the infer's own to
+    receive(). Infer's ids now begin with a reserved prefix that send refuses."""
+    async with serving(config(echo_model())) as gw, open_stream(gw.url) as stream:
+        with pytest.raises(ValueError, match="begins with 'infer:', which is kept"):
+            await stream.send("infer:0", "echo", {"x": f32(7)})
+        await stream.send("c0", "echo", {"x": f32(1)})  # infer's id of old: any id else
+        await stream.send(0, "echo", {"x": f32(2)})
+        assert (await stream.infer("echo", {"x": f32(3)}))["x"].tolist() == [3]
+        got = {}
+        for _ in range(2):
+            reply = await stream.receive()
+            got[reply.id] = reply.outputs["x"].tolist()
+        assert got == {"c0": [1], 0: [2]}
+
+
 async def test_a_bad_message_gets_an_error_frame_and_the_stream_goes_on():
     async with serving(config(echo_model(), mlp_model())) as gw, open_stream(gw.url) as stream:
         await stream.send_raw("{not json")
@@ -185,12 +202,12 @@ async def test_an_infer_cancelled_before_its_message_left_frees_its_slot_at_once
         # The second never left, so no answer will come to free its slot: leaving
         # frees it, and forgets the caller, at once. The first is being written: it
         # goes whole, and its answer (dropped) will free its slot.
-        assert list(client._waiters) == ["c0"]
+        assert list(client._waiters) == ["infer:0"]
         ws.go.set()
         with trio.move_on_after(1) as blocked:
             await client.send("a", "echo", {"x": f32(3)})
         assert not blocked.cancelled_caught
-        assert [json.loads(m)["id"] for m in ws.sent] == ["c0", "a"]
+        assert [json.loads(m)["id"] for m in ws.sent] == ["infer:0", "a"]
         nursery.cancel_scope.cancel()
 
 

@@ -130,6 +130,11 @@ class StreamClient:
     it at once) or :meth:`send` / :meth:`receive` (answers in completion order).
     At most ``max_in_flight`` requests are outstanding: beyond that, sending waits.
 
+    :meth:`infer` tags its requests with ids of its own, ``"infer:0"``,
+    ``"infer:1"``...: a string id given to :meth:`send` may not begin with
+    :attr:`INFER_ID_PREFIX` (ValueError), so that its answer is never taken for an
+    infer caller's, nor an infer caller's for its.
+
     Messages are written by one writer task (:meth:`run_writer`, started by
     :func:`open_stream`), each whole: a caller cancelled while its message waits for
     the writer withdraws it, and one cancelled once the writer has taken it leaves
@@ -137,6 +142,9 @@ class StreamClient:
     leaves it, would make the next message's bytes the rest of the cut frame and
     fail the stream for every caller.)
     """
+
+    #: The prefix of the ids :meth:`infer` makes, refused in an id given to :meth:`send`.
+    INFER_ID_PREFIX = "infer:"
 
     def __init__(self, ws: Any, max_in_flight: int) -> None:
         _check_max_in_flight(max_in_flight)
@@ -157,13 +165,23 @@ class StreamClient:
         **kw: Any,
     ) -> None:
         """Send one request (keywords: version, outputs, parameters); its answer comes
-        from :meth:`receive`. Waits while ``max_in_flight`` answers are outstanding."""
+        from :meth:`receive`. Waits while ``max_in_flight`` answers are outstanding.
+        Raises ValueError, sending nothing, for a string id that begins with
+        :attr:`INFER_ID_PREFIX` (the ids :meth:`infer` makes)."""
+        if isinstance(id, str) and id.startswith(self.INFER_ID_PREFIX):
+            raise ValueError(
+                f"stream id {id!r} begins with {self.INFER_ID_PREFIX!r}, which is kept "
+                "for the ids infer() makes (an answer to it would go to an infer "
+                "caller); use another id"
+            )
         await self.send_raw(request_message(id, model, inputs, **kw))
 
     async def send_raw(self, message: str | bytes) -> None:
         """Send a message as it is (it takes an in-flight slot until answered).
         Returns once it is written. Cancelled before the writer took it, it is not
-        sent; after, it is still sent whole, and its answer comes to receive()."""
+        sent; after, it is still sent whole, and its answer comes to receive(). Its
+        id is not checked: one beginning with :attr:`INFER_ID_PREFIX` may have its
+        answer taken by an :meth:`infer` caller."""
         await self._slots.acquire()
         item = await self._hand_over(message)
         await item.done.wait()
@@ -225,7 +243,7 @@ class StreamClient:
         """Send one request (keywords: version, outputs, parameters) and wait for its
         answer: outputs name -> array, or the error raised as its trioserve class
         (InvalidInput, UnknownModel, ...). Cancelling it drops the answer."""
-        rid = f"c{next(self._ids)}"
+        rid = f"{self.INFER_ID_PREFIX}{next(self._ids)}"
         message = request_message(rid, model, inputs, **kw)
         await self._slots.acquire()
         waiter = self._waiters[rid] = _Waiter()
