@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, ItemsView, KeysView, Mapping, Sequence, Set
 from typing import Any
 
 import attrs
@@ -303,14 +303,25 @@ def _narrowed(arr: np.ndarray, want: np.dtype, spec: TensorSpec, model: str) -> 
     return out
 
 
+class UnorderedItems(InvalidInput, TypeError):
+    """Items in a collection with no order (a set): the answers, in its order, would
+    match the items by chance. A TypeError too: the wrong kind of collection."""
+
+
 def item_list(model: str, items: Any, call: str, *, stacked: bool = True) -> Any:
     """``items`` of an ``infer_batch`` (``stacked``: a mapping of stacked inputs is
     taken too) or ``infer_many`` call: a mapping or a sized sequence as it is, any
     other iterable as a list; InvalidInput, naming the model, for a value that holds
-    no items (None, a number, a 0-d array)."""
+    no items (None, a number, a 0-d array), and UnorderedItems (InvalidInput and
+    TypeError) for a set or frozenset (a dict's keys or items view keeps its order)."""
     takes = "a sequence of items" + (
         " or a mapping input name -> stacked array" if stacked else ""
     )
+    if isinstance(items, Set) and not isinstance(items, (KeysView, ItemsView)):
+        raise UnorderedItems(
+            f"model {model!r}: {call} takes {takes}, got a {type(items).__qualname__}, "
+            "which has no order: the answers come in the items' order, so pass a list"
+        )
     if isinstance(items, Mapping):
         if stacked:
             return items

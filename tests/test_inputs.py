@@ -363,6 +363,28 @@ async def test_infer_batch_of_no_sequence_of_items_is_invalid_input(rt, seen, it
     assert (await rt.infer_batch("one", [[1, 2, 3, 4]]))[0]["y"].tolist() == [10.0]
 
 
+# Regression: a set of items was taken, its answers in the set's order, which is no
+# order of the caller's: nothing told which answer was whose.
+@pytest.mark.parametrize("kind", [set, frozenset])
+async def test_infer_batch_of_a_set_is_refused_saying_to_pass_a_list(rt, seen, kind):
+    items = kind([(1, 2, 3, 4), (2, 2, 3, 4)])
+    for error in (InvalidInput, TypeError):  # the wrong kind of collection: both
+        with pytest.raises(error) as caught:
+            await rt.infer_batch("one", items)
+    assert str(caught.value) == (
+        "model 'one': infer_batch takes a sequence of items or a mapping input name -> "
+        f"stacked array, got a {kind.__name__}, which has no order: the answers come in "
+        "the items' order, so pass a list"
+    )
+    assert seen["one"].items == []
+    # Ordered collections are taken as before: a tuple, a dict's views, an iterator.
+    rows = {(1, 2, 3, 4): "a", (2, 2, 3, 4): "b"}
+    named = dict(zip("ab", rows, strict=True))
+    for ordered in (tuple(rows), rows.keys(), named.values(), iter(list(rows))):
+        outs = await rt.infer_batch("one", ordered)
+        assert [o["y"].tolist() for o in outs] == [[10.0], [11.0]]
+
+
 # Regression: an empty mapping of stacked inputs was refused naming "got shapes " and
 # nothing after it.
 async def test_infer_batch_of_no_stacked_inputs_says_so(rt):

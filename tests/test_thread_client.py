@@ -335,6 +335,18 @@ def test_infer_many_of_no_sequence_of_items_is_invalid_input(served, inputs):
     assert served.infer_many("double", iter([item(1)]))[0]["y"].tolist() == [3.0]
 
 
+def test_infer_many_of_a_set_is_refused_saying_to_pass_a_list(served):
+    """A set's results came back in the set's order, matching no order of the
+    caller's."""
+    with pytest.raises(TypeError, match=r"got a frozenset, which has no order: .* pass a list$"):
+        served.infer_many("double", frozenset([1.0, 2.0]))
+    with pytest.raises(InvalidInput, match=r"got a set, which has no order"):
+        served.infer_many("double", {1.0, 2.0})
+    assert [r["y"].tolist() for r in served.infer_many("double", (item(1), item(2)))] == [
+        [3.0], [5.0]
+    ]
+
+
 def test_leaving_the_block_answers_every_thread_in_flight_with_actor_closed():
     # Five threads call a model held by its gate: one call running, four queued.
     # Leaving the block (its grace spent on the stuck call) must answer each of them,
