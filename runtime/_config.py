@@ -362,6 +362,17 @@ class ModelConfig:
                 "false); set hedge = true too, or leave hedge_after_ms out"
             )
 
+    @cache_ttl_s.validator
+    @cache_shared.validator
+    def _check_cached(self, attribute: attrs.Attribute, value: Any) -> None:
+        # (coalesce works without the cache: it is not checked here)
+        if value not in (None, False) and not self.cache:
+            raise ConfigError(
+                f"{self._path()}.{attribute.name}: the model's results are not cached "
+                f"(cache = false), so {attribute.name} would do nothing; set cache = "
+                f"true, or leave {attribute.name} out"
+            )
+
     @backend.validator
     def _check_backend(self, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, str):

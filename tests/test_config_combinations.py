@@ -26,6 +26,27 @@ def test_hedge_after_ms_needs_hedge_in_toml_too(tmp_path):
         trioserve.load_config(path)
 
 
+# Regression: cache_ttl_s and cache_shared on a model with cache = false were accepted
+# and did nothing (coalesce, which works without the cache, is taken).
+@pytest.mark.parametrize(("key", "value"), [("cache_ttl_s", 300), ("cache_shared", True)])
+def test_cache_options_need_the_models_cache(tmp_path, key, value):
+    with pytest.raises(ConfigError) as caught:
+        ModelConfig(name="m", backend="echo", cache=False, **{key: value})
+    assert str(caught.value) == (
+        f"models.m.{key}: the model's results are not cached (cache = false), so {key} "
+        f"would do nothing; set cache = true, or leave {key} out"
+    )
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f'[models.m]\nbackend = "echo"\ncache = false\n{key} = {str(value).lower()}\n'
+    )
+    with pytest.raises(ConfigError, match=rf"^models\.m\.{key}: the model's results are not"):
+        trioserve.load_config(path)
+    assert getattr(ModelConfig(name="m", backend="echo", **{key: value}), key) == value
+    off = ModelConfig(name="m", backend="echo", cache=False, cache_shared=False, coalesce=True)
+    assert (off.cache_ttl_s, off.cache_shared, off.coalesce) == (None, False, True)
+
+
 # Regression: an empty [tenants] table (or tenants=() from Python) made a runtime that
 # refused every request (Unauthorized: no tenant given and no default tenant).
 def test_no_tenants_at_all_is_refused(tmp_path):
