@@ -365,8 +365,9 @@ def config_of(sc: CacheScenario, run: CacheRun) -> trioserve.Config:
             execution="inline",
             adaptive_limit=False,
             cache=rule.cache,
-            cache_ttl_s=None if rule.ttl is None else rule.ttl * TICK,
-            cache_shared=rule.shared,
+            # (with the cache off these do nothing, and are refused)
+            cache_ttl_s=None if rule.ttl is None or not rule.cache else rule.ttl * TICK,
+            cache_shared=rule.shared and rule.cache,
             coalesce=rule.coalesce,
         )
         for j, rule in enumerate(sc.models)
