@@ -3,8 +3,10 @@ when to move there.
 
 Every ``interval`` seconds the controller (``actors/_scaling.py``) tells
 :meth:`Autoscaler.decide` the model's load (cost units queued plus in service) and
-how many replicas serve now. The load asks for ceil(load / ``target``) replicas,
-clamped to [``minimum``, ``maximum``] (``desired``). The count moves up only once
+how many replicas serve now. The look averages the loads sampled over the last
+``look_back`` seconds (Ray Serve's ``look_back_period_s``; 0: the last sample
+only), and that mean asks for ceil(mean / ``target``) replicas, clamped to
+[``minimum``, ``maximum``] (``desired``). The count moves up only once
 ``desired`` stayed above the current count for ``upscale_delay`` seconds, to what
 the last look asks for; it moves down only once ``desired`` stayed below it for
 ``downscale_delay`` seconds, to the most any look of that wait asked for (as
@@ -18,6 +20,7 @@ count once.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import attrs
@@ -30,7 +33,7 @@ DOWN = "down"
 class ScaleDecision:
     """A change of the replica count: ``direction`` (``up`` or ``down``) from
     ``before`` to ``after`` replicas, decided at ``at`` for a ``load`` of cost
-    units."""
+    units (the mean over the look-back window)."""
 
     direction: str
     before: int
@@ -58,7 +61,8 @@ class Autoscaler:
     ``decide(now, load=..., current=...)`` returns the replica count to have now:
     ``current`` unless a change is due. It looks at most once per ``interval``
     (earlier calls return ``current`` and change nothing); ``next_look()`` says when
-    it looks next.
+    it looks next. Each look's load joins the window of the last ``look_back``
+    seconds, whose mean decides.
     """
 
     def __init__(
@@ -70,19 +74,26 @@ class Autoscaler:
         upscale_delay: float = 5.0,
         downscale_delay: float = 60.0,
         interval: float = 1.0,
+        look_back: float = 0.0,
         now: float = 0.0,
     ) -> None:
         if not 1 <= minimum <= maximum:
             raise ValueError(f"need 1 <= minimum <= maximum, got {minimum}, {maximum}")
         if not target > 0 or not interval > 0 or upscale_delay < 0 or downscale_delay < 0:
             raise ValueError("target and interval must be > 0, the delays >= 0")
+        if not look_back >= 0:
+            raise ValueError(f"look_back must be >= 0, got {look_back}")
         self.minimum = minimum
         self.maximum = maximum
         self.target = target
         self.upscale_delay = upscale_delay
         self.downscale_delay = downscale_delay
         self.interval = interval
+        self.look_back = look_back
         self._next_look = now
+        #: (time, load) of the looks less than ``look_back`` before the last one,
+        #: oldest first: at most look_back / interval + 1 (a look per interval)
+        self._window: collections.deque[tuple[float, float]] = collections.deque()
         #: since when the looks ask for more replicas than serve (None: the last did not)
         self._above_since: float | None = None
         self._below_since: float | None = None
@@ -101,12 +112,28 @@ class Autoscaler:
         n = math.ceil(load / self.target) if load > 0 else 0
         return min(self.maximum, max(self.minimum, n))
 
+    def _average(self, now: float, load: float) -> float:
+        """Add the ``load`` sampled at ``now`` to the window and return the mean of
+        the loads sampled less than ``look_back`` seconds ago (this one included)."""
+        window = self._window
+        # (``now - t``, the form the delays are checked in: a look that is a whole
+        # delay after a sample never sees it in a window no longer than the delay)
+        while window and now - window[0][0] >= self.look_back:
+            window.popleft()
+        window.append((now, load))
+        loads = [sample for _, sample in window]
+        # within the samples' range, which rounding could leave: a steady load's
+        # mean is that load exactly, and asks for what it asks for
+        return min(max(sum(loads) / len(loads), min(loads)), max(loads))
+
     def decide(self, now: float, *, load: float, current: int) -> int:
         """The replica count to have at ``now``, for ``load`` cost units queued plus
-        in service and ``current`` replicas serving. Not a checkpoint."""
+        in service (averaged over the look-back window) and ``current`` replicas
+        serving. Not a checkpoint."""
         if now < self._next_look:
             return current
         self._next_look = now + self.interval
+        load = self._average(now, load)
         desired = self.desired = self.wanted(load)
         if desired > current:
             self._below_since = None

@@ -5,12 +5,14 @@ Every ``interval_s`` it tells its :class:`Autoscaler` (the sans-IO decision) the
 model's load (``SchedulerActor.load``: cost queued, in service and held for a
 retry) and how many replicas serve, and carries out what it decides:
 
-- **up**: a new replica per replica wanted, started as the runtime starts one (the
-  assembly's ``start_replica``: registered with the model and its queue, supervised
-  in the root nursery; it pulls only once its model is loaded), on the model's
-  device with the fewest serving replicas (round-robin as they grow), never on one
-  where a replica lost its device. One that fails to load is logged and the next
-  try waits the upscale delay again.
+- **up**: a new replica per replica wanted, all started at once, each in its own
+  task of the controller's nursery, as the runtime starts one (the assembly's
+  ``start_replica``: registered with the model and its queue, supervised in the
+  root nursery; it pulls only once its model is loaded), on the model's device
+  with the fewest serving replicas (round-robin as they grow), never on one where
+  a replica lost its device. A replica loading counts as serving, so the next
+  look sees it. One that fails to load is logged and the next try waits the
+  upscale delay again.
 - **down**: the replicas to go are retired (``BatcherActor.retire``), idle ones
   first, then the newest: each pulls no more, finishes what it holds, releases
   its worker process or model, and is unregistered once its ``run`` returned.
@@ -101,13 +103,15 @@ class ScalingController(Actor):
         want = self.scaler.decide(trio.current_time(), load=load, current=current)
         if want == current:
             return
+        decision = self.scaler.last_decision  # its load: the look-back window's mean
+        assert decision is not None
         log.info(
             "model %r: scaling %s from %d to %d replicas (load %g cost units, %g per "
             "replica wanted)", self.model, "up" if want > current else "down",
-            current, want, load, self.scaler.target,
+            current, want, decision.load, self.scaler.target,
         )
         if want > current:
-            await self._scale_up(want - current)
+            await self._scale_up(want - current, nursery)
         else:
             self._scale_down(serving, current - want, nursery)
 
@@ -123,33 +127,46 @@ class ScalingController(Actor):
         count = collections.Counter(b.device for b in batchers if serves(b))
         return min(usable, key=lambda d: count[d])
 
-    async def _scale_up(self, n: int) -> None:
+    async def _scale_up(self, n: int, nursery: trio.Nursery) -> None:
+        """Start ``n`` replicas in ``nursery``, loading side by side; returns once
+        each is registered (not loaded). A checkpoint."""
         for _ in range(n):
             if self._closing() or self._served.scheduler.closed:
-                return  # shutdown began while the one before loaded: no more
-            device = self._place()
-            if device is None:
-                log.warning(
-                    "model %r: no replica added: each of its devices lost a replica's "
-                    "device context", self.model,
-                )
-                self.scaler.failed()
-                return
-            index = self._next_index
-            self._next_index += 1
-            try:
-                batcher = await self._start_replica(index, device)
-            except Exception as exc:
-                self.start_failures += 1
-                self.scaler.failed()
-                self._retire_if_lost()
-                log.warning(
-                    "model %r: a new replica on %s failed to start (%s); the next try "
-                    "waits the upscale delay", self.model, device, exc,
-                )
-                return
-            self._set_floor()
-            log.info("model %r: replica %s serving", self.model, batcher.name)
+                return  # shutdown began: no more
+            if not await nursery.start(self._add_replica):
+                return  # no device to place it on
+
+    async def _add_replica(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Place a replica, start it and wait for its model to load. Reports
+        ``started(True)`` once it is registered (``started(False)``: no device to
+        place it on), so the next one's placement counts it."""
+        device = self._place()
+        if device is None:
+            log.warning(
+                "model %r: no replica added: each of its devices lost a replica's "
+                "device context", self.model,
+            )
+            self.scaler.failed()
+            task_status.started(False)
+            return
+        index = self._next_index
+        self._next_index += 1
+        # No checkpoint between this and ``start_replica`` registering the replica
+        # (before its first checkpoint): the starter resumes only after it.
+        task_status.started(True)
+        try:
+            batcher = await self._start_replica(index, device)
+        except Exception as exc:
+            self.start_failures += 1
+            self.scaler.failed()
+            self._retire_if_lost()
+            log.warning(
+                "model %r: a new replica on %s failed to start (%s); the next try "
+                "waits the upscale delay", self.model, device, exc,
+            )
+            return
+        self._set_floor()
+        log.info("model %r: replica %s serving", self.model, batcher.name)
 
     def _scale_down(self, serving: list[Any], n: int, nursery: trio.Nursery) -> None:
         # Idle ones first (nothing to finish), then the newest.

@@ -232,7 +232,8 @@ class AutoscalingConfig:
     ``max_replicas``], and moves there once it wanted more for ``upscale_delay_s``
     (fewer: ``downscale_delay_s``, to the most it wanted meanwhile). None:
     ``min_replicas`` the replicas the model starts with, ``target_queued_per_replica``
-    one full batch (``max_batch_size``)."""
+    one full batch (``max_batch_size``). The load is the mean of the looks of the
+    last ``look_back_s`` (None: ``upscale_delay_s``)."""
 
     min_replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)
     max_replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)
@@ -242,6 +243,7 @@ class AutoscalingConfig:
     upscale_delay_s: float = _field(_number(0.0), 5.0)
     downscale_delay_s: float = _field(_number(0.0), 60.0)
     interval_s: float = _field(_number(0.0, strict=True), 1.0)
+    look_back_s: float | None = _field(_number(0.0, optional=True), None)
 
     @max_replicas.validator
     def _check_max(self, attribute: attrs.Attribute, value: Any) -> None:

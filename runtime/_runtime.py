@@ -454,6 +454,7 @@ async def _start_autoscaler(
         upscale_delay=a.upscale_delay_s,
         downscale_delay=a.downscale_delay_s,
         interval=a.interval_s,
+        look_back=a.look_back_s if a.look_back_s is not None else a.upscale_delay_s,
         now=trio.current_time() + a.interval_s,
     )
     served.scaler = ScalingController(

@@ -1,7 +1,9 @@
 """The autoscaler's decision (``Autoscaler``, sans-IO), with explicit ``now``: the
-replicas a load asks for, the delays before a change, one look per interval, and,
-under hypothesis, bounds that hold and loads that swing faster than the delays
-moving nothing."""
+replicas a load asks for, its mean over the look-back window, the delays before a
+change, one look per interval, and, under hypothesis, bounds that hold, changes to
+what the window's mean asks for, loads that swing faster than the delays moving
+nothing, and a one-look spike never scaling up within a window no longer than the
+upscale delay."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from trioserve.actors import Autoscaler, ScaleDecision
 def scaler(**kw) -> Autoscaler:
     args = dict(
         minimum=1, maximum=8, target=10.0, upscale_delay=5.0, downscale_delay=60.0,
-        interval=1.0,
+        interval=1.0, look_back=0.0,
     )
     args.update(kw)
     return Autoscaler(**args)
@@ -106,6 +108,43 @@ def test_bad_arguments_are_refused():
         scaler(minimum=3, maximum=2)
     with pytest.raises(ValueError, match="must be > 0"):
         scaler(target=0)
+    with pytest.raises(ValueError, match="look_back must be >= 0, got -1"):
+        scaler(look_back=-1.0)
+
+
+def test_the_load_is_averaged_over_the_look_back_window():
+    """A look sees the mean of the loads sampled less than ``look_back`` ago (three
+    looks here), and the change goes to what that mean asks for, not the last look."""
+    s = scaler(upscale_delay=2.0, look_back=3.0)
+    assert s.decide(0.0, load=60, current=1) == 1  # mean 60: 6 wanted
+    assert s.desired == 6
+    assert s.decide(1.0, load=0, current=1) == 1  # mean 30: 3
+    assert s.desired == 3
+    assert s.decide(2.0, load=0, current=1) == 2  # mean 20: 2, above since 0
+    assert s.last_decision == ScaleDecision(direction="up", before=1, after=2, at=2.0, load=20)
+    assert s.decide(3.0, load=30, current=2) == 2  # the sample at 0 left: mean 10
+    assert s.desired == 1
+
+
+def test_a_window_of_zero_sees_the_last_look_only():
+    s = scaler(upscale_delay=0.0)
+    assert s.decide(0.0, load=1000, current=1) == 8
+    assert s.decide(1.0, load=25, current=8) == 8  # downscale waits
+    assert s.desired == 3
+
+
+def test_a_one_look_spike_does_not_scale_up_within_a_window_as_long_as_the_delay():
+    """The default look-back is the upscale delay: the last look of the wait is a
+    whole delay after the spike, which has left the window by then."""
+    s = scaler(upscale_delay=3.0, look_back=3.0)
+    for t, load, desired in [(0, 60, 6), (1, 0, 3), (2, 0, 2), (3, 0, 1)]:
+        assert s.decide(float(t), load=load, current=1) == 1
+        assert s.desired == desired
+    # a window longer than the delay keeps the spike for the whole wait
+    longer = scaler(upscale_delay=3.0, look_back=4.0)
+    for t, load in enumerate([60, 0, 0]):
+        assert longer.decide(float(t), load=load, current=1) == 1
+    assert longer.decide(3.0, load=0, current=1) == 2  # 60 / 4 samples
 
 
 @settings(max_examples=300)
@@ -113,29 +152,44 @@ def test_bad_arguments_are_refused():
     bounds=st.tuples(st.integers(1, 6), st.integers(0, 6)).map(lambda b: (b[0], b[0] + b[1])),
     delays=st.tuples(st.floats(0, 20), st.floats(0, 20)),
     interval=st.floats(0.1, 5),
+    look_back=st.floats(0, 20),
     steps=st.lists(
         st.tuples(st.floats(0.01, 10), st.floats(0, 1000)), min_size=1, max_size=80
     ),
 )
-def test_the_count_never_leaves_its_bounds(bounds, delays, interval, steps):
+def test_the_count_stays_in_its_bounds_and_moves_to_what_the_mean_asks_for(
+    bounds, delays, interval, look_back, steps
+):
+    """Whatever the loads and their times: the count stays within the bounds, and a
+    change goes to what the mean of the looks less than ``look_back`` ago asks for
+    (up), or at least that and below the count (down: the most its wait asked for)."""
     lo, hi = bounds
     s = scaler(
         minimum=lo, maximum=hi, upscale_delay=delays[0], downscale_delay=delays[1],
-        interval=interval,
+        interval=interval, look_back=look_back,
     )
     now, current = 0.0, lo
+    looks: list[tuple[float, float]] = []  # (time, load) of every look so far
     for dt, load in steps:
         now += dt
+        looked = now >= s.next_look()
         new = s.decide(now, load=load, current=current)
         assert lo <= new <= hi
+        if not looked:
+            assert new == current
+            continue
+        window = [x for t, x in looks if now - t < look_back] + [load]
+        looks.append((now, load))
+        mean = min(max(sum(window) / len(window), min(window)), max(window))
+        assert s.desired == s.wanted(mean)
         if new != current:
             d = s.last_decision
-            assert (d.before, d.after, d.at) == (current, new, now)
+            assert (d.before, d.after, d.at, d.load) == (current, new, now, mean)
             assert d.direction == ("up" if new > current else "down")
-            if new > current:  # up: to what the last look asks for
-                assert new == s.wanted(load)
+            if new > current:  # up: to what the window's mean asks for
+                assert new == s.wanted(mean)
             else:  # down: to the most its wait asked for, at least the last look's
-                assert s.wanted(load) <= new < current
+                assert s.wanted(mean) <= new < current
         current = new
 
 
@@ -151,10 +205,12 @@ def test_the_count_never_leaves_its_bounds(bounds, delays, interval, steps):
 def test_a_load_swinging_faster_than_the_delays_moves_nothing(
     delays, every, share, high, start, swings
 ):
-    """High for less than the upscale delay, then low for less than the downscale
-    delay, over and over: never a change, however many looks fall in each phase
-    (at least one: a phase shorter than the interval may fall between two looks,
-    and a load seen high at every look is a steady load)."""
+    """With no look-back window (each look sees its own sample): high for less than
+    the upscale delay, then low for less than the downscale delay, over and over:
+    never a change, however many looks fall in each phase (at least one: a phase
+    shorter than the interval may fall between two looks, and a load seen high at
+    every look is a steady load). With a window, the mean of such a load may ask
+    for more at every look: it is then scaled for as a steady load is."""
     phase = share * min(delays)
     s = scaler(
         minimum=1, maximum=8, upscale_delay=delays[0], downscale_delay=delays[1],
@@ -173,15 +229,44 @@ def test_a_load_swinging_faster_than_the_delays_moves_nothing(
 
 @settings(max_examples=300)
 @given(
+    delay=st.floats(0.05, 20),
+    share=st.floats(0, 1),
+    interval=st.floats(0.05, 3),
+    spike=st.floats(0, 1e6),
+    before=st.integers(0, 20),
+    after=st.integers(1, 100),
+)
+def test_a_one_look_spike_never_scales_up_within_a_window_no_longer_than_the_delay(
+    delay, share, interval, spike, before, after
+):
+    """No load but at one look, however large: with ``look_back`` at most the
+    upscale delay (the default: equal), the spike has left the window by the look
+    a whole delay after it, so no wait of looks asking for more lasts the delay."""
+    s = scaler(
+        minimum=1, maximum=8, upscale_delay=delay, look_back=share * delay, interval=interval,
+    )
+    now = 0.0
+    for load in [0.0] * before + [spike] + [0.0] * after:
+        assert s.decide(now, load=load, current=1) == 1
+        now = s.next_look()
+    assert s.decisions == {"up": 0, "down": 0}
+
+
+@settings(max_examples=300)
+@given(
     delay=st.floats(0, 20),
     interval=st.floats(0.05, 3),
+    look_back=st.floats(0, 20),
     load=st.floats(0, 1000),
     current=st.integers(1, 8),
 )
 def test_a_steady_load_reaches_its_count_at_the_first_look_after_the_delay(
-    delay, interval, load, current
+    delay, interval, look_back, load, current
 ):
-    s = scaler(minimum=1, maximum=8, upscale_delay=delay, downscale_delay=delay, interval=interval)
+    s = scaler(
+        minimum=1, maximum=8, upscale_delay=delay, downscale_delay=delay, interval=interval,
+        look_back=look_back,
+    )
     wanted = s.wanted(load)
     first = None
     now = 0.0

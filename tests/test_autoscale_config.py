@@ -16,8 +16,8 @@ def test_the_defaults():
     cfg = AutoscalingConfig(max_replicas=4)
     assert (
         cfg.min_replicas, cfg.max_replicas, cfg.target_queued_per_replica,
-        cfg.upscale_delay_s, cfg.downscale_delay_s, cfg.interval_s,
-    ) == (None, 4, None, 5.0, 60.0, 1.0)
+        cfg.upscale_delay_s, cfg.downscale_delay_s, cfg.interval_s, cfg.look_back_s,
+    ) == (None, 4, None, 5.0, 60.0, 1.0, None)
 
 
 def test_a_mapping_from_python_is_a_table():
@@ -33,11 +33,11 @@ def test_the_toml_table(tmp_path):
         '[models.m]\nbackend = "echo"\nreplicas = 2\n'
         "[models.m.autoscaling]\nmax_replicas = 6\nmin_replicas = 1\n"
         "target_queued_per_replica = 32\nupscale_delay_s = 2\ndownscale_delay_s = 30\n"
-        "interval_s = 0.5\n"
+        "interval_s = 0.5\nlook_back_s = 3\n"
     )
     assert trioserve.load_config(path).model("m").autoscaling == AutoscalingConfig(
         max_replicas=6, min_replicas=1, target_queued_per_replica=32,
-        upscale_delay_s=2, downscale_delay_s=30, interval_s=0.5,
+        upscale_delay_s=2, downscale_delay_s=30, interval_s=0.5, look_back_s=3,
     )
 
 
@@ -71,10 +71,16 @@ def test_the_toml_table(tmp_path):
         ({"max_replicas": 4, "interval_s": 0}, (
             "models.m.autoscaling.interval_s: must be a finite number > 0.0, got 0"
         )),
+        ({"max_replicas": 4, "look_back_s": -0.5}, (
+            "models.m.autoscaling.look_back_s: must be a finite number >= 0.0, got -0.5"
+        )),
+        ({"max_replicas": 4, "look_back_s": "5"}, (
+            "models.m.autoscaling.look_back_s: must be a finite number >= 0.0, got '5'"
+        )),
         ({"max_replicas": 4, "interval": 1}, (
             "models.m.autoscaling.interval: unknown key; did you mean 'interval_s'? expected "
             "one of min_replicas, max_replicas, target_queued_per_replica, upscale_delay_s, "
-            "downscale_delay_s, interval_s"
+            "downscale_delay_s, interval_s, look_back_s"
         )),
         (3, "models.m.autoscaling: must be a table (an AutoscalingConfig), got 3"),
     ],

@@ -114,32 +114,40 @@ async def test_the_queue_is_retired_when_the_last_replica_that_serves_it_retires
 async def test_a_scale_up_adds_no_more_replicas_once_shutdown_began(
     autojump_clock, workers
 ):
-    """A look at 1 s asks for two more replicas (each takes 5 s to load); the block
-    is left at 2 s while the first loads. It serves once loaded (it helps the
-    drain), but the second is not started: shutdown stops the decisions, and
-    before it the rest of a decision already under way was carried out, loading a
-    model on a device during the grace."""
+    """Six requests at 0.5 s: the look at 1 s asks for three replicas, and both new
+    ones start at once (each takes 5 s to load). Twenty more come at 1.2 s, and the
+    block is left at 1.5 s: the looks from 2 s on would ask for the most (4), but
+    shutdown stops the decisions, so no replica is started after the two loading.
+    Those serve once loaded (they help the drain)."""
     workers.load_s = 5.0
     cfg = trioserve.Config(
         models=(model(autoscaling=AutoscalingConfig(
-            max_replicas=3, target_queued_per_replica=2, upscale_delay_s=0, interval_s=1,
+            max_replicas=4, target_queued_per_replica=2, upscale_delay_s=0, interval_s=1,
         )),),
         tenants=(trioserve.TenantConfig(name="t", default=True),),
         runtime=trioserve.RuntimeLimits(graceful_timeout_s=30),
     )
     answers: dict = {}
+
+    async def later(at: float, x: float) -> None:
+        await trio.sleep_until(at)
+        await call(rt, x, answers)
+
     with trio.fail_after(60):
         async with trio.open_nursery() as callers:
             async with trioserve.open_runtime(cfg) as rt:
                 t0 = trio.current_time()
-                for x in range(1, 21):
-                    callers.start_soon(call, rt, float(x), answers)
-                await trio.sleep_until(t0 + 2)
-                assert len(workers.made) == 2  # the first new one loads
-    assert len(workers.made) == 2
-    assert answers == {float(x): [2.0 * x + 1] for x in range(1, 21)}
+                for x in range(1, 27):
+                    callers.start_soon(later, t0 + (0.5 if x <= 6 else 1.2), float(x))
+                await trio.sleep_until(t0 + 1.5)
+                assert len(workers.made) == 3  # the two new ones load side by side
+                assert [b.health for b in rt.models["m"].batchers] == [
+                    "ready", "starting", "starting",
+                ]
+    assert len(workers.made) == 3
+    assert answers == {float(x): [2.0 * x + 1] for x in range(1, 27)}
     assert ran_keys(workers.ran) == dict.fromkeys(answers, 1)
-    assert {w for w, _ in workers.ran} == {0, 1}
+    assert {w for w, _ in workers.ran} == {0, 1, 2}
 
 
 async def test_a_replica_that_loses_its_device_while_retiring_ends_and_leaves(

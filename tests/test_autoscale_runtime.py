@@ -34,6 +34,7 @@ class TimedWorker(_StandIn):
     ran: list
     gate: trio.Event
     load_s = 0.0  # trio seconds a worker takes to start, but the first one
+    fail: set  # the workers (by number) whose start fails, after ``load_s``
     hold_once = False
     held: list  # the workers that held a batch
 
@@ -48,6 +49,8 @@ class TimedWorker(_StandIn):
 
     async def start(self) -> None:
         await trio.sleep(self.load_s if self.number else 0.0)
+        if self.number in TimedWorker.fail:
+            raise RuntimeError(f"worker {self.number} cannot load")
 
     async def submit(self, items) -> None:
         await trio.lowlevel.checkpoint()
@@ -71,6 +74,7 @@ def workers(monkeypatch):
 
     TimedWorker.made, TimedWorker.ran, TimedWorker.gate = [], [], trio.Event()
     TimedWorker.load_s, TimedWorker.hold_once, TimedWorker.held = 0.0, False, []
+    TimedWorker.fail = set()
     monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
     monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", TimedWorker)
     yield TimedWorker
@@ -112,6 +116,7 @@ async def test_a_sustained_backlog_adds_replicas_after_the_upscale_delay(
         t0 = trio.current_time()
         served = rt.models["m"]
         scaler = served.scaler.scaler
+        assert scaler.look_back == 3  # the default: the upscale delay
         async with trio.open_nursery() as nursery:
             for x in range(1, 25):
                 nursery.start_soon(call, rt, float(x), answers)
@@ -128,6 +133,84 @@ async def test_a_sustained_backlog_adds_replicas_after_the_upscale_delay(
     assert answers == {float(x): [2.0 * x + 1] for x in range(1, 25)}
     assert ran_keys(workers.ran) == {float(x): 1 for x in range(1, 25)}
     assert {w for w, _ in workers.ran} == {0, 1, 2}
+
+
+async def test_the_replicas_of_one_decision_load_side_by_side(autojump_clock, workers):
+    """One replica on two devices, a backlog asking for four (each new one takes 5 s
+    to load): the look at 1 s starts the three at once, placed on the device with
+    the fewest (cpu:1, cpu:0, cpu:1), and all three serve at 6 s (one after another,
+    the last served at 16 s). The look-back window defaults to the upscale delay."""
+    workers.load_s = 5.0
+    cfg = config(model(
+        replicas=1, devices=("cpu:0", "cpu:1"), autoscaling=AutoscalingConfig(
+            max_replicas=4, target_queued_per_replica=2, upscale_delay_s=0,
+            downscale_delay_s=1000, interval_s=1,
+        ),
+    ))
+    answers: dict = {}
+    async with trioserve.open_runtime(cfg) as rt:
+        t0 = trio.current_time()
+        served = rt.models["m"]
+        assert served.scaler.scaler.look_back == 0
+        async with trio.open_nursery() as nursery:
+            for x in range(1, 31):
+                nursery.start_soon(call, rt, float(x), answers)
+            await trio.sleep_until(t0 + 1.5)
+            assert [(b.index, b.device, b.health) for b in served.batchers] == [
+                (0, "cpu:0", "ready"), (1, "cpu:1", "starting"), (2, "cpu:0", "starting"),
+                (3, "cpu:1", "starting"),
+            ]
+            assert len(workers.made) == 4
+            await trio.sleep_until(t0 + 5.9)
+            assert [b.health for b in served.batchers[1:]] == ["starting"] * 3
+            await trio.sleep_until(t0 + 6.1)
+            assert [b.health for b in served.batchers] == ["ready"] * 4
+            assert served.scheduler.policy.limit.minimum == 2 * 2 * 4
+        assert served.scaler.scaler.decisions == {"up": 1, "down": 0}
+        assert served.scaler.start_failures == 0
+    assert answers == {float(x): [2.0 * x + 1] for x in range(1, 31)}
+    assert {w for w, _ in workers.ran} == {0, 1, 2, 3}
+
+
+async def test_a_replica_failing_to_load_beside_others_is_handled_alone(
+    autojump_clock, workers
+):
+    """Up at the look at 3 s (asking for more since 1 s): two replicas start, each
+    taking 2.5 s to load, and the second fails (at 5.5 s): it is counted, logged and
+    unregistered while the first serves. The next try waits the upscale delay again
+    from the look after the failure (at 6 s, the first to count two replicas): at
+    8 s a replica starts, and serves at 10.5 s."""
+    workers.load_s = 2.5
+    workers.fail = {2}
+    cfg = config(model(autoscaling=AutoscalingConfig(
+        max_replicas=3, target_queued_per_replica=2, upscale_delay_s=2,
+        downscale_delay_s=1000, interval_s=1, look_back_s=0,
+    )), queue_bound=1000)
+    answers: dict = {}
+    async with trioserve.open_runtime(cfg) as rt:
+        t0 = trio.current_time()
+        served = rt.models["m"]
+        controller = served.scaler
+        async with trio.open_nursery() as nursery:
+            for x in range(1, 61):
+                nursery.start_soon(call, rt, float(x), answers)
+            await trio.sleep_until(t0 + 3.5)
+            assert [b.health for b in served.batchers] == ["ready", "starting", "starting"]
+            assert len(workers.made) == 3
+            await trio.sleep_until(t0 + 5.7)
+            assert [(b.index, b.health) for b in served.batchers] == [(0, "ready"), (1, "ready")]
+            assert controller.start_failures == 1
+            await trio.sleep_until(t0 + 7.5)
+            assert len(served.batchers) == 2
+            await trio.sleep_until(t0 + 8.5)
+            assert [(b.index, b.health) for b in served.batchers][2:] == [(3, "starting")]
+            await trio.sleep_until(t0 + 10.7)
+            assert [b.health for b in served.batchers] == ["ready"] * 3
+        assert controller.scaler.decisions == {"up": 2, "down": 0}
+        assert controller.start_failures == 1
+    assert answers == {float(x): [2.0 * x + 1] for x in range(1, 61)}
+    assert ran_keys(workers.ran) == dict.fromkeys(answers, 1)
+    assert {w for w, _ in workers.ran} == {0, 1, 3}
 
 
 async def test_an_idle_model_retires_replicas_after_the_downscale_delay(
@@ -477,15 +560,20 @@ async def test_scale_events_are_in_the_statistics_the_metrics_and_the_log(
     }
     assert (before["fixed"]["replica_count"], before["fixed"]["autoscaler"]) == (2, None)
     assert up["replica_count"] == up["autoscaler"]["replicas"] == 3
-    # up at the look at 2.7 (wanted more since 0.9), 2 batches of 2 run by then
+    # up at the look at 2.7 (wanted more since 0.9), for the mean load of the looks
+    # of the last second (look_back_s: the upscale delay): 22 at 1.8 (one batch of 2
+    # run) and 20 at 2.7
     assert up["autoscaler"]["last_decision"] == {
-        "direction": "up", "from": 1, "to": 3, "at": pytest.approx(t0 + 2.7), "load": 20,
+        "direction": "up", "from": 1, "to": 3, "at": pytest.approx(t0 + 2.7), "load": 21,
     }
     assert down["replica_count"] == down["autoscaler"]["replicas"] == 1
     assert down["autoscaler"]["last_decision"]["direction"] == "down"
-    # down in two steps: a look of the first wait still wanted 2 (the backlog
-    # draining), and a step down goes to the most its wait's looks wanted
-    assert down["autoscaler"]["decisions"] == {"up": 1, "down": 2}
+    # down in one step, 3 -> 1: the backlog drains 18, 12, 6, 0 at the looks from 3.6
+    # on; the last look alone asked for 2 at 5.4 (load 6), which held a first step
+    # down at 2, but the mean with the look before (9) still asks for 3, and the
+    # wait begins at 6.3 (mean 3): every look of it asks for 1
+    assert down["autoscaler"]["decisions"] == {"up": 1, "down": 1}
+    assert down["autoscaler"]["last_decision"]["at"] == pytest.approx(t0 + 9.0)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text) for s in family.samples
@@ -493,14 +581,13 @@ async def test_scale_events_are_in_the_statistics_the_metrics_and_the_log(
     autoscale = {k: v for k, v in samples.items() if k[0].startswith("trioserve_autoscale_")}
     assert autoscale == {
         ("trioserve_autoscale_replicas", (("model", "m"),)): 1,
-        ("trioserve_autoscale_decisions_total", (("direction", "down"), ("model", "m"))): 2,
+        ("trioserve_autoscale_decisions_total", (("direction", "down"), ("model", "m"))): 1,
         ("trioserve_autoscale_decisions_total", (("direction", "up"), ("model", "m"))): 1,
     }
     events = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     scaling = "model 'm': scaling {} replicas (load {} cost units, 4 per replica wanted)"
-    assert scaling.format("up from 1 to 3", 20) in events
-    assert scaling.format("down from 3 to 2", 0) in events
-    assert scaling.format("down from 2 to 1", 0) in events
+    assert scaling.format("up from 1 to 3", 21) in events
+    assert scaling.format("down from 3 to 1", 0) in events
     for n in (1, 2):
         assert f"model 'm': replica batcher[m#{n}@cpu] serving" in events
         assert f"model 'm': retiring replica batcher[m#{n}@cpu]" in events

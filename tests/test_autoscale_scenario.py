@@ -69,6 +69,7 @@ async def test_the_replicas_follow_the_load_up_and_back_down(autojump_clock, tri
     assert res["replicas_timeline"][0].endswith(":1")
     assert res["high_p99_after_scaling_ms"] <= res["high_p99_bound_ms"]
     assert res["need_high"] == NEED_HIGH == 3
+    assert res["autoscaling"]["look_back_s"] == UPSCALE_S  # the default
     assert all(len(s) == 5 for s in res["samples"])
     # the samples go to the JSON only: the printed report names every other figure
     text = format_result({"scenario": "autoscale", **res})

@@ -12,7 +12,8 @@ request each, at a rate stepped in three phases:
 
 The phases take 25%, 35% and 40% of ``--duration`` (20 s by default: 5, 7, 8 s), and
 the autoscaler's delays scale with it (at 20 s: ``upscale_delay_s`` 1,
-``downscale_delay_s`` 3, ``interval_s`` 0.25). At the end the arrivals stop and
+``downscale_delay_s`` 3, ``interval_s`` 0.25; ``look_back_s`` the default, the
+upscale delay: each look sees the mean load of the last four). At the end the arrivals stop and
 every request sent is awaited, so a request lost would show as unanswered.
 
 ``rt.statistics()`` is sampled at the autoscaler's interval: the replicas serving,
@@ -164,7 +165,8 @@ async def autoscale(
     return report(
         rec, samples, t0, bounds, duration=duration, t_end=t_end, drained=drained,
         upscale_s=auto.upscale_delay_s, downscale_s=auto.downscale_delay_s,
-        interval_s=auto.interval_s, decisions=stats["autoscaler"]["decisions"],
+        interval_s=auto.interval_s, look_back_s=served.scaler.scaler.look_back,
+        decisions=stats["autoscaler"]["decisions"],
         target=stats["autoscaler"]["target_queued_per_replica"],
     )
 
@@ -173,7 +175,7 @@ def report(
     rec: Record, samples: list[list[float]], t0: float,
     bounds: list[tuple[float, float, float]], *, duration: float, t_end: float,
     drained: bool, upscale_s: float, downscale_s: float, interval_s: float,
-    decisions: dict[str, int], target: float,
+    look_back_s: float, decisions: dict[str, int], target: float,
 ) -> dict[str, Any]:
     """The figures and checks of one run (times relative to the load's start)."""
     phases: dict[str, Any] = {}
@@ -222,7 +224,7 @@ def report(
         "autoscaling": {
             "min": MIN_REPLICAS, "max": MAX_REPLICAS, "target_per_replica": target,
             "upscale_delay_s": upscale_s, "downscale_delay_s": downscale_s,
-            "interval_s": interval_s,
+            "interval_s": interval_s, "look_back_s": look_back_s,
         },
         "phases": phases,
         "replicas_timeline": [f"{t:.2f}s:{int(n)}" for t, n in changes],
