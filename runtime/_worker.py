@@ -10,6 +10,7 @@ pickles over the pipe. Frames are a 4-byte little-endian length + pickle.
 
 from __future__ import annotations
 
+import faulthandler
 import mmap
 import os
 import pickle
@@ -280,6 +281,11 @@ def report_exits(reply_fds: dict[int, int]) -> None:
 
 
 def main() -> None:
+    # A crash in native code (a segfaulting extension, an abort in a model's library)
+    # leaves every thread's Python stack on stderr before the process dies of its
+    # signal (the parent still sees "killed by SIGSEGV"). Enabled in the zygote, its
+    # handlers and their alternate stack pass on to each worker it forks.
+    faulthandler.enable()
     # The parent decides when we stop: a signal to the whole process group (Ctrl-C
     # in a terminal, systemd's stop, `timeout`) is the runtime's, which drains and
     # then closes its workers; taken here too, it killed them in the middle of the

@@ -266,6 +266,72 @@ async def test_a_closed_worker_has_exited_before_its_zygote_goes():
         await zygote.aclose()
 
 
+def faulthandler_state(items):
+    """A model reporting whether faulthandler is enabled in its process: y = 1 or 0.
+    Importable, so a worker process can run it."""
+    import faulthandler
+
+    return [{"y": np.full(2, float(faulthandler.is_enabled()), np.float32)} for _ in items]
+
+
+def segfaults(items):
+    """A model whose batch ends its process with SIGSEGV, as a crashing extension
+    does (no core file). Importable, so a worker process can run it."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+async def test_faulthandler_is_enabled_in_a_worker_forked_or_started_alone(monkeypatch):
+    """A worker forked from the zygote and one started without it (its own
+    ``python -m trioserve._worker``) both have faulthandler enabled."""
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = callable_model("f", faulthandler_state, execution="process")
+    backend = resolve_backend(cfg)
+    zygote = Zygote()
+    await zygote.start()
+    try:
+        for worker in (WorkerProcess(cfg, backend, "cpu", 1, zygote=zygote),
+                       WorkerProcess(cfg, backend, "cpu", 1)):
+            try:
+                with trio.fail_after(60):
+                    await worker.start()
+                    (out,) = await worker.run([x(0.0)])
+                assert out["y"].tolist() == [1.0, 1.0]
+            finally:
+                await worker.aclose()
+    finally:
+        await zygote.aclose()
+
+
+async def test_a_worker_killed_by_sigsegv_leaves_its_python_stack_on_stderr(
+    monkeypatch, capfd
+):
+    """A worker forked from the zygote dies of SIGSEGV in its model call: its stderr
+    (the server's) has faulthandler's report with the model's frame, and it is still
+    seen as killed by SIGSEGV. Its report is written before it dies, so before its
+    zygote reaps it and the runtime learns it is gone."""
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = callable_model("f", segfaults, execution="process")
+    zygote = Zygote()
+    await zygote.start()
+    try:
+        worker = WorkerProcess(cfg, resolve_backend(cfg), "cpu", 1, zygote=zygote)
+        try:
+            with trio.fail_after(60):
+                await worker.start()
+                with pytest.raises(WorkerProcess.Died, match="; killed by SIGSEGV: "):
+                    await worker.run([x(0.0)])
+        finally:
+            await worker.aclose()
+    finally:
+        await zygote.aclose()
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err
+    assert "in segfaults" in err  # the model's frame, in the stack it left
+
+
 def on_disk(paths: list[str]) -> list[str]:
     """Those of ``paths`` that exist."""
     return [p for p in paths if os.path.exists(p)]
