@@ -19,9 +19,11 @@ nursery (itself in the runtime's root nursery), supervised as at the start.
   retire (each finishes the batches it holds, releases its worker process or its
   model); then the copy's nursery is cancelled (its queues' timers, its autoscaler).
 
-Loads and unloads of one model are serialized (a lock per model); a load or unload
-asked while another of the same kind is under way shares it. Each runs as a task of
-the control's nursery, so a caller that leaves (cancelled) does not cut it short, and
+Loads and unloads of one model are serialized, in the order asked (each waits for
+the one asked before it); a load or unload asked while another of the same kind is
+under way shares it, unless one of the other kind was asked after it (load, unload,
+load ends loaded). Each runs as a task of the control's nursery, so a caller that
+leaves (cancelled) does not cut it short, and
 the runtime's shutdown cancels it cleanly: its callers get ActorClosed.
 """
 
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -105,6 +108,24 @@ class _Copy:
         self.stop.set()
 
 
+def _done() -> trio.Event:
+    event = trio.Event()
+    event.set()
+    return event
+
+
+@asynccontextmanager
+async def _turn(turn: tuple[trio.Event, trio.Event]) -> AsyncIterator[None]:
+    """Wait for the operations asked before this one, then run it; its end lets the
+    next one run (also when it fails or is cancelled)."""
+    before, mine = turn
+    try:
+        await before.wait()
+        yield
+    finally:
+        mine.set()
+
+
 @attrs.define(eq=False)
 class _Entry:
     """One configured model under control."""
@@ -112,10 +133,21 @@ class _Entry:
     config: ModelConfig
     state: ModelState = ModelState.UNAVAILABLE
     reason: str = "not loaded"
-    lock: trio.Lock = attrs.Factory(trio.Lock)
+    #: set when the load or unload asked last has had its turn: each waits for the
+    #: one asked before it (a lock would let two asked at once go in either order)
+    tail: trio.Event = attrs.Factory(_done)
     copy: _Copy | None = None  # the copy serving (None: not loaded)
     loading: _Op | None = None
     unloading: _Op | None = None
+    #: the load or unload asked last: one asked again shares it only if it is
+    #: (load, unload, load must end loaded, not share the first load)
+    last: _Op | None = None
+
+    def take_turn(self) -> tuple[trio.Event, trio.Event]:
+        """A new load's or unload's turn: the end of the one asked before it, and
+        its own end, to set when it is done (each runs after all asked before it)."""
+        before, self.tail = self.tail, trio.Event()
+        return before, self.tail
 
     def move(self, to: ModelState, reason: str = "") -> None:
         """The one transition function: refuses a move the lifecycle does not have."""
@@ -184,18 +216,18 @@ class ModelControl:
         entry = self._entry(model)
         nursery = self._ready_nursery()
         op = entry.loading
-        if op is None:
-            op = entry.loading = _Op()
-            nursery.start_soon(self._load, entry, op)
+        if op is None or op is not entry.last:
+            op = entry.loading = entry.last = _Op()
+            nursery.start_soon(self._load, entry, op, entry.take_turn())
         await op.wait()
 
-    async def _load(self, entry: _Entry, op: _Op) -> None:
+    async def _load(self, entry: _Entry, op: _Op, turn: tuple[trio.Event, trio.Event]) -> None:
         name = entry.config.name
         rt = self._rt
         copy: _Copy | None = None
         try:
             async with trio.open_nursery() as nursery:
-                async with entry.lock:
+                async with _turn(turn):
                     old = entry.copy
                     entry.move(
                         ModelState.LOADING,
@@ -214,7 +246,8 @@ class ModelControl:
                                         "on: %s", name, failure)
                         else:
                             entry.move(ModelState.UNAVAILABLE, f"failed to load: {failure}")
-                        entry.loading = None
+                        if entry.loading is op:
+                            entry.loading = None
                         op.finish(failure)
                         nursery.cancel_scope.cancel("the model failed to load")
                         return
@@ -223,7 +256,8 @@ class ModelControl:
                     rt.models[name] = served
                     _invalidate(rt, name)
                     entry.move(ModelState.READY)
-                    entry.loading = None
+                    if entry.loading is op:
+                        entry.loading = None
                     op.finish()
                     if old is not None:
                         log.info("model %r: reloaded; the copy replaced drains", name)
@@ -251,16 +285,18 @@ class ModelControl:
         entry = self._entry(model)
         nursery = self._ready_nursery()
         op = entry.unloading
-        if op is None:
-            op = entry.unloading = _Op()
-            nursery.start_soon(self._unload, entry, op)
+        if op is None or op is not entry.last:
+            op = entry.unloading = entry.last = _Op()
+            nursery.start_soon(self._unload, entry, op, entry.take_turn())
         await op.wait()
 
-    async def _unload(self, entry: _Entry, op: _Op) -> None:
+    async def _unload(
+        self, entry: _Entry, op: _Op, turn: tuple[trio.Event, trio.Event]
+    ) -> None:
         name = entry.config.name
         rt = self._rt
         try:
-            async with entry.lock:
+            async with _turn(turn):
                 copy = entry.copy
                 if copy is not None:
                     entry.move(ModelState.UNLOADING, "unloading (requests admitted finish)")
@@ -271,7 +307,8 @@ class ModelControl:
                     await copy.finished.wait()
                     entry.move(ModelState.UNAVAILABLE, "unloaded")
                     log.info("model %r: unloaded", name)
-                entry.unloading = None
+                if entry.unloading is op:
+                    entry.unloading = None
                 op.finish()
         finally:
             if entry.unloading is op:

@@ -345,3 +345,48 @@ async def test_a_model_loaded_at_start_that_fails_fails_the_start(autojump_clock
     with pytest.raises(ModelLoadError, match="weights missing"):
         async with trioserve.open_runtime(control_config()):
             pytest.fail("the runtime started")
+
+
+async def test_a_load_asked_after_an_unload_does_not_share_the_load_before_it(
+    autojump_clock, workers
+):
+    """load, unload, load ends loaded (the second load is not the first's), and
+    unload, load, unload ends unloaded: each runs in its turn."""
+    async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
+        workers.load_s = 3.0
+        async with trio.open_nursery() as ops:
+            for op in (rt.load_model, rt.unload_model, rt.load_model):
+                ops.start_soon(op, "m")
+                await trio.testing.wait_all_tasks_blocked()
+        assert rt.model_state("m") == ("READY", "")
+        first, second = workers.made
+        assert (first.alive, second.alive) == (False, True)
+
+        answers: dict = {}
+        async with trio.open_nursery() as ops:
+            ops.start_soon(call, rt, 4.0, answers)  # in flight: the unload drains it
+            await trio.testing.wait_all_tasks_blocked()
+            for op in (rt.unload_model, rt.load_model, rt.unload_model):
+                ops.start_soon(op, "m")
+                await trio.testing.wait_all_tasks_blocked()
+        assert answers == {4.0: [4.0]}
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert all(not w.alive for w in workers.made)
+
+
+async def test_loads_and_unloads_asked_at_once_run_in_the_order_asked(autojump_clock, workers):
+    async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
+        workers.load_s = 1.0
+        for _ in range(12):
+            asked: list[str] = []
+
+            async def ask(action, asked=asked):
+                asked.append(action)  # the call below asks before its first checkpoint
+                await (rt.load_model("m") if action == "load" else rt.unload_model("m"))
+
+            async with trio.open_nursery() as ops:
+                # both callers run in one scheduling batch, in an order trio picks
+                ops.start_soon(ask, "load")
+                ops.start_soon(ask, "unload")
+            expected = ("READY", "") if asked[-1] == "load" else ("UNAVAILABLE", "unloaded")
+            assert rt.model_state("m") == expected, asked
