@@ -278,6 +278,8 @@ def _unloaded(
         slo=previous.slo if previous is not None else (SloTracker(
             m.slo_ms / 1e3, DEFAULT_SLO_TARGET if m.slo_target is None else m.slo_target
         ) if m.slo_ms is not None else None),
+        # an autoscaled model's last controller, stopped: its counters carry on
+        scaler=previous.scaler if previous is not None else None,
         loaded=False,
     )
 
@@ -429,15 +431,16 @@ async def _start_model(
         await start_replica(i, device, lane)
     log.info("model %r: ready in %.2f s", m.name, trio.current_time() - started)
     if m.autoscaling is not None:
-        await _start_autoscaler(nursery, rt, served, start_replica, policy)
+        await _start_autoscaler(nursery, rt, served, start_replica, policy, previous)
     return served
 
 
 async def _start_autoscaler(
     nursery: trio.Nursery, rt: Runtime, served: ServedModel, start_replica: Any,
-    policy: RestartPolicy,
+    policy: RestartPolicy, previous: ServedModel | None = None,
 ) -> None:
-    """The controller that scales ``served``'s replicas with its load."""
+    """The controller that scales ``served``'s replicas with its load; its counters
+    carry on from ``previous``'s (a model reloaded, or loaded again)."""
     from trioserve.actors import Autoscaler, ScalingController
 
     m = served.config
@@ -464,6 +467,10 @@ async def _start_autoscaler(
         closing=lambda: rt._closed,
         floor_per_replica=2 * m.max_batch_size,
     )
+    before = previous.scaler if previous is not None else None
+    if before is not None:
+        scaler.decisions = before.scaler.decisions  # shared: the old copy's count too
+        served.scaler.start_failures = before.start_failures
     await nursery.start(supervise, served.scaler, policy)
 
 

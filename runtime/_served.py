@@ -29,7 +29,8 @@ class ServedModel:
     hedge_timer: Any = None
     #: the model's service-level objective (an ``SloTracker``; None: none)
     slo: Any = None
-    #: the controller scaling its replicas with its load (None: they are fixed)
+    #: the controller scaling its replicas with its load (None: they are fixed); a
+    #: model not loaded keeps its last copy's, stopped, for its counters
     scaler: Any = None
     #: False for a model known to the configuration and not loaded (explicit model
     #: control): it refuses every request and has no replica

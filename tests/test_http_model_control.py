@@ -11,6 +11,7 @@ import orjson
 import pytest
 import trio
 import trio.testing
+import trioserve
 from http_helpers import config, echo_model, serving, v2_input
 from runtime_helpers import callable_model
 from test_model_control import Worker, workers  # noqa: F401  (a fixture)
@@ -143,3 +144,37 @@ async def test_with_model_control_off_load_and_unload_stay_refused(action):
         res = await call(gw, "POST", f"/v2/repository/models/echo/{action}")
         assert res.status == 400
         assert "model control is off" in res.json()["error"]
+
+
+async def test_an_autoscaled_models_counters_carry_on_through_a_reload_and_an_unload(
+    autojump_clock, workers  # noqa: F811
+):
+    m = callable_model(
+        "m", lambda items: items, execution="process", max_batch_size=2, max_wait_ms=0,
+        timeout_ms=None, autoscaling=trioserve.AutoscalingConfig(
+            min_replicas=1, max_replicas=3, upscale_delay_s=0, interval_s=0.5,
+        ),
+    )
+    cfg = config(m, echo_model(), server={"model_control": "explicit"})
+
+    async def autoscale_series():
+        body = (await call(gw, "GET", "/metrics")).body.decode()
+        return [line for line in body.splitlines()
+                if line.startswith("trioserve_autoscale_") and 'model="m"' in line]
+
+    async with serving(cfg) as gw:
+        async with trio.open_nursery() as clients:
+            for x in range(20):
+                clients.start_soon(infer, gw, float(x))
+        up = 'trioserve_autoscale_decisions_total{direction="up",model="m"} 1.0'
+        assert up in await autoscale_series()  # scaled up once under the load
+        assert (await call(gw, "POST", LOAD)).status == 200
+        assert up in await autoscale_series()  # a counter: not reset by the reload
+        assert gw.runtime.statistics()["m"]["autoscaler"]["decisions"]["up"] == 1
+        assert (await call(gw, "POST", UNLOAD)).status == 200
+        series = await autoscale_series()
+        assert up in series  # and still there while unloaded, with 0 replicas
+        assert 'trioserve_autoscale_replicas{model="m"} 0.0' in series
+        assert gw.runtime.statistics()["m"]["autoscaler"]["replicas"] == 0
+        assert (await call(gw, "POST", LOAD)).status == 200
+        assert up in await autoscale_series()
