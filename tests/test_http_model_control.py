@@ -178,3 +178,30 @@ async def test_an_autoscaled_models_counters_carry_on_through_a_reload_and_an_un
         assert gw.runtime.statistics()["m"]["autoscaler"]["replicas"] == 0
         assert (await call(gw, "POST", LOAD)).status == 200
         assert up in await autoscale_series()
+
+
+async def test_a_load_under_way_when_the_server_drains_is_answered_at_once(
+    autojump_clock, workers  # noqa: F811
+):
+    """The drain waited for the load's answer for its whole grace (a load that
+    ends when the runtime closes anyway): now the load is answered 503 as the drain
+    begins, the drain ends at once, and the load is cut off with the runtime."""
+    answers = []
+
+    async def load(gw):
+        answers.append(await call(gw, "POST", LOAD))
+
+    async with serving(served_config()) as gw:
+        workers.load_s = 100.0
+        async with trio.open_nursery() as clients:
+            clients.start_soon(load, gw)
+            await trio.testing.wait_all_tasks_blocked()
+            assert gw.runtime.model_state("m") == ("LOADING", "loading")
+            t0 = trio.current_time()
+            await gw.drain(30.0)
+            assert trio.current_time() == t0  # no grace spent on the load
+        (res,) = answers
+        assert res.status == 503
+        assert "the server is shutting down: model 'm' was not loaded" in res.json()["error"]
+    assert trio.current_time() == t0
+    assert [w.alive for w in workers.made] == [False]

@@ -11,12 +11,13 @@ import collections
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import trio
 import trioserve
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import request
 from quart.globals import request_ctx
 from quart_trio import QuartTrio
-from trioserve import ConfigError, ModelLoadError, TrioserveError, UnknownModel
+from trioserve import ActorClosed, ConfigError, ModelLoadError, TrioserveError, UnknownModel
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._auth import another_field_line
@@ -231,14 +232,27 @@ def control_app(gateway: Gateway) -> QuartTrio:
         if refusal is not None:
             return json(error_body(refusal), 400)
         rt = gateway.runtime
-        try:
-            await (rt.load_model(name) if action == "load" else rt.unload_model(name))
-        except (UnknownModel, ModelLoadError, ConfigError) as exc:
-            # as Triton answers a model it cannot find or load: 400
-            return json(error_body(f"failed to {action} {name!r}: {exc}"), 400)
-        except TrioserveError as exc:  # shut down meanwhile: 503
-            return answer(error_answer(exc))
-        return json(b"{}")
+        failure = None
+        # A load is cut short when the server begins to shut down: the copy would
+        # serve nothing (no new request is taken), and the drain would wait for this
+        # answer for its whole grace. The load itself ends when the runtime closes.
+        with trio.CancelScope() as call:
+            async with trio.open_nursery() as watch:
+                if action == "load":
+                    watch.start_soon(_cancel_on_drain, gateway, call)
+                try:
+                    await (rt.load_model(name) if action == "load" else rt.unload_model(name))
+                except (UnknownModel, ModelLoadError, ConfigError) as exc:
+                    # as Triton answers a model it cannot find or load: 400
+                    failure = json(error_body(f"failed to {action} {name!r}: {exc}"), 400)
+                except TrioserveError as exc:  # shut down meanwhile: 503
+                    failure = answer(error_answer(exc))
+                watch.cancel_scope.cancel("the load or unload is over")
+        if call.cancelled_caught:
+            return answer(error_answer(ActorClosed(
+                f"the server is shutting down: model {name!r} was not loaded"
+            )))
+        return failure if failure is not None else json(b"{}")
 
     @app.post("/v2/models/<name>/infer")
     @app.post("/v2/models/<name>/versions/<version>/infer")
@@ -279,6 +293,12 @@ def control_app(gateway: Gateway) -> QuartTrio:
         return Response(generate_latest(gateway.registry), content_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _cancel_on_drain(gateway: Gateway, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` once ``gateway`` begins to drain."""
+    await gateway.drain_begun.wait()
+    scope.cancel("the server is shutting down")
 
 
 def repository_request(action: str, body: bytes) -> str | None:

@@ -280,6 +280,8 @@ class Gateway:
         #: answered infer requests by (model, tenant, status): the gateway's own count.
         self.requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
         self.draining = False
+        #: set when :meth:`drain` begins (a model load under way is answered then)
+        self.drain_begun = trio.Event()
         self.in_flight = 0
         self.stream_in_flight_peak = 0
         #: the most bytes one stream held when it took a message (its messages in
@@ -592,6 +594,7 @@ class Gateway:
         worst, ``CLOSE_GRACE`` after the grace period, closing what is left).
         """
         self.draining = True
+        self.drain_begun.set()
         if self._accept_scope is not None:
             self._accept_scope.cancel("gateway draining: stop accepting")
         if not self._conns:
