@@ -94,7 +94,8 @@ class SchedulerActor(Actor):
         #: the queue new requests go to instead once this one is handed over (a
         #: model reloaded or unloaded: ``hand_over``); None: none
         self.successor: SchedulerActor | None = None
-        #: ``wait_empty`` callers, woken when a batch is taken or a batcher idles
+        #: ``wait_empty`` callers, woken when a batch is taken or completed or a
+        #: batcher idles
         self._emptied = trio.lowlevel.ParkingLot()
 
     # ---- callers
@@ -300,6 +301,8 @@ class SchedulerActor(Actor):
         """A batcher finished a batch it pulled: answered, or ``failed`` (handed back
         or answered with errors; not a measure of service)."""
         self.policy.completed(batch, trio.current_time(), failed=failed)
+        if self._emptied:  # a drain waits for its replicas to hold nothing
+            self._emptied.unpark_all()
 
     def retry(self, batches: list[list[Request]]) -> None:
         """Hand back batches to run again (their requests stay dispatched); the next
@@ -501,19 +504,22 @@ class SchedulerActor(Actor):
     def hand_over(self, successor: SchedulerActor) -> None:
         """Take no more requests: each new one goes to ``successor`` instead (a
         reloaded model's new queue, or an unloaded model's, which refuses it). What
-        is queued here stays, for this queue's batchers to pull (:meth:`wait_empty`).
+        is queued here stays, for this queue's batchers to pull (:meth:`wait_empty`),
+        and so do the parts of a batch of theirs that fails.
         Not a checkpoint."""
         self.successor = successor
         self._closed = True
 
     async def wait_empty(self) -> None:
         """Wait until nothing waits here to be pulled (queued, handed back, kept
-        apart): every request admitted is in a batcher's hands or answered. A
+        apart) and this queue's replicas hold no batch: every request admitted is
+        answered, a failed batch's parts (handed back to run again) included. A
         checkpoint; cancelling it changes nothing."""
         await trio.lowlevel.checkpoint()
-        while self.queue_depth():
-            # woken when a batch is taken or a batcher finds none; a request withdrawn
-            # or expired leaves at the next pull or timer wake, which wakes the batchers
+        while self.queue_depth() or any(not getattr(b, "idle", True) for b in self.batchers):
+            # woken when a batch is taken or completed, or a batcher finds none; a
+            # request withdrawn or expired leaves at the next pull or timer wake,
+            # which wakes the batchers
             await self._emptied.park()
 
     def queue_depth(self) -> int:

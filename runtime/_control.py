@@ -332,7 +332,8 @@ def _retiring(batcher: Any) -> bool:
 
 async def _drain(copy: _Copy) -> None:
     """Drain a copy replaced by ``copy.successor``: new requests go there; those
-    queued here are pulled by the copy's replicas, which then retire."""
+    queued here are pulled by the copy's replicas, which retire once every one is
+    answered (a batch that fails is run again in parts, by them)."""
     served, successor = copy.served, copy.successor
     assert successor is not None
     for lane in served.schedulers:

@@ -390,3 +390,49 @@ async def test_loads_and_unloads_asked_at_once_run_in_the_order_asked(autojump_c
                 ops.start_soon(ask, "unload")
             expected = ("READY", "") if asked[-1] == "load" else ("UNAVAILABLE", "unloaded")
             assert rt.model_state("m") == expected, asked
+
+
+class Raising(Worker):
+    """The stand-in worker; a batch holding the input 13 fails."""
+
+    async def result(self):
+        items = self._staged[0]
+        await trio.sleep(RUN_S)
+        self._staged.popleft()
+        Worker.ran.append((self, [key(it) for it in items]))
+        if any(key(it) == 13.0 for it in items):
+            raise self.Failed("ValueError: cannot take 13")
+        return [{"y": it["x"] * self.weight} for it in items]
+
+
+@pytest.mark.parametrize("action", ["reload", "unload"])
+async def test_a_batch_that_fails_while_its_copy_drains_is_run_again_in_parts(
+    autojump_clock, workers, monkeypatch, action
+):
+    """The copy's replicas retired as soon as its queue was empty: the parts of a
+    batch of theirs that failed then (handed back to run again, to find the input
+    that raised) had no replica left, and both requests got ActorClosed ('its copy
+    was unloaded'). They are answered as without a reload or an unload."""
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", Raising)
+    async with trioserve.open_runtime(control_config(max_wait_ms=100)) as rt:
+        answers: dict = {}
+        async with trio.open_nursery() as callers:
+            for x in (13.0, 4.0):
+                callers.start_soon(call, rt, x, answers)
+            await trio.sleep(0.5)  # one batch of both, running
+            assert [len(b) for b in rt.models["m"].batchers[0]._in_flight] == [2]
+            workers.weight = 10.0
+            await (rt.load_model("m") if action == "reload" else rt.unload_model("m"))
+        assert answers[4.0] == [4.0]  # the old copy's
+        (error,) = answers[13.0]
+        assert isinstance(error, trioserve.ModelError)
+        assert "cannot take 13" in str(error)
+        await trio.testing.wait_all_tasks_blocked()  # (a reload's old copy retires)
+        first = workers.made[0]
+        assert not first.alive
+        # the batch, then each alone, on the first copy's replica
+        ran = [keys for w, keys in workers.ran if w is first]
+        assert sorted(ran[0]) == [4.0, 13.0]
+        assert sorted(ran[1:]) == [[4.0], [13.0]]
