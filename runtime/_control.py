@@ -137,6 +137,8 @@ class _Entry:
     #: one asked before it (a lock would let two asked at once go in either order)
     tail: trio.Event = attrs.Factory(_done)
     copy: _Copy | None = None  # the copy serving (None: not loaded)
+    #: copies replaced by a reload, draining (an unload waits for them too)
+    replaced: list[_Copy] = attrs.Factory(list)
     loading: _Op | None = None
     unloading: _Op | None = None
     #: the load or unload asked last: one asked again shares it only if it is
@@ -246,6 +248,7 @@ class ModelControl:
                                         "on: %s", name, failure)
                         else:
                             entry.move(ModelState.UNAVAILABLE, f"failed to load: {failure}")
+                            log.warning("model %r: failed to load: %s", name, failure)
                         if entry.loading is op:
                             entry.loading = None
                         op.finish(failure)
@@ -262,6 +265,10 @@ class ModelControl:
                     if old is not None:
                         log.info("model %r: reloaded; the copy replaced drains", name)
                         old.retire(served)
+                        entry.replaced = [c for c in entry.replaced if not c.finished.is_set()]
+                        entry.replaced.append(old)
+                    else:
+                        log.info("model %r: loaded", name)
                 await copy.stop.wait()
                 await _drain(copy)
                 nursery.cancel_scope.cancel("model copy drained")
@@ -305,6 +312,11 @@ class ModelControl:
                     _invalidate(rt, name)
                     copy.retire(rt.models[name])
                     await copy.finished.wait()
+                    # and a copy an earlier reload replaced, if it is still draining:
+                    # once unloaded, nothing of the model holds a worker or a device
+                    for older in entry.replaced:
+                        await older.finished.wait()
+                    entry.replaced.clear()
                     entry.move(ModelState.UNAVAILABLE, "unloaded")
                     log.info("model %r: unloaded", name)
                 if entry.unloading is op:

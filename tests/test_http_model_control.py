@@ -205,3 +205,24 @@ async def test_a_load_under_way_when_the_server_drains_is_answered_at_once(
         assert "the server is shutting down: model 'm' was not loaded" in res.json()["error"]
     assert trio.current_time() == t0
     assert [w.alive for w in workers.made] == [False]
+
+
+async def test_the_banner_names_the_models_not_loaded_apart(autojump_clock, workers):  # noqa: F811
+    """The startup banner listed a model not loaded as served: it now names the loaded
+    ones as served, the others apart with how to load one, and its curl line asks a
+    loaded model; with none loaded it gives no curl line."""
+    from trioserve.transport._main import banner
+
+    async with serving(served_config()) as gw:
+        text = banner(gw)
+        assert f": serving echo on {gw.url}" in text.splitlines()[0]
+        load = f"{gw.url}/v2/repository/models/NAME/load"
+        assert f"  not loaded: m (load one with POST {load})" in text
+        assert "/v2/models/echo/infer" in text.splitlines()[-1]
+    only_m = served_config()
+    only_m = trioserve.Config(models=only_m.models[:1], tenants=only_m.tenants,
+                              server=only_m.server)
+    async with serving(only_m) as gw:
+        text = banner(gw)
+        assert ": serving no model on" in text.splitlines()[0]
+        assert "curl" not in text

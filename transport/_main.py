@@ -255,12 +255,23 @@ def banner(gateway: Gateway) -> str:
     """Where the gateway listens, and a curl line to paste (with an API key to fill
     in when no tenant takes requests without one)."""
     url = gateway.url
+    models = gateway.runtime.models
+    # under explicit model control a configured model may not be loaded yet
+    loaded = [n for n in gateway.signatures if getattr(models.get(n), "loaded", True)]
+    idle = [n for n in gateway.signatures if n not in loaded]
     lines = [
-        f"trioserve {trioserve.__version__}: serving {', '.join(gateway.signatures)} on {url}",
+        f"trioserve {trioserve.__version__}: serving {', '.join(loaded) or 'no model'} on {url}",
         f"  v2 REST at {url}/v2, WebSocket stream at {url.replace('http', 'ws', 1)}/v2/stream, "
         f"metrics at {url}/metrics",
     ]
-    name = "mlp" if "mlp" in gateway.signatures else next(iter(gateway.signatures))
+    if idle:
+        lines.append(
+            f"  not loaded: {', '.join(idle)} (load one with POST "
+            f"{url}/v2/repository/models/NAME/load)"
+        )
+    if not loaded:
+        return "\n".join(lines)
+    name = "mlp" if "mlp" in loaded else loaded[0]
     sig = gateway.signatures[name]
     if name == "mlp" and sig.by_name.get("x") is not None and sig.by_name["x"].shape == (256,):
         data = "['\"$(python3 -c 'print(\",\".join([\"0.5\"]*256))')\"']"
