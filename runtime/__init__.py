@@ -50,5 +50,7 @@ from ._process import WorkerProcess as WorkerProcess
 from ._runtime import open_runtime as open_runtime
 from ._thread import Client as Client
 from ._thread import serve_in_thread as serve_in_thread
+from ._versions_config import RolloutConfig as RolloutConfig
+from ._versions_config import VersionConfig as VersionConfig
 
 __version__ = "0.1.0"

@@ -268,6 +268,18 @@ def _autoscaling(value: Any, model: ModelConfig) -> Any:
         raise
 
 
+def _version_list(value: Any, model: ModelConfig) -> Any:
+    from ._versions_config import version_list
+
+    return version_list(value, model._path())
+
+
+def _rollout(value: Any, model: ModelConfig) -> Any:
+    from ._versions_config import rollout_config
+
+    return rollout_config(value, model._path())
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """One served model.
@@ -280,7 +292,12 @@ class ModelConfig:
 
     name: str = _field(_segment)
     backend: Any = attrs.field(default=None)  # None is refused by the validator, by name
-    versions: tuple[str, ...] = _field(_segments, ("1",), converter=_tuple)
+    #: a list of names, or a table of name -> overrides (``VersionConfig``: a
+    #: version with its own backend or options); held as a ``VersionList``
+    versions: tuple[str, ...] = attrs.field(
+        default=("1",), converter=attrs.Converter(_version_list, takes_self=True),
+        validator=_checked(_segments),
+    )
     devices: tuple[str, ...] = _field(_devices, ("cpu",), converter=_tuple)
     replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)
     max_batch_size: int = _field(_int(1, MAX_BATCH_SIZE), 64)
@@ -319,6 +336,16 @@ class ModelConfig:
     autoscaling: AutoscalingConfig | None = attrs.field(
         default=None, converter=attrs.Converter(_autoscaling, takes_self=True)
     )
+    #: which version unversioned requests go to; a canary and a shadow on trial
+    #: (a ``RolloutConfig``; None: the latest version, no trial)
+    rollout: Any = attrs.field(
+        default=None, converter=attrs.Converter(_rollout, takes_self=True)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        from ._versions_config import check_versions
+
+        check_versions(self)
 
     @autoscaling.validator
     def _check_autoscaling(self, attribute: attrs.Attribute, value: Any) -> None:

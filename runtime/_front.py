@@ -36,11 +36,12 @@ from ._model import item_list
 from ._outcomes import _never_ran, _note_withdrawal
 from ._served import ServedModel
 from ._statistics import _Statistics
+from ._versioned import _Versioned
 
 T = TypeVar("T")
 
 
-class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache, _Control):
+class Runtime(_ManyItems, _Credits, _Hedging, _Versioned, _Statistics, _EdgeCache, _Control):
     """A running trioserve: call :meth:`infer`. Made by :func:`open_runtime`."""
 
     def __init__(self, config: Config) -> None:
@@ -81,6 +82,8 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache, _Control)
         #: the result cache and in-flight coalescing (None when no model uses them)
         self.cache: Any = None
         self._cached: frozenset[str] = frozenset()
+        #: models whose versions have weights of their own or a rollout (``_versioned``)
+        self._families: dict[str, Any] = {}
 
     # ------------------------------------------------------------ public
     async def infer(
@@ -107,6 +110,8 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache, _Control)
         retries at once cannot hold the event loop (and the queue it waits to enter)
         to itself.
         """
+        if version is None and model in self._families:
+            return await self._infer_routed(model, inputs, tenant, priority)
         try:
             served = self._served(model, version)
             tenant, priority = self._classify(tenant, priority)
@@ -188,6 +193,8 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache, _Control)
         stacked inputs are checked once, not item by item. A refusal before waiting
         is a checkpoint, as for :meth:`infer`.
         """
+        if version is None and model in self._families:
+            return await self._batch_routed(model, items, tenant, priority)
         try:
             served = self._served(model, version)
             tenant, priority = self._classify(tenant, priority)
@@ -282,6 +289,8 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache, _Control)
                 f"model {model!r} has no version {version!r}; versions: "
                 f"{', '.join(served.config.versions)}"
             )
+        if version is not None and model in self._families:
+            return self._served_version(model, version)
         return served
 
     def _classify(self, tenant: str | None, priority: str | int | None) -> tuple[str, str]:
@@ -439,7 +448,7 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Statistics, _EdgeCache, _Control)
         """Wait until the grace deadline (shielded) for every model call still
         running in a worker thread to return."""
         with trio.CancelScope(deadline=self._grace_deadline, shield=True) as self._grace_wait:
-            for served in self.models.values():
+            for served in self._all_served():
                 for b in served.batchers:
                     await b.join_thread()
         self._grace_wait = None

@@ -21,6 +21,7 @@ from ._errors import ActorClosed, ConfigError, ModelLoadError
 from ._front import Runtime
 from ._model import ModelBackend
 from ._served import ServedModel
+from ._versioned import start_family, version_backends
 from ._zygote import Zygote, ZygoteError
 
 log = logging.getLogger("trioserve")
@@ -83,6 +84,8 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     limits_cfg = config.runtime
     _check_devices(config)
     backends = {m.name: resolve_backend(m) for m in config.models}
+    # versions with weights of their own (runtime/_versioned.py)
+    own = {m.name: version_backends(m, backends[m.name]) for m in config.models}
     policy = RestartPolicy(
         intensity=limits_cfg.restart_intensity, period=limits_cfg.restart_period_s
     )
@@ -103,8 +106,9 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
         async with trio.open_nursery() as nursery:
             try:
                 if any(
-                    (m.execution or backends[m.name].default_execution) == "process"
+                    (m.execution or b.default_execution) == "process"
                     for m in config.models
+                    for b in (backends[m.name], *own[m.name].values())
                 ):
                     zygote = Zygote()
                     log.info("starting worker processes (their parent imports torch)")
@@ -119,6 +123,12 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                     await _start_control(nursery, rt, backends, policy, zygote, watchdog)
                 else:
                     for m in config.models:
+                        if own[m.name] or m.rollout is not None:
+                            await _start_family(
+                                nursery, rt, m, backends[m.name], own[m.name], policy,
+                                zygote, watchdog,
+                            )
+                            continue
                         await _start_model(
                             nursery, rt, m, backends[m.name], policy, zygote, watchdog
                         )
@@ -144,7 +154,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     finally:
         _switch_intervals.exit(switch_interval)
         closed = ActorClosed("the runtime shut down before this request was answered")
-        for served in rt.models.values():
+        for served in rt._all_served():
             for b in served.batchers:
                 b.close()
             for scheduler in served.schedulers:
@@ -293,12 +303,14 @@ async def _start_model(
     zygote: Zygote | None,
     watchdog: Any,
     previous: ServedModel | None = None,
+    like: ServedModel | None = None,
 ) -> ServedModel:
     """Start a model's queues and replicas in ``nursery``; return it once they are
     loaded. ``previous``: under explicit model control, what the copy started here
     is to replace (the caller installs it); it keeps that one's metrics, objective
     and flows' counters, and its replicas can retire. Otherwise it is installed
-    in ``rt.models`` at once."""
+    in ``rt.models`` at once. ``like``: another version's (a model whose versions
+    have weights of their own), whose metrics and objective it shares."""
     from trioserve.actors import (
         BatcherActor,
         BatchTimer,
@@ -352,8 +364,9 @@ async def _start_model(
         scheduler.lane = f"fast lane (requests of cost below {m.slow_lane_cost})"
         slow.lane = f"slow lane (requests of cost {m.slow_lane_cost} or more)"
     metrics = (
-        ModelMetrics(model=m.name, max_batch_size=m.max_batch_size) if previous is None
-        else previous.metrics
+        previous.metrics if previous is not None
+        else like.metrics if like is not None
+        else ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
     )
     served = ServedModel(
         config=m,
@@ -366,7 +379,7 @@ async def _start_model(
         slow_cost=m.slow_lane_cost,
         slow_scheduler=slow,
         hedge_timer=RecentQuantile(0.95) if m.hedge else None,
-        slo=SloTracker(
+        slo=like.slo if like is not None else SloTracker(
             m.slo_ms / 1e3, DEFAULT_SLO_TARGET if m.slo_target is None else m.slo_target
         ) if m.slo_ms is not None and previous is None else getattr(previous, "slo", None),
     )
@@ -433,6 +446,22 @@ async def _start_model(
     if m.autoscaling is not None:
         await _start_autoscaler(nursery, rt, served, start_replica, policy, previous)
     return served
+
+
+async def _start_family(
+    nursery: trio.Nursery, rt: Runtime, m: ModelConfig, backend: ModelBackend,
+    own: dict[str, ModelBackend], policy: RestartPolicy, zygote: Zygote | None,
+    watchdog: Any,
+) -> None:
+    """A model whose versions have weights of their own, or a rollout
+    (runtime/_versioned.py), and its rollout's controller."""
+
+    async def start(cfg: ModelConfig, b: ModelBackend, like: Any) -> ServedModel:
+        return await _start_model(
+            nursery, rt, cfg, b, policy, zygote, watchdog, like=like
+        )
+
+    await start_family(rt, m, backend, own, start)
 
 
 async def _start_autoscaler(

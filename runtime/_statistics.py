@@ -77,11 +77,12 @@ class _Statistics:
         rejected) and coalescing (requests that joined one in flight); {} when off."""
         return self.cache.statistics() if self.cache is not None else {}
 
-    def model_ready(self, model: str) -> bool:
+    def model_ready(self, model: str, version: str | None = None) -> bool:
         """Whether ``model`` can serve now: the runtime is open and at least one of its
         replicas is ready (running, not degraded by a straggler, not replacing its
-        worker, its circuit breaker closed). UnknownModel for a model not served."""
-        served = self._known(model, None)
+        worker, its circuit breaker closed). With ``version``: one of the replicas
+        serving that version. UnknownModel for a model (or version) not served."""
+        served = self._known(model, version)
         return not self._closed and any(
             getattr(b, "ready", False) for b in served.batchers
         )

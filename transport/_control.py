@@ -148,7 +148,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.get("/v2/models/<name>/versions/<version>/ready")
     async def model_ready(name: str, version: str | None = None) -> Any:
         signature(name, version)
-        if gateway.ready and gateway.runtime.model_ready(name):
+        if gateway.ready and gateway.runtime.model_ready(name, version):
             return json(b'{"name":%s,"ready":true}' % _quote(name))
         return json(error_body(f"model {name!r} is not ready"), 503)
 

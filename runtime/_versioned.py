@@ -1,0 +1,273 @@
+"""Models whose versions have weights of their own, or a rollout (``versions`` as a
+table, ``[models.NAME.rollout]``): each version with an override is served by its
+own backend, queue and replicas, the versions without one by the model's backend;
+a request naming a version goes to the one serving it, and an unversioned one to the
+version its ``Family`` routes it to (the rollout's stable or canary, else the latest).
+
+An unversioned request is answered as a request naming the version it was routed
+to, so its cached result is keyed by that version: a later change of routing never
+serves one version's answer as another's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from ._builtin import resolve_backend
+from ._config import ModelConfig, _key
+from ._errors import ActorBroken, ConfigError, DeadlineExceeded, ModelError, TrioserveError
+from ._model import ModelBackend, _unstack, item_list
+from ._served import ServedModel
+from ._versions_config import VersionList
+
+log = logging.getLogger("trioserve")
+
+
+def counts_against(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure of the model's own (it counts against a canary):
+    the model raised, its batch was cut off or its worker lost, not the caller's bad
+    input, shedding, a deadline that passed in the queue or the runtime's close."""
+    if isinstance(exc, ModelError | ActorBroken):
+        return True
+    return isinstance(exc, DeadlineExceeded) and not exc.in_queue
+
+
+@attrs.define(eq=False)
+class Family:
+    """The versions of one model as served: which ``ServedModel`` serves each, and
+    which version an unversioned request goes to (``route``)."""
+
+    model: str
+    by_version: dict[str, ServedModel]
+    #: each distinct ServedModel once: the model's backend's first, if it serves any
+    groups: list[ServedModel]
+    #: the version unversioned requests go to without a rollout (the latest), or
+    #: the rollout's stable one
+    default: str
+    #: the versions with weights of their own (a backend, queue and replicas)
+    own: frozenset[str] = frozenset()
+    #: the rollout's state (``Rollout``, actors/_rollout.py) and its controller
+    rollout: Any = None
+    controller: Any = None
+
+    def route(self) -> str:
+        """The version the next unversioned request goes to."""
+        if self.rollout is not None:
+            return self.rollout.route()
+        return self.default
+
+    def record(self, version: str, ok: bool, latency: float) -> None:
+        """An unversioned request routed to ``version`` was answered (``ok``) or
+        failed by the model (not ``ok``) after ``latency`` seconds."""
+        if self.controller is not None:
+            self.controller.record(version, ok, latency)
+
+
+def version_backends(m: ModelConfig, base: ModelBackend) -> dict[str, ModelBackend]:
+    """The backend of each version with overrides (resolved, not loaded); the others
+    are served by ``base``. ConfigError names the version's key."""
+    out: dict[str, ModelBackend] = {}
+    tables = m.versions.tables or {}
+    for v, t in tables.items():
+        if not t.overrides:
+            continue
+        cfg = _version_config(m, v)
+        try:
+            out[v] = resolve_backend(cfg)
+        except ConfigError as exc:
+            text, head = str(exc), f"{m._path()}."
+            if text.startswith(head):
+                raise ConfigError(
+                    f"{m._path()}.versions.{_key(v)}.{text[len(head):]}"
+                ) from None
+            raise
+    return out
+
+
+def _version_config(m: ModelConfig, version: str | None) -> ModelConfig:
+    """The config a group of ``m``'s versions is served with: ``version``'s backend
+    and options (None: the model's own), every version's name, no rollout."""
+    names = VersionList(tuple(m.versions))
+    if version is None:
+        return attrs.evolve(m, versions=names, rollout=None)
+    t = m.versions.tables[version]
+    return attrs.evolve(
+        m,
+        backend=t.backend if t.backend is not None else m.backend,
+        options={**m.options, **(t.options or {})},
+        versions=names,
+        rollout=None,
+    )
+
+
+def _check_signatures(m: ModelConfig, backends: Mapping[str | None, ModelBackend]) -> None:
+    """Every version's inputs and outputs are the same (a client sees one model)."""
+    items = list(backends.items())
+    first_v, first = items[0]
+    for v, b in items[1:]:
+        if (tuple(b.inputs), tuple(b.outputs)) != (tuple(first.inputs), tuple(first.outputs)):
+            def shown(x: ModelBackend) -> str:
+                return (f"inputs {[(s.name, s.datatype, s.shape) for s in x.inputs]}, "
+                        f"outputs {[(s.name, s.datatype, s.shape) for s in x.outputs]}")
+
+            where = f"{m._path()}.versions.{_key(v)}" if v is not None else m._path()
+            other = f"version {first_v!r}" if first_v is not None else "the model's backend"
+            raise ConfigError(
+                f"{where}: its signature ({shown(b)}) differs from {other}'s "
+                f"({shown(first)}); every version of a model must take and give the same"
+            )
+
+
+async def start_family(
+    rt: Any,
+    m: ModelConfig,
+    base: ModelBackend,
+    own: Mapping[str, ModelBackend],
+    start_model: Callable[[ModelConfig, ModelBackend, Any], Awaitable[ServedModel]],
+) -> Family:
+    """Start ``m``'s versions: the model's backend for those without overrides, and
+    each of ``own`` (version -> backend) on its own queue and replicas.
+    ``start_model(cfg, backend, like)`` starts one and returns it (``like``: the
+    first started, whose metrics and objective the others share)."""
+    bare = [v for v in m.versions if v not in own]
+    plan: dict[str | None, ModelBackend] = {}
+    if bare:
+        plan[None] = base
+    plan.update(own)
+    _check_signatures(m, plan)
+    by_version: dict[str, ServedModel] = {}
+    groups: list[ServedModel] = []
+    for v, backend in plan.items():
+        served = await start_model(_version_config(m, v), backend, groups[0] if groups else None)
+        groups.append(served)
+        for name in bare if v is None else [v]:
+            by_version[name] = served
+        if v is not None:
+            log.info("model %r: version %r serves its own weights", m.name, v)
+    default = m.rollout.stable if m.rollout is not None else m.versions[-1]
+    family = Family(
+        model=m.name, by_version=by_version, groups=groups, default=default,
+        own=frozenset(own),
+    )
+    rt.models[m.name] = by_version[default]
+    rt._families[m.name] = family
+    return family
+
+
+class _Versioned:
+    """The Runtime's routing of unversioned requests of a model with a ``Family``."""
+
+    def _all_served(self) -> list[ServedModel]:
+        """Every ServedModel of the runtime: each model's, and each of its versions'
+        with weights of their own."""
+        out: list[ServedModel] = []
+        for name, served in self.models.items():
+            family = self._families.get(name)
+            out.extend(family.groups if family is not None else [served])
+        return out
+
+    def _served_version(self, model: str, version: str) -> ServedModel:
+        return self._families[model].by_version[version]
+
+    async def _infer_routed(
+        self, model: str, inputs: Any, tenant: Any, priority: Any
+    ) -> dict[str, Any]:
+        """:meth:`infer` of an unversioned request of a model with a Family: sent to
+        the version it routes it to, its outcome recorded for the rollout."""
+        family = self._families[model]
+        version = family.route()
+        t0 = trio.current_time()
+        try:
+            result = await self.infer(
+                model, inputs, tenant=tenant, priority=priority, version=version
+            )
+        except TrioserveError as exc:
+            if counts_against(exc):
+                family.record(version, False, trio.current_time() - t0)
+            raise
+        family.record(version, True, trio.current_time() - t0)
+        if family.controller is not None:
+            family.controller.shadow_copy(version, inputs, result, tenant)
+        return result
+
+    async def _batch_routed(
+        self, model: str, items: Sequence[Any] | Mapping[str, Any], tenant: Any,
+        priority: Any,
+    ) -> list[dict[str, Any]]:
+        """:meth:`infer_batch` of an unversioned call of a model with a Family: each
+        item routed as a whole request would be, the items of each version submitted
+        together. Once all are settled the failure of the part whose first item comes
+        first is raised (each part fails as one call of that version would)."""
+        family = self._families[model]
+        try:
+            items = item_list(model, items, "infer_batch")
+            rows = _unstack(model, items) if isinstance(items, Mapping) else list(items)
+        except TrioserveError:
+            # refused as the version's own call refuses it
+            return await self.infer_batch(
+                model, items, tenant=tenant, priority=priority, version=family.default
+            )
+        if not rows:
+            return await self.infer_batch(
+                model, rows, tenant=tenant, priority=priority, version=family.default
+            )
+        chosen = [family.route() for _ in rows]
+        parts: dict[str, list[int]] = {}
+        for i, v in enumerate(chosen):
+            parts.setdefault(v, []).append(i)
+        out: list[Any] = [None] * len(rows)
+        errors: dict[int, BaseException] = {}
+
+        async def run(version: str, index: list[int]) -> None:
+            t0 = trio.current_time()
+            try:
+                values = await self.infer_batch(
+                    model, [rows[i] for i in index], tenant=tenant, priority=priority,
+                    version=version,
+                )
+            except TrioserveError as exc:
+                if counts_against(exc):
+                    for _ in index:
+                        family.record(version, False, trio.current_time() - t0)
+                errors[index[0]] = exc
+                return
+            for i, value in zip(index, values, strict=True):
+                out[i] = value
+                family.record(version, True, trio.current_time() - t0)
+                if family.controller is not None:
+                    family.controller.shadow_copy(version, rows[i], value, tenant)
+
+        if len(parts) == 1:
+            ((version, index),) = parts.items()
+            await run(version, index)
+        else:
+            async with trio.open_nursery() as nursery:
+                for version, index in parts.items():
+                    nursery.start_soon(run, version, index)
+        if errors:
+            raise errors[min(errors)]
+        return out
+
+    def statistics(self) -> dict[str, Any]:
+        out = super().statistics()
+        for name, family in self._families.items():
+            out[name]["versions"] = {
+                v: {
+                    "own_weights": v in family.own,
+                    "queue_depth": sum(q.queue_depth() for q in served.schedulers),
+                    "replicas": [
+                        {"name": b.name, "state": b.state.value, "restarts": b.restarts}
+                        for b in served.batchers
+                    ],
+                    "ready": self.model_ready(name, v),
+                }
+                for v, served in family.by_version.items()
+            }
+            if family.controller is not None:
+                out[name]["rollout"] = family.controller.statistics()
+        return out

@@ -1,0 +1,173 @@
+"""Versions with weights of their own (``versions`` as a table): config, routing by
+version in process and over HTTP, the cache keyed by the version that answered."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+import trio
+import trioserve
+from http_helpers import config as http_config
+from http_helpers import mlp_model, serving, v2_input
+from runtime_helpers import X, Y, config
+from trioserve import CallableBackend, ConfigError, ModelConfig, UnknownModel
+from trioserve.transport import open_http
+
+
+def _adder(k: float):
+    """A backend computing ``y = x + k`` (each version its own ``k``)."""
+
+    def run(items):
+        return [{"y": it["x"] + np.float32(k)} for it in items]
+
+    return CallableBackend(run, inputs=[X], outputs=[Y], execution="inline")
+
+
+def adders(**cfg) -> ModelConfig:
+    """Model ``m``: version 1 on the model's backend (+1), 2 and 3 on their own
+    (+2, +3); the last (3) is the latest."""
+    return ModelConfig(
+        name="m", backend=_adder(1), max_wait_ms=0.0,
+        versions={"1": {}, "2": {"backend": _adder(2)}, "3": {"backend": _adder(3)}},
+        **cfg,
+    )
+
+
+def one(v: float) -> dict[str, np.ndarray]:
+    return {"x": np.asarray([v], np.float32)}
+
+
+async def test_each_version_answers_with_its_own_weights():
+    async with trioserve.open_runtime(config(adders())) as rt:
+        got = {
+            v: float((await rt.infer("m", one(10), version=v))["y"][0])
+            for v in ("1", "2", "3")
+        }
+        latest = float((await rt.infer("m", one(10)))["y"][0])
+        batch = await rt.infer_batch("m", [one(1), one(2)], version="2")
+        stats = rt.statistics()["m"]
+    assert got == {"1": 11.0, "2": 12.0, "3": 13.0}
+    assert latest == 13.0  # the last version, as with a list
+    assert [float(r["y"][0]) for r in batch] == [3.0, 4.0]
+    assert {v: s["own_weights"] for v, s in stats["versions"].items()} == {
+        "1": False, "2": True, "3": True,
+    }
+    assert all(len(s["replicas"]) == 1 for s in stats["versions"].values())
+    assert "rollout" not in stats
+
+
+async def test_a_list_of_versions_is_served_as_before():
+    m = ModelConfig(name="m", backend=_adder(1), versions=["1", "2"], max_wait_ms=0.0)
+    async with trioserve.open_runtime(config(m)) as rt:
+        a = await rt.infer("m", one(1), version="1")
+        b = await rt.infer("m", one(1))
+        stats = rt.statistics()["m"]
+    assert float(a["y"][0]) == float(b["y"][0]) == 2.0
+    assert "versions" not in stats
+    assert "rollout" not in stats
+    assert not rt._families
+
+
+async def test_an_unknown_version_is_refused_naming_the_versions():
+    async with trioserve.open_runtime(config(adders())) as rt:
+        with pytest.raises(UnknownModel, match="has no version '9'; versions: 1, 2, 3"):
+            await rt.infer("m", one(1), version="9")
+
+
+def test_version_tables_from_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[models.mlp]\nbackend = "mlp"\noptions = { seed = 1 }\n'
+        "[models.mlp.versions.1]\n[models.mlp.versions.2]\noptions = { seed = 2 }\n"
+    )
+    m = trioserve.load_config(path).models[0]
+    assert tuple(m.versions) == ("1", "2")
+    assert m.versions[-1] == "2"
+    assert m.versions.own("2")
+    assert not m.versions.own("1")
+    assert m.versions.tables["2"].options == {"seed": 2}
+
+
+@pytest.mark.parametrize(
+    ("versions", "message"),
+    [
+        ({}, "models.m.versions: must not be empty"),
+        ({"1": {"seed": 2}}, "models.m.versions.1.seed: unknown key; a version may "
+                             "override backend, options"),
+        ({"1": 3}, "models.m.versions.1: must be a table of overrides"),
+        ({"a/b": {}}, 'models.m.versions."a/b": the name must be usable as one segment'),
+        ({"1": {"options": 3}}, "models.m.versions.1.options: must be a table, got 3"),
+        ({"1": {"backend": "nope"}}, "models.m.versions.1.backend: 'nope' is neither"),
+    ],
+)
+def test_bad_version_tables_are_refused_naming_the_key(versions, message):
+    with pytest.raises(ConfigError) as exc:
+        ModelConfig(name="m", backend="echo", versions=versions)
+    assert str(exc.value).startswith(message), str(exc.value)
+
+
+async def test_a_version_whose_backend_does_not_load_is_refused_naming_it():
+    m = ModelConfig(name="m", backend="mlp", versions={"1": {}, "2": {"options": {"nope": 1}}})
+    with pytest.raises(ConfigError, match=r"^models\.m\.versions\.2\.options"):
+        async with trioserve.open_runtime(config(m)):
+            pass
+
+
+async def test_versions_whose_signatures_differ_are_refused_at_start():
+    z = trioserve.TensorSpec(name="z", datatype="FP32", shape=(-1,))
+    other = CallableBackend(lambda items: items, inputs=[X], outputs=[z], execution="inline")
+    m = ModelConfig(name="m", backend=_adder(1), versions={"1": {}, "2": {"backend": other}})
+    with pytest.raises(ConfigError, match=r"models\.m\.versions\.2: its signature .* differs "
+                                          r"from the model's backend's"):
+        async with trioserve.open_runtime(config(m)):
+            pass
+
+
+async def test_shutdown_closes_every_versions_replicas():
+    async with trioserve.open_runtime(config(adders())) as rt:
+        groups = rt._all_served()
+    assert len(groups) == 3
+    assert all(b.state.value == "stopped" for g in groups for b in g.batchers)
+
+
+async def test_cached_results_are_keyed_by_the_version_that_computed_them():
+    cfg = config(adders())
+    cfg = trioserve.Config(models=cfg.models, tenants=cfg.tenants,
+                           cache=trioserve.CacheConfig(capacity_bytes=1 << 20))
+    async with trioserve.open_runtime(cfg) as rt:
+        unversioned = await rt.infer("m", one(5))  # routed to 3, the latest
+        v2 = await rt.infer("m", one(5), version="2")
+        v3 = await rt.infer("m", one(5), version="3")
+        stats = rt.cache_statistics()
+    assert float(unversioned["y"][0]) == float(v3["y"][0]) == 8.0
+    assert float(v2["y"][0]) == 7.0
+    assert stats["hits"] == 1  # version 3's answer, kept under 3, served to "3"
+
+
+async def test_per_version_weights_over_http():
+    m = mlp_model(versions={"1": {}, "2": {"options": {"seed": 2}}})
+    x = np.linspace(-1, 1, 256, dtype=np.float32)[None, :]
+    body = orjson.dumps({"inputs": [v2_input(x)]})
+    async with serving(http_config(m)) as gw, open_http(gw.url) as http:
+        r1 = await http.request("POST", "/v2/models/mlp/versions/1/infer", body)
+        r2 = await http.request("POST", "/v2/models/mlp/versions/2/infer", body)
+        latest = await http.request("POST", "/v2/models/mlp/infer", body)
+        meta = await http.get("/v2/models/mlp")
+        meta2 = await http.get("/v2/models/mlp/versions/2")
+        ready2 = await http.get("/v2/models/mlp/versions/2/ready")
+        stats2 = await http.get("/v2/models/mlp/versions/2/stats")
+        direct1 = await gw.runtime.infer("mlp", {"x": x[0]}, version="1")
+        direct2 = await gw.runtime.infer("mlp", {"x": x[0]}, version="2")
+    assert r1.status == r2.status == latest.status == 200
+    y1 = r1.json()["outputs"][0]["data"]
+    y2 = r2.json()["outputs"][0]["data"]
+    assert y1 != y2  # seed 1 and seed 2: other weights
+    assert np.allclose(y1, direct1["y"].reshape(-1), atol=1e-6)
+    assert np.allclose(y2, direct2["y"].reshape(-1), atol=1e-6)
+    assert latest.json()["outputs"][0]["data"] == y2
+    assert meta.json()["versions"] == ["1", "2"]
+    assert meta2.json()["versions"] == ["2"]
+    assert ready2.status == 200
+    assert stats2.status == 200
+    await trio.lowlevel.checkpoint()
