@@ -31,6 +31,10 @@ from ._policy import CACHE_POLICIES as CACHE_POLICIES
 from ._policy import CacheStatistics as CacheStatistics
 from ._policy import LruPolicy as LruPolicy
 from ._policy import WTinyLFU as WTinyLFU
+from ._rollout import Rollout as Rollout
+from ._rollout import RolloutEvent as RolloutEvent
+from ._rollout import RolloutRules as RolloutRules
+from ._rollout import RolloutState as RolloutState
 from ._scaling import ScalingController as ScalingController
 from ._scheduler import SchedulerActor as SchedulerActor
 from ._singleflight import SingleFlight as SingleFlight

@@ -1,0 +1,226 @@
+"""The rollout's decisions, sans-IO: which version an unversioned request goes to,
+and when the canary advances a step, is promoted or rolled back.
+
+``Rollout`` is fed each routed request's outcome (``record(version, ok, latency,
+now)``) and the time (``tick(now)``), and answers the canary's share, its state and
+the events of each change. Nothing in it awaits or reads a clock.
+
+The rules (docs/rollout.md):
+
+- The canary's share follows ``steps`` in order. Within a step the split is a
+  counter, not a draw: of the first n requests of a step, exactly floor(n * share)
+  go to the canary (a smooth weighted round-robin), so a test can count them.
+- A step ends once it has lasted ``step_s`` and the canary has answered at least
+  ``min_requests`` in it: the next step begins (its counts start at zero), or, after
+  the last, the canary is promoted.
+- The canary is rolled back at once when, in the step, its errors exceed
+  ``max_error_rate`` of its answers with at least ``min_requests`` of them, or are
+  already so many that they will at ``min_requests`` (more than ``max_error_rate *
+  min_requests``); or when its p99 latency exceeds ``max_latency_ratio`` times the
+  stable's, both with at least ``min_requests`` answers in the step.
+- Promoted and rolled back are final.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from fractions import Fraction
+
+import attrs
+
+from ._metrics import Latency
+
+
+class RolloutState(enum.Enum):
+    STABLE = "stable"  # no canary: every unversioned request goes to stable
+    CANARY = "canary"  # a canary on trial
+    PROMOTED = "promoted"  # the canary takes every unversioned request
+    ROLLED_BACK = "rolled_back"  # the canary takes none
+
+
+_MOVES = {
+    RolloutState.STABLE: set(),
+    RolloutState.CANARY: {RolloutState.PROMOTED, RolloutState.ROLLED_BACK},
+    RolloutState.PROMOTED: set(),
+    RolloutState.ROLLED_BACK: set(),
+}
+
+
+@attrs.frozen(kw_only=True)
+class RolloutRules:
+    """The canary's steps and checks (``[models.NAME.rollout]``)."""
+
+    steps: tuple[float, ...] = (0.05, 0.25, 0.5)
+    step_s: float = 60.0
+    min_requests: int = 100
+    max_error_rate: float = 0.01
+    max_latency_ratio: float = 1.5
+
+
+@attrs.frozen(kw_only=True)
+class RolloutEvent:
+    """A change: ``kind`` step (a new step began), promoted or rolled_back; the
+    step's index and share after it; ``reason`` of a rollback (which check, the
+    figures)."""
+
+    kind: str
+    at: float
+    step: int
+    share: float
+    reason: str | None = None
+
+
+class _StepCounts:
+    """One version's answers in the current step."""
+
+    __slots__ = ("errors", "latency", "ok")
+
+    def __init__(self) -> None:
+        self.ok = 0
+        self.errors = 0
+        self.latency = Latency()
+
+    @property
+    def answers(self) -> int:
+        return self.ok + self.errors
+
+    def p99(self) -> float:
+        return self.latency.summary().p99_ms / 1e3
+
+
+class Rollout:
+    """The state of one model's rollout (see the module's docstring)."""
+
+    def __init__(
+        self, rules: RolloutRules, *, stable: str, canary: str | None, now: float
+    ) -> None:
+        self.rules = rules
+        self.stable = stable
+        self.canary = canary
+        self.state = RolloutState.CANARY if canary is not None else RolloutState.STABLE
+        self.step = 0
+        self.step_started = now
+        self.reason: str | None = None
+        self.events: list[RolloutEvent] = []
+        self._routed = 0  # unversioned requests routed in this step
+        self._to_canary = 0
+        self._share = Fraction(repr(rules.steps[0])) if canary is not None else Fraction(0)
+        self.counts = {v: _StepCounts() for v in (stable, canary) if v is not None}
+
+    # ------------------------------------------------------------ reads
+    @property
+    def share(self) -> float:
+        """The canary's current share of unversioned requests."""
+        return float(self._share)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in (RolloutState.PROMOTED, RolloutState.ROLLED_BACK)
+
+    def target(self) -> str:
+        """The version unversioned requests go to when no split applies."""
+        if self.state is RolloutState.PROMOTED:
+            assert self.canary is not None
+            return self.canary
+        return self.stable
+
+    def next_deadline(self) -> float:
+        """When ``tick`` may next change something by the time alone: the end of
+        the step's ``step_s`` (inf when final, or when it waits for requests)."""
+        if self.state is not RolloutState.CANARY:
+            return math.inf
+        end = self.step_started + self.rules.step_s
+        return end
+
+    # ------------------------------------------------------------ decisions
+    def route(self) -> str:
+        """The version of the next unversioned request: of the first n of a step,
+        floor(n * share) go to the canary, the others to stable."""
+        if self.state is not RolloutState.CANARY:
+            return self.target()
+        self._routed += 1
+        due = math.floor(self._routed * self._share)
+        if due > self._to_canary:
+            self._to_canary += 1
+            assert self.canary is not None
+            return self.canary
+        return self.stable
+
+    def record(self, version: str, ok: bool, latency: float, now: float) -> list[RolloutEvent]:
+        """An unversioned request routed to ``version`` was answered (``ok``) or
+        failed by the model, ``latency`` seconds after it came; returns the events
+        it caused (a rollback, or the step's end)."""
+        if self.state is not RolloutState.CANARY:
+            return []
+        counts = self.counts.get(version)
+        if counts is None:
+            return []
+        if ok:
+            counts.ok += 1
+        else:
+            counts.errors += 1
+        counts.latency.record(latency)
+        return self._check(now)
+
+    def tick(self, now: float) -> list[RolloutEvent]:
+        """The time is ``now``: the events it brings (the step's end)."""
+        if self.state is not RolloutState.CANARY:
+            return []
+        return self._check(now)
+
+    # ------------------------------------------------------------ internals
+    def _check(self, now: float) -> list[RolloutEvent]:
+        breach = self._breach()
+        if breach is not None:
+            return [self._move(RolloutState.ROLLED_BACK, now, breach)]
+        r = self.rules
+        canary = self.counts[self.canary]  # type: ignore[index]
+        if now - self.step_started < r.step_s or canary.answers < r.min_requests:
+            return []
+        if self.step + 1 >= len(r.steps):
+            return [self._move(RolloutState.PROMOTED, now, None)]
+        self.step += 1
+        self._begin_step(now, Fraction(repr(r.steps[self.step])))
+        event = RolloutEvent(kind="step", at=now, step=self.step, share=self.share)
+        self.events.append(event)
+        return [event]
+
+    def _breach(self) -> str | None:
+        r = self.rules
+        canary = self.counts[self.canary]  # type: ignore[index]
+        stable = self.counts[self.stable]
+        n = canary.answers
+        if canary.errors > r.max_error_rate * max(n, r.min_requests):
+            return (
+                f"error rate: {canary.errors} errors in {n} answers of the canary "
+                f"({canary.errors / n:.2%}), over max_error_rate {r.max_error_rate:g} "
+                f"(at least {r.min_requests} answers)"
+            )
+        if n >= r.min_requests and stable.answers >= r.min_requests:
+            c99, s99 = canary.p99(), stable.p99()
+            if c99 > r.max_latency_ratio * s99:
+                return (
+                    f"latency: the canary's p99 {c99 * 1e3:.3g} ms over the stable's "
+                    f"{s99 * 1e3:.3g} ms ({c99 / s99 if s99 else math.inf:.3g}x), over "
+                    f"max_latency_ratio {r.max_latency_ratio:g}"
+                )
+        return None
+
+    def _begin_step(self, now: float, share: Fraction) -> None:
+        self.step_started = now
+        self._share = share
+        self._routed = 0
+        self._to_canary = 0
+        self.counts = {v: _StepCounts() for v in self.counts}
+
+    def _move(self, to: RolloutState, now: float, reason: str | None) -> RolloutEvent:
+        if to not in _MOVES[self.state]:
+            raise RuntimeError(f"rollout: no move from {self.state.value} to {to.value}")
+        self.state = to
+        self.reason = reason
+        self._share = Fraction(1) if to is RolloutState.PROMOTED else Fraction(0)
+        kind = "promoted" if to is RolloutState.PROMOTED else "rolled_back"
+        event = RolloutEvent(kind=kind, at=now, step=self.step, share=self.share, reason=reason)
+        self.events.append(event)
+        return event

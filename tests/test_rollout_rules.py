@@ -1,0 +1,157 @@
+"""The rollout's sans-IO decisions (actors/_rollout.py): the split, the steps, the
+checks and the final states, with exact examples and properties."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trioserve.actors import Rollout, RolloutRules, RolloutState
+
+
+def rollout(**rules) -> Rollout:
+    return Rollout(RolloutRules(**rules), stable="1", canary="2", now=0.0)
+
+
+@pytest.mark.parametrize("share", [0.05, 0.25, 0.5, 1 / 3, 0.7, 1.0])
+def test_the_split_follows_the_share_exactly(share):
+    r = rollout(steps=(share,))
+    routed = [r.route() for _ in range(1000)]
+    for n in (1, 7, 20, 100, 999, 1000):
+        # the share as written (its shortest decimal), times n, rounded down
+        assert routed[:n].count("2") == math.floor(n * _exact(share))
+
+
+def test_a_good_canary_steps_through_every_share_and_is_promoted():
+    r = rollout(steps=(0.1, 0.5), step_s=10, min_requests=3)
+    assert (r.state, r.share, r.step) == (RolloutState.CANARY, 0.1, 0)
+    for _ in range(3):
+        assert r.record("2", True, 0.01, 1.0) == []  # enough requests, not long enough
+    assert r.tick(9.99) == []
+    (event,) = r.tick(10.0)
+    assert (event.kind, event.step, event.share) == ("step", 1, 0.5)
+    assert r.counts["2"].answers == 0  # a new step counts anew
+    for _ in range(2):
+        r.record("2", True, 0.01, 15.0)
+    assert r.tick(25.0) == []  # long enough, too few requests
+    (event,) = r.record("2", True, 0.01, 25.0)
+    assert event.kind == "promoted"
+    assert (r.state, r.share, r.target()) == (RolloutState.PROMOTED, 1.0, "2")
+    assert {r.route() for _ in range(10)} == {"2"}
+
+
+def test_errors_past_the_rate_roll_back_before_min_requests_are_reached():
+    r = rollout(min_requests=100, max_error_rate=0.01)
+    r.record("2", False, 0.01, 1.0)
+    assert r.state is RolloutState.CANARY  # 1 error in 100 would be within 1%
+    (event,) = r.record("2", False, 0.01, 2.0)  # 2 errors: over 1% at 100 answers
+    assert event.kind == "rolled_back"
+    assert r.reason.startswith("error rate: 2 errors in 2 answers")
+    assert (r.share, r.target()) == (0.0, "1")
+    assert {r.route() for _ in range(10)} == {"1"}
+    assert r.tick(1e9) == []
+    assert r.record("2", True, 0.01, 3.0) == []
+
+
+def test_a_slower_canary_is_rolled_back_once_both_have_min_requests():
+    r = rollout(min_requests=5, max_latency_ratio=1.5)
+    for _ in range(5):
+        r.record("2", True, 0.2, 1.0)
+    assert r.state is RolloutState.CANARY  # the stable has no answers yet
+    for _ in range(4):
+        r.record("1", True, 0.1, 1.0)
+    assert r.state is RolloutState.CANARY
+    (event,) = r.record("1", True, 0.1, 1.0)
+    assert event.kind == "rolled_back"
+    assert r.reason.startswith("latency: the canary's p99 201 ms over the stable's 100 ms")
+
+
+def test_no_canary_routes_everything_to_stable():
+    r = Rollout(RolloutRules(), stable="1", canary=None, now=0.0)
+    assert r.state is RolloutState.STABLE
+    assert {r.route() for _ in range(5)} == {"1"}
+    assert r.record("1", False, 1.0, 1.0) == []
+    assert r.next_deadline() == math.inf
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("route")),
+        st.tuples(st.just("record"), st.sampled_from(["1", "2"]), st.booleans(),
+                  st.sampled_from([0.01, 0.02, 0.05])),
+        st.tuples(st.just("wait"), st.floats(0.0, 20.0)),
+    ),
+    max_size=300,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=_ops,
+    steps=st.sampled_from([(0.05, 0.25, 0.5), (0.5,), (0.2, 1.0), (1 / 3, 0.9)]),
+    min_requests=st.integers(1, 8),
+    max_error_rate=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+)
+def test_rollout_properties(ops, steps, min_requests, max_error_rate):
+    rules = RolloutRules(steps=steps, step_s=10.0, min_requests=min_requests,
+                         max_error_rate=max_error_rate, max_latency_ratio=2.0)
+    r = Rollout(rules, stable="1", canary="2", now=0.0)
+    now = 0.0
+    routed = to_canary = 0
+    seen_steps = [0]
+    for op in ops:
+        before = (r.state, r.step, r.step_started)
+        if before[0] is RolloutState.CANARY:
+            canary = r.counts["2"]
+            enough = canary.answers
+            n, errors = canary.answers, canary.errors
+        if op[0] == "route":
+            v = r.route()
+            events = []
+            if r.state is RolloutState.CANARY:
+                routed += 1
+                to_canary += v == "2"
+                # the split is exact: floor(n * share) of the step's first n
+                assert to_canary == math.floor(routed * _exact(r.share))
+        elif op[0] == "record":
+            _, v, ok, latency = op
+            events = r.record(v, ok, latency, now)
+        else:
+            now += op[1]
+            events = r.tick(now)
+        if before[0] is not RolloutState.CANARY:
+            # terminal states stay terminal and change nothing
+            assert events == []
+            assert r.state is before[0]
+            continue
+        for e in events:
+            if e.kind in ("step", "promoted"):
+                # never advances with fewer than min_requests, nor before step_s
+                assert enough + (op[0] == "record" and op[1] == "2") >= min_requests
+                assert now - before[2] >= rules.step_s
+            if e.kind == "step":
+                # the shares follow the steps in order
+                assert e.step == seen_steps[-1] + 1
+                assert e.share == steps[e.step]
+                seen_steps.append(e.step)
+                routed = to_canary = 0
+        if op[0] == "record" and op[1] == "2" and not op[2]:
+            errors += 1
+            n += 1
+            # an error share over the limit (with min_requests, or certain to be at
+            # min_requests) always rolls back
+            if errors > max_error_rate * max(n, min_requests):
+                assert r.state is RolloutState.ROLLED_BACK
+        if r.state is RolloutState.ROLLED_BACK:
+            assert r.share == 0.0
+            assert r.reason
+        if r.state is RolloutState.PROMOTED:
+            assert r.share == 1.0
+            assert r.step == len(steps) - 1
+
+
+def _exact(share: float) -> Fraction:
+    return Fraction(repr(share))
