@@ -35,6 +35,10 @@ from ._rollout import Rollout as Rollout
 from ._rollout import RolloutEvent as RolloutEvent
 from ._rollout import RolloutRules as RolloutRules
 from ._rollout import RolloutState as RolloutState
+from ._rollout_actor import ROLLOUT_EVENTS as ROLLOUT_EVENTS
+from ._rollout_actor import SHADOW_RESULTS as SHADOW_RESULTS
+from ._rollout_actor import RolloutController as RolloutController
+from ._rollout_actor import same_outputs as same_outputs
 from ._scaling import ScalingController as ScalingController
 from ._scheduler import SchedulerActor as SchedulerActor
 from ._singleflight import SingleFlight as SingleFlight

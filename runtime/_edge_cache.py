@@ -21,6 +21,9 @@ class _EdgeCache:
         run or encoded again; ``variant`` (a content coding) keeps each form apart."""
         if model not in self._cached or self.cache.cache is None:
             return None
+        family = self._families.get(model)
+        if version is None and family is not None and family.controller is not None:
+            return None  # routed by its rollout: the version is known once it is routed
         cache = self.cache.cache
         version = version or self.models[model].config.versions[-1]  # the default: the last
         key = cache.raw_key(model, version, tenant, raw, variant)

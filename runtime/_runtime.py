@@ -20,6 +20,7 @@ from ._config import DEFAULT_SLO_TARGET, Config, ModelConfig, given_config
 from ._errors import ActorClosed, ConfigError, ModelLoadError
 from ._front import Runtime
 from ._model import ModelBackend
+from ._rollout_start import start_rollout
 from ._served import ServedModel
 from ._versioned import start_family, version_backends
 from ._zygote import Zygote, ZygoteError
@@ -461,7 +462,9 @@ async def _start_family(
             nursery, rt, cfg, b, policy, zygote, watchdog, like=like
         )
 
-    await start_family(rt, m, backend, own, start)
+    family = await start_family(rt, m, backend, own, start)
+    if m.rollout is not None:
+        await start_rollout(nursery, rt, family, m.rollout, policy)
 
 
 async def _start_autoscaler(

@@ -21,6 +21,7 @@ import trio
 from ._builtin import resolve_backend
 from ._config import ModelConfig, _key
 from ._errors import ActorBroken, ConfigError, DeadlineExceeded, ModelError, TrioserveError
+from ._messages import Reply, Request
 from ._model import ModelBackend, _unstack, item_list
 from ._served import ServedModel
 from ._versions_config import VersionList
@@ -51,14 +52,13 @@ class Family:
     default: str
     #: the versions with weights of their own (a backend, queue and replicas)
     own: frozenset[str] = frozenset()
-    #: the rollout's state (``Rollout``, actors/_rollout.py) and its controller
-    rollout: Any = None
+    #: the rollout's controller (``RolloutController``, actors/_rollout_actor.py)
     controller: Any = None
 
     def route(self) -> str:
         """The version the next unversioned request goes to."""
-        if self.rollout is not None:
-            return self.rollout.route()
+        if self.controller is not None:
+            return self.controller.route()
         return self.default
 
     def record(self, version: str, ok: bool, latency: float) -> None:
@@ -252,6 +252,30 @@ class _Versioned:
         if errors:
             raise errors[min(errors)]
         return out
+
+    async def _run_shadow(
+        self, model: str, version: str, inputs: Any, tenant: str
+    ) -> dict[str, Any]:
+        """A shadow's copy of ``inputs`` run on ``version`` at the lowest request
+        class: not cached, not charged to the tenant's credits, not counted in the
+        model's latencies; its deadline is the model's timeout. Cancelling it
+        withdraws the copy if it has not been dispatched yet."""
+        served = self._families[model].by_version[version]
+        try:
+            item, cost = served.backend.prepare(model, inputs)
+        except TrioserveError:
+            raise
+        except Exception as exc:
+            raise ModelError(f"model {model!r}: preparing a shadow's copy raised {exc!r}") from exc
+        now = trio.current_time()
+        reply = Reply()
+        request = Request(
+            model=model, item=item, cost=cost, tenant=tenant,
+            priority=self._class_order[-1], arrival=now, deadline=now + served.timeout,
+            answer_expiry=True, reply=reply,
+        )
+        served.scheduler_for(cost).submit_nowait(request)
+        return await reply.wait()
 
     def statistics(self) -> dict[str, Any]:
         out = super().statistics()

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNEL = ROOT / "runtime"
 ACTORS = ROOT / "actors"
 #: The assembly: these wire the actors (and the CLI a transport) onto the kernel.
-ASSEMBLY = {"_runtime.py", "_thread.py", "_bench.py", "cli.py"}
+ASSEMBLY = {"_runtime.py", "_rollout_start.py", "_thread.py", "_bench.py", "cli.py"}
 UPPER_LAYERS = ("trioserve.actors", "trioserve.transport")
 
 

@@ -26,6 +26,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from trioserve.actors import OUTCOMES, SLO_WINDOWS
 
+from ._rollout_metrics import rollout_metrics
+
 if TYPE_CHECKING:
     from ._gateway import Gateway
 
@@ -158,6 +160,7 @@ class GatewayCollector(Collector):
                 outcomes.add_metric([name, str(outcome)], m.statuses[outcome])
         yield from (latency, batches, items, fill, depth, outcomes)
         yield from self._autoscaling(gw)
+        yield from rollout_metrics(gw.runtime)
         yield from self._slo(gw)
         yield from self._flows(gw)
 

@@ -1,0 +1,205 @@
+"""The rollout's actor: one per model with ``[models.NAME.rollout]``, supervised in
+the runtime's root nursery next to the model's schedulers and batchers.
+
+It holds the model's :class:`Rollout` (the sans-IO decisions): the runtime routes
+each unversioned request by it and records each outcome here; the actor drives the
+time (the end of a step's ``step_s``), logs each step (INFO), promotion (INFO) and
+rollback (WARNING), and counts them.
+
+With a ``shadow`` version it also runs the shadow's copies: a share of the
+unversioned requests answered by stable are offered (``shadow_copy``, never a
+checkpoint) to a bounded channel; when it is full the copy is dropped and counted.
+A few worker tasks take the copies, run them on the shadow version at the lowest
+request class (never cached, never returned to anyone) and compare their outputs
+with stable's: match, mismatch or error.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import trio
+from trioserve import Actor, Overloaded, TrioserveError
+
+from ._rollout import Rollout, RolloutEvent, RolloutState
+
+log = logging.getLogger("trioserve")
+
+#: What a shadow's copy came to: its outputs matched stable's or not, it failed,
+#: or it was dropped (its queue full, or the shadow's queue shed it).
+SHADOW_RESULTS = ("match", "mismatch", "error", "dropped")
+#: The rollout's events, as counted.
+ROLLOUT_EVENTS = ("step", "promoted", "rolled_back")
+
+
+def same_outputs(a: Any, b: Any, *, rtol: float, atol: float) -> bool:
+    """Whether two answers agree: the same output names, shapes and dtypes, and
+    values equal (floats within ``rtol`` / ``atol``, others exactly)."""
+    if not isinstance(a, dict) or not isinstance(b, dict) or a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        x, y = np.asarray(x), np.asarray(b[name])
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if np.issubdtype(x.dtype, np.inexact):
+            if not np.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
+                return False
+        elif not np.array_equal(x, y):
+            return False
+    return True
+
+
+class RolloutController(Actor):
+    """Drives one model's rollout and runs its shadow (see the module's docstring).
+
+    ``run_shadow(inputs, tenant)`` runs a copy on the shadow version and returns
+    its outputs; ``closing()``: whether the runtime is shutting down.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        rollout: Rollout,
+        shadow: str | None = None,
+        shadow_share: float = 1.0,
+        shadow_rtol: float = 1e-5,
+        shadow_atol: float = 1e-6,
+        shadow_queue: int = 64,
+        shadow_workers: int = 4,
+        run_shadow: Callable[[Any, str], Awaitable[Any]] | None = None,
+        closing: Callable[[], bool] = lambda: False,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.name = f"rollout[{model}]"
+        self.rollout = rollout
+        self.shadow = shadow
+        self.events: collections.Counter[str] = collections.Counter()
+        self.shadow_results: collections.Counter[str] = collections.Counter()
+        self._shadow_share = Fraction(repr(shadow_share))
+        self._shadow_seen = 0
+        self._shadow_sent = 0
+        self._rtol, self._atol = shadow_rtol, shadow_atol
+        self._workers = shadow_workers
+        self._run_shadow = run_shadow
+        self._closing = closing
+        self._changed = trio.Event()
+        self._counted = trio.lowlevel.ParkingLot()  # waiters for shadow results
+        self._send, self._receive = trio.open_memory_channel[Any](shadow_queue)
+
+    # ------------------------------------------------------------ the runtime's calls
+    def route(self) -> str:
+        """The version of the next unversioned request (``Rollout.route``)."""
+        return self.rollout.route()
+
+    def record(self, version: str, ok: bool, latency: float) -> None:
+        """An unversioned request's outcome on ``version`` (not a checkpoint)."""
+        self._apply(self.rollout.record(version, ok, latency, trio.current_time()))
+
+    def shadow_copy(self, version: str, inputs: Any, result: Any, tenant: str) -> None:
+        """Offer a copy of a request answered by ``version`` to the shadow: only
+        stable's answers, the shadow's share of them; dropped (counted) when the
+        shadow's queue is full. Never a checkpoint: the caller is not delayed."""
+        if self.shadow is None or version != self.rollout.stable or self._closing():
+            return
+        self._shadow_seen += 1
+        if math.floor(self._shadow_seen * self._shadow_share) <= self._shadow_sent:
+            return
+        self._shadow_sent += 1
+        try:
+            self._send.send_nowait((inputs, result, tenant))
+        except trio.WouldBlock:
+            self.shadow_results["dropped"] += 1
+
+    # ------------------------------------------------------------ the actor
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.shadow is not None and self._run_shadow is not None:
+                for _ in range(self._workers):
+                    nursery.start_soon(self._shadow_worker)
+            task_status.started(self)
+            while True:
+                self._changed = trio.Event()
+                deadline = self.rollout.next_deadline()
+                if deadline <= trio.current_time():
+                    # the step lasted long enough: the canary's next answer ends it
+                    deadline = math.inf
+                with trio.move_on_at(deadline):
+                    await self._changed.wait()
+                self._apply(self.rollout.tick(trio.current_time()))
+
+    async def _shadow_worker(self) -> None:
+        assert self._run_shadow is not None
+        async for inputs, expected, tenant in self._receive:
+            try:
+                got = await self._run_shadow(inputs, tenant)
+            except Overloaded:
+                self.shadow_results["dropped"] += 1
+                continue
+            except TrioserveError:
+                self.shadow_results["error"] += 1
+                self._counted.unpark_all()
+                continue
+            same = same_outputs(got, expected, rtol=self._rtol, atol=self._atol)
+            self.shadow_results["match" if same else "mismatch"] += 1
+            self._counted.unpark_all()
+
+    async def wait_shadow_results(self, n: int) -> None:
+        """Wait until the shadow's copies that ran (match, mismatch or error) are at
+        least ``n``. A checkpoint; cancelling it only stops the wait."""
+        await trio.lowlevel.checkpoint()
+        while sum(self.shadow_results[k] for k in ("match", "mismatch", "error")) < n:
+            await self._counted.park()
+
+    def _apply(self, events: list[RolloutEvent]) -> None:
+        for e in events:
+            self.events[e.kind] += 1
+            r = self.rollout
+            if e.kind == "step":
+                log.info(
+                    "model %r: canary %r at step %d of %d, %g of unversioned requests",
+                    self.model, r.canary, e.step + 1, len(r.rules.steps), e.share,
+                )
+            elif e.kind == "promoted":
+                log.info(
+                    "model %r: canary %r promoted: it now takes every unversioned "
+                    "request (stable was %r)", self.model, r.canary, r.stable,
+                )
+            else:
+                log.warning(
+                    "model %r: canary %r rolled back to %r at step %d: %s",
+                    self.model, r.canary, r.stable, e.step + 1, e.reason,
+                )
+        if events:
+            self._changed.set()
+
+    def statistics(self) -> dict[str, Any]:
+        """The rollout now: state, versions, share, step, this step's counts per
+        version, a rollback's reason, the events so far, the shadow's counts."""
+        r = self.rollout
+        return {
+            "state": r.state.value,
+            "stable": r.stable,
+            "canary": r.canary,
+            "share": r.share,
+            "step": r.step if r.state is not RolloutState.STABLE else None,
+            "steps": list(r.rules.steps),
+            "step_started": r.step_started,
+            "counts": {
+                v: {"ok": c.ok, "errors": c.errors, "p99_ms": c.latency.summary().p99_ms}
+                for v, c in r.counts.items()
+            },
+            "reason": r.reason,
+            "events": {k: self.events[k] for k in ROLLOUT_EVENTS},
+            "shadow": (
+                {"version": self.shadow, **{k: self.shadow_results[k] for k in SHADOW_RESULTS}}
+                if self.shadow is not None else None
+            ),
+        }

@@ -1,0 +1,53 @@
+"""The assembly of a model's rollout: its controller (``RolloutController``,
+actors/_rollout_actor.py) started in the root nursery, wired to the model's
+versions (``Family``, runtime/_versioned.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from ._actor import supervise
+from ._versioned import Family
+
+log = logging.getLogger("trioserve")
+
+
+async def start_rollout(
+    nursery: trio.Nursery, rt: Any, family: Family, r: Any, policy: Any
+) -> None:
+    """The controller of ``family``'s rollout (``r``: its RolloutConfig), supervised
+    in the root nursery."""
+    from trioserve.actors import Rollout, RolloutController, RolloutRules
+
+    rules = RolloutRules(
+        steps=r.steps, step_s=r.step_s, min_requests=r.min_requests,
+        max_error_rate=r.max_error_rate, max_latency_ratio=r.max_latency_ratio,
+    )
+    shadow = r.shadow
+
+    async def run_shadow(inputs: Any, tenant: str) -> Any:
+        return await rt._run_shadow(family.model, shadow, inputs, tenant)
+
+    served = family.by_version[shadow] if shadow is not None else None
+    family.controller = RolloutController(
+        model=family.model,
+        rollout=Rollout(rules, stable=r.stable, canary=r.canary, now=trio.current_time()),
+        shadow=shadow,
+        shadow_share=r.shadow_share,
+        shadow_rtol=r.shadow_rtol,
+        shadow_atol=r.shadow_atol,
+        shadow_queue=r.shadow_queue,
+        # enough copies in flight to fill the shadow's batches
+        shadow_workers=served.config.max_batch_size if served is not None else 0,
+        run_shadow=run_shadow,
+        closing=lambda: rt._closed,
+    )
+    log.info(
+        "model %r: rollout: stable %r%s%s", family.model, r.stable,
+        f", canary {r.canary!r} at {r.steps[0]:g}" if r.canary is not None else "",
+        f", shadow {shadow!r}" if shadow is not None else "",
+    )
+    await nursery.start(supervise, family.controller, policy)

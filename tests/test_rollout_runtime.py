@@ -1,0 +1,262 @@
+"""A model's rollout in a running runtime: the canary's split, its steps and
+promotion, rollback on errors and on latency, the shadow, statistics, metrics and
+shutdown (docs/rollout.md)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+import trioserve
+from runtime_helpers import GATE_LIMIT_S, X, Y, config
+from trioserve import CallableBackend, ModelConfig, ModelError
+
+
+def adder(k: float, *, fail_if=None, slow_s: float = 0.0, gate=None, execution="inline"):
+    """A backend computing ``y = x + k``: ``fail_if(x0)`` makes a batch holding such
+    an item raise; ``slow_s`` moves the (mock) clock on by that much per batch;
+    ``gate`` (a threading.Event, thread execution) holds each batch until set."""
+
+    def run(items):
+        if gate is not None:
+            gate.wait(GATE_LIMIT_S)
+        if slow_s:
+            trio.lowlevel.current_clock().jump(slow_s)
+        if fail_if is not None and any(fail_if(float(it["x"][0])) for it in items):
+            raise ValueError("bad input for this version")
+        return [{"y": it["x"] + np.float32(k)} for it in items]
+
+    return CallableBackend(run, inputs=[X], outputs=[Y], execution=execution)
+
+
+def model(rollout: dict, *, canary=None, shadow=None, **cfg) -> ModelConfig:
+    """Model ``m``: version 1 (+1, the model's backend), 2 (+2, ``canary``) and 3
+    (+3, ``shadow``)."""
+    cfg.setdefault("max_wait_ms", 0.0)
+    return ModelConfig(
+        name="m", backend=adder(1),
+        versions={"1": {}, "2": {"backend": canary or adder(2)},
+                  "3": {"backend": shadow or adder(3)}},
+        rollout=rollout, **cfg,
+    )
+
+
+def one(v: float) -> dict[str, np.ndarray]:
+    return {"x": np.asarray([v], np.float32)}
+
+
+def version_of(out, x: float) -> str:
+    return str(round(float(out["y"][0]) - x))
+
+
+async def test_the_split_follows_the_share_exactly(autojump_clock):
+    m = model({"stable": "1", "canary": "2", "steps": [0.25], "min_requests": 10_000})
+    async with trioserve.open_runtime(config(m)) as rt:
+        seen = [version_of(await rt.infer("m", one(i)), i) for i in range(100)]
+        batch = await rt.infer_batch("m", [one(i) for i in range(8)])
+        stats = rt.statistics()["m"]["rollout"]
+    assert seen.count("2") == 25
+    assert seen[:8] == ["1", "1", "1", "2", "1", "1", "1", "2"]  # smooth, not random
+    # an item of a batch call is routed as a whole request: requests 101 to 108
+    assert [version_of(o, i) for i, o in enumerate(batch)] == ["1", "1", "1", "2"] * 2
+    assert stats["state"] == "canary"
+    assert (stats["counts"]["2"]["ok"], stats["counts"]["2"]["errors"]) == (27, 0)
+    assert (stats["counts"]["1"]["ok"], stats["counts"]["1"]["errors"]) == (81, 0)
+
+
+async def test_a_good_canary_steps_through_every_share_and_is_promoted(autojump_clock):
+    m = model({"stable": "1", "canary": "2", "steps": [0.2, 0.5], "step_s": 10,
+               "min_requests": 5})
+    async with trioserve.open_runtime(config(m)) as rt:
+        shares = []
+        for i in range(200):
+            await rt.infer("m", one(i))
+            stats = rt.statistics()["m"]["rollout"]
+            if not shares or shares[-1] != stats["share"]:
+                shares.append(stats["share"])
+            if stats["state"] == "promoted":
+                break
+            await trio.sleep(0.5)
+        after = [version_of(await rt.infer("m", one(i)), i) for i in range(10)]
+        pinned = await rt.infer("m", one(0), version="1")
+    assert shares == [0.2, 0.5, 1.0]
+    assert stats["events"] == {"step": 1, "promoted": 1, "rolled_back": 0}
+    assert stats["reason"] is None
+    assert after == ["2"] * 10  # the canary takes every unversioned request
+    assert version_of(pinned, 0) == "1"  # a version asked for is still served
+
+
+async def test_a_canary_failing_on_some_inputs_is_rolled_back_and_nothing_is_lost(
+    autojump_clock,
+):
+    bad = adder(2, fail_if=lambda x: x % 10 == 7)  # one input in ten fails on it
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "step_s": 1000,
+               "min_requests": 20, "max_error_rate": 0.05}, canary=bad, max_batch_size=1)
+    answers: dict[int, object] = {}
+
+    async def call(rt, i: int) -> None:
+        try:
+            answers[i] = version_of(await rt.infer("m", one(i)), i)
+        except ModelError as exc:
+            answers[i] = exc
+
+    async with trioserve.open_runtime(config(m)) as rt:
+        async with trio.open_nursery() as nursery:
+            for i in range(400):
+                nursery.start_soon(call, rt, i)
+                await trio.sleep(0.01)
+        stats = rt.statistics()["m"]["rollout"]
+        later = [version_of(await rt.infer("m", one(i)), i) for i in range(10)]
+    assert len(answers) == 400  # every caller got its result or its error
+    errors = [i for i, a in answers.items() if isinstance(a, ModelError)]
+    assert errors
+    assert all(i % 10 == 7 for i in errors)
+    assert stats["state"] == "rolled_back"
+    assert stats["share"] == 0.0
+    assert stats["reason"].startswith("error rate: ")
+    # within the step, once its errors were certain to pass 5% of 20 answers
+    assert stats["counts"]["2"]["ok"] + stats["counts"]["2"]["errors"] <= 20
+    assert stats["events"] == {"step": 0, "promoted": 0, "rolled_back": 1}
+    assert later == ["1"] * 10
+
+
+async def test_a_slower_canary_is_rolled_back_on_latency(autojump_clock):
+    slow = adder(2, slow_s=0.05)
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "step_s": 1000,
+               "min_requests": 10, "max_latency_ratio": 1.5}, canary=slow)
+    fast = adder(1, slow_s=0.01)
+    m = ModelConfig(**{**{a.name: getattr(m, a.name) for a in m.__attrs_attrs__},
+                       "backend": fast})
+    async with trioserve.open_runtime(config(m)) as rt:
+        for i in range(60):
+            await rt.infer("m", one(i))
+            if rt.statistics()["m"]["rollout"]["state"] != "canary":
+                break
+        stats = rt.statistics()["m"]["rollout"]
+    assert stats["state"] == "rolled_back"
+    assert stats["reason"].startswith("latency: the canary's p99 50")
+    assert i == 19  # at the 20th request both versions had their 10 answers
+
+
+async def test_shutdown_mid_step_is_clean(autojump_clock):
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "step_s": 10,
+               "min_requests": 5}, shadow=adder(3))
+    m = ModelConfig(**{**{a.name: getattr(m, a.name) for a in m.__attrs_attrs__},
+                       "rollout": {**{"stable": "1", "canary": "2", "steps": [0.5],
+                                      "step_s": 10, "min_requests": 5}, "shadow": "3"}})
+    async with trioserve.open_runtime(config(m)) as rt:
+        for i in range(6):
+            await rt.infer("m", one(i))
+        before = rt.statistics()["m"]["rollout"]
+    after = rt.statistics()["m"]["rollout"]
+    assert before["state"] == after["state"] == "canary"  # closed mid-step, as it was
+    assert after["events"] == {"step": 0, "promoted": 0, "rolled_back": 0}
+    with pytest.raises(trioserve.ActorClosed):
+        await rt.infer("m", one(0))
+
+
+def shadowed(shadow_backend, **rollout) -> ModelConfig:
+    return ModelConfig(
+        name="m", backend=adder(1), max_wait_ms=0.0, max_batch_size=1,
+        versions={"1": {}, "3": {"backend": shadow_backend}},
+        rollout={"stable": "1", "shadow": "3", **rollout},
+    )
+
+
+async def test_the_shadow_never_changes_the_callers_answer_nor_delays_it():
+    # the shadow answers otherwise (+3), and is held until every caller has its answer:
+    # a caller that waited for its copy would never return
+    gate = threading.Event()
+    m = shadowed(adder(3, gate=gate, execution="thread"), shadow_share=0.5)
+    try:
+        async with trioserve.open_runtime(config(m)) as rt:
+            controller = rt._families["m"].controller
+            answers = [version_of(await rt.infer("m", one(i)), i) for i in range(10)]
+            held = dict(controller.shadow_results)
+            gate.set()
+            await controller.wait_shadow_results(5)
+            stats = rt.statistics()["m"]
+    finally:
+        gate.set()
+    assert answers == ["1"] * 10
+    assert held == {}
+    assert stats["rollout"]["state"] == "stable"
+    assert stats["rollout"]["shadow"] == {"version": "3", "match": 0, "mismatch": 5,
+                                          "error": 0, "dropped": 0}
+    assert stats["end_to_end"].count == 10  # the copies are not the model's requests
+
+
+async def test_the_shadows_matches_and_errors_are_counted(autojump_clock):
+    m = shadowed(adder(1, fail_if=lambda x: x >= 8))  # stable's weights, failing on some
+    async with trioserve.open_runtime(config(m)) as rt:
+        for i in range(10):
+            await rt.infer("m", one(i))
+        await rt._families["m"].controller.wait_shadow_results(10)
+        stats = rt.statistics()["m"]["rollout"]
+    assert stats["shadow"] == {"version": "3", "match": 8, "mismatch": 0, "error": 2,
+                               "dropped": 0}
+
+
+async def test_shadow_copies_are_dropped_and_counted_when_its_queue_is_full():
+    gate = threading.Event()
+    m = shadowed(adder(1, gate=gate, execution="thread"), shadow_queue=2)
+    try:
+        async with trioserve.open_runtime(config(m)) as rt:
+            controller = rt._families["m"].controller
+            await rt.infer("m", one(0))
+            await trio.testing.wait_all_tasks_blocked()  # the copy is at the shadow
+            for i in range(1, 10):
+                assert version_of(await rt.infer("m", one(i)), i) == "1"
+            assert controller.shadow_results["dropped"] == 7  # 2 wait, 7 dropped
+            # a caller cancelled meanwhile breaks nothing
+            with trio.move_on_after(0):
+                await rt.infer("m", one(42))
+            gate.set()
+            await controller.wait_shadow_results(3)
+            out = await rt.infer("m", one(11))
+            await controller.wait_shadow_results(4)
+            stats = rt.statistics()["m"]["rollout"]["shadow"]
+    finally:
+        gate.set()
+    assert version_of(out, 11) == "1"
+    assert stats == {"version": "3", "match": 4, "mismatch": 0, "error": 0, "dropped": 7}
+
+
+async def test_rollout_metrics_only_for_models_with_a_rollout(autojump_clock):
+    from trioserve.transport import open_gateway, open_http
+
+    plain = ModelConfig(name="p", backend=adder(1), max_wait_ms=0.0)
+    m = model({"stable": "1", "canary": "2", "steps": [0.25], "shadow": "3"})
+    async with trioserve.open_runtime(config(m, plain)) as rt, \
+            open_gateway(rt, host="127.0.0.1", port=0) as gw:
+        for i in range(4):
+            await rt.infer("m", one(i))
+        await rt._families["m"].controller.wait_shadow_results(3)
+        async with open_http(gw.url) as http:
+            text = (await http.get("/metrics")).body.decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("trioserve_")]
+    assert 'trioserve_rollout_share{model="m",version="2"} 0.25' in lines
+    assert 'trioserve_rollout_share{model="m",version="1"} 0.75' in lines
+    assert 'trioserve_rollout_events_total{event="rolled_back",model="m"} 0.0' in lines
+    assert ('trioserve_shadow_results_total{model="m",result="mismatch",version="3"} 3.0'
+            in lines)
+    assert not [ln for ln in lines if "rollout" in ln and 'model="p"' in ln]
+
+
+@pytest.mark.parametrize("canary", [None, "2"])
+async def test_unversioned_answers_are_cached_under_the_version_routed_to(
+    autojump_clock, canary,
+):
+    m = model({"stable": "1", "canary": canary, "steps": [0.5]}
+              if canary else {"stable": "1"})
+    cfg = config(m)
+    cfg = trioserve.Config(models=cfg.models, tenants=cfg.tenants,
+                           cache=trioserve.CacheConfig(capacity_bytes=1 << 20))
+    async with trioserve.open_runtime(cfg) as rt:
+        first = await rt.infer("m", one(5))  # to stable (1)
+        pinned = [version_of(await rt.infer("m", one(5), version=v), 5) for v in "123"]
+    assert version_of(first, 5) == "1"
+    assert pinned == ["1", "2", "3"]  # each version's own answer, never another's
