@@ -25,6 +25,10 @@ SCENARIOS: dict[str, tuple[str, str]] = {
         "trioserve.scenarios._autoscale",
         "sleep device, 1-4 replicas: load steps low, high (3 replicas' worth), low",
     ),
+    "rollout": (
+        "trioserve.scenarios._rollout",
+        "canary promoted, bad canary rolled back, shadow compared (CPU, ~20 s)",
+    ),
     "cache-http": ("trioserve.scenarios._cache_http", "HTTP on mlp, Zipf keys, cache on vs off"),
     "gateway": ("trioserve.scenarios._gateway", "HTTP, batch dimension and WebSocket on mlp"),
     "cache": (
