@@ -268,16 +268,15 @@ def _autoscaling(value: Any, model: ModelConfig) -> Any:
         raise
 
 
-def _version_list(value: Any, model: ModelConfig) -> Any:
-    from ._versions_config import version_list
+def _lazy(name: str) -> Any:
+    """A converter (taking the model) of ``_versions_config``, which imports this."""
 
-    return version_list(value, model._path())
+    def convert(value: Any, model: ModelConfig) -> Any:
+        from . import _versions_config
 
+        return getattr(_versions_config, name)(value, model._path())
 
-def _rollout(value: Any, model: ModelConfig) -> Any:
-    from ._versions_config import rollout_config
-
-    return rollout_config(value, model._path())
+    return attrs.Converter(convert, takes_self=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -292,11 +291,9 @@ class ModelConfig:
 
     name: str = _field(_segment)
     backend: Any = attrs.field(default=None)  # None is refused by the validator, by name
-    #: a list of names, or a table of name -> overrides (``VersionConfig``: a
-    #: version with its own backend or options); held as a ``VersionList``
+    #: names, or a table of name -> overrides (``VersionConfig``): a ``VersionList``
     versions: tuple[str, ...] = attrs.field(
-        default=("1",), converter=attrs.Converter(_version_list, takes_self=True),
-        validator=_checked(_segments),
+        default=("1",), converter=_lazy("version_list"), validator=_checked(_segments)
     )
     devices: tuple[str, ...] = _field(_devices, ("cpu",), converter=_tuple)
     replicas: int | None = _field(_opt_int(1, MAX_REPLICAS), None)
@@ -336,16 +333,13 @@ class ModelConfig:
     autoscaling: AutoscalingConfig | None = attrs.field(
         default=None, converter=attrs.Converter(_autoscaling, takes_self=True)
     )
-    #: which version unversioned requests go to; a canary and a shadow on trial
-    #: (a ``RolloutConfig``; None: the latest version, no trial)
-    rollout: Any = attrs.field(
-        default=None, converter=attrs.Converter(_rollout, takes_self=True)
-    )
+    #: where unversioned requests go, a canary and a shadow (``RolloutConfig``)
+    rollout: Any = attrs.field(default=None, converter=_lazy("rollout_config"))
 
     def __attrs_post_init__(self) -> None:
         from ._versions_config import check_versions
 
-        check_versions(self)
+        check_versions(self)  # the versions and rollout, with the whole model
 
     @autoscaling.validator
     def _check_autoscaling(self, attribute: attrs.Attribute, value: Any) -> None:

@@ -110,7 +110,7 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Versioned, _Statistics, _EdgeCach
         retries at once cannot hold the event loop (and the queue it waits to enter)
         to itself.
         """
-        if version is None and model in self._families:
+        if version is None and self._families and self._routed(model):
             return await self._infer_routed(model, inputs, tenant, priority)
         try:
             served = self._served(model, version)
@@ -193,7 +193,7 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Versioned, _Statistics, _EdgeCach
         stacked inputs are checked once, not item by item. A refusal before waiting
         is a checkpoint, as for :meth:`infer`.
         """
-        if version is None and model in self._families:
+        if version is None and self._families and self._routed(model):
             return await self._batch_routed(model, items, tenant, priority)
         try:
             served = self._served(model, version)

@@ -171,6 +171,11 @@ class _Versioned:
             out.extend(family.groups if family is not None else [served])
         return out
 
+    def _routed(self, model: Any) -> bool:
+        """Whether unversioned requests of ``model`` are routed by its Family (a
+        name that is no string is no model's: refused as unknown further on)."""
+        return isinstance(model, str) and model in self._families
+
     def _served_version(self, model: str, version: str) -> ServedModel:
         return self._families[model].by_version[version]
 

@@ -171,3 +171,11 @@ async def test_per_version_weights_over_http():
     assert ready2.status == 200
     assert stats2.status == 200
     await trio.lowlevel.checkpoint()
+
+
+async def test_a_model_name_that_is_not_a_string_is_unknown_beside_versioned_models():
+    async with trioserve.open_runtime(config(adders())) as rt:
+        with pytest.raises(UnknownModel, match=r"^unknown model \['m'\]; serving: m$"):
+            await rt.infer(["m"], one(1))
+        with pytest.raises(UnknownModel, match=r"^unknown model "):
+            await rt.infer_batch({"m": 1}, [one(1)])
