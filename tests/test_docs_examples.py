@@ -552,7 +552,13 @@ async def test_every_metric_the_docs_name_is_on_metrics_and_back():
     from trioserve.transport._client import HttpClient
 
     config = trioserve.Config(
-        models=[trioserve.ModelConfig(name="echo", backend="echo", slo_ms=50.0)],
+        models=[
+            trioserve.ModelConfig(name="echo", backend="echo", slo_ms=50.0),
+            trioserve.ModelConfig(
+                name="rolled", backend="echo", versions=["1", "2", "3"],
+                rollout={"stable": "1", "canary": "2", "shadow": "3"},
+            ),
+        ],
         tenants=[trioserve.TenantConfig(name="t", default=True, credit_rate=100.0)],
         cache=trioserve.CacheConfig(capacity_bytes=1 << 20),
     )
