@@ -140,14 +140,17 @@ def _metrics_table() -> dict[str, tuple[set[str], str]]:
 
 
 async def test_every_metrics_series_is_documented_with_its_labels(autojump_clock):
-    """What ``/metrics`` exposes, with the cache on, two models (one with a slow lane)
-    and a tenant with credits, is what the docs name, and no more: each series in
-    docs/gateway.md's table (summaries said to be summaries, counters ending in
-    ``_total``) with its labels, and the outcomes it lists."""
+    """What ``/metrics`` exposes, with the cache on, three models (one with a slow
+    lane, one with a rollout and a shadow) and a tenant with credits, is what the
+    docs name, and no more: each series in docs/gateway.md's table (summaries said
+    to be summaries, counters ending in ``_total``) with its labels, and the
+    outcomes it lists."""
     cfg = trioserve.Config(
         models=(
             callable_model("a", Recorder(), slo_ms=50.0),
             callable_model("b", Recorder(), replicas=2, slow_lane_cost=4),
+            callable_model("c", Recorder(), versions=["1", "2", "3"],
+                           rollout={"stable": "1", "canary": "2", "shadow": "3"}),
         ),
         tenants=(TenantConfig(name="t", default=True, credit_rate=1000.0),),
         cache=CacheConfig(capacity_bytes=1 << 20),
