@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ._config import ModelConfig, _finite, _shown
+from ._config import ModelConfig
+from ._config_checks import _finite, _shown
 from ._errors import ConfigError, InvalidInput
 from ._model import CallableBackend, Item, ModelBackend, Runner, TensorSpec, TorchBackend
 

@@ -19,7 +19,8 @@ import attrs
 import trio
 
 from ._builtin import resolve_backend
-from ._config import ModelConfig, _key
+from ._config import ModelConfig
+from ._config_checks import _key
 from ._errors import ActorBroken, ConfigError, DeadlineExceeded, ModelError, TrioserveError
 from ._messages import Reply, Request
 from ._model import ModelBackend, _unstack, item_list

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from ._config import _field, _int, _key, _mapping, _number, _segment, _shown, _str
+from ._config_checks import _field, _int, _key, _mapping, _number, _segment, _shown, _str
 from ._errors import ConfigError
 from ._model import ModelBackend
 
