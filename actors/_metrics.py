@@ -101,6 +101,21 @@ class Latency:
             overflow=self.overflow,
         )
 
+    def percentile_s(self, percentile: float) -> float:
+        """The value at ``percentile`` (0 < percentile <= 100), in seconds, as hdrh's
+        ``get_value_at_percentile`` gives it, found with numpy (~10 µs; hdrh's own
+        walks every bucket in Python, ~120 µs). 0.0 when nothing was recorded."""
+        self.fold()
+        h = self.hist
+        target = h.get_target_count_at_percentile(percentile)
+        if not h.get_total_count():
+            return 0.0
+        counts = np.ctypeslib.as_array(h.counts)[: h.counts_len]
+        index = int(np.searchsorted(np.cumsum(counts), target))
+        if index >= h.counts_len:
+            return 0.0
+        return h.get_highest_equivalent_value(h.get_value_from_index(index)) / 1e6
+
     def totals(self) -> tuple[int, int]:
         """(values recorded, their exact sum in µs), overflow included."""
         self.fold()

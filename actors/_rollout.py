@@ -17,7 +17,8 @@ The rules (docs/rollout.md):
   ``max_error_rate`` of its answers with at least ``min_requests`` of them, or are
   already so many that they will at ``min_requests`` (more than ``max_error_rate *
   min_requests``); or when its p99 latency exceeds ``max_latency_ratio`` times the
-  stable's, both with at least ``min_requests`` answers in the step.
+  stable's, both with at least ``min_requests`` answers in the step (compared when
+  they first have, then every ``LATENCY_EVERY`` answers, and before a step ends).
 - Promoted and rolled back are final.
 """
 
@@ -86,11 +87,14 @@ class _StepCounts:
         return self.ok + self.errors
 
     def p99(self) -> float:
-        return self.latency.summary().p99_ms / 1e3
+        return self.latency.percentile_s(99)
 
 
 class Rollout:
     """The state of one model's rollout (see the module's docstring)."""
+
+    #: answers (both versions') between two comparisons of their latencies
+    LATENCY_EVERY = 64
 
     def __init__(
         self, rules: RolloutRules, *, stable: str, canary: str | None, now: float
@@ -107,6 +111,8 @@ class Rollout:
         self._to_canary = 0
         self._share = Fraction(repr(rules.steps[0])) if canary is not None else Fraction(0)
         self.counts = {v: _StepCounts() for v in (stable, canary) if v is not None}
+        #: answers in the step when the latencies were last compared (None: not yet)
+        self._latency_checked: int | None = None
 
     # ------------------------------------------------------------ reads
     @property
@@ -171,12 +177,13 @@ class Rollout:
 
     # ------------------------------------------------------------ internals
     def _check(self, now: float) -> list[RolloutEvent]:
-        breach = self._breach()
-        if breach is not None:
-            return [self._move(RolloutState.ROLLED_BACK, now, breach)]
         r = self.rules
         canary = self.counts[self.canary]  # type: ignore[index]
-        if now - self.step_started < r.step_s or canary.answers < r.min_requests:
+        ending = now - self.step_started >= r.step_s and canary.answers >= r.min_requests
+        breach = self._breach(latency_due=ending)
+        if breach is not None:
+            return [self._move(RolloutState.ROLLED_BACK, now, breach)]
+        if not ending:
             return []
         if self.step + 1 >= len(r.steps):
             return [self._move(RolloutState.PROMOTED, now, None)]
@@ -186,7 +193,11 @@ class Rollout:
         self.events.append(event)
         return [event]
 
-    def _breach(self) -> str | None:
+    def _breach(self, *, latency_due: bool) -> str | None:
+        """Why the canary is to be rolled back now, or None. The latencies are
+        compared when both versions first have ``min_requests`` answers in the step,
+        then after each ``LATENCY_EVERY`` answers more, and always before a step
+        ends (``latency_due``): a p99 costs ~10 µs, too much for every answer."""
         r = self.rules
         canary = self.counts[self.canary]  # type: ignore[index]
         stable = self.counts[self.stable]
@@ -198,6 +209,11 @@ class Rollout:
                 f"(at least {r.min_requests} answers)"
             )
         if n >= r.min_requests and stable.answers >= r.min_requests:
+            answers = n + stable.answers
+            last = self._latency_checked
+            if not latency_due and last is not None and answers - last < self.LATENCY_EVERY:
+                return None
+            self._latency_checked = answers
             c99, s99 = canary.p99(), stable.p99()
             if c99 > r.max_latency_ratio * s99:
                 return (
@@ -213,6 +229,7 @@ class Rollout:
         self._routed = 0
         self._to_canary = 0
         self.counts = {v: _StepCounts() for v in self.counts}
+        self._latency_checked = None
 
     def _move(self, to: RolloutState, now: float, reason: str | None) -> RolloutEvent:
         if to not in _MOVES[self.state]:

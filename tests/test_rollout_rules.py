@@ -69,6 +69,54 @@ def test_a_slower_canary_is_rolled_back_once_both_have_min_requests():
     assert r.reason.startswith("latency: the canary's p99 201 ms over the stable's 100 ms")
 
 
+def test_a_canary_turning_slow_later_in_a_step_is_caught_within_latency_every():
+    """The p99s are compared when both versions first have min_requests answers,
+    then after each LATENCY_EVERY answers (a p99 is too dear for every answer): a
+    canary that turns slow afterwards is rolled back within LATENCY_EVERY answers."""
+    r = rollout(min_requests=5, max_latency_ratio=1.5, step_s=1e9)
+    for _ in range(5):
+        r.record("1", True, 0.1, 1.0)
+        r.record("2", True, 0.1, 1.0)
+    assert r.state is RolloutState.CANARY  # compared here: alike
+    answers = 10
+    while r.state is RolloutState.CANARY:
+        r.record("2", True, 1.0, 1.0)
+        answers += 1
+        assert answers <= 10 + Rollout.LATENCY_EVERY
+    assert answers == 10 + Rollout.LATENCY_EVERY
+    assert r.reason.startswith("latency: ")
+
+
+def test_a_step_never_ends_without_comparing_the_latencies():
+    """However few answers came since the last comparison, a step's end compares
+    the p99s first: a slow canary is rolled back, not advanced."""
+    r = rollout(steps=(0.1, 0.5), min_requests=5, max_latency_ratio=1.5, step_s=10)
+    for _ in range(5):
+        r.record("1", True, 0.1, 1.0)
+        r.record("2", True, 0.1, 1.0)
+    r.record("2", True, 5.0, 2.0)  # the canary's p99 now 5 s: not compared yet
+    assert r.state is RolloutState.CANARY
+    (event,) = r.tick(10.0)
+    assert event.kind == "rolled_back"
+    assert r.step == 0
+
+
+def test_the_p99_found_with_numpy_is_hdrhs_own():
+    import random
+
+    from trioserve.actors._metrics import Latency
+
+    rng = random.Random(7)
+    for n in (1, 2, 99, 100, 101, 3000):
+        lat = Latency()
+        for _ in range(n):
+            lat.record(rng.expovariate(1 / rng.choice([1e-5, 1e-3, 0.05, 2.0])))
+        lat.fold()
+        for q in (50, 90, 99, 99.9, 100):
+            assert lat.percentile_s(q) == lat.hist.get_value_at_percentile(q) / 1e6
+    assert Latency().percentile_s(99) == 0.0
+
+
 def test_no_canary_routes_everything_to_stable():
     r = Rollout(RolloutRules(), stable="1", canary=None, now=0.0)
     assert r.state is RolloutState.STABLE
