@@ -38,6 +38,12 @@ ABANDONED = RequestState.ABANDONED
 
 #: The invariants, by the short name a violation message starts with.
 INVARIANTS: dict[str, str] = {
+    "split": "an unversioned request goes to the version the rollout's counter rule "
+    "routes it to, and is answered by it; a versioned one by the version it names",
+    "rollout": "a rollout's steps, promotion and rollback follow its rules at once, its "
+    "shares are its steps', final states stay final, each routed outcome recorded once",
+    "shadow": "a shadow gets a share of stable's answers, never more waiting than its "
+    "bound, each copy counted once, none reaching or counting as a caller",
     "lost": "every admitted request is answered exactly once unless its caller cancelled it",
     "duplicated": "no request is dispatched twice, nor one never admitted or withdrawn",
     "misrouted": "each answer reaches its own caller, in the order that caller submitted",

@@ -24,7 +24,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.stateful import get_state_machine_test
 from hypothesis.vendor.pretty import pretty
 
-from . import _admission, _cache, _queue, _runtime
+from . import _admission, _cache, _queue, _rollout, _runtime
 from ._product import PRODUCT, Product
 from ._stats import EXAMPLES
 
@@ -94,6 +94,19 @@ def _build_cache(product: Product, s: settings, box: dict[str, Any]) -> Callable
     return test_cache
 
 
+def _build_rollout(product: Product, s: settings, box: dict[str, Any]) -> Callable[[], None]:
+    @s
+    @given(scenario=_rollout.rollout_scenarios())
+    def test_rollout(scenario: _rollout.RolloutScenario) -> None:
+        try:
+            _rollout.run_rollout_scenario(scenario, product)
+        except BaseException:
+            box["example"] = scenario  # the last failing one is the shrunk one
+            raise
+
+    return test_rollout
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -139,6 +152,17 @@ SUITES: dict[str, Suite] = {
             ),
             stateful=False,
             repro_call="run_cache_scenario",
+        ),
+        Suite(
+            name="rollout",
+            summary="versions and their rollout through open_runtime: the canary's split, "
+            "steps, promotion, rollback, the shadow",
+            build=_build_rollout,
+            ci_examples=60,
+            chunk_examples=40,
+            repro_imports="from fuzz import RCall, RolloutScenario, run_rollout_scenario",
+            stateful=False,
+            repro_call="run_rollout_scenario",
         ),
     )
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 import attrs
@@ -23,6 +24,8 @@ TokenBucket = trioserve.actors.TokenBucket
 Runtime = trioserve.Runtime
 Cache = trioserve.actors.Cache
 CacheActor = trioserve.actors.CacheActor
+Rollout = trioserve.actors.Rollout
+RolloutController = trioserve.actors.RolloutController
 
 
 class DropsOneRequest(FairQueue):
@@ -333,6 +336,38 @@ class TtlIgnoredOnGet(Cache):
         self.get = lambda key, now, default=None: get(key, -math.inf, default)
 
 
+class RoutesByThePreviousShare(Rollout):
+    """The split counts a new step's requests by the share of the step before it."""
+
+    def route(self) -> str:
+        if self.state is not trioserve.actors.RolloutState.CANARY or self.step == 0:
+            return super().route()
+        previous = Fraction(repr(self.rules.steps[self.step - 1]))
+        self._routed += 1
+        if math.floor(self._routed * previous) > self._to_canary:
+            self._to_canary += 1
+            assert self.canary is not None
+            return self.canary
+        return self.stable
+
+
+class ResumesAfterARollback(Rollout):
+    """A rolled-back canary goes back on trial, at its step's share, at the next tick."""
+
+    def tick(self, now: float) -> list[Any]:
+        if self.state is trioserve.actors.RolloutState.ROLLED_BACK:
+            self.state = trioserve.actors.RolloutState.CANARY
+            self._begin_step(now, Fraction(repr(self.rules.steps[self.step])))
+        return super().tick(now)
+
+
+class ShadowQueuePastItsBound(RolloutController):
+    """The shadow's channel holds two copies more than ``shadow_queue``."""
+
+    def __init__(self, *, shadow_queue: int = 64, **kw: Any) -> None:
+        super().__init__(shadow_queue=shadow_queue + 2, **kw)
+
+
 #: name -> (what it breaks, the broken product, the suites that can see it)
 MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "drop-request": (
@@ -488,5 +523,23 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         "a lookup ignores the entry's expiry",
         attrs.evolve(PRODUCT, name="ttl-ignored-on-get", cache_class=TtlIgnoredOnGet),
         ("cache",),
+    ),
+    # The rollout suite's own.
+    "split-previous-share": (
+        "the split counts a new step's requests by the previous step's share",
+        attrs.evolve(PRODUCT, name="split-previous-share", rollout_class=RoutesByThePreviousShare),
+        ("rollout",),
+    ),
+    "rollback-not-final": (
+        "a rolled-back canary goes back on trial at the next tick",
+        attrs.evolve(PRODUCT, name="rollback-not-final", rollout_class=ResumesAfterARollback),
+        ("rollout",),
+    ),
+    "shadow-past-its-bound": (
+        "the shadow's channel holds two copies more than shadow_queue",
+        attrs.evolve(
+            PRODUCT, name="shadow-past-its-bound", rollout_controller_class=ShadowQueuePastItsBound
+        ),
+        ("rollout",),
     ),
 }

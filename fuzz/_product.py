@@ -32,6 +32,8 @@ class Product:
     bucket_class: type = trioserve.actors.TokenBucket
     cache_class: type = trioserve.actors.Cache
     cache_actor_class: type = trioserve.actors.CacheActor
+    rollout_class: type = trioserve.actors.Rollout
+    rollout_controller_class: type = trioserve.actors.RolloutController
 
 
 PRODUCT = Product()

@@ -1,0 +1,503 @@
+"""Suite ``rollout``: versions with weights of their own, a canary's split, steps,
+promotion and rollback, and a shadow, through ``open_runtime`` under MockClock.
+
+A scenario (fuzz/_rollout_scenario.py) serves model ``m``: version 1 on the model's
+backend (stable), 2 and 3 on their own (the canary and the shadow); each answers
+``[x, its version]`` (the shadow answers stable's ``[x, 1]`` for an even ``x``, so
+some copies match and some do not), raises on its ``bad`` inputs, and takes its
+latency per batch in trio time. Callers arrive at random times with unversioned or
+versioned ``infer`` / ``infer_batch`` calls.
+
+The checks, against a reference of the documented rules (docs/rollout.md) kept
+beside the product's :class:`Rollout`, fed what the runtime feeds it:
+
+- ``split``: each unversioned request is routed by the counter rule exactly (the
+  n-th of a step goes to the canary iff floor(n × share) > floor((n − 1) × share),
+  the share the step's), to the target once the rollout is final, and its answer
+  comes from that version; a versioned request's from the version it named.
+- ``rollout``: the events follow the steps (a step ends, or the canary is promoted,
+  only once it lasted ``step_s`` and the canary answered ``min_requests`` in it, and
+  then at once), a rollback for errors only past the error rule and then at once, one
+  for latency only with both versions' ``min_requests``; the shares are the steps';
+  promoted and rolled back stay final; each routed request's outcome is recorded
+  once, for its version (an error for each item of a failed part), and nothing else.
+- ``shadow``: a copy of a share (the counter rule) of stable's answers goes to the
+  shadow, never more waiting than ``shadow_queue``; every copy sent is counted once
+  (match, mismatch, error or dropped), exactly as the shadow's answers say when none
+  was dropped; a copy never reaches a caller nor counts as one.
+- ``lost`` / ``outcome``: every caller returns once, with a result exactly when no
+  item of it is bad on its version, else ``ModelError``; ``leak``: no task outlives
+  the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from fractions import Fraction
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+import trio.testing
+import trioserve
+import trioserve.actors
+from hypothesis.internal.entropy import deterministic_PRNG
+from trioserve import ModelBackend, ModelError, TensorSpec
+
+from ._checker import InvariantViolation
+from ._product import PRODUCT, Product
+from ._rollout_scenario import HORIZON_S, TICK, RCall, RolloutScenario
+from ._rollout_scenario import rollout_scenarios as rollout_scenarios
+from ._runtime import _tasks
+from ._stats import count_example, expect, note
+
+X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
+Y = TensorSpec(name="y", datatype="FP64", shape=(-1,))
+STABLE, CANARY, SHADOW = "1", "2", "3"
+
+expect("rollout", "step", "promoted", "rolled_back", "routed to canary",
+       "shadow match", "shadow dropped")
+
+
+class VersionModel(ModelBackend):
+    """One version's weights: ``[x, version]`` per item (the shadow: ``[x, 1]`` for an
+    even ``x``); a batch holding a ``bad`` input raises. Runs inline; ``latency``
+    (ticks per batch) is taken by the simulated device."""
+
+    inputs = (X,)
+    outputs = (Y,)
+    default_execution = "inline"
+
+    def __init__(self, version: int, bad: tuple[int, ...], latency: int) -> None:
+        self.version = version
+        self.bad = frozenset(bad)
+        self.latency = latency
+
+    def load(self, device: str, *, torch_threads: int = 1) -> Any:
+        def forward(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+            xs = [int(it["x"][0]) for it in items]
+            hit = [x for x in xs if x in self.bad]
+            if hit:
+                raise ValueError(f"planted error of version {self.version} on input {hit[0]}")
+            return [{"y": np.array([x, self._tag(x)], dtype=np.float64)} for x in xs]
+
+        return forward
+
+    def _tag(self, x: int) -> int:
+        if self.version == 3 and x % 2 == 0:
+            return 1
+        return self.version
+
+
+def device_class(base: type) -> type:
+    """The product's batcher on a simulated device: a batch first takes its version's
+    latency in trio time."""
+
+    class SimulatedDevice(base):  # type: ignore[misc, valid-type]
+        async def _execute(self, batch: list[Any]) -> None:
+            latency = getattr(self._backend, "latency", 0)
+            if latency:
+                await trio.sleep(latency * TICK)
+            await super()._execute(batch)
+
+    return SimulatedDevice
+
+
+# ---------------------------------------------------------------- observing the rollout
+@attrs.define(eq=False)
+class RolloutRun:
+    """What happened, and the reference of the rules kept beside the product."""
+
+    scenario: RolloutScenario
+    product: Product = PRODUCT
+    t0: float = 0.0
+    violations: list[tuple[str, str]] = attrs.Factory(list)
+    #: caller's task -> its call's number
+    task_call: dict[Any, int] = attrs.Factory(dict)
+    #: call number -> the versions its items were routed to, in order
+    routed: dict[int, list[str]] = attrs.Factory(dict)
+    #: call number -> its outcome: ("result", values) or ("error", exc)
+    outcomes: dict[int, tuple[str, Any]] = attrs.Factory(dict)
+    #: (version, ok) -> how many outcomes the runtime recorded
+    recorded: dict[tuple[str, bool], int] = attrs.Factory(dict)
+    # the reference
+    ref_state: str = "stable"
+    ref_step: int = 0
+    ref_started: float = 0.0
+    ref_routed: int = 0
+    ref_counts: dict[str, list[int]] = attrs.Factory(dict)
+    shadow_seen: int = 0
+    shadow_sent: list[int] = attrs.Factory(list)  # the input of each copy sent
+
+    def at(self, t: float) -> str:
+        return f"tick {(t - self.t0) / TICK:g}"
+
+    def fail(self, invariant: str, text: str) -> None:
+        self.violations.append((invariant, text))
+
+    # ------------------------------------------------------------ the reference
+    def begin(self, now: float) -> None:
+        sc = self.scenario
+        self.ref_state = "canary" if sc.canary else "stable"
+        self.ref_started = now
+        self.ref_counts = {STABLE: [0, 0], CANARY: [0, 0]}
+
+    def share(self) -> Fraction:
+        if self.ref_state == "canary":
+            return Fraction(repr(self.scenario.steps[self.ref_step]))
+        return Fraction(1) if self.ref_state == "promoted" else Fraction(0)
+
+    def expected_route(self) -> str:
+        if self.ref_state == "promoted":
+            return CANARY
+        if self.ref_state != "canary":
+            return STABLE
+        self.ref_routed += 1
+        n, s = self.ref_routed, self.share()
+        return CANARY if math.floor(n * s) > math.floor((n - 1) * s) else STABLE
+
+    def _breach(self) -> bool:
+        sc = self.scenario
+        ok, errors = self.ref_counts[CANARY]
+        return errors > sc.max_error_rate * max(ok + errors, sc.min_requests)
+
+    def _ending(self, now: float) -> bool:
+        sc = self.scenario
+        return (now - self.ref_started >= sc.step_s * TICK
+                and sum(self.ref_counts[CANARY]) >= sc.min_requests)
+
+    def on_record(self, version: str, ok: bool) -> None:
+        key = (version, ok)
+        self.recorded[key] = self.recorded.get(key, 0) + 1
+        if self.ref_state == "canary" and version in self.ref_counts:
+            self.ref_counts[version][0 if ok else 1] += 1
+
+    def on_events(self, events: list[Any]) -> None:
+        sc = self.scenario
+        for e in events:
+            now = e.at
+            note("rollout", e.kind)
+            what = (f"at {self.at(now)} the rollout's event {e.kind} (step {e.step}, share "
+                    f"{e.share:g}, reason {e.reason!r})")
+            if self.ref_state != "canary":
+                self.fail("rollout", f"{what}, but it was {self.ref_state}: final")
+                continue
+            c_ok, c_err = self.ref_counts[CANARY]
+            figures = (f"step {self.ref_step} began at {self.at(self.ref_started)}, the "
+                       f"canary answered {c_ok} ok and {c_err} errors in it, stable "
+                       f"{self.ref_counts[STABLE]}; step_s {sc.step_s} ticks, min_requests "
+                       f"{sc.min_requests}, max_error_rate {sc.max_error_rate:g}")
+            if e.kind in ("step", "promoted"):
+                if not self._ending(now) or self._breach():
+                    self.fail("rollout", f"{what}: {figures}")
+                last = self.ref_step + 1 >= len(sc.steps)
+                if (e.kind == "promoted") != last:
+                    self.fail("rollout", f"{what} at step {self.ref_step} of "
+                              f"{len(sc.steps)}")
+                if e.kind == "promoted":
+                    self.ref_state = "promoted"
+                    if e.share != 1.0:
+                        self.fail("rollout", f"{what}: a promoted canary's share is 1")
+                    continue
+                self.ref_step += 1
+                self.ref_started = now
+                self.ref_routed = 0
+                self.ref_counts = {STABLE: [0, 0], CANARY: [0, 0]}
+                if e.step != self.ref_step or e.share != float(self.share()):
+                    self.fail("rollout", f"{what}: expected step {self.ref_step} at share "
+                              f"{sc.steps[self.ref_step]:g} (steps {sc.steps})")
+            elif e.kind == "rolled_back":
+                reason = e.reason or ""
+                if reason.startswith("error rate"):
+                    if not self._breach():
+                        self.fail("rollout", f"{what}: the error rule holds ({figures})")
+                elif reason.startswith("latency"):
+                    if min(sum(self.ref_counts[v]) for v in (STABLE, CANARY)) < sc.min_requests:
+                        self.fail("rollout", f"{what}: a version has fewer than "
+                                  f"min_requests answers ({figures})")
+                else:
+                    self.fail("rollout", f"{what}: no known reason")
+                self.ref_state = "rolled_back"
+                if e.share != 0.0:
+                    self.fail("rollout", f"{what}: a rolled-back canary's share is 0")
+            else:
+                self.fail("rollout", f"{what}: unknown event")
+
+    def after_change(self, rollout: Any, now: float) -> None:
+        """After the runtime fed the rollout: nothing due is left undone, and the
+        product's state is the reference's."""
+        if self.ref_state == "canary":
+            if self._breach():
+                self.fail("rollout", f"at {self.at(now)} the canary's errors "
+                          f"{self.ref_counts[CANARY]} (ok, errors) in step {self.ref_step} "
+                          f"are past max_error_rate {self.scenario.max_error_rate:g} "
+                          "(min_requests " f"{self.scenario.min_requests}), still on trial")
+            elif self._ending(now):
+                self.fail("rollout", f"at {self.at(now)} step {self.ref_step} (began at "
+                          f"{self.at(self.ref_started)}) lasted step_s and the canary "
+                          f"answered {sum(self.ref_counts[CANARY])} in it, still on trial")
+        self.compare(rollout, now)
+
+    def compare(self, rollout: Any, now: float) -> None:
+        state = rollout.state.value
+        if state != self.ref_state or (state == "canary" and rollout.step != self.ref_step) \
+                or rollout.share != float(self.share()):
+            self.fail("rollout", f"at {self.at(now)} the rollout is {state} at step "
+                      f"{rollout.step}, share {rollout.share:g}; the reference "
+                      f"{self.ref_state} at step {self.ref_step}, share "
+                      f"{float(self.share()):g}")
+
+
+def controller_class(base: type, run: RolloutRun) -> type:
+    """The product's RolloutController, reporting to ``run``."""
+
+    class Observed(base):  # type: ignore[misc, valid-type]
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            run.begin(trio.current_time())
+
+        def route(self) -> str:
+            now = trio.current_time()
+            call = run.task_call.get(trio.lowlevel.current_task())
+            version = super().route()
+            expected = run.expected_route()
+            if call is None:
+                run.fail("split", f"at {run.at(now)} a request outside a caller was routed")
+            else:
+                run.routed.setdefault(call, []).append(version)
+                note("rollout", f"routed to {'canary' if version == CANARY else 'stable'}")
+            if version != expected:
+                run.fail("split", f"at {run.at(now)} call #{call}'s item was routed to "
+                         f"version {version}, the counter rule says {expected} ({run.ref_state}"
+                         f", step {run.ref_step} at share {float(run.share()):g}, request "
+                         f"{run.ref_routed} of the step)")
+            return version
+
+        def record(self, version: str, ok: bool, latency: float) -> None:
+            run.on_record(version, ok)
+            super().record(version, ok, latency)
+            run.after_change(self.rollout, trio.current_time())
+
+        def _apply(self, events: list[Any]) -> None:
+            run.on_events(events)
+            super()._apply(events)
+
+        def shadow_copy(self, version: str, inputs: Any, result: Any, tenant: str) -> None:
+            if self.shadow is not None and version == self.rollout.stable:
+                run.shadow_seen += 1
+                share = Fraction(repr(run.scenario.shadow_share))
+                if math.floor(run.shadow_seen * share) > len(run.shadow_sent):
+                    run.shadow_sent.append(int(np.asarray(inputs["x"])[0]))
+            super().shadow_copy(version, inputs, result, tenant)
+            used = self._send.statistics().current_buffer_used
+            if used > run.scenario.shadow_queue:
+                run.fail("shadow", f"at {run.at(trio.current_time())} {used} copies wait "
+                         f"for the shadow, over shadow_queue {run.scenario.shadow_queue}")
+
+    return Observed
+
+
+# ---------------------------------------------------------------- playing
+def config_of(sc: RolloutScenario) -> trioserve.Config:
+    rollout: dict[str, Any] = {
+        "stable": STABLE,
+        "steps": list(sc.steps),
+        "step_s": sc.step_s * TICK,
+        "min_requests": sc.min_requests,
+        "max_error_rate": sc.max_error_rate,
+        "max_latency_ratio": sc.max_latency_ratio,
+    }
+    if sc.canary:
+        rollout["canary"] = CANARY
+    if sc.shadow:
+        rollout.update(shadow=SHADOW, shadow_share=sc.shadow_share,
+                       shadow_queue=sc.shadow_queue)
+    model = trioserve.ModelConfig(
+        name="m",
+        backend=VersionModel(1, (), sc.latency[0]),
+        versions={
+            STABLE: {},
+            CANARY: {"backend": VersionModel(2, sc.bad, sc.latency[1])},
+            SHADOW: {"backend": VersionModel(3, sc.shadow_bad, sc.latency[2])},
+        },
+        rollout=rollout,
+        max_batch_size=sc.max_batch_size,
+        max_wait_ms=0,
+        timeout_ms=None,
+        execution="inline",
+        adaptive_limit=False,
+    )
+    return trioserve.Config(
+        models=(model,),
+        tenants=(trioserve.TenantConfig(name="t", default=True),),
+        runtime=trioserve.RuntimeLimits(queue_bound=256, graceful_timeout_s=1.0),
+    )
+
+
+@contextlib.contextmanager
+def product_installed(run: RolloutRun) -> Iterator[None]:
+    """open_runtime builds its batchers and the rollout's classes from
+    ``trioserve.actors``: point those names at the simulated and observed ones."""
+    actors = trioserve.actors
+    saved = actors.BatcherActor, actors.Rollout, actors.RolloutController
+    actors.BatcherActor = device_class(run.product.batcher_class)
+    actors.Rollout = run.product.rollout_class
+    actors.RolloutController = controller_class(run.product.rollout_controller_class, run)
+    try:
+        yield
+    finally:
+        actors.BatcherActor, actors.Rollout, actors.RolloutController = saved
+
+
+def _x(x: int) -> dict[str, np.ndarray]:
+    return {"x": np.array([float(x)])}
+
+
+async def _play(run: RolloutRun) -> None:
+    sc = run.scenario
+    before = {id(t) for t in _tasks()}
+
+    async def caller(i: int, call: RCall, rt: trioserve.Runtime) -> None:
+        await trio.sleep_until(run.t0 + call.at * TICK)
+        run.task_call[trio.lowlevel.current_task()] = i
+        try:
+            if call.batch or len(call.xs) > 1:
+                values = await rt.infer_batch("m", [_x(x) for x in call.xs],
+                                              version=call.version)
+            else:
+                values = [await rt.infer("m", _x(call.xs[0]), version=call.version)]
+            outcome: tuple[str, Any] = ("result", values)
+        except Exception as exc:
+            outcome = ("error", exc)
+        if i in run.outcomes:
+            run.fail("duplicated", f"call #{i} returned twice")
+        run.outcomes[i] = outcome
+
+    async with trio.open_nursery() as callers:
+        with product_installed(run):
+            async with trioserve.open_runtime(config_of(sc)) as rt:
+                run.t0 = trio.current_time()
+                for i, call in enumerate(sc.calls):
+                    callers.start_soon(caller, i, call, rt)
+                last = max([c.at for c in sc.calls] + [0])
+                # long enough for every caller, the shadow's copies and the steps' ends
+                await trio.sleep_until(run.t0 + last * TICK + HORIZON_S)
+                _check_end(run, rt)
+            callers.cancel_scope.cancel("fuzz: the run is over")
+    leaked = [t for t in _tasks() if id(t) not in before]
+    if leaked:
+        run.fail("leak", f"{len(leaked)} task(s) outlived the runtime: "
+                 + ", ".join(sorted(t.name for t in leaked)))
+
+
+def _check_end(run: RolloutRun, rt: trioserve.Runtime) -> None:
+    sc = run.scenario
+    now = trio.current_time()
+    controller = rt._families["m"].controller
+    run.after_change(controller.rollout, now)
+    stats = rt.statistics()["m"]["rollout"]
+    if stats["state"] != run.ref_state or stats["share"] != float(run.share()):
+        run.fail("rollout", f"at the end statistics say {stats['state']} at share "
+                 f"{stats['share']:g}; the reference {run.ref_state} at "
+                 f"{float(run.share()):g}")
+    expected: dict[tuple[str, bool], int] = {}
+    for i, call in enumerate(sc.calls):
+        _check_call(run, i, call, expected)
+    recorded = {k: v for k, v in run.recorded.items() if v}
+    if recorded != expected:
+        run.fail("rollout", f"the outcomes recorded for the rollout, (version, ok) -> n: "
+                 f"{dict(sorted(recorded.items()))}; the callers' routed items say "
+                 f"{dict(sorted(expected.items()))}")
+    if sc.shadow:
+        got = controller.shadow_results
+        ran = {k: got[k] for k in ("match", "mismatch", "error", "dropped")}
+        note("rollout", "shadow match", ran["match"])
+        note("rollout", "shadow dropped", ran["dropped"])
+        sent = run.shadow_sent
+        if sum(ran.values()) != len(sent):
+            run.fail("shadow", f"{len(sent)} copies sent to the shadow (share "
+                     f"{sc.shadow_share:g} of {run.shadow_seen} stable answers), counted "
+                     f"{ran}")
+        elif not ran["dropped"]:
+            want = {
+                "match": sum(1 for x in sent if x not in sc.shadow_bad and x % 2 == 0),
+                "mismatch": sum(1 for x in sent if x not in sc.shadow_bad and x % 2),
+                "error": sum(1 for x in sent if x in sc.shadow_bad),
+                "dropped": 0,
+            }
+            if ran != want:
+                run.fail("shadow", f"the shadow's copies of inputs {sent} counted {ran}, "
+                         f"its answers say {want}")
+
+
+def _check_call(run: RolloutRun, i: int, call: RCall,
+                expected: dict[tuple[str, bool], int]) -> None:
+    sc = run.scenario
+    what = f"call #{i} (at tick {call.at}, inputs {list(call.xs)}, version {call.version})"
+    outcome = run.outcomes.get(i)
+    if outcome is None:
+        run.fail("lost", f"{what} never got an answer ({HORIZON_S:g} s of trio time after "
+                 "the last arrival)")
+        return
+    routed = run.routed.get(i, [])
+    if call.version is not None:
+        if routed:
+            run.fail("split", f"{what} named its version, but was routed to {routed}")
+        versions = [call.version] * len(call.xs)
+    else:
+        if len(routed) != len(call.xs):
+            run.fail("split", f"{what}: its {len(call.xs)} item(s) routed {len(routed)} "
+                     f"time(s): {routed}")
+            return
+        versions = routed
+        parts: dict[str, list[int]] = {}
+        for x, v in zip(call.xs, versions, strict=True):
+            parts.setdefault(v, []).append(x)
+        for v, xs in parts.items():
+            ok = not any(_bad(sc, v, x) for x in xs)
+            expected[v, ok] = expected.get((v, ok), 0) + len(xs)
+    should_fail = any(_bad(sc, v, x) for x, v in zip(call.xs, versions, strict=True))
+    kind, value = outcome
+    if kind == "error":
+        if not should_fail or not isinstance(value, ModelError):
+            run.fail("outcome", f"{what}, routed to {versions}, raised {value!r}")
+        return
+    if should_fail:
+        run.fail("outcome", f"{what}, routed to {versions}, was answered {value}: an item "
+                 "of it is bad on its version")
+        return
+    got = [(int(v["y"][0]), str(int(v["y"][1]))) for v in value]
+    want = [(x, _tag(v, x)) for x, v in zip(call.xs, versions, strict=True)]
+    if got != want:
+        run.fail("split", f"{what} was answered (input, version) {got}; it was routed to "
+                 f"{want}")
+
+
+def _tag(version: str, x: int) -> str:
+    """The version an answer of ``version`` to input ``x`` names (the shadow names
+    stable's for an even input, so that its copy matches)."""
+    return STABLE if version == SHADOW and x % 2 == 0 else version
+
+
+def _bad(sc: RolloutScenario, version: str, x: int) -> bool:
+    if version == CANARY:
+        return x in sc.bad
+    if version == SHADOW:
+        return x in sc.shadow_bad
+    return False
+
+
+def run_rollout_scenario(scenario: RolloutScenario, product: Product = PRODUCT) -> None:
+    """Play ``scenario`` against ``product``; raise InvariantViolation on the first
+    broken invariant."""
+    count_example("rollout")
+    run = RolloutRun(scenario=scenario, product=product)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    with deterministic_PRNG(0):
+        trio.run(_play, run, clock=clock)
+    if run.violations:
+        invariant, text = run.violations[0]
+        raise InvariantViolation(invariant, text)

@@ -1,0 +1,109 @@
+"""The rollout suite's scenarios: a model with three versions (1: the model's backend,
+the stable one; 2: weights of its own, the canary; 3: weights of its own, the shadow),
+a rollout's rules, the inputs each version fails on, per-version latencies, and the
+callers (:class:`RCall`), their times in ticks. :func:`rollout_scenarios` draws one;
+``fuzz/_rollout.py`` plays it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from hypothesis import strategies as st
+
+#: One tick of scenario time: a power of two, so every sum of ticks is exact.
+TICK = 2.0**-10
+#: How long after the last arrival a caller may take before it counts as lost.
+HORIZON_S = 3600.0
+#: The inputs callers send: 0 .. INPUTS - 1.
+INPUTS = 8
+
+
+@attrs.frozen(kw_only=True)
+class RCall:
+    """A caller arriving at ``at`` (ticks) with the inputs ``xs``: ``infer`` of one
+    (``batch`` False and one input) or ``infer_batch``; ``version`` names a version,
+    or None for an unversioned request the rollout routes."""
+
+    at: int = 0
+    xs: tuple[int, ...] = (0,)
+    batch: bool = False
+    version: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RolloutScenario:
+    """``canary``: version 2 on trial (else no canary: state stable); ``shadow``:
+    version 3 gets copies of stable's answers. ``step_s`` in ticks. ``latency``: each
+    version's time per batch (ticks). ``bad``: the inputs the canary raises on,
+    ``shadow_bad`` those the shadow raises on."""
+
+    canary: bool = True
+    shadow: bool = False
+    steps: tuple[float, ...] = (0.5,)
+    step_s: int = 4
+    min_requests: int = 2
+    max_error_rate: float = 0.25
+    max_latency_ratio: float = 100.0
+    shadow_share: float = 1.0
+    shadow_queue: int = 2
+    max_batch_size: int = 2
+    latency: tuple[int, int, int] = (0, 0, 0)
+    bad: tuple[int, ...] = ()
+    shadow_bad: tuple[int, ...] = ()
+    calls: tuple[RCall, ...] = ()
+
+
+# ---------------------------------------------------------------- strategies
+# Built once, never inside a draw (a fresh strategy object is validated again on its
+# first draw).
+_GAP = st.sampled_from([0, 0, 0, 1, 1, 2, 3, 4, 8])
+_X = st.integers(0, INPUTS - 1)
+_XS = st.tuples(_X) | st.lists(_X, min_size=1, max_size=4).map(tuple)
+_VERSION = st.sampled_from([None, None, None, None, None, None, "1", "2", "3"])
+_CALL = st.builds(RCall, at=_GAP, xs=_XS, batch=st.sampled_from([False, False, True]),
+                  version=_VERSION)
+_CALLS = st.lists(_CALL, min_size=5, max_size=40)
+_STEPS = st.sampled_from(
+    [(0.5,), (0.25, 0.5), (0.2, 0.5, 1.0), (0.1, 0.3, 0.6), (1.0,), (0.05, 0.75)]
+)
+_STEP_S = st.sampled_from([1, 2, 4, 8, 16])
+_MIN_REQUESTS = st.sampled_from([1, 1, 2, 3, 5])
+_ERROR_RATE = st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0])
+_LATENCY_RATIO = st.sampled_from([1.5, 2.0, 100.0, 100.0])
+_SHADOW_SHARE = st.sampled_from([1.0, 1.0, 0.5, 0.3])
+_LATENCY = st.sampled_from([0, 0, 1, 2, 4, 8])
+_BAD = st.sampled_from([(), (), (), (7,), (3, 7), (0, 1, 2, 3)])
+_SHADOW_BAD = st.sampled_from([(), (), (5,)])
+
+
+@st.composite
+def rollout_scenarios(draw: st.DrawFn) -> RolloutScenario:
+    calls = draw(_CALLS)
+    at, timed = 0, []
+    for c in calls:  # times accumulate the gaps
+        at += c.at
+        timed.append(attrs.evolve(c, at=at))
+    shadow = draw(st.booleans())
+    kw: dict[str, Any] = {}
+    if shadow:
+        kw = {
+            "shadow_share": draw(_SHADOW_SHARE),
+            "shadow_queue": draw(st.integers(1, 3)),
+            "shadow_bad": draw(_SHADOW_BAD),
+        }
+    return RolloutScenario(
+        canary=draw(st.sampled_from([True, True, True, False])),
+        shadow=shadow,
+        steps=draw(_STEPS),
+        step_s=draw(_STEP_S),
+        min_requests=draw(_MIN_REQUESTS),
+        max_error_rate=draw(_ERROR_RATE),
+        max_latency_ratio=draw(_LATENCY_RATIO),
+        max_batch_size=draw(st.integers(1, 3)),
+        latency=(draw(_LATENCY), draw(_LATENCY), draw(_LATENCY)),
+        bad=draw(_BAD),
+        calls=tuple(timed),
+        **kw,
+    )
