@@ -15,6 +15,10 @@ from ._cache_scenario import ModelRule as ModelRule
 from ._checker import INVARIANTS as INVARIANTS
 from ._checker import InvariantViolation as InvariantViolation
 from ._checker import QueueObserver as QueueObserver
+from ._control import CCall as CCall
+from ._control import ControlScenario as ControlScenario
+from ._control import Op as Op
+from ._control import run_control_scenario as run_control_scenario
 from ._harness import SUITES as SUITES
 from ._harness import Profile as Profile
 from ._harness import run_chunk as run_chunk

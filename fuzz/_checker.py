@@ -42,6 +42,9 @@ INVARIANTS: dict[str, str] = {
     "routes it to, and is answered by it; a versioned one by the version it names",
     "rollout": "a rollout's steps, promotion and rollback follow its rules at once, its "
     "shares are its steps', final states stay final, each routed outcome recorded once",
+    "control": "under explicit model control, a request runs on the copy that admitted "
+    "it, the model's states follow the lifecycle and the ops in the order asked, and "
+    "nothing of the model runs once an unload ends",
     "shadow": "a shadow gets a share of stable's answers, never more waiting than its "
     "bound, each copy counted once, none reaching or counting as a caller",
     "lost": "every admitted request is answered exactly once unless its caller cancelled it",

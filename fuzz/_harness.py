@@ -24,7 +24,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.stateful import get_state_machine_test
 from hypothesis.vendor.pretty import pretty
 
-from . import _admission, _cache, _queue, _rollout, _runtime
+from . import _admission, _cache, _control, _queue, _rollout, _runtime
 from ._product import PRODUCT, Product
 from ._stats import EXAMPLES
 
@@ -107,6 +107,19 @@ def _build_rollout(product: Product, s: settings, box: dict[str, Any]) -> Callab
     return test_rollout
 
 
+def _build_control(product: Product, s: settings, box: dict[str, Any]) -> Callable[[], None]:
+    @s
+    @given(scenario=_control.control_scenarios())
+    def test_control(scenario: _control.ControlScenario) -> None:
+        try:
+            _control.run_control_scenario(scenario, product)
+        except BaseException:
+            box["example"] = scenario  # the last failing one is the shrunk one
+            raise
+
+    return test_control
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -163,6 +176,17 @@ SUITES: dict[str, Suite] = {
             repro_imports="from fuzz import RCall, RolloutScenario, run_rollout_scenario",
             stateful=False,
             repro_call="run_rollout_scenario",
+        ),
+        Suite(
+            name="control",
+            summary="explicit model control through open_runtime: load, unload and "
+            "reload storms with traffic",
+            build=_build_control,
+            ci_examples=60,
+            chunk_examples=40,
+            repro_imports="from fuzz import CCall, ControlScenario, Op, run_control_scenario",
+            stateful=False,
+            repro_call="run_control_scenario",
         ),
     )
 }

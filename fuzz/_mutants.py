@@ -10,6 +10,7 @@ from fractions import Fraction
 from typing import Any
 
 import attrs
+import trioserve._control
 import trioserve.actors
 from trioserve import Overloaded, Request
 from trioserve.actors import SHARED_NAMESPACE, cache_key
@@ -25,6 +26,7 @@ Runtime = trioserve.Runtime
 Cache = trioserve.actors.Cache
 CacheActor = trioserve.actors.CacheActor
 Rollout = trioserve.actors.Rollout
+ModelControl = trioserve._control.ModelControl
 RolloutController = trioserve.actors.RolloutController
 
 
@@ -368,6 +370,24 @@ class ShadowQueuePastItsBound(RolloutController):
         super().__init__(shadow_queue=shadow_queue + 2, **kw)
 
 
+class UnloadsBeforeTheReplacedCopyDrained(ModelControl):
+    """An unload waits for the copy it unloads, not for one an earlier reload
+    replaced that is still draining."""
+
+    async def _unload(self, entry: Any, op: Any, turn: Any) -> None:
+        entry.replaced.clear()
+        await super()._unload(entry, op, turn)
+
+
+class HandOverDropsTheQueued(SchedulerActor):
+    """A hand-over (reload, unload) drops the batch queued at the swap: taken from
+    the queue, never run nor answered."""
+
+    def hand_over(self, successor: Any) -> None:
+        super().hand_over(successor)
+        self.policy.next_batch(math.inf)
+
+
 #: name -> (what it breaks, the broken product, the suites that can see it)
 MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "drop-request": (
@@ -541,5 +561,21 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
             PRODUCT, name="shadow-past-its-bound", rollout_controller_class=ShadowQueuePastItsBound
         ),
         ("rollout",),
+    ),
+    # The control suite's own.
+    "unload-before-drained": (
+        "an unload returns before a copy an earlier reload replaced has drained",
+        attrs.evolve(
+            PRODUCT, name="unload-before-drained",
+            control_class=UnloadsBeforeTheReplacedCopyDrained,
+        ),
+        ("control",),
+    ),
+    "hand-over-drops-queued": (
+        "a hand-over drops the batch queued at the swap",
+        attrs.evolve(
+            PRODUCT, name="hand-over-drops-queued", scheduler_class=HandOverDropsTheQueued
+        ),
+        ("control",),
     ),
 }

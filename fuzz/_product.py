@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 import trioserve
+import trioserve._control
 import trioserve.actors
 from trioserve import Overloaded, Request, RequestState
 
@@ -34,6 +35,7 @@ class Product:
     cache_actor_class: type = trioserve.actors.CacheActor
     rollout_class: type = trioserve.actors.Rollout
     rollout_controller_class: type = trioserve.actors.RolloutController
+    control_class: type = trioserve._control.ModelControl
 
 
 PRODUCT = Product()

@@ -1,0 +1,381 @@
+"""Suite ``control``: explicit model control (docs/model-control.md), random load /
+unload / reload storms interleaved with traffic, through ``open_runtime`` under
+MockClock.
+
+A scenario serves model ``m`` (``server.model_control = "explicit"``, loaded at start
+or not, one or two replicas, a latency per batch) to callers arriving at random times
+(``infer`` / ``infer_batch``, each item a distinct input the model echoes), while
+``load_model`` and ``unload_model`` are asked at random times (a load of a loaded
+model is a reload). The checks:
+
+- ``lost`` / ``outcome`` / ``misrouted``: every call returns once, with its own inputs
+  echoed, or ``UnknownModel`` (not loaded) exactly when the model was not loaded when
+  it arrived; nothing else (no ``ActorClosed`` from a copy gone).
+- ``control``: each request runs on a replica of the copy (the queue) that admitted
+  it, which the request looked up or was handed to; the model's state moves are a
+  legal lifecycle path, and exactly the moves of the loads and unloads in the order
+  asked (two loads asked while one is under way share it, and two unloads); when an
+  unload ends (``unloaded``), no replica of the model is left running, of the copy
+  unloaded nor of one an earlier reload replaced.
+- ``leak``: no task outlives the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+import trio.testing
+import trioserve
+import trioserve._control as _control_module
+import trioserve.actors
+from hypothesis import strategies as st
+from hypothesis.internal.entropy import deterministic_PRNG
+from trioserve import ModelBackend, TensorSpec, UnknownModel
+
+from ._checker import InvariantViolation
+from ._product import PRODUCT, Product
+from ._runtime import _tasks
+from ._stats import count_example, expect, note
+
+TICK = 2.0**-10
+HORIZON_S = 3600.0
+X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
+
+expect("control", "reload", "load", "unload", "not loaded", "handed over")
+
+
+# ---------------------------------------------------------------- the script
+@attrs.frozen(kw_only=True)
+class CCall:
+    """A caller at ``at`` (ticks) with ``n`` items (``infer`` for one)."""
+
+    at: int = 0
+    n: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class Op:
+    """``load_model`` (``load`` True) or ``unload_model`` asked at ``at`` (ticks)."""
+
+    at: int = 0
+    load: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class ControlScenario:
+    load_at_start: bool = True
+    replicas: int = 1
+    max_batch_size: int = 2
+    latency: int = 1  # ticks per batch
+    calls: tuple[CCall, ...] = ()
+    ops: tuple[Op, ...] = ()
+
+
+_GAP = st.sampled_from([0, 0, 1, 1, 2, 3, 4, 8])
+_EVENTS = st.lists(
+    st.builds(CCall, at=_GAP, n=st.sampled_from([1, 1, 1, 2, 3]))
+    | st.builds(CCall, at=_GAP, n=st.sampled_from([1, 1, 2]))
+    | st.builds(Op, at=_GAP, load=st.booleans()),
+    min_size=4, max_size=30,
+)
+
+
+@st.composite
+def control_scenarios(draw: st.DrawFn) -> ControlScenario:
+    at, calls, ops = 0, [], []
+    for e in draw(_EVENTS):
+        at += e.at
+        (calls if isinstance(e, CCall) else ops).append(attrs.evolve(e, at=at))
+    return ControlScenario(
+        load_at_start=draw(st.booleans()),
+        replicas=draw(st.integers(1, 2)),
+        max_batch_size=draw(st.integers(1, 3)),
+        latency=draw(st.sampled_from([0, 1, 2, 4])),
+        calls=tuple(calls),
+        ops=tuple(ops),
+    )
+
+
+# ---------------------------------------------------------------- the model and observers
+class Echo(ModelBackend):
+    inputs = (X,)
+    outputs = (X,)
+    default_execution = "inline"
+
+    def load(self, device: str, *, torch_threads: int = 1) -> Any:
+        return lambda items: [{"x": it["x"]} for it in items]
+
+
+#: the lifecycle of docs/model-control.md: state -> the states it may move to
+LIFECYCLE = {
+    "UNAVAILABLE": {"LOADING"},
+    "LOADING": {"READY", "UNAVAILABLE"},
+    "READY": {"LOADING", "UNLOADING"},
+    "UNLOADING": {"UNAVAILABLE"},
+}
+
+
+@attrs.define(eq=False)
+class ControlRun:
+    scenario: ControlScenario
+    product: Product = PRODUCT
+    t0: float = 0.0
+    violations: list[tuple[str, str]] = attrs.Factory(list)
+    #: input -> the scheduler that admitted it
+    admitted: dict[int, Any] = attrs.Factory(dict)
+    #: call number -> (loaded when it arrived, outcome)
+    outcomes: dict[int, tuple[bool, Any]] = attrs.Factory(dict)
+    batchers_running: int = 0
+    moves: list[tuple[str, str]] = attrs.Factory(list)  # (state, reason), as moved
+    # the reference of the ops: each op asked (not shared) and its expected moves
+    state: str = "UNAVAILABLE"
+    loaded: bool = False
+    pending: list[list[str]] = attrs.Factory(list)  # per op: the moves still due
+    last_kind: str | None = None  # of the last op asked, while it is pending
+
+    def at(self, t: float | None = None) -> str:
+        now = trio.current_time() if t is None else t
+        return f"tick {(now - self.t0) / TICK:g}"
+
+    def fail(self, invariant: str, text: str) -> None:
+        self.violations.append((invariant, text))
+
+    def asked(self, load: bool) -> None:
+        kind = "load" if load else "unload"
+        if self.pending and self.last_kind == kind:
+            return  # shares the one under way
+        self.last_kind = kind
+        self.pending.append([kind])  # its moves are found when its turn comes
+
+    def moved(self, state: str, reason: str) -> None:
+        self.moves.append((state, reason))
+        if state not in LIFECYCLE[self.state]:
+            self.fail("control", f"at {self.at()} the model moved from {self.state} to "
+                      f"{state} ({reason!r}): not a move of the lifecycle")
+        # the op whose turn it is: skip unloads of a model not loaded (no moves)
+        while self.pending and self.pending[0] == ["unload"] and not self.loaded:
+            self._done()
+        if not self.pending:
+            self.fail("control", f"at {self.at()} the model moved to {state} ({reason!r}) "
+                      "with no load or unload asked")
+        else:
+            head = self.pending[0]
+            if len(head) == 1:  # its first move
+                kind = head[0]
+                head[:] = (["", "LOADING", "READY"] if kind == "load"
+                           else ["", "UNLOADING", "UNAVAILABLE"])
+                if kind == "load":
+                    note("control", "reload" if self.loaded else "load")
+                else:
+                    note("control", "unload")
+            if head[1] != state:
+                self.fail("control", f"at {self.at()} the model moved to {state} "
+                          f"({reason!r}); the ops asked, in order, say {head[1]} next "
+                          f"(moves so far {self.moves})")
+            del head[1]
+            if len(head) == 1:
+                self.loaded = state == "READY"
+                self._done()
+        self.state = state
+        if state == "UNAVAILABLE" and reason == "unloaded" and self.batchers_running:
+            self.fail("control", f"at {self.at()} the unload ended with "
+                      f"{self.batchers_running} replica(s) of the model still running")
+
+    def _done(self) -> None:
+        self.pending.pop(0)
+        if not self.pending:
+            self.last_kind = None
+
+
+def scheduler_class(base: type, run: ControlRun) -> type:
+    class Observed(base):  # type: ignore[misc, valid-type]
+        def _took(self, request: Any) -> None:
+            run.admitted[int(request.item["x"][0])] = self
+
+        def submit_nowait(self, request: Any) -> None:
+            if self._closed and self.successor is not None:
+                note("control", "handed over")
+            super().submit_nowait(request)
+            if not self._closed:
+                self._took(request)
+
+        def submit_all_nowait(self, requests: list[Any]) -> None:
+            if self._closed and self.successor is not None:
+                note("control", "handed over")
+            super().submit_all_nowait(requests)
+            if not self._closed:
+                for r in requests:
+                    self._took(r)
+
+    return Observed
+
+
+def batcher_class(base: type, run: ControlRun) -> type:
+    class SimulatedDevice(base):  # type: ignore[misc, valid-type]
+        async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            run.batchers_running += 1
+            try:
+                await super().run(task_status=task_status)
+            finally:
+                run.batchers_running -= 1
+
+        async def _load(self, load: Any) -> Any:
+            # the model loads inline: a thread hop under the autojumping clock would
+            # let trio time run to the end of the scenario while it loads
+            async def inline() -> Any:
+                await trio.lowlevel.checkpoint()
+                return self._load_in_thread()
+
+            return await super()._load(inline)
+
+        async def _execute(self, batch: list[Any]) -> None:
+            for req in batch:
+                x = int(req.item["x"][0])
+                if run.admitted.get(x) is not self._scheduler:
+                    run.fail("control", f"at {run.at()} input {x} ran on a replica of a "
+                             "copy other than the one that admitted it")
+            if run.scenario.latency:
+                await trio.sleep(run.scenario.latency * TICK)
+            await super()._execute(batch)
+
+    return SimulatedDevice
+
+
+def control_class(base: type, run: ControlRun) -> type:
+    class Observed(base):  # type: ignore[misc, valid-type]
+        async def load(self, model: str) -> None:
+            run.asked(True)
+            await super().load(model)
+
+        async def unload(self, model: str) -> None:
+            run.asked(False)
+            await super().unload(model)
+
+    return Observed
+
+
+def entry_class(base: type, run: ControlRun) -> type:
+    class ObservedEntry(base):  # type: ignore[misc, valid-type]
+        __slots__ = ()
+
+        def move(self, to: Any, reason: str = "") -> None:
+            super().move(to, reason)
+            run.moved(to.value, reason)
+
+    return ObservedEntry
+
+
+@contextlib.contextmanager
+def product_installed(run: ControlRun) -> Iterator[None]:
+    actors, ctl = trioserve.actors, _control_module
+    saved = actors.BatcherActor, actors.SchedulerActor, ctl.ModelControl, ctl._Entry
+    actors.BatcherActor = batcher_class(run.product.batcher_class, run)
+    actors.SchedulerActor = scheduler_class(run.product.scheduler_class, run)
+    ctl.ModelControl = control_class(run.product.control_class, run)
+    ctl._Entry = entry_class(saved[3], run)
+    try:
+        yield
+    finally:
+        actors.BatcherActor, actors.SchedulerActor, ctl.ModelControl, ctl._Entry = saved
+
+
+def config_of(sc: ControlScenario) -> trioserve.Config:
+    model = trioserve.ModelConfig(
+        name="m", backend=Echo(), load_at_start=sc.load_at_start, replicas=sc.replicas,
+        max_batch_size=sc.max_batch_size, max_wait_ms=0, timeout_ms=None,
+        execution="inline", adaptive_limit=False,
+    )
+    return trioserve.Config(
+        models=(model,),
+        tenants=(trioserve.TenantConfig(name="t", default=True),),
+        runtime=trioserve.RuntimeLimits(queue_bound=256, graceful_timeout_s=1.0),
+        server=trioserve.ServerConfig(model_control="explicit"),
+    )
+
+
+async def _play(run: ControlRun) -> None:
+    sc = run.scenario
+    before = {id(t) for t in _tasks()}
+
+    async def caller(i: int, call: CCall, rt: trioserve.Runtime) -> None:
+        await trio.sleep_until(run.t0 + call.at * TICK)
+        xs = [i * 10 + j for j in range(call.n)]
+        loaded = rt.models["m"].loaded
+        try:
+            if call.n > 1:
+                got = await rt.infer_batch("m", [np.array([float(x)]) for x in xs])
+            else:
+                got = [await rt.infer("m", np.array([float(xs[0])]))]
+            outcome: Any = [int(v["x"][0]) for v in got]
+        except Exception as exc:
+            outcome = exc
+        if i in run.outcomes:
+            run.fail("duplicated", f"call #{i} returned twice")
+        run.outcomes[i] = (loaded, outcome)
+
+    async def operator(op: Op, rt: trioserve.Runtime) -> None:
+        await trio.sleep_until(run.t0 + op.at * TICK)
+        await (rt.load_model("m") if op.load else rt.unload_model("m"))
+
+    async with trio.open_nursery() as callers:
+        with product_installed(run):
+            async with trioserve.open_runtime(config_of(sc)) as rt:
+                run.t0 = trio.current_time()
+                for i, call in enumerate(sc.calls):
+                    callers.start_soon(caller, i, call, rt)
+                for op in sc.ops:
+                    callers.start_soon(operator, op, rt)
+                last = max([c.at for c in sc.calls] + [o.at for o in sc.ops] + [0])
+                await trio.sleep_until(run.t0 + last * TICK + HORIZON_S)
+                while run.pending == [["unload"]] and not run.loaded:
+                    run.pending.clear()  # an unload of a model not loaded: no moves
+                if run.pending:
+                    run.fail("control", f"at the end ops asked are still due: {run.pending}")
+                if not run.loaded and run.batchers_running:
+                    run.fail("control", f"at the end the model is unloaded and "
+                             f"{run.batchers_running} replica(s) still run")
+            callers.cancel_scope.cancel("fuzz: the run is over")
+    for i, call in enumerate(sc.calls):
+        _check_call(run, i, call)
+    leaked = [t for t in _tasks() if id(t) not in before]
+    if leaked:
+        run.fail("leak", f"{len(leaked)} task(s) outlived the runtime: "
+                 + ", ".join(sorted(t.name for t in leaked)))
+
+
+def _check_call(run: ControlRun, i: int, call: CCall) -> None:
+    what = f"call #{i} (at tick {call.at}, {call.n} item(s))"
+    if i not in run.outcomes:
+        run.fail("lost", f"{what} never got an answer")
+        return
+    loaded, outcome = run.outcomes[i]
+    xs = [i * 10 + j for j in range(call.n)]
+    if isinstance(outcome, BaseException):
+        if loaded or not isinstance(outcome, UnknownModel) or "not loaded" not in str(outcome):
+            run.fail("outcome", f"{what}, the model {'' if loaded else 'not '}loaded when "
+                     f"it arrived, raised {outcome!r}")
+        else:
+            note("control", "not loaded")
+    elif not loaded:
+        run.fail("outcome", f"{what} arrived while the model was not loaded, and was "
+                 f"answered {outcome}")
+    elif outcome != xs:
+        run.fail("misrouted", f"{what} sent {xs} and was answered {outcome}")
+
+
+def run_control_scenario(scenario: ControlScenario, product: Product = PRODUCT) -> None:
+    """Play ``scenario`` against ``product``; raise InvariantViolation on the first
+    broken invariant."""
+    count_example("control")
+    run = ControlRun(scenario=scenario, product=product)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    with deterministic_PRNG(0):
+        trio.run(_play, run, clock=clock)
+    if run.violations:
+        invariant, text = run.violations[0]
+        raise InvariantViolation(invariant, text)
