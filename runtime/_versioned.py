@@ -181,12 +181,16 @@ class _Versioned:
         return self._families[model].by_version[version]
 
     async def _infer_routed(
-        self, model: str, inputs: Any, tenant: Any, priority: Any
+        self, model: str, inputs: Any, tenant: Any, priority: Any,
+        answered: list[str] | None = None,
     ) -> dict[str, Any]:
         """:meth:`infer` of an unversioned request of a model with a Family: sent to
-        the version it routes it to, its outcome recorded for the rollout."""
+        the version it routes it to, its outcome recorded for the rollout. That
+        version is appended to ``answered`` (when given: a v2 answer names it)."""
         family = self._families[model]
         version = family.route()
+        if answered is not None:
+            answered.append(version)
         t0 = trio.current_time()
         try:
             result = await self.infer(
@@ -203,12 +207,13 @@ class _Versioned:
 
     async def _batch_routed(
         self, model: str, items: Sequence[Any] | Mapping[str, Any], tenant: Any,
-        priority: Any,
+        priority: Any, answered: list[str] | None = None,
     ) -> list[dict[str, Any]]:
         """:meth:`infer_batch` of an unversioned call of a model with a Family: each
         item routed as a whole request would be, the items of each version submitted
         together. Once all are settled the failure of the part whose first item comes
-        first is raised (each part fails as one call of that version would)."""
+        first is raised (each part fails as one call of that version would). The
+        version of each item is appended to ``answered`` (when given)."""
         family = self._families[model]
         try:
             items = item_list(model, items, "infer_batch")
@@ -223,6 +228,8 @@ class _Versioned:
                 model, rows, tenant=tenant, priority=priority, version=family.default
             )
         chosen = [family.route() for _ in rows]
+        if answered is not None:
+            answered.extend(chosen)
         parts: dict[str, list[int]] = {}
         for i, v in enumerate(chosen):
             parts.setdefault(v, []).append(i)

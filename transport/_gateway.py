@@ -471,8 +471,9 @@ class Gateway:
             request = InferRequest.from_v2_json(
                 body, sig, version=version, header_length=hlen, classes=self.class_names
             )
-            results = await self.run_request(request, tenant)
-            out, json_len = encode_response(request, results, sig)
+            answered: list[str] = []
+            results = await self.run_request(request, tenant, answered)
+            out, json_len = encode_response(request, results, sig, answered=answered)
         except Exception as exc:
             if not isinstance(exc, TrioserveError):
                 log.exception("infer %s: unexpected error", model)
@@ -492,22 +493,37 @@ class Gateway:
             self.runtime.keep_response(rkey, answer, len(answer[2]) + 256, tenant)
         return answer
 
-    async def run_request(self, request: InferRequest, tenant: str) -> list[Any]:
+    async def run_request(
+        self, request: InferRequest, tenant: str, answered: list[str] | None = None
+    ) -> list[Any]:
         """Submit a validated request's items and return their outputs in order.
 
         Its ``timeout`` (parameters.timeout_ms) bounds the wait: DeadlineExceeded (504).
+        An unversioned request of a model whose versions are routed (a rollout)
+        appends the version each item went to to ``answered``, when given.
         """
         if request.timeout is None:
-            return await self._submit(request, tenant)
+            return await self._submit(request, tenant, answered)
         with trio.move_on_after(request.timeout):
-            return await self._submit(request, tenant)
+            return await self._submit(request, tenant, answered)
         raise DeadlineExceeded(
             f"model {request.model!r}: no answer within the request's timeout "
             f"({request.timeout * 1e3:g} ms)"
         )
 
-    async def _submit(self, request: InferRequest, tenant: str) -> list[Any]:
+    async def _submit(
+        self, request: InferRequest, tenant: str, answered: list[str] | None = None
+    ) -> list[Any]:
         rt = self.runtime
+        if answered is not None and request.version is None and rt._routed(request.model):
+            if request.count == 1:
+                return [await rt._infer_routed(
+                    request.model, request.items[0], tenant, request.priority, answered
+                )]
+            return await rt._batch_routed(
+                request.model, request.items if request.stacked is None else request.stacked,
+                tenant, request.priority, answered,
+            )
         if request.count == 1:
             out = await rt.infer(
                 request.model,

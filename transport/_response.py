@@ -5,7 +5,7 @@ by a client (:func:`decode_outputs`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,12 +26,16 @@ def encode_response(
     signature: ModelSignature,
     *,
     binary: bool = True,
+    answered: Sequence[str] = (),
 ) -> tuple[bytes, int | None]:
     """The v2 response for ``request``'s items' ``results``: (body, JSON header length
     when binary output data follows the JSON, else None). With ``binary`` False every
     output is sent as JSON data, whatever the request asked (WebSocket text frames).
     An empty id is left out over HTTP, as Triton leaves it out; on the stream (``binary``
-    False) it is echoed, since the id tags the answer."""
+    False) it is echoed, since the id tags the answer.
+    ``answered``: the versions an unversioned request's items were routed to (a
+    model with a rollout): the answer names the one version that answered them, and
+    no version when several did (the field is optional in the v2 protocol)."""
     if request.outputs is not None:
         wanted = request.outputs
     elif signature.open_inputs:
@@ -99,10 +103,14 @@ def encode_response(
         except UnicodeDecodeError:
             raise InvalidInput(_not_text(arr, model, name, binary)) from None
         outs.append(entry)
-    doc: dict[str, Any] = {
-        "model_name": request.model,
-        "model_version": request.version or signature.versions[-1],
-    }
+    doc: dict[str, Any] = {"model_name": request.model}
+    if request.version is not None:
+        doc["model_version"] = request.version
+    elif answered:
+        if len(set(answered)) == 1:
+            doc["model_version"] = answered[0]
+    else:
+        doc["model_version"] = signature.versions[-1]
     rid = request.id
     if rid is not None and (rid != "" or not binary):
         doc["id"] = rid

@@ -614,8 +614,11 @@ class _Session:
                 request = InferRequest.from_v2_json(
                     message, sig, version=version, doc=doc, classes=gateway.class_names
                 )
-                results = await gateway.run_request(request, self.tenant)
-                frame = encode_response(request, results, sig, binary=False)[0]
+                answered: list[str] = []
+                results = await gateway.run_request(request, self.tenant, answered)
+                frame = encode_response(
+                    request, results, sig, binary=False, answered=answered
+                )[0]
                 status = 200
             except Exception as exc:
                 if not isinstance(exc, TrioserveError):
