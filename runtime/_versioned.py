@@ -267,13 +267,16 @@ class _Versioned:
         return out
 
     async def _run_shadow(
-        self, model: str, version: str, inputs: Any, tenant: str
+        self, model: str, version: str, inputs: Any, tenant: str | None
     ) -> dict[str, Any]:
         """A shadow's copy of ``inputs`` run on ``version`` at the lowest request
         class: not cached, not charged to the tenant's credits, not counted in the
         model's latencies; its deadline is the model's timeout. Cancelling it
-        withdraws the copy if it has not been dispatched yet."""
+        withdraws the copy if it has not been dispatched yet. ``tenant`` as the
+        caller gave it (None: the default tenant, whose flow the copy joins)."""
         served = self._families[model].by_version[version]
+        if tenant is None:
+            tenant = self._default_tenant
         try:
             item, cost = served.backend.prepare(model, inputs)
         except TrioserveError:

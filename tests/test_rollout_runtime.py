@@ -260,3 +260,20 @@ async def test_unversioned_answers_are_cached_under_the_version_routed_to(
         pinned = [version_of(await rt.infer("m", one(5), version=v), 5) for v in "123"]
     assert version_of(first, 5) == "1"
     assert pinned == ["1", "2", "3"]  # each version's own answer, never another's
+
+
+async def test_a_shadows_copy_of_a_call_naming_no_tenant_is_the_default_tenants():
+    # the shadow is served by the stable's backend: the copies and the callers'
+    # requests share one queue, whose statistics list each flow by its tenant
+    m = ModelConfig(name="m", backend=adder(1), max_wait_ms=0.0,
+                    versions={"1": {}, "3": {}}, rollout={"stable": "1", "shadow": "3"})
+    async with trioserve.open_runtime(config(m)) as rt:
+        for i in range(4):
+            await rt.infer("m", one(i))
+        await rt._families["m"].controller.wait_shadow_results(4)
+        stats = rt.statistics()["m"]
+    assert stats["rollout"]["shadow"]["match"] == 4
+    flows = stats["flows"]
+    assert sorted(flows) == ["t/batch", "t/realtime"]
+    assert flows["t/batch"]["dispatched"] == 4  # the copies, at the lowest class
+    assert flows["t/realtime"]["dispatched"] == 4
