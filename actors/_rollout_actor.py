@@ -17,6 +17,7 @@ with stable's: match, mismatch or error.
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -113,10 +114,15 @@ class RolloutController(Actor):
         if math.floor(self._shadow_seen * self._shadow_share) <= self._shadow_sent:
             return
         self._shadow_sent += 1
-        try:
-            self._send.send_nowait((inputs, result, tenant))
-        except trio.WouldBlock:
+        room = self._send.statistics()
+        if room.tasks_waiting_receive == 0 and (
+            room.current_buffer_used >= room.max_buffer_size
+        ):
             self.shadow_results["dropped"] += 1
+            return
+        # The copy runs later: the caller may by then have reused its input buffer
+        # or changed the answer's arrays in place, so the copy keeps its own.
+        self._send.send_nowait((copy.deepcopy(inputs), copy.deepcopy(result), tenant))
 
     # ------------------------------------------------------------ the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

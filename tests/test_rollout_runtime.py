@@ -277,3 +277,22 @@ async def test_a_shadows_copy_of_a_call_naming_no_tenant_is_the_default_tenants(
     assert sorted(flows) == ["t/batch", "t/realtime"]
     assert flows["t/batch"]["dispatched"] == 4  # the copies, at the lowest class
     assert flows["t/realtime"]["dispatched"] == 4
+
+
+async def test_a_caller_reusing_its_buffers_does_not_change_the_shadows_copy():
+    gate = threading.Event()  # the shadow (stable's weights) runs once all are answered
+    m = shadowed(adder(1, gate=gate, execution="thread"))
+    try:
+        async with trioserve.open_runtime(config(m)) as rt:
+            controller = rt._families["m"].controller
+            buf = np.zeros(1, np.float32)
+            for i in range(5):
+                buf[0] = i  # one input buffer, refilled for each call
+                out = await rt.infer("m", {"x": buf})
+                out["y"][0] = -1.0  # and the answer changed in place
+            gate.set()
+            await controller.wait_shadow_results(5)
+            stats = rt.statistics()["m"]["rollout"]["shadow"]
+    finally:
+        gate.set()
+    assert stats == {"version": "3", "match": 5, "mismatch": 0, "error": 0, "dropped": 0}
