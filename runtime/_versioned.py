@@ -293,9 +293,32 @@ class _Versioned:
         served.scheduler_for(cost).submit_nowait(request)
         return await reply.wait()
 
+    def _groups_of(self, model: str) -> list[ServedModel]:
+        """Every ServedModel serving ``model``: its own, or each of its versions'."""
+        family = self._families.get(model)
+        return list(family.groups) if family is not None else [self.models[model]]
+
+    def _lanes_of(self, model: str) -> list[Any]:
+        """Every scheduler serving ``model``: its lanes, and those of each of its
+        versions with weights of their own."""
+        return [lane for served in self._groups_of(model) for lane in served.schedulers]
+
     def statistics(self) -> dict[str, Any]:
         out = super().statistics()
         for name, family in self._families.items():
+            if len(family.groups) > 1:
+                # the model's queue figures are all its versions' together
+                out[name]["queue_depth"] = sum(
+                    q.queue_depth() for g in family.groups for q in g.schedulers
+                )
+                out[name].update(self._queue_statistics(
+                    _MergedQueues([g.scheduler.policy for g in family.groups])
+                ))
+                slow = [g.slow_scheduler.policy for g in family.groups
+                        if g.slow_scheduler is not None]
+                out[name]["slow_lane"] = (
+                    self._queue_statistics(_MergedQueues(slow)) if slow else None
+                )
             out[name]["versions"] = {
                 v: {
                     "own_weights": v in family.own,
@@ -311,3 +334,42 @@ class _Versioned:
             if family.controller is not None:
                 out[name]["rollout"] = family.controller.statistics()
         return out
+
+
+class _Limit:
+    __slots__ = ("value",)
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
+class _MergedQueues:
+    """The flows of several queues (a model's versions') read as one queue's, for
+    ``Runtime._queue_statistics``: counters summed, waits' histograms added, the
+    admission limits and service rates summed."""
+
+    def __init__(self, policies: Sequence[Any]) -> None:
+        self.stats: dict[Any, Any] = {}
+        self._live: dict[Any, int] = {}
+        limits = [p.limit.value for p in policies if getattr(p, "limit", None) is not None]
+        self.limit = _Limit(sum(limits)) if limits else None
+        rates = [p.rate for p in policies if getattr(p, "rate", None) is not None]
+        self.rate = sum(rates) if rates else None
+        for p in policies:
+            live = p.queued_by_flow() if hasattr(p, "queued_by_flow") else {}
+            for flow, n in live.items():
+                self._live[flow] = self._live.get(flow, 0) + n
+            for flow, f in getattr(p, "stats", {}).items():
+                into = self.stats.get(flow)
+                if into is None:
+                    into = self.stats[flow] = type(f)()
+                for a in attrs.fields(type(f)):
+                    if a.name != "wait":
+                        setattr(into, a.name, getattr(into, a.name) + getattr(f, a.name))
+                f.wait.fold()
+                into.wait.hist.add(f.wait.hist)
+                into.wait.overflow += f.wait.overflow
+                into.wait.total_us += f.wait.total_us
+
+    def queued_by_flow(self) -> dict[Any, int]:
+        return self._live

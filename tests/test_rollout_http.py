@@ -47,3 +47,29 @@ async def test_an_unversioned_v2_answer_names_the_version_that_answered():
         ("1", [1.0]), ("2", [2.0]),
     ]
     await trio.lowlevel.checkpoint()
+
+
+async def test_a_models_queue_figures_count_every_versions_requests():
+    # stable and canary each have a queue of their own: the model's flows (in
+    # statistics and /metrics) count the requests of both
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 1000})
+    async with serving(http_config(m)) as gw, open_http(gw.url) as http:
+        rt = gw.runtime
+        for i in range(6):
+            await rt.infer("m", {"x": np.asarray([i], np.float32)})
+        await rt.infer("m", {"x": np.asarray([0], np.float32)}, version="3")
+        stats = rt.statistics()["m"]
+        text = (await http.get("/metrics")).body.decode()
+    flow = stats["flows"]["t/realtime"]
+    assert (flow["admitted"], flow["dispatched"], flow["queued"]) == (7, 7, 0)
+    assert flow["wait"].count == 7
+    assert stats["queue_depth"] == 0
+    assert stats["admission_limit"] == 3 * 4096  # three queues' limits
+    assert {v: s["queue_depth"] for v, s in stats["versions"].items()} == {
+        "1": 0, "2": 0, "3": 0,
+    }
+    lines = text.splitlines()
+    assert ('trioserve_flow_requests_total{class="realtime",model="m",outcome="dispatched",'
+            'tenant="t"} 7.0') in lines
+    assert 'trioserve_flow_wait_seconds_count{class="realtime",model="m",tenant="t"} 7.0' \
+        in lines

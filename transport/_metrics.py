@@ -154,7 +154,8 @@ class GatewayCollector(Collector):
             batches.add_metric([name], m.batches)
             items.add_metric([name], m.items)
             fill.add_metric([name], m.fill_ratio)
-            depth.add_metric([name], sum(q.queue_depth() for q in served.schedulers))
+            # (all its versions' queues, for a model whose versions have their own)
+            depth.add_metric([name], sum(q.queue_depth() for q in gw.runtime._lanes_of(name)))
             # every outcome from the start, at 0 until it happens
             for outcome in sorted(set(OUTCOMES) | set(m.statuses)):
                 outcomes.add_metric([name, str(outcome)], m.statuses[outcome])
@@ -271,10 +272,11 @@ class GatewayCollector(Collector):
         # Every configured tenant and class has its series from the start (zeros, NaN
         # quantiles), so a flow that has seen nothing yet is there to alert on.
         configured = [(t.name, c.name) for t in config.tenants for c in config.classes]
-        for name, served in sorted(gw.runtime.models.items()):
-            # A flow's figures over the model's lanes (a slow lane is a second queue).
+        for name in sorted(gw.runtime.models):
+            # A flow's figures over the model's lanes (a slow lane is a second queue;
+            # a version with weights of its own has its own).
             flows: dict[tuple[str, str], list[tuple[Any, int]]] = {k: [] for k in configured}
-            for lane in served.schedulers:
+            for lane in gw.runtime._lanes_of(name):
                 lane_policy = lane.policy
                 live = (
                     lane_policy.queued_by_flow() if hasattr(lane_policy, "queued_by_flow")
@@ -310,11 +312,11 @@ class GatewayCollector(Collector):
                         values[q * 100] / 1e6 if values is not None else math.nan,
                     )
                 wait.add_metric(key, count_value=count, sum_value=total_us / 1e6)
-            policy = served.scheduler.policy
-            lim = getattr(policy, "limit", None)
-            if lim is not None:
-                limit.add_metric([name], lim.value)
-            rate.add_metric([name], getattr(policy, "rate", 0.0))
+            mains = [g.scheduler.policy for g in gw.runtime._groups_of(name)]
+            lims = [p.limit.value for p in mains if getattr(p, "limit", None) is not None]
+            if lims:
+                limit.add_metric([name], sum(lims))
+            rate.add_metric([name], sum(getattr(p, "rate", 0.0) for p in mains))
         yield from (depth, outcomes, cost, wait, limit, rate)
         # Counters only rise: what was charged, and apart what was given back (for
         # requests that never ran); the net use is the first less the second.
