@@ -73,3 +73,16 @@ async def test_a_models_queue_figures_count_every_versions_requests():
             'tenant="t"} 7.0') in lines
     assert 'trioserve_flow_wait_seconds_count{class="realtime",model="m",tenant="t"} 7.0' \
         in lines
+
+
+async def test_a_versions_config_document_is_its_own():
+    from test_rollout_runtime import adder
+
+    m = model({"stable": "1"}, canary=adder(2, execution="thread"))
+    async with serving(http_config(m)) as gw, open_http(gw.url) as http:
+        docs = {v: (await http.get(f"/v2/models/m/versions/{v}/config")).json()
+                for v in ("1", "2")}
+        unversioned = (await http.get("/v2/models/m/config")).json()
+    execution = {v: d["parameters"]["execution"]["string_value"] for v, d in docs.items()}
+    assert execution == {"1": "inline", "2": "thread"}  # version 2's own backend
+    assert unversioned["parameters"]["execution"]["string_value"] == "inline"

@@ -156,7 +156,9 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.get("/v2/models/<name>/versions/<version>/config")
     async def model_configuration(name: str, version: str | None = None) -> Any:
         sig = loaded(name, version)
-        return json(model_config(gateway.runtime.models[name], sig.platform, classes))
+        # a version with weights of its own: its own backend and replicas
+        served = gateway.runtime._known(name, version)
+        return json(model_config(served, sig.platform, classes))
 
     @app.get("/v2/models/stats")
     @app.get("/v2/models/<name>/stats")
