@@ -7,6 +7,10 @@ The names below are what a pasted reproduction imports.
 
 from ._admission import BucketMachine as BucketMachine
 from ._admission import BucketSetup as BucketSetup
+from ._autoscale import ACall as ACall
+from ._autoscale import AutoscaleScenario as AutoscaleScenario
+from ._autoscale import Start as Start
+from ._autoscale import run_autoscale_scenario as run_autoscale_scenario
 from ._cache import run_cache_scenario as run_cache_scenario
 from ._cache_scenario import Ask as Ask
 from ._cache_scenario import CacheScenario as CacheScenario

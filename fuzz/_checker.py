@@ -45,6 +45,9 @@ INVARIANTS: dict[str, str] = {
     "control": "under explicit model control, a request runs on the copy that admitted "
     "it, the model's states follow the lifecycle and the ops in the order asked, and "
     "nothing of the model runs once an unload ends",
+    "scaling": "an autoscaled model's replicas serving (starting ones counted) stay "
+    "within its bounds, each look decides as the documented rule, no replica starts "
+    "once shutdown began nor runs once the runtime closed",
     "shadow": "a shadow gets a share of stable's answers, never more waiting than its "
     "bound, each copy counted once, none reaching or counting as a caller",
     "lost": "every admitted request is answered exactly once unless its caller cancelled it",

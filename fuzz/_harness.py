@@ -24,7 +24,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.stateful import get_state_machine_test
 from hypothesis.vendor.pretty import pretty
 
-from . import _admission, _cache, _control, _queue, _rollout, _runtime
+from . import _admission, _autoscale, _cache, _control, _queue, _rollout, _runtime
 from ._product import PRODUCT, Product
 from ._stats import EXAMPLES
 
@@ -120,6 +120,19 @@ def _build_control(product: Product, s: settings, box: dict[str, Any]) -> Callab
     return test_control
 
 
+def _build_autoscale(product: Product, s: settings, box: dict[str, Any]) -> Callable[[], None]:
+    @s
+    @given(scenario=_autoscale.autoscale_scenarios())
+    def test_autoscale(scenario: _autoscale.AutoscaleScenario) -> None:
+        try:
+            _autoscale.run_autoscale_scenario(scenario, product)
+        except BaseException:
+            box["example"] = scenario  # the last failing one is the shrunk one
+            raise
+
+    return test_autoscale
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -187,6 +200,19 @@ SUITES: dict[str, Suite] = {
             repro_imports="from fuzz import CCall, ControlScenario, Op, run_control_scenario",
             stateful=False,
             repro_call="run_control_scenario",
+        ),
+        Suite(
+            name="autoscale",
+            summary="an autoscaled model through open_runtime: bursts, steps and idle "
+            "spells, slow and failing replica starts, shutdown mid-start",
+            build=_build_autoscale,
+            ci_examples=40,
+            chunk_examples=40,
+            repro_imports=(
+                "from fuzz import ACall, AutoscaleScenario, Start, run_autoscale_scenario"
+            ),
+            stateful=False,
+            repro_call="run_autoscale_scenario",
         ),
     )
 }

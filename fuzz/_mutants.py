@@ -28,6 +28,8 @@ CacheActor = trioserve.actors.CacheActor
 Rollout = trioserve.actors.Rollout
 ModelControl = trioserve._control.ModelControl
 RolloutController = trioserve.actors.RolloutController
+Autoscaler = trioserve.actors.Autoscaler
+ScalingController = trioserve.actors.ScalingController
 
 
 class DropsOneRequest(FairQueue):
@@ -388,6 +390,22 @@ class HandOverDropsTheQueued(SchedulerActor):
         self.policy.next_batch(math.inf)
 
 
+class StartingReplicasUncounted(ScalingController):
+    """A replica still loading does not count as serving: a look while the replicas
+    of an earlier decision load asks for them again, and the count overshoots."""
+
+    def serving(self) -> list[Any]:
+        return [b for b in super().serving() if b.health != "starting"]
+
+
+class WindowOfTheLastSample(Autoscaler):
+    """The look-back window is kept, but its mean is the latest sample alone."""
+
+    def _average(self, now: float, load: float) -> float:
+        super()._average(now, load)
+        return load
+
+
 #: name -> (what it breaks, the broken product, the suites that can see it)
 MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "drop-request": (
@@ -577,5 +595,18 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
             PRODUCT, name="hand-over-drops-queued", scheduler_class=HandOverDropsTheQueued
         ),
         ("control",),
+    ),
+    # The autoscale suite's own.
+    "starts-uncounted": (
+        "replicas still loading are not counted: concurrent starts overshoot max_replicas",
+        attrs.evolve(
+            PRODUCT, name="starts-uncounted", scaling_controller_class=StartingReplicasUncounted
+        ),
+        ("autoscale",),
+    ),
+    "window-last-sample": (
+        "the look-back window's mean is its latest sample alone",
+        attrs.evolve(PRODUCT, name="window-last-sample", autoscaler_class=WindowOfTheLastSample),
+        ("autoscale",),
     ),
 }

@@ -36,6 +36,8 @@ class Product:
     rollout_class: type = trioserve.actors.Rollout
     rollout_controller_class: type = trioserve.actors.RolloutController
     control_class: type = trioserve._control.ModelControl
+    autoscaler_class: type = trioserve.actors.Autoscaler
+    scaling_controller_class: type = trioserve.actors.ScalingController
 
 
 PRODUCT = Product()

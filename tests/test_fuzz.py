@@ -122,6 +122,21 @@ def test_a_printed_cache_reproduction_replays_the_failure():
         test()
 
 
+def test_a_printed_autoscale_reproduction_replays_the_failure():
+    failure = _failure_of("window-last-sample", "autoscale")
+    code = failure.as_pytest()
+    assert "run_autoscale_scenario(" in code
+    namespace: dict = {}
+    exec(compile(code, "<reproduction>", "exec"), namespace)
+    (test,) = [v for k, v in namespace.items() if k.startswith("test_fuzz_")]
+    test()
+    namespace["run_autoscale_scenario"] = functools.partial(
+        fuzz.run_autoscale_scenario, product=fuzz.MUTANTS["window-last-sample"][1]
+    )
+    with pytest.raises(fuzz.InvariantViolation, match=r"^scaling: "):
+        test()
+
+
 def test_cli_ci_profile_of_one_suite(capsys):
     from fuzz._cli import main
 
