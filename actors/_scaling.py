@@ -139,7 +139,13 @@ class ScalingController(Actor):
     async def _add_replica(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Place a replica, start it and wait for its model to load. Reports
         ``started(True)`` once it is registered (``started(False)``: no device to
-        place it on), so the next one's placement counts it."""
+        place it on, or shutdown began since the decision), so the next one's
+        placement counts it."""
+        if self._closing() or self._served.scheduler.closed:
+            # (this task runs a checkpoint after ``_scale_up`` looked: shutdown may
+            # have begun meanwhile, and no replica is started once it began)
+            task_status.started(False)
+            return
         device = self._place()
         if device is None:
             log.warning(

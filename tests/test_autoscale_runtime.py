@@ -393,6 +393,51 @@ async def test_shutdown_while_a_replica_loads_neither_hangs_nor_loses_a_request(
     assert closed
 
 
+async def test_no_replica_is_started_once_shutdown_began(autojump_clock, workers):
+    """A decision's replica starts in a task of its own, after a checkpoint: should
+    shutdown begin meanwhile (the block left with requests in flight), that task
+    starts nothing. Before, it checked nothing and started the replica anyway, to
+    load during the grace and be cut off by it."""
+    cfg = trioserve.Config(
+        models=(model(autoscaling=AutoscalingConfig(
+            max_replicas=2, target_queued_per_replica=2, upscale_delay_s=0, interval_s=1,
+        )),),
+        tenants=(trioserve.TenantConfig(name="t", default=True),),
+        runtime=trioserve.RuntimeLimits(graceful_timeout_s=3),
+    )
+    answers: dict = {}
+    entered, proceed = trio.Event(), trio.Event()
+    started_closed: list = []
+    async with trio.open_nursery() as callers:
+        async with trioserve.open_runtime(cfg) as rt:
+            ctl = rt.models["m"].scaler
+            add, start = ctl._add_replica, ctl._start_replica
+
+            async def gated_add(*, task_status=trio.TASK_STATUS_IGNORED):
+                entered.set()
+                await proceed.wait()  # shutdown begins here
+                await add(task_status=task_status)
+
+            async def observed_start(index, device):
+                started_closed.append(rt._closed)
+                return await start(index, device)
+
+            ctl._add_replica, ctl._start_replica = gated_add, observed_start
+
+            async def release():
+                await trio.sleep(0.5)  # the block was left: the drain waits
+                proceed.set()
+
+            for x in range(1, 21):
+                callers.start_soon(call, rt, float(x), answers)
+            await entered.wait()  # the look at 1 decided to add a replica
+            callers.start_soon(release)
+        assert started_closed == []
+        assert len(rt.models["m"].batchers) == 1
+    assert sorted(answers) == [float(x) for x in range(1, 21)]
+    assert all(len(a) == 1 for a in answers.values())
+
+
 async def test_shutdown_while_a_replica_retires_neither_hangs_nor_loses_a_request(
     autojump_clock, workers
 ):
