@@ -218,9 +218,10 @@ class AutoscaleRun:
         self.violations.append((invariant, text))
 
     def check_count(self, where: str) -> None:
-        """The replicas serving, starting ones counted, within the bounds."""
+        """The replicas serving, starting ones counted, within the bounds (until
+        shutdown began: the runtime then stops them all, a look under way included)."""
         c = self.controller
-        if c is None:
+        if c is None or self.closing_at is not None:
             return
         sc = self.scenario
         n = sum(1 for b in c._served.batchers if serves(b))
