@@ -2,8 +2,9 @@
 and when the canary advances a step, is promoted or rolled back.
 
 ``Rollout`` is fed each routed request's outcome (``record(version, ok, latency,
-now)``) and the time (``tick(now)``), and answers the canary's share, its state and
-the events of each change. Nothing in it awaits or reads a clock.
+now)``, or ``record_late(version, now)`` for one whose deadline passed in the queue)
+and the time (``tick(now)``), and answers the canary's share, its state and the
+events of each change. Nothing in it awaits or reads a clock.
 
 The rules (docs/rollout.md):
 
@@ -18,7 +19,14 @@ The rules (docs/rollout.md):
   already so many that they will at ``min_requests`` (more than ``max_error_rate *
   min_requests``); or when its p99 latency exceeds ``max_latency_ratio`` times the
   stable's, both with at least ``min_requests`` answers in the step (compared when
-  they first have, then every ``LATENCY_EVERY`` answers, and before a step ends).
+  they first have, then every ``LATENCY_EVERY`` answers, and before a step ends);
+  or when its late share (requests whose deadline passed in its queue, of its
+  answers and late ones) exceeds the stable's by more than ``max_error_rate``, both
+  with at least ``min_requests`` outcomes (answers and late) in the step. A late
+  request alone is no error (a client's own too-short timeout says nothing of the
+  version), but the same clients' timeouts hit both versions alike, so a difference
+  is the canary's own slowness (a hung canary answers nothing: all its outcomes are
+  late). Late requests do not count toward the ``min_requests`` a step needs.
 - Promoted and rolled back are final.
 """
 
@@ -73,18 +81,24 @@ class RolloutEvent:
 
 
 class _StepCounts:
-    """One version's answers in the current step."""
+    """One version's outcomes in the current step: answers (``ok``, ``errors``)
+    and ``late`` (its deadline passed in the queue: never answered)."""
 
-    __slots__ = ("errors", "latency", "ok")
+    __slots__ = ("errors", "late", "latency", "ok")
 
     def __init__(self) -> None:
         self.ok = 0
         self.errors = 0
+        self.late = 0
         self.latency = Latency()
 
     @property
     def answers(self) -> int:
         return self.ok + self.errors
+
+    @property
+    def outcomes(self) -> int:
+        return self.ok + self.errors + self.late
 
     def p99(self) -> float:
         return self.latency.percentile_s(99)
@@ -113,6 +127,9 @@ class Rollout:
         self.counts = {v: _StepCounts() for v in (stable, canary) if v is not None}
         #: answers in the step when the latencies were last compared (None: not yet)
         self._latency_checked: int | None = None
+        #: max_error_rate as written, p / q, for the exact comparison of late shares
+        rate = Fraction(repr(rules.max_error_rate))
+        self._rate_p, self._rate_q = rate.numerator, rate.denominator
 
     # ------------------------------------------------------------ reads
     @property
@@ -169,6 +186,18 @@ class Rollout:
         counts.latency.record(latency)
         return self._check(now)
 
+    def record_late(self, version: str, now: float) -> list[RolloutEvent]:
+        """An unversioned request routed to ``version`` was not answered: its
+        deadline passed while it waited in the queue. Returns the events it caused
+        (a rollback on the late shares)."""
+        if self.state is not RolloutState.CANARY:
+            return []
+        counts = self.counts.get(version)
+        if counts is None:
+            return []
+        counts.late += 1
+        return self._check(now)
+
     def tick(self, now: float) -> list[RolloutEvent]:
         """The time is ``now``: the events it brings (the step's end)."""
         if self.state is not RolloutState.CANARY:
@@ -208,6 +237,9 @@ class Rollout:
                 f"({canary.errors / n:.2%}), over max_error_rate {r.max_error_rate:g} "
                 f"(at least {r.min_requests} answers)"
             )
+        late = self._late_breach()
+        if late is not None:
+            return late
         if n >= r.min_requests and stable.answers >= r.min_requests:
             answers = n + stable.answers
             last = self._latency_checked
@@ -222,6 +254,28 @@ class Rollout:
                     f"max_latency_ratio {r.max_latency_ratio:g}"
                 )
         return None
+
+    def _late_breach(self) -> str | None:
+        """Why the canary's late share is past the stable's by more than
+        ``max_error_rate`` (both with ``min_requests`` outcomes), or None. Exact:
+        the shares and the rate as written are compared as fractions."""
+        r = self.rules
+        canary = self.counts[self.canary]  # type: ignore[index]
+        stable = self.counts[self.stable]
+        if canary.late == 0:
+            return None  # its late share is 0: never past the stable's
+        cn, sn = canary.outcomes, stable.outcomes
+        if cn < r.min_requests or sn < r.min_requests:
+            return None
+        # canary.late / cn - stable.late / sn > p / q, in integers
+        if self._rate_q * (canary.late * sn - stable.late * cn) <= self._rate_p * cn * sn:
+            return None
+        return (
+            f"late: {canary.late} of the canary's {cn} requests ({canary.late / cn:.2%}) "
+            f"passed their deadline in its queue, {stable.late} of the stable's {sn} "
+            f"({stable.late / sn:.2%}): more by over max_error_rate "
+            f"{r.max_error_rate:g} (at least {r.min_requests} of each)"
+        )
 
     def _begin_step(self, now: float, share: Fraction) -> None:
         self.step_started = now

@@ -104,6 +104,11 @@ class RolloutController(Actor):
         """An unversioned request's outcome on ``version`` (not a checkpoint)."""
         self._apply(self.rollout.record(version, ok, latency, trio.current_time()))
 
+    def record_late(self, version: str) -> None:
+        """An unversioned request on ``version`` whose deadline passed in the queue
+        (not a checkpoint)."""
+        self._apply(self.rollout.record_late(version, trio.current_time()))
+
     def shadow_copy(self, version: str, inputs: Any, result: Any, tenant: str) -> None:
         """Offer a copy of a request answered by ``version`` to the shadow: only
         stable's answers, the shadow's share of them; dropped (counted) when the
@@ -199,7 +204,8 @@ class RolloutController(Actor):
             "steps": list(r.rules.steps),
             "step_started": r.step_started,
             "counts": {
-                v: {"ok": c.ok, "errors": c.errors, "p99_ms": c.latency.summary().p99_ms}
+                v: {"ok": c.ok, "errors": c.errors, "late": c.late,
+                    "p99_ms": c.latency.summary().p99_ms}
                 for v, c in r.counts.items()
             },
             "reason": r.reason,

@@ -39,6 +39,14 @@ def counts_against(exc: BaseException) -> bool:
     return isinstance(exc, DeadlineExceeded) and not exc.in_queue
 
 
+def counts_late(exc: BaseException) -> bool:
+    """Whether ``exc`` says the request's deadline passed while it was queued: not
+    held against its version on its own (the client's timeout may be too short),
+    but counted as late, and a canary late more often than the stable is rolled
+    back (docs/rollout.md)."""
+    return isinstance(exc, DeadlineExceeded) and exc.in_queue
+
+
 @attrs.define(eq=False)
 class Family:
     """The versions of one model as served: which ``ServedModel`` serves each, and
@@ -67,6 +75,12 @@ class Family:
         failed by the model (not ``ok``) after ``latency`` seconds."""
         if self.controller is not None:
             self.controller.record(version, ok, latency)
+
+    def record_late(self, version: str) -> None:
+        """An unversioned request routed to ``version`` passed its deadline while
+        it was queued (never answered)."""
+        if self.controller is not None:
+            self.controller.record_late(version)
 
 
 def version_backends(m: ModelConfig, base: ModelBackend) -> dict[str, ModelBackend]:
@@ -199,6 +213,8 @@ class _Versioned:
         except TrioserveError as exc:
             if counts_against(exc):
                 family.record(version, False, trio.current_time() - t0)
+            elif counts_late(exc):
+                family.record_late(version)
             raise
         family.record(version, True, trio.current_time() - t0)
         if family.controller is not None:
@@ -247,6 +263,9 @@ class _Versioned:
                 if counts_against(exc):
                     for _ in index:
                         family.record(version, False, trio.current_time() - t0)
+                elif counts_late(exc):
+                    for _ in index:
+                        family.record_late(version)
                 errors[index[0]] = exc
                 return
             for i, value in zip(index, values, strict=True):

@@ -101,6 +101,60 @@ def test_a_step_never_ends_without_comparing_the_latencies():
     assert r.step == 0
 
 
+def test_a_hung_canary_is_rolled_back_on_its_late_share():
+    """A canary that answers nothing: its requests' deadlines pass in its queue.
+    Late is no error, but once both versions have min_requests outcomes its late
+    share (all of them) is past the stable's by more than max_error_rate."""
+    r = rollout(min_requests=10, max_error_rate=0.05)
+    for _ in range(30):
+        r.record("1", True, 0.01, 1.0)
+    for _ in range(9):
+        assert r.record_late("2", 1.0) == []  # fewer than min_requests outcomes
+    assert r.state is RolloutState.CANARY
+    (event,) = r.record_late("2", 2.0)
+    assert event.kind == "rolled_back"
+    assert r.reason == (
+        "late: 10 of the canary's 10 requests (100.00%) passed their deadline in its "
+        "queue, 0 of the stable's 30 (0.00%): more by over max_error_rate 0.05 (at "
+        "least 10 of each)"
+    )
+    assert (r.share, r.counts["2"].late, r.counts["2"].answers) == (0.0, 10, 0)
+
+
+def test_late_requests_alike_on_both_versions_are_no_breach():
+    """Clients' own too-short timeouts hit both versions: the same late share on
+    each (or the canary's more by at most max_error_rate) keeps the canary."""
+    r = rollout(min_requests=10, max_error_rate=0.1, step_s=1e9)
+    for _ in range(10):
+        r.record_late("1", 1.0)
+        r.record_late("2", 1.0)
+        for _ in range(10):
+            r.record("1", True, 0.01, 1.0)
+            r.record("2", True, 0.01, 1.0)
+    assert r.state is RolloutState.CANARY  # both 10 late of 110
+    # the canary's share past the stable's by exactly 0.1: 20/100 vs 10/100
+    r2 = rollout(min_requests=100, max_error_rate=0.1)
+    for i in range(100):
+        r2.record_late("2", 1.0) if i < 20 else r2.record("2", True, 0.01, 1.0)
+        r2.record_late("1", 1.0) if i < 10 else r2.record("1", True, 0.01, 1.0)
+    assert r2.state is RolloutState.CANARY
+    (event,) = r2.record_late("2", 1.0)  # 21/101 - 10/100 > 0.1
+    assert event.reason.startswith("late: 21 of the canary's 101 requests")
+
+
+def test_late_requests_neither_end_a_step_nor_are_errors():
+    r = rollout(steps=(0.1, 0.5), min_requests=3, max_error_rate=0.0, step_s=10)
+    for _ in range(2):
+        r.record("2", True, 0.01, 1.0)
+    for _ in range(5):
+        r.record_late("2", 1.0)  # the stable has no outcomes: nothing to compare
+    assert r.tick(20.0) == []  # 2 answers: a step advances on answers only
+    assert r.state is RolloutState.CANARY
+    assert (r.counts["2"].errors, r.counts["2"].late) == (0, 5)
+    (event,) = r.record("2", True, 0.01, 21.0)
+    assert (event.kind, r.counts["2"].late) == ("step", 0)  # counted anew
+
+
 def test_the_p99_found_with_numpy_is_hdrhs_own():
     import random
 
@@ -130,6 +184,7 @@ _ops = st.lists(
         st.tuples(st.just("route")),
         st.tuples(st.just("record"), st.sampled_from(["1", "2"]), st.booleans(),
                   st.sampled_from([0.01, 0.02, 0.05])),
+        st.tuples(st.just("late"), st.sampled_from(["1", "2"])),
         st.tuples(st.just("wait"), st.floats(0.0, 20.0)),
     ),
     max_size=300,
@@ -150,6 +205,17 @@ def test_rollout_properties(ops, steps, min_requests, max_error_rate):
     now = 0.0
     routed = to_canary = 0
     seen_steps = [0]
+    # the step's late requests and outcomes (answers and late) of each version
+    late = {"1": 0, "2": 0}
+    outcomes = {"1": 0, "2": 0}
+    rate = _exact(max_error_rate)
+
+    def late_breach() -> bool:
+        if min(outcomes.values()) < min_requests:
+            return False
+        return (Fraction(late["2"], outcomes["2"]) - Fraction(late["1"], outcomes["1"])
+                > rate)
+
     for op in ops:
         before = (r.state, r.step, r.step_started)
         if before[0] is RolloutState.CANARY:
@@ -167,6 +233,13 @@ def test_rollout_properties(ops, steps, min_requests, max_error_rate):
         elif op[0] == "record":
             _, v, ok, latency = op
             events = r.record(v, ok, latency, now)
+            if before[0] is RolloutState.CANARY:
+                outcomes[v] += 1
+        elif op[0] == "late":
+            events = r.record_late(op[1], now)
+            if before[0] is RolloutState.CANARY:
+                late[op[1]] += 1
+                outcomes[op[1]] += 1
         else:
             now += op[1]
             events = r.tick(now)
@@ -186,6 +259,19 @@ def test_rollout_properties(ops, steps, min_requests, max_error_rate):
                 assert e.share == steps[e.step]
                 seen_steps.append(e.step)
                 routed = to_canary = 0
+                late = {"1": 0, "2": 0}
+                outcomes = {"1": 0, "2": 0}
+            if e.kind == "rolled_back" and e.reason.startswith("late:"):
+                # only when the late shares differ by more than max_error_rate
+                assert late_breach()
+        if r.state is RolloutState.CANARY:
+            # late requests are counted per version, apart from answers
+            assert {v: r.counts[v].late for v in late} == late
+            assert {v: r.counts[v].outcomes for v in outcomes} == outcomes
+            # a canary late more often than the stable by over max_error_rate, both
+            # with min_requests outcomes (a hung one with no answers too), is rolled
+            # back at once
+            assert not late_breach()
         if op[0] == "record" and op[1] == "2" and not op[2]:
             errors += 1
             n += 1

@@ -141,6 +141,58 @@ async def test_a_slower_canary_is_rolled_back_on_latency(autojump_clock):
     assert i == 19  # at the 20th request both versions had their 10 answers
 
 
+async def test_a_hung_canary_is_rolled_back_once_its_requests_are_late(autojump_clock):
+    """The canary's model hangs (its first batch never returns within the test):
+    the requests queued behind it pass their deadline in the queue. Each is late,
+    no error (a client's timeout may be too short), but the stable is not late, so
+    once both have min_requests outcomes the late shares differ and the canary is
+    rolled back, long before its batch's cut-off: few callers see a failure."""
+    gate = threading.Event()  # never set while the test watches
+    hung = adder(2, gate=gate, execution="thread")
+    m = model({"stable": "1", "canary": "2", "steps": [0.25], "step_s": 1000,
+               "min_requests": 20, "max_error_rate": 0.05}, canary=hung,
+              timeout_ms=200.0, batch_timeout_floor_ms=60_000.0)
+    failed: list[tuple[int, trioserve.TrioserveError]] = []
+    answered: list[int] = []
+
+    async def call(rt, i: int) -> None:
+        try:
+            await rt.infer("m", one(i))
+        except trioserve.TrioserveError as exc:
+            failed.append((i, exc))
+        else:
+            answered.append(i)
+
+    try:
+        async with trioserve.open_runtime(config(m)) as rt:
+            t0 = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for i in range(200):
+                    nursery.start_soon(call, rt, i)
+                    await trio.sleep(0.01)
+            stats = rt.statistics()["m"]["rollout"]
+            took = trio.current_time() - t0
+            gate.set()  # the hung thread may end now
+    finally:
+        gate.set()
+    assert stats["state"] == "rolled_back"
+    assert stats["reason"].startswith("late: 20 of the canary's 20 requests (100.00%)")
+    assert stats["counts"]["2"] == {**stats["counts"]["2"], "ok": 0, "late": 20}
+    assert stats["counts"]["1"]["late"] == 0
+    assert took < 60.0  # within the batch's cut-off: the late shares caught it
+    # only the canary's requests before the rollback failed: its min_requests late
+    # ones and the one its hung batch holds, which got no answer in time
+    # Only the canary's requests failed, every fourth (its share 0.25): the one its
+    # hung batch holds, its min_requests late ones (the 20th, request 83, passed its
+    # deadline 0.2 s after it came, at 1.03 s), and those routed to it within that
+    # deadline before, still queued (87 to 99): 1 + 20 + 4, not the ~1500 callers of
+    # the minute until the batch is cut off.
+    assert sorted(i for i, _ in failed) == list(range(3, 100, 4))
+    assert all(isinstance(exc, trioserve.DeadlineExceeded) for _, exc in failed)
+    assert [i for i, exc in failed if not exc.in_queue] == [3]  # the hung batch's
+    assert len(failed) + len(answered) == 200
+
+
 async def test_shutdown_mid_step_is_clean(autojump_clock):
     m = model({"stable": "1", "canary": "2", "steps": [0.5], "step_s": 10,
                "min_requests": 5}, shadow=adder(3))
