@@ -18,7 +18,11 @@ beside the product's :class:`Rollout`, fed what the runtime feeds it:
 - ``rollout``: the events follow the steps (a step ends, or the canary is promoted,
   only once it lasted ``step_s`` and the canary answered ``min_requests`` in it, and
   then at once), a rollback for errors only past the error rule and then at once, one
-  for latency only with both versions' ``min_requests``; the shares are the steps';
+  for latency only with both versions' ``min_requests`` answers; a rollback for late
+  requests (their deadline passed in the queue) only once both versions have
+  ``min_requests`` outcomes (answers and late) and the canary's late share exceeds
+  the stable's by more than ``max_error_rate``, and then at once (late requests are
+  no answers: they neither end a step nor count as errors); the shares are the steps';
   promoted and rolled back stay final; each routed request's outcome is recorded
   once, for its version (an error for each item of a failed part), and nothing else.
 - ``shadow``: a copy of a share (the counter rule) of stable's answers goes to the
@@ -26,8 +30,9 @@ beside the product's :class:`Rollout`, fed what the runtime feeds it:
   (match, mismatch, error or dropped), exactly as the shadow's answers say when none
   was dropped; a copy never reaches a caller nor counts as one.
 - ``lost`` / ``outcome``: every caller returns once, with a result exactly when no
-  item of it is bad on its version, else ``ModelError``; ``leak``: no task outlives
-  the runtime.
+  item of it is bad on its version, else ``ModelError`` (or, with a ``timeout``,
+  ``DeadlineExceeded``: in the queue, recorded late; while its batch ran, an
+  error); ``leak``: no task outlives the runtime.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import trio.testing
 import trioserve
 import trioserve.actors
 from hypothesis.internal.entropy import deterministic_PRNG
-from trioserve import ModelBackend, ModelError, TensorSpec
+from trioserve import DeadlineExceeded, ModelBackend, ModelError, TensorSpec
 
 from ._checker import InvariantViolation
 from ._product import PRODUCT, Product
@@ -121,13 +126,15 @@ class RolloutRun:
     routed: dict[int, list[str]] = attrs.Factory(dict)
     #: call number -> its outcome: ("result", values) or ("error", exc)
     outcomes: dict[int, tuple[str, Any]] = attrs.Factory(dict)
-    #: (version, ok) -> how many outcomes the runtime recorded
-    recorded: dict[tuple[str, bool], int] = attrs.Factory(dict)
+    #: (version, ok) -> how many outcomes the runtime recorded (ok "late": a request
+    #: whose deadline passed in the queue)
+    recorded: dict[tuple[str, bool | str], int] = attrs.Factory(dict)
     # the reference
     ref_state: str = "stable"
     ref_step: int = 0
     ref_started: float = 0.0
     ref_routed: int = 0
+    #: version -> [ok, errors, late] in the step
     ref_counts: dict[str, list[int]] = attrs.Factory(dict)
     shadow_seen: int = 0
     shadow_sent: list[int] = attrs.Factory(list)  # the input of each copy sent
@@ -143,7 +150,7 @@ class RolloutRun:
         sc = self.scenario
         self.ref_state = "canary" if sc.canary else "stable"
         self.ref_started = now
-        self.ref_counts = {STABLE: [0, 0], CANARY: [0, 0]}
+        self.ref_counts = {STABLE: [0, 0, 0], CANARY: [0, 0, 0]}
 
     def share(self) -> Fraction:
         if self.ref_state == "canary":
@@ -159,21 +166,40 @@ class RolloutRun:
         n, s = self.ref_routed, self.share()
         return CANARY if math.floor(n * s) > math.floor((n - 1) * s) else STABLE
 
-    def _breach(self) -> bool:
+    def _answers(self, version: str) -> int:
+        ok, errors, _ = self.ref_counts[version]
+        return ok + errors
+
+    def _error_breach(self) -> bool:
         sc = self.scenario
-        ok, errors = self.ref_counts[CANARY]
-        return errors > sc.max_error_rate * max(ok + errors, sc.min_requests)
+        _, errors, _ = self.ref_counts[CANARY]
+        return errors > sc.max_error_rate * max(self._answers(CANARY), sc.min_requests)
+
+    def _late_breach(self) -> bool:
+        """Both versions have min_requests outcomes (answers and late) and the
+        canary's late share exceeds the stable's by more than max_error_rate (the
+        rate as written, compared exactly)."""
+        sc = self.scenario
+        c, s = self.ref_counts[CANARY], self.ref_counts[STABLE]
+        if min(sum(c), sum(s)) < sc.min_requests:
+            return False
+        return (Fraction(c[2], sum(c)) - Fraction(s[2], sum(s))
+                > Fraction(repr(sc.max_error_rate)))
+
+    def _breach(self) -> bool:
+        return self._error_breach() or self._late_breach()
 
     def _ending(self, now: float) -> bool:
         sc = self.scenario
         return (now - self.ref_started >= sc.step_s * TICK
-                and sum(self.ref_counts[CANARY]) >= sc.min_requests)
+                and self._answers(CANARY) >= sc.min_requests)
 
-    def on_record(self, version: str, ok: bool) -> None:
+    def on_record(self, version: str, ok: bool | str) -> None:
+        """An outcome recorded for ``version``: ok, an error (False) or "late"."""
         key = (version, ok)
         self.recorded[key] = self.recorded.get(key, 0) + 1
         if self.ref_state == "canary" and version in self.ref_counts:
-            self.ref_counts[version][0 if ok else 1] += 1
+            self.ref_counts[version][2 if ok == "late" else 0 if ok else 1] += 1
 
     def on_events(self, events: list[Any]) -> None:
         sc = self.scenario
@@ -185,9 +211,10 @@ class RolloutRun:
             if self.ref_state != "canary":
                 self.fail("rollout", f"{what}, but it was {self.ref_state}: final")
                 continue
-            c_ok, c_err = self.ref_counts[CANARY]
+            c_ok, c_err, c_late = self.ref_counts[CANARY]
             figures = (f"step {self.ref_step} began at {self.at(self.ref_started)}, the "
-                       f"canary answered {c_ok} ok and {c_err} errors in it, stable "
+                       f"canary answered {c_ok} ok and {c_err} errors in it and {c_late} "
+                       f"were late, stable [ok, errors, late] "
                        f"{self.ref_counts[STABLE]}; step_s {sc.step_s} ticks, min_requests "
                        f"{sc.min_requests}, max_error_rate {sc.max_error_rate:g}")
             if e.kind in ("step", "promoted"):
@@ -205,17 +232,21 @@ class RolloutRun:
                 self.ref_step += 1
                 self.ref_started = now
                 self.ref_routed = 0
-                self.ref_counts = {STABLE: [0, 0], CANARY: [0, 0]}
+                self.ref_counts = {STABLE: [0, 0, 0], CANARY: [0, 0, 0]}
                 if e.step != self.ref_step or e.share != float(self.share()):
                     self.fail("rollout", f"{what}: expected step {self.ref_step} at share "
                               f"{sc.steps[self.ref_step]:g} (steps {sc.steps})")
             elif e.kind == "rolled_back":
                 reason = e.reason or ""
+                note("rollout", f"rolled_back for {reason.split(':')[0]}")
                 if reason.startswith("error rate"):
-                    if not self._breach():
+                    if not self._error_breach():
                         self.fail("rollout", f"{what}: the error rule holds ({figures})")
+                elif reason.startswith("late:"):
+                    if not self._late_breach():
+                        self.fail("rollout", f"{what}: the late rule holds ({figures})")
                 elif reason.startswith("latency"):
-                    if min(sum(self.ref_counts[v]) for v in (STABLE, CANARY)) < sc.min_requests:
+                    if min(self._answers(v) for v in (STABLE, CANARY)) < sc.min_requests:
                         self.fail("rollout", f"{what}: a version has fewer than "
                                   f"min_requests answers ({figures})")
                 else:
@@ -231,14 +262,15 @@ class RolloutRun:
         product's state is the reference's."""
         if self.ref_state == "canary":
             if self._breach():
-                self.fail("rollout", f"at {self.at(now)} the canary's errors "
-                          f"{self.ref_counts[CANARY]} (ok, errors) in step {self.ref_step} "
-                          f"are past max_error_rate {self.scenario.max_error_rate:g} "
-                          "(min_requests " f"{self.scenario.min_requests}), still on trial")
+                self.fail("rollout", f"at {self.at(now)} the canary's outcomes "
+                          f"{self.ref_counts[CANARY]} (ok, errors, late) in step "
+                          f"{self.ref_step}, stable's {self.ref_counts[STABLE]}, are past "
+                          f"max_error_rate {self.scenario.max_error_rate:g} (min_requests "
+                          f"{self.scenario.min_requests}), still on trial")
             elif self._ending(now):
                 self.fail("rollout", f"at {self.at(now)} step {self.ref_step} (began at "
                           f"{self.at(self.ref_started)}) lasted step_s and the canary "
-                          f"answered {sum(self.ref_counts[CANARY])} in it, still on trial")
+                          f"answered {self._answers(CANARY)} in it, still on trial")
         self.compare(rollout, now)
 
     def compare(self, rollout: Any, now: float) -> None:
@@ -279,6 +311,11 @@ def controller_class(base: type, run: RolloutRun) -> type:
         def record(self, version: str, ok: bool, latency: float) -> None:
             run.on_record(version, ok)
             super().record(version, ok, latency)
+            run.after_change(self.rollout, trio.current_time())
+
+        def record_late(self, version: str) -> None:
+            run.on_record(version, "late")
+            super().record_late(version)
             run.after_change(self.rollout, trio.current_time())
 
         def _apply(self, events: list[Any]) -> None:
@@ -330,8 +367,14 @@ def config_of(sc: RolloutScenario) -> trioserve.Config:
         execution="inline",
         adaptive_limit=False,
     )
+    # the callers' class (realtime) has the scenario's deadline; the shadow's copies
+    # (the lowest class, batch) the model's: none
+    realtime, batch = attrs.fields(trioserve.Config).classes.default.factory()
+    if sc.timeout is not None:
+        realtime = attrs.evolve(realtime, timeout_ms=sc.timeout * TICK * 1000)
     return trioserve.Config(
         models=(model,),
+        classes=(realtime, batch),
         tenants=(trioserve.TenantConfig(name="t", default=True),),
         runtime=trioserve.RuntimeLimits(queue_bound=256, graceful_timeout_s=1.0),
     )
@@ -403,14 +446,28 @@ def _check_end(run: RolloutRun, rt: trioserve.Runtime) -> None:
         run.fail("rollout", f"at the end statistics say {stats['state']} at share "
                  f"{stats['share']:g}; the reference {run.ref_state} at "
                  f"{float(run.share()):g}")
-    expected: dict[tuple[str, bool], int] = {}
+    expected: dict[tuple[str, bool | str], int] = {}
+    loose: dict[str, int] = {}
     for i, call in enumerate(sc.calls):
-        _check_call(run, i, call, expected)
+        _check_call(run, i, call, expected, loose)
     recorded = {k: v for k, v in run.recorded.items() if v}
-    if recorded != expected:
+    if not loose and recorded != expected:
         run.fail("rollout", f"the outcomes recorded for the rollout, (version, ok) -> n: "
-                 f"{dict(sorted(recorded.items()))}; the callers' routed items say "
-                 f"{dict(sorted(expected.items()))}")
+                 f"{dict(sorted(recorded.items(), key=str))}; the callers' routed items "
+                 f"say {dict(sorted(expected.items(), key=str))}")
+    # The items of calls whose parts failed apart (only the first part's error
+    # reached the caller) are each recorded once, as one of the three.
+    kinds = (True, False, "late")
+    for v in sorted({k[0] for k in (*recorded, *expected)} | set(loose)) if loose else ():
+        got = {k: recorded.get((v, k), 0) for k in kinds}
+        want = {k: expected.get((v, k), 0) for k in kinds}
+        more = loose.get(v, 0)
+        if sum(got.values()) != sum(want.values()) + more or any(
+            not want[k] <= got[k] <= want[k] + more for k in kinds
+        ):
+            run.fail("rollout", f"version {v}'s outcomes recorded for the rollout "
+                     f"(ok, error, late): {got}; the callers say {want} and {more} "
+                     "more items, each one of the three")
     if sc.shadow:
         got = controller.shadow_results
         ran = {k: got[k] for k in ("match", "mismatch", "error", "dropped")}
@@ -434,7 +491,7 @@ def _check_end(run: RolloutRun, rt: trioserve.Runtime) -> None:
 
 
 def _check_call(run: RolloutRun, i: int, call: RCall,
-                expected: dict[tuple[str, bool], int]) -> None:
+                expected: dict[tuple[str, bool | str], int], loose: dict[str, int]) -> None:
     sc = run.scenario
     what = f"call #{i} (at tick {call.at}, inputs {list(call.xs)}, version {call.version})"
     outcome = run.outcomes.get(i)
@@ -456,13 +513,24 @@ def _check_call(run: RolloutRun, i: int, call: RCall,
         parts: dict[str, list[int]] = {}
         for x, v in zip(call.xs, versions, strict=True):
             parts.setdefault(v, []).append(x)
+        kind, value = outcome
+        late = isinstance(value, DeadlineExceeded)
         for v, xs in parts.items():
-            ok = not any(_bad(sc, v, x) for x in xs)
+            ok: bool | str = not any(_bad(sc, v, x) for x in xs)
+            if kind == "error" and sc.timeout is not None and len(parts) > 1:
+                # one part's error reached the caller: with deadlines each part may
+                # have been late, run past its deadline, failed or answered
+                loose[v] = loose.get(v, 0) + len(xs)
+                continue
+            if late:
+                ok = "late" if value.in_queue else False
+                note("rollout", "late" if value.in_queue else "deadline while running")
             expected[v, ok] = expected.get((v, ok), 0) + len(xs)
     should_fail = any(_bad(sc, v, x) for x, v in zip(call.xs, versions, strict=True))
     kind, value = outcome
     if kind == "error":
-        if not should_fail or not isinstance(value, ModelError):
+        deadline = sc.timeout is not None and isinstance(value, DeadlineExceeded)
+        if not deadline and (not should_fail or not isinstance(value, ModelError)):
             run.fail("outcome", f"{what}, routed to {versions}, raised {value!r}")
         return
     if should_fail:

@@ -37,7 +37,9 @@ class RolloutScenario:
     """``canary``: version 2 on trial (else no canary: state stable); ``shadow``:
     version 3 gets copies of stable's answers. ``step_s`` in ticks. ``latency``: each
     version's time per batch (ticks). ``bad``: the inputs the canary raises on,
-    ``shadow_bad`` those the shadow raises on."""
+    ``shadow_bad`` those the shadow raises on. ``timeout``: the callers' deadline
+    (ticks; None: none), so that their requests may pass it in a queue (late) or
+    while their batch runs; the shadow's copies have none."""
 
     canary: bool = True
     shadow: bool = False
@@ -52,6 +54,7 @@ class RolloutScenario:
     latency: tuple[int, int, int] = (0, 0, 0)
     bad: tuple[int, ...] = ()
     shadow_bad: tuple[int, ...] = ()
+    timeout: int | None = None
     calls: tuple[RCall, ...] = ()
 
 
@@ -76,6 +79,7 @@ _SHADOW_SHARE = st.sampled_from([1.0, 1.0, 0.5, 0.3])
 _LATENCY = st.sampled_from([0, 0, 1, 2, 4, 8])
 _BAD = st.sampled_from([(), (), (), (7,), (3, 7), (0, 1, 2, 3)])
 _SHADOW_BAD = st.sampled_from([(), (), (5,)])
+_TIMEOUT = st.sampled_from([None, None, None, 1, 2, 4, 8])
 
 
 @st.composite
@@ -104,6 +108,7 @@ def rollout_scenarios(draw: st.DrawFn) -> RolloutScenario:
         max_batch_size=draw(st.integers(1, 3)),
         latency=(draw(_LATENCY), draw(_LATENCY), draw(_LATENCY)),
         bad=draw(_BAD),
+        timeout=draw(_TIMEOUT),
         calls=tuple(timed),
         **kw,
     )
