@@ -36,13 +36,11 @@ import trio.testing
 import trioserve
 import trioserve.actors
 from hypothesis import strategies as st
-from hypothesis.internal.entropy import deterministic_PRNG
 from trioserve import ActorClosed, ModelBackend, TensorSpec
 from trioserve.actors._scaling import serves
 
-from ._checker import InvariantViolation
 from ._product import PRODUCT, Product
-from ._runtime import _tasks
+from ._runtime import _tasks, raise_first, replay
 from ._stats import count_example, expect, note
 
 TICK = 0.25  # trio seconds
@@ -445,10 +443,4 @@ def run_autoscale_scenario(scenario: AutoscaleScenario, product: Product = PRODU
     """Play ``scenario`` against ``product``; raise InvariantViolation on the first
     broken invariant."""
     count_example("autoscale")
-    run = AutoscaleRun(scenario=scenario, product=product)
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    with deterministic_PRNG(0):
-        trio.run(_play, run, clock=clock)
-    if run.violations:
-        invariant, text = run.violations[0]
-        raise InvariantViolation(invariant, text)
+    raise_first(replay(_play, AutoscaleRun(scenario=scenario, product=product)).violations)

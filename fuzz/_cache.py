@@ -53,7 +53,6 @@ import trio
 import trio.testing
 import trioserve
 import trioserve.actors
-from hypothesis.internal.entropy import deterministic_PRNG
 from trioserve import ModelBackend, TensorSpec
 
 from ._cache_checks import GEN, KEY, MODEL, RUN, check_cache
@@ -61,7 +60,7 @@ from ._cache_scenario import HORIZON_S, TICK, Ask, CacheScenario, Invalidate
 from ._cache_scenario import cache_scenarios as cache_scenarios
 from ._checker import InvariantViolation
 from ._product import PRODUCT, Product
-from ._runtime import Outcome, _tasks
+from ._runtime import Outcome, _tasks, replay
 from ._stats import count_example
 
 # ---------------------------------------------------------------- the model
@@ -536,8 +535,4 @@ def run_cache_scenario(scenario: CacheScenario, product: Product = PRODUCT) -> N
 def play_cache(scenario: CacheScenario, product: Product = PRODUCT) -> CacheRun:
     """Play ``scenario`` and return what happened, unchecked. Deterministic (trio's
     scheduler seeded as in a hypothesis example)."""
-    run = CacheRun(scenario=scenario, product=product)
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    with deterministic_PRNG(0):
-        trio.run(_play, run, clock=clock)
-    return run
+    return replay(_play, CacheRun(scenario=scenario, product=product))

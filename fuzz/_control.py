@@ -34,12 +34,10 @@ import trioserve
 import trioserve._control as _control_module
 import trioserve.actors
 from hypothesis import strategies as st
-from hypothesis.internal.entropy import deterministic_PRNG
 from trioserve import ModelBackend, TensorSpec, UnknownModel
 
-from ._checker import InvariantViolation
 from ._product import PRODUCT, Product
-from ._runtime import _tasks
+from ._runtime import _tasks, raise_first, replay
 from ._stats import count_example, expect, note
 
 TICK = 2.0**-10
@@ -372,10 +370,4 @@ def run_control_scenario(scenario: ControlScenario, product: Product = PRODUCT) 
     """Play ``scenario`` against ``product``; raise InvariantViolation on the first
     broken invariant."""
     count_example("control")
-    run = ControlRun(scenario=scenario, product=product)
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    with deterministic_PRNG(0):
-        trio.run(_play, run, clock=clock)
-    if run.violations:
-        invariant, text = run.violations[0]
-        raise InvariantViolation(invariant, text)
+    raise_first(replay(_play, ControlRun(scenario=scenario, product=product)).violations)

@@ -49,14 +49,12 @@ import trio
 import trio.testing
 import trioserve
 import trioserve.actors
-from hypothesis.internal.entropy import deterministic_PRNG
 from trioserve import DeadlineExceeded, ModelBackend, ModelError, TensorSpec
 
-from ._checker import InvariantViolation
 from ._product import PRODUCT, Product
 from ._rollout_scenario import HORIZON_S, TICK, RCall, RolloutScenario
 from ._rollout_scenario import rollout_scenarios as rollout_scenarios
-from ._runtime import _tasks
+from ._runtime import _tasks, raise_first, replay
 from ._stats import count_example, expect, note
 
 X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
@@ -562,10 +560,4 @@ def run_rollout_scenario(scenario: RolloutScenario, product: Product = PRODUCT) 
     """Play ``scenario`` against ``product``; raise InvariantViolation on the first
     broken invariant."""
     count_example("rollout")
-    run = RolloutRun(scenario=scenario, product=product)
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    with deterministic_PRNG(0):
-        trio.run(_play, run, clock=clock)
-    if run.violations:
-        invariant, text = run.violations[0]
-        raise InvariantViolation(invariant, text)
+    raise_first(replay(_play, RolloutRun(scenario=scenario, product=product)).violations)

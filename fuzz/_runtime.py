@@ -370,9 +370,22 @@ def play(scenario: Scenario, product: Product = PRODUCT) -> Run:
     """Play ``scenario`` and return what happened, unchecked. Deterministic: trio's
     scheduler is seeded as in a hypothesis example (importing hypothesis makes its
     task order depend on that seed only), so a pasted reproduction replays exactly."""
-    run = Run(scenario=scenario, product=product)
+    return replay(_play, Run(scenario=scenario, product=product))
+
+
+def replay(play_fn: Any, run: Any) -> Any:
+    """Run ``play_fn(run)`` under trio on an autojumping MockClock, trio's scheduler
+    seeded as in a hypothesis example, so a pasted reproduction replays exactly;
+    return ``run``. Every suite that drives a runtime plays through this."""
     clock = trio.testing.MockClock(autojump_threshold=0)
     with deterministic_PRNG(0):
-        trio.run(_play, run, clock=clock)
+        trio.run(play_fn, run, clock=clock)
     return run
+
+
+def raise_first(violations: list[tuple[str, str]]) -> None:
+    """Raise the first of a run's recorded violations (invariant, text), if any."""
+    if violations:
+        invariant, text = violations[0]
+        raise InvariantViolation(invariant, text)
 
