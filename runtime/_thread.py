@@ -81,6 +81,21 @@ class Client:
         version if given) and return how many, in the runtime's thread."""
         return self._call(self._read, "invalidate_cache", model, version)
 
+    def load_model(self, model: str) -> None:
+        """Blocking ``Runtime.load_model`` (explicit model control): load or reload
+        ``model``; returns once the new copy serves."""
+        self._call(self._await, "load_model", model)
+
+    def unload_model(self, model: str) -> None:
+        """Blocking ``Runtime.unload_model``: returns once the model is unloaded
+        (its admitted requests answered, its replicas released)."""
+        self._call(self._await, "unload_model", model)
+
+    def model_state(self, model: str) -> tuple[str, str]:
+        """``Runtime.model_state()``: READY, UNAVAILABLE, LOADING or UNLOADING, and
+        why, read in the runtime's thread."""
+        return self._call(self._read, "model_state", model)
+
     # ---- trio side
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
@@ -106,6 +121,10 @@ class Client:
     async def _read(self, name: str, *args: Any) -> Any:
         self._check_open()
         return getattr(self.runtime, name)(*args)
+
+    async def _await(self, name: str, *args: Any) -> Any:
+        self._check_open()
+        return await getattr(self.runtime, name)(*args)
 
     async def _one(
         self, model: str, inputs: Any, tenant: Any, priority: Any, version: Any,

@@ -381,3 +381,31 @@ def test_leaving_the_block_answers_every_thread_in_flight_with_actor_closed():
     assert sorted(got) == [0, 1, 2, 3, 4]
     assert all(isinstance(e, ActorClosed) for e in got.values()), got
     assert len(gate.seen) == 1  # the queued ones never ran
+
+
+def test_the_blocking_client_loads_and_unloads_under_explicit_control():
+    """The blocking client had no model control: load_model, unload_model and
+    model_state now call the runtime's, in its thread, with its errors."""
+    cfg = trioserve.Config(
+        models=(
+            ModelConfig(name="echo", backend="echo", max_wait_ms=1),
+            ModelConfig(name="later", backend="echo", max_wait_ms=1, load_at_start=False),
+        ),
+        tenants=(TenantConfig(name="t", default=True),),
+        server=trioserve.ServerConfig(model_control="explicit"),
+    )
+    x = {"x": np.arange(3, dtype=np.float32)}
+    with trioserve.serve_in_thread(cfg) as client:
+        assert client.model_state("later") == ("UNAVAILABLE", "not loaded")
+        with pytest.raises(trioserve.UnknownModel, match="'later' is not loaded"):
+            client.infer("later", x)
+        client.load_model("later")
+        assert client.model_state("later") == ("READY", "")
+        assert client.infer("later", x)["x"].tolist() == [0.0, 1.0, 2.0]
+        client.unload_model("later")
+        assert client.model_state("later") == ("UNAVAILABLE", "unloaded")
+        with pytest.raises(trioserve.UnknownModel, match="unknown model 'nope'"):
+            client.load_model("nope")
+    with trioserve.serve_in_thread(config(ModelConfig(name="echo", backend="echo"))) as client:
+        with pytest.raises(ConfigError, match="model control is off"):
+            client.unload_model("echo")
