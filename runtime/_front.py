@@ -23,17 +23,15 @@ from ._errors import (
     ActorClosed,
     Forbidden,
     InvalidInput,
-    ModelError,
     TrioserveError,
     Unauthorized,
     UnknownModel,
-    exception_text,
 )
 from ._hedging import _Hedging
 from ._many import _ManyItems
 from ._messages import CANCELLED, Reply, Request
 from ._model import item_list
-from ._outcomes import _never_ran, _note_withdrawal
+from ._outcomes import _never_ran, _note_withdrawal, _prepare_failed
 from ._served import ServedModel
 from ._statistics import _Statistics
 from ._versioned import _Versioned
@@ -452,13 +450,6 @@ class Runtime(_ManyItems, _Credits, _Hedging, _Versioned, _Statistics, _EdgeCach
                 for b in served.batchers:
                     await b.join_thread()
         self._grace_wait = None
-
-
-def _prepare_failed(model: str, exc: Exception) -> ModelError:
-    """A backend's own ``prepare`` raised something else than a trioserve error (a
-    KeyError of its own making, say): the model's error, naming it, so that a caller
-    only ever sees the documented errors (over HTTP a 500 with this message)."""
-    return ModelError(f"model {model!r}: preparing the inputs raised {exception_text(exc)}")
 
 
 async def _within_slo(slo: Any, call: Awaitable[T]) -> T:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import trio
 
-from ._errors import Overloaded, TrioserveError
+from ._errors import ModelError, Overloaded, TrioserveError, exception_text
 from ._messages import CANCELLED, Request
 
 
@@ -43,3 +43,10 @@ def _never_ran(exc: BaseException) -> bool:
     return isinstance(exc, Overloaded) or (
         isinstance(exc, TrioserveError) and exc.in_queue
     )
+
+
+def _prepare_failed(model: str, exc: Exception) -> ModelError:
+    """A backend's own ``prepare`` raised something else than a trioserve error (a
+    KeyError of its own making, say): the model's error, naming it, so that a caller
+    only ever sees the documented errors (over HTTP a 500 with this message)."""
+    return ModelError(f"model {model!r}: preparing the inputs raised {exception_text(exc)}")

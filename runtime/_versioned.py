@@ -24,6 +24,7 @@ from ._config_checks import _key
 from ._errors import ActorBroken, ConfigError, DeadlineExceeded, ModelError, TrioserveError
 from ._messages import Reply, Request
 from ._model import ModelBackend, _unstack, item_list
+from ._outcomes import _prepare_failed
 from ._served import ServedModel
 from ._versions_config import VersionList
 
@@ -81,6 +82,16 @@ class Family:
         it was queued (never answered)."""
         if self.controller is not None:
             self.controller.record_late(version)
+
+    def record_failure(self, version: str, exc: TrioserveError, latency: float, n: int = 1) -> None:
+        """``n`` unversioned requests routed to ``version`` failed with ``exc`` after
+        ``latency`` seconds: each an error of the model's, or late, or neither (the
+        caller's bad input, shedding, the runtime's close)."""
+        for _ in range(n):
+            if counts_against(exc):
+                self.record(version, False, latency)
+            elif counts_late(exc):
+                self.record_late(version)
 
 
 def version_backends(m: ModelConfig, base: ModelBackend) -> dict[str, ModelBackend]:
@@ -211,10 +222,7 @@ class _Versioned:
                 model, inputs, tenant=tenant, priority=priority, version=version
             )
         except TrioserveError as exc:
-            if counts_against(exc):
-                family.record(version, False, trio.current_time() - t0)
-            elif counts_late(exc):
-                family.record_late(version)
+            family.record_failure(version, exc, trio.current_time() - t0)
             raise
         family.record(version, True, trio.current_time() - t0)
         if family.controller is not None:
@@ -260,12 +268,7 @@ class _Versioned:
                     version=version,
                 )
             except TrioserveError as exc:
-                if counts_against(exc):
-                    for _ in index:
-                        family.record(version, False, trio.current_time() - t0)
-                elif counts_late(exc):
-                    for _ in index:
-                        family.record_late(version)
+                family.record_failure(version, exc, trio.current_time() - t0, len(index))
                 errors[index[0]] = exc
                 return
             for i, value in zip(index, values, strict=True):
@@ -301,7 +304,7 @@ class _Versioned:
         except TrioserveError:
             raise
         except Exception as exc:
-            raise ModelError(f"model {model!r}: preparing a shadow's copy raised {exc!r}") from exc
+            raise _prepare_failed(model, exc) from exc
         now = trio.current_time()
         reply = Reply()
         request = Request(
