@@ -7,6 +7,7 @@ retiring, or is retired while its dead worker's successor waits, ends at once.""
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import trio
 import trio.testing
@@ -51,6 +52,28 @@ class FirstLosesItsDevice(trioserve.ModelBackend):
         return run
 
 
+def two_replicas(backend: FirstLosesItsDevice, devices: tuple[str, ...]) -> trioserve.Config:
+    """Two replicas of ``backend`` on ``devices``, one request per batch, scaled
+    between one and two by looks every second that act at once."""
+    return config(ModelConfig(
+        name="m", backend=backend, devices=devices, replicas=2, max_batch_size=1,
+        max_wait_ms=0, timeout_ms=None, autoscaling=AutoscalingConfig(
+            min_replicas=1, max_replicas=2, target_queued_per_replica=4,
+            upscale_delay_s=0, downscale_delay_s=0, interval_s=1,
+        ),
+    ))
+
+
+async def answer_into(answers: dict, answered: trio.Event, runtime, x: float) -> None:
+    """Infer ``x`` on ``runtime()``'s model "m": ``answers[x]`` is its ``y`` or the
+    error; ``answered`` is set after each."""
+    try:
+        answers[x] = float((await runtime().infer("m", item(x)))["y"][0])
+    except trioserve.TrioserveError as exc:
+        answers[x] = exc
+    answered.set()
+
+
 async def test_the_queue_is_retired_when_the_last_replica_that_serves_it_retires(
     autojump_clock, lose_devices
 ):
@@ -61,22 +84,10 @@ async def test_the_queue_is_retired_when_the_last_replica_that_serves_it_retires
     model's error at once. Before, the queue stayed open and every later request
     waited for a replica that would never come (here, with no timeout, for ever)."""
     backend = FirstLosesItsDevice(lose_devices)
-    cfg = config(ModelConfig(
-        name="m", backend=backend, devices=("cpu:0",), replicas=2, max_batch_size=1,
-        max_wait_ms=0, timeout_ms=None, autoscaling=AutoscalingConfig(
-            min_replicas=1, max_replicas=2, target_queued_per_replica=4,
-            upscale_delay_s=0, downscale_delay_s=0, interval_s=1,
-        ),
-    ))
+    cfg = two_replicas(backend, ("cpu:0",))
     answers: dict = {}
     answered = trio.Event()  # the first answer came
-
-    async def call(x: float) -> None:
-        try:
-            answers[x] = float((await rt.infer("m", item(x)))["y"][0])
-        except trioserve.TrioserveError as exc:
-            answers[x] = exc
-        answered.set()
+    call = partial(answer_into, answers, answered, lambda: rt)
 
     try:
         async with trioserve.open_runtime(cfg) as rt:
@@ -159,23 +170,10 @@ async def test_a_replica_that_loses_its_device_while_retiring_ends_and_leaves(
     slept for ever, retired or not: it stayed registered, and the controller's wait
     for it never ended."""
     backend = FirstLosesItsDevice(lose_devices, loser=1)
-    cfg = config(ModelConfig(
-        name="m", backend=backend, devices=("cpu:0", "cpu:1"), replicas=2,
-        max_batch_size=1, max_wait_ms=0, timeout_ms=None,
-        autoscaling=AutoscalingConfig(
-            min_replicas=1, max_replicas=2, target_queued_per_replica=4,
-            upscale_delay_s=0, downscale_delay_s=0, interval_s=1,
-        ),
-    ))
+    cfg = two_replicas(backend, ("cpu:0", "cpu:1"))
     answers: dict = {}
     answered = trio.Event()  # the first answer came
-
-    async def call(x: float) -> None:
-        try:
-            answers[x] = float((await rt.infer("m", item(x)))["y"][0])
-        except trioserve.TrioserveError as exc:
-            answers[x] = exc
-        answered.set()
+    call = partial(answer_into, answers, answered, lambda: rt)
 
     try:
         async with trioserve.open_runtime(cfg) as rt:
