@@ -380,7 +380,7 @@ class ServerConfig:
 
     host: str = _field(_str, "127.0.0.1")
     port: int = _field(_port, 8000)
-    control_port: int | None = _field(_opt_int(0), None)
+    control_port: int | None = _field(_opt_int(0, 65535), None)
     max_body_bytes: int = _field(_int(1, MAX_BODY_BYTES), 16 * 1024 * 1024)
     #: an idle keep-alive HTTP connection is closed after this long
     keep_alive_timeout_s: float = _field(_number(0.0, strict=True), 75.0)

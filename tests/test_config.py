@@ -305,6 +305,10 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
             "server.port: must be a port number, 0 to 65535 (0: any free port), got 70000",
         ),
         (
+            "[models.m]\nbackend = 'echo'\n[server]\ncontrol_port = 70000\n",
+            "server.control_port: must be an integer <= 65535, got 70000",
+        ),
+        (
             "[models.m]\nbackend = 'echo'\n[server]\nwrite_timeout_s = 0\n",
             "server.write_timeout_s: must be a finite number > 0.0, got 0",
         ),
