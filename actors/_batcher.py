@@ -42,6 +42,7 @@ from trioserve import (
     ModelConfig,
     ModelError,
     ModelLoadError,
+    RayReplica,
     Request,
     WorkerProcess,
     check_outputs,
@@ -163,8 +164,10 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         self._scheduler = scheduler
         self._metrics = metrics
         self._inline = execution == "inline"
-        self._process = execution == "process"
-        self._worker: WorkerProcess | None = None
+        # on Ray, a replica's actor is driven as a worker process is (RayReplica)
+        self._process = execution in ("process", "ray")
+        self._ray = execution == "ray"
+        self._worker: WorkerProcess | RayReplica | None = None
         self._torch_threads = torch_threads
         self._zygote = zygote
         self._timer = timer if timer is not None else BatchTimer(StragglerPolicy())
@@ -336,9 +339,17 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
 
     # ------------------------------------------------------------------ worker process
     async def _start_worker(self) -> None:
-        worker = WorkerProcess(
-            self._config, self._backend, self.device, self._torch_threads, zygote=self._zygote
-        )
+        worker: Any
+        if self._ray:
+            worker = RayReplica(
+                self._config, self._backend, self.device, self._torch_threads,
+                name=f"{self.model}#{self.index}",
+            )
+        else:
+            worker = WorkerProcess(
+                self._config, self._backend, self.device, self._torch_threads,
+                zygote=self._zygote,
+            )
         try:
             await self._load(worker.start)
         except BaseException:

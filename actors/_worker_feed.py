@@ -135,13 +135,13 @@ class WorkerFeed:
         are in flight: while it runs one, the next are already staged in shared
         memory, so the device never waits on the event loop. It still pulls only
         when its device has room."""
-        slots = WorkerProcess.SLOTS
+        worker = self._worker
+        assert worker is not None
+        slots = worker.SLOTS  # a WorkerProcess's, or a RayReplica's
         room = trio.Semaphore(slots)
         sent_send, sent_recv = trio.open_memory_channel[tuple[list[Request], float]](slots)
         pull = self._scheduler.pull
         twins = self._scheduler.twins
-        worker = self._worker
-        assert worker is not None
         retirable = self._retirable
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._collect, worker, sent_recv, room)

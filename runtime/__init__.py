@@ -45,6 +45,9 @@ from ._model import check_outputs as check_outputs
 from ._model import device_lost as device_lost
 from ._model import load_runner as load_runner
 from ._process import WorkerProcess as WorkerProcess
+from ._ray import RayReplica as RayReplica
+from ._ray_config import RayConfig as RayConfig
+from ._ray_config import RayReplicaConfig as RayReplicaConfig
 
 # The assembly: imports trioserve.actors, which imports the names above.
 from ._runtime import open_runtime as open_runtime

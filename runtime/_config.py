@@ -39,10 +39,11 @@ from ._config_checks import (
 )
 from ._errors import ConfigError
 from ._model import ModelBackend
+from ._ray_config import RayConfig, RayReplicaConfig, ray_config, ray_replica
 
 BUILTIN_BACKENDS = ("mlp", "echo", "sleep", "minilm")
 OVERSIZE_POLICIES = ("reject", "alone", "split")
-EXECUTIONS = ("thread", "inline", "process")
+EXECUTIONS = ("thread", "inline", "process", "ray")
 OVER_QUOTA = ("reject", "wait")
 MODEL_CONTROL = ("none", "explicit")
 
@@ -152,6 +153,11 @@ class ModelConfig:
         _number(0.0, strict=True, optional=True, maximum=MAX_LOAD_TIMEOUT_S), 600.0
     )
     execution: str | None = _field(_choice(EXECUTIONS, optional=True), None)
+    #: each replica's Ray actor options (``RayReplicaConfig``), with execution = "ray"
+    ray: RayReplicaConfig | None = attrs.field(
+        default=None,
+        converter=attrs.Converter(lambda v, m: ray_replica(v, m._path()), takes_self=True),
+    )
     adaptive_limit: bool = _field(_bool, True)
     batch_timeout_factor: float = _field(_number(1.0), 4.0)
     batch_timeout_floor_ms: float = _field(_number(0.0, strict=True), 1000.0)
@@ -212,6 +218,27 @@ class ModelConfig:
                 f"{path}.max_replicas: must be >= the replicas the model starts with "
                 f"({start}: replicas, or one per device), got {hi}"
             )
+
+    @ray.validator
+    def _check_ray(self, attribute: attrs.Attribute, value: Any) -> None:
+        path = self._path()
+        if value is not None and not isinstance(value, RayReplicaConfig):
+            raise ConfigError(
+                f"{path}.ray: must be a table (a RayReplicaConfig), got {_shown(value)}"
+            )
+        if value is not None and self.execution != "ray":
+            raise ConfigError(
+                f'{path}.ray: Ray actor options do nothing unless execution = "ray" '
+                f"(got {_shown(self.execution)}); set execution = \"ray\", or leave ray out"
+            )
+        if self.execution == "ray" and (value is None or value.num_gpus == 0):
+            cuda = [d for d in self.devices if d.startswith("cuda")]
+            if cuda:
+                raise ConfigError(
+                    f"{path}.devices: {cuda[0]} on Ray needs a GPU from Ray: set "
+                    f"{path}.ray.num_gpus (a replica on Ray loads on the GPU Ray gives "
+                    "it; devices only count its replicas)"
+                )
 
     @slo_target.validator
     def _check_slo_target(self, attribute: attrs.Attribute, value: Any) -> None:
@@ -430,12 +457,14 @@ class Config:
     runtime: RuntimeLimits = attrs.field(factory=RuntimeLimits)
     server: ServerConfig = attrs.field(factory=ServerConfig)
     cache: CacheConfig = attrs.field(factory=CacheConfig)
+    ray: RayConfig = attrs.field(factory=RayConfig, converter=ray_config)
 
     def __attrs_post_init__(self) -> None:
         for kind, value, cls in (
             ("runtime", self.runtime, RuntimeLimits),
             ("server", self.server, ServerConfig),
             ("cache", self.cache, CacheConfig),
+            ("ray", self.ray, RayConfig),
         ):
             if not isinstance(value, cls):
                 raise ConfigError(f"{kind}: must be a {cls.__name__}, got {_shown(value)}")
@@ -528,7 +557,7 @@ def _unique(kind: str, names: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- TOML
-_TOP_KEYS = ("models", "tenants", "classes", "runtime", "server", "cache")
+_TOP_KEYS = ("models", "tenants", "classes", "runtime", "server", "cache", "ray")
 
 
 def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
@@ -551,7 +580,7 @@ def _did_you_mean(key: Any, names: list[str] | tuple[str, ...]) -> str:
 def config_from_mapping(data: Mapping[str, Any]) -> Config:
     """Build a Config from a parsed TOML document (``[models.NAME]``, ``[tenants.NAME]``,
     ``[classes.NAME]`` (in priority order, highest first), ``[runtime]``, ``[server]``,
-    ``[cache]``)."""
+    ``[cache]``, ``[ray]``)."""
     for key in data:
         if key not in _TOP_KEYS:
             raise ConfigError(f"{key}: unknown key;{_did_you_mean(key, _TOP_KEYS)} "
@@ -583,6 +612,8 @@ def config_from_mapping(data: Mapping[str, Any]) -> Config:
         kw["server"] = _build(ServerConfig, data["server"], "server")
     if "cache" in data:
         kw["cache"] = _build(CacheConfig, data["cache"], "cache")
+    if "ray" in data:
+        kw["ray"] = _build(RayConfig, data["ray"], "ray")
     return Config(**kw)
 
 

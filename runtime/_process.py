@@ -229,13 +229,7 @@ class WorkerProcess:
         n, out = reply[1], reply[2]
         self.busy_seconds += reply[3]
         self.last_run_seconds = reply[3]
-        if isinstance(out, dict):
-            names = list(out)
-            if len(names) == 1:
-                name, arr = names[0], out[names[0]]
-                return [{name: row} for row in arr[:n]]
-            return [{k: out[k][i] for k in names} for i in range(n)]
-        return out
+        return unstack_outputs(n, out)
 
     def _stack(self, items: list[dict[str, Any]], base: int) -> list[tuple] | None:
         # Stack fixed-shape numeric inputs straight into a shared-memory slot, by the
@@ -444,6 +438,18 @@ def _stack_into(flat: np.ndarray, arrays: list[np.ndarray], shape: tuple[int, ..
         np.stack(arrays, out=flat)
         return
     np.concatenate(arrays, out=flat.reshape((len(arrays) * shape[0], *shape[1:])))
+
+
+def unstack_outputs(n: int, out: Any) -> list[Any]:
+    """A worker's outputs of ``n`` items as one per item: {name: stacked array} as
+    rows, a list (items of different outputs, or an item's error) as it is."""
+    if isinstance(out, dict):
+        names = list(out)
+        if len(names) == 1:
+            name, arr = names[0], out[names[0]]
+            return [{name: row} for row in arr[:n]]
+        return [{k: out[k][i] for k in names} for i in range(n)]
+    return out
 
 
 def _portable(cfg: ModelConfig, backend: Any) -> ModelConfig:

@@ -20,6 +20,8 @@ from ._config import DEFAULT_SLO_TARGET, Config, ModelConfig, given_config
 from ._errors import ActorClosed, ConfigError, ModelLoadError
 from ._front import Runtime
 from ._model import ModelBackend
+from ._ray import check_ray_installed, start_ray, stop_ray
+from ._ray_config import RayReplicaConfig
 from ._rollout_start import start_rollout
 from ._served import ServedModel
 from ._versioned import start_family, version_backends
@@ -85,6 +87,10 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     limits_cfg = config.runtime
     _check_devices(config)
     backends = {m.name: resolve_backend(m) for m in config.models}
+    on_ray = [
+        m for m in config.models if (m.execution or backends[m.name].default_execution) == "ray"
+    ]
+    check_ray_installed(on_ray)
     # versions with weights of their own (runtime/_versioned.py)
     own = {m.name: version_backends(m, backends[m.name]) for m in config.models}
     policy = RestartPolicy(
@@ -95,6 +101,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     rt = Runtime(config)
     _make_buckets(rt, trio.current_time())
     zygote: Zygote | None = None
+    ray_started = False  # we connected this process to Ray: we disconnect it
     watchdog = Watchdog()
     watchdog.start()
     switch_interval = limits_cfg.switch_interval_us * 1e-6
@@ -119,6 +126,9 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                         raise ModelLoadError(
                             f"worker processes cannot start: {exc}"
                         ) from exc
+                if on_ray:
+                    # once per runtime, before any replica's actor is created
+                    ray_started = await start_ray(config.ray)
                 await _start_cache(nursery, rt, policy)
                 if config.server.model_control == "explicit":
                     await _start_control(nursery, rt, backends, policy, zygote, watchdog)
@@ -169,6 +179,8 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
         watchdog.stop()
         if zygote is not None:
             await zygote.aclose()
+        if ray_started:  # after the batchers killed their actors
+            await stop_ray()
     if body_error is not None:
         raise body_error
 
@@ -211,7 +223,11 @@ def _make_buckets(rt: Runtime, now: float) -> None:
 
 
 def _check_devices(config: Config) -> None:
-    wanted = {(m.name, d) for m in config.models for d in m.devices if d.startswith("cuda")}
+    # (a replica on Ray loads on the GPU Ray gives it, on whichever machine)
+    wanted = {
+        (m.name, d) for m in config.models if m.execution != "ray"
+        for d in m.devices if d.startswith("cuda")
+    }
     if not wanted:
         return
     import torch
@@ -414,7 +430,10 @@ async def _start_model(
 
     async def start_replica(index: int, device: str, lane: Any = scheduler) -> Any:
         """Start replica ``index`` on ``device``, registered with the model and its
-        lane; returns it once its model is loaded (the autoscaler adds replicas so)."""
+        lane; returns it once its model is loaded (the autoscaler adds replicas so).
+        On Ray, ``device`` only counts the replica: its actor loads where Ray puts it."""
+        if execution == "ray":
+            device = (m.ray or RayReplicaConfig()).device
         batcher = BatcherActor(
             config=m,
             backend=backend,

@@ -1,0 +1,235 @@
+"""Replicas on Ray (``execution = "ray"``): each replica a Ray actor, driven by the
+batcher's worker feed as a worker process is. One local Ray for the module (two
+CPUs); real clock throughout: the replicas run in Ray's processes, and the batch
+deadline's watchdog keeps wall time."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+ray = pytest.importorskip("ray")
+
+import ray_models  # noqa: E402
+import trioserve  # noqa: E402
+from runtime_helpers import X, Y, call_all, config, item, pythonpath_with  # noqa: E402
+from trioserve import (  # noqa: E402
+    ActorClosed,
+    CallableBackend,
+    ModelConfig,
+    ModelError,
+    ModelLoadError,
+    RayReplica,
+)
+from trioserve._builtin import resolve_backend  # noqa: E402
+from trioserve._ray import start_ray, wait_ref  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+NAMESPACE = "trioserve-tests"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        namespace=NAMESPACE,
+        log_to_driver=False,
+        # where the actors find ray_models
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath_with(TESTS)}},
+    )
+    yield
+    ray.shutdown()
+
+
+def actors() -> list[str]:
+    """The names of the live Ray actors of replicas."""
+    return sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("trioserve:")
+    )
+
+
+def on_ray(name: str = "m", **cfg) -> ModelConfig:
+    """A model running ``ray_models.doubled`` on Ray, half a CPU per replica (two
+    replicas fit the module's two CPUs)."""
+    cfg.setdefault("ray", {"num_cpus": 0.5})
+    backend = CallableBackend(ray_models.doubled, inputs=(X,), outputs=(Y,))
+    return ModelConfig(name=name, backend=backend, execution="ray", **cfg)
+
+
+async def test_mlp_on_two_ray_replicas_answers_as_the_model_does_here():
+    cfg = config(ModelConfig(
+        name="mlp", backend="mlp", execution="ray", replicas=2, max_batch_size=8,
+        max_wait_ms=5.0, ray={"num_cpus": 0.5},
+    ))
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(256).astype(np.float32) for _ in range(40)]
+    local = resolve_backend(cfg.models[0]).load("cpu")
+    want = [o["y"] for o in local([{"x": x} for x in xs])]
+    async with trioserve.open_runtime(cfg) as rt:
+        assert len(actors()) == 2
+        assert [b.device for b in rt.models["mlp"].batchers] == ["cpu", "cpu"]
+        one = await rt.infer("mlp", {"x": xs[0]})
+        np.testing.assert_allclose(one["y"], want[0], rtol=1e-5, atol=1e-6)
+        assert one["y"].flags.writeable  # the caller's own, not Ray's read-only view
+        got: dict[int, np.ndarray] = {}
+
+        async def batch(lo: int, hi: int) -> None:
+            outs = await rt.infer_batch("mlp", [{"x": x} for x in xs[lo:hi]])
+            got.update({lo + i: o["y"] for i, o in enumerate(outs)})
+
+        async with trio.open_nursery() as nursery:
+            for lo in range(0, 40, 10):
+                nursery.start_soon(batch, lo, lo + 10)
+        for i in range(40):
+            np.testing.assert_allclose(got[i], want[i], rtol=1e-5, atol=1e-6)
+        # both replicas ran batches
+        assert all(b.device_seconds > 0 for b in rt.models["mlp"].batchers)
+    assert actors() == []
+    assert ray.is_initialized()  # the module's Ray: not started here, left running
+
+
+async def test_a_model_error_on_ray_is_the_models_error_and_the_actor_goes_on():
+    async with trioserve.open_runtime(config(on_ray(max_batch_size=1))) as rt:
+        first = actors()
+        with pytest.raises(ModelError, match=r"x\[0\] == -3 is refused"):
+            await rt.infer("m", item(ray_models.RAISE))
+        out = await rt.infer("m", item(4.0))
+        assert float(out["y"][0]) == 8.0
+        assert actors() == first  # the same actor: a model error replaces nothing
+        assert rt.models["m"].batchers[0].workers_lost == 0
+
+
+async def test_an_actor_that_dies_mid_batch_is_replaced_and_its_batch_retried():
+    cfg = config(on_ray(replicas=2, max_batch_size=4, max_wait_ms=20, timeout_ms=None))
+    async with trioserve.open_runtime(cfg) as rt:
+        before = actors()
+        values = [1.0, 2.0, ray_models.CRASH, 3.0, 4.0, 5.0, 6.0, 7.0]
+        results = await call_all(rt, "m", [item(v) for v in values])
+        assert sorted(results) == list(range(len(values)))  # each answered, once
+        for i, v in enumerate(values):
+            out = results[i][0]
+            if v == ray_models.CRASH:
+                assert isinstance(out, ModelError)
+                assert "poison request" in str(out)
+            else:
+                assert float(out["y"][0]) == 2 * v, (v, out)
+        lost = sum(b.workers_lost for b in rt.models["m"].batchers)
+        assert lost >= 2  # its first batch, and each run of it alone
+        assert rt.statistics()["m"]["statuses"]["worker_lost"] == lost
+        # fresh actors (a successor may still be starting: its breaker spaces them)
+        assert not set(actors()) & set(before)
+        out = await rt.infer("m", item(9.0))  # and they serve
+        assert float(out["y"][0]) == 18.0
+    assert actors() == []
+
+
+async def test_a_straggler_past_the_batch_deadline_is_killed_and_replaced():
+    cfg = config(on_ray(
+        max_batch_size=1, poison_attempts=1, batch_timeout_floor_ms=500.0,
+        batch_timeout_cap_ms=500.0,
+    ))
+    async with trioserve.open_runtime(cfg) as rt:
+        before = actors()
+        start = trio.current_time()
+        with pytest.raises(ModelError, match="poison request"):
+            await rt.infer("m", item(ray_models.HANG))
+        assert trio.current_time() - start < 30  # cut off, not waited for (60 s)
+        batcher = rt.models["m"].batchers[0]
+        assert batcher.stragglers == 1
+        assert rt.statistics()["m"]["statuses"]["straggler"] == 1
+        out = await rt.infer("m", item(3.0))  # by its successor
+        assert float(out["y"][0]) == 6.0
+        after = actors()
+        assert len(after) == 1
+        assert after != before
+
+
+async def test_shutdown_with_batches_in_flight_answers_each_once_and_leaves_no_actor():
+    cfg = config(
+        on_ray(replicas=2, max_batch_size=2, max_wait_ms=0.0, timeout_ms=None),
+        graceful_timeout_s=0.1,
+    )
+    results: dict[int, object] = {}
+    async with trio.open_nursery() as nursery:
+        async with trioserve.open_runtime(cfg) as rt:
+            assert len(actors()) == 2
+
+            async def one(i: int, v: float) -> None:
+                try:
+                    results[i] = await rt.infer("m", item(v))
+                except ActorClosed as exc:
+                    results[i] = exc
+
+            for i in range(8):
+                nursery.start_soon(one, i, ray_models.SLOW if i % 2 else float(i))
+            # every caller waits, and each replica holds batches in its actor
+            await trio.testing.wait_all_tasks_blocked()
+            assert all(b._in_flight for b in rt.models["m"].batchers)
+    assert sorted(results) == list(range(8))
+    closed = [i for i, r in results.items() if isinstance(r, ActorClosed)]
+    assert closed  # a 1.5 s batch does not end within a grace of 0.1 s
+    for i, r in results.items():
+        if not isinstance(r, ActorClosed):
+            assert float(r["y"][0]) == 2 * i
+    assert actors() == []
+
+
+async def test_a_cancelled_wait_for_a_batch_abandons_it_and_the_actor_is_closed():
+    m = on_ray(max_batch_size=1)
+    replica = RayReplica(m, m.backend, "cpu", 1, name="m#0")
+    await replica.start()
+    try:
+        assert replica.alive
+        assert isinstance(replica.pid, int)
+        await replica.submit([item(ray_models.SLOW)])
+        with trio.move_on_after(0.2) as scope:
+            await replica.result()
+        assert scope.cancelled_caught
+        assert replica.in_flight == 1  # still the actor's: abandoned, not lost
+    finally:
+        await replica.aclose()
+    assert not replica.alive
+    assert actors() == []
+    with pytest.raises(RayReplica.Died):
+        await replica.submit([item(1.0)])
+
+
+async def test_wait_ref_is_a_checkpoint_and_cancellable_while_a_task_runs():
+    @ray.remote
+    def slow(x: float) -> float:
+        import time
+
+        time.sleep(1.0)
+        return 2 * x
+
+    ref = slow.remote(2.0)
+    with trio.move_on_after(0.05) as scope:
+        await wait_ref(ref)
+    assert scope.cancelled_caught
+    assert await wait_ref(ref) == 4.0
+    # a ref whose value is in: answered, still at a checkpoint
+    with trio.CancelScope() as cancelled:
+        cancelled.cancel()
+        await wait_ref(ref)
+    assert cancelled.cancelled_caught
+
+
+async def test_a_runtime_leaves_a_ray_it_did_not_start_alone():
+    assert not await start_ray(trioserve.RayConfig())  # connected already: not ours
+    assert ray.is_initialized()
+
+
+async def test_a_replica_whose_model_fails_to_load_on_ray_is_a_model_load_error():
+    cfg = config(ModelConfig(
+        name="m", backend="ray_models:fails_to_load", execution="ray", ray={"num_cpus": 0.5},
+    ))
+    with pytest.raises(ModelLoadError, match="failed to load: RuntimeError: no weights for cpu"):
+        async with trioserve.open_runtime(cfg):
+            pass
+    assert actors() == []

@@ -1,0 +1,123 @@
+"""The configuration of replicas on Ray: ``[ray]`` and a model's ``ray`` table, their
+errors, and a model on Ray where Ray is not installed. None of these needs Ray."""
+
+from __future__ import annotations
+
+import pytest
+import trioserve
+from runtime_helpers import config
+from trioserve import (
+    ConfigError,
+    ModelConfig,
+    RayConfig,
+    RayReplicaConfig,
+    config_from_mapping,
+    load_config,
+)
+
+
+def test_a_toml_file_configures_ray_and_a_models_actor_options(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[ray]\naddress = "ray://head:10001"\nnamespace = "serving"\n'
+        '[models.m]\nbackend = "mlp"\nexecution = "ray"\nreplicas = 3\n'
+        'ray = { num_cpus = 2, num_gpus = 0.5, resources = { accel = 1 }, '
+        'runtime_env = { env_vars = { A = "1" } } }\n'
+    )
+    cfg = load_config(path)
+    assert cfg.ray == RayConfig(address="ray://head:10001", namespace="serving")
+    m = cfg.model("m")
+    assert m.ray == RayReplicaConfig(
+        num_cpus=2, num_gpus=0.5, resources={"accel": 1}, runtime_env={"env_vars": {"A": "1"}}
+    )
+    assert m.ray.device == "cuda:0"  # the GPU Ray gives the actor
+    assert m.ray.actor_options() == {
+        "num_cpus": 2, "num_gpus": 0.5, "resources": {"accel": 1},
+        "runtime_env": {"env_vars": {"A": "1"}},
+    }
+    assert len(m.replica_devices) == 3
+
+
+def test_defaults_a_local_ray_and_one_cpu_per_replica():
+    cfg = config_from_mapping({"models": {"m": {"backend": "mlp", "execution": "ray"}}})
+    assert cfg.ray == RayConfig(address=None, namespace=None)
+    m = cfg.model("m")
+    assert m.ray is None  # RayReplicaConfig() applies
+    assert RayReplicaConfig().actor_options() == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert RayReplicaConfig().device == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"execution": "ray", "ray": {"num_cpu": 1}},
+         "models.m.ray.num_cpu: unknown key; expected one of num_cpus, num_gpus"),
+        ({"execution": "ray", "ray": {"num_cpus": -1}},
+         "models.m.ray.num_cpus: must be a finite number >= 0.0, got -1"),
+        ({"execution": "ray", "ray": {"num_gpus": 1.5}},
+         "models.m.ray.num_gpus: must be at most 1 or a whole number"),
+        ({"execution": "ray", "ray": {"resources": {"GPU": 1}}},
+         "models.m.ray.resources: 'GPU' is not set here: use num_gpus"),
+        ({"execution": "ray", "ray": {"resources": {"accel": "x"}}},
+         "models.m.ray.resources: 'accel': must be a finite number"),
+        ({"execution": "ray", "ray": {"runtime_env": "env"}},
+         "models.m.ray.runtime_env: must be a table"),
+        ({"execution": "ray", "ray": 2}, "models.m.ray: must be a table"),
+        ({"execution": "process", "ray": {"num_cpus": 1}},
+         'models.m.ray: Ray actor options do nothing unless execution = "ray"'),
+        ({"execution": "ray", "devices": ["cuda:0"]},
+         "models.m.devices: cuda:0 on Ray needs a GPU from Ray: set models.m.ray.num_gpus"),
+        ({"execution": "rays"}, "models.m.execution: must be one of 'thread', 'inline', "
+                                "'process', 'ray', got 'rays'"),
+    ],
+)
+def test_bad_ray_options_of_a_model_are_config_errors(model, message):
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping({"models": {"m": {"backend": "mlp", **model}}})
+    assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"adress": "auto"}, "ray.adress: unknown key; did you mean 'address'?"),
+        ({"address": ""}, "ray.address: must be a non-empty string"),
+        ({"namespace": 3}, "ray.namespace: must be a non-empty string, got 3"),
+        ("auto", "ray: must be a table, got 'auto'"),
+    ],
+)
+def test_bad_ray_tables_are_config_errors(table, message):
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping({"models": {"m": {"backend": "echo"}}, "ray": table})
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_cuda_device_on_ray_with_a_gpu_only_counts_a_replica():
+    m = ModelConfig(
+        name="m", backend="mlp", execution="ray", devices=["cuda:0", "cuda:1"],
+        ray={"num_gpus": 1},
+    )
+    assert len(m.replica_devices) == 2
+    assert m.ray.device == "cuda:0"
+
+
+async def test_a_model_on_ray_without_ray_installed_is_a_config_error_at_start(monkeypatch):
+    monkeypatch.setattr(trioserve._ray, "ray_available", lambda: False)
+    cfg = config(ModelConfig(name="m", backend="echo", execution="ray"))
+    with pytest.raises(ConfigError) as info:
+        async with trioserve.open_runtime(cfg):
+            pass
+    assert str(info.value) == (
+        'models.m.execution: "ray" needs Ray, which is not installed here: '
+        "pip install 'trioserve[ray]'"
+    )
+
+
+async def test_ray_is_not_started_when_no_model_runs_on_it(monkeypatch):
+    async def refuse(cfg):
+        raise AssertionError("Ray started for no model")
+
+    monkeypatch.setattr(trioserve._runtime, "start_ray", refuse)
+    cfg = config(ModelConfig(name="m", backend="echo"))
+    async with trioserve.open_runtime(cfg) as rt:
+        assert rt.model_ready("m")
