@@ -66,6 +66,9 @@ async def start_ray(cfg: RayConfig) -> bool:
         kwargs["address"] = cfg.address
     if cfg.namespace is not None:
         kwargs["namespace"] = cfg.namespace
+    # Ray's own failure-signal handler prints a native stack for every SIGTERM, our
+    # drain's signal included, which reads as a crash; the caller's choice stands.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     log.info("connecting to Ray (%s)", cfg.address or "a local Ray, started here")
     try:
         await trio.to_thread.run_sync(lambda: ray.init(**kwargs))

@@ -1,7 +1,9 @@
 """The configuration of replicas on Ray: ``[ray]`` and a model's ``ray`` table, their
-errors, and a model on Ray where Ray is not installed. None of these needs Ray."""
+errors, and a model on Ray where Ray is not installed. None of these needs a running Ray."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import trioserve
@@ -121,3 +123,20 @@ async def test_ray_is_not_started_when_no_model_runs_on_it(monkeypatch):
     cfg = config(ModelConfig(name="m", backend="echo"))
     async with trioserve.open_runtime(cfg) as rt:
         assert rt.model_ready("m")
+
+
+async def test_ray_is_connected_without_its_failure_signal_handler(monkeypatch):
+    """Ray's native failure-signal handler printed a stack for the SIGTERM that
+    drains the server, as for a crash: it is off unless the caller chose."""
+    ray = pytest.importorskip("ray")
+    seen = []
+    monkeypatch.delenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        ray, "init", lambda **kw: seen.append(os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"])
+    )
+    assert await trioserve._ray.start_ray(RayConfig()) is True
+    assert seen == ["1"]
+    monkeypatch.setenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "0")
+    await trioserve._ray.start_ray(RayConfig())
+    assert seen == ["1", "0"]
