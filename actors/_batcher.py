@@ -326,7 +326,9 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             except WorkerProcess.Died as exc:
                 details = exc.details  # the traceback in the worker: its last line
                 reason = details.rstrip().rpartition("\n")[2] if details else str(exc)
-                raise ModelLoadError(f"{what} failed to load: {reason}") from exc
+                raise ModelLoadError(
+                    f"{what} failed to load: {reason}{WorkerProcess.stderr_note(exc.stderr)}"
+                ) from exc
             except Exception as exc:
                 cause = exc.exc if type(exc) is _Escaped else exc
                 raise ModelLoadError(f"{what} failed to load: {_text(exc)}") from cause

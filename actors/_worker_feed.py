@@ -302,7 +302,10 @@ class WorkerFeed:
         how = worker.ended_how if worker is not None else None
         if how is not None and how not in why:
             why = f"{why}, {how}"
-        log.warning("%s: worker process lost: %s; a new one is started", self.name, why)
+        log.warning(
+            "%s: worker process lost: %s; a new one is started%s", self.name, why,
+            WorkerProcess.stderr_note(worker.stderr_tail if worker is not None else None),
+        )
 
     def _too_large(self, batch: list[Request], exc: Exception) -> None:
         """The batch's inputs or outputs do not fit in one message to or from the

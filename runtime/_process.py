@@ -27,9 +27,11 @@ _LEN = struct.Struct("<I")
 
 class WorkerDied(RuntimeError):
     """The worker process exited or its pipe broke (or, with ``details``, the traceback
-    of its failure, its model failed to load)."""
+    of its failure, its model failed to load). ``stderr``: the last lines the process
+    wrote to its stderr, when known (it ended, and its zygote said so)."""
 
     details: str | None = None
+    stderr: str | None = None
 
 
 class WorkerError(RuntimeError):
@@ -118,6 +120,10 @@ class WorkerProcess:
         self.pid: int | None = None
         #: How the process ended (a wait status, as ``os.waitpid`` gives it), once known.
         self.exit_status: int | None = None
+        #: The last lines its stderr had, once it has ended (a forked worker's, from its
+        #: zygote, which passes them on to the server's stderr as they come too); ""
+        #: when it wrote nothing, None when not known.
+        self.stderr_tail: str | None = None
 
     async def start(self) -> None:
         """Spawn the process and wait until its model is loaded. Raises WorkerDied."""
@@ -176,6 +182,15 @@ class WorkerProcess:
             raise died
         self.pid = reply[1]
 
+    @staticmethod
+    def stderr_note(tail: str | None) -> str:
+        """The tail of a worker's stderr, to append to a message: "" when it wrote
+        nothing (or it is not known), else a clause saying so and its lines, indented."""
+        if not tail:
+            return ""
+        lines = "\n".join(f"    {line}" for line in tail.splitlines())
+        return f"; its stderr ended with:\n{lines}"
+
     @property
     def alive(self) -> bool:
         """Started and not killed (it may still have died on its own)."""
@@ -195,7 +210,7 @@ class WorkerProcess:
         if self.in_flight >= self.SLOTS:
             raise RuntimeError(f"at most {self.SLOTS} batches may be in flight per worker")
         if self._shm is None:
-            raise WorkerDied(self._death("the worker was killed"))
+            raise self._death("the worker was killed")
         n = len(items)
         layout = self._stack(items, self._next_slot * self._slot_size)
         if layout is not None:
@@ -225,7 +240,7 @@ class WorkerProcess:
         if reply[0] == "too_large":
             raise FrameTooLarge(reply[1])
         if reply[0] == "lost":  # its device context was lost: it exits
-            raise WorkerDied(self._death(f"its device context was lost: {reply[1]}"))
+            raise self._death(f"its device context was lost: {reply[1]}")
         n, out = reply[1], reply[2]
         self.busy_seconds += reply[3]
         self.last_run_seconds = reply[3]
@@ -262,18 +277,18 @@ class WorkerProcess:
 
     async def _write(self, data: bytes) -> None:
         if self._send is None:
-            raise WorkerDied(self._death("the worker was killed"))
+            raise self._death("the worker was killed")
         try:
             await self._send.send_all(_LEN.pack(len(data)) + data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise WorkerDied(self._death(f"pipe broke: {exc}")) from None
+            raise self._death(f"pipe broke: {exc}") from None
 
     async def _read(self) -> Any:
         # Killed by another task (the batcher's watch on the exit) between our caller
         # taking its batch and this call: a cancel-shielded checkpoint (a memory
         # channel's receive) lets that happen with no checkpoint after it.
         if self._recv is None:
-            raise WorkerDied(self._death("the worker was killed"))
+            raise self._death("the worker was killed")
         buf = self._buf
         need = _LEN.size
         while True:
@@ -286,21 +301,25 @@ class WorkerProcess:
                 reply = pickle.loads(frame)
                 if reply[0] == "exited":  # the zygote's word on how it ended: its last
                     self.exit_status = reply[1]
-                    raise WorkerDied(self._death("worker process exited"))
+                    if len(reply) > 2:
+                        self.stderr_tail = reply[2].decode(errors="replace").rstrip()
+                    raise self._death("worker process exited")
                 return reply
             try:
                 chunk = await self._recv.receive_some(1 << 16)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise WorkerDied(self._death(f"pipe broke: {exc}")) from None
+                raise self._death(f"pipe broke: {exc}") from None
             if not chunk:
-                raise WorkerDied(self._death("worker process exited"))
+                raise self._death("worker process exited")
             buf += chunk
 
-    def _death(self, what: str) -> str:
+    def _death(self, what: str) -> WorkerDied:
         how = self.ended_how
-        if how is None:
-            return f"{what} (pid {self.pid})"
-        return f"{what} (pid {self.pid}; {how})"
+        died = WorkerDied(
+            f"{what} (pid {self.pid})" if how is None else f"{what} (pid {self.pid}; {how})"
+        )
+        died.stderr = self.stderr_tail or None
+        return died
 
     @property
     def ended_how(self) -> str | None:

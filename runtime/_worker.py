@@ -213,11 +213,20 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
     gc.freeze()  # fewer copy-on-write faults in the children
     sock.sendall(b"R")
     reply_fds: dict[int, int] = {}  # child pid -> our copy of its reply pipe
+    # Each child's stderr is a pipe to us: what it writes is passed on to ours (the
+    # server's) as it comes, and its last lines kept, to go with its exit status.
+    errs: dict[int, StderrTail] = {}  # our end of a child's stderr pipe -> its tail
+    tails: dict[int, StderrTail] = {}  # child pid -> its tail, until it is reaped
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     poller.register(wake_r, select.POLLIN)
     while True:
         ready = {fd for fd, _ in poller.poll()}
+        for fd in ready & errs.keys():
+            if not errs[fd].pump():
+                poller.unregister(fd)
+                os.close(fd)
+                del errs[fd]
         if wake_r in ready:
             while True:
                 try:
@@ -225,7 +234,7 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
                         break
                 except BlockingIOError:
                     break
-            report_exits(reply_fds)
+            report_exits(reply_fds, tails)
         if sock.fileno() not in ready:
             continue
         try:
@@ -234,6 +243,7 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
             os._exit(0)
         if not msg:
             os._exit(0)  # the parent is gone
+        err_r, err_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             code = 0
@@ -243,13 +253,19 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.close(wake_r)
                 os.close(wake_w)
-                for fd in reply_fds.values():
+                for fd in (*reply_fds.values(), *errs, err_r):
                     os.close(fd)
+                os.dup2(err_w, 2)
+                os.close(err_w)
                 serve(*fds)
             except BaseException:
                 code = 1
             finally:
                 os._exit(code)
+        os.close(err_w)
+        os.set_blocking(err_r, False)
+        errs[err_r] = tails[pid] = StderrTail(err_r)
+        poller.register(err_r, select.POLLIN)
         rfd, wfd, shm_fd = fds
         os.close(rfd)
         os.close(shm_fd)
@@ -257,9 +273,55 @@ def zygote_main(sock_fd: int) -> None:  # pragma: no cover - runs in the zygote
         sock.sendall(struct.pack("<q", pid))
 
 
-def report_exits(reply_fds: dict[int, int]) -> None:
-    """Reap every child that has exited and write its wait status on its reply pipe
-    (one small frame: atomic, and skipped when the pipe is full or its reader gone)."""
+class StderrTail:
+    """What a worker wrote to its stderr, passed on to the zygote's own as it comes,
+    and the last of it kept: at most TAIL_LINES lines and TAIL_BYTES bytes (so that
+    its exit frame stays one atomic pipe write, under PIPE_BUF)."""
+
+    TAIL_LINES = 30
+    TAIL_BYTES = 3 * 1024
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd  # our end of its stderr pipe, non-blocking
+        self.tail = b""
+        #: At its end, what it wrote and was not reported yet: nothing more comes.
+        self.ended = False
+
+    def pump(self) -> bool:
+        """Read what is there on its pipe, pass it on and keep its tail. False at its
+        end (every writer gone: the caller closes it)."""
+        while True:
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return True
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.ended = True
+                return False
+            write_all(2, chunk)
+            tail = (self.tail + chunk)[-self.TAIL_BYTES:]
+            lines = tail.split(b"\n")
+            if len(lines) > self.TAIL_LINES + 1:
+                tail = b"\n".join(lines[-self.TAIL_LINES - 1:])
+            self.tail = tail
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (skipped when it cannot be written)."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        pass
+
+
+def report_exits(reply_fds: dict[int, int], tails: dict[int, StderrTail]) -> None:
+    """Reap every child that has exited and write its wait status and the tail of its
+    stderr on its reply pipe (one small frame: atomic, and skipped when the pipe is
+    full or its reader gone)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -267,10 +329,16 @@ def report_exits(reply_fds: dict[int, int]) -> None:
             return
         if pid == 0:
             return
+        tail = b""
+        err = tails.pop(pid, None)
+        if err is not None:
+            if not err.ended:  # what it wrote just before its end (no EOF yet: the
+                err.pump()  # poll loop closes the pipe when it comes)
+            tail, err.tail = err.tail, b""
         fd = reply_fds.pop(pid, None)
         if fd is None:
             continue
-        data = pickle.dumps(("exited", status), protocol=5)
+        data = pickle.dumps(("exited", status, tail), protocol=5)
         try:
             os.set_blocking(fd, False)  # its only other writer, the child, is gone
             os.write(fd, _LEN.pack(len(data)) + data)

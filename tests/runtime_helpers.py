@@ -353,6 +353,7 @@ class _StandIn:
     Died = WorkerProcess.Died
     Failed = WorkerProcess.Failed
     ended_how: str | None = None
+    stderr_tail: str | None = None
     _exited: trio.Event
 
     async def start(self) -> None:

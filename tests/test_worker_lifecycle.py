@@ -12,6 +12,7 @@ import contextlib
 import os
 import select
 import signal
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,9 +20,10 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import callable_model, config, crash_on_666, item, pythonpath_with
+from runtime_helpers import X, Y, callable_model, config, crash_on_666, item, pythonpath_with
 from trioserve import ModelConfig, ModelError, WorkerProcess
 from trioserve._builtin import resolve_backend
+from trioserve._model import CallableBackend
 from trioserve._zygote import Zygote, ZygoteError
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -321,7 +323,7 @@ async def test_a_worker_killed_by_sigsegv_leaves_its_python_stack_on_stderr(
         try:
             with trio.fail_after(60):
                 await worker.start()
-                with pytest.raises(WorkerProcess.Died, match="; killed by SIGSEGV: "):
+                with pytest.raises(WorkerProcess.Died, match="; killed by SIGSEGV: ") as died:
                     await worker.run([x(0.0)])
         finally:
             await worker.aclose()
@@ -330,6 +332,74 @@ async def test_a_worker_killed_by_sigsegv_leaves_its_python_stack_on_stderr(
     err = capfd.readouterr().err
     assert "Fatal Python error: Segmentation fault" in err
     assert "in segfaults" in err  # the model's frame, in the stack it left
+    # The same report's tail comes with the error too, from the worker's zygote.
+    assert died.value.stderr is not None
+    assert "in segfaults" in died.value.stderr
+    assert died.value.stderr == worker.stderr_tail
+
+
+class DiesLoading(CallableBackend):
+    """A backend whose load writes 100 numbered lines to stderr, then ends its process
+    with exit status 3 (as an import error in a model's module ends a worker that
+    sys.exit()s from a native library). Importable, so a worker process can load it."""
+
+    def load(self, device: str, *, torch_threads: int = 1):
+        for i in range(100):
+            print(f"loading, line {i}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(3)
+
+
+async def test_a_worker_that_dies_loading_names_its_stderr_in_the_load_error(
+    monkeypatch, capfd
+):
+    """What a worker wrote to its stderr went only to the server's stderr: the
+    ModelLoadError said "exit status 3" and nothing of why. Its last lines (30 at
+    most) now come in the error too, and every line still reaches the server's
+    stderr."""
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    backend = DiesLoading(crash_on_666, inputs=(X,), outputs=(Y,), execution="process")
+    cfg = ModelConfig(name="d", backend=backend, execution="process")
+    with trio.fail_after(60), pytest.raises(trioserve.ModelLoadError) as failed:
+        async with trioserve.open_runtime(config(cfg)):
+            pass  # pragma: no cover - it does not open
+    msg = str(failed.value)
+    assert "(pid " in msg
+    assert "exit status 3); its stderr ended with:\n    loading, line 70\n" in msg
+    assert msg.endswith("\n    loading, line 99")
+    assert "line 69\n" not in msg
+    err = capfd.readouterr().err
+    assert all(f"loading, line {i}\n" in err for i in range(100))
+
+
+def noisy_crash_on_666(items):
+    """``crash_on_666``, saying so on stderr first. Importable."""
+    if any(float(it["x"][0]) == 666.0 for it in items):
+        print("about to crash on 666", file=sys.stderr, flush=True)
+    return crash_on_666(items)
+
+
+async def test_a_lost_worker_is_logged_with_the_tail_of_its_stderr(monkeypatch, caplog):
+    """The log line of a worker that died serving names how it ended and the last
+    lines it wrote to its stderr."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="trioserve")
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = callable_model("m", noisy_crash_on_666, execution="process", max_batch_size=1,
+                         timeout_ms=None)
+    async with trioserve.open_runtime(config(cfg)) as rt:
+        with trio.fail_after(60):
+            with pytest.raises(ModelError, match="poison request"):
+                await rt.infer("m", item(666))
+            assert (await rt.infer("m", item(2)))["y"][0] == 2.0
+    lost = [r.getMessage() for r in caplog.records if "worker process lost: " in r.getMessage()]
+    assert lost
+    for line in lost:
+        assert "exit status 3" in line
+        assert line.endswith(
+            "; a new one is started; its stderr ended with:\n    about to crash on 666"
+        )
 
 
 def on_disk(paths: list[str]) -> list[str]:
