@@ -181,6 +181,39 @@ async def test_binary_data_without_a_binary_part_says_how_to_send_it(server):
     assert (reply.id, reply.status, reply.error) == ("b", 400, expected)
 
 
+@pytest.mark.parametrize(("params", "message"), [
+    ({"timeout": 1.5},
+     "parameters.timeout must be a whole number of microseconds, got 1.5"),
+    ({"sequence_id": -3},
+     "parameters.sequence_id must be an unsigned 64-bit integer or a string, got -3"),
+    ({"sequence_end": "no"}, 'parameters.sequence_end must be true or false, got "no"'),
+])
+async def test_malformed_triton_parameters_are_400_over_json_binary_and_stream(
+    server, params, message
+):
+    """A fractional ``timeout`` (Triton's: whole µs) was taken, a malformed
+    ``sequence_*`` ignored: 400 now, as in Triton, over JSON, the binary tensor
+    extension and /v2/stream alike; well-formed ones still answer."""
+    x = {"name": "x", "shape": [1, 2], "datatype": "FP32"}
+    doc = {"inputs": [{**x, "data": [[1.0, 2.0]]}], "parameters": params}
+    res = await post(server, "/v2/models/echo/infer", doc)
+    assert (res.status, error_of(res)) == (400, message)
+    header = orjson.dumps({"inputs": [{**x, "parameters": {"binary_data_size": 8}}],
+                           "parameters": params})
+    binary = header + np.array([1.0, 2.0], np.float32).tobytes()
+    res = await post(server, "/v2/models/echo/infer", binary,
+                     headers=[("Inference-Header-Content-Length", str(len(header)))])
+    assert (res.status, error_of(res)) == (400, message)
+    async with open_stream(server.url) as stream:
+        await stream.send_raw(orjson.dumps({"id": "s", "model": "echo", **doc}).decode())
+        reply = await stream.receive()
+    assert (reply.id, reply.status, reply.error) == ("s", 400, message)
+    good = {"timeout": 2_000_000, "sequence_id": 9, "sequence_start": True,
+            "sequence_end": False}
+    res = await post(server, "/v2/models/echo/infer", {**doc, "parameters": good})
+    assert res.status == 200
+
+
 async def test_bool_binary_data_is_only_bytes_0_and_1(server):
     """The binary tensor extension: a BOOL element is one byte, 1 (true) or 0 (false).
     Another byte was taken as it came, into a numpy bool array holding it (torch

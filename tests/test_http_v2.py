@@ -92,10 +92,9 @@ def test_parameters_set_priority_and_timeout():
         ({"timeout": 1.5e300}, 1.5e300 * 1e-6),
         ({"timeout_ms": 250, "timeout": 0}, 0.25),
         ({"timeout_ms": 250, "timeout": 0.0}, 0.25),
-        # a fraction of the unit is taken, for both
-        ({"timeout": 1500.5}, 1500.5 * 1e-6),
+        # a fraction of a millisecond is taken; Triton's timeout is whole µs, 2.0 is 2
         ({"timeout_ms": 0.5}, 0.5 * 1e-3),
-        ({"timeout": 0.5}, 0.5 * 1e-6),
+        ({"timeout": 2.0}, 2 * 1e-6),
     ],
 )
 def test_timeout_parameters_that_are_taken(params, timeout):
@@ -117,6 +116,17 @@ def test_timeout_parameters_that_are_refused(params):
     (key,) = params
     with pytest.raises(InvalidInput, match=rf"parameters\.{key} must be a positive number"):
         parse({**base, "parameters": params})
+
+
+@pytest.mark.parametrize("value", [1500.5, 0.5, 1e-300])
+def test_a_fraction_of_a_microsecond_in_tritons_timeout_is_refused(value):
+    """Triton's ``timeout`` is an unsigned integer of microseconds (Triton answers
+    1.5 with 400): it was taken as 1.5 µs."""
+    base = {"inputs": [{"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}]}
+    with pytest.raises(InvalidInput, match=(
+        r"^parameters\.timeout must be a whole number of microseconds, got "
+    )):
+        parse({**base, "parameters": {"timeout": value}})
 
 
 @pytest.mark.parametrize("key", ["timeout", "timeout_ms"])
@@ -369,13 +379,34 @@ def test_sequence_and_unknown_parameters_are_ignored_as_triton_does_without_a_se
     plain = parse({"inputs": [x], "id": "s"})
     for params in (
         {"sequence_id": 7, "sequence_start": True, "sequence_end": False},
-        {"sequence_id": "abc", "sequence_start": "yes", "custom": {"a": 1}},
+        {"sequence_id": "abc", "sequence_start": False, "custom": {"a": 1}},
+        {"sequence_id": 0, "sequence_end": True},
+        {"sequence_id": 2**64 - 1},
         {"triton_enable_empty_final_response": True},  # reserved in Triton: a 400 there
     ):
         req = parse({"inputs": [x], "id": "s", "parameters": params})
         assert (req.id, req.outputs, req.priority, req.timeout, req.count) == (
             plain.id, plain.outputs, plain.priority, plain.timeout, plain.count
         )
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"sequence_id": 1.5}, "sequence_id must be an unsigned 64-bit integer or a string, got 1.5"),
+    ({"sequence_id": -1}, "sequence_id must be an unsigned 64-bit integer or a string, got -1"),
+    ({"sequence_id": True},
+     "sequence_id must be an unsigned 64-bit integer or a string, got true"),
+    ({"sequence_id": [7]}, "sequence_id must be an unsigned 64-bit integer or a string, got [7]"),
+    ({"sequence_start": "yes"}, 'sequence_start must be true or false, got "yes"'),
+    ({"sequence_start": 1}, "sequence_start must be true or false, got 1"),
+    ({"sequence_end": 0}, "sequence_end must be true or false, got 0"),
+])
+def test_malformed_sequence_parameters_are_refused_as_triton_does(params, message):
+    """Triton refuses them (400) whatever the model; they were ignored here, as
+    well-formed ones still are."""
+    x = {"name": "x", "shape": [4], "datatype": "FP32", "data": [0] * 4}
+    with pytest.raises(InvalidInput) as info:
+        parse({"inputs": [x], "parameters": params})
+    assert str(info.value) == f"parameters.{message}"
 
 
 _X = '{"name": "x", "shape": [4], "datatype": "FP32", "data": [0, 0, 0, 0]}'

@@ -160,6 +160,7 @@ class InferRequest:
                     f"got {shown(binary_all, body)}"
                 )
             priority, timeout = _classify(params, classes, body)
+            _check_sequence(params, body)
         else:
             binary_all, priority, timeout = False, None, None
         outputs = None
@@ -288,6 +289,13 @@ def _classify(
         if kind is int or kind is float:
             if key == "timeout" and v == 0:
                 continue  # Triton's timeout 0 (or 0.0): none (its default, as if not sent)
+            if (key == "timeout" and kind is float and math.isfinite(v) and v > 0
+                    and not v.is_integer()):
+                # Triton's timeout is an unsigned integer of µs: it refuses 1.5 (400).
+                raise InvalidInput(
+                    "parameters.timeout must be a whole number of microseconds, "
+                    f"got {shown(v, text)}"
+                )
             if v > 0:
                 try:
                     timeout = v * scale
@@ -299,6 +307,23 @@ def _classify(
             f"parameters.{key} must be a positive number, got {shown(v, text)}"
         )
     return priority, timeout
+
+
+def _check_sequence(params: dict[str, Any], text: bytes | str = b"") -> None:
+    """Refuse a malformed ``sequence_id`` (Triton: an unsigned 64-bit integer or a
+    string), ``sequence_start`` or ``sequence_end`` (booleans), as Triton does (400)
+    whatever the model. Well-formed, they are ignored: no model here has a sequence
+    batcher."""
+    v = params.get("sequence_id")
+    if v is not None and type(v) is not str and not (type(v) is int and 0 <= v < 2**64):
+        raise InvalidInput(
+            "parameters.sequence_id must be an unsigned 64-bit integer or a string, "
+            f"got {shown(v, text)}"
+        )
+    for key in ("sequence_start", "sequence_end"):
+        v = params.get(key)
+        if v is not None and type(v) is not bool:
+            raise InvalidInput(f"parameters.{key} must be true or false, got {shown(v, text)}")
 
 
 def _class_of_level(priority: str, classes: Sequence[str] | None) -> str | None:
