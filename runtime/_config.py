@@ -479,6 +479,15 @@ class Config:
             raise ConfigError("models: at least one model must be configured")
         _unique("models", [m.name for m in self.models])
         for m in self.models:
+            if self.cache.capacity_bytes == 0:
+                # The cache's capacity is fixed at the start: nothing turns it on later.
+                for key in ("cache_ttl_s", "cache_shared"):
+                    if getattr(m, key) not in (None, False):
+                        raise ConfigError(
+                            f"{m._path()}.{key}: the result cache is off "
+                            f"(cache.capacity_bytes = 0), so {key} would do nothing; "
+                            f"give [cache] a capacity_bytes, or leave {key} out"
+                        )
             if not m.load_at_start and self.server.model_control == "none":
                 raise ConfigError(
                     f"{m._path()}.load_at_start: false needs server.model_control = "

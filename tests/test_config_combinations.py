@@ -47,6 +47,29 @@ def test_cache_options_need_the_models_cache(tmp_path, key, value):
     assert (off.cache_ttl_s, off.cache_shared, off.coalesce) == (None, False, True)
 
 
+# Regression: cache_ttl_s and cache_shared were accepted, and did nothing, while the
+# result cache itself was off ([cache] capacity_bytes = 0, the default).
+@pytest.mark.parametrize(("key", "value"), [("cache_ttl_s", 300), ("cache_shared", True)])
+def test_cache_options_need_the_result_cache(tmp_path, key, value):
+    model = ModelConfig(name="m", backend="echo", **{key: value})
+    with pytest.raises(ConfigError) as caught:
+        trioserve.Config(models=(model,))
+    assert str(caught.value) == (
+        f"models.m.{key}: the result cache is off (cache.capacity_bytes = 0), so {key} "
+        f"would do nothing; give [cache] a capacity_bytes, or leave {key} out"
+    )
+    path = tmp_path / "c.toml"
+    path.write_text(f'[models.m]\nbackend = "echo"\n{key} = {str(value).lower()}\n')
+    with pytest.raises(ConfigError, match=rf"^models\.m\.{key}: the result cache is off"):
+        trioserve.load_config(path)
+    path.write_text(path.read_text() + "[cache]\ncapacity_bytes = 1048576\n")
+    assert getattr(trioserve.load_config(path).models[0], key) == value
+    # Left at their defaults, with the cache off: taken, as is the built-in config.
+    off = ModelConfig(name="m", backend="echo", cache_shared=False)
+    assert trioserve.Config(models=(off,)).cache.capacity_bytes == 0
+    assert trioserve.load_config(None).cache.capacity_bytes == 0
+
+
 # Regression: an empty [tenants] table (or tenants=() from Python) made a runtime that
 # refused every request (Unauthorized: no tenant given and no default tenant).
 def test_no_tenants_at_all_is_refused(tmp_path):
