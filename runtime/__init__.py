@@ -4,6 +4,13 @@ The kernel (errors, messages, config, actors, models) comes first; the assembly
 (``open_runtime``, ``serve_in_thread``) wires ``trioserve.actors`` together.
 """
 
+from . import _early_signals
+
+if _early_signals.is_the_command():
+    # Before the imports below (half a second): a stop signal meanwhile is noted, and
+    # the command stops cleanly once it can (see _early_signals).
+    _early_signals.hold()
+
 from ._actor import Actor as Actor
 from ._actor import ActorState as ActorState
 from ._actor import RestartPolicy as RestartPolicy

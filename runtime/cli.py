@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import threading
 import traceback
 from pathlib import Path
 from typing import Any
 
+from . import _early_signals
 from ._config import EXECUTIONS
 from ._errors import ConfigError
 from .scenarios import SCENARIOS, run_scenario
@@ -173,6 +175,7 @@ def _unwritable(path: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _early_signals.hold()  # (held since the package's import when run as the command)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -183,10 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             parser.error(f"bench: {why}")
     try:
+        _early_signals.release(serving=args.command == "serve")
         if args.command == "serve":
             from trioserve.transport import serve_main
 
-            return serve_main(config_path=args.config, host=args.host, port=args.port)
+            try:
+                return serve_main(config_path=args.config, host=args.host, port=args.port)
+            finally:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # served: as before
         if args.command == "bench" and args.scenario:
             return run_scenario(args.scenario, args)
         if args.command == "bench":
@@ -222,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if args.command != "serve":
             return 130
-        # Ctrl-C before serve listens for signals itself (imports, the config, the
-        # bind): it stops the start, as one a moment later does.
-        print("trioserve: SIGINT while starting: stopped", flush=True)
+        # Ctrl-C or SIGTERM before serve listens for signals itself (imports, the
+        # config, the bind): it stops the start, as one a moment later does.
+        print(f"trioserve: {_early_signals.last} while starting: stopped", flush=True)
         return 0
     return 0
 
