@@ -24,6 +24,7 @@ from http_helpers import (
     serving,
     settle,
 )
+from trio_websocket import ConnectionClosed
 from trioserve import InvalidInput, UnknownModel
 from trioserve.transport import open_stream
 from trioserve.transport._stream_client import stream_url
@@ -408,3 +409,34 @@ def test_stream_url_puts_the_stream_under_a_base_urls_path(url, expected):
     server URL names where the server's routes begin, so its stream is
     ``/prefix/v2/stream``; a ``ws://`` URL is the stream's own."""
     assert stream_url(url) == expected
+
+
+def widens(items):
+    """A model whose answer is far larger than its request: 1.5 M floats an item
+    (about 19 MB of JSON)."""
+    return [{"y": np.full(1_500_000, -0.123456789, np.float32)} for _ in items]
+
+
+async def test_an_answer_over_16_mib_reaches_the_stream_client():
+    """The client refused messages over 16 MiB (its default max_message_size) and the
+    stream failed with 1009, while the server sends answers of any size and takes
+    messages up to its max_body_bytes (as large as 4 GiB): its default now takes
+    what a server may send; a caller may still set a lower one."""
+    from runtime_helpers import callable_model
+
+    cfg = config(callable_model("wide", widens))
+    async with serving(cfg) as gw, open_stream(gw.url) as stream:
+        out = await stream.infer("wide", {"x": f32(1)})
+        assert out["y"].shape == (1_500_000,)
+        assert out["y"][-1] == np.float32(-0.123456789)
+    async with serving(cfg) as gw, open_stream(gw.url, max_message_size=1 << 20) as stream:
+        with pytest.raises(ConnectionClosed) as failed:
+            await stream.infer("wide", {"x": f32(1)})
+        assert failed.value.reason.code == 1009
+
+
+def test_the_stream_clients_default_bound_is_the_servers_largest_body():
+    from trioserve._config import MAX_BODY_BYTES
+    from trioserve.transport._stream_client import MAX_MESSAGE_SIZE
+
+    assert MAX_MESSAGE_SIZE == MAX_BODY_BYTES

@@ -321,19 +321,29 @@ def stream_url(url: str) -> str:
     return f"{scheme}://{parts.netloc}{path}{query}"
 
 
+#: The client's default bound on one message from the server: the largest
+#: ``server.max_body_bytes`` a server takes (4 GiB, ``trioserve._config.MAX_BODY_BYTES``),
+#: for answers have no bound of their own. 16 MiB before: a legal answer larger than
+#: that failed the stream (1009) on the client.
+MAX_MESSAGE_SIZE = 4 * 1024 * 1024 * KIB
+
+
 @asynccontextmanager
 async def open_stream(
     url: str,
     *,
     api_key: str | None = None,
     max_in_flight: int = 256,
-    max_message_size: int = 16 * 1024 * KIB,
+    max_message_size: int = MAX_MESSAGE_SIZE,
     connect_timeout: float = 10.0,
 ) -> AsyncIterator[StreamClient]:
     """Open a ``/v2/stream`` WebSocket to the server at ``url`` (its base URL,
     ``http://host:port`` or ``http://host/prefix`` for a server behind a path prefix,
     or the stream's ``ws://`` URL: :func:`stream_url`) and yield a
     :class:`StreamClient`; closed on leaving.
+
+    ``max_message_size`` bounds one message from the server (a larger one closes the
+    stream with 1009): by default as large as any server may take (MAX_MESSAGE_SIZE).
 
     Raises trio_websocket.ConnectionRejected (status 401) for a refused API key and
     trio_websocket.ConnectionTimeout when the handshake takes over ``connect_timeout``.
