@@ -365,7 +365,7 @@ class Admission:
         if not (full or at_share) and (
             rate <= 0.0
             # cheap first: every item in time with the whole call and all queued ahead
-            or now + (ahead + sum(r.cost for r in requests)) / rate
+            or now + max((ahead + sum(r.cost for r in requests)) / rate, self.batch_time)
             <= min(r.deadline for r in requests)
         ):
             return []  # nothing leaves, no item is refused
@@ -393,7 +393,7 @@ class Admission:
                 rate > 0.0
                 and deadline < math.inf
                 # cheap first: everything queued or running ahead of it (an upper bound)
-                and now + (ahead + own) / rate > deadline
+                and now + max((ahead + own) / rate, self.batch_time) > deadline
             ):
                 if self._dead:
                     self._compact()  # the estimate must count live requests only
@@ -482,8 +482,8 @@ class Admission:
         if (
             rate > 0.0
             # cheap first: everything queued or running ahead of it (an upper bound)
-            and now + (self._total_cost + self.in_service + request.cost) / rate
-            > request.deadline
+            and now + max((self._total_cost + self.in_service + request.cost) / rate,
+                          self.batch_time) > request.deadline
             and (wait := self._too_late(request, tenant, c, now)) is not None
         ):
             raise self._late_refusal(request, wait, now)
@@ -528,7 +528,8 @@ class Admission:
             rate > 0.0
             and deadline < math.inf
             # cheap first: everything queued or running ahead of it (an upper bound)
-            and now + (self._total_cost + self.in_service + request.cost) / rate > deadline
+            and now + max((self._total_cost + self.in_service + request.cost) / rate,
+                          self.batch_time) > deadline
         ):
             if self._dead:
                 self._compact()  # the estimate must count live requests only
@@ -625,4 +626,6 @@ class Admission:
             below = sum(sum(self._cost[k].values()) for k in range(1, len(self.classes)))
             top = sum(self._cost[0].values())
             wait = min(wait, aging + (self.in_service + below + min(below, top) + cost) / rate)
-        return wait
+        # No answer comes sooner than one batch's run (the rate leaves its fixed time
+        # out): a deadline shorter than the shortest batch measured cannot be met.
+        return max(wait, self.batch_time)

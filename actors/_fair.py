@@ -176,6 +176,9 @@ class FairQueue(Admission):
         )
         #: measured service rate (cost units per second) while backlogged; 0: unknown
         self.rate = 0.0
+        #: the shortest run of a batch answered (seconds; 0: none yet): no request is
+        #: answered sooner, whatever the rate says (it leaves out a batch's fixed time)
+        self.batch_time = 0.0
         self._last_done = -math.inf
         self._prev_full = False
         self.in_service = 0  # cost dispatched and not yet completed
@@ -661,6 +664,10 @@ class FairQueue(Admission):
         )
         since = self._last_done
         run = batch[0].reply.run if batch else None
+        if run is not None and run[1] > 0.0:
+            self.batch_time = (
+                run[1] if self.batch_time <= 0.0 else min(self.batch_time, run[1])
+            )
         if run is not None and run[0] > since:
             since = run[0]  # it started on an idle device
         if full and self._prev_full and now > since:

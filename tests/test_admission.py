@@ -679,6 +679,48 @@ def test_an_idle_device_between_full_batches_is_not_measured_as_service():
     assert q.rate == pytest.approx(0.9 * 400.0 + 0.1 * 800.0)
 
 
+def test_a_deadline_shorter_than_one_batchs_run_is_refused_once_measured():
+    """The estimate was the cost ahead over the measured rate, a throughput that
+    leaves a batch's fixed time out: on a near-empty queue of a device taking 0.5 s
+    a batch (4 items), a request with 0.3 s to go was estimated at 0.125 s, admitted,
+    and answered late. No request is answered sooner than the shortest batch run
+    measured: it is refused at once now. A model with nothing measured refuses
+    nothing for its deadline."""
+    cold = queue(16, max_size=4)
+    cold.offer(req("a", arrival=0.0, deadline=0.001), 0.0)
+    assert len(cold) == 1
+    q = queue(16, max_size=4)
+    for t in (0.0, 10.0, 20.0):
+        fill(q, "a", 4, arrival=t)
+        batch = q.next_batch(t)
+        for r in batch:
+            r.reply.run = (t, 0.5)  # as the batcher sets it: (start, seconds)
+        q.completed(batch, t + 0.5)
+    assert q.rate == pytest.approx(8.0)
+    assert q.batch_time == 0.5
+    assert q.estimated_wait("a", 0, 1) == 0.5  # not 1 / 8 s
+    with pytest.raises(
+        Overloaded,
+        match=r"^model 'm': estimated time to serve it 500 ms exceeds the request's "
+        r"deadline \(300 ms left\)$",
+    ) as e:
+        q.offer(req("a", arrival=30.0, deadline=30.3), 30.0)
+    assert e.value.retry_after == 0.5
+    with pytest.raises(Overloaded, match="estimated time to serve it 500 ms"):
+        q.offer_all([req("b", arrival=30.0, deadline=30.3)], 30.0)
+    assert len(q) == 0
+    q.offer(req("a", arrival=30.0, deadline=30.6), 30.0)
+    assert len(q) == 1
+    # A shorter batch run lowers it (the shortest is kept).
+    batch = q.next_batch(30.0)
+    for r in batch:
+        r.reply.run = (30.0, 0.2)
+    q.completed(batch, 30.2)
+    assert q.batch_time == 0.2
+    q.offer(req("a", arrival=31.0, deadline=31.3), 31.0)
+    assert len(q) == 1
+
+
 def test_a_lower_class_request_is_not_refused_for_a_backlog_its_aging_jumps():
     """The estimated wait counted every request of the higher classes ahead, though
     its aging bound puts it before them: under a realtime backlog of 5 s a batch
