@@ -166,11 +166,16 @@ async def test_a_worker_process_that_dies_loading_says_how(monkeypatch, factory,
     with pytest.raises(ModelLoadError) as caught:
         async with trioserve.open_runtime(cfg):
             pass  # pragma: no cover
-    said = str(caught.value)
+    said, _, stderr = str(caught.value).partition("; its stderr ended with:\n")
     assert said.startswith(
         "model 'm': replica 0 on cpu failed to load: worker process exited (pid "
     )
     assert said.endswith(f"; {how})")
+    # What the worker left on its stderr follows: faulthandler's report of the crash.
+    if factory == "crashes_on_load":
+        assert "    Fatal Python error: Segmentation fault" in stderr
+    else:
+        assert stderr == ""
 
 
 async def test_a_load_past_its_timeout_fails_the_start_in_wall_time():
