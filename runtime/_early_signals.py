@@ -17,6 +17,7 @@ import itertools
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 _STOP = (signal.SIGINT, signal.SIGTERM)
@@ -43,7 +44,10 @@ def is_the_command() -> bool:
 
 def hold() -> None:
     """Note SIGINT and SIGTERM from now on, and take those that were blocked already
-    (pending since before this process could handle them)."""
+    (pending since before this process could handle them). Outside the main thread
+    (``main`` called by an embedding program), nothing: signals are not ours there."""
+    if threading.current_thread() is not threading.main_thread():
+        return
     for sig in _STOP:
         signal.signal(sig, _note)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP)
@@ -71,7 +75,9 @@ def _interrupt(signum: int, frame: Any) -> None:
 def release(*, serving: bool) -> None:
     """From now on a stop signal raises KeyboardInterrupt (for ``serving``: SIGTERM
     too; otherwise SIGTERM takes its default action again, as before), and one noted
-    while held is raised now."""
+    while held is raised now. Outside the main thread, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _terminate if serving else signal.SIG_DFL)
     noted, held[:] = list(held), []

@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 return serve_main(config_path=args.config, host=args.host, port=args.port)
             finally:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # served: as before
+                if threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # served: as before
         if args.command == "bench" and args.scenario:
             return run_scenario(args.scenario, args)
         if args.command == "bench":
