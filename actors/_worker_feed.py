@@ -13,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import trio
-from trioserve import Request, WorkerProcess
+from trioserve import RayReplica, Request, WorkerProcess
 
 from ._straggler import retried, split
 
@@ -44,6 +44,7 @@ class WorkerFeed:
         model: str
         device: str
         _worker: WorkerProcess | None
+        _ray: bool
         _worker_seconds: float
         _replacing: bool
         _lost_why: str | None
@@ -76,6 +77,11 @@ class WorkerFeed:
         ) -> None: ...
         def _arm(self, deadline: float, scope: trio.CancelScope) -> Any: ...
         def _disarm(self, armed: Any) -> None: ...
+
+    @property
+    def _worker_kind(self) -> str:
+        """What the log calls this replica's worker: a worker process, a Ray actor."""
+        return RayReplica.KIND if self._ray else WorkerProcess.KIND
 
     async def _loop_process(self) -> None:
         """Feed the worker, and replace it when it is lost, until the replica is
@@ -117,9 +123,8 @@ class WorkerFeed:
                     except Exception as exc:
                         self.start_failures += 1
                         log.warning(
-                            "%s: its worker process could not start (%s: %s); "
-                            "trying again in %.1fs",
-                            self.name, type(exc).__name__, exc, delay,
+                            "%s: its %s could not start (%s: %s); trying again in %.1fs",
+                            self.name, self._worker_kind, type(exc).__name__, exc, delay,
                         )
                     with trio.move_on_after(delay):
                         await self._retire_asked.wait()
@@ -185,7 +190,7 @@ class WorkerFeed:
                     worker.kill()
                     raise
                 except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its worker process died ({exc})", died=True)
+                    self._lose(worker, f"its {worker.KIND} died ({exc})", died=True)
                 except WorkerProcess.TooLarge as exc:
                     self._in_flight.pop()  # never sent: the worker goes on
                     self._too_large(batch, exc)
@@ -222,7 +227,7 @@ class WorkerFeed:
                 except WorkerProcess.Failed as exc:
                     outputs = exc
                 except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its worker process died ({exc})", died=True)
+                    self._lose(worker, f"its {worker.KIND} died ({exc})", died=True)
                 finally:
                     self._disarm(armed)
             if timer.cancelled_caught:
@@ -248,7 +253,7 @@ class WorkerFeed:
         # A worker can die while idle, with no batch to find out by: its replica would
         # be reported ready, and replaced only when the next request hit it.
         await worker.wait_exited()
-        self._lose(worker, f"its worker process exited (pid {worker.pid})", died=True)
+        self._lose(worker, f"its {worker.KIND} exited (pid {worker.pid})", died=True)
 
     def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
         """The worker is gone (or must go): kill it, hand its batches back — the one it
@@ -263,7 +268,9 @@ class WorkerFeed:
         if died:
             self._lost_why = why
         else:
-            log.warning("%s: worker process lost: %s; a new one is started", self.name, why)
+            log.warning(
+                "%s: %s lost: %s; a new one is started", self.name, worker.KIND, why
+            )
         batches = list(self._in_flight)
         if not (batches and retried(batches[0])):
             # A retry that crashes again is its requests' doing (it counts towards
@@ -303,7 +310,7 @@ class WorkerFeed:
         if how is not None and how not in why:
             why = f"{why}, {how}"
         log.warning(
-            "%s: worker process lost: %s; a new one is started%s", self.name, why,
+            "%s: %s lost: %s; a new one is started%s", self.name, self._worker_kind, why,
             WorkerProcess.stderr_note(worker.stderr_tail if worker is not None else None),
         )
 
@@ -339,7 +346,7 @@ class WorkerFeed:
         worker.kill()
         self.workers_broken += 1
         self._metrics.statuses["worker_broken"] += 1
-        log.warning("%s: its worker process is replaced: %s", self.name, why)
+        log.warning("%s: its %s is replaced: %s", self.name, worker.KIND, why)
         batches = list(self._in_flight)
         self._in_flight.clear()
         for b in batches:

@@ -69,6 +69,8 @@ class WorkerProcess:
     Died = WorkerDied
     Failed = WorkerError
     TooLarge = FrameTooLarge
+    #: What the log calls it.
+    KIND = "worker process"
     #: Batches in flight per worker (one running, the rest staged in shared memory).
     SLOTS = 3
     #: The most shared memory a slot takes: a batch whose inputs do not fit is sent

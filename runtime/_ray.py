@@ -114,6 +114,8 @@ class RayReplica:
     Died = WorkerDied
     Failed = WorkerError
     TooLarge = FrameTooLarge
+    #: What the log calls it.
+    KIND = "Ray actor"
     #: Batches in flight per actor: one running, the rest queued in the actor, which
     #: runs them in the order they were sent (one thread for batches).
     SLOTS = 3
@@ -146,6 +148,8 @@ class RayReplica:
         self.pid: int | None = None
         #: How the actor ended, in Ray's words, once known.
         self.ended_how: str | None = None
+        #: None: what an actor writes goes to Ray's logs, not through us.
+        self.stderr_tail: str | None = None
 
     async def start(self) -> None:
         """Create the actor (with the model's Ray options) and wait until its model

@@ -105,7 +105,7 @@ async def test_a_model_error_on_ray_is_the_models_error_and_the_actor_goes_on():
         assert rt.models["m"].batchers[0].workers_lost == 0
 
 
-async def test_an_actor_that_dies_mid_batch_is_replaced_and_its_batch_retried():
+async def test_an_actor_that_dies_mid_batch_is_replaced_and_its_batch_retried(caplog):
     cfg = config(on_ray(replicas=2, max_batch_size=4, max_wait_ms=20, timeout_ms=None))
     async with trioserve.open_runtime(cfg) as rt:
         before = actors()
@@ -126,7 +126,17 @@ async def test_an_actor_that_dies_mid_batch_is_replaced_and_its_batch_retried():
         assert not set(actors()) & set(before)
         out = await rt.infer("m", item(9.0))  # and they serve
         assert float(out["y"][0]) == 18.0
+        names = {b.name for b in rt.models["m"].batchers}
     assert actors() == []
+    # each loss logged once the actor was closed, as a Ray actor's, with no stderr
+    # tail (Ray keeps an actor's output in its own logs)
+    logged = [r.getMessage() for r in caplog.records if " lost: " in r.getMessage()]
+    assert len(logged) == lost
+    for line in logged:
+        name, _, why = line.partition(": Ray actor lost: its Ray actor ")
+        assert name in names, line
+        assert why.startswith(("died (", "exited (pid ")), line
+        assert line.endswith("; a new one is started"), line
 
 
 async def test_a_straggler_past_the_batch_deadline_is_killed_and_replaced():
