@@ -190,7 +190,7 @@ class WorkerFeed:
                     worker.kill()
                     raise
                 except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its {worker.KIND} died ({exc})", died=True)
+                    self._lose(worker, f"its {self._worker_kind} died ({exc})", died=True)
                 except WorkerProcess.TooLarge as exc:
                     self._in_flight.pop()  # never sent: the worker goes on
                     self._too_large(batch, exc)
@@ -227,7 +227,7 @@ class WorkerFeed:
                 except WorkerProcess.Failed as exc:
                     outputs = exc
                 except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its {worker.KIND} died ({exc})", died=True)
+                    self._lose(worker, f"its {self._worker_kind} died ({exc})", died=True)
                 finally:
                     self._disarm(armed)
             if timer.cancelled_caught:
@@ -253,7 +253,7 @@ class WorkerFeed:
         # A worker can die while idle, with no batch to find out by: its replica would
         # be reported ready, and replaced only when the next request hit it.
         await worker.wait_exited()
-        self._lose(worker, f"its {worker.KIND} exited (pid {worker.pid})", died=True)
+        self._lose(worker, f"its {self._worker_kind} exited (pid {worker.pid})", died=True)
 
     def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
         """The worker is gone (or must go): kill it, hand its batches back — the one it
@@ -269,7 +269,7 @@ class WorkerFeed:
             self._lost_why = why
         else:
             log.warning(
-                "%s: %s lost: %s; a new one is started", self.name, worker.KIND, why
+                "%s: %s lost: %s; a new one is started", self.name, self._worker_kind, why
             )
         batches = list(self._in_flight)
         if not (batches and retried(batches[0])):
@@ -346,7 +346,7 @@ class WorkerFeed:
         worker.kill()
         self.workers_broken += 1
         self._metrics.statuses["worker_broken"] += 1
-        log.warning("%s: its %s is replaced: %s", self.name, worker.KIND, why)
+        log.warning("%s: its %s is replaced: %s", self.name, self._worker_kind, why)
         batches = list(self._in_flight)
         self._in_flight.clear()
         for b in batches:
