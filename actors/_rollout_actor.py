@@ -12,6 +12,10 @@ checkpoint) to a bounded channel; when it is full the copy is dropped and counte
 A few worker tasks take the copies, run them on the shadow version at the lowest
 request class (never cached, never returned to anyone) and compare their outputs
 with stable's: match, mismatch or error.
+
+``close()`` stops it for good (its model's copy was unloaded or replaced, under
+explicit model control): it takes no more outcomes nor copies, and its run returns,
+its shadow's copies in flight withdrawn.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ class RolloutController(Actor):
         self._changed = trio.Event()
         self._counted = trio.lowlevel.ParkingLot()  # waiters for shadow results
         self._send, self._receive = trio.open_memory_channel[Any](shadow_queue)
+        self._stopped = False
+        self._scope: trio.CancelScope | None = None  # its run's, while it runs
 
     # ------------------------------------------------------------ the runtime's calls
     def route(self) -> str:
@@ -102,18 +108,25 @@ class RolloutController(Actor):
 
     def record(self, version: str, ok: bool, latency: float) -> None:
         """An unversioned request's outcome on ``version`` (not a checkpoint)."""
+        if self._stopped:
+            return
         self._apply(self.rollout.record(version, ok, latency, trio.current_time()))
 
     def record_late(self, version: str) -> None:
         """An unversioned request on ``version`` whose deadline passed in the queue
         (not a checkpoint)."""
+        if self._stopped:
+            return
         self._apply(self.rollout.record_late(version, trio.current_time()))
 
     def shadow_copy(self, version: str, inputs: Any, result: Any, tenant: str) -> None:
         """Offer a copy of a request answered by ``version`` to the shadow: only
         stable's answers, the shadow's share of them; dropped (counted) when the
         shadow's queue is full. Never a checkpoint: the caller is not delayed."""
-        if self.shadow is None or version != self.rollout.stable or self._closing():
+        if (
+            self.shadow is None or version != self.rollout.stable or self._closing()
+            or self._stopped
+        ):
             return
         self._shadow_seen += 1
         if math.floor(self._shadow_seen * self._shadow_share) <= self._shadow_sent:
@@ -129,22 +142,34 @@ class RolloutController(Actor):
         # or changed the answer's arrays in place, so the copy keeps its own.
         self._send.send_nowait((copy.deepcopy(inputs), copy.deepcopy(result), tenant))
 
+    def close(self) -> None:
+        """Stop for good: no more outcomes are recorded nor copies taken; the run
+        returns, its shadow's copies in flight withdrawn (those queued dropped
+        uncounted). Not a checkpoint."""
+        self._stopped = True
+        if self._scope is not None:
+            self._scope.cancel("the rollout's model copy was unloaded or replaced")
+
     # ------------------------------------------------------------ the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            if self.shadow is not None and self._run_shadow is not None:
-                for _ in range(self._workers):
-                    nursery.start_soon(self._shadow_worker)
-            task_status.started(self)
-            while True:
-                self._changed = trio.Event()
-                deadline = self.rollout.next_deadline()
-                if deadline <= trio.current_time():
-                    # the step lasted long enough: the canary's next answer ends it
-                    deadline = math.inf
-                with trio.move_on_at(deadline):
-                    await self._changed.wait()
-                self._apply(self.rollout.tick(trio.current_time()))
+        with trio.CancelScope() as self._scope:
+            if self._stopped:
+                self._scope.cancel("the rollout's model copy was unloaded or replaced")
+            async with trio.open_nursery() as nursery:
+                if self.shadow is not None and self._run_shadow is not None:
+                    for _ in range(self._workers):
+                        nursery.start_soon(self._shadow_worker)
+                task_status.started(self)
+                while True:
+                    self._changed = trio.Event()
+                    deadline = self.rollout.next_deadline()
+                    if deadline <= trio.current_time():
+                        # the step lasted long enough: the canary's next answer ends it
+                        deadline = math.inf
+                    with trio.move_on_at(deadline):
+                        await self._changed.wait()
+                    self._apply(self.rollout.tick(trio.current_time()))
+        self._scope = None
 
     async def _shadow_worker(self) -> None:
         assert self._run_shadow is not None

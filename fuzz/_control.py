@@ -113,7 +113,8 @@ class Echo(ModelBackend):
 LIFECYCLE = {
     "UNAVAILABLE": {"LOADING"},
     "LOADING": {"READY", "UNAVAILABLE"},
-    "READY": {"LOADING", "UNLOADING"},
+    # a reload: READY (reloading, the loaded copy serves meanwhile), then READY
+    "READY": {"READY", "UNLOADING"},
     "UNLOADING": {"UNAVAILABLE"},
 }
 
@@ -165,8 +166,8 @@ class ControlRun:
             head = self.pending[0]
             if len(head) == 1:  # its first move
                 kind = head[0]
-                head[:] = (["", "LOADING", "READY"] if kind == "load"
-                           else ["", "UNLOADING", "UNAVAILABLE"])
+                head[:] = (["", "READY" if self.loaded else "LOADING", "READY"]
+                           if kind == "load" else ["", "UNLOADING", "UNAVAILABLE"])
                 if kind == "load":
                     note("control", "reload" if self.loaded else "load")
                 else:

@@ -493,14 +493,6 @@ class Config:
                     f"{m._path()}.load_at_start: false needs server.model_control = "
                     '"explicit": with model control off nothing could ever load it'
                 )
-            family = m.rollout is not None or any(m.versions.own(v) for v in m.versions)
-            if family and self.server.model_control == "explicit":
-                raise ConfigError(
-                    f"{m._path()}: a model whose versions have weights of their own, or "
-                    "with a rollout, cannot be under explicit model control yet "
-                    '(server.model_control = "explicit"); serve it with model control '
-                    '"none", or give its versions as a list of names'
-                )
         if not self.tenants:
             # no request could name a tenant, nor go without one
             raise ConfigError(

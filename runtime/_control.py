@@ -7,17 +7,23 @@ loaded is served by a stand-in (``ServedModel.loaded`` false) whose queue refuse
 request with UnknownModel and which has no replica; its metrics are the model's, so
 they carry on across unloads and reloads. A loaded model is a *copy*: its queues,
 replicas and controllers run in a nursery of their own, in one task of the control's
-nursery (itself in the runtime's root nursery), supervised as at the start.
+nursery (itself in the runtime's root nursery), supervised as at the start. A model
+whose versions have weights of their own, or with a rollout, is loaded as a whole:
+its copy is a ``Family`` (runtime/_versioned.py), every version's queues and
+replicas and its rollout's controller, installed in ``Runtime._families`` too.
 
 - **load**: a new copy is started (its replicas' models loaded, each within the
-  model's ``load_timeout_s``); once it is ready it replaces the entry, so new requests
-  go to it, and the copy it replaced (a reload) is drained.
+  model's ``load_timeout_s``; every version's, for a family); once it is ready it
+  replaces the entry, so new requests go to it, and the copy it replaced (a reload)
+  is drained. A reload leaves the model READY (the old copy serves meanwhile).
 - **unload**: the stand-in replaces the entry; the copy is drained.
-- **draining** a copy: its queues hand every new request over to what replaced them
-  (a request that looked the model up before the swap still gets the new copy, or the
-  stand-in's refusal); what they hold is pulled by the copy's replicas, which then
-  retire (each finishes the batches it holds, releases its worker process or its
-  model); then the copy's nursery is cancelled (its queues' timers, its autoscaler).
+- **draining** a copy: its rollout's controller stops (its shadow's copies in
+  flight are withdrawn); its queues hand every new request over to what replaced
+  them (a version's to the same version's; a request that looked the model up before
+  the swap still gets the new copy, or the stand-in's refusal); what they hold is
+  pulled by the copy's replicas, which then retire (each finishes the batches it
+  holds, releases its worker process or its model); then the copy's nursery is
+  cancelled (its queues' timers, its autoscalers).
 
 Loads and unloads of one model are serialized, in the order asked (each waits for
 the one asked before it); a load or unload asked while another of the same kind is
@@ -42,6 +48,7 @@ from ._actor import ActorState
 from ._config import ModelConfig
 from ._errors import ActorClosed, ConfigError, ModelLoadError, TrioserveError, UnknownModel
 from ._served import ServedModel
+from ._versioned import Family
 
 log = logging.getLogger("trioserve")
 
@@ -50,15 +57,16 @@ class ModelState(enum.Enum):
     """A configured model's state, as Triton's repository index names them."""
 
     UNAVAILABLE = "UNAVAILABLE"  # not loaded (never, unloaded, or its load failed)
-    LOADING = "LOADING"  # a copy is loading (a reload: the loaded copy serves meanwhile)
-    READY = "READY"  # loaded
+    LOADING = "LOADING"  # a copy is loading, and none serves
+    READY = "READY"  # loaded (also while it reloads: the loaded copy serves meanwhile)
     UNLOADING = "UNLOADING"  # refusing new requests; those admitted finish
 
 
 _MOVES = {
     ModelState.UNAVAILABLE: {ModelState.LOADING},
     ModelState.LOADING: {ModelState.READY, ModelState.UNAVAILABLE},
-    ModelState.READY: {ModelState.LOADING, ModelState.UNLOADING},
+    # READY to READY: a reload begins (its reason says so) or ends
+    ModelState.READY: {ModelState.READY, ModelState.UNLOADING},
     ModelState.UNLOADING: {ModelState.UNAVAILABLE},
 }
 
@@ -96,16 +104,53 @@ class _Op:
 class _Copy:
     """A loaded copy of a model, served by one task of the control's nursery."""
 
+    #: what ``Runtime.models`` holds for it (a family: its default version's)
     served: ServedModel
-    #: set when it is to drain, with ``successor`` (what replaced it)
+    #: a model whose versions have weights of their own, or a rollout: all of them
+    family: Family | None = None
+    #: set when it is to drain, with ``successor`` (what replaced it: a new copy,
+    #: or the stand-in of the model unloaded)
     stop: trio.Event = attrs.Factory(trio.Event)
-    successor: ServedModel | None = None
+    successor: _Copy | ServedModel | None = None
     #: set when it has drained (or its task ended)
     finished: trio.Event = attrs.Factory(trio.Event)
 
-    def retire(self, successor: ServedModel) -> None:
+    @classmethod
+    def of(cls, started: ServedModel | Family) -> _Copy:
+        if isinstance(started, Family):
+            return cls(served=started.by_version[started.default], family=started)
+        return cls(served=started)
+
+    @property
+    def groups(self) -> list[ServedModel]:
+        """Each distinct ServedModel of the copy (a family: one per group of versions)."""
+        return list(self.family.groups) if self.family is not None else [self.served]
+
+    @property
+    def started(self) -> ServedModel | Family:
+        """What was started: the family, or the one ServedModel."""
+        return self.family if self.family is not None else self.served
+
+    def retire(self, successor: _Copy | ServedModel) -> None:
+        """To drain, ``successor`` taking its new requests; its rollout (if any) stops
+        at once: the outcomes and the shadow's copies are the successor's from now."""
         self.successor = successor
+        if self.family is not None and self.family.controller is not None:
+            self.family.controller.close()
         self.stop.set()
+
+    def heir(self, group: ServedModel) -> ServedModel:
+        """What takes over the new requests of ``group`` (one of this copy's) once
+        it drains: the same versions' group of the copy that replaced it, or the
+        stand-in of the model unloaded."""
+        after = self.successor
+        assert after is not None
+        if isinstance(after, ServedModel):
+            return after
+        if self.family is None or after.family is None:
+            return after.served
+        version = next(v for v, g in self.family.by_version.items() if g is group)
+        return after.family.by_version[version]
 
 
 def _done() -> trio.Event:
@@ -165,16 +210,21 @@ class ModelControl:
     """Loads, reloads and unloads a runtime's models (see the module's docstring).
 
     ``start_copy(nursery, config, previous)`` starts a copy of a model in ``nursery``
-    and returns it once its replicas are loaded (``previous``: what it replaces, whose
-    metrics it takes over); ``unloaded(config, previous)`` makes a model's stand-in.
+    and returns it once its replicas are loaded: a ServedModel, or a Family (every
+    version's, not installed); ``previous``: what it replaces (the copy's ServedModel
+    or Family, or the stand-in), whose metrics and counters it takes over.
+    ``unloaded(config, previous)`` makes a model's stand-in (``previous``: the copy
+    it replaces, a ServedModel or a Family, or None).
     """
 
     def __init__(
         self,
         rt: Any,
         *,
-        start_copy: Callable[[trio.Nursery, ModelConfig, ServedModel], Awaitable[ServedModel]],
-        unloaded: Callable[[ModelConfig, ServedModel | None], ServedModel],
+        start_copy: Callable[
+            [trio.Nursery, ModelConfig, ServedModel | Family], Awaitable[ServedModel | Family]
+        ],
+        unloaded: Callable[[ModelConfig, ServedModel | Family | None], ServedModel],
     ) -> None:
         self._rt = rt
         self._start_copy = start_copy
@@ -227,16 +277,21 @@ class ModelControl:
         name = entry.config.name
         rt = self._rt
         copy: _Copy | None = None
+        failure: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:
                 async with _turn(turn):
                     old = entry.copy
-                    entry.move(
-                        ModelState.LOADING,
-                        "reloading (the loaded copy serves meanwhile)" if old else "loading",
-                    )
+                    if old is not None:  # the loaded copy serves meanwhile: READY
+                        entry.move(ModelState.READY, "reloading (the loaded copy serves "
+                                   "meanwhile)")
+                    else:
+                        entry.move(ModelState.LOADING, "loading")
                     try:
-                        served = await self._start_copy(nursery, entry.config, rt.models[name])
+                        started = await self._start_copy(
+                            nursery, entry.config,
+                            old.started if old is not None else rt.models[name],
+                        )
                     except TrioserveError as exc:
                         failure = (
                             exc if isinstance(exc, ModelLoadError | ConfigError)
@@ -251,12 +306,13 @@ class ModelControl:
                             log.warning("model %r: failed to load: %s", name, failure)
                         if entry.loading is op:
                             entry.loading = None
-                        op.finish(failure)
+                        # answered once what it started is stopped (the versions
+                        # loaded before one failed): nothing of it is left then
                         nursery.cancel_scope.cancel("the model failed to load")
                         return
-                    copy = _Copy(served=served)
+                    copy = _Copy.of(started)
                     entry.copy = copy
-                    rt.models[name] = served
+                    _install(rt, name, copy)
                     _invalidate(rt, name)
                     entry.move(ModelState.READY)
                     if entry.loading is op:
@@ -264,7 +320,7 @@ class ModelControl:
                     op.finish()
                     if old is not None:
                         log.info("model %r: reloaded; the copy replaced drains", name)
-                        old.retire(served)
+                        old.retire(copy)
                         entry.replaced = [c for c in entry.replaced if not c.finished.is_set()]
                         entry.replaced.append(old)
                     else:
@@ -275,12 +331,14 @@ class ModelControl:
         finally:
             if entry.loading is op:
                 entry.loading = None
+            if failure is not None:
+                op.finish(failure)
             op.finish(ActorClosed(
                 f"model {name!r}: the runtime shut down before the model loaded"
             ))
             if copy is not None:
                 if copy.stop.is_set():  # cut off while draining: answer what it held
-                    _close(copy.served)
+                    _close(copy)
                 copy.finished.set()
 
     # ------------------------------------------------------------ unload
@@ -307,10 +365,12 @@ class ModelControl:
                 copy = entry.copy
                 if copy is not None:
                     entry.move(ModelState.UNLOADING, "unloading (requests admitted finish)")
-                    rt.models[name] = self._unloaded(entry.config, copy.served)
+                    stand_in = self._unloaded(entry.config, copy.started)
+                    rt.models[name] = stand_in
+                    rt._families.pop(name, None)
                     entry.copy = None
                     _invalidate(rt, name)
-                    copy.retire(rt.models[name])
+                    copy.retire(stand_in)
                     await copy.finished.wait()
                     # and a copy an earlier reload replaced, if it is still draining:
                     # once unloaded, nothing of the model holds a worker or a device
@@ -330,6 +390,16 @@ class ModelControl:
             ))
 
 
+def _install(rt: Any, model: str, copy: _Copy) -> None:
+    """Make ``copy`` the one serving ``model``: its ServedModel and, for a family,
+    its versions' routing (no checkpoint between the two)."""
+    rt.models[model] = copy.served
+    if copy.family is not None:
+        rt._families[model] = copy.family
+    else:
+        rt._families.pop(model, None)
+
+
 def _invalidate(rt: Any, model: str) -> None:
     """Drop the model's cached results: they may come from the copy gone."""
     if rt.cache is not None and model in rt._cached:
@@ -343,34 +413,40 @@ def _retiring(batcher: Any) -> bool:
 
 
 async def _drain(copy: _Copy) -> None:
-    """Drain a copy replaced by ``copy.successor``: new requests go there; those
-    queued here are pulled by the copy's replicas, which retire once every one is
-    answered (a batch that fails is run again in parts, by them)."""
-    served, successor = copy.served, copy.successor
-    assert successor is not None
-    for lane in served.schedulers:
-        after = successor.slow_scheduler if lane is served.slow_scheduler else None
-        lane.hand_over(after if after is not None else successor.scheduler)
-    for lane in served.schedulers:
-        await lane.wait_empty()
-    going = [b for b in served.batchers if _retiring(b)]
+    """Drain a copy replaced by ``copy.successor`` (its rollout's controller stopped
+    by ``retire``: the shadow's copies in flight withdrawn): new requests go to the successor
+    (each version's to the same version's); those queued here are pulled by the
+    copy's replicas, which retire once every one is answered (a batch that fails is
+    run again in parts, by them)."""
+    groups = copy.groups
+    for served in groups:
+        successor = copy.heir(served)
+        for lane in served.schedulers:
+            after = successor.slow_scheduler if lane is served.slow_scheduler else None
+            lane.hand_over(after if after is not None else successor.scheduler)
+    for served in groups:
+        for lane in served.schedulers:
+            await lane.wait_empty()
+    going = [b for served in groups for b in served.batchers if _retiring(b)]
     for b in going:
         b.retire()
     for b in going:
         await b.wait_retired()
-    _close(served)
+    _close(copy)
 
 
-def _close(served: ServedModel) -> None:
+def _close(copy: _Copy) -> None:
     """Answer whatever a drained (or cut off) copy still holds: nothing, unless a
     retiring replica handed a batch back, or the runtime shut down meanwhile."""
     gone = ActorClosed(
-        f"model {served.name!r}: its copy was unloaded before this request was answered"
+        f"model {copy.served.name!r}: its copy was unloaded before this request was "
+        "answered"
     )
-    for b in served.batchers:
-        b.close()
-    for lane in served.schedulers:
-        lane.close(gone)
+    for served in copy.groups:
+        for b in served.batchers:
+            b.close()
+        for lane in served.schedulers:
+            lane.close(gone)
 
 
 class _Control:
@@ -407,7 +483,8 @@ class _Control:
 
     def model_state(self, model: str) -> tuple[str, str]:
         """``model``'s state and why, as Triton's repository index gives them:
-        READY, UNAVAILABLE, LOADING or UNLOADING, and a reason ("" when ready).
+        READY, UNAVAILABLE, LOADING or UNLOADING, and a reason ("" when ready, but
+        while it reloads: the loaded copy serves meanwhile, READY).
         UnknownModel for a model not configured."""
         if self._control is None:
             self._known(model, None)  # type: ignore[attr-defined]

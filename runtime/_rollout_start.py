@@ -19,7 +19,8 @@ async def start_rollout(
     nursery: trio.Nursery, rt: Any, family: Family, r: Any, policy: Any
 ) -> None:
     """The controller of ``family``'s rollout (``r``: its RolloutConfig), supervised
-    in the root nursery."""
+    in ``nursery`` (the root nursery, or the copy's under explicit model control).
+    Each start is afresh: canary at its first step, counts empty."""
     from trioserve.actors import Rollout, RolloutController, RolloutRules
 
     rules = RolloutRules(
@@ -28,10 +29,12 @@ async def start_rollout(
     )
     shadow = r.shadow
 
-    async def run_shadow(inputs: Any, tenant: str) -> Any:
-        return await rt._run_shadow(family.model, shadow, inputs, tenant)
-
     served = family.by_version[shadow] if shadow is not None else None
+
+    async def run_shadow(inputs: Any, tenant: str) -> Any:
+        # this family's shadow, whichever copy of the model serves now
+        return await rt._run_shadow(family.model, served, inputs, tenant)
+
     family.controller = RolloutController(
         model=family.model,
         rollout=Rollout(rules, stable=r.stable, canary=r.canary, now=trio.current_time()),

@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,7 +24,7 @@ from ._ray import check_ray_installed, start_ray, stop_ray
 from ._ray_config import RayReplicaConfig
 from ._rollout_start import start_rollout
 from ._served import ServedModel
-from ._versioned import start_family, version_backends
+from ._versioned import Family, start_family, version_backends
 from ._zygote import Zygote, ZygoteError
 
 log = logging.getLogger("trioserve")
@@ -131,7 +131,9 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                     ray_started = await start_ray(config.ray)
                 await _start_cache(nursery, rt, policy)
                 if config.server.model_control == "explicit":
-                    await _start_control(nursery, rt, backends, policy, zygote, watchdog)
+                    await _start_control(
+                        nursery, rt, backends, own, policy, zygote, watchdog
+                    )
                 else:
                     for m in config.models:
                         if own[m.name] or m.rollout is not None:
@@ -251,15 +253,22 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 async def _start_control(
     nursery: trio.Nursery, rt: Runtime, backends: dict[str, ModelBackend],
-    policy: RestartPolicy, zygote: Zygote | None, watchdog: Any,
+    own: dict[str, dict[str, ModelBackend]], policy: RestartPolicy,
+    zygote: Zygote | None, watchdog: Any,
 ) -> None:
     """Explicit model control (docs/model-control.md): every model has a stand-in
     until it is loaded; those with ``load_at_start`` are loaded now, in order."""
     from ._control import ModelControl
 
     async def start_copy(
-        copy_nursery: trio.Nursery, m: ModelConfig, previous: ServedModel
-    ) -> ServedModel:
+        copy_nursery: trio.Nursery, m: ModelConfig, previous: ServedModel | Family
+    ) -> ServedModel | Family:
+        if own[m.name] or m.rollout is not None:
+            return await _start_family(
+                copy_nursery, rt, m, backends[m.name], own[m.name], policy, zygote,
+                watchdog, previous=previous,
+            )
+        assert isinstance(previous, ServedModel)
         return await _start_model(
             copy_nursery, rt, m, backends[m.name], policy, zygote, watchdog, previous
         )
@@ -276,14 +285,17 @@ async def _start_control(
 
 
 def _unloaded(
-    rt: Runtime, m: ModelConfig, backend: ModelBackend, previous: ServedModel | None
+    rt: Runtime, m: ModelConfig, backend: ModelBackend,
+    replaced: ServedModel | Family | None,
 ) -> ServedModel:
     """The stand-in of a model not loaded: a queue that refuses every request (never
     run: nothing pulls from it), no replica, and the metrics, objective and flows'
-    counters of the copy it replaces (new ones for a model never loaded)."""
+    counters of the copy it replaces (new ones for a model never loaded; a family's:
+    its versions' flows' counters added up)."""
     from trioserve.actors import ClassSpec, FairQueue, ModelMetrics, SchedulerActor, SloTracker
 
     from ._control import not_loaded
+    from ._versioned import _MergedQueues
 
     cfg = rt.config
     queue = FairQueue(
@@ -291,7 +303,13 @@ def _unloaded(
         classes=[ClassSpec(name=c.name, aging=c.max_queue_wait_ms / 1e3) for c in cfg.classes],
         model=m.name, adaptive=False,
     )
-    if previous is not None:
+    previous = (
+        replaced.by_version[replaced.default] if isinstance(replaced, Family) else replaced
+    )
+    if isinstance(replaced, Family) and len(replaced.groups) > 1:
+        # the counters go on from all the versions' together
+        queue.stats = _MergedQueues([g.scheduler.policy for g in replaced.groups]).stats
+    elif previous is not None:
         queue.stats = previous.scheduler.policy.stats
     scheduler = SchedulerActor(m.name, queue)
     scheduler.retire(not_loaded(m.name))
@@ -321,13 +339,16 @@ async def _start_model(
     watchdog: Any,
     previous: ServedModel | None = None,
     like: ServedModel | None = None,
+    *,
+    controlled: bool = False,
 ) -> ServedModel:
     """Start a model's queues and replicas in ``nursery``; return it once they are
-    loaded. ``previous``: under explicit model control, what the copy started here
-    is to replace (the caller installs it); it keeps that one's metrics, objective
-    and flows' counters, and its replicas can retire. Otherwise it is installed
-    in ``rt.models`` at once. ``like``: another version's (a model whose versions
-    have weights of their own), whose metrics and objective it shares."""
+    loaded. ``controlled`` (or a ``previous``): under explicit model control, the
+    caller installs it, and its replicas can retire; ``previous`` is what it is to
+    replace: it keeps that one's metrics, objective and flows' counters.
+    Otherwise it is installed in ``rt.models`` at once.
+    ``like``: another version's (a model whose versions have weights of their
+    own), whose metrics and objective it shares."""
     from trioserve.actors import (
         BatcherActor,
         BatchTimer,
@@ -343,7 +364,9 @@ async def _start_model(
 
     limits = _limits(m, backend)
     cfg = rt.config
-    n_replicas = len(m.replica_devices)
+    controlled = controlled or previous is not None
+    devices = m.replica_devices
+    n_replicas = len(devices)
     # The adaptive limit's floor is two full batches per replica that pulls from the
     # lane: with a slow lane, its replicas are not the fast lane's.
     fast_replicas = n_replicas - (m.slow_lane_replicas if m.slow_lane_cost is not None else 0)
@@ -400,9 +423,9 @@ async def _start_model(
             m.slo_ms / 1e3, DEFAULT_SLO_TARGET if m.slo_target is None else m.slo_target
         ) if m.slo_ms is not None and previous is None else getattr(previous, "slo", None),
     )
-    if previous is None:
+    if not controlled:
         rt.models[m.name] = served
-    else:  # the flows' counters carry on
+    elif previous is not None:  # the flows' counters carry on
         for lane, before in zip(served.schedulers, previous.schedulers, strict=False):
             lane.policy.stats = before.policy.stats
     if m.batch_timeout_cap_ms < m.batch_timeout_floor_ms:
@@ -447,7 +470,7 @@ async def _start_model(
             timer=timer,
             breaker=Breaker(),
             watchdog=watchdog,
-            retirable=previous is not None,
+            retirable=controlled,
         )
         served.batchers.append(batcher)
         lane.replicas += 1
@@ -459,7 +482,7 @@ async def _start_model(
             raise
         return batcher
 
-    for i, device in enumerate(m.replica_devices):
+    for i, device in enumerate(devices):
         lane = slow if slow is not None and i >= n_replicas - m.slow_lane_replicas else scheduler
         await start_replica(i, device, lane)
     log.info("model %r: ready in %.2f s", m.name, trio.current_time() - started)
@@ -471,19 +494,32 @@ async def _start_model(
 async def _start_family(
     nursery: trio.Nursery, rt: Runtime, m: ModelConfig, backend: ModelBackend,
     own: dict[str, ModelBackend], policy: RestartPolicy, zygote: Zygote | None,
-    watchdog: Any,
-) -> None:
+    watchdog: Any, *, previous: ServedModel | Family | None = None,
+) -> Family:
     """A model whose versions have weights of their own, or a rollout
-    (runtime/_versioned.py), and its rollout's controller."""
+    (runtime/_versioned.py), and its rollout's controller (afresh). ``previous``:
+    under explicit model control, what it is to replace, a family (each version's
+    group takes over its counterpart's counters) or the stand-in (the first group
+    takes over its own); the caller installs it then."""
+    controlled = previous is not None
 
-    async def start(cfg: ModelConfig, b: ModelBackend, like: Any) -> ServedModel:
+    async def start(
+        cfg: ModelConfig, b: ModelBackend, like: Any, versions: Sequence[str]
+    ) -> ServedModel:
+        before: ServedModel | None
+        if isinstance(previous, Family):
+            before = previous.by_version[versions[0]]
+        else:
+            before = previous if like is None else None
         return await _start_model(
-            nursery, rt, cfg, b, policy, zygote, watchdog, like=like
+            nursery, rt, cfg, b, policy, zygote, watchdog, before, like=like,
+            controlled=controlled,
         )
 
-    family = await start_family(rt, m, backend, own, start)
+    family = await start_family(rt, m, backend, own, start, install=not controlled)
     if m.rollout is not None:
         await start_rollout(nursery, rt, family, m.rollout, policy)
+    return family
 
 
 async def _start_autoscaler(

@@ -21,7 +21,14 @@ import trio
 from ._builtin import resolve_backend
 from ._config import ModelConfig
 from ._config_checks import _key
-from ._errors import ActorBroken, ConfigError, DeadlineExceeded, ModelError, TrioserveError
+from ._errors import (
+    ActorBroken,
+    ConfigError,
+    DeadlineExceeded,
+    ModelError,
+    ModelLoadError,
+    TrioserveError,
+)
 from ._messages import Reply, Request
 from ._model import ModelBackend, _unstack, item_list
 from ._outcomes import _prepare_failed
@@ -154,12 +161,19 @@ async def start_family(
     m: ModelConfig,
     base: ModelBackend,
     own: Mapping[str, ModelBackend],
-    start_model: Callable[[ModelConfig, ModelBackend, Any], Awaitable[ServedModel]],
+    start_model: Callable[
+        [ModelConfig, ModelBackend, Any, Sequence[str]], Awaitable[ServedModel]
+    ],
+    *,
+    install: bool = True,
 ) -> Family:
     """Start ``m``'s versions: the model's backend for those without overrides, and
     each of ``own`` (version -> backend) on its own queue and replicas.
-    ``start_model(cfg, backend, like)`` starts one and returns it (``like``: the
-    first started, whose metrics and objective the others share)."""
+    ``start_model(cfg, backend, like, versions)`` starts one and returns it
+    (``like``: the first started, whose metrics and objective the others share;
+    ``versions``: those it serves). A version that fails to load fails the whole
+    start: ModelLoadError naming it. ``install``: serve the family at once (else
+    the caller does: explicit model control)."""
     bare = [v for v in m.versions if v not in own]
     plan: dict[str | None, ModelBackend] = {}
     if bare:
@@ -169,9 +183,18 @@ async def start_family(
     by_version: dict[str, ServedModel] = {}
     groups: list[ServedModel] = []
     for v, backend in plan.items():
-        served = await start_model(_version_config(m, v), backend, groups[0] if groups else None)
+        versions = bare if v is None else [v]
+        try:
+            served = await start_model(
+                _version_config(m, v), backend, groups[0] if groups else None, versions
+            )
+        except ModelLoadError as exc:
+            which = (f"version {v!r} (weights of its own)" if v is not None
+                     else f"version{'s' if len(bare) > 1 else ''} "
+                          f"{', '.join(map(repr, bare))} (the model's backend)")
+            raise ModelLoadError(f"model {m.name!r}, {which}: {exc}") from exc
         groups.append(served)
-        for name in bare if v is None else [v]:
+        for name in versions:
             by_version[name] = served
         if v is not None:
             log.info("model %r: version %r serves its own weights", m.name, v)
@@ -180,8 +203,9 @@ async def start_family(
         model=m.name, by_version=by_version, groups=groups, default=default,
         own=frozenset(own),
     )
-    rt.models[m.name] = by_version[default]
-    rt._families[m.name] = family
+    if install:
+        rt.models[m.name] = by_version[default]
+        rt._families[m.name] = family
     return family
 
 
@@ -289,14 +313,14 @@ class _Versioned:
         return out
 
     async def _run_shadow(
-        self, model: str, version: str, inputs: Any, tenant: str | None
+        self, model: str, served: ServedModel, inputs: Any, tenant: str | None
     ) -> dict[str, Any]:
-        """A shadow's copy of ``inputs`` run on ``version`` at the lowest request
+        """A shadow's copy of ``inputs`` run on ``served`` (the shadow version's,
+        of the family whose controller sends it) at the lowest request
         class: not cached, not charged to the tenant's credits, not counted in the
         model's latencies; its deadline is the model's timeout. Cancelling it
         withdraws the copy if it has not been dispatched yet. ``tenant`` as the
         caller gave it (None: the default tenant, whose flow the copy joins)."""
-        served = self._families[model].by_version[version]
         if tenant is None:
             tenant = self._default_tenant
         try:

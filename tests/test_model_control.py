@@ -152,7 +152,11 @@ async def test_reload_moves_new_requests_to_the_new_copy_and_the_old_finishes_it
             async with trio.open_nursery() as ops:
                 ops.start_soon(rt.load_model, "m")
                 await trio.testing.wait_all_tasks_blocked()
-                assert rt.model_state("m")[0] == "LOADING"
+                # the old copy serves: READY, as Triton says of a model reloading
+                assert rt.model_state("m") == (
+                    "READY", "reloading (the loaded copy serves meanwhile)"
+                )
+                assert rt.model_ready("m")
                 # while the new copy loads, the old one serves new requests too
                 callers.start_soon(call, rt, 7.0, answers)
             assert trio.current_time() == pytest.approx(t0 + 5.0)
@@ -436,25 +440,3 @@ async def test_a_batch_that_fails_while_its_copy_drains_is_run_again_in_parts(
         ran = [keys for w, keys in workers.ran if w is first]
         assert sorted(ran[0]) == [4.0, 13.0]
         assert sorted(ran[1:]) == [[4.0], [13.0]]
-
-
-@pytest.mark.parametrize(
-    "model",
-    [
-        dict(versions={"1": {}, "2": {"options": {"seed": 2}}}),
-        dict(versions=("1", "2"), rollout={"stable": "1", "canary": "2"}),
-    ],
-    ids=["own-weights", "rollout"],
-)
-def test_versions_with_weights_or_a_rollout_are_refused_under_explicit_control(model):
-    """Model control swaps a model's one copy; a model served as a family of versions
-    (weights of their own, or a rollout) is not under it yet: refused at once, by
-    name, rather than loaded half-way."""
-    server = trioserve.ServerConfig(model_control="explicit")
-    with pytest.raises(trioserve.ConfigError, match=r"models\.m: .*explicit model control"):
-        trioserve.Config(
-            models=(trioserve.ModelConfig(name="m", backend="mlp", **model),), server=server
-        )
-    # a list of names is one backend: under control as any model
-    plain = trioserve.ModelConfig(name="m", backend="mlp", versions=("1", "2"))
-    assert trioserve.Config(models=(plain,), server=server).models[0].versions == ("1", "2")
