@@ -345,8 +345,9 @@ async def _start_model(
     """Start a model's queues and replicas in ``nursery``; return it once they are
     loaded. ``controlled`` (or a ``previous``): under explicit model control, the
     caller installs it, and its replicas can retire; ``previous`` is what it is to
-    replace: it keeps that one's metrics, objective and flows' counters.
-    Otherwise it is installed in ``rt.models`` at once.
+    replace: it keeps that one's metrics, objective and flows' counters, and an
+    autoscaled model starts as many replicas as that one serves (within the
+    autoscaler's bounds). Otherwise it is installed in ``rt.models`` at once.
     ``like``: another version's (a model whose versions have weights of their
     own), whose metrics and objective it shares."""
     from trioserve.actors import (
@@ -365,7 +366,7 @@ async def _start_model(
     limits = _limits(m, backend)
     cfg = rt.config
     controlled = controlled or previous is not None
-    devices = m.replica_devices
+    devices = _replica_devices(m, previous)
     n_replicas = len(devices)
     # The adaptive limit's floor is two full batches per replica that pulls from the
     # lane: with a slow lane, its replicas are not the fast lane's.
@@ -520,6 +521,21 @@ async def _start_family(
     if m.rollout is not None:
         await start_rollout(nursery, rt, family, m.rollout, policy)
     return family
+
+
+def _replica_devices(m: ModelConfig, previous: ServedModel | None) -> tuple[str, ...]:
+    """The device of each replica to start: the configured ones; for a reload of an
+    autoscaled model, as many as the copy replaced serves now, within the
+    autoscaler's bounds, round-robin over the model's devices."""
+    configured = m.replica_devices
+    a = m.autoscaling
+    if a is None or previous is None or not previous.loaded or previous.scaler is None:
+        return configured
+    n = len(previous.scaler.serving())
+    low = a.min_replicas if a.min_replicas is not None else len(configured)
+    high = a.max_replicas if a.max_replicas is not None else len(configured)
+    n = max(low, min(high, n))
+    return tuple(m.devices[i % len(m.devices)] for i in range(n))
 
 
 async def _start_autoscaler(

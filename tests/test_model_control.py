@@ -440,3 +440,50 @@ async def test_a_batch_that_fails_while_its_copy_drains_is_run_again_in_parts(
         ran = [keys for w, keys in workers.ran if w is first]
         assert sorted(ran[0]) == [4.0, 13.0]
         assert sorted(ran[1:]) == [[4.0], [13.0]]
+
+
+async def test_a_reload_of_an_autoscaled_model_keeps_the_replicas_it_scaled_to(
+    autojump_clock, workers
+):
+    """A reload under load started the configured one replica, dropping the
+    capacity the autoscaler had added: it now starts as many as serve."""
+    cfg = control_config(replicas=1, autoscaling=trioserve.AutoscalingConfig(
+        min_replicas=1, max_replicas=3, upscale_delay_s=0, interval_s=0.5,
+    ))
+    answers: dict = {}
+    async with trioserve.open_runtime(cfg) as rt:
+        t0 = trio.current_time()
+        async with trio.open_nursery() as callers:
+            for x in range(1, 31):
+                callers.start_soon(call, rt, float(x), answers)
+            await trio.sleep_until(t0 + 1.0)  # the first look (at 0.5 s) scaled up
+            old = rt.models["m"]
+            assert len(old.scaler.serving()) == 3
+            await rt.load_model("m")
+            new = rt.models["m"]
+            assert new is not old
+            assert len(new.batchers) == 3
+            assert len(new.scaler.serving()) == 3
+        assert answers == {float(x): [float(x)] for x in range(1, 31)}
+
+
+def test_a_reloads_replica_count_is_within_the_autoscalers_bounds():
+    from types import SimpleNamespace
+
+    from trioserve._runtime import _replica_devices
+
+    m = trioserve.ModelConfig(
+        name="m", backend="echo", devices=("cpu:0", "cpu:1"), replicas=2,
+        autoscaling=trioserve.AutoscalingConfig(min_replicas=2, max_replicas=3),
+    )
+
+    def serving(n, *, loaded=True):
+        scaler = SimpleNamespace(serving=lambda: [object()] * n)
+        return SimpleNamespace(loaded=loaded, scaler=scaler, batchers=[])
+
+    assert _replica_devices(m, serving(5)) == ("cpu:0", "cpu:1", "cpu:0")  # max 3
+    assert _replica_devices(m, serving(3)) == ("cpu:0", "cpu:1", "cpu:0")
+    assert _replica_devices(m, serving(0)) == ("cpu:0", "cpu:1")  # min 2
+    # a load of a model not loaded (its stand-in), or a first start: as configured
+    assert _replica_devices(m, serving(3, loaded=False)) == ("cpu:0", "cpu:1")
+    assert _replica_devices(m, None) == ("cpu:0", "cpu:1")
