@@ -6,11 +6,15 @@ A scenario serves model ``m`` (``server.model_control = "explicit"``, loaded at 
 or not, one or two replicas, a latency per batch) to callers arriving at random times
 (``infer`` / ``infer_batch``, each item a distinct input the model echoes), while
 ``load_model`` and ``unload_model`` are asked at random times (a load of a loaded
-model is a reload). The checks:
+model is a reload). In some scenarios the tenant has credits and its class waits for
+them: a caller looks the model up, waits for its credits, and only then submits, so
+a reload or an unload in between hands its request over (the old queue forwards it
+to the new copy's, or to the stand-in's refusal). The checks:
 
 - ``lost`` / ``outcome`` / ``misrouted``: every call returns once, with its own inputs
   echoed, or ``UnknownModel`` (not loaded) exactly when the model was not loaded when
-  it arrived; nothing else (no ``ActorClosed`` from a copy gone).
+  it arrived, or an unload swapped the copy out while it waited for its credits;
+  nothing else (no ``ActorClosed`` from a copy gone).
 - ``control``: each request runs on a replica of the copy (the queue) that admitted
   it, which the request looked up or was handed to; the model's state moves are a
   legal lifecycle path, and exactly the moves of the loads and unloads in the order
@@ -44,16 +48,18 @@ TICK = 2.0**-10
 HORIZON_S = 3600.0
 X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
 
-expect("control", "reload", "load", "unload", "not loaded", "handed over")
+expect("control", "reload", "load", "unload", "not loaded", "handed over", "versions")
 
 
 # ---------------------------------------------------------------- the script
 @attrs.frozen(kw_only=True)
 class CCall:
-    """A caller at ``at`` (ticks) with ``n`` items (``infer`` for one)."""
+    """A caller at ``at`` (ticks) with ``n`` items (``infer`` for one), naming
+    ``version`` (None: unversioned)."""
 
     at: int = 0
     n: int = 1
+    version: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -72,11 +78,17 @@ class ControlScenario:
     latency: int = 1  # ticks per batch
     calls: tuple[CCall, ...] = ()
     ops: tuple[Op, ...] = ()
+    #: the tenant's credits per tick (None: unlimited); its class waits for them
+    credit_per_tick: float | None = None
+    #: versions "1" and "2", version 2 with weights of its own: the model's copy is
+    #: both versions' queues and replicas, loaded, reloaded and unloaded together
+    versions: bool = False
 
 
 _GAP = st.sampled_from([0, 0, 1, 1, 2, 3, 4, 8])
 _EVENTS = st.lists(
-    st.builds(CCall, at=_GAP, n=st.sampled_from([1, 1, 1, 2, 3]))
+    st.builds(CCall, at=_GAP, n=st.sampled_from([1, 1, 1, 2, 3]),
+              version=st.sampled_from([None, None, "1", "2"]))
     | st.builds(CCall, at=_GAP, n=st.sampled_from([1, 1, 2]))
     | st.builds(Op, at=_GAP, load=st.booleans()),
     min_size=4, max_size=30,
@@ -96,6 +108,8 @@ def control_scenarios(draw: st.DrawFn) -> ControlScenario:
         latency=draw(st.sampled_from([0, 1, 2, 4])),
         calls=tuple(calls),
         ops=tuple(ops),
+        credit_per_tick=draw(st.sampled_from([None, None, 0.25, 0.5, 1.0])),
+        versions=draw(st.booleans()),
     )
 
 
@@ -127,9 +141,11 @@ class ControlRun:
     violations: list[tuple[str, str]] = attrs.Factory(list)
     #: input -> the scheduler that admitted it
     admitted: dict[int, Any] = attrs.Factory(dict)
-    #: call number -> (loaded when it arrived, outcome)
-    outcomes: dict[int, tuple[bool, Any]] = attrs.Factory(dict)
+    #: call number -> (loaded when it arrived, unloaded while it waited, outcome)
+    outcomes: dict[int, tuple[bool, bool, Any]] = attrs.Factory(dict)
     batchers_running: int = 0
+    #: the swaps of a copy for the stand-in so far (an unload's first move)
+    unloads: int = 0
     moves: list[tuple[str, str]] = attrs.Factory(list)  # (state, reason), as moved
     # the reference of the ops: each op asked (not shared) and its expected moves
     state: str = "UNAVAILABLE"
@@ -170,6 +186,8 @@ class ControlRun:
                            if kind == "load" else ["", "UNLOADING", "UNAVAILABLE"])
                 if kind == "load":
                     note("control", "reload" if self.loaded else "load")
+                    if self.scenario.versions:
+                        note("control", "versions")
                 else:
                     note("control", "unload")
             if head[1] != state:
@@ -181,6 +199,8 @@ class ControlRun:
                 self.loaded = state == "READY"
                 self._done()
         self.state = state
+        if state == "UNLOADING":
+            self.unloads += 1
         if state == "UNAVAILABLE" and reason == "unloaded" and self.batchers_running:
             self.fail("control", f"at {self.at()} the unload ended with "
                       f"{self.batchers_running} replica(s) of the model still running")
@@ -288,10 +308,18 @@ def config_of(sc: ControlScenario) -> trioserve.Config:
         name="m", backend=Echo(), load_at_start=sc.load_at_start, replicas=sc.replicas,
         max_batch_size=sc.max_batch_size, max_wait_ms=0, timeout_ms=None,
         execution="inline", adaptive_limit=False,
+        versions={"1": {}, "2": {"backend": Echo()}} if sc.versions else ("1",),
     )
+    tenant = trioserve.TenantConfig(name="t", default=True)
+    if sc.credit_per_tick is not None:
+        # the batch class waits for credits (default_classes), without a deadline
+        tenant = attrs.evolve(
+            tenant, classes=("batch",), credit_rate=sc.credit_per_tick / TICK,
+            credit_burst=1.0,
+        )
     return trioserve.Config(
         models=(model,),
-        tenants=(trioserve.TenantConfig(name="t", default=True),),
+        tenants=(tenant,),
         runtime=trioserve.RuntimeLimits(queue_bound=256, graceful_timeout_s=1.0),
         server=trioserve.ServerConfig(model_control="explicit"),
     )
@@ -305,17 +333,21 @@ async def _play(run: ControlRun) -> None:
         await trio.sleep_until(run.t0 + call.at * TICK)
         xs = [i * 10 + j for j in range(call.n)]
         loaded = rt.models["m"].loaded
+        unloads = run.unloads
+        version = call.version if sc.versions else None
         try:
             if call.n > 1:
-                got = await rt.infer_batch("m", [np.array([float(x)]) for x in xs])
+                got = await rt.infer_batch(
+                    "m", [np.array([float(x)]) for x in xs], version=version
+                )
             else:
-                got = [await rt.infer("m", np.array([float(xs[0])]))]
+                got = [await rt.infer("m", np.array([float(xs[0])]), version=version)]
             outcome: Any = [int(v["x"][0]) for v in got]
         except Exception as exc:
             outcome = exc
         if i in run.outcomes:
             run.fail("duplicated", f"call #{i} returned twice")
-        run.outcomes[i] = (loaded, outcome)
+        run.outcomes[i] = (loaded, run.unloads != unloads, outcome)
 
     async def operator(op: Op, rt: trioserve.Runtime) -> None:
         await trio.sleep_until(run.t0 + op.at * TICK)
@@ -352,10 +384,16 @@ def _check_call(run: ControlRun, i: int, call: CCall) -> None:
     if i not in run.outcomes:
         run.fail("lost", f"{what} never got an answer")
         return
-    loaded, outcome = run.outcomes[i]
+    loaded, unloaded, outcome = run.outcomes[i]
     xs = [i * 10 + j for j in range(call.n)]
     if isinstance(outcome, BaseException):
-        if loaded or not isinstance(outcome, UnknownModel) or "not loaded" not in str(outcome):
+        # refused as not loaded: the model was not loaded when the call looked it up,
+        # or an unload swapped its copy out before the call submitted (credits)
+        refusable = not loaded or (unloaded and run.scenario.credit_per_tick is not None)
+        if (
+            not refusable or not isinstance(outcome, UnknownModel)
+            or "not loaded" not in str(outcome)
+        ):
             run.fail("outcome", f"{what}, the model {'' if loaded else 'not '}loaded when "
                      f"it arrived, raised {outcome!r}")
         else:

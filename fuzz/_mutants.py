@@ -390,6 +390,22 @@ class HandOverDropsTheQueued(SchedulerActor):
         self.policy.next_batch(math.inf)
 
 
+class HandOverRefusesLateSubmits(SchedulerActor):
+    """A queue handed over (reload, unload) refuses a request submitted after the
+    swap (one that looked the model up before it, then waited for its credits) as
+    if the runtime had shut down, instead of handing it to what replaced it."""
+
+    def submit_nowait(self, request: Request) -> None:
+        if self._closed and self.successor is not None:
+            raise self._refusal()
+        super().submit_nowait(request)
+
+    def submit_all_nowait(self, requests: list[Request]) -> None:
+        if self._closed and self.successor is not None:
+            raise self._refusal()
+        super().submit_all_nowait(requests)
+
+
 class StartingReplicasUncounted(ScalingController):
     """A replica still loading does not count as serving: a look while the replicas
     of an earlier decision load asks for them again, and the count overshoots."""
@@ -593,6 +609,13 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         "a hand-over drops the batch queued at the swap",
         attrs.evolve(
             PRODUCT, name="hand-over-drops-queued", scheduler_class=HandOverDropsTheQueued
+        ),
+        ("control",),
+    ),
+    "hand-over-refuses-late": (
+        "a queue handed over refuses a request submitted after the swap (ActorClosed)",
+        attrs.evolve(
+            PRODUCT, name="hand-over-refuses-late", scheduler_class=HandOverRefusesLateSubmits
         ),
         ("control",),
     ),
