@@ -22,6 +22,8 @@ from ._model import ModelBackend
 
 #: The canary's shares of unversioned requests, step by step, when ``steps`` is not set.
 DEFAULT_STEPS = (0.05, 0.25, 0.5)
+#: The most copies ``shadow_queue`` may hold waiting for the shadow.
+MAX_SHADOW_QUEUE = 65_536
 
 
 class VersionList(tuple):
@@ -117,8 +119,9 @@ class RolloutConfig:
     )
     shadow_rtol: float = _field(_number(0.0), 1e-5)
     shadow_atol: float = _field(_number(0.0), 1e-6)
-    #: copies waiting for the shadow at most; past it a copy is dropped (counted)
-    shadow_queue: int = _field(_int(1), 64)
+    #: copies waiting for the shadow at most; past it a copy is dropped (counted).
+    #: Bounded: a channel of millions of places is no bound on memory at all.
+    shadow_queue: int = _field(_int(1, MAX_SHADOW_QUEUE), 64)
 
     def _path(self) -> str:
         return "rollout"

@@ -179,3 +179,20 @@ async def test_a_model_name_that_is_not_a_string_is_unknown_beside_versioned_mod
             await rt.infer(["m"], one(1))
         with pytest.raises(UnknownModel, match=r"^unknown model "):
             await rt.infer_batch({"m": 1}, [one(1)])
+
+
+@pytest.mark.parametrize(("queue", "refused"), [(65_536, False), (65_537, True), (10**12, True)])
+def test_the_shadows_queue_is_bounded(queue, refused):
+    # a channel of a trillion places bounds nothing: past 65,536 it is refused, naming the key
+    def make():
+        return ModelConfig(name="m", backend="echo", versions=["1", "3"],
+                           rollout={"stable": "1", "shadow": "3", "shadow_queue": queue})
+
+    if not refused:
+        assert make().rollout.shadow_queue == queue
+        return
+    with pytest.raises(ConfigError) as exc:
+        make()
+    assert str(exc.value) == (
+        f"models.m.rollout.shadow_queue: must be an integer <= 65536, got {queue}"
+    )
