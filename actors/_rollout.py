@@ -26,7 +26,10 @@ The rules (docs/rollout.md):
   request alone is no error (a client's own too-short timeout says nothing of the
   version), but the same clients' timeouts hit both versions alike, so a difference
   is the canary's own slowness (a hung canary answers nothing: all its outcomes are
-  late). Late requests do not count toward the ``min_requests`` a step needs.
+  late); or sooner, once the stable has ``min_requests`` outcomes and the canary's
+  late ones are so many that its share at ``min_requests`` outcomes, whatever they
+  are, would be past the stable's share of now by more than ``max_error_rate``.
+  Late requests do not count toward the ``min_requests`` a step needs.
 - Promoted and rolled back are final.
 """
 
@@ -257,24 +260,36 @@ class Rollout:
 
     def _late_breach(self) -> str | None:
         """Why the canary's late share is past the stable's by more than
-        ``max_error_rate`` (both with ``min_requests`` outcomes), or None. Exact:
-        the shares and the rate as written are compared as fractions."""
+        ``max_error_rate``, or None. Exact: the shares and the rate as written are
+        compared as fractions.
+
+        With ``min_requests`` outcomes of each, the shares as they are. Sooner, once
+        the stable has ``min_requests`` outcomes: the canary's share taken over
+        ``min_requests`` outcomes (its late ones of ``max(outcomes, min_requests)``),
+        the least it can have at ``min_requests`` whatever its next outcomes are, so
+        that it is rolled back now only if it would be then against the stable's
+        share as it is now (the stable's own share may still move)."""
         r = self.rules
         canary = self.counts[self.canary]  # type: ignore[index]
         stable = self.counts[self.stable]
         if canary.late == 0:
             return None  # its late share is 0: never past the stable's
         cn, sn = canary.outcomes, stable.outcomes
-        if cn < r.min_requests or sn < r.min_requests:
+        if sn < r.min_requests:
+            return None  # the stable's share is not known well enough yet
+        at = max(cn, r.min_requests)
+        # canary.late / at - stable.late / sn > p / q, in integers
+        if self._rate_q * (canary.late * sn - stable.late * at) <= self._rate_p * at * sn:
             return None
-        # canary.late / cn - stable.late / sn > p / q, in integers
-        if self._rate_q * (canary.late * sn - stable.late * cn) <= self._rate_p * cn * sn:
-            return None
+        early = (
+            f", sure to be over at {r.min_requests} whatever its next ones"
+            if cn < r.min_requests else ""
+        )
         return (
             f"late: {canary.late} of the canary's {cn} requests ({canary.late / cn:.2%}) "
             f"passed their deadline in its queue, {stable.late} of the stable's {sn} "
             f"({stable.late / sn:.2%}): more by over max_error_rate "
-            f"{r.max_error_rate:g} (at least {r.min_requests} of each)"
+            f"{r.max_error_rate:g} (at least {r.min_requests} of each{early})"
         )
 
     def _begin_step(self, now: float, share: Fraction) -> None:

@@ -19,9 +19,10 @@ beside the product's :class:`Rollout`, fed what the runtime feeds it:
   only once it lasted ``step_s`` and the canary answered ``min_requests`` in it, and
   then at once), a rollback for errors only past the error rule and then at once, one
   for latency only with both versions' ``min_requests`` answers; a rollback for late
-  requests (their deadline passed in the queue) only once both versions have
-  ``min_requests`` outcomes (answers and late) and the canary's late share exceeds
-  the stable's by more than ``max_error_rate``, and then at once (late requests are
+  requests (their deadline passed in the queue) only once the stable has
+  ``min_requests`` outcomes (answers and late) and the canary's late share, over at
+  least ``min_requests`` outcomes, exceeds the stable's by more than
+  ``max_error_rate``, and then at once (late requests are
   no answers: they neither end a step nor count as errors); the shares are the steps';
   promoted and rolled back stay final; each routed request's outcome is recorded
   once, for its version (an error for each item of a failed part), and nothing else.
@@ -174,14 +175,15 @@ class RolloutRun:
         return errors > sc.max_error_rate * max(self._answers(CANARY), sc.min_requests)
 
     def _late_breach(self) -> bool:
-        """Both versions have min_requests outcomes (answers and late) and the
-        canary's late share exceeds the stable's by more than max_error_rate (the
-        rate as written, compared exactly)."""
+        """The stable has min_requests outcomes (answers and late) and the canary's
+        late share, over at least min_requests outcomes (the least it can have
+        then), exceeds the stable's by more than max_error_rate (the rate as
+        written, compared exactly)."""
         sc = self.scenario
         c, s = self.ref_counts[CANARY], self.ref_counts[STABLE]
-        if min(sum(c), sum(s)) < sc.min_requests:
+        if sum(s) < sc.min_requests or c[2] == 0:
             return False
-        return (Fraction(c[2], sum(c)) - Fraction(s[2], sum(s))
+        return (Fraction(c[2], max(sum(c), sc.min_requests)) - Fraction(s[2], sum(s))
                 > Fraction(repr(sc.max_error_rate)))
 
     def _breach(self) -> bool:

@@ -106,19 +106,45 @@ def test_a_hung_canary_is_rolled_back_on_its_late_share():
     Late is no error, but once both versions have min_requests outcomes its late
     share (all of them) is past the stable's by more than max_error_rate."""
     r = rollout(min_requests=10, max_error_rate=0.05)
-    for _ in range(30):
-        r.record("1", True, 0.01, 1.0)
     for _ in range(9):
-        assert r.record_late("2", 1.0) == []  # fewer than min_requests outcomes
-    assert r.state is RolloutState.CANARY
-    (event,) = r.record_late("2", 2.0)
+        assert r.record_late("2", 1.0) == []  # the stable has no outcomes yet
+    for _ in range(9):
+        r.record("1", True, 0.01, 1.0)
+    assert r.state is RolloutState.CANARY  # 9 of the stable's: its share is not known
+    (event,) = r.record("1", True, 0.01, 2.0)
     assert event.kind == "rolled_back"
     assert r.reason == (
-        "late: 10 of the canary's 10 requests (100.00%) passed their deadline in its "
-        "queue, 0 of the stable's 30 (0.00%): more by over max_error_rate 0.05 (at "
-        "least 10 of each)"
+        "late: 9 of the canary's 9 requests (100.00%) passed their deadline in its "
+        "queue, 0 of the stable's 10 (0.00%): more by over max_error_rate 0.05 (at "
+        "least 10 of each, sure to be over at 10 whatever its next ones)"
     )
-    assert (r.share, r.counts["2"].late, r.counts["2"].answers) == (0.0, 10, 0)
+    assert (r.share, r.counts["2"].late, r.counts["2"].answers) == (0.0, 9, 0)
+
+
+def test_a_hung_canary_is_caught_in_a_few_late_requests_once_the_stable_is_known():
+    """As the error rule does: once the canary's late requests are so many that its
+    late share at min_requests, whatever its next outcomes, is past the stable's by
+    over max_error_rate, it is rolled back, not min_requests late requests later."""
+    r = rollout(min_requests=100, max_error_rate=0.05)
+    for i in range(200):
+        r.record_late("1", 1.0) if i % 10 == 0 else r.record("1", True, 0.01, 1.0)
+    # the stable's late share is 0.1: the canary's must pass 0.15 at 100 outcomes
+    for _ in range(15):
+        assert r.record_late("2", 2.0) == []  # 15 of 100 would not be past
+    (event,) = r.record_late("2", 2.0)  # 16 of 100 would
+    assert event.kind == "rolled_back"
+    assert r.reason.startswith("late: 16 of the canary's 16 requests (100.00%) passed "
+                               "their deadline in its queue, 20 of the stable's 200")
+    # answers in between move the canary's share, not the bound at min_requests
+    r = rollout(min_requests=100, max_error_rate=0.05)
+    for _ in range(100):
+        r.record("1", True, 0.01, 1.0)
+    for _ in range(90):
+        r.record("2", True, 0.01, 1.0)
+    for _ in range(5):
+        assert r.record_late("2", 2.0) == []  # 5 of 95: 5 of 100 at most, 0.05
+    (event,) = r.record_late("2", 2.0)  # 6 of 96: at least 6 of 100
+    assert event.kind == "rolled_back"
 
 
 def test_late_requests_alike_on_both_versions_are_no_breach():
@@ -215,10 +241,12 @@ def test_rollout_properties(ops, steps, min_requests, max_error_rate):
     rate = _exact(max_error_rate)
 
     def late_breach() -> bool:
-        if min(outcomes.values()) < min_requests:
+        # with the stable's min_requests outcomes, the canary's share over at least
+        # min_requests outcomes (the least it can have at min_requests)
+        if outcomes["1"] < min_requests or late["2"] == 0:
             return False
-        return (Fraction(late["2"], outcomes["2"]) - Fraction(late["1"], outcomes["1"])
-                > rate)
+        return (Fraction(late["2"], max(outcomes["2"], min_requests))
+                - Fraction(late["1"], outcomes["1"]) > rate)
 
     for op in ops:
         before = (r.state, r.step, r.step_started)
@@ -273,8 +301,8 @@ def test_rollout_properties(ops, steps, min_requests, max_error_rate):
             assert {v: r.counts[v].late for v in late} == late
             assert {v: r.counts[v].outcomes for v in outcomes} == outcomes
             # a canary late more often than the stable by over max_error_rate, both
-            # with min_requests outcomes (a hung one with no answers too), is rolled
-            # back at once
+            # with min_requests outcomes (a hung one with no answers too), or sure to
+            # be at min_requests, is rolled back at once
             assert not late_breach()
         if op[0] == "record" and op[1] == "2" and not op[2]:
             errors += 1
@@ -289,6 +317,51 @@ def test_rollout_properties(ops, steps, min_requests, max_error_rate):
         if r.state is RolloutState.PROMOTED:
             assert r.share == 1.0
             assert r.step == len(steps) - 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    outcomes=st.lists(st.tuples(st.sampled_from(["1", "2"]), st.booleans()), max_size=120),
+    min_requests=st.integers(1, 30),
+    max_error_rate=st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.3, 0.99, 1.0]),
+)
+def test_the_late_rule_rolls_back_early_exactly_when_sure(
+    outcomes, min_requests, max_error_rate
+):
+    """Outcomes (a version's request late, or answered) in any order. The late rule
+    proper: both versions have min_requests outcomes and the canary's late share is
+    past the stable's by over max_error_rate. Early, with fewer than min_requests of
+    the canary's: it is rolled back exactly when the rule proper would hold at its
+    min_requests outcomes whatever they are (every completion, late or answered),
+    against the stable's share as it is, which needs min_requests of the stable's."""
+    m, rate = min_requests, _exact(max_error_rate)
+    r = rollout(min_requests=m, max_error_rate=max_error_rate, step_s=1e9)
+    late = {"1": 0, "2": 0}
+    total = {"1": 0, "2": 0}
+
+    def rule(cl: int, cn: int, sl: int, sn: int) -> bool:
+        return min(cn, sn) >= m and Fraction(cl, cn) - Fraction(sl, sn) > rate
+
+    def sure() -> bool:
+        cl, cn, sl, sn = late["2"], total["2"], late["1"], total["1"]
+        if cn >= m:
+            return rule(cl, cn, sl, sn)
+        # every way its next m - cn outcomes can go: j of them late
+        return all(rule(cl + j, m, sl, sn) for j in range(m - cn + 1))
+
+    for version, is_late in outcomes:
+        events = r.record_late(version, 1.0) if is_late else r.record(version, True, 0.01, 1.0)
+        late[version] += is_late
+        total[version] += 1
+        assert (r.state is RolloutState.ROLLED_BACK) == sure(), (late, total)
+        if events:
+            (event,) = events
+            assert event.reason.startswith("late:")
+            if total["2"] < m:
+                assert total["1"] >= m  # the stable's share is known
+            break
+    if max_error_rate == 1.0:
+        assert r.state is RolloutState.CANARY  # no share is past another by over 1
 
 
 def _exact(share: float) -> Fraction:
