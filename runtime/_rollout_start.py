@@ -53,4 +53,12 @@ async def start_rollout(
         f", canary {r.canary!r} at {r.steps[0]:g}" if r.canary is not None else "",
         f", shadow {shadow!r}" if shadow is not None else "",
     )
+    if r.canary is not None and r.max_error_rate >= 1.0:
+        # Accepted (a user may mean "never on errors"), but it switches off more
+        # than it says: no error share exceeds 1, nor one late share another by 1.
+        log.warning(
+            "model %r: rollout.max_error_rate = 1: neither errors nor late requests "
+            "will ever roll the canary %r back; only its latency can",
+            family.model, r.canary,
+        )
     await nursery.start(supervise, family.controller, policy)

@@ -4,6 +4,7 @@ shutdown (docs/rollout.md)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -351,3 +352,18 @@ async def test_a_caller_reusing_its_buffers_does_not_change_the_shadows_copy():
     finally:
         gate.set()
     assert stats == {"version": "3", "match": 5, "mismatch": 0, "error": 0, "dropped": 0}
+
+
+@pytest.mark.parametrize(("rate", "warned"), [(1.0, True), (0.99, False)])
+async def test_a_max_error_rate_of_1_is_accepted_and_logged_at_start(
+    autojump_clock, caplog, rate, warned,
+):
+    m = model({"stable": "1", "canary": "2", "max_error_rate": rate})
+    with caplog.at_level(logging.WARNING, logger="trioserve"):
+        async with trioserve.open_runtime(config(m)) as rt:
+            assert rt.statistics()["m"]["rollout"]["state"] == "canary"
+    said = [r.getMessage() for r in caplog.records if "max_error_rate" in r.getMessage()]
+    assert said == ([
+        "model 'm': rollout.max_error_rate = 1: neither errors nor late requests will "
+        "ever roll the canary '2' back; only its latency can"
+    ] if warned else [])
