@@ -149,7 +149,7 @@ async def test_a_hung_canary_is_rolled_back_once_its_requests_are_late(autojump_
     the stable has min_requests outcomes, two late requests of the canary's are sure
     to put its late share past the stable's at min_requests, and it is rolled back,
     long before its batch's cut-off: few callers see a failure."""
-    gate = threading.Event()  # never set while the test watches
+    gate = threading.Event()  # set once every request was sent
     hung = adder(2, gate=gate, execution="thread")
     m = model({"stable": "1", "canary": "2", "steps": [0.25], "step_s": 1000,
                "min_requests": 20, "max_error_rate": 0.05}, canary=hung,
@@ -172,9 +172,11 @@ async def test_a_hung_canary_is_rolled_back_once_its_requests_are_late(autojump_
                 for i in range(200):
                     nursery.start_soon(call, rt, i)
                     await trio.sleep(0.01)
-            stats = rt.statistics()["m"]["rollout"]
-            took = trio.current_time() - t0
-            gate.set()  # the hung thread may end now
+                stats = rt.statistics()["m"]["rollout"]
+                took = trio.current_time() - t0
+                # The hung batch may end now. Its request's fate turns on the batch's
+                # wall-clock cut-off and its retry, not on the rollout: left out below.
+                gate.set()
     finally:
         gate.set()
     assert stats["state"] == "rolled_back"
@@ -186,14 +188,15 @@ async def test_a_hung_canary_is_rolled_back_once_its_requests_are_late(autojump_
     assert stats["counts"]["2"] == {**stats["counts"]["2"], "ok": 0, "late": 2}
     assert stats["counts"]["1"]["late"] == 0
     assert took < 60.0  # within the batch's cut-off: the late shares caught it
-    # Only the canary's requests failed, every fourth (its share 0.25): the one its
-    # hung batch holds (3), the two late ones (the second, request 11, passed its
-    # deadline 0.2 s after it came, at 0.31 s, the stable having 24 answers by then),
-    # and those routed to it within that deadline before, still queued (15 to 27):
-    # 1 + 2 + 4, not the ~1500 callers of the minute until the batch is cut off.
-    assert sorted(i for i, _ in failed) == [3, 7, 11, 15, 19, 23, 27]
-    assert all(isinstance(exc, trioserve.DeadlineExceeded) for _, exc in failed)
-    assert [i for i, exc in failed if not exc.in_queue] == [3]  # the hung batch's
+    # Only the canary's requests failed, every fourth (its share 0.25): the two late
+    # ones (the second, request 11, passed its deadline 0.2 s after it came, at
+    # 0.31 s, the stable having 24 answers by then), and those routed to it within
+    # that deadline before, still queued (15 to 27), besides the one its hung batch
+    # holds (3): not the ~1500 callers of the minute until the batch is cut off.
+    late = sorted(i for i, exc in failed if i != 3)
+    assert late == [7, 11, 15, 19, 23, 27]
+    assert all(isinstance(exc, trioserve.DeadlineExceeded) and exc.in_queue
+               for i, exc in failed if i != 3)
     assert len(failed) + len(answered) == 200
 
 
