@@ -14,10 +14,11 @@ TTLs pass.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,21 @@ def _answered(expires: float) -> None:
     box = _answered_until.get()
     if box is not None and expires < box[0]:
         box[0] = expires
+
+
+#: For the rollout's checks: how many answers the current task was given that the
+#: model did not run for (a cache hit, a join of an identical request in flight, an
+#: item repeated within one call) within :meth:`CacheActor.counting_shared` (a
+#: one-item list; None: nobody asks).
+_shared_answers: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "trioserve_cache_shared_answers", default=None
+)
+
+
+def _shared(n: int = 1) -> None:
+    box = _shared_answers.get()
+    if box is not None:
+        box[0] += n
 
 
 def answer_size(value: Any) -> int:
@@ -138,6 +154,20 @@ class CacheActor(Actor):
         _answered_until.set(box)
         return box
 
+    @staticmethod
+    @contextlib.contextmanager
+    def counting_shared() -> Iterator[list[int]]:
+        """Within the block, count for the calling task (and the tasks it starts)
+        the answers it is given that the model did not run for: a cache hit, a join
+        of an identical request already in flight, an item repeated within one
+        ``answer_many`` call. Yields a one-item list, the count. Not a checkpoint."""
+        box = [0]
+        token = _shared_answers.set(box)
+        try:
+            yield box
+        finally:
+            _shared_answers.reset(token)
+
     def keep(
         self, key: Any, value: Any, *, size: int, tenant: str, expires: float = math.inf
     ) -> bool:
@@ -208,6 +238,7 @@ class CacheActor(Actor):
             if hit is not None:
                 if rule.ttl < math.inf:
                     _answered(cache.expiry(key))  # type: ignore[union-attr,arg-type]
+                _shared()
                 await trio.lowlevel.checkpoint()
                 return _own(hit)
         flights = self._flights
@@ -233,6 +264,8 @@ class CacheActor(Actor):
         # A caller after an invalidation must not join a flight from before it: that
         # answer may come from the old weights.
         flight = (key, tenant, priority, generation)
+        if flight in flights:
+            _shared()  # joins a computation started for another caller
         value, expires = await flights.call(flight, compute_and_keep)
         if expires < math.inf:
             _answered(expires)
@@ -275,7 +308,9 @@ class CacheActor(Actor):
             hit = cache.get(key, now)
             if hit is None:
                 missing[key] = where
+                _shared(len(where) - 1)  # its repeats share its one computation
             else:
+                _shared(len(where))
                 if ttl < math.inf:
                     _answered(cache.expiry(key))  # type: ignore[arg-type]
                 for i in where:

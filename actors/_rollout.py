@@ -84,15 +84,17 @@ class RolloutEvent:
 
 
 class _StepCounts:
-    """One version's outcomes in the current step: answers (``ok``, ``errors``)
-    and ``late`` (its deadline passed in the queue: never answered)."""
+    """One version's outcomes in the current step: answers (``ok``, ``errors``),
+    ``late`` (its deadline passed in the queue: never answered) and ``shared``
+    (answered without the model running for it: in no check)."""
 
-    __slots__ = ("errors", "late", "latency", "ok")
+    __slots__ = ("errors", "late", "latency", "ok", "shared")
 
     def __init__(self) -> None:
         self.ok = 0
         self.errors = 0
         self.late = 0
+        self.shared = 0
         self.latency = Latency()
 
     @property
@@ -188,6 +190,19 @@ class Rollout:
             counts.errors += 1
         counts.latency.record(latency)
         return self._check(now)
+
+    def record_shared(self, version: str) -> None:
+        """An unversioned request routed to ``version`` was answered without the
+        model running for it (a cache hit, or joined onto an identical request in
+        flight): counted apart, in no check. Its near-zero latency says nothing of
+        the version (and would flatter the one hit more), nor is it an answer for
+        the error rate (hits would dilute the canary's errors by its hit rate, and
+        a joined request's error is the one it joined, counted once already)."""
+        if self.state is not RolloutState.CANARY:
+            return
+        counts = self.counts.get(version)
+        if counts is not None:
+            counts.shared += 1
 
     def record_late(self, version: str, now: float) -> list[RolloutEvent]:
         """An unversioned request routed to ``version`` was not answered: its

@@ -112,6 +112,11 @@ class RolloutController(Actor):
             return
         self._apply(self.rollout.record(version, ok, latency, trio.current_time()))
 
+    def record_shared(self, version: str) -> None:
+        """An unversioned request on ``version`` answered without the model running
+        for it (a cache hit, a join): in no check (not a checkpoint)."""
+        self.rollout.record_shared(version)
+
     def record_late(self, version: str) -> None:
         """An unversioned request on ``version`` whose deadline passed in the queue
         (not a checkpoint)."""
@@ -229,7 +234,7 @@ class RolloutController(Actor):
             "steps": list(r.rules.steps),
             "step_started": r.step_started,
             "counts": {
-                v: {"ok": c.ok, "errors": c.errors, "late": c.late,
+                v: {"ok": c.ok, "errors": c.errors, "late": c.late, "shared": c.shared,
                     "p99_ms": c.latency.summary().p99_ms}
                 for v, c in r.counts.items()
             },

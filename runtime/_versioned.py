@@ -11,8 +11,10 @@ serves one version's answer as another's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
@@ -83,6 +85,14 @@ class Family:
         failed by the model (not ``ok``) after ``latency`` seconds."""
         if self.controller is not None:
             self.controller.record(version, ok, latency)
+
+    def record_shared(self, version: str, n: int = 1) -> None:
+        """``n`` unversioned requests routed to ``version`` were answered without the
+        model running for them (a cache hit, a join of an identical request in
+        flight): left out of the rollout's checks."""
+        if self.controller is not None:
+            for _ in range(n):
+                self.controller.record_shared(version)
 
     def record_late(self, version: str) -> None:
         """An unversioned request routed to ``version`` passed its deadline while
@@ -241,14 +251,21 @@ class _Versioned:
         if answered is not None:
             answered.append(version)
         t0 = trio.current_time()
-        try:
-            result = await self.infer(
-                model, inputs, tenant=tenant, priority=priority, version=version
-            )
-        except TrioserveError as exc:
-            family.record_failure(version, exc, trio.current_time() - t0)
-            raise
-        family.record(version, True, trio.current_time() - t0)
+        with self._counting_shared(model) as shared:
+            try:
+                result = await self.infer(
+                    model, inputs, tenant=tenant, priority=priority, version=version
+                )
+            except TrioserveError as exc:
+                if shared[0]:  # a joined request's failure is the one it joined
+                    family.record_shared(version)
+                else:
+                    family.record_failure(version, exc, trio.current_time() - t0)
+                raise
+        if shared[0]:
+            family.record_shared(version)
+        else:
+            family.record(version, True, trio.current_time() - t0)
         if family.controller is not None:
             family.controller.shadow_copy(version, inputs, result, tenant)
         return result
@@ -286,18 +303,24 @@ class _Versioned:
 
         async def run(version: str, index: list[int]) -> None:
             t0 = trio.current_time()
-            try:
-                values = await self.infer_batch(
-                    model, [rows[i] for i in index], tenant=tenant, priority=priority,
-                    version=version,
-                )
-            except TrioserveError as exc:
-                family.record_failure(version, exc, trio.current_time() - t0, len(index))
-                errors[index[0]] = exc
-                return
-            for i, value in zip(index, values, strict=True):
+            with self._counting_shared(model) as shared:
+                try:
+                    values = await self.infer_batch(
+                        model, [rows[i] for i in index], tenant=tenant, priority=priority,
+                        version=version,
+                    )
+                except TrioserveError as exc:
+                    # the items the model ran for (not those from the cache or repeated)
+                    ran = len(index) - shared[0]
+                    family.record_shared(version, shared[0])
+                    family.record_failure(version, exc, trio.current_time() - t0, ran)
+                    errors[index[0]] = exc
+                    return
+            family.record_shared(version, shared[0])
+            for n, (i, value) in enumerate(zip(index, values, strict=True)):
                 out[i] = value
-                family.record(version, True, trio.current_time() - t0)
+                if n >= shared[0]:  # the part's latency, once per item the model ran
+                    family.record(version, True, trio.current_time() - t0)
                 if family.controller is not None:
                     family.controller.shadow_copy(version, rows[i], value, tenant)
 
@@ -338,6 +361,13 @@ class _Versioned:
         )
         served.scheduler_for(cost).submit_nowait(request)
         return await reply.wait()
+
+    def _counting_shared(self, model: str) -> AbstractContextManager[list[int]]:
+        """Counts the answers of the block's calls that ``model`` did not run for
+        (``CacheActor.counting_shared``; always 0 for a model not cached)."""
+        if model in self._cached:
+            return self.cache.counting_shared()
+        return contextlib.nullcontext([0])
 
     def _groups_of(self, model: str) -> list[ServedModel]:
         """Every ServedModel serving ``model``: its own, or each of its versions'."""

@@ -370,3 +370,70 @@ async def test_a_max_error_rate_of_1_is_accepted_and_logged_at_start(
         "model 'm': rollout.max_error_rate = 1: neither errors nor late requests will "
         "ever roll the canary '2' back; only its latency can"
     ] if warned else [])
+
+
+def _cached(m: ModelConfig) -> trioserve.Config:
+    cfg = config(m)
+    return trioserve.Config(models=cfg.models, tenants=cfg.tenants,
+                            cache=trioserve.CacheConfig(capacity_bytes=1 << 20))
+
+
+def _timed(rt, version: str) -> int:
+    """How many latencies the rollout's check holds for ``version`` in the step."""
+    return rt._families["m"].controller.rollout.counts[version].latency.summary().count
+
+
+async def test_cache_hits_are_left_out_of_the_checks(autojump_clock):
+    # A hit's near-zero latency says nothing of the version: it is counted apart
+    # (shared), in no latency, error share or min_requests.
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 1000})
+    async with trioserve.open_runtime(_cached(m)) as rt:
+        # stable, canary, stable, ...: the first of each computed, the others hits
+        seen = [version_of(await rt.infer("m", one(5)), 5) for _ in range(6)]
+        single = rt.statistics()["m"]["rollout"]["counts"]
+        timed = (_timed(rt, "1"), _timed(rt, "2"))
+        # a batch call: items 1 (stable), 2 (canary), 3 (stable), 4 (canary); stable's
+        # first is a hit, the canary's two are one input, computed once
+        out = await rt.infer_batch("m", [one(5), one(6), one(6), one(6)])
+        batch = rt.statistics()["m"]["rollout"]["counts"]
+        batch_timed = (_timed(rt, "1"), _timed(rt, "2"))
+    assert seen == ["1", "2"] * 3
+    assert {v: (c["ok"], c["shared"]) for v, c in single.items()} == {"1": (1, 2), "2": (1, 2)}
+    assert timed == (1, 1)
+    assert [version_of(o, x) for o, x in zip(out, [5, 6, 6, 6], strict=True)] == \
+        ["1", "2", "1", "2"]
+    assert {v: (c["ok"], c["shared"]) for v, c in batch.items()} == {"1": (2, 3), "2": (2, 3)}
+    assert batch_timed == (2, 2)
+
+
+async def test_a_request_joined_to_another_in_flight_is_left_out_of_the_checks():
+    # every unversioned request to the canary, each input twice at once: the second
+    # joins the first's computation; a failure is counted once, not per caller
+    gate = threading.Event()
+    failing = adder(2, fail_if=lambda x: x == 9, gate=gate, execution="thread")
+    m = model({"stable": "1", "canary": "2", "steps": [1.0], "min_requests": 1000},
+              canary=failing, coalesce=True)
+    got: list[object] = []
+
+    async def call(rt, x: float) -> None:
+        try:
+            got.append(version_of(await rt.infer("m", one(x)), x))
+        except ModelError:
+            got.append("error")
+
+    try:
+        async with trioserve.open_runtime(config(m)) as rt:
+            for x in (4.0, 9.0):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(call, rt, x)
+                    nursery.start_soon(call, rt, x)
+                    await trio.testing.wait_all_tasks_blocked()
+                    gate.set()
+                gate.clear()
+            counts = rt.statistics()["m"]["rollout"]["counts"]["2"]
+            timed = _timed(rt, "2")
+    finally:
+        gate.set()
+    assert got == ["2", "2", "error", "error"]
+    assert (counts["ok"], counts["errors"], counts["shared"]) == (1, 1, 2)
+    assert timed == 2  # the two computations' latencies
