@@ -31,6 +31,10 @@ The rules (docs/rollout.md):
   are, would be past the stable's share of now by more than ``max_error_rate``.
   Late requests do not count toward the ``min_requests`` a step needs.
 - Promoted and rolled back are final.
+- The operator may promote, roll back, pause and resume (``promote``, ``rollback``,
+  ``pause``, ``resume``). Paused, the share holds and no step ends, but the
+  outcomes are still counted and checked: a breach still rolls back. Resumed, the
+  step goes on, the pause not counted in its ``step_s``.
 """
 
 from __future__ import annotations
@@ -47,13 +51,23 @@ from ._metrics import Latency
 class RolloutState(enum.Enum):
     STABLE = "stable"  # no canary: every unversioned request goes to stable
     CANARY = "canary"  # a canary on trial
+    PAUSED = "paused"  # on trial, held by the operator at its share and step
     PROMOTED = "promoted"  # the canary takes every unversioned request
     ROLLED_BACK = "rolled_back"  # the canary takes none
 
 
+#: The operator's actions: the state each moves to.
+_ACTIONS = {
+    "promote": RolloutState.PROMOTED,
+    "rollback": RolloutState.ROLLED_BACK,
+    "pause": RolloutState.PAUSED,
+    "resume": RolloutState.CANARY,
+}
+
 _MOVES = {
     RolloutState.STABLE: set(),
-    RolloutState.CANARY: {RolloutState.PROMOTED, RolloutState.ROLLED_BACK},
+    RolloutState.CANARY: {RolloutState.PROMOTED, RolloutState.ROLLED_BACK, RolloutState.PAUSED},
+    RolloutState.PAUSED: {RolloutState.CANARY, RolloutState.PROMOTED, RolloutState.ROLLED_BACK},
     RolloutState.PROMOTED: set(),
     RolloutState.ROLLED_BACK: set(),
 }
@@ -72,15 +86,17 @@ class RolloutRules:
 
 @attrs.frozen(kw_only=True)
 class RolloutEvent:
-    """A change: ``kind`` step (a new step began), promoted or rolled_back; the
-    step's index and share after it; ``reason`` of a rollback (which check, the
-    figures)."""
+    """A change: ``kind`` step (a new step began), promoted, rolled_back, paused or
+    resumed; the step's index and share after it; ``reason`` of a rollback (which
+    check, the figures, or the operator's words); ``operator``: the operator's
+    action, not a check's."""
 
     kind: str
     at: float
     step: int
     share: float
     reason: str | None = None
+    operator: bool = False
 
 
 class _StepCounts:
@@ -124,6 +140,8 @@ class Rollout:
         self.state = RolloutState.CANARY if canary is not None else RolloutState.STABLE
         self.step = 0
         self.step_started = now
+        #: when the operator paused it (None: not paused)
+        self.paused_at: float | None = None
         self.reason: str | None = None
         self.events: list[RolloutEvent] = []
         self._routed = 0  # unversioned requests routed in this step
@@ -143,6 +161,11 @@ class Rollout:
         return float(self._share)
 
     @property
+    def on_trial(self) -> bool:
+        """Whether a canary is on trial (paused or not): routed, counted, checked."""
+        return self.state in (RolloutState.CANARY, RolloutState.PAUSED)
+
+    @property
     def terminal(self) -> bool:
         return self.state in (RolloutState.PROMOTED, RolloutState.ROLLED_BACK)
 
@@ -155,7 +178,8 @@ class Rollout:
 
     def next_deadline(self) -> float:
         """When ``tick`` may next change something by the time alone: the end of
-        the step's ``step_s`` (inf when final, or when it waits for requests)."""
+        the step's ``step_s`` (inf when final or paused, or when it waits for
+        requests)."""
         if self.state is not RolloutState.CANARY:
             return math.inf
         end = self.step_started + self.rules.step_s
@@ -165,7 +189,7 @@ class Rollout:
     def route(self) -> str:
         """The version of the next unversioned request: of the first n of a step,
         floor(n * share) go to the canary, the others to stable."""
-        if self.state is not RolloutState.CANARY:
+        if not self.on_trial:
             return self.target()
         self._routed += 1
         due = math.floor(self._routed * self._share)
@@ -179,7 +203,7 @@ class Rollout:
         """An unversioned request routed to ``version`` was answered (``ok``) or
         failed by the model, ``latency`` seconds after it came; returns the events
         it caused (a rollback, or the step's end)."""
-        if self.state is not RolloutState.CANARY:
+        if not self.on_trial:
             return []
         counts = self.counts.get(version)
         if counts is None:
@@ -198,7 +222,7 @@ class Rollout:
         the version (and would flatter the one hit more), nor is it an answer for
         the error rate (hits would dilute the canary's errors by its hit rate, and
         a joined request's error is the one it joined, counted once already)."""
-        if self.state is not RolloutState.CANARY:
+        if not self.on_trial:
             return
         counts = self.counts.get(version)
         if counts is not None:
@@ -208,7 +232,7 @@ class Rollout:
         """An unversioned request routed to ``version`` was not answered: its
         deadline passed while it waited in the queue. Returns the events it caused
         (a rollback on the late shares)."""
-        if self.state is not RolloutState.CANARY:
+        if not self.on_trial:
             return []
         counts = self.counts.get(version)
         if counts is None:
@@ -218,15 +242,64 @@ class Rollout:
 
     def tick(self, now: float) -> list[RolloutEvent]:
         """The time is ``now``: the events it brings (the step's end)."""
-        if self.state is not RolloutState.CANARY:
+        if not self.on_trial:
             return []
         return self._check(now)
+
+    # ------------------------------------------------------------ the operator's
+    def refusal(self, action: str) -> str | None:
+        """Why the operator's ``action`` (promote, rollback, pause, resume) is not
+        allowed now, or None."""
+        to = _ACTIONS[action]
+        if to in _MOVES[self.state]:
+            return None
+        if self.state is RolloutState.STABLE:
+            return "it has no canary"
+        if self.terminal:
+            return f"the canary is already {self.state.value} (final)"
+        if action == "resume":
+            return "it is not paused"
+        return "it is already paused"
+
+    def promote(self, now: float) -> list[RolloutEvent]:
+        """The operator promotes the canary: it takes every unversioned request."""
+        self._allowed("promote")
+        return [self._move(RolloutState.PROMOTED, now, None, operator=True)]
+
+    def rollback(self, now: float, reason: str) -> list[RolloutEvent]:
+        """The operator rolls the canary back (share 0), for ``reason``."""
+        self._allowed("rollback")
+        return [self._move(RolloutState.ROLLED_BACK, now, reason, operator=True)]
+
+    def pause(self, now: float) -> list[RolloutEvent]:
+        """The operator holds the canary at its share and step: no step ends until
+        :meth:`resume`; its outcomes are still checked (a breach still rolls back)."""
+        self._allowed("pause")
+        self.paused_at = now
+        return [self._move(RolloutState.PAUSED, now, None, operator=True)]
+
+    def resume(self, now: float) -> list[RolloutEvent]:
+        """The operator resumes a paused canary: its step goes on, the pause not
+        counted in its ``step_s`` (it may end at once, if it lasted long enough)."""
+        self._allowed("resume")
+        assert self.paused_at is not None
+        self.step_started += now - self.paused_at
+        return [self._move(RolloutState.CANARY, now, None, operator=True)]
+
+    def _allowed(self, action: str) -> None:
+        why = self.refusal(action)
+        if why is not None:
+            raise ValueError(f"cannot {action} the rollout: {why}")
 
     # ------------------------------------------------------------ internals
     def _check(self, now: float) -> list[RolloutEvent]:
         r = self.rules
         canary = self.counts[self.canary]  # type: ignore[index]
-        ending = now - self.step_started >= r.step_s and canary.answers >= r.min_requests
+        ending = (
+            self.state is RolloutState.CANARY  # paused: no step ends
+            and now - self.step_started >= r.step_s
+            and canary.answers >= r.min_requests
+        )
         breach = self._breach(latency_due=ending)
         if breach is not None:
             return [self._move(RolloutState.ROLLED_BACK, now, breach)]
@@ -315,13 +388,25 @@ class Rollout:
         self.counts = {v: _StepCounts() for v in self.counts}
         self._latency_checked = None
 
-    def _move(self, to: RolloutState, now: float, reason: str | None) -> RolloutEvent:
+    def _move(
+        self, to: RolloutState, now: float, reason: str | None, *, operator: bool = False
+    ) -> RolloutEvent:
         if to not in _MOVES[self.state]:
             raise RuntimeError(f"rollout: no move from {self.state.value} to {to.value}")
+        was = self.state
         self.state = to
-        self.reason = reason
-        self._share = Fraction(1) if to is RolloutState.PROMOTED else Fraction(0)
-        kind = "promoted" if to is RolloutState.PROMOTED else "rolled_back"
-        event = RolloutEvent(kind=kind, at=now, step=self.step, share=self.share, reason=reason)
+        if to is RolloutState.PAUSED:
+            kind = "paused"
+        elif to is RolloutState.CANARY:
+            kind = "resumed"
+            self.paused_at = None
+        else:
+            self.reason = reason
+            self.paused_at = None
+            self._share = Fraction(1) if to is RolloutState.PROMOTED else Fraction(0)
+            kind = "promoted" if to is RolloutState.PROMOTED else "rolled_back"
+        assert was is not to
+        event = RolloutEvent(kind=kind, at=now, step=self.step, share=self.share,
+                             reason=reason, operator=operator)
         self.events.append(event)
         return event

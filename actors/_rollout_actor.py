@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import trio
-from trioserve import Actor, Overloaded, TrioserveError
+from trioserve import Actor, ConfigError, Overloaded, TrioserveError
 
 from ._rollout import Rollout, RolloutEvent, RolloutState
 
@@ -39,8 +39,8 @@ log = logging.getLogger("trioserve")
 #: What a shadow's copy came to: its outputs matched stable's or not, it failed,
 #: or it was dropped (its queue full, or the shadow's queue shed it).
 SHADOW_RESULTS = ("match", "mismatch", "error", "dropped")
-#: The rollout's events, as counted.
-ROLLOUT_EVENTS = ("step", "promoted", "rolled_back")
+#: The rollout's events, as counted (paused and resumed: the operator's only).
+ROLLOUT_EVENTS = ("step", "promoted", "rolled_back", "paused", "resumed")
 
 
 def same_outputs(a: Any, b: Any, *, rtol: float, atol: float) -> bool:
@@ -155,6 +155,22 @@ class RolloutController(Actor):
         if self._scope is not None:
             self._scope.cancel("the rollout's model copy was unloaded or replaced")
 
+    # ------------------------------------------------------------ the operator's
+    def operate(self, action: str, reason: str | None = None) -> None:
+        """The operator's ``action``: promote, rollback (for ``reason``), pause or
+        resume (``Rollout``'s). Not a checkpoint. ConfigError when the rollout's
+        state does not allow it (it has no canary, is final, is (not) paused)."""
+        r = self.rollout
+        why = r.refusal(action)
+        if why is not None:
+            raise ConfigError(f"model {self.model!r}: cannot {action} its rollout: {why}")
+        now = trio.current_time()
+        if action == "rollback":
+            events = r.rollback(now, reason or "operator")
+        else:
+            events = getattr(r, action)(now)
+        self._apply(events)
+
     # ------------------------------------------------------------ the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as self._scope:
@@ -203,7 +219,14 @@ class RolloutController(Actor):
         for e in events:
             self.events[e.kind] += 1
             r = self.rollout
-            if e.kind == "step":
+            if e.operator:
+                log.log(
+                    logging.WARNING if e.kind == "rolled_back" else logging.INFO,
+                    "model %r: canary %r %s by the operator at step %d, %g of "
+                    "unversioned requests%s", self.model, r.canary, e.kind.replace("_", " "),
+                    e.step + 1, e.share, f": {e.reason}" if e.reason else "",
+                )
+            elif e.kind == "step":
                 log.info(
                     "model %r: canary %r at step %d of %d, %g of unversioned requests",
                     self.model, r.canary, e.step + 1, len(r.rules.steps), e.share,
@@ -227,6 +250,7 @@ class RolloutController(Actor):
         r = self.rollout
         return {
             "state": r.state.value,
+            "paused": r.state is RolloutState.PAUSED,
             "stable": r.stable,
             "canary": r.canary,
             "share": r.share,

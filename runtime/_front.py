@@ -32,6 +32,7 @@ from ._many import _ManyItems
 from ._messages import CANCELLED, Reply, Request
 from ._model import item_list
 from ._outcomes import _never_ran, _note_withdrawal, _prepare_failed
+from ._rollout_ops import _RolloutOps
 from ._served import ServedModel
 from ._statistics import _Statistics
 from ._versioned import _Versioned
@@ -39,7 +40,9 @@ from ._versioned import _Versioned
 T = TypeVar("T")
 
 
-class Runtime(_ManyItems, _Credits, _Hedging, _Versioned, _Statistics, _EdgeCache, _Control):
+class Runtime(
+    _ManyItems, _Credits, _Hedging, _Versioned, _Statistics, _EdgeCache, _Control, _RolloutOps
+):
     """A running trioserve: call :meth:`infer`. Made by :func:`open_runtime`."""
 
     def __init__(self, config: Config) -> None:

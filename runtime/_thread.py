@@ -96,6 +96,30 @@ class Client:
         why, read in the runtime's thread."""
         return self._call(self._read, "model_state", model)
 
+    def rollout_state(self, model: str) -> dict[str, Any]:
+        """``Runtime.rollout_state()``: the model's rollout now, read in the
+        runtime's thread."""
+        return self._call(self._read, "rollout_state", model)
+
+    def promote(self, model: str) -> dict[str, Any]:
+        """``Runtime.promote()``: promote the model's canary now; its new state."""
+        return self._call(self._read, "promote", model)
+
+    def rollback(self, model: str, reason: str = "operator") -> dict[str, Any]:
+        """``Runtime.rollback()``: roll the model's canary back now, for ``reason``;
+        its new state."""
+        return self._call(self._read, "rollback", model, reason)
+
+    def pause_rollout(self, model: str) -> dict[str, Any]:
+        """``Runtime.pause_rollout()``: hold the model's canary at its step; its new
+        state."""
+        return self._call(self._read, "pause_rollout", model)
+
+    def resume_rollout(self, model: str) -> dict[str, Any]:
+        """``Runtime.resume_rollout()``: resume the model's paused canary; its new
+        state."""
+        return self._call(self._read, "resume_rollout", model)
+
     # ---- trio side
     def _call(self, fn: Any, *args: Any) -> Any:
         try:

@@ -366,3 +366,117 @@ def test_the_late_rule_rolls_back_early_exactly_when_sure(
 
 def _exact(share: float) -> Fraction:
     return Fraction(repr(share))
+
+
+# ---------------------------------------------------------------- the operator's
+def test_a_pause_holds_the_step_and_resuming_does_not_count_the_pause():
+    r = rollout(steps=(0.1, 0.5), step_s=10, min_requests=3)
+    for _ in range(3):
+        r.record("2", True, 0.01, 1.0)
+    (event,) = r.pause(4.0)
+    assert (event.kind, event.operator, event.share) == ("paused", True, 0.1)
+    assert (r.state, r.share, r.next_deadline()) == (RolloutState.PAUSED, 0.1, math.inf)
+    assert [r.route() for _ in range(10)].count("2") == 1  # the share holds
+    assert r.tick(100.0) == []  # long past step_s, enough answers: held
+    assert r.record("2", True, 0.01, 100.0) == []
+    (event,) = r.resume(104.0)
+    assert (event.kind, r.state) == ("resumed", RolloutState.CANARY)
+    # 4 s of the step before the pause, none of the 100 s paused: 6 s to go
+    assert r.next_deadline() == 110.0
+    assert r.tick(109.99) == []
+    (event,) = r.tick(110.0)
+    assert (event.kind, event.step, event.share) == ("step", 1, 0.5)
+
+
+def test_a_paused_canary_is_still_checked_and_rolled_back():
+    r = rollout(min_requests=100, max_error_rate=0.01)
+    r.pause(1.0)
+    r.record("2", False, 0.01, 2.0)
+    (event,) = r.record("2", False, 0.01, 3.0)
+    assert (event.kind, event.operator, r.state) == ("rolled_back", False,
+                                                     RolloutState.ROLLED_BACK)
+    assert r.reason.startswith("error rate: 2 errors")
+    assert r.refusal("resume") == "the canary is already rolled_back (final)"
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_the_operator_promotes_or_rolls_back_at_any_step(paused):
+    for action in ("promote", "rollback"):
+        r = rollout(steps=(0.05, 0.25, 0.5))
+        if paused:
+            r.pause(1.0)
+        (event,) = r.promote(2.0) if action == "promote" else r.rollback(2.0, "bad dashboards")
+        assert event.operator
+        if action == "promote":
+            assert (r.state, r.share, r.reason, event.kind) == (
+                RolloutState.PROMOTED, 1.0, None, "promoted")
+            assert {r.route() for _ in range(5)} == {"2"}
+        else:
+            assert (r.state, r.share, r.reason, event.kind) == (
+                RolloutState.ROLLED_BACK, 0.0, "bad dashboards", "rolled_back")
+            assert {r.route() for _ in range(5)} == {"1"}
+        assert r.step == 0
+        assert r.paused_at is None
+        for other in ("promote", "rollback", "pause", "resume"):
+            assert r.refusal(other) == f"the canary is already {r.state.value} (final)"
+            with pytest.raises(ValueError, match=f"^cannot {other} the rollout: the canary"):
+                getattr(r, other)(3.0, "x") if other == "rollback" else getattr(r, other)(3.0)
+        assert len(r.events) == 1 + paused
+
+
+def test_actions_the_state_does_not_allow_are_refused_and_change_nothing():
+    r = rollout()
+    assert r.refusal("resume") == "it is not paused"
+    r.pause(1.0)
+    assert r.refusal("pause") == "it is already paused"
+    with pytest.raises(ValueError, match=r"^cannot pause the rollout: it is already paused$"):
+        r.pause(2.0)
+    assert (r.state, r.paused_at, len(r.events)) == (RolloutState.PAUSED, 1.0, 1)
+    stable_only = Rollout(RolloutRules(), stable="1", canary=None, now=0.0)
+    for action in ("promote", "rollback", "pause", "resume"):
+        assert stable_only.refusal(action) == "it has no canary"
+    assert stable_only.state is RolloutState.STABLE
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("wait"), st.floats(0.0, 7.0)),
+    st.tuples(st.just("answer")),
+    st.tuples(st.just("pause")),
+    st.tuples(st.just("resume")),
+), max_size=80))
+def test_a_step_lasts_step_s_of_time_not_paused(ops):
+    """However pauses and resumes fall, a step ends only unpaused, once it lasted
+    step_s not counting its pauses and the canary has min_requests answers."""
+    r = rollout(steps=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), step_s=10.0,
+                min_requests=2)
+    now = unpaused = 0.0  # the step's time not paused
+    answers = 0
+    for op in ops:
+        paused = r.state is RolloutState.PAUSED
+        if op[0] == "wait":
+            now += op[1]
+            unpaused += 0.0 if paused else op[1]
+            events = r.tick(now)
+        elif op[0] == "answer":
+            answers += 1
+            events = r.record("2", True, 0.01, now)
+        elif r.refusal(op[0]) is None:
+            events = getattr(r, op[0])(now)
+            assert [e.kind for e in events] == [op[0] + "d"]
+        else:
+            with pytest.raises(ValueError, match=f"^cannot {op[0]} the rollout: "):
+                getattr(r, op[0])(now)
+            continue
+        if op[0] == "resume":
+            events += r.tick(now)  # as the actor does on any change
+        if any(e.kind in ("step", "promoted") for e in events):
+            assert r.state is not RolloutState.PAUSED
+            assert unpaused >= 10.0 - 1e-9
+            assert answers >= 2
+            unpaused, answers = 0.0, 0
+        if r.state is RolloutState.CANARY:
+            # nothing due is left undone
+            assert not (unpaused >= 10.0 + 1e-9 and answers >= 2)
+        if r.terminal:
+            break

@@ -84,7 +84,8 @@ async def test_a_good_canary_steps_through_every_share_and_is_promoted(autojump_
         after = [version_of(await rt.infer("m", one(i)), i) for i in range(10)]
         pinned = await rt.infer("m", one(0), version="1")
     assert shares == [0.2, 0.5, 1.0]
-    assert stats["events"] == {"step": 1, "promoted": 1, "rolled_back": 0}
+    assert stats["events"] == {"step": 1, "promoted": 1, "rolled_back": 0,
+                               "paused": 0, "resumed": 0}
     assert stats["reason"] is None
     assert after == ["2"] * 10  # the canary takes every unversioned request
     assert version_of(pinned, 0) == "1"  # a version asked for is still served
@@ -120,7 +121,8 @@ async def test_a_canary_failing_on_some_inputs_is_rolled_back_and_nothing_is_los
     assert stats["reason"].startswith("error rate: ")
     # within the step, once its errors were certain to pass 5% of 20 answers
     assert stats["counts"]["2"]["ok"] + stats["counts"]["2"]["errors"] <= 20
-    assert stats["events"] == {"step": 0, "promoted": 0, "rolled_back": 1}
+    assert stats["events"] == {"step": 0, "promoted": 0, "rolled_back": 1,
+                               "paused": 0, "resumed": 0}
     assert later == ["1"] * 10
 
 
@@ -212,7 +214,8 @@ async def test_shutdown_mid_step_is_clean(autojump_clock):
         before = rt.statistics()["m"]["rollout"]
     after = rt.statistics()["m"]["rollout"]
     assert before["state"] == after["state"] == "canary"  # closed mid-step, as it was
-    assert after["events"] == {"step": 0, "promoted": 0, "rolled_back": 0}
+    assert after["events"] == {"step": 0, "promoted": 0, "rolled_back": 0,
+                                "paused": 0, "resumed": 0}
     with pytest.raises(trioserve.ActorClosed):
         await rt.infer("m", one(0))
 
@@ -437,3 +440,87 @@ async def test_a_request_joined_to_another_in_flight_is_left_out_of_the_checks()
     assert got == ["2", "2", "error", "error"]
     assert (counts["ok"], counts["errors"], counts["shared"]) == (1, 1, 2)
     assert timed == 2  # the two computations' latencies
+
+
+# ---------------------------------------------------------------- the operator's
+async def test_the_operator_pauses_resumes_and_promotes_a_canary(autojump_clock, caplog):
+    m = model({"stable": "1", "canary": "2", "steps": [0.5, 0.75], "step_s": 10,
+               "min_requests": 2})
+    with caplog.at_level(logging.INFO, logger="trioserve"):
+        async with trioserve.open_runtime(config(m)) as rt:
+            for i in range(4):
+                await rt.infer("m", one(i))
+            paused = rt.pause_rollout("m")
+            await trio.sleep(100)  # long past step_s, with its answers: held
+            held = [version_of(await rt.infer("m", one(i)), i) for i in range(4)]
+            still = rt.rollout_state("m")
+            resumed = rt.resume_rollout("m")
+            await trio.sleep(9.9)  # the step's 10 s, its pause not counted
+            before = rt.rollout_state("m")["step"]
+            await trio.sleep(0.2)
+            stepped = rt.rollout_state("m")
+            promoted = rt.promote("m")
+            after = [version_of(await rt.infer("m", one(i)), i) for i in range(3)]
+            assert rt.statistics()["m"]["rollout"] == rt.rollout_state("m")
+    assert (paused["state"], paused["paused"], paused["share"]) == ("paused", True, 0.5)
+    assert held == ["1", "2", "1", "2"]  # the share holds
+    assert (still["state"], still["step"], still["counts"]["2"]["ok"]) == ("paused", 0, 4)
+    assert (resumed["state"], resumed["paused"]) == ("canary", False)
+    assert before == 0
+    assert (stepped["step"], stepped["share"]) == (1, 0.75)
+    assert (promoted["state"], promoted["share"], promoted["reason"]) == ("promoted", 1.0, None)
+    assert promoted["events"] == {"step": 1, "promoted": 1, "rolled_back": 0, "paused": 1,
+                                  "resumed": 1}
+    assert after == ["2"] * 3
+    said = [r.getMessage() for r in caplog.records if "by the operator" in r.getMessage()]
+    assert said == [
+        "model 'm': canary '2' paused by the operator at step 1, 0.5 of unversioned requests",
+        "model 'm': canary '2' resumed by the operator at step 1, 0.5 of unversioned requests",
+        "model 'm': canary '2' promoted by the operator at step 2, 1 of unversioned requests",
+    ]
+
+
+async def test_an_action_the_rollout_does_not_allow_is_refused(autojump_clock):
+    plain = ModelConfig(name="p", backend=adder(1), max_wait_ms=0.0)
+    m = model({"stable": "1", "canary": "2"})
+    async with trioserve.open_runtime(config(m, plain)) as rt:
+        with pytest.raises(trioserve.ConfigError) as refused:
+            rt.resume_rollout("m")
+        rolled = rt.rollback("m", reason="the dashboards")
+        refusals = {}
+        for action in ("promote", "rollback", "pause_rollout", "resume_rollout"):
+            with pytest.raises(trioserve.ConfigError) as exc:
+                getattr(rt, action)("m")
+            refusals[action] = str(exc.value)
+        with pytest.raises(trioserve.UnknownModel):
+            rt.promote("nope")
+        with pytest.raises(trioserve.ConfigError) as none:
+            rt.rollout_state("p")
+        with pytest.raises(trioserve.InvalidInput, match="reason must be a non-empty string"):
+            rt.rollback("m", reason="")
+        final = rt.rollout_state("m")
+    assert str(refused.value) == "model 'm': cannot resume its rollout: it is not paused"
+    assert (rolled["state"], rolled["share"], rolled["reason"]) == (
+        "rolled_back", 0.0, "the dashboards")
+    assert refusals["promote"] == (
+        "model 'm': cannot promote its rollout: the canary is already rolled_back (final)")
+    assert refusals["pause_rollout"].startswith("model 'm': cannot pause its rollout: ")
+    assert str(none.value) == (
+        "model 'p' has no rollout (no [models.p.rollout] in its configuration)")
+    assert final == rolled  # nothing refused changed it
+
+
+def test_the_blocking_client_operates_a_rollout():
+    m = model({"stable": "1", "canary": "2", "steps": [0.5]})
+    with trioserve.serve_in_thread(config(m)) as client:
+        state = client.rollout_state("m")
+        paused = client.pause_rollout("m")
+        resumed = client.resume_rollout("m")
+        rolled = client.rollback("m", reason="a bad canary")
+        with pytest.raises(trioserve.ConfigError, match="already rolled_back"):
+            client.promote("m")
+        with pytest.raises(trioserve.UnknownModel):
+            client.rollout_state("nope")
+    assert state["state"] == "canary"
+    assert (paused["paused"], resumed["paused"]) == (True, False)
+    assert (rolled["state"], rolled["reason"]) == ("rolled_back", "a bad canary")

@@ -12,7 +12,9 @@ async def test_the_rollout_scenario_passes(autojump_clock):
     res = await rollout(6.0)
     assert res["checks"], res
     assert all(res["checks"].values()), format_result({"scenario": "rollout", **res})
-    assert res["good_canary"]["events"] == {"step": 1, "promoted": 1, "rolled_back": 0}
+    assert res["good_canary"]["events"] == {
+        "step": 1, "promoted": 1, "rolled_back": 0, "paused": 0, "resumed": 0,
+    }
     assert res["bad_canary"]["reason"].startswith("error rate: ")
     assert res["shadow"]["shadow"]["dropped"] == 0
     assert "rollout" in SCENARIOS

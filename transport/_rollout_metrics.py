@@ -28,7 +28,8 @@ def rollout_metrics(runtime: Any) -> Iterator[Metric]:
     )
     events = CounterMetricFamily(
         "trioserve_rollout_events",
-        "The rollout's changes: a canary's step begun, promoted, rolled back.",
+        "The rollout's changes: a canary's step begun, promoted, rolled back (by a "
+        "check or the operator), paused and resumed (by the operator).",
         labels=["model", "event"],
     )
     shadow = CounterMetricFamily(

@@ -1,0 +1,75 @@
+"""The operator's actions on a model's rollout (docs/rollout.md): read its state,
+promote or roll back its canary, pause and resume it, as Argo Rollouts' promote,
+abort, pause and resume do. Each is immediate: none is a checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._config_checks import _key
+from ._errors import ConfigError, InvalidInput
+
+#: The longest reason a rollback by the operator may give (it is logged and kept).
+MAX_REASON = 1024
+
+
+class _RolloutOps:
+    """The Runtime's methods for a model's rollout (``[models.NAME.rollout]``)."""
+
+    def rollout_state(self, model: str) -> dict[str, Any]:
+        """``model``'s rollout now: ``statistics()[model]["rollout"]`` (its state,
+        ``paused``, versions, share, step, this step's counts, reason, events,
+        shadow). Not a checkpoint. Raises UnknownModel for a model not served,
+        ConfigError for one without a rollout."""
+        return self._rollout_of(model).statistics()
+
+    def promote(self, model: str) -> dict[str, Any]:
+        """Promote ``model``'s canary now, whatever its step: it takes every
+        unversioned request (state ``promoted``, final). Returns the new state (as
+        :meth:`rollout_state`). Raises as :meth:`rollout_state`, and ConfigError
+        when the rollout has no canary on trial (none, promoted or rolled back)."""
+        return self._operate(model, "promote")
+
+    def rollback(self, model: str, reason: str = "operator") -> dict[str, Any]:
+        """Roll ``model``'s canary back now: share 0, state ``rolled_back`` (final),
+        ``reason`` recorded and logged. Returns the new state. Raises as
+        :meth:`promote`, and InvalidInput for a reason that is not a non-empty
+        string of at most 1,024 characters."""
+        if not isinstance(reason, str) or not reason or len(reason) > MAX_REASON:
+            raise InvalidInput(
+                f"a rollback's reason must be a non-empty string of at most {MAX_REASON} "
+                f"characters, got {type(reason).__name__}"
+                + (f" of {len(reason)}" if isinstance(reason, str) else "")
+            )
+        return self._operate(model, "rollback", reason)
+
+    def pause_rollout(self, model: str) -> dict[str, Any]:
+        """Hold ``model``'s canary at its share and step (state ``paused``): no step
+        ends until :meth:`resume_rollout`. Its outcomes are still counted and
+        checked: a breach still rolls it back. Returns the new state. Raises as
+        :meth:`promote`, and ConfigError when it is already paused."""
+        return self._operate(model, "pause")
+
+    def resume_rollout(self, model: str) -> dict[str, Any]:
+        """Resume ``model``'s paused canary: its step goes on, the pause not counted
+        in its ``step_s`` (it ends at once if it lasted long enough and has its
+        answers). Returns the new state. Raises as :meth:`promote`, and ConfigError
+        when it is not paused."""
+        return self._operate(model, "resume")
+
+    def _operate(self, model: str, action: str, reason: str | None = None) -> dict[str, Any]:
+        controller = self._rollout_of(model)
+        controller.operate(action, reason)
+        return controller.statistics()
+
+    def _rollout_of(self, model: str) -> Any:
+        """The rollout controller of ``model`` (UnknownModel, or ConfigError when it
+        has no rollout)."""
+        self._known(model, None)  # type: ignore[attr-defined]
+        family = self._families.get(model)  # type: ignore[attr-defined]
+        if family is None or family.controller is None:
+            raise ConfigError(
+                f"model {model!r} has no rollout (no [models.{_key(model)}.rollout] "
+                "in its configuration)"
+            )
+        return family.controller
