@@ -86,3 +86,94 @@ async def test_a_versions_config_document_is_its_own():
     execution = {v: d["parameters"]["execution"]["string_value"] for v, d in docs.items()}
     assert execution == {"1": "inline", "2": "thread"}  # version 2's own backend
     assert unversioned["parameters"]["execution"]["string_value"] == "inline"
+
+
+# ---------------------------------------------------------------- the operator's
+async def test_the_operator_acts_on_a_rollout_over_http():
+    from http_helpers import echo_model
+
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 1000})
+    async with serving(http_config(m, echo_model())) as gw, open_http(gw.url) as http:
+        async def call(method, target, body=b""):
+            res = await http.request(method, target, body)
+            return res.status, res.json()
+
+        got = {
+            "state": await call("GET", "/v2/models/m/rollout"),
+            "pause": await call("POST", "/v2/models/m/rollout/pause"),
+            "pause again": await call("POST", "/v2/models/m/rollout/pause"),
+            "resume": await call("POST", "/v2/models/m/rollout/resume", b"{}"),
+            "bad json": await call("POST", "/v2/models/m/rollout/rollback", b"{"),
+            "a list": await call("POST", "/v2/models/m/rollout/rollback", b"[]"),
+            "unknown key": await call("POST", "/v2/models/m/rollout/pause", b'{"x": 1}'),
+            "bad reason": await call("POST", "/v2/models/m/rollout/rollback",
+                                     b'{"reason": 3}'),
+            "rollback": await call("POST", "/v2/models/m/rollout/rollback",
+                                   b'{"reason": "errors on the dashboard"}'),
+            "promote after": await call("POST", "/v2/models/m/rollout/promote"),
+            "unknown model": await call("POST", "/v2/models/nope/rollout/promote"),
+            "unknown model state": await call("GET", "/v2/models/nope/rollout"),
+            "no rollout": await call("POST", "/v2/models/echo/rollout/pause"),
+            "no rollout state": await call("GET", "/v2/models/echo/rollout"),
+        }
+        text = (await http.get("/metrics")).body.decode()
+        in_process = gw.runtime.rollout_state("m")
+    status = {k: s for k, (s, _) in got.items()}
+    assert status == {
+        "state": 200, "pause": 200, "pause again": 409, "resume": 200, "bad json": 400,
+        "a list": 400, "unknown key": 400, "bad reason": 400, "rollback": 200,
+        "promote after": 409, "unknown model": 404, "unknown model state": 404,
+        "no rollout": 404, "no rollout state": 404,
+    }
+    assert got["state"][1]["state"] == "canary"
+    assert (got["pause"][1]["state"], got["pause"][1]["paused"]) == ("paused", True)
+    assert got["pause again"][1]["error"] == (
+        "model 'm': cannot pause its rollout: it is already paused")
+    assert got["resume"][1]["state"] == "canary"
+    assert got["a list"][1]["error"] == "rollout rollback request: expected a JSON object"
+    assert got["unknown key"][1]["error"] == (
+        "rollout pause request: unknown key 'x'; a pause takes no parameters")
+    assert got["bad reason"][1]["error"] == (
+        "rollout rollback request: 'reason' must be a non-empty string")
+    rolled = got["rollback"][1]
+    assert (rolled["state"], rolled["share"], rolled["reason"]) == (
+        "rolled_back", 0.0, "errors on the dashboard")
+    assert rolled == in_process  # the same state in process
+    assert got["promote after"][1]["error"] == (
+        "model 'm': cannot promote its rollout: the canary is already rolled_back (final)")
+    assert got["no rollout"][1]["error"] == (
+        "model 'echo' has no rollout (no [models.echo.rollout] in its configuration)")
+    lines = text.splitlines()
+    for event, n in (("paused", 1), ("resumed", 1), ("rolled_back", 1), ("promoted", 0)):
+        assert f'trioserve_rollout_events_total{{event="{event}",model="m"}} {n}.0' in lines
+
+
+async def test_rollout_actions_need_an_operators_key_when_keys_are_set():
+    from trioserve import TenantConfig
+
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 1000})
+    tenants = (TenantConfig(name="A", api_keys=("key-a",)),
+               TenantConfig(name="open", default=True))
+    cfg = http_config(m, tenants=tenants, server={"control_plane_keys": ("ops-key",)})
+    async with serving(cfg) as gw, open_http(gw.url) as http:
+        async def status(method, target, key=None):
+            headers = [("authorization", f"Bearer {key}")] if key else []
+            return (await http.request(method, target, b"", headers=headers)).status
+
+        refused = [
+            await status(method, target, key)
+            for method, target in (("GET", "/v2/models/m/rollout"),
+                                   ("POST", "/v2/models/m/rollout/pause"),
+                                   ("POST", "/v2/models/m/rollout/rollback"))
+            for key in (None, "key-a", "wrong")
+        ]
+        untouched = gw.runtime.rollout_state("m")["state"]
+        allowed = [await status("GET", "/v2/models/m/rollout", "ops-key"),
+                   await status("POST", "/v2/models/m/rollout/pause", "ops-key"),
+                   await status("POST", "/v2/models/m/rollout/promote", "ops-key")]
+        final = gw.runtime.rollout_state("m")
+    # no key, or an unknown one: 401; a tenant's key: 403
+    assert refused == [401, 403, 401] * 3
+    assert untouched == "canary"
+    assert allowed == [200, 200, 200]
+    assert (final["state"], final["events"]["paused"]) == ("promoted", 1)

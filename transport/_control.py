@@ -23,6 +23,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from ._auth import another_field_line
 from ._extensions import model_config, model_statistics
 from ._gateway import Answer, error_answer
+from ._rollout_http import rollout_routes
 from ._signature import server_metadata
 from ._v2 import error_body
 
@@ -255,6 +256,8 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 f"the server is shutting down: model {name!r} was not loaded"
             )))
         return failure if failure is not None else json(b"{}")
+
+    rollout_routes(app, gateway, json)
 
     @app.post("/v2/models/<name>/infer")
     @app.post("/v2/models/<name>/versions/<version>/infer")
