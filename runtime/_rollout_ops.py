@@ -63,9 +63,9 @@ class _RolloutOps:
         return controller.statistics()
 
     def _rollout_of(self, model: str) -> Any:
-        """The rollout controller of ``model`` (UnknownModel, or ConfigError when it
-        has no rollout)."""
-        self._known(model, None)  # type: ignore[attr-defined]
+        """The rollout controller of ``model`` (UnknownModel, for a model not served
+        or not loaded, or ConfigError when it has no rollout)."""
+        self.check_loaded(model)  # type: ignore[attr-defined]
         family = self._families.get(model)  # type: ignore[attr-defined]
         if family is None or family.controller is None:
             raise ConfigError(

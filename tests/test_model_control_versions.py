@@ -251,7 +251,12 @@ async def test_a_rollout_starts_afresh_on_each_load_and_stops_cleanly_on_unload(
         r = rt.statistics()["m"]["rollout"]
         assert (r["state"], r["step"], r["share"]) == ("canary", 0, 0.5)
         assert all(c["ok"] == c["errors"] == c["late"] == 0 for c in r["counts"].values())
-        assert r["events"] == {"step": 0, "promoted": 0, "rolled_back": 0}
+        assert r["events"] == {"step": 0, "promoted": 0, "rolled_back": 0, "paused": 0,
+                               "resumed": 0}
+        # the operator acts on the loaded copy's rollout, not the one replaced
+        assert rt.pause_rollout("m")["state"] == "paused"
+        assert rt.resume_rollout("m")["state"] == "canary"
+        assert first.statistics()["events"]["paused"] == 0
         assert r["shadow"] == {"version": "3", "match": 0, "mismatch": 0, "error": 0,
                                "dropped": 0}
 
@@ -270,6 +275,9 @@ async def test_a_rollout_starts_afresh_on_each_load_and_stops_cleanly_on_unload(
         assert sum(second.shadow_results.values()) == 0  # withdrawn, not failed
         assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
         assert "rollout" not in rt.statistics()["m"]  # not loaded, as any model
+        for act in (rt.rollout_state, rt.promote, rt.rollback, rt.pause_rollout):
+            with pytest.raises(trioserve.UnknownModel, match="'m' is not loaded"):
+                act("m")
         assert all(not w.alive for w in vworkers.made)
         await refused_everywhere(rt)
         await trio.testing.wait_all_tasks_blocked()
