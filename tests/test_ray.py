@@ -5,6 +5,7 @@ deadline's watchdog keeps wall time."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -106,6 +107,7 @@ async def test_a_model_error_on_ray_is_the_models_error_and_the_actor_goes_on():
 
 
 async def test_an_actor_that_dies_mid_batch_is_replaced_and_its_batch_retried(caplog):
+    caplog.set_level(logging.WARNING, logger="trioserve")
     cfg = config(on_ray(replicas=2, max_batch_size=4, max_wait_ms=20, timeout_ms=None))
     async with trioserve.open_runtime(cfg) as rt:
         before = actors()
