@@ -48,7 +48,7 @@ from ._actor import ActorState
 from ._config import ModelConfig
 from ._errors import ActorClosed, ConfigError, ModelLoadError, TrioserveError, UnknownModel
 from ._served import ServedModel
-from ._versioned import Family
+from ._versioned import Family, _MergedQueues
 
 log = logging.getLogger("trioserve")
 
@@ -377,6 +377,12 @@ class ModelControl:
                     for older in entry.replaced:
                         await older.finished.wait()
                     entry.replaced.clear()
+                    if copy.family is not None and len(copy.family.groups) > 1:
+                        # the stand-in's flows were the versions' added up when the
+                        # unload began: again, with the requests the drain answered
+                        stand_in.scheduler.policy.stats = _MergedQueues(
+                            [g.scheduler.policy for g in copy.family.groups]
+                        ).stats
                     entry.move(ModelState.UNAVAILABLE, "unloaded")
                     log.info("model %r: unloaded", name)
                 if entry.unloading is op:

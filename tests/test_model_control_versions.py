@@ -140,6 +140,29 @@ async def test_a_family_is_loaded_and_unloaded_as_a_whole(autojump_clock, vworke
         assert rt.statistics()["m"]["flows"]["t/realtime"]["dispatched"] == 5
 
 
+async def test_a_family_unloaded_with_requests_queued_keeps_their_counts(
+    autojump_clock, vworkers
+):
+    # the model's flows while unloaded are its versions' added up: with those the
+    # drain answered, not only those dispatched when the unload began
+    async with trioserve.open_runtime(family_config()) as rt:
+        async with trio.open_nursery() as callers:
+            for x in range(20):
+                callers.start_soon(y, rt, float(x), "1" if x % 2 else "2")
+            await trio.testing.wait_all_tasks_blocked()
+            flow = rt.statistics()["m"]["flows"]["t/realtime"]
+            assert flow["admitted"] == 20
+            assert flow["queued"] > 0  # some wait when the unload begins
+            await rt.unload_model("m")
+        flow = rt.statistics()["m"]["flows"]["t/realtime"]
+        assert (flow["admitted"], flow["dispatched"], flow["queued"]) == (20, 20, 0)
+        assert flow["wait"].count == 20
+        await rt.load_model("m")  # and they go on from there
+        await y(rt, 1.0, "2")
+        flow = rt.statistics()["m"]["flows"]["t/realtime"]
+        assert (flow["admitted"], flow["dispatched"]) == (21, 21)
+
+
 async def test_a_version_that_fails_to_load_fails_the_whole_load(autojump_clock, vworkers):
     async with trioserve.open_runtime(family_config(load_at_start=False)) as rt:
         vworkers.failing = frozenset({"2"})
