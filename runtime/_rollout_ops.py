@@ -34,13 +34,21 @@ class _RolloutOps:
         """Roll ``model``'s canary back now: share 0, state ``rolled_back`` (final),
         ``reason`` recorded and logged. Returns the new state. Raises as
         :meth:`promote`, and InvalidInput for a reason that is not a non-empty
-        string of at most 1,024 characters."""
+        string of at most 1,024 characters, or not valid Unicode (a lone
+        surrogate)."""
         if not isinstance(reason, str) or not reason or len(reason) > MAX_REASON:
             raise InvalidInput(
                 f"a rollback's reason must be a non-empty string of at most {MAX_REASON} "
                 f"characters, got {type(reason).__name__}"
                 + (f" of {len(reason)}" if isinstance(reason, str) else "")
             )
+        try:
+            reason.encode("utf-8")  # it is kept, and answered in JSON over HTTP
+        except UnicodeEncodeError as exc:
+            raise InvalidInput(
+                f"a rollback's reason must be valid Unicode: {exc.reason} at "
+                f"character {exc.start}"
+            ) from None
         return self._operate(model, "rollback", reason)
 
     def pause_rollout(self, model: str) -> dict[str, Any]:

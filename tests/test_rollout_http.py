@@ -7,10 +7,12 @@ import json
 
 import numpy as np
 import orjson
+import pytest
 import trio
 from http_helpers import _events_until, _raw_client, serving, v2_input
 from http_helpers import config as http_config
 from test_rollout_runtime import model
+from trioserve import InvalidInput
 from trioserve.transport import open_http
 
 
@@ -177,3 +179,18 @@ async def test_rollout_actions_need_an_operators_key_when_keys_are_set():
     assert untouched == "canary"
     assert allowed == [200, 200, 200]
     assert (final["state"], final["events"]["paused"]) == ("promoted", 1)
+
+
+async def test_a_rollback_reason_that_is_not_valid_unicode_is_refused():
+    # kept as the rollout's reason, it would make every later GET of the state fail
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 1000})
+    async with serving(http_config(m)) as gw, open_http(gw.url) as http:
+        rt = gw.runtime
+        with pytest.raises(InvalidInput, match="reason must be valid Unicode: surrogates"):
+            rt.rollback("m", "bad \udcff reason")
+        res = await http.request("GET", "/v2/models/m/rollout")
+        assert res.status == 200
+        assert (res.json()["state"], res.json()["reason"]) == ("canary", None)
+        assert rt.rollback("m", "\U0001f600 latency")["reason"] == "\U0001f600 latency"
+        res = await http.request("GET", "/v2/models/m/rollout")
+        assert (res.status, res.json()["reason"]) == (200, "\U0001f600 latency")
