@@ -52,37 +52,68 @@ def check_ray_installed(models: list[ModelConfig]) -> None:
         )
 
 
+#: Runtimes of this process using the Ray that :func:`start_ray` connected (0: none,
+#: or a Ray the process's own code connected, left alone). The last to stop it
+#: disconnects it: a runtime closing never stops Ray under another still serving.
+_users = 0
+#: Held while Ray is connected or disconnected, and the users counted (in threads:
+#: two runtimes may run in two threads).
+_users_lock = threading.Lock()
+
+
 async def start_ray(cfg: RayConfig) -> bool:
     """Connect this process to Ray (``ray.init`` in a thread: it takes seconds),
-    unless it is connected already. Returns whether it was connected here: then
-    :func:`stop_ray` disconnects it (and stops the local Ray it started) at close.
-    Cancelling it waits for the connection to finish or fail."""
+    unless it is connected already. Returns whether the caller is to call
+    :func:`stop_ray` at close: Ray was connected here, or by another runtime of
+    this process still using it (counted: the last one's ``stop_ray`` disconnects
+    it, and stops the local Ray started here). A Ray the process's own code
+    connected is used as it is and left running (False). Cancelling it waits for
+    the connection to finish or fail."""
     import ray
 
-    if ray.is_initialized():
-        return False
     kwargs: dict[str, Any] = {}
     if cfg.address is not None:
         kwargs["address"] = cfg.address
     if cfg.namespace is not None:
         kwargs["namespace"] = cfg.namespace
-    # Ray's own failure-signal handler prints a native stack for every SIGTERM, our
-    # drain's signal included, which reads as a crash; the caller's choice stands.
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-    log.info("connecting to Ray (%s)", cfg.address or "a local Ray, started here")
+
+    def connect() -> bool:
+        global _users
+        with _users_lock:
+            if ray.is_initialized():
+                if _users == 0:
+                    return False  # the process's own: not ours to stop
+                _users += 1
+                return True
+            # Ray's own failure-signal handler prints a native stack for every
+            # SIGTERM, our drain's signal included, which reads as a crash; the
+            # caller's choice stands.
+            os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+            log.info("connecting to Ray (%s)", cfg.address or "a local Ray, started here")
+            ray.init(**kwargs)
+            _users = 1
+            return True
+
     try:
-        await trio.to_thread.run_sync(lambda: ray.init(**kwargs))
+        return await trio.to_thread.run_sync(connect)
     except ConnectionError as exc:
         raise ConfigError(f"ray.address: cannot connect to Ray at {cfg.address!r}: {exc}") from exc
-    return True
 
 
 async def stop_ray() -> None:
-    """``ray.shutdown`` in a thread, shielded: what :func:`start_ray` connected."""
+    """Release the Ray :func:`start_ray` connected: the last runtime using it
+    disconnects it (``ray.shutdown``, in a thread, shielded)."""
     import ray
 
+    def release() -> None:
+        global _users
+        with _users_lock:
+            _users = max(0, _users - 1)
+            if _users == 0:
+                ray.shutdown()
+
     with trio.CancelScope(shield=True):
-        await trio.to_thread.run_sync(ray.shutdown)
+        await trio.to_thread.run_sync(release)
 
 
 async def wait_ref(ref: Any) -> Any:

@@ -131,6 +131,7 @@ async def test_ray_is_connected_without_its_failure_signal_handler(monkeypatch):
     ray = pytest.importorskip("ray")
     seen = []
     monkeypatch.delenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", raising=False)
+    monkeypatch.setattr(trioserve._ray, "_users", 0)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(
         ray, "init", lambda **kw: seen.append(os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"])
@@ -140,3 +141,36 @@ async def test_ray_is_connected_without_its_failure_signal_handler(monkeypatch):
     monkeypatch.setenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "0")
     await trioserve._ray.start_ray(RayConfig())
     assert seen == ["1", "0"]
+
+
+async def test_the_last_runtime_using_the_ray_it_connected_disconnects_it(monkeypatch):
+    """Two runtimes of one process on the Ray the first connected: the first to
+    close used to stop it under the other (its actors lost, and a new local Ray
+    started by Ray's own auto-init, never stopped)."""
+    ray = pytest.importorskip("ray")
+    calls = []
+    connected = [False]
+
+    def init(**kw):
+        calls.append("init")
+        connected[0] = True
+
+    def shutdown():
+        calls.append("shutdown")
+        connected[0] = False
+
+    monkeypatch.setattr(trioserve._ray, "_users", 0)
+    monkeypatch.setattr(ray, "is_initialized", lambda: connected[0])
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", shutdown)
+    start, stop = trioserve._ray.start_ray, trioserve._ray.stop_ray
+    assert await start(RayConfig()) is True  # connected here
+    assert await start(RayConfig()) is True  # a second runtime on it: counted
+    await stop()
+    assert calls == ["init"]  # the second still serves on it
+    await stop()
+    assert calls == ["init", "shutdown"]  # the last one disconnects it
+    # a Ray the process's own code connected is used and left alone
+    connected[0] = True
+    assert await start(RayConfig()) is False
+    assert calls == ["init", "shutdown"]
