@@ -69,6 +69,10 @@ async def start_ray(cfg: RayConfig) -> bool:
     it, and stops the local Ray started here). A Ray the process's own code
     connected is used as it is and left running (False). Cancelling it waits for
     the connection to finish or fail."""
+    # Ray's own failure-signal handler prints a native stack for every SIGTERM, our
+    # drain's signal included, which reads as a crash; the caller's choice stands.
+    # Ray reads it once, when it is first imported: set before that.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     import ray
 
     kwargs: dict[str, Any] = {}
@@ -85,10 +89,6 @@ async def start_ray(cfg: RayConfig) -> bool:
                     return False  # the process's own: not ours to stop
                 _users += 1
                 return True
-            # Ray's own failure-signal handler prints a native stack for every
-            # SIGTERM, our drain's signal included, which reads as a crash; the
-            # caller's choice stands.
-            os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
             log.info("connecting to Ray (%s)", cfg.address or "a local Ray, started here")
             ray.init(**kwargs)
             _users = 1

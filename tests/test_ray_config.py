@@ -174,3 +174,40 @@ async def test_the_last_runtime_using_the_ray_it_connected_disconnects_it(monkey
     connected[0] = True
     assert await start(RayConfig()) is False
     assert calls == ["init", "shutdown"]
+
+
+@pytest.mark.parametrize(("chosen", "seen"), [(None, "1"), ("0", "0")])
+def test_ray_sees_its_failure_signal_handler_off_when_first_imported(tmp_path, chosen, seen):
+    """Ray reads RAY_DISABLE_FAILURE_SIGNAL_HANDLER once, when it is imported: set
+    after the import (as it was), `trioserve serve` still printed a native stack
+    for its SIGTERM. A stand-in ``ray`` package records what its import saw."""
+    import subprocess
+    import sys
+
+    from runtime_helpers import pythonpath_with
+
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text(
+        "import os\n"
+        "SEEN = os.environ.get('RAY_DISABLE_FAILURE_SIGNAL_HANDLER')\n"
+        "def is_initialized(): return False\n"
+        "def init(**kw): pass\n"
+        "def shutdown(): pass\n"
+    )
+    script = (
+        "import sys, trio\n"
+        "from trioserve import RayConfig\n"
+        "from trioserve._ray import start_ray\n"
+        "assert 'ray' not in sys.modules\n"
+        "assert trio.run(start_ray, RayConfig())\n"
+        "print(sys.modules['ray'].SEEN)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"}
+    if chosen is not None:
+        env["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = chosen
+    env["PYTHONPATH"] = pythonpath_with(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == seen
