@@ -123,8 +123,9 @@ def model_statistics(
     - ``last_inference``: when the last batch finished, in ms since the epoch (0:
       none yet).
 
-    The versions of one model share its queue and replicas, so each reports the
-    model's figures.
+    Each version of a model reports the model's figures, all versions together
+    (versions with weights of their own run on their own queues and replicas, but
+    share the model's measurements).
     """
     now_wall, now = time.time(), trio.current_time()
     out = []
