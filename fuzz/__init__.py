@@ -35,6 +35,7 @@ from ._queue import QueueSetup as QueueSetup
 from ._rollout import run_rollout_scenario as run_rollout_scenario
 from ._rollout_scenario import RCall as RCall
 from ._rollout_scenario import RolloutScenario as RolloutScenario
+from ._rollout_scenario import ROp as ROp
 from ._runtime import run_scenario as run_scenario
 from ._scenario import Broken as Broken
 from ._scenario import Call as Call

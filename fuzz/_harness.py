@@ -182,11 +182,11 @@ SUITES: dict[str, Suite] = {
         Suite(
             name="rollout",
             summary="versions and their rollout through open_runtime: the canary's split, "
-            "steps, promotion, rollback, the shadow",
+            "steps, promotion, rollback, the shadow, the operator's actions",
             build=_build_rollout,
             ci_examples=60,
             chunk_examples=40,
-            repro_imports="from fuzz import RCall, RolloutScenario, run_rollout_scenario",
+            repro_imports="from fuzz import RCall, ROp, RolloutScenario, run_rollout_scenario",
             stateful=False,
             repro_call="run_rollout_scenario",
         ),

@@ -365,6 +365,71 @@ class ResumesAfterARollback(Rollout):
         return super().tick(now)
 
 
+class PauseStillAdvancesSteps(Rollout):
+    """A pause holds the share, but the step still ends on time (and the last one
+    promotes the canary), as if not paused."""
+
+    def next_deadline(self) -> float:
+        if self.state is trioserve.actors.RolloutState.PAUSED:
+            return self.step_started + self.rules.step_s
+        return super().next_deadline()
+
+    def _check(self, now: float) -> list[Any]:
+        paused = trioserve.actors.RolloutState.PAUSED
+        if self.state is not paused:
+            return super()._check(now)
+        self.state = trioserve.actors.RolloutState.CANARY
+        try:
+            return super()._check(now)
+        finally:
+            if self.state is trioserve.actors.RolloutState.CANARY:
+                self.state = paused
+
+
+class ResumeCountsThePause(Rollout):
+    """A resume leaves the step's start where it was: the pause counts in its
+    ``step_s``."""
+
+    def resume(self, now: float) -> list[Any]:
+        self.paused_at = now
+        return super().resume(now)
+
+
+class PromotesARolledBackCanary(Rollout):
+    """The operator may promote a canary already rolled back."""
+
+    def refusal(self, action: str) -> str | None:
+        if action == "promote" and self.state is trioserve.actors.RolloutState.ROLLED_BACK:
+            return None
+        return super().refusal(action)
+
+    def promote(self, now: float) -> list[Any]:
+        if self.state is trioserve.actors.RolloutState.ROLLED_BACK:
+            self.state = trioserve.actors.RolloutState.CANARY
+        return super().promote(now)
+
+
+class PauseHoldsTheChecks(Rollout):
+    """Paused, the outcomes are counted but no rule is checked: a breach waits for
+    the resume."""
+
+    def _check(self, now: float) -> list[Any]:
+        if self.state is trioserve.actors.RolloutState.PAUSED:
+            return []
+        return super()._check(now)
+
+
+class ResumeWaitsForAnAnswer(RolloutController):
+    """A resume does not wake the controller: a step that lasted long enough ends
+    only at the canary's next answer, not at once."""
+
+    def _apply(self, events: list[Any]) -> None:
+        if [e.kind for e in events] == ["resumed"]:
+            self.events["resumed"] += 1
+            return
+        super()._apply(events)
+
+
 class ShadowQueuePastItsBound(RolloutController):
     """The shadow's channel holds two copies more than ``shadow_queue``."""
 
@@ -587,6 +652,35 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "rollback-not-final": (
         "a rolled-back canary goes back on trial at the next tick",
         attrs.evolve(PRODUCT, name="rollback-not-final", rollout_class=ResumesAfterARollback),
+        ("rollout",),
+    ),
+    "pause-advances-steps": (
+        "a paused canary's step still ends on time (the last promotes it)",
+        attrs.evolve(PRODUCT, name="pause-advances-steps", rollout_class=PauseStillAdvancesSteps),
+        ("rollout",),
+    ),
+    "resume-counts-pause": (
+        "a resume counts the pause in the step's step_s",
+        attrs.evolve(PRODUCT, name="resume-counts-pause", rollout_class=ResumeCountsThePause),
+        ("rollout",),
+    ),
+    "promote-after-rollback": (
+        "the operator may promote a rolled-back canary",
+        attrs.evolve(
+            PRODUCT, name="promote-after-rollback", rollout_class=PromotesARolledBackCanary
+        ),
+        ("rollout",),
+    ),
+    "pause-holds-checks": (
+        "a paused canary's outcomes are counted but not checked (no rollback while paused)",
+        attrs.evolve(PRODUCT, name="pause-holds-checks", rollout_class=PauseHoldsTheChecks),
+        ("rollout",),
+    ),
+    "resume-not-at-once": (
+        "a step due at a resume ends only at the canary's next answer",
+        attrs.evolve(
+            PRODUCT, name="resume-not-at-once", rollout_controller_class=ResumeWaitsForAnAnswer
+        ),
         ("rollout",),
     ),
     "shadow-past-its-bound": (

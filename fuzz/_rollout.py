@@ -6,7 +6,10 @@ backend (stable), 2 and 3 on their own (the canary and the shadow); each answers
 ``[x, its version]`` (the shadow answers stable's ``[x, 1]`` for an even ``x``, so
 some copies match and some do not), raises on its ``bad`` inputs, and takes its
 latency per batch in trio time. Callers arrive at random times with unversioned or
-versioned ``infer`` / ``infer_batch`` calls.
+versioned ``infer`` / ``infer_batch`` calls; the operator promotes, rolls back,
+pauses and resumes at chosen ticks through the runtime's public methods
+(``rt.promote``, ``rt.rollback``, ``rt.pause_rollout``, ``rt.resume_rollout``),
+whether the state allows it or not.
 
 The checks, against a reference of the documented rules (docs/rollout.md) kept
 beside the product's :class:`Rollout`, fed what the runtime feeds it:
@@ -26,6 +29,15 @@ beside the product's :class:`Rollout`, fed what the runtime feeds it:
   no answers: they neither end a step nor count as errors); the shares are the steps';
   promoted and rolled back stay final; each routed request's outcome is recorded
   once, for its version (an error for each item of a failed part), and nothing else.
+  The operator's actions: an action is refused (``ConfigError``) exactly when the
+  reference's state does not allow it (no canary, final, a pause when paused, a
+  resume when not), a rollback's empty reason always (``InvalidInput``), and a
+  refused one changes nothing; an allowed one makes exactly its one event (marked
+  the operator's, a rollback with the operator's reason) and the state the
+  reference says. Paused, the share and the split's count hold, no step ends nor is
+  the canary promoted by a check, but outcomes are counted and the rules still roll
+  it back; resumed, the step's ``step_s`` leaves the pause out (a step due at the
+  resume ends at once). The events counted are the reference's.
 - ``shadow``: a copy of a share (the counter rule) of stable's answers goes to the
   shadow, never more waiting than ``shadow_queue``; every copy sent is counted once
   (match, mismatch, error or dropped), exactly as the shadow's answers say when none
@@ -50,10 +62,17 @@ import trio
 import trio.testing
 import trioserve
 import trioserve.actors
-from trioserve import DeadlineExceeded, ModelBackend, ModelError, TensorSpec
+from trioserve import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelBackend,
+    ModelError,
+    TensorSpec,
+)
 
 from ._product import PRODUCT, Product
-from ._rollout_scenario import HORIZON_S, TICK, RCall, RolloutScenario
+from ._rollout_scenario import HORIZON_S, TICK, RCall, RolloutScenario, ROp
 from ._rollout_scenario import rollout_scenarios as rollout_scenarios
 from ._runtime import _tasks, raise_first, replay
 from ._stats import count_example, expect, note
@@ -63,7 +82,14 @@ Y = TensorSpec(name="y", datatype="FP64", shape=(-1,))
 STABLE, CANARY, SHADOW = "1", "2", "3"
 
 expect("rollout", "step", "promoted", "rolled_back", "routed to canary",
-       "shadow match", "shadow dropped")
+       "shadow match", "shadow dropped", "operator promote", "operator rollback",
+       "operator pause", "operator resume", "operator refused", "routed while paused",
+       "recorded while paused", "rolled_back while paused", "step due at a resume")
+#: The event each operator's action makes, and the state it moves to.
+OP_EVENT = {"promote": "promoted", "rollback": "rolled_back", "pause": "paused",
+            "resume": "resumed"}
+OP_STATE = {"promote": "promoted", "rollback": "rolled_back", "pause": "paused",
+            "resume": "canary"}
 
 
 class VersionModel(ModelBackend):
@@ -135,6 +161,17 @@ class RolloutRun:
     ref_routed: int = 0
     #: version -> [ok, errors, late] in the step
     ref_counts: dict[str, list[int]] = attrs.Factory(dict)
+    #: when the operator paused it (None: not paused)
+    ref_paused_at: float | None = None
+    #: in the step: when the canary's answers reached min_requests, when the
+    #: operator last resumed it (None: not yet)
+    ref_reached_at: float | None = None
+    ref_resumed_at: float | None = None
+    #: the events the reference expects counted, by kind
+    ref_events: dict[str, int] = attrs.Factory(dict)
+    #: the operator's action under way, and the events it made
+    op: ROp | None = None
+    op_events: list[Any] = attrs.Factory(list)
     shadow_seen: int = 0
     shadow_sent: list[int] = attrs.Factory(list)  # the input of each copy sent
 
@@ -151,16 +188,23 @@ class RolloutRun:
         self.ref_started = now
         self.ref_counts = {STABLE: [0, 0, 0], CANARY: [0, 0, 0]}
 
+    @property
+    def on_trial(self) -> bool:
+        """A canary on trial, paused or not: routed by the split, counted, checked."""
+        return self.ref_state in ("canary", "paused")
+
     def share(self) -> Fraction:
-        if self.ref_state == "canary":
+        if self.on_trial:  # a pause holds the step's share
             return Fraction(repr(self.scenario.steps[self.ref_step]))
         return Fraction(1) if self.ref_state == "promoted" else Fraction(0)
 
     def expected_route(self) -> str:
         if self.ref_state == "promoted":
             return CANARY
-        if self.ref_state != "canary":
+        if not self.on_trial:
             return STABLE
+        if self.ref_state == "paused":
+            note("rollout", "routed while paused")
         self.ref_routed += 1
         n, s = self.ref_routed, self.share()
         return CANARY if math.floor(n * s) > math.floor((n - 1) * s) else STABLE
@@ -190,16 +234,24 @@ class RolloutRun:
         return self._error_breach() or self._late_breach()
 
     def _ending(self, now: float) -> bool:
+        """The step is due to end: it lasted ``step_s`` (the pauses left out) and
+        the canary answered ``min_requests`` in it; never while paused."""
         sc = self.scenario
-        return (now - self.ref_started >= sc.step_s * TICK
+        return (self.ref_state == "canary"
+                and now - self.ref_started >= sc.step_s * TICK
                 and self._answers(CANARY) >= sc.min_requests)
 
     def on_record(self, version: str, ok: bool | str) -> None:
         """An outcome recorded for ``version``: ok, an error (False) or "late"."""
         key = (version, ok)
         self.recorded[key] = self.recorded.get(key, 0) + 1
-        if self.ref_state == "canary" and version in self.ref_counts:
+        if self.on_trial and version in self.ref_counts:
+            if self.ref_state == "paused":
+                note("rollout", "recorded while paused")
             self.ref_counts[version][2 if ok == "late" else 0 if ok else 1] += 1
+            if (version == CANARY and self.ref_reached_at is None
+                    and self._answers(CANARY) >= self.scenario.min_requests):
+                self.ref_reached_at = trio.current_time()
 
     def on_events(self, events: list[Any]) -> None:
         sc = self.scenario
@@ -207,9 +259,17 @@ class RolloutRun:
             now = e.at
             note("rollout", e.kind)
             what = (f"at {self.at(now)} the rollout's event {e.kind} (step {e.step}, share "
-                    f"{e.share:g}, reason {e.reason!r})")
-            if self.ref_state != "canary":
+                    f"{e.share:g}, reason {e.reason!r}, operator {e.operator})")
+            self.ref_events[e.kind] = self.ref_events.get(e.kind, 0) + 1
+            if e.operator:
+                self._on_operator_event(e, what)
+                continue
+            if not self.on_trial:
                 self.fail("rollout", f"{what}, but it was {self.ref_state}: final")
+                continue
+            if self.ref_state == "paused" and e.kind != "rolled_back":
+                self.fail("rollout", f"{what}, but the operator paused it at "
+                          f"{self.at(self.ref_paused_at or 0.0)}: no step ends while paused")
                 continue
             c_ok, c_err, c_late = self.ref_counts[CANARY]
             figures = (f"step {self.ref_step} began at {self.at(self.ref_started)}, the "
@@ -220,6 +280,14 @@ class RolloutRun:
             if e.kind in ("step", "promoted"):
                 if not self._ending(now) or self._breach():
                     self.fail("rollout", f"{what}: {figures}")
+                else:
+                    # then at once: when it lasted step_s (the pauses left out), the
+                    # canary had its answers and the operator's last resume, if later
+                    due = max(self.ref_started + sc.step_s * TICK, self.ref_reached_at or 0.0,
+                              self.ref_resumed_at or 0.0)
+                    if now != due:
+                        self.fail("rollout", f"{what}: it was due at {self.at(due)} "
+                                  f"({figures})")
                 last = self.ref_step + 1 >= len(sc.steps)
                 if (e.kind == "promoted") != last:
                     self.fail("rollout", f"{what} at step {self.ref_step} of "
@@ -232,6 +300,7 @@ class RolloutRun:
                 self.ref_step += 1
                 self.ref_started = now
                 self.ref_routed = 0
+                self.ref_reached_at = self.ref_resumed_at = None
                 self.ref_counts = {STABLE: [0, 0, 0], CANARY: [0, 0, 0]}
                 if e.step != self.ref_step or e.share != float(self.share()):
                     self.fail("rollout", f"{what}: expected step {self.ref_step} at share "
@@ -251,22 +320,133 @@ class RolloutRun:
                                   f"min_requests answers ({figures})")
                 else:
                     self.fail("rollout", f"{what}: no known reason")
+                if self.ref_state == "paused":
+                    note("rollout", "rolled_back while paused")
                 self.ref_state = "rolled_back"
+                self.ref_paused_at = None
                 if e.share != 0.0:
                     self.fail("rollout", f"{what}: a rolled-back canary's share is 0")
             else:
                 self.fail("rollout", f"{what}: unknown event")
 
+    def _on_operator_event(self, e: Any, what: str) -> None:
+        """An event marked the operator's: only the one the action under way makes,
+        and only when the reference's state allows that action."""
+        op = self.op
+        if op is None:
+            self.fail("rollout", f"{what}: marked the operator's, but no action was asked")
+            return
+        self.op_events.append(e)
+        if len(self.op_events) > 1:
+            self.fail("rollout", f"{what}: the operator's {op.action} at tick {op.at} "
+                      f"made {len(self.op_events)} events, one expected")
+            return
+        why = self.refusal(op.action)
+        if why is not None:
+            return  # reported once the action returns
+        if e.kind != OP_EVENT[op.action]:
+            self.fail("rollout", f"{what}: the operator asked {op.action}")
+        want_reason = (op.reason or "operator") if op.action == "rollback" else None
+        if e.reason != want_reason:
+            self.fail("rollout", f"{what}: the operator's {op.action} gave reason "
+                      f"{want_reason!r}")
+        if e.step != self.ref_step:
+            self.fail("rollout", f"{what}: it was at step {self.ref_step}")
+        now = e.at
+        if op.action == "pause":
+            self.ref_paused_at = now
+        elif op.action == "resume":
+            assert self.ref_paused_at is not None
+            # the step goes on, the pause not counted in its step_s
+            self.ref_started += now - self.ref_paused_at
+            self.ref_resumed_at = now
+            self.ref_paused_at = None
+        else:
+            self.ref_paused_at = None
+        self.ref_state = OP_STATE[op.action]
+        if e.share != float(self.share()):
+            self.fail("rollout", f"{what}: the share after it is {float(self.share()):g}")
+
+    def refusal(self, action: str) -> str | None:
+        """Why the rollout's state (the reference's) does not allow the operator's
+        ``action`` (docs/rollout.md), or None."""
+        if self.ref_state == "stable":
+            return "it has no canary"
+        if self.ref_state in ("promoted", "rolled_back"):
+            return f"it is already {self.ref_state} (final)"
+        if action == "pause" and self.ref_state == "paused":
+            return "it is already paused"
+        if action == "resume" and self.ref_state != "paused":
+            return "it is not paused"
+        return None
+
+    def operate(self, rt: Any, op: ROp) -> None:
+        """The operator's ``op``, through the runtime's public method: refused with
+        ConfigError exactly when the reference says the state does not allow it (a
+        rollback's empty reason with InvalidInput, whatever the state), changing
+        nothing then; else exactly its one event, and the state it returns is the
+        reference's."""
+        now = trio.current_time()
+        what = f"at {self.at(now)} the operator's {op.action}" + (
+            f" (reason {op.reason!r})" if op.action == "rollback" else "")
+        invalid = op.action == "rollback" and not op.reason
+        why = "an empty reason" if invalid else self.refusal(op.action)
+        before = (self.ref_state, self.ref_step, float(self.share()))
+        self.op, self.op_events = op, []
+        try:
+            if op.action == "rollback":
+                state = rt.rollback("m", op.reason)
+            else:
+                state = {"promote": rt.promote, "pause": rt.pause_rollout,
+                         "resume": rt.resume_rollout}[op.action]("m")
+        except (ConfigError, InvalidInput) as exc:
+            want = InvalidInput if invalid else ConfigError
+            if why is None or not isinstance(exc, want):
+                self.fail("rollout", f"{what} raised {exc!r}; the reference "
+                          f"({self.ref_state}, step {self.ref_step}) "
+                          + ("allows it" if why is None else f"refuses it: {why}"))
+            elif self.op_events:
+                self.fail("rollout", f"{what} was refused ({exc}) but made events "
+                          f"{[e.kind for e in self.op_events]}")
+            else:
+                note("rollout", "operator refused")
+            state = None
+        finally:
+            self.op = None
+        if state is not None:
+            if why is not None:
+                self.fail("rollout", f"{what} was allowed (the rollout now {state['state']}"
+                          f"); the reference ({before[0]}, step {before[1]}) refuses "
+                          f"it: {why}")
+                return
+            note("rollout", f"operator {op.action}")
+            if len(self.op_events) != 1:
+                self.fail("rollout", f"{what} made events "
+                          f"{[e.kind for e in self.op_events]}, one expected")
+            want = (self.ref_state, self.ref_state == "paused", float(self.share()))
+            got = (state["state"], state["paused"], state["share"])
+            if got != want:
+                self.fail("rollout", f"{what} returned (state, paused, share) {got}; the "
+                          f"reference {want}")
+
+    def check_events(self, counted: dict[str, int], now: float) -> None:
+        """The events the controller counted are those it made (each kind)."""
+        want = {k: self.ref_events.get(k, 0) for k in counted}
+        if dict(counted) != want or set(self.ref_events) - set(counted):
+            self.fail("rollout", f"at {self.at(now)} the events counted {dict(counted)}; "
+                      f"those made {self.ref_events}")
+
     def after_change(self, rollout: Any, now: float) -> None:
         """After the runtime fed the rollout: nothing due is left undone, and the
         product's state is the reference's."""
-        if self.ref_state == "canary":
+        if self.on_trial:
             if self._breach():
                 self.fail("rollout", f"at {self.at(now)} the canary's outcomes "
                           f"{self.ref_counts[CANARY]} (ok, errors, late) in step "
                           f"{self.ref_step}, stable's {self.ref_counts[STABLE]}, are past "
                           f"max_error_rate {self.scenario.max_error_rate:g} (min_requests "
-                          f"{self.scenario.min_requests}), still on trial")
+                          f"{self.scenario.min_requests}), still on trial "
+                          f"({self.ref_state})")
             elif self._ending(now):
                 self.fail("rollout", f"at {self.at(now)} step {self.ref_step} (began at "
                           f"{self.at(self.ref_started)}) lasted step_s and the canary "
@@ -275,7 +455,7 @@ class RolloutRun:
 
     def compare(self, rollout: Any, now: float) -> None:
         state = rollout.state.value
-        if state != self.ref_state or (state == "canary" and rollout.step != self.ref_step) \
+        if state != self.ref_state or (self.on_trial and rollout.step != self.ref_step) \
                 or rollout.share != float(self.share()):
             self.fail("rollout", f"at {self.at(now)} the rollout is {state} at step "
                       f"{rollout.step}, share {rollout.share:g}; the reference "
@@ -419,13 +599,31 @@ async def _play(run: RolloutRun) -> None:
             run.fail("duplicated", f"call #{i} returned twice")
         run.outcomes[i] = outcome
 
+    async def operator(rt: trioserve.Runtime) -> None:
+        controller = rt._families["m"].controller
+        for op in sc.ops:
+            await trio.sleep_until(run.t0 + op.at * TICK)
+            run.operate(rt, op)
+            resumed = run.ref_state == "canary" and op.action == "resume"
+            step = run.ref_step
+            # What the action made due (a step that lasted long enough, at a
+            # resume) is done at once: by the time every task waits, at this time.
+            await trio.testing.wait_all_tasks_blocked()
+            now = trio.current_time()
+            if resumed and (run.ref_step != step or run.ref_state != "canary"):
+                note("rollout", "step due at a resume")
+            run.after_change(controller.rollout, now)
+            run.check_events(controller.events, now)
+
     async with trio.open_nursery() as callers:
         with product_installed(run):
             async with trioserve.open_runtime(config_of(sc)) as rt:
                 run.t0 = trio.current_time()
                 for i, call in enumerate(sc.calls):
                     callers.start_soon(caller, i, call, rt)
-                last = max([c.at for c in sc.calls] + [0])
+                if sc.ops:
+                    callers.start_soon(operator, rt)
+                last = max([c.at for c in sc.calls] + [op.at for op in sc.ops] + [0])
                 # long enough for every caller, the shadow's copies and the steps' ends
                 await trio.sleep_until(run.t0 + last * TICK + HORIZON_S)
                 _check_end(run, rt)
@@ -442,10 +640,12 @@ def _check_end(run: RolloutRun, rt: trioserve.Runtime) -> None:
     controller = rt._families["m"].controller
     run.after_change(controller.rollout, now)
     stats = rt.statistics()["m"]["rollout"]
-    if stats["state"] != run.ref_state or stats["share"] != float(run.share()):
-        run.fail("rollout", f"at the end statistics say {stats['state']} at share "
-                 f"{stats['share']:g}; the reference {run.ref_state} at "
-                 f"{float(run.share()):g}")
+    if stats["state"] != run.ref_state or stats["share"] != float(run.share()) \
+            or stats["paused"] != (run.ref_state == "paused"):
+        run.fail("rollout", f"at the end statistics say {stats['state']} (paused "
+                 f"{stats['paused']}) at share {stats['share']:g}; the reference "
+                 f"{run.ref_state} at {float(run.share()):g}")
+    run.check_events(stats["events"], now)
     expected: dict[tuple[str, bool | str], int] = {}
     loose: dict[str, int] = {}
     for i, call in enumerate(sc.calls):

@@ -1,7 +1,8 @@
 """The rollout suite's scenarios: a model with three versions (1: the model's backend,
 the stable one; 2: weights of its own, the canary; 3: weights of its own, the shadow),
-a rollout's rules, the inputs each version fails on, per-version latencies, and the
-callers (:class:`RCall`), their times in ticks. :func:`rollout_scenarios` draws one;
+a rollout's rules, the inputs each version fails on, per-version latencies, the
+callers (:class:`RCall`) and the operator's actions (:class:`ROp`), their times in
+ticks. :func:`rollout_scenarios` draws one;
 ``fuzz/_rollout.py`` plays it.
 """
 
@@ -32,6 +33,21 @@ class RCall:
     version: str | None = None
 
 
+#: The operator's actions (docs/rollout.md), as the runtime's methods name them.
+ACTIONS = ("promote", "rollback", "pause", "resume")
+
+
+@attrs.frozen(kw_only=True)
+class ROp:
+    """The operator's ``action`` at ``at`` (ticks): promote, rollback (for ``reason``;
+    an empty one is refused as invalid input), pause or resume, through the runtime's
+    public methods, whether the rollout's state allows it or not."""
+
+    at: int = 0
+    action: str = attrs.field(default="pause", validator=attrs.validators.in_(ACTIONS))
+    reason: str | None = None
+
+
 @attrs.frozen(kw_only=True)
 class RolloutScenario:
     """``canary``: version 2 on trial (else no canary: state stable); ``shadow``:
@@ -39,7 +55,8 @@ class RolloutScenario:
     version's time per batch (ticks). ``bad``: the inputs the canary raises on,
     ``shadow_bad`` those the shadow raises on. ``timeout``: the callers' deadline
     (ticks; None: none), so that their requests may pass it in a queue (late) or
-    while their batch runs; the shadow's copies have none."""
+    while their batch runs; the shadow's copies have none. ``ops``: the operator's
+    actions, in time order."""
 
     canary: bool = True
     shadow: bool = False
@@ -56,9 +73,20 @@ class RolloutScenario:
     shadow_bad: tuple[int, ...] = ()
     timeout: int | None = None
     calls: tuple[RCall, ...] = ()
+    ops: tuple[ROp, ...] = ()
 
 
 # ---------------------------------------------------------------- strategies
+def _timed_ops(ops: list[ROp]) -> tuple[ROp, ...]:
+    """The operator's actions at the sums of their gaps; a reason only for a rollback."""
+    at, timed = 0, []
+    for op in ops:
+        at += op.at
+        timed.append(attrs.evolve(op, at=at, reason=op.reason if op.action == "rollback"
+                                  else None))
+    return tuple(timed)
+
+
 # Built once, never inside a draw (a fresh strategy object is validated again on its
 # first draw).
 _GAP = st.sampled_from([0, 0, 0, 1, 1, 2, 3, 4, 8])
@@ -80,6 +108,16 @@ _LATENCY = st.sampled_from([0, 0, 1, 2, 4, 8])
 _BAD = st.sampled_from([(), (), (), (7,), (3, 7), (0, 1, 2, 3)])
 _SHADOW_BAD = st.sampled_from([(), (), (5,)])
 _TIMEOUT = st.sampled_from([None, None, None, 1, 2, 4, 8])
+# Pauses and resumes most, so that pauses of every length hold steps (and a resume
+# meets a step already long enough); a promote or rollback ends the trial, and
+# later actions are refused.
+_OP = st.builds(
+    ROp,
+    at=st.sampled_from([0, 1, 2, 4, 4, 8, 8, 16, 32]),
+    action=st.sampled_from(["pause", "pause", "resume", "resume", "promote", "rollback"]),
+    reason=st.sampled_from(["operator", "operator", "error rate: by hand", ""]),
+)
+_OPS = st.lists(_OP, max_size=5).map(_timed_ops)
 
 
 @st.composite
@@ -110,5 +148,7 @@ def rollout_scenarios(draw: st.DrawFn) -> RolloutScenario:
         bad=draw(_BAD),
         timeout=draw(_TIMEOUT),
         calls=tuple(timed),
+        ops=draw(_OPS),
         **kw,
     )
+

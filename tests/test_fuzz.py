@@ -137,6 +137,61 @@ def test_a_printed_autoscale_reproduction_replays_the_failure():
         test()
 
 
+def test_a_printed_rollout_reproduction_with_operator_actions_replays_the_failure():
+    failure = _failure_of("resume-counts-pause", "rollout")
+    code = failure.as_pytest()
+    assert "run_rollout_scenario(" in code
+    assert "ROp(" in code  # the shrunk scenario keeps the pause and the resume
+    namespace: dict = {}
+    exec(compile(code, "<reproduction>", "exec"), namespace)
+    (test,) = [v for k, v in namespace.items() if k.startswith("test_fuzz_")]
+    test()
+    namespace["run_rollout_scenario"] = functools.partial(
+        fuzz.run_rollout_scenario, product=fuzz.MUTANTS["resume-counts-pause"][1]
+    )
+    with pytest.raises(fuzz.InvariantViolation, match=r"^rollout: "):
+        test()
+
+
+# A canary answering at ticks 1 and 3 (min_requests 1, step_s 4), paused at tick 2
+# for 8 ticks: its first step lasted 2 ticks before the pause and ends 2 ticks after
+# the resume (tick 12), not at tick 4 nor at the resume; rolled back by the operator
+# at tick 14 during its last step, so that a promote after is refused, as are a
+# second pause and a resume of a canary not paused.
+_PAUSED = fuzz.RolloutScenario(
+    steps=(0.5, 1.0),
+    step_s=4,
+    min_requests=1,
+    max_error_rate=0.5,
+    calls=tuple(fuzz.RCall(at=t, xs=(t % 4,)) for t in (0, 1, 2, 3, 11, 13, 40)),
+    ops=(
+        fuzz.ROp(at=2, action="pause"),
+        fuzz.ROp(at=3, action="pause"),
+        fuzz.ROp(at=10, action="resume"),
+        fuzz.ROp(at=11, action="resume"),
+        fuzz.ROp(at=14, action="rollback", reason="operator"),
+        fuzz.ROp(at=15, action="promote"),
+    ),
+)
+
+
+def test_fuzz_rollout_operator_actions_follow_the_reference():
+    fuzz.run_rollout_scenario(_PAUSED)
+
+
+@pytest.mark.parametrize(
+    ("bug", "expected"),
+    [
+        ("pause-advances-steps", "no step ends while paused"),
+        ("resume-counts-pause", r"step 0 began at tick 8"),
+        ("promote-after-rollback", "the operator's promote was allowed"),
+    ],
+)
+def test_fuzz_rollout_operator_scenario_catches_the_planted_bug(bug, expected):
+    with pytest.raises(fuzz.InvariantViolation, match=rf"^rollout: .*{expected}"):
+        fuzz.run_rollout_scenario(_PAUSED, fuzz.MUTANTS[bug][1])
+
+
 def test_cli_ci_profile_of_one_suite(capsys):
     from fuzz._cli import main
 
