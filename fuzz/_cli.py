@@ -87,8 +87,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    logger = logging.getLogger("trioserve")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # planted crashes log restarts
+    try:
+        return _main(args)
+    finally:
+        logger.setLevel(level)  # as it was: main may run inside another program
+
+
+def _main(args: argparse.Namespace) -> int:
     console = Console(stderr=False, highlight=False)
-    logging.getLogger("trioserve").setLevel(logging.ERROR)  # planted crashes log restarts
     if args.strict:
         strict()
     wanted = args.suite or ["all"]
