@@ -41,25 +41,17 @@ entry()
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-@pytest.mark.parametrize("step", ["load_config", "serve"])
-async def test_a_stop_signal_before_the_runtime_handles_signals_stops_cleanly(
-    step: str, sig: signal.Signals, tmp_path: Path
-):
-    """SIGTERM took its default action here: the process died (status -15) with no
-    shutdown and no line said."""
-    cfg = tmp_path / "t.toml"
-    cfg.write_text('[models.echo]\nbackend = "echo"\n')
+async def signal_once_said(argv: list[str], said: bytes, sig: signal.Signals) -> tuple[int, str]:
+    """Run ``argv``, send it ``sig`` once its output holds ``said``, and return its
+    exit status and all it wrote (stdout and stderr)."""
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-c", HELD, step, "serve", "--config", str(cfg), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     output = b""
     try:
         with trio.fail_after(60):
-            while b"starting\n" not in output:
+            while said not in output:
                 chunk = await proc.stdout.receive_some()
                 assert chunk, output.decode()
                 output += chunk
@@ -71,7 +63,22 @@ async def test_a_stop_signal_before_the_runtime_handles_signals_stops_cleanly(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    text = output.decode()
+    return rc, output.decode()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("step", ["load_config", "serve"])
+async def test_a_stop_signal_before_the_runtime_handles_signals_stops_cleanly(
+    step: str, sig: signal.Signals, tmp_path: Path
+):
+    """SIGTERM took its default action here: the process died (status -15) with no
+    shutdown and no line said."""
+    cfg = tmp_path / "t.toml"
+    cfg.write_text('[models.echo]\nbackend = "echo"\n')
+    rc, text = await signal_once_said(
+        [sys.executable, "-c", HELD, step, "serve", "--config", str(cfg), "--port", "0"],
+        b"starting\n", sig,
+    )
     assert rc == 0, text
     assert "Traceback" not in text
     assert text.splitlines()[1:] == [f"trioserve: {sig.name} while starting: stopped"], text
@@ -103,29 +110,11 @@ async def test_a_stop_signal_at_the_very_start_of_serve_stops_cleanly(
     script = os.path.join(os.path.dirname(sys.executable), "trioserve")
     command = [sys.executable, "-m", "trioserve"] if how == "-m" else [script]
     for _ in range(3):
-        proc = await trio.lowlevel.open_process(
+        rc, text = await signal_once_said(
             [sys.executable, "-c", BLOCKED, sig.name, *command,
              "serve", "--config", str(cfg), "--port", "0"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            b"held\n", sig,
         )
-        output = b""
-        try:
-            with trio.fail_after(60):
-                while b"held\n" not in output:
-                    chunk = await proc.stdout.receive_some()
-                    assert chunk, output.decode()
-                    output += chunk
-                proc.send_signal(sig)
-                rc = await proc.wait()
-                while chunk := await proc.stdout.receive_some():
-                    output += chunk
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        text = output.decode()
         assert rc == 0, text
         assert "Traceback" not in text
         assert text.splitlines() == [
