@@ -224,7 +224,8 @@ class RolloutController(Actor):
                     logging.WARNING if e.kind == "rolled_back" else logging.INFO,
                     "model %r: canary %r %s by the operator at step %d, %g of "
                     "unversioned requests%s", self.model, r.canary, e.kind.replace("_", " "),
-                    e.step + 1, e.share, f": {e.reason}" if e.reason else "",
+                    # repr: an operator's reason is one line of the log, whatever it holds
+                    e.step + 1, e.share, f": {e.reason!r}" if e.reason else "",
                 )
             elif e.kind == "step":
                 log.info(

@@ -480,13 +480,14 @@ async def test_the_operator_pauses_resumes_and_promotes_a_canary(autojump_clock,
     ]
 
 
-async def test_an_action_the_rollout_does_not_allow_is_refused(autojump_clock):
+async def test_an_action_the_rollout_does_not_allow_is_refused(autojump_clock, caplog):
     plain = ModelConfig(name="p", backend=adder(1), max_wait_ms=0.0)
     m = model({"stable": "1", "canary": "2"})
+    caplog.set_level(logging.INFO, logger="trioserve")
     async with trioserve.open_runtime(config(m, plain)) as rt:
         with pytest.raises(trioserve.ConfigError) as refused:
             rt.resume_rollout("m")
-        rolled = rt.rollback("m", reason="the dashboards")
+        rolled = rt.rollback("m", reason="the dashboards\nmodel 'm': canary '2' promoted")
         refusals = {}
         for action in ("promote", "rollback", "pause_rollout", "resume_rollout"):
             with pytest.raises(trioserve.ConfigError) as exc:
@@ -501,7 +502,14 @@ async def test_an_action_the_rollout_does_not_allow_is_refused(autojump_clock):
         final = rt.rollout_state("m")
     assert str(refused.value) == "model 'm': cannot resume its rollout: it is not paused"
     assert (rolled["state"], rolled["share"], rolled["reason"]) == (
-        "rolled_back", 0.0, "the dashboards")
+        "rolled_back", 0.0, "the dashboards\nmodel 'm': canary '2' promoted")
+    # the operator's reason is one line of the log, as given (a newline in it could
+    # pass for a line of the runtime's own)
+    said = [r.getMessage() for r in caplog.records if "by the operator" in r.getMessage()]
+    assert said == [
+        "model 'm': canary '2' rolled back by the operator at step 1, 0 of unversioned "
+        "requests: \"the dashboards\\nmodel 'm': canary '2' promoted\""
+    ]
     assert refusals["promote"] == (
         "model 'm': cannot promote its rollout: the canary is already rolled_back (final)")
     assert refusals["pause_rollout"].startswith("model 'm': cannot pause its rollout: ")
