@@ -395,6 +395,14 @@ class _Versioned:
                 out[name]["slow_lane"] = (
                     self._queue_statistics(_MergedQueues(slow)) if slow else None
                 )
+                # and so are its replicas, each with the versions it serves (their
+                # names are per copy: two versions' first replicas share a name)
+                out[name]["replicas"] = [
+                    {"name": b.name, "state": b.state.value, "restarts": b.restarts,
+                     "versions": [v for v, s in family.by_version.items() if s is g]}
+                    for g in family.groups for b in g.batchers
+                ]
+                out[name]["replica_count"] = len(out[name]["replicas"])
             out[name]["versions"] = {
                 v: {
                     "own_weights": v in family.own,

@@ -54,6 +54,9 @@ async def test_each_version_answers_with_its_own_weights():
         "1": False, "2": True, "3": True,
     }
     assert all(len(s["replicas"]) == 1 for s in stats["versions"].values())
+    # the model's replicas are all its versions': it said 1, the default version's
+    assert stats["replica_count"] == 3
+    assert [r["versions"] for r in stats["replicas"]] == [["1"], ["2"], ["3"]]
     assert "rollout" not in stats
 
 
