@@ -40,7 +40,7 @@ from trioserve import ActorClosed, ModelBackend, TensorSpec
 from trioserve.actors._scaling import serves
 
 from ._product import PRODUCT, Product
-from ._runtime import _tasks, raise_first, replay
+from ._runtime import _tasks, leaked_since, raise_first, replay
 from ._stats import count_example, expect, note
 
 TICK = 0.25  # trio seconds
@@ -416,10 +416,8 @@ async def _play(run: AutoscaleRun) -> None:
     for i, call in enumerate(sc.calls):
         if i in run.started_calls:
             _check_call(run, i, call)
-    leaked = [t for t in _tasks() if id(t) not in before]
-    if leaked:
-        run.fail("leak", f"{len(leaked)} task(s) outlived the runtime: "
-                 + ", ".join(sorted(t.name for t in leaked)))
+    if (leak := leaked_since(before)) is not None:
+        run.fail("leak", leak)
 
 
 def _check_call(run: AutoscaleRun, i: int, call: ACall) -> None:

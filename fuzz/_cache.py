@@ -60,7 +60,7 @@ from ._cache_scenario import HORIZON_S, TICK, Ask, CacheScenario, Invalidate
 from ._cache_scenario import cache_scenarios as cache_scenarios
 from ._checker import InvariantViolation
 from ._product import PRODUCT, Product
-from ._runtime import Outcome, _tasks, replay
+from ._runtime import Outcome, _cancel_at, _tasks, leaked_since, replay
 from ._stats import count_example
 
 # ---------------------------------------------------------------- the model
@@ -466,18 +466,8 @@ async def _play(run: CacheRun) -> None:
                 run.check_statistics(rt, now)
                 _check_flights(run, rt, now)
             callers.cancel_scope.cancel("fuzz: the run is over")
-    leaked = [t for t in _tasks() if id(t) not in before]
-    if leaked:
-        raise InvariantViolation(
-            "leak",
-            f"{len(leaked)} task(s) outlived the runtime: "
-            + ", ".join(sorted(t.name for t in leaked)),
-        )
-
-
-async def _cancel_at(scope: trio.CancelScope, when: float) -> None:
-    await trio.sleep_until(when)
-    scope.cancel("fuzz: the caller gives up")
+    if (leak := leaked_since(before)) is not None:
+        raise InvariantViolation("leak", leak)
 
 
 def _invalidate(run: CacheRun, rt: trioserve.Runtime, inv: Invalidate) -> None:

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from trioserve import ModelBackend, TensorSpec, UnknownModel
 
 from ._product import PRODUCT, Product
-from ._runtime import _tasks, raise_first, replay
+from ._runtime import _tasks, leaked_since, raise_first, replay
 from ._stats import count_example, expect, note
 
 TICK = 2.0**-10
@@ -373,10 +373,8 @@ async def _play(run: ControlRun) -> None:
             callers.cancel_scope.cancel("fuzz: the run is over")
     for i, call in enumerate(sc.calls):
         _check_call(run, i, call)
-    leaked = [t for t in _tasks() if id(t) not in before]
-    if leaked:
-        run.fail("leak", f"{len(leaked)} task(s) outlived the runtime: "
-                 + ", ".join(sorted(t.name for t in leaked)))
+    if (leak := leaked_since(before)) is not None:
+        run.fail("leak", leak)
 
 
 def _check_call(run: ControlRun, i: int, call: CCall) -> None:

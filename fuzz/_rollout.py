@@ -74,7 +74,7 @@ from trioserve import (
 from ._product import PRODUCT, Product
 from ._rollout_scenario import HORIZON_S, TICK, RCall, RolloutScenario, ROp
 from ._rollout_scenario import rollout_scenarios as rollout_scenarios
-from ._runtime import _tasks, raise_first, replay
+from ._runtime import _tasks, leaked_since, raise_first, replay
 from ._stats import count_example, expect, note
 
 X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
@@ -628,10 +628,8 @@ async def _play(run: RolloutRun) -> None:
                 await trio.sleep_until(run.t0 + last * TICK + HORIZON_S)
                 _check_end(run, rt)
             callers.cancel_scope.cancel("fuzz: the run is over")
-    leaked = [t for t in _tasks() if id(t) not in before]
-    if leaked:
-        run.fail("leak", f"{len(leaked)} task(s) outlived the runtime: "
-                 + ", ".join(sorted(t.name for t in leaked)))
+    if (leak := leaked_since(before)) is not None:
+        run.fail("leak", leak)
 
 
 def _check_end(run: RolloutRun, rt: trioserve.Runtime) -> None:

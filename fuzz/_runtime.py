@@ -285,6 +285,17 @@ def _tasks() -> list[trio.lowlevel.Task]:
     return out
 
 
+def leaked_since(before: set[int]) -> str | None:
+    """The tasks running now that were not in ``before`` (their ids), in words: what
+    outlived the runtime; None when nothing did."""
+    leaked = [t for t in _tasks() if id(t) not in before]
+    if not leaked:
+        return None
+    return f"{len(leaked)} task(s) outlived the runtime: " + ", ".join(
+        sorted(t.name for t in leaked)
+    )
+
+
 async def _play(run: Run) -> None:
     sc = run.scenario
     cfg = config_of(sc, run)
@@ -344,13 +355,8 @@ async def _play(run: Run) -> None:
             run.end = trio.current_time()
             run.credits_used = dict(rt.credits_used)
             callers.cancel_scope.cancel("fuzz: the run is over")
-    leaked = [t for t in _tasks() if id(t) not in before]
-    if leaked:
-        raise InvariantViolation(
-            "leak",
-            f"{len(leaked)} task(s) outlived the runtime: "
-            + ", ".join(sorted(t.name for t in leaked)),
-        )
+    if (leak := leaked_since(before)) is not None:
+        raise InvariantViolation("leak", leak)
 
 
 async def _cancel_at(scope: trio.CancelScope, when: float) -> None:
