@@ -3,6 +3,8 @@ what was expected."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class TrioserveError(Exception):
     """Base class of every error trioserve raises on purpose."""
@@ -22,6 +24,15 @@ class UnknownModel(TrioserveError, LookupError):
     """No model (or model version) of that name is served."""
 
     status = 404
+
+    @classmethod
+    def no_version(cls, model: str, version: str, versions: Iterable[str]) -> UnknownModel:
+        """What every entry point answers for a version ``model`` does not have,
+        loaded or not (the versions are the configuration's): the model, the version
+        asked for and the versions it has."""
+        return cls(
+            f"model {model!r} has no version {version!r}; versions: {', '.join(versions)}"
+        )
 
 
 class InvalidInput(TrioserveError, ValueError):

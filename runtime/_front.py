@@ -286,10 +286,7 @@ class Runtime(
                     f"{', '.join(map(repr, served.config.versions))} (as the config "
                     f"names them), got {type(version).__name__} {version!r}"
                 )
-            raise UnknownModel(
-                f"model {model!r} has no version {version!r}; versions: "
-                f"{', '.join(served.config.versions)}"
-            )
+            raise UnknownModel.no_version(model, version, served.config.versions)
         if version is not None and model in self._families:
             return self._served_version(model, version)
         return served

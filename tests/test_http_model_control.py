@@ -226,3 +226,67 @@ async def test_the_banner_names_the_models_not_loaded_apart(autojump_clock, work
         text = banner(gw)
         assert ": serving no model on" in text.splitlines()[0]
         assert "curl" not in text
+
+
+async def test_a_version_the_model_has_not_gets_one_answer_everywhere_loaded_or_not(
+    autojump_clock, workers  # noqa: F811
+):
+    """Infer answered a version the model has not "not loaded" for a model not
+    loaded, where its metadata, config and ready said "has no version": every entry
+    point now answers such a version 404 "has no version", naming the model, the
+    version asked and the model's versions, whether the model is loaded or not; a
+    version it has of a model not loaded stays "not loaded"."""
+    from trioserve.transport import open_stream
+
+    m = callable_model(
+        "m", lambda items: items, execution="process", max_batch_size=2, max_wait_ms=0,
+        timeout_ms=None, versions=("1", "2"),
+    )
+    no_version = "model 'm' has no version '9'; versions: 1, 2"
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1],
+                                     "data": [1.0]}]})
+
+    async def every_entry_point(gw) -> list:
+        seen = []
+        for method, target in [
+            ("POST", "/v2/models/m/versions/9/infer"),
+            ("GET", "/v2/models/m/versions/9"),
+            ("GET", "/v2/models/m/versions/9/ready"),
+            ("GET", "/v2/models/m/versions/9/config"),
+            ("GET", "/v2/models/m/versions/9/stats"),
+        ]:
+            res = await call(gw, method, target, body if method == "POST" else b"")
+            seen.append((target, res.status, res.json()["error"]))
+        async with open_stream(gw.url) as stream:
+            await stream.send("r", "m", {"x": np.full(1, 1.0, np.float32)}, version="9")
+            reply = await stream.receive()
+            seen.append(("stream", reply.status, reply.error))
+        rt = gw.runtime
+        for act in (
+            lambda: rt.infer("m", {"x": np.full(1, 1.0, np.float32)}, version="9"),
+            lambda: rt.infer_batch("m", [{"x": np.full(1, 1.0, np.float32)}], version="9"),
+        ):
+            with pytest.raises(trioserve.UnknownModel) as caught:
+                await act()
+            seen.append(("in process", caught.value.status, str(caught.value)))
+        with pytest.raises(trioserve.UnknownModel) as caught:
+            rt.model_ready("m", "9")
+        seen.append(("in process", caught.value.status, str(caught.value)))
+        return seen
+
+    cfg = config(m, echo_model(), server={"model_control": "explicit"})
+    async with serving(cfg) as gw:
+        for loaded in (True, False):
+            seen = await every_entry_point(gw)
+            assert len(seen) == 9
+            assert {(status, error) for _, status, error in seen} == {(404, no_version)}, (
+                loaded, seen
+            )
+            if loaded:
+                assert (await call(gw, "POST", UNLOAD)).status == 200
+        # a version the model has, of a model not loaded: "not loaded", as ever
+        res = await call(gw, "POST", "/v2/models/m/versions/2/infer", body)
+        assert res.status == 404
+        assert "model 'm' is not loaded" in res.json()["error"]
+        with pytest.raises(trioserve.UnknownModel, match="model 'm' is not loaded"):
+            await gw.runtime.infer("m", {"x": np.full(1, 1.0, np.float32)}, version="2")

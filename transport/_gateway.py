@@ -433,9 +433,11 @@ class Gateway:
                 raise UnknownModel(
                     f"unknown model {model!r}; serving: {', '.join(sorted(self.signatures))}"
                 )
+            # a version the model has not: whether it is loaded or not (the same
+            # answer as every other entry point's), then a model not loaded
+            sig.check_version(version)
             if not self.runtime.models[model].loaded:  # explicit model control
                 self.runtime.check_loaded(model)
-            sig.check_version(version)
             hlen = None
             if header_length is not None:
                 # digits only, as HTTP's Content-Length: int() would also take "1_0",

@@ -76,10 +76,7 @@ class ModelSignature:
     def check_version(self, version: str | None) -> None:
         """Raise UnknownModel (404) when ``version`` is not served."""
         if version is not None and version not in self.versions:
-            raise UnknownModel(
-                f"model {self.name!r} has no version {version!r}; versions: "
-                f"{', '.join(self.versions)}"
-            )
+            raise UnknownModel.no_version(self.name, version, self.versions)
 
 
 def server_metadata(version: str) -> bytes:

@@ -604,13 +604,13 @@ class _Session:
                         f"unknown model {model!r}; serving: "
                         f"{', '.join(sorted(gateway.signatures))}"
                     )
-                if not gateway.runtime.models[model].loaded:  # explicit model control
-                    gateway.runtime.check_loaded(model)
                 label = model
                 version = doc.get("version")
                 if version is not None and type(version) is not str:
                     raise InvalidInput("'version' must be a string")
-                sig.check_version(version)
+                sig.check_version(version)  # before "not loaded", as over HTTP
+                if not gateway.runtime.models[model].loaded:  # explicit model control
+                    gateway.runtime.check_loaded(model)
                 request = InferRequest.from_v2_json(
                     message, sig, version=version, doc=doc, classes=gateway.class_names
                 )
