@@ -381,6 +381,9 @@ class RuntimeLimits:
     restart_intensity: int = _field(_int(0), 5)
     restart_period_s: float = _field(_number(0.0, strict=True), 10.0)
     graceful_timeout_s: float = _field(_number(0.0), 10.0)
+    #: how long an unload (or a reload's replaced copy) waits for the requests it
+    #: holds, under explicit model control; then they are answered ActorClosed
+    unload_timeout_s: float = _field(_number(0.0), 30.0)
 
     def _path(self) -> str:
         return "runtime"

@@ -23,7 +23,10 @@ replicas and its rollout's controller, installed in ``Runtime._families`` too.
   the swap still gets the new copy, or the stand-in's refusal); what they hold is
   pulled by the copy's replicas, which then retire (each finishes the batches it
   holds, releases its worker process or its model); then the copy's nursery is
-  cancelled (its queues' timers, its autoscalers).
+  cancelled (its queues' timers, its autoscalers). The drain is bounded by
+  ``runtime.unload_timeout_s``: past it, the copy's nursery is cancelled at once
+  (its replicas stopped, a worker process killed) and whatever it still holds,
+  running or queued, is answered ActorClosed.
 
 Loads and unloads of one model are serialized, in the order asked (each waits for
 the one asked before it); a load or unload asked while another of the same kind is
@@ -114,6 +117,9 @@ class _Copy:
     successor: _Copy | ServedModel | None = None
     #: set when it has drained (or its task ended)
     finished: trio.Event = attrs.Factory(trio.Event)
+    #: what its requests still unanswered get when the drain is cut short
+    #: (``runtime.unload_timeout_s`` passed); None: it was not
+    cut: ActorClosed | None = None
 
     @classmethod
     def of(cls, started: ServedModel | Family) -> _Copy:
@@ -326,7 +332,14 @@ class ModelControl:
                     else:
                         log.info("model %r: loaded", name)
                 await copy.stop.wait()
-                await _drain(copy)
+                limit = rt.config.runtime.unload_timeout_s
+                with trio.move_on_after(limit) as bound:
+                    await _drain(copy)
+                if bound.cancelled_caught:
+                    copy.cut = _cut_short(name, copy, limit)
+                    log.warning("model %r: %s", name, copy.cut)
+                # its replicas are stopped (a worker process killed), then what they
+                # and its queues still hold is answered (``finally``)
                 nursery.cancel_scope.cancel("model copy drained")
         finally:
             if entry.loading is op:
@@ -338,7 +351,7 @@ class ModelControl:
             ))
             if copy is not None:
                 if copy.stop.is_set():  # cut off while draining: answer what it held
-                    _close(copy)
+                    _close(copy, copy.cut)
                 copy.finished.set()
 
     # ------------------------------------------------------------ unload
@@ -441,16 +454,31 @@ async def _drain(copy: _Copy) -> None:
     _close(copy)
 
 
-def _close(copy: _Copy) -> None:
-    """Answer whatever a drained (or cut off) copy still holds: nothing, unless a
-    retiring replica handed a batch back, or the runtime shut down meanwhile."""
-    gone = ActorClosed(
-        f"model {copy.served.name!r}: its copy was unloaded before this request was "
-        "answered"
+def _cut_short(model: str, copy: _Copy, limit: float) -> ActorClosed:
+    """What the requests a copy still holds get when its drain took ``limit`` s."""
+    how = (
+        "was reloaded, and the copy it replaced unloaded," if isinstance(copy.successor, _Copy)
+        else "was unloaded"
     )
+    return ActorClosed(
+        f"model {model!r} {how} before this request was answered: the requests it held "
+        f"did not finish within runtime.unload_timeout_s ({limit:g} s)"
+    )
+
+
+def _close(copy: _Copy, gone: ActorClosed | None = None) -> None:
+    """Answer whatever a drained (or cut off) copy still holds with ``gone``: nothing,
+    unless a retiring replica handed a batch back, its drain was cut short
+    (``runtime.unload_timeout_s``), or the runtime shut down meanwhile. Call it once
+    its replicas' tasks have stopped (or retired)."""
+    if gone is None:
+        gone = ActorClosed(
+            f"model {copy.served.name!r}: its copy was unloaded before this request was "
+            "answered"
+        )
     for served in copy.groups:
         for b in served.batchers:
-            b.close()
+            b.fail_current(gone)
         for lane in served.schedulers:
             lane.close(gone)
 

@@ -288,6 +288,14 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
             "runtime.restart_period_s: must be a finite number > 0.0, got 0",
         ),
         (
+            "[models.m]\nbackend = 'echo'\n[runtime]\nunload_timeout_s = -1\n",
+            "runtime.unload_timeout_s: must be a finite number >= 0.0, got -1",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[runtime]\nunload_timeout_s = inf\n",
+            "runtime.unload_timeout_s: must be a finite number >= 0.0, got inf",
+        ),
+        (
             "[models.m]\nbackend = 'echo'\n[runtime]\nqueue_bound = 0\n",
             "runtime.queue_bound: must be an integer >= 1, got 0",
         ),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -487,3 +488,129 @@ def test_a_reloads_replica_count_is_within_the_autoscalers_bounds():
     # a load of a model not loaded (its stand-in), or a first start: as configured
     assert _replica_devices(m, serving(3, loaded=False)) == ("cpu:0", "cpu:1")
     assert _replica_devices(m, None) == ("cpu:0", "cpu:1")
+
+
+class Hanging(Worker):
+    """A stand-in worker whose batches never end when ``hang`` was set as it was made
+    (a model stuck on something)."""
+
+    hang = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hangs = Hanging.hang
+
+    async def result(self):
+        if self.hangs:
+            await trio.sleep_forever()
+        return await super().result()
+
+
+@pytest.fixture
+def hanging(workers, monkeypatch):
+    import trioserve.actors._batcher
+
+    Hanging.hang = True
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", Hanging)
+    return Hanging
+
+
+def bounded_config(unload_timeout_s: float = 5.0, **model):
+    return attrs.evolve(
+        control_config(**model),
+        runtime=trioserve.RuntimeLimits(unload_timeout_s=unload_timeout_s),
+    )
+
+
+async def test_an_unload_answers_what_a_stuck_model_holds_after_unload_timeout_s(
+    autojump_clock, hanging
+):
+    """An unload waited for the requests in flight without a bound: with a model
+    that never answers, for ever. After ``runtime.unload_timeout_s`` what is still
+    running or queued is answered ActorClosed, once each, the replica is stopped
+    (its worker killed) and the unload returns."""
+    answers: dict = {}
+    async with trioserve.open_runtime(bounded_config(5.0)) as rt:
+        (worker,) = hanging.made
+        async with trio.open_nursery() as callers:
+            for x in range(1, 9):
+                callers.start_soon(call, rt, float(x), answers)
+            await trio.testing.wait_all_tasks_blocked()
+            # three batches of two staged in the worker, two requests queued
+            assert rt.statistics()["m"]["queue_depth"] == 2
+            t0 = trio.current_time()
+            with trio.fail_after(60):  # it waited for ever
+                await rt.unload_model("m")
+            assert trio.current_time() == t0 + 5.0
+        assert sorted(answers) == [float(x) for x in range(1, 9)]
+        errors = [error for got in answers.values() for error in got]
+        assert len(errors) == 8  # one answer each
+        assert all(type(e) is ActorClosed for e in errors)
+        assert {str(e) for e in errors} == {
+            "model 'm' was unloaded before this request was answered: the requests it "
+            "held did not finish within runtime.unload_timeout_s (5 s)"
+        }
+        # the two never dispatched are not charged to their caller; the six were
+        assert sum(e.in_queue for e in errors) == 2
+        assert not worker.alive
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert rt.statistics()["m"]["replica_count"] == 0
+
+        hanging.hang = False  # loaded again, it serves
+        await rt.load_model("m")
+        assert (await rt.infer("m", item(3.0)))["y"][0] == 3.0
+
+
+async def test_a_reloads_stuck_old_copy_is_stopped_after_unload_timeout_s(
+    autojump_clock, hanging
+):
+    """The copy a reload replaced drained without a bound; stuck, it held its worker
+    for ever, and a later unload waited for it. Now its requests are answered
+    ActorClosed after ``runtime.unload_timeout_s`` while the new copy serves."""
+    answers: dict = {}
+    async with trioserve.open_runtime(bounded_config(5.0)) as rt:
+        (old,) = hanging.made
+        async with trio.open_nursery() as callers:
+            for x in range(1, 5):
+                callers.start_soon(call, rt, float(x), answers)
+            await trio.testing.wait_all_tasks_blocked()
+            hanging.hang, Worker.weight = False, 10.0
+            t0 = trio.current_time()
+            await rt.load_model("m")  # a reload: the new copy serves at once
+            assert trio.current_time() == t0
+            (_, new) = hanging.made
+            await call(rt, 11.0, answers)  # the new copy answers
+            assert answers == {11.0: [110.0]}
+            assert trio.current_time() == t0 + RUN_S
+            assert old.alive  # still draining
+            # an unload now waits for the old copy too, within the same bound
+            with trio.fail_after(60):  # it waited for ever
+                await rt.unload_model("m")
+            assert trio.current_time() == t0 + 5.0
+        assert answers[11.0] == [110.0]
+        cut = [answers[float(x)] for x in range(1, 5)]
+        assert all(len(got) == 1 and type(got[0]) is ActorClosed for got in cut)
+        assert str(cut[0][0]) == (
+            "model 'm' was reloaded, and the copy it replaced unloaded, before this "
+            "request was answered: the requests it held did not finish within "
+            "runtime.unload_timeout_s (5 s)"
+        )
+        assert not old.alive
+        assert not new.alive
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+
+
+async def test_an_unload_timeout_of_zero_answers_what_is_in_flight_at_once(
+    autojump_clock, hanging
+):
+    answers: dict = {}
+    async with trioserve.open_runtime(bounded_config(0.0)) as rt:
+        async with trio.open_nursery() as callers:
+            for x in range(1, 4):
+                callers.start_soon(call, rt, float(x), answers)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            await rt.unload_model("m")
+            assert trio.current_time() == t0
+        assert all(len(got) == 1 and type(got[0]) is ActorClosed for got in answers.values())
+        assert len(answers) == 3
