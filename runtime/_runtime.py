@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import trio
 
 from ._actor import RestartPolicy, supervise
@@ -338,7 +339,7 @@ async def _start_model(
     zygote: Zygote | None,
     watchdog: Any,
     previous: ServedModel | None = None,
-    like: ServedModel | None = None,
+    like: _Shared | None = None,
     *,
     controlled: bool = False,
 ) -> ServedModel:
@@ -348,8 +349,8 @@ async def _start_model(
     replace: it keeps that one's metrics, objective and flows' counters, and an
     autoscaled model starts as many replicas as that one serves (within the
     autoscaler's bounds). Otherwise it is installed in ``rt.models`` at once.
-    ``like``: another version's (a model whose versions have weights of their
-    own), whose metrics and objective it shares."""
+    ``like``: the metrics and objective (``.metrics``, ``.slo``) of the model
+    whose versions have weights of their own that it is one of: it shares them."""
     from trioserve.actors import (
         BatcherActor,
         BatchTimer,
@@ -502,16 +503,33 @@ async def _start_family(
     under explicit model control, what it is to replace, a family (each version's
     group takes over its counterpart's counters) or the stand-in (the first group
     takes over its own); the caller installs it then."""
+    from trioserve.actors import ModelMetrics, SloTracker
+
     controlled = previous is not None
+    # The versions load at once, so what they share is made first: the model's
+    # metrics and objective, those of the copy replaced (or the stand-in's) if any.
+    base = previous.by_version[previous.default] if isinstance(previous, Family) else previous
+    like = _Shared(
+        metrics=(
+            base.metrics if base is not None
+            else ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
+        ),
+        slo=base.slo if base is not None else SloTracker(
+            m.slo_ms / 1e3, DEFAULT_SLO_TARGET if m.slo_target is None else m.slo_target
+        ) if m.slo_ms is not None else None,
+    )
 
     async def start(
-        cfg: ModelConfig, b: ModelBackend, like: Any, versions: Sequence[str]
+        cfg: ModelConfig, b: ModelBackend, versions: Sequence[str], first: bool
     ) -> ServedModel:
+        # what each group takes over (its flows' counters; an autoscaled one, its
+        # replica count): its counterpart in the family replaced, or the stand-in's
+        # for the first
         before: ServedModel | None
         if isinstance(previous, Family):
             before = previous.by_version[versions[0]]
         else:
-            before = previous if like is None else None
+            before = previous if first else None
         return await _start_model(
             nursery, rt, cfg, b, policy, zygote, watchdog, before, like=like,
             controlled=controlled,
@@ -521,6 +539,14 @@ async def _start_family(
     if m.rollout is not None:
         await start_rollout(nursery, rt, family, m.rollout, policy)
     return family
+
+
+@attrs.frozen(kw_only=True)
+class _Shared:
+    """What every version of a family shares (``_start_model``'s ``like``)."""
+
+    metrics: Any
+    slo: Any
 
 
 def _replica_devices(m: ModelConfig, previous: ServedModel | None) -> tuple[str, ...]:

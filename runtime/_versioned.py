@@ -172,39 +172,67 @@ async def start_family(
     base: ModelBackend,
     own: Mapping[str, ModelBackend],
     start_model: Callable[
-        [ModelConfig, ModelBackend, Any, Sequence[str]], Awaitable[ServedModel]
+        [ModelConfig, ModelBackend, Sequence[str], bool], Awaitable[ServedModel]
     ],
     *,
     install: bool = True,
 ) -> Family:
     """Start ``m``'s versions: the model's backend for those without overrides, and
-    each of ``own`` (version -> backend) on its own queue and replicas.
-    ``start_model(cfg, backend, like, versions)`` starts one and returns it
-    (``like``: the first started, whose metrics and objective the others share;
-    ``versions``: those it serves). A version that fails to load fails the whole
-    start: ModelLoadError naming it. ``install``: serve the family at once (else
-    the caller does: explicit model control)."""
+    each of ``own`` (version -> backend) on its own queue and replicas, all at once.
+    ``start_model(cfg, backend, versions, first)`` starts one and returns it once
+    its replicas are loaded (``versions``: those it serves; ``first``: the model's
+    backend's if it serves any, else the first version's). A checkpoint.
+
+    All or nothing: once every start has ended, a version that failed to load fails
+    the whole start, ModelLoadError naming it (each failing version with its reason,
+    when several did); the caller stops the versions that did load (they run in its
+    nursery). ``install``: serve the family at once (else the caller does: explicit
+    model control)."""
     bare = [v for v in m.versions if v not in own]
     plan: dict[str | None, ModelBackend] = {}
     if bare:
         plan[None] = base
     plan.update(own)
     _check_signatures(m, plan)
+    started: dict[str | None, ServedModel] = {}
+    failed: dict[str | None, TrioserveError] = {}
+
+    async def start(v: str | None, backend: ModelBackend, first: bool) -> None:
+        try:
+            started[v] = await start_model(
+                _version_config(m, v), backend, bare if v is None else [v], first
+            )
+        except TrioserveError as exc:  # its own to report: the others load on
+            failed[v] = exc
+
+    async with trio.open_nursery() as nursery:
+        for i, (v, backend) in enumerate(plan.items()):
+            nursery.start_soon(start, v, backend, i == 0)
+    if failed:
+        for exc in failed.values():
+            if not isinstance(exc, ModelLoadError):
+                raise exc  # a configuration the load found wrong: as it is
+
+        def which(v: str | None) -> str:
+            if v is not None:
+                return f"version {v!r} (weights of its own)"
+            return (f"version{'s' if len(bare) > 1 else ''} "
+                    f"{', '.join(map(repr, bare))} (the model's backend)")
+
+        order = [v for v in plan if v in failed]
+        if len(order) == 1:
+            (v,) = order
+            raise ModelLoadError(f"model {m.name!r}, {which(v)}: {failed[v]}") from failed[v]
+        raise ModelLoadError(
+            f"model {m.name!r}: {len(order)} versions' loads failed: "
+            + "; ".join(f"{which(v)}: {failed[v]}" for v in order)
+        ) from failed[order[0]]
     by_version: dict[str, ServedModel] = {}
     groups: list[ServedModel] = []
-    for v, backend in plan.items():
-        versions = bare if v is None else [v]
-        try:
-            served = await start_model(
-                _version_config(m, v), backend, groups[0] if groups else None, versions
-            )
-        except ModelLoadError as exc:
-            which = (f"version {v!r} (weights of its own)" if v is not None
-                     else f"version{'s' if len(bare) > 1 else ''} "
-                          f"{', '.join(map(repr, bare))} (the model's backend)")
-            raise ModelLoadError(f"model {m.name!r}, {which}: {exc}") from exc
+    for v in plan:
+        served = started[v]
         groups.append(served)
-        for name in versions:
+        for name in bare if v is None else [v]:
             by_version[name] = served
         if v is not None:
             log.info("model %r: version %r serves its own weights", m.name, v)

@@ -195,6 +195,98 @@ async def test_a_version_that_fails_to_load_fails_the_whole_load(autojump_clock,
         assert await y(rt, 2.0) == 200.0
 
 
+class Gated(VWorker):
+    """A version's worker whose start waits until every version's worker has begun
+    its own: loaded one after the other, the first would wait for ever."""
+
+    begun: list
+    all_begun: trio.Event
+    expected = 3
+
+    async def start(self) -> None:
+        Gated.begun.append(self.tag)
+        if len(Gated.begun) == Gated.expected:
+            Gated.all_begun.set()
+        await Gated.all_begun.wait()
+        await super().start()
+
+
+@pytest.fixture
+def gated(vworkers, monkeypatch):
+    import trioserve.actors._batcher
+
+    def reset() -> None:
+        Gated.begun, Gated.all_begun = [], trio.Event()
+
+    reset()
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", Gated)
+    return reset
+
+
+async def test_a_familys_versions_load_at_once(autojump_clock, vworkers, gated):
+    """A load (and a reload) started the versions with weights of their own one
+    after the other: now all at once, each version's load overlapping the others'."""
+    cfg = family_config(load_at_start=False, versions=THREE)
+    async with trioserve.open_runtime(cfg) as rt:
+        with trio.fail_after(60):  # in turn, the first start would wait for ever
+            await rt.load_model("m")
+        assert sorted(Gated.begun) == ["2", "3", "base"]
+        assert [await y(rt, 2.0, v) for v in ("1", "2", "3")] == [2.0, 200.0, 2000.0]
+        first = list(vworkers.made)
+
+        gated()  # a reload, the same
+        with trio.fail_after(60):
+            await rt.load_model("m")
+        assert sorted(Gated.begun) == ["2", "3", "base"]
+        assert [await y(rt, 3.0, v) for v in ("1", "2", "3")] == [3.0, 300.0, 3000.0]
+        await trio.testing.wait_all_tasks_blocked()  # the old copies' drain ends
+        assert not any(w.alive for w in first)
+        # the versions share the model's measurements, as when they loaded in turn
+        served = rt._families["m"].groups
+        assert len({id(g.metrics) for g in served}) == 1
+        assert rt.statistics()["m"]["items"] == 6
+
+
+async def test_versions_that_fail_to_load_at_once_are_each_named_and_nothing_stays(
+    autojump_clock, vworkers
+):
+    """Loaded at once, every version's load ends before the load's outcome: the
+    versions that failed are each named with their reason, those that loaded are
+    stopped again (all or nothing), and a reload that fails so leaves the old copy
+    serving."""
+    cfg = family_config(load_at_start=False, versions=THREE)
+    async with trioserve.open_runtime(cfg) as rt:
+        vworkers.failing, vworkers.load_s = frozenset({"2", "3"}), 4.0
+        t0 = trio.current_time()
+        with pytest.raises(ModelLoadError) as caught:
+            await rt.load_model("m")
+        assert trio.current_time() == pytest.approx(t0 + 4.0)  # one load's time, not three
+        text = str(caught.value)
+        assert text.startswith("model 'm': 2 versions' loads failed: version '2' (weights "
+                               "of its own): ")
+        assert "weights of 2 missing; version '3' (weights of its own): " in text
+        assert text.endswith("weights of 3 missing")
+        state, reason = rt.model_state("m")
+        assert (state, reason) == ("UNAVAILABLE", f"failed to load: {text}")
+        # the model's backend's version loaded, and was stopped again
+        (base,) = [w for w in vworkers.made if w.tag == "base"]
+        assert not base.alive
+        assert not any(w.alive for w in vworkers.made)
+        await refused_everywhere(rt)
+
+        vworkers.failing = frozenset()
+        await rt.load_model("m")
+        serving = [w for w in vworkers.made if w.alive]
+        vworkers.failing = frozenset({"3"})
+        with pytest.raises(ModelLoadError, match=r"^model 'm', version '3' \(weights of its "
+                                                 r"own\): .*weights of 3 missing$"):
+            await rt.load_model("m")
+        assert rt.model_state("m") == ("READY", "")
+        assert sorted(w.tag for w in vworkers.made if w.alive) == ["2", "3", "base"]
+        assert all(w.alive for w in serving)
+        assert await y(rt, 2.0, "3") == 2000.0
+
+
 async def test_a_family_reload_answers_every_request_in_flight_exactly_once(
     autojump_clock, vworkers
 ):
@@ -228,8 +320,8 @@ async def test_a_family_reload_answers_every_request_in_flight_exactly_once(
                 assert all(rt.model_ready("m", v) for v in versions)
                 for v in versions:
                     callers.start_soon(call, rt, 7.0, v)
-            # each version's copy loaded in turn; version 2's old one still drains
-            assert trio.current_time() == pytest.approx(t0 + 2 * 2.0)
+            # every version's copy loaded at once; version 2's old one still drains
+            assert trio.current_time() == pytest.approx(t0 + 2.0)
             assert rt.model_state("m") == ("READY", "")
             assert rt._families["m"].by_version["2"].batchers[0]._worker.weight == 1000.0
             for v in versions:
