@@ -14,7 +14,7 @@ import trio.testing
 import trioserve
 from http_helpers import config, echo_model, serving, v2_input
 from runtime_helpers import callable_model
-from test_model_control import Worker, workers  # noqa: F401  (a fixture)
+from test_model_control import Worker, hanging, workers  # noqa: F401  (fixtures)
 from trioserve.transport import open_http
 
 LOAD, UNLOAD = "/v2/repository/models/m/load", "/v2/repository/models/m/unload"
@@ -290,3 +290,109 @@ async def test_a_version_the_model_has_not_gets_one_answer_everywhere_loaded_or_
         assert "model 'm' is not loaded" in res.json()["error"]
         with pytest.raises(trioserve.UnknownModel, match="model 'm' is not loaded"):
             await gw.runtime.infer("m", {"x": np.full(1, 1.0, np.float32)}, version="2")
+
+
+async def test_unload_dependents_must_be_true_or_false_as_tritons(
+    autojump_clock, workers  # noqa: F811
+):
+    """Triton refuses an unload whose ``unload_dependents`` is not a boolean (400,
+    nothing unloaded); ours took any value, so ``"false"`` unloaded as ``true``
+    does. An unload's other parameters are ignored, as Triton ignores them (ours
+    refused ``config`` there as if it were a load's override)."""
+    async with serving(served_config(load_at_start=True)) as gw:
+        for value in (b'"false"', b"1", b"null", b"[]"):
+            body = b'{"parameters": {"unload_dependents": %s}}' % value
+            res = await call(gw, "POST", UNLOAD, body)
+            assert res.status == 400
+            assert res.json()["error"] == (
+                "repository unload request: parameter 'unload_dependents' must be true or "
+                f"false, got {value.decode()}"
+            )
+            assert await index(gw, b'{"ready": true}') == [
+                ("echo", "READY", ""), ("m", "READY", "")
+            ]  # nothing unloaded
+        res = await call(gw, "POST", UNLOAD, b'{"parameters": {"config": "{}"}}')
+        assert (res.status, res.body) == (200, b"{}")
+        assert (await call(gw, "POST", LOAD, b'{"parameters": {"unload_dependents": true}}'
+                           )).status == 200  # a load takes it and ignores it, as Triton's
+        res = await call(gw, "POST", UNLOAD, b'{"parameters": {"unload_dependents": false}}')
+        assert (res.status, res.body) == (200, b"{}")
+        assert await index(gw) == [("echo", "READY", ""), ("m", "UNAVAILABLE", "unloaded")]
+
+
+async def test_loads_and_unloads_from_several_clients_at_once_run_in_the_order_asked(
+    autojump_clock, workers  # noqa: F811
+):
+    """Four operators at once, with requests in flight: load, unload, load, unload,
+    in that order. Each is answered 200 once its turn has run, in the order asked;
+    every request admitted is answered once; the model ends unloaded, nothing of it
+    left running. In memory (quart's test client), so that each call has reached
+    the server when the next is made."""
+    from trioserve.transport import Gateway
+
+    ops: list = []
+    answers: dict = {}
+
+    async def op(client, name):
+        res = await client.post(f"/v2/repository/models/m/{name}")
+        ops.append((name, res.status_code, trio.current_time()))
+
+    async def one(client, x):
+        body = orjson.dumps({"inputs": [v2_input(np.full(1, x, np.float32))]})
+        res = await client.post("/v2/models/m/infer", data=body)
+        answers.setdefault(x, []).append(res.status_code)
+
+    async with trioserve.open_runtime(served_config(load_at_start=True)) as rt:
+        client = Gateway(rt).app.test_client()
+        workers.load_s = 2.0
+        t0 = trio.current_time()
+        async with trio.open_nursery() as clients:
+            for x in range(1, 5):  # two batches on the loaded copy: 2 s
+                clients.start_soon(one, client, float(x))
+            await trio.testing.wait_all_tasks_blocked()
+            for name in ("load", "unload", "load", "unload"):
+                clients.start_soon(op, client, name)
+                await trio.testing.wait_all_tasks_blocked()  # asked in this order
+        # the reload (2 s; the old copy's two batches done meanwhile), the unload
+        # (nothing in flight), the load (2 s), the unload: one after the other
+        assert ops == [("load", 200, t0 + 2.0), ("unload", 200, t0 + 2.0),
+                       ("load", 200, t0 + 4.0), ("unload", 200, t0 + 4.0)]
+        assert answers == {float(x): [200] for x in range(1, 5)}
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert len(workers.made) == 3
+        assert not any(w.alive for w in workers.made)
+
+
+async def test_an_unload_over_http_is_bounded_by_unload_timeout_s(
+    autojump_clock, hanging  # noqa: F811
+):
+    """A model that never answers held an unload (and its HTTP call) for ever: after
+    ``runtime.unload_timeout_s`` the requests it holds are answered 503, the unload
+    200, and the model is unloaded."""
+    import attrs
+    from trioserve.transport import Gateway
+
+    cfg = attrs.evolve(served_config(load_at_start=True),
+                       runtime=trioserve.RuntimeLimits(unload_timeout_s=7.0))
+    answers: list = []
+
+    async def one(client, x):
+        body = orjson.dumps({"inputs": [v2_input(np.full(1, x, np.float32))]})
+        res = await client.post("/v2/models/m/infer", data=body)
+        answers.append((res.status_code, (await res.get_json())["error"]))
+
+    async with trioserve.open_runtime(cfg) as rt:
+        client = Gateway(rt).app.test_client()
+        async with trio.open_nursery() as clients:
+            for x in range(1, 4):
+                clients.start_soon(one, client, float(x))
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            with trio.fail_after(60):
+                res = await client.post(UNLOAD)
+            assert (res.status_code, trio.current_time()) == (200, t0 + 7.0)
+        assert answers == [(503, "model 'm' was unloaded before this request was answered: "
+                            "the requests it held did not finish within "
+                            "runtime.unload_timeout_s (7 s)")] * 3
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert not any(w.alive for w in hanging.made)

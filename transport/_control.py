@@ -25,7 +25,7 @@ from ._extensions import model_config, model_statistics
 from ._gateway import Answer, error_answer
 from ._rollout_http import rollout_routes
 from ._signature import server_metadata
-from ._v2 import error_body
+from ._v2 import error_body, shown
 
 if TYPE_CHECKING:
     from ._gateway import Gateway
@@ -308,10 +308,11 @@ async def _cancel_on_drain(gateway: Gateway, scope: trio.CancelScope) -> None:
 
 def repository_request(action: str, body: bytes) -> str | None:
     """Why a load or unload request's body is refused (None: it is not). The body is
-    empty or Triton's: a JSON object with an optional ``parameters`` object, whose
-    ``unload_dependents`` is accepted and ignored (no model depends on another here);
-    a load's ``config`` or ``file:`` overrides are refused: a model's configuration
-    is the server's."""
+    empty or Triton's: a JSON object with an optional ``parameters`` object. An
+    unload's ``unload_dependents`` must be true or false, as Triton's (and is then
+    ignored: no model depends on another here); its other parameters are ignored, as
+    Triton ignores them. A load's ``config`` or ``file:`` overrides are refused: a
+    model's configuration is the server's."""
     if not body.strip():
         return None
     try:
@@ -321,7 +322,14 @@ def repository_request(action: str, body: bytes) -> str | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("parameters", {}), dict):
         return (f"repository {action} request: expected a JSON object with an optional "
                 "'parameters' object")
-    overrides = [k for k in doc.get("parameters", {}) if k == "config" or k.startswith("file:")]
+    parameters = doc.get("parameters", {})
+    if action == "unload":
+        dependents = parameters.get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            return ("repository unload request: parameter 'unload_dependents' must be true "
+                    f"or false, got {shown(dependents, body)}")
+        return None
+    overrides = [k for k in parameters if k == "config" or k.startswith("file:")]
     if overrides:
         return (f"repository {action} request: parameter {overrides[0]!r} is not supported: "
                 "a model's configuration is the server's")
