@@ -22,6 +22,7 @@ from ._config import (
     Config,
     ConfigError,
     ModelConfig,
+    in_file,
     load_config,
 )
 from ._runtime import open_runtime
@@ -311,7 +312,10 @@ def write_json(res: dict[str, Any], path: str | None) -> Path:
 
 
 def main_in_process(spec: BenchSpec, config_path: str | None, json_path: str | None) -> int:
-    base = load_config(config_path)
+    try:
+        base = load_config(config_path)
+    except ConfigError as exc:  # (a wrong option given to bench names no file)
+        raise in_file(exc, config_path) from None
     spec = attrs.evolve(spec, config=config_path)
     res = trio.run(lambda: bench_in_process(spec, base, progress=os.isatty(2)))
     print(format_report(res))

@@ -672,6 +672,16 @@ def given_config(config: Any, call: str) -> Config:
     )
 
 
+def in_file(exc: ConfigError, path: str | PathLike[str] | None) -> ConfigError:
+    """``exc`` as a command reports it: the file ``path`` named first, then the key
+    (``my.toml: models.mlp.max_batch_size: ...``), so that an operator with several
+    files knows which one to fix. ``exc`` itself when there is no file, or when it
+    names the file already (it could not be read or parsed)."""
+    if path is None or str(exc).startswith(f"{path}: "):
+        return exc
+    return ConfigError(f"{path}: {exc}")
+
+
 def load_config(path: str | PathLike[str] | None = None) -> Config:
     """Read a TOML config file, or return the built-in default when ``path`` is None.
 

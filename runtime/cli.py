@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _early_signals
-from ._config import EXECUTIONS
+from ._config import EXECUTIONS, in_file
 from ._errors import ConfigError
 from .scenarios import SCENARIOS, run_scenario
 
@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, NoOpenTenant):  # a valid file the bench cannot call
             print(f"trioserve: bench: {exc}", file=sys.stderr)
             return 2
+        if args.command == "serve":  # every value serve checks is the file's
+            exc = in_file(exc, args.config)
         print(f"trioserve: invalid configuration: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, BaseExceptionGroup) as exc:

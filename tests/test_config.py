@@ -467,6 +467,59 @@ def test_the_serve_command_says_what_is_wrong_in_one_line(tmp_path, capsys, name
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        # found as the file is read
+        ('[models.e]\nbackend = "echo"\nmax_batch_sise = 4\n',
+         "models.e.max_batch_sise: unknown key; did you mean 'max_batch_size'?"),
+        ('[models.e]\nbackend = "echo"\nmax_wait_ms = -1\n',
+         "models.e.max_wait_ms: must be a finite number >= 0.0, got -1"),
+        ('[serverr]\nport = 1\n[models.e]\nbackend = "echo"\n',
+         "serverr: unknown key; did you mean 'server'?"),
+        ("", "models: at least one model must be configured"),
+        # found by the backend, as the runtime starts
+        ('[models.e]\nbackend = "sleep"\noptions = { delay_per_batch_ms = -1 }\n',
+         "models.e.options.delay_per_batch_ms: must be >= 0, got -1"),
+    ],
+)
+def test_the_serve_command_names_the_file_then_the_key(tmp_path, capsys, text, error):
+    """An operator with several files (or a unit that starts the server with one
+    of them) learns which one is wrong: the line named the key alone."""
+    path = tmp_path / "prod.toml"
+    path.write_text(text)
+    assert main(["serve", "--config", str(path), "--port", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"trioserve: invalid configuration: {path}: {error}")
+    assert err.count("\n") == 1
+
+
+def test_a_file_that_cannot_be_parsed_is_named_once(tmp_path, capsys):
+    path = tmp_path / "prod.toml"
+    path.write_text("[models.e\n")
+    assert main(["serve", "--config", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"trioserve: invalid configuration: {path}: invalid TOML: ")
+    assert err.count(str(path)) == 1
+
+
+def test_bench_names_the_file_for_its_values_not_for_its_own_options(tmp_path, capsys):
+    path = write(tmp_path, '[models.mlp]\nbackend = "echo"\nreplicas = 0\n')
+    assert main(["bench", "--config", str(path), "-d", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"trioserve: invalid configuration: {path}: models.mlp.replicas: must be an "
+        "integer >= 1, got 0\n"
+    )
+    # a value given on the command line is no value of the file
+    path = write(tmp_path, VALID)
+    assert main(["bench", "--config", str(path), "--max-batch-size", "65537", "-d", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "trioserve: invalid configuration: models.mlp.max_batch_size: must be an integer "
+        "<= 65536, got 65537\n"
+    )
+
+
 def test_python_values_are_checked_too():
     with pytest.raises(ConfigError, match=r"^models\.m\.max_batch_size: must be an integer >= 1"):
         ModelConfig(name="m", backend="echo", max_batch_size=0)
