@@ -48,6 +48,7 @@ from ._slo import SLO_WINDOWS as SLO_WINDOWS
 from ._slo import SloTracker as SloTracker
 from ._straggler import BatchTimer as BatchTimer
 from ._straggler import Breaker as Breaker
+from ._straggler import LogThrottle as LogThrottle
 from ._straggler import RecentQuantile as RecentQuantile
 from ._straggler import StragglerPolicy as StragglerPolicy
 from ._straggler import retried as retried

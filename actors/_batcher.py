@@ -55,7 +55,15 @@ from ._metrics import ModelMetrics
 from ._retiring import Retiring
 from ._scheduler import SchedulerActor
 from ._singleflight import own_error
-from ._straggler import BatchTimer, Breaker, StragglerPolicy, retried, split, split_failed
+from ._straggler import (
+    BatchTimer,
+    Breaker,
+    LogThrottle,
+    StragglerPolicy,
+    retried,
+    split,
+    split_failed,
+)
 from ._watchdog import Watchdog
 from ._worker_feed import WorkerFeed
 
@@ -172,6 +180,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         self._zygote = zygote
         self._timer = timer if timer is not None else BatchTimer(StragglerPolicy())
         self._breaker = breaker if breaker is not None else Breaker()
+        self._errors_logged = LogThrottle()  # the model's errors its callers get
         self._watchdog = watchdog  # None: batches run without a deadline
         self._limiter = trio.CapacityLimiter(1)
         self._runner: Any = None
@@ -549,7 +558,23 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             return opened
         msg = f"model {self.model!r} failed on {self.device}: {_text(exc)}"
         self._answer_error(batch, alive, msg)
+        self._log_model_error(msg, len(alive))
         return opened
+
+    def _log_model_error(self, msg: str, answered: int) -> None:
+        """Say in the log that callers were answered with the model's error (a 500
+        over HTTP): without it, a model that raised left no trace on the server.
+        Throttled (:class:`LogThrottle`): at most a line every 10 s a replica."""
+        if not answered:
+            return
+        unlogged = self._errors_logged.admit(trio.current_time())
+        if unlogged is None:
+            return
+        log.error(
+            "%s: %s (%d %s answered with it%s)", self.name, msg, answered,
+            "request" if answered == 1 else "requests",
+            f"; {unlogged} more such failures since the last line" if unlogged else "",
+        )
 
     def _answer_error(self, batch: list[Request], alive: list[Request], msg: str) -> None:
         """Answer ``alive`` (the batch's requests still waiting) with ModelError(msg):
@@ -601,6 +626,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         self._metrics.record_batch(len(batch), t1 - t0, t1)
         run = (t0, t1 - t0)  # one object per execution: the callers tell them apart
         refused = 0
+        wrong: ModelError | None = None
         for req, out in zip(batch, outputs, strict=True):
             reply = req.reply
             reply.run = run
@@ -608,6 +634,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 # The model answered this item with an output its signature does not
                 # declare (ModelBackend.conform_outputs): its caller alone gets that.
                 refused += reply.set_error(out)
+                wrong = out
                 continue
             if reply.suspect and reply.raised_on is not None and reply.set_result(out):
                 origin, its_run = reply.raised_on
@@ -617,6 +644,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             reply.set_result(out)
         if refused:
             self._metrics.statuses["model_error"] += refused
+            self._log_model_error(str(wrong), refused)
         twins = self._scheduler.twins
         if twins:
             # Answered: a hedge twin still queued or waiting for a replica need not

@@ -1,6 +1,7 @@
 """Sans-IO decisions for stragglers and failing replicas: the batch deadline learnt
 from observed batch times, the split of a failed batch (bisection to find the poison
-request), and a per-replica circuit breaker. ``now`` is always an argument."""
+request), a per-replica circuit breaker, and which of a replica's model errors are
+logged. ``now`` is always an argument."""
 
 from __future__ import annotations
 
@@ -145,6 +146,28 @@ def retried(batch: list[Request]) -> bool:
     towards poison, and says nothing of its replica. A batch that fails on fresh work
     is the replica's failure (see :class:`Breaker`)."""
     return bool(batch) and all(r.reply.suspect for r in batch)
+
+
+@attrs.define
+class LogThrottle:
+    """Which of a run of like events to log: the first at once, then at most one
+    every ``interval`` seconds, each saying how many were not logged since the last.
+    A model that raises on every request logs a line every ``interval``, not one a
+    request, and a single failure is never hidden."""
+
+    interval: float = 10.0
+    _next: float = -math.inf
+    _unlogged: int = 0
+
+    def admit(self, now: float) -> int | None:
+        """None: do not log this one (it is counted). Else log it: the events not
+        logged since the last one logged."""
+        if now < self._next:
+            self._unlogged += 1
+            return None
+        unlogged, self._unlogged = self._unlogged, 0
+        self._next = now + self.interval
+        return unlogged
 
 
 class Breaker:

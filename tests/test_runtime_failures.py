@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import os
 
 import numpy as np
 import pytest
+import trio
 import trioserve
 from runtime_helpers import (
     Recorder,
@@ -25,10 +27,12 @@ from runtime_helpers import (
     escapes_on_1,
     item,
     misshapen,
+    off_signature,
     pythonpath_with,
     unprintable_on_1,
 )
 from trioserve import ModelConfig, ModelError
+from trioserve.actors import LogThrottle
 
 
 # ---------------------------------------------------------------- model failures
@@ -63,6 +67,65 @@ async def test_a_model_raising_on_one_input_fails_only_that_callers_request(
     assert stats["statuses"]["retried"] == 4
     assert stats["replicas"][0]["restarts"] == 0
     assert stats["replicas"][0]["state"] == "running"
+
+
+def test_the_log_throttle_logs_the_first_at_once_then_one_an_interval_with_a_count():
+    t = LogThrottle(interval=10.0)
+    assert t.admit(0.0) == 0  # the first, at once
+    assert t.admit(0.0) is None
+    assert t.admit(9.999) is None
+    assert t.admit(10.0) == 2  # the two not logged
+    assert t.admit(15.0) is None
+    assert t.admit(100.0) == 1  # a lone failure later is logged at once
+    assert t.admit(110.0) == 0
+
+
+def model_errors_logged(caplog) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records
+        if r.name.startswith("trioserve") and r.levelno == logging.ERROR
+    ]
+
+
+@pytest.mark.parametrize("execution", ["inline", "thread"])
+async def test_a_model_error_is_logged_throttled_with_how_many_were_not(
+    autojump_clock, caplog, execution
+):
+    """A model that raised answered its callers with a 500 and left no line on the
+    server: an operator saw only the client's errors."""
+    caplog.set_level(logging.INFO, logger="trioserve")
+    rec = Recorder(fail_on=5.0, timed=execution == "inline")
+    cfg = config(callable_model("m", rec, execution=execution, max_wait_ms=0, timeout_ms=None))
+    async with trioserve.open_runtime(cfg) as rt:
+        await rt.infer("m", item(1))
+        assert model_errors_logged(caplog) == []  # a result is no line
+        for _ in range(3):
+            with pytest.raises(ModelError):
+                await rt.infer("m", item(5))
+        first = model_errors_logged(caplog)
+        await trio.sleep(LogThrottle().interval)
+        with pytest.raises(ModelError):
+            await rt.infer("m", item(5))
+        later = model_errors_logged(caplog)[len(first):]
+    assert first == [
+        "batcher[m#0@cpu]: model 'm' failed on cpu: ValueError: poison item 5 "
+        "(1 request answered with it)"
+    ]
+    assert later == [
+        "batcher[m#0@cpu]: model 'm' failed on cpu: ValueError: poison item 5 "
+        "(1 request answered with it; 2 more such failures since the last line)"
+    ]
+
+
+async def test_outputs_off_the_signature_are_logged_as_model_errors(autojump_clock, caplog):
+    caplog.set_level(logging.INFO, logger="trioserve")
+    cfg = config(callable_model("m", off_signature, max_wait_ms=0))
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(ModelError) as info:
+            await rt.infer("m", item(3.0))
+    assert model_errors_logged(caplog) == [
+        f"batcher[m#0@cpu]: {info.value} (1 request answered with it)"
+    ]
 
 
 @pytest.mark.parametrize("execution", ["inline", "thread", "process"])
