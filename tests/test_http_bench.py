@@ -97,3 +97,20 @@ async def test_bench_sends_its_api_key_to_a_server_without_an_open_tenant(tmp_pa
         assert (res["requests"], set(res["error_kinds"])) == (0, {"Unauthorized"})
         assert "trioserve: no request was answered with a result" in err
         assert "the server wants an API key: pass a tenant's with --api-key" in err
+
+
+async def test_bench_of_a_model_the_server_does_not_serve_says_so_in_a_line(tmp_path):
+    """It exited with the answer's body as Python writes bytes (b'{"error": ...}'),
+    and no "trioserve:" as the command's other lines have."""
+    async with serving(config(echo_model())) as gw:
+        args = argparse.Namespace(
+            url=gw.url, model="nosuch", concurrency=2, duration=0.5, warmup=0.0,
+            batch_dim=1, stream=False, json=str(tmp_path / "b.json"), no_offline=True,
+        )
+        with pytest.raises(SystemExit) as done:
+            await trio.to_thread.run_sync(bench_http_main, args)
+    assert done.value.code == (
+        f"trioserve: cannot bench model 'nosuch' at {gw.url}: HTTP 404: unknown model "
+        "'nosuch'; serving: echo"
+    )
+    assert not (tmp_path / "b.json").exists()

@@ -52,7 +52,15 @@ async def _model_metadata(url: str, model: str, api_key: str | None = None) -> d
     finally:
         await client.aclose()
     if res.status != 200:
-        raise SystemExit(f"GET /v2/models/{model}: HTTP {res.status}: {res.body[:200]!r}")
+        # one line, as the command's other refusals: the server's own message (it
+        # was the body's bytes as Python writes them, with no "trioserve:")
+        try:
+            res.outputs()  # raises the answer's error, with its message
+        except Exception as exc:
+            why = str(exc)
+        else:  # pragma: no cover (outputs() raises for every status but 200)
+            why = f"HTTP {res.status}"
+        raise SystemExit(f"trioserve: cannot bench model {model!r} at {url}: {why}")
     return res.json()
 
 
