@@ -342,6 +342,7 @@ async def _start_model(
     like: _Shared | None = None,
     *,
     controlled: bool = False,
+    versions: Sequence[str] | None = None,
 ) -> ServedModel:
     """Start a model's queues and replicas in ``nursery``; return it once they are
     loaded. ``controlled`` (or a ``previous``): under explicit model control, the
@@ -350,7 +351,8 @@ async def _start_model(
     autoscaled model starts as many replicas as that one serves (within the
     autoscaler's bounds). Otherwise it is installed in ``rt.models`` at once.
     ``like``: the metrics and objective (``.metrics``, ``.slo``) of the model
-    whose versions have weights of their own that it is one of: it shares them."""
+    whose versions have weights of their own that it is one of: it shares them;
+    ``versions``: then, those this one serves (its log lines name them)."""
     from trioserve.actors import (
         BatcherActor,
         BatchTimer,
@@ -448,8 +450,13 @@ async def _start_model(
         await nursery.start(supervise, slow, policy)
     execution = m.execution or backend.default_execution
     started = trio.current_time()
+    # (a model whose versions have weights of their own loads each: say which)
+    which = f"model {m.name!r}" + (
+        "" if versions is None
+        else f", version{'s' if len(versions) > 1 else ''} {', '.join(map(repr, versions))}"
+    )
     log.info(
-        "model %r: loading %s (%s)", m.name,
+        "%s: loading %s (%s)", which,
         _count(n_replicas, "replica"), f"{execution} on {', '.join(m.devices)}",
     )
 
@@ -487,7 +494,7 @@ async def _start_model(
     for i, device in enumerate(devices):
         lane = slow if slow is not None and i >= n_replicas - m.slow_lane_replicas else scheduler
         await start_replica(i, device, lane)
-    log.info("model %r: ready in %.2f s", m.name, trio.current_time() - started)
+    log.info("%s: ready in %.2f s", which, trio.current_time() - started)
     if m.autoscaling is not None:
         await _start_autoscaler(nursery, rt, served, start_replica, policy, previous)
     return served
@@ -532,7 +539,7 @@ async def _start_family(
             before = previous if first else None
         return await _start_model(
             nursery, rt, cfg, b, policy, zygote, watchdog, before, like=like,
-            controlled=controlled,
+            controlled=controlled, versions=versions if own else None,
         )
 
     family = await start_family(rt, m, backend, own, start, install=not controlled)

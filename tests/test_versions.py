@@ -3,6 +3,8 @@ version in process and over HTTP, the cache keyed by the version that answered."
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import orjson
 import pytest
@@ -58,6 +60,26 @@ async def test_each_version_answers_with_its_own_weights():
     assert stats["replica_count"] == 3
     assert [r["versions"] for r in stats["replicas"]] == [["1"], ["2"], ["3"]]
     assert "rollout" not in stats
+
+
+async def test_the_load_lines_name_the_versions_each_load_serves(caplog):
+    """Each group of versions loads replicas of its own: the lines said "model 'm':
+    loading 1 replica" three times, not which version each was."""
+    caplog.set_level(logging.INFO, logger="trioserve")
+    async with trioserve.open_runtime(config(adders(), ModelConfig(name="e", backend="echo"))):
+        pass
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("trioserve")]
+    loading = [line for line in lines if ": loading " in line or ": ready in " in line]
+    assert [line.partition(" (")[0].partition(" in ")[0] for line in loading] == [
+        "model 'm', version '1': loading 1 replica",
+        "model 'm', version '1': ready",
+        "model 'm', version '2': loading 1 replica",
+        "model 'm', version '2': ready",
+        "model 'm', version '3': loading 1 replica",
+        "model 'm', version '3': ready",
+        "model 'e': loading 1 replica",  # a model of one backend: as before
+        "model 'e': ready",
+    ]
 
 
 async def test_a_list_of_versions_is_served_as_before():
