@@ -25,7 +25,6 @@ some inputs everywhere (poison inputs), opens none.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -51,6 +50,7 @@ from trioserve import (
     load_runner,
 )
 
+from ._in_flight import InFlight
 from ._metrics import ModelMetrics
 from ._retiring import Retiring
 from ._scheduler import SchedulerActor
@@ -184,7 +184,13 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         self._watchdog = watchdog  # None: batches run without a deadline
         self._limiter = trio.CapacityLimiter(1)
         self._runner: Any = None
-        self._in_flight: collections.deque[list[Request]] = collections.deque()
+        #: its batches in flight (running, or staged for its worker process), each
+        #: with its requests' deadlines kept while it runs (none inline: nothing can
+        #: interrupt a model running on the event loop)
+        self._in_flight = InFlight(
+            model=model, watchdog=None if self._inline else watchdog,
+            noted=scheduler.expired_running,
+        )
         self.busy_time = 0.0
         self._worker_seconds = 0.0  # busy seconds of workers this batcher already replaced
         self._degraded = False  # a straggling thread still runs
@@ -629,6 +635,10 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         wrong: ModelError | None = None
         for req, out in zip(batch, outputs, strict=True):
             reply = req.reply
+            if not reply.answerable:
+                # Answered already (its deadline passed while the batch ran: see
+                # InFlight), or its caller left: one answer per request, never two.
+                continue
             reply.run = run
             if isinstance(out, ModelError):
                 # The model answered this item with an output its signature does not

@@ -80,6 +80,12 @@ class FlowStats:
     #: Hedge copies that gave their room in a full queue to a new request (answered
     #: Overloaded, never run; the original still runs or waits).
     gave_way: int = 0
+    #: Dispatched requests answered DeadlineExceeded (their model's or class's
+    #: timeout) while their batch ran, by the replica running it: the part of
+    #: ``dispatched`` that expired on a device (outside the balance above, as
+    #: ``pushed_out`` is within ``shed``). A request that expires while held for a
+    #: retry is not counted here.
+    expired_running: int = 0
     #: Entries the flow holds: a withdrawn or expired request stays among them until
     #: passed (see FairQueue.queued_by_flow for the live count).
     queued: int = 0
@@ -326,6 +332,14 @@ class FairQueue(Admission):
         twin answered first: count it in its flow's ``superseded``."""
         c = self._rank.get(request.priority, len(self.classes) - 1)
         self._stats(request.tenant, self.classes[c].name).superseded += 1
+
+    def note_expired_running(self, request: Request) -> None:
+        """``request``, dispatched, was answered DeadlineExceeded while its batch ran:
+        count it in its flow's ``expired_running``. (Not a congestion signal for the
+        adaptive limit: the queue did not keep it past its deadline, its device
+        did.)"""
+        c = self._rank.get(request.priority, len(self.classes) - 1)
+        self._stats(request.tenant, self.classes[c].name).expired_running += 1
 
     def withdrawn_at_deadline(self, request: Request, now: float) -> None:
         """``request``'s caller withdrew it, queued, because its own deadline passed

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 if TYPE_CHECKING:
-    import collections
-
     from trioserve import Request, WorkerProcess
 
+    from ._in_flight import InFlight
     from ._scheduler import SchedulerActor
 
 
@@ -27,7 +26,7 @@ class Retiring:
 
     if TYPE_CHECKING:
         name: str
-        _in_flight: collections.deque[list[Request]]
+        _in_flight: InFlight
         _scheduler: SchedulerActor
         _replace_due: bool
 

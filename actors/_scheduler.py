@@ -304,6 +304,16 @@ class SchedulerActor(Actor):
         if self._emptied:  # a drain waits for its replicas to hold nothing
             self._emptied.unpark_all()
 
+    def expired_running(self, requests: list[Request]) -> None:
+        """``requests``, dispatched from this queue, were answered DeadlineExceeded by
+        the replica running their batch: their deadline passed while it ran. Count
+        them in their flows (``expired_running``), where the queue counts its own
+        expiries. Not a checkpoint."""
+        note = getattr(self.policy, "note_expired_running", None)
+        if note is not None:
+            for r in requests:
+                note(r)
+
     def retry(self, batches: list[list[Request]]) -> None:
         """Hand back batches to run again (their requests stay dispatched); the next
         ``pull`` of any batcher takes them before new work. A request whose deadline

@@ -18,8 +18,7 @@ from trioserve import RayReplica, Request, WorkerProcess
 from ._straggler import retried, split
 
 if TYPE_CHECKING:
-    import collections
-
+    from ._in_flight import InFlight
     from ._metrics import ModelMetrics
     from ._scheduler import SchedulerActor
     from ._straggler import BatchTimer, Breaker
@@ -53,7 +52,7 @@ class WorkerFeed:
         _retirable: bool
         _retire_asked: trio.Event
         _retire_scope: trio.CancelScope | None
-        _in_flight: collections.deque[list[Request]]
+        _in_flight: InFlight
         _scheduler: SchedulerActor
         _metrics: ModelMetrics
         _timer: BatchTimer

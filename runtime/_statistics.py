@@ -54,6 +54,7 @@ class _Statistics:
                 "admitted": f.admitted,
                 "shed": f.shed,
                 "expired": f.expired,
+                "expired_running": f.expired_running,
                 "dispatched": f.dispatched,
                 "served_cost": f.served_cost,
                 "hedged": f.hedged,

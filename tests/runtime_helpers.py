@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -230,6 +231,22 @@ def at(actual: float | None, expected: float) -> bool:
     """``actual`` is the trio time ``expected`` (not before it; equal up to float
     rounding of the clock's jump)."""
     return actual is not None and expected <= actual <= expected + 1e-9
+
+
+#: The environment variable naming the file :func:`held_until_file` waits for.
+GATE_FILE_ENV = "TRIOSERVE_TEST_GATE_FILE"
+
+
+def held_until_file(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """A model for worker processes, held as a thread model is by a gate: it answers
+    ``y = x`` once the file named by ``$TRIOSERVE_TEST_GATE_FILE`` exists (looked for
+    every 5 ms, for GATE_LIMIT_S at most). Importable, so a worker process can run
+    it."""
+    path = os.environ[GATE_FILE_ENV]
+    give_up = time.monotonic() + GATE_LIMIT_S
+    while not os.path.exists(path) and time.monotonic() < give_up:
+        time.sleep(0.005)
+    return [{"y": it["x"].copy()} for it in items]
 
 
 #: The environment variable naming the flag file of :func:`broken_once`.

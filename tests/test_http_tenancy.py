@@ -198,7 +198,7 @@ async def test_every_configured_tenant_and_class_has_its_flow_series_from_the_st
             assert f'trioserve_flow_queue_depth{{{flow},tenant="{tenant}"}} 0.0' in text
             for outcome in (
                 "admitted", "shed", "expired", "dispatched", "hedged", "withdrawn", "closed",
-                "pushed_out",
+                "pushed_out", "expired_running",
             ):
                 line = (
                     f'trioserve_flow_requests_total{{{flow},outcome="{outcome}",'

@@ -245,7 +245,9 @@ class GatewayCollector(Collector):
             "while queued, never run, because the queue closed: shutdown, or no replica "
             "left to serve it; superseded: a hedged request or its copy withdrawn while "
             "queued, never run, because its twin answered first; gave_way: hedge copies "
-            "that gave their room in a full queue to a new request, never run).",
+            "that gave their room in a full queue to a new request, never run; "
+            "expired_running: the part of dispatched answered DeadlineExceeded while "
+            "its batch ran).",
             labels=[*labels, "outcome"],
         )
         cost = CounterMetricFamily(
@@ -289,7 +291,7 @@ class GatewayCollector(Collector):
                 depth.add_metric(key, sum(n for _, n in parts))
                 for outcome in (
                     "admitted", "shed", "expired", "dispatched", "hedged", "withdrawn",
-                    "closed", "pushed_out", "superseded", "gave_way",
+                    "closed", "pushed_out", "superseded", "gave_way", "expired_running",
                 ):
                     outcomes.add_metric(
                         [*key, outcome], sum(getattr(f, outcome) for f, _ in parts)
