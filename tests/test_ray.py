@@ -245,3 +245,44 @@ async def test_a_replica_whose_model_fails_to_load_on_ray_is_a_model_load_error(
         async with trioserve.open_runtime(cfg):
             pass
     assert actors() == []
+
+
+async def test_a_model_timeout_passing_in_a_running_ray_batch_is_answered_then():
+    """The batch holding a realtime request (its class's 200 ms timeout) and a batch
+    one takes 1.5 s in its actor (cut-off 3 s): the first caller gets
+    DeadlineExceeded at 200 ms, the second its result when the batch ends."""
+    cfg = trioserve.Config(
+        models=(on_ray(
+            max_batch_size=2, max_wait_ms=10_000, timeout_ms=5_000.0,
+            batch_timeout_floor_ms=3_000.0, batch_timeout_cap_ms=3_000.0,
+        ),),
+        classes=(
+            trioserve.ClassConfig(name="realtime", timeout_ms=200.0),
+            trioserve.ClassConfig(name="batch"),
+        ),
+        tenants=(trioserve.TenantConfig(name="t", default=True),),
+    )
+    got: dict[str, tuple[object, float]] = {}
+    async with trioserve.open_runtime(cfg) as rt:
+        t0 = trio.current_time()
+
+        async def one(v: float, cls: str) -> None:
+            try:
+                out: object = await rt.infer("m", item(v), priority=cls)
+            except trioserve.DeadlineExceeded as exc:
+                out = exc
+            got[cls] = (out, trio.current_time() - t0)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, ray_models.SLOW, "realtime")
+                nursery.start_soon(one, 1.0, "batch")
+        flows = rt.statistics()["m"]["flows"]
+    error, at = got["realtime"]
+    assert isinstance(error, trioserve.DeadlineExceeded)
+    assert "deadline passed while its batch was running" in str(error)
+    assert 0.2 <= at < ray_models.SLOW_S  # while the batch ran
+    out, done = got["batch"]
+    assert float(out["y"][0]) == 2.0
+    assert done >= ray_models.SLOW_S
+    assert flows["t/realtime"]["expired_running"] == 1
