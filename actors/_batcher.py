@@ -14,6 +14,12 @@ way, so only the input that raises gets the error. A worker process runs such a 
 with nothing staged behind it: were it to hang or kill its worker again, what was
 staged would wait out its deadline and go back too.
 
+A request's own deadline (its model's or class's ``timeout_ms``) that passes while its
+batch is in flight (running in a thread or a worker, or staged) is answered then,
+DeadlineExceeded, and the batch goes on for the others (:class:`InFlight`, on the
+watchdog's wall clock); the batch's answer, and its retries, skip it. Inline, nothing
+interrupts the model: its requests wait for the batch.
+
 A model that raises counts towards the replica's breaker only on evidence that the
 replica, not its inputs, is at fault (:class:`Breaker`): a part of a failed batch that
 raised alone here is run once on another replica, and a result there counts; a request
