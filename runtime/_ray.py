@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,11 +60,73 @@ _users = 0
 #: Held while Ray is connected or disconnected, and the users counted (in threads:
 #: two runtimes may run in two threads).
 _users_lock = threading.Lock()
+#: The thread that connected the Ray :func:`start_ray` connected, while it is.
+_owner: RayThread | None = None
+
+
+def init_kwargs(cfg: RayConfig) -> dict[str, Any]:
+    """The arguments of ``ray.init`` for ``cfg``."""
+    kwargs: dict[str, Any] = {}
+    if cfg.address is not None:
+        kwargs["address"] = cfg.address
+    if cfg.namespace is not None:
+        kwargs["namespace"] = cfg.namespace
+    return kwargs
+
+
+class RayThread:
+    """The thread that connects Ray (``ray.init``), stays while it is connected, and
+    disconnects it (``ray.shutdown``).
+
+    A local Ray's head processes (its GCS, raylet, dashboard) are started with
+    ``PR_SET_PDEATHSIG`` on Linux, which fires when the *thread* that started them
+    ends, not the process. Connected from one of trio's worker threads, they were
+    killed when that thread went idle (10 s after the call): the actors lived on,
+    but the process's Ray threads then spun, retrying the lost GCS, and took the
+    GIL from the event loop (batches stalled; Ray ends a driver that cannot reach
+    its GCS for a minute)."""
+
+    def __init__(self, init: Callable[[], object], shutdown: Callable[[], object]) -> None:
+        self._init = init
+        self._shutdown = shutdown
+        self._connected = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="trioserve-ray", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread and wait until it connected Ray; raises what ``ray.init``
+        raised (the thread has ended then). Blocking."""
+        self._thread.start()
+        self._connected.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    def stop(self) -> None:
+        """Have the thread disconnect Ray, and wait until it has ended. Blocking."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            self._init()
+        except BaseException as exc:  # raised in the caller's thread, by start()
+            self._error = exc
+            self._connected.set()
+            return
+        self._connected.set()
+        self._stop.wait()
+        try:
+            self._shutdown()
+        except Exception as exc:  # Ray gone already: nothing left to stop
+            log.warning("ray.shutdown() failed: %s: %s", type(exc).__name__, exc)
 
 
 async def start_ray(cfg: RayConfig) -> bool:
-    """Connect this process to Ray (``ray.init`` in a thread: it takes seconds),
-    unless it is connected already. Returns whether the caller is to call
+    """Connect this process to Ray (``ray.init`` in a thread of its own, which
+    lives until Ray is disconnected: see :class:`RayThread`), unless it is
+    connected already. Returns whether the caller is to call
     :func:`stop_ray` at close: Ray was connected here, or by another runtime of
     this process still using it (counted: the last one's ``stop_ray`` disconnects
     it, and stops the local Ray started here). A Ray the process's own code
@@ -75,14 +138,10 @@ async def start_ray(cfg: RayConfig) -> bool:
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     import ray
 
-    kwargs: dict[str, Any] = {}
-    if cfg.address is not None:
-        kwargs["address"] = cfg.address
-    if cfg.namespace is not None:
-        kwargs["namespace"] = cfg.namespace
+    kwargs = init_kwargs(cfg)
 
     def connect() -> bool:
-        global _users
+        global _users, _owner
         with _users_lock:
             if ray.is_initialized():
                 if _users == 0:
@@ -90,7 +149,9 @@ async def start_ray(cfg: RayConfig) -> bool:
                 _users += 1
                 return True
             log.info("connecting to Ray (%s)", cfg.address or "a local Ray, started here")
-            ray.init(**kwargs)
+            owner = RayThread(lambda: ray.init(**kwargs), ray.shutdown)
+            owner.start()
+            _owner = owner
             _users = 1
             return True
 
@@ -102,15 +163,20 @@ async def start_ray(cfg: RayConfig) -> bool:
 
 async def stop_ray() -> None:
     """Release the Ray :func:`start_ray` connected: the last runtime using it
-    disconnects it (``ray.shutdown``, in a thread, shielded)."""
+    disconnects it (``ray.shutdown``, on the thread that connected it; waited for
+    in a worker thread, shielded)."""
     import ray
 
     def release() -> None:
-        global _users
+        global _users, _owner
         with _users_lock:
             _users = max(0, _users - 1)
             if _users == 0:
-                ray.shutdown()
+                owner, _owner = _owner, None
+                if owner is not None:
+                    owner.stop()
+                else:
+                    ray.shutdown()
 
     with trio.CancelScope(shield=True):
         await trio.to_thread.run_sync(release)

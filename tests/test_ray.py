@@ -286,3 +286,40 @@ async def test_a_model_timeout_passing_in_a_running_ray_batch_is_answered_then()
     assert float(out["y"][0]) == 2.0
     assert done >= ray_models.SLOW_S
     assert flows["t/realtime"]["expired_running"] == 1
+
+
+def test_a_local_ray_started_here_lives_until_it_is_stopped():
+    """A local Ray's head processes (GCS, raylet) get Linux's parent-death signal
+    when the *thread* that started them ends. Started from one of trio's worker
+    threads, they were killed when it went idle (10 s after ``ray.init``): the
+    actors answered on, but the process's Ray threads spun retrying the GCS, took
+    the GIL from the event loop (batches stalled for most of a second), and Ray
+    ends a driver that cannot reach its GCS for a minute. Here, in a process of
+    its own, trio's idle threads end after 0.1 s, and the local Ray lives on until
+    it is stopped."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time, trio, ray\n"
+        "import trio._core._thread_cache as cache\n"
+        "from trioserve import RayConfig\n"
+        "from trioserve._ray import start_ray, stop_ray\n"
+        "cache.IDLE_TIMEOUT = 0.1\n"
+        "async def main():\n"
+        "    assert await start_ray(RayConfig())\n"
+        "    await trio.sleep(2)\n"
+        "    node = ray._private.worker._global_node\n"
+        "    processes = [(name, info.process) for name, infos in node.all_processes.items()\n"
+        "                 for info in infos]\n"
+        "    assert any(name == 'gcs_server' for name, _ in processes)\n"
+        "    print(sorted(name for name, p in processes if p.poll() is not None))\n"
+        "    await stop_ray()\n"
+        "trio.run(main)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"  # none of its processes ended

@@ -4,6 +4,7 @@ errors, and a model on Ray where Ray is not installed. None of these needs a run
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import trioserve
@@ -132,15 +133,73 @@ async def test_ray_is_connected_without_its_failure_signal_handler(monkeypatch):
     seen = []
     monkeypatch.delenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", raising=False)
     monkeypatch.setattr(trioserve._ray, "_users", 0)
+    monkeypatch.setattr(trioserve._ray, "_owner", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(
         ray, "init", lambda **kw: seen.append(os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"])
     )
     assert await trioserve._ray.start_ray(RayConfig()) is True
+    await trioserve._ray.stop_ray()
     assert seen == ["1"]
     monkeypatch.setenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "0")
     await trioserve._ray.start_ray(RayConfig())
+    await trioserve._ray.stop_ray()
     assert seen == ["1", "0"]
+
+
+async def test_ray_is_connected_and_disconnected_by_a_thread_that_lives_in_between(
+    monkeypatch,
+):
+    """A local Ray's processes die with the thread that started them (Linux's
+    parent-death signal is per thread): connected from one of trio's worker
+    threads, they were killed when it went idle, 10 s later. ``ray.init`` and
+    ``ray.shutdown`` run on one thread of the runtime's, alive in between."""
+    ray = pytest.importorskip("ray")
+    ran = []
+    connected = [False]
+
+    def init(**kw):
+        ran.append(("init", threading.current_thread()))
+        connected[0] = True
+
+    def shutdown():
+        ran.append(("shutdown", threading.current_thread()))
+        connected[0] = False
+
+    monkeypatch.setattr(trioserve._ray, "_users", 0)
+    monkeypatch.setattr(trioserve._ray, "_owner", None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: connected[0])
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", shutdown)
+    assert await trioserve._ray.start_ray(RayConfig()) is True
+    [(what, owner)] = ran
+    assert what == "init"
+    assert owner.name == "trioserve-ray"
+    assert owner is not threading.current_thread()
+    assert owner.is_alive()  # after the call that waited for it returned
+    assert await trioserve._ray.start_ray(RayConfig()) is True  # a second user
+    await trioserve._ray.stop_ray()
+    assert owner.is_alive()  # the second still uses it
+    await trioserve._ray.stop_ray()
+    assert ran == [("init", owner), ("shutdown", owner)]
+    assert not owner.is_alive()
+    assert trioserve._ray._owner is None
+
+
+async def test_a_ray_that_cannot_be_connected_leaves_no_thread_behind(monkeypatch):
+    ray = pytest.importorskip("ray")
+    def refuse(**kw):
+        raise ConnectionError("no cluster there")
+
+    monkeypatch.setattr(trioserve._ray, "_users", 0)
+    monkeypatch.setattr(trioserve._ray, "_owner", None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(ConfigError, match="cannot connect to Ray at 'ray://nowhere:1'"):
+        await trioserve._ray.start_ray(RayConfig(address="ray://nowhere:1"))
+    assert not [t for t in threading.enumerate() if t.name == "trioserve-ray"]
+    assert (trioserve._ray._users, trioserve._ray._owner) == (0, None)
 
 
 async def test_the_last_runtime_using_the_ray_it_connected_disconnects_it(monkeypatch):
@@ -160,6 +219,7 @@ async def test_the_last_runtime_using_the_ray_it_connected_disconnects_it(monkey
         connected[0] = False
 
     monkeypatch.setattr(trioserve._ray, "_users", 0)
+    monkeypatch.setattr(trioserve._ray, "_owner", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: connected[0])
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", shutdown)
