@@ -63,10 +63,15 @@ _users_lock = threading.Lock()
 #: The thread that connected the Ray :func:`start_ray` connected, while it is.
 _owner: RayThread | None = None
 
+#: The level of Ray's own logger in this process (``ray.init(logging_level=...)``):
+#: its warnings and errors, not its INFO lines (the local Ray started, the
+#: authentication token written), which are chatter in a serving runtime's log.
+RAY_LOGGING_LEVEL = logging.WARNING
+
 
 def init_kwargs(cfg: RayConfig) -> dict[str, Any]:
     """The arguments of ``ray.init`` for ``cfg``."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"logging_level": RAY_LOGGING_LEVEL}
     if cfg.address is not None:
         kwargs["address"] = cfg.address
     if cfg.namespace is not None:

@@ -288,7 +288,7 @@ async def test_a_model_timeout_passing_in_a_running_ray_batch_is_answered_then()
     assert flows["t/realtime"]["expired_running"] == 1
 
 
-def test_a_local_ray_started_here_lives_until_it_is_stopped():
+def test_a_local_ray_started_here_lives_until_stopped_and_writes_no_info_lines():
     """A local Ray's head processes (GCS, raylet) get Linux's parent-death signal
     when the *thread* that started them ends. Started from one of trio's worker
     threads, they were killed when it went idle (10 s after ``ray.init``): the
@@ -296,7 +296,8 @@ def test_a_local_ray_started_here_lives_until_it_is_stopped():
     the GIL from the event loop (batches stalled for most of a second), and Ray
     ends a driver that cannot reach its GCS for a minute. Here, in a process of
     its own, trio's idle threads end after 0.1 s, and the local Ray lives on until
-    it is stopped."""
+    it is stopped. Its INFO lines ("Started a local Ray instance") are not written
+    to stderr either."""
     import subprocess
     import sys
 
@@ -323,3 +324,5 @@ def test_a_local_ray_started_here_lives_until_it_is_stopped():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"  # none of its processes ended
+    assert "Started a local Ray instance" not in out.stderr
+    assert not [line for line in out.stderr.splitlines() if "\tINFO " in line]

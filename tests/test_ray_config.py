@@ -3,6 +3,7 @@ errors, and a model on Ray where Ray is not installed. None of these needs a run
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -146,6 +147,34 @@ async def test_ray_is_connected_without_its_failure_signal_handler(monkeypatch):
     await trioserve._ray.start_ray(RayConfig())
     await trioserve._ray.stop_ray()
     assert seen == ["1", "0"]
+
+
+@pytest.mark.parametrize(
+    ("table", "passed"),
+    [
+        ({}, {}),
+        (
+            {"address": "ray://head:10001", "namespace": "serving"},
+            {"address": "ray://head:10001", "namespace": "serving"},
+        ),
+    ],
+)
+async def test_ray_is_connected_with_its_warnings_and_errors_but_not_its_info_lines(
+    monkeypatch, table, passed
+):
+    """A local Ray started by `trioserve serve` wrote its INFO lines ("Started a local
+    Ray instance", the authentication token saved) into the runtime's output: its
+    logger is set to WARNING, and what else ``[ray]`` says is passed on."""
+    ray = pytest.importorskip("ray")
+    kwargs = []
+    monkeypatch.setattr(trioserve._ray, "_users", 0)
+    monkeypatch.setattr(trioserve._ray, "_owner", None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: kwargs.append(kw))
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    assert await trioserve._ray.start_ray(RayConfig(**table)) is True
+    await trioserve._ray.stop_ray()
+    assert kwargs == [{"logging_level": logging.WARNING, **passed}]
 
 
 async def test_ray_is_connected_and_disconnected_by_a_thread_that_lives_in_between(
