@@ -431,6 +431,12 @@ class _Versioned:
                     for g in family.groups for b in g.batchers
                 ]
                 out[name]["replica_count"] = len(out[name]["replicas"])
+                # and so is its autoscaling: each version's autoscaler (they are
+                # all autoscaled or none is: the versions share the model's table)
+                out[name]["autoscaler"] = merged_autoscalers([
+                    ([v for v, s in family.by_version.items() if s is g], g.scaler.statistics())
+                    for g in family.groups if g.scaler is not None
+                ])
             out[name]["versions"] = {
                 v: {
                     "own_weights": v in family.own,
@@ -439,6 +445,9 @@ class _Versioned:
                         {"name": b.name, "state": b.state.value, "restarts": b.restarts}
                         for b in served.batchers
                     ],
+                    "autoscaler": (
+                        served.scaler.statistics() if served.scaler is not None else None
+                    ),
                     "ready": self.model_ready(name, v),
                 }
                 for v, served in family.by_version.items()
@@ -446,6 +455,38 @@ class _Versioned:
             if family.controller is not None:
                 out[name]["rollout"] = family.controller.statistics()
         return out
+
+
+def merged_autoscalers(
+    parts: Sequence[tuple[list[str], dict[str, Any]]],
+) -> dict[str, Any] | None:
+    """The ``autoscaler`` statistics of a model whose versions have replicas of their
+    own, from each group's (the versions it serves, its autoscaler's statistics):
+    the counts added up (``desired`` None until every one looked), the model's
+    target, and the latest decision of any, with the ``versions`` it scaled. None
+    when the model is not autoscaled."""
+    if not parts:
+        return None
+    stats = [s for _, s in parts]
+    desired = [s["desired"] for s in stats]
+    decided = [(s["last_decision"], vs) for vs, s in parts if s["last_decision"] is not None]
+    last = None
+    if decided:
+        decision, versions = max(decided, key=lambda d: d[0]["at"])
+        last = {**decision, "versions": versions}
+    return {
+        "replicas": sum(s["replicas"] for s in stats),
+        "min_replicas": sum(s["min_replicas"] for s in stats),
+        "max_replicas": sum(s["max_replicas"] for s in stats),
+        "target_queued_per_replica": stats[0]["target_queued_per_replica"],
+        "desired": None if None in desired else sum(desired),
+        "last_decision": last,
+        "decisions": {
+            direction: sum(s["decisions"].get(direction, 0) for s in stats)
+            for direction in stats[0]["decisions"]
+        },
+        "start_failures": sum(s["start_failures"] for s in stats),
+    }
 
 
 class _Limit:

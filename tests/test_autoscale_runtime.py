@@ -15,8 +15,18 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import NoZygote, _StandIn, callable_model, config, crash_on_666, item, key
-from trioserve import ActorClosed, ActorState, AutoscalingConfig
+from runtime_helpers import (
+    NoZygote,
+    X,
+    Y,
+    _StandIn,
+    callable_model,
+    config,
+    crash_on_666,
+    item,
+    key,
+)
+from trioserve import ActorClosed, ActorState, AutoscalingConfig, CallableBackend
 
 #: trio seconds a stand-in worker takes per batch
 RUN_S = 1.0
@@ -647,3 +657,65 @@ async def test_a_runtime_without_autoscaling_exposes_no_autoscale_series(autojum
         text = (await (await Gateway(rt).app.test_client().get("/metrics")).get_data()).decode()
         assert rt.statistics()["m"]["autoscaler"] is None
     assert "trioserve_autoscale" not in text
+
+
+async def test_a_model_whose_versions_scale_apart_shows_every_versions_autoscaler(
+    autojump_clock, workers
+):
+    """Versions with replicas of their own each have an autoscaler: the model's
+    ``autoscaler`` statistics and ``trioserve_autoscale_*`` series add them all up
+    (they showed the default version's alone), and each version's are in its
+    ``versions`` entry and in the ``trioserve_autoscale_version_*`` series."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from trioserve.transport import Gateway
+
+    own = CallableBackend(crash_on_666, inputs=(X,), outputs=(Y,), execution="process")
+    cfg = config(model(
+        autoscaling=AutoscalingConfig(
+            max_replicas=3, target_queued_per_replica=4, upscale_delay_s=1,
+            downscale_delay_s=1000, interval_s=0.9,
+        ),
+        versions={"1": {}, "2": {"backend": own}},
+    ))
+
+    async def call_version(rt, x: float) -> None:
+        await rt.infer("m", item(x), version="1")
+
+    async with trioserve.open_runtime(cfg) as rt:
+        t0 = trio.current_time()
+        # a backlog on version 1 (the model's backend), none on 2 (the default)
+        async with trio.open_nursery() as nursery:
+            for x in range(1, 25):
+                nursery.start_soon(call_version, rt, float(x))
+            await trio.sleep_until(t0 + 3)
+            stats = rt.statistics()["m"]
+        text = (await (await Gateway(rt).app.test_client().get("/metrics")).get_data()).decode()
+    v1, v2 = stats["versions"]["1"]["autoscaler"], stats["versions"]["2"]["autoscaler"]
+    assert (v1["replicas"], v1["decisions"]) == (3, {"up": 1, "down": 0})
+    assert (v2["replicas"], v2["decisions"], v2["last_decision"]) == (
+        1, {"up": 0, "down": 0}, None
+    )
+    assert stats["autoscaler"] == {
+        "replicas": 4, "min_replicas": 2, "max_replicas": 6,
+        "target_queued_per_replica": 4, "desired": v1["desired"] + v2["desired"],
+        "last_decision": {**v1["last_decision"], "versions": ["1"]},
+        "decisions": {"up": 1, "down": 0}, "start_failures": 0,
+    }
+    assert stats["replica_count"] == 4
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text) for s in family.samples
+    }
+    autoscale = {k: v for k, v in samples.items() if k[0].startswith("trioserve_autoscale_")}
+    assert autoscale == {
+        ("trioserve_autoscale_replicas", (("model", "m"),)): 4,
+        ("trioserve_autoscale_decisions_total", (("direction", "down"), ("model", "m"))): 0,
+        ("trioserve_autoscale_decisions_total", (("direction", "up"), ("model", "m"))): 1,
+        ("trioserve_autoscale_version_replicas", (("model", "m"), ("version", "1"))): 3,
+        ("trioserve_autoscale_version_replicas", (("model", "m"), ("version", "2"))): 1,
+        **{
+            ("trioserve_autoscale_version_decisions_total",
+             (("direction", d), ("model", "m"), ("version", v))): n
+            for v, d, n in (("1", "down", 0), ("1", "up", 1), ("2", "down", 0), ("2", "up", 0))
+        },
+    }

@@ -78,27 +78,59 @@ class GatewayCollector(Collector):
 
     @staticmethod
     def _autoscaling(gw: Gateway) -> Iterator[Metric]:
-        """The replicas and decisions of autoscaled models (``[models.NAME.autoscaling]``);
-        nothing at all when no model is (the series of a runtime without autoscaling
-        are what they were)."""
-        scaled = [(n, s) for n, s in sorted(gw.runtime.models.items()) if s.scaler is not None]
+        """The replicas and decisions of autoscaled models (``[models.NAME.autoscaling]``),
+        all versions' together, and by version for a model whose versions have
+        replicas of their own; nothing at all when no model is autoscaled (the series
+        of a runtime without autoscaling are what they were)."""
+        rt = gw.runtime
+        scaled = [(n, s) for n, s in sorted(rt.models.items()) if s.scaler is not None]
         if not scaled:
             return
         replicas = GaugeMetricFamily(
             "trioserve_autoscale_replicas",
-            "An autoscaled model's replicas (starting, serving or being retired).",
+            "An autoscaled model's replicas (starting, serving or being retired), all "
+            "its versions'.",
             labels=["model"],
         )
         decisions = CounterMetricFamily(
             "trioserve_autoscale_decisions",
-            "Changes of an autoscaled model's replica count, up or down.",
+            "Changes of an autoscaled model's replica count, up or down, all its "
+            "versions'.",
             labels=["model", "direction"],
         )
-        for name, served in scaled:
-            replicas.add_metric([name], len(served.batchers))
-            for direction, n in sorted(served.scaler.scaler.decisions.items()):
-                decisions.add_metric([name, direction], n)
+        by_version = GaugeMetricFamily(
+            "trioserve_autoscale_version_replicas",
+            "The replicas of a version of an autoscaled model whose versions have "
+            "replicas of their own (those of the model's backend shared by the versions "
+            "it serves).",
+            labels=["model", "version"],
+        )
+        version_decisions = CounterMetricFamily(
+            "trioserve_autoscale_version_decisions",
+            "Changes of a version's replica count, up or down, for an autoscaled model "
+            "whose versions have replicas of their own.",
+            labels=["model", "version", "direction"],
+        )
+        versioned = False
+        for name, _ in scaled:
+            groups = [g for g in rt._groups_of(name) if g.scaler is not None]
+            replicas.add_metric([name], sum(len(g.batchers) for g in groups))
+            for direction in sorted(groups[0].scaler.scaler.decisions):
+                decisions.add_metric(
+                    [name, direction],
+                    sum(g.scaler.scaler.decisions[direction] for g in groups),
+                )
+            family = rt._families.get(name)
+            if family is None or len(family.groups) < 2:
+                continue
+            versioned = True
+            for version, served in family.by_version.items():
+                by_version.add_metric([name, version], len(served.batchers))
+                for direction, n in sorted(served.scaler.scaler.decisions.items()):
+                    version_decisions.add_metric([name, version, direction], n)
         yield from (replicas, decisions)
+        if versioned:
+            yield from (by_version, version_decisions)
 
     def collect(self) -> Iterator[Metric]:
         gw = self._gateway
