@@ -303,13 +303,15 @@ class ModelControl:
                             exc if isinstance(exc, ModelLoadError | ConfigError)
                             else ModelLoadError(f"model {name!r}: {exc}")
                         )
+                        # the error names the model already, mostly: not twice
+                        why = str(failure).removeprefix(f"model {name!r}: ")
                         if old is not None:
                             entry.move(ModelState.READY)
                             log.warning("model %r: reload failed, the loaded copy serves "
-                                        "on: %s", name, failure)
+                                        "on: %s", name, why)
                         else:
                             entry.move(ModelState.UNAVAILABLE, f"failed to load: {failure}")
-                            log.warning("model %r: failed to load: %s", name, failure)
+                            log.warning("model %r: failed to load: %s", name, why)
                         if entry.loading is op:
                             entry.loading = None
                         # answered once what it started is stopped (the versions

@@ -226,12 +226,17 @@ async def test_a_request_that_looked_the_model_up_before_a_reload_runs_on_the_ne
         assert answers == {1.0: 1.0, 2.0: 20.0}
 
 
-async def test_a_reload_that_fails_leaves_the_old_copy_serving(autojump_clock, workers):
+async def test_a_reload_that_fails_leaves_the_old_copy_serving(
+    autojump_clock, workers, caplog
+):
     async with trioserve.open_runtime(control_config()) as rt:
         (old,) = workers.made
         workers.fail = True
         with pytest.raises(ModelLoadError, match="weights missing"):
             await rt.load_model("m")
+        (line,) = [r.getMessage() for r in caplog.records if "reload failed" in r.getMessage()]
+        assert line.startswith("model 'm': reload failed, the loaded copy serves on: ")
+        assert line.count("'m'") == 1  # the error's own "model 'm': " is not said again
         assert rt.model_state("m") == ("READY", "")
         assert (await rt.infer("m", item(4.0)))["y"][0] == 4.0
         assert old.alive
@@ -239,12 +244,16 @@ async def test_a_reload_that_fails_leaves_the_old_copy_serving(autojump_clock, w
 
 
 async def test_a_load_that_fails_says_why_and_leaves_the_model_unloaded(
-    autojump_clock, workers
+    autojump_clock, workers, caplog
 ):
     async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
         workers.fail = True
         with pytest.raises(ModelLoadError, match="weights missing"):
             await rt.load_model("m")
+        (line,) = [r.getMessage() for r in caplog.records if "failed to load" in r.getMessage()]
+        assert line.startswith("model 'm': failed to load: ")
+        assert "weights missing" in line
+        assert line.count("'m'") == 1  # the error's own "model 'm': " is not said again
         state, reason = rt.model_state("m")
         assert state == "UNAVAILABLE"
         assert reason.startswith("failed to load: ")
