@@ -31,6 +31,8 @@ The rules (docs/rollout.md):
   are, would be past the stable's share of now by more than ``max_error_rate``.
   Late requests do not count toward the ``min_requests`` a step needs.
 - Promoted and rolled back are final.
+- A rollout just made may start from a decision an earlier run of the server
+  recorded (``restore``): promoted, rolled back, or paused at a step.
 - The operator may promote, roll back, pause and resume (``promote``, ``rollback``,
   ``pause``, ``resume``). Paused, the share holds and no step ends, but the
   outcomes are still counted and checked: a breach still rolls back. Resumed, the
@@ -143,6 +145,8 @@ class Rollout:
         #: when the operator paused it (None: not paused)
         self.paused_at: float | None = None
         self.reason: str | None = None
+        #: the recorded state this rollout started from (None: it began afresh)
+        self.restored: RolloutState | None = None
         self.events: list[RolloutEvent] = []
         self._routed = 0  # unversioned requests routed in this step
         self._to_canary = 0
@@ -245,6 +249,29 @@ class Rollout:
         if not self.on_trial:
             return []
         return self._check(now)
+
+    def restore(
+        self, state: RolloutState, *, step: int, reason: str | None, now: float
+    ) -> None:
+        """Start from a decision an earlier run recorded: ``state`` promoted, rolled
+        back (for ``reason``) or paused at ``step`` (its share, the step's counts
+        empty, its ``step_s`` counted from its resumption). Only on a rollout just
+        made (a canary at its first step, nothing happened); no event (nothing
+        changed in this run). ValueError for anything else."""
+        if self.state is not RolloutState.CANARY or self.events or self.restored:
+            raise ValueError("only a canary's rollout just begun can be restored")
+        if state not in (RolloutState.PROMOTED, RolloutState.ROLLED_BACK, RolloutState.PAUSED):
+            raise ValueError(f"cannot restore a rollout to {state.value}")
+        if not 0 <= step < len(self.rules.steps):
+            raise ValueError(f"step {step} is not one of the {len(self.rules.steps)} steps")
+        self.step = step
+        self._begin_step(now, Fraction(repr(self.rules.steps[step])))
+        self.state = self.restored = state
+        if state is RolloutState.PAUSED:
+            self.paused_at = now
+        else:
+            self.reason = reason
+            self._share = Fraction(1) if state is RolloutState.PROMOTED else Fraction(0)
 
     # ------------------------------------------------------------ the operator's
     def refusal(self, action: str) -> str | None:

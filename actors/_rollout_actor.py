@@ -13,6 +13,11 @@ A few worker tasks take the copies, run them on the shadow version at the lowest
 request class (never cached, never returned to anyone) and compare their outputs
 with stable's: match, mismatch or error.
 
+With a ``keeper`` (the runtime's state file, ``runtime.rollout_state_file``) each
+decision that is to outlast a restart (promoted, rolled back, paused, resumed) is
+handed to it (``keeper.decided(rollout)``, never a checkpoint: the keeper writes it
+later, off the event loop).
+
 ``close()`` stops it for good (its model's copy was unloaded or replaced, under
 explicit model control): it takes no more outcomes nor copies, and its run returns,
 its shadow's copies in flight withdrawn.
@@ -41,6 +46,8 @@ log = logging.getLogger("trioserve")
 SHADOW_RESULTS = ("match", "mismatch", "error", "dropped")
 #: The rollout's events, as counted (paused and resumed: the operator's only).
 ROLLOUT_EVENTS = ("step", "promoted", "rolled_back", "paused", "resumed")
+#: The events that change what a restart is to start from (a step does not).
+KEPT_EVENTS = frozenset(("promoted", "rolled_back", "paused", "resumed"))
 
 
 def same_outputs(a: Any, b: Any, *, rtol: float, atol: float) -> bool:
@@ -64,7 +71,9 @@ class RolloutController(Actor):
     """Drives one model's rollout and runs its shadow (see the module's docstring).
 
     ``run_shadow(inputs, tenant)`` runs a copy on the shadow version and returns
-    its outputs; ``closing()``: whether the runtime is shutting down.
+    its outputs; ``closing()``: whether the runtime is shutting down; ``keeper``:
+    what keeps its decisions across restarts (``decided(rollout)`` and
+    ``statistics()``), or None.
     """
 
     def __init__(
@@ -80,6 +89,7 @@ class RolloutController(Actor):
         shadow_workers: int = 4,
         run_shadow: Callable[[Any, str], Awaitable[Any]] | None = None,
         closing: Callable[[], bool] = lambda: False,
+        keeper: Any = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -95,6 +105,7 @@ class RolloutController(Actor):
         self._workers = shadow_workers
         self._run_shadow = run_shadow
         self._closing = closing
+        self._keeper = keeper
         self._changed = trio.Event()
         self._counted = trio.lowlevel.ParkingLot()  # waiters for shadow results
         self._send, self._receive = trio.open_memory_channel[Any](shadow_queue)
@@ -243,11 +254,14 @@ class RolloutController(Actor):
                     self.model, r.canary, r.stable, e.step + 1, e.reason,
                 )
         if events:
+            if self._keeper is not None and any(e.kind in KEPT_EVENTS for e in events):
+                self._keeper.decided(self.rollout)
             self._changed.set()
 
     def statistics(self) -> dict[str, Any]:
         """The rollout now: state, versions, share, step, this step's counts per
-        version, a rollback's reason, the events so far, the shadow's counts."""
+        version, a rollback's reason, the recorded state it started from and its
+        state file's writes, the events so far, the shadow's counts."""
         r = self.rollout
         return {
             "state": r.state.value,
@@ -264,6 +278,9 @@ class RolloutController(Actor):
                 for v, c in r.counts.items()
             },
             "reason": r.reason,
+            # the state recorded by an earlier run that it started from (None: afresh)
+            "restored": r.restored.value if r.restored is not None else None,
+            "state_file": self._keeper.statistics() if self._keeper is not None else None,
             "events": {k: self.events[k] for k in ROLLOUT_EVENTS},
             "shadow": (
                 {"version": self.shadow, **{k: self.shadow_results[k] for k in SHADOW_RESULTS}}

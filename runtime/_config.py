@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
+import os
 import tomllib
 from collections.abc import Mapping
 from os import PathLike
@@ -366,13 +367,27 @@ class TenantConfig:
         return self.credit_rate if self.credit_rate is not None else math.inf
 
 
+def _opt_path(v: Any) -> None:
+    if v is None:
+        return
+    if not isinstance(v, str) or not v or "\0" in v:
+        raise ValueError(f"must be a file's path (a non-empty string), got {_shown(v)}")
+
+
+def _fspath(v: Any) -> Any:
+    return os.fspath(v) if isinstance(v, PathLike) else v
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeLimits:
-    """Runtime-wide limits: queue bounds, restart policy, shutdown grace.
+    """Runtime-wide settings: queue bounds, restart policy, shutdown grace, where
+    rollouts' decisions are kept.
 
     ``queue_bound`` is each model's queue (the adaptive limit may hold it lower).
     ``inbox_bound`` is accepted for older files and has no effect: requests are
-    admitted straight into the queue, in the caller's task.
+    admitted straight into the queue, in the caller's task. ``rollout_state_file``:
+    the file that keeps the rollouts' decisions across restarts (docs/rollout.md);
+    None: they live in the process.
     """
 
     queue_bound: int = _field(_int(1), 4096)
@@ -384,6 +399,7 @@ class RuntimeLimits:
     #: how long an unload (or a reload's replaced copy) waits for the requests it
     #: holds, under explicit model control; then they are answered ActorClosed
     unload_timeout_s: float = _field(_number(0.0), 30.0)
+    rollout_state_file: str | None = _field(_opt_path, None, converter=_fspath)
 
     def _path(self) -> str:
         return "runtime"

@@ -85,6 +85,8 @@ class Runtime(
         self._cached: frozenset[str] = frozenset()
         #: models whose versions have weights of their own or a rollout (``_versioned``)
         self._families: dict[str, Any] = {}
+        #: the file keeping the rollouts' decisions (``runtime.rollout_state_file``)
+        self._rollout_state: Any = None
 
     # ------------------------------------------------------------ public
     async def infer(

@@ -24,6 +24,7 @@ from ._model import ModelBackend
 from ._ray import check_ray_installed, start_ray, stop_ray
 from ._ray_config import RayReplicaConfig
 from ._rollout_start import start_rollout
+from ._rollout_state import open_state_file
 from ._served import ServedModel
 from ._versioned import Family, start_family, version_backends
 from ._zygote import Zygote, ZygoteError
@@ -101,6 +102,8 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
 
     rt = Runtime(config)
     _make_buckets(rt, trio.current_time())
+    # read before anything starts: a state file that cannot be read fails the start
+    rt._rollout_state = await open_state_file(config)
     zygote: Zygote | None = None
     ray_started = False  # we connected this process to Ray: we disconnect it
     watchdog = Watchdog()
@@ -131,6 +134,8 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                     # once per runtime, before any replica's actor is created
                     ray_started = await start_ray(config.ray)
                 await _start_cache(nursery, rt, policy)
+                if rt._rollout_state is not None:
+                    await nursery.start(rt._rollout_state.run)
                 if config.server.model_control == "explicit":
                     await _start_control(
                         nursery, rt, backends, own, policy, zygote, watchdog
@@ -154,6 +159,10 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                 )
                 normal_exit = True
                 await rt._drain()
+                if rt._rollout_state is not None:
+                    # the decisions of the last moments are written before the close
+                    with trio.move_on_at(rt.grace_deadline):
+                        await rt._rollout_state.flush()
             except BaseException as exc:
                 body_error = exc
             finally:
@@ -544,7 +553,7 @@ async def _start_family(
 
     family = await start_family(rt, m, backend, own, start, install=not controlled)
     if m.rollout is not None:
-        await start_rollout(nursery, rt, family, m.rollout, policy)
+        await start_rollout(nursery, rt, family, m, policy)
     return family
 
 

@@ -544,7 +544,7 @@ def _documented_metrics() -> set[str]:
     return names
 
 
-async def test_every_metric_the_docs_name_is_on_metrics_and_back():
+async def test_every_metric_the_docs_name_is_on_metrics_and_back(tmp_path):
     """Each ``trioserve_*`` name the pages give is a series of ``/metrics`` (a
     histogram's ``_bucket`` / ``_count`` / ``_sum`` its own), and each series
     ``/metrics`` has is named on some page, with every feature that adds series on."""
@@ -561,6 +561,7 @@ async def test_every_metric_the_docs_name_is_on_metrics_and_back():
         ],
         tenants=[trioserve.TenantConfig(name="t", default=True, credit_rate=100.0)],
         cache=trioserve.CacheConfig(capacity_bytes=1 << 20),
+        runtime=trioserve.RuntimeLimits(rollout_state_file=str(tmp_path / "rollout.json")),
     )
     async with (
         trioserve.open_runtime(config) as rt,

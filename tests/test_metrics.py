@@ -139,12 +139,12 @@ def _metrics_table() -> dict[str, tuple[set[str], str]]:
     return rows
 
 
-async def test_every_metrics_series_is_documented_with_its_labels(autojump_clock):
+async def test_every_metrics_series_is_documented_with_its_labels(autojump_clock, tmp_path):
     """What ``/metrics`` exposes, with the cache on, three models (one with a slow
-    lane, one with a rollout and a shadow) and a tenant with credits, is what the
-    docs name, and no more: each series in docs/gateway.md's table (summaries said
-    to be summaries, counters ending in ``_total``) with its labels, and the
-    outcomes it lists."""
+    lane, one with a rollout, a shadow and a state file) and a tenant with credits,
+    is what the docs name, and no more: each series in docs/gateway.md's table
+    (summaries said to be summaries, counters ending in ``_total``) with its labels,
+    and the outcomes it lists."""
     cfg = trioserve.Config(
         models=(
             callable_model("a", Recorder(), slo_ms=50.0),
@@ -154,6 +154,7 @@ async def test_every_metrics_series_is_documented_with_its_labels(autojump_clock
         ),
         tenants=(TenantConfig(name="t", default=True, credit_rate=1000.0),),
         cache=CacheConfig(capacity_bytes=1 << 20),
+        runtime=trioserve.RuntimeLimits(rollout_state_file=str(tmp_path / "rollout.json")),
     )
     async with trioserve.open_runtime(cfg) as rt:
         client = Gateway(rt).app.test_client()

@@ -194,3 +194,27 @@ async def test_a_rollback_reason_that_is_not_valid_unicode_is_refused():
         assert rt.rollback("m", "\U0001f600 latency")["reason"] == "\U0001f600 latency"
         res = await http.request("GET", "/v2/models/m/rollout")
         assert (res.status, res.json()["reason"]) == (200, "\U0001f600 latency")
+
+
+async def test_a_decision_restored_from_the_state_file_is_shown_and_counted(tmp_path):
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 1000})
+    cfg = http_config(m, rollout_state_file=str(tmp_path / "rollout.json"))
+    async with serving(cfg) as gw, open_http(gw.url) as http:
+        body = orjson.dumps({"reason": "p99 up on the dashboards"})
+        rolled = await http.request("POST", "/v2/models/m/rollout/rollback", body)
+        await gw.runtime._rollout_state.flush()
+        before = (await http.get("/metrics")).body.decode().splitlines()
+    async with serving(cfg) as gw, open_http(gw.url) as http:
+        res = await http.request("GET", "/v2/models/m/rollout")
+        after = (await http.get("/metrics")).body.decode().splitlines()
+    assert (rolled.status, rolled.json()["restored"]) == (200, None)
+    doc = res.json()
+    assert res.status == 200
+    assert (doc["state"], doc["restored"], doc["reason"]) == (
+        "rolled_back", "rolled_back", "p99 up on the dashboards")
+    assert doc["state_file"]["path"] == str(tmp_path / "rollout.json")
+    assert 'trioserve_rollout_state_writes_total{result="ok"} 1.0' in before
+    assert 'trioserve_rollout_state_writes_total{result="error"} 0.0' in before
+    # this run wrote nothing: it only read the decision
+    assert 'trioserve_rollout_state_writes_total{result="ok"} 0.0' in after
+    assert 'trioserve_rollout_share{model="m",version="2"} 0.0' in after

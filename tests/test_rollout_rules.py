@@ -480,3 +480,51 @@ def test_a_step_lasts_step_s_of_time_not_paused(ops):
             assert not (unpaused >= 10.0 + 1e-9 and answers >= 2)
         if r.terminal:
             break
+
+
+def test_a_rollout_just_made_starts_from_a_recorded_decision():
+    promoted, rolled = rollout(), rollout()
+    paused = rollout(steps=(0.1, 0.5), step_s=10, min_requests=3)
+    promoted.restore(RolloutState.PROMOTED, step=0, reason=None, now=5.0)
+    rolled.restore(RolloutState.ROLLED_BACK, step=0, reason="error rate: ...", now=5.0)
+    paused.restore(RolloutState.PAUSED, step=1, reason=None, now=5.0)
+    assert (promoted.state, promoted.share, promoted.target()) == (
+        RolloutState.PROMOTED, 1.0, "2")
+    assert (rolled.state, rolled.share, rolled.reason) == (
+        RolloutState.ROLLED_BACK, 0.0, "error rate: ...")
+    assert {rolled.route() for _ in range(10)} == {"1"}
+    assert (paused.state, paused.step, paused.share) == (RolloutState.PAUSED, 1, 0.5)
+    assert [paused.route() for _ in range(4)] == ["1", "2", "1", "2"]
+    assert all(r.events == [] for r in (promoted, rolled, paused))  # nothing happened
+    assert {r.restored for r in (promoted, rolled, paused)} == {
+        RolloutState.PROMOTED, RolloutState.ROLLED_BACK, RolloutState.PAUSED}
+    # paused: nothing ends the step; resumed, its step_s counts from the resumption
+    for _ in range(3):
+        paused.record("2", True, 0.01, 6.0)
+    assert paused.tick(100.0) == []
+    paused.resume(100.0)
+    assert paused.tick(109.9) == []
+    (event,) = paused.tick(110.0)
+    assert event.kind == "promoted"
+    assert promoted.refusal("rollback") == "the canary is already promoted (final)"
+
+
+@pytest.mark.parametrize(
+    ("state", "step", "why"),
+    [
+        (RolloutState.CANARY, 0, "cannot restore a rollout to canary"),
+        (RolloutState.STABLE, 0, "cannot restore a rollout to stable"),
+        (RolloutState.PAUSED, 3, "step 3 is not one of the 3 steps"),
+    ],
+)
+def test_only_a_decision_is_restored_and_only_once(state, step, why):
+    with pytest.raises(ValueError, match=why):
+        rollout().restore(state, step=step, reason=None, now=0.0)
+    once = rollout()
+    once.restore(RolloutState.PAUSED, step=0, reason=None, now=0.0)
+    begun = rollout()
+    begun.pause(1.0)
+    begun.resume(2.0)
+    for r in (once, begun):
+        with pytest.raises(ValueError, match="only a canary's rollout just begun"):
+            r.restore(RolloutState.PROMOTED, step=0, reason=None, now=3.0)

@@ -12,8 +12,9 @@ from trioserve.actors import ROLLOUT_EVENTS, SHADOW_RESULTS
 
 def rollout_metrics(runtime: Any) -> Iterator[Metric]:
     """``trioserve_rollout_share{model,version}``, ``trioserve_rollout_events_total
-    {model,event}`` and ``trioserve_shadow_results_total{model,version,result}``;
-    nothing at all when no model has a rollout."""
+    {model,event}``, ``trioserve_shadow_results_total{model,version,result}`` and,
+    with a state file, ``trioserve_rollout_state_writes_total{result}``; nothing at
+    all when no model has a rollout."""
     rolled = [
         (name, f.controller) for name, f in sorted(runtime._families.items())
         if f.controller is not None
@@ -55,3 +56,14 @@ def rollout_metrics(runtime: Any) -> Iterator[Metric]:
     yield from (share, events)
     if shadows:
         yield shadow
+    store = runtime._rollout_state
+    if store is not None:
+        writes = CounterMetricFamily(
+            "trioserve_rollout_state_writes",
+            "Writes of the rollouts' state file (runtime.rollout_state_file): done, "
+            "or failed (logged; the next decision writes it whole again).",
+            labels=["result"],
+        )
+        writes.add_metric(["ok"], store.writes)
+        writes.add_metric(["error"], store.write_errors)
+        yield writes

@@ -1,0 +1,324 @@
+"""The rollouts' decisions kept across restarts (``runtime.rollout_state_file``,
+docs/rollout.md).
+
+One JSON file holds, per model, the decision in force of its rollout (promoted,
+rolled back, or paused at a step) and what it was decided for: the stable and the
+canary, a fingerprint of each one's backend and options, and the steps. It is
+read once when the runtime opens (a file that cannot be read or is not such a
+document is a ConfigError naming it: a decision misread could canary again a
+version rolled back for its errors), and written whole after each decision,
+atomically (a temporary file in the same directory, flushed to the disk, then
+``os.replace``) by a task of its own in a worker thread: a decision is recorded at
+once in memory and written moments later, never holding up a request. A write
+that fails is logged and counted, and the next decision writes the whole file
+again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from ._config import Config, ModelConfig
+from ._errors import ConfigError
+
+log = logging.getLogger("trioserve")
+
+#: The document's ``format``: a later one is refused, not misread.
+FORMAT = 1
+#: The largest state file read: a few hundred bytes a model.
+MAX_STATE_BYTES = 16 * 1024**2
+#: The states recorded (a canary on trial, resumed, is no decision: none is kept).
+RECORDED = ("promoted", "rolled_back", "paused")
+#: How long a decision not yet written when the runtime is cancelled may take to be.
+FINAL_WRITE_S = 5.0
+
+_REMEDY = "fix it, or remove it to start every rollout afresh"
+
+
+def version_fingerprint(m: ModelConfig, version: str) -> str:
+    """What ``version`` of ``m`` is served with, as a short digest: its backend (a
+    built-in's name or an import string as written; for a Python object, its type's
+    or function's qualified name) and its options (merged over the model's). The
+    same configuration gives the same digest in every run of the server."""
+    backend, options = m.backend, dict(m.options)
+    tables = m.versions.tables
+    if tables is not None and version in tables:
+        t = tables[version]
+        if t.backend is not None:
+            backend = t.backend
+        options.update(t.options or {})
+    if not isinstance(backend, str):
+        named = backend if callable(backend) and hasattr(backend, "__qualname__") else type(backend)
+        backend = f"{getattr(named, '__module__', '?')}:{named.__qualname__}"
+    text = json.dumps(
+        {"backend": backend, "options": options}, sort_keys=True,
+        default=lambda o: f"<{type(o).__qualname__}>",
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace ``path``'s content with ``data`` at once: a temporary file beside it,
+    written and flushed to the disk, renamed over it (then the directory flushed).
+    A reader sees the old content or the new, never part of one; on an error the
+    temporary file is removed and ``path`` left as it was. Blocking: run it in a
+    worker thread."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    # the rename itself is durable once the directory is (not every system lets a
+    # directory be opened: the file is in place either way)
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _read(path: str) -> bytes | None:
+    """The file's bytes, None when there is none. Blocking."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_STATE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+
+
+def _parse(path: str, raw: bytes) -> dict[str, dict[str, Any]]:
+    """The records of a state file's bytes, each checked; ConfigError names the file
+    and what is wrong."""
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{path}: rollout state file (runtime.rollout_state_file): "
+                           f"{what}; {_REMEDY}")
+
+    if len(raw) > MAX_STATE_BYTES:
+        raise bad(f"over {MAX_STATE_BYTES // 1024**2} MiB, not a state file")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise bad(f"not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or "models" not in doc or "format" not in doc:
+        raise bad("not a rollout state file (expected a JSON object with "
+                  "'format' and 'models')")
+    if doc["format"] != FORMAT:
+        raise bad(f"format {doc['format']!r}, this server reads format {FORMAT}")
+    models = doc["models"]
+    if not isinstance(models, dict):
+        raise bad("'models' must be an object of model name -> record")
+    for name, rec in models.items():
+        why = _invalid(rec)
+        if why is not None:
+            raise bad(f"the record of model {name!r}: {why}")
+    return models
+
+
+def _invalid(rec: Any) -> str | None:
+    """Why ``rec`` is not a well-formed record, or None."""
+    if not isinstance(rec, dict):
+        return "must be an object"
+    expected = {"state": str, "stable": str, "canary": str, "versions": dict,
+                "steps": list, "step": int}
+    for key, kind in expected.items():
+        value = rec.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{key!r} must be a JSON {kind.__name__}, got {value!r}"
+    if rec["state"] not in RECORDED:
+        return f"'state' must be one of {', '.join(RECORDED)}, got {rec['state']!r}"
+    if not all(isinstance(v, str) for v in rec["versions"].values()):
+        return "'versions' must map each version to its fingerprint (a string)"
+    steps = rec["steps"]
+    if not steps or not all(isinstance(s, int | float) and not isinstance(s, bool)
+                            for s in steps):
+        return f"'steps' must be a non-empty list of shares, got {steps!r}"
+    if not 0 <= rec["step"] < len(steps):
+        return f"'step' {rec['step']} is not one of its {len(steps)} steps"
+    reason = rec.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        return f"'reason' must be a string or null, got {reason!r}"
+    return None
+
+
+class RolloutStateFile:
+    """The runtime's state file: the records read at start, each decision since,
+    and the task (``run``) that writes them."""
+
+    def __init__(self, path: str, records: Mapping[str, dict[str, Any]]) -> None:
+        self.path = path
+        self._records = dict(records)
+        self._wanted = 0  # changes made
+        self._done = 0  # changes written (or whose write failed)
+        self._wake = trio.Event()
+        self._settled = trio.lowlevel.ParkingLot()  # flush's waiters
+        self.writes = 0
+        self.write_errors = 0
+        self.last_error: str | None = None
+
+    @classmethod
+    async def open(cls, path: str) -> RolloutStateFile:
+        """Read ``path`` (in a worker thread): none there is no record at all.
+        ConfigError when it cannot be read or is not a state file."""
+        try:
+            raw = await trio.to_thread.run_sync(_read, path)
+        except OSError as exc:
+            raise ConfigError(
+                f"{path}: rollout state file (runtime.rollout_state_file): cannot be "
+                f"read: {exc.strerror or exc}; {_REMEDY}"
+            ) from None
+        return cls(path, _parse(path, raw) if raw is not None else {})
+
+    def record_of(self, model: str) -> dict[str, Any] | None:
+        """The decision recorded for ``model`` (a copy), or None."""
+        rec = self._records.get(model)
+        return dict(rec) if rec is not None else None
+
+    def put(self, model: str, record: dict[str, Any] | None) -> None:
+        """Record ``model``'s decision (None: it has none in force any more) and wake
+        the writer. Not a checkpoint."""
+        if record is None:
+            self._records.pop(model, None)
+        else:
+            self._records[model] = record
+        self._wanted += 1
+        self._wake.set()
+
+    def statistics(self) -> dict[str, Any]:
+        """The file's path, its writes done and failed, the last failure's text."""
+        return {"path": self.path, "writes": self.writes, "write_errors": self.write_errors,
+                "last_error": self.last_error}
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Write the file after each change, until cancelled (several changes made
+        meanwhile: one write). Cancelled with a change not yet written, it still
+        writes it, shielded, for up to ``FINAL_WRITE_S``."""
+        task_status.started()
+        try:
+            while True:
+                if self._done == self._wanted:
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                await self._write()
+        finally:
+            if self._done != self._wanted:
+                with trio.CancelScope(shield=True), trio.move_on_after(FINAL_WRITE_S) as late:
+                    await self._write(abandon=True)
+                if late.cancelled_caught:
+                    log.error("rollout state file %s: the last decisions were not "
+                              "written within %g s of the close", self.path, FINAL_WRITE_S)
+
+    async def flush(self) -> None:
+        """Wait until every change made so far was written (or failed to be). A
+        checkpoint; cancelling it only stops the wait."""
+        await trio.lowlevel.checkpoint()
+        while self._done != self._wanted:
+            await self._settled.park()
+
+    async def _write(self, *, abandon: bool = False) -> None:
+        wanted = self._wanted
+        data = json.dumps({"format": FORMAT, "models": self._records}, indent=1,
+                          sort_keys=True).encode()
+        try:
+            await trio.to_thread.run_sync(
+                write_atomic, self.path, data, abandon_on_cancel=abandon
+            )
+        except OSError as exc:
+            self.write_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("rollout state file %s: cannot write the rollouts' decisions "
+                      "(%s); serving goes on, the next decision tries again",
+                      self.path, self.last_error)
+        else:
+            self.writes += 1
+        self._done = wanted
+        self._settled.unpark_all()
+
+
+async def open_state_file(config: Config) -> RolloutStateFile | None:
+    """The runtime's state file, read, when ``runtime.rollout_state_file`` is set
+    and some model has a rollout (else None). Records of models that have no
+    rollout in this configuration are kept, unused, and logged."""
+    path = config.runtime.rollout_state_file
+    if path is None or not any(m.rollout is not None for m in config.models):
+        return None
+    store = await RolloutStateFile.open(path)
+    rolled = {m.name for m in config.models if m.rollout is not None}
+    for name in sorted(set(store._records) - rolled):
+        log.info("rollout state file %s: the decision recorded for model %r is not "
+                 "used: the configuration gives it no rollout", path, name)
+    return store
+
+
+class Keeper:
+    """One model's rollout as its state file keeps it: what its decisions are
+    recorded for (the stable, the canary, their fingerprints, the steps), the
+    decision it may start from, and each decision since (``decided``)."""
+
+    def __init__(self, store: RolloutStateFile, m: ModelConfig) -> None:
+        r = m.rollout
+        assert r is not None
+        self.store = store
+        self.model = m.name
+        self._for: dict[str, Any] = {
+            "stable": r.stable,
+            "canary": r.canary,
+            "versions": {v: version_fingerprint(m, v) for v in (r.stable, r.canary)
+                         if v is not None},
+            "steps": list(r.steps),
+        }
+
+    def recorded(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The decision recorded for this model that this configuration starts from,
+        or (None, why not): None, None when nothing is recorded."""
+        rec = self.store.record_of(self.model)
+        if rec is None:
+            return None, None
+        now = self._for
+        if now["canary"] is None:
+            return None, "the configuration has no canary now"
+        if (rec["stable"], rec["canary"]) != (now["stable"], now["canary"]):
+            return None, (
+                f"it was decided for stable {rec['stable']!r} and canary {rec['canary']!r}, "
+                f"the configuration has stable {now['stable']!r} and canary {now['canary']!r}"
+            )
+        for v in (now["stable"], now["canary"]):
+            if rec["versions"].get(v) != now["versions"][v]:
+                return None, f"version {v!r}'s backend or options changed since"
+        if rec["state"] == "paused" and rec["steps"] != now["steps"]:
+            return None, (
+                f"it was paused at step {rec['step'] + 1} of steps {rec['steps']}, the "
+                f"configuration's steps are now {now['steps']}"
+            )
+        return rec, None
+
+    def decided(self, rollout: Any) -> None:
+        """``rollout`` (a ``Rollout``) decided: record its state (a canary on trial
+        again, resumed, is no decision: its record goes). Not a checkpoint."""
+        state = rollout.state.value
+        if state not in RECORDED:
+            self.store.put(self.model, None)
+            return
+        self.store.put(self.model, {
+            **self._for, "state": state, "step": rollout.step, "reason": rollout.reason,
+        })
+
+    def statistics(self) -> dict[str, Any]:
+        return self.store.statistics()

@@ -1,0 +1,372 @@
+"""A rollout's decisions kept across restarts (``runtime.rollout_state_file``,
+docs/rollout.md): the round trip, a record that no longer matches the
+configuration, a file that cannot be read, a write that fails, and the atomic
+write itself."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+import attrs
+import numpy as np
+import pytest
+import trio
+import trio.testing
+import trioserve
+from runtime_helpers import GATE_LIMIT_S, config
+from test_rollout_runtime import adder, one, version_of
+from trioserve import ConfigError, ModelConfig
+from trioserve import _rollout_state as state_file
+
+
+def make_adder(k: float):
+    """A factory backend (its option ``k`` is its "weights"): ``y = x + k``."""
+    return adder(k)
+
+
+def model(rollout: dict, *, canary_k: float = 2, **cfg) -> ModelConfig:
+    """Model ``m``: version 1 (+1, the model's backend), 2 (+``canary_k``, weights of
+    its own, from options) and 3 (+3)."""
+    cfg.setdefault("max_wait_ms", 0.0)
+    return ModelConfig(
+        name="m", backend=adder(1),
+        versions={"1": {}, "2": {"backend": make_adder, "options": {"k": canary_k}},
+                  "3": {"backend": make_adder, "options": {"k": 3}}},
+        rollout=rollout, **cfg,
+    )
+
+
+def kept(m: ModelConfig, path) -> trioserve.Config:
+    return config(m, rollout_state_file=str(path))
+
+
+def recorded(path) -> dict:
+    with open(path, "rb") as f:
+        return json.load(f)
+
+
+async def unversioned(rt, n: int) -> list[str]:
+    return [version_of(await rt.infer("m", one(i)), i) for i in range(n)]
+
+
+CANARY = {"stable": "1", "canary": "2", "steps": [0.5, 0.75], "step_s": 10,
+          "min_requests": 2}
+
+
+async def test_a_rollback_outlasts_a_restart(autojump_clock, tmp_path, caplog):
+    path = tmp_path / "rollout.json"
+    caplog.set_level(logging.INFO, logger="trioserve")
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        assert rt.rollout_state("m")["restored"] is None
+        rt.rollback("m", reason="errors on the dashboards")
+        # the runtime closes at once: the decision is written before it has closed
+    on_disk = recorded(path)
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        state = rt.rollout_state("m")
+        seen = await unversioned(rt, 6)
+        with pytest.raises(ConfigError, match="already rolled_back"):
+            rt.promote("m")
+    assert on_disk["format"] == 1
+    assert {k: v for k, v in on_disk["models"]["m"].items() if k != "versions"} == {
+        "state": "rolled_back", "stable": "1", "canary": "2", "steps": [0.5, 0.75],
+        "step": 0, "reason": "errors on the dashboards",
+    }
+    assert (state["state"], state["share"], state["reason"], state["restored"]) == (
+        "rolled_back", 0.0, "errors on the dashboards", "rolled_back")
+    assert state["events"]["rolled_back"] == 0  # nothing happened in this run
+    assert state["state_file"] == {"path": str(path), "writes": 0, "write_errors": 0,
+                                   "last_error": None}
+    assert seen == ["1"] * 6  # the canary is not on trial again
+    said = [r.getMessage() for r in caplog.records if "rollout: stable" in r.getMessage()]
+    assert said[-1] == (
+        f"model 'm': rollout: stable '1', canary '2' rolled back as recorded in {path}"
+    )
+
+
+async def test_a_promotion_by_the_checks_outlasts_a_restart(autojump_clock, tmp_path):
+    path = tmp_path / "rollout.json"
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        while rt.rollout_state("m")["state"] != "promoted":
+            await rt.infer("m", one(0))
+            await trio.sleep(1)
+        await rt._rollout_state.flush()
+        writes = rt.rollout_state("m")["state_file"]["writes"]
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        state = rt.rollout_state("m")
+        seen = await unversioned(rt, 4)
+    assert writes == 1  # the promotion (a step is no decision kept)
+    assert recorded(path)["models"]["m"]["state"] == "promoted"
+    assert (state["state"], state["share"], state["restored"]) == ("promoted", 1.0, "promoted")
+    assert seen == ["2"] * 4
+
+
+async def test_a_pause_outlasts_a_restart_at_its_step_and_a_resume_forgets_it(
+    autojump_clock, tmp_path,
+):
+    path = tmp_path / "rollout.json"
+    rollout = {**CANARY, "min_requests": 4}
+    async with trioserve.open_runtime(kept(model(rollout), path)) as rt:
+        for i in range(8):
+            await rt.infer("m", one(i))
+        await trio.sleep(10)
+        await rt.infer("m", one(0))  # the first step has ended: step 2, at 0.75
+        paused = rt.pause_rollout("m")
+    async with trioserve.open_runtime(kept(model(rollout), path)) as rt:
+        state = rt.rollout_state("m")
+        seen = await unversioned(rt, 4)
+        await trio.sleep(100)  # held: no step ends, nothing promotes it
+        held = rt.rollout_state("m")
+        # on trial again (its 3 answers are short of min_requests: the step goes on)
+        resumed = rt.resume_rollout("m")
+    after_resume = recorded(path)
+    async with trioserve.open_runtime(kept(model(rollout), path)) as rt:
+        fresh = rt.rollout_state("m")
+    assert (paused["step"], paused["share"]) == (1, 0.75)
+    assert (state["state"], state["paused"], state["step"], state["share"]) == (
+        "paused", True, 1, 0.75)
+    assert state["restored"] == "paused"
+    assert seen == ["1", "2", "2", "2"]  # 3 of 4 to the canary: the step's share
+    assert (held["state"], held["step"], held["counts"]["2"]["ok"]) == ("paused", 1, 3)
+    assert (resumed["state"], resumed["step"], resumed["share"]) == ("canary", 1, 0.75)
+    assert after_resume["models"] == {}  # on trial again: no decision in force
+    assert (fresh["state"], fresh["step"], fresh["restored"]) == ("canary", 0, None)
+
+
+@pytest.mark.parametrize(
+    ("now", "why"),
+    [
+        ({**CANARY, "canary": "3"},
+         "it was decided for stable '1' and canary '2', the configuration has stable "
+         "'1' and canary '3'"),
+        ({**CANARY, "stable": "3"},
+         "it was decided for stable '1' and canary '2', the configuration has stable "
+         "'3' and canary '2'"),
+        ({"stable": "1"}, "the configuration has no canary now"),
+    ],
+)
+async def test_a_record_of_other_versions_is_not_used(
+    autojump_clock, tmp_path, caplog, now, why,
+):
+    path = tmp_path / "rollout.json"
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        rt.rollback("m")
+    caplog.set_level(logging.INFO, logger="trioserve")
+    async with trioserve.open_runtime(kept(model(now), path)) as rt:
+        state = rt.rollout_state("m")
+    assert state["restored"] is None
+    assert state["state"] == ("canary" if "canary" in now else "stable")
+    said = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert said == [
+        f"model 'm': rollout: the decision recorded in {path} is not used: {why}; "
+        "it starts afresh"
+    ]
+    assert recorded(path)["models"]["m"]["canary"] == "2"  # left as it was
+
+
+async def test_a_record_of_other_weights_or_steps_is_not_used(
+    autojump_clock, tmp_path, caplog,
+):
+    path = tmp_path / "rollout.json"
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        rt.pause_rollout("m")
+    caplog.set_level(logging.INFO, logger="trioserve")
+    # the same versions' names, but the canary's options are other weights
+    async with trioserve.open_runtime(kept(model(CANARY, canary_k=7), path)) as rt:
+        reweighted = rt.rollout_state("m")
+    # paused at step 1 of other steps
+    async with trioserve.open_runtime(kept(model({**CANARY, "steps": [0.1]}), path)) as rt:
+        restepped = rt.rollout_state("m")
+    # the very same configuration (the model's backend is another object, of the
+    # same kind): restored
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        same = rt.rollout_state("m")
+    said = [r.getMessage().partition(" is not used: ")[2]
+            for r in caplog.records if "not used" in r.getMessage()]
+    assert (reweighted["state"], reweighted["restored"]) == ("canary", None)
+    assert (restepped["state"], restepped["restored"]) == ("canary", None)
+    assert (same["state"], same["restored"]) == ("paused", "paused")
+    assert said == [
+        "version '2''s backend or options changed since; it starts afresh",
+        "it was paused at step 1 of steps [0.5, 0.75], the configuration's steps are "
+        "now [0.1]; it starts afresh",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b'{"format": 1, "models": {"m": ', "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[]", "not a rollout state file (expected a JSON object with 'format' and 'models')"),
+        (b'{"format": 2, "models": {}}', "format 2, this server reads format 1"),
+        (b'{"format": 1, "models": {"m": {"state": "gone", "stable": "1", "canary": "2", '
+         b'"versions": {}, "steps": [0.5], "step": 0}}}',
+         "the record of model 'm': 'state' must be one of promoted, rolled_back, paused, "
+         "got 'gone'"),
+        (b'{"format": 1, "models": {"m": {"state": "paused", "stable": "1", "canary": "2", '
+         b'"versions": {}, "steps": [0.5], "step": 3}}}',
+         "the record of model 'm': 'step' 3 is not one of its 1 steps"),
+    ],
+)
+async def test_a_file_that_is_no_state_file_fails_the_start_naming_it(
+    autojump_clock, tmp_path, content, why,
+):
+    path = tmp_path / "rollout.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as exc:
+        async with trioserve.open_runtime(kept(model(CANARY), path)):
+            pass  # pragma: no cover
+    text = str(exc.value)
+    assert text.startswith(f"{path}: rollout state file (runtime.rollout_state_file): {why}")
+    assert text.endswith("; fix it, or remove it to start every rollout afresh")
+    assert path.read_bytes() == content  # left as it was
+
+
+async def test_a_state_file_that_cannot_be_read_fails_the_start(autojump_clock, tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot be read: Is a directory; fix it"):
+        async with trioserve.open_runtime(kept(model(CANARY), tmp_path)):
+            pass  # pragma: no cover
+
+
+async def test_no_file_yet_is_a_fresh_start_and_no_rollout_reads_none(
+    autojump_clock, tmp_path,
+):
+    path = tmp_path / "rollout.json"
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        state = rt.rollout_state("m")
+    plain = ModelConfig(name="p", backend=adder(1))
+    path.write_bytes(b"not read: no model has a rollout")
+    async with trioserve.open_runtime(config(plain, rollout_state_file=str(path))) as rt:
+        assert await rt.infer("p", one(1))
+    assert (state["state"], state["restored"]) == ("canary", None)
+    assert not path.exists() or path.read_bytes().startswith(b"not read")
+
+
+async def test_a_write_that_fails_is_logged_and_counted_and_serving_goes_on(
+    autojump_clock, tmp_path, caplog,
+):
+    path = tmp_path / "missing" / "rollout.json"  # its directory is not there
+    caplog.set_level(logging.INFO, logger="trioserve")
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        rt.pause_rollout("m")
+        await rt._rollout_state.flush()
+        failed = rt.rollout_state("m")["state_file"]
+        served = await unversioned(rt, 4)
+        (tmp_path / "missing").mkdir()
+        rt.resume_rollout("m")  # the next decision writes the whole file again
+        rt.rollback("m")
+        await rt._rollout_state.flush()
+        later = rt.rollout_state("m")["state_file"]
+    assert failed["write_errors"] == 1
+    assert failed["writes"] == 0
+    assert failed["last_error"].startswith("FileNotFoundError: ")
+    assert served == ["1", "2", "1", "2"]
+    assert later["writes"] == 1  # the resume and the rollback: one write
+    assert later["write_errors"] == 1
+    assert recorded(path)["models"]["m"]["state"] == "rolled_back"
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert errors[0].getMessage().startswith(
+        f"rollout state file {path}: cannot write the rollouts' decisions "
+        "(FileNotFoundError: ")
+    assert errors[0].getMessage().endswith(
+        "; serving goes on, the next decision tries again")
+
+
+async def test_a_write_under_way_holds_up_no_request(autojump_clock, tmp_path, monkeypatch):
+    path = tmp_path / "rollout.json"
+    writing, release = trio.Event(), threading.Event()
+    real = state_file.write_atomic
+
+    def slow_write(p: str, data: bytes) -> None:  # in the writer's worker thread
+        trio.from_thread.run_sync(writing.set)
+        release.wait(GATE_LIMIT_S)
+        real(p, data)
+
+    monkeypatch.setattr(state_file, "write_atomic", slow_write)
+    try:
+        async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+            rt.rollback("m")
+            await writing.wait()
+            served = await unversioned(rt, 4)  # while the write is held in its thread
+            written_yet = path.exists()
+            release.set()
+            await rt._rollout_state.flush()
+            stats = rt.rollout_state("m")["state_file"]
+    finally:
+        release.set()
+    assert served == ["1"] * 4
+    assert not written_yet
+    assert stats["writes"] == 1
+    assert recorded(path)["models"]["m"]["state"] == "rolled_back"
+
+
+def test_the_atomic_write_leaves_the_old_file_or_the_new_never_part(tmp_path, monkeypatch):
+    path = tmp_path / "rollout.json"
+    state_file.write_atomic(str(path), b"old")
+    for name in ("fsync", "replace"):
+        with monkeypatch.context() as mp:
+            def broken(*args, _name=name):
+                raise OSError(28, "No space left on device")
+
+            mp.setattr(os, name, broken)
+            with pytest.raises(OSError, match="No space left"):
+                state_file.write_atomic(str(path), b"new, cut short")
+        assert path.read_bytes() == b"old"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout.json"]
+    state_file.write_atomic(str(path), b"new")
+    assert path.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout.json"]
+
+
+def test_the_state_file_is_a_checked_config_value():
+    limits = trioserve.RuntimeLimits(rollout_state_file=os.path.join("var", "r.json"))
+    assert limits.rollout_state_file == os.path.join("var", "r.json")
+    from pathlib import Path
+
+    assert trioserve.RuntimeLimits(rollout_state_file=Path("r.json")).rollout_state_file == \
+        "r.json"
+    for bad in ("", 3, "a\0b"):
+        with pytest.raises(ConfigError, match=r"^runtime.rollout_state_file: must be a "
+                                              r"file's path \(a non-empty string\), got "):
+            trioserve.RuntimeLimits(rollout_state_file=bad)
+
+
+def test_a_versions_fingerprint_is_its_backend_and_options():
+    m = model(CANARY)
+    fp = state_file.version_fingerprint
+    assert fp(m, "1") == fp(attrs.evolve(m, backend=adder(5)), "1")  # a kind, not an object
+    assert fp(m, "2") != fp(m, "3")  # options k 2 and k 3
+    assert fp(m, "2") == fp(model(CANARY), "2")
+    assert fp(m, "2") != fp(attrs.evolve(m, options={"seed": 1}), "2")  # the model's, merged
+    np.testing.assert_equal(len(fp(m, "1")), 16)
+
+
+async def test_a_load_under_model_control_starts_from_the_decision_recorded(
+    autojump_clock, tmp_path,
+):
+    path = tmp_path / "rollout.json"
+    cfg = trioserve.Config(
+        models=(model(CANARY, load_at_start=False),),
+        tenants=(trioserve.TenantConfig(name="t", default=True),),
+        runtime=trioserve.RuntimeLimits(rollout_state_file=str(path)),
+        server=trioserve.ServerConfig(model_control="explicit"),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        await rt.load_model("m")
+        first = rt.rollout_state("m")
+        rt.rollback("m", reason="operator")
+        await rt.load_model("m")  # a reload
+        reloaded = rt.rollout_state("m")
+        await rt.unload_model("m")
+        await rt.load_model("m")
+        again = rt.rollout_state("m")
+        seen = await unversioned(rt, 4)
+    assert (first["state"], first["restored"]) == ("canary", None)
+    for state in (reloaded, again):
+        assert (state["state"], state["restored"], state["reason"]) == (
+            "rolled_back", "rolled_back", "operator")
+    assert seen == ["1"] * 4
