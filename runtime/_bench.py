@@ -19,6 +19,7 @@ import trio
 from ._builtin import resolve_backend
 from ._config import (
     BUILTIN_BACKENDS,
+    MAX_QUEUE_BOUND,
     Config,
     ConfigError,
     ModelConfig,
@@ -121,9 +122,10 @@ def _bench_config(base: Config, spec: BenchSpec) -> Config:
     m = attrs.evolve(m, **changes)
     limits = base.runtime
     if spec.config is None:
-        limits = attrs.evolve(
-            limits, queue_bound=max(limits.queue_bound, spec.concurrency * 2)
-        )
+        # room for every caller's request (within the bound's own cap)
+        limits = attrs.evolve(limits, queue_bound=min(
+            MAX_QUEUE_BOUND, max(limits.queue_bound, spec.concurrency * 2)
+        ))
     return attrs.evolve(base, models=(m,), runtime=limits)
 
 

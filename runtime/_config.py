@@ -63,6 +63,9 @@ MAX_SWITCH_INTERVAL_US = 1_000_000.0
 MAX_CONFIG_BYTES = 1024**2
 #: A day: a replica still loading after that is stuck, not slow.
 MAX_LOAD_TIMEOUT_S = 86_400.0
+#: Requests one model's queue may hold (``runtime.queue_bound``, and the inert
+#: ``inbox_bound``): a bound of billions is no bound on memory at all.
+MAX_QUEUE_BOUND = 1_048_576
 
 
 #: The share of requests a model's objective promises when ``slo_target`` is not set.
@@ -385,13 +388,13 @@ class RuntimeLimits:
 
     ``queue_bound`` is each model's queue (the adaptive limit may hold it lower).
     ``inbox_bound`` is accepted for older files and has no effect: requests are
-    admitted straight into the queue, in the caller's task. ``rollout_state_file``:
-    the file that keeps the rollouts' decisions across restarts (docs/rollout.md);
-    None: they live in the process.
+    admitted straight into the queue, in the caller's task. Both are at most
+    ``MAX_QUEUE_BOUND``. ``rollout_state_file``: the file that keeps the rollouts'
+    decisions across restarts (docs/rollout.md); None: they live in the process.
     """
 
-    queue_bound: int = _field(_int(1), 4096)
-    inbox_bound: int = _field(_int(1), 1024)
+    queue_bound: int = _field(_int(1, MAX_QUEUE_BOUND), 4096)
+    inbox_bound: int = _field(_int(1, MAX_QUEUE_BOUND), 1024)
     switch_interval_us: float = _field(_number(1.0, maximum=MAX_SWITCH_INTERVAL_US), 100.0)
     restart_intensity: int = _field(_int(0), 5)
     restart_period_s: float = _field(_number(0.0, strict=True), 10.0)

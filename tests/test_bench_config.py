@@ -102,3 +102,13 @@ def test_the_report_says_so_when_the_configuration_is_the_built_in_one(
     assert json.loads(out.read_text())["config"] is None
     lines = capsys.readouterr().out.splitlines()
     assert ["config", "(built-in)"] in [line.split() for line in lines]
+
+
+def test_the_built_in_benchs_queue_bound_makes_room_for_its_callers_within_its_cap():
+    from trioserve._config import MAX_QUEUE_BOUND
+
+    base = load_config(None)
+    roomy = _bench_config(base, BenchSpec(model="echo", concurrency=5000))
+    crowded = _bench_config(base, BenchSpec(model="echo", concurrency=MAX_QUEUE_BOUND))
+    assert roomy.runtime.queue_bound == 10_000  # two requests a caller
+    assert crowded.runtime.queue_bound == MAX_QUEUE_BOUND  # not a ConfigError

@@ -130,6 +130,18 @@ def test_one_write_timeout_serves_http_and_the_stream_unless_the_stream_has_its_
     assert (cfg.server.write_timeout_s, cfg.server.stream_write_timeout_s) == (30.0, 5)
 
 
+def test_the_queue_bounds_are_capped_and_the_cap_is_accepted():
+    from trioserve._config import MAX_QUEUE_BOUND
+
+    top = trioserve.RuntimeLimits(queue_bound=MAX_QUEUE_BOUND, inbox_bound=MAX_QUEUE_BOUND)
+    assert (top.queue_bound, top.inbox_bound) == (1_048_576, 1_048_576)
+    for key in ("queue_bound", "inbox_bound"):
+        with pytest.raises(ConfigError) as exc:
+            trioserve.RuntimeLimits(**{key: 10**12})
+        assert str(exc.value) == (
+            f"runtime.{key}: must be an integer <= 1048576, got 1000000000000")
+
+
 def test_a_minimal_file_gets_the_default_tenant_runtime_and_server(tmp_path):
     cfg = trioserve.load_config(write(tmp_path, '[models.e]\nbackend = "echo"\n'))
     assert cfg.tenants == (TenantConfig(name="default", default=True),)
@@ -298,6 +310,22 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
         (
             "[models.m]\nbackend = 'echo'\n[runtime]\nqueue_bound = 0\n",
             "runtime.queue_bound: must be an integer >= 1, got 0",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[runtime]\nqueue_bound = 1048577\n",
+            "runtime.queue_bound: must be an integer <= 1048576, got 1048577",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[runtime]\nqueue_bound = 9223372036854775807\n",
+            "runtime.queue_bound: must be an integer <= 1048576, got 9223372036854775807",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[runtime]\ninbox_bound = 1048577\n",
+            "runtime.inbox_bound: must be an integer <= 1048576, got 1048577",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[runtime]\nrollout_state_file = ''\n",
+            "runtime.rollout_state_file: must be a file's path (a non-empty string), got ''",
         ),
         (
             "[models.m]\nbackend = 'echo'\n[runtime]\nrestarts = 3\n",
