@@ -166,10 +166,14 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         breaker: Breaker | None = None,
         watchdog: Watchdog | None = None,
         retirable: bool = False,
+        label: str | None = None,
     ) -> None:
         super().__init__()
         model = config.name
-        self.name = f"batcher[{model}#{index}@{device}]"
+        #: what its name says it serves: the model, or ``model/version`` for a
+        #: version with weights of its own (two versions' first replicas differ)
+        self.label = label or model
+        self.name = f"batcher[{self.label}#{index}@{device}]"
         self.model = model
         self._config = config
         self.device = device
@@ -366,7 +370,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         if self._ray:
             worker = RayReplica(
                 self._config, self._backend, self.device, self._torch_threads,
-                name=f"{self.model}#{self.index}",
+                name=f"{self.label}#{self.index}",
             )
         else:
             worker = WorkerProcess(

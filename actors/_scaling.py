@@ -69,7 +69,7 @@ class ScalingController(Actor):
     ) -> None:
         super().__init__()
         self.model = served.config.name
-        self.name = f"autoscaler[{self.model}]"
+        self.name = f"autoscaler[{served.label}]"
         self.scaler = scaler
         self._served = served
         self._start_replica = start_replica

@@ -25,7 +25,7 @@ from ._ray import check_ray_installed, start_ray, stop_ray
 from ._ray_config import RayReplicaConfig
 from ._rollout_start import start_rollout
 from ._rollout_state import open_state_file
-from ._served import ServedModel
+from ._served import ServedModel, label
 from ._versioned import Family, start_family, version_backends
 from ._zygote import Zygote, ZygoteError
 
@@ -352,6 +352,7 @@ async def _start_model(
     *,
     controlled: bool = False,
     versions: Sequence[str] | None = None,
+    version: str | None = None,
 ) -> ServedModel:
     """Start a model's queues and replicas in ``nursery``; return it once they are
     loaded. ``controlled`` (or a ``previous``): under explicit model control, the
@@ -361,7 +362,9 @@ async def _start_model(
     autoscaler's bounds). Otherwise it is installed in ``rt.models`` at once.
     ``like``: the metrics and objective (``.metrics``, ``.slo``) of the model
     whose versions have weights of their own that it is one of: it shares them;
-    ``versions``: then, those this one serves (its log lines name them)."""
+    ``versions``: then, those this one serves (its log lines name them);
+    ``version``: the version with weights of its own it serves (its actors' names
+    say so), None: the model's backend."""
     from trioserve.actors import (
         BatcherActor,
         BatchTimer,
@@ -393,7 +396,9 @@ async def _start_model(
         adaptive=m.adaptive_limit,
         min_limit=2 * m.max_batch_size * max(fast_replicas, 1),
     )
+    named = label(m.name, version)
     scheduler = SchedulerActor(m.name, queue)
+    scheduler.name = f"scheduler[{named}]"
     slow = None
     if m.slow_lane_cost is not None:
         if m.slow_lane_replicas >= n_replicas:
@@ -412,7 +417,7 @@ async def _start_model(
             adaptive=m.adaptive_limit,
             min_limit=2 * m.max_batch_size * m.slow_lane_replicas,
         ))
-        slow.name = f"scheduler[{m.name}:slow]"
+        slow.name = f"scheduler[{named}:slow]"
         scheduler.lanes = slow.lanes = [scheduler, slow]
         scheduler.lane = f"fast lane (requests of cost below {m.slow_lane_cost})"
         slow.lane = f"slow lane (requests of cost {m.slow_lane_cost} or more)"
@@ -432,6 +437,7 @@ async def _start_model(
         slow_cost=m.slow_lane_cost,
         slow_scheduler=slow,
         hedge_timer=RecentQuantile(0.95) if m.hedge else None,
+        version=version,
         slo=like.slo if like is not None else SloTracker(
             m.slo_ms / 1e3, DEFAULT_SLO_TARGET if m.slo_target is None else m.slo_target
         ) if m.slo_ms is not None and previous is None else getattr(previous, "slo", None),
@@ -489,6 +495,7 @@ async def _start_model(
             breaker=Breaker(),
             watchdog=watchdog,
             retirable=controlled,
+            label=named,
         )
         served.batchers.append(batcher)
         lane.replicas += 1
@@ -549,6 +556,7 @@ async def _start_family(
         return await _start_model(
             nursery, rt, cfg, b, policy, zygote, watchdog, before, like=like,
             controlled=controlled, versions=versions if own else None,
+            version=versions[0] if versions[0] in own else None,
         )
 
     family = await start_family(rt, m, backend, own, start, install=not controlled)

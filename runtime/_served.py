@@ -11,6 +11,12 @@ from ._config import ModelConfig
 from ._model import ModelBackend
 
 
+def label(model: str, version: str | None) -> str:
+    """``model``, or ``model/version`` (a version with weights of its own): as a
+    URL names it, so that each replica's name is its own."""
+    return model if version is None else f"{model}/{version}"
+
+
 @attrs.define(eq=False)
 class ServedModel:
     """A model as served: its config, backend, scheduler, batchers and metrics."""
@@ -35,10 +41,19 @@ class ServedModel:
     #: False for a model known to the configuration and not loaded (explicit model
     #: control): it refuses every request and has no replica
     loaded: bool = True
+    #: the version with weights of its own it serves (None: the model's backend,
+    #: serving the versions without any)
+    version: str | None = None
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def label(self) -> str:
+        """Its name in its actors' names and the log: the model's, or
+        ``model/version`` for a version with weights of its own."""
+        return label(self.config.name, self.version)
 
     def scheduler_for(self, cost: int) -> Any:
         if self.slow_cost is not None and cost >= self.slow_cost:

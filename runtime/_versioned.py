@@ -423,8 +423,8 @@ class _Versioned:
                 out[name]["slow_lane"] = (
                     self._queue_statistics(_MergedQueues(slow)) if slow else None
                 )
-                # and so are its replicas, each with the versions it serves (their
-                # names are per copy: two versions' first replicas share a name)
+                # and so are its replicas, each with the versions it serves (the
+                # name of one of a version with weights of its own says which)
                 out[name]["replicas"] = [
                     {"name": b.name, "state": b.state.value, "restarts": b.restarts,
                      "versions": [v for v, s in family.by_version.items() if s is g]}

@@ -86,6 +86,25 @@ async def test_the_load_lines_name_the_versions_each_load_serves(caplog):
     ]
 
 
+async def test_each_replica_is_named_with_the_version_whose_weights_it_serves():
+    # a rollout's stable on the model's backend, its canary with weights of its own:
+    # their replicas' names told them apart only by their order
+    m = adders(replicas=2, rollout={"stable": "1", "canary": "2"})
+    async with trioserve.open_runtime(config(m)) as rt:
+        stats = rt.statistics()["m"]
+        lanes = {v: rt._families["m"].by_version[v].scheduler.name for v in ("1", "2", "3")}
+    names = [(r["name"], r["versions"]) for r in stats["replicas"]]
+    assert names == [
+        ("batcher[m#0@cpu]", ["1"]), ("batcher[m#1@cpu]", ["1"]),
+        ("batcher[m/2#0@cpu]", ["2"]), ("batcher[m/2#1@cpu]", ["2"]),
+        ("batcher[m/3#0@cpu]", ["3"]), ("batcher[m/3#1@cpu]", ["3"]),
+    ]
+    assert len({name for name, _ in names}) == 6
+    assert [r["name"] for r in stats["versions"]["2"]["replicas"]] == [
+        "batcher[m/2#0@cpu]", "batcher[m/2#1@cpu]"]
+    assert lanes == {"1": "scheduler[m]", "2": "scheduler[m/2]", "3": "scheduler[m/3]"}
+
+
 async def test_a_list_of_versions_is_served_as_before():
     m = ModelConfig(name="m", backend=_adder(1), versions=["1", "2"], max_wait_ms=0.0)
     async with trioserve.open_runtime(config(m)) as rt:
