@@ -99,6 +99,8 @@ class RolloutEvent:
     share: float
     reason: str | None = None
     operator: bool = False
+    #: the canary's share before it (a promotion or rollback moves it to 1 or 0)
+    share_before: float | None = None
 
 
 class _StepCounts:
@@ -313,6 +315,14 @@ class Rollout:
         self.step_started += now - self.paused_at
         return [self._move(RolloutState.CANARY, now, None, operator=True)]
 
+    def step_elapsed(self, now: float) -> float | None:
+        """Seconds the current step has run at ``now``, its pauses not counted (what
+        its ``step_s`` is measured against); None once the rollout has ended."""
+        if self.state not in (RolloutState.CANARY, RolloutState.PAUSED):
+            return None
+        end = self.paused_at if self.paused_at is not None else now
+        return max(0.0, end - self.step_started)
+
     def _allowed(self, action: str) -> None:
         why = self.refusal(action)
         if why is not None:
@@ -421,6 +431,7 @@ class Rollout:
         if to not in _MOVES[self.state]:
             raise RuntimeError(f"rollout: no move from {self.state.value} to {to.value}")
         was = self.state
+        share_before = self.share
         self.state = to
         if to is RolloutState.PAUSED:
             kind = "paused"
@@ -434,6 +445,6 @@ class Rollout:
             kind = "promoted" if to is RolloutState.PROMOTED else "rolled_back"
         assert was is not to
         event = RolloutEvent(kind=kind, at=now, step=self.step, share=self.share,
-                             reason=reason, operator=operator)
+                             reason=reason, operator=operator, share_before=share_before)
         self.events.append(event)
         return event

@@ -231,12 +231,14 @@ class RolloutController(Actor):
             self.events[e.kind] += 1
             r = self.rollout
             if e.operator:
+                # the share it held: a promotion or rollback has moved it to 1 or 0
+                held = e.share if e.share_before is None else e.share_before
                 log.log(
                     logging.WARNING if e.kind == "rolled_back" else logging.INFO,
                     "model %r: canary %r %s by the operator at step %d, %g of "
                     "unversioned requests%s", self.model, r.canary, e.kind.replace("_", " "),
                     # repr: an operator's reason is one line of the log, whatever it holds
-                    e.step + 1, e.share, f": {e.reason!r}" if e.reason else "",
+                    e.step + 1, held, f": {e.reason!r}" if e.reason else "",
                 )
             elif e.kind == "step":
                 log.info(
@@ -272,6 +274,7 @@ class RolloutController(Actor):
             "step": r.step if r.state is not RolloutState.STABLE else None,
             "steps": list(r.rules.steps),
             "step_started": r.step_started,
+            "step_elapsed_s": r.step_elapsed(trio.current_time()),
             "counts": {
                 v: {"ok": c.ok, "errors": c.errors, "late": c.late, "shared": c.shared,
                     "p99_ms": c.latency.summary().p99_ms}

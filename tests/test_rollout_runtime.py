@@ -457,12 +457,17 @@ async def test_the_operator_pauses_resumes_and_promotes_a_canary(autojump_clock,
             resumed = rt.resume_rollout("m")
             await trio.sleep(9.9)  # the step's 10 s, its pause not counted
             before = rt.rollout_state("m")["step"]
+            elapsed = rt.rollout_state("m")["step_elapsed_s"]
             await trio.sleep(0.2)
             stepped = rt.rollout_state("m")
             promoted = rt.promote("m")
             after = [version_of(await rt.infer("m", one(i)), i) for i in range(3)]
             assert rt.statistics()["m"]["rollout"] == rt.rollout_state("m")
     assert (paused["state"], paused["paused"], paused["share"]) == ("paused", True, 0.5)
+    # the step's age, in seconds, stands still while paused and goes on after
+    assert still["step_elapsed_s"] == paused["step_elapsed_s"]
+    assert elapsed == pytest.approx(paused["step_elapsed_s"] + 9.9)
+    assert promoted["step_elapsed_s"] is None  # ended
     assert held == ["1", "2", "1", "2"]  # the share holds
     assert (still["state"], still["step"], still["counts"]["2"]["ok"]) == ("paused", 0, 4)
     assert (resumed["state"], resumed["paused"]) == ("canary", False)
@@ -476,7 +481,9 @@ async def test_the_operator_pauses_resumes_and_promotes_a_canary(autojump_clock,
     assert said == [
         "model 'm': canary '2' paused by the operator at step 1, 0.5 of unversioned requests",
         "model 'm': canary '2' resumed by the operator at step 1, 0.5 of unversioned requests",
-        "model 'm': canary '2' promoted by the operator at step 2, 1 of unversioned requests",
+        # the share it held when promoted, not the 1 it takes after
+        "model 'm': canary '2' promoted by the operator at step 2, 0.75 of unversioned "
+        "requests",
     ]
 
 
@@ -507,7 +514,8 @@ async def test_an_action_the_rollout_does_not_allow_is_refused(autojump_clock, c
     # pass for a line of the runtime's own)
     said = [r.getMessage() for r in caplog.records if "by the operator" in r.getMessage()]
     assert said == [
-        "model 'm': canary '2' rolled back by the operator at step 1, 0 of unversioned "
+        # the share it held (the first step's 0.05), not the 0 it takes after
+        "model 'm': canary '2' rolled back by the operator at step 1, 0.05 of unversioned "
         "requests: \"the dashboards\\nmodel 'm': canary '2' promoted\""
     ]
     assert refusals["promote"] == (
