@@ -407,6 +407,17 @@ class _Versioned:
         versions with weights of their own."""
         return [lane for served in self._groups_of(model) for lane in served.schedulers]
 
+    def health(self) -> dict[str, Any]:
+        out = super().health()
+        for name, family in self._families.items():
+            if len(family.groups) > 1 and name in out:
+                # every version's replicas: it listed one group's alone
+                out[name]["replicas"] = {
+                    b.name: getattr(b, "health", b.state.value)
+                    for g in family.groups for b in g.batchers
+                }
+        return out
+
     def statistics(self) -> dict[str, Any]:
         out = super().statistics()
         for name, family in self._families.items():

@@ -49,6 +49,7 @@ async def test_each_version_answers_with_its_own_weights():
         latest = float((await rt.infer("m", one(10)))["y"][0])
         batch = await rt.infer_batch("m", [one(1), one(2)], version="2")
         stats = rt.statistics()["m"]
+        health = rt.health()["m"]
     assert got == {"1": 11.0, "2": 12.0, "3": 13.0}
     assert latest == 13.0  # the last version, as with a list
     assert [float(r["y"][0]) for r in batch] == [3.0, 4.0]
@@ -59,6 +60,10 @@ async def test_each_version_answers_with_its_own_weights():
     # the model's replicas are all its versions': it said 1, the default version's
     assert stats["replica_count"] == 3
     assert [r["versions"] for r in stats["replicas"]] == [["1"], ["2"], ["3"]]
+    # and so is its health: it listed one version's replica alone
+    assert health == {
+        "ready": True, "replicas": {r["name"]: "ready" for r in stats["replicas"]},
+    }
     assert "rollout" not in stats
 
 
