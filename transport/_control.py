@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import trio
 import trioserve
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import request
 from quart.globals import request_ctx
 from quart_trio import QuartTrio
@@ -23,6 +22,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from ._auth import another_field_line
 from ._extensions import model_config, model_statistics
 from ._gateway import Answer, error_answer
+from ._metrics import exposition
 from ._rollout_http import rollout_routes
 from ._signature import server_metadata
 from ._v2 import error_body, shown
@@ -295,7 +295,9 @@ def control_app(gateway: Gateway) -> QuartTrio:
 
     @app.get("/metrics")
     async def metrics() -> Any:
-        return Response(generate_latest(gateway.registry), content_type=CONTENT_TYPE_LATEST)
+        body, content_type = exposition(gateway.registry, request.headers.get("Accept"))
+        # the format follows Accept: a cache keeps each apart
+        return Response(body, content_type=content_type, headers={"Vary": "Accept"})
 
     return app
 

@@ -1,4 +1,5 @@
-"""``GET /metrics``: the runtime's and the gateway's figures in Prometheus text format.
+"""``GET /metrics``: the runtime's and the gateway's figures in Prometheus text format,
+or in OpenMetrics for a scraper that prefers it (:func:`exposition`).
 
 A custom Collector on a private CollectorRegistry reads everything at scrape time:
 nothing on the request path touches prometheus_client. Latency quantiles come from
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import trio
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
@@ -23,6 +25,10 @@ from prometheus_client.core import (
     Metric,
     SummaryMetricFamily,
 )
+from prometheus_client.openmetrics.exposition import (
+    CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE,
+)
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 from trioserve.actors import OUTCOMES, SLO_WINDOWS
 
@@ -450,3 +456,50 @@ def metrics_registry(gateway: Gateway) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GatewayCollector(gateway))
     return registry
+
+
+OPENMETRICS = "application/openmetrics-text"
+TEXT = "text/plain"
+
+
+def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """``registry``'s samples and their content type, in the format the Accept field
+    value ``accept`` prefers: OpenMetrics (``application/openmetrics-text``, ending in
+    ``# EOF``) when it gives that a higher q-value than Prometheus's text format
+    (``text/plain``), which is the default (no Accept, ``*/*``, a tie, or neither)."""
+    if accept and _quality(accept, OPENMETRICS) > _quality(accept, TEXT):
+        return openmetrics_latest(registry), OPENMETRICS_CONTENT_TYPE
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def _quality(accept: str, media_type: str) -> float:
+    """The q-value that the Accept field value ``accept`` gives ``media_type``: that of
+    its most specific range that matches it (``type/subtype``, then ``type/*``, then
+    ``*/*``; RFC 9110 §12.5.1; the highest of several such, as Prometheus lists one
+    per version), 0 when none does. A range with a malformed q-value is left out."""
+    kind = media_type.partition("/")[0]
+    best, quality = -1, 0.0
+    for part in accept.split(","):
+        media_range, *params = part.split(";")
+        media_range = media_range.strip().lower()
+        if media_range == media_type:
+            rank = 2
+        elif media_range == f"{kind}/*":
+            rank = 1
+        elif media_range == "*/*":
+            rank = 0
+        else:
+            continue
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = math.nan
+        if not 0.0 <= q <= 1.0:  # NaN too
+            continue
+        if rank > best or (rank == best and q > quality):
+            best, quality = rank, q
+    return quality
