@@ -66,6 +66,9 @@ MAX_LOAD_TIMEOUT_S = 86_400.0
 #: Requests one model's queue may hold (``runtime.queue_bound``, and the inert
 #: ``inbox_bound``): a bound of billions is no bound on memory at all.
 MAX_QUEUE_BOUND = 1_048_576
+#: Five minutes: load balancers stop sending to an endpoint within seconds of its
+#: removal; a longer delay only holds a stopping server (and its pod) longer.
+MAX_DRAIN_DELAY_S = 300.0
 
 
 #: The share of requests a model's objective promises when ``slo_target`` is not set.
@@ -461,6 +464,9 @@ class ServerConfig:
     )
     #: "explicit": models are loaded, reloaded and unloaded while serving (docs/model-control.md)
     model_control: str = _field(_choice(MODEL_CONTROL), "none")
+    #: on the first stop signal, readiness answers 503 this long while everything else
+    #: is served as usual (new connections too); then the drain begins. 0: at once
+    drain_delay_s: float = _field(_number(0.0, maximum=MAX_DRAIN_DELAY_S), 0.0)
 
     def _path(self) -> str:
         return "server"

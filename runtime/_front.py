@@ -250,8 +250,8 @@ class Runtime(
         it is then at most ``runtime.graceful_timeout_s`` away. Requests in flight and
         a model call cut off in a worker thread get until this deadline. A server that
         begins its shutdown before leaving the block (``trioserve serve`` on a signal,
-        draining its connections first) sets it then, so that its drain and the
-        runtime's close share one grace instead of one each. Setting it while the
+        draining its connections first) sets it then (past its drain delay), so that
+        its drain and the runtime's close share one grace instead of one each. Setting it while the
         runtime closes moves the close's wait: to now or earlier, it ends at once.
         """
         return self._grace_deadline

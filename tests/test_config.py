@@ -117,6 +117,7 @@ def test_load_config_reads_every_table(tmp_path):
     assert cfg.server.stream_in_flight == ServerConfig().stream_in_flight
     assert cfg.server.max_connections == ServerConfig().max_connections == 4096
     assert cfg.server.stream_in_flight_bytes == ServerConfig().stream_in_flight_bytes == 16 << 20
+    assert cfg.server.drain_delay_s == ServerConfig().drain_delay_s == 0.0
 
 
 def test_one_write_timeout_serves_http_and_the_stream_unless_the_stream_has_its_own(
@@ -347,6 +348,18 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
         (
             "[models.m]\nbackend = 'echo'\n[server]\nwrite_timeout_s = 0\n",
             "server.write_timeout_s: must be a finite number > 0.0, got 0",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\ndrain_delay_s = -1\n",
+            "server.drain_delay_s: must be a finite number >= 0.0, got -1",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\ndrain_delay_s = inf\n",
+            "server.drain_delay_s: must be a finite number >= 0.0, got inf",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\ndrain_delay_s = 301\n",
+            "server.drain_delay_s: must be a finite number <= 300.0, got 301",
         ),
         (
             "[models.m]\nbackend = 'echo'\n[server]\nmax_connections = 0\n",

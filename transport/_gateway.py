@@ -280,6 +280,8 @@ class Gateway:
         #: answered infer requests by (model, tenant, status): the gateway's own count.
         self.requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
         self.draining = False
+        #: readiness answers 503 (:meth:`leave`): the drain is about to begin
+        self.leaving = False
         #: set when :meth:`drain` begins (a model load under way is answered then)
         self.drain_begun = trio.Event()
         self.in_flight = 0
@@ -556,8 +558,17 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
-        """Taking new requests: not draining and the runtime is open."""
-        return not self.draining and not self.runtime.closed
+        """Taking new requests, and saying so to readiness probes: not leaving (the
+        drain delay), not draining, and the runtime is open."""
+        return not self.leaving and not self.draining and not self.runtime.closed
+
+    async def leave(self, delay: float) -> None:
+        """Answer readiness probes (the server's and each model's) 503 from now on,
+        serving all else as usual (new connections too) for ``delay`` seconds, while
+        load balancers stop sending here; then the caller drains. A checkpoint.
+        Cancelling it ends the delay (the gateway stays not ready)."""
+        self.leaving = True
+        await trio.sleep(delay)
 
     async def serve(
         self,
@@ -763,7 +774,9 @@ async def open_gateway(
     """Serve ``runtime`` over HTTP and WebSocket for the duration of the block, on
     ``host:port`` or on ``listeners`` already bound (:func:`open_listeners`).
 
-    Listening when it yields (``gateway.url``). Leaving the block normally drains:
+    Listening when it yields (``gateway.url``). Leaving the block normally first
+    answers readiness probes 503 for ``server.drain_delay_s`` while serving as usual
+    (:meth:`Gateway.leave`; 0 by default), then drains:
     requests in flight get ``runtime.graceful_timeout_s`` to be answered (no later than
     ``runtime.grace_deadline``, when the shutdown began sooner); leaving it
     with an exception closes every connection at once.
@@ -777,6 +790,8 @@ async def open_gateway(
                 functools.partial(gateway.serve, host, port, listeners=listeners)
             )
             yield gateway
+            if gateway.server_config.drain_delay_s:
+                await gateway.leave(gateway.server_config.drain_delay_s)
             await gateway.drain(gateway.config.runtime.graceful_timeout_s)
         finally:
             nursery.cancel_scope.cancel("gateway closed")

@@ -30,6 +30,7 @@ from trioserve import (
 from trioserve._builtin import warm_imports
 
 from ._gateway import Gateway, open_gateway, open_listeners
+from ._loading import LoadingAnswers
 from ._request import sample_inputs
 from ._v2 import dumps
 
@@ -40,8 +41,8 @@ def serve_main(
     config_path: str | None = None, host: str | None = None, port: int | None = None
 ) -> int:
     """Load the config (None: the built-in one), serve it until SIGINT or SIGTERM,
-    then drain within ``runtime.graceful_timeout_s`` and return 0. A second signal
-    stops at once."""
+    then (after ``server.drain_delay_s``, not ready meanwhile) drain within
+    ``runtime.graceful_timeout_s`` and return 0. A second signal stops at once."""
     config = load_config(config_path)
     try:
         with _progress_shown():
@@ -176,12 +177,15 @@ async def serve(config: Config, host: str | None = None, port: int | None = None
     """Serve ``config`` until SIGINT/SIGTERM; drain; return 0.
 
     The address is bound first, so that one in use fails at once, not after the
-    models have loaded; it is served once they have. A signal while they load stops
-    the start (a load in a thread is abandoned, a worker process killed), as a second
-    signal stops a shutdown. The grace (``runtime.graceful_timeout_s``) is counted
-    once, from the signal: the gateway's drain and the runtime's close (a model call
-    cut off in a worker thread included) share it. A second signal, at any point of the
-    shutdown, stops at once (still 0: the stop was asked for).
+    models have loaded; while they load it answers probes (live, not ready) and
+    every other request 503 (``._loading``); the gateway takes it over once they
+    have. A signal while they load stops the start (a load in a thread is abandoned,
+    a worker process killed), as a second signal stops a shutdown. On the first
+    signal readiness answers 503 for ``server.drain_delay_s`` while the gateway
+    serves on; then the grace (``runtime.graceful_timeout_s``) is counted once: the
+    gateway's drain and the runtime's close (a model call cut off in a worker thread
+    included) share it. A second signal, at any point of the shutdown (the delay
+    included), stops at once (still 0: the stop was asked for).
     """
     grace = config.runtime.graceful_timeout_s
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -190,11 +194,14 @@ async def serve(config: Config, host: str | None = None, port: int | None = None
         except OSError as exc:
             raise _CannotListen(exc) from exc
         try:
-            stop = _Stop(grace=grace)
+            stop = _Stop(grace=grace, delay=config.server.drain_delay_s)
             # The watcher of signals outlives the runtime's close, so that a second
             # signal can end that too.
             async with trio.open_nursery() as watching:
                 watching.start_soon(_watch_signals, signals, stop, watching.cancel_scope)
+                # Until the gateway serves, probes get answers (live, not ready).
+                loading = LoadingAnswers(listeners, config.server)
+                await watching.start(loading.run)
                 # The built-in backends' imports (seconds, for minilm) in a thread: on
                 # the event loop they kept a signal unheard until they were done.
                 await trio.to_thread.run_sync(
@@ -202,13 +209,16 @@ async def serve(config: Config, host: str | None = None, port: int | None = None
                 )
                 async with open_runtime(config) as rt:
                     stop.runtime = rt  # loaded: from now on a signal drains
+                    await loading.hand_over()
                     async with open_gateway(
                         rt, config=config, listeners=listeners
                     ) as gateway:
                         settle_memory()
                         print(banner(gateway), flush=True)
                         await stop.asked.wait()
-                        rt.grace_deadline = trio.current_time() + grace
+                        # leaving the block answers not ready for the drain delay,
+                        # then drains within the grace
+                        rt.grace_deadline = trio.current_time() + stop.delay + grace
                 watching.cancel_scope.cancel("stopped")
             print("trioserve: stopped", flush=True)
         finally:
@@ -221,9 +231,11 @@ async def serve(config: Config, host: str | None = None, port: int | None = None
 @attrs.define(eq=False)
 class _Stop:
     """What a signal does to ``serve``: while the models load, it stops the start;
-    then the first one drains and a second one stops at once."""
+    then the first one drains (after the drain delay) and a second one stops at once."""
 
     grace: float
+    #: ``server.drain_delay_s``: not ready this long before the drain begins
+    delay: float = 0.0
     runtime: Runtime | None = None  # set once the models have loaded
     asked: trio.Event = attrs.Factory(trio.Event)
 
@@ -235,8 +247,12 @@ async def _watch_signals(signals: Any, stop: _Stop, scope: trio.CancelScope) -> 
         if rt is None:
             print(f"trioserve: {name} while the models load: stopping", flush=True)
         elif not stop.asked.is_set():
+            delay = (
+                f"not ready for {stop.delay:g} s (server.drain_delay_s), then "
+                if stop.delay else ""
+            )
             print(
-                f"trioserve: {name}: draining "
+                f"trioserve: {name}: {delay}draining "
                 f"(up to {stop.grace:g} s; signal again to stop now)",
                 flush=True,
             )
