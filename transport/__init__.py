@@ -16,7 +16,7 @@ from ._client import open_http as open_http
 from ._gateway import Gateway as Gateway
 from ._gateway import GatewayStatistics as GatewayStatistics
 from ._gateway import open_gateway as open_gateway
-from ._gateway import open_listeners as open_listeners
+from ._listeners import open_listeners as open_listeners
 from ._main import bench_http_main as bench_http_main
 from ._main import serve as serve
 from ._main import serve_main as serve_main

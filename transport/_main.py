@@ -29,7 +29,8 @@ from trioserve import (
 )
 from trioserve._builtin import warm_imports
 
-from ._gateway import Gateway, open_gateway, open_listeners
+from ._gateway import Gateway, open_gateway
+from ._listeners import open_listeners
 from ._loading import LoadingAnswers
 from ._request import sample_inputs
 from ._v2 import dumps
