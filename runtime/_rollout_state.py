@@ -307,6 +307,11 @@ class Keeper:
                 f"it was paused at step {rec['step'] + 1} of steps {rec['steps']}, the "
                 f"configuration's steps are now {now['steps']}"
             )
+        if rec["step"] >= len(now["steps"]):
+            # a promotion or rollback made at a step the configuration no longer has
+            # (a pause's steps are the same): its decision holds whatever the steps,
+            # shown at the last one there is
+            rec["step"] = len(now["steps"]) - 1
         return rec, None
 
     def decided(self, rollout: Any) -> None:

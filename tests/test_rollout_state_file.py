@@ -370,3 +370,29 @@ async def test_a_load_under_model_control_starts_from_the_decision_recorded(
         assert (state["state"], state["restored"], state["reason"]) == (
             "rolled_back", "rolled_back", "operator")
     assert seen == ["1"] * 4
+
+
+@pytest.mark.parametrize("decision", ["promote", "rollback"])
+async def test_a_final_decision_at_a_later_step_outlasts_fewer_steps(
+    autojump_clock, tmp_path, decision,
+):
+    # Promoted or rolled back at step 2 of 2; the configuration then has one step.
+    # A final decision does not depend on the steps (docs/rollout.md: only a pause's
+    # does): it is restored, not a failed start.
+    path = tmp_path / "rollout.json"
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        for i in range(8):
+            await rt.infer("m", one(i))
+        await trio.sleep(10)
+        await rt.infer("m", one(0))  # the first step has ended: step 2
+        assert rt.rollout_state("m")["step"] == 1
+        getattr(rt, decision)("m")
+    assert recorded(path)["models"]["m"]["step"] == 1
+    one_step = {**CANARY, "steps": [0.5]}
+    async with trioserve.open_runtime(kept(model(one_step), path)) as rt:
+        state = rt.rollout_state("m")
+        seen = await unversioned(rt, 4)
+    final = "promoted" if decision == "promote" else "rolled_back"
+    assert (state["state"], state["restored"], state["step"]) == (final, final, 0)
+    assert seen == (["2"] * 4 if decision == "promote" else ["1"] * 4)
+
