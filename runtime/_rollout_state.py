@@ -70,9 +70,11 @@ def write_atomic(path: str, data: bytes) -> None:
     """Replace ``path``'s content with ``data`` at once: a temporary file beside it,
     written and flushed to the disk, renamed over it (then the directory flushed).
     A reader sees the old content or the new, never part of one; on an error the
-    temporary file is removed and ``path`` left as it was. Blocking: run it in a
-    worker thread."""
-    folder = os.path.dirname(os.path.abspath(path))
+    temporary file is removed and ``path`` left as it was. A ``path`` that is a
+    symbolic link is followed: the file it names is replaced, the link kept.
+    Blocking: run it in a worker thread."""
+    path = os.path.realpath(path)
+    folder = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -396,3 +396,18 @@ async def test_a_final_decision_at_a_later_step_outlasts_fewer_steps(
     assert (state["state"], state["restored"], state["step"]) == (final, final, 0)
     assert seen == (["2"] * 4 if decision == "promote" else ["1"] * 4)
 
+
+async def test_a_state_file_that_is_a_symlink_keeps_its_link(autojump_clock, tmp_path):
+    # The file kept elsewhere (a mounted volume), named by a link: a write replaces
+    # the file linked to, not the link (which would then go stale: the next start
+    # would read the old decisions through it... or, removed, none).
+    target = tmp_path / "volume" / "rollout.json"
+    target.parent.mkdir()
+    link = tmp_path / "rollout.json"
+    link.symlink_to(target)
+    async with trioserve.open_runtime(kept(model(CANARY), link)) as rt:
+        rt.rollback("m", reason="bad")
+    assert link.is_symlink()
+    assert recorded(target)["models"]["m"]["state"] == "rolled_back"
+    assert [p.name for p in target.parent.iterdir()] == ["rollout.json"]  # no temp left
+
