@@ -43,6 +43,9 @@ FINAL_WRITE_S = 5.0
 
 _REMEDY = "fix it, or remove it to start every rollout afresh"
 
+#: The state files (real paths) that a runtime of this process writes now.
+_WRITING: set[str] = set()
+
 
 def version_fingerprint(m: ModelConfig, version: str) -> str:
     """What ``version`` of ``m`` is served with, as a short digest: its backend (a
@@ -164,8 +167,12 @@ class RolloutStateFile:
     """The runtime's state file: the records read at start, each decision since,
     and the task (``run``) that writes them."""
 
-    def __init__(self, path: str, records: Mapping[str, dict[str, Any]]) -> None:
+    def __init__(
+        self, path: str, records: Mapping[str, dict[str, Any]], *, real_path: str | None = None
+    ) -> None:
         self.path = path
+        #: the file it names, links followed: what tells two runtimes' files apart
+        self.real_path = real_path if real_path is not None else path
         self._records = dict(records)
         self._wanted = 0  # changes made
         self._done = 0  # changes written (or whose write failed)
@@ -181,12 +188,13 @@ class RolloutStateFile:
         ConfigError when it cannot be read or is not a state file."""
         try:
             raw = await trio.to_thread.run_sync(_read, path)
+            real = await trio.to_thread.run_sync(os.path.realpath, path)
         except OSError as exc:
             raise ConfigError(
                 f"{path}: rollout state file (runtime.rollout_state_file): cannot be "
                 f"read: {exc.strerror or exc}; {_REMEDY}"
             ) from None
-        return cls(path, _parse(path, raw) if raw is not None else {})
+        return cls(path, _parse(path, raw) if raw is not None else {}, real_path=real)
 
     def record_of(self, model: str) -> dict[str, Any] | None:
         """The decision recorded for ``model`` (a copy), or None."""
@@ -211,21 +219,38 @@ class RolloutStateFile:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Write the file after each change, until cancelled (several changes made
         meanwhile: one write). Cancelled with a change not yet written, it still
-        writes it, shielded, for up to ``FINAL_WRITE_S``."""
-        task_status.started()
+        writes it, shielded, for up to ``FINAL_WRITE_S``.
+
+        ConfigError, before it starts, when another runtime of this process writes
+        the same file: each writes the whole file from its own records, so one's
+        writes would drop the other's decisions."""
+        key = self.real_path
+        if key in _WRITING:
+            raise ConfigError(
+                f"{self.path}: rollout state file (runtime.rollout_state_file): already "
+                "used by another runtime of this process (each writes the whole file: "
+                "one would drop the other's decisions); give each runtime its own file"
+            )
+        _WRITING.add(key)
         try:
-            while True:
-                if self._done == self._wanted:
-                    self._wake = trio.Event()
-                    await self._wake.wait()
-                await self._write()
+            task_status.started()
+            try:
+                while True:
+                    if self._done == self._wanted:
+                        self._wake = trio.Event()
+                        await self._wake.wait()
+                    await self._write()
+            finally:
+                if self._done != self._wanted:
+                    with (trio.CancelScope(shield=True),
+                          trio.move_on_after(FINAL_WRITE_S) as late):
+                        await self._write(abandon=True)
+                    if late.cancelled_caught:
+                        log.error("rollout state file %s: the last decisions were not "
+                                  "written within %g s of the close", self.path,
+                                  FINAL_WRITE_S)
         finally:
-            if self._done != self._wanted:
-                with trio.CancelScope(shield=True), trio.move_on_after(FINAL_WRITE_S) as late:
-                    await self._write(abandon=True)
-                if late.cancelled_caught:
-                    log.error("rollout state file %s: the last decisions were not "
-                              "written within %g s of the close", self.path, FINAL_WRITE_S)
+            _WRITING.discard(key)
 
     async def flush(self) -> None:
         """Wait until every change made so far was written (or failed to be). A

@@ -411,3 +411,19 @@ async def test_a_state_file_that_is_a_symlink_keeps_its_link(autojump_clock, tmp
     assert recorded(target)["models"]["m"]["state"] == "rolled_back"
     assert [p.name for p in target.parent.iterdir()] == ["rollout.json"]  # no temp left
 
+
+async def test_two_runtimes_of_one_process_cannot_share_a_state_file(
+    autojump_clock, tmp_path,
+):
+    # Each would write the whole file from its own records: the second's write would
+    # drop the first's decisions. The second is refused, naming the file.
+    path = tmp_path / "rollout.json"
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        with pytest.raises(ConfigError, match=r"rollout.json: rollout state file .*"
+                           r"already used by another runtime of this process"):
+            async with trioserve.open_runtime(kept(model(CANARY), path)):
+                pass  # pragma: no cover
+        rt.rollback("m", reason="kept")
+    # released when its runtime closes
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        assert rt.rollout_state("m")["restored"] == "rolled_back"
