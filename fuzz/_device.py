@@ -8,10 +8,22 @@ the whole batch back) and, for a "crash" item, a raise that crashes the replica 
 supervisor restarts it; a replica with ``Scenario.pipeline`` above 1 holds that many
 batches in flight, as a worker process's pipeline does. Every batch a replica starts
 is noted as an :class:`Execution` and checked as it starts (``Run.check_started``).
+
+In a ``Scenario.running`` scenario the replicas run their batches off the event loop:
+the product's worker-process path (``BatcherActor._serve_worker``, ``_collect``,
+``_lose``) feeds a :class:`SimWorker`, a worker process in trio time whose batches
+complete when their latency says (it dies at the end of a batch holding a "crash"
+item), and the watchdog is a :class:`DrivenWatchdog`, whose clock is trio's and whose
+deadlines a task of the scenario fires: so the runtime's deadlines of requests in
+running batches, the batch cut-off and a dead worker's hand-back all run as they do
+in production, and replay exactly.
 """
 
 from __future__ import annotations
 
+import collections
+import heapq
+import math
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -19,7 +31,7 @@ import numpy as np
 import trio
 import trioserve
 import trioserve.actors
-from trioserve import ModelBackend, TensorSpec
+from trioserve import ModelBackend, TensorSpec, WorkerProcess
 
 from ._scenario import MS
 from ._stats import note
@@ -106,7 +118,11 @@ class EchoModel(ModelBackend):
 class Execution:
     """One batch a replica started: when, which parts, and how it ended: "ok" (the
     model answered), "error" (the model raised), "crash" (the replica crashed), or
-    "cut" (cancelled at shutdown before the model ran)."""
+    "cut" (cancelled at shutdown before the model ran); on a worker
+    (``Scenario.running``) also "died" (its worker died running it), "killed" (its
+    worker was killed while it ran: cut off, or lost; the replica retries it as a
+    suspect) and "returned" (staged behind, handed back as it was when its worker
+    went)."""
 
     at: float
     replica: int
@@ -126,6 +142,175 @@ class Execution:
     twins_answerable: list[bool] = attrs.Factory(list)
     #: it raised on a part alone that is to run once on another replica
     marked: bool = False
+    #: on a worker: when the device begins it, and when it is done
+    begins: float = 0.0
+    done: float = 0.0
+
+
+def batch_latency(run: Run, replica: int, parts: list[tuple[int, int]]) -> float:
+    """Seconds of trio time the batch of ``parts`` takes on replica ``replica``."""
+    return (
+        run.scenario.batch_latency_ms + run.replica_delay(replica)
+        + max(run.latency(k) for k, _ in parts)
+    ) * MS
+
+
+class SimWorker:
+    """A worker process in trio time (``Scenario.running``), as the product's
+    worker-process path drives one (``submit``, ``result``, ``kill``, ``alive``,
+    ``wait_exited``, ``aclose``). Its device runs the batches submitted in order,
+    each for its latency from when the one before is done; ``result`` answers the
+    oldest when it is done (the model runs then), or raises ``Died`` when the worker
+    was killed (a cut-off, a loss) or died: a batch holding a "crash" item kills it
+    when it is done. Killed, it notes how each batch it held ended (the oldest
+    "killed" or "died", those staged behind "returned")."""
+
+    Died = WorkerProcess.Died
+    Failed = WorkerProcess.Failed
+    TooLarge = WorkerProcess.TooLarge
+    pid: int | None = None
+    ended_how: str | None = None
+    stderr_tail: str | None = None
+
+    def __init__(self, batcher: Any, run: Run, slots: int) -> None:
+        self.SLOTS = slots
+        self._batcher = batcher
+        self._run = run
+        self._runner = batcher._backend.load(batcher.device)
+        self._held: collections.deque[Execution] = collections.deque()
+        self._exited = trio.Event()
+        self._killed = False
+        #: handed back whole when killed (its breaker replaced it): none a suspect
+        self.whole = False
+        self._free_at = -math.inf
+        self.busy_seconds = 0.0
+        self.last_run_seconds = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return not self._killed  # as WorkerProcess: not killed (it may have died)
+
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def kill(self) -> None:
+        if not self._killed:
+            self._killed = True
+            now = trio.current_time()
+            for i, ex in enumerate(self._held):
+                if ex.status == "staged":
+                    ex.status = "killed" if i == 0 and not self.whole else "returned"
+                ex.end = now
+                # (what the replica, handing it back, finds still waiting)
+                ex.answerable = [req.reply.answerable for req in ex.reqs]
+                self._run.replicas.left(ex)
+            self._held.clear()
+        self._exited.set()
+
+    async def aclose(self) -> None:
+        self.kill()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_exited(self) -> None:
+        await self._exited.wait()
+
+    async def submit(self, items: list[Any]) -> None:
+        batcher = self._batcher
+        batch = batcher._in_flight[-1]  # appended just before it is sent
+        if len(batch) != len(items) or any(
+            r.item is not it for r, it in zip(batch, items, strict=True)
+        ):
+            raise RuntimeError("fuzz: the batch submitted is not the last one in flight")
+        if len(batcher._in_flight) > 1:
+            note("runtime", "running: batches staged behind another")
+        ex = batcher._stage(batch)
+        ex.status = "staged"
+        ex.begins = max(ex.at, self._free_at)
+        ex.done = self._free_at = ex.begins + batch_latency(self._run, batcher.index, ex.parts)
+        self._held.append(ex)
+        batcher._executions[id(batch)] = ex
+        await trio.lowlevel.checkpoint()
+
+    async def result(self) -> Any:
+        ex = self._held[0]
+        with trio.move_on_at(ex.done):
+            await self._exited.wait()
+        if self._exited.is_set():
+            raise self.Died("killed")
+        crash = [k for k, _ in ex.parts if self._run.fault(k) == "crash"]
+        if crash:
+            ex.status = "died"
+            self._exited.set()
+            raise self.Died(f"planted worker death on item {crash[0]}")
+        self._held.popleft()
+        self.last_run_seconds = ex.done - ex.begins
+        self.busy_seconds += self.last_run_seconds
+        self._run.current = ex
+        try:
+            return self._runner([req.item for req in ex.reqs])
+        except Exception as exc:
+            raise self.Failed(f"{type(exc).__name__}: {exc}") from exc
+
+
+class DrivenWatchdog(trioserve.actors.Watchdog):
+    """The watchdog on trio's clock (``Scenario.running``): no thread; the
+    scenario's task :meth:`drive` fires each deadline at its trio time, in that
+    task. Bound to its run by :func:`watchdog_class`."""
+
+    run: Run
+
+    def __init__(self) -> None:
+        super().__init__(clock=trio.current_time)
+        self.wake = trio.Event()
+        self.run.watchdog = self
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def arm_call(self, seconds: float, fn: Any) -> Any:
+        armed = super().arm_call(seconds, fn)
+        self.wake.set()
+        return armed
+
+    def live(self) -> int:
+        """How many deadlines are armed (neither fired nor disarmed)."""
+        return self._live
+
+    async def drive(self) -> None:
+        """Fire every deadline at its time, for good (cancelled at the run's end)."""
+        heap = self._heap
+        while True:
+            while heap and not heap[0][2].live:
+                heapq.heappop(heap)
+            with trio.move_on_at(heap[0][0] if heap else math.inf):
+                await self.wake.wait()
+            self.wake = trio.Event()
+            now = trio.current_time()
+            while heap and (heap[0][0] <= now or not heap[0][2].live):
+                _, _, entry = heapq.heappop(heap)
+                if entry.live:
+                    entry.live = False
+                    self._live -= 1
+                    self.fired += 1
+                    entry.fn()
+
+
+def watchdog_class(run: Run) -> type:
+    return type("DrivenWatchdog", (DrivenWatchdog,), {"run": run})
+
+
+class NoZygote:
+    """The zygote a runtime with worker processes starts: none is needed for
+    :class:`SimWorker`."""
+
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
 
 
 def batcher_class(base: type, run: Run) -> type:
@@ -135,6 +320,11 @@ def batcher_class(base: type, run: Run) -> type:
     checked against the deadlines and budgets here."""
 
     class SimulatedDevice(base):  # type: ignore[misc, valid-type]
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            #: on a worker: the execution of each batch it holds, by id(batch)
+            self._executions: dict[int, Execution] = {}
+
         def _stage(self, batch: list[Any]) -> Execution:
             """``batch`` is handed to this replica's device: checked, and noted."""
             parts = [part_id(req.item["x"]) for req in batch]
@@ -168,9 +358,47 @@ def batcher_class(base: type, run: Run) -> type:
                 ex.end = trio.current_time()
                 run.replicas.ended(ex, batch, ex.end)
 
-        async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        # ------------------------------------------------ on a worker (running)
+        def _slots(self) -> int:
             pipeline = run.scenario.pipeline
-            slots = pipeline[self.index] if self.index < len(pipeline) else 1
+            return pipeline[self.index] if self.index < len(pipeline) else 1
+
+        async def _start_worker(self) -> None:
+            # (the product's, with the worker in trio time for a process)
+            worker = SimWorker(self, run, self._slots())
+            await self._load(worker.start)
+            self._worker = worker
+
+        def _left_worker(self, batch: list[Any]) -> None:
+            """``batch``, collected from the worker, was answered or failed."""
+            ex = self._executions.pop(id(batch), None)
+            if ex is not None:
+                ex.end = trio.current_time()
+                run.replicas.ended(ex, batch, ex.end)
+
+        def _deliver(self, batch: list[Any], outputs: Any, t0: float) -> None:
+            try:
+                super()._deliver(batch, outputs, t0)
+            finally:
+                if self._process:
+                    self._left_worker(batch)
+
+        def _model_failed(self, batch: list[Any], exc: BaseException) -> bool:
+            try:
+                return super()._model_failed(batch, exc)
+            finally:
+                if self._process:
+                    self._left_worker(batch)
+
+        def _replace_broken(self, worker: Any) -> None:
+            worker.whole = True  # its batches go back as they were
+            super()._replace_broken(worker)
+
+        async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            if run.scenario.running:
+                await super().run(task_status=task_status)
+                return
+            slots = self._slots()
             if slots <= 1:
                 await super().run(task_status=task_status)
                 return

@@ -12,8 +12,9 @@ from typing import Any
 import attrs
 import trioserve._control
 import trioserve.actors
-from trioserve import Overloaded, Request
+from trioserve import Overloaded, Request, RequestState
 from trioserve.actors import SHARED_NAMESPACE, cache_key
+from trioserve.actors._in_flight import InFlight
 
 from ._product import PRODUCT, Product
 
@@ -267,6 +268,57 @@ class ConfirmsAcrossRuns(Breaker):
     def confirmed(self, now: float, run: int) -> bool:
         self.failure(now)
         return self.failures >= self.threshold
+
+
+class AnswersExpiredRequestsLate(BatcherActor):
+    """A batch's late answer goes to each of its requests, also to one its replica
+    answered DeadlineExceeded while the batch ran (the delivery guard,
+    ``Reply.answerable``, dropped): a second answer to one reply, which raises and
+    crashes the replica; the batch's other callers get ActorBroken."""
+
+    def _deliver(self, batch: list[Request], outputs: Any, t0: float) -> None:
+        if len(outputs) == len(batch):
+            for req, out in zip(batch, outputs, strict=True):
+                if req.reply.state is RequestState.DONE:
+                    req.reply.set_result(out)
+        super()._deliver(batch, outputs, t0)
+
+
+class _NeverDisarms(InFlight):
+    """Batches leave without their deadlines being disarmed."""
+
+    def popleft(self) -> list[Request]:
+        self._deadlines.popleft()
+        return self._batches.popleft()
+
+    def pop(self) -> list[Request]:
+        self._deadlines.pop()
+        return self._batches.pop()
+
+    def clear(self) -> None:
+        self._deadlines.clear()
+        self._batches.clear()
+
+
+class _ExpiresTheWholeBatch(InFlight):
+    """At a batch's first deadline, every request of it still waiting is answered."""
+
+    def expired(self, requests: list[Request]) -> None:
+        batch = next(b for b in self._batches if any(r is requests[0] for r in b))
+        super().expired([
+            r for r in batch if r.answer_expiry and r.reply.state is RequestState.DISPATCHED
+        ])
+
+
+def _in_flight_of(cls: type[InFlight]) -> type:
+    class HoldsBatchesIn(BatcherActor):
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            held = self._in_flight
+            self._in_flight = cls(model=held.model, watchdog=held.watchdog, noted=held._noted)
+
+    HoldsBatchesIn.__name__ = HoldsBatchesIn.__qualname__ = f"HoldsBatchesIn{cls.__name__}"
+    return HoldsBatchesIn
 
 
 class RefundsToTheLevel(TokenBucket):
@@ -611,6 +663,32 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         "a part answered elsewhere counts against its replica after that replica "
         "succeeded, or while its breaker is open",
         attrs.evolve(PRODUCT, name="confirmed-across-runs", breaker_class=ConfirmsAcrossRuns),
+        ("runtime",),
+    ),
+    # The runtime suite's running batches (Scenario.running): the runtime's deadlines
+    # of requests whose batch runs on a worker.
+    "late-answer-unguarded": (
+        "a running batch's late answer goes to a request already answered "
+        "DeadlineExceeded too",
+        attrs.evolve(
+            PRODUCT, name="late-answer-unguarded", batcher_class=AnswersExpiredRequestsLate
+        ),
+        ("runtime",),
+    ),
+    "expiry-not-disarmed": (
+        "a batch's deadlines stay armed with the watchdog after it leaves its replica",
+        attrs.evolve(
+            PRODUCT, name="expiry-not-disarmed", batcher_class=_in_flight_of(_NeverDisarms)
+        ),
+        ("runtime",),
+    ),
+    "expiry-whole-batch": (
+        "at a running batch's first deadline, all its requests still waiting are "
+        "answered DeadlineExceeded",
+        attrs.evolve(
+            PRODUCT, name="expiry-whole-batch",
+            batcher_class=_in_flight_of(_ExpiresTheWholeBatch),
+        ),
         ("runtime",),
     ),
     # The admission suite's own: the credits.

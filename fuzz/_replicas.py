@@ -127,6 +127,10 @@ class Replicas:
     once the runtime is open; ``lane_of``: replica index -> its lane."""
 
     lane_of: Any
+    #: compare the breakers with the reference (not when the replicas run on
+    #: workers, ``Scenario.running``: a worker's loss counts too, which the
+    #: reference does not model)
+    breakers: bool = True
     batchers: list[Any] = attrs.Factory(list)
     violations: list[tuple[str, str]] = attrs.Factory(list)
     #: id(reply) -> the other reply of its hedge (both ways)
@@ -135,6 +139,10 @@ class Replicas:
     copies: dict[int, tuple[Any, Any]] = attrs.Factory(dict)
     #: how many times each request started on a replica
     starts: collections.Counter[RKey] = attrs.Factory(collections.Counter)
+    #: the requests that ran in a batch that failed (the model raised, or its worker
+    #: was cut off or died running it): their next batch is a retry, which says
+    #: nothing of its replica (a batch staged behind, handed back as it was, is not)
+    suspects: set[RKey] = attrs.Factory(set)
     #: the execution each request is running now (started, not ended)
     running: dict[RKey, Any] = attrs.Factory(dict)
     marks: dict[RKey, Mark] = attrs.Factory(dict)
@@ -213,7 +221,7 @@ class Replicas:
     def started(self, ex: Any, batch: list[Any]) -> None:
         keys = [self.rkey(p, req) for p, req in zip(ex.parts, batch, strict=True)]
         ex.keys = keys
-        ex.retried = [self.starts[k] > 0 for k in keys]
+        ex.retried = [k in self.suspects for k in keys]
         replies = {id(req.reply) for req in batch}
         for k, req in zip(keys, batch, strict=True):
             self.starts[k] += 1
@@ -246,6 +254,15 @@ class Replicas:
             for t in (self.twin.get(id(req.reply)) for req in batch)
         ]
 
+    def left(self, ex: Any) -> None:
+        """``ex`` left its worker unanswered: the worker was killed (a cut-off, a
+        loss, a replacement) or died; the replica hands it back."""
+        for k in ex.keys:
+            if self.running.get(k) is ex:
+                del self.running[k]
+        if ex.status in ("killed", "died"):
+            self.suspects.update(ex.keys)
+
     def ended(self, ex: Any, batch: list[Any], now: float) -> None:
         """``ex`` ended (its model answered or raised; the batcher has delivered)."""
         for k in ex.keys:
@@ -272,6 +289,7 @@ class Replicas:
                         )
             self._twins_withdrawn(ex, batch)
         else:
+            self.suspects.update(ex.keys)
             if not all(ex.retried):
                 model.raised(now, self.successes, alone=len(batch) == 1)
             k = ex.keys[0]
@@ -311,6 +329,8 @@ class Replicas:
                 )
 
     def _compare(self, now: float) -> None:
+        if not self.breakers:
+            return
         for b in self.batchers:
             model = self.models.get(b.index)
             if model is None:

@@ -47,7 +47,16 @@ import trioserve.actors
 from hypothesis.internal.entropy import deterministic_PRNG
 
 from ._checker import InvariantViolation, QueueObserver, batch_cost
-from ._device import EchoModel, Execution, batcher_class, item_input, item_key, part_id
+from ._device import (
+    EchoModel,
+    Execution,
+    NoZygote,
+    batcher_class,
+    item_input,
+    item_key,
+    part_id,
+    watchdog_class,
+)
 from ._product import PRODUCT, Product, observed_queue_class
 from ._replicas import Replicas, scheduler_class
 from ._runtime_checks import check
@@ -59,6 +68,14 @@ expect(
     "runtime",
     "oversize: items run in parts",
     "pipeline: batches pulled while another was in flight",
+    "running: scenarios",
+    "running: DeadlineExceeded while the batch ran",
+    "running: late answers skipped",
+    "running: batches staged behind another",
+    "running: batches handed back with requests answered",
+    "replica batches: killed",
+    "replica batches: died",
+    "replica batches: returned",
 )
 
 
@@ -91,9 +108,13 @@ class Run:
     model_calls: collections.Counter[int] = attrs.Factory(collections.Counter)
     #: the scheduler class open_runtime is to build (the product's, observed)
     scheduler_class: type | None = None
+    #: with ``Scenario.running``: the runtime's watchdog, on trio's clock
+    watchdog: Any = None
 
     def __attrs_post_init__(self) -> None:
-        self.replicas = Replicas(lane_of=self.lane_of_replica)
+        self.replicas = Replicas(
+            lane_of=self.lane_of_replica, breakers=not self.scenario.running
+        )
 
     def replica_delay(self, index: int) -> int:
         delays = self.scenario.replica_delay_ms
@@ -209,7 +230,10 @@ def config_of(sc: Scenario, run: Run) -> trioserve.Config:
         max_wait_ms=sc.max_wait_ms,
         oversize=sc.oversize,
         timeout_ms=sc.timeout_ms,
-        execution="inline",
+        execution="process" if sc.running else "inline",
+        # (running: a batch is cut off at cut_off_ms, whatever the batches before took)
+        batch_timeout_floor_ms=sc.cut_off_ms,
+        batch_timeout_cap_ms=sc.cut_off_ms,
         adaptive_limit=sc.adaptive,
         hedge=sc.hedge_after_ms is not None,
         hedge_after_ms=sc.hedge_after_ms,
@@ -235,7 +259,7 @@ def product_installed(run: Run) -> Iterator[None]:
     actors = trioserve.actors
     saved = (
         actors.FairQueue, actors.BatcherActor, actors.SchedulerActor, actors.Breaker,
-        _assembly.Runtime,
+        _assembly.Runtime, actors.Watchdog, _assembly.Zygote,
     )
     actors.FairQueue = observed_queue_class(run.product.queue_class, run.queues.append)
     actors.BatcherActor = batcher_class(run.product.batcher_class, run)
@@ -245,12 +269,16 @@ def product_installed(run: Run) -> Iterator[None]:
     actors.SchedulerActor = run.scheduler_class
     actors.Breaker = run.product.breaker_class
     _assembly.Runtime = run.product.runtime_class
+    if run.scenario.running:
+        # worker processes in trio time, and a watchdog on trio's clock
+        actors.Watchdog = watchdog_class(run)
+        _assembly.Zygote = NoZygote
     try:
         yield
     finally:
         (
             actors.FairQueue, actors.BatcherActor, actors.SchedulerActor, actors.Breaker,
-            _assembly.Runtime,
+            _assembly.Runtime, actors.Watchdog, _assembly.Zygote,
         ) = saved
 
 
@@ -338,6 +366,8 @@ async def _play(run: Run) -> None:
             async with trioserve.open_runtime(cfg) as rt:
                 run.lanes = _lanes(run, rt)
                 run.replicas.batchers = list(rt.models["m"].batchers)
+                if sc.running:
+                    callers.start_soon(run.watchdog.drive)
                 run.t0 = trio.current_time()
                 for i, call in enumerate(sc.calls):
                     for j, it in enumerate(call.items):
@@ -357,6 +387,12 @@ async def _play(run: Run) -> None:
             callers.cancel_scope.cancel("fuzz: the run is over")
     if (leak := leaked_since(before)) is not None:
         raise InvariantViolation("leak", leak)
+    if run.watchdog is not None and run.watchdog.live():
+        raise InvariantViolation(
+            "leak",
+            f"{run.watchdog.live()} deadline(s) stayed armed with the watchdog after the "
+            "runtime closed: a batch's deadlines are disarmed as it leaves its replica",
+        )
 
 
 async def _cancel_at(scope: trio.CancelScope, when: float) -> None:

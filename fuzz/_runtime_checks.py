@@ -26,6 +26,14 @@ from ._stats import note
 if TYPE_CHECKING:
     from ._runtime import Run
 
+#: how a batch ended that its requests may run again after: the model raised (the
+#: batch is split and retried), or its worker was cut off or died running it, or
+#: was lost with it staged behind (handed back)
+RETRIED = frozenset({"error", "killed", "died", "returned"})
+#: a request that failed alone this many times on a worker (cut off, or its worker
+#: died) is answered as poison (the model's ``poison_attempts``, by default)
+POISON_ATTEMPTS = 2
+
 
 def check(run: Run) -> None:
     sc = run.scenario
@@ -48,6 +56,13 @@ def check(run: Run) -> None:
             history.setdefault(k, []).append(ex)
         note("runtime", f"replica batches: {ex.status}")
     note("runtime", "parts retried", sum(len(h) > 1 for h in history.values()))
+    if sc.running:
+        note("runtime", "running: scenarios")
+        for ex in run.executions:
+            if ex.status == "ok":
+                note("runtime", "running: late answers skipped", ex.answerable.count(False))
+            elif ex.status == "killed" and not all(ex.answerable):
+                note("runtime", "running: batches handed back with requests answered")
     note("runtime", "oversize: items run in parts", len({p[0] for p in history if p[1]}))
     if sc.shutdown_at_ms is not None:
         note("runtime", "early shutdowns")
@@ -61,12 +76,13 @@ def check(run: Run) -> None:
     _check_lanes(run)
     for p, runs in history.items():
         for ex in runs[:-1]:
-            if ex.status != "error":
+            if ex.status not in RETRIED:
                 raise InvariantViolation(
                     "duplicated",
                     f"item {p[0]} (part at {p[1]}{', hedge copy' if p[2] else ''}) ran "
                     f"again at t={runs[-1].at:.6g} after its batch at t={ex.at:.6g} ended "
-                    f"{ex.status!r}: only a batch whose model raised is retried",
+                    f"{ex.status!r}: only a batch whose model raised, or that its "
+                    "worker's loss handed back, is retried",
                 )
     for i, call in enumerate(sc.calls):
         _check_call(run, i, call, history)
@@ -140,6 +156,17 @@ def _check_call(
         raise InvariantViolation(
             "outcome", f"{who} returned at t={out.at:.6g}, after its cancel time {cancel_at:.6g}"
         )
+    timeout = _timeout_ms(sc, call)
+    if sc.running and timeout is not None and out.at > arrival + timeout * MS + 1e-9:
+        # Off the event loop, a timeout ends the wait wherever the request is: queued,
+        # held for a retry, staged on a worker or running there.
+        ran = sorted((p, [(f"{ex.at:.6g}", ex.status) for ex in h]) for p, h in mine.items())
+        raise InvariantViolation(
+            "deadline",
+            f"{who} returned at t={out.at:.6g} ({out.kind}), after its deadline "
+            f"{arrival + timeout * MS:.6g} (timeout {timeout:g} ms); its batches "
+            f"(started, how they ended): {ran}",
+        )
     if out.kind == "cancelled":
         if cancel_at is None or abs(out.at - cancel_at) > 1e-9:
             raise InvariantViolation(
@@ -190,7 +217,8 @@ def _check_call(
     elif isinstance(exc, ActorBroken):
         ok = any(runs[-1].status == "crash" for runs in mine.values())
     elif isinstance(exc, DeadlineExceeded):
-        timeout = _timeout_ms(sc, call)
+        if "while its batch was running" in str(exc):
+            note("runtime", "running: DeadlineExceeded while the batch ran")
         ok = timeout is not None and out.at >= arrival + timeout * MS - 1e-9
     elif isinstance(exc, ActorClosed):
         ok = out.at >= run.shutdown_at
@@ -234,6 +262,15 @@ def _model_error_allowed(
     why = "no request of it raised alone (a failed batch of several is retried in parts)"
     for p, runs in mine.items():
         last = runs[-1]
+        # (alone: the only request of its batch still waiting when its worker went)
+        failed_alone = sum(
+            ex.status in ("killed", "died") and sum(ex.answerable) == 1
+            and ex.answerable[ex.keys.index(p)]
+            for ex in runs
+        )
+        if last.status in ("killed", "died") and failed_alone >= POISON_ATTEMPTS:
+            note("runtime", f"ModelError: poison items (their worker {last.status})")
+            return True, ""
         if last.status != "error" or len(last.parts) != 1:
             continue
         poison = run.fault(p[0]) == "error"

@@ -26,7 +26,8 @@ HORIZON_S = 3600.0
 class Item:
     """One item: its cost (token units), the model's latency on it, and a planted
     fault: "error" (the model raises on a batch holding it) or "crash" (the replica
-    running it crashes)."""
+    running it crashes; in a ``running`` scenario, its worker dies at the end of the
+    batch's latency)."""
 
     cost: int = 1
     latency_ms: int = 0
@@ -104,6 +105,15 @@ class Scenario:
     #: product's inline loop
     pipeline: tuple[int, ...] = ()
     broken: tuple[Broken, ...] = ()
+    #: the replicas run their batches off the event loop, as worker processes do
+    #: (simulated in trio time, fuzz/_device.py): a batch runs while the scheduler and
+    #: the callers move on, so a request's timeout can pass while its batch runs (its
+    #: replica answers it then), a batch past ``cut_off_ms`` is cut off (its worker
+    #: killed, the batch handed back), and a "crash" item's worker dies. ``pipeline``
+    #: is then each worker's number of batches in flight.
+    running: bool = False
+    #: with ``running``: how long a batch may run before it is cut off
+    cut_off_ms: int = 1000
     classes: tuple[ClassSetup, ...] = (ClassSetup(),)
     tenants: tuple[TenantSetup, ...] = (TenantSetup(),)
     calls: tuple[Call, ...] = ()
@@ -252,8 +262,107 @@ def _in_both_lanes(call: Call, slow_cost: int, *, top: int) -> Call:
     return attrs.evolve(call, items=(*items[:-1], attrs.evolve(last, cost=cost)))
 
 
+#: a quarter of the scenarios run their batches off the event loop
+_RUNNING = st.sampled_from([False, False, False, True])
+#: (one batch held at a time half the time: it pulls only when it is free, so that
+#: batches of several, of several deadlines, run)
+_RUNNING_SLOTS = st.sampled_from([1, 1, 2, 3])
+_RUNNING_CUT_OFF = st.sampled_from([5, 20, 100, 1000])
+#: timeouts and latencies of the same order, so that deadlines pass while batches
+#: run (or are staged), before and after a cut-off
+_RUNNING_LATENCY = st.sampled_from([0, 1, 2, 5, 10, 20, 20, 50, 250])
+_RUNNING_TIMEOUT = st.sampled_from([None, 5, 10, 20, 50, 1000])
+_RUNNING_CLASS_TIMEOUT = st.sampled_from([None, 1, 5, 10, 20, 50, 100])
+_RUNNING_MAX_WAIT = st.sampled_from([0, 1, 5, 20])
+#: calls close together, so that a batch holds requests of several arrivals (and
+#: deadlines)
+_RUNNING_GAPS = st.sampled_from([0, 0, 1, 2, 3, 5, 10, 50])
+
+
+@st.composite
+def running_scenarios(draw: st.DrawFn) -> Scenario:
+    """A scenario whose replicas (one to three, one lane, no hedges, none broken) run
+    their batches off the event loop, each holding one to three in flight: the
+    model's and the classes' timeouts fall while batches run or wait staged, late
+    answers come after them, batches are cut off and workers die."""
+    max_tokens = draw(_MAX_TOKENS)
+    replicas = draw(st.integers(1, 3))
+    n_classes = draw(st.integers(1, 3))
+    n_tenants = draw(st.integers(1, 3))
+    classes = tuple(
+        ClassSetup(
+            aging_ms=draw(_AGING),
+            timeout_ms=draw(_RUNNING_CLASS_TIMEOUT),
+            over_quota=draw(_OVER_QUOTA),
+        )
+        for _ in range(n_classes)
+    )
+    tenants = []
+    for _ in range(n_tenants):
+        allowed = draw(_ALLOWED[n_classes])
+        rate = draw(_CREDIT_RATE)
+        tenants.append(
+            TenantSetup(
+                weight=draw(_WEIGHT),
+                classes=tuple(sorted(allowed)),
+                credit_rate=rate,
+                credit_burst=None if rate is None else draw(_CREDIT_BURST),
+                queue_share=draw(_QUEUE_SHARE),
+            )
+        )
+    gaps = draw(_running_calls(max_tokens=max_tokens, n_tenants=n_tenants, n_classes=n_classes))
+    at, calls = 0, []
+    for c in gaps:  # arrival times accumulate the gaps
+        at += c.at_ms
+        calls.append(attrs.evolve(c, at_ms=at))
+    return Scenario(
+        max_batch_size=draw(st.integers(1, 5)),
+        max_batch_tokens=max_tokens,
+        padded=draw(st.booleans()),
+        oversize=draw(_OVERSIZE),
+        max_wait_ms=draw(_RUNNING_MAX_WAIT),
+        timeout_ms=draw(_RUNNING_TIMEOUT),
+        replicas=replicas,
+        adaptive=draw(st.booleans()),
+        batch_latency_ms=draw(_BATCH_LATENCY),
+        queue_bound=draw(st.integers(1, 32)),
+        graceful_ms=draw(_GRACEFUL),
+        shutdown_at_ms=draw(_SHUTDOWN),
+        pipeline=tuple(draw(_RUNNING_SLOTS) for _ in range(replicas)),
+        running=True,
+        cut_off_ms=draw(_RUNNING_CUT_OFF),
+        classes=classes,
+        tenants=tuple(tenants),
+        calls=tuple(calls),
+    )
+
+
+@functools.cache
+def _running_calls(
+    *, max_tokens: int | None, n_tenants: int, n_classes: int
+) -> st.SearchStrategy[list[Call]]:
+    """The calls of a running scenario, their ``at_ms`` the gap after the previous."""
+    cost = st.integers(1, 4) if max_tokens is None else st.integers(1, max_tokens + 2)
+    item = st.builds(Item, cost=cost, latency_ms=_RUNNING_LATENCY, fault=_FAULT)
+    call = st.builds(
+        Call,
+        at_ms=_RUNNING_GAPS,
+        tenant=st.integers(0, n_tenants - 1),
+        cls=_CLS[n_classes],
+        items=st.lists(item, min_size=1, max_size=3).map(tuple) | st.tuples(item),
+        cancel_ms=_CANCEL_MS,
+        cancel_how=_CANCEL_HOW,
+    )
+    return st.lists(call, min_size=4, max_size=30)
+
+
+_RUNNING_SCENARIOS = running_scenarios()
+
+
 @st.composite
 def scenarios(draw: st.DrawFn) -> Scenario:
+    if draw(_RUNNING):
+        return draw(_RUNNING_SCENARIOS)
     max_tokens = draw(_MAX_TOKENS)
     # A slow lane in half the scenarios, then on two or three replicas. Its cost
     # threshold lies within the costs of the items under the token budget (cost 1 is

@@ -317,6 +317,81 @@ def test_fuzz_runtime_model_error_isolation():
     )
 
 
+# Replicas running their batches off the event loop (Scenario.running): one worker
+# holding a batch at a time, a class with a 10 ms timeout (c0) and one without (c1),
+# batches cut off after 100 ms. The batch of calls 0-2 runs 0.003-0.023: calls 0 and
+# 1 are answered DeadlineExceeded at their deadlines while it runs, call 2 by its
+# late answer. The batch of calls 4 and 5 runs past the cut-off: call 4 is answered
+# at its deadline, the batch cut off at 0.145 and only call 5 retried, cut off again
+# alone, and answered as poison. Call 6's batch ends before its deadline: none of
+# its deadlines outlives it.
+_RUNNING = fuzz.Scenario(
+    running=True,
+    max_batch_size=3,
+    max_wait_ms=5,
+    timeout_ms=None,
+    cut_off_ms=100,
+    pipeline=(1,),
+    classes=(fuzz.ClassSetup(timeout_ms=10), fuzz.ClassSetup()),
+    calls=(
+        fuzz.Call(at_ms=0, cls=0, items=(fuzz.Item(latency_ms=20),)),
+        fuzz.Call(at_ms=3, cls=0),
+        fuzz.Call(at_ms=3, cls=1),
+        fuzz.Call(at_ms=30, cls=0),
+        fuzz.Call(at_ms=40, cls=0, items=(fuzz.Item(latency_ms=500),)),
+        fuzz.Call(at_ms=40, cls=1, items=(fuzz.Item(latency_ms=500),)),
+        fuzz.Call(at_ms=300, cls=0),
+    ),
+)
+
+
+def test_fuzz_runtime_running_batches_expire_their_requests_and_retry_the_others():
+    from fuzz._runtime import play
+    from fuzz._runtime_checks import check
+
+    run = play(_RUNNING)
+    check(run)
+    got = {
+        i: (o.kind, round(o.at - run.t0, 6), type(o.value).__name__ if o.kind == "error" else "")
+        for i, o in run.outcomes.items()
+    }
+    assert got == {
+        0: ("error", 0.01, "DeadlineExceeded"),
+        1: ("error", 0.013, "DeadlineExceeded"),
+        2: ("result", 0.023, ""),
+        3: ("result", 0.035, ""),
+        4: ("error", 0.05, "DeadlineExceeded"),
+        5: ("error", 0.245, "ModelError"),
+        6: ("result", 0.305, ""),
+    }
+    for i in (0, 1, 4):
+        assert "deadline passed while its batch was running" in str(run.outcomes[i].value)
+    assert "poison request" in str(run.outcomes[5].value)
+    # (item keys: call * 4)
+    ran = [(round(ex.at - run.t0, 6), [k for k, _ in ex.parts], ex.status) for ex in run.executions]
+    assert ran == [
+        (0.003, [0, 4, 8], "ok"),
+        (0.035, [12], "ok"),
+        (0.045, [16, 20], "killed"),
+        (0.145, [20], "killed"),  # the retry leaves out call 4, answered
+        (0.305, [24], "ok"),
+    ]
+    assert run.watchdog.live() == 0
+
+
+@pytest.mark.parametrize(
+    ("bug", "expected"),
+    [
+        ("late-answer-unguarded", r"^outcome: call #2 .* raised ActorBroken"),
+        ("expiry-not-disarmed", r"^leak: 1 deadline\(s\) stayed armed"),
+        ("expiry-whole-batch", r"^outcome: call #1 .* raised DeadlineExceeded"),
+    ],
+)
+def test_fuzz_runtime_running_scenario_catches_the_planted_bug(bug, expected):
+    with pytest.raises(fuzz.InvariantViolation, match=expected):
+        fuzz.run_scenario(_RUNNING, fuzz.MUTANTS[bug][1])
+
+
 def test_fuzz_cache_a_coalesced_model_after_an_invalidation():
     # Found by the cache suite: a model coalesced but not cached kept generation 0 in
     # its flights' keys, so the call at tick 1, after the invalidation, joined the
