@@ -204,6 +204,10 @@ class SimWorker:
                 # (what the replica, handing it back, finds still waiting)
                 ex.answerable = [req.reply.answerable for req in ex.reqs]
                 self._run.replicas.left(ex)
+            gone = {id(ex) for ex in self._held}
+            executions = self._batcher._executions
+            for k in [k for k, ex in executions.items() if id(ex) in gone]:
+                del executions[k]
             self._held.clear()
         self._exited.set()
 
