@@ -23,7 +23,7 @@ import trio
 import trioserve
 from http_helpers import GATE_LIMIT_S, X, Y, config, echo_model, settle
 from trioserve import CallableBackend, ModelConfig
-from trioserve.transport import _main, open_gateway, open_http
+from trioserve.transport import _main, open_gateway, open_http, open_stream
 from trioserve.transport._client import HttpResponse
 
 ONE = {"x": np.ones((1, 1), np.float32)}
@@ -287,7 +287,7 @@ async def test_leaving_open_gateway_answers_not_ready_for_the_drain_delay(mock_c
                 assert (await kept.get("/v2/health/live")).status == 200
                 res = await kept.infer("echo", ONE)
                 assert res.status == 200
-                assert "connection" not in res.headers  # kept alive
+                assert res.headers["connection"] == "close"  # the client reconnects
                 assert (await infer_echo(gw.url)).status == 200  # new connections too
                 mock_clock.jump(2.4)
                 await settle()
@@ -298,6 +298,96 @@ async def test_leaving_open_gateway_answers_not_ready_for_the_drain_delay(mock_c
         assert gw.statistics().draining
         with pytest.raises(OSError, match="all attempts to connect"):
             await trio.open_tcp_stream(*gw.addresses[0])
+
+
+def _infer_request(connection: bytes = b"") -> bytes:
+    body = b'{"inputs":[{"name":"x","shape":[1,1],"datatype":"FP32","data":[1.0]}]}'
+    return (
+        b"POST /v2/models/echo/infer HTTP/1.1\r\nhost: t\r\n%scontent-length: %d\r\n\r\n%s"
+        % (connection, len(body), body)
+    )
+
+
+async def _read_answer(stream: trio.SocketStream) -> tuple[bytes, bytes]:
+    """One answer's head (lower-cased) and body, read whole off ``stream``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(65536)
+        assert chunk, f"the connection closed before an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))
+    while len(body) < length:
+        chunk = await stream.receive_some(65536)
+        assert chunk
+        body += chunk
+    assert len(body) == length  # nothing after the answer
+    return head.lower(), body
+
+
+async def test_during_the_drain_delay_http_answers_close_their_connection(mock_clock):
+    """As Envoy does while it drains: during the delay every HTTP/1.1 answer (the data
+    plane's and the control plane's) says ``Connection: close`` and the server closes
+    the connection after it, so a kept-alive client moves to another server rather than
+    race the drain's close of its idle connection. A stream opened before goes on."""
+    cfg = config(echo_model(), server={"drain_delay_s": 5.0})
+    leave = trio.Event()
+
+    async def run(rt: trioserve.Runtime, task_status: Any) -> None:
+        async with open_gateway(rt, host="127.0.0.1", port=0) as gw:
+            task_status.started(gw)
+            await leave.wait()
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        gw = await nursery.start(run, rt)
+        host, port = gw.addresses[0][:2]
+        async with open_stream(gw.url) as ws:
+            data_plane = await trio.open_tcp_stream(host, port)
+            control_plane = await trio.open_tcp_stream(host, port)
+            async with data_plane, control_plane:
+                # before the delay: kept alive
+                await data_plane.send_all(_infer_request())
+                head, _ = await _read_answer(data_plane)
+                assert head.startswith(b"http/1.1 200 ")
+                assert b"connection:" not in head
+                await control_plane.send_all(b"GET /v2/health/live HTTP/1.1\r\nhost: t\r\n\r\n")
+                head, _ = await _read_answer(control_plane)
+                assert b"connection:" not in head
+
+                leave.set()
+                await settle()
+                assert gw.leaving
+                assert not gw.statistics().draining
+                # the same connections, during the delay: answered, then closed
+                await data_plane.send_all(_infer_request())
+                head, body = await _read_answer(data_plane)
+                assert head.startswith(b"http/1.1 200 ")
+                assert b"\r\nconnection: close" in head
+                assert b'"outputs"' in body
+                assert await data_plane.receive_some(65536) == b""  # closed by the server
+                await control_plane.send_all(b"GET /v2/health/live HTTP/1.1\r\nhost: t\r\n\r\n")
+                head, body = await _read_answer(control_plane)
+                assert head.startswith(b"http/1.1 200 ")
+                assert b"\r\nconnection: close" in head
+                assert body == b'{"live":true}'
+                assert await control_plane.receive_some(65536) == b""
+
+            # a new connection, during the delay: served, and closed after its answer
+            async with await trio.open_tcp_stream(host, port) as fresh:
+                await fresh.send_all(_infer_request())
+                head, _ = await _read_answer(fresh)
+                assert head.startswith(b"http/1.1 200 ")
+                assert b"\r\nconnection: close" in head
+                assert await fresh.receive_some(65536) == b""
+
+            # the stream is left as it is: it keeps answering
+            for i in range(3):
+                await ws.send(f"r{i}", "echo", ONE)
+                reply = await ws.receive()
+                assert reply.id == f"r{i}"
+                assert reply.error is None
+            assert gw.statistics().draining is False
+        nursery.cancel_scope.cancel("the test is over")
 
 
 async def infer_echo(url: str) -> HttpResponse:

@@ -279,6 +279,10 @@ class Gateway:
         self.draining = False
         #: readiness answers 503 (:meth:`leave`): the drain is about to begin
         self.leaving = False
+        #: HTTP/1.1 answers keep their connection open; False from :meth:`leave` or
+        #: :meth:`drain` on: each answer says ``Connection: close`` and the connection
+        #: closes, so a kept-alive client reconnects elsewhere while this one answers
+        self.keep_alive = True
         #: set when :meth:`drain` begins (a model load under way is answered then)
         self.drain_begun = trio.Event()
         self.in_flight = 0
@@ -562,9 +566,13 @@ class Gateway:
     async def leave(self, delay: float) -> None:
         """Answer readiness probes (the server's and each model's) 503 from now on,
         serving all else as usual (new connections too) for ``delay`` seconds, while
-        load balancers stop sending here; then the caller drains. A checkpoint.
+        load balancers stop sending here; then the caller drains. HTTP answers say
+        ``Connection: close`` meanwhile (as Envoy's do while it drains), so a kept-alive
+        client moves to another server rather than race the drain's close of its idle
+        connection; WebSocket streams are left as they are. A checkpoint.
         Cancelling it ends the delay (the gateway stays not ready)."""
         self.leaving = True
+        self.keep_alive = False
         await trio.sleep(delay)
 
     async def serve(
@@ -620,6 +628,7 @@ class Gateway:
         worst, ``CLOSE_GRACE`` after the grace period, closing what is left).
         """
         self.draining = True
+        self.keep_alive = False
         self.drain_begun.set()
         if self._accept_scope is not None:
             self._accept_scope.cancel("gateway draining: stop accepting")
@@ -680,8 +689,9 @@ async def open_gateway(
     ``host:port`` or on ``listeners`` already bound (:func:`open_listeners`).
 
     Listening when it yields (``gateway.url``). Leaving the block normally first
-    answers readiness probes 503 for ``server.drain_delay_s`` while serving as usual
-    (:meth:`Gateway.leave`; 0 by default), then drains:
+    answers readiness probes 503 for ``server.drain_delay_s`` while serving as usual,
+    HTTP answers with ``Connection: close`` (:meth:`Gateway.leave`; 0 by default), then
+    drains:
     requests in flight get ``runtime.graceful_timeout_s`` to be answered (no later than
     ``runtime.grace_deadline``, when the shutdown began sooner); leaving it
     with an exception closes every connection at once.

@@ -20,9 +20,9 @@ The data plane's keep-alive answers (a status, the gateway's own headers, a body
 are written from a template and the next request gets a fresh h11 state: h11's
 writer and its state machine cost ~20 µs a request, more than a fifth of the
 handler's time. Everything else (control plane, ``Connection: close``, HTTP/1.0,
-drain) is written by h11, except the answers to a request llhttp parsed, which h11
-never saw (``_Connection.bare``): those are written from the template, with
-``Connection: close`` when the connection then ends. A data-plane body that h11 has
+the drain delay and the drain) is written by h11, except the answers to a request
+llhttp parsed, which h11 never saw (``_Connection.bare``): those are written from the
+template, with ``Connection: close`` when the connection then ends. A data-plane body that h11 has
 framed by its Content-Length and already holds whole is taken from h11's buffer rather
 than through its two body events (~5 µs); one that has not all arrived is read
 through h11.
@@ -383,7 +383,7 @@ class _Connection:
                     raise
                 finally:
                     conn.waiting = False
-                if keep_alive and not gateway.draining:
+                if keep_alive and gateway.keep_alive:
                     # Written from the template (see the module's docstring); the
                     # bytes already received after this request begin the next.
                     answer = _plain_response(status, headers, out)
@@ -443,7 +443,7 @@ class _Connection:
                 out = b""
 
             # ---- answer through h11; keep the connection unless it must close
-            close = gateway.draining
+            close = not gateway.keep_alive  # the drain delay, or the drain
             await _send_all(fd, _response(h, status, headers, out, close), stall)
             if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 raise _Close()
