@@ -232,6 +232,61 @@ async def test_a_write_cancelled_part_way_breaks_the_stream():
     assert socket.sent == b"A" * 10
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["same-write", "later"])
+async def test_a_close_frame_at_the_in_flight_bound_is_seen_at_once(apart):
+    """A client at ``server.stream_in_flight`` with a message past the bound, which
+    the server holds while it waits for room, sends a close frame (with its messages,
+    or later): the server answers it at once (1000) rather than once an answer frees a
+    place, and, as at any close, withdraws the requests in flight (the queued ones
+    refunded, the running one's answer dropped); the held message is never run,
+    nothing answers it."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None), tenants=tenants,
+                 server={"stream_in_flight": 4})
+    try:
+        async with serving(cfg) as gw:
+            rt = gw.runtime
+            scheduler = rt.models["held"].scheduler
+            sock, ws = await _raw_handshake(gw)
+            # four in flight (one running, held by the gate, three queued), then a
+            # fifth, past the bound, and the close: in one read, or in a later one
+            await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(4)))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            assert scheduler.queue_depth() == 3
+            fifth = _infer_frame(4, model="held")
+            close = ws.send(CloseConnection(code=1000, reason="bye"))
+            if apart:
+                await sock.send_all(fifth)
+                await settle()
+                assert gw.statistics().streams == 1  # waiting for room
+                await sock.send_all(close)
+            else:
+                await sock.send_all(fifth + close)
+            await settle()
+            assert gw.statistics().stream_in_flight_peak == 4
+            assert scheduler.queue_depth() == 0  # withdrawn at once
+            assert rt.credits_refunded["t"] == 3
+            assert gw.statistics().streams == 0
+            ws.receive_data(await _read_to_eof(sock))
+            events = list(ws.events())
+            assert [type(e) for e in events] == [CloseConnection]
+            assert events[0].code == 1000
+            assert not any(isinstance(e, TextMessage) for e in events)
+            await sock.aclose()
+            gate.release()
+            # One replica, batches of one: this request runs after the held batch ends.
+            async with open_stream(gw.url) as stream:
+                assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
+            assert rt.models["held"].metrics.items == 2  # the held one and this one
+            assert rt.credits_refunded["t"] == 3
+    finally:
+        gate.release()
+
+
 async def test_a_protocol_error_closes_at_once_and_withdraws_requests_in_flight(autojump_clock):
     """Failing the connection (RFC 6455 7.1.7): the close frame is not held back until
     the requests in flight are answered, and the server does not wait for the client's

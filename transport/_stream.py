@@ -7,7 +7,8 @@ Each client message is a v2 infer request (JSON text) with its own ``id`` and
 At most ``server.stream_in_flight`` requests of one connection are in flight, and
 while their messages and the answers not yet written hold more than
 ``server.stream_in_flight_bytes`` no other is read: at either bound the server stops
-reading the socket, so TCP pushes back on the client.
+reading the socket once it has found the next message (one read at most), so TCP
+pushes back on the client, and a close frame before that message is seen at once.
 Closing the socket cancels the connection's requests not yet dispatched.
 
 The server side: the handshake, and a session per connection (:class:`_Session`).
@@ -254,6 +255,13 @@ class _Session:
         self.byte_budget = gateway.server_config.stream_in_flight_bytes
         self.in_flight_bytes = 0
         self._room = trio.lowlevel.ParkingLot()  # the read loop waits here at a bound
+        #: while the loop waits at a bound: the events of its read not yet handled
+        #: (advanced by :meth:`_look_ahead`), the first message event among them once
+        #: found (held until room frees), and the scope of a socket read that room
+        #: ends (see :meth:`_wait_for_room`)
+        self._events: Any = ()
+        self._ahead: Any = None
+        self._reading_ahead: trio.CancelScope | None = None
         self.pending: dict[int, Any] = {}  # token -> id of requests not yet answered
         self._tokens = itertools.count()
         #: (code, reason) we fail the connection with: a protocol error, a message
@@ -302,7 +310,7 @@ class _Session:
                     requests.cancel_scope.cancel("the client does not read its answers")
 
                 self.stream.on_stall = stalled
-                self.stream.on_sent = self._room.unpark  # answers left: bytes freed
+                self.stream.on_sent = self._unpark  # answers left: bytes freed
                 with reading:
                     peer_closed = await self._read(requests)
                 if self._unstarted or self._close_answer is not None:
@@ -327,12 +335,16 @@ class _Session:
         held = self.in_flight_bytes + self.stream.unsent
         return held > 0 and held + n > self.byte_budget
 
-    async def _wait_for_room(self, n: int) -> None:
-        """Wait, not reading, until fewer than ``bound`` requests are in flight and a
-        message of ``n`` bytes fits the byte budget. A checkpoint. Meanwhile the
-        gateway's hang-up watch looks out for the client leaving (the loop would see
-        its close only once it reads again): a hang-up cancels the read loop, and
-        ``run`` withdraws what is in flight."""
+    async def _wait_for_room(self, n: int) -> bool | None:
+        """Wait until fewer than ``bound`` requests are in flight and a message of
+        ``n`` bytes fits the byte budget, reading ahead only as far as the next message
+        (:meth:`_look_ahead`), so a close frame the client sends meanwhile is seen at
+        once. Returns None when there is room (``_events``, and ``_ahead`` if found,
+        are what the loop handles next), or what ``_read`` returns when the client
+        closed or the connection failed meanwhile. A checkpoint. The gateway's hang-up
+        watch also looks out for the client leaving (once a message is held, the loop
+        reads no more): a hang-up cancels the read loop, and ``run`` withdraws what
+        is in flight."""
         conn, watch, fd = self.conn, self.gateway.hangups, self._fd
         if watch is not None and fd is not None and not conn.armed:
             watch.arm(fd, conn)  # once a stream, unless a hang-up was reported since
@@ -342,9 +354,57 @@ class _Session:
         conn.waiting = True
         try:
             while self.in_flight >= self.bound or self._over_budget(n):
-                await self._room.park()
+                if self._ahead is None:
+                    done = await self._look_ahead()
+                    if done is not None:
+                        return done
+                else:
+                    await self._room.park()
         finally:
             conn.waiting = False
+        return None
+
+    async def _look_ahead(self) -> bool | None:
+        """At a bound: handle what follows the waiting message up to the next message
+        event (a ping gets its pong), which is held in ``_ahead`` and not handled, so
+        at most one read's bytes (``RECEIVE_SIZE``) are held past the bound. When the
+        events of the reads so far hold none, read the socket once, until room frees
+        (:meth:`_unpark` ends that read). Returns as :meth:`_wait_for_room` does."""
+        ws = self.ws
+        for event in self._events:
+            kind = type(event)
+            if kind is TextMessage or kind is BytesMessage:
+                self._ahead = event
+                return None
+            if kind is Ping:
+                await self._send(ws.send(event.response()))
+            elif kind is CloseConnection:
+                return await self._closed(event)
+        with trio.CancelScope() as self._reading_ahead:
+            try:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return True  # reset by the peer: it is gone, as at EOF
+            finally:
+                self._reading_ahead = None
+            ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
+            self._events = ws.events()
+        return None
+
+    async def _closed(self, event: CloseConnection) -> bool:
+        """A close frame read (or wsproto's report of a protocol error or of EOF):
+        answer the client's close. Returns what ``_read`` returns: True when the peer
+        closed, False when the connection must fail with ``_closing``."""
+        ws = self.ws
+        if ws.state is ConnectionState.REMOTE_CLOSING:
+            await self._send(ws.send(event.response()))
+            return True
+        if ws.state is ConnectionState.OPEN:
+            # wsproto found a protocol error (bad framing, text that is not UTF-8):
+            # fail with its code (1002, 1007), not 1000.
+            self._closing = (event.code, event.reason or "")
+            return False
+        return True
 
     async def _read(self, requests: trio.Nursery) -> bool:
         """Read and dispatch messages until the peer closes (returns True) or the
@@ -410,63 +470,72 @@ class _Session:
                 pinged = False
                 quiet_at = trio.current_time() + ping_every
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
-            events = ws.events()
+            events: Any = ws.events()
             waiting: str | bytes | None = None  # a message read, waiting for room
             try:
-                for event in events:
-                    kind = type(event)
-                    if kind is TextMessage or kind is BytesMessage:
-                        n = len(event.data)
-                        if kind is TextMessage and not event.data.isascii():  # O(1)
-                            # UTF-8 bytes, not characters: the limit and the budget
-                            n = len(event.data.encode())
-                        size += n
-                        if size > limit:
-                            self._closing = (1009, f"message over {limit} bytes")
-                            return False
-                        message: str | bytes = event.data
-                        if partial is not None or not event.message_finished:
-                            if partial is None:
-                                partial = bytearray()
-                            partial += message.encode() if isinstance(message, str) else message
-                            if not event.message_finished:
-                                continue
-                            message = bytes(partial)
-                            partial = None
-                        n, size = size, 0
-                        if self.in_flight >= bound or self._over_budget(n):
-                            waiting = message
-                            await self._wait_for_room(n)
-                            waiting = None
-                            deadline = math.inf  # the server did not read: count afresh
-                            if ping_every != math.inf:
-                                quiet_at = trio.current_time() + ping_every
-                        self.in_flight += 1
-                        self.in_flight_bytes += n
-                        if self.in_flight > gateway.stream_in_flight_peak:
-                            gateway.stream_in_flight_peak = self.in_flight
-                        held = self.in_flight_bytes + stream.unsent
-                        if held > gateway.stream_in_flight_bytes_peak:
-                            gateway.stream_in_flight_bytes_peak = held
-                        requests.start_soon(self._one, message, n)
-                    elif kind is Ping:
-                        await self._send(ws.send(event.response()))
-                    elif kind is CloseConnection:
-                        if ws.state is ConnectionState.REMOTE_CLOSING:
+                while events is not None:
+                    more, events = events, None
+                    for event in more:
+                        kind = type(event)
+                        if kind is TextMessage or kind is BytesMessage:
+                            n = len(event.data)
+                            if kind is TextMessage and not event.data.isascii():  # O(1)
+                                # UTF-8 bytes, not characters: the limit and the budget
+                                n = len(event.data.encode())
+                            size += n
+                            if size > limit:
+                                self._closing = (1009, f"message over {limit} bytes")
+                                return False
+                            message: str | bytes = event.data
+                            if partial is not None or not event.message_finished:
+                                if partial is None:
+                                    partial = bytearray()
+                                partial += message.encode() if isinstance(message, str) else message
+                                if not event.message_finished:
+                                    continue
+                                message = bytes(partial)
+                                partial = None
+                            n, size = size, 0
+                            if self.in_flight >= bound or self._over_budget(n):
+                                waiting = message
+                                self._events, self._ahead = more, None
+                                done = await self._wait_for_room(n)
+                                if done is not None:
+                                    return done  # closed: the waiting message is not run
+                                waiting = None
+                                # what the wait read ahead is handled next
+                                ahead, rest = self._ahead, self._events
+                                self._events = self._ahead = None
+                                if ahead is not None:
+                                    events = itertools.chain((ahead,), rest)
+                                elif rest is not more:
+                                    events = rest
+                                deadline = math.inf  # counted afresh from the wait's end
+                                if ping_every != math.inf:
+                                    quiet_at = trio.current_time() + ping_every
+                            self.in_flight += 1
+                            self.in_flight_bytes += n
+                            if self.in_flight > gateway.stream_in_flight_peak:
+                                gateway.stream_in_flight_peak = self.in_flight
+                            held = self.in_flight_bytes + stream.unsent
+                            if held > gateway.stream_in_flight_bytes_peak:
+                                gateway.stream_in_flight_bytes_peak = held
+                            requests.start_soon(self._one, message, n)
+                            if events is not None:
+                                break  # go on with what the wait read ahead
+                        elif kind is Ping:
                             await self._send(ws.send(event.response()))
-                            return True
-                        if ws.state is ConnectionState.OPEN:
-                            # wsproto found a protocol error (bad framing, text that is
-                            # not UTF-8): fail with its code (1002, 1007), not 1000.
-                            self._closing = (event.code, event.reason or "")
-                            return False
-                        return True
-                    # Pong: nothing to do.
+                        elif kind is CloseConnection:
+                            return await self._closed(event)
+                        # Pong: nothing to do.
             except trio.Cancelled:
                 # A drain stopped the loop: the messages read and not started get
                 # their 503 (see _refuse_unstarted), as those it cancels do.
                 if gateway.draining and not self._gone:
-                    self._unread_rest(waiting, events, partial)
+                    if waiting is not None:  # in the wait: what it read ahead follows
+                        ahead, rest = self._ahead, self._events
+                        more = rest if ahead is None else itertools.chain((ahead,), rest)
+                    self._unread_rest(waiting, more, partial)
                 raise
             if frames is not None and size + _unread(frames, texts) > limit:
                 self._closing = (1009, f"message over {limit} bytes")
@@ -638,7 +707,14 @@ class _Session:
         finally:
             self.in_flight -= 1
             self.in_flight_bytes -= n
-            self._room.unpark()
+            self._unpark()
+
+    def _unpark(self) -> None:
+        """Room may have freed: wake the read loop waiting at a bound (and end its read
+        ahead, if it is reading the socket)."""
+        self._room.unpark()
+        if self._reading_ahead is not None:
+            self._reading_ahead.cancel("room freed")
 
 
 __all__ = [
