@@ -205,9 +205,20 @@ async def start_family(
         except TrioserveError as exc:  # its own to report: the others load on
             failed[v] = exc
 
+    # Models run inline load in turn: such a load is a callable's construction, so
+    # loading at once gains nothing, and in turn keeps the order in which their
+    # loads' threads end, and so the start, the same from run to run (a test clock
+    # moves while the loop waits for a thread: the fuzz suites replay on it).
+    at_once = any(
+        (_version_config(m, v).execution or backend.default_execution) != "inline"
+        for v, backend in plan.items()
+    )
     async with trio.open_nursery() as nursery:
         for i, (v, backend) in enumerate(plan.items()):
-            nursery.start_soon(start, v, backend, i == 0)
+            if at_once:
+                nursery.start_soon(start, v, backend, i == 0)
+            else:
+                await start(v, backend, i == 0)
     if failed:
         for exc in failed.values():
             if not isinstance(exc, ModelLoadError):
