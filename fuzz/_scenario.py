@@ -11,6 +11,7 @@ shutdown. :func:`scenarios` draws one; ``fuzz/_runtime.py`` plays it.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import attrs
 from hypothesis import strategies as st
@@ -279,20 +280,14 @@ _RUNNING_MAX_WAIT = st.sampled_from([0, 1, 5, 20])
 _RUNNING_GAPS = st.sampled_from([0, 0, 1, 2, 3, 5, 10, 50])
 
 
-@st.composite
-def running_scenarios(draw: st.DrawFn) -> Scenario:
-    """A scenario whose replicas (one to three, one lane, no hedges, none broken) run
-    their batches off the event loop, each holding one to three in flight: the
-    model's and the classes' timeouts fall while batches run or wait staged, late
-    answers come after them, batches are cut off and workers die."""
-    max_tokens = draw(_MAX_TOKENS)
-    replicas = draw(st.integers(1, 3))
-    n_classes = draw(st.integers(1, 3))
-    n_tenants = draw(st.integers(1, 3))
+def _setups(
+    draw: st.DrawFn, n_classes: int, n_tenants: int, class_timeout: st.SearchStrategy[Any]
+) -> tuple[tuple[ClassSetup, ...], list[TenantSetup]]:
+    """The classes (each's timeout from ``class_timeout``) and the tenants of a scenario."""
     classes = tuple(
         ClassSetup(
             aging_ms=draw(_AGING),
-            timeout_ms=draw(_RUNNING_CLASS_TIMEOUT),
+            timeout_ms=draw(class_timeout),
             over_quota=draw(_OVER_QUOTA),
         )
         for _ in range(n_classes)
@@ -310,11 +305,31 @@ def running_scenarios(draw: st.DrawFn) -> Scenario:
                 queue_share=draw(_QUEUE_SHARE),
             )
         )
-    gaps = draw(_running_calls(max_tokens=max_tokens, n_tenants=n_tenants, n_classes=n_classes))
+    return classes, tenants
+
+
+def _arrivals(gaps: list[Call]) -> list[Call]:
+    """The calls at their arrival times: the gaps between them accumulated."""
     at, calls = 0, []
-    for c in gaps:  # arrival times accumulate the gaps
+    for c in gaps:
         at += c.at_ms
         calls.append(attrs.evolve(c, at_ms=at))
+    return calls
+
+
+@st.composite
+def running_scenarios(draw: st.DrawFn) -> Scenario:
+    """A scenario whose replicas (one to three, one lane, no hedges, none broken) run
+    their batches off the event loop, each holding one to three in flight: the
+    model's and the classes' timeouts fall while batches run or wait staged, late
+    answers come after them, batches are cut off and workers die."""
+    max_tokens = draw(_MAX_TOKENS)
+    replicas = draw(st.integers(1, 3))
+    n_classes = draw(st.integers(1, 3))
+    n_tenants = draw(st.integers(1, 3))
+    classes, tenants = _setups(draw, n_classes, n_tenants, _RUNNING_CLASS_TIMEOUT)
+    gaps = draw(_running_calls(max_tokens=max_tokens, n_tenants=n_tenants, n_classes=n_classes))
+    calls = _arrivals(gaps)
     return Scenario(
         max_batch_size=draw(st.integers(1, 5)),
         max_batch_tokens=max_tokens,
@@ -415,27 +430,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         )
     n_classes = draw(st.integers(1, 3))
     n_tenants = draw(st.integers(1 if slow_cost is None else 2, 3))
-    classes = tuple(
-        ClassSetup(
-            aging_ms=draw(_AGING),
-            timeout_ms=draw(_CLASS_TIMEOUT),
-            over_quota=draw(_OVER_QUOTA),
-        )
-        for _ in range(n_classes)
-    )
-    tenants = []
-    for _ in range(n_tenants):
-        allowed = draw(_ALLOWED[n_classes])
-        rate = draw(_CREDIT_RATE)
-        tenants.append(
-            TenantSetup(
-                weight=draw(_WEIGHT),
-                classes=tuple(sorted(allowed)),
-                credit_rate=rate,
-                credit_burst=None if rate is None else draw(_CREDIT_BURST),
-                queue_share=draw(_QUEUE_SHARE),
-            )
-        )
+    classes, tenants = _setups(draw, n_classes, n_tenants, _CLASS_TIMEOUT)
     gaps = draw(_calls(
         max_tokens=max_tokens, busy=slow_cost is not None, plain=mode == "plain",
         n_tenants=n_tenants, n_classes=n_classes, most_items=most_items,
@@ -445,10 +440,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         # (moved to the slow lane, an item stays within the token budget when it can)
         top = max(slow_cost, 4 if max_tokens is None else max_tokens)
         gaps = [_in_both_lanes(c, slow_cost, top=top) for c in gaps]
-    at, calls = 0, []
-    for c in gaps:  # arrival times accumulate the gaps
-        at += c.at_ms
-        calls.append(attrs.evolve(c, at_ms=at))
+    calls = _arrivals(gaps)
     return Scenario(
         max_batch_size=draw(st.integers(1, 5)),
         max_batch_tokens=max_tokens,
