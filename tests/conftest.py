@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import trioserve
 from hypothesis import settings
-from runtime_helpers import Gate
+from runtime_helpers import Gate, ManualWatchdog
 
 # Property tests check results, not speed: hypothesis's per-example deadline (200 ms)
 # fails them when a shared machine stalls for a moment (seen: one example at 346 ms,
@@ -50,3 +50,12 @@ def gates():
     yield make
     for g in made:
         g.release()
+
+
+@pytest.fixture
+def manual_watchdog(monkeypatch):
+    """The runtime's replicas keep their running deadlines on a :class:`ManualWatchdog`,
+    whose wall clock the test moves; the class, whose ``made`` lists those made."""
+    ManualWatchdog.made = []
+    monkeypatch.setattr(trioserve.actors, "Watchdog", ManualWatchdog)
+    return ManualWatchdog

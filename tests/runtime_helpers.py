@@ -3,6 +3,7 @@ a thread-run model held by a gate, and a backend whose items have costs."""
 
 from __future__ import annotations
 
+import heapq
 import os
 import sys
 import threading
@@ -14,7 +15,7 @@ import numpy as np
 import trio
 import trioserve
 from trioserve import CallableBackend, ModelBackend, ModelConfig, TensorSpec, WorkerProcess
-from trioserve.actors import CacheKey
+from trioserve.actors import CacheKey, Watchdog
 
 X = TensorSpec(name="x", datatype="FP32", shape=(-1,))
 Y = TensorSpec(name="y", datatype="FP32", shape=(-1,))
@@ -424,3 +425,33 @@ async def call_all(rt, model, inputs, *, stagger: float = 0.0):
 def k(model="m", version="1", namespace="t", digest=b"d"):
     """A result-cache key whose parts default to one model version of tenant ``t``."""
     return CacheKey(namespace, model, version, digest)
+
+
+class ManualWatchdog(Watchdog):
+    """The watchdog on a wall clock that moves only when the test says so
+    (:meth:`advance`); what falls due is called at once, in the test's task. Every
+    one made is in ``made``."""
+
+    made: list[ManualWatchdog] = []
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+        super().__init__(clock=lambda: self.wall)
+        ManualWatchdog.made.append(self)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        heap = self._heap
+        while heap and (heap[0][0] <= self.wall or not heap[0][2].live):
+            _, _, entry = heapq.heappop(heap)
+            if entry.live:
+                entry.live = False
+                self._live -= 1
+                self.fired += 1
+                entry.fn()

@@ -12,7 +12,6 @@ a batch cut-off of seconds.
 from __future__ import annotations
 
 import collections
-import heapq
 import threading
 import time
 
@@ -25,6 +24,7 @@ from http_helpers import Gate, held_model, serving
 from runtime_helpers import (
     GATE_FILE_ENV,
     GATE_LIMIT_S,
+    ManualWatchdog,
     NoZygote,
     _StandIn,
     callable_model,
@@ -40,43 +40,6 @@ from trioserve.transport import open_http
 
 RUNNING = "deadline passed while its batch was running"
 TESTS = __file__.rsplit("/", 1)[0]
-
-
-class ManualWatchdog(Watchdog):
-    """The watchdog on a wall clock that moves only when the test says so
-    (:meth:`advance`); what falls due is called at once, in the test's task. Every
-    one made is in ``made``."""
-
-    made: list[ManualWatchdog] = []
-
-    def __init__(self) -> None:
-        self.wall = 0.0
-        super().__init__(clock=lambda: self.wall)
-        ManualWatchdog.made.append(self)
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def advance(self, seconds: float) -> None:
-        self.wall += seconds
-        heap = self._heap
-        while heap and (heap[0][0] <= self.wall or not heap[0][2].live):
-            _, _, entry = heapq.heappop(heap)
-            if entry.live:
-                entry.live = False
-                self._live -= 1
-                self.fired += 1
-                entry.fn()
-
-
-@pytest.fixture
-def manual_watchdog(monkeypatch):
-    ManualWatchdog.made = []
-    monkeypatch.setattr(trioserve.actors, "Watchdog", ManualWatchdog)
-    return ManualWatchdog
 
 
 def classes_config(*models, realtime_ms: float = 200.0) -> trioserve.Config:
