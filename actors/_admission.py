@@ -512,6 +512,7 @@ class Admission:
             f"exceeds the request's deadline "
             f"({max(0.0, request.deadline - now) * 1e3:.0f} ms left)",
             retry_after=max(wait, 0.05),
+            deadline=request.deadline,
         )
 
     def _full_refusal(self, waiting: int) -> Overloaded:

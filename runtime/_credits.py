@@ -51,6 +51,7 @@ class _Credits:
                 f"tenant {tenant!r} is over its credit rate ({bucket.rate:g}/s) and its "
                 "credits refill only after the request's deadline",
                 retry_after=bucket.wait_time(cost, now),
+                deadline=deadline,
             )
         self.credits_used[tenant] += cost
         taken = bucket.seq

@@ -54,13 +54,21 @@ class Forbidden(TrioserveError):
 
 
 class Overloaded(TrioserveError):
-    """The runtime cannot take this request now; try again after ``retry_after`` s."""
+    """The runtime cannot take this request now; try again after ``retry_after`` s.
+
+    ``deadline``: for a refusal measured against the request's deadline (its credits
+    refill only after it, or its estimated wait runs past it), that deadline in trio
+    time: a request with a later one might be taken. None for a refusal of the load
+    or of the tenant's quota alone."""
 
     status = 503
 
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+    def __init__(
+        self, message: str, *, retry_after: float = 1.0, deadline: float | None = None
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.deadline = deadline
 
 
 class QuotaExceeded(Overloaded):

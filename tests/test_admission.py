@@ -73,6 +73,7 @@ def test_a_full_queue_refuses_with_overloaded_a_message_and_retry_after():
         q.offer(req("a"), 0.0)
     assert type(e.value) is Overloaded
     assert e.value.retry_after == 0.2  # no service rate yet: the batch wait
+    assert e.value.deadline is None  # the load's refusal, whatever the deadline
     assert len(q) == 3
     assert q.stats["a", "default"].admitted == 3
     assert q.stats["a", "default"].shed == 1
@@ -275,6 +276,7 @@ def test_a_request_whose_estimated_wait_passes_its_deadline_is_shed_at_once():
     ) as e:
         q.offer(req("a", arrival=now, deadline=now + 3.0), now)
     assert e.value.retry_after == 3.5
+    assert e.value.deadline == now + 3.0  # measured against it: a later one may fit
     # b's first unit shares fairly with a's backlog: 1 of its own + 1 of a's ahead.
     assert q.estimated_wait("b", 0, 1) == 1.0
     q.offer(req("b", arrival=now, deadline=now + 3.0), now)

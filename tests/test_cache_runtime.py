@@ -450,6 +450,7 @@ async def test_credits_past_the_callers_deadline_are_refused_at_once_cached_or_n
             await rt.infer("m", item(2), priority="batch")  # waits for credits: 1 s
         assert trio.current_time() == t0
         assert refused.value.retry_after == pytest.approx(1.0)
+        assert refused.value.deadline == pytest.approx(t0 + 0.5)  # the caller's
         # without a deadline of its own it waits for the refill, as before
         assert float((await rt.infer("m", item(2), priority="batch"))["y"][0]) == 5.0
         assert trio.current_time() == pytest.approx(t0 + 1.0)
