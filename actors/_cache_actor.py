@@ -5,7 +5,8 @@ schedulers.
 at once, or joins an identical request of the same tenant and class already in flight,
 or runs ``compute()`` once for every concurrent caller of that key (in the actor's own
 nursery, so a caller leaving does not cancel it for the others) and caches what it
-returns.
+returns. A joined caller whose own deadline outlives the one its flight ran with is
+not failed by that one passing: the flight runs its own ``compute()`` again.
 ``answer_many(model, version, tenant, items, compute)`` does the same for several items
 at once (``Runtime.infer_batch``): the cached ones from the cache, the others computed
 together, each distinct one once. The actor's task also drops expired entries as their
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import trio
-from trioserve import Actor
+from trioserve import Actor, DeadlineExceeded, Overloaded
 
 from ._cache import Cache, CacheRule
 from ._cachekey import cache_key
@@ -102,6 +103,21 @@ def _kept(value: Any) -> Any:
             out[k] = v
         return out
     return value
+
+
+def deadline_bound(exc: BaseException, deadline: float) -> float | None:
+    """For :class:`SingleFlight`: the deadline an error of a flight's computation, run
+    with its driver's ``deadline``, belongs to (None: it belongs to the computation,
+    and is every waiter's answer). DeadlineExceeded is that deadline passing; a
+    refusal measured against a deadline (credits that refill only after it, an
+    estimated wait past it) says which (``Overloaded.deadline``). A joined caller
+    whose own deadline is later is not failed by another's: the flight runs again
+    for it."""
+    if isinstance(exc, DeadlineExceeded):
+        return deadline
+    if isinstance(exc, Overloaded):
+        return exc.deadline
+    return None
 
 
 def _own(value: Any) -> Any:
@@ -193,7 +209,7 @@ class CacheActor(Actor):
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self._flights = SingleFlight(nursery)
+            self._flights = SingleFlight(nursery, deadline_bound=deadline_bound)
             task_status.started(self)
             try:
                 while True:
@@ -214,6 +230,7 @@ class CacheActor(Actor):
         compute: Callable[[], Awaitable[Any]],
         *,
         priority: str | None = None,
+        deadline: float = math.inf,
     ) -> Any:
         """The answer for ``item``: cached, joined, or computed once. A checkpoint.
 
@@ -222,6 +239,12 @@ class CacheActor(Actor):
         caller of another class or tenant must not inherit (a realtime request would
         wait behind a batch one's queue, or for another tenant's credits). The cached
         answer, once kept, is shared as the model's rule says.
+
+        ``deadline``: the caller's own (its model's or class's timeout from its
+        arrival), the one its ``compute`` submits with. A caller that joined a flight
+        is not failed by an earlier caller's deadline passing (DeadlineExceeded, or a
+        refusal measured against it): if its own is later, the flight runs its
+        ``compute`` again (:class:`SingleFlight`).
         """
         cache = self.cache
         rule = cache.rule(model) if cache is not None else CacheRule(enabled=False)
@@ -266,7 +289,7 @@ class CacheActor(Actor):
         flight = (key, tenant, priority, generation)
         if flight in flights:
             _shared()  # joins a computation started for another caller
-        value, expires = await flights.call(flight, compute_and_keep)
+        value, expires = await flights.call(flight, compute_and_keep, deadline=deadline)
         if expires < math.inf:
             _answered(expires)
         return _own(value)
@@ -350,5 +373,8 @@ class CacheActor(Actor):
             )
         if self._flights is not None:
             f = self._flights.statistics()
-            out.update(coalesced=f.coalesced, computations=f.started, in_flight=f.in_flight)
+            out.update(
+                coalesced=f.coalesced, computations=f.started, reruns=f.reruns,
+                in_flight=f.in_flight,
+            )
         return out

@@ -7,11 +7,21 @@ the first one included, only withdraws that waiter. When the last waiter leaves,
 nobody wants the result any more and the computation is cancelled. Every waiter gets
 the same value, or its own copy of the same exception; a failed computation leaves
 nothing behind, so the next call computes afresh (errors are never cached).
+
+A computation runs with the deadline of the caller it runs for (its *driver*: the
+first caller, to begin with), while the callers who joined later may have later
+ones. An error that belongs to that deadline rather than to the computation (the
+owner's ``deadline_bound`` says which, and by what deadline) is not the answer of a
+waiter whose own deadline is later: the flight runs again for those, driven by the
+one of them with the earliest deadline (so no one waits past their own), with that
+waiter's own function and deadline. The others get the error. Each waiter drives at
+most once, so a flight runs at most once per waiter.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
@@ -41,21 +51,56 @@ def own_error(exc: BaseException) -> BaseException:
 
 @attrs.frozen(kw_only=True)
 class SingleFlightStatistics:
-    """``started``: computations started; ``coalesced``: calls that joined one already
-    in flight; ``abandoned``: computations cancelled because every waiter left."""
+    """``started``: flights started (by the first call of a key); ``coalesced``: calls
+    that joined one already in flight (so ``started + coalesced`` is every call);
+    ``abandoned``: flights cancelled because every waiter left; ``reruns``: a
+    flight's computation run again, for waiters whose own deadline was later than
+    the one its error belonged to."""
 
     in_flight: int
     started: int
     coalesced: int
     abandoned: int
+    reruns: int = 0
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    """One call waiting on a flight: its deadline, and what it would compute."""
+
+    deadline: float
+    fn: Callable[..., Awaitable[Any]]
+    args: tuple
+
+
+@attrs.define(eq=False)
+class _Round:
+    """One run of a flight's computation, for ``driver``. ``bound``: set when its
+    error belonged to the driver's deadline, that deadline (a waiter with a later
+    one waits for the next round)."""
+
+    driver: _Waiter
+    done: trio.Event = attrs.Factory(trio.Event)
+    result: outcome.Outcome | None = None
+    bound: float | None = None
+
+    def answers(self, waiter: _Waiter) -> bool:
+        """Whether this round's result is ``waiter``'s answer (else it waits for the
+        next round)."""
+        return self.bound is None or waiter is self.driver or waiter.deadline <= self.bound
 
 
 @attrs.define(eq=False)
 class _Flight:
-    done: trio.Event = attrs.Factory(trio.Event)
+    round: _Round
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    waiters: int = 0
-    result: outcome.Outcome | None = None
+    #: the calls waiting, in the order they came (a dict as an ordered set)
+    waiters: dict[_Waiter, None] = attrs.Factory(dict)
+    finished: bool = False
+
+
+def _never_bound(exc: BaseException, deadline: float) -> float | None:
+    return None
 
 
 class SingleFlight:
@@ -64,14 +109,27 @@ class SingleFlight:
     The nursery must outlive the callers' interest in results (the cache actor's own
     nursery). When it is cancelled, computations still running end and their waiters
     get :class:`~trioserve.ActorClosed`.
+
+    ``deadline_bound(exc, deadline)``: for an exception a computation run with
+    ``deadline`` (its driver's) raised, the deadline the error belongs to, or None
+    when it belongs to the computation itself (every waiter gets it). A waiter whose
+    own deadline is later than the one returned is not answered with it: the flight
+    runs again for it. By default no error belongs to a deadline.
     """
 
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        *,
+        deadline_bound: Callable[[BaseException, float], float | None] = _never_bound,
+    ) -> None:
         self._nursery = nursery
+        self._deadline_bound = deadline_bound
         self._flights: dict[Hashable, _Flight] = {}
         self._started = 0
         self._coalesced = 0
         self._abandoned = 0
+        self._reruns = 0
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -79,66 +137,105 @@ class SingleFlight:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._flights
 
-    async def call(self, key: Hashable, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    async def call(
+        self,
+        key: Hashable,
+        fn: Callable[..., Awaitable[Any]],
+        *args: Any,
+        deadline: float = math.inf,
+    ) -> Any:
         """Return ``await fn(*args)``, computed once for every concurrent call of ``key``.
 
         The first call starts the computation; later calls made before it finishes
-        join it (``fn`` is then not called). A checkpoint. Cancelling this call
-        withdraws only this caller; the computation goes on for the others, and is
-        cancelled when no caller is left. Raises whatever the computation raised (the
-        waiter's own copy of it), or ActorClosed if the owner's nursery was cancelled
-        first.
+        join it (``fn`` is then not called, unless the flight runs again for this
+        call: see the class). ``deadline``: this caller's, in trio time (the one
+        ``fn`` runs with). A checkpoint. Cancelling this call withdraws only this
+        caller; the computation goes on for the others, and is cancelled when no
+        caller is left. Raises whatever the computation raised (the waiter's own
+        copy of it), or ActorClosed if the owner's nursery was cancelled first.
         """
+        waiter = _Waiter(deadline, fn, args)
         flight = self._flights.get(key)
         if flight is None:
-            flight = _Flight()
+            flight = _Flight(_Round(waiter))
             try:
-                self._nursery.start_soon(self._compute, key, flight, fn, args)
+                self._nursery.start_soon(self._compute, key, flight)
             except RuntimeError:  # "Nursery is closed to new arrivals"
                 raise ActorClosed("singleflight: its owner's nursery is closed") from None
             self._flights[key] = flight
             self._started += 1
         else:
             self._coalesced += 1
-        flight.waiters += 1
+        flight.waiters[waiter] = None
         try:
-            await flight.done.wait()
+            while True:
+                round_ = flight.round
+                await round_.done.wait()
+                if round_.answers(waiter):
+                    break
         finally:
-            flight.waiters -= 1
-            if flight.waiters == 0 and not flight.done.is_set():
+            del flight.waiters[waiter]
+            if not flight.waiters and not flight.finished:
                 # The last one out: nobody wants the result. Forget it now, so that a
                 # new call starts afresh instead of joining a cancelled computation.
                 if self._flights.get(key) is flight:
                     del self._flights[key]
                 self._abandoned += 1
                 flight.scope.cancel(reason="singleflight: every waiter left")
-        result = flight.result
+        result = round_.result
         assert result is not None
         if isinstance(result, outcome.Error):
             raise own_error(result.error)
         return result.value
 
-    async def _compute(
-        self, key: Hashable, flight: _Flight, fn: Callable[..., Awaitable[Any]], args: tuple
-    ) -> None:
+    async def _compute(self, key: Hashable, flight: _Flight) -> None:
         try:
             with flight.scope:
-                try:
-                    value = await fn(*args)
-                except trio.Cancelled:
-                    raise
-                except Exception as exc:
-                    flight.result = outcome.Error(exc)
-                else:
-                    flight.result = outcome.Value(value)
+                while True:
+                    round_ = flight.round
+                    driver = round_.driver
+                    try:
+                        value = await driver.fn(*driver.args)
+                    except trio.Cancelled:
+                        raise
+                    except Exception as exc:
+                        if self._run_again(flight, exc):
+                            continue
+                        round_.result = outcome.Error(exc)
+                    else:
+                        round_.result = outcome.Value(value)
+                    break
         finally:
             if self._flights.get(key) is flight:
                 del self._flights[key]
-            if flight.result is None:  # cancelled: the nursery is closing, or nobody waits
-                flight.result = outcome.Error(
+            round_ = flight.round
+            if round_.result is None:  # cancelled: the nursery is closing, or nobody waits
+                round_.result = outcome.Error(
                     ActorClosed(f"the computation of {key!r} was cancelled before it finished")
                 )
-            flight.done.set()
+            flight.finished = True
+            round_.done.set()
+
+    def _run_again(self, flight: _Flight, exc: Exception) -> bool:
+        """If ``exc`` belongs to the driver's deadline and a waiter's own deadline is
+        later, end the round with it (answering the others) and begin the next one,
+        driven by the earliest such waiter; return whether it did. Not a
+        checkpoint: no waiter comes or goes in between."""
+        round_ = flight.round
+        bound = self._deadline_bound(exc, round_.driver.deadline)
+        if bound is None:
+            return False
+        later = [
+            w for w in flight.waiters if w is not round_.driver and w.deadline > bound
+        ]
+        if not later:
+            return False
+        flight.round = _Round(min(later, key=lambda w: w.deadline))
+        round_.bound = bound
+        round_.result = outcome.Error(exc)
+        round_.done.set()
+        self._reruns += 1
+        return True
 
     def statistics(self) -> SingleFlightStatistics:
         return SingleFlightStatistics(
@@ -146,4 +243,5 @@ class SingleFlight:
             started=self._started,
             coalesced=self._coalesced,
             abandoned=self._abandoned,
+            reruns=self._reruns,
         )

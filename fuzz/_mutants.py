@@ -349,8 +349,11 @@ class _FlightsWithoutGeneration:
     def __init__(self, flights: Any) -> None:
         self._flights = flights
 
-    async def call(self, key: Any, fn: Any, *args: Any) -> Any:
-        return await self._flights.call(key[:-1], fn, *args)
+    async def call(self, key: Any, fn: Any, *args: Any, **kw: Any) -> Any:
+        return await self._flights.call(key[:-1], fn, *args, **kw)
+
+    def __contains__(self, key: Any) -> bool:
+        return key[:-1] in self._flights
 
     def statistics(self) -> Any:
         return self._flights.statistics()

@@ -146,33 +146,39 @@ class Runtime(
             # The computation runs in the cache actor's nursery, outside this caller's
             # cancel scopes: its wait for credits is bounded by the caller's deadline
             # here, as it is uncached (a refusal at once, not the caller's timeout).
+            # Its deadline in the queue is this caller's timeout from now, whoever's
+            # flight runs it: a joined caller whose own is later is not failed by it
+            # (the flight runs again for it).
             latest = trio.current_effective_deadline()
+            due = trio.current_time() + self._timeout(served, priority)
             return await self.cache.answer(
                 model, version or served.config.versions[-1], tenant, item,
-                lambda: self._infer_prepared(served, item, cost, tenant, priority, latest),
-                priority=priority,
+                lambda: self._infer_prepared(served, item, cost, tenant, priority, latest, due),
+                priority=priority, deadline=due,
             )
         return await self._infer_prepared(served, item, cost, tenant, priority)
 
     async def _infer_prepared(
         self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str,
-        latest: float = math.inf,
+        latest: float = math.inf, due: float | None = None,
     ) -> dict[str, Any]:
         """Submit one prepared item (split or refused if oversize). ``latest``: the
-        latest time to wait for its credits until, besides its deadline (the first
-        caller's deadline, for a computation the cache actor runs)."""
+        latest time to wait for its credits until, besides its deadline (the caller's
+        deadline, for a computation the cache actor runs). ``due``: when its model's
+        or class's timeout passes, if counted from an earlier arrival than now (see
+        :meth:`_deadline`)."""
         model = served.config.name
         limits = served.limits
         if limits.max_tokens is not None and cost > limits.max_tokens:
             if limits.oversize == "split" and served.backend.supports_split:
-                return await self._infer_split(served, item, tenant, priority, latest)
+                return await self._infer_split(served, item, tenant, priority, latest, due)
             if limits.oversize != "alone":
                 await trio.lowlevel.checkpoint()
                 raise InvalidInput(
                     f"model {model!r}: request cost {cost} exceeds max_batch_tokens "
                     f"{limits.max_tokens} (oversize policy {limits.oversize!r})"
                 )
-        return await self._submit(served, item, cost, tenant, priority, latest)
+        return await self._submit(served, item, cost, tenant, priority, latest, due)
 
     async def infer_batch(
         self,
@@ -352,28 +358,35 @@ class Runtime(
             "(or an integer level, 1 = highest)"
         )
 
-    def _deadline(self, served: ServedModel, priority: str, now: float) -> tuple[float, bool]:
+    def _timeout(self, served: ServedModel, priority: str) -> float:
+        """The model's or the class's timeout, whichever is sooner, in seconds (inf:
+        none)."""
+        timeout = served.timeout
+        cls_timeout = self._class_timeouts[priority]
+        return cls_timeout if cls_timeout < timeout else timeout
+
+    def _deadline(
+        self, served: ServedModel, priority: str, now: float, due: float | None = None
+    ) -> tuple[float, bool]:
         """The request's deadline and whether the runtime answers its expiry.
 
         It is the caller's deadline, or the model's (or the class's) timeout when that
         is sooner; in the second case the runtime answers DeadlineExceeded itself.
+        ``due``: that timeout's end, when it counts from an earlier arrival than
+        ``now`` (a coalesced caller's, whose flight runs for it later).
         """
-        timeout = served.timeout
-        cls_timeout = self._class_timeouts[priority]
-        if cls_timeout < timeout:
-            timeout = cls_timeout
         caller_deadline = trio.current_effective_deadline()
-        own = now + timeout
+        own = now + self._timeout(served, priority) if due is None else due
         if own < caller_deadline:
             return own, True
         return caller_deadline, False
 
     async def _submit(
         self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str,
-        latest: float = math.inf,
+        latest: float = math.inf, due: float | None = None,
     ) -> dict[str, Any]:
         now = trio.current_time()
-        deadline, answer_expiry = self._deadline(served, priority, now)
+        deadline, answer_expiry = self._deadline(served, priority, now, due)
         taken = 0
         if self.buckets:
             now, taken = await self._pay(

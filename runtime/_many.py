@@ -147,14 +147,15 @@ class _ManyItems:
         failed: list[int] | None = None,
         *,
         latest: float = math.inf,
+        due: float | None = None,
     ) -> list[Any]:
         """Submit every prepared (item, cost) at once, without a task each, and return
         their outputs in order; the first failure (in item order) is raised, unwrapped,
         after every item is settled (its position appended to ``failed``, if given).
-        Cancelling it withdraws every item not yet dispatched. ``latest``: see
-        :meth:`_infer_prepared`."""
+        Cancelling it withdraws every item not yet dispatched. ``latest``, ``due``:
+        see :meth:`_infer_prepared`."""
         now = trio.current_time()
-        deadline, answer_expiry = self._deadline(served, priority, now)
+        deadline, answer_expiry = self._deadline(served, priority, now, due)
         now, taken = await self._pay(
             tenant, priority, sum(c for _, c in prepared), now, min(deadline, latest),
             served, len(prepared),
@@ -238,12 +239,14 @@ class _ManyItems:
 
     async def _infer_split(
         self, served: ServedModel, item: Any, tenant: str, priority: str,
-        latest: float = math.inf,
+        latest: float = math.inf, due: float | None = None,
     ) -> dict[str, Any]:
         # The parts go in as one submission: a part's failure is raised as itself,
         # not wrapped in a nursery's ExceptionGroup.
         parts = served.backend.split(item, served.limits.max_tokens)
-        results = await self._submit_all(served, parts, tenant, priority, latest=latest)
+        results = await self._submit_all(
+            served, parts, tenant, priority, latest=latest, due=due
+        )
         return served.backend.merge(results)
 
 

@@ -75,7 +75,10 @@ class _Statistics:
 
     def cache_statistics(self) -> dict[str, Any]:
         """The result cache (hits, misses, hit rate, bytes, evictions, admissions
-        rejected) and coalescing (requests that joined one in flight); {} when off."""
+        rejected) and coalescing (``computations``: flights started; ``coalesced``:
+        requests that joined one in flight; ``reruns``: a flight's computation run
+        again for joined requests after another's deadline; ``in_flight``); {} when
+        off."""
         return self.cache.statistics() if self.cache is not None else {}
 
     def model_ready(self, model: str, version: str | None = None) -> bool:

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 from runtime_helpers import k
-from trioserve import ActorClosed, ModelError
+from trioserve import ActorClosed, DeadlineExceeded, ModelError, Overloaded
 from trioserve.actors import (
     RAW_INLINE,
     SHARED_NAMESPACE,
@@ -20,6 +20,7 @@ from trioserve.actors import (
     WTinyLFU,
     cache_key,
 )
+from trioserve.actors._cache_actor import deadline_bound
 
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -422,3 +423,117 @@ async def test_a_call_after_the_owner_nursery_closed_is_refused():
     with pytest.raises(ActorClosed, match="nursery is closed"):
         await flights.call("key", Computation())
     assert len(flights) == 0
+
+
+# ---------------------------------------------------------------- a driver's deadline
+def test_which_errors_belong_to_the_drivers_deadline():
+    assert deadline_bound(DeadlineExceeded("late", in_queue=True), 2.0) == 2.0
+    assert deadline_bound(Overloaded("refill after", deadline=1.5), 2.0) == 1.5
+    assert deadline_bound(Overloaded("queue full"), 2.0) is None
+    assert deadline_bound(ModelError("boom"), 2.0) is None
+
+
+async def _start_waiters(callers, flights, calls, got):
+    """Start ``calls`` (name, deadline, computation) in ``callers`` one after the
+    other on one key; what each gets goes into ``got`` by name."""
+
+    async def caller(name, deadline, fn):
+        try:
+            got[name] = await flights.call("key", fn, name, deadline=deadline)
+        except Exception as exc:
+            got[name] = exc
+
+    for name, deadline, fn in calls:
+        callers.start_soon(caller, name, deadline, fn)
+        await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_a_waiter_with_a_later_deadline_is_not_failed_by_the_drivers():
+    """The first caller's computation fails for its deadline: the callers whose own
+    deadline is that one get its error; the later ones get a run of their own,
+    driven by the earliest of them, with its own function; the others join it."""
+    late = DeadlineExceeded("first's deadline passed", in_queue=True)
+    first = Computation(error=late)
+    never = Computation("second's")
+    third, fourth = Computation("third's"), Computation("fourth's")
+    got = {}
+    async with trio.open_nursery() as owner:
+        flights = SingleFlight(owner, deadline_bound=deadline_bound)
+        calls = [("first", 1.0, first), ("second", 1.0, never), ("fourth", 3.0, fourth),
+                 ("third", 2.0, third)]
+        async with trio.open_nursery() as callers:
+            await _start_waiters(callers, flights, calls, got)
+            first.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert set(got) == {"first", "second"}
+            assert all(type(got[n]) is DeadlineExceeded for n in ("first", "second"))
+            assert got["first"] is not got["second"]  # each its own copy
+            assert (third.runs, fourth.runs, never.runs) == (1, 0, 0)  # the earliest
+            assert "key" in flights
+            third.release.set()
+    assert got["third"] == got["fourth"] == ("third's", "third")
+    s = flights.statistics()
+    assert (s.started, s.coalesced, s.reruns, s.abandoned, s.in_flight) == (1, 3, 1, 0, 0)
+
+
+async def test_a_flight_runs_again_at_most_once_per_waiter_and_for_none_earlier():
+    """Each run that fails for its driver's deadline passes the flight to the next
+    deadline; a driver is answered its own run's error even where the error's
+    deadline is earlier than its own (a refusal measured against a sooner one), and
+    an error of no deadline answers everyone."""
+    refused = Overloaded("credits refill only after the request's deadline", deadline=0.5)
+    a = Computation(error=refused)  # its own deadline is 1.0
+    b = Computation(error=DeadlineExceeded("b's deadline passed"))
+    c = Computation(error=ModelError("boom"))
+    got = {}
+    async with trio.open_nursery() as owner:
+        flights = SingleFlight(owner, deadline_bound=deadline_bound)
+        async with trio.open_nursery() as callers:
+            calls = [("a", 1.0, a), ("b", 2.0, b), ("c", 3.0, c)]
+            await _start_waiters(callers, flights, calls, got)
+            a.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert list(got) == ["a"]
+            assert (b.runs, c.runs) == (1, 0)
+            b.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert list(got) == ["a", "b"]
+            assert c.runs == 1
+            c.release.set()
+    assert [type(got[n]) for n in "abc"] == [Overloaded, DeadlineExceeded, ModelError]
+    assert (a.runs, b.runs, c.runs) == (1, 1, 1)
+    assert flights.statistics().reruns == 2
+
+
+async def test_a_run_again_goes_on_when_its_driver_leaves_and_ends_with_the_last():
+    late = DeadlineExceeded("first's deadline passed")
+    first, second, third = Computation(error=late), Computation("2"), Computation("3")
+    got = {}
+    async with trio.open_nursery() as owner:
+        flights = SingleFlight(owner, deadline_bound=deadline_bound)
+        scopes = {}
+
+        async def caller(name, deadline, fn):
+            with trio.CancelScope() as scopes[name]:
+                got[name] = await flights.call("key", fn, name, deadline=deadline)
+
+        async with trio.open_nursery() as callers:
+            for name, deadline, fn in [("1", 1.0, first), ("2", 2.0, second), ("3", 3.0, third)]:
+                callers.start_soon(caller, name, deadline, fn)
+                await trio.testing.wait_all_tasks_blocked()
+            scopes["1"].cancel()  # its run goes on for the others
+            first.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert second.runs == 1
+            scopes["2"].cancel()  # the driver of the run again leaves: it goes on
+            await trio.testing.wait_all_tasks_blocked()
+            assert second.cancelled == 0
+            assert "key" in flights
+            scopes["3"].cancel()  # the last one out: cancelled
+            await trio.testing.wait_all_tasks_blocked()
+            assert second.cancelled == 1
+            assert "key" not in flights
+    assert got == {}
+    assert third.runs == 0
+    s = flights.statistics()
+    assert (s.reruns, s.abandoned, s.in_flight) == (1, 1, 0)

@@ -403,6 +403,8 @@ class GatewayCollector(Collector):
                 ("evictions", "counter", "Cached results evicted to make room."),
                 ("admissions_rejected", "counter", "Results the cache declined to keep."),
                 ("coalesced", "counter", "Requests that joined an identical one in flight."),
+                ("reruns", "counter", "Computations in flight run again for joined requests "
+                 "whose own deadline outlived the one that failed."),
                 ("bytes_used", "gauge", "Bytes the result cache holds."),
                 ("entries", "gauge", "Results the cache holds."),
                 ("hit_rate", "gauge", "Hits over lookups since start."),
