@@ -590,6 +590,13 @@ _TOP_KEYS = ("models", "tenants", "classes", "runtime", "server", "cache", "ray"
 
 
 def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
+    check_keys(cls, table, path, extra)
+    return cls(**extra, **table)
+
+
+def check_keys(cls: type, table: Any, path: str, extra: Any = ()) -> None:
+    """Raise ConfigError unless ``table`` is a mapping whose keys are all fields of
+    ``cls`` (but those of ``extra``, which are not the table's to give)."""
     if not isinstance(table, Mapping):
         raise ConfigError(f"{path}: must be a table, got {_shown(table)}")
     names = [f.name for f in attrs.fields(cls) if f.name not in extra]
@@ -597,7 +604,6 @@ def _build(cls: type, table: Any, path: str, **extra: Any) -> Any:
         if key not in names:
             raise ConfigError(f"{path}.{key}: unknown key;{_did_you_mean(key, names)} "
                               f"expected one of {', '.join(names)}")
-    return cls(**extra, **table)
 
 
 def _did_you_mean(key: Any, names: list[str] | tuple[str, ...]) -> str:

@@ -28,19 +28,23 @@ replicas and its rollout's controller, installed in ``Runtime._families`` too.
   (its replicas stopped, a worker process killed) and whatever it still holds,
   running or queued, is answered ActorClosed.
 
+A load may bring a configuration of its own (runtime/_load_config.py: keys of the
+model's table laid over it, for that load): its copy runs with it, and a later load
+without one loads the table again.
+
 Loads and unloads of one model are serialized, in the order asked (each waits for
 the one asked before it); a load or unload asked while another of the same kind is
-under way shares it, unless one of the other kind was asked after it (load, unload,
-load ends loaded). Each runs as a task of the control's nursery, so a caller that
-leaves (cancelled) does not cut it short, and
-the runtime's shutdown cancels it cleanly: its callers get ActorClosed.
+under way shares it (a load: if it loads the same configuration), unless one of the
+other kind was asked after it (load, unload, load ends loaded). Each runs as a task
+of the control's nursery, so a caller that leaves (cancelled) does not cut it short,
+and the runtime's shutdown cancels it cleanly: its callers get ActorClosed.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -50,6 +54,7 @@ import trio
 from ._actor import ActorState
 from ._config import ModelConfig
 from ._errors import ActorClosed, ConfigError, ModelLoadError, TrioserveError, UnknownModel
+from ._load_config import changed_keys, with_load_config
 from ._served import ServedModel
 from ._versioned import Family, _MergedQueues
 
@@ -88,6 +93,9 @@ class _Op:
 
     done: trio.Event = attrs.Factory(trio.Event)
     error: BaseException | None = None
+    #: a load's: the configuration it loads (the table's, or one a load gave); only a
+    #: load of the same configuration shares it
+    config: ModelConfig | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
         if not self.done.is_set():
@@ -120,6 +128,9 @@ class _Copy:
     #: what its requests still unanswered get when the drain is cut short
     #: (``runtime.unload_timeout_s`` passed); None: it was not
     cut: ActorClosed | None = None
+    #: the repository index's reason while it serves: "" for the configuration's
+    #: table, else the keys its load's config changed
+    reason: str = ""
 
     @classmethod
     def of(cls, started: ServedModel | Family) -> _Copy:
@@ -215,10 +226,13 @@ class _Entry:
 class ModelControl:
     """Loads, reloads and unloads a runtime's models (see the module's docstring).
 
-    ``start_copy(nursery, config, previous)`` starts a copy of a model in ``nursery``
-    and returns it once its replicas are loaded: a ServedModel, or a Family (every
-    version's, not installed); ``previous``: what it replaces (the copy's ServedModel
-    or Family, or the stand-in), whose metrics and counters it takes over.
+    ``prepare(config)`` is what ``start_copy`` needs to start a copy of ``config``
+    (its backends), or ConfigError when it cannot be (before anything starts);
+    ``start_copy(nursery, plan, previous)`` starts a copy of a model in ``nursery``
+    (``plan``: what ``prepare`` returned) and returns it once its replicas are
+    loaded: a ServedModel, or a Family (every version's, not installed);
+    ``previous``: what it replaces (the copy's ServedModel or Family, or the
+    stand-in), whose metrics and counters it takes over.
     ``unloaded(config, previous)`` makes a model's stand-in (``previous``: the copy
     it replaces, a ServedModel or a Family, or None).
     """
@@ -227,12 +241,14 @@ class ModelControl:
         self,
         rt: Any,
         *,
+        prepare: Callable[[ModelConfig], Any],
         start_copy: Callable[
-            [trio.Nursery, ModelConfig, ServedModel | Family], Awaitable[ServedModel | Family]
+            [trio.Nursery, Any, ServedModel | Family], Awaitable[ServedModel | Family]
         ],
         unloaded: Callable[[ModelConfig, ServedModel | Family | None], ServedModel],
     ) -> None:
         self._rt = rt
+        self._prepare = prepare
         self._start_copy = start_copy
         self._unloaded = unloaded
         self._entries = {m.name: _Entry(config=m) for m in rt.config.models}
@@ -266,20 +282,27 @@ class ModelControl:
         return self._nursery
 
     # ------------------------------------------------------------ load
-    async def load(self, model: str) -> None:
+    async def load(self, model: str, config: Mapping[str, Any] | None = None) -> None:
         """Load ``model``, or reload it if loaded; return once the new copy serves.
-        A checkpoint. Cancelling it leaves the load under way (its outcome is the
-        model's state). Raises UnknownModel, ModelLoadError (the model kept what it
-        had: a reload's old copy serves on), ConfigError, ActorClosed."""
+        ``config``: keys of the model's table laid over it for this load
+        (runtime/_load_config.py); None: the table as configured. A checkpoint.
+        Cancelling it leaves the load under way (its outcome is the model's state).
+        Raises UnknownModel, ConfigError (a ``config`` refused: nothing is loaded),
+        ModelLoadError (the model kept what it had: a reload's old copy serves on),
+        ActorClosed."""
         entry = self._entry(model)
         nursery = self._ready_nursery()
+        wanted = entry.config if config is None else with_load_config(entry.config, config)
         op = entry.loading
-        if op is None or op is not entry.last:
-            op = entry.loading = entry.last = _Op()
-            nursery.start_soon(self._load, entry, op, entry.take_turn())
+        if op is None or op is not entry.last or op.config != wanted:
+            plan = self._prepare(wanted)  # ConfigError: nothing started
+            op = entry.loading = entry.last = _Op(config=wanted)
+            nursery.start_soon(self._load, entry, op, entry.take_turn(), plan)
         await op.wait()
 
-    async def _load(self, entry: _Entry, op: _Op, turn: tuple[trio.Event, trio.Event]) -> None:
+    async def _load(
+        self, entry: _Entry, op: _Op, turn: tuple[trio.Event, trio.Event], plan: Any
+    ) -> None:
         name = entry.config.name
         rt = self._rt
         copy: _Copy | None = None
@@ -295,8 +318,7 @@ class ModelControl:
                         entry.move(ModelState.LOADING, "loading")
                     try:
                         started = await self._start_copy(
-                            nursery, entry.config,
-                            old.started if old is not None else rt.models[name],
+                            nursery, plan, old.started if old is not None else rt.models[name],
                         )
                     except TrioserveError as exc:
                         failure = (
@@ -306,7 +328,7 @@ class ModelControl:
                         # the error names the model already, mostly: not twice
                         why = str(failure).removeprefix(f"model {name!r}: ")
                         if old is not None:
-                            entry.move(ModelState.READY)
+                            entry.move(ModelState.READY, old.reason)
                             log.warning("model %r: reload failed, the loaded copy serves "
                                         "on: %s", name, why)
                         else:
@@ -319,10 +341,12 @@ class ModelControl:
                         nursery.cancel_scope.cancel("the model failed to load")
                         return
                     copy = _Copy.of(started)
+                    assert op.config is not None
+                    copy.reason = _runs(entry.config, op.config)
                     entry.copy = copy
                     _install(rt, name, copy)
                     _invalidate(rt, name)
-                    entry.move(ModelState.READY)
+                    entry.move(ModelState.READY, copy.reason)
                     if entry.loading is op:
                         entry.loading = None
                     op.finish()
@@ -333,6 +357,8 @@ class ModelControl:
                         entry.replaced.append(old)
                     else:
                         log.info("model %r: loaded", name)
+                    if copy.reason:
+                        log.info("model %r: %s", name, copy.reason)
                 await copy.stop.wait()
                 limit = rt.config.runtime.unload_timeout_s
                 with trio.move_on_after(limit) as bound:
@@ -409,6 +435,14 @@ class ModelControl:
             op.finish(ActorClosed(
                 f"model {name!r}: the runtime shut down before the model unloaded"
             ))
+
+
+def _runs(table: ModelConfig, config: ModelConfig) -> str:
+    """The index's reason for a copy of ``config``: "" for the table itself."""
+    if config is table:
+        return ""
+    return ("runs the configuration its load gave (changed: "
+            f"{', '.join(changed_keys(table, config))})")
 
 
 def _install(rt: Any, model: str, copy: _Copy) -> None:
@@ -491,17 +525,25 @@ class _Control:
     #: the model control (None: ``server.model_control = "none"``); set by the assembly
     _control: ModelControl | None = None
 
-    async def load_model(self, model: str) -> None:
+    async def load_model(self, model: str, config: Mapping[str, Any] | None = None) -> None:
         """Load ``model`` (one of the configuration's), or reload it if it is loaded:
         a new copy is started and made ready, then takes the new requests, then the
         old copy drains (the requests it holds are answered by it). Returns once the
-        new copy serves. Two loads of a model at once share one; loads and unloads of
-        a model are serialized. A checkpoint; cancelling it leaves the load under way.
+        new copy serves. Two loads of a model at once (of the same configuration)
+        share one; loads and unloads of a model are serialized. A checkpoint;
+        cancelling it leaves the load under way.
 
-        Raises ConfigError (model control is off), UnknownModel (not configured),
-        ModelLoadError (it failed to load: the model keeps what it had), ActorClosed.
+        ``config``: keys of the model's ``[models.NAME]`` table that this load runs
+        with instead of the configuration's (those of one copy: replicas, batching,
+        timers, options; docs/model-control.md); a later load without it goes back
+        to the table.
+
+        Raises ConfigError (model control is off, or ``config`` refused: a key
+        unknown or not one a load may change, or a bad value; nothing is loaded
+        then), UnknownModel (not configured), ModelLoadError (it failed to load: the
+        model keeps what it had), ActorClosed.
         """
-        await self._controlled("load", model).load(model)
+        await self._controlled("load", model).load(model, config)
 
     async def unload_model(self, model: str) -> None:
         """Unload ``model``: from now on its requests get UnknownModel (not loaded);
@@ -520,7 +562,8 @@ class _Control:
     def model_state(self, model: str) -> tuple[str, str]:
         """``model``'s state and why, as Triton's repository index gives them:
         READY, UNAVAILABLE, LOADING or UNLOADING, and a reason ("" when ready, but
-        while it reloads: the loaded copy serves meanwhile, READY).
+        while it reloads: the loaded copy serves meanwhile, READY; and for a copy
+        loaded with a config of its own: the keys it changed).
         UnknownModel for a model not configured."""
         if self._control is None:
             self._known(model, None)  # type: ignore[attr-defined]

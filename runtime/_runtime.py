@@ -87,7 +87,7 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     """
     config = given_config(config, "open_runtime")
     limits_cfg = config.runtime
-    _check_devices(config)
+    _check_devices(config.models)
     backends = {m.name: resolve_backend(m) for m in config.models}
     on_ray = [
         m for m in config.models if (m.execution or backends[m.name].default_execution) == "ray"
@@ -234,10 +234,10 @@ def _make_buckets(rt: Runtime, now: float) -> None:
             rt.buckets[t.name] = TokenBucket(t.credit_rate, t.burst, now)
 
 
-def _check_devices(config: Config) -> None:
+def _check_devices(models: Sequence[ModelConfig]) -> None:
     # (a replica on Ray loads on the GPU Ray gives it, on whichever machine)
     wanted = {
-        (m.name, d) for m in config.models if m.execution != "ray"
+        (m.name, d) for m in models if m.execution != "ray"
         for d in m.devices if d.startswith("cuda")
     }
     if not wanted:
@@ -270,21 +270,36 @@ async def _start_control(
     until it is loaded; those with ``load_at_start`` are loaded now, in order."""
     from ._control import ModelControl
 
+    def prepare(m: ModelConfig) -> _Plan:
+        """What a copy of ``m`` starts with: the backends resolved at the start for
+        the configuration's table, new ones for a load's config that changes the
+        options. ConfigError when a copy of ``m`` cannot start."""
+        table = rt.config.model(m.name)
+        if m is table:
+            return _Plan(config=m, backend=backends[m.name], own=own[m.name])
+        _check_devices([m])
+        _check_copy(m, len(m.replica_devices))
+        if m.options == table.options:
+            return _Plan(config=m, backend=backends[m.name], own=own[m.name])
+        backend = resolve_backend(m)
+        return _Plan(config=m, backend=backend, own=version_backends(m, backend))
+
     async def start_copy(
-        copy_nursery: trio.Nursery, m: ModelConfig, previous: ServedModel | Family
+        copy_nursery: trio.Nursery, plan: _Plan, previous: ServedModel | Family
     ) -> ServedModel | Family:
-        if own[m.name] or m.rollout is not None:
+        m = plan.config
+        if plan.own or m.rollout is not None:
             return await _start_family(
-                copy_nursery, rt, m, backends[m.name], own[m.name], policy, zygote,
+                copy_nursery, rt, m, plan.backend, plan.own, policy, zygote,
                 watchdog, previous=previous,
             )
         assert isinstance(previous, ServedModel)
         return await _start_model(
-            copy_nursery, rt, m, backends[m.name], policy, zygote, watchdog, previous
+            copy_nursery, rt, m, plan.backend, policy, zygote, watchdog, previous
         )
 
     control = ModelControl(
-        rt, start_copy=start_copy,
+        rt, prepare=prepare, start_copy=start_copy,
         unloaded=lambda m, previous: _unloaded(rt, m, backends[m.name], previous),
     )
     await nursery.start(control.run)
@@ -292,6 +307,32 @@ async def _start_control(
     for m in rt.config.models:
         if m.load_at_start:
             await control.load(m.name)
+
+
+@attrs.frozen(kw_only=True)
+class _Plan:
+    """What a copy of a model starts with (explicit model control): its config and
+    backends (``own``: the versions' with weights of their own)."""
+
+    config: ModelConfig
+    backend: ModelBackend
+    own: dict[str, ModelBackend]
+
+
+def _check_copy(m: ModelConfig, n_replicas: int) -> None:
+    """Raise ConfigError for what a model's start refuses that its table's own
+    checks cannot see (``n_replicas``: those it starts)."""
+    if m.slow_lane_cost is not None and m.slow_lane_replicas >= n_replicas:
+        raise ConfigError(
+            f"models.{m.name}.slow_lane_replicas: the slow lane needs its own replicas "
+            f"and the fast lane at least one: must be < replicas ({n_replicas}), "
+            f"got {m.slow_lane_replicas}"
+        )
+    if m.batch_timeout_cap_ms < m.batch_timeout_floor_ms:
+        raise ConfigError(
+            f"models.{m.name}.batch_timeout_cap_ms: must be >= batch_timeout_floor_ms "
+            f"({m.batch_timeout_floor_ms:g}), got {m.batch_timeout_cap_ms:g}"
+        )
 
 
 def _unloaded(
@@ -399,14 +440,9 @@ async def _start_model(
     named = label(m.name, version)
     scheduler = SchedulerActor(m.name, queue)
     scheduler.name = f"scheduler[{named}]"
+    _check_copy(m, n_replicas)
     slow = None
     if m.slow_lane_cost is not None:
-        if m.slow_lane_replicas >= n_replicas:
-            raise ConfigError(
-                f"models.{m.name}.slow_lane_replicas: the slow lane needs its own replicas "
-                f"and the fast lane at least one: must be < replicas ({n_replicas}), "
-                f"got {m.slow_lane_replicas}"
-            )
         slow = SchedulerActor(m.name, FairQueue(
             limits,
             bound=cfg.runtime.queue_bound,
@@ -426,6 +462,8 @@ async def _start_model(
         else like.metrics if like is not None
         else ModelMetrics(model=m.name, max_batch_size=m.max_batch_size)
     )
+    # a load's config may change it: the fill is of the batches the copy closes
+    metrics.max_batch_size = m.max_batch_size
     served = ServedModel(
         config=m,
         backend=backend,
@@ -447,11 +485,6 @@ async def _start_model(
     elif previous is not None:  # the flows' counters carry on
         for lane, before in zip(served.schedulers, previous.schedulers, strict=False):
             lane.policy.stats = before.policy.stats
-    if m.batch_timeout_cap_ms < m.batch_timeout_floor_ms:
-        raise ConfigError(
-            f"models.{m.name}.batch_timeout_cap_ms: must be >= batch_timeout_floor_ms "
-            f"({m.batch_timeout_floor_ms:g}), got {m.batch_timeout_cap_ms:g}"
-        )
     timer = BatchTimer(
         StragglerPolicy(
             factor=m.batch_timeout_factor,
@@ -576,10 +609,14 @@ class _Shared:
 def _replica_devices(m: ModelConfig, previous: ServedModel | None) -> tuple[str, ...]:
     """The device of each replica to start: the configured ones; for a reload of an
     autoscaled model, as many as the copy replaced serves now, within the
-    autoscaler's bounds, round-robin over the model's devices."""
+    autoscaler's bounds, round-robin over the model's devices (unless the two
+    copies' replicas or devices differ: a load's config, or the table after one,
+    asked for the configured ones)."""
     configured = m.replica_devices
     a = m.autoscaling
     if a is None or previous is None or not previous.loaded or previous.scaler is None:
+        return configured
+    if previous.config.replica_devices != configured:
         return configured
     n = len(previous.scaler.serving())
     low = a.min_replicas if a.min_replicas is not None else len(configured)

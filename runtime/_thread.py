@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -81,10 +81,11 @@ class Client:
         version if given) and return how many, in the runtime's thread."""
         return self._call(self._read, "invalidate_cache", model, version)
 
-    def load_model(self, model: str) -> None:
+    def load_model(self, model: str, config: Mapping[str, Any] | None = None) -> None:
         """Blocking ``Runtime.load_model`` (explicit model control): load or reload
-        ``model``; returns once the new copy serves."""
-        self._call(self._await, "load_model", model)
+        ``model`` (with ``config``'s keys laid over its table, for this load);
+        returns once the new copy serves."""
+        self._call(self._await, "load_model", model, config)
 
     def unload_model(self, model: str) -> None:
         """Blocking ``Runtime.unload_model``: returns once the model is unloaded

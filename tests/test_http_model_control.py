@@ -123,9 +123,9 @@ async def test_a_failed_load_is_400_and_says_why(autojump_clock, workers):  # no
         res = await call(gw, "POST", "/v2/repository/models/nope/load")
         assert res.status == 400
         assert "unknown model 'nope'" in res.json()["error"]
-        res = await call(gw, "POST", LOAD, orjson.dumps({"parameters": {"config": "{}"}}))
+        res = await call(gw, "POST", LOAD, orjson.dumps({"parameters": {"file:1/m.pt": ""}}))
         assert res.status == 400
-        assert "parameter 'config' is not supported" in res.json()["error"]
+        assert "parameter 'file:1/m.pt' is not supported" in res.json()["error"]
 
 
 async def test_load_and_unload_need_an_operators_key_when_keys_are_set(

@@ -487,9 +487,9 @@ def test_a_reloads_replica_count_is_within_the_autoscalers_bounds():
         autoscaling=trioserve.AutoscalingConfig(min_replicas=2, max_replicas=3),
     )
 
-    def serving(n, *, loaded=True):
+    def serving(n, *, loaded=True, config=m):
         scaler = SimpleNamespace(serving=lambda: [object()] * n)
-        return SimpleNamespace(loaded=loaded, scaler=scaler, batchers=[])
+        return SimpleNamespace(loaded=loaded, scaler=scaler, batchers=[], config=config)
 
     assert _replica_devices(m, serving(5)) == ("cpu:0", "cpu:1", "cpu:0")  # max 3
     assert _replica_devices(m, serving(3)) == ("cpu:0", "cpu:1", "cpu:0")
@@ -497,6 +497,10 @@ def test_a_reloads_replica_count_is_within_the_autoscalers_bounds():
     # a load of a model not loaded (its stand-in), or a first start: as configured
     assert _replica_devices(m, serving(3, loaded=False)) == ("cpu:0", "cpu:1")
     assert _replica_devices(m, None) == ("cpu:0", "cpu:1")
+    # a copy of other replicas (a load's config, or the table after one): as asked
+    three = attrs.evolve(m, replicas=3)
+    assert _replica_devices(three, serving(2)) == ("cpu:0", "cpu:1", "cpu:0")
+    assert _replica_devices(m, serving(3, config=three)) == ("cpu:0", "cpu:1")
 
 
 class Hanging(Worker):

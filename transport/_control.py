@@ -231,7 +231,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 400,
             )
         body = await request.get_data(cache=False)
-        refusal = repository_request(action, body)
+        refusal, load_config = repository_request(action, body)
         if refusal is not None:
             return json(error_body(refusal), 400)
         rt = gateway.runtime
@@ -244,7 +244,10 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 if action == "load":
                     watch.start_soon(_cancel_on_drain, gateway, call)
                 try:
-                    await (rt.load_model(name) if action == "load" else rt.unload_model(name))
+                    await (
+                        rt.load_model(name, load_config) if action == "load"
+                        else rt.unload_model(name)
+                    )
                 except (UnknownModel, ModelLoadError, ConfigError) as exc:
                     # as Triton answers a model it cannot find or load: 400
                     failure = json(error_body(f"failed to {action} {name!r}: {exc}"), 400)
@@ -308,34 +311,50 @@ async def _cancel_on_drain(gateway: Gateway, scope: trio.CancelScope) -> None:
     scope.cancel("the server is shutting down")
 
 
-def repository_request(action: str, body: bytes) -> str | None:
-    """Why a load or unload request's body is refused (None: it is not). The body is
-    empty or Triton's: a JSON object with an optional ``parameters`` object. An
-    unload's ``unload_dependents`` must be true or false, as Triton's (and is then
-    ignored: no model depends on another here); its other parameters are ignored, as
-    Triton ignores them. A load's ``config`` or ``file:`` overrides are refused: a
-    model's configuration is the server's."""
+def repository_request(action: str, body: bytes) -> tuple[str | None, dict | None]:
+    """Why a load or unload request's body is refused (None: it is not), and a load's
+    configuration (None: the model's table as configured). The body is empty or
+    Triton's: a JSON object with an optional ``parameters`` object. An unload's
+    ``unload_dependents`` must be true or false, as Triton's (and is then ignored: no
+    model depends on another here); its other parameters are ignored, as Triton
+    ignores them. A load's ``config`` is a JSON object of the model's keys, or (as
+    Triton's) a string holding one; its keys are checked by the load. Triton's
+    ``file:`` parameters are refused: there are no model files to replace here."""
     if not body.strip():
-        return None
+        return None, None
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        return f"repository {action} request: invalid JSON: {exc}"
+        return f"repository {action} request: invalid JSON: {exc}", None
     if not isinstance(doc, dict) or not isinstance(doc.get("parameters", {}), dict):
         return (f"repository {action} request: expected a JSON object with an optional "
-                "'parameters' object")
+                "'parameters' object"), None
     parameters = doc.get("parameters", {})
     if action == "unload":
         dependents = parameters.get("unload_dependents", False)
         if not isinstance(dependents, bool):
             return ("repository unload request: parameter 'unload_dependents' must be true "
-                    f"or false, got {shown(dependents, body)}")
-        return None
-    overrides = [k for k in parameters if k == "config" or k.startswith("file:")]
-    if overrides:
-        return (f"repository {action} request: parameter {overrides[0]!r} is not supported: "
-                "a model's configuration is the server's")
-    return None
+                    f"or false, got {shown(dependents, body)}"), None
+        return None, None
+    files = [k for k in parameters if k.startswith("file:")]
+    if files:
+        return (f"repository load request: parameter {files[0]!r} is not supported: a "
+                "model here has no files to replace (its backend loads what it runs; "
+                "give the backend's options in parameter 'config' instead)"), None
+    if "config" not in parameters:
+        return None, None
+    config = parameters["config"]
+    if isinstance(config, str):
+        try:
+            config = orjson.loads(config)
+        except orjson.JSONDecodeError as exc:
+            return ("repository load request: parameter 'config' is not valid JSON (a "
+                    f"string holding a JSON object of the model's keys): {exc}"), None
+    if not isinstance(config, dict):
+        return ("repository load request: parameter 'config' must be a JSON object of the "
+                "model's keys (as its [models.NAME] table), or a string holding one, got "
+                f"{shown(parameters['config'], body)}"), None
+    return None, config
 
 
 def _field_lines(values: list[str]) -> Any:

@@ -38,7 +38,7 @@ from ._idempotency import IdempotencyStore
 from ._listeners import open_listeners
 from ._request import InferRequest
 from ._response import encode_response
-from ._signature import ModelSignature
+from ._signature import Signatures
 from ._v2 import error_body
 
 if TYPE_CHECKING:
@@ -271,7 +271,8 @@ class Gateway:
         self.server_config = self.config.server
         self.auth = Authenticator(self.config.tenants)
         self.control_plane = ControlPlaneGuard(self.server_config.control_plane_keys, self.auth)
-        self.signatures = {n: ModelSignature.of(s) for n, s in runtime.models.items()}
+        #: each model's, as its serving copy has it (a load's config may change it)
+        self.signatures = Signatures(runtime.models)
         #: the request classes' names, highest first (a Triton priority level's order)
         self.class_names = tuple(c.name for c in runtime.config.classes)
         #: answered infer requests by (model, tenant, status): the gateway's own count.

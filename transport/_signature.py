@@ -3,7 +3,7 @@ versions, and its metadata document, encoded once) and the server's metadata doc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -79,6 +79,42 @@ class ModelSignature:
             raise UnknownModel.no_version(self.name, version, self.versions)
 
 
+class Signatures(Mapping[str, ModelSignature]):
+    """The signature of each of a runtime's models (``Runtime.models``), as the copy
+    serving it has it: made again when a load has swapped in a copy of another
+    configuration or backend (a load's config: docs/model-control.md), else the one
+    made before (a lookup is two identity checks). The models named are fixed: those
+    of the configuration."""
+
+    def __init__(self, models: Mapping[str, Any]) -> None:
+        self._models = models
+        #: name -> (the config and backend it was made of, the signature)
+        self._made: dict[str, tuple[Any, Any, ModelSignature]] = {}
+        for name, served in models.items():
+            self._make(name, served)
+
+    def _make(self, name: str, served: Any) -> ModelSignature:
+        sig = ModelSignature.of(served)
+        self._made[name] = (served.config, served.backend, sig)
+        return sig
+
+    def __getitem__(self, name: str) -> ModelSignature:
+        config, backend, sig = self._made[name]
+        served = self._models[name]
+        if served.config is not config or served.backend is not backend:
+            return self._make(name, served)
+        return sig
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._made)
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+
 def server_metadata(version: str) -> bytes:
     return orjson.dumps(
         {
@@ -94,5 +130,6 @@ def server_metadata(version: str) -> bytes:
 
 __all__ = [
     "ModelSignature",
+    "Signatures",
     "server_metadata",
 ]
