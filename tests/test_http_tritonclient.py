@@ -402,3 +402,30 @@ async def test_repository_index_load_and_unload_through_tritonclient(server):
     assert load.status() == unload.status() == "400"
     assert "cannot load model 'mlp': model control is off" in load.message()
     assert "cannot unload model 'mlp'" in unload.message()
+
+
+async def test_a_load_with_a_config_through_tritonclient():
+    """``load_model(name, config=...)`` sends the config as Triton's (a JSON string):
+    the model's config then says what it runs; a refused key is Triton's error."""
+    import json
+
+    cfg = config(echo_model(max_batch_size=8), server={"model_control": "explicit"})
+
+    def calls(gw):
+        client = _client(gw)
+        try:
+            client.load_model("echo", config=json.dumps({"name": "echo", "max_batch_size": 32}))
+            loaded = client.get_model_config("echo")
+            with pytest.raises(InferenceServerException) as refused:
+                client.load_model("echo", config=json.dumps({"backend": "mlp"}))
+            client.load_model("echo")
+            return loaded, refused.value, client.get_model_config("echo")
+        finally:
+            client.close()
+
+    async with serving(cfg) as gw:
+        loaded, refused, table = await trio.to_thread.run_sync(calls, gw)
+    assert loaded["max_batch_size"] == 32
+    assert refused.status() == "400"
+    assert "models.echo.backend: a load's config cannot change it" in refused.message()
+    assert table["max_batch_size"] == 8
