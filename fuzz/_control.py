@@ -267,9 +267,9 @@ def batcher_class(base: type, run: ControlRun) -> type:
 
 def control_class(base: type, run: ControlRun) -> type:
     class Observed(base):  # type: ignore[misc, valid-type]
-        async def load(self, model: str) -> None:
+        async def load(self, model: str, config: Any = None) -> None:
             run.asked(True)
-            await super().load(model)
+            await super().load(model, config)
 
         async def unload(self, model: str) -> None:
             run.asked(False)
