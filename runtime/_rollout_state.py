@@ -6,12 +6,13 @@ rolled back, or paused at a step) and what it was decided for: the stable and th
 canary, a fingerprint of each one's backend and options, and the steps. It is
 read once when the runtime opens (a file that cannot be read or is not such a
 document is a ConfigError naming it: a decision misread could canary again a
-version rolled back for its errors), and written whole after each decision,
-atomically (a temporary file in the same directory, flushed to the disk, then
-``os.replace``) by a task of its own in a worker thread: a decision is recorded at
-once in memory and written moments later, never holding up a request. A write
-that fails is logged and counted, and the next decision writes the whole file
-again.
+version rolled back for its errors; so is a path where no file can be written,
+as a directory that is not there: each decision would be lost), and written
+whole after each decision, atomically (a temporary file in the same directory,
+flushed to the disk, then ``os.replace``) by a task of its own in a worker
+thread: a decision is recorded at once in memory and written moments later,
+never holding up a request. A write that fails is logged and counted, and the
+next decision writes the whole file again.
 """
 
 from __future__ import annotations
@@ -97,6 +98,38 @@ def write_atomic(path: str, data: bytes) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _unwritable(real: str) -> tuple[str, str] | None:
+    """Why no state file can be written at ``real`` (the path, links followed), and
+    what to do, or None: a directory there, or a directory beside it in which no
+    file can be created (each write creates its temporary file there: one is
+    created, and removed). Blocking."""
+    setting = "runtime.rollout_state_file"
+    if os.path.isdir(real):
+        return "is a directory, not a file", f"set {setting} to a file's path"
+    folder = os.path.dirname(real)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(real)}.",
+                                   suffix=".tmp")
+    except FileNotFoundError as exc:
+        if not os.path.isdir(folder):
+            return (f"its directory {folder} does not exist",
+                    f"create it, or set {setting} to a file in a directory that exists")
+        unusable: OSError = exc  # (a directory of a system's, such as /proc)
+    except NotADirectoryError:
+        return (f"its directory {folder} is not a directory",
+                f"set {setting} to a file in a directory")
+    except OSError as exc:
+        unusable = exc
+    else:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return None
+    return (f"no file can be created in its directory {folder}: "
+            f"{unusable.strerror or unusable}",
+            f"make the directory writable, or set {setting} to a file in one that is")
 
 
 def _read(path: str) -> bytes | None:
@@ -185,10 +218,21 @@ class RolloutStateFile:
     @classmethod
     async def open(cls, path: str) -> RolloutStateFile:
         """Read ``path`` (in a worker thread): none there is no record at all.
-        ConfigError when it cannot be read or is not a state file."""
+        ConfigError when it could not be written (a directory that is not there or
+        not writable, a directory at the path: every decision's write would fail, and
+        the decisions be lost at the next start), cannot be read or is not a state
+        file."""
         try:
-            raw = await trio.to_thread.run_sync(_read, path)
             real = await trio.to_thread.run_sync(os.path.realpath, path)
+            unwritable = await trio.to_thread.run_sync(_unwritable, real)
+            if unwritable is not None:
+                why, remedy = unwritable
+                raise ConfigError(
+                    f"{path}: rollout state file (runtime.rollout_state_file): cannot be "
+                    f"written: {why} (every decision's write would fail, and the "
+                    f"decisions be lost at a restart); {remedy}"
+                )
+            raw = await trio.to_thread.run_sync(_read, path)
         except OSError as exc:
             raise ConfigError(
                 f"{path}: rollout state file (runtime.rollout_state_file): cannot be "

@@ -1,7 +1,7 @@
 """A rollout's decisions kept across restarts (``runtime.rollout_state_file``,
 docs/rollout.md): the round trip, a record that no longer matches the
-configuration, a file that cannot be read, a write that fails, and the atomic
-write itself."""
+configuration, a file that cannot be read, or could not be written, a write that
+fails, a write abandoned at the close, and the atomic write itself."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from runtime_helpers import GATE_LIMIT_S, config
 from test_rollout_runtime import adder, one, version_of
 from trioserve import ConfigError, ModelConfig
 from trioserve import _rollout_state as state_file
+from trioserve.cli import main
 
 
 def make_adder(k: float):
@@ -225,10 +226,103 @@ async def test_a_file_that_is_no_state_file_fails_the_start_naming_it(
     assert path.read_bytes() == content  # left as it was
 
 
-async def test_a_state_file_that_cannot_be_read_fails_the_start(autojump_clock, tmp_path):
-    with pytest.raises(ConfigError, match=r"cannot be read: Is a directory; fix it"):
-        async with trioserve.open_runtime(kept(model(CANARY), tmp_path)):
+async def test_a_state_file_that_cannot_be_read_fails_the_start(
+    autojump_clock, tmp_path, monkeypatch,
+):
+    path = tmp_path / "rollout.json"
+    path.write_bytes(b'{"format": 1, "models": {}}')
+
+    def unreadable(p):
+        raise PermissionError(13, "Permission denied", p)
+
+    monkeypatch.setattr(state_file, "_read", unreadable)
+    with pytest.raises(ConfigError) as exc:
+        async with trioserve.open_runtime(kept(model(CANARY), path)):
             pass  # pragma: no cover
+    assert str(exc.value) == (
+        f"{path}: rollout state file (runtime.rollout_state_file): cannot be read: "
+        "Permission denied; fix it, or remove it to start every rollout afresh"
+    )
+
+
+def real_path(p) -> str:
+    """``p`` with its links followed, as the state file's errors name folders."""
+    return os.path.realpath(p)
+
+
+UNWRITABLE = "rollout state file (runtime.rollout_state_file): cannot be written: "
+LOST = "(every decision's write would fail, and the decisions be lost at a restart); "
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        ("missing/rollout.json",
+         "its directory {tmp}/missing does not exist {lost}create it, or set "
+         "runtime.rollout_state_file to a file in a directory that exists"),
+        ("a-file/rollout.json",
+         "its directory {tmp}/a-file is not a directory {lost}set "
+         "runtime.rollout_state_file to a file in a directory"),
+        ("a-dir",
+         "is a directory, not a file {lost}set runtime.rollout_state_file to a "
+         "file's path"),
+    ],
+)
+async def test_a_state_file_that_could_not_be_written_fails_the_start_naming_it(
+    autojump_clock, tmp_path, where, why,
+):
+    # Found at the start, not by the first decision's write (logged, while serving
+    # went on): the decisions would have been lost at the next restart.
+    (tmp_path / "a-file").write_bytes(b"")
+    (tmp_path / "a-dir").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    path = tmp_path / where
+    with pytest.raises(ConfigError) as exc:
+        async with trioserve.open_runtime(kept(model(CANARY), path)):
+            pytest.fail("the runtime started")  # pragma: no cover
+    why = why.format(tmp=real_path(tmp_path), lost=LOST)
+    assert str(exc.value) == f"{path}: {UNWRITABLE}{why}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert list((tmp_path / "a-dir").iterdir()) == []
+
+
+async def test_a_state_file_in_a_directory_not_writable_fails_the_start(
+    autojump_clock, tmp_path, monkeypatch,
+):
+    # (as the superuser every directory is writable: its refusal is the system's)
+    path = tmp_path / "rollout.json"
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(state_file.tempfile, "mkstemp", refused)
+    with pytest.raises(ConfigError) as exc:
+        async with trioserve.open_runtime(kept(model(CANARY), path)):
+            pytest.fail("the runtime started")  # pragma: no cover
+    assert str(exc.value) == (
+        f"{path}: {UNWRITABLE}no file can be created in its directory "
+        f"{real_path(tmp_path)}: "
+        f"Permission denied {LOST}make the directory writable, or set "
+        "runtime.rollout_state_file to a file in one that is"
+    )
+
+
+def test_serve_says_in_one_line_which_state_file_cannot_be_written(tmp_path, capsys):
+    cfg = tmp_path / "prod.toml"
+    cfg.write_text(
+        f'[runtime]\nrollout_state_file = "{tmp_path}/missing/rollout.json"\n'
+        '[models.mlp]\nbackend = "echo"\nversions = ["1", "2"]\n'
+        '[models.mlp.rollout]\nstable = "1"\ncanary = "2"\n'
+    )
+    assert main(["serve", "--config", str(cfg), "--port", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"trioserve: invalid configuration: {cfg}: {tmp_path}/missing/rollout.json: "
+        f"{UNWRITABLE}its directory {real_path(tmp_path)}/missing does not exist "
+        f"{LOST}create it, "
+        "or set runtime.rollout_state_file to a file in a directory that exists\n"
+    )
 
 
 async def test_no_file_yet_is_a_fresh_start_and_no_rollout_reads_none(
@@ -248,9 +342,11 @@ async def test_no_file_yet_is_a_fresh_start_and_no_rollout_reads_none(
 async def test_a_write_that_fails_is_logged_and_counted_and_serving_goes_on(
     autojump_clock, tmp_path, caplog,
 ):
-    path = tmp_path / "missing" / "rollout.json"  # its directory is not there
+    path = tmp_path / "missing" / "rollout.json"
+    (tmp_path / "missing").mkdir()
     caplog.set_level(logging.INFO, logger="trioserve")
     async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        (tmp_path / "missing").rmdir()  # its directory is gone since the start
         rt.pause_rollout("m")
         await rt._rollout_state.flush()
         failed = rt.rollout_state("m")["state_file"]
