@@ -18,11 +18,13 @@ next decision writes the whole file again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,13 +72,50 @@ def version_fingerprint(m: ModelConfig, version: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def write_atomic(path: str, data: bytes) -> None:
+class Ownership:
+    """Whether the writes of a state file may still land: once ``revoke``-d (its
+    runtime closed), a write still under way in its thread (one abandoned at the
+    close, past ``FINAL_WRITE_S``) replaces nothing, so that it cannot overwrite
+    what a later runtime wrote. The check and the rename are made under one lock,
+    held across the rename alone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owned = True
+
+    def replace(self, tmp: str, path: str) -> bool:
+        """``os.replace(tmp, path)`` if still owned; whether it was. Blocking."""
+        with self._lock:
+            if not self._owned:
+                return False
+            os.replace(tmp, path)
+            return True
+
+    def revoke_nowait(self) -> bool:
+        """Revoke it, unless a rename is under way this moment (then False: call
+        :meth:`revoke` in a worker thread). Not a checkpoint; never blocks."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._owned = False
+        finally:
+            self._lock.release()
+        return True
+
+    def revoke(self) -> None:
+        """Revoke it once the rename under way (if any) is done. Blocking."""
+        with self._lock:
+            self._owned = False
+
+
+def write_atomic(path: str, data: bytes, *, owner: Ownership | None = None) -> None:
     """Replace ``path``'s content with ``data`` at once: a temporary file beside it,
     written and flushed to the disk, renamed over it (then the directory flushed).
     A reader sees the old content or the new, never part of one; on an error the
     temporary file is removed and ``path`` left as it was. A ``path`` that is a
-    symbolic link is followed: the file it names is replaced, the link kept.
-    Blocking: run it in a worker thread."""
+    symbolic link is followed: the file it names is replaced, the link kept. With
+    an ``owner`` revoked before the rename, nothing is replaced (the temporary file
+    is removed). Blocking: run it in a worker thread."""
     path = os.path.realpath(path)
     folder = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
@@ -85,7 +124,11 @@ def write_atomic(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if owner is None:
+            os.replace(tmp, path)
+        elif not owner.replace(tmp, path):
+            os.unlink(tmp)
+            return
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -211,6 +254,8 @@ class RolloutStateFile:
         self._done = 0  # changes written (or whose write failed)
         self._wake = trio.Event()
         self._settled = trio.lowlevel.ParkingLot()  # flush's waiters
+        #: revoked when ``run`` ends: no write of this runtime's lands after
+        self._owner = Ownership()
         self.writes = 0
         self.write_errors = 0
         self.last_error: str | None = None
@@ -263,7 +308,9 @@ class RolloutStateFile:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Write the file after each change, until cancelled (several changes made
         meanwhile: one write). Cancelled with a change not yet written, it still
-        writes it, shielded, for up to ``FINAL_WRITE_S``.
+        writes it, shielded, for up to ``FINAL_WRITE_S``; a write abandoned then
+        replaces nothing, even when its thread ends later: once this returns, no
+        write of it can land (a later runtime may be writing the file).
 
         ConfigError, before it starts, when another runtime of this process writes
         the same file: each writes the whole file from its own records, so one's
@@ -291,10 +338,26 @@ class RolloutStateFile:
                         await self._write(abandon=True)
                     if late.cancelled_caught:
                         log.error("rollout state file %s: the last decisions were not "
-                                  "written within %g s of the close", self.path,
+                                  "written within %g s of the close (that write is "
+                                  "abandoned: it will not replace the file)", self.path,
                                   FINAL_WRITE_S)
         finally:
-            _WRITING.discard(key)
+            try:
+                await self._disown()
+            finally:
+                _WRITING.discard(key)
+
+    async def _disown(self) -> None:
+        """Revoke this runtime's writes (an abandoned one still in its thread then
+        renames nothing): at once, or, with a rename under way this very moment, once
+        it is done, shielded and within ``FINAL_WRITE_S``."""
+        if self._owner.revoke_nowait():
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(FINAL_WRITE_S) as late:
+            await trio.to_thread.run_sync(self._owner.revoke, abandon_on_cancel=True)
+        if late.cancelled_caught:
+            log.error("rollout state file %s: a rename of it begun before the close did "
+                      "not end within %g s; it may still land", self.path, FINAL_WRITE_S)
 
     async def flush(self) -> None:
         """Wait until every change made so far was written (or failed to be). A
@@ -309,7 +372,8 @@ class RolloutStateFile:
                           sort_keys=True).encode()
         try:
             await trio.to_thread.run_sync(
-                write_atomic, self.path, data, abandon_on_cancel=abandon
+                functools.partial(write_atomic, self.path, data, owner=self._owner),
+                abandon_on_cancel=abandon,
             )
         except OSError as exc:
             self.write_errors += 1

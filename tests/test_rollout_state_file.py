@@ -377,10 +377,10 @@ async def test_a_write_under_way_holds_up_no_request(autojump_clock, tmp_path, m
     writing, release = trio.Event(), threading.Event()
     real = state_file.write_atomic
 
-    def slow_write(p: str, data: bytes) -> None:  # in the writer's worker thread
+    def slow_write(p: str, data: bytes, **kwargs) -> None:  # in the writer's worker thread
         trio.from_thread.run_sync(writing.set)
         release.wait(GATE_LIMIT_S)
-        real(p, data)
+        real(p, data, **kwargs)
 
     monkeypatch.setattr(state_file, "write_atomic", slow_write)
     try:
@@ -398,6 +398,104 @@ async def test_a_write_under_way_holds_up_no_request(autojump_clock, tmp_path, m
     assert not written_yet
     assert stats["writes"] == 1
     assert recorded(path)["models"]["m"]["state"] == "rolled_back"
+
+
+class ServiceFailed(Exception):
+    """The embedding service's own failure, closing the runtime at once."""
+
+
+async def paused_then_failed(path) -> None:
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        rt.pause_rollout("m")
+        raise ServiceFailed
+
+
+async def test_a_write_abandoned_at_the_close_never_lands_after_it(
+    autojump_clock, tmp_path, monkeypatch, caplog,
+):
+    # A runtime closed by its service's failure (no grace: no flush) writes its last
+    # decision then, for FINAL_WRITE_S at most; the disk holds that write in its
+    # thread past that. A later runtime writes the file; the first write's thread
+    # then ends: it must not replace the later runtime's file with older decisions.
+    path = tmp_path / "rollout.json"
+    held, release, ended = threading.Event(), threading.Event(), threading.Event()
+    real_fsync, real_write = os.fsync, state_file.write_atomic
+    blocked: list[int] = []  # the thread held
+
+    def stuck_fsync(fd: int) -> None:
+        if not blocked:  # the first write's data, before its rename
+            blocked.append(threading.get_ident())
+            held.set()
+            release.wait(GATE_LIMIT_S)
+        real_fsync(fd)
+
+    def watched_write(*args, **kwargs) -> None:
+        try:
+            real_write(*args, **kwargs)
+        finally:
+            if threading.get_ident() == blocked[0]:
+                ended.set()
+
+    monkeypatch.setattr(os, "fsync", stuck_fsync)
+    monkeypatch.setattr(state_file, "write_atomic", watched_write)
+    caplog.set_level(logging.ERROR, logger="trioserve")
+    try:
+        t0 = trio.current_time()
+        with pytest.raises(ServiceFailed):
+            await paused_then_failed(path)
+        closed_after = trio.current_time() - t0
+        # its write is held in its thread (the clock may have jumped past its bound
+        # before the thread came to its flush: it goes on there regardless)
+        assert await trio.to_thread.run_sync(held.wait, GATE_LIMIT_S)
+        async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+            assert rt.rollout_state("m")["restored"] is None  # nothing landed
+            rt.rollback("m", reason="the later runtime's")
+        later = path.read_bytes()
+    finally:
+        release.set()
+    await trio.to_thread.run_sync(ended.wait, GATE_LIMIT_S)
+    assert ended.is_set()  # the abandoned write has run to its end
+    assert closed_after == pytest.approx(state_file.FINAL_WRITE_S)
+    assert path.read_bytes() == later  # left as the later runtime wrote it
+    assert recorded(path)["models"]["m"]["reason"] == "the later runtime's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout.json"]  # no temp left
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rollout state file {path}: the last decisions were not written within 5 s of "
+        "the close (that write is abandoned: it will not replace the file)"
+    ]
+
+
+def test_a_revoked_ownership_renames_nothing_and_waits_for_a_rename_under_way(tmp_path):
+    path = tmp_path / "rollout.json"
+    owner = state_file.Ownership()
+    state_file.write_atomic(str(path), b"first", owner=owner)
+    assert path.read_bytes() == b"first"
+    # a rename under way holds the lock: revoke_nowait says so, revoke waits for it
+    renaming, release = threading.Event(), threading.Event()
+    real_replace = os.replace
+
+    def slow_replace(src, dst):
+        renaming.set()
+        release.wait(GATE_LIMIT_S)
+        real_replace(src, dst)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "replace", slow_replace)
+        writer = threading.Thread(
+            target=state_file.write_atomic, args=(str(path), b"second"),
+            kwargs={"owner": owner},
+        )
+        writer.start()
+        assert renaming.wait(GATE_LIMIT_S)
+        assert not owner.revoke_nowait()
+        release.set()
+        owner.revoke()  # returns once the rename under way is done
+        assert path.read_bytes() == b"second"
+        writer.join(GATE_LIMIT_S)
+    state_file.write_atomic(str(path), b"third", owner=owner)
+    assert path.read_bytes() == b"second"  # revoked: nothing replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout.json"]
+    assert owner.revoke_nowait()  # (and again: nothing under way)
 
 
 def test_the_atomic_write_leaves_the_old_file_or_the_new_never_part(tmp_path, monkeypatch):
