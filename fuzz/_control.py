@@ -18,7 +18,10 @@ to the new copy's, or to the stand-in's refusal). The checks:
 - ``control``: each request runs on a replica of the copy (the queue) that admitted
   it, which the request looked up or was handed to; the model's state moves are a
   legal lifecycle path, and exactly the moves of the loads and unloads in the order
-  asked (two loads asked while one is under way share it, and two unloads); when an
+  asked (two loads asked while one is under way share it, and two unloads; an
+  unload asked right after the model's first load abandons it: one under way moves
+  to UNLOADING then UNAVAILABLE, one still waiting for its turn never moves, and
+  only such loads raise, ModelLoadError); when an
   unload ends (``unloaded``), no replica of the model is left running, of the copy
   unloaded nor of one an earlier reload replaced.
 - ``leak``: no task outlives the runtime.
@@ -48,7 +51,8 @@ TICK = 2.0**-10
 HORIZON_S = 3600.0
 X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
 
-expect("control", "reload", "load", "unload", "not loaded", "handed over", "versions")
+expect("control", "reload", "load", "unload", "not loaded", "handed over", "versions",
+       "abandoned")
 
 
 # ---------------------------------------------------------------- the script
@@ -126,7 +130,8 @@ class Echo(ModelBackend):
 #: the lifecycle of docs/model-control.md: state -> the states it may move to
 LIFECYCLE = {
     "UNAVAILABLE": {"LOADING"},
-    "LOADING": {"READY", "UNAVAILABLE"},
+    # LOADING to UNLOADING: an unload abandons the model's first load under way
+    "LOADING": {"READY", "UNAVAILABLE", "UNLOADING"},
     # a reload: READY (reloading, the loaded copy serves meanwhile), then READY
     "READY": {"READY", "UNLOADING"},
     "UNLOADING": {"UNAVAILABLE"},
@@ -152,6 +157,8 @@ class ControlRun:
     loaded: bool = False
     pending: list[list[str]] = attrs.Factory(list)  # per op: the moves still due
     last_kind: str | None = None  # of the last op asked, while it is pending
+    #: the loads an unload abandoned, as the reference says (the ops' lists)
+    abandoned: list[list[str]] = attrs.Factory(list)
 
     def at(self, t: float | None = None) -> str:
         now = trio.current_time() if t is None else t
@@ -160,12 +167,32 @@ class ControlRun:
     def fail(self, invariant: str, text: str) -> None:
         self.violations.append((invariant, text))
 
-    def asked(self, load: bool) -> None:
+    def asked(self, load: bool) -> list[str]:
+        """The op asked (or the one under way it shares): its moves still due."""
         kind = "load" if load else "unload"
         if self.pending and self.last_kind == kind:
-            return  # shares the one under way
+            return self.pending[-1]  # shares the one under way
+        if not load and self.pending and self.last_kind == "load":
+            self._overtaken()
         self.last_kind = kind
         self.pending.append([kind])  # its moves are found when its turn comes
+        return self.pending[-1]
+
+    def _overtaken(self) -> None:
+        """An unload asked right after a load still to end: the model's first load
+        is abandoned (a reload is not). One waiting for its turn (after an unload,
+        or with no copy loaded) never moves; one under way moves to UNLOADING at
+        once, then UNAVAILABLE."""
+        load = self.pending[-1]
+        if load == ["load"]:  # its turn has not come
+            if len(self.pending) > 1 or not self.loaded:
+                self.pending.pop()
+                self.abandoned.append(load)
+                note("control", "abandoned")
+        elif len(self.pending) == 1 and self.state == "LOADING":
+            load[:] = ["", "UNLOADING", "UNAVAILABLE"]
+            self.abandoned.append(load)
+            note("control", "abandoned")
 
     def moved(self, state: str, reason: str) -> None:
         self.moves.append((state, reason))
@@ -268,8 +295,16 @@ def batcher_class(base: type, run: ControlRun) -> type:
 def control_class(base: type, run: ControlRun) -> type:
     class Observed(base):  # type: ignore[misc, valid-type]
         async def load(self, model: str, config: Any = None) -> None:
-            run.asked(True)
-            await super().load(model, config)
+            op = run.asked(True)
+            try:
+                await super().load(model, config)
+            except trioserve.ModelLoadError as exc:
+                if not any(op is o for o in run.abandoned) or not str(exc).startswith(
+                    "model 'm': its load was abandoned: an unload of the model was asked"
+                ):
+                    run.fail("control", f"at {run.at()} a load raised {exc!r}; the ops "
+                             "asked do not abandon it")
+                raise
 
         async def unload(self, model: str) -> None:
             run.asked(False)
@@ -351,7 +386,11 @@ async def _play(run: ControlRun) -> None:
 
     async def operator(op: Op, rt: trioserve.Runtime) -> None:
         await trio.sleep_until(run.t0 + op.at * TICK)
-        await (rt.load_model("m") if op.load else rt.unload_model("m"))
+        if not op.load:
+            await rt.unload_model("m")
+            return
+        with contextlib.suppress(trioserve.ModelLoadError):  # abandoned (checked)
+            await rt.load_model("m")
 
     async with trio.open_nursery() as callers:
         with product_installed(run):
@@ -363,8 +402,8 @@ async def _play(run: ControlRun) -> None:
                     callers.start_soon(operator, op, rt)
                 last = max([c.at for c in sc.calls] + [o.at for o in sc.ops] + [0])
                 await trio.sleep_until(run.t0 + last * TICK + HORIZON_S)
-                while run.pending == [["unload"]] and not run.loaded:
-                    run.pending.clear()  # an unload of a model not loaded: no moves
+                while run.pending and run.pending[0] == ["unload"] and not run.loaded:
+                    run._done()  # an unload of a model not loaded: no moves
                 if run.pending:
                     run.fail("control", f"at the end ops asked are still due: {run.pending}")
                 if not run.loaded and run.batchers_running:

@@ -38,6 +38,12 @@ under way shares it (a load: if it loads the same configuration), unless one of 
 other kind was asked after it (load, unload, load ends loaded). Each runs as a task
 of the control's nursery, so a caller that leaves (cancelled) does not cut it short,
 and the runtime's shutdown cancels it cleanly: its callers get ActorClosed.
+
+An unload asked right after the model's first load (no copy serves), under way or
+waiting for its turn, abandons it, as Triton cancels a load on an unload, instead
+of waiting for it: its callers get ModelLoadError at once, what it started is
+cancelled (a load in a worker thread runs on, and its model is dropped when the
+thread returns, never installed), and the unload ends once that has stopped.
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ class ModelState(enum.Enum):
 
 _MOVES = {
     ModelState.UNAVAILABLE: {ModelState.LOADING},
-    ModelState.LOADING: {ModelState.READY, ModelState.UNAVAILABLE},
+    # LOADING to UNLOADING: an unload abandons the load (what it started stops)
+    ModelState.LOADING: {ModelState.READY, ModelState.UNAVAILABLE, ModelState.UNLOADING},
     # READY to READY: a reload begins (its reason says so) or ends
     ModelState.READY: {ModelState.READY, ModelState.UNLOADING},
     ModelState.UNLOADING: {ModelState.UNAVAILABLE},
@@ -96,6 +103,20 @@ class _Op:
     #: a load's: the configuration it loads (the table's, or one a load gave); only a
     #: load of the same configuration shares it
     config: ModelConfig | None = None
+    #: set when the one asked before it has ended (its turn may come)
+    after: trio.Event | None = None
+    #: its turn has come
+    began: bool = False
+    #: a load abandoned by an unload asked after it (``ModelControl._abandon``):
+    #: its callers were answered; nothing it started is ever installed
+    abandoned: bool = False
+    #: a first load under way (no copy serves): the scope of what it started,
+    #: which an unload asked meanwhile cancels
+    scope: trio.CancelScope | None = None
+    #: a load: set once its task has ended (what it started has stopped)
+    settled: trio.Event = attrs.Factory(trio.Event)
+    #: an unload: the load it abandoned, whose end it waits for
+    abandoned_load: _Op | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
         if not self.done.is_set():
@@ -288,8 +309,8 @@ class ModelControl:
         (runtime/_load_config.py); None: the table as configured. A checkpoint.
         Cancelling it leaves the load under way (its outcome is the model's state).
         Raises UnknownModel, ConfigError (a ``config`` refused: nothing is loaded),
-        ModelLoadError (the model kept what it had: a reload's old copy serves on),
-        ActorClosed."""
+        ModelLoadError (the model kept what it had: a reload's old copy serves on;
+        or an unload asked after the model's first load abandoned it), ActorClosed."""
         entry = self._entry(model)
         nursery = self._ready_nursery()
         wanted = entry.config if config is None else with_load_config(entry.config, config)
@@ -297,7 +318,9 @@ class ModelControl:
         if op is None or op is not entry.last or op.config != wanted:
             plan = self._prepare(wanted)  # ConfigError: nothing started
             op = entry.loading = entry.last = _Op(config=wanted)
-            nursery.start_soon(self._load, entry, op, entry.take_turn(), plan)
+            turn = entry.take_turn()
+            op.after = turn[0]
+            nursery.start_soon(self._load, entry, op, turn, plan)
         await op.wait()
 
     async def _load(
@@ -310,17 +333,23 @@ class ModelControl:
         try:
             async with trio.open_nursery() as nursery:
                 async with _turn(turn):
+                    op.began = True
+                    if op.abandoned:  # before its turn: not started at all
+                        return
                     old = entry.copy
                     if old is not None:  # the loaded copy serves meanwhile: READY
                         entry.move(ModelState.READY, "reloading (the loaded copy serves "
                                    "meanwhile)")
                     else:
                         entry.move(ModelState.LOADING, "loading")
+                        op.scope = nursery.cancel_scope  # an unload may abandon it
                     try:
                         started = await self._start_copy(
                             nursery, plan, old.started if old is not None else rt.models[name],
                         )
                     except TrioserveError as exc:
+                        if op.abandoned:  # (and failed meanwhile): answered already
+                            return
                         failure = (
                             exc if isinstance(exc, ModelLoadError | ConfigError)
                             else ModelLoadError(f"model {name!r}: {exc}")
@@ -339,6 +368,13 @@ class ModelControl:
                         # answered once what it started is stopped (the versions
                         # loaded before one failed): nothing of it is left then
                         nursery.cancel_scope.cancel("the model failed to load")
+                        return
+                    finally:
+                        op.scope = None
+                    if op.abandoned:
+                        # abandoned, but its start ended with no checkpoint since:
+                        # never installed, stopped at once
+                        nursery.cancel_scope.cancel("the load was abandoned")
                         return
                     copy = _Copy.of(started)
                     assert op.config is not None
@@ -381,20 +417,54 @@ class ModelControl:
                 if copy.stop.is_set():  # cut off while draining: answer what it held
                     _close(copy, copy.cut)
                 copy.finished.set()
+            op.settled.set()
 
     # ------------------------------------------------------------ unload
     async def unload(self, model: str) -> None:
         """Unload ``model``: new requests are refused at once (UnknownModel), those
         admitted are answered, then its replicas are released; return then. A model
-        not loaded: nothing to do. A checkpoint; cancelling it leaves the unload
-        under way. Raises UnknownModel, ActorClosed."""
+        not loaded: nothing to do. The model's first load, under way or waiting for
+        its turn, is abandoned, not waited for (:meth:`_abandon`). A checkpoint;
+        cancelling it leaves the unload under way. Raises UnknownModel,
+        ActorClosed."""
         entry = self._entry(model)
         nursery = self._ready_nursery()
         op = entry.unloading
         if op is None or op is not entry.last:
+            load = entry.loading if entry.loading is entry.last else None
             op = entry.unloading = entry.last = _Op()
+            # The load asked just before it, still to end, if it is the model's
+            # first load, is abandoned; a reload ends first (the loaded copy serves
+            # meanwhile), then the unload runs.
+            if load is not None and _first_load(entry, load):
+                self._abandon(entry, load)
+                op.abandoned_load = load
             nursery.start_soon(self._unload, entry, op, entry.take_turn())
         await op.wait()
+
+    def _abandon(self, entry: _Entry, op: _Op) -> None:
+        """Abandon the model's first load ``op``, an unload having been asked after
+        it (as Triton cancels a load on an unload): its callers get ModelLoadError at
+        once, and what it started is cancelled, the model UNLOADING until it has
+        stopped (a replica's worker process is stopped; a load in a worker thread
+        cannot be stopped: its model, when the thread returns, is dropped, never
+        installed). One whose turn has not come is not started at all. Not a
+        checkpoint."""
+        name = entry.config.name
+        op.abandoned = True
+        if entry.loading is op:
+            entry.loading = None
+        op.finish(ModelLoadError(
+            f"model {name!r}: its load was abandoned: an unload of the model was asked "
+            "before it ended"
+        ))
+        if op.scope is None:
+            log.info("model %r: a load not begun yet is abandoned: an unload was "
+                     "asked after it", name)
+            return
+        op.scope.cancel("an unload was asked while the model loaded")
+        op.scope = None
+        entry.move(ModelState.UNLOADING, "unloading (its load abandoned)")
 
     async def _unload(
         self, entry: _Entry, op: _Op, turn: tuple[trio.Event, trio.Event]
@@ -403,6 +473,15 @@ class ModelControl:
         rt = self._rt
         try:
             async with _turn(turn):
+                load = op.abandoned_load
+                if load is not None:
+                    # its turn came as the load was cancelled: wait until what the
+                    # load started has stopped (a thread's load is not waited for)
+                    await load.settled.wait()
+                    if entry.state is ModelState.UNLOADING and entry.copy is None:
+                        entry.move(ModelState.UNAVAILABLE, "unloaded")
+                        log.info("model %r: unloaded while it loaded: its load was "
+                                 "abandoned", name)
                 copy = entry.copy
                 if copy is not None:
                     entry.move(ModelState.UNLOADING, "unloading (requests admitted finish)")
@@ -443,6 +522,17 @@ def _runs(table: ModelConfig, config: ModelConfig) -> str:
         return ""
     return ("runs the configuration its load gave (changed: "
             f"{', '.join(changed_keys(table, config))})")
+
+
+def _first_load(entry: _Entry, load: _Op) -> bool:
+    """Whether ``load`` (of ``entry``, not ended) is the model's first load (no copy
+    serves), or will be when its turn comes. Before its turn: the one asked before
+    it is an unload (loads asked in a row share one), or nothing is under way and no
+    copy is loaded."""
+    if load.began:
+        return load.scope is not None
+    assert load.after is not None
+    return entry.copy is None or not load.after.is_set()
 
 
 def _install(rt: Any, model: str, copy: _Copy) -> None:
@@ -548,7 +638,9 @@ class _Control:
     async def unload_model(self, model: str) -> None:
         """Unload ``model``: from now on its requests get UnknownModel (not loaded);
         those admitted are answered; then its replicas are closed and their workers
-        or models released. Returns then. Unloading a model not loaded does nothing.
+        or models released. Returns then. Unloading a model not loaded does nothing;
+        the model's first load, if one is under way, is abandoned (its callers get
+        ModelLoadError), not waited for.
         A checkpoint; cancelling it leaves the unload under way. Raises as
         :meth:`load_model` (but ModelLoadError)."""
         await self._controlled("unload", model).unload(model)

@@ -8,6 +8,7 @@ starts and batches take trio time, so every timing is exact under the MockClock.
 from __future__ import annotations
 
 import collections
+import functools
 
 import attrs
 import pytest
@@ -276,16 +277,91 @@ async def test_two_loads_at_once_share_one(autojump_clock, workers):
         assert len(workers.made) == 1
 
 
-async def test_a_load_and_an_unload_at_once_are_serialized(autojump_clock, workers):
+ABANDONED = "model 'm': its load was abandoned: an unload of the model was asked before it ended"
+
+
+async def load_abandoned(rt, failures: list) -> None:
+    with pytest.raises(ModelLoadError) as caught:
+        await rt.load_model("m")
+    failures.append(str(caught.value))
+
+
+async def test_an_unload_during_a_first_load_abandons_it(autojump_clock, workers):
+    # (as Triton cancels a load on an unload: it does not wait for the load)
     async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
         workers.load_s = 3.0
+        failures: list = []
         async with trio.open_nursery() as ops:
-            ops.start_soon(rt.load_model, "m")
+            ops.start_soon(load_abandoned, rt, failures)
             await trio.testing.wait_all_tasks_blocked()
-            ops.start_soon(rt.unload_model, "m")  # waits for the load, then unloads it
+            assert rt.model_state("m") == ("LOADING", "loading")
+            t0 = trio.current_time()
+            await rt.unload_model("m")
+            unloaded_in = trio.current_time() - t0
+        assert unloaded_in == 0
+        assert failures == [ABANDONED]
         assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
         (worker,) = workers.made
+        assert not worker.alive  # its worker process stopped
+        workers.load_s = 0.0
+        await rt.load_model("m")  # a later load of the model is one of its own
+        assert (await rt.infer("m", item(2.0)))["y"][0] == 2.0
+        assert len(workers.made) == 2
+
+
+class SlowToStop(Worker):
+    """The stand-in worker; stopping it takes 2 s (shielded, as a worker process's
+    wait for its exit is)."""
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await trio.sleep(2.0)
+        self.kill()
+
+
+async def test_an_abandoned_load_is_unloading_until_what_it_started_has_stopped(
+    autojump_clock, workers, monkeypatch,
+):
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", SlowToStop)
+    async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
+        workers.load_s = 10.0
+        failures: list = []
+        answered: list = []
+
+        async def unload():
+            await rt.unload_model("m")
+            answered.append(trio.current_time() - t0)
+
+        async with trio.open_nursery() as ops:
+            ops.start_soon(load_abandoned, rt, failures)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            ops.start_soon(unload)
+            await trio.sleep(1.0)  # its worker is stopping
+            assert failures == [ABANDONED]  # the load's caller: at once
+            assert rt.model_state("m") == ("UNLOADING", "unloading (its load abandoned)")
+            (worker,) = workers.made
+            assert worker.alive
+            assert answered == []
+        assert answered == [2.0]  # once its worker has stopped, not the load's 10 s
         assert not worker.alive
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+
+
+async def test_an_unload_during_a_reload_waits_for_it_then_unloads(autojump_clock, workers):
+    async with trioserve.open_runtime(control_config()) as rt:
+        workers.load_s = 3.0
+        t0 = trio.current_time()
+        async with trio.open_nursery() as ops:
+            ops.start_soon(rt.load_model, "m")  # a reload: the loaded copy serves on
+            await trio.testing.wait_all_tasks_blocked()
+            ops.start_soon(rt.unload_model, "m")  # waits for the reload, then unloads
+        assert trio.current_time() == pytest.approx(t0 + 3.0)
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert len(workers.made) == 2
+        assert all(not w.alive for w in workers.made)
 
 
 async def test_shutdown_during_a_load_is_clean(autojump_clock, workers):
@@ -364,15 +440,20 @@ async def test_a_model_loaded_at_start_that_fails_fails_the_start(autojump_clock
 async def test_a_load_asked_after_an_unload_does_not_share_the_load_before_it(
     autojump_clock, workers
 ):
-    """load, unload, load ends loaded (the second load is not the first's), and
-    unload, load, unload ends unloaded: each runs in its turn."""
+    """load, unload, load ends loaded (the second load is not the first's: the
+    first, under way, is abandoned by the unload), and unload, load, unload ends
+    unloaded (the load, waiting for its turn, is abandoned before it starts)."""
     async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
         workers.load_s = 3.0
+        failures: list = []
         async with trio.open_nursery() as ops:
-            for op in (rt.load_model, rt.unload_model, rt.load_model):
-                ops.start_soon(op, "m")
+            for op in (functools.partial(load_abandoned, rt, failures),
+                       functools.partial(rt.unload_model, "m"),
+                       functools.partial(rt.load_model, "m")):
+                ops.start_soon(op)
                 await trio.testing.wait_all_tasks_blocked()
         assert rt.model_state("m") == ("READY", "")
+        assert failures == [ABANDONED]
         first, second = workers.made
         assert (first.alive, second.alive) == (False, True)
 
@@ -380,30 +461,49 @@ async def test_a_load_asked_after_an_unload_does_not_share_the_load_before_it(
         async with trio.open_nursery() as ops:
             ops.start_soon(call, rt, 4.0, answers)  # in flight: the unload drains it
             await trio.testing.wait_all_tasks_blocked()
-            for op in (rt.unload_model, rt.load_model, rt.unload_model):
-                ops.start_soon(op, "m")
+            for op in (functools.partial(rt.unload_model, "m"),
+                       functools.partial(load_abandoned, rt, failures),
+                       functools.partial(rt.unload_model, "m")):
+                ops.start_soon(op)
                 await trio.testing.wait_all_tasks_blocked()
+            # the load, abandoned before its turn, is answered at once
+            assert failures == [ABANDONED, ABANDONED]
         assert answers == {4.0: [4.0]}
         assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert len(workers.made) == 2  # (the abandoned load started no worker)
         assert all(not w.alive for w in workers.made)
 
 
 async def test_loads_and_unloads_asked_at_once_run_in_the_order_asked(autojump_clock, workers):
     async with trioserve.open_runtime(control_config(load_at_start=False)) as rt:
         workers.load_s = 1.0
+        abandoned: list = []
+        loaded_once = False
         for _ in range(12):
             asked: list[str] = []
 
             async def ask(action, asked=asked):
                 asked.append(action)  # the call below asks before its first checkpoint
-                await (rt.load_model("m") if action == "load" else rt.unload_model("m"))
+                if action == "unload":
+                    await rt.unload_model("m")
+                    return
+                try:
+                    await rt.load_model("m")
+                except ModelLoadError as exc:  # a first load an unload overtook
+                    abandoned.append((str(exc), list(asked)))
 
             async with trio.open_nursery() as ops:
                 # both callers run in one scheduling batch, in an order trio picks
                 ops.start_soon(ask, "load")
                 ops.start_soon(ask, "unload")
-            expected = ("READY", "") if asked[-1] == "load" else ("UNAVAILABLE", "unloaded")
+            # (a load abandoned before it began leaves a model never loaded as it was)
+            gone = ("UNAVAILABLE", "unloaded" if loaded_once else "not loaded")
+            expected = ("READY", "") if asked[-1] == "load" else gone
             assert rt.model_state("m") == expected, asked
+            loaded_once = loaded_once or asked[-1] == "load"
+            for said, order in abandoned:
+                assert (said, order) == (ABANDONED, ["load", "unload"])
+            abandoned.clear()
 
 
 class Raising(Worker):
