@@ -24,6 +24,7 @@ from trioserve import DeadlineExceeded, Request, RequestState
 from ._admission import Admission, AimdLimit
 from ._batching import BatchBuilder, BatchLimits
 from ._metrics import Latency
+from ._vtime import REBASE_AT, rebase
 
 _QUEUED = RequestState.QUEUED
 
@@ -107,7 +108,10 @@ class FairQueue(Admission):
     - Within a class: the backlogged tenant with the least weighted service (cost
       served / weight) goes next; a tenant that becomes backlogged is lifted to the
       least counter among the backlogged ones (or to where service last was), so an
-      idle tenant banks no credit (virtual-time counting, VTC).
+      idle tenant banks no credit (virtual-time counting, VTC). A class's counters
+      are rebased (all moved down by one amount, see ``_vtime.rebase``) once one of
+      them reaches ``REBASE_AT``, so that they never grow past the precision of the
+      increments; that changes no decision.
     - FIFO within a flow. Batches close as :class:`FifoQueue`'s do (size, tokens,
       the oldest request's wait), and may mix tenants.
     - Admission (``offer``): at most ``min(bound, adaptive limit)`` requests queued.
@@ -131,6 +135,9 @@ class FairQueue(Admission):
       flows at the next offer). So each holds at most 4/3 of the live requests, plus
       one (the flows: of those at the last offer), at amortised O(1) per request.
     """
+
+    #: A class's fair-share counters are rebased once one of them reaches this.
+    REBASE_AT: float = REBASE_AT
 
     def __init__(
         self,
@@ -163,6 +170,7 @@ class FairQueue(Admission):
         self._active: list[dict[str, collections.deque[Request]]] = [{} for _ in range(n)]
         self._vt: list[dict[str, float]] = [{} for _ in range(n)]
         self._floor = [0.0] * n
+        self._rebase_at = [self.REBASE_AT] * n  # per class: see _rebase
         self._arrivals: list[collections.deque[Request]] = [
             collections.deque() for _ in range(n)
         ]
@@ -481,8 +489,10 @@ class FairQueue(Admission):
         q.popleft()
         self._forget(req, tenant, c)
         vt = self._vt[c]
-        vt[tenant] += req.cost / self._weight(tenant)
-        self._floor[c] = vt[tenant]
+        v = vt[tenant] = vt[tenant] + req.cost / self._weight(tenant)
+        self._floor[c] = v
+        if v >= self._rebase_at[c]:
+            self._rebase(c)
         if not q:
             self._active[c].pop(tenant, None)
         s = self._stats(tenant, self.classes[c].name)
@@ -544,6 +554,8 @@ class FairQueue(Admission):
                 break
         vt[tenant] = v
         self._floor[c] = v  # where service is now: a newcomer to an idle class starts here
+        if v >= self._rebase_at[c]:
+            self._rebase(c)
         self._count -= n
         self._tenant_count[tenant] -= n
         self._cost[c][tenant] -= cost_sum
@@ -558,6 +570,13 @@ class FairQueue(Admission):
         if congested:
             self._congested = True
         return closed
+
+    def _rebase(self, c: int) -> None:
+        """Move class ``c``'s fair-share counters down (``_vtime.rebase``): every
+        comparison between them gives what it gave before."""
+        self._floor[c], self._rebase_at[c] = rebase(
+            self._vt[c], self._active[c], self._floor[c], self.REBASE_AT
+        )
 
     # ------------------------------------------------------------ batches
     def _oldest(self, now: float) -> Request | None:

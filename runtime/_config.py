@@ -69,6 +69,12 @@ MAX_QUEUE_BOUND = 1_048_576
 #: Five minutes: load balancers stop sending to an endpoint within seconds of its
 #: removal; a longer delay only holds a stopping server (and its pod) longer.
 MAX_DRAIN_DELAY_S = 300.0
+#: A tenant's weight: its fair share within a class, relative to the others'. A
+#: million to one between two tenants is as uneven as a share gets; past that the
+#: fair-share counters (cost / weight, in floats) could not hold the lightest
+#: tenant's increments beside the heaviest one's (docs/scheduling.md).
+MIN_WEIGHT = 1e-3
+MAX_WEIGHT = 1e3
 
 
 #: The share of requests a model's objective promises when ``slo_target`` is not set.
@@ -343,6 +349,7 @@ def default_classes() -> tuple[ClassConfig, ...]:
 class TenantConfig:
     """A tenant: its API keys, weight, allowed classes, credits and queue share.
 
+    ``weight`` is from ``MIN_WEIGHT`` to ``MAX_WEIGHT`` (1e-3 to 1e3).
     ``default`` takes requests with no key. ``classes`` limits the tenant to some
     request classes (empty: all); its first allowed class (in class order) is its
     default. ``credit_rate`` / ``credit_burst`` make a token bucket in the models'
@@ -355,7 +362,7 @@ class TenantConfig:
     api_keys: tuple[str, ...] = _field(
         _strs(allow_empty=True, secret=True), (), converter=_tuple
     )
-    weight: float = _field(_number(0.0, strict=True), 1.0)
+    weight: float = _field(_number(MIN_WEIGHT, maximum=MAX_WEIGHT), 1.0)
     default: bool = _field(_bool, False)
     classes: tuple[str, ...] = _field(_strs(allow_empty=True), (), converter=_tuple)
     credit_rate: float | None = _field(_number(0.0, strict=True, optional=True), None)

@@ -375,7 +375,7 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
         ),
         (
             "[models.m]\nbackend = 'echo'\n[tenants.t]\nweight = 0\n",
-            "tenants.t.weight: must be a finite number > 0.0, got 0",
+            "tenants.t.weight: must be a finite number >= 0.001, got 0",
         ),
         (
             "[models.m]\nbackend = 'echo'\n[tenants.t]\napi_keys = 'k'\n",
@@ -392,7 +392,7 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
         ),
         (
             f"[models.m]\nbackend = 'echo'\n[tenants.t]\nweight = {HUGE}\n",
-            f"tenants.t.weight: must be a finite number > 0.0, got {HUGE_SHOWN}",
+            f"tenants.t.weight: must be a finite number >= 0.001, got {HUGE_SHOWN}",
         ),
         (
             f"[models.m]\nbackend = 'echo'\n[tenants.t]\ncredit_rate = -{HUGE}\n",

@@ -324,6 +324,8 @@ def _mapping(table: str, key: str, value: Any) -> dict[str, Any]:
     data: dict[str, Any] = {"models": {"m": model}}
     if table == "models":
         model[key] = value
+    elif table == "tenants":
+        data[table] = {"t": {key: value}}
     else:
         data[table] = {key: value}
     return data
@@ -347,7 +349,9 @@ def test_the_ranges_the_example_states_are_the_codes():
                 trioserve.config_from_mapping(_mapping(key.table, key.name, value))
         outside = [high + 1] + ([low - 1] if low is not None else [])
         for value in outside:
-            with pytest.raises(trioserve.ConfigError, match=rf"^{key.table}\.(m\.)?{key.name}: "):
+            with pytest.raises(
+                trioserve.ConfigError, match=rf"^{key.table}\.([mt]\.)?{key.name}: "
+            ):
                 trioserve.config_from_mapping(_mapping(key.table, key.name, value))
         checked += 1
     assert checked >= 5
