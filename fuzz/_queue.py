@@ -13,7 +13,9 @@ duties: only an expired request is expired, only a full queue pushes a request o
 ``expire(now)`` leaves nothing expired queued, nothing on a device is touched by the
 queue; and its accounting against the reference (``fuzz/_callers.py``): every caller
 ends once, its credits kept exactly when one of its requests ran, the queue's live
-count, cost in service, service rate, fair-share counters and flow statistics.
+count, cost in service, service rate, fair-share counters and flow statistics. Its
+queues rebase their fair-share counters at a low threshold (``REBASE_AT``), so that
+the rebase, which must change no decision, runs under every check.
 At teardown the queue is flushed (pulls until empty), what is on the devices
 finished, and drained.
 """
@@ -37,6 +39,26 @@ from ._stats import count_example, note
 TENANTS = ("t0", "t1", "t2", "t3")
 CLASSES = ("c0", "c1", "c2")
 MS = 1e-3
+#: The suite's queues rebase their fair-share counters once one reaches this (the
+#: product's threshold, 2**32, is far beyond what the suite serves): a rebase must
+#: change no decision, so every check holds the same, and the suite sees it at work.
+REBASE_AT = 4.0
+
+
+def rebasing(queue_class: type) -> type:
+    """``queue_class`` with its fair-share counters rebased at ``REBASE_AT``, counting
+    its rebases (``rebases``, for the summary)."""
+
+    class Rebasing(queue_class):  # type: ignore[misc, valid-type]
+        rebases = 0
+
+        def _rebase(self, c: int) -> None:
+            self.rebases += 1
+            super()._rebase(c)
+
+    Rebasing.REBASE_AT = REBASE_AT
+    Rebasing.__name__ = Rebasing.__qualname__ = queue_class.__name__
+    return Rebasing
 
 
 @attrs.frozen(kw_only=True)
@@ -181,7 +203,7 @@ class QueueMachine(RuleBasedStateMachine):
             ClassSpec(name=name, aging=math.inf if a is None else a * MS)
             for name, a in zip(config.classes, config.aging_ms, strict=True)
         ]
-        queue_class = observed_queue_class(self.product.queue_class)
+        queue_class = observed_queue_class(rebasing(self.product.queue_class))
         self.queue = queue_class(
             limits,
             bound=config.bound,
@@ -759,3 +781,4 @@ class QueueMachine(RuleBasedStateMachine):
             )
         for feature, n in obs.exercised.items():
             note("queue", feature, n)
+        note("queue", "fair-share counters rebased", getattr(self.queue, "rebases", 0))
