@@ -57,11 +57,14 @@ def check_ray_installed(models: list[ModelConfig]) -> None:
 #: or a Ray the process's own code connected, left alone). The last to stop it
 #: disconnects it: a runtime closing never stops Ray under another still serving.
 _users = 0
-#: Held while Ray is connected or disconnected, and the users counted (in threads:
-#: two runtimes may run in two threads).
+#: Held while the users are counted and Ray's state is read or changed (in threads:
+#: two runtimes may run in two threads); never while ``ray.init`` runs, which may hang.
 _users_lock = threading.Lock()
 #: The thread that connected the Ray :func:`start_ray` connected, while it is.
 _owner: RayThread | None = None
+#: The thread of a ``ray.init`` under way, or given up at its start timeout and not
+#: returned yet: no other ``ray.init`` starts while it runs.
+_connecting: RayThread | None = None
 
 #: The level of Ray's own logger in this process (``ray.init(logging_level=...)``):
 #: its warnings and errors, not its INFO lines (the local Ray started, the
@@ -89,24 +92,41 @@ class RayThread:
     killed when that thread went idle (10 s after the call): the actors lived on,
     but the process's Ray threads then spun, retrying the lost GCS, and took the
     GIL from the event loop (batches stalled; Ray ends a driver that cannot reach
-    its GCS for a minute)."""
+    its GCS for a minute).
+
+    ``state`` (read and changed under ``_users_lock``) is "connecting" while
+    ``ray.init`` runs, then "connected" (the thread is ``_owner``, with one user, the
+    caller) or "failed" (``error``: what it raised; the thread ends); or
+    "abandoned", set by a caller that stopped waiting for it: a ``ray.init`` that
+    returns then is disconnected at once, as nobody uses it."""
 
     def __init__(self, init: Callable[[], object], shutdown: Callable[[], object]) -> None:
         self._init = init
         self._shutdown = shutdown
-        self._connected = threading.Event()
         self._stop = threading.Event()
-        self._error: BaseException | None = None
+        self.state = "connecting"
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()  # guards the two below, held for no call
+        self.settled = False
+        self._waiters: list[Callable[[], object]] = []
         self._thread = threading.Thread(target=self._run, name="trioserve-ray", daemon=True)
 
-    def start(self) -> None:
-        """Start the thread and wait until it connected Ray; raises what ``ray.init``
-        raised (the thread has ended then). Blocking."""
+    def launch(self) -> None:
+        """Start the thread (``ray.init``); returns at once."""
         self._thread.start()
-        self._connected.wait()
-        if self._error is not None:
-            self._thread.join()
-            raise self._error
+
+    def on_settled(self, wake: Callable[[], object]) -> None:
+        """Have ``wake()`` called (in the thread, or here when it is so already) once
+        ``ray.init`` has returned and ``state`` and the module's counts say so."""
+        with self._lock:
+            if not self.settled:
+                self._waiters.append(wake)
+                return
+        wake()
+
+    def join(self) -> None:
+        """Wait until the thread has ended. Blocking."""
+        self._thread.join()
 
     def stop(self) -> None:
         """Have the thread disconnect Ray, and wait until it has ended. Blocking."""
@@ -114,18 +134,67 @@ class RayThread:
         self._thread.join()
 
     def _run(self) -> None:
+        global _connecting, _owner, _users
+        error: BaseException | None = None
         try:
             self._init()
-        except BaseException as exc:  # raised in the caller's thread, by start()
-            self._error = exc
-            self._connected.set()
+        except BaseException as exc:  # the caller raises it (start_ray)
+            error = exc
+        with _users_lock:
+            abandoned = self.state == "abandoned"
+            if not abandoned:
+                self.state, self.error = ("connected", None) if error is None else ("failed", error)
+                if error is None:
+                    _owner, _users = self, 1
+                if _connecting is self:
+                    _connecting = None
+        if abandoned:
+            # Nobody waits for this Ray: disconnected before another ray.init may start.
+            if error is None:
+                log.warning("ray.init returned after its start timeout: disconnecting Ray")
+                self._disconnect()
+            with _users_lock:
+                if _connecting is self:
+                    _connecting = None
+        with self._lock:
+            self.settled = True
+            waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
+        if abandoned or error is not None:
             return
-        self._connected.set()
         self._stop.wait()
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         try:
             self._shutdown()
         except Exception as exc:  # Ray gone already: nothing left to stop
             log.warning("ray.shutdown() failed: %s: %s", type(exc).__name__, exc)
+
+
+async def _wait_settled(owner: RayThread) -> None:
+    """Wait until ``owner``'s ``ray.init`` has returned. A checkpoint; no thread of
+    ours waits: the Ray thread wakes this task through the run's TrioToken.
+    Cancelling it abandons the wait (the wake-up then finds nobody waiting)."""
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake() -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:
+            pass  # the run is over: nobody waits
+
+    owner.on_settled(wake)
+    await done.wait()
+
+
+def _ray_named(cfg: RayConfig) -> str:
+    """The Ray ``cfg`` names, for an error."""
+    if cfg.address is None:
+        return "a local Ray (ray.address is not set: one is started in this process)"
+    return f"Ray at {cfg.address!r}"
 
 
 async def start_ray(cfg: RayConfig) -> bool:
@@ -135,8 +204,16 @@ async def start_ray(cfg: RayConfig) -> bool:
     :func:`stop_ray` at close: Ray was connected here, or by another runtime of
     this process still using it (counted: the last one's ``stop_ray`` disconnects
     it, and stops the local Ray started here). A Ray the process's own code
-    connected is used as it is and left running (False). Cancelling it waits for
-    the connection to finish or fail."""
+    connected is used as it is and left running (False).
+
+    Raises ConfigError, naming the Ray and the cause, when ``ray.init`` fails
+    (whatever it raises), or when it has not returned within ``cfg.start_timeout_s``
+    (it is then left to finish in its thread, and disconnected if it connects; no
+    other ``ray.init`` starts meanwhile, and another runtime's start waits for it,
+    within its own timeout). While another runtime of the process connects, this
+    one waits for it and uses the Ray it connected. No lock is held while
+    ``ray.init`` runs, so a stop is never held up by it. Cancelling it waits for
+    the connection to finish or fail, at most ``cfg.start_timeout_s``."""
     # Ray's own failure-signal handler prints a native stack for every SIGTERM, our
     # drain's signal included, which reads as a crash; the caller's choice stands.
     # Ray reads it once, when it is first imported: set before that.
@@ -144,26 +221,68 @@ async def start_ray(cfg: RayConfig) -> bool:
     import ray
 
     kwargs = init_kwargs(cfg)
+    timeout = cfg.start_timeout_s
 
-    def connect() -> bool:
-        global _users, _owner
+    def claim() -> bool | tuple[RayThread, bool]:
+        """Under the lock: Ray connected already (True: counted, False: not ours), or
+        the thread to wait for and whether it is this call's own ``ray.init``."""
+        global _users, _connecting
         with _users_lock:
+            if _connecting is not None:
+                return _connecting, False
             if ray.is_initialized():
                 if _users == 0:
                     return False  # the process's own: not ours to stop
                 _users += 1
                 return True
             log.info("connecting to Ray (%s)", cfg.address or "a local Ray, started here")
-            owner = RayThread(lambda: ray.init(**kwargs), ray.shutdown)
-            owner.start()
-            _owner = owner
-            _users = 1
-            return True
+            owner = _connecting = RayThread(lambda: ray.init(**kwargs), ray.shutdown)
+            owner.launch()
+            return owner, True
 
-    try:
-        return await trio.to_thread.run_sync(connect)
-    except ConnectionError as exc:
-        raise ConfigError(f"ray.address: cannot connect to Ray at {cfg.address!r}: {exc}") from exc
+    def give_up(owner: RayThread) -> str:
+        """Under the lock: the state ``owner`` ended in; "abandoned" if it had not."""
+        with _users_lock:
+            if owner.state == "connecting":
+                owner.state = "abandoned"
+            return owner.state
+
+    # Shielded, and bounded by the timeout: the caller counts on a True it is given
+    # (it calls stop_ray), so nothing is given up half way.
+    with trio.CancelScope(shield=True):
+        deadline = trio.current_time() + timeout
+        while True:
+            claimed = await trio.to_thread.run_sync(claim)
+            if isinstance(claimed, bool):
+                return claimed
+            owner, own = claimed
+            with trio.move_on_at(deadline):
+                await _wait_settled(owner)
+            if own:
+                break
+            if not owner.settled:
+                raise ConfigError(
+                    f"ray.start_timeout_s: cannot connect to {_ray_named(cfg)}: an earlier "
+                    f"ray.init of this process has not returned within {timeout:g} s"
+                )
+            # it connected (claim counts this runtime in) or failed (claim tries again)
+        state = await trio.to_thread.run_sync(give_up, owner)
+        if state == "connected":
+            return True
+        if state == "abandoned":
+            raise ConfigError(
+                f"ray.start_timeout_s: cannot connect to {_ray_named(cfg)}: ray.init has "
+                f"not returned within {timeout:g} s (it is left to finish, and disconnected "
+                "if it connects); check the address, or allow longer"
+            )
+        await trio.to_thread.run_sync(owner.join)  # it has returned: no thread left
+    error = owner.error
+    if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: as they are
+        raise error  # type: ignore[misc]
+    key = "ray" if cfg.address is None else "ray.address"
+    raise ConfigError(
+        f"{key}: cannot connect to {_ray_named(cfg)}: {type(error).__name__}: {error}"
+    ) from error
 
 
 async def stop_ray() -> None:

@@ -1,7 +1,8 @@
 """The configuration of replicas on Ray (``execution = "ray"``, docs/configuration.md).
 
 ``[ray]`` says which Ray the runtime joins: ``address`` (None: a local Ray started in
-this process; ``"auto"`` or ``"ray://host:port"``: a cluster's) and ``namespace``.
+this process; ``"auto"`` or ``"ray://host:port"``: a cluster's), ``namespace``, and
+how long connecting may take (``start_timeout_s``).
 A model's ``ray = { num_cpus, num_gpus, resources, runtime_env }`` are the options of
 each of its replicas' Ray actors.
 """
@@ -55,16 +56,29 @@ def _runtime_env(v: Any) -> None:
         raise ValueError(f"must be a table (Ray's runtime_env), got {_shown(v)}")
 
 
+#: How long ``ray.init`` may take (``ray.start_timeout_s``) unless configured: a local
+#: Ray's head processes start in seconds, and joining a cluster takes a round of Ray's
+#: own connection retries; two minutes allows a loaded machine either, and a wrong or
+#: unreachable address still fails the start instead of holding it forever.
+DEFAULT_RAY_START_TIMEOUT_S = 120.0
+#: An hour: a ``ray.init`` that has not returned by then is stuck, not slow.
+MAX_RAY_START_TIMEOUT_S = 3600.0
+
+
 @attrs.frozen(kw_only=True)
 class RayConfig:
     """Which Ray the runtime joins (``[ray]``), when a model's ``execution`` is
     ``"ray"``: ``address`` None starts a local Ray in this process (and stops it
     when the runtime closes); ``"auto"`` or ``"ray://host:port"`` joins a running
-    cluster. ``namespace`` (None: Ray's, anonymous) holds the replicas' actors. A Ray
-    already initialised in this process is used as it is, and left running."""
+    cluster. ``namespace`` (None: Ray's, anonymous) holds the replicas' actors.
+    ``start_timeout_s`` bounds ``ray.init``: past it the start fails (ConfigError). A
+    Ray already initialised in this process is used as it is, and left running."""
 
     address: str | None = _field(_optional_str, None)
     namespace: str | None = _field(_optional_str, None)
+    start_timeout_s: float = _field(
+        _number(0.0, strict=True, maximum=MAX_RAY_START_TIMEOUT_S), DEFAULT_RAY_START_TIMEOUT_S
+    )
 
     def _path(self) -> str:
         return "ray"

@@ -1,0 +1,262 @@
+"""Connecting Ray (``start_ray``) when ``ray.init`` fails or hangs: every failure is a
+ConfigError naming the Ray and the cause; a ``ray.init`` that has not returned within
+``ray.start_timeout_s`` fails the start and holds no lock, so another start or a stop
+is not held up by it. Ray's functions are replaced by fakes: no Ray runs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+import trio.testing
+import trioserve
+from trioserve import ConfigError, RayConfig
+
+ray = pytest.importorskip("ray")
+
+
+class FakeRay:
+    """``ray.init`` / ``ray.shutdown`` / ``ray.is_initialized`` of a Ray that connects
+    when ``release`` is set (at once unless ``hang``), or raises ``error`` (once)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.connected = False
+        self.error: BaseException | None = None
+        self.release = threading.Event()
+        self.release.set()
+
+    def hang(self) -> None:
+        self.release.clear()
+
+    def init(self, **kw) -> None:
+        self.calls.append("init")
+        self.release.wait()
+        error, self.error = self.error, None  # the next init connects
+        if error is not None:
+            raise error
+        self.connected = True
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+        self.connected = False
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeRay()
+    monkeypatch.setattr(trioserve._ray, "_users", 0)
+    monkeypatch.setattr(trioserve._ray, "_owner", None)
+    monkeypatch.setattr(trioserve._ray, "_connecting", None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: f.connected)
+    monkeypatch.setattr(ray, "init", f.init)
+    monkeypatch.setattr(ray, "shutdown", f.shutdown)
+    yield f
+    f.release.set()  # a hung init returns: its thread ends
+    for t in threading.enumerate():
+        if t.name == "trioserve-ray" and t is not threading.current_thread():
+            t.join(timeout=10)
+
+
+def _ray_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "trioserve-ray"]
+
+
+def _state() -> tuple:
+    r = trioserve._ray
+    return r._users, r._owner, r._connecting
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionError("no cluster there"),
+        ValueError("address must be host:port"),
+        RuntimeError("Ray has not been started yet"),
+        TimeoutError("timed out waiting for the GCS"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+@pytest.mark.parametrize(
+    ("address", "named"),
+    [
+        ("ray://nowhere:1", "ray.address: cannot connect to Ray at 'ray://nowhere:1'"),
+        (None, "ray: cannot connect to a local Ray (ray.address is not set: one is started "
+               "in this process)"),
+    ],
+)
+async def test_every_failure_of_ray_init_is_a_config_error_naming_the_ray_and_the_cause(
+    fake, error, address, named
+):
+    """Only ConnectionError was: a ValueError on a bad address, a RuntimeError or a
+    timeout of Ray's came out as a traceback."""
+    fake.error = error
+    with pytest.raises(ConfigError) as info:
+        await trioserve._ray.start_ray(RayConfig(address=address))
+    assert str(info.value) == f"{named}: {type(error).__name__}: {error}"
+    assert info.value.__cause__ is error
+    assert fake.calls == ["init"]
+    assert not _ray_threads()
+    assert _state() == (0, None, None)
+
+
+async def test_a_ray_init_that_hangs_fails_the_start_at_its_timeout(fake, autojump_clock):
+    fake.hang()
+    start = trio.current_time()
+    with pytest.raises(ConfigError) as info:
+        await trioserve._ray.start_ray(RayConfig(address="ray://slow:1", start_timeout_s=5.0))
+    assert trio.current_time() - start == 5.0
+    assert str(info.value) == (
+        "ray.start_timeout_s: cannot connect to Ray at 'ray://slow:1': ray.init has not "
+        "returned within 5 s (it is left to finish, and disconnected if it connects); "
+        "check the address, or allow longer"
+    )
+    assert fake.calls == ["init"]
+    # no lock is held for it: a stop or another start can take the lock at once
+    assert trioserve._ray._users_lock.acquire(blocking=False)
+    trioserve._ray._users_lock.release()
+    users, owner, connecting = _state()
+    assert (users, owner) == (0, None)
+    assert connecting is not None
+    assert connecting.state == "abandoned"
+
+
+async def test_an_abandoned_ray_init_that_connects_late_is_disconnected_and_a_new_start_works(
+    fake,
+):
+    fake.hang()
+    hung = trioserve._ray.RayThread(lambda: ray.init(), ray.shutdown)
+    # what start_ray does at its timeout, without waiting for one
+    trioserve._ray._connecting = hung
+    hung.launch()
+    with trioserve._ray._users_lock:
+        hung.state = "abandoned"
+    fake.release.set()  # ray.init returns, connected: nobody uses it
+    await trio.to_thread.run_sync(hung.join)
+    assert fake.calls == ["init", "shutdown"]
+    assert not fake.connected
+    assert _state() == (0, None, None)
+    assert await trioserve._ray.start_ray(RayConfig()) is True
+    assert fake.calls == ["init", "shutdown", "init"]
+    await trioserve._ray.stop_ray()
+    assert fake.calls == ["init", "shutdown", "init", "shutdown"]
+    assert _state() == (0, None, None)
+
+
+async def test_a_start_while_an_earlier_ray_init_hangs_waits_for_it_within_its_own_timeout(
+    fake, autojump_clock
+):
+    """No second ray.init runs beside a hung one; the second start fails at its own
+    timeout, saying why."""
+    fake.hang()
+    with pytest.raises(ConfigError):
+        await trioserve._ray.start_ray(RayConfig(start_timeout_s=5.0))
+    start = trio.current_time()
+    with pytest.raises(ConfigError) as info:
+        await trioserve._ray.start_ray(RayConfig(start_timeout_s=3.0))
+    assert trio.current_time() - start == 3.0
+    assert str(info.value) == (
+        "ray.start_timeout_s: cannot connect to a local Ray (ray.address is not set: one "
+        "is started in this process): an earlier ray.init of this process has not "
+        "returned within 3 s"
+    )
+    assert fake.calls == ["init"]
+
+
+async def test_a_start_after_a_hung_ray_init_returned_connects_within_its_timeout(fake):
+    """The earlier init returns (and fails) while the second start waits for it: the
+    second then connects on its own."""
+    fake.hang()
+    fake.error = ConnectionError("refused")
+    first = trioserve._ray.RayThread(lambda: ray.init(), ray.shutdown)
+    trioserve._ray._connecting = first
+    first.launch()
+    with trioserve._ray._users_lock:
+        first.state = "abandoned"
+    waiting = trio.Event()
+    on_settled = trioserve._ray.RayThread.on_settled
+
+    def seen(self, wake):
+        on_settled(self, wake)
+        waiting.set()
+
+    async def release_when_waiting():
+        await waiting.wait()
+        fake.release.set()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trioserve._ray.RayThread, "on_settled", seen)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(release_when_waiting)
+            assert await trioserve._ray.start_ray(RayConfig()) is True
+    assert fake.calls == ["init", "init"]  # the first one's, then the second start's
+    await trioserve._ray.stop_ray()
+    assert fake.calls == ["init", "init", "shutdown"]
+
+
+async def test_two_starts_at_once_connect_ray_once_and_count_two_users(fake):
+    """The second start waits for the first's ray.init (holding no lock) and then
+    uses the Ray it connected."""
+    fake.hang()
+    registered = trio.Event()
+    waiters = []
+    on_settled = trioserve._ray.RayThread.on_settled
+
+    def seen(self, wake):
+        waiters.append(self)
+        on_settled(self, wake)
+        if len(waiters) == 2:
+            registered.set()
+
+    results = []
+
+    async def start():
+        results.append(await trioserve._ray.start_ray(RayConfig()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trioserve._ray.RayThread, "on_settled", seen)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(start)
+            nursery.start_soon(start)
+            await registered.wait()
+            assert waiters[0] is waiters[1]  # both wait for the one ray.init
+            fake.release.set()
+    assert results == [True, True]
+    assert fake.calls == ["init"]
+    assert trioserve._ray._users == 2
+    await trioserve._ray.stop_ray()
+    assert fake.calls == ["init"]
+    await trioserve._ray.stop_ray()
+    assert fake.calls == ["init", "shutdown"]
+    assert _state() == (0, None, None)
+
+
+async def test_a_cancelled_start_waits_at_most_its_timeout(fake, autojump_clock):
+    fake.hang()
+    start = trio.current_time()
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        with pytest.raises(ConfigError, match="has not returned within 2 s"):
+            await trioserve._ray.start_ray(RayConfig(start_timeout_s=2.0))
+    assert trio.current_time() - start == 2.0
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, "ray.start_timeout_s: must be a finite number > 0.0, got 0"),
+        (3601, "ray.start_timeout_s: must be a finite number <= 3600.0, got 3601"),
+        ("1m", "ray.start_timeout_s: must be a finite number > 0.0, got '1m'"),
+    ],
+)
+def test_a_bad_start_timeout_is_a_config_error(value, message):
+    with pytest.raises(ConfigError) as info:
+        trioserve.config_from_mapping(
+            {"models": {"m": {"backend": "echo"}}, "ray": {"start_timeout_s": value}}
+        )
+    assert str(info.value) == message
+
+
+def test_the_start_timeout_defaults_to_two_minutes():
+    assert RayConfig().start_timeout_s == 120.0
