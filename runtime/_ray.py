@@ -223,9 +223,10 @@ async def start_ray(cfg: RayConfig) -> bool:
     kwargs = init_kwargs(cfg)
     timeout = cfg.start_timeout_s
 
-    def claim() -> bool | tuple[RayThread, bool]:
+    def claim(may_launch: bool) -> bool | tuple[RayThread, bool] | None:
         """Under the lock: Ray connected already (True: counted, False: not ours), or
-        the thread to wait for and whether it is this call's own ``ray.init``."""
+        the thread to wait for and whether it is this call's own ``ray.init`` (None:
+        one is needed, and ``may_launch`` is False)."""
         global _users, _connecting
         with _users_lock:
             if _connecting is not None:
@@ -235,6 +236,8 @@ async def start_ray(cfg: RayConfig) -> bool:
                     return False  # the process's own: not ours to stop
                 _users += 1
                 return True
+            if not may_launch:
+                return None
             log.info("connecting to Ray (%s)", cfg.address or "a local Ray, started here")
             owner = _connecting = RayThread(lambda: ray.init(**kwargs), ray.shutdown)
             owner.launch()
@@ -252,9 +255,15 @@ async def start_ray(cfg: RayConfig) -> bool:
     with trio.CancelScope(shield=True):
         deadline = trio.current_time() + timeout
         while True:
-            claimed = await trio.to_thread.run_sync(claim)
+            claimed = await trio.to_thread.run_sync(claim, trio.current_time() < deadline)
             if isinstance(claimed, bool):
                 return claimed
+            if claimed is None:  # no time left to try after another's ray.init failed
+                raise ConfigError(
+                    f"ray.start_timeout_s: cannot connect to {_ray_named(cfg)}: its "
+                    f"{timeout:g} s passed waiting for an earlier ray.init of this process, "
+                    "which failed"
+                )
             owner, own = claimed
             with trio.move_on_at(deadline):
                 await _wait_settled(owner)

@@ -195,6 +195,50 @@ async def test_a_start_after_a_hung_ray_init_returned_connects_within_its_timeou
     assert fake.calls == ["init", "init", "shutdown"]
 
 
+async def test_no_ray_init_starts_once_the_time_went_waiting_for_one_that_failed(
+    fake, mock_clock
+):
+    """The earlier ray.init fails as this start's timeout ends: no second ray.init is
+    started, to be given up at once."""
+    fake.hang()
+    fake.error = ConnectionError("refused")
+    first = trioserve._ray.RayThread(lambda: ray.init(), ray.shutdown)
+    trioserve._ray._connecting = first
+    first.launch()
+    with trioserve._ray._users_lock:
+        first.state = "abandoned"
+    token = trio.lowlevel.current_trio_token()
+    waiting = trio.Event()
+    on_settled = trioserve._ray.RayThread.on_settled
+
+    def seen(self, wake):
+        def late_wake():
+            # on the event loop, in this order: the timeout passes, then the wake-up
+            token.run_sync_soon(mock_clock.jump, 3.0)
+            wake()
+
+        on_settled(self, late_wake)
+        waiting.set()
+
+    async def fail_when_waiting():
+        await waiting.wait()
+        fake.release.set()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trioserve._ray.RayThread, "on_settled", seen)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fail_when_waiting)
+            with pytest.raises(ConfigError) as info:
+                await trioserve._ray.start_ray(RayConfig(start_timeout_s=3.0))
+    assert str(info.value) == (
+        "ray.start_timeout_s: cannot connect to a local Ray (ray.address is not set: one "
+        "is started in this process): its 3 s passed waiting for an earlier ray.init of "
+        "this process, which failed"
+    )
+    assert fake.calls == ["init"]
+    assert _state() == (0, None, None)
+
+
 async def test_two_starts_at_once_connect_ray_once_and_count_two_users(fake):
     """The second start waits for the first's ray.init (holding no lock) and then
     uses the Ray it connected."""
