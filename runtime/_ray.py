@@ -173,20 +173,26 @@ class RayThread:
             log.warning("ray.shutdown() failed: %s: %s", type(exc).__name__, exc)
 
 
+def _setter(done: trio.Event) -> Callable[..., None]:
+    """A callable that any thread may call, with any arguments, to set ``done`` in
+    the calling trio run; once the run is over it does nothing (nobody waits)."""
+    token = trio.lowlevel.current_trio_token()
+
+    def wake(*_: Any) -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:
+            pass
+
+    return wake
+
+
 async def _wait_settled(owner: RayThread) -> None:
     """Wait until ``owner``'s ``ray.init`` has returned. A checkpoint; no thread of
     ours waits: the Ray thread wakes this task through the run's TrioToken.
     Cancelling it abandons the wait (the wake-up then finds nobody waiting)."""
-    token = trio.lowlevel.current_trio_token()
     done = trio.Event()
-
-    def wake() -> None:
-        try:
-            token.run_sync_soon(done.set)
-        except trio.RunFinishedError:
-            pass  # the run is over: nobody waits
-
-    owner.on_settled(wake)
+    owner.on_settled(_setter(done))
     await done.wait()
 
 
@@ -324,16 +330,8 @@ async def wait_ref(ref: Any) -> Any:
     if fut.done():
         await trio.lowlevel.checkpoint()
         return fut.result()
-    token = trio.lowlevel.current_trio_token()
     done = trio.Event()
-
-    def wake(_: Any) -> None:
-        try:
-            token.run_sync_soon(done.set)
-        except trio.RunFinishedError:
-            pass  # the run is over: nobody waits
-
-    fut.add_done_callback(wake)
+    fut.add_done_callback(_setter(done))
     await done.wait()
     return fut.result()
 
