@@ -29,8 +29,9 @@ replicas and its rollout's controller, installed in ``Runtime._families`` too.
   running or queued, is answered ActorClosed.
 
 A load may bring a configuration of its own (runtime/_load_config.py: keys of the
-model's table laid over it, for that load): its copy runs with it, and a later load
-without one loads the table again.
+model's table laid over it, for that load; or Triton's model configuration, as the
+config endpoint gives it, read back into them: runtime/_triton_config.py): its copy
+runs with it, and a later load without one loads the table again.
 
 Loads and unloads of one model are serialized, in the order asked (each waits for
 the one asked before it); a load or unload asked while another of the same kind is
@@ -62,6 +63,7 @@ from ._config import ModelConfig
 from ._errors import ActorClosed, ConfigError, ModelLoadError, TrioserveError, UnknownModel
 from ._load_config import changed_keys, with_load_config
 from ._served import ServedModel
+from ._triton_config import from_triton, triton_shaped
 from ._versioned import Family, _MergedQueues
 
 log = logging.getLogger("trioserve")
@@ -306,13 +308,18 @@ class ModelControl:
     async def load(self, model: str, config: Mapping[str, Any] | None = None) -> None:
         """Load ``model``, or reload it if loaded; return once the new copy serves.
         ``config``: keys of the model's table laid over it for this load
-        (runtime/_load_config.py); None: the table as configured. A checkpoint.
+        (runtime/_load_config.py), or Triton's model configuration, read back
+        into them (runtime/_triton_config.py); None: the table as configured. A
+        checkpoint.
         Cancelling it leaves the load under way (its outcome is the model's state).
         Raises UnknownModel, ConfigError (a ``config`` refused: nothing is loaded),
         ModelLoadError (the model kept what it had: a reload's old copy serves on;
         or an unload asked after the model's first load abandoned it), ActorClosed."""
         entry = self._entry(model)
         nursery = self._ready_nursery()
+        if triton_shaped(config):  # Triton's model configuration, as its config gives it
+            classes = [c.name for c in self._rt.config.classes]
+            config = from_triton(config, self._rt.models[model], entry.config, classes)
         wanted = entry.config if config is None else with_load_config(entry.config, config)
         op = entry.loading
         if op is None or op is not entry.last or op.config != wanted:
@@ -625,8 +632,9 @@ class _Control:
 
         ``config``: keys of the model's ``[models.NAME]`` table that this load runs
         with instead of the configuration's (those of one copy: replicas, batching,
-        timers, options; docs/model-control.md); a later load without it goes back
-        to the table.
+        timers, options; docs/model-control.md), or Triton's model configuration
+        (as ``GET /v2/models/NAME/config`` gives it, edited), read back into them; a
+        later load without it goes back to the table.
 
         Raises ConfigError (model control is off, or ``config`` refused: a key
         unknown or not one a load may change, or a bad value; nothing is loaded

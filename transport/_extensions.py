@@ -9,94 +9,20 @@ Sans-IO: a served model (``Runtime.models[name]``) in, JSON bytes out.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
 import trio
-from trioserve import TensorSpec
-
-#: v2 datatype -> Triton's model-configuration data type.
-TRITON_TYPES: Mapping[str, str] = {
-    "BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16",
-    "UINT32": "TYPE_UINT32", "UINT64": "TYPE_UINT64", "INT8": "TYPE_INT8",
-    "INT16": "TYPE_INT16", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64",
-    "FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "FP64": "TYPE_FP64", "BYTES": "TYPE_STRING",
-}
+from trioserve import triton_config
 
 
 def model_config(served: Any, platform: str, classes: Sequence[str]) -> bytes:
-    """The model's configuration as Triton's ``ModelConfig`` in JSON.
-
-    Tensor ``dims`` leave out the batch dimension (``max_batch_size`` > 0, as for
-    every model here); ``dynamic_batching`` gives the batch timeout, and a priority
-    level per request class (1 = ``classes[0]``, 0 = the tenant's default);
-    ``instance_group`` the replicas by device; ``parameters`` (Triton's string map)
-    what Triton's schema has no field for.
-    """
-    cfg = served.config
-    backend = cfg.backend
-    instance_group = []
-    replicas = collections.Counter(str(b.device) for b in served.batchers)
-    for i, (device, count) in enumerate(replicas.items()):
-        kind, _, index = device.partition(":")
-        group: dict[str, Any] = {"name": f"{cfg.name}_{i}", "count": count}
-        if kind == "cuda":
-            group["kind"] = "KIND_GPU"
-            group["gpus"] = [int(index or 0)]
-        else:
-            group["kind"] = "KIND_CPU"
-        instance_group.append(group)
-    params = {
-        "execution": cfg.execution or served.backend.default_execution,
-        "oversize": cfg.oversize,
-        "max_batch_tokens": cfg.max_batch_tokens,
-        "timeout_ms": cfg.timeout_ms,
-        "cache": cfg.cache,
-    }
-    doc = {
-        "name": cfg.name,
-        "platform": platform,
-        "backend": backend if isinstance(backend, str) else type(backend).__name__,
-        "version_policy": {"specific": {"versions": list(cfg.versions)}},
-        "max_batch_size": cfg.max_batch_size,
-        "input": [_tensor(s, output=False) for s in served.backend.inputs],
-        "output": [_tensor(s, output=True) for s in served.backend.outputs],
-        "dynamic_batching": {
-            "preferred_batch_size": [],
-            "max_queue_delay_microseconds": round(cfg.max_wait_ms * 1000),
-            "preserve_ordering": False,
-            "priority_levels": len(classes),
-            "default_priority_level": 0,
-        },
-        "instance_group": instance_group,
-        "parameters": {
-            k: {"string_value": _text(v)} for k, v in params.items() if v is not None
-        },
-    }
-    return orjson.dumps(doc)
-
-
-def _tensor(spec: TensorSpec, *, output: bool) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "name": spec.name,
-        "data_type": TRITON_TYPES[spec.datatype],
-        "dims": list(spec.shape),
-    }
-    if not output:
-        doc["format"] = "FORMAT_NONE"
-        doc["optional"] = False
-    return doc
-
-
-def _text(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return str(v)
+    """The model's configuration as Triton's ``ModelConfig`` in JSON
+    (``trioserve.triton_config``: the document a load's config of Triton's shape is
+    read back against)."""
+    return orjson.dumps(triton_config(served, platform, classes))
 
 
 def model_statistics(
@@ -157,4 +83,4 @@ def _duration(count: int, ns: int) -> dict[str, int]:
     return {"count": count, "ns": ns}
 
 
-__all__ = ["TRITON_TYPES", "model_config", "model_statistics"]
+__all__ = ["model_config", "model_statistics"]

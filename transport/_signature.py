@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 import orjson
-from trioserve import TensorSpec, UnknownModel
+from trioserve import TensorSpec, UnknownModel, triton_platform
 
 
 @attrs.frozen(kw_only=True)
@@ -33,7 +33,7 @@ class ModelSignature:
         """The signature of a ``Runtime.models[name]`` entry."""
         backend = served.backend
         cfg = served.config
-        platform = "pytorch" if type(backend).__name__ == "TorchBackend" else "python"
+        platform = triton_platform(backend)
         inputs, outputs = tuple(backend.inputs), tuple(backend.outputs)
 
         # Every served model batches, so (as Triton reports for max_batch_size > 0) each
