@@ -60,7 +60,6 @@ from ._ray_config import RayReplicaConfig as RayReplicaConfig
 from ._runtime import open_runtime as open_runtime
 from ._thread import Client as Client
 from ._thread import serve_in_thread as serve_in_thread
-from ._triton_config import triton_config as triton_config
 from ._triton_config import triton_platform as triton_platform
 from ._versions_config import RolloutConfig as RolloutConfig
 from ._versions_config import VersionConfig as VersionConfig

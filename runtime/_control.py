@@ -63,7 +63,7 @@ from ._config import ModelConfig
 from ._errors import ActorClosed, ConfigError, ModelLoadError, TrioserveError, UnknownModel
 from ._load_config import changed_keys, with_load_config
 from ._served import ServedModel
-from ._triton_config import from_triton, triton_shaped
+from ._triton_config import from_triton, triton_config, triton_platform, triton_shaped
 from ._versioned import Family, _MergedQueues
 
 log = logging.getLogger("trioserve")
@@ -658,6 +658,19 @@ class _Control:
         model control, a configured model may not be). Not a checkpoint."""
         if not self._known(model, None).loaded:  # type: ignore[attr-defined]
             raise not_loaded(model)
+
+    def triton_config(self, model: str, version: str | None = None) -> dict[str, Any]:
+        """``model``'s configuration as Triton's ``ModelConfig`` document, as ``GET
+        /v2/models/NAME[/versions/V]/config`` answers it (``tritonclient``'s
+        ``get_model_config``): the copy serving it (a version with weights of its
+        own: that version's tensors and replicas). Edited, it is a load's config
+        (docs/model-control.md). Not a checkpoint. Raises UnknownModel for a model
+        or version not served, or a model not loaded."""
+        self.check_loaded(model)
+        served = self._known(model, version)  # type: ignore[attr-defined]
+        backend = self.models[model].backend  # type: ignore[attr-defined]
+        classes = [c.name for c in self.config.classes]  # type: ignore[attr-defined]
+        return triton_config(served, triton_platform(backend), classes)
 
     def model_state(self, model: str) -> tuple[str, str]:
         """``model``'s state and why, as Triton's repository index gives them:

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import trio
 from http_helpers import config, echo_model, mlp_model, serving
+from trioserve import ModelConfig
+from trioserve._config import minilm_available
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -429,3 +431,138 @@ async def test_a_load_with_a_config_through_tritonclient():
     assert refused.status() == "400"
     assert "models.echo.backend: a load's config cannot change it" in refused.message()
     assert table["max_batch_size"] == 8
+
+
+async def test_a_models_config_edited_and_loaded_back_through_tritonclient():
+    """Triton's flow: ``get_model_config``, change ``max_batch_size``, ``load_model(name,
+    config=json.dumps(cfg))``. The model then batches at the new size (32 rows: four
+    batches of 8 before, split as its oversize policy says; one of 32 after) and its
+    config and the index say so; ``load_model`` without a config goes back."""
+    import json
+
+    explicit = {"model_control": "explicit"}
+    cfg = config(echo_model(max_batch_size=8, oversize="split"), server=explicit)
+    x = np.arange(32, dtype=np.float32).reshape(32, 1)
+
+    def calls(gw):
+        client = _client(gw)
+
+        def thirty_two():
+            before = client.get_inference_statistics("echo")["model_stats"][0]
+            inp = tritonclient_http.InferInput("x", [32, 1], "FP32")
+            inp.set_data_from_numpy(x)
+            out = client.infer("echo", [inp]).as_numpy("x")
+            after = client.get_inference_statistics("echo")["model_stats"][0]
+            return (out.tolist(), after["execution_count"] - before["execution_count"],
+                    after["inference_count"] - before["inference_count"])
+
+        try:
+            table = client.get_model_config("echo")
+            first = thirty_two()
+            edited = {**table, "max_batch_size": 32}
+            client.load_model("echo", config=json.dumps(edited))
+            loaded = client.get_model_config("echo")
+            (entry,) = client.get_model_repository_index()
+            second = thirty_two()
+            client.load_model("echo")
+            return table, first, edited, loaded, entry, second, client.get_model_config("echo")
+        finally:
+            client.close()
+
+    async with serving(cfg) as gw:
+        table, first, edited, loaded, entry, second, again = await trio.to_thread.run_sync(
+            calls, gw
+        )
+    assert table["max_batch_size"] == 8
+    assert first == (x.tolist(), 4, 32)
+    assert loaded == edited
+    assert (entry["state"], entry["reason"]) == (
+        "READY", "runs the configuration its load gave (changed: max_batch_size)"
+    )
+    assert second == (x.tolist(), 1, 32)
+    assert again == table
+
+
+BUILTINS = [
+    mlp_model(),
+    echo_model(),
+    ModelConfig(name="sleep", backend="sleep", max_wait_ms=0.5),
+    *([ModelConfig(name="minilm", backend="minilm")] if minilm_available() else []),
+]
+
+
+async def test_each_built_in_models_config_loaded_back_unchanged_through_tritonclient():
+    """The document ``get_model_config`` gives, sent back as a load's config, reloads
+    the model as configured (no config of its own in the index) and says the same."""
+    import json
+
+    cfg = config(*BUILTINS, server={"model_control": "explicit"})
+
+    def calls(gw):
+        client = _client(gw)
+        try:
+            out = {}
+            for m in BUILTINS:
+                doc = client.get_model_config(m.name)
+                client.load_model(m.name, config=json.dumps(doc))
+                out[m.name] = doc, client.get_model_config(m.name)
+            return out, client.get_model_repository_index()
+        finally:
+            client.close()
+
+    async with serving(cfg) as gw:
+        old = dict(gw.runtime.models)
+        docs, index = await trio.to_thread.run_sync(calls, gw)
+        assert all(gw.runtime.models[m.name] is not old[m.name] for m in BUILTINS)  # reloaded
+        assert all(
+            gw.runtime.models[m.name].config is gw.runtime.config.model(m.name)
+            for m in BUILTINS
+        )
+    assert sorted(docs) == sorted(m.name for m in BUILTINS)
+    assert all(before == after for before, after in docs.values())
+    assert [(e["name"], e["state"], e["reason"]) for e in index] == [
+        (m.name, "READY", "") for m in sorted(BUILTINS, key=lambda m: m.name)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (lambda d: d["input"][0].update(dims=[3]),
+         "failed to load 'echo': models.echo.input: the model's inputs are its backend's "
+         "(its options may change them): a load cannot change it (models.echo.input[0]."
+         "dims[0]: the model's: -1, got 3)"),
+        (lambda d: d.update(platform="onnxruntime_onnx"),
+         "failed to load 'echo': models.echo.platform: the platform is the backend's"),
+        (lambda d: d["parameters"].update(timeout_ms={"string_value": "a minute"}),
+         "failed to load 'echo': models.echo.parameters.timeout_ms.string_value: must be "
+         "a number (as a string), got 'a minute'"),
+        (lambda d: d["parameters"].update(cache={"string_value": "false"}),
+         "failed to load 'echo': models.echo.cache: a load's config cannot change it: the "
+         "result cache's rules are set when the server starts"),
+    ],
+    ids=["input", "platform", "bad-parameter", "cache"],
+)
+async def test_a_config_edited_where_a_load_cannot_is_tritons_400(change, error):
+    import json
+
+    cfg = config(echo_model(), server={"model_control": "explicit"})
+
+    def calls(gw):
+        client = _client(gw)
+        try:
+            doc = client.get_model_config("echo")
+            change(doc)
+            with pytest.raises(InferenceServerException) as refused:
+                client.load_model("echo", config=json.dumps(doc))
+            return refused.value, client.get_model_repository_index()
+        finally:
+            client.close()
+
+    async with serving(cfg) as gw:
+        old = gw.runtime.models["echo"]
+        refused, index = await trio.to_thread.run_sync(calls, gw)
+        assert gw.runtime.models["echo"] is old  # nothing loaded
+    assert refused.status() == "400"
+    assert refused.message().startswith(error)
+    assert [(e["state"], e["reason"]) for e in index] == [("READY", "")]

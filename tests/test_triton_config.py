@@ -15,13 +15,14 @@ import attrs
 import orjson
 import pytest
 from runtime_helpers import X, Y
-from trioserve import CallableBackend, ConfigError, ModelConfig, triton_config
+from trioserve import CallableBackend, ConfigError, ModelConfig
 from trioserve._load_config import changed_keys, with_load_config
 from trioserve._triton_config import (
     _FIXED,
     PARAMETERS,
     TRITON_KEYS,
     from_triton,
+    triton_config,
     triton_shaped,
 )
 

@@ -20,7 +20,7 @@ from trioserve import ActorClosed, ConfigError, ModelLoadError, TrioserveError, 
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._auth import another_field_line
-from ._extensions import model_config, model_statistics
+from ._extensions import model_statistics
 from ._gateway import Answer, error_answer
 from ._metrics import exposition
 from ._rollout_http import rollout_routes
@@ -37,7 +37,6 @@ def control_app(gateway: Gateway) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = gateway.server_config.max_body_bytes
     Response = app.response_class
     server_doc = server_metadata(trioserve.__version__)
-    classes = [c.name for c in gateway.runtime.config.classes]
 
     def json(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Any:
         return Response(body, status=status, headers=headers, content_type="application/json")
@@ -156,10 +155,9 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.get("/v2/models/<name>/config")
     @app.get("/v2/models/<name>/versions/<version>/config")
     async def model_configuration(name: str, version: str | None = None) -> Any:
-        sig = loaded(name, version)
+        loaded(name, version)
         # a version with weights of its own: its own backend and replicas
-        served = gateway.runtime._known(name, version)
-        return json(model_config(served, sig.platform, classes))
+        return json(orjson.dumps(gateway.runtime.triton_config(name, version)))
 
     @app.get("/v2/models/stats")
     @app.get("/v2/models/<name>/stats")

@@ -1,8 +1,8 @@
-"""Triton's extensions to the v2 protocol that its tools call: the model configuration
-(``GET /v2/models/{name}/config``) and statistics (``GET /v2/models/stats``,
-``GET /v2/models/{name}/stats``), in the documents Triton answers with, so that
-``tritonclient``'s ``get_model_config`` and ``get_inference_statistics`` (and the
-scripts built on them) work unchanged.
+"""Triton's statistics extension to the v2 protocol, which its tools call (``GET
+/v2/models/stats``, ``GET /v2/models/{name}/stats``), in the document Triton answers
+with, so that ``tritonclient``'s ``get_inference_statistics`` (and the scripts built
+on it) work unchanged. (Its model configuration, ``GET /v2/models/{name}/config``, is
+the runtime's: ``Runtime.triton_config``.)
 
 Sans-IO: a served model (``Runtime.models[name]``) in, JSON bytes out.
 """
@@ -10,19 +10,11 @@ Sans-IO: a served model (``Runtime.models[name]``) in, JSON bytes out.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import orjson
 import trio
-from trioserve import triton_config
-
-
-def model_config(served: Any, platform: str, classes: Sequence[str]) -> bytes:
-    """The model's configuration as Triton's ``ModelConfig`` in JSON
-    (``trioserve.triton_config``: the document a load's config of Triton's shape is
-    read back against)."""
-    return orjson.dumps(triton_config(served, platform, classes))
 
 
 def model_statistics(
@@ -83,4 +75,4 @@ def _duration(count: int, ns: int) -> dict[str, int]:
     return {"count": count, "ns": ns}
 
 
-__all__ = ["model_config", "model_statistics"]
+__all__ = ["model_statistics"]
