@@ -77,12 +77,13 @@ class _Waiter:
 class _Round:
     """One run of a flight's computation, for ``driver``. ``bound``: set when its
     error belonged to the driver's deadline, that deadline (a waiter with a later
-    one waits for the next round)."""
+    one waits for the next round, ``next``)."""
 
     driver: _Waiter
     done: trio.Event = attrs.Factory(trio.Event)
     result: outcome.Outcome | None = None
     bound: float | None = None
+    next: _Round | None = None
 
     def answers(self, waiter: _Waiter) -> bool:
         """Whether this round's result is ``waiter``'s answer (else it waits for the
@@ -167,12 +168,17 @@ class SingleFlight:
         else:
             self._coalesced += 1
         flight.waiters[waiter] = None
+        round_ = flight.round
         try:
             while True:
-                round_ = flight.round
                 await round_.done.wait()
                 if round_.answers(waiter):
                     break
+                # The next round, not the flight's current one: rounds that end at
+                # once (a refusal) may have followed before this waiter woke, and
+                # one of them may be its own.
+                assert round_.next is not None
+                round_ = round_.next
         finally:
             del flight.waiters[waiter]
             if not flight.waiters and not flight.finished:
@@ -230,7 +236,7 @@ class SingleFlight:
         ]
         if not later:
             return False
-        flight.round = _Round(min(later, key=lambda w: w.deadline))
+        flight.round = round_.next = _Round(min(later, key=lambda w: w.deadline))
         round_.bound = bound
         round_.result = outcome.Error(exc)
         round_.done.set()

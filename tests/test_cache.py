@@ -505,6 +505,32 @@ async def test_a_flight_runs_again_at_most_once_per_waiter_and_for_none_earlier(
     assert flights.statistics().reruns == 2
 
 
+async def test_a_driver_gets_its_own_run_though_the_next_began_before_it_woke():
+    """The first run fails for its deadline; the second caller's run is refused at
+    once (no checkpoint), and the third's begins, all before the second caller wakes:
+    it still gets its own run's error, not the third's run's answer (found by the
+    fuzz suite's cache flights)."""
+    async def refused(*args):
+        raise DeadlineExceeded("second's deadline passed", in_queue=True)
+
+    first = Computation(error=DeadlineExceeded("first's deadline passed", in_queue=True))
+    third = Computation("third's")
+    got = {}
+    async with trio.open_nursery() as owner:
+        flights = SingleFlight(owner, deadline_bound=deadline_bound)
+        async with trio.open_nursery() as callers:
+            calls = [("first", 1.0, first), ("second", 2.0, refused), ("third", 3.0, third)]
+            await _start_waiters(callers, flights, calls, got)
+            first.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert set(got) == {"first", "second"}
+            assert type(got["second"]) is DeadlineExceeded
+            assert third.runs == 1
+            third.release.set()
+    assert got["third"] == ("third's", "third")
+    assert flights.statistics().reruns == 2
+
+
 async def test_a_run_again_goes_on_when_its_driver_leaves_and_ends_with_the_last():
     late = DeadlineExceeded("first's deadline passed")
     first, second, third = Computation(error=late), Computation("2"), Computation("3")
