@@ -56,6 +56,7 @@ import trioserve.actors
 from trioserve import ModelBackend, TensorSpec
 
 from ._cache_checks import GEN, KEY, MODEL, RUN, check_cache
+from ._cache_flights import ASK, FlightRecord, observed_flights
 from ._cache_scenario import HORIZON_S, TICK, Ask, CacheScenario, Invalidate
 from ._cache_scenario import cache_scenarios as cache_scenarios
 from ._checker import InvariantViolation
@@ -81,6 +82,18 @@ class ModelRun:
     gen: int
     items: list[tuple[int, int, str]]
     status: str = "ok"
+
+
+@attrs.define(eq=False)
+class Dispatched:
+    """A batch a replica of model ``model`` took at ``at``: its items' (key, tenant,
+    class, deadline); ``end``: when it left the replica (answered, failed, or cut off
+    by the shutdown; None while it runs)."""
+
+    model: int
+    at: float
+    items: list[tuple[int, int, str, float]]
+    end: float | None = None
 
 
 class KeyModel(ModelBackend):
@@ -141,11 +154,23 @@ def device_class(base: type, run: CacheRun) -> type:
         async def _execute(self, batch: list[Any]) -> None:
             keys = [int(req.item["x"][0]) for req in batch]
             at, gen = trio.current_time(), run.gen[self._m]
-            latency = max(run.scenario.latency[k] for k in keys)
-            if latency:
-                await trio.sleep(latency * TICK)
-            run.current = (at, gen, [(int(req.tenant[1:]), req.priority) for req in batch])
-            await super()._execute(batch)
+            who = [(int(req.tenant[1:]), req.priority) for req in batch]
+            taken = Dispatched(
+                model=self._m, at=at,
+                items=[
+                    (k, t, c, req.deadline)
+                    for k, (t, c), req in zip(keys, who, batch, strict=True)
+                ],
+            )
+            run.dispatched.append(taken)
+            try:
+                latency = max(run.scenario.latency[k] for k in keys)
+                if latency:
+                    await trio.sleep(latency * TICK)
+                run.current = (at, gen, who)
+                await super()._execute(batch)
+            finally:
+                taken.end = trio.current_time()
 
         @property
         def _m(self) -> int:
@@ -196,9 +221,12 @@ def observed_cache_class(base: type, run: CacheRun) -> type:
 
 def observed_actor_class(base: type, run: CacheRun) -> type:
     """``base`` (the product's CacheActor or a planted bug) telling the suite whether a
-    lookup comes from a single request (which may go on to a flight) or a batch."""
+    lookup comes from a single request (which may go on to a flight) or a batch, what
+    its flights do (:func:`observed_flights`) and how many items a batch computes."""
 
     class ObservedCacheActor(base):  # type: ignore[misc, valid-type]
+        _flights = observed_flights(base, run)
+
         async def answer(self, *args: Any, **kw: Any) -> Any:
             # The lookup happens before the first checkpoint of ``answer``, so no
             # other task changes ``mode`` in between.
@@ -206,9 +234,17 @@ def observed_actor_class(base: type, run: CacheRun) -> type:
             run.single_calls += 1
             return await super().answer(*args, **kw)
 
-        async def answer_many(self, *args: Any, **kw: Any) -> Any:
+        async def answer_many(
+            self, model: str, version: str, tenant: str, items: Any, compute: Any
+        ) -> Any:
             run.mode = "batch"
-            return await super().answer_many(*args, **kw)
+            i = ASK.get()
+
+            def counted(idx: list[int]) -> Any:
+                run.batch_charges[i] = run.batch_charges.get(i, 0) + len(idx)
+                return compute(idx)
+
+            return await super().answer_many(model, version, tenant, items, counted)
 
     return ObservedCacheActor
 
@@ -220,6 +256,7 @@ class CacheRun:
     product: Product
     gen: list[int] = attrs.Factory(list)
     runs: list[ModelRun] = attrs.Factory(list)
+    dispatched: list[Dispatched] = attrs.Factory(list)
     tries: dict[tuple[int, int], int] = attrs.Factory(dict)
     current: tuple[float, int, list[tuple[int, str]]] | None = None
     started: dict[int, tuple[float, int]] = attrs.Factory(dict)  # ask -> (time, generation)
@@ -232,7 +269,16 @@ class CacheRun:
     mode: str = ""
     single_calls: int = 0
     single_hits: int = 0
+    hit_asks: set[int] = attrs.Factory(set)
     flights: dict[str, int] = attrs.Factory(dict)  # the final flight statistics
+    #: what the flights did (fuzz/_cache_flights.py): each flight, and per caller
+    #: that went to one its flight and the deadline it brought
+    flight_records: list[FlightRecord] = attrs.Factory(list)
+    flight_calls: dict[int, tuple[FlightRecord | None, float]] = attrs.Factory(dict)
+    flights_unobserved: bool = False
+    #: items a batch call (``answer_many``) computed, by ask; units charged by tenant
+    batch_charges: dict[int, int] = attrs.Factory(dict)
+    charged: dict[str, float] = attrs.Factory(dict)
     t0: float = 0.0
 
     def __attrs_post_init__(self) -> None:
@@ -248,6 +294,8 @@ class CacheRun:
         if not hit:
             return
         self.hits += 1
+        if self.mode == "single":
+            self.hit_asks.add(ASK.get())
         if self.mode == "single":
             self.single_hits += 1
         kept = self.kept.get(key)
@@ -360,7 +408,7 @@ def config_of(sc: CacheScenario, run: CacheRun) -> trioserve.Config:
             replicas=sc.replicas,
             max_batch_size=sc.max_batch_size,
             max_wait_ms=0,
-            timeout_ms=None,
+            timeout_ms=None if rule.timeout is None else rule.timeout * TICK * 1e3,
             execution="inline",
             adaptive_limit=False,
             cache=rule.cache,
@@ -376,12 +424,22 @@ def config_of(sc: CacheScenario, run: CacheRun) -> trioserve.Config:
         tenants=tuple(
             trioserve.TenantConfig(name=f"t{i}", default=i == 0) for i in range(sc.tenants)
         ),
-        classes=tuple(trioserve.ClassConfig(name=f"c{i}") for i in range(sc.classes)),
+        classes=tuple(
+            trioserve.ClassConfig(
+                name=f"c{i}", timeout_ms=None if t is None else t * TICK * 1e3
+            )
+            for i, t in enumerate(_class_timeouts(sc))
+        ),
         runtime=trioserve.RuntimeLimits(queue_bound=256, graceful_timeout_s=1.0),
         cache=trioserve.CacheConfig(
             capacity_bytes=sc.capacity, policy=sc.policy, tenant_quota_bytes=sc.quota
         ),
     )
+
+
+def _class_timeouts(sc: CacheScenario) -> list[int | None]:
+    given = list(sc.class_timeouts[: sc.classes])
+    return given + [None] * (sc.classes - len(given))
 
 
 @contextlib.contextmanager
@@ -418,6 +476,7 @@ async def _play(run: CacheRun) -> None:
     async def caller(i: int, ask: Ask, rt: trioserve.Runtime, nursery: trio.Nursery) -> None:
         await trio.sleep_until(run.t0 + ask.at * TICK)
         run.check_statistics(rt, trio.current_time())
+        ASK.set(i)
         inputs = [_x(k) for k in ask.keys]
         kw = {"tenant": f"t{ask.tenant}", "priority": f"c{ask.cls}"}
         result: Outcome | None = None
@@ -465,6 +524,10 @@ async def _play(run: CacheRun) -> None:
                 now = trio.current_time()
                 run.check_statistics(rt, now)
                 _check_flights(run, rt, now)
+                run.charged = {
+                    t: rt.credits_used.get(t, 0) + rt.credits_refunded.get(t, 0)
+                    for t in rt.credits_used.keys() | rt.credits_refunded.keys()
+                }
             callers.cancel_scope.cancel("fuzz: the run is over")
     if (leak := leaked_since(before)) is not None:
         raise InvariantViolation("leak", leak)
@@ -500,7 +563,7 @@ def _check_flights(run: CacheRun, rt: trioserve.Runtime, now: float) -> None:
     s = rt.cache_statistics()
     if "computations" not in s:
         return
-    run.flights = {k: s[k] for k in ("computations", "coalesced", "in_flight")}
+    run.flights = {k: s[k] for k in ("computations", "coalesced", "in_flight", "reruns")}
     flights = run.single_calls - run.single_hits
     if s["computations"] + s["coalesced"] != flights or s["in_flight"]:
         run.violations.append(

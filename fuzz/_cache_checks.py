@@ -3,13 +3,15 @@ outcome and every answer's origin, isolation, freshness and errors."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING
 
 import numpy as np
-from trioserve import ModelError, Overloaded
+from trioserve import DeadlineExceeded, ModelError, Overloaded
 
-from ._cache_scenario import HORIZON_S, TICK, Ask, ModelRule
+from ._cache_flights import check_flights, deadline_of
+from ._cache_scenario import HORIZON_S, TICK, Ask, ModelRule, deadline_ticks
 from ._checker import InvariantViolation
 from ._stats import note
 
@@ -35,16 +37,23 @@ def check_cache(run: CacheRun) -> None:
     note("cache", "invalidations", s.invalidations)
     note("cache", "joined flights", run.flights.get("coalesced", 0))
     note("cache", "model runs", len(run.runs))
-    for out in run.outcomes.values():
+    for i, out in run.outcomes.items():
         kind = type(out.value).__name__ if out.kind == "error" else out.kind
         note("cache", f"outcome: {kind}")
+        if isinstance(out.value, DeadlineExceeded) and i in run.flight_calls:
+            note("cache", "flight callers answered DeadlineExceeded")
     if run.violations:
         raise InvariantViolation(*run.violations[0])
     for i, ask in enumerate(sc.asks):
         _check_ask(run, i, ask)
+    for i, ask in enumerate(sc.asks):
+        _check_deadline(run, i, ask)
+    broken = check_flights(run)
+    if broken is not None:
+        raise InvariantViolation(*broken)
 
 
-def _describe(i: int, ask: Ask) -> str:
+def describe(i: int, ask: Ask) -> str:
     how = "infer_batch" if ask.batch or len(ask.keys) > 1 else "infer"
     return (
         f"ask #{i} (tick {ask.at}, tenant t{ask.tenant}, class c{ask.cls}, {how} of m"
@@ -57,7 +66,7 @@ _RUN_OF_ERROR = re.compile(r"planted model error on key (\d+) \(run (\d+)\)")
 
 def _check_ask(run: CacheRun, i: int, ask: Ask) -> None:
     sc = run.scenario
-    who = _describe(i, ask)
+    who = describe(i, ask)
     out = run.outcomes.get(i)
     if out is None:
         raise InvariantViolation(
@@ -87,8 +96,10 @@ def _check_ask(run: CacheRun, i: int, ask: Ask) -> None:
             _check_answer(run, who, ask, j, k, np.asarray(value["y"]), start, gen0, rule)
         return
     exc = out.value
-    if isinstance(exc, Overloaded) and _sheddable(ask, rule):
+    if isinstance(exc, Overloaded) and _sheddable(run, i, ask, rule, exc):
         return
+    if isinstance(exc, DeadlineExceeded) and deadline_of(run, i) < math.inf:
+        return  # when: _check_deadline
     m = _RUN_OF_ERROR.search(str(exc)) if isinstance(exc, ModelError) else None
     if m is None:
         left = [
@@ -126,13 +137,66 @@ def _check_ask(run: CacheRun, i: int, ask: Ask) -> None:
         )
 
 
-def _sheddable(ask: Ask, rule: ModelRule) -> bool:
+def _sheddable(run: CacheRun, i: int, ask: Ask, rule: ModelRule, exc: Overloaded) -> bool:
     """Whether the runtime may shed the call (Overloaded: it could not be served
-    before its deadline). Only a caller whose deadline it sees, and not through a
-    flight: a flight runs in the cache actor's nursery, without its callers' deadlines
-    (the queue holds far more than a scenario asks)."""
+    before its deadline). Only against a deadline it sees, and not before the
+    caller's own: outside a flight its cancel scope's deadline or its timeout,
+    through a flight its timeout only (a flight runs in the cache actor's nursery,
+    without its callers' cancel scopes), and a refusal measured against the
+    deadline of the caller a flight ran for answers only a caller whose own is not
+    later (the queue holds far more than a scenario asks: a refusal of the load
+    alone, with no deadline, never comes)."""
     flight = (rule.cache or rule.coalesce) and len(ask.keys) == 1  # infer_batch of one too
-    return ask.cancel is not None and ask.cancel_how == "deadline" and not flight
+    own = deadline_of(run, i)
+    if not flight and ask.cancel is not None and ask.cancel_how == "deadline":
+        own = min(own, run.started[i][0] + ask.cancel * TICK)
+    if exc.deadline is None:
+        return False
+    return own <= exc.deadline < math.inf
+
+
+def _check_deadline(run: CacheRun, i: int, ask: Ask) -> None:
+    """A caller with a timeout is never answered DeadlineExceeded before its own
+    deadline (arrival + timeout: not another caller's, whose flight it joined), and
+    is answered by its deadline, unless a batch holding its request (or the request
+    of the flight it waits on, whose deadline is not later) was running then: an
+    inline batch is not interrupted, and it is answered when that batch ends."""
+    out = run.outcomes.get(i)
+    due = deadline_of(run, i)
+    if out is None or due == math.inf:
+        return
+    who = describe(i, ask)
+    if isinstance(out.value, DeadlineExceeded) and out.at < due:
+        raise InvariantViolation(
+            "deadline",
+            f"{who} got DeadlineExceeded at {run.at(out.at)}, before its own deadline "
+            f"{run.at(due)} (its timeout of {deadline_ticks(run.scenario, ask)} ticks): "
+            "another caller's deadline",
+        )
+    if out.at <= due:
+        return
+    cls = f"c{ask.cls}"
+    for b in run.dispatched:
+        end = math.inf if b.end is None else b.end
+        if b.model != ask.model or b.at > due or end < out.at:
+            continue
+        if end != out.at and out.kind != "cancelled":
+            continue
+        if any(
+            k in ask.keys and t == ask.tenant and c == cls and d <= due
+            for k, t, c, d in b.items
+        ):
+            note("cache", "answered after the deadline, at the end of a batch running then")
+            return
+    got = "cancelled" if out.kind == "cancelled" else (
+        "a result" if out.kind == "result" else type(out.value).__name__
+    )
+    raise InvariantViolation(
+        "deadline",
+        f"{who} was answered ({got}) at {run.at(out.at)}, after its own deadline "
+        f"{run.at(due)}, and no batch holding its request, or its flight's with a "
+        "deadline not later, was running at its deadline and ended then",
+    )
 
 
 def _check_answer(

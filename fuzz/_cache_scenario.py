@@ -2,7 +2,9 @@
 
 A :class:`CacheScenario` is the cache (capacity, policy, quota), one to three models
 with their rules (:class:`ModelRule`), per-key model latencies and flaky keys, and the
-callers (:class:`Ask`) and invalidations (:class:`Invalidate`), their times in ticks.
+callers (:class:`Ask`) and invalidations (:class:`Invalidate`), their times in ticks;
+the models' and classes' timeouts, so that callers of one flight have deadlines of
+their own (:func:`deadline_ticks`).
 :func:`cache_scenarios` draws one; ``fuzz/_cache.py`` plays it.
 """
 
@@ -27,12 +29,14 @@ KEYS = 4
 class ModelRule:
     """One model's cache settings: ``cache`` (its results are kept), ``shared`` (one
     namespace for every tenant), ``ttl`` (ticks; None: no expiry), ``coalesce``
-    (identical requests in flight are joined even when nothing is kept)."""
+    (identical requests in flight are joined even when nothing is kept), and its
+    ``timeout`` (ticks, its ``timeout_ms``; None: none)."""
 
     cache: bool = True
     shared: bool = False
     ttl: int | None = None
     coalesce: bool = False
+    timeout: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +73,8 @@ class CacheScenario:
     tenants: int = 2
     classes: int = 1
     models: tuple[ModelRule, ...] = (ModelRule(),)
+    #: per class: its ``timeout_ms`` in ticks (None: none; the model's applies)
+    class_timeouts: tuple[int | None, ...] = (None,)
     #: per key: the model's latency on it (ticks); a batch takes its slowest item's
     latency: tuple[int, ...] = (0,) * KEYS
     #: per key: how many of its first runs (per model) raise
@@ -77,19 +83,31 @@ class CacheScenario:
     invalidations: tuple[Invalidate, ...] = ()
 
 
+def deadline_ticks(sc: CacheScenario, ask: Ask) -> int | None:
+    """The caller's own timeout in ticks from its arrival (its model's or class's,
+    whichever is sooner; None: none), the deadline the runtime gives its request."""
+    cls = sc.class_timeouts[ask.cls] if ask.cls < len(sc.class_timeouts) else None
+    got = [t for t in (sc.models[ask.model].timeout, cls) if t is not None]
+    return min(got) if got else None
+
+
 # ---------------------------------------------------------------- strategies
 # Built once, never inside a draw (as in fuzz/_scenario.py: a fresh strategy object is
 # validated again on its first draw); the draws, and so a seed's examples, are the
 # same either way.
 _GAP = st.sampled_from([0, 0, 1, 1, 2, 3, 4, 4, 8, 32])
 _KEY = st.sampled_from([0, 0, 0, 0, 1, 1, 2, 3])
-_LATENCY = st.sampled_from([0, 0, 1, 2, 4, 8])
+_LATENCY = st.sampled_from([0, 0, 1, 2, 4, 8, 8, 16])
 _FLAKY = st.sampled_from([0, 0, 0, 0, 1, 2])
 _N_MODELS = st.sampled_from([1, 1, 2, 3])
 _N_TENANTS = st.sampled_from([1, 2, 2, 3])
 _N_CLASSES = st.sampled_from([1, 1, 2])
 _CACHED = st.sampled_from([True, True, True, False])
 _TTL = st.sampled_from([None, None, 1, 2, 4, 8, 32])
+#: A model's or a class's timeout (ticks): short ones expire while a batch of a
+#: slow key runs before them, or while their own runs (inline, it is waited for).
+_TIMEOUT = st.sampled_from([None, 1, 2, 2, 3, 4, 4, 6, 8])
+_CLASS_TIMEOUT = st.sampled_from([None, None, None, 2, 4, 8])
 _KEYS = st.tuples(_KEY) | st.lists(_KEY, min_size=1, max_size=4).map(tuple)
 _BATCH = st.sampled_from([False, False, True])
 _CANCEL = st.none() | st.none() | st.sampled_from([0, 1, 2, 4, 16])
@@ -116,7 +134,32 @@ def _events(n_models: int, n_tenants: int, n_classes: int) -> st.SearchStrategy[
         cancel_how=_CANCEL_HOW,
     )
     invalidate = st.builds(Invalidate, at=_GAP, model=st.integers(0, n_models - 1))
-    return st.lists(ask | ask | ask | ask | invalidate, min_size=10, max_size=30)
+    # Callers of one key a tick or two apart: they join one flight with deadlines of
+    # their own, so its reruns have several waiters to choose from.
+    burst = st.builds(
+        _Burst,
+        ask=st.builds(
+            Ask,
+            at=_GAP,
+            tenant=st.integers(0, n_tenants - 1),
+            cls=st.integers(0, n_classes - 1),
+            model=st.integers(0, n_models - 1),
+            keys=st.tuples(_KEY),
+            cancel=_CANCEL,
+        ),
+        n=st.integers(2, 4),
+        every=st.sampled_from([1, 1, 2]),
+    )
+    return st.lists(ask | ask | ask | ask | invalidate | burst, min_size=10, max_size=30)
+
+
+@attrs.frozen
+class _Burst:
+    """``n`` copies of ``ask``, ``every`` ticks apart (drawn as one event)."""
+
+    ask: Ask
+    n: int
+    every: int
 
 
 @st.composite
@@ -130,12 +173,19 @@ def cache_scenarios(draw: st.DrawFn) -> CacheScenario:
             shared=draw(st.booleans()),
             ttl=draw(_TTL),
             coalesce=draw(st.booleans()),
+            timeout=draw(_TIMEOUT),
         )
         for _ in range(n_models)
     )
+    class_timeouts = tuple(draw(_CLASS_TIMEOUT) for _ in range(n_classes))
     events = draw(_events(n_models, n_tenants, n_classes))
     at, asks, invalidations = 0, [], []
     for e in events:  # times accumulate the gaps
+        if isinstance(e, _Burst):
+            at += e.ask.at
+            asks.extend(attrs.evolve(e.ask, at=at + j * e.every) for j in range(e.n))
+            at += (e.n - 1) * e.every
+            continue
         at += e.at
         (asks if isinstance(e, Ask) else invalidations).append(attrs.evolve(e, at=at))
     return CacheScenario(
@@ -147,6 +197,7 @@ def cache_scenarios(draw: st.DrawFn) -> CacheScenario:
         tenants=n_tenants,
         classes=n_classes,
         models=models,
+        class_timeouts=class_timeouts,
         latency=tuple(draw(_LATENCIES)),
         flaky=tuple(draw(_FLAKIES)),
         asks=tuple(asks),

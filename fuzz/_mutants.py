@@ -16,6 +16,7 @@ from trioserve import Overloaded, Request, RequestState
 from trioserve.actors import SHARED_NAMESPACE, cache_key
 from trioserve.actors._in_flight import InFlight
 
+from ._mutants_flights import FLIGHT_MUTANTS
 from ._product import PRODUCT, Product
 
 FairQueue = trioserve.actors.FairQueue
@@ -724,6 +725,7 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         attrs.evolve(PRODUCT, name="ttl-ignored-on-get", cache_class=TtlIgnoredOnGet),
         ("cache",),
     ),
+    **FLIGHT_MUTANTS,  # a flight and its callers' deadlines
     # The rollout suite's own.
     "split-previous-share": (
         "the split counts a new step's requests by the previous step's share",

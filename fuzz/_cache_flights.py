@@ -1,0 +1,349 @@
+"""The cache suite's view of the flights and its checks of them against a reference
+of docs/cache.md's rules ("a flight and its callers' deadlines").
+
+:func:`observed_flights` wraps the cache actor's ``SingleFlight`` table (whatever
+class the product, or a planted bug, put there): every call (which caller, whether it
+joined a flight in flight, the deadline it brought) and every run of a flight's
+computation (a *round*: its driver, when it began and ended, what it raised) is
+recorded as a :class:`FlightRecord`. :func:`check_flights` then holds them to the
+rules:
+
+- a flight's first round is driven by the caller that started it, and no caller
+  drives twice (so none pays twice);
+- a round that raised an error belonging to a deadline (DeadlineExceeded: its
+  driver's; an Overloaded refusal: the deadline it names) is followed at once by a
+  round driven by a waiter whose own deadline is later, the earliest of them, when
+  there is one, and by none otherwise; any other outcome ends the flight;
+- each caller is answered by the first round that answers it (the one it drove, one
+  with no deadline in its error, or one whose error's deadline is not before its
+  own), at that round's end, with its outcome;
+- ``computations`` counts the flights, ``reruns`` their rounds after the first, and
+  each tenant was charged once per round (and for what it asked outside flights).
+
+Instants are exact (ticks of 2**-10 s): a caller joining, or leaving, at the very
+instant a round ends may be seen by that round or not, and both are allowed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+from trioserve import DeadlineExceeded, Overloaded
+
+from ._cache_scenario import TICK, deadline_ticks
+from ._stats import note
+
+if TYPE_CHECKING:
+    from ._cache import CacheRun
+
+#: The number of the ask whose task this is (set by each caller of the scenario).
+ASK: contextvars.ContextVar[int] = contextvars.ContextVar("fuzz_cache_ask", default=-1)
+
+
+@attrs.define(eq=False)
+class Round:
+    """One run of a flight's computation, for caller ``driver``."""
+
+    driver: int
+    at: float
+    end: float | None = None
+    error: BaseException | None = None
+    ok: bool = False
+
+
+@attrs.define(eq=False)
+class FlightRecord:
+    """One flight: who started it, who joined (in order), and its rounds."""
+
+    key: Any
+    starter: int
+    joined: list[int] = attrs.Factory(list)
+    rounds: list[Round] = attrs.Factory(list)
+
+
+class _ObservedFlights:
+    """A SingleFlight table reporting to ``run``."""
+
+    def __init__(self, inner: Any, run: CacheRun) -> None:
+        self._inner = inner
+        self._run = run
+        self._current: dict[Hashable, FlightRecord] = {}
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._inner
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def statistics(self) -> Any:
+        return self._inner.statistics()
+
+    async def call(self, key: Hashable, fn: Any, *args: Any, deadline: float = math.inf) -> Any:
+        run, i = self._run, ASK.get()
+        record: FlightRecord | None
+        if key in self._inner:
+            record = self._current.get(key)
+            if record is None:  # a table keyed otherwise (a planted bug's): not followed
+                run.flights_unobserved = True
+            else:
+                record.joined.append(i)
+        else:
+            record = self._current[key] = FlightRecord(key=key, starter=i)
+            run.flight_records.append(record)
+        run.flight_calls[i] = (record, deadline)
+
+        async def driven(*a: Any) -> Any:
+            rnd = Round(driver=i, at=trio.current_time())
+            if record is not None:
+                record.rounds.append(rnd)
+            try:
+                value = await fn(*a)
+            except BaseException as exc:
+                rnd.end, rnd.error = trio.current_time(), exc
+                raise
+            rnd.end, rnd.ok = trio.current_time(), True
+            return value
+
+        return await self._inner.call(key, driven, *args, deadline=deadline)
+
+
+def observed_flights(base: type, run: CacheRun) -> property:
+    """A ``_flights`` property for a subclass of the cache actor class ``base``: what
+    ``base`` stores there (through its own property, if a planted bug has one) is
+    read back wrapped in :class:`_ObservedFlights`."""
+    inner = getattr(base, "_flights", None)
+
+    def get(self: Any) -> Any:
+        flights = inner.fget(self) if isinstance(inner, property) else self.__dict__.get(
+            "_fuzz_flights"
+        )
+        if flights is None:
+            return None
+        seen = self.__dict__.get("_fuzz_observed")
+        if seen is None or seen._inner is not flights:
+            seen = self.__dict__["_fuzz_observed"] = _ObservedFlights(flights, run)
+        return seen
+
+    def put(self: Any, flights: Any) -> None:
+        if isinstance(inner, property):
+            inner.fset(self, flights)
+        else:
+            self.__dict__["_fuzz_flights"] = flights
+
+    return property(get, put)
+
+
+# ---------------------------------------------------------------- the checks
+def _bound(exc: BaseException | None, deadline: float) -> float | None:
+    """The deadline an error of a round driven with ``deadline`` belongs to
+    (docs/cache.md): DeadlineExceeded, the driver's; an Overloaded refusal, the one
+    it names; None: the computation's own (it answers every waiter)."""
+    if isinstance(exc, DeadlineExceeded):
+        return deadline
+    if isinstance(exc, Overloaded):
+        return exc.deadline
+    return None
+
+
+def deadline_of(run: CacheRun, i: int) -> float:
+    """Caller ``i``'s own deadline in trio time (inf: none): its arrival plus its
+    model's or class's timeout."""
+    ticks = deadline_ticks(run.scenario, run.scenario.asks[i])
+    return math.inf if ticks is None else run.started[i][0] + ticks * TICK
+
+
+def check_flights(run: CacheRun) -> tuple[str, str] | None:
+    """The first broken rule of the flights (invariant, what happened), or None."""
+    if run.flights_unobserved:
+        return None
+    reruns = 0
+    for record in run.flight_records:
+        broken = _check_record(run, record)
+        if broken is not None:
+            return broken
+        reruns += max(0, len(record.rounds) - 1)
+    note("cache", "flight reruns", reruns)
+    stats = run.flights
+    if stats and (
+        stats.get("reruns") != reruns or stats.get("computations") != len(run.flight_records)
+    ):
+        return (
+            "statistics",
+            f"the cache actor counts {stats.get('computations')} computations and "
+            f"{stats.get('reruns')} reruns; {len(run.flight_records)} flights ran "
+            f"{len(run.flight_records) + reruns} rounds ({reruns} after a flight's first)",
+        )
+    return _check_charges(run)
+
+
+def _waiting(run: CacheRun, i: int, t: float) -> bool | None:
+    """Whether caller ``i`` (of a flight) waits at ``t``: True, False, or None when it
+    came or left at that very instant (either may be seen)."""
+    start = run.started[i][0]
+    out = run.outcomes.get(i)
+    if start > t:
+        return False
+    left = out is not None and out.kind == "cancelled"
+    if start == t or (left and out.at == t):  # type: ignore[union-attr]
+        return None
+    return not (left and out.at < t)  # type: ignore[union-attr]
+
+
+def _check_record(run: CacheRun, record: FlightRecord) -> tuple[str, str] | None:
+    from ._cache_checks import describe
+
+    rounds = record.rounds
+    who = f"the flight of {describe(record.starter, run.scenario.asks[record.starter])}"
+    if not rounds:
+        return None  # every waiter left before it began
+    if rounds[0].driver != record.starter:
+        return ("outcome", f"{who} began with a round driven by ask #{rounds[0].driver}")
+    waiters = [record.starter, *record.joined]
+    for i in waiters:
+        d = deadline_of(run, i)
+        given = run.flight_calls[i][1]
+        if given != d:
+            return (
+                "deadline",
+                f"{who}: ask #{i} came with deadline {run.at(given)} to the flight, its own "
+                f"(arrival + timeout) is {run.at(d)}",
+            )
+    drivers: set[int] = set()
+    for n, rnd in enumerate(rounds):
+        if rnd.driver in drivers:
+            return (
+                "credits",
+                f"{who}: ask #{rnd.driver} drove a second round (round {n}): it paid twice",
+            )
+        drivers.add(rnd.driver)
+        nxt = rounds[n + 1] if n + 1 < len(rounds) else None
+        if rnd.end is None:  # cancelled: every waiter left, or the runtime closed
+            if nxt is not None:
+                return ("outcome", f"{who}: round {n} never ended, yet round {n + 1} began")
+            continue
+        bound = None if rnd.ok else _bound(rnd.error, deadline_of(run, rnd.driver))
+        what = "its answer" if rnd.ok else f"{type(rnd.error).__name__}"
+        if bound is None:
+            if nxt is not None:
+                return (
+                    "outcome",
+                    f"{who}: round {n} (ask #{rnd.driver}) ended at {run.at(rnd.end)} with "
+                    f"{what}, which answers every waiter, yet round {n + 1} ran for ask "
+                    f"#{nxt.driver}",
+                )
+            continue
+        later = [
+            (i, w) for i in waiters
+            if i not in drivers and deadline_of(run, i) > bound
+            and (w := _waiting(run, i, rnd.end)) is not False
+        ]
+        sure = [i for i, w in later if w]
+        if nxt is None:
+            if sure:
+                return (
+                    "deadline",
+                    f"{who}: round {n} (ask #{rnd.driver}) ended at {run.at(rnd.end)} with "
+                    f"{what} of the deadline {run.at(bound)}, and no round ran for ask "
+                    f"#{sure[0]}, waiting with its own deadline "
+                    f"{run.at(deadline_of(run, sure[0]))}",
+                )
+            continue
+        d_next = deadline_of(run, nxt.driver)
+        earliest = min((deadline_of(run, i) for i in sure), default=math.inf)
+        if nxt.at != rnd.end or nxt.driver not in {i for i, _ in later} or d_next > earliest:
+            return (
+                "deadline",
+                f"{who}: round {n} (ask #{rnd.driver}) ended at {run.at(rnd.end)} with "
+                f"{what} of the deadline {run.at(bound)}; round {n + 1} began at "
+                f"{run.at(nxt.at)} for ask #{nxt.driver} (deadline {run.at(d_next)}), "
+                f"expected at once for the waiter with the earliest deadline after "
+                f"{run.at(bound)} (waiting: "
+                + ", ".join(f"#{i} {run.at(deadline_of(run, i))}" for i, _ in later)
+                + ")",
+            )
+    for i in waiters:
+        broken = _check_waiter(run, record, i, who)
+        if broken is not None:
+            return broken
+    return None
+
+
+def _answers(run: CacheRun, rnd: Round, i: int) -> bool:
+    if rnd.end is None or rnd.ok or rnd.driver == i:
+        return True
+    bound = _bound(rnd.error, deadline_of(run, rnd.driver))
+    return bound is None or deadline_of(run, i) <= bound
+
+
+def _check_waiter(
+    run: CacheRun, record: FlightRecord, i: int, who: str
+) -> tuple[str, str] | None:
+    """Caller ``i`` got the outcome of the first round that answers it, at its end."""
+    out = run.outcomes.get(i)
+    if out is None or out.kind == "cancelled":
+        return None  # lost, or left: the outcome checks judge it
+    start = run.started[i][0]
+    allowed = []
+    for rnd in record.rounds:
+        if (rnd.end is not None and rnd.end < start) or not _answers(run, rnd, i):
+            continue
+        allowed.append(rnd)
+        if rnd.driver == i or rnd.end is None or rnd.end > start:
+            break
+        # it came at this round's very end: this one answers it, or a later one
+    for rnd in allowed:
+        if rnd.end != out.at:
+            continue
+        if rnd.ok and out.kind == "result":
+            return None
+        if rnd.end is None or (
+            rnd.error is not None and out.kind == "error"
+            and type(out.value) is type(rnd.error)
+        ):
+            return None
+    expect = "; ".join(
+        f"round of ask #{r.driver} ended at "
+        f"{'never' if r.end is None else run.at(r.end)} with "
+        f"{'its answer' if r.ok else type(r.error).__name__}"
+        for r in allowed
+    ) or "no round"
+    got = "a result" if out.kind == "result" else type(out.value).__name__
+    return (
+        "outcome",
+        f"{who}: ask #{i} (deadline {run.at(deadline_of(run, i))}) got {got} at "
+        f"{run.at(out.at)}; the round that answers it: {expect}",
+    )
+
+
+def _check_charges(run: CacheRun) -> tuple[str, str] | None:
+    """Each tenant was charged once per round it drove, per item computed for its
+    batch calls, and per item of its calls of a model the cache actor does not
+    handle: nothing else (``credits_used`` + ``credits_refunded``, one unit an
+    item)."""
+    sc = run.scenario
+    expected = [0] * sc.tenants
+    for record in run.flight_records:
+        for rnd in record.rounds:
+            expected[sc.asks[rnd.driver].tenant] += 1
+    for i, n in run.batch_charges.items():
+        expected[sc.asks[i].tenant] += n
+    for i, ask in enumerate(sc.asks):
+        rule = sc.models[ask.model]
+        if not (rule.cache or rule.coalesce) and i in run.started:
+            expected[ask.tenant] += len(ask.keys)
+    for t in range(sc.tenants):
+        name = f"t{t}"
+        charged = run.charged.get(name, 0)
+        if charged != expected[t]:
+            return (
+                "credits",
+                f"tenant {name} was charged {charged} units (credits used and refunded); "
+                f"its callers' runs were {expected[t]}: one a round it drove, one an item "
+                "it submitted outside a flight",
+            )
+    return None
