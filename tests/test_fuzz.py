@@ -448,6 +448,29 @@ def test_fuzz_cache_a_coalesced_model_after_an_invalidation():
     )
 
 
+def test_fuzz_cache_a_driver_refused_at_once_gets_its_own_rounds_answer():
+    # Found by the cache suite (seed 7): the first caller's run expired at tick 5;
+    # the second's run (its rerun) was refused at once (Overloaded, its estimated
+    # wait past its deadline) and the third's began, all before the second caller
+    # woke: it skipped its own round and took the third's answer. A waiter now
+    # follows the rounds in order.
+    late = fuzz.Ask(at=6)
+    fuzz.run_cache_scenario(
+        fuzz.CacheScenario(
+            capacity=300,
+            max_batch_size=1,
+            tenants=1,
+            models=(fuzz.ModelRule(timeout=4),),
+            latency=(0, 1, 4, 0),
+            asks=(
+                fuzz.Ask(at=0, keys=(1, 2), cancel=1, cancel_how="cancel"),
+                fuzz.Ask(at=1), fuzz.Ask(at=3), fuzz.Ask(at=5), *[late] * 7,
+            ),
+            invalidations=(fuzz.Invalidate(at=6),),
+        )
+    )
+
+
 def test_the_lag_check_restarts_a_backlog_that_ended_between_sweeps():
     # Found by the runtime suite (seed 391): t0's last queued request left at its
     # caller's deadline (38 ms) and t0's next one came at 48 ms with no sweep between,
