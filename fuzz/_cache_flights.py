@@ -262,8 +262,12 @@ def _check_record(run: CacheRun, record: FlightRecord) -> tuple[str, str] | None
                 f"{what} of the deadline {run.at(bound)}; round {n + 1} began at "
                 f"{run.at(nxt.at)} for ask #{nxt.driver} (deadline {run.at(d_next)}), "
                 f"expected at once for the waiter with the earliest deadline after "
-                f"{run.at(bound)} (waiting: "
-                + ", ".join(f"#{i} {run.at(deadline_of(run, i))}" for i, _ in later)
+                f"{run.at(bound)} ("
+                + (
+                    "waiting: " + ", ".join(
+                        f"#{i} {run.at(deadline_of(run, i))}" for i, _ in later
+                    ) if later else "none waits with a later one"
+                )
                 + ")",
             )
     for i in waiters:
