@@ -224,13 +224,16 @@ class SingleFlight:
 
     def _run_again(self, flight: _Flight, exc: Exception) -> bool:
         """If ``exc`` belongs to the driver's deadline and a waiter's own deadline is
-        later, end the round with it (answering the others) and begin the next one,
+        later (and not passed), end the round with it (answering the others) and begin the next one,
         driven by the earliest such waiter; return whether it did. Not a
         checkpoint: no waiter comes or goes in between."""
         round_ = flight.round
         bound = self._deadline_bound(exc, round_.driver.deadline)
         if bound is None:
             return False
+        # A waiter whose own deadline has passed too (a batch that failed past it,
+        # run again in parts) would run, and pay, for an answer it cannot use.
+        bound = max(bound, trio.current_time())
         later = [
             w for w in flight.waiters if w is not round_.driver and w.deadline > bound
         ]

@@ -139,14 +139,16 @@ def observed_flights(base: type, run: CacheRun) -> property:
 
 
 # ---------------------------------------------------------------- the checks
-def _bound(exc: BaseException | None, deadline: float) -> float | None:
-    """The deadline an error of a round driven with ``deadline`` belongs to
-    (docs/cache.md): DeadlineExceeded, the driver's; an Overloaded refusal, the one
-    it names; None: the computation's own (it answers every waiter)."""
+def _bound(exc: BaseException | None, deadline: float, end: float) -> float | None:
+    """The deadline an error of a round driven with ``deadline`` and ended at
+    ``end`` belongs to (docs/cache.md): DeadlineExceeded, the driver's; an Overloaded
+    refusal, the one it names; either no earlier than ``end`` (a waiter whose own
+    deadline has passed is answered with it too); None: the computation's own (it
+    answers every waiter)."""
     if isinstance(exc, DeadlineExceeded):
-        return deadline
-    if isinstance(exc, Overloaded):
-        return exc.deadline
+        return max(deadline, end)
+    if isinstance(exc, Overloaded) and exc.deadline is not None:
+        return max(exc.deadline, end)
     return None
 
 
@@ -226,7 +228,7 @@ def _check_record(run: CacheRun, record: FlightRecord) -> tuple[str, str] | None
             if nxt is not None:
                 return ("outcome", f"{who}: round {n} never ended, yet round {n + 1} began")
             continue
-        bound = None if rnd.ok else _bound(rnd.error, deadline_of(run, rnd.driver))
+        bound = None if rnd.ok else _bound(rnd.error, deadline_of(run, rnd.driver), rnd.end)
         what = "its answer" if rnd.ok else f"{type(rnd.error).__name__}"
         if bound is None:
             if nxt is not None:
@@ -280,7 +282,7 @@ def _check_record(run: CacheRun, record: FlightRecord) -> tuple[str, str] | None
 def _answers(run: CacheRun, rnd: Round, i: int) -> bool:
     if rnd.end is None or rnd.ok or rnd.driver == i:
         return True
-    bound = _bound(rnd.error, deadline_of(run, rnd.driver))
+    bound = _bound(rnd.error, deadline_of(run, rnd.driver), rnd.end)
     return bound is None or deadline_of(run, i) <= bound
 
 

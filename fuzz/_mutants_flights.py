@@ -46,7 +46,8 @@ class _RerunForTheLatest(SingleFlight):
 
 class _RerunForThePassed(SingleFlight):
     """A rerun is driven for waiters whose own deadline has passed too (one not
-    after the deadline the error belongs to): they run, and pay, for nothing."""
+    after the deadline the error belongs to, or before the round's end): they run,
+    and pay, for nothing."""
 
     def _run_again(self, flight: _Flight, exc: Exception) -> bool:
         round_ = flight.round

@@ -448,7 +448,7 @@ async def _start_waiters(callers, flights, calls, got):
         await trio.testing.wait_all_tasks_blocked()
 
 
-async def test_a_waiter_with_a_later_deadline_is_not_failed_by_the_drivers():
+async def test_a_waiter_with_a_later_deadline_is_not_failed_by_the_drivers(mock_clock):
     """The first caller's computation fails for its deadline: the callers whose own
     deadline is that one get its error; the later ones get a run of their own,
     driven by the earliest of them, with its own function; the others join it."""
@@ -476,7 +476,7 @@ async def test_a_waiter_with_a_later_deadline_is_not_failed_by_the_drivers():
     assert (s.started, s.coalesced, s.reruns, s.abandoned, s.in_flight) == (1, 3, 1, 0, 0)
 
 
-async def test_a_flight_runs_again_at_most_once_per_waiter_and_for_none_earlier():
+async def test_a_flight_runs_again_at_most_once_per_waiter_and_for_none_earlier(mock_clock):
     """Each run that fails for its driver's deadline passes the flight to the next
     deadline; a driver is answered its own run's error even where the error's
     deadline is earlier than its own (a refusal measured against a sooner one), and
@@ -505,7 +505,31 @@ async def test_a_flight_runs_again_at_most_once_per_waiter_and_for_none_earlier(
     assert flights.statistics().reruns == 2
 
 
-async def test_a_driver_gets_its_own_run_though_the_next_began_before_it_woke():
+async def test_no_run_again_for_a_waiter_whose_own_deadline_has_passed(mock_clock):
+    """The driver's run fails for its deadline (1.0) only at 2.5 (a batch that failed
+    past it and ran again in parts): the waiter whose own deadline (2.0) has passed
+    too gets that error, and runs (and pays) for nothing; the next run is the one
+    with time left's."""
+    first = Computation(error=DeadlineExceeded("first's deadline passed"))
+    second, third = Computation("second's"), Computation("third's")
+    got = {}
+    async with trio.open_nursery() as owner:
+        flights = SingleFlight(owner, deadline_bound=deadline_bound)
+        async with trio.open_nursery() as callers:
+            calls = [("first", 1.0, first), ("second", 2.0, second), ("third", 3.0, third)]
+            await _start_waiters(callers, flights, calls, got)
+            mock_clock.jump(2.5)
+            first.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert set(got) == {"first", "second"}
+            assert type(got["second"]) is DeadlineExceeded
+            assert (second.runs, third.runs) == (0, 1)
+            third.release.set()
+    assert got["third"] == ("third's", "third")
+    assert flights.statistics().reruns == 1
+
+
+async def test_a_driver_gets_its_own_run_though_the_next_began_before_it_woke(mock_clock):
     """The first run fails for its deadline; the second caller's run is refused at
     once (no checkpoint), and the third's begins, all before the second caller wakes:
     it still gets its own run's error, not the third's run's answer (found by the
@@ -531,7 +555,7 @@ async def test_a_driver_gets_its_own_run_though_the_next_began_before_it_woke():
     assert flights.statistics().reruns == 2
 
 
-async def test_a_run_again_goes_on_when_its_driver_leaves_and_ends_with_the_last():
+async def test_a_run_again_goes_on_when_its_driver_leaves_and_ends_with_the_last(mock_clock):
     late = DeadlineExceeded("first's deadline passed")
     first, second, third = Computation(error=late), Computation("2"), Computation("3")
     got = {}
