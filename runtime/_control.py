@@ -45,6 +45,9 @@ waiting for its turn, abandons it, as Triton cancels a load on an unload, instea
 of waiting for it: its callers get ModelLoadError at once, what it started is
 cancelled (a load in a worker thread runs on, and its model is dropped when the
 thread returns, never installed), and the unload ends once that has stopped.
+So are the loads of other configurations asked after that first load and before
+the unload (they would reload a copy never installed). A reload is waited for, and
+the loads asked after it (reloads too).
 """
 
 from __future__ import annotations
@@ -117,13 +120,17 @@ class _Op:
     scope: trio.CancelScope | None = None
     #: a load: set once its task has ended (what it started has stopped)
     settled: trio.Event = attrs.Factory(trio.Event)
-    #: an unload: the load it abandoned, whose end it waits for
-    abandoned_load: _Op | None = None
+    #: an unload: the loads it abandoned, whose end it waits for
+    abandoned_loads: list[_Op] = attrs.Factory(list)
+    #: the load or unload asked just before it (``_Entry.last`` then), while it is
+    #: still to end: an unload follows it back to the model's first load
+    before: _Op | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
         if not self.done.is_set():
             self.error = error
             self.done.set()
+        self.before = None  # ended: no op is followed back past it (nor kept alive)
 
     async def wait(self) -> None:
         await self.done.wait()
@@ -324,7 +331,7 @@ class ModelControl:
         op = entry.loading
         if op is None or op is not entry.last or op.config != wanted:
             plan = self._prepare(wanted)  # ConfigError: nothing started
-            op = entry.loading = entry.last = _Op(config=wanted)
+            op = entry.loading = entry.last = _Op(config=wanted, before=entry.last)
             turn = entry.take_turn()
             op.after = turn[0]
             nursery.start_soon(self._load, entry, op, turn, plan)
@@ -431,32 +438,34 @@ class ModelControl:
         """Unload ``model``: new requests are refused at once (UnknownModel), those
         admitted are answered, then its replicas are released; return then. A model
         not loaded: nothing to do. The model's first load, under way or waiting for
-        its turn, is abandoned, not waited for (:meth:`_abandon`). A checkpoint;
+        its turn, is abandoned, not waited for (:meth:`_abandon`), and so are the
+        loads of other configurations asked after it (:func:`_first_loads`); a
+        reload, and the loads asked after it, are waited for. A checkpoint;
         cancelling it leaves the unload under way. Raises UnknownModel,
         ActorClosed."""
         entry = self._entry(model)
         nursery = self._ready_nursery()
         op = entry.unloading
         if op is None or op is not entry.last:
-            load = entry.loading if entry.loading is entry.last else None
-            op = entry.unloading = entry.last = _Op()
-            # The load asked just before it, still to end, if it is the model's
-            # first load, is abandoned; a reload ends first (the loaded copy serves
-            # meanwhile), then the unload runs.
-            if load is not None and _first_load(entry, load):
+            # The loads asked just before it, still to end, if the first of them is
+            # the model's first load, are abandoned; a reload ends first (the loaded
+            # copy serves meanwhile), and those asked after it, then the unload runs.
+            loads = _first_loads(entry)
+            op = entry.unloading = entry.last = _Op(before=entry.last)
+            for load in loads:
                 self._abandon(entry, load)
-                op.abandoned_load = load
+            op.abandoned_loads = loads
             nursery.start_soon(self._unload, entry, op, entry.take_turn())
         await op.wait()
 
     def _abandon(self, entry: _Entry, op: _Op) -> None:
-        """Abandon the model's first load ``op``, an unload having been asked after
-        it (as Triton cancels a load on an unload): its callers get ModelLoadError at
-        once, and what it started is cancelled, the model UNLOADING until it has
-        stopped (a replica's worker process is stopped; a load in a worker thread
-        cannot be stopped: its model, when the thread returns, is dropped, never
-        installed). One whose turn has not come is not started at all. Not a
-        checkpoint."""
+        """Abandon ``op``, the model's first load or a load asked after it, an unload
+        having been asked after it (as Triton cancels a load on an unload): its
+        callers get ModelLoadError at once, and what it started is cancelled, the
+        model UNLOADING until it has stopped (a replica's worker process is stopped;
+        a load in a worker thread cannot be stopped: its model, when the thread
+        returns, is dropped, never installed). One whose turn has not come is not
+        started at all. Not a checkpoint."""
         name = entry.config.name
         op.abandoned = True
         if entry.loading is op:
@@ -480,11 +489,11 @@ class ModelControl:
         rt = self._rt
         try:
             async with _turn(turn):
-                load = op.abandoned_load
-                if load is not None:
-                    # its turn came as the load was cancelled: wait until what the
-                    # load started has stopped (a thread's load is not waited for)
-                    await load.settled.wait()
+                if op.abandoned_loads:
+                    # its turn came as the loads were cancelled: wait until what
+                    # they started has stopped (a thread's load is not waited for)
+                    for load in op.abandoned_loads:
+                        await load.settled.wait()
                     if entry.state is ModelState.UNLOADING and entry.copy is None:
                         entry.move(ModelState.UNAVAILABLE, "unloaded")
                         log.info("model %r: unloaded while it loaded: its load was "
@@ -531,15 +540,33 @@ def _runs(table: ModelConfig, config: ModelConfig) -> str:
             f"{', '.join(changed_keys(table, config))})")
 
 
-def _first_load(entry: _Entry, load: _Op) -> bool:
-    """Whether ``load`` (of ``entry``, not ended) is the model's first load (no copy
-    serves), or will be when its turn comes. Before its turn: the one asked before
-    it is an unload (loads asked in a row share one), or nothing is under way and no
-    copy is loaded."""
-    if load.began:
-        return load.scope is not None
-    assert load.after is not None
-    return entry.copy is None or not load.after.is_set()
+def _first_loads(entry: _Entry) -> list[_Op]:
+    """The loads of ``entry`` asked since its last unload, or since the last load
+    that ended, and still to end (those an unload asked now follows), if the first
+    of them is the model's first load (no copy serves), or will be when its turn
+    comes; else none. Loads asked in a row share one unless their configurations
+    differ: a first load and loads of other configurations asked after it are
+    abandoned together (each of the later would be a reload of a copy that is never
+    installed); loads asked after a reload are reloads too, and are waited for."""
+    loads: list[_Op] = []
+    op = entry.last
+    while op is not None and op.config is not None and not op.done.is_set():
+        loads.append(op)
+        assert op.after is not None
+        if op.after.is_set():  # the one asked before it has ended
+            break
+        op = op.before
+    if not loads:
+        return []
+    first = loads[-1]
+    assert first.after is not None
+    if first.began:
+        is_first = first.scope is not None
+    elif first.after.is_set():  # its turn comes now
+        is_first = entry.copy is None
+    else:  # an unload asked before it, still to end: the model is not loaded then
+        is_first = first.before is not None and first.before.config is None
+    return loads[::-1] if is_first else []
 
 
 def _install(rt: Any, model: str, copy: _Copy) -> None:

@@ -198,3 +198,78 @@ async def test_an_unload_abandons_the_first_load_of_a_model_with_a_rollout(
         assert rt.model_state("m") == ("READY", "")
         assert (await rt.infer("m", item(1.0), version="1"))["y"][0] == 2.0
         assert (await rt.infer("m", item(1.0), version="2"))["y"][0] == 201.0
+
+
+async def load_with(rt, config, outcomes: list) -> None:
+    try:
+        await rt.load_model("m", config=config)
+    except ModelLoadError as exc:
+        outcomes.append(str(exc))
+    else:
+        outcomes.append("loaded")
+
+
+async def test_an_unload_waits_for_a_reload_and_a_load_of_another_config_after_it(
+    autojump_clock, held,
+):
+    # A reload (held in its thread) and a load of another configuration waiting for
+    # its turn behind it: both are reloads, so the unload asked then waits for both
+    # (neither is abandoned), and unloads the copy the last one loaded.
+    m = trioserve.ModelConfig(name="m", backend=held, load_at_start=False, max_wait_ms=0)
+    async with trioserve.open_runtime(controlled(m)) as rt:
+        held.held = False
+        await rt.load_model("m")
+        held.held = True
+        first: list = []
+        second: list = []
+        unloaded = trio.Event()
+
+        async def unload() -> None:
+            await rt.unload_model("m")
+            unloaded.set()
+
+        async with trio.open_nursery() as ops:
+            ops.start_soon(load_with, rt, {"max_batch_size": 4}, first)
+            assert await wait_in_thread(held.entered)
+            ops.start_soon(load_with, rt, {"max_batch_size": 8}, second)
+            await trio.testing.wait_all_tasks_blocked()
+            ops.start_soon(unload)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not unloaded.is_set()  # waits for the reload
+            assert first == second == []
+            assert rt.model_state("m") == (
+                "READY", "reloading (the loaded copy serves meanwhile)"
+            )
+            held.gate.set()
+        assert first == second == ["loaded"]
+        assert held.loads == 3  # the table's, then both reloads
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+
+
+async def test_an_unload_abandons_a_first_load_and_a_load_of_another_config_after_it(
+    autojump_clock, held,
+):
+    # The first load (held in its thread), and a load of another configuration
+    # waiting for its turn behind it: both are abandoned, the unload answers at once.
+    m = trioserve.ModelConfig(name="m", backend=held, load_at_start=False, max_wait_ms=0)
+    async with trioserve.open_runtime(controlled(m)) as rt:
+        first: list = []
+        second: list = []
+        async with trio.open_nursery() as ops:
+            ops.start_soon(load_with, rt, None, first)
+            assert await wait_in_thread(held.entered)
+            ops.start_soon(load_with, rt, {"max_batch_size": 8}, second)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            await rt.unload_model("m")
+            unloaded_in = trio.current_time() - t0
+            state = rt.model_state("m")
+        assert unloaded_in == 0
+        assert state == ("UNAVAILABLE", "unloaded")
+        assert first == second == [ABANDONED]
+        held.gate.set()
+        assert await wait_in_thread(held.released)
+        await trio.testing.wait_all_tasks_blocked()
+        assert held.loads == 1  # the second never started
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert not rt.models["m"].loaded
