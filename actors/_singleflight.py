@@ -71,6 +71,8 @@ class _Waiter:
     deadline: float
     fn: Callable[..., Awaitable[Any]]
     args: tuple
+    #: a round has answered it (it may not have resumed yet): it drives no other
+    answered: bool = False
 
 
 @attrs.define(eq=False)
@@ -224,9 +226,11 @@ class SingleFlight:
 
     def _run_again(self, flight: _Flight, exc: Exception) -> bool:
         """If ``exc`` belongs to the driver's deadline and a waiter's own deadline is
-        later (and not passed), end the round with it (answering the others) and begin the next one,
-        driven by the earliest such waiter; return whether it did. Not a
-        checkpoint: no waiter comes or goes in between."""
+        later (and not passed), end the round with it (answering the others) and
+        begin the next one, driven by the earliest such waiter; return whether it
+        did. A waiter an earlier round answered, not resumed yet, is none of them:
+        each drives at most once. Not a checkpoint: no waiter comes or goes in
+        between."""
         round_ = flight.round
         bound = self._deadline_bound(exc, round_.driver.deadline)
         if bound is None:
@@ -235,10 +239,14 @@ class SingleFlight:
         # run again in parts) would run, and pay, for an answer it cannot use.
         bound = max(bound, trio.current_time())
         later = [
-            w for w in flight.waiters if w is not round_.driver and w.deadline > bound
+            w for w in flight.waiters
+            if not w.answered and w is not round_.driver and w.deadline > bound
         ]
         if not later:
             return False
+        for w in flight.waiters:
+            if not w.answered and (w is round_.driver or w.deadline <= bound):
+                w.answered = True
         flight.round = round_.next = _Round(min(later, key=lambda w: w.deadline))
         round_.bound = bound
         round_.result = outcome.Error(exc)

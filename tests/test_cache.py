@@ -529,6 +529,33 @@ async def test_no_run_again_for_a_waiter_whose_own_deadline_has_passed(mock_cloc
     assert flights.statistics().reruns == 1
 
 
+async def test_a_waiter_answered_but_not_resumed_drives_no_second_run(mock_clock):
+    """The first run fails for its driver's deadline (1.0); the second, driven by the
+    waiter of deadline 3.0, is refused at once against an earlier deadline (0.5), with
+    no checkpoint: the first caller, answered but not resumed yet, does not drive
+    again (its deadline 1.0 is later than 0.5); the waiter of 5.0 does."""
+    async def refused(*args):
+        raise Overloaded("credits refill only after the request's deadline", deadline=0.5)
+
+    first = Computation(error=DeadlineExceeded("first's deadline passed", in_queue=True))
+    last = Computation("last's")
+    got = {}
+    async with trio.open_nursery() as owner:
+        flights = SingleFlight(owner, deadline_bound=deadline_bound)
+        async with trio.open_nursery() as callers:
+            calls = [("first", 1.0, first), ("last", 5.0, last), ("middle", 3.0, refused)]
+            await _start_waiters(callers, flights, calls, got)
+            first.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert set(got) == {"first", "middle"}
+            assert (first.runs, last.runs) == (1, 1)
+            last.release.set()
+    assert type(got["first"]) is DeadlineExceeded
+    assert type(got["middle"]) is Overloaded
+    assert got["last"] == ("last's", "last")
+    assert flights.statistics().reruns == 2
+
+
 async def test_a_driver_gets_its_own_run_though_the_next_began_before_it_woke(mock_clock):
     """The first run fails for its deadline; the second caller's run is refused at
     once (no checkpoint), and the third's begins, all before the second caller wakes:
