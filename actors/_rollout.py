@@ -30,9 +30,12 @@ The rules (docs/rollout.md):
   late ones are so many that its share at ``min_requests`` outcomes, whatever they
   are, would be past the stable's share of now by more than ``max_error_rate``.
   Late requests do not count toward the ``min_requests`` a step needs.
-- Promoted and rolled back are final.
-- A rollout just made may start from a decision an earlier run of the server
-  recorded (``restore``): promoted, rolled back, or paused at a step.
+- Promoted and rolled back end the trial: only the operator's ``start`` begins a
+  new one (of another canary against the version taking every unversioned request
+  then: the promoted canary, else the stable).
+- A rollout just made may start from what an earlier run of the server recorded
+  (``restore``): promoted, rolled back, or on trial (paused or not) at a step, with
+  the time already served in it.
 - The operator may promote, roll back, pause and resume (``promote``, ``rollback``,
   ``pause``, ``resume``). Paused, the share holds and no step ends, but the
   outcomes are still counted and checked: a breach still rolls back. Resumed, the
@@ -58,20 +61,22 @@ class RolloutState(enum.Enum):
     ROLLED_BACK = "rolled_back"  # the canary takes none
 
 
-#: The operator's actions: the state each moves to.
-_ACTIONS = {
-    "promote": RolloutState.PROMOTED,
-    "rollback": RolloutState.ROLLED_BACK,
-    "pause": RolloutState.PAUSED,
-    "resume": RolloutState.CANARY,
+#: The operator's actions: the states each is allowed from.
+_ALLOWED = {
+    "promote": {RolloutState.CANARY, RolloutState.PAUSED},
+    "rollback": {RolloutState.CANARY, RolloutState.PAUSED},
+    "pause": {RolloutState.CANARY},
+    "resume": {RolloutState.PAUSED},
+    # a new trial: once the last one ended, or when there was none
+    "start": {RolloutState.STABLE, RolloutState.PROMOTED, RolloutState.ROLLED_BACK},
 }
 
 _MOVES = {
-    RolloutState.STABLE: set(),
+    RolloutState.STABLE: {RolloutState.CANARY},  # started
     RolloutState.CANARY: {RolloutState.PROMOTED, RolloutState.ROLLED_BACK, RolloutState.PAUSED},
     RolloutState.PAUSED: {RolloutState.CANARY, RolloutState.PROMOTED, RolloutState.ROLLED_BACK},
-    RolloutState.PROMOTED: set(),
-    RolloutState.ROLLED_BACK: set(),
+    RolloutState.PROMOTED: {RolloutState.CANARY},  # a new trial started
+    RolloutState.ROLLED_BACK: {RolloutState.CANARY},  # a new trial started
 }
 
 
@@ -88,10 +93,10 @@ class RolloutRules:
 
 @attrs.frozen(kw_only=True)
 class RolloutEvent:
-    """A change: ``kind`` step (a new step began), promoted, rolled_back, paused or
-    resumed; the step's index and share after it; ``reason`` of a rollback (which
-    check, the figures, or the operator's words); ``operator``: the operator's
-    action, not a check's."""
+    """A change: ``kind`` step (a new step began), promoted, rolled_back, paused,
+    resumed or started (a new trial); the step's index and share after it;
+    ``reason`` of a rollback (which check, the figures, or the operator's words);
+    ``operator``: the operator's action, not a check's."""
 
     kind: str
     at: float
@@ -149,6 +154,13 @@ class Rollout:
         self.reason: str | None = None
         #: the recorded state this rollout started from (None: it began afresh)
         self.restored: RolloutState | None = None
+        #: where the trial's versions and rules come from: "configuration", or
+        #: "operator" (a trial started while serving, ``start``)
+        self.origin = "configuration"
+        #: how its stable was determined: "configuration", or, for a trial the
+        #: operator started, "promoted" (the last trial's canary, promoted) or
+        #: "previous" (the last trial's stable: its canary rolled back, or none)
+        self.stable_from = "configuration"
         self.events: list[RolloutEvent] = []
         self._routed = 0  # unversioned requests routed in this step
         self._to_canary = 0
@@ -156,6 +168,10 @@ class Rollout:
         self.counts = {v: _StepCounts() for v in (stable, canary) if v is not None}
         #: answers in the step when the latencies were last compared (None: not yet)
         self._latency_checked: int | None = None
+        self._set_rules(rules)
+
+    def _set_rules(self, rules: RolloutRules) -> None:
+        self.rules = rules
         #: max_error_rate as written, p / q, for the exact comparison of late shares
         rate = Fraction(repr(rules.max_error_rate))
         self._rate_p, self._rate_q = rate.numerator, rate.denominator
@@ -253,35 +269,44 @@ class Rollout:
         return self._check(now)
 
     def restore(
-        self, state: RolloutState, *, step: int, reason: str | None, now: float
+        self, state: RolloutState, *, step: int, reason: str | None, now: float,
+        elapsed: float = 0.0,
     ) -> None:
-        """Start from a decision an earlier run recorded: ``state`` promoted, rolled
-        back (for ``reason``) or paused at ``step`` (its share, the step's counts
-        empty, its ``step_s`` counted from its resumption). Only on a rollout just
-        made (a canary at its first step, nothing happened); no event (nothing
-        changed in this run). ValueError for anything else."""
+        """Start from what an earlier run recorded: ``state`` promoted, rolled back
+        (for ``reason``), or on trial (canary, or paused) at ``step`` with
+        ``elapsed`` seconds of it already served (its share, the step's counts
+        empty: they were in the earlier run's memory). Only on a rollout just made
+        (a canary at its first step, nothing happened); no event (nothing changed in
+        this run). ValueError for anything else."""
         if self.state is not RolloutState.CANARY or self.events or self.restored:
             raise ValueError("only a canary's rollout just begun can be restored")
-        if state not in (RolloutState.PROMOTED, RolloutState.ROLLED_BACK, RolloutState.PAUSED):
+        if state is RolloutState.STABLE:
             raise ValueError(f"cannot restore a rollout to {state.value}")
         if not 0 <= step < len(self.rules.steps):
             raise ValueError(f"step {step} is not one of the {len(self.rules.steps)} steps")
+        if not (math.isfinite(elapsed) and elapsed >= 0):
+            raise ValueError(f"a step's time served must be a finite number >= 0, got {elapsed!r}")
         self.step = step
-        self._begin_step(now, Fraction(repr(self.rules.steps[step])))
+        self._begin_step(now - elapsed, Fraction(repr(self.rules.steps[step])))
         self.state = self.restored = state
         if state is RolloutState.PAUSED:
             self.paused_at = now
+        elif state is RolloutState.CANARY:
+            pass
         else:
             self.reason = reason
             self._share = Fraction(1) if state is RolloutState.PROMOTED else Fraction(0)
 
     # ------------------------------------------------------------ the operator's
     def refusal(self, action: str) -> str | None:
-        """Why the operator's ``action`` (promote, rollback, pause, resume) is not
-        allowed now, or None."""
-        to = _ACTIONS[action]
-        if to in _MOVES[self.state]:
+        """Why the operator's ``action`` (promote, rollback, pause, resume, start) is
+        not allowed now, or None."""
+        if self.state in _ALLOWED[action]:
             return None
+        if action == "start":
+            held = " (paused)" if self.state is RolloutState.PAUSED else ""
+            return (f"canary {self.canary!r} is on trial{held}; roll it back or promote "
+                    "it first")
         if self.state is RolloutState.STABLE:
             return "it has no canary"
         if self.terminal:
@@ -314,6 +339,40 @@ class Rollout:
         assert self.paused_at is not None
         self.step_started += now - self.paused_at
         return [self._move(RolloutState.CANARY, now, None, operator=True)]
+
+    def start(
+        self, canary: str, rules: RolloutRules, now: float, *, operator: bool = True
+    ) -> list[RolloutEvent]:
+        """Begin a new trial of ``canary`` under ``rules``, at its first step, against
+        the version that takes every unversioned request now (the promoted canary,
+        else the stable), which becomes its stable. Only once the last trial ended
+        (promoted, rolled back) or when there was none; ``canary`` must differ from
+        that stable (ValueError otherwise)."""
+        self._allowed("start")
+        stable = self.target()
+        if canary == stable:
+            raise ValueError(f"the canary {canary!r} is the stable version")
+        if self.state is RolloutState.PROMOTED:
+            self.stable_from = "promoted"
+        elif self.state is RolloutState.ROLLED_BACK or self.origin == "operator":
+            self.stable_from = "previous"
+        # (no canary yet: the configuration's stable stays, as its stable_from says)
+        self.origin = "operator"
+        self.stable, self.canary = stable, canary
+        self._set_rules(rules)
+        self.step = 0
+        self.reason = None
+        self.paused_at = None
+        self.restored = None
+        self.counts = {v: _StepCounts() for v in (stable, canary)}
+        self._begin_step(now, Fraction(repr(rules.steps[0])))
+        if RolloutState.CANARY not in _MOVES[self.state]:
+            raise RuntimeError(f"rollout: no move from {self.state.value} to canary")
+        self.state = RolloutState.CANARY
+        event = RolloutEvent(kind="started", at=now, step=0, share=self.share,
+                             operator=operator)
+        self.events.append(event)
+        return [event]
 
     def step_elapsed(self, now: float) -> float | None:
         """Seconds the current step has run at ``now``, its pauses not counted (what

@@ -14,9 +14,10 @@ request class (never cached, never returned to anyone) and compare their outputs
 with stable's: match, mismatch or error.
 
 With a ``keeper`` (the runtime's state file, ``runtime.rollout_state_file``) each
-decision that is to outlast a restart (promoted, rolled back, paused, resumed) is
-handed to it (``keeper.decided(rollout)``, never a checkpoint: the keeper writes it
-later, off the event loop).
+change that is to outlast a restart (a step begun, promoted, rolled back, paused,
+resumed, a trial started) is handed to it (``keeper.decided(rollout, now)``, never
+a checkpoint: the keeper writes it later, off the event loop), and so is a trial's
+progress when the runtime closes (``keep_progress``).
 
 ``close()`` stops it for good (its model's copy was unloaded or replaced, under
 explicit model control): it takes no more outcomes nor copies, and its run returns,
@@ -44,10 +45,19 @@ log = logging.getLogger("trioserve")
 #: What a shadow's copy came to: its outputs matched stable's or not, it failed,
 #: or it was dropped (its queue full, or the shadow's queue shed it).
 SHADOW_RESULTS = ("match", "mismatch", "error", "dropped")
-#: The rollout's events, as counted (paused and resumed: the operator's only).
-ROLLOUT_EVENTS = ("step", "promoted", "rolled_back", "paused", "resumed")
-#: The events that change what a restart is to start from (a step does not).
-KEPT_EVENTS = frozenset(("promoted", "rolled_back", "paused", "resumed"))
+#: The rollout's events, as counted (paused, resumed and started: the operator's only).
+ROLLOUT_EVENTS = ("step", "promoted", "rolled_back", "paused", "resumed", "started")
+#: The events that change what a restart is to start from (each one does: a step
+#: begun is the trial's progress).
+KEPT_EVENTS = frozenset(ROLLOUT_EVENTS)
+
+
+#: How a trial's stable was determined (``Rollout.stable_from``), as logged.
+_STABLE_FROM = {
+    "configuration": "the configuration's",
+    "promoted": "the last trial's canary, promoted",
+    "previous": "the last trial's stable",
+}
 
 
 def same_outputs(a: Any, b: Any, *, rtol: float, atol: float) -> bool:
@@ -72,8 +82,10 @@ class RolloutController(Actor):
 
     ``run_shadow(inputs, tenant)`` runs a copy on the shadow version and returns
     its outputs; ``closing()``: whether the runtime is shutting down; ``keeper``:
-    what keeps its decisions across restarts (``decided(rollout)`` and
-    ``statistics()``), or None.
+    what keeps its decisions across restarts (``decided(rollout, now)`` and
+    ``statistics()``), or None; ``config``: the configuration's rollout, and
+    ``versions``: the model's (what a trial the operator starts is checked
+    against).
     """
 
     def __init__(
@@ -90,6 +102,8 @@ class RolloutController(Actor):
         run_shadow: Callable[[Any, str], Awaitable[Any]] | None = None,
         closing: Callable[[], bool] = lambda: False,
         keeper: Any = None,
+        config: Any = None,
+        versions: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.model = model
@@ -106,6 +120,10 @@ class RolloutController(Actor):
         self._run_shadow = run_shadow
         self._closing = closing
         self._keeper = keeper
+        #: the configuration's rollout (a ``RolloutConfig``: the rules a trial the
+        #: operator starts begins from) and the model's versions
+        self.config = config
+        self.versions = versions
         self._changed = trio.Event()
         self._counted = trio.lowlevel.ParkingLot()  # waiters for shadow results
         self._send, self._receive = trio.open_memory_channel[Any](shadow_queue)
@@ -182,6 +200,23 @@ class RolloutController(Actor):
             events = getattr(r, action)(now)
         self._apply(events)
 
+    def start(self, canary: str, rules: Any) -> None:
+        """The operator starts a new trial of ``canary`` under ``rules`` (a
+        ``RolloutRules``) against the version taking every unversioned request now
+        (``Rollout.start``). Not a checkpoint. ConfigError while a canary is on
+        trial (paused or not); the caller checks ``canary`` is one of the model's
+        versions, not that stable, not the shadow."""
+        why = self.rollout.refusal("start")
+        if why is not None:
+            raise ConfigError(f"model {self.model!r}: cannot start a rollout: {why}")
+        self._apply(self.rollout.start(canary, rules, trio.current_time()))
+
+    def keep_progress(self) -> None:
+        """Hand a canary on trial's progress (its step, the time served in it) to
+        the keeper: the runtime is closing. Not a checkpoint."""
+        if self._keeper is not None and self.rollout.on_trial and not self._stopped:
+            self._keeper.decided(self.rollout, trio.current_time())
+
     # ------------------------------------------------------------ the actor
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as self._scope:
@@ -230,7 +265,7 @@ class RolloutController(Actor):
         for e in events:
             self.events[e.kind] += 1
             r = self.rollout
-            if e.operator:
+            if e.operator and e.kind != "started":
                 # the share it held: a promotion or rollback has moved it to 1 or 0
                 held = e.share if e.share_before is None else e.share_before
                 log.log(
@@ -239,6 +274,13 @@ class RolloutController(Actor):
                     "unversioned requests%s", self.model, r.canary, e.kind.replace("_", " "),
                     # repr: an operator's reason is one line of the log, whatever it holds
                     e.step + 1, held, f": {e.reason!r}" if e.reason else "",
+                )
+            elif e.kind == "started":
+                log.info(
+                    "model %r: rollout started by the operator: canary %r on trial against "
+                    "stable %r (%s), at %g of unversioned requests, steps %s",
+                    self.model, r.canary, r.stable, _STABLE_FROM[r.stable_from], e.share,
+                    list(r.rules.steps),
                 )
             elif e.kind == "step":
                 log.info(
@@ -257,7 +299,7 @@ class RolloutController(Actor):
                 )
         if events:
             if self._keeper is not None and any(e.kind in KEPT_EVENTS for e in events):
-                self._keeper.decided(self.rollout)
+                self._keeper.decided(self.rollout, trio.current_time())
             self._changed.set()
 
     def statistics(self) -> dict[str, Any]:
@@ -283,6 +325,10 @@ class RolloutController(Actor):
             "reason": r.reason,
             # the state recorded by an earlier run that it started from (None: afresh)
             "restored": r.restored.value if r.restored is not None else None,
+            # the trial: the configuration's or one the operator started, and how
+            # its stable was determined
+            "origin": r.origin,
+            "stable_from": r.stable_from,
             "state_file": self._keeper.statistics() if self._keeper is not None else None,
             "events": {k: self.events[k] for k in ROLLOUT_EVENTS},
             "shadow": (

@@ -183,6 +183,9 @@ class _Copy:
         at once: the outcomes and the shadow's copies are the successor's from now."""
         self.successor = successor
         if self.family is not None and self.family.controller is not None:
+            if not isinstance(successor, _Copy):
+                # unloaded: its trial's progress is what its next load resumes
+                self.family.controller.keep_progress()
             self.family.controller.close()
         self.stop.set()
 

@@ -1,9 +1,11 @@
 """The rollouts' decisions kept across restarts (``runtime.rollout_state_file``,
 docs/rollout.md).
 
-One JSON file holds, per model, the decision in force of its rollout (promoted,
-rolled back, or paused at a step) and what it was decided for: the stable and the
-canary, a fingerprint of each one's backend and options, and the steps. It is
+One JSON file holds, per model, the state of its rollout (promoted, rolled back,
+or a canary on trial, paused or not, at a step with the time served in it) and
+what it was decided for: the stable and the canary, a fingerprint of each one's
+backend and options, and the steps; for a trial the operator started while
+serving, also its rules and the configuration's rollout it replaced. It is
 read once when the runtime opens (a file that cannot be read or is not such a
 document is a ConfigError naming it: a decision misread could canary again a
 version rolled back for its errors; so is a path where no file can be written,
@@ -22,6 +24,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -39,8 +42,10 @@ log = logging.getLogger("trioserve")
 FORMAT = 1
 #: The largest state file read: a few hundred bytes a model.
 MAX_STATE_BYTES = 16 * 1024**2
-#: The states recorded (a canary on trial, resumed, is no decision: none is kept).
-RECORDED = ("promoted", "rolled_back", "paused")
+#: The states recorded (a canary on trial with its progress, paused or not, too).
+RECORDED = ("promoted", "rolled_back", "paused", "canary")
+#: The rules of a trial the operator started, recorded beside its ``steps``.
+RULE_KEYS = ("step_s", "min_requests", "max_error_rate", "max_latency_ratio")
 #: How long a decision not yet written when the runtime is cancelled may take to be.
 FINAL_WRITE_S = 5.0
 
@@ -236,6 +241,38 @@ def _invalid(rec: Any) -> str | None:
     reason = rec.get("reason")
     if reason is not None and not isinstance(reason, str):
         return f"'reason' must be a string or null, got {reason!r}"
+    elapsed = rec.get("elapsed_s", 0.0)  # (absent from a file of an earlier server)
+    if (not isinstance(elapsed, int | float) or isinstance(elapsed, bool)
+            or not math.isfinite(elapsed) or elapsed < 0):
+        return f"'elapsed_s' must be a number >= 0, got {elapsed!r}"
+    started = rec.get("started")
+    if started is not None:
+        return _invalid_started(rec, started)
+    return None
+
+
+def _invalid_started(rec: dict[str, Any], started: Any) -> str | None:
+    """Why the ``started`` part of a record (a trial the operator started) is not
+    well-formed, or None. Its rules are checked as the configuration's are."""
+    if not isinstance(started, dict):
+        return f"'started' must be an object, got {started!r}"
+    configured = started.get("configured")
+    if (not isinstance(configured, dict) or not isinstance(configured.get("stable"), str)
+            or not isinstance(configured.get("canary"), str | None)):
+        return ("'started.configured' must be an object of the configuration's 'stable' "
+                f"(a string) and 'canary' (a string or null), got {configured!r}")
+    if started.get("stable_from") not in ("promoted", "previous", "configuration"):
+        return ("'started.stable_from' must be one of promoted, previous, configuration, "
+                f"got {started.get('stable_from')!r}")
+    rules = started.get("rules")
+    if not isinstance(rules, dict) or set(rules) != set(RULE_KEYS):
+        return f"'started.rules' must be an object of {', '.join(RULE_KEYS)}, got {rules!r}"
+    from ._versions_config import RolloutConfig
+
+    try:
+        RolloutConfig(stable=rec["stable"], canary=rec["canary"], steps=rec["steps"], **rules)
+    except ConfigError as exc:
+        return f"'started': {exc}"
     return None
 
 
@@ -405,13 +442,16 @@ async def open_state_file(config: Config) -> RolloutStateFile | None:
 class Keeper:
     """One model's rollout as its state file keeps it: what its decisions are
     recorded for (the stable, the canary, their fingerprints, the steps), the
-    decision it may start from, and each decision since (``decided``)."""
+    record it may start from (``recorded``), and each change since (``decided``)."""
 
     def __init__(self, store: RolloutStateFile, m: ModelConfig) -> None:
         r = m.rollout
         assert r is not None
         self.store = store
         self.model = m.name
+        self._m = m
+        self._configured = {"stable": r.stable, "canary": r.canary}
+        self._shadow = r.shadow
         self._for: dict[str, Any] = {
             "stable": r.stable,
             "canary": r.canary,
@@ -421,11 +461,13 @@ class Keeper:
         }
 
     def recorded(self) -> tuple[dict[str, Any] | None, str | None]:
-        """The decision recorded for this model that this configuration starts from,
-        or (None, why not): None, None when nothing is recorded."""
+        """The record of this model that this configuration starts from, or (None,
+        why not): None, None when nothing is recorded."""
         rec = self.store.record_of(self.model)
         if rec is None:
             return None, None
+        if rec.get("started") is not None:
+            return self._started_record(rec)
         now = self._for
         if now["canary"] is None:
             return None, "the configuration has no canary now"
@@ -437,28 +479,69 @@ class Keeper:
         for v in (now["stable"], now["canary"]):
             if rec["versions"].get(v) != now["versions"][v]:
                 return None, f"version {v!r}'s backend or options changed since"
-        if rec["state"] == "paused" and rec["steps"] != now["steps"]:
+        if rec["state"] in ("paused", "canary") and rec["steps"] != now["steps"]:
             return None, (
-                f"it was paused at step {rec['step'] + 1} of steps {rec['steps']}, the "
-                f"configuration's steps are now {now['steps']}"
+                f"its canary was on trial at step {rec['step'] + 1} of steps "
+                f"{rec['steps']}, the configuration's steps are now {now['steps']}"
             )
         if rec["step"] >= len(now["steps"]):
             # a promotion or rollback made at a step the configuration no longer has
-            # (a pause's steps are the same): its decision holds whatever the steps,
+            # (a trial's steps are the same): its decision holds whatever the steps,
             # shown at the last one there is
             rec["step"] = len(now["steps"]) - 1
         return rec, None
 
-    def decided(self, rollout: Any) -> None:
-        """``rollout`` (a ``Rollout``) decided: record its state (a canary on trial
-        again, resumed, is no decision: its record goes). Not a checkpoint."""
+    def _started_record(self, rec: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+        """A trial the operator started: used while the configuration's rollout is
+        the one it replaced (the same stable and canary) and its versions are still
+        the model's, served as they were, neither of them the shadow."""
+        was = rec["started"]["configured"]
+        if (was["stable"], was["canary"]) != (self._configured["stable"],
+                                              self._configured["canary"]):
+            return None, (
+                f"it was started by the operator in place of the configuration's stable "
+                f"{was['stable']!r} and canary {was['canary']!r}, the configuration now has "
+                f"stable {self._configured['stable']!r} and canary "
+                f"{self._configured['canary']!r}"
+            )
+        for v in (rec["stable"], rec["canary"]):
+            if v not in self._m.versions:
+                return None, f"its version {v!r} is no longer one of the model's"
+            if rec["versions"].get(v) != version_fingerprint(self._m, v):
+                return None, f"version {v!r}'s backend or options changed since"
+            if v == self._shadow:
+                return None, f"its version {v!r} is the configuration's shadow now"
+        return rec, None
+
+    def decided(self, rollout: Any, now: float) -> None:
+        """``rollout`` (a ``Rollout``) changed at ``now``: record its state, and a
+        canary on trial's step and time served in it. Not a checkpoint."""
         state = rollout.state.value
         if state not in RECORDED:
             self.store.put(self.model, None)
             return
-        self.store.put(self.model, {
-            **self._for, "state": state, "step": rollout.step, "reason": rollout.reason,
-        })
+        if rollout.origin == "operator":
+            rules = rollout.rules
+            made_for: dict[str, Any] = {
+                "stable": rollout.stable,
+                "canary": rollout.canary,
+                "versions": {v: version_fingerprint(self._m, v)
+                             for v in (rollout.stable, rollout.canary)},
+                "steps": list(rules.steps),
+                "started": {
+                    "configured": dict(self._configured),
+                    "stable_from": rollout.stable_from,
+                    "rules": {k: getattr(rules, k) for k in RULE_KEYS},
+                },
+            }
+        else:
+            made_for = self._for
+        record = {**made_for, "state": state, "step": rollout.step, "reason": rollout.reason}
+        elapsed = rollout.step_elapsed(now)
+        if elapsed is not None:
+            record["elapsed_s"] = elapsed
+        if record != self.store.record_of(self.model):  # (else nothing to write)
+            self.store.put(self.model, record)
 
     def statistics(self) -> dict[str, Any]:
         return self.store.statistics()

@@ -152,6 +152,10 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                             nursery, rt, m, backends[m.name], policy, zygote, watchdog
                         )
                 yield rt
+                if rt._rollout_state is not None:
+                    # each trial's progress, kept before the drain: written with the
+                    # decisions of the last moments, in one write if none is under way
+                    _keep_progress(rt)
                 # The grace begins now, unless the caller began it already (a server
                 # that drained its connections first): then they share it.
                 rt.grace_deadline = min(
@@ -165,6 +169,9 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
                         await rt._rollout_state.flush()
             except BaseException as exc:
                 body_error = exc
+                if rt._rollout_state is not None:
+                    # (written as the runtime is cancelled: the state file's last write)
+                    _keep_progress(rt)
             finally:
                 rt._closed = True
                 nursery.cancel_scope.cancel("runtime shutting down")
@@ -195,6 +202,14 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
             await stop_ray()
     if body_error is not None:
         raise body_error
+
+
+def _keep_progress(rt: Runtime) -> None:
+    """Hand each canary on trial's progress (its step, the time served in it) to the
+    state file: the runtime is closing. Not a checkpoint."""
+    for family in rt._families.values():
+        if family.controller is not None:
+            family.controller.keep_progress()
 
 
 async def _start_cache(nursery: trio.Nursery, rt: Runtime, policy: RestartPolicy) -> None:

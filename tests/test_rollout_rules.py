@@ -510,16 +510,17 @@ def test_a_rollout_just_made_starts_from_a_recorded_decision():
 
 
 @pytest.mark.parametrize(
-    ("state", "step", "why"),
+    ("state", "step", "elapsed", "why"),
     [
-        (RolloutState.CANARY, 0, "cannot restore a rollout to canary"),
-        (RolloutState.STABLE, 0, "cannot restore a rollout to stable"),
-        (RolloutState.PAUSED, 3, "step 3 is not one of the 3 steps"),
+        (RolloutState.STABLE, 0, 0.0, "cannot restore a rollout to stable"),
+        (RolloutState.PAUSED, 3, 0.0, "step 3 is not one of the 3 steps"),
+        (RolloutState.CANARY, 0, -1.0, "a step's time served must be a finite number >= 0"),
+        (RolloutState.CANARY, 0, math.inf, "a step's time served must be a finite number"),
     ],
 )
-def test_only_a_decision_is_restored_and_only_once(state, step, why):
+def test_only_a_recorded_state_is_restored_and_only_once(state, step, elapsed, why):
     with pytest.raises(ValueError, match=why):
-        rollout().restore(state, step=step, reason=None, now=0.0)
+        rollout().restore(state, step=step, reason=None, now=0.0, elapsed=elapsed)
     once = rollout()
     once.restore(RolloutState.PAUSED, step=0, reason=None, now=0.0)
     begun = rollout()
@@ -528,3 +529,64 @@ def test_only_a_decision_is_restored_and_only_once(state, step, why):
     for r in (once, begun):
         with pytest.raises(ValueError, match="only a canary's rollout just begun"):
             r.restore(RolloutState.PROMOTED, step=0, reason=None, now=3.0)
+
+
+def test_a_trial_restored_at_a_step_ends_it_after_the_time_left():
+    # recorded at step 2 with 7 s of its 10 served: 3 s more, and its answers
+    r = rollout(steps=(0.1, 0.5, 0.75), step_s=10, min_requests=2)
+    r.restore(RolloutState.CANARY, step=1, reason=None, now=100.0, elapsed=7.0)
+    assert (r.state, r.restored, r.step, r.share) == (RolloutState.CANARY,
+                                                       RolloutState.CANARY, 1, 0.5)
+    assert r.step_elapsed(100.0) == 7.0
+    assert r.next_deadline() == 103.0
+    assert r.counts["2"].answers == 0  # the counts were the earlier run's
+    for _ in range(2):
+        assert r.record("2", True, 0.01, 101.0) == []
+    assert r.tick(102.9) == []
+    (event,) = r.tick(103.0)
+    assert (event.kind, event.step, event.share) == ("step", 2, 0.75)
+    # paused, restored: the time served holds until the resume
+    p = rollout(steps=(0.1, 0.5), step_s=10, min_requests=1)
+    p.restore(RolloutState.PAUSED, step=0, reason=None, now=50.0, elapsed=4.0)
+    assert p.step_elapsed(80.0) == 4.0
+    p.resume(80.0)
+    assert p.next_deadline() == 86.0
+
+
+def test_a_new_trial_starts_once_the_last_ended():
+    r = rollout(steps=(0.5,), step_s=10, min_requests=1)
+    assert r.refusal("start") == "canary '2' is on trial; roll it back or promote it first"
+    r.pause(1.0)
+    assert r.refusal("start") == (
+        "canary '2' is on trial (paused); roll it back or promote it first")
+    with pytest.raises(ValueError, match=r"^cannot start the rollout: canary '2' is on trial"):
+        r.start("3", RolloutRules(), 2.0)
+    r.rollback(2.0, "bad")
+    # rolled back: the stable stays; the new trial's rules are its own
+    (event,) = r.start("3", RolloutRules(steps=(0.25, 1.0), step_s=5, min_requests=1), 3.0)
+    assert (event.kind, event.step, event.share, event.operator) == ("started", 0, 0.25, True)
+    assert (r.state, r.stable, r.canary, r.step, r.reason) == (
+        RolloutState.CANARY, "1", "3", 0, None)
+    assert (r.origin, r.stable_from) == ("operator", "previous")
+    assert [r.route() for _ in range(4)] == ["1", "1", "1", "3"]
+    assert set(r.counts) == {"1", "3"}
+    r.record("3", True, 0.01, 4.0)
+    assert r.tick(7.9) == []
+    assert [e.kind for e in r.tick(8.0)] == ["step"]
+    r.record("3", True, 0.01, 9.0)
+    assert [e.kind for e in r.tick(13.0)] == ["promoted"]
+    # promoted: the promoted canary is the next trial's stable
+    with pytest.raises(ValueError, match="the canary '3' is the stable version"):
+        r.start("3", RolloutRules(), 14.0)
+    r.start("2", RolloutRules(steps=(0.5,)), 14.0)
+    assert (r.stable, r.canary, r.stable_from, r.share) == ("3", "2", "promoted", 0.5)
+    assert [r.route() for _ in range(2)] == ["3", "2"]
+
+
+def test_a_rollout_without_a_canary_may_start_one():
+    r = Rollout(RolloutRules(), stable="1", canary=None, now=0.0)
+    assert r.refusal("promote") == "it has no canary"
+    assert r.refusal("start") is None
+    r.start("2", RolloutRules(steps=(0.5,)), 1.0)
+    assert (r.state, r.stable, r.canary, r.stable_from) == (
+        RolloutState.CANARY, "1", "2", "configuration")

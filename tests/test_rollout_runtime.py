@@ -85,7 +85,7 @@ async def test_a_good_canary_steps_through_every_share_and_is_promoted(autojump_
         pinned = await rt.infer("m", one(0), version="1")
     assert shares == [0.2, 0.5, 1.0]
     assert stats["events"] == {"step": 1, "promoted": 1, "rolled_back": 0,
-                               "paused": 0, "resumed": 0}
+                               "paused": 0, "resumed": 0, "started": 0}
     assert stats["reason"] is None
     assert after == ["2"] * 10  # the canary takes every unversioned request
     assert version_of(pinned, 0) == "1"  # a version asked for is still served
@@ -122,7 +122,7 @@ async def test_a_canary_failing_on_some_inputs_is_rolled_back_and_nothing_is_los
     # within the step, once its errors were certain to pass 5% of 20 answers
     assert stats["counts"]["2"]["ok"] + stats["counts"]["2"]["errors"] <= 20
     assert stats["events"] == {"step": 0, "promoted": 0, "rolled_back": 1,
-                               "paused": 0, "resumed": 0}
+                               "paused": 0, "resumed": 0, "started": 0}
     assert later == ["1"] * 10
 
 
@@ -215,7 +215,7 @@ async def test_shutdown_mid_step_is_clean(autojump_clock):
     after = rt.statistics()["m"]["rollout"]
     assert before["state"] == after["state"] == "canary"  # closed mid-step, as it was
     assert after["events"] == {"step": 0, "promoted": 0, "rolled_back": 0,
-                                "paused": 0, "resumed": 0}
+                                "paused": 0, "resumed": 0, "started": 0}
     with pytest.raises(trioserve.ActorClosed):
         await rt.infer("m", one(0))
 
@@ -475,7 +475,7 @@ async def test_the_operator_pauses_resumes_and_promotes_a_canary(autojump_clock,
     assert (stepped["step"], stepped["share"]) == (1, 0.75)
     assert (promoted["state"], promoted["share"], promoted["reason"]) == ("promoted", 1.0, None)
     assert promoted["events"] == {"step": 1, "promoted": 1, "rolled_back": 0, "paused": 1,
-                                  "resumed": 1}
+                                  "resumed": 1, "started": 0}
     assert after == ["2"] * 3
     said = [r.getMessage() for r in caplog.records if "by the operator" in r.getMessage()]
     assert said == [

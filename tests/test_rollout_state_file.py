@@ -98,13 +98,13 @@ async def test_a_promotion_by_the_checks_outlasts_a_restart(autojump_clock, tmp_
     async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
         state = rt.rollout_state("m")
         seen = await unversioned(rt, 4)
-    assert writes == 1  # the promotion (a step is no decision kept)
+    assert writes == 2  # the second step begun (the trial's progress), the promotion
     assert recorded(path)["models"]["m"]["state"] == "promoted"
     assert (state["state"], state["share"], state["restored"]) == ("promoted", 1.0, "promoted")
     assert seen == ["2"] * 4
 
 
-async def test_a_pause_outlasts_a_restart_at_its_step_and_a_resume_forgets_it(
+async def test_a_pause_outlasts_a_restart_at_its_step_and_a_resume_is_kept_too(
     autojump_clock, tmp_path,
 ):
     path = tmp_path / "rollout.json"
@@ -114,7 +114,12 @@ async def test_a_pause_outlasts_a_restart_at_its_step_and_a_resume_forgets_it(
             await rt.infer("m", one(i))
         await trio.sleep(10)
         await rt.infer("m", one(0))  # the first step has ended: step 2, at 0.75
+        # (the step's record: a write of its own, in a worker thread: under the mock
+        # clock, trio time may pass meanwhile)
+        await rt._rollout_state.flush()
+        await trio.sleep(3)
         paused = rt.pause_rollout("m")
+        served = paused["step_elapsed_s"]
     async with trioserve.open_runtime(kept(model(rollout), path)) as rt:
         state = rt.rollout_state("m")
         seen = await unversioned(rt, 4)
@@ -122,18 +127,26 @@ async def test_a_pause_outlasts_a_restart_at_its_step_and_a_resume_forgets_it(
         held = rt.rollout_state("m")
         # on trial again (its 3 answers are short of min_requests: the step goes on)
         resumed = rt.resume_rollout("m")
-    after_resume = recorded(path)
+        await rt._rollout_state.flush()
+        after_resume = recorded(path)
     async with trioserve.open_runtime(kept(model(rollout), path)) as rt:
-        fresh = rt.rollout_state("m")
+        again = rt.rollout_state("m")
     assert (paused["step"], paused["share"]) == (1, 0.75)
+    assert served >= 3.0
     assert (state["state"], state["paused"], state["step"], state["share"]) == (
         "paused", True, 1, 0.75)
     assert state["restored"] == "paused"
+    assert state["step_elapsed_s"] == served  # the time served before the pause
     assert seen == ["1", "2", "2", "2"]  # 3 of 4 to the canary: the step's share
     assert (held["state"], held["step"], held["counts"]["2"]["ok"]) == ("paused", 1, 3)
+    assert held["step_elapsed_s"] == served  # the pause not counted
     assert (resumed["state"], resumed["step"], resumed["share"]) == ("canary", 1, 0.75)
-    assert after_resume["models"] == {}  # on trial again: no decision in force
-    assert (fresh["state"], fresh["step"], fresh["restored"]) == ("canary", 0, None)
+    # on trial again: its progress is recorded (its step, the time served in it)
+    rec = after_resume["models"]["m"]
+    assert (rec["state"], rec["step"], rec["elapsed_s"]) == ("canary", 1, served)
+    # (written again at the close, the time served the same: nothing passed since)
+    assert (again["state"], again["step"], again["restored"]) == ("canary", 1, "canary")
+    assert again["step_elapsed_s"] >= served  # and what passed until the close
 
 
 @pytest.mark.parametrize(
@@ -164,7 +177,10 @@ async def test_a_record_of_other_versions_is_not_used(
         f"model 'm': rollout: the decision recorded in {path} is not used: {why}; "
         "it starts afresh"
     ]
-    assert recorded(path)["models"]["m"]["canary"] == "2"  # left as it was
+    # left as it was, unless the configuration's canary is on trial: its progress
+    # is recorded at the close, in place of the record not used
+    assert recorded(path)["models"]["m"]["canary"] == ("3" if "canary" in now and now[
+        "canary"] == "3" else "2")
 
 
 async def test_a_record_of_other_weights_or_steps_is_not_used(
@@ -173,13 +189,18 @@ async def test_a_record_of_other_weights_or_steps_is_not_used(
     path = tmp_path / "rollout.json"
     async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
         rt.pause_rollout("m")
+    paused = path.read_bytes()
     caplog.set_level(logging.INFO, logger="trioserve")
     # the same versions' names, but the canary's options are other weights
     async with trioserve.open_runtime(kept(model(CANARY, canary_k=7), path)) as rt:
         reweighted = rt.rollout_state("m")
+    # (its own trial's progress took the record's place at its close)
+    replaced = recorded(path)["models"]["m"]
+    path.write_bytes(paused)
     # paused at step 1 of other steps
     async with trioserve.open_runtime(kept(model({**CANARY, "steps": [0.1]}), path)) as rt:
         restepped = rt.rollout_state("m")
+    path.write_bytes(paused)
     # the very same configuration (the model's backend is another object, of the
     # same kind): restored
     async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
@@ -187,12 +208,15 @@ async def test_a_record_of_other_weights_or_steps_is_not_used(
     said = [r.getMessage().partition(" is not used: ")[2]
             for r in caplog.records if "not used" in r.getMessage()]
     assert (reweighted["state"], reweighted["restored"]) == ("canary", None)
+    assert (replaced["state"], replaced["step"]) == ("canary", 0)
+    assert replaced["versions"]["2"] == state_file.version_fingerprint(
+        model(CANARY, canary_k=7), "2")
     assert (restepped["state"], restepped["restored"]) == ("canary", None)
     assert (same["state"], same["restored"]) == ("paused", "paused")
     assert said == [
         "version '2''s backend or options changed since; it starts afresh",
-        "it was paused at step 1 of steps [0.5, 0.75], the configuration's steps are "
-        "now [0.1]; it starts afresh",
+        "its canary was on trial at step 1 of steps [0.5, 0.75], the configuration's "
+        "steps are now [0.1]; it starts afresh",
     ]
 
 
@@ -206,7 +230,7 @@ async def test_a_record_of_other_weights_or_steps_is_not_used(
         (b'{"format": 1, "models": {"m": {"state": "gone", "stable": "1", "canary": "2", '
          b'"versions": {}, "steps": [0.5], "step": 0}}}',
          "the record of model 'm': 'state' must be one of promoted, rolled_back, paused, "
-         "got 'gone'"),
+         "canary, got 'gone'"),
         (b'{"format": 1, "models": {"m": {"state": "paused", "stable": "1", "canary": "2", '
          b'"versions": {}, "steps": [0.5], "step": 3}}}',
          "the record of model 'm': 'step' 3 is not one of its 1 steps"),
@@ -580,6 +604,7 @@ async def test_a_final_decision_at_a_later_step_outlasts_fewer_steps(
         await trio.sleep(10)
         await rt.infer("m", one(0))  # the first step has ended: step 2
         assert rt.rollout_state("m")["step"] == 1
+        await rt._rollout_state.flush()  # (the step's record: a write of its own)
         getattr(rt, decision)("m")
     assert recorded(path)["models"]["m"]["step"] == 1
     one_step = {**CANARY, "steps": [0.5]}
@@ -621,3 +646,128 @@ async def test_two_runtimes_of_one_process_cannot_share_a_state_file(
     # released when its runtime closes
     async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
         assert rt.rollout_state("m")["restored"] == "rolled_back"
+
+
+# ---------------------------------------------------------------- a trial's progress
+@pytest.fixture
+def inline_writes(monkeypatch):
+    """The state file written in the event loop's thread, not a worker thread: under
+    the mock clock a worker thread's write lets trio time jump (to the next deadline,
+    a step's end) while it runs, so that the time a step has served would be
+    whatever the jumps made it. The atomic write itself is the same."""
+    import types
+
+    async def run_sync(fn, *args, **kwargs):
+        await trio.lowlevel.checkpoint()
+        return fn(*args)
+
+    shim = types.SimpleNamespace(**vars(trio))
+    shim.to_thread = types.SimpleNamespace(run_sync=run_sync)
+    monkeypatch.setattr(state_file, "trio", shim)
+
+
+async def through_first_step(rt) -> None:
+    """Step 1 of CANARY (share 0.5, 10 s, 2 answers): ended at 10 s."""
+    for i in range(4):
+        await rt.infer("m", one(i))
+    await trio.sleep(10)
+    await rt.infer("m", one(0))
+    assert rt.rollout_state("m")["step"] == 1
+
+
+async def test_a_restart_mid_step_resumes_that_step_with_its_time_served(
+    autojump_clock, tmp_path, inline_writes, caplog,
+):
+    path = tmp_path / "rollout.json"
+    caplog.set_level(logging.INFO, logger="trioserve")
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        await through_first_step(rt)
+        begun = recorded(path)["models"]["m"]  # written when the step began
+        await trio.sleep(6)
+        before = rt.rollout_state("m")
+    closed = recorded(path)["models"]["m"]  # and at the close
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        t0 = trio.current_time()
+        state = rt.rollout_state("m")
+        seen = await unversioned(rt, 4)  # the canary's answers: 3 of 4 at 0.75
+        await trio.sleep_until(t0 + 4 - 0.25)
+        going = rt.rollout_state("m")["state"]
+        await trio.sleep_until(t0 + 4)  # the 4 s left of the step's 10
+        await trio.testing.wait_all_tasks_blocked()
+        ended = rt.rollout_state("m")
+    assert {k: begun[k] for k in ("state", "step", "elapsed_s")} == {
+        "state": "canary", "step": 1, "elapsed_s": 0.0}
+    assert before["step_elapsed_s"] == 6.0
+    assert {k: closed[k] for k in ("state", "step", "elapsed_s")} == {
+        "state": "canary", "step": 1, "elapsed_s": 6.0}
+    assert (state["state"], state["step"], state["share"], state["restored"]) == (
+        "canary", 1, 0.75, "canary")
+    assert state["step_elapsed_s"] == 6.0
+    # the step's min_requests count afresh: its earlier answers were in memory
+    assert state["counts"]["2"]["ok"] == 0
+    assert seen == ["1", "2", "2", "2"]
+    assert going == "canary"
+    assert (ended["state"], ended["events"]["promoted"]) == ("promoted", 1)
+    said = [r.getMessage() for r in caplog.records if "as recorded in" in r.getMessage()]
+    assert said == [
+        f"model 'm': rollout: stable '1', canary '2' on trial at step 2 of 2 (0.75), "
+        f"6 s of it served as recorded in {path}"
+    ]
+
+
+async def test_paused_time_is_not_counted_in_the_time_served(
+    autojump_clock, tmp_path, inline_writes,
+):
+    path = tmp_path / "rollout.json"
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        await through_first_step(rt)
+        await trio.sleep(2)
+        rt.pause_rollout("m")
+        await trio.sleep(50)
+        paused = recorded(path)["models"]["m"]
+        rt.resume_rollout("m")
+        await rt._rollout_state.flush()
+        resumed = recorded(path)["models"]["m"]
+        await trio.sleep(3)
+    closed = recorded(path)["models"]["m"]
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        state = rt.rollout_state("m")
+    assert (paused["state"], paused["elapsed_s"]) == ("paused", 2.0)
+    assert (resumed["state"], resumed["elapsed_s"]) == ("canary", 2.0)
+    assert (closed["state"], closed["elapsed_s"]) == ("canary", 5.0)
+    assert (state["step"], state["step_elapsed_s"]) == (1, 5.0)
+
+
+async def test_a_trial_recorded_for_other_steps_starts_at_the_first_step(
+    autojump_clock, tmp_path, inline_writes, caplog,
+):
+    path = tmp_path / "rollout.json"
+    async with trioserve.open_runtime(kept(model(CANARY), path)) as rt:
+        await through_first_step(rt)
+    caplog.set_level(logging.INFO, logger="trioserve")
+    async with trioserve.open_runtime(
+        kept(model({**CANARY, "steps": [0.25, 0.5, 0.75]}), path)
+    ) as rt:
+        state = rt.rollout_state("m")
+    said = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert (state["state"], state["step"], state["restored"]) == ("canary", 0, None)
+    assert state["step_elapsed_s"] == 0.0
+    assert said == [
+        f"model 'm': rollout: the decision recorded in {path} is not used: its canary "
+        "was on trial at step 2 of steps [0.5, 0.75], the configuration's steps are now "
+        "[0.25, 0.5, 0.75]; it starts afresh"
+    ]
+
+
+async def test_a_file_of_the_earlier_format_still_loads(autojump_clock, tmp_path):
+    # written before a trial's progress was kept: no elapsed_s, no trial on record
+    path = tmp_path / "rollout.json"
+    m = model(CANARY)
+    fp = {v: state_file.version_fingerprint(m, v) for v in ("1", "2")}
+    path.write_text(json.dumps({"format": 1, "models": {"m": {
+        "state": "paused", "stable": "1", "canary": "2", "versions": fp,
+        "steps": [0.5, 0.75], "step": 1, "reason": None}}}))
+    async with trioserve.open_runtime(kept(m, path)) as rt:
+        state = rt.rollout_state("m")
+    assert (state["state"], state["step"], state["step_elapsed_s"], state["restored"]) == (
+        "paused", 1, 0.0, "paused")
