@@ -465,6 +465,16 @@ class PromotesARolledBackCanary(Rollout):
         return super().promote(now)
 
 
+class StartKeepsTheOldStable(Rollout):
+    """A trial the operator starts after a promotion runs against the last trial's
+    stable, not its promoted canary (which took every unversioned request)."""
+
+    def start(self, canary: str, rules: Any, now: float, *, operator: bool = True) -> list[Any]:
+        if self.state is trioserve.actors.RolloutState.PROMOTED and canary != self.stable:
+            self.state = trioserve.actors.RolloutState.ROLLED_BACK
+        return super().start(canary, rules, now, operator=operator)
+
+
 class PauseHoldsTheChecks(Rollout):
     """Paused, the outcomes are counted but no rule is checked: a breach waits for
     the resume."""
@@ -752,6 +762,12 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         attrs.evolve(
             PRODUCT, name="promote-after-rollback", rollout_class=PromotesARolledBackCanary
         ),
+        ("rollout",),
+    ),
+    "start-keeps-old-stable": (
+        "a trial started after a promotion runs against the old stable, not the promoted "
+        "canary",
+        attrs.evolve(PRODUCT, name="start-keeps-old-stable", rollout_class=StartKeepsTheOldStable),
         ("rollout",),
     ),
     "pause-holds-checks": (

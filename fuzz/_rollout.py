@@ -84,12 +84,13 @@ STABLE, CANARY, SHADOW = "1", "2", "3"
 expect("rollout", "step", "promoted", "rolled_back", "routed to canary",
        "shadow match", "shadow dropped", "operator promote", "operator rollback",
        "operator pause", "operator resume", "operator refused", "routed while paused",
-       "recorded while paused", "rolled_back while paused", "step due at a resume")
+       "recorded while paused", "rolled_back while paused", "step due at a resume",
+       "operator start", "routed in a started trial")
 #: The event each operator's action makes, and the state it moves to.
 OP_EVENT = {"promote": "promoted", "rollback": "rolled_back", "pause": "paused",
-            "resume": "resumed"}
+            "resume": "resumed", "start": "started"}
 OP_STATE = {"promote": "promoted", "rollback": "rolled_back", "pause": "paused",
-            "resume": "canary"}
+            "resume": "canary", "start": "canary"}
 
 
 class VersionModel(ModelBackend):
@@ -156,6 +157,12 @@ class RolloutRun:
     recorded: dict[tuple[str, bool | str], int] = attrs.Factory(dict)
     # the reference
     ref_state: str = "stable"
+    #: the trial's versions and steps (the configuration's, until the operator
+    #: starts a new trial)
+    ref_stable: str = STABLE
+    ref_canary: str = CANARY
+    ref_steps: tuple[float, ...] = ()
+    ref_trial_started: bool = False
     ref_step: int = 0
     ref_started: float = 0.0
     ref_routed: int = 0
@@ -173,7 +180,8 @@ class RolloutRun:
     op: ROp | None = None
     op_events: list[Any] = attrs.Factory(list)
     shadow_seen: int = 0
-    shadow_sent: list[int] = attrs.Factory(list)  # the input of each copy sent
+    #: the input of each copy sent, and the stable whose answer it copies
+    shadow_sent: list[tuple[int, str]] = attrs.Factory(list)
 
     def at(self, t: float) -> str:
         return f"tick {(t - self.t0) / TICK:g}"
@@ -185,8 +193,9 @@ class RolloutRun:
     def begin(self, now: float) -> None:
         sc = self.scenario
         self.ref_state = "canary" if sc.canary else "stable"
+        self.ref_steps = sc.steps
         self.ref_started = now
-        self.ref_counts = {STABLE: [0, 0, 0], CANARY: [0, 0, 0]}
+        self.ref_counts = {self.ref_stable: [0, 0, 0], self.ref_canary: [0, 0, 0]}
 
     @property
     def on_trial(self) -> bool:
@@ -195,19 +204,22 @@ class RolloutRun:
 
     def share(self) -> Fraction:
         if self.on_trial:  # a pause holds the step's share
-            return Fraction(repr(self.scenario.steps[self.ref_step]))
+            return Fraction(repr(self.ref_steps[self.ref_step]))
         return Fraction(1) if self.ref_state == "promoted" else Fraction(0)
 
     def expected_route(self) -> str:
         if self.ref_state == "promoted":
-            return CANARY
+            return self.ref_canary
         if not self.on_trial:
-            return STABLE
+            return self.ref_stable
         if self.ref_state == "paused":
             note("rollout", "routed while paused")
+        if self.ref_trial_started:
+            note("rollout", "routed in a started trial")
         self.ref_routed += 1
         n, s = self.ref_routed, self.share()
-        return CANARY if math.floor(n * s) > math.floor((n - 1) * s) else STABLE
+        due = math.floor(n * s) > math.floor((n - 1) * s)
+        return self.ref_canary if due else self.ref_stable
 
     def _answers(self, version: str) -> int:
         ok, errors, _ = self.ref_counts[version]
@@ -215,8 +227,9 @@ class RolloutRun:
 
     def _error_breach(self) -> bool:
         sc = self.scenario
-        _, errors, _ = self.ref_counts[CANARY]
-        return errors > sc.max_error_rate * max(self._answers(CANARY), sc.min_requests)
+        _, errors, _ = self.ref_counts[self.ref_canary]
+        answers = self._answers(self.ref_canary)
+        return errors > sc.max_error_rate * max(answers, sc.min_requests)
 
     def _late_breach(self) -> bool:
         """The stable has min_requests outcomes (answers and late) and the canary's
@@ -224,7 +237,7 @@ class RolloutRun:
         then), exceeds the stable's by more than max_error_rate (the rate as
         written, compared exactly)."""
         sc = self.scenario
-        c, s = self.ref_counts[CANARY], self.ref_counts[STABLE]
+        c, s = self.ref_counts[self.ref_canary], self.ref_counts[self.ref_stable]
         if sum(s) < sc.min_requests or c[2] == 0:
             return False
         return (Fraction(c[2], max(sum(c), sc.min_requests)) - Fraction(s[2], sum(s))
@@ -239,7 +252,7 @@ class RolloutRun:
         sc = self.scenario
         return (self.ref_state == "canary"
                 and now - self.ref_started >= sc.step_s * TICK
-                and self._answers(CANARY) >= sc.min_requests)
+                and self._answers(self.ref_canary) >= sc.min_requests)
 
     def on_record(self, version: str, ok: bool | str) -> None:
         """An outcome recorded for ``version``: ok, an error (False) or "late"."""
@@ -249,8 +262,8 @@ class RolloutRun:
             if self.ref_state == "paused":
                 note("rollout", "recorded while paused")
             self.ref_counts[version][2 if ok == "late" else 0 if ok else 1] += 1
-            if (version == CANARY and self.ref_reached_at is None
-                    and self._answers(CANARY) >= self.scenario.min_requests):
+            if (version == self.ref_canary and self.ref_reached_at is None
+                    and self._answers(self.ref_canary) >= self.scenario.min_requests):
                 self.ref_reached_at = trio.current_time()
 
     def on_events(self, events: list[Any]) -> None:
@@ -271,11 +284,12 @@ class RolloutRun:
                 self.fail("rollout", f"{what}, but the operator paused it at "
                           f"{self.at(self.ref_paused_at or 0.0)}: no step ends while paused")
                 continue
-            c_ok, c_err, c_late = self.ref_counts[CANARY]
+            c_ok, c_err, c_late = self.ref_counts[self.ref_canary]
             figures = (f"step {self.ref_step} began at {self.at(self.ref_started)}, the "
                        f"canary answered {c_ok} ok and {c_err} errors in it and {c_late} "
                        f"were late, stable [ok, errors, late] "
-                       f"{self.ref_counts[STABLE]}; step_s {sc.step_s} ticks, min_requests "
+                       f"{self.ref_counts[self.ref_stable]}; step_s {sc.step_s} ticks, "
+                       "min_requests "
                        f"{sc.min_requests}, max_error_rate {sc.max_error_rate:g}")
             if e.kind in ("step", "promoted"):
                 if not self._ending(now) or self._breach():
@@ -288,10 +302,10 @@ class RolloutRun:
                     if now != due:
                         self.fail("rollout", f"{what}: it was due at {self.at(due)} "
                                   f"({figures})")
-                last = self.ref_step + 1 >= len(sc.steps)
+                last = self.ref_step + 1 >= len(self.ref_steps)
                 if (e.kind == "promoted") != last:
                     self.fail("rollout", f"{what} at step {self.ref_step} of "
-                              f"{len(sc.steps)}")
+                              f"{len(self.ref_steps)}")
                 if e.kind == "promoted":
                     self.ref_state = "promoted"
                     if e.share != 1.0:
@@ -301,10 +315,10 @@ class RolloutRun:
                 self.ref_started = now
                 self.ref_routed = 0
                 self.ref_reached_at = self.ref_resumed_at = None
-                self.ref_counts = {STABLE: [0, 0, 0], CANARY: [0, 0, 0]}
+                self.ref_counts = {self.ref_stable: [0, 0, 0], self.ref_canary: [0, 0, 0]}
                 if e.step != self.ref_step or e.share != float(self.share()):
                     self.fail("rollout", f"{what}: expected step {self.ref_step} at share "
-                              f"{sc.steps[self.ref_step]:g} (steps {sc.steps})")
+                              f"{self.ref_steps[self.ref_step]:g} (steps {self.ref_steps})")
             elif e.kind == "rolled_back":
                 reason = e.reason or ""
                 note("rollout", f"rolled_back for {reason.split(':')[0]}")
@@ -315,7 +329,8 @@ class RolloutRun:
                     if not self._late_breach():
                         self.fail("rollout", f"{what}: the late rule holds ({figures})")
                 elif reason.startswith("latency"):
-                    if min(self._answers(v) for v in (STABLE, CANARY)) < sc.min_requests:
+                    both = (self.ref_stable, self.ref_canary)
+                    if min(self._answers(v) for v in both) < sc.min_requests:
                         self.fail("rollout", f"{what}: a version has fewer than "
                                   f"min_requests answers ({figures})")
                 else:
@@ -342,10 +357,15 @@ class RolloutRun:
                       f"made {len(self.op_events)} events, one expected")
             return
         why = self.refusal(op.action)
+        if op.action == "start" and why is None:
+            why = self.invalid_start(op)
         if why is not None:
             return  # reported once the action returns
         if e.kind != OP_EVENT[op.action]:
             self.fail("rollout", f"{what}: the operator asked {op.action}")
+        if op.action == "start":
+            self._on_started(e, op, what)
+            return
         want_reason = (op.reason or "operator") if op.action == "rollback" else None
         if e.reason != want_reason:
             self.fail("rollout", f"{what}: the operator's {op.action} gave reason "
@@ -367,9 +387,41 @@ class RolloutRun:
         if e.share != float(self.share()):
             self.fail("rollout", f"{what}: the share after it is {float(self.share()):g}")
 
+    def _on_started(self, e: Any, op: ROp, what: str) -> None:
+        """A new trial of ``op.canary`` against the version taking every unversioned
+        request (the promoted canary, else the stable), at its first step."""
+        target = self.ref_canary if self.ref_state == "promoted" else self.ref_stable
+        assert op.canary is not None
+        self.ref_stable, self.ref_canary = target, op.canary
+        self.ref_steps = op.steps if op.steps is not None else self.scenario.steps
+        self.ref_state = "canary"
+        self.ref_trial_started = True
+        self.ref_step = 0
+        self.ref_started = e.at
+        self.ref_routed = 0
+        self.ref_paused_at = self.ref_reached_at = self.ref_resumed_at = None
+        self.ref_counts = {self.ref_stable: [0, 0, 0], self.ref_canary: [0, 0, 0]}
+        if e.step != 0 or e.share != float(self.share()) or e.reason is not None:
+            self.fail("rollout", f"{what}: a trial started is at its first step, share "
+                      f"{float(self.share()):g}, no reason")
+
+    def invalid_start(self, op: ROp) -> str | None:
+        """Why a start's canary is refused as invalid input (the state allowing
+        it), or None: the stable it would run against, or the shadow."""
+        target = self.ref_canary if self.ref_state == "promoted" else self.ref_stable
+        if op.canary == target:
+            return "the canary is the stable"
+        if self.scenario.shadow and op.canary == SHADOW:
+            return "the canary is the shadow"
+        return None
+
     def refusal(self, action: str) -> str | None:
         """Why the rollout's state (the reference's) does not allow the operator's
         ``action`` (docs/rollout.md), or None."""
+        if action == "start":
+            if self.on_trial:
+                return f"a canary is on trial ({self.ref_state})"
+            return None
         if self.ref_state == "stable":
             return "it has no canary"
         if self.ref_state in ("promoted", "rolled_back"):
@@ -389,13 +441,23 @@ class RolloutRun:
         now = trio.current_time()
         what = f"at {self.at(now)} the operator's {op.action}" + (
             f" (reason {op.reason!r})" if op.action == "rollback" else "")
-        invalid = op.action == "rollback" and not op.reason
-        why = "an empty reason" if invalid else self.refusal(op.action)
+        why = self.refusal(op.action)
+        invalid = False
+        if op.action == "rollback" and not op.reason:
+            invalid, why = True, "an empty reason"
+        elif op.action == "start" and why is None:
+            # (the state first: a start while on trial is refused, whatever its canary)
+            bad = self.invalid_start(op)
+            if bad is not None:
+                invalid, why = True, bad
         before = (self.ref_state, self.ref_step, float(self.share()))
         self.op, self.op_events = op, []
         try:
             if op.action == "rollback":
                 state = rt.rollback("m", op.reason)
+            elif op.action == "start":
+                rule = {"steps": list(op.steps)} if op.steps is not None else {}
+                state = rt.start_rollout("m", canary=op.canary, **rule)
             else:
                 state = {"promote": rt.promote, "pause": rt.pause_rollout,
                          "resume": rt.resume_rollout}[op.action]("m")
@@ -442,15 +504,16 @@ class RolloutRun:
         if self.on_trial:
             if self._breach():
                 self.fail("rollout", f"at {self.at(now)} the canary's outcomes "
-                          f"{self.ref_counts[CANARY]} (ok, errors, late) in step "
-                          f"{self.ref_step}, stable's {self.ref_counts[STABLE]}, are past "
+                          f"{self.ref_counts[self.ref_canary]} (ok, errors, late) in step "
+                          f"{self.ref_step}, stable's {self.ref_counts[self.ref_stable]}, are "
+                          "past "
                           f"max_error_rate {self.scenario.max_error_rate:g} (min_requests "
                           f"{self.scenario.min_requests}), still on trial "
                           f"({self.ref_state})")
             elif self._ending(now):
                 self.fail("rollout", f"at {self.at(now)} step {self.ref_step} (began at "
                           f"{self.at(self.ref_started)}) lasted step_s and the canary "
-                          f"answered {self._answers(CANARY)} in it, still on trial")
+                          f"answered {self._answers(self.ref_canary)} in it, still on trial")
         self.compare(rollout, now)
 
     def compare(self, rollout: Any, now: float) -> None:
@@ -480,7 +543,8 @@ def controller_class(base: type, run: RolloutRun) -> type:
                 run.fail("split", f"at {run.at(now)} a request outside a caller was routed")
             else:
                 run.routed.setdefault(call, []).append(version)
-                note("rollout", f"routed to {'canary' if version == CANARY else 'stable'}")
+                note("rollout", f"routed to "
+                     f"{'canary' if version == run.ref_canary else 'stable'}")
             if version != expected:
                 run.fail("split", f"at {run.at(now)} call #{call}'s item was routed to "
                          f"version {version}, the counter rule says {expected} ({run.ref_state}"
@@ -507,7 +571,7 @@ def controller_class(base: type, run: RolloutRun) -> type:
                 run.shadow_seen += 1
                 share = Fraction(repr(run.scenario.shadow_share))
                 if math.floor(run.shadow_seen * share) > len(run.shadow_sent):
-                    run.shadow_sent.append(int(np.asarray(inputs["x"])[0]))
+                    run.shadow_sent.append((int(np.asarray(inputs["x"])[0]), version))
             super().shadow_copy(version, inputs, result, tenant)
             used = self._send.statistics().current_buffer_used
             if used > run.scenario.shadow_queue:
@@ -677,10 +741,14 @@ def _check_end(run: RolloutRun, rt: trioserve.Runtime) -> None:
                      f"{sc.shadow_share:g} of {run.shadow_seen} stable answers), counted "
                      f"{ran}")
         elif not ran["dropped"]:
+            # the shadow answers as stable 1 does on even inputs: a copy of another
+            # stable's answer (a trial started after a promotion) never matches
+            same = [x not in sc.shadow_bad and _tag(SHADOW, x) == v for x, v in sent]
+            errors = sum(1 for x, _ in sent if x in sc.shadow_bad)
             want = {
-                "match": sum(1 for x in sent if x not in sc.shadow_bad and x % 2 == 0),
-                "mismatch": sum(1 for x in sent if x not in sc.shadow_bad and x % 2),
-                "error": sum(1 for x in sent if x in sc.shadow_bad),
+                "match": sum(same),
+                "mismatch": len(sent) - sum(same) - errors,
+                "error": errors,
                 "dropped": 0,
             }
             if ran != want:

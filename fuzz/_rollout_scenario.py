@@ -34,18 +34,22 @@ class RCall:
 
 
 #: The operator's actions (docs/rollout.md), as the runtime's methods name them.
-ACTIONS = ("promote", "rollback", "pause", "resume")
+ACTIONS = ("promote", "rollback", "pause", "resume", "start")
 
 
 @attrs.frozen(kw_only=True)
 class ROp:
     """The operator's ``action`` at ``at`` (ticks): promote, rollback (for ``reason``;
-    an empty one is refused as invalid input), pause or resume, through the runtime's
+    an empty one is refused as invalid input), pause, resume, or start (a new trial
+    of ``canary``, with ``steps`` of its own or the configuration's; the stable or
+    the shadow as its canary is refused as invalid input), through the runtime's
     public methods, whether the rollout's state allows it or not."""
 
     at: int = 0
     action: str = attrs.field(default="pause", validator=attrs.validators.in_(ACTIONS))
     reason: str | None = None
+    canary: str | None = None
+    steps: tuple[float, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -78,12 +82,16 @@ class RolloutScenario:
 
 # ---------------------------------------------------------------- strategies
 def _timed_ops(ops: list[ROp]) -> tuple[ROp, ...]:
-    """The operator's actions at the sums of their gaps; a reason only for a rollback."""
+    """The operator's actions at the sums of their gaps; a reason only for a rollback,
+    a canary and steps only for a start."""
     at, timed = 0, []
     for op in ops:
         at += op.at
-        timed.append(attrs.evolve(op, at=at, reason=op.reason if op.action == "rollback"
-                                  else None))
+        start = op.action == "start"
+        timed.append(attrs.evolve(
+            op, at=at, reason=op.reason if op.action == "rollback" else None,
+            canary=op.canary if start else None, steps=op.steps if start else None,
+        ))
     return tuple(timed)
 
 
@@ -110,12 +118,16 @@ _SHADOW_BAD = st.sampled_from([(), (), (5,)])
 _TIMEOUT = st.sampled_from([None, None, None, 1, 2, 4, 8])
 # Pauses and resumes most, so that pauses of every length hold steps (and a resume
 # meets a step already long enough); a promote or rollback ends the trial, and
-# later actions are refused.
+# later actions are refused, but a start (of any version: the stable's and the
+# shadow's are refused) begins a new one.
 _OP = st.builds(
     ROp,
     at=st.sampled_from([0, 1, 2, 4, 4, 8, 8, 16, 32]),
-    action=st.sampled_from(["pause", "pause", "resume", "resume", "promote", "rollback"]),
+    action=st.sampled_from(["pause", "pause", "resume", "resume", "promote", "rollback",
+                            "start", "start"]),
     reason=st.sampled_from(["operator", "operator", "error rate: by hand", ""]),
+    canary=st.sampled_from(["1", "2", "3", "3"]),
+    steps=st.sampled_from([None, None, (0.5,), (0.25, 1.0)]),
 )
 _OPS = st.lists(_OP, max_size=5).map(_timed_ops)
 

@@ -40,6 +40,7 @@ TEST_SEEDS = {
     "pause-holds-checks": 1,
     "split-call-item-by-item": 2,
     "unload-before-drained": 1,
+    "start-keeps-old-stable": 2,
 }
 
 

@@ -1,16 +1,21 @@
 """The operator's actions on a model's rollout (docs/rollout.md): read its state,
 promote or roll back its canary, pause and resume it, as Argo Rollouts' promote,
-abort, pause and resume do. Each is immediate: none is a checkpoint."""
+abort, pause and resume do, and start a new trial once the last one ended. Each is
+immediate: none is a checkpoint."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._config_checks import _key
+import attrs
+
+from ._config_checks import _key, _shown
 from ._errors import ConfigError, InvalidInput
 
 #: The longest reason a rollback by the operator may give (it is logged and kept).
 MAX_REASON = 1024
+#: The rollout's rule keys a started trial may override (``[models.NAME.rollout]``'s).
+START_RULES = ("steps", "step_s", "min_requests", "max_error_rate", "max_latency_ratio")
 
 
 class _RolloutOps:
@@ -64,6 +69,52 @@ class _RolloutOps:
         answers). Returns the new state. Raises as :meth:`promote`, and ConfigError
         when it is not paused."""
         return self._operate(model, "resume")
+
+    def start_rollout(self, model: str, *, canary: str, **rule: Any) -> dict[str, Any]:
+        """Begin a new trial of ``model``'s version ``canary`` now, at its first step,
+        against the version taking every unversioned request (the last trial's
+        canary if it was promoted, else its stable), under the configuration's rule
+        keys overridden by ``rule`` (``steps``, ``step_s``, ``min_requests``,
+        ``max_error_rate``, ``max_latency_ratio``, checked as the configuration's
+        are). Allowed once the last trial ended (promoted or rolled back) or when
+        the rollout has no canary. Returns the new state (as :meth:`rollout_state`).
+        Raises as :meth:`rollout_state`; ConfigError while a canary is on trial
+        (paused or not); then InvalidInput for a ``canary`` that is not one of the
+        model's versions, is that stable or the rollout's shadow, or a rule key or
+        value the configuration would refuse."""
+        controller = self._rollout_of(model)
+        r = controller.rollout
+        why = r.refusal("start")
+        if why is not None:
+            raise ConfigError(f"model {model!r}: cannot start a rollout: {why}")
+
+        def bad(what: str) -> InvalidInput:
+            return InvalidInput(f"model {model!r}: cannot start a rollout: {what}")
+
+        if not isinstance(canary, str):
+            raise bad(f"canary must be a version's name (a string), got {_shown(canary)}")
+        versions = controller.versions
+        if canary not in versions:
+            raise bad(f"canary {canary!r} is not one of the model's versions "
+                      f"({', '.join(versions)})")
+        stable = r.target()
+        if canary == stable:
+            raise bad(f"canary {canary!r} is the stable version (the one taking every "
+                      "unversioned request now); name another version")
+        if canary == controller.shadow:
+            raise bad(f"canary {canary!r} is the rollout's shadow; name another version")
+        unknown = sorted(set(rule) - set(START_RULES))
+        if unknown:
+            raise bad(f"unknown key {unknown[0]!r}; a start may give canary, "
+                      f"{', '.join(START_RULES)}")
+        try:
+            checked = attrs.evolve(controller.config, stable=stable, canary=canary, **rule)
+        except ConfigError as exc:  # the configuration's own words: rollout.KEY: ...
+            raise bad(str(exc)) from None
+        from trioserve.actors import RolloutRules
+
+        controller.start(canary, RolloutRules(**{k: getattr(checked, k) for k in START_RULES}))
+        return controller.statistics()
 
     def _operate(self, model: str, action: str, reason: str | None = None) -> dict[str, Any]:
         controller = self._rollout_of(model)

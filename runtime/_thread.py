@@ -121,6 +121,15 @@ class Client:
         state."""
         return self._call(self._read, "resume_rollout", model)
 
+    def start_rollout(self, model: str, *, canary: str, **rule: Any) -> dict[str, Any]:
+        """``Runtime.start_rollout()``: begin a new trial of ``canary`` (with
+        ``rule``'s overrides of the rollout's rule keys); its new state."""
+        return self._call(self._start_rollout, model, canary, rule)
+
+    async def _start_rollout(self, model: str, canary: str, rule: dict[str, Any]) -> Any:
+        self._check_open()
+        return self.runtime.start_rollout(model, canary=canary, **rule)
+
     # ---- trio side
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
