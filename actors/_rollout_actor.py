@@ -38,7 +38,7 @@ import numpy as np
 import trio
 from trioserve import Actor, ConfigError, Overloaded, TrioserveError
 
-from ._rollout import Rollout, RolloutEvent, RolloutState
+from ._rollout import Rollout, RolloutEvent, RolloutRules, RolloutState
 
 log = logging.getLogger("trioserve")
 
@@ -200,16 +200,16 @@ class RolloutController(Actor):
             events = getattr(r, action)(now)
         self._apply(events)
 
-    def start(self, canary: str, rules: Any) -> None:
-        """The operator starts a new trial of ``canary`` under ``rules`` (a
-        ``RolloutRules``) against the version taking every unversioned request now
+    def start(self, canary: str, rules: dict[str, Any]) -> None:
+        """The operator starts a new trial of ``canary`` under ``rules`` (the
+        ``RolloutRules``' keys, checked) against the version taking every unversioned request now
         (``Rollout.start``). Not a checkpoint. ConfigError while a canary is on
         trial (paused or not); the caller checks ``canary`` is one of the model's
         versions, not that stable, not the shadow."""
         why = self.rollout.refusal("start")
         if why is not None:
             raise ConfigError(f"model {self.model!r}: cannot start a rollout: {why}")
-        self._apply(self.rollout.start(canary, rules, trio.current_time()))
+        self._apply(self.rollout.start(canary, RolloutRules(**rules), trio.current_time()))
 
     def keep_progress(self) -> None:
         """Hand a canary on trial's progress (its step, the time served in it) to

@@ -111,9 +111,7 @@ class _RolloutOps:
             checked = attrs.evolve(controller.config, stable=stable, canary=canary, **rule)
         except ConfigError as exc:  # the configuration's own words: rollout.KEY: ...
             raise bad(str(exc)) from None
-        from trioserve.actors import RolloutRules
-
-        controller.start(canary, RolloutRules(**{k: getattr(checked, k) for k in START_RULES}))
+        controller.start(canary, {k: getattr(checked, k) for k in START_RULES})
         return controller.statistics()
 
     def _operate(self, model: str, action: str, reason: str | None = None) -> dict[str, Any]:
