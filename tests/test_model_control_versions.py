@@ -367,7 +367,7 @@ async def test_a_rollout_starts_afresh_on_each_load_and_stops_cleanly_on_unload(
         assert (r["state"], r["step"], r["share"]) == ("canary", 0, 0.5)
         assert all(c["ok"] == c["errors"] == c["late"] == 0 for c in r["counts"].values())
         assert r["events"] == {"step": 0, "promoted": 0, "rolled_back": 0, "paused": 0,
-                               "resumed": 0}
+                               "resumed": 0, "started": 0}
         # the operator acts on the loaded copy's rollout, not the one replaced
         assert rt.pause_rollout("m")["state"] == "paused"
         assert rt.resume_rollout("m")["state"] == "canary"
