@@ -13,7 +13,7 @@ async def test_the_rollout_scenario_passes(autojump_clock):
     assert res["checks"], res
     assert all(res["checks"].values()), format_result({"scenario": "rollout", **res})
     assert res["good_canary"]["events"] == {
-        "step": 1, "promoted": 1, "rolled_back": 0, "paused": 0, "resumed": 0,
+        "step": 1, "promoted": 1, "rolled_back": 0, "paused": 0, "resumed": 0, "started": 0,
     }
     assert res["bad_canary"]["reason"].startswith("error rate: ")
     assert res["shadow"]["shadow"]["dropped"] == 0
