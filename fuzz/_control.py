@@ -3,8 +3,9 @@ unload / reload storms interleaved with traffic, through ``open_runtime`` under
 MockClock.
 
 A scenario serves model ``m`` (``server.model_control = "explicit"``, loaded at start
-or not, one or two replicas, a latency per batch) to callers arriving at random times
-(``infer`` / ``infer_batch``, each item a distinct input the model echoes), while
+or not, one or two replicas, a latency per batch, a load of 0 to 3 ticks per replica)
+to callers arriving at random times (``infer`` / ``infer_batch``, each item a
+distinct input the model echoes), while
 ``load_model`` and ``unload_model`` are asked at random times (a load of a loaded
 model is a reload). In some scenarios the tenant has credits and its class waits for
 them: a caller looks the model up, waits for its credits, and only then submits, so
@@ -19,9 +20,10 @@ to the new copy's, or to the stand-in's refusal). The checks:
   it, which the request looked up or was handed to; the model's state moves are a
   legal lifecycle path, and exactly the moves of the loads and unloads in the order
   asked (two loads asked while one is under way share it, and two unloads; an
-  unload asked right after the model's first load abandons it: one under way moves
-  to UNLOADING then UNAVAILABLE, one still waiting for its turn never moves, and
-  only such loads raise, ModelLoadError); when an
+  unload asked right after a load still to end abandons it: the model's first load
+  under way moves to UNLOADING then UNAVAILABLE, a reload under way back to READY
+  (the loaded copy, which the unload then unloads), one still waiting for its turn
+  never moves, and only such loads raise, ModelLoadError, each of them); when an
   unload ends (``unloaded``), no replica of the model is left running, of the copy
   unloaded nor of one an earlier reload replaced.
 - ``leak``: no task outlives the runtime.
@@ -52,7 +54,7 @@ HORIZON_S = 3600.0
 X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
 
 expect("control", "reload", "load", "unload", "not loaded", "handed over", "versions",
-       "abandoned")
+       "abandoned", "reload abandoned")
 
 
 # ---------------------------------------------------------------- the script
@@ -80,6 +82,9 @@ class ControlScenario:
     replicas: int = 1
     max_batch_size: int = 2
     latency: int = 1  # ticks per batch
+    #: ticks a replica's model takes to load (0: one checkpoint), so that an op may
+    #: be asked while a load, or a reload, is under way
+    load_ticks: int = 0
     calls: tuple[CCall, ...] = ()
     ops: tuple[Op, ...] = ()
     #: the tenant's credits per tick (None: unlimited); its class waits for them
@@ -110,6 +115,7 @@ def control_scenarios(draw: st.DrawFn) -> ControlScenario:
         replicas=draw(st.integers(1, 2)),
         max_batch_size=draw(st.integers(1, 3)),
         latency=draw(st.sampled_from([0, 1, 2, 4])),
+        load_ticks=draw(st.sampled_from([0, 0, 1, 3])),
         calls=tuple(calls),
         ops=tuple(ops),
         credit_per_tick=draw(st.sampled_from([None, None, 0.25, 0.5, 1.0])),
@@ -179,20 +185,20 @@ class ControlRun:
         return self.pending[-1]
 
     def _overtaken(self) -> None:
-        """An unload asked right after a load still to end: the model's first load
-        is abandoned (a reload is not). One waiting for its turn (after an unload,
-        or with no copy loaded) never moves; one under way moves to UNLOADING at
-        once, then UNAVAILABLE."""
+        """An unload asked right after a load still to end abandons it, the model's
+        first load or a reload. One waiting for its turn never moves; a first load
+        under way moves to UNLOADING at once, then UNAVAILABLE; a reload under way
+        moves back to READY at once (the loaded copy serves until the unload's
+        turn, which unloads it)."""
         load = self.pending[-1]
         if load == ["load"]:  # its turn has not come
-            if len(self.pending) > 1 or not self.loaded:
-                self.pending.pop()
-                self.abandoned.append(load)
-                note("control", "abandoned")
-        elif len(self.pending) == 1 and self.state == "LOADING":
+            self.pending.pop()
+        elif self.state == "LOADING":  # under way: the model's first load
             load[:] = ["", "UNLOADING", "UNAVAILABLE"]
-            self.abandoned.append(load)
-            note("control", "abandoned")
+        else:  # a reload under way: its move still due is READY, as if it had ended
+            note("control", "reload abandoned")
+        self.abandoned.append(load)
+        note("control", "abandoned")
 
     def moved(self, state: str, reason: str) -> None:
         self.moves.append((state, reason))
@@ -274,7 +280,7 @@ def batcher_class(base: type, run: ControlRun) -> type:
             # the model loads inline: a thread hop under the autojumping clock would
             # let trio time run to the end of the scenario while it loads
             async def inline() -> Any:
-                await trio.lowlevel.checkpoint()
+                await trio.sleep(run.scenario.load_ticks * TICK)
                 return self._load_in_thread()
 
             return await super()._load(inline)
@@ -305,6 +311,9 @@ def control_class(base: type, run: ControlRun) -> type:
                     run.fail("control", f"at {run.at()} a load raised {exc!r}; the ops "
                              "asked do not abandon it")
                 raise
+            if any(op is o for o in run.abandoned):
+                run.fail("control", f"at {run.at()} a load returned (loaded); an unload "
+                         "asked before it ended abandons it")
 
         async def unload(self, model: str) -> None:
             run.asked(False)

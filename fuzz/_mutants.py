@@ -512,6 +512,17 @@ class UnloadsBeforeTheReplacedCopyDrained(ModelControl):
         await super()._unload(entry, op, turn)
 
 
+class UnloadWaitsForAReload(ModelControl):
+    """An unload asked while a reload is under way waits for it (and unloads the
+    copy it loaded) instead of abandoning it, as the rule was before: the reload's
+    callers are answered as if no unload had been asked."""
+
+    def _abandon(self, entry: Any, op: Any) -> None:
+        if op.scope is not None and entry.copy is not None:  # a reload under way
+            return
+        super()._abandon(entry, op)
+
+
 class HandOverDropsTheQueued(SchedulerActor):
     """A hand-over (reload, unload) drops the batch queued at the swap: taken from
     the queue, never run nor answered."""
@@ -795,6 +806,13 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         attrs.evolve(
             PRODUCT, name="unload-before-drained",
             control_class=UnloadsBeforeTheReplacedCopyDrained,
+        ),
+        ("control",),
+    ),
+    "unload-waits-for-reload": (
+        "an unload waits for a reload under way instead of abandoning it",
+        attrs.evolve(
+            PRODUCT, name="unload-waits-for-reload", control_class=UnloadWaitsForAReload,
         ),
         ("control",),
     ),

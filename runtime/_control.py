@@ -40,14 +40,14 @@ other kind was asked after it (load, unload, load ends loaded). Each runs as a t
 of the control's nursery, so a caller that leaves (cancelled) does not cut it short,
 and the runtime's shutdown cancels it cleanly: its callers get ActorClosed.
 
-An unload asked right after the model's first load (no copy serves), under way or
-waiting for its turn, abandons it, as Triton cancels a load on an unload, instead
-of waiting for it: its callers get ModelLoadError at once, what it started is
-cancelled (a load in a worker thread runs on, and its model is dropped when the
-thread returns, never installed), and the unload ends once that has stopped.
-So are the loads of other configurations asked after that first load and before
-the unload (they would reload a copy never installed). A reload is waited for, and
-the loads asked after it (reloads too).
+An unload asked right after loads still to end (under way, or waiting for their
+turn) abandons them, as Triton cancels a load on an unload, instead of waiting for
+them (a load that hangs is bounded only by ``load_timeout_s``): their callers get
+ModelLoadError at once, what the one under way started is cancelled (a load in a
+worker thread runs on, and its model is dropped when the thread returns, never
+installed). The model's first load is abandoned so, and a reload too: the copy
+that served meanwhile serves on until the unload's turn, which then unloads it as
+any unload does (its drain bounded by ``runtime.unload_timeout_s``).
 """
 
 from __future__ import annotations
@@ -110,20 +110,24 @@ class _Op:
     config: ModelConfig | None = None
     #: set when the one asked before it has ended (its turn may come)
     after: trio.Event | None = None
+    #: a load: set when its turn has ended (the next one asked may run); an unload
+    #: that abandons it under way sets it at once (what it started stops meanwhile,
+    #: never installed)
+    ends: trio.Event | None = None
     #: its turn has come
     began: bool = False
     #: a load abandoned by an unload asked after it (``ModelControl._abandon``):
     #: its callers were answered; nothing it started is ever installed
     abandoned: bool = False
-    #: a first load under way (no copy serves): the scope of what it started,
-    #: which an unload asked meanwhile cancels
+    #: a load under way: the scope of what it starts, which an unload asked
+    #: meanwhile cancels; None again once its start has ended
     scope: trio.CancelScope | None = None
     #: a load: set once its task has ended (what it started has stopped)
     settled: trio.Event = attrs.Factory(trio.Event)
     #: an unload: the loads it abandoned, whose end it waits for
     abandoned_loads: list[_Op] = attrs.Factory(list)
     #: the load or unload asked just before it (``_Entry.last`` then), while it is
-    #: still to end: an unload follows it back to the model's first load
+    #: still to end: an unload follows it back to the loads it abandons
     before: _Op | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -324,7 +328,7 @@ class ModelControl:
         Cancelling it leaves the load under way (its outcome is the model's state).
         Raises UnknownModel, ConfigError (a ``config`` refused: nothing is loaded),
         ModelLoadError (the model kept what it had: a reload's old copy serves on;
-        or an unload asked after the model's first load abandoned it), ActorClosed."""
+        or an unload asked before it ended abandoned it), ActorClosed."""
         entry = self._entry(model)
         nursery = self._ready_nursery()
         if triton_shaped(config):  # Triton's model configuration, as its config gives it
@@ -336,7 +340,7 @@ class ModelControl:
             plan = self._prepare(wanted)  # ConfigError: nothing started
             op = entry.loading = entry.last = _Op(config=wanted, before=entry.last)
             turn = entry.take_turn()
-            op.after = turn[0]
+            op.after, op.ends = turn
             nursery.start_soon(self._load, entry, op, turn, plan)
         await op.wait()
 
@@ -359,7 +363,7 @@ class ModelControl:
                                    "meanwhile)")
                     else:
                         entry.move(ModelState.LOADING, "loading")
-                        op.scope = nursery.cancel_scope  # an unload may abandon it
+                    op.scope = nursery.cancel_scope  # an unload may abandon it
                     try:
                         started = await self._start_copy(
                             nursery, plan, old.started if old is not None else rt.models[name],
@@ -440,20 +444,17 @@ class ModelControl:
     async def unload(self, model: str) -> None:
         """Unload ``model``: new requests are refused at once (UnknownModel), those
         admitted are answered, then its replicas are released; return then. A model
-        not loaded: nothing to do. The model's first load, under way or waiting for
-        its turn, is abandoned, not waited for (:meth:`_abandon`), and so are the
-        loads of other configurations asked after it (:func:`_first_loads`); a
-        reload, and the loads asked after it, are waited for. A checkpoint;
+        not loaded: nothing to do. The loads asked just before it and still to end,
+        under way or waiting for their turn, are abandoned, not waited for
+        (:meth:`_abandon`, :func:`_loads_before`): the model's first load, or a
+        reload (the copy that served meanwhile is then unloaded). A checkpoint;
         cancelling it leaves the unload under way. Raises UnknownModel,
         ActorClosed."""
         entry = self._entry(model)
         nursery = self._ready_nursery()
         op = entry.unloading
         if op is None or op is not entry.last:
-            # The loads asked just before it, still to end, if the first of them is
-            # the model's first load, are abandoned; a reload ends first (the loaded
-            # copy serves meanwhile), and those asked after it, then the unload runs.
-            loads = _first_loads(entry)
+            loads = _loads_before(entry)
             op = entry.unloading = entry.last = _Op(before=entry.last)
             for load in loads:
                 self._abandon(entry, load)
@@ -462,13 +463,14 @@ class ModelControl:
         await op.wait()
 
     def _abandon(self, entry: _Entry, op: _Op) -> None:
-        """Abandon ``op``, the model's first load or a load asked after it, an unload
-        having been asked after it (as Triton cancels a load on an unload): its
-        callers get ModelLoadError at once, and what it started is cancelled, the
-        model UNLOADING until it has stopped (a replica's worker process is stopped;
-        a load in a worker thread cannot be stopped: its model, when the thread
-        returns, is dropped, never installed). One whose turn has not come is not
-        started at all. Not a checkpoint."""
+        """Abandon ``op``, a load still to end, an unload having been asked after it
+        (as Triton cancels a load on an unload): its callers get ModelLoadError at
+        once, and what it started is cancelled (a replica's worker process is
+        stopped; a load in a worker thread cannot be stopped: its model, when the
+        thread returns, is dropped, never installed). The model's first load leaves
+        the model UNLOADING until that has stopped; a reload leaves it READY, the
+        copy that served meanwhile serving on until the unload's turn. One whose
+        turn has not come is not started at all. Not a checkpoint."""
         name = entry.config.name
         op.abandoned = True
         if entry.loading is op:
@@ -483,7 +485,14 @@ class ModelControl:
             return
         op.scope.cancel("an unload was asked while the model loaded")
         op.scope = None
-        entry.move(ModelState.UNLOADING, "unloading (its load abandoned)")
+        assert op.ends is not None
+        op.ends.set()  # the unload's turn: it need not wait for the stop of the load
+        if entry.copy is None:
+            entry.move(ModelState.UNLOADING, "unloading (its load abandoned)")
+        else:  # a reload: the loaded copy serves until the unload's turn
+            entry.move(ModelState.READY, entry.copy.reason)
+            log.info("model %r: a reload is abandoned: an unload was asked while it "
+                     "loaded", name)
 
     async def _unload(
         self, entry: _Entry, op: _Op, turn: tuple[trio.Event, trio.Event]
@@ -492,17 +501,8 @@ class ModelControl:
         rt = self._rt
         try:
             async with _turn(turn):
-                if op.abandoned_loads:
-                    # its turn came as the loads were cancelled: wait until what
-                    # they started has stopped (a thread's load is not waited for)
-                    for load in op.abandoned_loads:
-                        await load.settled.wait()
-                    if entry.state is ModelState.UNLOADING and entry.copy is None:
-                        entry.move(ModelState.UNAVAILABLE, "unloaded")
-                        log.info("model %r: unloaded while it loaded: its load was "
-                                 "abandoned", name)
                 copy = entry.copy
-                if copy is not None:
+                if copy is not None:  # (a reload it abandoned: the copy that served)
                     entry.move(ModelState.UNLOADING, "unloading (requests admitted finish)")
                     stand_in = self._unloaded(entry.config, copy.started)
                     rt.models[name] = stand_in
@@ -516,6 +516,12 @@ class ModelControl:
                     for older in entry.replaced:
                         await older.finished.wait()
                     entry.replaced.clear()
+                # its turn came as the loads it abandoned were cancelled: what they
+                # started has stopped once their tasks end (a thread's load is not
+                # waited for: its model is dropped when the thread returns)
+                for load in op.abandoned_loads:
+                    await load.settled.wait()
+                if copy is not None:
                     if copy.family is not None and len(copy.family.groups) > 1:
                         # the stand-in's flows were the versions' added up when the
                         # unload began: again, with the requests the drain answered
@@ -524,6 +530,10 @@ class ModelControl:
                         ).stats
                     entry.move(ModelState.UNAVAILABLE, "unloaded")
                     log.info("model %r: unloaded", name)
+                elif op.abandoned_loads and entry.state is ModelState.UNLOADING:
+                    entry.move(ModelState.UNAVAILABLE, "unloaded")
+                    log.info("model %r: unloaded while it loaded: its load was "
+                             "abandoned", name)
                 if entry.unloading is op:
                     entry.unloading = None
                 op.finish()
@@ -543,33 +553,24 @@ def _runs(table: ModelConfig, config: ModelConfig) -> str:
             f"{', '.join(changed_keys(table, config))})")
 
 
-def _first_loads(entry: _Entry) -> list[_Op]:
+def _loads_before(entry: _Entry) -> list[_Op]:
     """The loads of ``entry`` asked since its last unload, or since the last load
-    that ended, and still to end (those an unload asked now follows), if the first
-    of them is the model's first load (no copy serves), or will be when its turn
-    comes; else none. Loads asked in a row share one unless their configurations
-    differ: a first load and loads of other configurations asked after it are
-    abandoned together (each of the later would be a reload of a copy that is never
-    installed); loads asked after a reload are reloads too, and are waited for."""
+    that ended, and still to end (those an unload asked now abandons), in the order
+    asked: the first may be under way (a first load or a reload), the others wait
+    for their turn (loads asked in a row share one unless their configurations
+    differ). A load whose start has ended (it failed, and is stopping what it
+    started) has its own outcome: neither it nor those asked before it are taken."""
     loads: list[_Op] = []
     op = entry.last
     while op is not None and op.config is not None and not op.done.is_set():
+        if op.began and op.scope is None:
+            break  # its start has ended: its outcome is its own
         loads.append(op)
         assert op.after is not None
         if op.after.is_set():  # the one asked before it has ended
             break
         op = op.before
-    if not loads:
-        return []
-    first = loads[-1]
-    assert first.after is not None
-    if first.began:
-        is_first = first.scope is not None
-    elif first.after.is_set():  # its turn comes now
-        is_first = entry.copy is None
-    else:  # an unload asked before it, still to end: the model is not loaded then
-        is_first = first.before is not None and first.before.config is None
-    return loads[::-1] if is_first else []
+    return loads[::-1]
 
 
 def _install(rt: Any, model: str, copy: _Copy) -> None:
@@ -669,7 +670,8 @@ class _Control:
         Raises ConfigError (model control is off, or ``config`` refused: a key
         unknown or not one a load may change, or a bad value; nothing is loaded
         then), UnknownModel (not configured), ModelLoadError (it failed to load: the
-        model keeps what it had), ActorClosed.
+        model keeps what it had; or an unload asked before it ended abandoned it),
+        ActorClosed.
         """
         await self._controlled("load", model).load(model, config)
 
@@ -677,8 +679,9 @@ class _Control:
         """Unload ``model``: from now on its requests get UnknownModel (not loaded);
         those admitted are answered; then its replicas are closed and their workers
         or models released. Returns then. Unloading a model not loaded does nothing;
-        the model's first load, if one is under way, is abandoned (its callers get
-        ModelLoadError), not waited for.
+        a load still to end (the model's first load, or a reload: the copy that
+        served meanwhile is unloaded) is abandoned (its callers get ModelLoadError),
+        not waited for.
         A checkpoint; cancelling it leaves the unload under way. Raises as
         :meth:`load_model` (but ModelLoadError)."""
         await self._controlled("unload", model).unload(model)

@@ -324,12 +324,12 @@ async def test_loads_and_unloads_from_several_clients_at_once_run_in_the_order_a
     autojump_clock, workers  # noqa: F811
 ):
     """Four operators at once, with requests in flight: load, unload, load, unload,
-    in that order. Each is answered 200 once its turn has run, in the order asked,
-    but the second load: the unload asked after it abandons it before its turn (it
-    would be the model's first load), 400 at once; every request admitted is
-    answered once; the model ends unloaded, nothing of it left running. In memory
-    (quart's test client), so that each call has reached the server when the next is
-    made."""
+    in that order. Each unload abandons the load asked just before it, 400 at once:
+    the first (a reload, under way) and the second (waiting for its turn); each
+    unload is answered 200 once its turn has run, in the order asked; every request
+    admitted is answered once; the model ends unloaded, nothing of it left running.
+    In memory (quart's test client), so that each call has reached the server when
+    the next is made."""
     from trioserve.transport import Gateway
 
     ops: list = []
@@ -358,16 +358,15 @@ async def test_loads_and_unloads_from_several_clients_at_once_run_in_the_order_a
             for name in ("load", "unload", "load", "unload"):
                 clients.start_soon(op, client, name)
                 await trio.testing.wait_all_tasks_blocked()  # asked in this order
-        # the load abandoned at once; the reload (2 s; the old copy's two batches
-        # done meanwhile), the unload (nothing in flight), the second unload (the
-        # model not loaded): one after the other
-        assert ops == [("load", 400, t0), ("load", 200, t0 + 2.0),
+        # both loads abandoned at once; the unload drains the loaded copy (its two
+        # batches: 2 s), then the second unload (the model not loaded)
+        assert ops == [("load", 400, t0), ("load", 400, t0),
                        ("unload", 200, t0 + 2.0), ("unload", 200, t0 + 2.0)]
         assert said == [{"error": "failed to load 'm': model 'm': its load was abandoned: "
-                                  "an unload of the model was asked before it ended"}]
+                                  "an unload of the model was asked before it ended"}] * 2
         assert answers == {float(x): [200] for x in range(1, 5)}
         assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
-        assert len(workers.made) == 2
+        assert len(workers.made) == 2  # the reload's worker, stopped; none for the second
         assert not any(w.alive for w in workers.made)
 
 

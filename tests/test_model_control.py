@@ -350,15 +350,48 @@ async def test_an_abandoned_load_is_unloading_until_what_it_started_has_stopped(
         assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
 
 
-async def test_an_unload_during_a_reload_waits_for_it_then_unloads(autojump_clock, workers):
+async def test_an_unload_during_a_reload_abandons_it_then_unloads_the_loaded_copy(
+    autojump_clock, workers, monkeypatch,
+):
+    # The reload is not waited for (its load may hang up to load_timeout_s): its
+    # caller is answered at once, its worker stopped; the copy that served meanwhile
+    # answers what it admitted, then is unloaded as by any unload: new requests are
+    # refused at once (not once the reload's worker has stopped).
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", SlowToStop)
     async with trioserve.open_runtime(control_config()) as rt:
-        workers.load_s = 3.0
-        t0 = trio.current_time()
+        (old,) = workers.made
+        workers.load_s = 30.0
+        failures: list = []
+        answers: dict = {}
+        unloaded: list = []
+
+        async def unload():
+            await rt.unload_model("m")
+            unloaded.append(trio.current_time() - t0)
+
         async with trio.open_nursery() as ops:
-            ops.start_soon(rt.load_model, "m")  # a reload: the loaded copy serves on
+            ops.start_soon(load_abandoned, rt, failures)  # a reload: the copy serves on
             await trio.testing.wait_all_tasks_blocked()
-            ops.start_soon(rt.unload_model, "m")  # waits for the reload, then unloads
-        assert trio.current_time() == pytest.approx(t0 + 3.0)
+            assert rt.model_state("m") == ("READY", "reloading (the loaded copy serves "
+                                           "meanwhile)")
+            for x in (1.0, 2.0, 3.0):  # two batches of the loaded copy: 2 s
+                ops.start_soon(call, rt, x, answers)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            ops.start_soon(unload)
+            await trio.testing.wait_all_tasks_blocked()
+            assert failures == [ABANDONED]  # at once
+            assert rt.model_state("m") == ("UNLOADING", "unloading (requests admitted "
+                                           "finish)")
+            with pytest.raises(UnknownModel, match="'m' is not loaded"):
+                await rt.infer("m", item(4.0))  # refused at once, as by any unload
+        # its drain and its worker's stop (the reload's stopped meanwhile), not the
+        # reload's 30 s
+        assert unloaded == [2.0 * RUN_S + 2.0]
+        assert answers == {1.0: [1.0], 2.0: [2.0], 3.0: [3.0]}  # none lost
+        assert {w for w, _ in workers.ran} == {old}
         assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
         assert len(workers.made) == 2
         assert all(not w.alive for w in workers.made)

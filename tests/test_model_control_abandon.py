@@ -6,6 +6,7 @@ returns later is dropped, never installed. The loads run in worker threads held 
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 
@@ -32,7 +33,7 @@ class Plus:
 class Held(ModelBackend):
     """A backend whose load, in a worker thread, waits for ``gate`` while ``held``;
     its n-th load's model adds ``100 * n``. ``released`` is set once the model of
-    its first load is freed."""
+    its first load is freed; ``freed[n]`` once its n-th load's is."""
 
     inputs = (X,)
     outputs = (Y,)
@@ -42,14 +43,14 @@ class Held(ModelBackend):
         self.held = True
         self.gate = threading.Event()
         self.entered = threading.Event()
-        self.released = threading.Event()
+        self.freed = collections.defaultdict(threading.Event)
+        self.released = self.freed[1]
         self.loads = 0
 
     def load(self, device: str, *, torch_threads: int = 1):
         self.loads += 1
         model = Plus(100.0 * self.loads)
-        if self.loads == 1:
-            weakref.finalize(model, self.released.set)
+        weakref.finalize(model, self.freed[self.loads].set)
         if self.held:
             self.entered.set()
             self.gate.wait(GATE_LIMIT_S)
@@ -209,12 +210,14 @@ async def load_with(rt, config, outcomes: list) -> None:
         outcomes.append("loaded")
 
 
-async def test_an_unload_waits_for_a_reload_and_a_load_of_another_config_after_it(
+async def test_an_unload_abandons_a_reload_stuck_in_its_thread_and_a_load_after_it(
     autojump_clock, held,
 ):
     # A reload (held in its thread) and a load of another configuration waiting for
-    # its turn behind it: both are reloads, so the unload asked then waits for both
-    # (neither is abandoned), and unloads the copy the last one loaded.
+    # its turn behind it: the unload abandons both, as it abandons a first load (it
+    # waited for them, up to load_timeout_s each); their callers are answered at
+    # once, and the copy that served meanwhile is unloaded (nothing in flight: at
+    # once). The reload's model, when its thread returns, is dropped, never installed.
     m = trioserve.ModelConfig(name="m", backend=held, load_at_start=False, max_wait_ms=0)
     async with trioserve.open_runtime(controlled(m)) as rt:
         held.held = False
@@ -222,28 +225,36 @@ async def test_an_unload_waits_for_a_reload_and_a_load_of_another_config_after_i
         held.held = True
         first: list = []
         second: list = []
-        unloaded = trio.Event()
-
-        async def unload() -> None:
-            await rt.unload_model("m")
-            unloaded.set()
-
         async with trio.open_nursery() as ops:
             ops.start_soon(load_with, rt, {"max_batch_size": 4}, first)
             assert await wait_in_thread(held.entered)
             ops.start_soon(load_with, rt, {"max_batch_size": 8}, second)
             await trio.testing.wait_all_tasks_blocked()
-            ops.start_soon(unload)
-            await trio.testing.wait_all_tasks_blocked()
-            assert not unloaded.is_set()  # waits for the reload
-            assert first == second == []
             assert rt.model_state("m") == (
                 "READY", "reloading (the loaded copy serves meanwhile)"
             )
-            held.gate.set()
-        assert first == second == ["loaded"]
-        assert held.loads == 3  # the table's, then both reloads
+            assert (await rt.infer("m", item(1.0)))["y"][0] == 101.0  # the loaded copy
+            t0 = trio.current_time()
+            await rt.unload_model("m")
+            unloaded_in = trio.current_time() - t0
+            state = rt.model_state("m")
+        assert unloaded_in == 0
+        assert state == ("UNAVAILABLE", "unloaded")
+        assert first == second == [ABANDONED]
+        assert held.freed[1].is_set() or await wait_in_thread(held.freed[1])  # unloaded
+        with pytest.raises(UnknownModel, match="'m' is not loaded"):
+            await rt.infer("m", item(1.0))
+
+        held.gate.set()
+        assert await wait_in_thread(held.freed[2])  # the reload's: dropped
+        await trio.testing.wait_all_tasks_blocked()
+        assert held.loads == 2  # the second never started
         assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert not rt.models["m"].loaded
+
+        held.held = False
+        await rt.load_model("m")  # a later load is one of its own
+        assert (await rt.infer("m", item(1.0)))["y"][0] == 301.0
 
 
 async def test_an_unload_abandons_a_first_load_and_a_load_of_another_config_after_it(
