@@ -264,7 +264,10 @@ class ModelControl:
     """Loads, reloads and unloads a runtime's models (see the module's docstring).
 
     ``prepare(config)`` is what ``start_copy`` needs to start a copy of ``config``
-    (its backends), or ConfigError when it cannot be (before anything starts);
+    (its backends), or a function of no arguments that makes it (a backend to make:
+    an import, a user's factory), which the load calls in a worker thread when its
+    turn comes; or ConfigError when it cannot be (before anything starts; the
+    function's, when it fails: nothing starts either);
     ``start_copy(nursery, plan, previous)`` starts a copy of a model in ``nursery``
     (``plan``: what ``prepare`` returned) and returns it once its replicas are
     loaded: a ServedModel, or a Family (every version's, not installed);
@@ -278,7 +281,7 @@ class ModelControl:
         self,
         rt: Any,
         *,
-        prepare: Callable[[ModelConfig], Any],
+        prepare: Callable[[ModelConfig], Any | Callable[[], Any]],
         start_copy: Callable[
             [trio.Nursery, Any, ServedModel | Family], Awaitable[ServedModel | Family]
         ],
@@ -358,12 +361,27 @@ class ModelControl:
                     if op.abandoned:  # before its turn: not started at all
                         return
                     old = entry.copy
+                    was = entry.reason
                     if old is not None:  # the loaded copy serves meanwhile: READY
                         entry.move(ModelState.READY, "reloading (the loaded copy serves "
                                    "meanwhile)")
                     else:
                         entry.move(ModelState.LOADING, "loading")
                     op.scope = nursery.cancel_scope  # an unload may abandon it
+                    if callable(plan):
+                        try:
+                            plan = await _made(name, plan)
+                        except ConfigError as exc:  # refused: nothing started
+                            op.scope = None
+                            failure = exc
+                            # the model is as it was (a loaded copy serves on)
+                            if old is not None:
+                                entry.move(ModelState.READY, old.reason)
+                            else:
+                                entry.move(ModelState.UNAVAILABLE, was)
+                            if entry.loading is op:
+                                entry.loading = None
+                            return
                     try:
                         started = await self._start_copy(
                             nursery, plan, old.started if old is not None else rt.models[name],
@@ -571,6 +589,22 @@ def _loads_before(entry: _Entry) -> list[_Op]:
             break
         op = op.before
     return loads[::-1]
+
+
+async def _made(model: str, make: Callable[[], Any]) -> Any:
+    """What ``make`` returns (the plan of a copy whose backend it makes: an import, a
+    user's factory), called in a worker thread: a slow one does not stall the event
+    loop. A checkpoint; cancelled, the thread runs on and what it makes is dropped.
+    Raises ConfigError: ``make``'s own, or one saying what else it raised."""
+    try:
+        return await trio.to_thread.run_sync(make, abandon_on_cancel=True)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(
+            f"models.{model}.backend: its backend could not be made with the load's "
+            f"options: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _install(rt: Any, model: str, copy: _Copy) -> None:

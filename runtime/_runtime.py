@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -285,10 +285,12 @@ async def _start_control(
     until it is loaded; those with ``load_at_start`` are loaded now, in order."""
     from ._control import ModelControl
 
-    def prepare(m: ModelConfig) -> _Plan:
+    def prepare(m: ModelConfig) -> _Plan | Callable[[], _Plan]:
         """What a copy of ``m`` starts with: the backends resolved at the start for
-        the configuration's table, new ones for a load's config that changes the
-        options. ConfigError when a copy of ``m`` cannot start."""
+        the configuration's table; for a load's config that changes the options, a
+        function that makes new ones (it imports the backend's module and calls the
+        user's factory: the load calls it in a worker thread, off the event loop).
+        ConfigError when a copy of ``m`` cannot start (the function's too)."""
         table = rt.config.model(m.name)
         if m is table:
             return _Plan(config=m, backend=backends[m.name], own=own[m.name])
@@ -296,8 +298,12 @@ async def _start_control(
         _check_copy(m, len(m.replica_devices))
         if m.options == table.options:
             return _Plan(config=m, backend=backends[m.name], own=own[m.name])
-        backend = resolve_backend(m)
-        return _Plan(config=m, backend=backend, own=version_backends(m, backend))
+
+        def make() -> _Plan:
+            backend = resolve_backend(m)
+            return _Plan(config=m, backend=backend, own=version_backends(m, backend))
+
+        return make
 
     async def start_copy(
         copy_nursery: trio.Nursery, plan: _Plan, previous: ServedModel | Family

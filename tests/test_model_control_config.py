@@ -1,18 +1,21 @@
 """A load that brings a configuration of its own (``rt.load_model(name, config=...)``):
 each key a load may change reaches the copy it loads, and a load without one goes
 back to the configuration's table; a larger ``max_batch_size`` really batches more;
-options reach the model's factory; refused keys and bad values are ConfigError
+options reach the model's factory, called in a worker thread (a slow one does not
+stall serving); refused keys and bad values are ConfigError
 naming the key, as the TOML table's, and load nothing. The model runs in the
 stand-in worker of test_model_control (trio time), or inline for options."""
 
 from __future__ import annotations
+
+import threading
 
 import attrs
 import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import X, Y, item
+from runtime_helpers import GATE_LIMIT_S, X, Y, item
 from test_model_control import Worker, call, control_config, workers  # noqa: F401
 from trioserve import ConfigError, ModelConfig, ModelLoadError
 from trioserve._load_config import PER_COPY, REFUSED
@@ -114,6 +117,149 @@ async def test_options_reach_the_models_factory_laid_over_the_tables(autojump_cl
             "'offset': 1.0, 'bias': 2.0}: TypeError: "
         )
         assert (await rt.infer("m", item(3.0)))["y"][0] == 7.0  # the copy serves on
+
+
+class Gated:
+    """A backend factory (``scaled``'s) whose call with ``scale`` 10 waits in its
+    thread for ``gate`` (``entered`` set then, ``made`` once it has made the
+    backend); ``on_loop`` records, per call, whether it ran in the event loop's
+    thread."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.made = threading.Event()
+        self.on_loop: list[bool] = []
+        self.loop_thread = threading.current_thread()
+
+    def __call__(self, scale: float = 1.0, offset: float = 0.0) -> trioserve.CallableBackend:
+        self.on_loop.append(threading.current_thread() is self.loop_thread)
+        if scale != 10.0:
+            return scaled(scale, offset)
+        self.entered.set()
+        self.gate.wait(GATE_LIMIT_S)
+        backend = scaled(scale, offset)
+        self.made.set()
+        return backend
+
+
+@pytest.fixture
+def gated():
+    factory = Gated()
+    yield factory
+    factory.gate.set()  # a test that failed leaves no thread held
+
+
+def gated_config(factory: Gated, *, load_at_start: bool = True) -> trioserve.Config:
+    m = ModelConfig(name="m", backend=factory, options={"scale": 2.0, "offset": 1.0},
+                    max_wait_ms=0, load_at_start=load_at_start)
+    other = ModelConfig(name="other", backend=scaled, max_wait_ms=0)
+    return trioserve.Config(
+        models=(m, other), tenants=(trioserve.TenantConfig(name="t", default=True),),
+        server=trioserve.ServerConfig(model_control="explicit"),
+    )
+
+
+async def wait_in_thread(event: threading.Event) -> bool:
+    return await trio.to_thread.run_sync(event.wait, GATE_LIMIT_S)
+
+
+async def load_with(rt, config, outcomes: list) -> None:
+    try:
+        await rt.load_model("m", config=config)
+    except (ConfigError, ModelLoadError) as exc:
+        outcomes.append(exc)
+    else:
+        outcomes.append("loaded")
+
+
+async def test_a_backend_a_load_makes_is_made_off_the_event_loop(autojump_clock, gated):
+    # The user's factory, called for a load that changes the options, blocks: the
+    # runtime serves on meanwhile (another model, and the copy being reloaded).
+    async with trioserve.open_runtime(gated_config(gated)) as rt:
+        assert gated.on_loop == [True]  # at the start, as ever
+        outcomes: list = []
+        async with trio.open_nursery() as ops:
+            ops.start_soon(load_with, rt, {"options": {"scale": 10.0}}, outcomes)
+            assert await wait_in_thread(gated.entered)
+            assert (await rt.infer("other", item(3.0)))["y"][0] == 3.0
+            assert (await rt.infer("m", item(3.0)))["y"][0] == 7.0  # the loaded copy
+            assert rt.model_state("m") == (
+                "READY", "reloading (the loaded copy serves meanwhile)"
+            )
+            assert outcomes == []
+            gated.gate.set()
+        assert outcomes == ["loaded"]
+        assert gated.on_loop == [True, False]  # the load's: in a worker thread
+        assert (await rt.infer("m", item(3.0)))["y"][0] == 31.0
+
+
+async def test_loads_and_unloads_keep_their_order_while_a_backend_is_made(
+    autojump_clock, gated,
+):
+    async with trioserve.open_runtime(gated_config(gated)) as rt:
+        outcomes: list = []
+        later: list = []
+        async with trio.open_nursery() as ops:
+            ops.start_soon(load_with, rt, {"options": {"scale": 10.0}}, outcomes)
+            assert await wait_in_thread(gated.entered)
+            # asked after it: runs after it, however long the factory takes
+            ops.start_soon(load_with, rt, {"max_batch_size": 4}, later)
+            await trio.testing.wait_all_tasks_blocked()
+            assert (outcomes, later) == ([], [])
+            gated.gate.set()
+        assert (outcomes, later) == (["loaded"], ["loaded"])
+        assert rt.models["m"].config.max_batch_size == 4
+        assert (await rt.infer("m", item(3.0)))["y"][0] == 7.0  # the table's options
+
+        # an unload asked while it is made abandons the load: its backend, when the
+        # factory returns, is dropped
+        for event in (gated.gate, gated.entered, gated.made):
+            event.clear()
+        outcomes.clear()
+        async with trio.open_nursery() as ops:
+            ops.start_soon(load_with, rt, {"options": {"scale": 10.0}}, outcomes)
+            assert await wait_in_thread(gated.entered)
+            await rt.unload_model("m")
+            (abandoned,) = outcomes
+            assert isinstance(abandoned, ModelLoadError)
+            assert "its load was abandoned" in str(abandoned)
+            assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+            gated.gate.set()
+        assert await wait_in_thread(gated.made)
+        await trio.testing.wait_all_tasks_blocked()
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert not rt.models["m"].loaded
+
+
+async def test_a_backend_that_cannot_be_made_is_a_config_error_and_starts_nothing(
+    autojump_clock, gated, monkeypatch,
+):
+    async with trioserve.open_runtime(gated_config(gated, load_at_start=False)) as rt:
+        with pytest.raises(ConfigError) as caught:  # the factory refuses its options
+            await rt.load_model("m", config={"options": {"bias": 2.0}})
+        assert str(caught.value).startswith(
+            "models.m.backend: Gated failed with its options {'scale': 2.0, "
+            "'offset': 1.0, 'bias': 2.0}: TypeError: "
+        )
+        assert rt.model_state("m") == ("UNAVAILABLE", "not loaded")  # as it was
+        assert not rt.models["m"].loaded
+        assert rt.statistics()["m"]["replica_count"] == 0
+
+        def broken(m):
+            raise RuntimeError("no such device")
+
+        monkeypatch.setattr("trioserve._runtime.resolve_backend", broken)
+        with pytest.raises(ConfigError, match=(
+            r"^models\.m\.backend: its backend could not be made with the load's "
+            r"options: RuntimeError: no such device$"
+        )):
+            await rt.load_model("m", config={"options": {"scale": 3.0}})
+        assert rt.model_state("m") == ("UNAVAILABLE", "not loaded")
+        monkeypatch.undo()
+
+        await rt.load_model("m", config={"options": {"scale": 3.0}})
+        assert (await rt.infer("m", item(3.0)))["y"][0] == 10.0
 
 
 async def test_options_reach_each_version_with_weights_of_its_own(autojump_clock):
