@@ -63,7 +63,14 @@ import trio
 
 from ._actor import ActorState
 from ._config import ModelConfig
-from ._errors import ActorClosed, ConfigError, ModelLoadError, TrioserveError, UnknownModel
+from ._errors import (
+    ActorClosed,
+    ConfigError,
+    ModelLoadError,
+    TrioserveError,
+    UnknownModel,
+    without_model,
+)
 from ._load_config import changed_keys, with_load_config
 from ._served import ServedModel
 from ._triton_config import from_triton, triton_config, triton_platform, triton_shaped
@@ -332,6 +339,17 @@ class ModelControl:
         Raises UnknownModel, ConfigError (a ``config`` refused: nothing is loaded),
         ModelLoadError (the model kept what it had: a reload's old copy serves on;
         or an unload asked before it ended abandoned it), ActorClosed."""
+        try:
+            op = self._asked_load(model, config)
+        except TrioserveError:
+            await trio.lowlevel.checkpoint()  # a refusal still yields
+            raise
+        await op.wait()
+
+    def _asked_load(self, model: str, config: Mapping[str, Any] | None) -> _Op:
+        """The load that ``load(model, config)`` waits for: one under way of the same
+        configuration, or a new one, started. Not a checkpoint. Raises as ``load``
+        does when the load is refused (nothing started)."""
         entry = self._entry(model)
         nursery = self._ready_nursery()
         if triton_shaped(config):  # Triton's model configuration, as its config gives it
@@ -345,7 +363,7 @@ class ModelControl:
             turn = entry.take_turn()
             op.after, op.ends = turn
             nursery.start_soon(self._load, entry, op, turn, plan)
-        await op.wait()
+        return op
 
     async def _load(
         self, entry: _Entry, op: _Op, turn: tuple[trio.Event, trio.Event], plan: Any
@@ -391,10 +409,10 @@ class ModelControl:
                             return
                         failure = (
                             exc if isinstance(exc, ModelLoadError | ConfigError)
-                            else ModelLoadError(f"model {name!r}: {exc}")
+                            else ModelLoadError(f"model {name!r}: {without_model(name, str(exc))}")
                         )
                         # the error names the model already, mostly: not twice
-                        why = str(failure).removeprefix(f"model {name!r}: ")
+                        why = without_model(name, str(failure))
                         if old is not None:
                             entry.move(ModelState.READY, old.reason)
                             log.warning("model %r: reload failed, the loaded copy serves "
@@ -468,6 +486,16 @@ class ModelControl:
         reload (the copy that served meanwhile is then unloaded). A checkpoint;
         cancelling it leaves the unload under way. Raises UnknownModel,
         ActorClosed."""
+        try:
+            op = self._asked_unload(model)
+        except TrioserveError:
+            await trio.lowlevel.checkpoint()  # a refusal still yields
+            raise
+        await op.wait()
+
+    def _asked_unload(self, model: str) -> _Op:
+        """The unload that ``unload(model)`` waits for: the one asked last, or a new
+        one, started (abandoning the loads asked before it). Not a checkpoint."""
         entry = self._entry(model)
         nursery = self._ready_nursery()
         op = entry.unloading
@@ -478,7 +506,7 @@ class ModelControl:
                 self._abandon(entry, load)
             op.abandoned_loads = loads
             nursery.start_soon(self._unload, entry, op, entry.take_turn())
-        await op.wait()
+        return op
 
     def _abandon(self, entry: _Entry, op: _Op) -> None:
         """Abandon ``op``, a load still to end, an unload having been asked after it
@@ -707,7 +735,12 @@ class _Control:
         model keeps what it had; or an unload asked before it ended abandoned it),
         ActorClosed.
         """
-        await self._controlled("load", model).load(model, config)
+        try:
+            control = self._controlled("load", model)
+        except ConfigError:
+            await trio.lowlevel.checkpoint()  # a refusal still yields
+            raise
+        await control.load(model, config)
 
     async def unload_model(self, model: str) -> None:
         """Unload ``model``: from now on its requests get UnknownModel (not loaded);
@@ -718,7 +751,12 @@ class _Control:
         not waited for.
         A checkpoint; cancelling it leaves the unload under way. Raises as
         :meth:`load_model` (but ModelLoadError)."""
-        await self._controlled("unload", model).unload(model)
+        try:
+            control = self._controlled("unload", model)
+        except ConfigError:
+            await trio.lowlevel.checkpoint()  # a refusal still yields
+            raise
+        await control.unload(model)
 
     def check_loaded(self, model: str) -> None:
         """Raise UnknownModel unless ``model`` is served and loaded (under explicit

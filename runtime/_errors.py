@@ -118,6 +118,17 @@ class ActorBroken(TrioserveError):
     status = 500
 
 
+def without_model(model: str, text: str) -> str:
+    """``text``, an error's message about ``model``, without the words that name the
+    model at its start (``model 'NAME': ``, ``model 'NAME', `` before a version's,
+    ``unknown model 'NAME': ``), for a message that names the model itself (``failed
+    to load 'NAME': …``, a log line about the model): each says the model once."""
+    for head in (f"model {model!r}: ", f"model {model!r}, ", f"unknown model {model!r}: "):
+        if text.startswith(head):
+            return text[len(head):]
+    return text
+
+
 def exception_text(exc: BaseException) -> str:
     """``Type: message`` of an exception a model (or its backend) raised. One whose
     ``str()`` raises too is said so, instead of the formatting raising in its turn

@@ -30,6 +30,7 @@ from ._errors import (
     ModelError,
     ModelLoadError,
     TrioserveError,
+    without_model,
 )
 from ._messages import Reply, Request
 from ._model import ModelBackend, _unstack, item_list
@@ -230,13 +231,16 @@ async def start_family(
             return (f"version{'s' if len(bare) > 1 else ''} "
                     f"{', '.join(map(repr, bare))} (the model's backend)")
 
+        def why(v: str | None) -> str:  # (the model is named once, first)
+            return without_model(m.name, str(failed[v]))
+
         order = [v for v in plan if v in failed]
         if len(order) == 1:
             (v,) = order
-            raise ModelLoadError(f"model {m.name!r}, {which(v)}: {failed[v]}") from failed[v]
+            raise ModelLoadError(f"model {m.name!r}, {which(v)}: {why(v)}") from failed[v]
         raise ModelLoadError(
             f"model {m.name!r}: {len(order)} versions' loads failed: "
-            + "; ".join(f"{which(v)}: {failed[v]}" for v in order)
+            + "; ".join(f"{which(v)}: {why(v)}" for v in order)
         ) from failed[order[0]]
     by_version: dict[str, ServedModel] = {}
     groups: list[ServedModel] = []

@@ -117,12 +117,18 @@ async def test_a_failed_load_is_400_and_says_why(autojump_clock, workers):  # no
         workers.fail = True
         res = await call(gw, "POST", LOAD)
         assert res.status == 400
-        assert "failed to load 'm'" in res.json()["error"]
-        assert "weights missing" in res.json()["error"]
+        # the model said once: the error's own "model 'm': " is not said again
+        assert res.json()["error"] == (
+            "failed to load 'm': replica 0 on cpu failed to load: RuntimeError: weights "
+            "missing"
+        )
         assert (await infer(gw, 3.0)).outputs()["y"].tolist() == [3.0]  # the old copy
-        res = await call(gw, "POST", "/v2/repository/models/nope/load")
-        assert res.status == 400
-        assert "unknown model 'nope'" in res.json()["error"]
+        for action in ("load", "unload"):
+            res = await call(gw, "POST", f"/v2/repository/models/nope/{action}")
+            assert (res.status, res.json()["error"]) == (
+                400, f"failed to {action} 'nope': not in the configuration; configured: "
+                "echo, m"
+            )
         res = await call(gw, "POST", LOAD, orjson.dumps({"parameters": {"file:1/m.pt": ""}}))
         assert res.status == 400
         assert "parameter 'file:1/m.pt' is not supported" in res.json()["error"]
@@ -362,8 +368,8 @@ async def test_loads_and_unloads_from_several_clients_at_once_run_in_the_order_a
         # batches: 2 s), then the second unload (the model not loaded)
         assert ops == [("load", 400, t0), ("load", 400, t0),
                        ("unload", 200, t0 + 2.0), ("unload", 200, t0 + 2.0)]
-        assert said == [{"error": "failed to load 'm': model 'm': its load was abandoned: "
-                                  "an unload of the model was asked before it ended"}] * 2
+        assert said == [{"error": "failed to load 'm': its load was abandoned: an unload "
+                                  "of the model was asked before it ended"}] * 2
         assert answers == {float(x): [200] for x in range(1, 5)}
         assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
         assert len(workers.made) == 2  # the reload's worker, stopped; none for the second

@@ -437,6 +437,29 @@ async def test_with_model_control_off_load_and_unload_are_refused(autojump_clock
         assert rt.model_state("m") == ("READY", "")
 
 
+async def test_a_refused_load_or_unload_is_still_a_checkpoint(autojump_clock, workers):
+    # (every async call of the runtime checkpoints, a refusal included)
+    async with trioserve.open_runtime(control_config()) as rt:
+        refusals = [
+            (ConfigError, functools.partial(rt.load_model, "m", {"cache": False})),
+            (ConfigError, functools.partial(rt.load_model, "m", {"max_batch_size": 0})),
+            (ConfigError, functools.partial(rt.load_model, "m", {"devices": ["cuda:7"]})),
+            (UnknownModel, functools.partial(rt.load_model, "nope")),
+            (UnknownModel, functools.partial(rt.unload_model, "nope")),
+        ]
+        for error, op in refusals:
+            with trio.testing.assert_checkpoints(), pytest.raises(error):
+                await op()
+        assert rt.model_state("m") == ("READY", "")
+    for op in (rt.load_model, rt.unload_model):
+        with trio.testing.assert_checkpoints(), pytest.raises(ActorClosed):
+            await op("m")  # the runtime is shut down
+    async with trioserve.open_runtime(control_config(control="none")) as rt:
+        for op in (rt.load_model, rt.unload_model):
+            with trio.testing.assert_checkpoints(), pytest.raises(ConfigError):
+                await op("m")  # model control is off
+
+
 def test_load_at_start_false_needs_explicit_model_control():
     with pytest.raises(ConfigError, match=r"models\.m\.load_at_start: false needs server"):
         control_config(control="none", load_at_start=False)

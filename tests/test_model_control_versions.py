@@ -163,7 +163,9 @@ async def test_a_family_unloaded_with_requests_queued_keeps_their_counts(
         assert (flow["admitted"], flow["dispatched"]) == (21, 21)
 
 
-async def test_a_version_that_fails_to_load_fails_the_whole_load(autojump_clock, vworkers):
+async def test_a_version_that_fails_to_load_fails_the_whole_load(
+    autojump_clock, vworkers, caplog
+):
     async with trioserve.open_runtime(family_config(load_at_start=False)) as rt:
         vworkers.failing = frozenset({"2"})
         with pytest.raises(
@@ -171,6 +173,10 @@ async def test_a_version_that_fails_to_load_fails_the_whole_load(autojump_clock,
             match=r"model 'm', version '2' \(weights of its own\): .*weights of 2 missing",
         ):
             await rt.load_model("m")
+        (line,) = [r.getMessage() for r in caplog.records if "failed to load" in r.getMessage()]
+        # the model said once: not "model 'm': failed to load: model 'm', version '2' …"
+        assert line.startswith("model 'm': failed to load: version '2' (weights of its own): ")
+        assert line.count("'m'") == 1
         state, reason = rt.model_state("m")
         assert state == "UNAVAILABLE"
         assert reason.startswith("failed to load: ")

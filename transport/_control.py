@@ -16,7 +16,14 @@ import trioserve
 from quart import request
 from quart.globals import request_ctx
 from quart_trio import QuartTrio
-from trioserve import ActorClosed, ConfigError, ModelLoadError, TrioserveError, UnknownModel
+from trioserve import (
+    ActorClosed,
+    ConfigError,
+    ModelLoadError,
+    TrioserveError,
+    UnknownModel,
+    without_model,
+)
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._auth import another_field_line
@@ -247,8 +254,10 @@ def control_app(gateway: Gateway) -> QuartTrio:
                         else rt.unload_model(name)
                     )
                 except (UnknownModel, ModelLoadError, ConfigError) as exc:
-                    # as Triton answers a model it cannot find or load: 400
-                    failure = json(error_body(f"failed to {action} {name!r}: {exc}"), 400)
+                    # as Triton answers a model it cannot find or load: 400 (the
+                    # error's own naming of the model is not said twice)
+                    why = without_model(name, str(exc))
+                    failure = json(error_body(f"failed to {action} {name!r}: {why}"), 400)
                 except TrioserveError as exc:  # shut down meanwhile: 503
                     failure = answer(error_answer(exc))
                 watch.cancel_scope.cancel("the load or unload is over")
