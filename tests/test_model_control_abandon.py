@@ -1,8 +1,9 @@
-"""An unload asked while the model's first load is under way abandons the load, as
-Triton cancels a load on an unload (docs/model-control.md): the unload answers at
-once, the load's callers get ModelLoadError, and the model a stuck load's thread
-returns later is dropped, never installed. The loads run in worker threads held by a
-``threading.Event`` the test sets."""
+"""An unload asked while the model's first load, or a reload, is under way abandons
+the load, as Triton cancels a load on an unload (docs/model-control.md): the load's
+callers get ModelLoadError at once, the unload answers at once (a first load) or
+once the copy that served meanwhile is unloaded (a reload), and the model a stuck
+load's thread returns later is dropped, never installed. The loads run in worker
+threads held by a ``threading.Event`` the test sets."""
 
 from __future__ import annotations
 
