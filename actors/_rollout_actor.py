@@ -47,9 +47,6 @@ log = logging.getLogger("trioserve")
 SHADOW_RESULTS = ("match", "mismatch", "error", "dropped")
 #: The rollout's events, as counted (paused, resumed and started: the operator's only).
 ROLLOUT_EVENTS = ("step", "promoted", "rolled_back", "paused", "resumed", "started")
-#: The events that change what a restart is to start from (each one does: a step
-#: begun is the trial's progress).
-KEPT_EVENTS = frozenset(ROLLOUT_EVENTS)
 
 
 #: How a trial's stable was determined (``Rollout.stable_from``), as logged.
@@ -298,7 +295,9 @@ class RolloutController(Actor):
                     self.model, r.canary, r.stable, e.step + 1, e.reason,
                 )
         if events:
-            if self._keeper is not None and any(e.kind in KEPT_EVENTS for e in events):
+            # every event changes what a restart is to start from (a step begun is
+            # the trial's progress)
+            if self._keeper is not None:
                 self._keeper.decided(self.rollout, trio.current_time())
             self._changed.set()
 
