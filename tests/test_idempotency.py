@@ -297,3 +297,47 @@ async def test_two_idempotency_key_lines_are_400_on_the_control_plane_route_and_
         assert answer[0] == 400
         assert orjson.loads(answer[2]) == {"error": TWO_KEYS}
         assert len(gw.idempotency) == 0
+
+
+async def post_to(gw, path, raw, key):
+    async with open_http(gw.url) as http:
+        return await http.request("POST", path, raw, headers=[("idempotency-key", key)])
+
+
+async def test_a_key_names_one_request_to_a_model_whatever_path_names_its_version():
+    """The key's scope is (tenant, model): the version a request runs is part of the
+    request, so ``/infer`` and ``/versions/V/infer`` of the version the first would
+    run are the same request (a replay), and another version is another request
+    (422), never a second run under one key."""
+    async with serving(config(echo_model(versions=("1", "2")))) as gw:
+        first = await post_to(gw, "/v2/models/echo/infer", body(1), "k")
+        named = await post_to(gw, "/v2/models/echo/versions/2/infer", body(1), "k")
+        other = await post_to(gw, "/v2/models/echo/versions/1/infer", body(1), "k")
+        named_first = await post_to(gw, "/v2/models/echo/versions/2/infer", body(3), "k2")
+        unnamed = await post_to(gw, "/v2/models/echo/infer", body(3), "k2")
+        items = gw.runtime.models["echo"].metrics.items
+    assert first.status == named.status == named_first.status == unnamed.status == 200
+    assert named.headers["idempotent-replayed"] == "true"
+    assert named.body == first.body
+    assert unnamed.headers["idempotent-replayed"] == "true"
+    assert other.status == 422
+    assert other.json() == {
+        "error": "Idempotency-Key was already used with a different request"
+    }
+    assert items == 2  # k once, k2 once
+
+
+async def test_with_a_rollout_an_unversioned_request_is_its_own_request():
+    """With a rollout an unversioned request may run either version, so it is not
+    the request of a version named in the path: the same key there is 422."""
+    from test_rollout_runtime import model
+
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 10_000})
+    raw = orjson.dumps({"inputs": [v2_input(np.array([1.0], np.float32))]})
+    async with serving(config(m)) as gw:
+        first = await post_to(gw, "/v2/models/m/infer", raw, "k")
+        again = await post_to(gw, "/v2/models/m/infer", raw, "k")
+        named = await post_to(gw, "/v2/models/m/versions/1/infer", raw, "k")
+    assert first.status == again.status == 200
+    assert again.headers["idempotent-replayed"] == "true"
+    assert named.status == 422

@@ -391,13 +391,16 @@ class Gateway:
         if idempotency_key:
             if isinstance(idempotency_key, bytes):
                 idempotency_key = idempotency_key.decode("latin-1")
-            # The request is its body and where its JSON ends: the same bytes split
-            # elsewhere (or all JSON) are another request.
-            ident = body
-            if header_length is not None:
-                if isinstance(header_length, str):
-                    header_length = header_length.encode("latin-1")
-                ident = b"%b|%b" % (header_length, body)
+            # The request is the version it runs, its body and where its JSON ends:
+            # the same bytes split elsewhere (or all JSON) are another request, and
+            # so is another version (a key names one request to the model, so a
+            # second version under it is 422, never a second run).
+            hl = b"-" if header_length is None else header_length
+            if isinstance(hl, str):
+                hl = hl.encode("latin-1")
+            scope = self._idempotent_version(model, version)
+            v = b"-" if scope is None else b"v" + scope.encode()
+            ident = b"%d|%b%d|%b%b" % (len(v), v, len(hl), hl, body)
             ran = False
 
             def first() -> Awaitable[Answer]:
@@ -406,7 +409,7 @@ class Gateway:
                 return self._infer(model, version, body, tenant, label, header_length)
 
             answer = await self.idempotency.run(
-                (tenant, model, version, idempotency_key), ident, first
+                (tenant, model, idempotency_key), ident, first
             )
             if not ran:  # a replay, or 422 for the key used with another body
                 self.requests[(label, tenant, answer[0])] += 1
@@ -417,6 +420,18 @@ class Gateway:
         return await self._infer(
             model, version, body, tenant, label, header_length, accept_encoding
         )
+
+    def _idempotent_version(self, model: str, version: str | None) -> str | None:
+        """The version an infer of ``model`` naming ``version`` runs, as its
+        Idempotency-Key counts it: the one named, else the model's last when that is
+        fixed (no rollout: a rollout may run either of two); None when not fixed."""
+        if version is not None:
+            return version
+        served = self.runtime.models.get(model)
+        sig = self.signatures.get(model)
+        if served is None or sig is None or served.config.rollout is not None:
+            return None
+        return sig.versions[-1]
 
     async def _infer(
         self,

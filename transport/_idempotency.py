@@ -1,13 +1,13 @@
 """``Idempotency-Key``: a client retrying a request gets the first answer again.
 
 An infer request sent with ``Idempotency-Key: K`` is answered once per (tenant, model,
-version, K) within ``window`` seconds: a repeat while the first is running waits for
-it; a repeat after it gets the same status and body, with ``Idempotent-Replayed:
-true``. The same key with a different body is 422. Answers that invite a retry (429,
-5xx) are not kept, so the retry runs. The store keeps at most ``max_keys`` answers
-(the oldest go first) and forgets each ``window`` seconds after it was given. Keys
-still running are held apart and never evicted (they are as many as the requests in
-flight): evicting one let its repeat run the model a second time.
+K) within ``window`` seconds: a repeat while the first is running waits for it; a
+repeat after it gets the same status and body, with ``Idempotent-Replayed: true``. The
+same key with a different request (body, or the version it runs) is 422. Answers that
+invite a retry (429, 5xx) are not kept, so the retry runs. The store keeps at most
+``max_keys`` answers (the oldest go first) and forgets each ``window`` seconds after it
+was given. Keys still running are held apart and never evicted (they are as many as the
+requests in flight): evicting one let its repeat run the model a second time.
 """
 
 from __future__ import annotations
