@@ -43,6 +43,18 @@ def sample_input(model: str, backend: Any) -> Any:
     return item
 
 
+#: Built-in backends that do no work of their own: a bare loop over one measures only
+#: the loop (hundreds of millions of items/s), so served ÷ offline would say nothing.
+NO_OFFLINE = frozenset({"echo"})
+
+
+def no_offline_note(cfg: ModelConfig) -> str | None:
+    """Why the bench of ``cfg`` has no offline figure (None: it has one)."""
+    if isinstance(cfg.backend, str) and cfg.backend in NO_OFFLINE:
+        return f"none: model {cfg.name!r} does no work to compare with"
+    return None
+
+
 def offline_throughput(cfg: ModelConfig, *, seconds: float = 3.0) -> dict[str, Any]:
     """Items/s of a bare runner loop at ``max_batch_size`` (best of 3 runs)."""
     backend = resolve_backend(cfg)
@@ -218,7 +230,8 @@ def _progress(total: float, label: str):
 async def bench_in_process(spec: BenchSpec, base: Config, *, progress: bool) -> dict[str, Any]:
     config = _bench_config(base, spec)
     mcfg = config.models[0]
-    offline = offline_throughput(mcfg) if spec.offline else None
+    note = no_offline_note(mcfg) if spec.offline else None
+    offline = offline_throughput(mcfg) if spec.offline and note is None else None
     async with open_runtime(config) as rt:
         served = rt.models[mcfg.name]
         inputs = sample_input(mcfg.name, served.backend)
@@ -269,18 +282,21 @@ async def bench_in_process(spec: BenchSpec, base: Config, *, progress: bool) -> 
     )
     if offline:
         res["served_over_offline"] = res["requests_per_s"] / offline["items_per_s"]
+    elif note:
+        res["offline_note"] = note
     return res
 
 
 def format_report(res: dict[str, Any]) -> str:
     lat = res["latency_ms"]
+    kinds = f" {res['error_kinds']}" if res.get("error_kinds") else ""
     lines = [
         f"{res['mode']} bench: model={res['model']} concurrency={res['concurrency']} "
         + (f"replicas={res.get('replicas')} max_batch={res.get('max_batch_size')} "
            if "replicas" in res else "")
         + f"duration={res['seconds']:.1f}s",
         f"  requests/s     {res['requests_per_s']:,.0f}   ({res['requests']:,} ok, "
-        f"{res['errors']:,} errors {res.get('error_kinds') or ''})",
+        f"{res['errors']:,} errors{kinds})",
         *([f"  config         {res['config'] or '(built-in)'}"] if "config" in res else []),
         f"  latency ms     p50 {lat['p50_ms']:.2f}  p90 {lat['p90_ms']:.2f}  "
         f"p99 {lat['p99_ms']:.2f}  max {lat['max_ms']:.2f}",
@@ -293,16 +309,21 @@ def format_report(res: dict[str, Any]) -> str:
         lines.append(f"  per request    {res['cost_us_per_request']:.1f} µs of wall time")
     if "device_utilisation" in res:
         lines.append(f"  device busy    {res['device_utilisation']:.0%} per replica")
+    # against a server (--url) the CPU measured is the bench client's own
+    cpu = "cpu" if res.get("mode", "in-process") == "in-process" else "cpu (bench)"
     lines.append(
-        f"  cpu            event loop {res['loop_cpu_share']:.0%} of a core, "
+        f"  {cpu:<15}event loop {res['loop_cpu_share']:.0%} of a core, "
         f"process {res['process_cpu_share']:.0%}"
     )
     if res.get("offline"):
         off = res["offline"]
+        where = f" ({off['where']})" if off.get("where") else ""
         lines.append(
             f"  offline        {off['items_per_s']:,.0f} items/s at batch {off['batch_size']}"
-            f"  → served/offline {res['served_over_offline']:.2f}"
+            f"{where}  → served/offline {res['served_over_offline']:.2f}"
         )
+    elif res.get("offline_note"):
+        lines.append(f"  offline        {res['offline_note']}")
     return "\n".join(lines)
 
 

@@ -112,3 +112,22 @@ def test_the_built_in_benchs_queue_bound_makes_room_for_its_callers_within_its_c
     crowded = _bench_config(base, BenchSpec(model="echo", concurrency=MAX_QUEUE_BOUND))
     assert roomy.runtime.queue_bound == 10_000  # two requests a caller
     assert crowded.runtime.queue_bound == MAX_QUEUE_BOUND  # not a ConfigError
+
+
+def test_an_in_process_bench_of_echo_has_no_offline_figure_and_says_why(
+    tmp_path: Path, capsys
+):
+    """A bare loop over ``echo`` measures only the loop: no figure, and the reason."""
+    path = tmp_path / "bench.toml"
+    path.write_text(FILE)
+    out = tmp_path / "o.json"
+    code = main(["bench", "--config", str(path), "--model", "echo", "-c", "2", "-d", "0.2",
+                 "--warmup", "0", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "served/offline" not in text
+    assert "  offline        none: model 'echo' does no work to compare with" in text
+    assert "  cpu            event loop" in text
+    res = json.loads(out.read_text())
+    assert res["offline"] is None
+    assert "served_over_offline" not in res

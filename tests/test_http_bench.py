@@ -114,3 +114,43 @@ async def test_bench_of_a_model_the_server_does_not_serve_says_so_in_a_line(tmp_
         "'nosuch'; serving: echo"
     )
     assert not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_bench_of_echo_prints_no_offline_figure_and_says_why(tmp_path, capsys, stream):
+    """``echo`` does no work: a bare loop over it measures only the loop (hundreds of
+    millions of items/s), so its served/offline read 0.00 and meant nothing. The report
+    says so instead, and the client's own CPU is named as the bench's, not the server's."""
+    out = tmp_path / "bench.json"
+    async with serving(config(echo_model())) as gw:
+        args = argparse.Namespace(
+            url=gw.url, model="echo", concurrency=2, duration=0.5, warmup=0.0,
+            batch_dim=1, stream=stream, json=str(out), no_offline=False,
+        )
+        rc = await trio.to_thread.run_sync(bench_http_main, args)
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "served/offline" not in text
+    assert "  offline        none: model 'echo' does no work to compare with" in text
+    assert "  cpu (bench)    event loop" in text
+    res = json.loads(out.read_text())
+    assert "offline" not in res
+    assert "served_over_offline" not in res
+
+
+def test_a_url_bench_says_where_its_offline_figure_was_measured():
+    from trioserve._bench import format_report
+
+    res = {
+        "mode": "http", "model": "mlp", "concurrency": 4, "seconds": 1.0,
+        "requests_per_s": 100.0, "requests": 100, "errors": 0, "error_kinds": {},
+        "latency_ms": {"p50_ms": 1, "p90_ms": 1, "p99_ms": 1, "max_ms": 1},
+        "loop_cpu_share": 0.1, "process_cpu_share": 0.1,
+        "offline": {"batch_size": 64, "items_per_s": 1000.0,
+                    "where": "the built-in 'mlp' at its defaults, on this machine"},
+        "served_over_offline": 0.1,
+    }
+    text = format_report(res)
+    assert ("  offline        1,000 items/s at batch 64 (the built-in 'mlp' at its "
+            "defaults, on this machine)  → served/offline 0.10") in text
+    assert "  requests/s     100   (100 ok, 0 errors)" in text

@@ -314,16 +314,28 @@ def bench_http_main(args: Any) -> int:
     """``trioserve bench --url``: closed-loop load over HTTP (C keep-alive connections)
     or over one WebSocket stream (``--stream``, C requests in flight); prints the same
     report as the in-process bench and writes the figures as JSON."""
-    from trioserve._bench import _answered_any, format_report, offline_throughput, write_json
+    from trioserve._bench import (
+        _answered_any,
+        format_report,
+        no_offline_note,
+        offline_throughput,
+        write_json,
+    )
 
     from ._bench import bench_http
 
-    offline = None
+    offline = note = None
     if not getattr(args, "no_offline", False):
         try:  # a built-in model of that name: measure its offline limit here
-            offline = offline_throughput(ModelConfig(name=args.model, backend=args.model))
+            builtin = ModelConfig(name=args.model, backend=args.model)
         except ConfigError:
-            offline = None
+            builtin = None
+        if builtin is not None:
+            note = no_offline_note(builtin)
+            if note is None:
+                offline = offline_throughput(builtin)
+                # the server's model may differ (its config, its machine)
+                offline["where"] = f"the built-in {args.model!r} at its defaults, on this machine"
     try:
         res = trio.run(
             lambda: bench_http(
@@ -359,6 +371,8 @@ def bench_http_main(args: Any) -> int:
     if offline:
         res["offline"] = offline
         res["served_over_offline"] = res["items_per_s"] / offline["items_per_s"]
+    elif note:
+        res["offline_note"] = note
     print(format_report(res))
     if res["batch_dim"] > 1 or res["mode"] == "websocket":
         print(f"  items/s        {res['items_per_s']:,.0f}  ({res['batch_dim']} per request)")
