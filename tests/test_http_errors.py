@@ -72,6 +72,14 @@ def error_of(res) -> str:
         ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
                       "data": [0.5] * 255 + [True]}]},
          400, "expected FP32 values, got a boolean in 'data'"),
+        # a null or an object among the values is named, with its place: it was
+        # "got mixed values", also for data that is all null
+        ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                      "data": [None] * 256}]},
+         400, "expected FP32 values, got null (element 0) in 'data'"),
+        ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                      "data": [0.5] * 3 + [{"a": 1}] + [0.5] * 252}]},
+         400, "expected FP32 values, got {\"a\": 1} (element 3) in 'data'"),
         ({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32"}]},
          400, "no 'data'"),
         ({"inputs": [{"name": "x", "shape": [0, 256], "datatype": "FP32", "data": []}]},
@@ -110,7 +118,7 @@ async def test_float_data_that_overflows_its_datatype_is_400(server, datatype, v
 @pytest.mark.parametrize(
     ("poison", "message"),
     [
-        (None, "got mixed values"),
+        (None, "got null (element 4552) in 'data'"),  # 17 * 256 + 200
         (False, "got a boolean"),
         ("1", "got strings"),
         (1e300, "out of range for FP32"),

@@ -215,7 +215,8 @@ def _convert(
             # JSON parser floats of those past 64 bits: not the caller's floats
             return arr, False
         raise InvalidInput(
-            f"input {name!r}: expected {datatype} values, got {_json_kind(arr)} in 'data'"
+            f"input {name!r}: expected {datatype} values, got {_json_kind(arr, data)} "
+            "in 'data'"
         )
     if arr.dtype == dtype:
         return arr, True
@@ -338,9 +339,17 @@ def _holds_bool(data: list[Any]) -> bool:
     return False
 
 
-def _json_kind(arr: np.ndarray) -> str:
-    return {"b": "booleans", "i": "integers", "u": "integers", "f": "floats",
-            "U": "strings"}.get(arr.dtype.kind, "mixed values")
+def _json_kind(arr: np.ndarray, data: list[Any]) -> str:
+    """What ``data`` (read by numpy as ``arr``) holds, for a message: its values' kind,
+    or the first null or object among them, with its place in the flat order."""
+    kind = {"b": "booleans", "i": "integers", "u": "integers", "f": "floats",
+            "U": "strings"}.get(arr.dtype.kind)
+    if kind is not None:
+        return kind
+    for i, v in enumerate(_flatten(data)):
+        if v is None or type(v) is dict:
+            return f"{shown(v)} (element {i})"
+    return "mixed values"
 
 
 def _flatten(data: list[Any]) -> list[Any]:
