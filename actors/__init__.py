@@ -41,6 +41,7 @@ from ._rollout_actor import RolloutController as RolloutController
 from ._rollout_actor import same_outputs as same_outputs
 from ._scaling import ScalingController as ScalingController
 from ._scheduler import SchedulerActor as SchedulerActor
+from ._singleflight import LateOutcome as LateOutcome
 from ._singleflight import SingleFlight as SingleFlight
 from ._singleflight import SingleFlightStatistics as SingleFlightStatistics
 from ._sketch import CountMinSketch as CountMinSketch

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import outcome
 import trio
 from trioserve import (
     Actor,
@@ -648,6 +649,14 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             if not reply.answerable:
                 # Answered already (its deadline passed while the batch ran: see
                 # InFlight), or its caller left: one answer per request, never two.
+                # Others may wait for what it computed (a coalesced flight's
+                # callers): they are handed it.
+                late = reply.late
+                if late is not None:
+                    late.settle(
+                        outcome.Error(out) if isinstance(out, ModelError)
+                        else outcome.Value(out)
+                    )
                 continue
             reply.run = run
             if isinstance(out, ModelError):

@@ -6,7 +6,9 @@ at once, or joins an identical request of the same tenant and class already in f
 or runs ``compute()`` once for every concurrent caller of that key (in the actor's own
 nursery, so a caller leaving does not cancel it for the others) and caches what it
 returns. A joined caller whose own deadline outlives the one its flight ran with is
-not failed by that one passing: the flight runs its own ``compute()`` again.
+not failed by that one passing: it is answered by the batch still running for the
+other, if that one passed while it ran, or the flight runs its own ``compute()``
+again.
 ``answer_many(model, version, tenant, items, compute)`` does the same for several items
 at once (``Runtime.infer_batch``): the cached ones from the cache, the others computed
 together, each distinct one once. The actor's task also drops expired entries as their
@@ -28,7 +30,7 @@ from trioserve import Actor, DeadlineExceeded, Overloaded
 
 from ._cache import Cache, CacheRule
 from ._cachekey import cache_key
-from ._singleflight import SingleFlight
+from ._singleflight import LateOutcome, SingleFlight
 
 #: bytes counted per cached answer besides its arrays (dict, key, bookkeeping)
 OVERHEAD = 256
@@ -209,7 +211,9 @@ class CacheActor(Actor):
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self._flights = SingleFlight(nursery, deadline_bound=deadline_bound)
+            self._flights = SingleFlight(
+                nursery, deadline_bound=deadline_bound, late_outcomes=True
+            )
             task_status.started(self)
             try:
                 while True:
@@ -227,7 +231,7 @@ class CacheActor(Actor):
         version: str,
         tenant: str,
         item: Any,
-        compute: Callable[[], Awaitable[Any]],
+        compute: Callable[[LateOutcome | None], Awaitable[Any]],
         *,
         priority: str | None = None,
         deadline: float = math.inf,
@@ -244,7 +248,13 @@ class CacheActor(Actor):
         arrival), the one its ``compute`` submits with. A caller that joined a flight
         is not failed by an earlier caller's deadline passing (DeadlineExceeded, or a
         refusal measured against it): if its own is later, the flight runs its
-        ``compute`` again (:class:`SingleFlight`).
+        ``compute`` again (:class:`SingleFlight`), unless the earlier one's passed
+        while its batch ran and that batch answers it.
+
+        ``compute(late)``: submit the item, hanging ``late`` (a :class:`LateOutcome`,
+        or None when no one else waits) on its request (``Reply.late``), so that the
+        batch's answer reaches the flight's other callers should the request be
+        answered before its batch ends.
         """
         cache = self.cache
         rule = cache.rule(model) if cache is not None else CacheRule(enabled=False)
@@ -254,7 +264,7 @@ class CacheActor(Actor):
             else:
                 key = cache_key(model, version, tenant, item)
         except TypeError:  # an input the key cannot encode (the model may take it)
-            return await compute()
+            return await compute(None)
         if rule.enabled:
             now = trio.current_time()
             hit = cache.get(key, now)  # type: ignore[union-attr]
@@ -266,14 +276,14 @@ class CacheActor(Actor):
                 return _own(hit)
         flights = self._flights
         if flights is None:  # not running (shutting down): compute without sharing
-            return await compute()
+            return await compute(None)
 
         # Read for a model that is only coalesced too: its flights must not outlive an
         # invalidation either.
         generation = self.generation(model)
 
-        async def compute_and_keep() -> tuple[Any, float]:
-            value = _kept(await compute())
+        def keep(value: Any) -> tuple[Any, float]:
+            value = _kept(value)
             now = trio.current_time()
             if rule.enabled and cache.generation(model) == generation:  # type: ignore[union-attr]
                 before = cache.next_expiry()  # type: ignore[union-attr]
@@ -283,6 +293,13 @@ class CacheActor(Actor):
                 if cache.next_expiry() < before:  # type: ignore[union-attr]
                     self._wake.unpark_all()
             return value, now + rule.ttl
+
+        async def compute_and_keep(*, late: LateOutcome | None = None) -> tuple[Any, float]:
+            if late is not None:
+                # a late answer (the batch of a request answered before it ended)
+                # is kept as this computation's own would be
+                late.keep = keep
+            return keep(await compute(late))
 
         # A caller after an invalidation must not join a flight from before it: that
         # answer may come from the old weights.
@@ -375,6 +392,6 @@ class CacheActor(Actor):
             f = self._flights.statistics()
             out.update(
                 coalesced=f.coalesced, computations=f.started, reruns=f.reruns,
-                in_flight=f.in_flight,
+                late_answers=f.late_answers, in_flight=f.in_flight,
             )
         return out

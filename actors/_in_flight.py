@@ -12,6 +12,12 @@ now, in wall seconds). When it passes, the requests due are answered
 armed, and the batch goes on for the others; the batch's answer later skips those
 already answered (``Reply.answerable``).
 
+A request answered so may have others waiting for what its batch computes (the
+other callers of a coalesced flight: ``Reply.late``). It is told when its request
+is answered (``late.expect()``), the batch's answer hands it the item's outcome, and
+a batch that leaves without one (it failed, was cut off or handed back, its worker
+lost) settles it with None as it leaves, so that those waiting run it again instead.
+
 Wall time, not a trio timer: under ``MockClock(autojump_threshold=0)`` a trio timer
 fires at once whenever the loop waits for a thread or a pipe, and every request in a
 running batch would expire at once in tests.
@@ -29,7 +35,7 @@ import collections
 import logging
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 from trioserve import DeadlineExceeded, Request, RequestState
@@ -56,7 +62,7 @@ class _BatchDeadlines:
     """The runtime's deadlines of one batch in flight, one armed at a time (the
     earliest of those still waiting)."""
 
-    __slots__ = ("_armed", "_at", "_batch", "_offset", "_owner")
+    __slots__ = ("_armed", "_at", "_batch", "_calls", "_late", "_offset", "_owner")
 
     def __init__(self, owner: InFlight, batch: list[Request], first: float) -> None:
         self._owner = owner
@@ -68,6 +74,10 @@ class _BatchDeadlines:
         self._offset = watchdog.now() - trio.current_time()
         self._armed: Armed | None = None
         self._at = first  # the trio deadline armed
+        #: the late hooks of its requests answered while it runs (None: none)
+        self._late: list[Any] | None = None
+        #: what :meth:`call_at` armed (None: nothing)
+        self._calls: list[Armed] | None = None
         self._arm(first)
 
     def _arm(self, deadline: float) -> None:
@@ -79,10 +89,32 @@ class _BatchDeadlines:
         )
 
     def close(self) -> None:
-        """The batch left: disarm its deadline (a callback on its way does nothing)."""
+        """The batch left: disarm its deadline (a callback on its way does nothing),
+        and settle the late hooks its answer did not (with None: no outcome came)."""
         armed, self._armed = self._armed, None
         if armed is not None:
             armed.owner.disarm(armed)
+        late, self._late = self._late, None
+        if late is not None:
+            for hook in late:
+                hook.settle(None)
+        calls, self._calls = self._calls, None
+        if calls is not None:
+            for call in calls:
+                call.owner.disarm(call)
+
+    def call_at(self, deadline: float, fn: Callable[[], object]) -> Callable[[], None]:
+        """Call ``fn()`` when the trio ``deadline`` passes on this batch's clock (the
+        watchdog's, as its requests' deadlines), unless disarmed first: by the
+        returned function, or when the batch leaves. For those waiting for a late
+        outcome of the batch (see the module). Not a checkpoint."""
+        watchdog = self._owner.watchdog
+        assert watchdog is not None
+        armed = watchdog.arm_call(max(0.0, deadline + self._offset - watchdog.now()), fn)
+        if self._calls is None:
+            self._calls = []
+        self._calls.append(armed)
+        return lambda: armed.owner.disarm(armed)
 
     def _due(self) -> None:
         """The watchdog's callback (in the event loop, between tasks): answer the
@@ -102,6 +134,13 @@ class _BatchDeadlines:
             ]
             if due:
                 self._owner.expired(due)
+                for r in due:
+                    hook = r.reply.late
+                    if hook is not None:  # others wait for what the batch computes
+                        hook.expect(self.call_at)
+                        if self._late is None:
+                            self._late = []
+                        self._late.append(hook)
             first = _first_deadline(self._batch)
             if first < math.inf:
                 self._arm(first)

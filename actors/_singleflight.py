@@ -16,6 +16,14 @@ waiter whose own deadline is later: the flight runs again for those, driven by t
 one of them with the earliest deadline (so no one waits past their own), with that
 waiter's own function and deadline. The others get the error. Each waiter drives at
 most once, so a flight runs at most once per waiter.
+
+When the error came while the driver's work went on (a request answered
+DeadlineExceeded while its batch ran, the batch still running for others), the
+waiters with time left first wait for that work's outcome (a :class:`LateOutcome`
+the computation hands on: ``Reply.late``): a value answers them all, as the round's
+own would have, and runs nothing again; a waiter whose own deadline passes first
+gets its own copy of the driver's error then; and if the work fails, the flight runs
+again for those still waiting, as above.
 """
 
 from __future__ import annotations
@@ -55,13 +63,63 @@ class SingleFlightStatistics:
     that joined one already in flight (so ``started + coalesced`` is every call);
     ``abandoned``: flights cancelled because every waiter left; ``reruns``: a
     flight's computation run again, for waiters whose own deadline was later than
-    the one its error belonged to."""
+    the one its error belonged to; ``late_answers``: a flight's waiters answered
+    instead by the late outcome of the work of a driver whose deadline passed (one
+    per such outcome, however many waiters it answered)."""
 
     in_flight: int
     started: int
     coalesced: int
     abandoned: int
     reruns: int = 0
+    late_answers: int = 0
+
+
+class LateOutcome:
+    """Where the outcome of a round's work goes when it outlives the error the round
+    was answered with: the request of a flight's computation answered
+    DeadlineExceeded while its batch ran, the batch going on for others. The
+    computation hangs it on its request (``Reply.late``); the replica calls
+    :meth:`expect` when it answers the request so, then :meth:`settle` once with
+    the batch's outcome for the item (None: none came). ``keep``: what the
+    computation does with a value it returns (the cache actor keeps it in the cache),
+    done to a late value too. Neither call is a checkpoint."""
+
+    __slots__ = ("_done", "call_at", "expected", "keep", "result")
+
+    def __init__(self) -> None:
+        #: the work goes on after its request was answered: :meth:`settle` will come
+        self.expected = False
+        self.result: outcome.Outcome | None = None
+        self.keep: Callable[[Any], Any] | None = None
+        #: see :meth:`expect`
+        self.call_at: Callable[[float, Callable[[], object]], Callable[[], None]] | None = None
+        self._done = trio.Event()
+
+    def expect(
+        self,
+        call_at: Callable[[float, Callable[[], object]], Callable[[], None]] | None = None,
+    ) -> None:
+        """The request was answered while its work goes on; its outcome will come.
+        ``call_at(deadline, fn)``: calls ``fn()`` when the trio ``deadline`` passes
+        on the clock the work's own deadlines are kept on (a replica's wall clock:
+        trio's would pass at once under an autojumping MockClock while a thread
+        runs), until the work is done at the latest, and returns what disarms it;
+        the waiters' own deadlines are kept with it. None: trio's."""
+        self.expected = True
+        self.call_at = call_at
+
+    def settle(self, result: outcome.Outcome | None) -> None:
+        """The work's outcome for the request (None: none came); only the first
+        counts."""
+        if not self._done.is_set():
+            self.result = result
+            self._done.set()
+
+    async def wait(self) -> outcome.Outcome | None:
+        """Wait for :meth:`settle` and return its outcome. A checkpoint."""
+        await self._done.wait()
+        return self.result
 
 
 @attrs.define(eq=False)
@@ -79,13 +137,17 @@ class _Waiter:
 class _Round:
     """One run of a flight's computation, for ``driver``. ``bound``: set when its
     error belonged to the driver's deadline, that deadline (a waiter with a later
-    one waits for the next round, ``next``)."""
+    one waits for the next round, ``next``). ``late``: a round that runs nothing but
+    waits for the late outcome of the round before it (same driver), whose error
+    was ``error``: a waiter whose own deadline passes first gets that error."""
 
     driver: _Waiter
     done: trio.Event = attrs.Factory(trio.Event)
     result: outcome.Outcome | None = None
     bound: float | None = None
     next: _Round | None = None
+    late: LateOutcome | None = None
+    error: BaseException | None = None
 
     def answers(self, waiter: _Waiter) -> bool:
         """Whether this round's result is ``waiter``'s answer (else it waits for the
@@ -118,6 +180,11 @@ class SingleFlight:
     when it belongs to the computation itself (every waiter gets it). A waiter whose
     own deadline is later than the one returned is not answered with it: the flight
     runs again for it. By default no error belongs to a deadline.
+
+    ``late_outcomes``: each computation is called with ``late=``, a
+    :class:`LateOutcome` of its own; if it raises such an error after the hook was
+    told to expect an outcome, the waiters with a later deadline wait for that
+    outcome (each until its own deadline) before the flight runs again.
     """
 
     def __init__(
@@ -125,9 +192,12 @@ class SingleFlight:
         nursery: trio.Nursery,
         *,
         deadline_bound: Callable[[BaseException, float], float | None] = _never_bound,
+        late_outcomes: bool = False,
     ) -> None:
         self._nursery = nursery
         self._deadline_bound = deadline_bound
+        self._late_outcomes = late_outcomes
+        self._late_answers = 0
         self._flights: dict[Hashable, _Flight] = {}
         self._started = 0
         self._coalesced = 0
@@ -155,7 +225,9 @@ class SingleFlight:
         ``fn`` runs with). A checkpoint. Cancelling this call withdraws only this
         caller; the computation goes on for the others, and is cancelled when no
         caller is left. Raises whatever the computation raised (the waiter's own
-        copy of it), or ActorClosed if the owner's nursery was cancelled first.
+        copy of it), or ActorClosed if the owner's nursery was cancelled first. While
+        it waits for a late outcome (see the class), its own ``deadline`` passing
+        raises its own copy of the error the driver got.
         """
         waiter = _Waiter(deadline, fn, args)
         flight = self._flights.get(key)
@@ -171,9 +243,17 @@ class SingleFlight:
             self._coalesced += 1
         flight.waiters[waiter] = None
         round_ = flight.round
+        expired: BaseException | None = None
         try:
             while True:
-                await round_.done.wait()
+                if round_.late is not None:
+                    # A late outcome may never come in time: wait for it until this
+                    # waiter's own deadline, no later.
+                    if not await self._wait_until(round_, deadline):
+                        expired = round_.error
+                        break
+                else:
+                    await round_.done.wait()
                 if round_.answers(waiter):
                     break
                 # The next round, not the flight's current one: rounds that end at
@@ -190,11 +270,32 @@ class SingleFlight:
                     del self._flights[key]
                 self._abandoned += 1
                 flight.scope.cancel(reason="singleflight: every waiter left")
+        if expired is not None:
+            raise own_error(expired)
         result = round_.result
         assert result is not None
         if isinstance(result, outcome.Error):
             raise own_error(result.error)
         return result.value
+
+    @staticmethod
+    async def _wait_until(round_: _Round, deadline: float) -> bool:
+        """Wait for the late ``round_`` to end, until ``deadline`` at most (on the
+        late work's clock); return whether it ended. A checkpoint."""
+        call_at = round_.late.call_at if round_.late is not None else None
+        with trio.CancelScope() as scope:
+            disarm = None
+            if deadline < math.inf:
+                if call_at is None:
+                    scope.deadline = deadline
+                else:
+                    disarm = call_at(deadline, scope.cancel)
+            try:
+                await round_.done.wait()
+            finally:
+                if disarm is not None:
+                    disarm()
+        return round_.done.is_set()
 
     async def _compute(self, key: Hashable, flight: _Flight) -> None:
         try:
@@ -202,14 +303,23 @@ class SingleFlight:
                 while True:
                     round_ = flight.round
                     driver = round_.driver
+                    late = LateOutcome() if self._late_outcomes else None
                     try:
-                        value = await driver.fn(*driver.args)
+                        if late is None:
+                            value = await driver.fn(*driver.args)
+                        else:
+                            value = await driver.fn(*driver.args, late=late)
                     except trio.Cancelled:
                         raise
                     except Exception as exc:
+                        if late is not None and late.expected and await self._wait_late(
+                            flight, exc, late
+                        ):
+                            break
                         if self._run_again(flight, exc):
                             continue
-                        round_.result = outcome.Error(exc)
+                        # this round's, or the late round's that followed it
+                        flight.round.result = outcome.Error(exc)
                     else:
                         round_.result = outcome.Value(value)
                     break
@@ -223,6 +333,41 @@ class SingleFlight:
                 )
             flight.finished = True
             round_.done.set()
+
+    async def _wait_late(self, flight: _Flight, exc: Exception, late: LateOutcome) -> bool:
+        """The driver was answered ``exc`` while its work goes on, to end with an
+        outcome for it (``late``). If ``exc`` belongs to the driver's deadline and a
+        waiter's own is later (and not passed), end the round with it (answering
+        the others, as :meth:`_run_again`) and wait, in a round that runs nothing,
+        for that outcome: a value (kept as the computation keeps its own,
+        ``late.keep``) answers every waiter left, and this returns True. Otherwise
+        (no such waiter; the work failed) it returns False, the late round being
+        the flight's, for :meth:`_run_again` to end. A checkpoint when it waits."""
+        round_ = flight.round
+        driver = round_.driver
+        bound = self._deadline_bound(exc, driver.deadline)
+        if bound is None:
+            return False
+        bound = max(bound, trio.current_time())
+        if not any(
+            not w.answered and w is not driver and w.deadline > bound for w in flight.waiters
+        ):
+            return False
+        for w in flight.waiters:
+            if not w.answered and (w is driver or w.deadline <= bound):
+                w.answered = True
+        waiting = flight.round = round_.next = _Round(driver, late=late, error=exc)
+        round_.bound = bound
+        round_.result = outcome.Error(exc)
+        round_.done.set()
+        result = await late.wait()
+        if not isinstance(result, outcome.Value):
+            return False
+        keep = late.keep
+        waiting.result = result if keep is None else outcome.capture(keep, result.value)
+        if isinstance(waiting.result, outcome.Value):
+            self._late_answers += 1
+        return True
 
     def _run_again(self, flight: _Flight, exc: Exception) -> bool:
         """If ``exc`` belongs to the driver's deadline and a waiter's own deadline is
@@ -261,4 +406,5 @@ class SingleFlight:
             coalesced=self._coalesced,
             abandoned=self._abandoned,
             reruns=self._reruns,
+            late_answers=self._late_answers,
         )

@@ -97,12 +97,12 @@ class _ObservedFlights:
             run.flight_records.append(record)
         run.flight_calls[i] = (record, deadline)
 
-        async def driven(*a: Any) -> Any:
+        async def driven(*a: Any, **kw: Any) -> Any:
             rnd = Round(driver=i, at=trio.current_time())
             if record is not None:
                 record.rounds.append(rnd)
             try:
-                value = await fn(*a)
+                value = await fn(*a, **kw)
             except BaseException as exc:
                 rnd.end, rnd.error = trio.current_time(), exc
                 raise

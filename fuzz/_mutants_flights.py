@@ -79,7 +79,8 @@ def _with_flights(flights_class: type) -> type:
         def _flights(self, flights: Any) -> None:
             if flights is not None and type(flights) is SingleFlight:
                 flights = flights_class(
-                    flights._nursery, deadline_bound=flights._deadline_bound
+                    flights._nursery, deadline_bound=flights._deadline_bound,
+                    late_outcomes=flights._late_outcomes,
                 )
             self.__dict__["_flights_"] = flights
 

@@ -153,20 +153,23 @@ class Runtime(
             due = trio.current_time() + self._timeout(served, priority)
             return await self.cache.answer(
                 model, version or served.config.versions[-1], tenant, item,
-                lambda: self._infer_prepared(served, item, cost, tenant, priority, latest, due),
+                lambda late: self._infer_prepared(
+                    served, item, cost, tenant, priority, latest, due, late
+                ),
                 priority=priority, deadline=due,
             )
         return await self._infer_prepared(served, item, cost, tenant, priority)
 
     async def _infer_prepared(
         self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str,
-        latest: float = math.inf, due: float | None = None,
+        latest: float = math.inf, due: float | None = None, late: Any = None,
     ) -> dict[str, Any]:
         """Submit one prepared item (split or refused if oversize). ``latest``: the
         latest time to wait for its credits until, besides its deadline (the caller's
         deadline, for a computation the cache actor runs). ``due``: when its model's
         or class's timeout passes, if counted from an earlier arrival than now (see
-        :meth:`_deadline`)."""
+        :meth:`_deadline`). ``late``: hung on its request (``Reply.late``: others
+        wait for what its batch computes); an item split in parts has none."""
         model = served.config.name
         limits = served.limits
         if limits.max_tokens is not None and cost > limits.max_tokens:
@@ -178,7 +181,7 @@ class Runtime(
                     f"model {model!r}: request cost {cost} exceeds max_batch_tokens "
                     f"{limits.max_tokens} (oversize policy {limits.oversize!r})"
                 )
-        return await self._submit(served, item, cost, tenant, priority, latest, due)
+        return await self._submit(served, item, cost, tenant, priority, latest, due, late)
 
     async def infer_batch(
         self,
@@ -383,7 +386,7 @@ class Runtime(
 
     async def _submit(
         self, served: ServedModel, item: Any, cost: int, tenant: str, priority: str,
-        latest: float = math.inf, due: float | None = None,
+        latest: float = math.inf, due: float | None = None, late: Any = None,
     ) -> dict[str, Any]:
         now = trio.current_time()
         deadline, answer_expiry = self._deadline(served, priority, now, due)
@@ -395,6 +398,8 @@ class Runtime(
         else:  # no tenant has credits: nothing to await on the hot path
             self.credits_used[tenant] += cost
         reply = Reply()
+        if late is not None:
+            reply.late = late
         request = Request(
             model=served.config.name, item=item, cost=cost, tenant=tenant,
             priority=priority, arrival=now, deadline=deadline,

@@ -78,6 +78,14 @@ class Reply:
     #: one tuple object per execution, shared by every request it answered. None
     #: until a result is delivered.
     run: tuple[float, float] | None = None
+    #: Someone else waits for what its batch computes (a coalesced flight's other
+    #: callers), should it be answered before the batch ends (its deadline passed
+    #: while the batch ran): the replica calls ``late.expect()`` as it answers it so,
+    #: then ``late.settle(outcome)`` once the batch is done with it (the batch's
+    #: ``outcome.Value`` or ``outcome.Error`` for its item; None: none came, the
+    #: batch failed or was handed back). Read only for a request already answered:
+    #: it costs the others nothing. None: nobody waits.
+    late: Any = None
 
     def _transition(self, new: RequestState) -> None:
         if new not in _ALLOWED[self.state]:

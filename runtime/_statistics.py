@@ -77,8 +77,9 @@ class _Statistics:
         """The result cache (hits, misses, hit rate, bytes, evictions, admissions
         rejected) and coalescing (``computations``: flights started; ``coalesced``:
         requests that joined one in flight; ``reruns``: a flight's computation run
-        again for joined requests after another's deadline; ``in_flight``); {} when
-        off."""
+        again for joined requests after another's deadline; ``late_answers``: joined
+        requests answered instead by the batch still running when that deadline
+        passed, one per batch answer; ``in_flight``); {} when off."""
         return self.cache.statistics() if self.cache is not None else {}
 
     def model_ready(self, model: str, version: str | None = None) -> bool:

@@ -5,6 +5,7 @@ The policies and their sketch are in tests/test_cache_policies.py."""
 from __future__ import annotations
 
 import numpy as np
+import outcome
 import pytest
 import trio
 import trio.testing
@@ -288,7 +289,7 @@ class Computation:
         self.runs = 0
         self.cancelled = 0
 
-    async def __call__(self, *args):
+    async def __call__(self, *args, late=None):
         self.runs += 1
         try:
             await self.release.wait()
@@ -614,3 +615,67 @@ async def test_a_run_again_goes_on_when_its_driver_leaves_and_ends_with_the_last
     assert third.runs == 0
     s = flights.statistics()
     assert (s.reruns, s.abandoned, s.in_flight) == (1, 1, 0)
+
+
+# ---------------------------------------------------------------- a late outcome
+class LateComputation(Computation):
+    """A computation whose work outlives its deadline's error: when released it
+    tells its ``late`` hook to expect the work's outcome, keeps it, and raises
+    DeadlineExceeded (as a request answered while its batch runs)."""
+
+    def __init__(self):
+        super().__init__(error=DeadlineExceeded("deadline passed while its batch ran"))
+        self.late = None
+
+    async def __call__(self, *args, late=None):
+        self.late = late
+        self.runs += 1
+        await self.release.wait()
+        late.keep = lambda value: ("kept", value)
+        late.expect()
+        raise self.error
+
+
+@pytest.mark.parametrize("work", ["value", "failure"])
+async def test_waiters_with_time_left_wait_for_the_late_outcome_of_the_drivers_work(
+    mock_clock, work
+):
+    """The driver's computation raises its deadline's error while its work goes on:
+    the driver is answered at once; the waiters with time left wait for the work's
+    outcome, each until its own deadline (trio's, without a ``call_at``). A value
+    answers them all, kept as the computation keeps its own, and nothing runs
+    again; a failure runs the flight again, for the earliest of those left."""
+    first = LateComputation()
+    second, third = Computation("second's"), Computation("third's")
+    got = {}
+    async with trio.open_nursery() as owner:
+        flights = SingleFlight(owner, deadline_bound=deadline_bound, late_outcomes=True)
+        async with trio.open_nursery() as callers:
+            calls = [("first", 1.0, first), ("second", 2.0, second), ("third", 3.0, third)]
+            await _start_waiters(callers, flights, calls, got)
+            mock_clock.jump(1.0)
+            first.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert list(got) == ["first"]
+            assert type(got["first"]) is DeadlineExceeded
+            mock_clock.jump(1.0)  # the second's own deadline passes first
+            await trio.testing.wait_all_tasks_blocked()
+            assert list(got) == ["first", "second"]
+            assert type(got["second"]) is DeadlineExceeded
+            assert got["second"] is not got["first"]
+            assert second.runs == third.runs == 0
+            if work == "value":
+                first.late.settle(outcome.Value("the batch's"))
+            else:
+                first.late.settle(None)
+                await trio.testing.wait_all_tasks_blocked()
+                assert third.runs == 1
+                third.release.set()
+    s = flights.statistics()
+    if work == "value":
+        assert got["third"] == ("kept", "the batch's")
+        assert (s.reruns, s.late_answers) == (0, 1)
+    else:
+        assert got["third"] == ("third's", "third")
+        assert (s.reruns, s.late_answers) == (1, 0)
+    assert (first.runs, second.runs, s.in_flight) == (1, 0, 0)

@@ -263,7 +263,8 @@ async def test_the_cache_counters_on_metrics_move_as_documented(autojump_clock):
     finally:
         gated.release.set()
     assert all(zero[f"trioserve_cache_{n}_total"] == 0 for n in (
-        "hits", "misses", "evictions", "admissions_rejected", "coalesced", "reruns"))
+        "hits", "misses", "evictions", "admissions_rejected", "coalesced", "reruns",
+        "late_answers"))
     assert after["trioserve_cache_hits_total"] == stats["hits"] == 1
     # every caller of a flight looked the key up first: three misses for g
     assert after["trioserve_cache_misses_total"] == stats["misses"] == 8
@@ -272,6 +273,7 @@ async def test_the_cache_counters_on_metrics_move_as_documented(autojump_clock):
     assert after["trioserve_cache_admissions_rejected_total"] == stats["admissions_rejected"] == 1
     assert after["trioserve_cache_coalesced_total"] == stats["coalesced"] == 2
     assert after["trioserve_cache_reruns_total"] == stats["reruns"] == 0
+    assert after["trioserve_cache_late_answers_total"] == stats["late_answers"] == 0
     assert after["trioserve_cache_entries"] == stats["entries"] == 3
     assert after["trioserve_cache_bytes_used"] == stats["bytes_used"] == 3 * 260
     assert after["trioserve_cache_hit_rate"] == 1 / 9

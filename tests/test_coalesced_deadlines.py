@@ -2,8 +2,9 @@
 cache) is not failed by the first caller's deadline: the flight runs with the
 deadline of the caller it runs for, and when that passes (queued, or while its
 batch runs) a joined caller whose own deadline is later gets a run of its own,
-under its own deadline, entering the queue at the back. Each caller gets one
-answer, at its own deadline at the latest."""
+under its own deadline, entering the queue at the back; when it passed while its
+batch ran, the joined callers first wait for that batch's answer. Each caller gets
+one answer, at its own deadline at the latest."""
 
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ def coalesced(model, *, capacity: int = 0, **cfg) -> trioserve.Config:
     """``model`` run in a thread, one item a batch, with a timeout of 1 s, coalesced
     (and cached, with a capacity), served to one open tenant."""
     cfg.setdefault("replicas", 1)
+    cfg.setdefault("max_batch_size", 1)
+    cfg.setdefault("max_wait_ms", 0)
     return trioserve.Config(
         models=(callable_model(
-            "m", model, execution="thread", coalesce=True, max_batch_size=1,
-            max_wait_ms=0, timeout_ms=1_000.0, batch_timeout_floor_ms=30_000.0,
-            batch_timeout_cap_ms=30_000.0, **cfg,
+            "m", model, execution="thread", coalesce=True, timeout_ms=1_000.0,
+            batch_timeout_floor_ms=30_000.0, batch_timeout_cap_ms=30_000.0, **cfg,
         ),),
         tenants=(TenantConfig(name="t", default=True),),
         cache=CacheConfig(capacity_bytes=capacity),
@@ -177,63 +179,234 @@ async def test_a_follower_cancelled_during_its_run_withdraws_it(mock_clock):
 # ---------------------------------------------------------------- running
 class HeldOnce:
     """A model answering ``y = 2x + 1`` whose first batch waits for :meth:`release`
-    (a thread's call); the keys of every batch in ``seen``."""
+    (a thread's call), then raises if ``fail``; any batch holding the key
+    ``poison`` raises. The keys of every batch in ``seen`` (one entry per item the
+    model was called with)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, fail: bool = False, poison: float | None = None) -> None:
         self.released = threading.Event()
+        self.fail = fail
+        self.poison = poison
         self.seen: list[float] = []
         self._lock = threading.Lock()
 
     def __call__(self, items):
+        keys = [key(it) for it in items]
         with self._lock:
             first = not self.seen
-            self.seen.extend(key(it) for it in items)
+            self.seen.extend(keys)
         if first:
             self.released.wait(GATE_LIMIT_S)
+            if self.fail:
+                raise RuntimeError("the first batch failed")
+        if self.poison in keys:
+            raise RuntimeError("a poison input")
         return [{"y": it["x"] * 2 + 1} for it in items]
 
     def release(self) -> None:
         self.released.set()
 
 
-async def test_a_follower_outlives_the_leaders_deadline_in_a_running_batch(
-    autojump_clock, manual_watchdog
+async def _leader_expires_running(rt, callers, mock_clock, dog, *followers: str) -> None:
+    """The leader's batch runs (held); each of ``followers`` joins 0.25 s after the
+    one before; the leader's deadline (1 s, on the replica's clock) passes while its
+    batch still runs: it is answered at once."""
+    await callers.start("leader", 5.0)
+    for name in followers:
+        mock_clock.jump(0.25)
+        await callers.start(name, 5.0)
+    dog.advance(1.0)  # the leader's 1 s
+    await trio.testing.wait_all_tasks_blocked()
+    error, _ = callers.got["leader"]
+    assert isinstance(error, DeadlineExceeded)
+    assert RUNNING in str(error)
+    assert not error.in_queue
+    assert list(callers.got) == ["leader"]
+
+
+@pytest.mark.parametrize("capacity", [0, 1 << 20])
+async def test_a_follower_gets_the_batch_still_running_for_a_leader_whose_deadline_passed(
+    mock_clock, manual_watchdog, capacity
 ):
-    """The leader's batch hangs in its thread on one replica; a follower joins 0.5 s
-    later. The leader's deadline passes while its batch runs: the leader gets
-    DeadlineExceeded, and the follower's own run goes to the other replica and
-    answers it. The tenant is charged for both runs: each ran, for one caller."""
+    """The leader's batch hangs in its thread; a follower joins 0.25 s later. The
+    leader's deadline passes while its batch runs: the leader gets DeadlineExceeded
+    at once, and the follower, with time left, waits for that batch instead of
+    running the key again (the other replica stays idle); so does a caller that
+    joins meanwhile. When the batch ends its answer is theirs, and kept in the cache
+    as any answer. The model ran the key once, and the tenant paid once."""
+    model = HeldOnce()
+    try:
+        async with trioserve.open_runtime(
+            coalesced(model, replicas=2, capacity=capacity)
+        ) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await _leader_expires_running(rt, callers, mock_clock, dog, "follower")
+                assert flow(rt)["dispatched"] == 1  # nothing ran again
+                assert rt.cache_statistics()["in_flight"] == 1
+                await callers.start("latecomer", 5.0)  # joins the wait
+                model.release()
+                await callers.answered["latecomer"].wait()
+            if capacity:
+                assert float((await rt.infer("m", item(5.0)))["y"][0]) == 11.0  # a hit
+            stats, cache = flow(rt), rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+    finally:
+        model.release()
+    assert callers.got["follower"] == (11.0, 0.25)
+    assert callers.got["latecomer"] == (11.0, 0.25)
+    assert model.seen == [5.0]
+    assert (stats["dispatched"], stats["expired_running"], stats["expired"]) == (1, 1, 0)
+    assert used == 1
+    assert (cache["computations"], cache["coalesced"]) == (1, 2)
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+    if capacity:
+        assert (cache["hits"], cache["entries"]) == (1, 1)
+
+
+async def test_a_batch_that_fails_after_the_leaders_deadline_runs_again_for_the_follower(
+    mock_clock, manual_watchdog
+):
+    """The leader's deadline passes while its batch runs, and the batch then fails:
+    no answer for the follower came of it, so the flight runs again for it, as its
+    own request under its own deadline (on the other replica), and answers it. The
+    tenant is charged for both runs: each ran, for one caller."""
+    model = HeldOnce(fail=True)
+    try:
+        async with trioserve.open_runtime(coalesced(model, replicas=2)) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await _leader_expires_running(rt, callers, mock_clock, dog, "follower")
+                assert flow(rt)["dispatched"] == 1
+                model.release()
+                await callers.answered["follower"].wait()
+            stats, cache = flow(rt), rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+    finally:
+        model.release()
+    assert callers.got["follower"] == (11.0, 0.25)
+    assert model.seen == [5.0, 5.0]
+    assert (stats["dispatched"], stats["expired_running"]) == (2, 1)
+    assert used == 2
+    assert (cache["computations"], cache["coalesced"]) == (1, 1)
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (1, 0, 0)
+
+
+async def test_a_batch_split_after_the_leaders_deadline_runs_again_for_the_follower(
+    mock_clock, manual_watchdog
+):
+    """The leader's item and a poison one (a caller 0.1 s later) run in one batch;
+    the leader's deadline passes while it runs, and the batch raises: it is retried
+    in parts, the poison item alone (the leader's, answered, is not run again), so
+    no answer for the follower comes of it: the flight runs again for the follower,
+    which gets its answer; the poison item's caller gets the model's error."""
+    model = HeldOnce(poison=666.0)
+    try:
+        async with trioserve.open_runtime(
+            coalesced(model, max_batch_size=2, max_wait_ms=500.0)
+        ) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await callers.start("leader", 5.0)
+                mock_clock.jump(0.05)
+                await callers.start("follower", 5.0)
+                mock_clock.jump(0.05)
+                await callers.start("poison", 666.0)  # fills the batch: it runs
+                assert model.seen == [5.0, 666.0]
+                # the leader's 1 s, not the poison caller's (its batch came in at
+                # 0.1 in trio time, 0.0 on the replica's clock)
+                dog.advance(0.9)
+                await trio.testing.wait_all_tasks_blocked()
+                assert list(callers.got) == ["leader"]
+                assert isinstance(callers.got["leader"][0], DeadlineExceeded)
+                model.release()
+                await callers.answered["poison"].wait()
+                await trio.testing.wait_all_tasks_blocked()
+                assert flow(rt)["queued"] == 1  # the follower's own run
+                mock_clock.jump(0.5)  # its batch's max_wait_ms
+                await callers.answered["follower"].wait()
+            cache = rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+    finally:
+        model.release()
+    assert callers.got["follower"][0] == 11.0
+    assert isinstance(callers.got["poison"][0], trioserve.ModelError)
+    assert sorted(model.seen) == [5.0, 5.0, 666.0, 666.0]  # the follower's run, the part
+    assert used == 3  # the leader's, the poison caller's, the follower's
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (1, 0, 0)
+
+
+async def test_a_follower_whose_own_deadline_passes_before_the_late_batch_ends(
+    mock_clock, manual_watchdog
+):
+    """The follower waits for the batch of the leader, whose deadline passed while
+    it ran; its own deadline (1.25, on the replica's clock, as the batch's requests')
+    passes first: it alone gets DeadlineExceeded then, and was charged nothing.
+    Nobody waits any more: the flight is gone, and the batch's end, later, answers
+    no one and runs nothing again (a probe queued behind it on the one replica is
+    the next and last thing the model runs)."""
+    model = HeldOnce()
+    try:
+        async with trioserve.open_runtime(coalesced(model)) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await _leader_expires_running(rt, callers, mock_clock, dog, "follower")
+                dog.advance(0.249)
+                await trio.testing.wait_all_tasks_blocked()
+                assert "follower" not in callers.got
+                dog.advance(0.001)  # the follower's 1 s
+                await trio.testing.wait_all_tasks_blocked()
+                error, _ = callers.got["follower"]
+                assert isinstance(error, DeadlineExceeded)
+                assert RUNNING in str(error)
+                assert error is not callers.got["leader"][0]  # its own
+                assert rt.cache_statistics()["in_flight"] == 0
+                await callers.start("probe", 7.0)
+                model.release()
+                await callers.answered["probe"].wait()
+            stats, cache = flow(rt), rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+    finally:
+        model.release()
+    assert callers.got["probe"][0] == 15.0
+    assert model.seen == [5.0, 7.0]
+    assert stats["dispatched"] == 2
+    assert used == 2  # the leader's run and the probe's
+    assert (cache["computations"], cache["coalesced"]) == (2, 1)
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 0, 0)
+
+
+async def test_a_cancelled_follower_leaves_the_late_batch_to_the_others(
+    mock_clock, manual_watchdog
+):
+    """Two followers wait for the batch of the leader, whose deadline passed while
+    it ran; the first one leaves (its own cancel scope): the other still gets the
+    batch's answer, and nothing ran again."""
     model = HeldOnce()
     try:
         async with trioserve.open_runtime(coalesced(model, replicas=2)) as rt:
             dog = manual_watchdog.made[-1]
             async with trio.open_nursery() as nursery:
                 callers = Callers(rt, nursery)
-                await callers.start("leader", 5.0)  # its batch is running
-                await trio.sleep(0.5)  # the mock clock's time
-                await callers.start("follower", 5.0)
-                assert rt.cache_statistics()["coalesced"] == 1
-                dog.advance(0.999)
+                await _leader_expires_running(rt, callers, mock_clock, dog, "gone", "stays")
+                callers.scopes["gone"].cancel()
                 await trio.testing.wait_all_tasks_blocked()
-                assert callers.got == {}
-                dog.advance(0.001)  # the leader's 1 s
-                # its own run, on the other replica, while the first batch still hangs
-                await callers.answered["follower"].wait()
-                assert callers.got["follower"][0] == 11.0
-                assert not model.released.is_set()
+                assert rt.cache_statistics()["in_flight"] == 1
                 model.release()
-            stats, cache = flow(rt), rt.cache_statistics()
+                await callers.answered["stays"].wait()
+            cache = rt.cache_statistics()
             used = rt.tenant_statistics()["t"]["credits_used"]
     finally:
         model.release()
-    error, _ = callers.got["leader"]
-    assert isinstance(error, DeadlineExceeded)
-    assert RUNNING in str(error)
-    assert not error.in_queue
-    assert model.seen == [5.0, 5.0]
-    assert (stats["dispatched"], stats["expired_running"], stats["expired"]) == (2, 1, 0)
-    assert used == 2
-    assert (cache["computations"], cache["coalesced"], cache["reruns"]) == (1, 1, 1)
+    assert "gone" not in callers.got
+    assert callers.got["stays"] == (11.0, 0.5)
+    assert model.seen == [5.0]
+    assert used == 1
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
 
 
 # ---------------------------------------------------------------- credits

@@ -405,6 +405,9 @@ class GatewayCollector(Collector):
                 ("coalesced", "counter", "Requests that joined an identical one in flight."),
                 ("reruns", "counter", "Computations in flight run again for joined requests "
                  "whose own deadline outlived the one that failed."),
+                ("late_answers", "counter", "Joined requests answered by the batch still "
+                 "running when the deadline of the request it ran for passed (instead of "
+                 "a rerun): one per such batch answer."),
                 ("bytes_used", "gauge", "Bytes the result cache holds."),
                 ("entries", "gauge", "Results the cache holds."),
                 ("hit_rate", "gauge", "Hits over lookups since start."),
