@@ -563,7 +563,9 @@ def _check_flights(run: CacheRun, rt: trioserve.Runtime, now: float) -> None:
     s = rt.cache_statistics()
     if "computations" not in s:
         return
-    run.flights = {k: s[k] for k in ("computations", "coalesced", "in_flight", "reruns")}
+    run.flights = {
+        k: s[k] for k in ("computations", "coalesced", "in_flight", "reruns", "late_answers")
+    }
     flights = run.single_calls - run.single_hits
     if s["computations"] + s["coalesced"] != flights or s["in_flight"]:
         run.violations.append(

@@ -18,7 +18,9 @@ rules:
   with no deadline in its error, or one whose error's deadline is not before its
   own), at that round's end, with its outcome;
 - ``computations`` counts the flights, ``reruns`` their rounds after the first, and
-  each tenant was charged once per round (and for what it asked outside flights).
+  each tenant was charged once per round (and for what it asked outside flights);
+  ``late_answers`` is 0: the suite's models run inline, so no request is answered
+  while its batch runs, and no flight waits for a batch's late answer.
 
 Instants are exact (ticks of 2**-10 s): a caller joining, or leaving, at the very
 instant a round ends may be seen by that round or not, and both are allowed.
@@ -171,6 +173,12 @@ def check_flights(run: CacheRun) -> tuple[str, str] | None:
         reruns += max(0, len(record.rounds) - 1)
     note("cache", "flight reruns", reruns)
     stats = run.flights
+    if stats and stats.get("late_answers", 0):
+        return (
+            "statistics",
+            f"the cache actor counts {stats['late_answers']} late answers: the models "
+            "run inline, so no request is answered while its batch runs",
+        )
     if stats and (
         stats.get("reruns") != reruns or stats.get("computations") != len(run.flight_records)
     ):
