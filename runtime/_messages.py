@@ -80,8 +80,9 @@ class Reply:
     run: tuple[float, float] | None = None
     #: Someone else waits for what its batch computes (a coalesced flight's other
     #: callers), should it be answered before the batch ends (its deadline passed
-    #: while the batch ran): the replica calls ``late.expect()`` as it answers it so,
-    #: then ``late.settle(outcome)`` once the batch is done with it (the batch's
+    #: while the batch ran): the replica calls ``late.expect(call_at)`` as it answers
+    #: it so (``call_at``: its clock for their deadlines), then
+    #: ``late.settle(outcome)`` once the batch is done with it (the batch's
     #: ``outcome.Value`` or ``outcome.Error`` for its item; None: none came, the
     #: batch failed or was handed back). Read only for a request already answered:
     #: it costs the others nothing. None: nobody waits.
