@@ -185,6 +185,8 @@ class HeldOnce:
 
     def __init__(self, *, fail: bool = False, poison: float | None = None) -> None:
         self.released = threading.Event()
+        #: set once the first batch is in the model (its thread may start late)
+        self.entered = threading.Event()
         self.fail = fail
         self.poison = poison
         self.seen: list[float] = []
@@ -196,6 +198,7 @@ class HeldOnce:
             first = not self.seen
             self.seen.extend(keys)
         if first:
+            self.entered.set()
             self.released.wait(GATE_LIMIT_S)
             if self.fail:
                 raise RuntimeError("the first batch failed")
@@ -315,6 +318,8 @@ async def test_a_batch_split_after_the_leaders_deadline_runs_again_for_the_follo
                 await callers.start("follower", 5.0)
                 mock_clock.jump(0.05)
                 await callers.start("poison", 666.0)  # fills the batch: it runs
+                # its thread may not have called the model yet
+                assert await trio.to_thread.run_sync(model.entered.wait, GATE_LIMIT_S)
                 assert model.seen == [5.0, 666.0]
                 # the leader's 1 s, not the poison caller's (its batch came in at
                 # 0.1 in trio time, 0.0 on the replica's clock)
