@@ -14,7 +14,8 @@ whole after each decision, atomically (a temporary file in the same directory,
 flushed to the disk, then ``os.replace``) by a task of its own in a worker
 thread: a decision is recorded at once in memory and written moments later,
 never holding up a request. A write that fails is logged and counted, and the
-next decision writes the whole file again.
+next decision writes the whole file again. The close waits for the disk within
+bounds (``FINAL_WRITE_S``): a write it gives up on never lands later.
 """
 
 from __future__ import annotations
@@ -46,8 +47,12 @@ MAX_STATE_BYTES = 16 * 1024**2
 RECORDED = ("promoted", "rolled_back", "paused", "canary")
 #: The rules of a trial the operator started, recorded beside its ``steps``.
 RULE_KEYS = ("step_s", "min_requests", "max_error_rate", "max_latency_ratio")
-#: How long a decision not yet written when the runtime is cancelled may take to be.
+#: How long the close waits for a write under way when the runtime is cancelled,
+#: and then for the write of the decisions not yet written.
 FINAL_WRITE_S = 5.0
+#: The longest the close waits on a write's thread at a time before it looks at the
+#: event loop's clock again (see ``_wait_written``).
+_SLICE_S = 0.1
 
 _REMEDY = "fix it, or remove it to start every rollout afresh"
 
@@ -78,9 +83,9 @@ def version_fingerprint(m: ModelConfig, version: str) -> str:
 
 
 class Ownership:
-    """Whether the writes of a state file may still land: once ``revoke``-d (its
-    runtime closed), a write still under way in its thread (one abandoned at the
-    close, past ``FINAL_WRITE_S``) replaces nothing, so that it cannot overwrite
+    """Whether a write of a state file may still land: once ``revoke``-d (the write
+    abandoned at the close, past ``FINAL_WRITE_S``), the write still under way in
+    its thread replaces nothing, so that it cannot overwrite newer decisions, nor
     what a later runtime wrote. The check and the rename are made under one lock,
     held across the rename alone."""
 
@@ -291,8 +296,8 @@ class RolloutStateFile:
         self._done = 0  # changes written (or whose write failed)
         self._wake = trio.Event()
         self._settled = trio.lowlevel.ParkingLot()  # flush's waiters
-        #: revoked when ``run`` ends: no write of this runtime's lands after
-        self._owner = Ownership()
+        #: the write whose thread has not returned yet, if any
+        self._under_way: _Write | None = None
         self.writes = 0
         self.write_errors = 0
         self.last_error: str | None = None
@@ -344,10 +349,12 @@ class RolloutStateFile:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Write the file after each change, until cancelled (several changes made
-        meanwhile: one write). Cancelled with a change not yet written, it still
-        writes it, shielded, for up to ``FINAL_WRITE_S``; a write abandoned then
-        replaces nothing, even when its thread ends later: once this returns, no
-        write of it can land (a later runtime may be writing the file).
+        meanwhile: one write). Cancelled, it waits, shielded, for a write under way
+        (its thread may not return: a disk that hangs) for up to ``FINAL_WRITE_S``,
+        then writes the changes not written yet, for up to ``FINAL_WRITE_S`` too. A
+        write abandoned at either bound replaces nothing, even when its thread ends
+        later: once this returns, no write of it can land (a later runtime may be
+        writing the file), and an abandoned write never lands over a later one.
 
         ConfigError, before it starts, when another runtime of this process writes
         the same file: each writes the whole file from its own records, so one's
@@ -362,36 +369,58 @@ class RolloutStateFile:
         _WRITING.add(key)
         try:
             task_status.started()
-            try:
-                while True:
-                    if self._done == self._wanted:
-                        self._wake = trio.Event()
-                        await self._wake.wait()
-                    await self._write()
-            finally:
-                if self._done != self._wanted:
-                    with (trio.CancelScope(shield=True),
-                          trio.move_on_after(FINAL_WRITE_S) as late):
-                        await self._write(abandon=True)
-                    if late.cancelled_caught:
-                        log.error("rollout state file %s: the last decisions were not "
-                                  "written within %g s of the close (that write is "
-                                  "abandoned: it will not replace the file)", self.path,
-                                  FINAL_WRITE_S)
+            while True:
+                if self._done == self._wanted:
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                job = self._under_way = self._job()
+                # cancelled (the close), the thread goes on: _close waits for it
+                await trio.to_thread.run_sync(job.run, abandon_on_cancel=True)
+                self._under_way = None
+                self._settle(job)
         finally:
             try:
-                await self._disown()
+                with trio.CancelScope(shield=True):
+                    await self._close()
             finally:
                 _WRITING.discard(key)
 
-    async def _disown(self) -> None:
-        """Revoke this runtime's writes (an abandoned one still in its thread then
-        renames nothing): at once, or, with a rename under way this very moment, once
-        it is done, shielded and within ``FINAL_WRITE_S``."""
-        if self._owner.revoke_nowait():
+    async def _close(self) -> None:
+        """The end of ``run`` (shielded): the write under way, if any, then the
+        changes not written yet, each within ``FINAL_WRITE_S``."""
+        job, self._under_way = self._under_way, None
+        if job is not None and not job.begun:
+            # cancelled before its thread began (it may yet): its changes are the
+            # final write's, and it replaces nothing if it runs
+            job.owner.revoke_nowait()
+        elif job is not None:
+            if await _wait_written(job, FINAL_WRITE_S):
+                self._settle(job)
+            else:
+                log.error("rollout state file %s: a write under way when the runtime "
+                          "closed did not end within %g s (it is abandoned: it will not "
+                          "replace the file)", self.path, FINAL_WRITE_S)
+                await self._abandon(job)
+        if self._done == self._wanted:
             return
-        with trio.CancelScope(shield=True), trio.move_on_after(FINAL_WRITE_S) as late:
-            await trio.to_thread.run_sync(self._owner.revoke, abandon_on_cancel=True)
+        job = self._job()
+        job.start()
+        if await _wait_written(job, FINAL_WRITE_S):
+            self._settle(job)
+            return
+        log.error("rollout state file %s: the last decisions were not written within "
+                  "%g s of the close (that write is abandoned: it will not replace the "
+                  "file)", self.path, FINAL_WRITE_S)
+        await self._abandon(job)
+
+    async def _abandon(self, job: _Write) -> None:
+        """Revoke ``job``'s rename (its thread then renames nothing): at once, or,
+        with the rename under way this very moment, once it is done, within
+        ``FINAL_WRITE_S``."""
+        if job.owner.revoke_nowait():
+            return
+        with trio.move_on_after(FINAL_WRITE_S) as late:
+            await trio.to_thread.run_sync(job.owner.revoke, abandon_on_cancel=True)
         if late.cancelled_caught:
             log.error("rollout state file %s: a rename of it begun before the close did "
                       "not end within %g s; it may still land", self.path, FINAL_WRITE_S)
@@ -403,16 +432,19 @@ class RolloutStateFile:
         while self._done != self._wanted:
             await self._settled.park()
 
-    async def _write(self, *, abandon: bool = False) -> None:
-        wanted = self._wanted
+    def _job(self) -> _Write:
+        """A write of every change made so far (not started)."""
         data = json.dumps({"format": FORMAT, "models": self._records}, indent=1,
                           sort_keys=True).encode()
-        try:
-            await trio.to_thread.run_sync(
-                functools.partial(write_atomic, self.path, data, owner=self._owner),
-                abandon_on_cancel=abandon,
-            )
-        except OSError as exc:
+        return _Write(functools.partial(write_atomic, self.path, data), self._wanted)
+
+    def _settle(self, job: _Write) -> None:
+        """Count a write whose thread returned, and wake ``flush``'s waiters. Raises
+        what the write raised when it is not an OSError (a bug, not the disk)."""
+        exc = job.error
+        if exc is not None and not isinstance(exc, OSError):
+            raise exc
+        if exc is not None:
             self.write_errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("rollout state file %s: cannot write the rollouts' decisions "
@@ -420,8 +452,63 @@ class RolloutStateFile:
                       self.path, self.last_error)
         else:
             self.writes += 1
-        self._done = wanted
+        self._done = job.wanted
         self._settled.unpark_all()
+
+
+class _Write:
+    """One write of the file, in a worker thread, of the changes up to ``wanted``;
+    ``begun`` once its thread has begun it, ``done`` once its thread returns, with
+    ``error`` what it raised. Its ``owner`` revoked, it replaces nothing."""
+
+    def __init__(self, write: Any, wanted: int) -> None:
+        self._write = write
+        self.wanted = wanted
+        self.owner = Ownership()
+        self.begun = False
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        """The write itself. Blocking: in a worker thread."""
+        self.begun = True
+        try:
+            self._write(owner=self.owner)
+        except Exception as exc:  # raised (or counted) by the task: _settle
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def start(self) -> None:
+        """Run it in a thread of its own, waited for with :func:`_wait_written`
+        (trio's worker threads cannot be waited for with a bound but by abandoning
+        the wait). A daemon: a disk that never answers holds no exit."""
+        threading.Thread(target=self.run, name="trioserve-rollout-write", daemon=True).start()
+
+
+async def _wait_written(job: _Write, bound: float) -> bool:
+    """Wait until ``job``'s thread has returned (True), or ``bound`` seconds of the
+    event loop's clock have passed (False). A checkpoint.
+
+    A trio timer alone would not do: on a clock that jumps to the next deadline
+    whenever every task waits (trio's autojumping MockClock), it would end the wait
+    as soon as it begins, whatever the thread's progress. So the wait is made in
+    slices: a worker thread waits for the write for at most ``_SLICE_S`` of real
+    time, then, if the loop's clock has moved less than that meanwhile, the rest of
+    the slice passes on the loop's clock. On the system clock the bound is the
+    real time waited; on a clock that jumps, the thread gets as much real time; on a
+    clock moved by hand, the wait ends within a slice of the bound passing."""
+    deadline = trio.current_time() + bound
+    while not job.done.is_set():
+        now = trio.current_time()
+        if now >= deadline:
+            return False
+        until = min(now + _SLICE_S, deadline)
+        await trio.to_thread.run_sync(job.done.wait, until - now, abandon_on_cancel=True)
+        if not job.done.is_set() and trio.current_time() < until:
+            await trio.sleep_until(until)
+    await trio.lowlevel.checkpoint()
+    return True
 
 
 async def open_state_file(config: Config) -> RolloutStateFile | None:

@@ -489,6 +489,72 @@ async def test_a_write_abandoned_at_the_close_never_lands_after_it(
     ]
 
 
+async def test_a_write_under_way_at_the_close_is_abandoned_after_the_bound(
+    mock_clock, tmp_path, monkeypatch, caplog,
+):
+    # A write that the disk holds (in its worker thread) when the close begins holds
+    # the close for FINAL_WRITE_S at most: then it is abandoned (logged), the newest
+    # decisions are written, and the held write, once the disk answers, replaces
+    # nothing. The mock clock passes the bound; nothing jumps it on its own.
+    path = tmp_path / "rollout.json"
+    writing, release, ended = trio.Event(), threading.Event(), threading.Event()
+    real = state_file.write_atomic
+    written: list[str] = []  # each write's record, as handed to the disk
+
+    def held_write(p: str, data: bytes, **kwargs) -> None:  # in a worker thread
+        written.append(json.loads(data)["models"]["m"]["state"])
+        if len(written) > 1:
+            real(p, data, **kwargs)
+            return
+        try:  # the first write: the disk hangs
+            trio.from_thread.run_sync(writing.set)
+            release.wait(GATE_LIMIT_S)
+            real(p, data, **kwargs)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(state_file, "write_atomic", held_write)
+    caplog.set_level(logging.ERROR, logger="trioserve")
+    store = state_file.RolloutStateFile(str(path), {})
+    closed = threading.Event()
+    scope = trio.CancelScope()
+
+    async def keeping() -> None:
+        with scope:
+            await store.run()
+        closed.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keeping)
+            await trio.testing.wait_all_tasks_blocked()
+            store.put("m", {"state": "paused"})
+            await writing.wait()
+            store.put("m", {"state": "rolled_back"})  # the newest, not written yet
+            t0 = trio.current_time()
+            scope.cancel()  # the close, with the first write held by the disk
+            await trio.testing.wait_all_tasks_blocked()
+            assert not closed.is_set()
+            mock_clock.jump(state_file.FINAL_WRITE_S)
+            assert await trio.to_thread.run_sync(closed.wait, GATE_LIMIT_S)
+            closed_after = trio.current_time() - t0
+            assert not ended.is_set()  # the disk still holds the first write
+            on_disk = recorded(path)
+    finally:
+        release.set()
+    assert await trio.to_thread.run_sync(ended.wait, GATE_LIMIT_S)
+    assert closed_after == pytest.approx(state_file.FINAL_WRITE_S)
+    assert written == ["paused", "rolled_back"]
+    assert on_disk["models"]["m"] == {"state": "rolled_back"}
+    assert recorded(path) == on_disk  # the held write, ended, replaced nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout.json"]  # no temp left
+    assert store.statistics()["writes"] == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rollout state file {path}: a write under way when the runtime closed did not "
+        "end within 5 s (it is abandoned: it will not replace the file)"
+    ]
+
+
 def test_a_revoked_ownership_renames_nothing_and_waits_for_a_rename_under_way(tmp_path):
     path = tmp_path / "rollout.json"
     owner = state_file.Ownership()
