@@ -65,6 +65,12 @@ _owner: RayThread | None = None
 #: The thread of a ``ray.init`` under way, or given up at its start timeout and not
 #: returned yet: no other ``ray.init`` starts while it runs.
 _connecting: RayThread | None = None
+#: The thread of a ``ray.shutdown`` under way (the last runtime using the Ray it
+#: connected released it), waited for or not: no ``ray.init`` starts while it runs.
+_stopping: RayThread | None = None
+#: How long a closing runtime waits for the ``ray.shutdown`` it asked for; then it
+#: logs it and goes on (the thread, a daemon, is left to finish).
+STOP_TIMEOUT_S = 30.0
 
 #: The level of Ray's own logger in this process (``ray.init(logging_level=...)``):
 #: its warnings and errors, not its INFO lines (the local Ray started, the
@@ -98,7 +104,9 @@ class RayThread:
     ``ray.init`` runs, then "connected" (the thread is ``_owner``, with one user, the
     caller) or "failed" (``error``: what it raised; the thread ends); or
     "abandoned", set by a caller that stopped waiting for it: a ``ray.init`` that
-    returns then is disconnected at once, as nobody uses it."""
+    returns then is disconnected at once, as nobody uses it. Once asked to stop
+    (:meth:`request_stop`), it is ``_stopping`` until ``ray.shutdown`` returns;
+    ``ended`` once its work is done (it then returns)."""
 
     def __init__(self, init: Callable[[], object], shutdown: Callable[[], object]) -> None:
         self._init = init
@@ -106,9 +114,11 @@ class RayThread:
         self._stop = threading.Event()
         self.state = "connecting"
         self.error: BaseException | None = None
-        self._lock = threading.Lock()  # guards the two below, held for no call
+        self._lock = threading.Lock()  # guards the four below, held for no call
         self.settled = False
         self._waiters: list[Callable[[], object]] = []
+        self.ended = False
+        self._end_waiters: list[Callable[[], object]] = []
         self._thread = threading.Thread(target=self._run, name="trioserve-ray", daemon=True)
 
     def launch(self) -> None:
@@ -124,17 +134,36 @@ class RayThread:
                 return
         wake()
 
+    def on_ended(self, wake: Callable[[], object]) -> None:
+        """Have ``wake()`` called (in the thread, or here when it is so already) once
+        the thread's work is done (its ``ray.shutdown`` returned, and ``_stopping``
+        says so): it is about to return."""
+        with self._lock:
+            if not self.ended:
+                self._end_waiters.append(wake)
+                return
+        wake()
+
     def join(self) -> None:
         """Wait until the thread has ended. Blocking."""
         self._thread.join()
 
-    def stop(self) -> None:
-        """Have the thread disconnect Ray, and wait until it has ended. Blocking."""
+    def request_stop(self) -> None:
+        """Have the thread disconnect Ray (``ray.shutdown``) and end; returns at once."""
         self._stop.set()
-        self._thread.join()
 
     def _run(self) -> None:
-        global _connecting, _owner, _users
+        try:
+            self._serve()
+        finally:
+            with self._lock:
+                self.ended = True
+                waiters, self._end_waiters = self._end_waiters, []
+            for wake in waiters:
+                wake()
+
+    def _serve(self) -> None:
+        global _connecting, _owner, _stopping, _users
         error: BaseException | None = None
         try:
             self._init()
@@ -164,7 +193,12 @@ class RayThread:
         if abandoned or error is not None:
             return
         self._stop.wait()
-        self._disconnect()
+        try:
+            self._disconnect()
+        finally:
+            with _users_lock:
+                if _stopping is self:
+                    _stopping = None
 
     def _disconnect(self) -> None:
         try:
@@ -196,6 +230,14 @@ async def _wait_settled(owner: RayThread) -> None:
     await done.wait()
 
 
+async def _wait_ended(owner: RayThread) -> None:
+    """Wait until ``owner``'s work is done (its ``ray.shutdown`` returned). A
+    checkpoint, as :func:`_wait_settled`; cancelling it abandons the wait."""
+    done = trio.Event()
+    owner.on_ended(_setter(done))
+    await done.wait()
+
+
 def _ray_named(cfg: RayConfig) -> str:
     """The Ray ``cfg`` names, for an error."""
     if cfg.address is None:
@@ -217,7 +259,9 @@ async def start_ray(cfg: RayConfig) -> bool:
     (it is then left to finish in its thread, and disconnected if it connects; no
     other ``ray.init`` starts meanwhile, and another runtime's start waits for it,
     within its own timeout). While another runtime of the process connects, this
-    one waits for it and uses the Ray it connected. No lock is held while
+    one waits for it and uses the Ray it connected; while the ``ray.shutdown`` of
+    a Ray connected before runs (:func:`stop_ray`), it waits for that, within its
+    timeout too (a ConfigError past it), then connects afresh. No lock is held while
     ``ray.init`` runs, so a stop is never held up by it. Cancelling it waits for
     the connection to finish or fail, at most ``cfg.start_timeout_s``."""
     # Ray's own failure-signal handler prints a native stack for every SIGTERM, our
@@ -229,14 +273,17 @@ async def start_ray(cfg: RayConfig) -> bool:
     kwargs = init_kwargs(cfg)
     timeout = cfg.start_timeout_s
 
-    def claim(may_launch: bool) -> bool | tuple[RayThread, bool] | None:
+    def claim(may_launch: bool) -> bool | tuple[RayThread, str] | None:
         """Under the lock: Ray connected already (True: counted, False: not ours), or
-        the thread to wait for and whether it is this call's own ``ray.init`` (None:
-        one is needed, and ``may_launch`` is False)."""
+        the thread to wait for and why: "own" (this call's ``ray.init``),
+        "connecting" (another's) or "stopping" (its ``ray.shutdown`` runs); None: a
+        ``ray.init`` is needed, and ``may_launch`` is False."""
         global _users, _connecting
         with _users_lock:
             if _connecting is not None:
-                return _connecting, False
+                return _connecting, "connecting"
+            if _stopping is not None:
+                return _stopping, "stopping"
             if ray.is_initialized():
                 if _users == 0:
                     return False  # the process's own: not ours to stop
@@ -247,7 +294,7 @@ async def start_ray(cfg: RayConfig) -> bool:
             log.info("connecting to Ray (%s)", cfg.address or "a local Ray, started here")
             owner = _connecting = RayThread(lambda: ray.init(**kwargs), ray.shutdown)
             owner.launch()
-            return owner, True
+            return owner, "own"
 
     def give_up(owner: RayThread) -> str:
         """Under the lock: the state ``owner`` ended in; "abandoned" if it had not."""
@@ -270,10 +317,20 @@ async def start_ray(cfg: RayConfig) -> bool:
                     f"{timeout:g} s passed waiting for an earlier ray.init of this process, "
                     "which failed"
                 )
-            owner, own = claimed
+            owner, why = claimed
+            if why == "stopping":
+                with trio.move_on_at(deadline):
+                    await _wait_ended(owner)
+                if not owner.ended:
+                    raise ConfigError(
+                        f"ray.start_timeout_s: cannot connect to {_ray_named(cfg)}: the "
+                        "ray.shutdown of the Ray this process connected before has not "
+                        f"returned within {timeout:g} s"
+                    )
+                continue  # disconnected: claim connects afresh
             with trio.move_on_at(deadline):
                 await _wait_settled(owner)
-            if own:
+            if why == "own":
                 break
             if not owner.settled:
                 raise ConfigError(
@@ -302,23 +359,43 @@ async def start_ray(cfg: RayConfig) -> bool:
 
 async def stop_ray() -> None:
     """Release the Ray :func:`start_ray` connected: the last runtime using it
-    disconnects it (``ray.shutdown``, on the thread that connected it; waited for
-    in a worker thread, shielded)."""
+    disconnects it (``ray.shutdown``, on the thread that connected it) and waits,
+    shielded, at most ``STOP_TIMEOUT_S`` for that. A shutdown that has not returned
+    by then is logged and left to finish in its thread (a daemon). No lock is held
+    while it runs, and a :func:`start_ray` meanwhile waits for it (no ``ray.init``
+    runs beside it)."""
     import ray
 
-    def release() -> None:
-        global _users, _owner
+    def release() -> tuple[bool, RayThread | None]:
+        """Under the lock: count this runtime out. Whether it was the last one, and
+        the thread that disconnects Ray now, if one connected it."""
+        global _users, _owner, _stopping
         with _users_lock:
             _users = max(0, _users - 1)
-            if _users == 0:
-                owner, _owner = _owner, None
-                if owner is not None:
-                    owner.stop()
-                else:
-                    ray.shutdown()
+            if _users != 0:
+                return False, None
+            owner, _owner = _owner, None
+            if owner is not None:
+                _stopping = owner
+                owner.request_stop()
+            return True, owner
 
     with trio.CancelScope(shield=True):
-        await trio.to_thread.run_sync(release)
+        last, owner = await trio.to_thread.run_sync(release)
+        if not last:
+            return
+        with trio.move_on_after(STOP_TIMEOUT_S):
+            if owner is None:  # (no thread of ours connected it)
+                await trio.to_thread.run_sync(ray.shutdown, abandon_on_cancel=True)
+                return
+            await _wait_ended(owner)
+        if owner is None or not owner.ended:
+            log.error("ray.shutdown() has not returned within %g s of the close: the "
+                      "runtime closes without waiting for it (it is left to finish in "
+                      "its thread; Ray is connected again in this process only once it "
+                      "has returned)", STOP_TIMEOUT_S)
+            return
+        await trio.to_thread.run_sync(owner.join)  # its work is done: it is returning
 
 
 async def wait_ref(ref: Any) -> Any:

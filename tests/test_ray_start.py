@@ -5,12 +5,14 @@ is not held up by it. Ray's functions are replaced by fakes: no Ray runs."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
 import trio
 import trio.testing
 import trioserve
+from runtime_helpers import GATE_LIMIT_S
 from trioserve import ConfigError, RayConfig
 
 ray = pytest.importorskip("ray")
@@ -18,7 +20,8 @@ ray = pytest.importorskip("ray")
 
 class FakeRay:
     """``ray.init`` / ``ray.shutdown`` / ``ray.is_initialized`` of a Ray that connects
-    when ``release`` is set (at once unless ``hang``), or raises ``error`` (once)."""
+    when ``release`` is set (at once unless ``hang``), or raises ``error`` (once), and
+    disconnects when ``stopped`` is set (at once unless ``hang_shutdown``)."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -26,9 +29,15 @@ class FakeRay:
         self.error: BaseException | None = None
         self.release = threading.Event()
         self.release.set()
+        self.stopped = threading.Event()
+        self.stopped.set()
+        self.stopping = threading.Event()  # a ray.shutdown has begun
 
     def hang(self) -> None:
         self.release.clear()
+
+    def hang_shutdown(self) -> None:
+        self.stopped.clear()
 
     def init(self, **kw) -> None:
         self.calls.append("init")
@@ -40,6 +49,8 @@ class FakeRay:
 
     def shutdown(self) -> None:
         self.calls.append("shutdown")
+        self.stopping.set()
+        self.stopped.wait(GATE_LIMIT_S)
         self.connected = False
 
 
@@ -49,11 +60,13 @@ def fake(monkeypatch):
     monkeypatch.setattr(trioserve._ray, "_users", 0)
     monkeypatch.setattr(trioserve._ray, "_owner", None)
     monkeypatch.setattr(trioserve._ray, "_connecting", None)
+    monkeypatch.setattr(trioserve._ray, "_stopping", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: f.connected)
     monkeypatch.setattr(ray, "init", f.init)
     monkeypatch.setattr(ray, "shutdown", f.shutdown)
     yield f
     f.release.set()  # a hung init returns: its thread ends
+    f.stopped.set()  # and a hung shutdown
     for t in threading.enumerate():
         if t.name == "trioserve-ray" and t is not threading.current_thread():
             t.join(timeout=10)
@@ -65,7 +78,7 @@ def _ray_threads() -> list[threading.Thread]:
 
 def _state() -> tuple:
     r = trioserve._ray
-    return r._users, r._owner, r._connecting
+    return r._users, r._owner, r._connecting, r._stopping
 
 
 @pytest.mark.parametrize(
@@ -98,7 +111,7 @@ async def test_every_failure_of_ray_init_is_a_config_error_naming_the_ray_and_th
     assert info.value.__cause__ is error
     assert fake.calls == ["init"]
     assert not _ray_threads()
-    assert _state() == (0, None, None)
+    assert _state() == (0, None, None, None)
 
 
 async def test_a_ray_init_that_hangs_fails_the_start_at_its_timeout(fake, autojump_clock):
@@ -116,7 +129,7 @@ async def test_a_ray_init_that_hangs_fails_the_start_at_its_timeout(fake, autoju
     # no lock is held for it: a stop or another start can take the lock at once
     assert trioserve._ray._users_lock.acquire(blocking=False)
     trioserve._ray._users_lock.release()
-    users, owner, connecting = _state()
+    users, owner, connecting, _ = _state()
     assert (users, owner) == (0, None)
     assert connecting is not None
     assert connecting.state == "abandoned"
@@ -136,12 +149,12 @@ async def test_an_abandoned_ray_init_that_connects_late_is_disconnected_and_a_ne
     await trio.to_thread.run_sync(hung.join)
     assert fake.calls == ["init", "shutdown"]
     assert not fake.connected
-    assert _state() == (0, None, None)
+    assert _state() == (0, None, None, None)
     assert await trioserve._ray.start_ray(RayConfig()) is True
     assert fake.calls == ["init", "shutdown", "init"]
     await trioserve._ray.stop_ray()
     assert fake.calls == ["init", "shutdown", "init", "shutdown"]
-    assert _state() == (0, None, None)
+    assert _state() == (0, None, None, None)
 
 
 async def test_a_start_while_an_earlier_ray_init_hangs_waits_for_it_within_its_own_timeout(
@@ -236,7 +249,7 @@ async def test_no_ray_init_starts_once_the_time_went_waiting_for_one_that_failed
         "this process, which failed"
     )
     assert fake.calls == ["init"]
-    assert _state() == (0, None, None)
+    assert _state() == (0, None, None, None)
 
 
 async def test_two_starts_at_once_connect_ray_once_and_count_two_users(fake):
@@ -273,7 +286,7 @@ async def test_two_starts_at_once_connect_ray_once_and_count_two_users(fake):
     assert fake.calls == ["init"]
     await trioserve._ray.stop_ray()
     assert fake.calls == ["init", "shutdown"]
-    assert _state() == (0, None, None)
+    assert _state() == (0, None, None, None)
 
 
 async def test_a_cancelled_start_waits_at_most_its_timeout(fake, autojump_clock):
@@ -284,6 +297,89 @@ async def test_a_cancelled_start_waits_at_most_its_timeout(fake, autojump_clock)
         with pytest.raises(ConfigError, match="has not returned within 2 s"):
             await trioserve._ray.start_ray(RayConfig(start_timeout_s=2.0))
     assert trio.current_time() - start == 2.0
+
+
+async def test_a_hung_ray_shutdown_holds_the_close_at_most_its_bound_and_no_lock(
+    fake, autojump_clock, caplog
+):
+    """The last runtime's stop waits for ray.shutdown at most STOP_TIMEOUT_S, holding
+    no lock meanwhile; a start meanwhile waits for the shutdown (no ray.init runs
+    beside it) within its own timeout, and says why it failed."""
+    caplog.set_level(logging.ERROR, logger="trioserve")
+    assert await trioserve._ray.start_ray(RayConfig()) is True
+    fake.hang_shutdown()
+    start = trio.current_time()
+    await trioserve._ray.stop_ray()
+    assert trio.current_time() - start == trioserve._ray.STOP_TIMEOUT_S
+    assert fake.stopping.is_set()  # (and it still hangs)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ray.shutdown() has not returned within 30 s of the close: the runtime closes "
+        "without waiting for it (it is left to finish in its thread; Ray is connected "
+        "again in this process only once it has returned)"
+    ]
+    assert trioserve._ray._users_lock.acquire(blocking=False)
+    trioserve._ray._users_lock.release()
+    users, owner, connecting, stopping = _state()
+    assert (users, owner, connecting) == (0, None, None)
+    assert stopping is not None
+    assert not stopping.ended
+    start = trio.current_time()
+    with pytest.raises(ConfigError) as info:
+        await trioserve._ray.start_ray(RayConfig(start_timeout_s=3.0))
+    assert trio.current_time() - start == 3.0
+    assert str(info.value) == (
+        "ray.start_timeout_s: cannot connect to a local Ray (ray.address is not set: one "
+        "is started in this process): the ray.shutdown of the Ray this process connected "
+        "before has not returned within 3 s"
+    )
+    assert fake.calls == ["init", "shutdown"]
+    fake.stopped.set()
+    await trio.to_thread.run_sync(stopping.join)
+    assert _state() == (0, None, None, None)
+
+
+async def test_a_start_while_ray_shutdown_runs_waits_for_it_then_connects(fake):
+    """Another runtime of the process starts while the last one's ray.shutdown runs:
+    it connects once the shutdown has returned, never beside it."""
+    assert await trioserve._ray.start_ray(RayConfig()) is True
+    fake.hang_shutdown()
+    both_wait = trio.Event()
+    waiters = []
+    on_ended = trioserve._ray.RayThread.on_ended
+
+    def seen(self, wake):
+        waiters.append(self)
+        on_ended(self, wake)
+        if len(waiters) == 2:
+            both_wait.set()
+
+    results = []
+
+    async def stop() -> None:
+        await trioserve._ray.stop_ray()
+        results.append("stopped")
+
+    async def start() -> None:
+        await trio.to_thread.run_sync(fake.stopping.wait, GATE_LIMIT_S)
+        results.append(await trioserve._ray.start_ray(RayConfig()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trioserve._ray.RayThread, "on_ended", seen)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop)
+            nursery.start_soon(start)
+            await both_wait.wait()  # the stop and the start wait for the shutdown
+            assert waiters[0] is waiters[1]
+            assert trioserve._ray._connecting is None  # no ray.init beside it
+            assert fake.calls == ["init", "shutdown"]
+            fake.stopped.set()
+    assert sorted(results, key=str) == [True, "stopped"]
+    assert fake.calls == ["init", "shutdown", "init"]
+    assert fake.connected
+    assert trioserve._ray._users == 1
+    await trioserve._ray.stop_ray()
+    assert fake.calls == ["init", "shutdown", "init", "shutdown"]
+    assert _state() == (0, None, None, None)
 
 
 @pytest.mark.parametrize(
