@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -94,6 +95,10 @@ class SchedulerActor(Actor):
         #: the queue new requests go to instead once this one is handed over (a
         #: model reloaded or unloaded: ``hand_over``); None: none
         self.successor: SchedulerActor | None = None
+        #: what checks each request handed over to ``successor`` (None: none is
+        #: checked): set by ``hand_over`` when the successor's model takes other
+        #: inputs than this queue's requests were checked against
+        self.handed_check: Callable[[Request], None] | None = None
         #: ``wait_empty`` callers, woken when a batch is taken or completed or a
         #: batcher idles
         self._emptied = trio.lowlevel.ParkingLot()
@@ -107,6 +112,8 @@ class SchedulerActor(Actor):
         """
         if self._closed:
             if self.successor is not None:
+                if self.handed_check is not None:
+                    self.handed_check(request)
                 return self.successor.submit_nowait(request)
             raise self._refusal()
         policy = self.policy
@@ -131,6 +138,7 @@ class SchedulerActor(Actor):
         none, as :meth:`submit_nowait` admits one; wakes idle batchers once."""
         if self._closed:
             if self.successor is not None:
+                self._check_handed(requests)
                 return self.successor.submit_all_nowait(requests)
             raise self._refusal()
         if not requests:
@@ -165,6 +173,7 @@ class SchedulerActor(Actor):
         """
         if self._closed:
             if self.successor is not None:
+                self._check_handed(requests)
                 return self.successor.plan_all_nowait(requests)
             raise self._refusal()
         plan_all = getattr(self.policy, "plan_all", None)
@@ -189,6 +198,7 @@ class SchedulerActor(Actor):
             return
         if self._closed:
             if self.successor is not None:
+                # (planned by the successor: checked by ``plan_all_nowait`` then)
                 return self.successor.submit_planned_nowait(planned)
             raise self._refusal()
         policy = self.policy
@@ -511,14 +521,30 @@ class SchedulerActor(Actor):
         """Whether it takes no more requests (shut down, or retired)."""
         return self._closed
 
-    def hand_over(self, successor: SchedulerActor) -> None:
+    def hand_over(
+        self, successor: SchedulerActor, check: Callable[[Request], None] | None = None
+    ) -> None:
         """Take no more requests: each new one goes to ``successor`` instead (a
         reloaded model's new queue, or an unloaded model's, which refuses it). What
         is queued here stays, for this queue's batchers to pull (:meth:`wait_empty`),
         and so do the parts of a batch of theirs that fails.
+
+        ``check``: called with each request handed over, before the successor takes
+        it; it raises (InvalidInput) for one the successor's model cannot take (a
+        reload whose model takes other inputs than those the request was checked
+        against), and the request is refused with that. None: none is checked (the
+        queue's new requests pay nothing for it).
         Not a checkpoint."""
         self.successor = successor
+        self.handed_check = check
         self._closed = True
+
+    def _check_handed(self, requests: list[Request]) -> None:
+        """Check the requests of one call handed over to ``successor``, all or none."""
+        check = self.handed_check
+        if check is not None:
+            for request in requests:
+                check(request)
 
     async def wait_empty(self) -> None:
         """Wait until nothing waits here to be pulled (queued, handed back, kept

@@ -527,8 +527,8 @@ class HandOverDropsTheQueued(SchedulerActor):
     """A hand-over (reload, unload) drops the batch queued at the swap: taken from
     the queue, never run nor answered."""
 
-    def hand_over(self, successor: Any) -> None:
-        super().hand_over(successor)
+    def hand_over(self, successor: Any, check: Any = None) -> None:
+        super().hand_over(successor, check)
         self.policy.next_batch(math.inf)
 
 

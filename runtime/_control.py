@@ -66,12 +66,15 @@ from ._config import ModelConfig
 from ._errors import (
     ActorClosed,
     ConfigError,
+    InvalidInput,
     ModelLoadError,
     TrioserveError,
     UnknownModel,
     without_model,
 )
 from ._load_config import changed_keys, with_load_config
+from ._messages import Request
+from ._model import ModelBackend
 from ._served import ServedModel
 from ._triton_config import from_triton, triton_config, triton_platform, triton_shaped
 from ._versioned import Family, _MergedQueues
@@ -664,11 +667,16 @@ async def _drain(copy: _Copy) -> None:
     copy's replicas, which retire once every one is answered (a batch that fails is
     run again in parts, by them)."""
     groups = copy.groups
+    reloaded = isinstance(copy.successor, _Copy)  # (else: the stand-in refuses them all)
     for served in groups:
         successor = copy.heir(served)
+        check = (
+            _handed_check(served.config.name, served.backend, successor.backend)
+            if reloaded else None
+        )
         for lane in served.schedulers:
             after = successor.slow_scheduler if lane is served.slow_scheduler else None
-            lane.hand_over(after if after is not None else successor.scheduler)
+            lane.hand_over(after if after is not None else successor.scheduler, check)
     for served in groups:
         for lane in served.schedulers:
             await lane.wait_empty()
@@ -678,6 +686,42 @@ async def _drain(copy: _Copy) -> None:
     for b in going:
         await b.wait_retired()
     _close(copy)
+
+
+def _handed_check(
+    model: str, before: ModelBackend, after: ModelBackend
+) -> Callable[[Request], None] | None:
+    """What checks a request handed over at a reload's swap, checked against
+    ``before`` (the model of the copy it looked up) and handed to a copy whose model
+    is ``after``: None when ``after`` takes the same inputs (or any), so that the
+    requests handed over pay nothing; else a function that raises InvalidInput for
+    one ``after`` cannot take, as a request sent to it would be refused (naming the
+    input, what the model takes now, and that it was reloaded meanwhile), and
+    converts the item's arrays to what ``after`` takes (a dtype it converts) for one
+    it can. A backend that prepares its items its own way (its items are not its
+    inputs as sent): every request handed over is refused, to be sent again."""
+    if after.open_inputs or (
+        before.open_inputs == after.open_inputs and tuple(before.inputs) == tuple(after.inputs)
+    ):
+        return None
+    takes = ", ".join(f"{s.name} {s.datatype} {list(s.shape)}" for s in after.inputs)
+    reloaded = f"the model was reloaded while this request waited: it now takes {takes}"
+    plain = ModelBackend.prepare
+    if type(before).prepare is not plain or type(after).prepare is not plain:
+
+        def refuse(request: Request) -> None:
+            raise InvalidInput(f"model {model!r}: {reloaded}; send the request again")
+
+        return refuse
+
+    def check(request: Request) -> None:
+        try:
+            item, _ = after.prepare(model, request.item)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{exc} ({reloaded})") from None
+        request.item.update(item)  # the same inputs, each of the dtype ``after`` takes
+
+    return check
 
 
 def _cut_short(model: str, copy: _Copy, limit: float) -> ActorClosed:
