@@ -285,6 +285,8 @@ class ModelControl:
     stand-in), whose metrics and counters it takes over.
     ``unloaded(config, previous)`` makes a model's stand-in (``previous``: the copy
     it replaces, a ServedModel or a Family, or None).
+    ``watchdog`` keeps the wall-clock bound (the model's ``load_timeout_s``) of
+    making a backend in a worker thread (None: no bound).
     """
 
     def __init__(
@@ -296,8 +298,10 @@ class ModelControl:
             [trio.Nursery, Any, ServedModel | Family], Awaitable[ServedModel | Family]
         ],
         unloaded: Callable[[ModelConfig, ServedModel | Family | None], ServedModel],
+        watchdog: Any = None,
     ) -> None:
         self._rt = rt
+        self._watchdog = watchdog
         self._prepare = prepare
         self._start_copy = start_copy
         self._unloaded = unloaded
@@ -390,11 +394,17 @@ class ModelControl:
                         entry.move(ModelState.LOADING, "loading")
                     op.scope = nursery.cancel_scope  # an unload may abandon it
                     if callable(plan):
+                        assert op.config is not None
                         try:
-                            plan = await _made(name, plan)
-                        except ConfigError as exc:  # refused: nothing started
+                            plan = await _made(
+                                name, plan, op.config.load_timeout_s, self._watchdog
+                            )
+                        except (ConfigError, ModelLoadError) as exc:  # nothing started
                             op.scope = None
                             failure = exc
+                            if isinstance(exc, ModelLoadError):  # past its bound
+                                log.warning("model %r: %s: the load failed, the model is "
+                                            "as it was", name, without_model(name, str(exc)))
                             # the model is as it was (a loaded copy serves on)
                             if old is not None:
                                 entry.move(ModelState.READY, old.reason)
@@ -622,20 +632,39 @@ def _loads_before(entry: _Entry) -> list[_Op]:
     return loads[::-1]
 
 
-async def _made(model: str, make: Callable[[], Any]) -> Any:
+async def _made(
+    model: str, make: Callable[[], Any], limit: float | None, watchdog: Any
+) -> Any:
     """What ``make`` returns (the plan of a copy whose backend it makes: an import, a
     user's factory), called in a worker thread: a slow one does not stall the event
-    loop. A checkpoint; cancelled, the thread runs on and what it makes is dropped.
-    Raises ConfigError: ``make``'s own, or one saying what else it raised."""
-    try:
-        return await trio.to_thread.run_sync(make, abandon_on_cancel=True)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(
-            f"models.{model}.backend: its backend could not be made with the load's "
-            f"options: {type(exc).__name__}: {exc}"
-        ) from exc
+    loop. Bounded by ``limit`` seconds of wall time (the model's ``load_timeout_s``;
+    None: unbounded), kept by ``watchdog`` as a replica's load is (a trio timer
+    would fire at once under an autojumping MockClock while the thread runs). A
+    checkpoint; cancelled, or past its bound, the thread runs on and what it makes
+    is dropped. Raises ConfigError: ``make``'s own, or one saying what else it
+    raised; ModelLoadError past the bound."""
+    with trio.CancelScope() as bound:
+        armed = (
+            watchdog.arm(limit, bound) if limit is not None and watchdog is not None
+            else None
+        )
+        try:
+            return await trio.to_thread.run_sync(make, abandon_on_cancel=True)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"models.{model}.backend: its backend could not be made with the load's "
+                f"options: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            if armed is not None:
+                watchdog.disarm(armed)
+    assert limit is not None  # (only the bound cancels this scope alone)
+    raise ModelLoadError(
+        f"model {model!r}: the backend the load's options make did not return within "
+        f"load_timeout_s ({limit:g} s)"
+    )
 
 
 def _install(rt: Any, model: str, copy: _Copy) -> None:

@@ -322,6 +322,7 @@ async def _start_control(
     control = ModelControl(
         rt, prepare=prepare, start_copy=start_copy,
         unloaded=lambda m, previous: _unloaded(rt, m, backends[m.name], previous),
+        watchdog=watchdog,
     )
     await nursery.start(control.run)
     rt._control = control

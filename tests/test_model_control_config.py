@@ -232,6 +232,60 @@ async def test_loads_and_unloads_keep_their_order_while_a_backend_is_made(
         assert not rt.models["m"].loaded
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["the-loads", "the-tables"])
+async def test_a_backend_made_past_load_timeout_s_fails_the_load_and_is_dropped(
+    autojump_clock, gated, caplog, given,
+):
+    """The factory of a load's options holds its thread past the model's
+    ``load_timeout_s`` (the load's own, or the table's): the load fails, naming the
+    bound; the loaded copy serves on; the load asked behind it goes on; the backend
+    the thread makes when it returns is dropped, never installed.
+
+    The bound is wall time, as a replica's load's (a trio timer would fire at once
+    under the autojumping clock while the loop waits for the thread): a small real
+    one. Should the bound not hold, the gate opens after a while and the load
+    would succeed."""
+    cfg = gated_config(gated)
+    if given:
+        change = {"options": {"scale": 10.0}, "load_timeout_s": 0.2}
+    else:
+        change = {"options": {"scale": 10.0}}
+        (m, other) = cfg.models
+        cfg = attrs.evolve(cfg, models=(attrs.evolve(m, load_timeout_s=0.2), other))
+    opens = threading.Timer(10.0, gated.gate.set)
+    opens.start()
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            outcomes: list = []
+            later: list = []
+            async with trio.open_nursery() as ops:
+                ops.start_soon(load_with, rt, change, outcomes)
+                assert await wait_in_thread(gated.entered)
+                ops.start_soon(load_with, rt, {"max_batch_size": 4}, later)  # behind it
+            (failed,) = outcomes
+            assert type(failed) is ModelLoadError
+            assert str(failed) == (
+                "model 'm': the backend the load's options make did not return within "
+                "load_timeout_s (0.2 s)"
+            )
+            assert not gated.made.is_set()  # still held: abandoned, not waited for
+            assert later == ["loaded"]
+            assert rt.models["m"].config.max_batch_size == 4
+            assert (await rt.infer("m", item(3.0)))["y"][0] == 7.0  # not scale 10
+            assert rt.model_state("m") == (
+                "READY", "runs the configuration its load gave (changed: max_batch_size)"
+            )
+            assert any("did not return within load_timeout_s" in r.getMessage()
+                       for r in caplog.records)
+            gated.gate.set()
+            assert await wait_in_thread(gated.made)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rt.models["m"].config.max_batch_size == 4  # the thread's is dropped
+            assert (await rt.infer("m", item(3.0)))["y"][0] == 7.0
+    finally:
+        opens.cancel()
+
+
 async def test_a_backend_that_cannot_be_made_is_a_config_error_and_starts_nothing(
     autojump_clock, gated, monkeypatch,
 ):
