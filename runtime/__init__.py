@@ -39,7 +39,6 @@ from ._errors import TrioserveError as TrioserveError
 from ._errors import Unauthorized as Unauthorized
 from ._errors import UnknownModel as UnknownModel
 from ._errors import exception_text as exception_text
-from ._errors import without_model as without_model
 from ._front import Runtime as Runtime
 from ._messages import Reply as Reply
 from ._messages import Request as Request

@@ -103,3 +103,12 @@ def test_the_checker_sees_every_form_of_import(source):
 )
 def test_the_checker_allows_kernel_imports(source):
     assert upper_layer_imports(source) == set()
+
+
+@pytest.mark.parametrize("name", ["without_model"])
+def test_helpers_of_the_kernel_for_its_own_layers_are_not_public(name):
+    """A helper the transport takes from the kernel's modules (``trioserve._errors``)
+    is not one of the package's names: its users would depend on it."""
+    import trioserve
+
+    assert not hasattr(trioserve, name)

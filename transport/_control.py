@@ -22,8 +22,8 @@ from trioserve import (
     ModelLoadError,
     TrioserveError,
     UnknownModel,
-    without_model,
 )
+from trioserve._errors import without_model
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._auth import another_field_line
