@@ -6,12 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import outcome
 import trioserve.actors
 from trioserve.actors._singleflight import SingleFlight, _Flight, _Round
-
-from ._product import PRODUCT
 
 CacheActor = trioserve.actors.CacheActor
 
@@ -88,29 +85,7 @@ def _with_flights(flights_class: type) -> type:
     return WithFlights
 
 
-FLIGHT_MUTANTS: dict[str, tuple[str, Any, tuple[str, ...]]] = {
-    "flight-no-rerun": (
-        "a flight answers every waiter with its driver's deadline error (no rerun)",
-        attrs.evolve(
-            PRODUCT, name="flight-no-rerun", cache_actor_class=_with_flights(_NoRerun)
-        ),
-        ("cache",),
-    ),
-    "rerun-for-latest": (
-        "a flight's rerun is driven by the waiter with the latest deadline, not the "
-        "earliest",
-        attrs.evolve(
-            PRODUCT, name="rerun-for-latest",
-            cache_actor_class=_with_flights(_RerunForTheLatest),
-        ),
-        ("cache",),
-    ),
-    "rerun-for-passed": (
-        "a flight reruns for waiters whose own deadline has passed too",
-        attrs.evolve(
-            PRODUCT, name="rerun-for-passed",
-            cache_actor_class=_with_flights(_RerunForThePassed),
-        ),
-        ("cache",),
-    ),
-}
+#: The cache actor with each broken SingleFlight (the planted bugs of a flight).
+CacheActorWithNoRerun = _with_flights(_NoRerun)
+CacheActorWithRerunForTheLatest = _with_flights(_RerunForTheLatest)
+CacheActorWithRerunForThePassed = _with_flights(_RerunForThePassed)
