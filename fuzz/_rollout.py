@@ -79,7 +79,8 @@ expect("rollout", "step", "promoted", "rolled_back", "routed to canary",
        "shadow match", "shadow dropped", "operator promote", "operator rollback",
        "operator pause", "operator resume", "operator refused", "routed while paused",
        "recorded while paused", "rolled_back while paused", "step due at a resume",
-       "operator start", "routed in a started trial")
+       "operator start", "routed in a started trial", "started after a promotion",
+       "routed in a trial started after a promotion")
 
 
 class VersionModel(ModelBackend):

@@ -54,6 +54,8 @@ class RolloutRun:
     ref_canary: str = CANARY
     ref_steps: tuple[float, ...] = ()
     ref_trial_started: bool = False
+    #: the operator started the trial after a promotion (against the promoted canary)
+    ref_after_promotion: bool = False
     ref_step: int = 0
     ref_started: float = 0.0
     ref_routed: int = 0
@@ -107,6 +109,8 @@ class RolloutRun:
             note("rollout", "routed while paused")
         if self.ref_trial_started:
             note("rollout", "routed in a started trial")
+        if self.ref_after_promotion:
+            note("rollout", "routed in a trial started after a promotion")
         self.ref_routed += 1
         n, s = self.ref_routed, self.share()
         due = math.floor(n * s) > math.floor((n - 1) * s)
@@ -281,7 +285,10 @@ class RolloutRun:
     def _on_started(self, e: Any, op: ROp, what: str) -> None:
         """A new trial of ``op.canary`` against the version taking every unversioned
         request (the promoted canary, else the stable), at its first step."""
-        target = self.ref_canary if self.ref_state == "promoted" else self.ref_stable
+        self.ref_after_promotion = self.ref_state == "promoted"
+        if self.ref_after_promotion:
+            note("rollout", "started after a promotion")
+        target = self.ref_canary if self.ref_after_promotion else self.ref_stable
         assert op.canary is not None
         self.ref_stable, self.ref_canary = target, op.canary
         self.ref_steps = op.steps if op.steps is not None else self.scenario.steps

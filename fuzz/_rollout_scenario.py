@@ -116,6 +116,8 @@ _LATENCY = st.sampled_from([0, 0, 1, 2, 4, 8])
 _BAD = st.sampled_from([(), (), (), (7,), (3, 7), (0, 1, 2, 3)])
 _SHADOW_BAD = st.sampled_from([(), (), (5,)])
 _TIMEOUT = st.sampled_from([None, None, None, 1, 2, 4, 8])
+_START_CANARY = st.sampled_from(["1", "2", "3", "3"])
+_START_STEPS = st.sampled_from([None, None, (0.5,), (0.25, 1.0)])
 # Pauses and resumes most, so that pauses of every length hold steps (and a resume
 # meets a step already long enough); a promote or rollback ends the trial, and
 # later actions are refused, but a start (of any version: the stable's and the
@@ -126,10 +128,31 @@ _OP = st.builds(
     action=st.sampled_from(["pause", "pause", "resume", "resume", "promote", "rollback",
                             "start", "start"]),
     reason=st.sampled_from(["operator", "operator", "error rate: by hand", ""]),
-    canary=st.sampled_from(["1", "2", "3", "3"]),
-    steps=st.sampled_from([None, None, (0.5,), (0.25, 1.0)]),
+    canary=_START_CANARY,
+    steps=_START_STEPS,
 )
-_OPS = st.lists(_OP, max_size=5).map(_timed_ops)
+_OP_LIST = st.lists(_OP, max_size=5)
+# A start drawn alone mostly comes while a canary is on trial (refused), or after
+# the last caller: half the operator's promotes and rollbacks are followed, soon, by
+# a start, a new trial against the version the ended one left taking every
+# unversioned request (the promoted canary, or the stable), with callers still to
+# come.
+_THEN_START = st.booleans()
+_START = st.builds(ROp, at=st.sampled_from([0, 1, 2, 4]), action=st.just("start"),
+                   canary=_START_CANARY, steps=_START_STEPS)
+
+
+@st.composite
+def _op_lists(draw: st.DrawFn) -> tuple[ROp, ...]:
+    ops = []
+    for op in draw(_OP_LIST):
+        ops.append(op)
+        if op.action in ("promote", "rollback") and draw(_THEN_START):
+            ops.append(draw(_START))
+    return _timed_ops(ops)
+
+
+_OPS = _op_lists()
 
 
 @st.composite
