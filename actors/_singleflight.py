@@ -111,7 +111,10 @@ class LateOutcome:
 
     def settle(self, result: outcome.Outcome | None) -> None:
         """The work's outcome for the request (None: none came); only the first
-        counts."""
+        counts. The work is done: its clock (:meth:`expect`'s ``call_at``) is
+        dropped, which would keep the work (a replica's batch, its requests, whose
+        own reply holds this) alive."""
+        self.call_at = None
         if not self._done.is_set():
             self.result = result
             self._done.set()

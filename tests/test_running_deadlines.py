@@ -12,8 +12,10 @@ a batch cut-off of seconds.
 from __future__ import annotations
 
 import collections
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -34,7 +36,7 @@ from runtime_helpers import (
     pythonpath_with,
 )
 from trioserve import DeadlineExceeded, Reply, Request, RequestState
-from trioserve.actors import Watchdog
+from trioserve.actors import LateOutcome, Watchdog
 from trioserve.actors._in_flight import InFlight
 from trioserve.transport import open_http
 
@@ -217,6 +219,34 @@ async def test_an_answered_or_abandoned_request_is_left_alone_and_nothing_armed_
     inline = InFlight(model="m", watchdog=None)
     inline.append(dispatched([0.2]))
     assert list(inline) == [inline[0]]
+
+
+async def test_a_late_hook_keeps_nothing_of_its_batch_once_it_left(autojump_clock):
+    """A request answered at its deadline while its batch runs, with a late hook (a
+    coalesced flight's others wait for its batch): once the batch left, the hook,
+    which its request's reply holds, holds nothing of the batch. It held the batch's
+    clock, and through it the batch: a reference cycle (reply, hook, batch, request)
+    that kept every request of the batch, and their items and results, until the
+    garbage collector's next full pass."""
+    dog = ManualWatchdog()
+    held = InFlight(model="m", watchdog=dog)
+    # (its mate has no deadline the runtime answers: nothing else is armed for it)
+    batch = dispatched([0.2]) + dispatched([9.0], answer_expiry=False)
+    hook = batch[0].reply.late = LateOutcome()
+    held.append(batch)
+    gc.disable()  # what is freed is freed by its count of references alone
+    try:
+        dog.advance(0.2)
+        assert hook.expected
+        assert hook.call_at is not None  # its waiters' clock
+        mate = weakref.ref(batch[1])
+        assert held.popleft() is batch
+        assert hook.result is None  # settled: no outcome came
+        assert hook.call_at is None
+        del batch, hook
+        assert mate() is None
+    finally:
+        gc.enable()
 
 
 # ---------------------------------------------------------------- a thread model
