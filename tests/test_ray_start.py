@@ -300,16 +300,24 @@ async def test_a_cancelled_start_waits_at_most_its_timeout(fake, autojump_clock)
 
 
 async def test_a_hung_ray_shutdown_holds_the_close_at_most_its_bound_and_no_lock(
-    fake, autojump_clock, caplog
+    fake, mock_clock, caplog
 ):
     """The last runtime's stop waits for ray.shutdown at most STOP_TIMEOUT_S, holding
     no lock meanwhile; a start meanwhile waits for the shutdown (no ray.init runs
-    beside it) within its own timeout, and says why it failed."""
+    beside it) within its own timeout, and says why it failed.
+
+    The clock jumps only once the Ray thread is where the test puts it: an
+    autojumping clock would pass the start's timeout while ray.init's thread runs
+    (it connects at once), and the stop's bound before the thread began the
+    shutdown."""
     caplog.set_level(logging.ERROR, logger="trioserve")
     assert await trioserve._ray.start_ray(RayConfig()) is True
     fake.hang_shutdown()
     start = trio.current_time()
-    await trioserve._ray.stop_ray()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trioserve._ray.stop_ray)
+        assert await trio.to_thread.run_sync(fake.stopping.wait, GATE_LIMIT_S)
+        mock_clock.autojump_threshold = 0  # the shutdown hangs: the stop's bound passes
     assert trio.current_time() - start == trioserve._ray.STOP_TIMEOUT_S
     assert fake.stopping.is_set()  # (and it still hangs)
     assert [r.getMessage() for r in caplog.records] == [
