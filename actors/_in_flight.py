@@ -90,8 +90,12 @@ class _BatchDeadlines:
 
     def close(self) -> None:
         """The batch left: disarm its deadline (a callback on its way does nothing),
-        and settle the late hooks its answer did not (with None: no outcome came)."""
+        and settle the late hooks its answer did not (with None: no outcome came).
+        The batch is let go: a disarmed callback stays in the watchdog's heap until
+        its time or the heap's next compaction, and must not keep the batch's
+        requests (their items and answers) alive till then."""
         armed, self._armed = self._armed, None
+        self._batch = []
         if armed is not None:
             armed.owner.disarm(armed)
         late, self._late = self._late, None

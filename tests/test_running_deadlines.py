@@ -249,6 +249,26 @@ async def test_a_late_hook_keeps_nothing_of_its_batch_once_it_left(autojump_cloc
         gc.enable()
 
 
+async def test_a_batch_that_left_is_not_kept_by_its_disarmed_deadline(autojump_clock):
+    """A batch leaves before its first deadline: that deadline's callback is
+    disarmed, but stays in the watchdog's heap until its time (or the heap's next
+    compaction), up to a model's timeout later. It keeps nothing of the batch: its
+    requests (their items and answers) are freed by their count of references as
+    soon as the batch left."""
+    dog = ManualWatchdog()
+    held = InFlight(model="m", watchdog=dog)
+    batch = dispatched([60.0, 60.0])
+    held.append(batch)
+    gc.disable()  # what is freed is freed by its count of references alone
+    try:
+        first = weakref.ref(batch[0])
+        assert held.popleft() is batch
+        del batch
+        assert first() is None
+    finally:
+        gc.enable()
+
+
 # ---------------------------------------------------------------- a thread model
 async def test_a_request_in_a_hung_thread_batch_is_answered_at_its_timeout_its_mate_later():
     """Real clock: the watchdog keeps wall time. The batch holding a 200 ms request
