@@ -494,6 +494,8 @@ class Gateway:
             )
             answered: list[str] = []
             results = await self.run_request(request, tenant, answered)
+            if rt.models[model].backend is not sig.backend:  # reloaded meanwhile
+                sig = self.signatures.answering(sig, request.outputs, results)
             out, json_len = encode_response(request, results, sig, answered=answered)
         except Exception as exc:
             if not isinstance(exc, TrioserveError):

@@ -3,12 +3,13 @@ versions, and its metadata document, encoded once) and the server's metadata doc
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import orjson
-from trioserve import TensorSpec, UnknownModel, triton_platform
+from trioserve import InvalidInput, TensorSpec, UnknownModel, triton_platform
 
 
 @attrs.frozen(kw_only=True)
@@ -27,6 +28,9 @@ class ModelSignature:
     metadata_json: bytes = attrs.field(eq=False, repr=False)
     #: the metadata document asked for one version: that version only, as Triton's
     version_json: Mapping[str, bytes] = attrs.field(eq=False, repr=False, factory=dict)
+    #: the backend it describes (``Runtime.models[name].backend`` when it was made):
+    #: while that serves, an answer is encoded by this signature
+    backend: Any = attrs.field(eq=False, repr=False, default=None)
 
     @classmethod
     def of(cls, served: Any) -> ModelSignature:
@@ -63,6 +67,7 @@ class ModelSignature:
             outputs_by_name={s.name: s for s in outputs},
             metadata_json=orjson.dumps(doc),
             version_json={v: orjson.dumps({**doc, "versions": [v]}) for v in cfg.versions},
+            backend=backend,
         )
 
     def metadata(self, version: str | None) -> bytes:
@@ -105,6 +110,40 @@ class Signatures(Mapping[str, ModelSignature]):
             return self._make(name, served)
         return sig
 
+    def answering(
+        self,
+        sig: ModelSignature,
+        outputs: Sequence[tuple[str, bool, int]] | None,
+        results: Sequence[Mapping[str, Any]],
+    ) -> ModelSignature:
+        """The signature to encode ``results`` by: those of a request checked against
+        ``sig``, which asked for ``outputs`` (None: all), when a reload swapped in
+        another backend meanwhile (``Runtime.models[name].backend is not
+        sig.backend``: the callers check that first, so that an answer pays one
+        identity check for it). The request was run by the old copy (queued before
+        the swap) or by the new one (handed over to it, docs/model-control.md): this
+        is the signature of the one whose outputs ``results`` are (each copy's
+        replicas conform what they return to its declarations). ``sig`` itself when
+        the new copy declares the same outputs. Raises InvalidInput (400) when an
+        output asked for is one the copy that ran it does not have, as for an
+        unknown output."""
+        now = self[sig.name]
+        if now.outputs == sig.outputs:
+            return sig
+        ran = _returned_by(sig, now, results[0])
+        if outputs is not None and not ran.open_inputs:
+            for name, _, _ in outputs:
+                if name not in ran.outputs_by_name:
+                    gives = ", ".join(
+                        f"{s.name} {s.datatype} {list(s.shape)}" for s in ran.outputs
+                    )
+                    raise InvalidInput(
+                        f"model {sig.name!r}: unknown output {name!r}; expected "
+                        f"{', '.join(sorted(ran.outputs_by_name))} (the model was "
+                        f"reloaded while this request waited: it now gives {gives})"
+                    )
+        return ran
+
     def __contains__(self, name: object) -> bool:
         return name in self._made
 
@@ -113,6 +152,36 @@ class Signatures(Mapping[str, ModelSignature]):
 
     def __len__(self) -> int:
         return len(self._made)
+
+
+def _returned_by(
+    before: ModelSignature, now: ModelSignature, out: Mapping[str, Any]
+) -> ModelSignature:
+    """Which of two signatures (of a model before and after a reload that changed
+    its outputs) declares the outputs ``out`` (one item's) are: every output it
+    declares present, of its dtype and a shape it accepts. When both do (one
+    declares fewer outputs, or shapes the other's accept), the one declaring more of
+    them, so that none the model returned of its declared outputs is left out; of
+    two declaring as many, the newer."""
+    fits = [sig for sig in (now, before) if _declares(sig, out)]
+    if not fits:
+        return now  # neither (a copy between them ran it): the encoder says what is wrong
+    return max(fits, key=lambda sig: -1 if sig.open_inputs else len(sig.outputs))
+
+
+def _declares(sig: ModelSignature, out: Mapping[str, Any]) -> bool:
+    if sig.open_inputs:
+        return True
+    for spec in sig.outputs:
+        if spec.name not in out:
+            return False
+        arr = np.asarray(out[spec.name])
+        dtype = spec.dtype
+        if arr.dtype != dtype and not (dtype.kind == "O" and arr.dtype.kind in "SU"):
+            return False
+        if not spec.accepts_shape(arr.shape):
+            return False
+    return True
 
 
 def server_metadata(version: str) -> bytes:

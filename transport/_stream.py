@@ -685,6 +685,8 @@ class _Session:
                 )
                 answered: list[str] = []
                 results = await gateway.run_request(request, self.tenant, answered)
+                if gateway.runtime.models[model].backend is not sig.backend:  # reloaded
+                    sig = gateway.signatures.answering(sig, request.outputs, results)
                 frame = encode_response(
                     request, results, sig, binary=False, answered=answered
                 )[0]

@@ -1,0 +1,223 @@
+"""A request handed over at a reload's swap (it looked the model up before the swap,
+then waited for its tenant's credits) to a copy whose model declares other outputs
+(a load's options changed an output's width, name or datatype) is answered as that
+copy returned it: its outputs, each with the datatype and shape of what it holds, as
+the model's metadata now says, JSON or binary. An output asked for by a name the new
+copy no longer has is a 400, as the gateway answers an unknown output. A request the
+old copy ran, answered after the swap, is answered as the old copy returned it."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import orjson
+import pytest
+import trio
+import trio.testing
+import trioserve
+from http_helpers import serving, v2_input
+from test_http_model_control import LOAD, call
+from test_model_control_handover import held
+from trioserve import ModelConfig, TensorSpec
+from trioserve.transport import open_http, open_stream
+
+X = TensorSpec(name="x", datatype="FP32", shape=(2,))
+DTYPES = {"FP32": np.float32, "INT64": np.int64}
+
+
+def shaped(width: int = 1, name: str = "y", datatype: str = "FP32",
+           gate: threading.Event | None = None) -> trioserve.CallableBackend:
+    """A backend factory: its output ``name`` holds ``width`` copies of ``sum(x)``,
+    of ``datatype``. ``gate``: the model waits for it (in its worker thread)."""
+
+    def run(items):
+        if gate is not None:
+            gate.wait(10)
+        return [{name: np.full(width, it["x"].sum(), DTYPES[datatype])} for it in items]
+
+    return trioserve.CallableBackend(
+        run, inputs=(X,),
+        outputs=(TensorSpec(name=name, datatype=datatype, shape=(width,)),),
+        execution="inline" if gate is None else "thread",
+    )
+
+
+def held_config(**options) -> trioserve.Config:
+    """The model ``m`` (``shaped``), and a tenant with one credit, refilled every
+    2 s: a second request in the ``batch`` class waits for it."""
+    m = ModelConfig(name="m", backend=shaped, options=options, max_wait_ms=0)
+    return trioserve.Config(
+        models=(m,),
+        tenants=(trioserve.TenantConfig(name="t", default=True, credit_rate=0.5,
+                                        credit_burst=1),),
+        server=trioserve.ServerConfig(model_control="explicit", stream_ping_interval_s=0),
+    )
+
+
+def answered(res) -> tuple[int, dict]:
+    """An answer's status and its outputs, name -> (datatype, shape, values), as the
+    answer describes them (checked against the values it carries), or its error."""
+    if res.status != 200:
+        return res.status, res.json()
+    hlen = res.headers.get("inference-header-content-length")
+    doc = res.json() if hlen is None else orjson.loads(res.body[: int(hlen)])
+    arrays = res.outputs()
+    out = {}
+    for o in doc["outputs"]:
+        arr = arrays[o["name"]]
+        assert list(arr.shape) == o["shape"]
+        assert arr.dtype == DTYPES[o["datatype"]]
+        out[o["name"]] = (o["datatype"], o["shape"], arr.reshape(-1).tolist())
+    return 200, out
+
+
+async def reload_under_a_held_request(gw, clock, options: dict, **kw) -> dict:
+    """Two requests of ``x = [1, 2]`` (``kw``: the second's parameters, outputs):
+    the first takes the one credit, the second waits for the next while ``m`` is
+    reloaded with ``options``; returns each one's :func:`answered`."""
+    answers: dict = {}
+
+    async def infer(key: str, **kw) -> None:
+        async with open_http(gw.url) as http:
+            res = await http.infer("m", [v2_input(np.asarray([[1, 2]], np.float32))], **kw)
+            answers[key] = answered(res)
+
+    async with trio.open_nursery() as callers:
+        with held(clock):
+            callers.start_soon(infer, "first")
+            await trio.testing.wait_all_tasks_blocked()
+            callers.start_soon(functools.partial(infer, "held", **kw))  # waits for credits
+            await trio.testing.wait_all_tasks_blocked()
+            assert gw.runtime.credit_waits["t"] == 1
+            body = orjson.dumps({"parameters": {"config": {"options": options}}})
+            res = await call(gw, "POST", LOAD, body)
+            assert res.status == 200, res.body
+            await trio.testing.wait_all_tasks_blocked()
+            assert list(answers) == ["first"]  # still waits, holding the old copy
+        # time runs again: the credits come, the request held goes on
+    return answers
+
+
+PARAMS = [
+    pytest.param({}, id="json"),
+    pytest.param({"binary_data_output": True}, id="binary"),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS)
+@pytest.mark.parametrize("asked", [None, ["y"]], ids=["all", "asked"])
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        pytest.param({"width": 3}, ("FP32", [1, 3], [3.0, 3.0, 3.0]), id="width"),
+        pytest.param({"datatype": "INT64"}, ("INT64", [1, 1], [3]), id="datatype"),
+    ],
+)
+async def test_an_output_changed_by_the_reload_is_answered_as_the_new_copy_returned_it(
+    autojump_clock, params, asked, options, expected
+):
+    async with serving(held_config()) as gw:
+        kw = {"parameters": {"priority": "batch", **params}}
+        if asked is not None:
+            kw["outputs"] = asked
+        answers = await reload_under_a_held_request(gw, autojump_clock, options, **kw)
+        assert answers["first"] == (200, {"y": ("FP32", [1, 1], [3.0])})
+        assert answers["held"] == (200, {"y": expected})
+        # as the model's metadata now says, and as a request sent now is answered
+        async with open_http(gw.url) as http:
+            meta = (await http.get("/v2/models/m")).json()
+            assert meta["outputs"] == [{"name": "y", "datatype": expected[0],
+                                        "shape": [-1, expected[1][1]]}]
+        assert gw.runtime.statistics()["m"]["statuses"] == {}
+
+
+@pytest.mark.parametrize("params", PARAMS)
+async def test_an_output_renamed_by_the_reload_is_answered_by_its_new_name(
+    autojump_clock, params
+):
+    async with serving(held_config()) as gw:
+        answers = await reload_under_a_held_request(
+            gw, autojump_clock, {"name": "z"}, parameters={"priority": "batch", **params}
+        )
+        assert answers["held"] == (200, {"z": ("FP32", [1, 1], [3.0])})
+
+
+@pytest.mark.parametrize("params", PARAMS)
+async def test_an_output_asked_for_that_the_reload_removed_is_a_400(autojump_clock, params):
+    async with serving(held_config()) as gw:
+        answers = await reload_under_a_held_request(
+            gw, autojump_clock, {"name": "z"}, parameters={"priority": "batch", **params},
+            outputs=["y"],
+        )
+        assert answers["held"] == (400, {"error": (
+            "model 'm': unknown output 'y'; expected z (the model was reloaded while "
+            "this request waited: it now gives z FP32 [1])"
+        )})
+
+
+async def test_a_request_the_old_copy_ran_is_answered_as_it_returned_it(autojump_clock):
+    """Dispatched to the old copy before the swap, answered after it: the old
+    copy's outputs, though the model's metadata says the new copy's by then."""
+    gate = threading.Event()
+    async with serving(held_config(gate=gate)) as gw:
+        answers: dict = {}
+        done = trio.Event()
+
+        async def infer() -> None:
+            async with open_http(gw.url) as http:
+                res = await http.infer("m", [v2_input(np.asarray([[1, 2]], np.float32))])
+                answers["ran"] = answered(res)
+                done.set()
+
+        async with trio.open_nursery() as callers:
+            with held(autojump_clock):
+                callers.start_soon(infer)
+                await trio.testing.wait_all_tasks_blocked()  # in the model, at the gate
+                body = orjson.dumps({"parameters": {"config": {"options": {"width": 3}}}})
+                res = await call(gw, "POST", LOAD, body)
+                assert res.status == 200, res.body
+                assert gw.signatures["m"].outputs[0].shape == (3,)
+                assert answers == {}
+                gate.set()
+                await done.wait()  # (held: the drain's bound does not pass meanwhile)
+        assert answers["ran"] == (200, {"y": ("FP32", [1, 1], [3.0])})
+
+
+@pytest.mark.parametrize(
+    ("asked", "expected"),
+    [
+        pytest.param(None, {"z": [[3.0]]}, id="all"),
+        pytest.param(["y"], (400, "model 'm': unknown output 'y'; expected z (the model "
+                             "was reloaded while this request waited: it now gives z "
+                             "FP32 [1])"), id="asked"),
+    ],
+)
+async def test_on_a_stream_a_request_handed_over_is_answered_as_the_new_copy_returned_it(
+    autojump_clock, asked, expected
+):
+    async with serving(held_config()) as gw, open_stream(gw.url) as stream:
+        kw = {"parameters": {"priority": "batch"}}
+        if asked is not None:
+            kw["outputs"] = asked
+        with held(autojump_clock):
+            await stream.send(1, "m", [v2_input(np.asarray([[1, 2]], np.float32))])
+            await trio.testing.wait_all_tasks_blocked()
+            await stream.send(2, "m", [v2_input(np.asarray([[1, 2]], np.float32))], **kw)
+            await trio.testing.wait_all_tasks_blocked()
+            assert gw.runtime.credit_waits["t"] == 1
+            body = orjson.dumps({"parameters": {"config": {"options": {"name": "z"}}}})
+            res = await call(gw, "POST", LOAD, body)
+            assert res.status == 200, res.body
+            first = await stream.receive()
+            assert first.id == 1
+            assert first.outputs["y"].tolist() == [[3.0]]
+        held_reply = await stream.receive()
+        assert held_reply.id == 2
+        if asked is None:
+            assert held_reply.status == 200
+            assert {k: v.tolist() for k, v in held_reply.outputs.items()} == expected
+            assert held_reply.outputs["z"].dtype == np.float32
+        else:
+            assert (held_reply.status, held_reply.error) == expected
