@@ -24,6 +24,7 @@ from http_helpers import (
     serving,
     settle,
 )
+from runtime_helpers import callable_model
 from trio_websocket import ConnectionClosed
 from trioserve import InvalidInput, UnknownModel
 from trioserve.transport import open_stream
@@ -422,8 +423,6 @@ async def test_an_answer_over_16_mib_reaches_the_stream_client():
     stream failed with 1009, while the server sends answers of any size and takes
     messages up to its max_body_bytes (as large as 4 GiB): its default now takes
     what a server may send; a caller may still set a lower one."""
-    from runtime_helpers import callable_model
-
     cfg = config(callable_model("wide", widens))
     async with serving(cfg) as gw, open_stream(gw.url) as stream:
         out = await stream.infer("wide", {"x": f32(1)})
@@ -440,3 +439,29 @@ def test_the_stream_clients_default_bound_is_the_servers_largest_body():
     from trioserve.transport._stream_client import MAX_MESSAGE_SIZE
 
     assert MAX_MESSAGE_SIZE == MAX_BODY_BYTES
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ('{"id": "v", "model": "echo", "version": 1, "inputs": []}',
+         "a stream message's 'version' must be a string, got 1"),
+        ('{"id": "v", "model": "echo", "version": ["1"], "inputs": []}',
+         """a stream message's 'version' must be a string, got ["1"]"""),
+        ('{"id": "v", "model": 7, "inputs": []}',
+         "a stream message's 'model' must be a string, got 7"),
+        ('{"id": "v", "model": null, "inputs": []}',
+         "a stream message's 'model' must be a string, got null"),
+        ('{"id": "v", "inputs": []}', "a stream message needs a 'model' (string)"),
+        ('[1, 2]', "a stream message must be a JSON object, got [1, 2]"),
+        ('"echo"', """a stream message must be a JSON object, got "echo\""""),
+    ],
+)
+async def test_a_message_field_of_the_wrong_type_is_refused_saying_what_was_given(
+    message, error
+):
+    async with serving(config(echo_model())) as gw, open_stream(gw.url) as stream:
+        await stream.send_raw(message)
+        reply = await stream.receive()
+    assert (reply.status, reply.error) == (400, error)
+

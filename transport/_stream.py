@@ -649,7 +649,9 @@ class _Session:
             try:
                 doc = loads_request(message)
                 if type(doc) is not dict:
-                    raise InvalidInput("a stream message must be a JSON object")
+                    raise InvalidInput(
+                        f"a stream message must be a JSON object, got {shown(doc, message)}"
+                    )
                 rid = doc.get("id")
                 self.pending[token] = rid
                 if rid is None or type(rid) not in (str, int):
@@ -666,7 +668,11 @@ class _Session:
                     )
                 model = doc.get("model")
                 if type(model) is not str:
-                    raise InvalidInput("a stream message needs a 'model' (string)")
+                    raise InvalidInput(
+                        "a stream message needs a 'model' (string)" if "model" not in doc
+                        else "a stream message's 'model' must be a string, got "
+                        f"{shown(model, message)}"
+                    )
                 sig = gateway.signatures.get(model)
                 if sig is None:
                     raise UnknownModel(
@@ -676,7 +682,10 @@ class _Session:
                 label = model
                 version = doc.get("version")
                 if version is not None and type(version) is not str:
-                    raise InvalidInput("'version' must be a string")
+                    raise InvalidInput(
+                        "a stream message's 'version' must be a string, got "
+                        f"{shown(version, message)}"
+                    )
                 sig.check_version(version)  # before "not loaded", as over HTTP
                 if not gateway.runtime.models[model].loaded:  # explicit model control
                     gateway.runtime.check_loaded(model)
