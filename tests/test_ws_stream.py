@@ -465,3 +465,44 @@ async def test_a_message_field_of_the_wrong_type_is_refused_saying_what_was_give
         reply = await stream.receive()
     assert (reply.status, reply.error) == (400, error)
 
+
+@pytest.mark.parametrize(
+    "params",
+    [{"outputs": [{"name": "x", "parameters": {"binary_data": True}}]},
+     {"parameters": {"binary_data_output": True}}],
+    ids=["binary_data", "binary_data_output"],
+)
+async def test_an_output_asked_for_as_binary_data_is_answered_as_json_on_the_stream(params):
+    """The stream's frames are JSON text: the answer's output carries ``data`` and no
+    ``binary_data_size``, which tells a client of the binary tensor extension which
+    form it takes; a request written for HTTP is served unchanged."""
+    from wsproto.events import TextMessage
+
+    async with serving(config(echo_model())) as gw:
+        sock, ws = await _raw_client(gw)
+        await sock.send_all(ws.send(TextMessage(data=json.dumps({
+            "id": "b", "model": "echo", **params,
+            "inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1.5, 2]}],
+        }))))
+        events = await _events_until(sock, ws, TextMessage)
+        await sock.aclose()
+    frame = json.loads(events[-1].data)
+    (out,) = frame["outputs"]
+    assert out == {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.5, 2.0]}
+
+
+async def test_a_message_sent_again_with_the_same_id_runs_again():
+    """No idempotency keys on the stream: each message is a request of its own."""
+    calls = []
+
+    def count(items):
+        calls.append(len(items))
+        return [{"y": it["x"]} for it in items]
+
+    model = callable_model("c", count, execution="inline", max_wait_ms=0)
+    async with serving(config(model)) as gw, open_stream(gw.url) as stream:
+        for _ in range(2):
+            await stream.send("same", "c", {"x": f32(1)})
+            reply = await stream.receive()
+            assert (reply.id, reply.outputs["y"].tolist()) == ("same", [1.0])
+    assert calls == [1, 1]
