@@ -79,16 +79,22 @@ def untouched(rt) -> None:
         assert b.ready
 
 
+async def infer_into(outcomes: dict, rt, x: float, n: int) -> None:
+    """``rt.infer`` of ``n`` values ``x`` (of the batch class); ``outcomes[x]``: the
+    error it raised, or its ``y``."""
+    try:
+        out = await rt.infer("m", {"x": np.full(n, x, np.float32)}, priority="batch")
+    except trioserve.TrioserveError as exc:
+        outcomes[x] = exc
+    else:
+        outcomes[x] = float(out["y"][0])
+
+
 async def test_a_request_of_the_old_shape_handed_over_is_refused_as_bad_input(autojump_clock):
     outcomes: dict = {}
 
     async def infer(x: float, n: int) -> None:
-        try:
-            out = await rt.infer("m", {"x": np.full(n, x, np.float32)}, priority="batch")
-        except trioserve.TrioserveError as exc:
-            outcomes[x] = exc
-        else:
-            outcomes[x] = float(out["y"][0])
+        await infer_into(outcomes, rt, x, n)
 
     async with trioserve.open_runtime(held_config(4)) as rt:
         async with trio.open_nursery() as callers:
@@ -123,12 +129,7 @@ async def test_a_request_that_fits_the_new_inputs_is_answered_by_the_new_copy(au
     outcomes: dict = {}
 
     async def infer(x: float, n: int) -> None:
-        try:
-            out = await rt.infer("m", {"x": np.full(n, x, np.float32)}, priority="batch")
-        except trioserve.TrioserveError as exc:
-            outcomes[x] = exc
-        else:
-            outcomes[x] = float(out["y"][0])
+        await infer_into(outcomes, rt, x, n)
 
     async def infer_batch(x: float, n: int) -> None:
         items = [{"x": np.full(n, x, np.float32)}, {"x": np.full(n, x + 1, np.float32)}]
