@@ -11,8 +11,9 @@ is noted as an :class:`Execution` and checked as it starts (``Run.check_started`
 
 In a ``Scenario.running`` scenario the replicas run their batches off the event loop:
 the product's worker-process path (``BatcherActor._serve_worker``, ``_collect``,
-``_lose``) feeds a :class:`SimWorker`, a worker process in trio time whose batches
-complete when their latency says (it dies at the end of a batch holding a "crash"
+``_lose``) feeds a :class:`SimWorker`, a worker process in trio time
+(:class:`TrioWorker`, which the cache suite uses too) whose batches complete when
+their latency says (it dies at the end of a batch holding a "crash"
 item), and the watchdog is a :class:`DrivenWatchdog`, whose clock is trio's and whose
 deadlines a task of the scenario fires: so the runtime's deadlines of requests in
 running batches, the batch cut-off and a dead worker's hand-back all run as they do
@@ -155,15 +156,17 @@ def batch_latency(run: Run, replica: int, parts: list[tuple[int, int]]) -> float
     ) * MS
 
 
-class SimWorker:
-    """A worker process in trio time (``Scenario.running``), as the product's
-    worker-process path drives one (``submit``, ``result``, ``kill``, ``alive``,
-    ``wait_exited``, ``aclose``). Its device runs the batches submitted in order,
-    each for its latency from when the one before is done; ``result`` answers the
-    oldest when it is done (the model runs then), or raises ``Died`` when the worker
-    was killed (a cut-off, a loss) or died: a batch holding a "crash" item kills it
-    when it is done. Killed, it notes how each batch it held ended (the oldest
-    "killed" or "died", those staged behind "returned")."""
+class TrioWorker:
+    """A worker process in trio time, as the product's worker-process path drives one
+    (``submit``, ``result``, ``kill``, ``alive``, ``wait_exited``, ``aclose``): its
+    device runs the batches submitted in order, each for its latency from when the
+    one before is done; ``result`` answers the oldest when it is done (the model,
+    ``runner``, runs then), or raises ``Died`` when the worker was killed (a cut-off,
+    a loss) or died. What a suite sees of it is in its hooks: :meth:`_stage` (a batch
+    is handed to it: its record and latency), :meth:`_dies` (whether it dies at the
+    end of a batch), :meth:`_runs` (the model is about to run a batch) and
+    :meth:`_killed_holding` (it was killed holding these batches). Used by the
+    runtime suite (:class:`SimWorker`) and the cache suite (``fuzz/_cache.py``)."""
 
     Died = WorkerProcess.Died
     Failed = WorkerProcess.Failed
@@ -172,20 +175,36 @@ class SimWorker:
     ended_how: str | None = None
     stderr_tail: str | None = None
 
-    def __init__(self, batcher: Any, run: Run, slots: int) -> None:
+    def __init__(self, runner: Any, slots: int) -> None:
         self.SLOTS = slots
-        self._batcher = batcher
-        self._run = run
-        self._runner = batcher._backend.load(batcher.device)
-        self._held: collections.deque[Execution] = collections.deque()
+        self._runner = runner
+        #: per batch held: (its record, its items, when the device begins it, when done)
+        self._held: collections.deque[tuple[Any, list[Any], float, float]] = (
+            collections.deque()
+        )
         self._exited = trio.Event()
         self._killed = False
-        #: handed back whole when killed (its breaker replaced it): none a suspect
-        self.whole = False
         self._free_at = -math.inf
         self.busy_seconds = 0.0
         self.last_run_seconds = 0.0
 
+    # ------------------------------------------------ the suite's hooks
+    def _stage(self, items: list[Any]) -> tuple[Any, float]:
+        """``items`` are handed to the worker: the batch's record, and its latency in
+        seconds."""
+        raise NotImplementedError
+
+    def _dies(self, record: Any) -> str | None:
+        """Why the worker dies at the end of this batch (None: it does not)."""
+        return None
+
+    def _runs(self, record: Any) -> None:
+        """The model is about to run this batch (synchronously, in ``result``)."""
+
+    def _killed_holding(self, records: list[Any]) -> None:
+        """The worker was killed holding these batches, the oldest first."""
+
+    # ------------------------------------------------ the worker
     @property
     def alive(self) -> bool:
         return not self._killed  # as WorkerProcess: not killed (it may have died)
@@ -196,19 +215,9 @@ class SimWorker:
     def kill(self) -> None:
         if not self._killed:
             self._killed = True
-            now = trio.current_time()
-            for i, ex in enumerate(self._held):
-                if ex.status == "staged":
-                    ex.status = "killed" if i == 0 and not self.whole else "returned"
-                ex.end = now
-                # (what the replica, handing it back, finds still waiting)
-                ex.answerable = [req.reply.answerable for req in ex.reqs]
-                self._run.replicas.left(ex)
-            gone = {id(ex) for ex in self._held}
-            executions = self._batcher._executions
-            for k in [k for k, ex in executions.items() if id(ex) in gone]:
-                del executions[k]
+            held = [record for record, _, _, _ in self._held]
             self._held.clear()
+            self._killed_holding(held)
         self._exited.set()
 
     async def aclose(self) -> None:
@@ -219,6 +228,46 @@ class SimWorker:
         await self._exited.wait()
 
     async def submit(self, items: list[Any]) -> None:
+        record, latency = self._stage(items)
+        begins = max(trio.current_time(), self._free_at)
+        self._free_at = begins + latency
+        self._held.append((record, items, begins, self._free_at))
+        await trio.lowlevel.checkpoint()
+
+    async def result(self) -> Any:
+        record, items, begins, done = self._held[0]
+        with trio.move_on_at(done):
+            await self._exited.wait()
+        if self._exited.is_set():
+            raise self.Died("killed")
+        why = self._dies(record)
+        if why is not None:
+            self._exited.set()
+            raise self.Died(why)
+        self._held.popleft()
+        self.last_run_seconds = done - begins
+        self.busy_seconds += self.last_run_seconds
+        self._runs(record)
+        try:
+            return self._runner(items)
+        except Exception as exc:
+            raise self.Failed(f"{type(exc).__name__}: {exc}") from exc
+
+
+class SimWorker(TrioWorker):
+    """The runtime suite's worker (``Scenario.running``): a batch's latency is
+    :func:`batch_latency`, a batch holding a "crash" item kills it when it is done.
+    Killed, it notes how each batch it held ended (the oldest "killed" or "died",
+    those staged behind "returned")."""
+
+    def __init__(self, batcher: Any, run: Run, slots: int) -> None:
+        super().__init__(batcher._backend.load(batcher.device), slots)
+        self._batcher = batcher
+        self._run = run
+        #: handed back whole when killed (its breaker replaced it): none a suspect
+        self.whole = False
+
+    def _stage(self, items: list[Any]) -> tuple[Execution, float]:
         batcher = self._batcher
         batch = batcher._in_flight[-1]  # appended just before it is sent
         if len(batch) != len(items) or any(
@@ -230,30 +279,33 @@ class SimWorker:
         ex = batcher._stage(batch)
         ex.status = "staged"
         ex.begins = max(ex.at, self._free_at)
-        ex.done = self._free_at = ex.begins + batch_latency(self._run, batcher.index, ex.parts)
-        self._held.append(ex)
+        ex.done = ex.begins + batch_latency(self._run, batcher.index, ex.parts)
         batcher._executions[id(batch)] = ex
-        await trio.lowlevel.checkpoint()
+        return ex, ex.done - ex.begins
 
-    async def result(self) -> Any:
-        ex = self._held[0]
-        with trio.move_on_at(ex.done):
-            await self._exited.wait()
-        if self._exited.is_set():
-            raise self.Died("killed")
-        crash = [k for k, _ in ex.parts if self._run.fault(k) == "crash"]
-        if crash:
-            ex.status = "died"
-            self._exited.set()
-            raise self.Died(f"planted worker death on item {crash[0]}")
-        self._held.popleft()
-        self.last_run_seconds = ex.done - ex.begins
-        self.busy_seconds += self.last_run_seconds
-        self._run.current = ex
-        try:
-            return self._runner([req.item for req in ex.reqs])
-        except Exception as exc:
-            raise self.Failed(f"{type(exc).__name__}: {exc}") from exc
+    def _dies(self, record: Execution) -> str | None:
+        crash = [k for k, _ in record.parts if self._run.fault(k) == "crash"]
+        if not crash:
+            return None
+        record.status = "died"
+        return f"planted worker death on item {crash[0]}"
+
+    def _runs(self, record: Execution) -> None:
+        self._run.current = record
+
+    def _killed_holding(self, records: list[Execution]) -> None:
+        now = trio.current_time()
+        for i, ex in enumerate(records):
+            if ex.status == "staged":
+                ex.status = "killed" if i == 0 and not self.whole else "returned"
+            ex.end = now
+            # (what the replica, handing it back, finds still waiting)
+            ex.answerable = [req.reply.answerable for req in ex.reqs]
+            self._run.replicas.left(ex)
+        gone = {id(ex) for ex in records}
+        executions = self._batcher._executions
+        for k in [k for k, ex in executions.items() if id(ex) in gone]:
+            del executions[k]
 
 
 class DrivenWatchdog(trioserve.actors.Watchdog):
