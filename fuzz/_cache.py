@@ -13,7 +13,11 @@ misses and joined flights all happen.
 The model answers ``[model, key, generation, tenant, run]``: the key asked, the
 generation of the weights it ran with (the suite bumps it at each invalidation), the
 tenant of the request that computed it and the number of the model run, so an answer
-says where it came from. :func:`run_cache_scenario` plays the script and checks:
+says where it came from. A model runs inline, or off the event loop
+(``ModelRule.running``: a :class:`CacheWorker`, a worker process in trio time, the
+runtime's watchdog answering a request's deadline while its batch runs, so a
+flight's waiters may be answered by the late answer of their driver's batch).
+:func:`run_cache_scenario` plays the script and checks:
 
 - each answer is the model's, for the caller's own model and key, from a run that
   computed it (``misrouted``);
@@ -52,6 +56,7 @@ import numpy as np
 import trio
 import trio.testing
 import trioserve
+import trioserve._runtime as _assembly
 import trioserve.actors
 from trioserve import ModelBackend, TensorSpec
 
@@ -60,9 +65,10 @@ from ._cache_flights import ASK, FlightRecord, observed_flights
 from ._cache_scenario import HORIZON_S, TICK, Ask, CacheScenario, Invalidate
 from ._cache_scenario import cache_scenarios as cache_scenarios
 from ._checker import InvariantViolation
+from ._device import NoZygote, TrioWorker, watchdog_class
 from ._product import PRODUCT, Product
 from ._runtime import Outcome, _cancel_at, _tasks, leaked_since, replay
-from ._stats import count_example
+from ._stats import count_example, note
 
 # ---------------------------------------------------------------- the model
 X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
@@ -98,7 +104,8 @@ class Dispatched:
 
 class KeyModel(ModelBackend):
     """Answers ``[model, key, generation, tenant, run]`` per item; raises on a batch
-    holding a key within its first ``flaky[key]`` runs. Runs inline."""
+    holding a key within its first ``flaky[key]`` runs. Runs inline, or in a
+    :class:`CacheWorker` (``ModelRule.running``)."""
 
     inputs = (X,)
     outputs = (Y,)
@@ -146,28 +153,67 @@ class KeyModel(ModelBackend):
         return forward
 
 
+def _taken(run: CacheRun, m: int, batch: list[Any]) -> tuple[Dispatched, float, Any]:
+    """A replica of model ``m`` takes ``batch``: noted; its latency (seconds), and what
+    the model learns when it runs it (``CacheRun.current``)."""
+    keys = [int(req.item["x"][0]) for req in batch]
+    at, gen = trio.current_time(), run.gen[m]
+    who = [(int(req.tenant[1:]), req.priority) for req in batch]
+    taken = Dispatched(
+        model=m, at=at,
+        items=[(k, t, c, req.deadline) for k, (t, c), req in zip(keys, who, batch, strict=True)],
+    )
+    run.dispatched.append(taken)
+    return taken, max(run.scenario.latency[k] for k in keys) * TICK, (at, gen, who)
+
+
+class CacheWorker(TrioWorker):
+    """A worker process in trio time for a model of the suite whose replicas run off
+    the event loop (``ModelRule.running``): a batch takes its slowest key's latency
+    from when the one before is done, then the model runs it. Meanwhile the
+    runtime's watchdog answers the deadlines of its requests."""
+
+    def __init__(self, batcher: Any, run: CacheRun) -> None:
+        super().__init__(batcher._backend.load(batcher.device), 1)
+        self._batcher = batcher
+        self._run = run
+
+    def _stage(self, items: list[Any]) -> tuple[Any, float]:
+        batch = self._batcher._in_flight[-1]  # appended just before it is sent
+        if len(batch) != len(items) or any(
+            r.item is not it for r, it in zip(batch, items, strict=True)
+        ):
+            raise RuntimeError("fuzz: the batch submitted is not the last one in flight")
+        taken, latency, current = _taken(self._run, self._batcher._m, batch)
+        return (taken, current), latency
+
+    def _runs(self, record: Any) -> None:
+        taken, current = record
+        taken.end = trio.current_time()
+        self._run.current = current
+
+    def _killed_holding(self, records: list[Any]) -> None:
+        for taken, _ in records:
+            taken.end = trio.current_time()
+
+
 def device_class(base: type, run: CacheRun) -> type:
     """The product's batcher on a simulated device: a batch first takes its slowest
-    key's latency in trio time; the model then learns whose requests it runs."""
+    key's latency in trio time; the model then learns whose requests it runs. A
+    replica of a ``running`` model feeds a :class:`CacheWorker`."""
 
     class SimulatedDevice(base):  # type: ignore[misc, valid-type]
+        async def _start_worker(self) -> None:
+            worker = CacheWorker(self, run)
+            await self._load(worker.start)
+            self._worker = worker
+
         async def _execute(self, batch: list[Any]) -> None:
-            keys = [int(req.item["x"][0]) for req in batch]
-            at, gen = trio.current_time(), run.gen[self._m]
-            who = [(int(req.tenant[1:]), req.priority) for req in batch]
-            taken = Dispatched(
-                model=self._m, at=at,
-                items=[
-                    (k, t, c, req.deadline)
-                    for k, (t, c), req in zip(keys, who, batch, strict=True)
-                ],
-            )
-            run.dispatched.append(taken)
+            taken, latency, current = _taken(run, self._m, batch)
             try:
-                latency = max(run.scenario.latency[k] for k in keys)
                 if latency:
-                    await trio.sleep(latency * TICK)
-                run.current = (at, gen, who)
+                    await trio.sleep(latency)
+                run.current = current
                 await super()._execute(batch)
             finally:
                 taken.end = trio.current_time()
@@ -279,6 +325,8 @@ class CacheRun:
     #: items a batch call (``answer_many``) computed, by ask; units charged by tenant
     batch_charges: dict[int, int] = attrs.Factory(dict)
     charged: dict[str, float] = attrs.Factory(dict)
+    #: with a ``running`` model: the runtime's watchdog, on trio's clock
+    watchdog: Any = None
     t0: float = 0.0
 
     def __attrs_post_init__(self) -> None:
@@ -409,7 +457,7 @@ def config_of(sc: CacheScenario, run: CacheRun) -> trioserve.Config:
             max_batch_size=sc.max_batch_size,
             max_wait_ms=0,
             timeout_ms=None if rule.timeout is None else rule.timeout * TICK * 1e3,
-            execution="inline",
+            execution="process" if rule.running else "inline",
             adaptive_limit=False,
             cache=rule.cache,
             # (with the cache off these do nothing, and are refused)
@@ -445,16 +493,31 @@ def _class_timeouts(sc: CacheScenario) -> list[int | None]:
 @contextlib.contextmanager
 def product_installed(run: CacheRun) -> Iterator[None]:
     """open_runtime builds its batchers, cache and cache actor from ``trioserve.actors``:
-    point those names at the simulated and observed classes while it starts."""
+    point those names at the simulated and observed classes while it starts (with a
+    ``running`` model, its watchdog on trio's clock and no zygote, as the runtime
+    suite's)."""
     actors = trioserve.actors
-    saved = actors.BatcherActor, actors.Cache, actors.CacheActor
+    saved = (
+        actors.BatcherActor, actors.Cache, actors.CacheActor, actors.Watchdog,
+        _assembly.Zygote,
+    )
     actors.BatcherActor = device_class(run.product.batcher_class, run)
     actors.Cache = observed_cache_class(run.product.cache_class, run)
     actors.CacheActor = observed_actor_class(run.product.cache_actor_class, run)
+    if _running(run.scenario):
+        actors.Watchdog = watchdog_class(run)
+        _assembly.Zygote = NoZygote
     try:
         yield
     finally:
-        actors.BatcherActor, actors.Cache, actors.CacheActor = saved
+        (
+            actors.BatcherActor, actors.Cache, actors.CacheActor, actors.Watchdog,
+            _assembly.Zygote,
+        ) = saved
+
+
+def _running(sc: CacheScenario) -> bool:
+    return any(rule.running for rule in sc.models)
 
 
 def _x(key: int) -> np.ndarray:
@@ -512,6 +575,9 @@ async def _play(run: CacheRun) -> None:
     async with trio.open_nursery() as callers:
         with product_installed(run):
             async with trioserve.open_runtime(config_of(sc, run)) as rt:
+                if _running(sc):
+                    note("cache", "scenarios with a model off the loop")
+                    callers.start_soon(run.watchdog.drive)
                 run.t0 = trio.current_time()
                 for i, ask in enumerate(sc.asks):
                     callers.start_soon(caller, i, ask, rt, callers)
@@ -531,6 +597,12 @@ async def _play(run: CacheRun) -> None:
             callers.cancel_scope.cancel("fuzz: the run is over")
     if (leak := leaked_since(before)) is not None:
         raise InvariantViolation("leak", leak)
+    if run.watchdog is not None and run.watchdog.live():
+        raise InvariantViolation(
+            "leak",
+            f"{run.watchdog.live()} deadline(s) stayed armed with the watchdog after the "
+            "runtime closed: a batch's deadlines are disarmed as it leaves its replica",
+        )
 
 
 def _invalidate(run: CacheRun, rt: trioserve.Runtime, inv: Invalidate) -> None:

@@ -160,7 +160,10 @@ def _check_deadline(run: CacheRun, i: int, ask: Ask) -> None:
     deadline (arrival + timeout: not another caller's, whose flight it joined), and
     is answered by its deadline, unless a batch holding its request (or the request
     of the flight it waits on, whose deadline is not later) was running then: an
-    inline batch is not interrupted, and it is answered when that batch ends."""
+    inline batch is not interrupted, and it is answered when that batch ends. A
+    model that runs off the event loop (``running``) answers it by its deadline
+    wherever its request is: queued, running, or waiting for the late answer of the
+    batch of its flight's driver."""
     out = run.outcomes.get(i)
     due = deadline_of(run, i)
     if out is None or due == math.inf:
@@ -175,6 +178,16 @@ def _check_deadline(run: CacheRun, i: int, ask: Ask) -> None:
         )
     if out.at <= due:
         return
+    got = "cancelled" if out.kind == "cancelled" else (
+        "a result" if out.kind == "result" else type(out.value).__name__
+    )
+    if run.scenario.models[ask.model].running:
+        raise InvariantViolation(
+            "deadline",
+            f"{who} was answered ({got}) at {run.at(out.at)}, after its own deadline "
+            f"{run.at(due)}, though m{ask.model} runs its batches off the event loop "
+            "(its deadline is answered wherever its request is)",
+        )
     cls = f"c{ask.cls}"
     for b in run.dispatched:
         end = math.inf if b.end is None else b.end
@@ -188,9 +201,6 @@ def _check_deadline(run: CacheRun, i: int, ask: Ask) -> None:
         ):
             note("cache", "answered after the deadline, at the end of a batch running then")
             return
-    got = "cancelled" if out.kind == "cancelled" else (
-        "a result" if out.kind == "result" else type(out.value).__name__
-    )
     raise InvariantViolation(
         "deadline",
         f"{who} was answered ({got}) at {run.at(out.at)}, after its own deadline "

@@ -29,14 +29,18 @@ KEYS = 4
 class ModelRule:
     """One model's cache settings: ``cache`` (its results are kept), ``shared`` (one
     namespace for every tenant), ``ttl`` (ticks; None: no expiry), ``coalesce``
-    (identical requests in flight are joined even when nothing is kept), and its
-    ``timeout`` (ticks, its ``timeout_ms``; None: none)."""
+    (identical requests in flight are joined even when nothing is kept), its
+    ``timeout`` (ticks, its ``timeout_ms``; None: none), and whether its replicas
+    run their batches off the event loop (``running``: a worker process in trio
+    time, the runtime's watchdog answering a request's deadline while its batch
+    runs) or inline."""
 
     cache: bool = True
     shared: bool = False
     ttl: int | None = None
     coalesce: bool = False
     timeout: int | None = None
+    running: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -103,6 +107,7 @@ _N_MODELS = st.sampled_from([1, 1, 2, 3])
 _N_TENANTS = st.sampled_from([1, 2, 2, 3])
 _N_CLASSES = st.sampled_from([1, 1, 2])
 _CACHED = st.sampled_from([True, True, True, False])
+_RUNNING = st.sampled_from([False, True])
 _TTL = st.sampled_from([None, None, 1, 2, 4, 8, 32])
 #: A model's or a class's timeout (ticks): short ones expire while a batch of a
 #: slow key runs before them, or while their own runs (inline, it is waited for).
@@ -174,6 +179,7 @@ def cache_scenarios(draw: st.DrawFn) -> CacheScenario:
             ttl=draw(_TTL),
             coalesce=draw(st.booleans()),
             timeout=draw(_TIMEOUT),
+            running=draw(_RUNNING),
         )
         for _ in range(n_models)
     )

@@ -23,6 +23,7 @@ from ._mutants_control import (
     WindowOfTheLastSample,
 )
 from ._mutants_flights import (
+    CacheActorIgnoringLateOutcomes,
     CacheActorWithNoRerun,
     CacheActorWithRerunForTheLatest,
     CacheActorWithRerunForThePassed,
@@ -274,6 +275,15 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         attrs.evolve(
             PRODUCT, name="rerun-for-passed",
             cache_actor_class=CacheActorWithRerunForThePassed,
+        ),
+        ("cache",),
+    ),
+    "late-outcome-ignored": (
+        "a flight whose driver's deadline passed while its batch ran runs again at once "
+        "instead of waiting for that batch's answer",
+        attrs.evolve(
+            PRODUCT, name="late-outcome-ignored",
+            cache_actor_class=CacheActorIgnoringLateOutcomes,
         ),
         ("cache",),
     ),

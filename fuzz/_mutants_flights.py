@@ -1,6 +1,7 @@
 """Planted bugs of a flight and its callers' deadlines (docs/cache.md), for the
-cache suite: ``SingleFlight`` variants whose choice of a rerun is wrong, each put in
-the cache actor by a variant of it. Listed in ``fuzz._mutants.MUTANTS``."""
+cache suite: ``SingleFlight`` variants whose choice of a rerun is wrong, or that
+ignore a late answer, each put in the cache actor by a variant of it. Listed in
+``fuzz._mutants.MUTANTS``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import outcome
 import trioserve.actors
-from trioserve.actors._singleflight import SingleFlight, _Flight, _Round
+from trioserve.actors._singleflight import LateOutcome, SingleFlight, _Flight, _Round
 
 CacheActor = trioserve.actors.CacheActor
 
@@ -64,6 +65,15 @@ class _RerunForThePassed(SingleFlight):
         return True
 
 
+class _IgnoresLateOutcomes(SingleFlight):
+    """A driver answered DeadlineExceeded while its batch ran: the waiters with a
+    later deadline do not wait for that batch's answer, the flight runs again at once
+    (a second model call for the key, and ``late_answers`` never counted)."""
+
+    async def _wait_late(self, flight: _Flight, exc: Exception, late: LateOutcome) -> bool:
+        return False
+
+
 def _with_flights(flights_class: type) -> type:
     """The cache actor with its SingleFlight table of class ``flights_class``."""
 
@@ -89,3 +99,4 @@ def _with_flights(flights_class: type) -> type:
 CacheActorWithNoRerun = _with_flights(_NoRerun)
 CacheActorWithRerunForTheLatest = _with_flights(_RerunForTheLatest)
 CacheActorWithRerunForThePassed = _with_flights(_RerunForThePassed)
+CacheActorIgnoringLateOutcomes = _with_flights(_IgnoresLateOutcomes)

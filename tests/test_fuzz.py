@@ -22,6 +22,9 @@ from trioserve import Reply, Request
 from trioserve.actors import BatchLimits, FairQueue, TokenBucket
 
 import fuzz
+from fuzz._cache import play_cache
+from fuzz._cache_checks import RUN, check_cache
+from fuzz._cache_scenario import TICK
 from fuzz._checker import ClassBound, QueueObserver
 from fuzz._harness import SUITES, chunk_seed, run_chunk
 from fuzz._selftest import EXAMPLES, TEST_SEEDS, check_bug
@@ -469,6 +472,59 @@ def test_fuzz_cache_a_driver_refused_at_once_gets_its_own_rounds_answer():
             invalidations=(fuzz.Invalidate(at=6),),
         )
     )
+
+
+def _late_flight(flaky: int = 0) -> fuzz.CacheScenario:
+    """A model off the event loop, timeout 6 ticks, whose key 0 takes 8: the driver
+    (tick 0) is answered DeadlineExceeded at tick 6 while its batch runs; of the
+    callers who joined its flight, the one of tick 1 leaves by its own deadline
+    (tick 7), the one of tick 4 (deadline tick 10) waits for the batch's answer (a
+    late answer, tick 8) or, if the batch fails, drives the flight's rerun (from tick
+    8)."""
+    return fuzz.CacheScenario(
+        tenants=1,
+        models=(fuzz.ModelRule(running=True, timeout=6),),
+        latency=(8, 0, 0, 0),
+        flaky=(flaky, 0, 0, 0),
+        asks=(fuzz.Ask(at=0), fuzz.Ask(at=1), fuzz.Ask(at=4)),
+    )
+
+
+def test_fuzz_cache_waiters_get_the_late_answer_of_a_batch_their_driver_left():
+    run = play_cache(_late_flight())
+    check_cache(run)
+
+    def tick(i: int) -> float:
+        return (run.outcomes[i].at - run.t0) / TICK
+
+    assert run.flights["late_answers"] == 1
+    assert run.flights["reruns"] == 0
+    assert len(run.runs) == 1
+    assert isinstance(run.outcomes[0].value, trioserve.DeadlineExceeded)
+    assert tick(0) == 6
+    assert isinstance(run.outcomes[1].value, trioserve.DeadlineExceeded)
+    assert tick(1) == 7
+    assert run.outcomes[2].kind == "result"
+    assert tick(2) == 8
+    assert int(run.outcomes[2].value[0]["y"][RUN]) == 0
+
+
+def test_fuzz_cache_a_failed_late_batch_runs_the_flight_again():
+    run = play_cache(_late_flight(flaky=1))
+    check_cache(run)
+    assert run.flights["late_answers"] == 0
+    assert run.flights["reruns"] == 1
+    # the rerun is taken at tick 8, as the failed batch ends, for the caller of tick
+    # 4; it takes 8 ticks too, so that caller is answered by its own deadline
+    assert [r.status for r in run.runs] == ["error"]
+    assert [(b.at - run.t0) / TICK for b in run.dispatched] == [0, 8]
+    assert isinstance(run.outcomes[2].value, trioserve.DeadlineExceeded)
+    assert (run.outcomes[2].at - run.t0) / TICK == 10
+
+
+def test_fuzz_cache_a_flight_that_ignores_the_late_answer_is_caught():
+    with pytest.raises(fuzz.InvariantViolation, match=r"^outcome: .*a second model call"):
+        fuzz.run_cache_scenario(_late_flight(), fuzz.MUTANTS["late-outcome-ignored"][1])
 
 
 def test_the_lag_check_restarts_a_backlog_that_ended_between_sweeps():
