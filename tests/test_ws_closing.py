@@ -14,6 +14,7 @@ import trio
 import trioserve
 from http_helpers import (
     _HANDSHAKE,
+    GATE_LIMIT_S,
     Gate,
     _client_frame,
     _events_until,
@@ -232,15 +233,17 @@ async def test_a_write_cancelled_part_way_breaks_the_stream():
     assert socket.sent == b"A" * 10
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["same-write", "later"])
-async def test_a_close_frame_at_the_in_flight_bound_is_seen_at_once(apart):
+@pytest.mark.parametrize("sent", ["same-write", "later", "behind-held"])
+async def test_a_close_frame_at_the_in_flight_bound_is_seen_at_once(sent):
     """A client at ``server.stream_in_flight`` with a message past the bound, which
     the server holds while it waits for room, sends a close frame (with its messages,
     or later): the server answers it at once (1000) rather than once an answer frees a
     place, and, as at any close, withdraws the requests in flight (the queued ones
     refunded, the running one's answer dropped); the held message is never run,
-    nothing answers it."""
-    from wsproto.events import CloseConnection, TextMessage
+    nothing answers it. So too for a close frame that follows more messages (one
+    held unread at the bound, a ping, one of a 16-bit length) in the bytes the
+    server has read."""
+    from wsproto.events import CloseConnection, Ping, TextMessage
 
     gate = Gate()
     tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
@@ -258,12 +261,18 @@ async def test_a_close_frame_at_the_in_flight_bound_is_seen_at_once(apart):
             await settle()
             assert scheduler.queue_depth() == 3
             fifth = _infer_frame(4, model="held")
+            ping = ws.send(Ping(payload=b"p"))
             close = ws.send(CloseConnection(code=1000, reason="bye"))
-            if apart:
+            if sent == "later":
                 await sock.send_all(fifth)
                 await settle()
                 assert gw.statistics().streams == 1  # waiting for room
                 await sock.send_all(close)
+            elif sent == "behind-held":
+                seventh = _infer_frame(6, x=[1.0] * 40, model="held")
+                assert seventh[1] & 0x7F == 126  # its length in 16 bits
+                await sock.send_all(fifth + _infer_frame(5, model="held")
+                                    + ping + seventh + close)
             else:
                 await sock.send_all(fifth + close)
             await settle()
@@ -283,6 +292,246 @@ async def test_a_close_frame_at_the_in_flight_bound_is_seen_at_once(apart):
                 assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
             assert rt.models["held"].metrics.items == 2  # the held one and this one
             assert rt.credits_refunded["t"] == 3
+    finally:
+        gate.release()
+
+
+async def test_a_close_frame_sent_after_the_message_held_at_the_bound_waits_for_room():
+    """What the client sends after the message the server holds at the bound is not
+    read until room frees (the bound's backpressure): a close frame in a later write
+    withdraws nothing until then. Once room frees it is read, answered (1000) after
+    the answers already written, and each request has at most one answer."""
+    from wsproto.events import CloseConnection, TextMessage
+
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None), tenants=tenants,
+                 server={"stream_in_flight": 4})
+    try:
+        async with serving(cfg) as gw:
+            rt = gw.runtime
+            scheduler = rt.models["held"].scheduler
+            sock, ws = await _raw_handshake(gw)
+            await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(4)))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            await sock.send_all(_infer_frame(4, model="held") + _infer_frame(5, model="held"))
+            await settle()
+            await sock.send_all(ws.send(CloseConnection(code=1000)))
+            await settle()
+            assert gw.statistics().streams == 1  # the close is not read
+            assert scheduler.queue_depth() == 3
+            assert rt.credits_refunded["t"] == 0
+            gate.release()
+            with trio.fail_after(GATE_LIMIT_S):
+                ws.receive_data(await _read_to_eof(sock))
+            events = list(ws.events())
+            assert type(events[-1]) is CloseConnection
+            assert events[-1].code == 1000
+            ids = [json.loads(e.data)["id"] for e in events if isinstance(e, TextMessage)]
+            # the running one's answer, framed before its place freed, comes first
+            assert ids
+            assert len(ids) == len(set(ids))
+            assert set(ids) <= set(range(6))
+            await sock.aclose()
+    finally:
+        gate.release()
+
+
+async def test_a_stream_client_that_sent_past_the_bound_and_closed_is_answered_at_once(
+    autojump_clock,
+):
+    """``open_stream`` (trio-websocket) at the in-flight bound sends two more requests
+    and leaves: its close frame follows them, and here reaches the server in the same
+    read (a proxy holds the client's bytes and hands them over in one write). The
+    server answers the close at once, the clock unmoved (the client does not wait
+    out its close grace, then drop the connection), withdraws the queued requests
+    (refunded) and runs neither message past the bound."""
+    from wsproto import ConnectionType
+    from wsproto.connection import Connection
+    from wsproto.events import CloseConnection, TextMessage
+
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None), tenants=tenants,
+                 server={"stream_in_flight": 4})
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    port = listener.socket.getsockname()[1]
+    holding, held, flush = False, bytearray(), trio.Event()
+    more, closed = trio.Event(), trio.Event()
+
+    async def client_to_server(client, server):
+        async for data in client:
+            if holding:
+                held.extend(data)
+            else:
+                await server.send_all(data)
+
+    async def server_to_client(server, client):
+        async for data in server:
+            await client.send_all(data)
+        await client.aclose()
+
+    async def proxy(gw, *, task_status=trio.TASK_STATUS_IGNORED):
+        task_status.started()
+        client = await listener.accept()
+        server = await trio.open_tcp_stream(*gw.addresses[0])
+        async with trio.open_nursery() as pumps:
+            pumps.start_soon(client_to_server, client, server)
+            pumps.start_soon(server_to_client, server, client)
+            await flush.wait()
+            await server.send_all(bytes(held))
+
+    async def leaving_client():
+        async with open_stream(f"http://127.0.0.1:{port}") as stream:
+            for i in range(4):
+                await stream.send(i, "held", {"x": f32(1)})
+            await more.wait()
+            for i in range(4, 6):
+                await stream.send(i, "held", {"x": f32(1)})
+        closed.set()
+
+    try:
+        async with serving(cfg) as gw:
+            async with trio.open_nursery() as nursery:
+                rt = gw.runtime
+                scheduler = rt.models["held"].scheduler
+                await nursery.start(proxy, gw)
+                nursery.start_soon(leaving_client)
+                try:
+                    await trio.to_thread.run_sync(gate.holding.wait)
+                    await settle()
+                    assert scheduler.queue_depth() == 3
+                    holding = True
+                    more.set()
+                    await settle()
+                    server_side = Connection(ConnectionType.SERVER)
+                    server_side.receive_data(bytes(held))
+                    kinds = [type(e) for e in server_side.events()
+                             if getattr(e, "message_finished", True)]
+                    assert kinds == [TextMessage, TextMessage, CloseConnection]
+                    assert gw.statistics().streams == 1
+                    t0 = trio.current_time()
+                    flush.set()
+                    await settle()
+                    assert closed.is_set()  # its close answered
+                    assert trio.current_time() == t0
+                    assert scheduler.queue_depth() == 0
+                    assert rt.credits_refunded["t"] == 3
+                    assert gw.statistics().streams == 0
+                    assert gw.statistics().stream_in_flight_peak == 4
+                finally:  # on failure, lets the stream (and the client) end
+                    flush.set()
+                    gate.release()
+            # One replica, batches of one: the held request, then this one.
+            async with open_stream(gw.url) as stream:
+                assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
+            assert rt.models["held"].metrics.items == 2
+    finally:
+        gate.release()
+        listener.socket.close()
+
+
+def _decoder_after_first_message(data: bytes):
+    """A server's wsproto connection fed ``data`` and its events taken up to the
+    first message event (as the read loop holds one at the bound): its frame
+    decoder, and whether that event ended its frame."""
+    from wsproto import ConnectionType
+    from wsproto.connection import Connection
+    from wsproto.events import Message
+
+    ws = Connection(ConnectionType.SERVER)
+    ws.receive_data(data)
+    event = next(e for e in ws.events() if isinstance(e, Message))
+    return ws._proto._frame_decoder, event.frame_finished
+
+
+@pytest.mark.parametrize(
+    ("rest", "found"),
+    [
+        (_client_frame(b"", 0x8), True),
+        (_client_frame(b"\x03\xe8bye", 0x8), True),
+        (_client_frame(b"{}") + _client_frame(b"p", 0x9) + _client_frame(b"", 0x8), True),
+        (_frame_header(300) + _masked(b"a" * 300) + _client_frame(b"", 0x8), True),
+        (_frame_header(70_000) + _masked(b"a" * 70_000) + _client_frame(b"", 0x8), True),
+        (b"", False),
+        (_client_frame(b"{}"), False),
+        (_client_frame(b"\x03\xe8bye", 0x8)[:-1], False),  # cut by the read
+        (_client_frame(b"", 0x8)[:1], False),
+        (_frame_header(300) + _masked(b"a" * 299), False),
+        (_frame_header(70_000)[:5], False),
+        (_client_frame(b"{}", masked=False) + _client_frame(b"", 0x8), False),
+        (_client_frame(b"{}", 0x3) + _client_frame(b"", 0x8), False),  # no opcode 3
+    ],
+    ids=["close", "close-with-reason", "after-more", "16-bit-length", "64-bit-length",
+         "nothing", "no-close", "close-cut", "header-cut", "payload-cut", "length-cut",
+         "unmasked", "bad-opcode"],
+)
+def test_a_close_frame_in_the_bytes_read_is_found_behind_a_held_message(rest, found):
+    """Behind the message held at the bound, the frames of the bytes already read are
+    walked for a close frame: whole frames only, and none past one wsproto refuses."""
+    from trioserve.transport._stream import _holds_close
+
+    frames, whole = _decoder_after_first_message(_client_frame(b"{}") + rest)
+    assert whole
+    assert _holds_close(frames) is found
+
+
+def test_the_walk_for_a_close_frame_starts_past_the_rest_of_the_held_frame():
+    """A held message whose frame the read cut: the walk skips the payload it still
+    announces (bytes that could read as a close frame's), and finds what follows."""
+    from trioserve.transport._stream import _holds_close
+    from wsproto import ConnectionType
+    from wsproto.connection import Connection
+
+    close = _client_frame(b"", 0x8)
+    payload = _masked(b"a" * 10 + bytes(_masked(close)) + b"b" * 10)
+    ws = Connection(ConnectionType.SERVER)
+    ws.receive_data(_frame_header(len(payload)) + payload[:5])
+    assert not next(ws.events()).frame_finished
+    frames = ws._proto._frame_decoder
+    ws.receive_data(payload[5:])  # unparsed, the rest of the held frame: no close
+    assert not _holds_close(frames)
+    ws.receive_data(close)
+    assert _holds_close(frames)
+
+
+def test_without_the_decoder_state_no_close_frame_is_looked_for():
+    from trioserve.transport._stream import _holds_close
+
+    assert _holds_close(object()) is False
+    assert _holds_close(None) is False
+
+
+async def test_a_close_frame_wrongly_foreseen_loses_no_message(monkeypatch):
+    """Were the walk wrong (a close foreseen where the bytes hold none), the messages
+    the server handles looking for it are kept and served once room frees: each
+    request gets its answer."""
+    from trioserve.transport import _stream
+    from wsproto.events import TextMessage
+
+    monkeypatch.setattr(_stream, "_holds_close", lambda frames: True)
+    gate = Gate()
+    cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None),
+                 server={"stream_in_flight": 4})
+    try:
+        async with serving(cfg) as gw:
+            sock, ws = await _raw_handshake(gw)
+            await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(4)))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(4, 8)))
+            await settle()
+            assert gw.statistics().streams == 1
+            gate.release()
+            ids: list[int] = []
+            with trio.fail_after(GATE_LIMIT_S):
+                while len(ids) < 8:
+                    events = await _events_until(sock, ws, TextMessage)
+                    ids += [json.loads(e.data)["id"] for e in events
+                            if isinstance(e, TextMessage)]
+            assert sorted(ids) == list(range(8))
+            await sock.aclose()
     finally:
         gate.release()
 

@@ -8,7 +8,8 @@ At most ``server.stream_in_flight`` requests of one connection are in flight, an
 while their messages and the answers not yet written hold more than
 ``server.stream_in_flight_bytes`` no other is read: at either bound the server stops
 reading the socket once it has found the next message (one read at most), so TCP
-pushes back on the client, and a close frame before that message is seen at once.
+pushes back on the client, and a close frame before that message, or after it in
+the bytes already read, is seen at once.
 Closing the socket cancels the connection's requests not yet dispatched.
 
 The server side: the handshake, and a session per connection (:class:`_Session`).
@@ -214,6 +215,51 @@ def _unread(frames: Any, texts: Any) -> int:
     return left if type(left) is int else 0
 
 
+#: the opcodes of RFC 6455 (continuation, text, binary, close, ping, pong)
+_OPCODES = frozenset((0x0, 0x1, 0x2, 0x8, 0x9, 0xA))
+
+
+def _holds_close(frames: Any) -> bool:
+    """Whether the bytes wsproto's frame decoder (``frames``) holds and has not parsed
+    yet (read from the socket, so no read is needed) end a close frame: its frame
+    headers are walked from where the decoder stands (past the rest of the frame it
+    is in), payloads skipped, and the walk stops at anything wsproto would refuse
+    (an unmasked frame, an opcode RFC 6455 does not define). wsproto does not publish
+    its decoder's state, so this reads it; were that to change, False (the close is
+    then seen when the loop reaches it, as before). It only says where to look: the
+    close itself is what wsproto's events report."""
+    try:
+        header = frames.header
+        buffer = frames.buffer
+        data = buffer.buffer
+        at = buffer.bytes_used
+        if header is not None:
+            at += header.payload_len - frames.payload_consumed
+        if type(data) is not bytearray or type(at) is not int:
+            return False
+    except (AttributeError, TypeError):
+        return False
+    end = len(data)
+    while at + 2 <= end:
+        first, second = data[at], data[at + 1]
+        opcode, size = first & 0x0F, second & 0x7F
+        if opcode not in _OPCODES or not second & 0x80:  # wsproto fails the stream here
+            return False
+        at += 2
+        if size == 126:
+            size = int.from_bytes(data[at:at + 2], "big")
+            at += 2
+        elif size == 127:
+            size = int.from_bytes(data[at:at + 8], "big")
+            at += 8
+        at += 4 + size  # the mask (a client's frames are masked) and the payload
+        if at > end:  # cut by the read: what follows is not read yet
+            return False
+        if opcode == 0x8:
+            return True
+    return False
+
+
 def _reject(
     ws: WSConnection, status: int, message: str, extra: Sequence[tuple[bytes, bytes]] = ()
 ) -> bytes:
@@ -262,6 +308,12 @@ class _Session:
         self._events: Any = ()
         self._ahead: Any = None
         self._reading_ahead: trio.CancelScope | None = None
+        #: wsproto's frame decoder (private: see _holds_close), the socket reads fed
+        #: to wsproto, and the count when its unparsed bytes were last looked through
+        #: for a close frame (once a read: the bytes only shrink until the next)
+        self._frames = getattr(getattr(ws, "_proto", None), "_frame_decoder", None)
+        self._reads = 0
+        self._scanned = -1
         self.pending: dict[int, Any] = {}  # token -> id of requests not yet answered
         self._tokens = itertools.count()
         #: (code, reason) we fail the connection with: a protocol error, a message
@@ -339,8 +391,9 @@ class _Session:
         """Wait until fewer than ``bound`` requests are in flight and a message of
         ``n`` bytes fits the byte budget, reading ahead only as far as the next message
         (:meth:`_look_ahead`), so a close frame the client sends meanwhile is seen at
-        once. Returns None when there is room (``_events``, and ``_ahead`` if found,
-        are what the loop handles next), or what ``_read`` returns when the client
+        once, as is one after that message in the bytes already read. Returns None
+        when there is room (``_events``, and ``_ahead`` if found, are what the loop
+        handles next), or what ``_read`` returns when the client
         closed or the connection failed meanwhile. A checkpoint. The gateway's hang-up
         watch also looks out for the client leaving (once a message is held, the loop
         reads no more): a hang-up cancels the read loop, and ``run`` withdraws what
@@ -367,14 +420,20 @@ class _Session:
     async def _look_ahead(self) -> bool | None:
         """At a bound: handle what follows the waiting message up to the next message
         event (a ping gets its pong), which is held in ``_ahead`` and not handled, so
-        at most one read's bytes (``RECEIVE_SIZE``) are held past the bound. When the
-        events of the reads so far hold none, read the socket once, until room frees
-        (:meth:`_unpark` ends that read). Returns as :meth:`_wait_for_room` does."""
+        at most one read's bytes (``RECEIVE_SIZE``) are held past the bound; a close
+        frame in the rest of those bytes, already read, is handled at once
+        (:meth:`_close_ahead`). When the events of the reads so far hold no message,
+        read the socket once, until room frees (:meth:`_unpark` ends that read).
+        Returns as :meth:`_wait_for_room` does."""
         ws = self.ws
         for event in self._events:
             kind = type(event)
             if kind is TextMessage or kind is BytesMessage:
                 self._ahead = event
+                if self._scanned != self._reads:  # bytes read since the last look
+                    self._scanned = self._reads
+                    if _holds_close(self._frames):
+                        return await self._close_ahead()
                 return None
             if kind is Ping:
                 await self._send(ws.send(event.response()))
@@ -388,7 +447,22 @@ class _Session:
             finally:
                 self._reading_ahead = None
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
+            self._reads += 1
             self._events = ws.events()
+        return None
+
+    async def _close_ahead(self) -> bool | None:
+        """A message is held at a bound and the bytes already read hold a close frame
+        after it (:func:`_holds_close`): handle the events up to the close and answer
+        it, as at any close the messages before it are never run. Returns as
+        :meth:`_wait_for_room` does. Were there no close among them after all, they
+        are kept (``_events``) and handled once room frees."""
+        held = []
+        for event in self._events:
+            if type(event) is CloseConnection:
+                return await self._closed(event)
+            held.append(event)
+        self._events = held
         return None
 
     async def _closed(self, event: CloseConnection) -> bool:
@@ -426,9 +500,8 @@ class _Session:
         # twice.)
         size = 0
         limit = self.max_message
-        proto = getattr(ws, "_proto", None)
-        frames = getattr(proto, "_frame_decoder", None)
-        texts = getattr(proto, "_message_decoder", None)
+        frames = self._frames
+        texts = getattr(getattr(ws, "_proto", None), "_message_decoder", None)
         # A message begun must arrive whole within server.request_timeout_s, as an
         # HTTP request must: counted from the read that brought its first bytes (or
         # from the end of a wait at the in-flight bound, when the server read none).
@@ -470,6 +543,7 @@ class _Session:
                 pinged = False
                 quiet_at = trio.current_time() + ping_every
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
+            self._reads += 1
             events: Any = ws.events()
             waiting: str | bytes | None = None  # a message read, waiting for room
             try:
