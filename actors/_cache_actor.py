@@ -30,7 +30,7 @@ from trioserve import Actor, DeadlineExceeded, Overloaded
 
 from ._cache import Cache, CacheRule
 from ._cachekey import cache_key
-from ._singleflight import LateOutcome, SingleFlight
+from ._singleflight import LateOutcome, SingleFlight, own_error
 
 #: bytes counted per cached answer besides its arrays (dict, key, bookkeeping)
 OVERHEAD = 256
@@ -120,6 +120,29 @@ def deadline_bound(exc: BaseException, deadline: float) -> float | None:
     if isinstance(exc, Overloaded):
         return exc.deadline
     return None
+
+
+def _waited_out(
+    model: str, arrival: float, deadline: float
+) -> Callable[[BaseException], BaseException]:
+    """For :meth:`SingleFlight.call`: a joined caller's own error for an error of the
+    deadline of the caller its flight ran for. Its own deadline passed too (at once,
+    or while it waited for that caller's batch), and it is told so in its own figures:
+    how long it waited, for what. A DeadlineExceeded it gets is ``in_queue``: it
+    reached no device of its own and is charged nothing. Any other error (a refusal
+    measured against that deadline) is its own copy, as is."""
+
+    def as_own(exc: BaseException) -> BaseException:
+        if not isinstance(exc, DeadlineExceeded):
+            return own_error(exc)
+        return DeadlineExceeded(
+            f"model {model!r}: deadline passed after {deadline - arrival:.3f}s waiting "
+            "for the computation of an identical request it joined in flight (limit: "
+            "the model's or its class's timeout_ms)",
+            in_queue=True,
+        )
+
+    return as_own
 
 
 def _own(value: Any) -> Any:
@@ -277,6 +300,7 @@ class CacheActor(Actor):
         flights = self._flights
         if flights is None:  # not running (shutting down): compute without sharing
             return await compute(None)
+        arrival = trio.current_time()
 
         # Read for a model that is only coalesced too: its flights must not outlive an
         # invalidation either.
@@ -306,7 +330,10 @@ class CacheActor(Actor):
         flight = (key, tenant, priority, generation)
         if flight in flights:
             _shared()  # joins a computation started for another caller
-        value, expires = await flights.call(flight, compute_and_keep, deadline=deadline)
+        value, expires = await flights.call(
+            flight, compute_and_keep, deadline=deadline,
+            as_own=_waited_out(model, arrival, deadline) if deadline < math.inf else None,
+        )
         if expires < math.inf:
             _answered(expires)
         return _own(value)

@@ -22,8 +22,13 @@ DeadlineExceeded while its batch ran, the batch still running for others), the
 waiters with time left first wait for that work's outcome (a :class:`LateOutcome`
 the computation hands on: ``Reply.late``): a value answers them all, as the round's
 own would have, and runs nothing again; a waiter whose own deadline passes first
-gets its own copy of the driver's error then; and if the work fails, the flight runs
+gets its own error then (below); and if the work fails, the flight runs
 again for those still waiting, as above.
+
+A waiter answered so by an error of another's deadline (the driver's, passed in the
+queue or while its work ran), or whose own deadline passes while it waits for a late
+outcome, gets that error in its own terms when its call says how (``as_own``): the
+driver's figures (its time in the queue, its limit) are not the waiter's.
 """
 
 from __future__ import annotations
@@ -219,6 +224,7 @@ class SingleFlight:
         fn: Callable[..., Awaitable[Any]],
         *args: Any,
         deadline: float = math.inf,
+        as_own: Callable[[BaseException], BaseException] | None = None,
     ) -> Any:
         """Return ``await fn(*args)``, computed once for every concurrent call of ``key``.
 
@@ -230,7 +236,12 @@ class SingleFlight:
         caller is left. Raises whatever the computation raised (the waiter's own
         copy of it), or ActorClosed if the owner's nursery was cancelled first. While
         it waits for a late outcome (see the class), its own ``deadline`` passing
-        raises its own copy of the error the driver got.
+        raises its own copy of the error the driver got (``as_own``'s, when given).
+
+        ``as_own(exc)``: this caller's own error for ``exc``, an error of another
+        caller's deadline (its driver's, by ``deadline_bound``) that answers this one
+        (its own deadline passed too, or passes while it waits for a late outcome).
+        None: its own copy of ``exc``. Not called for an error of its own run.
         """
         waiter = _Waiter(deadline, fn, args)
         flight = self._flights.get(key)
@@ -273,13 +284,19 @@ class SingleFlight:
                     del self._flights[key]
                 self._abandoned += 1
                 flight.scope.cancel(reason="singleflight: every waiter left")
-        if expired is not None:
-            raise own_error(expired)
         result = round_.result
-        assert result is not None
-        if isinstance(result, outcome.Error):
-            raise own_error(result.error)
-        return result.value
+        if expired is None:
+            assert result is not None
+            if not isinstance(result, outcome.Error):
+                return result.value
+            expired = result.error
+        if (
+            as_own is not None
+            and waiter is not round_.driver
+            and self._deadline_bound(expired, round_.driver.deadline) is not None
+        ):
+            raise as_own(expired)
+        raise own_error(expired)
 
     @staticmethod
     async def _wait_until(round_: _Round, deadline: float) -> bool:

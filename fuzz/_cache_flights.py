@@ -126,7 +126,9 @@ class _ObservedFlights:
     def statistics(self) -> Any:
         return self._inner.statistics()
 
-    async def call(self, key: Hashable, fn: Any, *args: Any, deadline: float = math.inf) -> Any:
+    async def call(
+        self, key: Hashable, fn: Any, *args: Any, deadline: float = math.inf, **kw: Any
+    ) -> Any:
         run, i = self._run, ASK.get()
         record: FlightRecord | None
         if key in self._inner:
@@ -154,7 +156,7 @@ class _ObservedFlights:
             rnd.end, rnd.ok = trio.current_time(), True
             return value
 
-        return await self._inner.call(key, driven, *args, deadline=deadline)
+        return await self._inner.call(key, driven, *args, deadline=deadline, **kw)
 
 
 def observed_flights(base: type, run: CacheRun) -> property:

@@ -19,6 +19,7 @@ from trioserve import CacheConfig, DeadlineExceeded, QuotaExceeded, TenantConfig
 
 RUNNING = "deadline passed while its batch was running"
 QUEUED = "in the queue"
+JOINED = "waiting for the computation of an identical request it joined in flight"
 
 
 def coalesced(model, *, capacity: int = 0, **cfg) -> trioserve.Config:
@@ -143,6 +144,42 @@ async def test_a_follower_whose_own_deadline_passes_too_gets_deadline_exceeded_a
     assert gate.seen == [0.0]
     assert stats["expired"] == 3
     assert (cache["computations"], cache["coalesced"], cache["reruns"]) == (2, 2, 2)
+
+
+async def test_a_follower_with_the_leaders_deadline_is_told_of_its_own_wait(mock_clock):
+    """A follower that joined at the leader's instant has its deadline: the round the
+    leader drove answers it when that deadline passes in the queue, in its own terms
+    (it waited for an identical request's computation; it was never queued), not
+    with the leader's "in the queue". Both are DeadlineExceeded, in_queue."""
+    gate = Gate(hold=0.0)
+    try:
+        async with trioserve.open_runtime(coalesced(gate)) as rt:
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await callers.start("blocker", 0.0)
+                mock_clock.jump(0.5)
+                await callers.start("leader", 5.0)
+                await callers.start("follower", 5.0)
+                mock_clock.jump(1.0)
+                await trio.testing.wait_all_tasks_blocked()
+                gate.release()
+            cache = rt.cache_statistics()
+    finally:
+        gate.release()
+    leader, at = callers.got["leader"]
+    assert isinstance(leader, DeadlineExceeded)
+    assert str(leader) == "model 'm': deadline passed after 1.000s in the queue"
+    assert at == 1.5
+    follower, at = callers.got["follower"]
+    assert isinstance(follower, DeadlineExceeded)
+    assert str(follower) == (
+        f"model 'm': deadline passed after 1.000s {JOINED} (limit: the model's or its "
+        "class's timeout_ms)"
+    )
+    assert follower.in_queue
+    assert at == 1.5
+    assert gate.seen == [0.0]
+    assert (cache["computations"], cache["coalesced"], cache["reruns"]) == (2, 1, 0)
 
 
 async def test_a_follower_cancelled_during_its_run_withdraws_it(mock_clock):
@@ -367,8 +404,14 @@ async def test_a_follower_whose_own_deadline_passes_before_the_late_batch_ends(
                 await trio.testing.wait_all_tasks_blocked()
                 error, _ = callers.got["follower"]
                 assert isinstance(error, DeadlineExceeded)
-                assert RUNNING in str(error)
-                assert error is not callers.got["leader"][0]  # its own
+                # its own figures: its 1 s, spent waiting for the leader's batch (not
+                # the leader's, whose limit passed while its batch ran)
+                assert str(error) == (
+                    f"model 'm': deadline passed after 1.000s {JOINED} (limit: the "
+                    "model's or its class's timeout_ms)"
+                )
+                assert RUNNING not in str(error)
+                assert error.in_queue  # no device ran for it, nothing charged
                 assert rt.cache_statistics()["in_flight"] == 0
                 await callers.start("probe", 7.0)
                 model.release()

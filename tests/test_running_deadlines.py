@@ -515,9 +515,11 @@ class Counting:
 async def test_callers_joined_to_an_expired_request_get_its_error_and_nothing_is_cached(
     autojump_clock, manual_watchdog
 ):
-    """A caller joined to an identical request in flight gets what that one got, its
-    own copy: DeadlineExceeded as for a request expired queued. Errors are not
-    cached: the next identical request runs."""
+    """Callers joined to an identical request in flight, with its deadline, get
+    DeadlineExceeded when it passes while the batch runs, each its own: the one
+    whose request ran says so; the joined ones say they waited for an identical
+    request's computation (in_queue: none of theirs ran). Errors are not cached:
+    the next identical request runs."""
     model = Counting()
     cfg = trioserve.Config(
         models=(callable_model(
@@ -552,7 +554,18 @@ async def test_callers_joined_to_an_expired_request_get_its_error_and_nothing_is
         model.release()
     assert len(errors) == 3
     assert len({id(e) for e in errors}) == 3  # each its own copy
-    assert all(RUNNING in str(e) and not e.in_queue for e in errors)
+    ran = [e for e in errors if RUNNING in str(e)]
+    assert len(ran) == 1
+    assert not ran[0].in_queue
+    joined = [e for e in errors if e not in ran]
+    assert all(
+        isinstance(e, DeadlineExceeded) and e.in_queue and str(e) == (
+            "model 'm': deadline passed after 0.200s waiting for the computation of an "
+            "identical request it joined in flight (limit: the model's or its class's "
+            "timeout_ms)"
+        )
+        for e in joined
+    )
     assert float(out["y"][0]) == 5.0
     assert model.seen == [5.0, 5.0]  # once for the three, once after
     assert cache["coalesced"] == 2
