@@ -363,33 +363,40 @@ async def stop_ray() -> None:
     shielded, at most ``STOP_TIMEOUT_S`` for that. A shutdown that has not returned
     by then is logged and left to finish in its thread (a daemon). No lock is held
     while it runs, and a :func:`start_ray` meanwhile waits for it (no ``ray.init``
-    runs beside it)."""
-    import ray
+    runs beside it).
 
-    def release() -> tuple[bool, RayThread | None]:
-        """Under the lock: count this runtime out. Whether it was the last one, and
-        the thread that disconnects Ray now, if one connected it."""
+    Called when no runtime is counted as using it (a start that returned False, or
+    a second stop), it logs that and touches nothing: every user counted was counted
+    with the thread that connected Ray (``_users`` is 1 when ``_owner`` is set and
+    only grows while it is), so the last one out always has that thread to stop it,
+    and a Ray without one is the process's own, never ours to disconnect."""
+
+    def release() -> RayThread | None:
+        """Under the lock: count this runtime out. The thread that disconnects Ray
+        now, if it was the last one (None: others still use it, or nobody did)."""
         global _users, _owner, _stopping
         with _users_lock:
-            _users = max(0, _users - 1)
+            if _users == 0:
+                log.error("stop_ray() with no runtime using the Ray start_ray "
+                          "connected: nothing to stop (Ray, if connected, is left as it is)")
+                return None
+            _users -= 1
             if _users != 0:
-                return False, None
+                return None
             owner, _owner = _owner, None
-            if owner is not None:
-                _stopping = owner
-                owner.request_stop()
-            return True, owner
+            # the users were counted with it (see above)
+            assert owner is not None, "Ray's users were counted without its thread"
+            _stopping = owner
+            owner.request_stop()
+            return owner
 
     with trio.CancelScope(shield=True):
-        last, owner = await trio.to_thread.run_sync(release)
-        if not last:
+        owner = await trio.to_thread.run_sync(release)
+        if owner is None:
             return
         with trio.move_on_after(STOP_TIMEOUT_S):
-            if owner is None:  # (no thread of ours connected it)
-                await trio.to_thread.run_sync(ray.shutdown, abandon_on_cancel=True)
-                return
             await _wait_ended(owner)
-        if owner is None or not owner.ended:
+        if not owner.ended:
             log.error("ray.shutdown() has not returned within %g s of the close: the "
                       "runtime closes without waiting for it (it is left to finish in "
                       "its thread; Ray is connected again in this process only once it "

@@ -289,6 +289,32 @@ async def test_two_starts_at_once_connect_ray_once_and_count_two_users(fake):
     assert _state() == (0, None, None, None)
 
 
+async def test_a_stop_with_no_runtime_counted_leaves_ray_alone(fake, caplog):
+    """Every user counted is counted with the thread that connected Ray, so the last
+    stop always has that thread to disconnect it (and to keep a start from running
+    ray.init beside a hung shutdown). A stop with none counted (after a start that
+    found the process's own Ray connected, False: not to be stopped; or a second
+    stop of one start) has nothing of ours to stop: it logs that, and neither calls
+    ray.shutdown (which no start would wait for) nor disconnects the process's Ray."""
+    caplog.set_level(logging.ERROR, logger="trioserve")
+    fake.connected = True  # the process's own code connected it
+    assert await trioserve._ray.start_ray(RayConfig()) is False
+    await trioserve._ray.stop_ray()
+    assert fake.calls == []
+    assert fake.connected
+    assert _state() == (0, None, None, None)
+    fake.connected = False
+    assert await trioserve._ray.start_ray(RayConfig()) is True
+    await trioserve._ray.stop_ray()
+    await trioserve._ray.stop_ray()  # once too often
+    assert fake.calls == ["init", "shutdown"]
+    assert _state() == (0, None, None, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "stop_ray() with no runtime using the Ray start_ray connected: nothing to stop "
+        "(Ray, if connected, is left as it is)"
+    ] * 2
+
+
 async def test_a_cancelled_start_waits_at_most_its_timeout(fake, autojump_clock):
     fake.hang()
     start = trio.current_time()
