@@ -341,3 +341,40 @@ async def test_with_a_rollout_an_unversioned_request_is_its_own_request():
     assert first.status == again.status == 200
     assert again.headers["idempotent-replayed"] == "true"
     assert named.status == 422
+
+
+async def test_an_identical_retry_after_a_reload_or_a_rollout_moved_is_a_replay():
+    """The retry a key exists for: the same path, body and key after the model was
+    reloaded (another configuration) or its rollout moved (the canary promoted, so an
+    unversioned request would now run version 2). It changed nothing, and the first
+    ran: it gets the first answer again (naming the version that ran it), never a
+    422 nor a second run. (A reload cannot change a model's versions or rollout, so
+    the version a path names, or an unversioned one without a rollout runs, stays.)"""
+    from test_rollout_runtime import model
+
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 10_000})
+    raw = orjson.dumps({"inputs": [v2_input(np.array([1.0], np.float32))]})
+    e = echo_model(versions=("1", "2"))
+    async with serving(config(m, e, server={"model_control": "explicit"})) as gw:
+        rt = gw.runtime
+        await rt.load_model("m")
+        await rt.load_model("echo")
+        first = await post_to(gw, "/v2/models/m/infer", raw, "k")
+        assert first.json()["model_version"] == "1"
+        assert rt.promote("m")["state"] == "promoted"
+        assert (await post_to(gw, "/v2/models/m/infer", raw, "k2")).json()[
+            "model_version"] == "2"  # unversioned requests run version 2 now
+        again = await post_to(gw, "/v2/models/m/infer", raw, "k")
+
+        before = await post_to(gw, "/v2/models/echo/infer", body(1), "k")
+        ran = rt.models["echo"].metrics.items
+        await rt.load_model("echo", {"max_batch_size": 4})  # a reload
+        after = await post_to(gw, "/v2/models/echo/infer", body(1), "k")
+        echo_items = rt.models["echo"].metrics.items - ran
+    assert first.status == again.status == 200
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.body == first.body  # version 1's answer
+    assert before.status == after.status == 200
+    assert after.headers["idempotent-replayed"] == "true"
+    assert after.body == before.body
+    assert echo_items == 0  # it ran nothing after the reload: the retry was a replay

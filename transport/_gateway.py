@@ -424,7 +424,11 @@ class Gateway:
     def _idempotent_version(self, model: str, version: str | None) -> str | None:
         """The version an infer of ``model`` naming ``version`` runs, as its
         Idempotency-Key counts it: the one named, else the model's last when that is
-        fixed (no rollout: a rollout may run either of two); None when not fixed."""
+        fixed (no rollout: a rollout may run either of two); None when not fixed.
+        The same for the server's life: a load changes neither the versions nor the
+        rollout (they are refused in its config), and a rollout's moves are not read
+        here, so an identical retry (same path and body) after a reload or a
+        promotion is a replay of the first answer, not a 422."""
         if version is not None:
             return version
         served = self.runtime.models.get(model)
