@@ -660,7 +660,13 @@ async def _made(
         finally:
             if armed is not None:
                 watchdog.disarm(armed)
-    assert limit is not None  # (only the bound cancels this scope alone)
+    # Only the bound cancels this scope alone. An unload's cancel of the load's scope
+    # (around this one) that comes with the bound's, in the same step of the loop in
+    # either order, is not caught here: trio's scope catches Cancelled only when no
+    # enclosing scope's cancellation reaches it, so it goes on to the load's scope and
+    # the abandonment wins. Once caught here, no checkpoint comes before the raise
+    # below: an unload cannot come in between.
+    assert limit is not None
     raise ModelLoadError(
         f"model {model!r}: the backend the load's options make did not return within "
         f"load_timeout_s ({limit:g} s)"

@@ -286,6 +286,52 @@ async def test_a_backend_made_past_load_timeout_s_fails_the_load_and_is_dropped(
         opens.cancel()
 
 
+@pytest.mark.parametrize("first", ["the-bound", "the-unload"])
+async def test_an_unload_as_the_load_timeout_fires_abandons_the_load(
+    autojump_clock, gated, manual_watchdog, monkeypatch, caplog, first,
+):
+    """An unload abandons a first load whose options' factory holds its thread at
+    the very moment the load's ``load_timeout_s`` passes: the unload's cancel and
+    the bound's in one step of the event loop (in either order), before the load's
+    task resumes. The abandonment wins: its callers get the abandonment's error, not
+    the bound's; the model ends unloaded at once, not failed to load; nothing says
+    the bound passed (its scope, inside the cancelled load's, caught nothing)."""
+    async with trioserve.open_runtime(gated_config(gated, load_at_start=False)) as rt:
+        dog = manual_watchdog.made[-1]
+        control = type(rt._control)
+        abandon = control._abandon
+
+        def at_once(self, entry, op) -> None:
+            if first == "the-bound":
+                dog.advance(0.2)
+            abandon(self, entry, op)
+            if first == "the-unload":
+                dog.advance(0.2)
+
+        monkeypatch.setattr(control, "_abandon", at_once)
+        outcomes: list = []
+        async with trio.open_nursery() as ops:
+            ops.start_soon(
+                load_with, rt, {"options": {"scale": 10.0}, "load_timeout_s": 0.2}, outcomes
+            )
+            assert await wait_in_thread(gated.entered)
+            await trio.testing.wait_all_tasks_blocked()
+            fired = dog.fired
+            await rt.unload_model("m")
+            assert dog.fired == fired + 1  # the bound fired with it
+            assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")  # at once
+        (failed,) = outcomes
+        assert type(failed) is ModelLoadError
+        assert str(failed) == (
+            "model 'm': its load was abandoned: an unload of the model was asked before "
+            "it ended"
+        )
+        await trio.testing.wait_all_tasks_blocked()
+        assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
+        assert not rt.models["m"].loaded
+        assert not any("load_timeout_s" in r.getMessage() for r in caplog.records)
+
+
 async def test_a_backend_that_cannot_be_made_is_a_config_error_and_starts_nothing(
     autojump_clock, gated, monkeypatch,
 ):
