@@ -88,6 +88,31 @@ def init_kwargs(cfg: RayConfig) -> dict[str, Any]:
     return kwargs
 
 
+class _Latch:
+    """A flag that a thread sets once, and the callbacks waiting for it: each is
+    called once, by the thread that sets it, or at once by a caller that comes
+    after. ``lock`` (shared with its owner) is held for no call."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self.is_set = False
+        self._waiters: list[Callable[[], object]] = []
+
+    def on_set(self, wake: Callable[[], object]) -> None:
+        with self._lock:
+            if not self.is_set:
+                self._waiters.append(wake)
+                return
+        wake()
+
+    def set(self) -> None:
+        with self._lock:
+            self.is_set = True
+            waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
+
+
 class RayThread:
     """The thread that connects Ray (``ray.init``), stays while it is connected, and
     disconnects it (``ray.shutdown``).
@@ -114,35 +139,36 @@ class RayThread:
         self._stop = threading.Event()
         self.state = "connecting"
         self.error: BaseException | None = None
-        self._lock = threading.Lock()  # guards the four below, held for no call
-        self.settled = False
-        self._waiters: list[Callable[[], object]] = []
-        self.ended = False
-        self._end_waiters: list[Callable[[], object]] = []
+        lock = threading.Lock()
+        self._settled = _Latch(lock)
+        self._ended = _Latch(lock)
         self._thread = threading.Thread(target=self._run, name="trioserve-ray", daemon=True)
 
     def launch(self) -> None:
         """Start the thread (``ray.init``); returns at once."""
         self._thread.start()
 
+    @property
+    def settled(self) -> bool:
+        """Whether ``ray.init`` has returned and ``state`` and the module's counts
+        say so."""
+        return self._settled.is_set
+
+    @property
+    def ended(self) -> bool:
+        """Whether the thread's work is done (its ``ray.shutdown`` returned, and
+        ``_stopping`` says so): it is about to return."""
+        return self._ended.is_set
+
     def on_settled(self, wake: Callable[[], object]) -> None:
         """Have ``wake()`` called (in the thread, or here when it is so already) once
-        ``ray.init`` has returned and ``state`` and the module's counts say so."""
-        with self._lock:
-            if not self.settled:
-                self._waiters.append(wake)
-                return
-        wake()
+        :attr:`settled`."""
+        self._settled.on_set(wake)
 
     def on_ended(self, wake: Callable[[], object]) -> None:
         """Have ``wake()`` called (in the thread, or here when it is so already) once
-        the thread's work is done (its ``ray.shutdown`` returned, and ``_stopping``
-        says so): it is about to return."""
-        with self._lock:
-            if not self.ended:
-                self._end_waiters.append(wake)
-                return
-        wake()
+        :attr:`ended`."""
+        self._ended.on_set(wake)
 
     def join(self) -> None:
         """Wait until the thread has ended. Blocking."""
@@ -156,11 +182,7 @@ class RayThread:
         try:
             self._serve()
         finally:
-            with self._lock:
-                self.ended = True
-                waiters, self._end_waiters = self._end_waiters, []
-            for wake in waiters:
-                wake()
+            self._ended.set()
 
     def _serve(self) -> None:
         global _connecting, _owner, _stopping, _users
@@ -185,11 +207,7 @@ class RayThread:
             with _users_lock:
                 if _connecting is self:
                     _connecting = None
-        with self._lock:
-            self.settled = True
-            waiters, self._waiters = self._waiters, []
-        for wake in waiters:
-            wake()
+        self._settled.set()
         if abandoned or error is not None:
             return
         self._stop.wait()
@@ -221,20 +239,14 @@ def _setter(done: trio.Event) -> Callable[..., None]:
     return wake
 
 
-async def _wait_settled(owner: RayThread) -> None:
-    """Wait until ``owner``'s ``ray.init`` has returned. A checkpoint; no thread of
-    ours waits: the Ray thread wakes this task through the run's TrioToken.
-    Cancelling it abandons the wait (the wake-up then finds nobody waiting)."""
+async def _wait_for(on: Callable[[Callable[[], object]], None]) -> None:
+    """Wait until the Ray thread calls what ``on`` is given (``owner.on_settled``:
+    its ``ray.init`` has returned; ``owner.on_ended``: its work is done). A
+    checkpoint; no thread of ours waits: the Ray thread wakes this task through the
+    run's TrioToken. Cancelling it abandons the wait (the wake-up then finds nobody
+    waiting)."""
     done = trio.Event()
-    owner.on_settled(_setter(done))
-    await done.wait()
-
-
-async def _wait_ended(owner: RayThread) -> None:
-    """Wait until ``owner``'s work is done (its ``ray.shutdown`` returned). A
-    checkpoint, as :func:`_wait_settled`; cancelling it abandons the wait."""
-    done = trio.Event()
-    owner.on_ended(_setter(done))
+    on(_setter(done))
     await done.wait()
 
 
@@ -320,7 +332,7 @@ async def start_ray(cfg: RayConfig) -> bool:
             owner, why = claimed
             if why == "stopping":
                 with trio.move_on_at(deadline):
-                    await _wait_ended(owner)
+                    await _wait_for(owner.on_ended)
                 if not owner.ended:
                     raise ConfigError(
                         f"ray.start_timeout_s: cannot connect to {_ray_named(cfg)}: the "
@@ -329,7 +341,7 @@ async def start_ray(cfg: RayConfig) -> bool:
                     )
                 continue  # disconnected: claim connects afresh
             with trio.move_on_at(deadline):
-                await _wait_settled(owner)
+                await _wait_for(owner.on_settled)
             if why == "own":
                 break
             if not owner.settled:
@@ -395,7 +407,7 @@ async def stop_ray() -> None:
         if owner is None:
             return
         with trio.move_on_after(STOP_TIMEOUT_S):
-            await _wait_ended(owner)
+            await _wait_for(owner.on_ended)
         if not owner.ended:
             log.error("ray.shutdown() has not returned within %g s of the close: the "
                       "runtime closes without waiting for it (it is left to finish in "
