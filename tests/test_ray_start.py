@@ -177,6 +177,25 @@ async def test_a_start_while_an_earlier_ray_init_hangs_waits_for_it_within_its_o
     assert fake.calls == ["init"]
 
 
+def watch_waits(mp, method: str, n: int, wrap=lambda wake: wake):
+    """Patch ``RayThread.<method>`` (``on_settled`` or ``on_ended``: a start or a stop
+    waiting for the Ray thread) to note each wait as it registers: returns the
+    threads waited for (one per wait) and an event set once ``n`` are. ``wrap``:
+    what the thread calls instead of the wait's own wake-up."""
+    registered = trio.Event()
+    threads = []
+    register = getattr(trioserve._ray.RayThread, method)
+
+    def seen(self, wake):
+        threads.append(self)
+        register(self, wrap(wake))
+        if len(threads) == n:
+            registered.set()
+
+    mp.setattr(trioserve._ray.RayThread, method, seen)
+    return threads, registered
+
+
 async def test_a_start_after_a_hung_ray_init_returned_connects_within_its_timeout(fake):
     """The earlier init returns (and fails) while the second start waits for it: the
     second then connects on its own."""
@@ -187,19 +206,13 @@ async def test_a_start_after_a_hung_ray_init_returned_connects_within_its_timeou
     first.launch()
     with trioserve._ray._users_lock:
         first.state = "abandoned"
-    waiting = trio.Event()
-    on_settled = trioserve._ray.RayThread.on_settled
-
-    def seen(self, wake):
-        on_settled(self, wake)
-        waiting.set()
 
     async def release_when_waiting():
         await waiting.wait()
         fake.release.set()
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trioserve._ray.RayThread, "on_settled", seen)
+        _, waiting = watch_waits(mp, "on_settled", 1)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(release_when_waiting)
             assert await trioserve._ray.start_ray(RayConfig()) is True
@@ -221,24 +234,21 @@ async def test_no_ray_init_starts_once_the_time_went_waiting_for_one_that_failed
     with trioserve._ray._users_lock:
         first.state = "abandoned"
     token = trio.lowlevel.current_trio_token()
-    waiting = trio.Event()
-    on_settled = trioserve._ray.RayThread.on_settled
 
-    def seen(self, wake):
+    def late(wake):
         def late_wake():
             # on the event loop, in this order: the timeout passes, then the wake-up
             token.run_sync_soon(mock_clock.jump, 3.0)
             wake()
 
-        on_settled(self, late_wake)
-        waiting.set()
+        return late_wake
 
     async def fail_when_waiting():
         await waiting.wait()
         fake.release.set()
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trioserve._ray.RayThread, "on_settled", seen)
+        _, waiting = watch_waits(mp, "on_settled", 1, late)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fail_when_waiting)
             with pytest.raises(ConfigError) as info:
@@ -256,23 +266,13 @@ async def test_two_starts_at_once_connect_ray_once_and_count_two_users(fake):
     """The second start waits for the first's ray.init (holding no lock) and then
     uses the Ray it connected."""
     fake.hang()
-    registered = trio.Event()
-    waiters = []
-    on_settled = trioserve._ray.RayThread.on_settled
-
-    def seen(self, wake):
-        waiters.append(self)
-        on_settled(self, wake)
-        if len(waiters) == 2:
-            registered.set()
-
     results = []
 
     async def start():
         results.append(await trioserve._ray.start_ray(RayConfig()))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trioserve._ray.RayThread, "on_settled", seen)
+        waiters, registered = watch_waits(mp, "on_settled", 2)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(start)
             nursery.start_soon(start)
@@ -377,16 +377,6 @@ async def test_a_start_while_ray_shutdown_runs_waits_for_it_then_connects(fake):
     it connects once the shutdown has returned, never beside it."""
     assert await trioserve._ray.start_ray(RayConfig()) is True
     fake.hang_shutdown()
-    both_wait = trio.Event()
-    waiters = []
-    on_ended = trioserve._ray.RayThread.on_ended
-
-    def seen(self, wake):
-        waiters.append(self)
-        on_ended(self, wake)
-        if len(waiters) == 2:
-            both_wait.set()
-
     results = []
 
     async def stop() -> None:
@@ -398,7 +388,7 @@ async def test_a_start_while_ray_shutdown_runs_waits_for_it_then_connects(fake):
         results.append(await trioserve._ray.start_ray(RayConfig()))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trioserve._ray.RayThread, "on_ended", seen)
+        waiters, both_wait = watch_waits(mp, "on_ended", 2)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop)
             nursery.start_soon(start)
