@@ -132,6 +132,11 @@ class Client:
 
     # ---- trio side
     def _call(self, fn: Any, *args: Any) -> Any:
+        if trio.lowlevel.in_trio_task():
+            raise RuntimeError(
+                "the blocking client was called by a trio task, whose thread it would "
+                "block: call it in trio.to_thread.run_sync"
+            )
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
@@ -239,6 +244,13 @@ def serve_in_thread(config: Config | None = None) -> Iterator[Client]:
     shutdown overtakes. Never hangs.
     """
     config = given_config(config, "serve_in_thread")  # refused here, not in its thread
+    if trio.lowlevel.in_trio_task():
+        # Its exit would have to block this task's thread until the runtime stops:
+        # trio refuses that, and the runtime was left running.
+        raise RuntimeError(
+            "serve_in_thread is for blocking code, and was called by a trio task: in a "
+            "trio program use `async with trioserve.open_runtime(config) as rt`"
+        )
     ready = threading.Event()
     box: dict[str, Any] = {}
 

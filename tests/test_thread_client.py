@@ -409,3 +409,28 @@ def test_the_blocking_client_loads_and_unloads_under_explicit_control():
     with trioserve.serve_in_thread(config(ModelConfig(name="echo", backend="echo"))) as client:
         with pytest.raises(ConfigError, match="model control is off"):
             client.unload_model("echo")
+
+
+# Regression: serve_in_thread called by a trio task (a program that should have used
+# open_runtime) started the runtime on its thread, then failed with trio's "this is a
+# blocking function; call it from a thread" when the block was left, before it had
+# told the runtime to stop: the runtime, its models and its thread were left running.
+async def test_serve_in_thread_from_a_trio_task_is_refused_before_a_thread_starts():
+    cfg = config(ModelConfig(name="echo", backend="echo"))
+    threads = threading.active_count()
+    with pytest.raises(RuntimeError, match=r"^serve_in_thread is for blocking code, and was "
+                                           r"called by a trio task: .*trioserve\.open_runtime"):
+        with trioserve.serve_in_thread(cfg):
+            pytest.fail("started")  # pragma: no cover
+    assert threading.active_count() == threads
+    assert "trioserve-runtime" not in {t.name for t in threading.enumerate()}
+
+
+def test_a_client_called_by_a_trio_task_says_to_call_it_in_a_thread(served):
+    async def call():
+        served.infer("echo", {"a": [1]})
+
+    with pytest.raises(RuntimeError, match=r"^the blocking client was called by a trio task, "
+                                           r".*: call it in trio\.to_thread\.run_sync"):
+        trio.run(call)
+    assert served.infer("echo", {"a": [1]})["a"].tolist() == [1]  # still serving
