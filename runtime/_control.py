@@ -74,7 +74,7 @@ from ._errors import (
 )
 from ._load_config import changed_keys, with_load_config
 from ._messages import Request
-from ._model import ModelBackend
+from ._model import ModelBackend, TensorSpec
 from ._served import ServedModel
 from ._triton_config import from_triton, triton_config, triton_platform, triton_shaped
 from ._versioned import Family, _MergedQueues
@@ -739,8 +739,10 @@ def _handed_check(
         before.open_inputs == after.open_inputs and tuple(before.inputs) == tuple(after.inputs)
     ):
         return None
-    takes = ", ".join(f"{s.name} {s.datatype} {list(s.shape)}" for s in after.inputs)
-    reloaded = f"the model was reloaded while this request waited: it now takes {takes}"
+    reloaded = (
+        "the model was reloaded while this request waited: it now takes "
+        f"{TensorSpec.listed(after.inputs)}"
+    )
     plain = ModelBackend.prepare
     if type(before).prepare is not plain or type(after).prepare is not plain:
 

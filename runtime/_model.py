@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, ItemsView, KeysView, Mapping, Sequence, Set
+from collections.abc import Callable, ItemsView, Iterable, KeysView, Mapping, Sequence, Set
 from typing import Any
 
 import attrs
@@ -156,6 +156,17 @@ class TensorSpec:
     @property
     def dtype(self) -> np.dtype:
         return V2_DTYPES[self.datatype]
+
+    def text(self) -> str:
+        """The declaration as messages name it: ``name DATATYPE [shape]``
+        (``x FP32 [3]``; -1 for a dynamic dimension)."""
+        return f"{self.name} {self.datatype} {list(self.shape)}"
+
+    @staticmethod
+    def listed(specs: Iterable[TensorSpec]) -> str:
+        """Declarations as messages list them: each one's :meth:`text`, joined by
+        ", " (``x FP32 [3], mask BOOL [-1]``)."""
+        return ", ".join(spec.text() for spec in specs)
 
     def accepts_shape(self, shape: tuple[int, ...]) -> bool:
         return len(shape) == len(self.shape) and all(

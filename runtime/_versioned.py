@@ -33,7 +33,7 @@ from ._errors import (
     without_model,
 )
 from ._messages import Reply, Request
-from ._model import ModelBackend, _unstack, item_list
+from ._model import ModelBackend, TensorSpec, _unstack, item_list
 from ._outcomes import _prepare_failed
 from ._served import ServedModel
 from ._versions_config import VersionList
@@ -156,8 +156,8 @@ def _check_signatures(m: ModelConfig, backends: Mapping[str | None, ModelBackend
     for v, b in items[1:]:
         if (tuple(b.inputs), tuple(b.outputs)) != (tuple(first.inputs), tuple(first.outputs)):
             def shown(x: ModelBackend) -> str:
-                return (f"inputs {[(s.name, s.datatype, s.shape) for s in x.inputs]}, "
-                        f"outputs {[(s.name, s.datatype, s.shape) for s in x.outputs]}")
+                return (f"inputs {TensorSpec.listed(x.inputs)}; "
+                        f"outputs {TensorSpec.listed(x.outputs)}")
 
             where = f"{m._path()}.versions.{_key(v)}" if v is not None else m._path()
             other = f"version {first_v!r}" if first_v is not None else "the model's backend"

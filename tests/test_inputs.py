@@ -392,3 +392,14 @@ async def test_infer_batch_of_no_stacked_inputs_says_so(rt):
         await rt.infer_batch("echo", {})
     with pytest.raises(InvalidInput, match=r"^model 'one': missing input 'x'"):
         await rt.infer_batch("one", {})
+
+
+def test_a_declaration_is_named_by_its_name_datatype_and_shape():
+    """The one text the messages name a declaration by (``TensorSpec.text``), and
+    several listed (``TensorSpec.listed``)."""
+    x = TensorSpec(name="x", datatype="FP32", shape=(3,))
+    mask = TensorSpec(name="mask", datatype="BOOL", shape=(-1, 2))
+    scalar = TensorSpec(name="s", datatype="INT64", shape=())
+    assert x.text() == "x FP32 [3]"
+    assert TensorSpec.listed([x, mask, scalar]) == "x FP32 [3], mask BOOL [-1, 2], s INT64 []"
+    assert TensorSpec.listed([]) == ""

@@ -171,10 +171,14 @@ async def test_versions_whose_signatures_differ_are_refused_at_start():
     z = trioserve.TensorSpec(name="z", datatype="FP32", shape=(-1,))
     other = CallableBackend(lambda items: items, inputs=[X], outputs=[z], execution="inline")
     m = ModelConfig(name="m", backend=_adder(1), versions={"1": {}, "2": {"backend": other}})
-    with pytest.raises(ConfigError, match=r"models\.m\.versions\.2: its signature .* differs "
-                                          r"from the model's backend's"):
+    with pytest.raises(ConfigError) as caught:
         async with trioserve.open_runtime(config(m)):
             pass
+    assert str(caught.value) == (
+        "models.m.versions.2: its signature (inputs x FP32 [-1]; outputs z FP32 [-1]) "
+        "differs from the model's backend's (inputs x FP32 [-1]; outputs y FP32 [-1]); "
+        "every version of a model must take and give the same"
+    )
 
 
 async def test_shutdown_closes_every_versions_replicas():

@@ -134,13 +134,11 @@ class Signatures(Mapping[str, ModelSignature]):
         if outputs is not None and not ran.open_inputs:
             for name, _, _ in outputs:
                 if name not in ran.outputs_by_name:
-                    gives = ", ".join(
-                        f"{s.name} {s.datatype} {list(s.shape)}" for s in ran.outputs
-                    )
                     raise InvalidInput(
                         f"model {sig.name!r}: unknown output {name!r}; expected "
                         f"{', '.join(sorted(ran.outputs_by_name))} (the model was "
-                        f"reloaded while this request waited: it now gives {gives})"
+                        "reloaded while this request waited: it now gives "
+                        f"{TensorSpec.listed(ran.outputs)})"
                     )
         return ran
 
