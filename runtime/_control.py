@@ -194,8 +194,12 @@ class _Copy:
 
     def retire(self, successor: _Copy | ServedModel) -> None:
         """To drain, ``successor`` taking its new requests; its rollout (if any) stops
-        at once: the outcomes and the shadow's copies are the successor's from now."""
+        at once: the outcomes and the shadow's copies are the successor's from now.
+        A new copy (a reload) is each group's ``ServedModel.successor`` from now."""
         self.successor = successor
+        if isinstance(successor, _Copy):
+            for group in self.groups:
+                group.successor = self.heir(group)
         if self.family is not None and self.family.controller is not None:
             if not isinstance(successor, _Copy):
                 # unloaded: its trial's progress is what its next load resumes

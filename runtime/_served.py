@@ -44,6 +44,12 @@ class ServedModel:
     #: the version with weights of its own it serves (None: the model's backend,
     #: serving the versions without any)
     version: str | None = None
+    #: the copy that replaced it at a reload (explicit model control), set at the
+    #: swap: the one its new requests are handed over to (the same version's, for a
+    #: version with weights of its own). None: it serves, or it was unloaded. Only
+    #: forward: what holds a copy (a request that looked it up) holds the copies
+    #: that may have run that request, and no longer than that
+    successor: ServedModel | None = None
 
     @property
     def name(self) -> str:

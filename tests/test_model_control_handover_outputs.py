@@ -4,20 +4,26 @@ then waited for its tenant's credits) to a copy whose model declares other outpu
 copy returned it: its outputs, each with the datatype and shape of what it holds, as
 the model's metadata now says, JSON or binary. An output asked for by a name the new
 copy no longer has is a 400, as the gateway answers an unknown output. A request the
-old copy ran, answered after the swap, is answered as the old copy returned it."""
+old copy ran, answered after the swap, is answered as the old copy returned it. So
+across several reloads in a row: a request handed over to a copy that a later reload
+replaced while it ran the request is answered as that copy returned it, and a copy
+replaced is dropped once no request it may have run waits for its answer."""
 
 from __future__ import annotations
 
 import functools
+import gc
 import threading
+import weakref
 
+import attrs
 import numpy as np
 import orjson
 import pytest
 import trio
 import trio.testing
 import trioserve
-from http_helpers import serving, v2_input
+from http_helpers import GATE_LIMIT_S, serving, v2_input
 from test_http_model_control import LOAD, call
 from test_model_control_handover import held
 from trioserve import ModelConfig, TensorSpec
@@ -221,3 +227,224 @@ async def test_on_a_stream_a_request_handed_over_is_answered_as_the_new_copy_ret
             assert held_reply.outputs["z"].dtype == np.float32
         else:
             assert (held_reply.status, held_reply.error) == expected
+
+
+class Turnstile:
+    """Where the copies loaded with ``gated`` wait (in their worker thread) until
+    :meth:`open`; ``entered`` is set once one waits there."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+def staged(width: int = 1, datatype: str = "FP32", name: str = "y", gated: bool = False,
+           turnstile: Turnstile | None = None) -> trioserve.CallableBackend:
+    """A backend factory: its output ``name`` holds ``width`` copies of ``sum(x)``,
+    of ``datatype``; a copy loaded ``gated`` runs in a worker thread and waits at
+    ``turnstile``."""
+
+    def run(items):
+        if gated:
+            assert turnstile is not None
+            turnstile.entered.set()
+            turnstile.opened.wait(GATE_LIMIT_S)
+        return [{name: np.full(width, it["x"].sum(), DTYPES[datatype])} for it in items]
+
+    return trioserve.CallableBackend(
+        run, inputs=(X,), outputs=(TensorSpec(name=name, datatype=datatype, shape=(width,)),),
+        execution="thread" if gated else "inline",
+    )
+
+
+def staged_config(turnstile: Turnstile) -> trioserve.Config:
+    """As :func:`held_config`, of :func:`staged` (the table: one FP32, not gated)."""
+    m = ModelConfig(name="m", backend=staged, options={"turnstile": turnstile}, max_wait_ms=0)
+    return attrs.evolve(held_config(), models=(m,))
+
+
+async def reload(gw, options: dict | None) -> None:
+    """Reload ``m`` over HTTP with ``options`` (None: the table, as configured)."""
+    body = b""
+    if options is not None:
+        body = orjson.dumps({"parameters": {"config": {"options": options}}})
+    res = await call(gw, "POST", LOAD, body)
+    assert res.status == 200, res.body
+
+
+GATED = {"width": 3, "gated": True}
+
+
+async def ran_between_reloads(
+    gw, clock, turnstile: Turnstile, before: list, after: list, copies: list | None = None,
+    **kw,
+) -> dict:
+    """A request (``kw``: its parameters) checked against the copy serving now waits
+    for its credits while ``m`` is reloaded with each of ``before`` (the last one
+    gated), is then handed over to the copy serving, which runs it, and while that
+    copy runs it ``m`` is reloaded with each of ``after``. Returns each request's
+    :func:`answered` (``first``: the one that took the credit; ``held``).
+    ``copies``: each copy's ``ServedModel`` is appended to it, in turn."""
+    answers: dict = {}
+    done = trio.Event()
+    copies = [] if copies is None else copies
+    copies.append(gw.runtime.models["m"])
+
+    async def infer(key: str, **kw) -> None:
+        async with open_http(gw.url) as http:
+            res = await http.infer("m", [v2_input(np.asarray([[1, 2]], np.float32))], **kw)
+            answers[key] = answered(res)
+        if key == "held":
+            done.set()
+
+    async def reloaded(options: dict | None) -> None:
+        await reload(gw, options)
+        copies.append(gw.runtime.models["m"])
+
+    async with trio.open_nursery() as callers:
+        with held(clock):
+            callers.start_soon(infer, "first")
+            await trio.testing.wait_all_tasks_blocked()
+            callers.start_soon(functools.partial(infer, "held", **kw))
+            await trio.testing.wait_all_tasks_blocked()
+            assert gw.runtime.credit_waits["t"] == 1
+            for options in before:
+                await reloaded(options)
+            clock.jump(2)  # the credit comes: the request is handed over
+            await trio.to_thread.run_sync(turnstile.entered.wait, GATE_LIMIT_S)
+            for options in after:
+                await reloaded(options)
+            assert answers == {"first": (200, {"y": ("FP32", [1, 1], [3.0])})}
+            turnstile.open()
+            await done.wait()  # (held: the drain's bound does not pass meanwhile)
+    return answers
+
+
+@pytest.mark.parametrize("params", PARAMS)
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        pytest.param([GATED], [{"width": 5}], id="two"),
+        # the last copy is the table's again: the first copy's backend serves again
+        pytest.param([GATED], [None], id="two-back-to-the-table"),
+        pytest.param([{"width": 2}, GATED], [{"datatype": "INT64"}], id="three-handed-twice"),
+        pytest.param([GATED], [{"width": 5}, {"datatype": "INT64"}], id="three-replaced-twice"),
+        pytest.param([GATED], [{"width": 5}, None], id="three-back-to-the-table"),
+    ],
+)
+async def test_a_request_a_copy_between_two_reloads_ran_is_answered_as_it_returned_it(
+    autojump_clock, params, before, after
+):
+    """The request is answered with the outputs of the copy that ran it, though
+    neither the copy it looked up nor the one serving when it is answered declares
+    them (:func:`ran_between_reloads`)."""
+    turnstile = Turnstile()
+    async with serving(staged_config(turnstile)) as gw:
+        answers = await ran_between_reloads(
+            gw, autojump_clock, turnstile, before, after,
+            parameters={"priority": "batch", **params},
+        )
+        assert answers["held"] == (200, {"y": ("FP32", [1, 3], [3.0, 3.0, 3.0])})
+        assert gw.runtime.statistics()["m"]["statuses"] == {}
+        # a request sent now is answered by the copy serving, as its metadata says
+        last = after[-1] or {}
+        async with open_http(gw.url) as http:
+            res = await http.infer("m", [v2_input(np.asarray([[1, 2]], np.float32))],
+                                   parameters={"priority": "batch"})  # (waits for credits)
+            datatype, width = last.get("datatype", "FP32"), last.get("width", 1)
+            assert answered(res) == (200, {"y": (datatype, [1, width], [3] * width)})
+            meta = (await http.get("/v2/models/m")).json()
+            assert meta["outputs"] == [{"name": "y", "datatype": datatype,
+                                        "shape": [-1, width]}]
+
+
+async def test_an_output_asked_for_that_the_copy_between_two_reloads_lacks_is_a_400(
+    autojump_clock
+):
+    """The copy that ran it has no ``y`` (it names its output ``z``), though the
+    copies before and after it have: a 400 naming what that copy gives."""
+    turnstile = Turnstile()
+    async with serving(staged_config(turnstile)) as gw:
+        answers = await ran_between_reloads(
+            gw, autojump_clock, turnstile, [{**GATED, "name": "z"}], [None],
+            parameters={"priority": "batch"}, outputs=["y"],
+        )
+        assert answers["held"] == (400, {"error": (
+            "model 'm': unknown output 'y'; expected z (the model was reloaded while "
+            "this request waited: it now gives z FP32 [3])"
+        )})
+
+
+async def test_a_replaced_copy_is_dropped_once_no_request_it_may_have_run_waits(
+    autojump_clock
+):
+    """A replaced copy (its ``ServedModel``, and the signature an answer made of
+    it) is kept for as long as a request that may have run on it waits for its
+    answer, and no longer: once the requests are answered, and the model reloaded
+    again (the control then forgets the copies drained), nothing holds them."""
+    turnstile = Turnstile()
+    async with serving(staged_config(turnstile)) as gw:
+        copies: list = []
+        answers = await ran_between_reloads(
+            gw, autojump_clock, turnstile, [GATED], [{"width": 5}, None], copies,
+            parameters={"priority": "batch"},
+        )
+        assert answers["held"][0] == 200
+        await reload(gw, {"width": 2})
+        async with open_http(gw.url) as http:  # the signature of the copy serving
+            res = await http.infer("m", [v2_input(np.asarray([[1, 2]], np.float32))],
+                                   parameters={"priority": "batch"})
+            assert answered(res) == (200, {"y": ("FP32", [1, 2], [3.0, 3.0])})
+        assert len(copies) == 4
+        # the last one replaced is still the control's until the next reload
+        gone = [weakref.ref(c) for c in copies[:-1]]
+        del copies
+        gc.collect()
+        assert [ref() for ref in gone] == [None] * 3
+
+
+@pytest.mark.parametrize(
+    ("asked", "expected"),
+    [
+        pytest.param(None, (200, {"z": [[3.0, 3.0, 3.0]]}), id="all"),
+        pytest.param(["y"], (400, "model 'm': unknown output 'y'; expected z (the model "
+                             "was reloaded while this request waited: it now gives z "
+                             "FP32 [3])"), id="asked"),
+    ],
+)
+async def test_on_a_stream_a_request_a_copy_between_two_reloads_ran_is_answered_as_it_returned_it(
+    autojump_clock, asked, expected
+):
+    """As over HTTP (:func:`ran_between_reloads`): the copy that ran it names its
+    output ``z``; the one the request looked up and the one serving when it is
+    answered name it ``y``."""
+    turnstile = Turnstile()
+    x = [v2_input(np.asarray([[1, 2]], np.float32))]
+    async with serving(staged_config(turnstile)) as gw, open_stream(gw.url) as stream:
+        kw = {"parameters": {"priority": "batch"}}
+        if asked is not None:
+            kw["outputs"] = asked
+        with held(autojump_clock):
+            await stream.send(1, "m", x)
+            await trio.testing.wait_all_tasks_blocked()
+            await stream.send(2, "m", x, **kw)
+            await trio.testing.wait_all_tasks_blocked()
+            assert gw.runtime.credit_waits["t"] == 1
+            await reload(gw, {**GATED, "name": "z"})
+            autojump_clock.jump(2)  # the credit comes: the request is handed over
+            await trio.to_thread.run_sync(turnstile.entered.wait, GATE_LIMIT_S)
+            await reload(gw, {"width": 5})
+            await reload(gw, None)
+            first = await stream.receive()
+            assert (first.id, first.outputs["y"].tolist()) == (1, [[3.0]])
+            turnstile.open()
+            reply = await stream.receive()
+        assert reply.id == 2
+        if reply.status == 200:
+            assert (200, {k: v.tolist() for k, v in reply.outputs.items()}) == expected
+            assert reply.outputs["z"].dtype == np.float32
+        else:
+            assert (reply.status, reply.error) == expected

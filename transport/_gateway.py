@@ -498,7 +498,7 @@ class Gateway:
             )
             answered: list[str] = []
             results = await self.run_request(request, tenant, answered)
-            if rt.models[model].backend is not sig.backend:  # reloaded meanwhile
+            if rt.models[model] is not sig.served:  # reloaded meanwhile
                 sig = self.signatures.answering(sig, request.outputs, results)
             out, json_len = encode_response(request, results, sig, answered=answered)
         except Exception as exc:

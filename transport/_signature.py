@@ -28,9 +28,12 @@ class ModelSignature:
     metadata_json: bytes = attrs.field(eq=False, repr=False)
     #: the metadata document asked for one version: that version only, as Triton's
     version_json: Mapping[str, bytes] = attrs.field(eq=False, repr=False, factory=dict)
-    #: the backend it describes (``Runtime.models[name].backend`` when it was made):
+    #: the ``Runtime.models[name]`` entry it was made of (the copy serving then):
     #: while that serves, an answer is encoded by this signature
-    backend: Any = attrs.field(eq=False, repr=False, default=None)
+    served: Any = attrs.field(eq=False, repr=False, default=None)
+    #: the signature of ``served.successor`` (the copy a reload replaced it with),
+    #: made once an answer needs it (:meth:`replacements`); empty until then
+    _next: list[ModelSignature] = attrs.field(eq=False, repr=False, init=False, factory=list)
 
     @classmethod
     def of(cls, served: Any) -> ModelSignature:
@@ -67,8 +70,21 @@ class ModelSignature:
             outputs_by_name={s.name: s for s in outputs},
             metadata_json=orjson.dumps(doc),
             version_json={v: orjson.dumps({**doc, "versions": [v]}) for v in cfg.versions},
-            backend=backend,
+            served=served,
         )
+
+    def replacements(self) -> Iterator[ModelSignature]:
+        """The signatures of the copies that replaced this one's, one reload after
+        the other (``ServedModel.successor``), oldest first: the copies a request
+        checked against this signature may have been handed over to. Each is made
+        once, when first asked for, and kept by the one before it: they live as long
+        as a signature before them is held (by a request waiting for its answer)."""
+        sig = self
+        while (after := getattr(sig.served, "successor", None)) is not None:
+            if not sig._next:
+                sig._next.append(ModelSignature.of(after))
+            sig = sig._next[0]
+            yield sig
 
     def metadata(self, version: str | None) -> bytes:
         """The model's metadata document (``GET /v2/models/NAME[/versions/V]``): its
@@ -86,28 +102,26 @@ class ModelSignature:
 
 class Signatures(Mapping[str, ModelSignature]):
     """The signature of each of a runtime's models (``Runtime.models``), as the copy
-    serving it has it: made again when a load has swapped in a copy of another
-    configuration or backend (a load's config: docs/model-control.md), else the one
-    made before (a lookup is two identity checks). The models named are fixed: those
-    of the configuration."""
+    serving it has it: made again when a load has swapped in another copy, else the
+    one made before (a lookup is one identity check). The models named are fixed:
+    those of the configuration.
+
+    Only the serving copies' signatures are kept here. A replaced copy's is reached
+    from the signatures before it (:meth:`ModelSignature.replacements`), which the
+    requests that looked them up hold until they are answered: it lives as long as
+    that copy may have run a request still to be answered, and no longer."""
 
     def __init__(self, models: Mapping[str, Any]) -> None:
         self._models = models
-        #: name -> (the config and backend it was made of, the signature)
-        self._made: dict[str, tuple[Any, Any, ModelSignature]] = {}
+        self._made: dict[str, ModelSignature] = {}
         for name, served in models.items():
-            self._make(name, served)
-
-    def _make(self, name: str, served: Any) -> ModelSignature:
-        sig = ModelSignature.of(served)
-        self._made[name] = (served.config, served.backend, sig)
-        return sig
+            self._made[name] = ModelSignature.of(served)
 
     def __getitem__(self, name: str) -> ModelSignature:
-        config, backend, sig = self._made[name]
+        sig = self._made[name]
         served = self._models[name]
-        if served.config is not config or served.backend is not backend:
-            return self._make(name, served)
+        if served is not sig.served:  # a load swapped in another copy
+            sig = self._made[name] = ModelSignature.of(served)
         return sig
 
     def answering(
@@ -118,19 +132,20 @@ class Signatures(Mapping[str, ModelSignature]):
     ) -> ModelSignature:
         """The signature to encode ``results`` by: those of a request checked against
         ``sig``, which asked for ``outputs`` (None: all), when a reload swapped in
-        another backend meanwhile (``Runtime.models[name].backend is not
-        sig.backend``: the callers check that first, so that an answer pays one
-        identity check for it). The request was run by the old copy (queued before
-        the swap) or by the new one (handed over to it, docs/model-control.md): this
-        is the signature of the one whose outputs ``results`` are (each copy's
-        replicas conform what they return to its declarations). ``sig`` itself when
-        the new copy declares the same outputs. Raises InvalidInput (400) when an
-        output asked for is one the copy that ran it does not have, as for an
-        unknown output."""
-        now = self[sig.name]
-        if now.outputs == sig.outputs:
+        another copy meanwhile (``Runtime.models[name] is not sig.served``: the
+        callers check that first, so that an answer pays one identity check for
+        it). The request was run by the copy it looked up (queued before the swap),
+        or by one that replaced it (handed over to it, docs/model-control.md): by
+        one of ``sig``'s copy and its replacements, however many reloads came
+        meanwhile. This is the signature of the one whose outputs ``results`` are
+        (each copy's replicas conform what they return to its declarations); ``sig``
+        itself when every one of them declares the same outputs. Raises
+        InvalidInput (400) when an output asked for is one the copy that ran it
+        does not have, as for an unknown output."""
+        copies = [sig, *sig.replacements()]
+        if all(s.outputs == sig.outputs for s in copies):
             return sig
-        ran = _returned_by(sig, now, results[0])
+        ran = _returned_by(copies, results[0])
         if outputs is not None and not ran.open_inputs:
             for name, _, _ in outputs:
                 if name not in ran.outputs_by_name:
@@ -153,17 +168,20 @@ class Signatures(Mapping[str, ModelSignature]):
 
 
 def _returned_by(
-    before: ModelSignature, now: ModelSignature, out: Mapping[str, Any]
+    copies: Sequence[ModelSignature], out: Mapping[str, Any]
 ) -> ModelSignature:
-    """Which of two signatures (of a model before and after a reload that changed
-    its outputs) declares the outputs ``out`` (one item's) are: every output it
-    declares present, of its dtype and a shape it accepts. When both do (one
+    """Which of the signatures of a model's copies, one reload after the other
+    (oldest first), declares the outputs ``out`` (one item's) are: every output it
+    declares present, of its dtype and a shape it accepts. When several do (one
     declares fewer outputs, or shapes the other's accept), the one declaring more of
     them, so that none the model returned of its declared outputs is left out; of
-    two declaring as many, the newer."""
-    fits = [sig for sig in (now, before) if _declares(sig, out)]
+    those declaring as many, the newest."""
+    newest_first = copies[::-1]
+    fits = [sig for sig in newest_first if _declares(sig, out)]
     if not fits:
-        return now  # neither (a copy between them ran it): the encoder says what is wrong
+        # none (a model that returned what its copy does not declare cannot: its
+        # replicas refuse it): the encoder says what is wrong
+        return newest_first[0]
     return max(fits, key=lambda sig: -1 if sig.open_inputs else len(sig.outputs))
 
 

@@ -691,7 +691,7 @@ class _Session:
                 )
                 answered: list[str] = []
                 results = await gateway.run_request(request, self.tenant, answered)
-                if gateway.runtime.models[model].backend is not sig.backend:  # reloaded
+                if gateway.runtime.models[model] is not sig.served:  # reloaded
                     sig = gateway.signatures.answering(sig, request.outputs, results)
                 frame = encode_response(
                     request, results, sig, binary=False, answered=answered
