@@ -114,7 +114,7 @@ class SchedulerActor(Actor):
             if self.successor is not None:
                 if self.handed_check is not None:
                     self.handed_check(request)
-                return self.successor.submit_nowait(request)
+                return self._handed_to().submit_nowait(request)
             raise self._refusal()
         policy = self.policy
         try:
@@ -139,7 +139,7 @@ class SchedulerActor(Actor):
         if self._closed:
             if self.successor is not None:
                 self._check_handed(requests)
-                return self.successor.submit_all_nowait(requests)
+                return self._handed_to().submit_all_nowait(requests)
             raise self._refusal()
         if not requests:
             return
@@ -174,7 +174,7 @@ class SchedulerActor(Actor):
         if self._closed:
             if self.successor is not None:
                 self._check_handed(requests)
-                return self.successor.plan_all_nowait(requests)
+                return self._handed_to().plan_all_nowait(requests)
             raise self._refusal()
         plan_all = getattr(self.policy, "plan_all", None)
         if plan_all is None or not requests:
@@ -534,10 +534,30 @@ class SchedulerActor(Actor):
         reload whose model takes other inputs than those the request was checked
         against), and the request is refused with that. None: none is checked (the
         queue's new requests pay nothing for it).
+
+        The successor may be handed over in turn (another reload): a request
+        handed over with no check goes to it, which hands it on as one of its own
+        (it takes the inputs this queue's requests were checked against); one
+        checked goes straight to the queue at the end (:meth:`heir`), which is
+        then the one ``check`` checks it against, not those between.
         Not a checkpoint."""
         self.successor = successor
         self.handed_check = check
         self._closed = True
+
+    def heir(self) -> SchedulerActor:
+        """The queue a request handed over here goes to now: the last of its
+        successors (each handed over in turn, one reload after the other), or
+        itself when it is not handed over. Not a checkpoint."""
+        queue = self
+        while queue.successor is not None:
+            queue = queue.successor
+        return queue
+
+    def _handed_to(self) -> SchedulerActor:
+        """Where a request handed over goes on (:meth:`hand_over`)."""
+        assert self.successor is not None
+        return self.successor if self.handed_check is None else self.heir()
 
     def _check_handed(self, requests: list[Request]) -> None:
         """Check the requests of one call handed over to ``successor``, all or none."""

@@ -709,12 +709,9 @@ async def _drain(copy: _Copy) -> None:
     reloaded = isinstance(copy.successor, _Copy)  # (else: the stand-in refuses them all)
     for served in groups:
         successor = copy.heir(served)
-        check = (
-            _handed_check(served.config.name, served.backend, successor.backend)
-            if reloaded else None
-        )
         for lane in served.schedulers:
             after = successor.slow_scheduler if lane is served.slow_scheduler else None
+            check = _handed_check(served, successor, lane) if reloaded else None
             lane.hand_over(after if after is not None else successor.scheduler, check)
     for served in groups:
         for lane in served.schedulers:
@@ -728,12 +725,42 @@ async def _drain(copy: _Copy) -> None:
 
 
 def _handed_check(
+    before: ServedModel, after: ServedModel, lane: Any
+) -> Callable[[Request], None] | None:
+    """What checks a request handed over by ``lane`` (a queue of ``before``, a
+    replaced copy's) at a reload's swap, to ``after``'s: None when ``after`` takes
+    the inputs ``before`` takes (so that the requests handed over pay nothing: they
+    are then as ``after``'s own, which hands them on as it does its own); else one
+    that checks each against the copy whose queue takes it
+    (``SchedulerActor.heir``: ``after``'s, or that of a copy a later reload put in
+    its place), made once per such copy (:func:`_inputs_check`). A request handed on
+    to an unloaded model's queue is not checked: that queue refuses it."""
+    model = before.config.name
+    if _inputs_check(model, before.backend, after.backend) is None:
+        return None
+    made: list[Any] = [None, None]  # the queue it was made for, and the check
+
+    def check(request: Request) -> None:
+        end = lane.heir()
+        if made[0] is not end:
+            served = before.successor
+            while served is not None and end not in served.schedulers:
+                served = served.successor
+            made[:] = end, (
+                None if served is None else _inputs_check(model, before.backend, served.backend)
+            )
+        if made[1] is not None:
+            made[1](request)
+
+    return check
+
+
+def _inputs_check(
     model: str, before: ModelBackend, after: ModelBackend
 ) -> Callable[[Request], None] | None:
-    """What checks a request handed over at a reload's swap, checked against
-    ``before`` (the model of the copy it looked up) and handed to a copy whose model
-    is ``after``: None when ``after`` takes the same inputs (or any), so that the
-    requests handed over pay nothing; else a function that raises InvalidInput for
+    """What checks a request checked against ``before`` (the model of the copy it
+    looked up) and handed to a copy whose model is ``after``: None when ``after``
+    takes the same inputs (or any); else a function that raises InvalidInput for
     one ``after`` cannot take, as a request sent to it would be refused (naming the
     input, what the model takes now, and that it was reloaded meanwhile), and
     converts the item's arrays to what ``after`` takes (a dtype it converts) for one

@@ -223,3 +223,46 @@ async def test_a_reload_that_keeps_the_inputs_hands_requests_over_unchecked(
             assert old.successor is rt.models["m"].scheduler
             assert old.handed_check is None
         assert outcomes == {1.0: 4.0, 2.0: 8.0}
+
+
+@pytest.mark.parametrize(
+    ("reloads", "expected"),
+    [
+        # the copy between takes other inputs; the one serving takes the old again
+        pytest.param([{"width": 3}, None], 8.0, id="back-to-the-table"),
+        pytest.param([{"width": 3}, {"width": -1}], 8.0, id="then-any"),
+        # the copy between takes the old inputs; the one serving other ones
+        pytest.param([{"width": -1}, {"width": 3}], (
+            "input 'x' of model 'm': expected shape [3], got [4] (the model was "
+            "reloaded while this request waited: it now takes x FP32 [3])"
+        ), id="then-other"),
+    ],
+)
+async def test_a_request_handed_over_across_two_reloads_is_checked_against_the_copy_serving(
+    autojump_clock, reloads, expected
+):
+    """Two reloads while the request waits: it is checked against the inputs of the
+    copy serving when it goes on (the one it is handed to), whatever the copy between
+    them took."""
+    outcomes: dict = {}
+    async with trioserve.open_runtime(held_config(4)) as rt:
+        async with trio.open_nursery() as callers:
+            with held(autojump_clock):
+                callers.start_soon(infer_into, outcomes, rt, 1.0, 4)  # takes the credit
+                await trio.testing.wait_all_tasks_blocked()
+                callers.start_soon(infer_into, outcomes, rt, 2.0, 4)  # waits for credits
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.credit_waits["t"] == 1
+                for options in reloads:
+                    await rt.load_model(
+                        "m", config=None if options is None else {"options": options}
+                    )
+                await trio.testing.wait_all_tasks_blocked()
+                assert list(outcomes) == [1.0]
+        assert outcomes[1.0] == 4.0
+        outcome = outcomes[2.0]
+        if isinstance(expected, str):
+            assert (type(outcome), str(outcome)) == (InvalidInput, expected)
+        else:
+            assert outcome == expected
+        untouched(rt)
