@@ -16,7 +16,13 @@ tenant of the request that computed it and the number of the model run, so an an
 says where it came from. A model runs inline, or off the event loop
 (``ModelRule.running``: a :class:`CacheWorker`, a worker process in trio time, the
 runtime's watchdog answering a request's deadline while its batch runs, so a
-flight's waiters may be answered by the late answer of their driver's batch).
+flight's waiters may be answered by the late answer of their driver's batch). Such a
+model meets the faults of real deployments: its batches are cut off (``cut_off``),
+keys straggle past the cut-off or kill their worker, its workers hold several
+batches, and its replicas' breakers open and close within the scenario; every batch
+a replica takes is recorded (:class:`Dispatched`: its requests, how it left), and
+the outcomes those faults give (a poison request's ModelError, a late outcome of a
+batch that failed) are accepted only as that record allows.
 :func:`run_cache_scenario` plays the script and checks:
 
 - each answer is the model's, for the caller's own model and key, from a run that
@@ -29,7 +35,10 @@ flight's waiters may be answered by the late answer of their driver's batch).
 - a ModelError reaches only callers that were there when the run raised: an error is
   never kept (``cached-error``);
 - every caller gets one outcome, one its situation allows: a caller that left
-  cancels nothing others wait for (``outcome``, ``lost``);
+  cancels nothing others wait for; a poison request's ModelError only after a request
+  of its key failed alone ``POISON_ATTEMPTS`` times (cut off, or its worker dead);
+  a late outcome exactly as the driver's batch leaves its replica (``outcome``,
+  ``lost``);
 - bytes used never exceed the capacity nor a tenant its quota, and the resident
   entries add up to them (``memory``); the counters agree with what the cache was
   asked (``statistics``);
@@ -61,14 +70,32 @@ import trioserve.actors
 from trioserve import ModelBackend, TensorSpec
 
 from ._cache_checks import GEN, KEY, MODEL, RUN, check_cache
-from ._cache_flights import ASK, FlightRecord, observed_flights
-from ._cache_scenario import HORIZON_S, TICK, Ask, CacheScenario, Invalidate
+from ._cache_flights import ASK, FlightRecord, SeenLate, observed_flights
+from ._cache_scenario import HORIZON_S, STRAGGLE, TICK, Ask, CacheScenario, Invalidate
 from ._cache_scenario import cache_scenarios as cache_scenarios
 from ._checker import InvariantViolation
 from ._device import NoZygote, TrioWorker, watchdog_class
 from ._product import PRODUCT, Product
 from ._runtime import Outcome, _cancel_at, _tasks, leaked_since, replay
-from ._stats import count_example, note
+from ._stats import count_example, expect, note
+
+#: A request that failed alone this many times (cut off, or its worker died) is
+#: poison: answered ModelError, not retried (the models' ``poison_attempts``).
+POISON_ATTEMPTS = 2
+
+# The faults of the models off the event loop, shown in the summary even when a run
+# meets none.
+expect(
+    "cache",
+    "straggling batches",
+    "batches cut off",
+    "workers died running a batch",
+    "batches handed back as they were",
+    "breakers opened",
+    "workers replaced (their breaker opened)",
+    "late outcomes of a batch that failed",
+    "callers answered as poison requests",
+)
 
 # ---------------------------------------------------------------- the model
 X = TensorSpec(name="x", datatype="FP64", shape=(-1,))
@@ -94,12 +121,22 @@ class ModelRun:
 class Dispatched:
     """A batch a replica of model ``model`` took at ``at``: its items' (key, tenant,
     class, deadline); ``end``: when it left the replica (answered, failed, or cut off
-    by the shutdown; None while it runs)."""
+    by the shutdown; None while it runs). ``replies``: its requests' replies (which
+    request is which, across the batches it runs in); ``how`` it left: "ok" (the
+    model answered), "error" (the model raised), and on a worker "killed" (its
+    worker killed while it ran: cut off), "died" (its worker died running it; both
+    hand it back split, a suspect), "returned" (handed back as it was: staged behind
+    those, or its worker replaced because its breaker opened) or "closed" (the
+    runtime closed); ``alive``: per request, whether it still waited for its answer
+    as the batch left (one answered DeadlineExceeded while it ran no longer does)."""
 
     model: int
     at: float
     items: list[tuple[int, int, str, float]]
     end: float | None = None
+    replies: list[Any] = attrs.Factory(list)
+    how: str = "running"
+    alive: list[bool] = attrs.Factory(list)
 
 
 class KeyModel(ModelBackend):
@@ -126,8 +163,8 @@ class KeyModel(ModelBackend):
                 run.violations.append(
                     ("duplicated", f"model m{m} ran keys {keys} outside a batch a replica started")
                 )
-                started = (trio.current_time(), run.gen[m], [(0, "?")] * len(keys))
-            at, gen, who = started
+                started = (trio.current_time(), run.gen[m], [(0, "?")] * len(keys), None)
+            at, gen, who, taken = started
             ex = ModelRun(
                 number=len(run.runs),
                 model=m,
@@ -142,6 +179,8 @@ class KeyModel(ModelBackend):
                 n = run.tries[m, k] = run.tries.get((m, k), 0) + 1
                 if n <= run.scenario.flaky[k]:
                     bad.append(k)
+            if taken is not None:
+                taken.how = "error" if bad else "ok"
             if bad:
                 ex.status = "error"
                 raise ValueError(f"planted model error on key {bad[0]} (run {ex.number})")
@@ -153,18 +192,39 @@ class KeyModel(ModelBackend):
         return forward
 
 
-def _taken(run: CacheRun, m: int, batch: list[Any]) -> tuple[Dispatched, float, Any]:
-    """A replica of model ``m`` takes ``batch``: noted; its latency (seconds), and what
-    the model learns when it runs it (``CacheRun.current``)."""
+def _taken(
+    run: CacheRun, m: int, batch: list[Any], *, worker: bool = False
+) -> tuple[Dispatched, float, Any]:
+    """A replica of model ``m`` takes ``batch`` (for its ``worker``, or inline):
+    noted; its latency (seconds: its slowest key's, and on a worker ``STRAGGLE``
+    more while one of its keys straggles), and what the model learns when it runs
+    it (``CacheRun.current``). A flight's request in it (its reply carries the
+    round's late hook) names it to that round: the batch the round's late outcome
+    comes from if its driver is answered while it runs."""
+    sc = run.scenario
     keys = [int(req.item["x"][0]) for req in batch]
     at, gen = trio.current_time(), run.gen[m]
     who = [(int(req.tenant[1:]), req.priority) for req in batch]
     taken = Dispatched(
         model=m, at=at,
         items=[(k, t, c, req.deadline) for k, (t, c), req in zip(keys, who, batch, strict=True)],
+        replies=[req.reply for req in batch],
     )
     run.dispatched.append(taken)
-    return taken, max(run.scenario.latency[k] for k in keys) * TICK, (at, gen, who)
+    for req in batch:
+        hook = req.reply.late
+        if isinstance(hook, SeenLate):
+            hook.round.batches.append(taken)
+    latency = max(sc.latency[k] for k in keys)
+    if worker:
+        straggles = False
+        for k in sorted(set(keys)):
+            n = run.staged[m, k] = run.staged.get((m, k), 0) + 1
+            straggles = straggles or n <= sc.straggle[k]
+        if straggles:
+            latency += STRAGGLE
+            note("cache", "straggling batches")
+    return taken, latency * TICK, (at, gen, who, taken)
 
 
 class CacheWorker(TrioWorker):
@@ -174,9 +234,11 @@ class CacheWorker(TrioWorker):
     runtime's watchdog answers the deadlines of its requests."""
 
     def __init__(self, batcher: Any, run: CacheRun) -> None:
-        super().__init__(batcher._backend.load(batcher.device), 1)
+        super().__init__(batcher._backend.load(batcher.device), run.scenario.slots)
         self._batcher = batcher
         self._run = run
+        #: killed to be replaced (its breaker opened): its batches go back as they were
+        self.replaced = False
 
     def _stage(self, items: list[Any]) -> tuple[Any, float]:
         batch = self._batcher._in_flight[-1]  # appended just before it is sent
@@ -184,17 +246,46 @@ class CacheWorker(TrioWorker):
             r.item is not it for r, it in zip(batch, items, strict=True)
         ):
             raise RuntimeError("fuzz: the batch submitted is not the last one in flight")
-        taken, latency, current = _taken(self._run, self._batcher._m, batch)
+        if len(self._held) > 0:
+            note("cache", "batches staged behind another")
+        taken, latency, current = _taken(self._run, self._batcher._m, batch, worker=True)
         return (taken, current), latency
+
+    def _dies(self, record: Any) -> str | None:
+        taken, _ = record
+        run, m = self._run, taken.model
+        dies = None
+        for k in sorted({k for k, _, _, _ in taken.items}):
+            n = run.deaths[m, k] = run.deaths.get((m, k), 0) + 1
+            if dies is None and n <= run.scenario.dies[k]:
+                dies = k
+        if dies is None:
+            return None
+        taken.how = "died"
+        note("cache", "workers died running a batch")
+        return f"planted worker death on key {dies}"
 
     def _runs(self, record: Any) -> None:
         taken, current = record
         taken.end = trio.current_time()
+        taken.alive = [r.answerable for r in taken.replies]
         self._run.current = current
 
     def _killed_holding(self, records: list[Any]) -> None:
-        for taken, _ in records:
-            taken.end = trio.current_time()
+        now = trio.current_time()
+        run = self._run
+        for j, (taken, _) in enumerate(records):
+            taken.end = now
+            taken.alive = [r.answerable for r in taken.replies]
+            if run.closing:
+                taken.how = "closed"
+            elif j == 0 and not self.replaced:
+                if taken.how != "died":
+                    taken.how = "killed"
+                    note("cache", "batches cut off")
+            else:
+                taken.how = "returned"
+                note("cache", "batches handed back as they were")
 
 
 def device_class(base: type, run: CacheRun) -> type:
@@ -214,9 +305,17 @@ def device_class(base: type, run: CacheRun) -> type:
                 if latency:
                     await trio.sleep(latency)
                 run.current = current
+                taken.alive = [r.reply.answerable for r in batch]
                 await super()._execute(batch)
             finally:
                 taken.end = trio.current_time()
+                if taken.how == "running":
+                    taken.how = "closed"
+
+        def _replace_broken(self, worker: Any) -> None:
+            worker.replaced = True  # its batches go back as they were
+            note("cache", "workers replaced (their breaker opened)")
+            super()._replace_broken(worker)
 
         @property
         def _m(self) -> int:
@@ -304,7 +403,7 @@ class CacheRun:
     runs: list[ModelRun] = attrs.Factory(list)
     dispatched: list[Dispatched] = attrs.Factory(list)
     tries: dict[tuple[int, int], int] = attrs.Factory(dict)
-    current: tuple[float, int, list[tuple[int, str]]] | None = None
+    current: tuple[float, int, list[tuple[int, str]], Dispatched | None] | None = None
     started: dict[int, tuple[float, int]] = attrs.Factory(dict)  # ask -> (time, generation)
     outcomes: dict[int, Outcome] = attrs.Factory(dict)
     violations: list[tuple[str, str]] = attrs.Factory(list)
@@ -328,6 +427,14 @@ class CacheRun:
     #: with a ``running`` model: the runtime's watchdog, on trio's clock
     watchdog: Any = None
     t0: float = 0.0
+    #: batches on a worker per (model, key) so far: which straggle, which kill it
+    staged: dict[tuple[int, int], int] = attrs.Factory(dict)
+    deaths: dict[tuple[int, int], int] = attrs.Factory(dict)
+    #: the runtime is closing (every caller is back): what it cuts off is no fault
+    closing: bool = False
+    closed_at: float = math.inf
+    #: the replicas' breakers, as the runtime built them
+    breakers: list[Any] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
         self.gen = [0] * len(self.scenario.models)
@@ -458,6 +565,11 @@ def config_of(sc: CacheScenario, run: CacheRun) -> trioserve.Config:
             max_wait_ms=0,
             timeout_ms=None if rule.timeout is None else rule.timeout * TICK * 1e3,
             execution="process" if rule.running else "inline",
+            # (on a worker: a batch is cut off at cut_off, whatever the batches
+            # before took)
+            batch_timeout_floor_ms=1000.0 if sc.cut_off is None else sc.cut_off * TICK * 1e3,
+            batch_timeout_cap_ms=1000.0 if sc.cut_off is None else sc.cut_off * TICK * 1e3,
+            poison_attempts=POISON_ATTEMPTS,
             adaptive_limit=False,
             cache=rule.cache,
             # (with the cache off these do nothing, and are refused)
@@ -499,9 +611,10 @@ def product_installed(run: CacheRun) -> Iterator[None]:
     actors = trioserve.actors
     saved = (
         actors.BatcherActor, actors.Cache, actors.CacheActor, actors.Watchdog,
-        _assembly.Zygote,
+        _assembly.Zygote, actors.Breaker,
     )
     actors.BatcherActor = device_class(run.product.batcher_class, run)
+    actors.Breaker = breaker_class(run.product.breaker_class, run)
     actors.Cache = observed_cache_class(run.product.cache_class, run)
     actors.CacheActor = observed_actor_class(run.product.cache_actor_class, run)
     if _running(run.scenario):
@@ -512,8 +625,34 @@ def product_installed(run: CacheRun) -> Iterator[None]:
     finally:
         (
             actors.BatcherActor, actors.Cache, actors.CacheActor, actors.Watchdog,
-            _assembly.Zygote,
+            _assembly.Zygote, actors.Breaker,
         ) = saved
+
+
+def breaker_class(base: type, run: CacheRun) -> type:
+    """The product's breaker (``base``) with the scenario's threshold and cooldown
+    (``CacheScenario.breaker``; the product's own without one), counting how often
+    it opens."""
+    conf = run.scenario.breaker
+
+    class ScenarioBreaker(base):  # type: ignore[misc, valid-type]
+        def __init__(self, **kw: Any) -> None:
+            if conf is not None:
+                threshold, cooldown = conf
+                kw.setdefault("threshold", threshold)
+                kw.setdefault("cooldown", cooldown * TICK)
+                kw.setdefault("max_cooldown", 8 * cooldown * TICK)
+            super().__init__(**kw)
+            run.breakers.append(self)
+
+        def failure(self, now: float) -> None:
+            was = self.open_until
+            super().failure(now)
+            if self.open_until != was:
+                note("cache", "breakers opened")
+
+    ScenarioBreaker.__name__ = ScenarioBreaker.__qualname__ = f"Scenario{base.__name__}"
+    return ScenarioBreaker
 
 
 def _running(sc: CacheScenario) -> bool:
@@ -594,6 +733,7 @@ async def _play(run: CacheRun) -> None:
                     t: rt.credits_used.get(t, 0) + rt.credits_refunded.get(t, 0)
                     for t in rt.credits_used.keys() | rt.credits_refunded.keys()
                 }
+                run.closing, run.closed_at = True, trio.current_time()
             callers.cancel_scope.cancel("fuzz: the run is over")
     if (leak := leaked_since(before)) is not None:
         raise InvariantViolation("leak", leak)

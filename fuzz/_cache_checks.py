@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from trioserve import DeadlineExceeded, ModelError, Overloaded
@@ -62,6 +62,59 @@ def describe(i: int, ask: Ask) -> str:
 
 
 _RUN_OF_ERROR = re.compile(r"planted model error on key (\d+) \(run (\d+)\)")
+_POISON = re.compile(
+    r"poison request, not retried: its batch failed: (.*) each of the (\d+) times it ran alone"
+)
+#: what a poison request's error says of its last failure, by how its batch left
+_POISON_WHY = {"killed": "ran past its batch deadline", "died": "died"}
+
+
+def _check_poison(run: CacheRun, i: int, ask: Ask, poison: re.Match[str], at: float) -> None:
+    """Caller ``i`` was answered at ``at`` that its request is poison: a request of
+    its model, one of its keys, its tenant and class, failed alone (the only one of
+    its batch still waiting) ``POISON_ATTEMPTS`` times, its batch cut off or its
+    worker dead each time, the last one at ``at`` (by then, for a batch call, which
+    returns once every item is answered), which the error names; outside a flight,
+    all since the call began (a caller that joined a flight gets the error of the
+    request its flight ran)."""
+    from ._cache import POISON_ATTEMPTS
+
+    cls = f"c{ask.cls}"
+    start = run.started[i][0]
+    flight = i in run.flight_calls
+    # (a batch call returns once all its items are answered)
+    several = ask.batch or len(ask.keys) > 1
+    fails: dict[int, list[Any]] = {}
+    for b in run.dispatched:
+        if b.model != ask.model or b.how not in _POISON_WHY or b.end is None or b.end > at:
+            continue
+        alive = [j for j, a in enumerate(b.alive) if a]
+        if len(alive) != 1:
+            continue
+        j = alive[0]
+        k, t, c, _ = b.items[j]
+        if k in ask.keys and t == ask.tenant and c == cls:
+            fails.setdefault(id(b.replies[j]), []).append(b)
+    for tried in fails.values():
+        last = tried[-1]
+        if (
+            len(tried) == POISON_ATTEMPTS == int(poison.group(2))
+            and (last.end == at or (several and last.end < at))
+            and _POISON_WHY[last.how] in poison.group(1)
+            and (flight or tried[0].at >= start)
+        ):
+            note("cache", "callers answered as poison requests")
+            return
+    seen = "; ".join(
+        f"a request failed alone {len(tried)} time(s), last at {run.at(tried[-1].end)} "
+        f"({tried[-1].how})" for tried in fails.values()
+    ) or "no request of its keys failed alone"
+    raise InvariantViolation(
+        "outcome",
+        f"{describe(i, ask)} was answered at {run.at(at)} that its request is poison "
+        f"({poison.group(0)!r}), but {seen}: a request is poison when it failed alone "
+        f"{POISON_ATTEMPTS} times (its batch cut off, or its worker dead), the last then",
+    )
 
 
 def _check_ask(run: CacheRun, i: int, ask: Ask) -> None:
@@ -101,6 +154,10 @@ def _check_ask(run: CacheRun, i: int, ask: Ask) -> None:
     if isinstance(exc, DeadlineExceeded) and deadline_of(run, i) < math.inf:
         return  # when: _check_deadline
     m = _RUN_OF_ERROR.search(str(exc)) if isinstance(exc, ModelError) else None
+    poison = _POISON.search(str(exc)) if isinstance(exc, ModelError) else None
+    if poison is not None:
+        _check_poison(run, i, ask, poison, out.at)
+        return
     if m is None:
         left = [
             j for j, a in enumerate(sc.asks)

@@ -71,15 +71,20 @@ class Round:
     late: bool = False
     late_end: float | None = None
     late_ok: bool = False
+    #: the batches (``fuzz._cache.Dispatched``) its request was taken in, in order,
+    #: and the one holding it when the replica answered it while it ran
+    batches: list[Any] = attrs.Factory(list)
+    late_batch: Any = None
 
 
-class _SeenLate:
+class SeenLate:
     """A round's ``LateOutcome`` (``late=``), as the computation and the replica use it,
-    reporting :meth:`expect` and the first :meth:`settle` to its :class:`Round`."""
+    reporting :meth:`expect` (and the batch holding the round's request then) and the
+    first :meth:`settle` to its :class:`Round` (``round``)."""
 
     def __init__(self, inner: Any, rnd: Round) -> None:
         object.__setattr__(self, "_inner", inner)
-        object.__setattr__(self, "_round", rnd)
+        object.__setattr__(self, "round", rnd)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -88,11 +93,14 @@ class _SeenLate:
         setattr(self._inner, name, value)
 
     def expect(self, *args: Any, **kw: Any) -> None:
-        self._round.late = True
+        rnd = self.round
+        rnd.late = True
+        if rnd.late_batch is None and rnd.batches:
+            rnd.late_batch = rnd.batches[-1]
         self._inner.expect(*args, **kw)
 
     def settle(self, result: Any) -> None:
-        rnd = self._round
+        rnd = self.round
         if rnd.late_end is None:
             rnd.late_end = trio.current_time()
             rnd.late_ok = isinstance(result, outcome.Value)
@@ -147,7 +155,7 @@ class _ObservedFlights:
             if record is not None:
                 record.rounds.append(rnd)
             if kw.get("late") is not None:
-                kw["late"] = _SeenLate(kw["late"], rnd)
+                kw["late"] = SeenLate(kw["late"], rnd)
             try:
                 value = await fn(*a, **kw)
             except BaseException as exc:
@@ -276,6 +284,9 @@ def _check_record(
             )
     drivers: set[int] = set()
     for n, rnd in enumerate(rounds):
+        broken = _check_late_source(run, who, n, rnd)
+        if broken is not None:
+            return broken
         if rnd.driver in drivers:
             return (
                 "credits",
@@ -342,6 +353,44 @@ def _check_record(
         if broken is not None:
             return broken
     return None
+
+
+def _check_late_source(run: CacheRun, who: str, n: int, rnd: Round) -> tuple[str, str] | None:
+    """Round ``n``'s late outcome, when its driver was answered while its batch ran,
+    comes as that batch leaves its replica: the model's value for the item if it
+    answered the batch, none if it did not (the model raised; the batch was cut off,
+    its worker died, it was handed back as it was). The suite's own record of the
+    batch says which and when, not the product's hook: a hook never settled would
+    leave the waiters for it waiting in vain (until their own deadline, or for ever
+    without one)."""
+    if not rnd.late:
+        return None
+    b = rnd.late_batch
+    if b is None:
+        return (
+            "outcome",
+            f"{who}: round {n} (ask #{rnd.driver}) was answered while its batch ran, but "
+            "no replica had taken its request",
+        )
+    if b.end is None or b.end >= run.closed_at:
+        return None  # it ran on as the runtime closed: every caller was back
+    ok = b.how == "ok"
+    if rnd.late_end == b.end and rnd.late_ok == ok:
+        if not ok:
+            note("cache", "late outcomes of a batch that failed")
+        return None
+    came = (
+        "never came" if rnd.late_end is None
+        else f"came at {run.at(rnd.late_end)} ({'a value' if rnd.late_ok else 'none'})"
+    )
+    return (
+        "outcome",
+        f"{who}: round {n} (ask #{rnd.driver}) was answered "
+        f"{type(rnd.error).__name__} while its batch ran; that batch (taken at "
+        f"{run.at(b.at)}) left its replica at {run.at(b.end)} ({b.how}), so the outcome "
+        f"for the driver's item was {'its value' if ok else 'none'} then, but it {came}: "
+        "those waiting for it wait in vain",
+    )
 
 
 def _later(

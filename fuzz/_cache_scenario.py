@@ -4,7 +4,11 @@ A :class:`CacheScenario` is the cache (capacity, policy, quota), one to three mo
 with their rules (:class:`ModelRule`), per-key model latencies and flaky keys, and the
 callers (:class:`Ask`) and invalidations (:class:`Invalidate`), their times in ticks;
 the models' and classes' timeouts, so that callers of one flight have deadlines of
-their own (:func:`deadline_ticks`).
+their own (:func:`deadline_ticks`). For the models that run off the event loop, the
+faults of real deployments: a batch cut-off (``cut_off``), keys whose first runs
+straggle past it (``straggle``) or kill their worker (``dies``), workers that hold
+several batches (``slots``), and each replica's circuit breaker, with a threshold and
+a cooldown of the scenario's scale (``breaker``).
 :func:`cache_scenarios` draws one; ``fuzz/_cache.py`` plays it.
 """
 
@@ -22,6 +26,8 @@ TICK = 2.0**-10
 HORIZON_S = 3600.0
 #: The keys callers ask for: few, so that answers repeat.
 KEYS = 4
+#: How much longer (ticks) a straggling run of a key takes: past every cut-off drawn.
+STRAGGLE = 48
 
 
 # ---------------------------------------------------------------- the script
@@ -83,6 +89,22 @@ class CacheScenario:
     latency: tuple[int, ...] = (0,) * KEYS
     #: per key: how many of its first runs (per model) raise
     flaky: tuple[int, ...] = (0,) * KEYS
+    #: A ``running`` model's batch cut-off in ticks (its ``batch_timeout_floor_ms``
+    #: and ``_cap_ms``: a batch running longer is cut off, its worker killed and the
+    #: batch handed back, split, its requests alone twice cut off poison); None: the
+    #: product's (a second: never, at this scale)
+    cut_off: int | None = None
+    #: per key: how many of its first batches on a worker (per model) straggle: they
+    #: take ``STRAGGLE`` ticks more
+    straggle: tuple[int, ...] = (0,) * KEYS
+    #: per key: how many of its first batches on a worker (per model) kill the worker
+    #: at their end (it dies running them; the replica starts another)
+    dies: tuple[int, ...] = (0,) * KEYS
+    #: batches a ``running`` model's worker holds (running, or staged behind)
+    slots: int = 1
+    #: each replica's circuit breaker: (failures that open it, its first cooldown in
+    #: ticks, doubling up to 8 times that); None: the product's (5, a second)
+    breaker: tuple[int, int] | None = None
     asks: tuple[Ask, ...] = ()
     invalidations: tuple[Invalidate, ...] = ()
 
@@ -122,6 +144,14 @@ _POLICY = st.sampled_from(["tinylfu", "lru"])
 _QUOTA = st.sampled_from([None, None, None, 300, 600])
 _LATENCIES = st.lists(_LATENCY, min_size=KEYS, max_size=KEYS)
 _FLAKIES = st.lists(_FLAKY, min_size=KEYS, max_size=KEYS)
+#: Faults of the models off the event loop: cut-offs shorter than the slow keys'
+#: latencies, keys whose first batches straggle or kill their worker, breakers that
+#: open after a few of those (and a model's raises) and close within a scenario.
+_CUT_OFF = st.sampled_from([None, None, 4, 8, 8, 16])
+_STRAGGLES = st.lists(st.sampled_from([0, 0, 0, 0, 1, 2, 3]), min_size=KEYS, max_size=KEYS)
+_DIES = st.lists(st.sampled_from([0, 0, 0, 0, 0, 1, 2, 3]), min_size=KEYS, max_size=KEYS)
+_SLOTS = st.sampled_from([1, 1, 2, 3])
+_BREAKER = st.sampled_from([None, (1, 4), (2, 8), (2, 32), (3, 16)])
 
 
 @functools.cache
@@ -206,6 +236,11 @@ def cache_scenarios(draw: st.DrawFn) -> CacheScenario:
         class_timeouts=class_timeouts,
         latency=tuple(draw(_LATENCIES)),
         flaky=tuple(draw(_FLAKIES)),
+        cut_off=draw(_CUT_OFF),
+        straggle=tuple(draw(_STRAGGLES)),
+        dies=tuple(draw(_DIES)),
+        slots=draw(_SLOTS),
+        breaker=draw(_BREAKER),
         asks=tuple(asks),
         invalidations=tuple(invalidations),
     )

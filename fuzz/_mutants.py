@@ -22,6 +22,11 @@ from ._mutants_control import (
     UnloadWaitsForAReload,
     WindowOfTheLastSample,
 )
+from ._mutants_faults import (
+    CutOffLeavesFollowersWaiting,
+    DeathFailsTheBatch,
+    FallbackWhileOpen,
+)
 from ._mutants_flights import (
     CacheActorIgnoringLateOutcomes,
     CacheActorWithNoRerun,
@@ -285,6 +290,27 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
             PRODUCT, name="late-outcome-ignored",
             cache_actor_class=CacheActorIgnoringLateOutcomes,
         ),
+        ("cache",),
+    ),
+    # The faults a model off the event loop meets behind the cache
+    # (fuzz/_mutants_faults.py).
+    "cut-off-followers-waiting": (
+        "a batch cut off never settles the late outcome its flight's waiters wait for",
+        attrs.evolve(
+            PRODUCT, name="cut-off-followers-waiting",
+            batcher_class=CutOffLeavesFollowersWaiting,
+        ),
+        ("cache",),
+    ),
+    "death-fails-the-batch": (
+        "a batch whose worker died is answered with the death's error, not retried",
+        attrs.evolve(PRODUCT, name="death-fails-the-batch", batcher_class=DeathFailsTheBatch),
+        ("cache",),
+    ),
+    "fallback-while-open": (
+        "a replica whose breaker is open answers what it pulls with an empty fallback, "
+        "which the cache keeps",
+        attrs.evolve(PRODUCT, name="fallback-while-open", batcher_class=FallbackWhileOpen),
         ("cache",),
     ),
     # The rollout suite's own.
