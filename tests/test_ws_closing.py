@@ -178,6 +178,55 @@ async def test_a_drain_answers_messages_read_but_not_started_with_503():
     assert sorted(answers[4:]) == [(0, 200, None), (1, 200, None)]
 
 
+async def test_pings_read_and_not_handled_when_a_drain_begins_get_their_pongs():
+    """Pings the server had read behind the message held at the in-flight bound
+    when a drain began got no pong before its close (1001): they get theirs, in
+    order, ahead of the 503 frames of the messages not started."""
+    from wsproto.events import CloseConnection, Ping, Pong, TextMessage
+
+    gate = Gate()
+    cfg = config(held_model(gate, max_batch_size=8), server={"stream_in_flight": 2})
+    async with serving(cfg) as gw:
+        sock = await trio.open_tcp_stream(*gw.addresses[0])
+        client = _raw_ws()
+        frames = [_infer_frame(i, (1.0,), model="held") for i in range(5)]
+        # One write: the server reads it all with the handshake; 2 is waiting for
+        # room, 3 held, the pings and 4 behind it.
+        await sock.send_all(_HANDSHAKE + b"".join(frames[:4])
+                            + client.send(Ping(payload=b"a")) + frames[4]
+                            + client.send(Ping(payload=b"b")))
+        await trio.to_thread.run_sync(gate.holding.wait)
+        await settle()
+        seen: list[object] = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gw.drain, 30)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += await sock.receive_some(65536)
+                ws = _raw_ws()
+                ws.receive_data(data.partition(b"\r\n\r\n")[2])
+                closed = None
+                while closed is None:
+                    for event in ws.events():
+                        if isinstance(event, Pong):
+                            seen.append(event.payload)
+                        elif isinstance(event, TextMessage):
+                            doc = json.loads(event.data)
+                            seen.append((doc["id"], doc.get("status", 200)))
+                            if len(seen) == 5:  # pongs and 503s: run the rest
+                                gate.release()
+                        elif isinstance(event, CloseConnection):
+                            closed = event
+                            await sock.send_all(ws.send(event.response()))
+                    if closed is None:
+                        ws.receive_data(await sock.receive_some(65536) or None)
+        await sock.aclose()
+    assert closed.code == 1001
+    assert seen[:5] == [b"a", b"b", (2, 503), (3, 503), (4, 503)]
+    assert sorted(seen[5:]) == [(0, 200), (1, 200)]
+
+
 class _CutOnce(trio.abc.HalfCloseableStream):
     """A socket whose first write sends 10 bytes, then blocks until cancelled; later
     writes send everything."""
@@ -242,8 +291,8 @@ async def test_a_close_frame_at_the_in_flight_bound_is_seen_at_once(sent):
     refunded, the running one's answer dropped); the held message is never run,
     nothing answers it. So too for a close frame that follows more messages (one
     held unread at the bound, a ping, one of a 16-bit length) in the bytes the
-    server has read."""
-    from wsproto.events import CloseConnection, Ping, TextMessage
+    server has read: the ping gets its pong, before the close's answer."""
+    from wsproto.events import CloseConnection, Ping, Pong, TextMessage
 
     gate = Gate()
     tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
@@ -282,8 +331,9 @@ async def test_a_close_frame_at_the_in_flight_bound_is_seen_at_once(sent):
             assert gw.statistics().streams == 0
             ws.receive_data(await _read_to_eof(sock))
             events = list(ws.events())
-            assert [type(e) for e in events] == [CloseConnection]
-            assert events[0].code == 1000
+            pongs = [Pong] if sent == "behind-held" else []  # the ping's, first
+            assert [type(e) for e in events] == [*pongs, CloseConnection]
+            assert events[-1].code == 1000
             assert not any(isinstance(e, TextMessage) for e in events)
             await sock.aclose()
             gate.release()
@@ -292,6 +342,39 @@ async def test_a_close_frame_at_the_in_flight_bound_is_seen_at_once(sent):
                 assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
             assert rt.models["held"].metrics.items == 2  # the held one and this one
             assert rt.credits_refunded["t"] == 3
+    finally:
+        gate.release()
+
+
+async def test_pings_before_a_close_found_behind_the_held_message_get_their_pongs():
+    """RFC 6455 5.5.2: a ping gets its pong unless a close was sent. Pings between
+    the message held at the bound and a close frame the server finds in the bytes
+    it read were dropped with the messages: each gets its pong, in order, before
+    the close's answer; no message is answered."""
+    from wsproto.events import CloseConnection, Ping, Pong, TextMessage
+
+    gate = Gate()
+    cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None),
+                 server={"stream_in_flight": 4})
+    try:
+        async with serving(cfg) as gw:
+            sock, ws = await _raw_handshake(gw)
+            await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(4)))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            await sock.send_all(
+                _infer_frame(4, model="held") + _infer_frame(5, model="held")
+                + ws.send(Ping(payload=b"1")) + _infer_frame(6, model="held")
+                + ws.send(Ping(payload=b"2")) + ws.send(CloseConnection(code=1000))
+            )
+            with trio.fail_after(GATE_LIMIT_S):
+                ws.receive_data(await _read_to_eof(sock))
+            events = list(ws.events())
+            assert [type(e) for e in events] == [Pong, Pong, CloseConnection]
+            assert [e.payload for e in events[:2]] == [b"1", b"2"]
+            assert events[-1].code == 1000
+            assert not any(isinstance(e, TextMessage) for e in events)
+            await sock.aclose()
     finally:
         gate.release()
 

@@ -252,7 +252,10 @@ class _Session:
         self._gone = False
         #: messages read but not started when a drain stopped the read loop
         self._unstarted: list[str | bytes] = []
-        #: the answer to a close frame found among them (the client is leaving)
+        #: the pongs of the pings among them (sent first)
+        self._pongs = b""
+        #: the answer to a close frame found among them (the client is leaving),
+        #: after the pongs of the pings before it
         self._close_answer: bytes | None = None
 
     async def run(self) -> None:
@@ -288,7 +291,7 @@ class _Session:
                 self.stream.on_sent = self._unpark  # answers left: bytes freed
                 with reading:
                     peer_closed = await self._read(requests)
-                if self._unstarted or self._close_answer is not None:
+                if self._unstarted or self._pongs or self._close_answer is not None:
                     await self._refuse_unstarted()
                 if peer_closed or self._gone or self._closing is not None:
                     # The client is gone or closing, or the connection failed: withdraw
@@ -377,13 +380,22 @@ class _Session:
     async def _close_ahead(self) -> bool | None:
         """A message is held at a bound and the bytes already read hold a close frame
         after it (:func:`_holds_close`): handle the events up to the close and answer
-        it, as at any close the messages before it are never run. Returns as
-        :meth:`_wait_for_room` does. Were there no close among them after all, they
-        are kept (``_events``) and handled once room frees."""
+        it, as at any close the messages before it are never run; a ping among them
+        gets its pong first, in order (RFC 6455 5.5.2: no close has been sent yet).
+        Returns as :meth:`_wait_for_room` does. Were there no close among them after
+        all, the messages are kept (``_events``) and handled once room frees (their
+        pings already answered)."""
+        ws = self.ws
         held = []
         for event in self._events:
-            if type(event) is CloseConnection:
+            kind = type(event)
+            if kind is CloseConnection:
                 return await self._closed(event)
+            if kind is Ping:
+                # now, while the connection is open: wsproto sends no pong once the
+                # close is parsed
+                await self._send(ws.send(event.response()))
+                continue
             held.append(event)
         self._events = held
         return None
@@ -547,16 +559,23 @@ class _Session:
         """A drain stopped the read loop with ``waiting`` (a message read, waiting for
         room) or None, the rest of the read's ``events`` not handled and ``partial``
         the message being gathered: keep the whole messages for
-        :meth:`_refuse_unstarted`; a close frame among them (the client is leaving)
-        is answered there, and its messages, as at any close, withdrawn."""
+        :meth:`_refuse_unstarted`, and the pongs of the pings among them, sent
+        there first; a close frame among them (the client is leaving) is answered
+        there, after those pongs, and its messages, as at any close, withdrawn."""
         found = [] if waiting is None else [waiting]
+        pongs = bytearray()
         for event in events:
             kind = type(event)
             if kind is CloseConnection:
                 if self.ws.state is ConnectionState.REMOTE_CLOSING:
-                    self._close_answer = self.ws.send(event.response())
+                    self._close_answer = bytes(pongs) + self.ws.send(event.response())
                 self._gone = True
                 return
+            if kind is Ping:
+                # framed now, while the connection is open (wsproto frames no pong
+                # once a close is parsed): RFC 6455 5.5.2, no close has been sent yet
+                pongs += self.ws.send(event.response())
+                continue
             if kind is not TextMessage and kind is not BytesMessage:
                 continue
             data = event.data
@@ -570,14 +589,19 @@ class _Session:
                 found.append(bytes(partial))
                 partial = None
         self._unstarted = found
+        self._pongs = bytes(pongs)
 
     async def _refuse_unstarted(self) -> None:
         """Answer each message a drain left read but not started with a 503 frame
-        (its id as read, null when it has none): it was not run."""
+        (its id as read, null when it has none): it was not run. The pongs of the
+        pings read with them go first."""
         unstarted, self._unstarted = self._unstarted, []
+        pongs, self._pongs = self._pongs, b""
         if self._close_answer is not None:
             await self._send(self._close_answer)
             return
+        if pongs:
+            await self._send(pongs)
         for message in unstarted:
             try:
                 doc = loads_request(message)
