@@ -379,11 +379,60 @@ async def test_pings_before_a_close_found_behind_the_held_message_get_their_pong
         gate.release()
 
 
-async def test_a_close_frame_sent_after_the_message_held_at_the_bound_waits_for_room():
-    """What the client sends after the message the server holds at the bound is not
-    read until room frees (the bound's backpressure): a close frame in a later write
-    withdraws nothing until then. Once room frees it is read, answered (1000) after
-    the answers already written, and each request has at most one answer."""
+async def test_a_close_frame_sent_after_the_message_held_at_the_bound_is_answered_at_once():
+    """A close frame the client sends later, behind the message the server holds at
+    the bound (not in the read that found that message): the server reads on behind
+    it while it waits for room, so the close is answered at once (1000) rather than
+    once an answer frees a place, the requests in flight are withdrawn (the queued
+    ones refunded) and the messages past the bound are never run."""
+    from wsproto.events import CloseConnection, Ping, Pong, TextMessage
+
+    gate = Gate()
+    tenants = (trioserve.TenantConfig(name="t", default=True, credit_rate=1000.0),)
+    cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None), tenants=tenants,
+                 server={"stream_in_flight": 4})
+    try:
+        async with serving(cfg) as gw:
+            rt = gw.runtime
+            scheduler = rt.models["held"].scheduler
+            sock, ws = await _raw_handshake(gw)
+            await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(4)))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            # the fifth waits for room, the sixth is held
+            await sock.send_all(_infer_frame(4, model="held") + _infer_frame(5, model="held"))
+            await settle()
+            await sock.send_all(_infer_frame(6, model="held") + ws.send(Ping(payload=b"p")))
+            await settle()
+            assert gw.statistics().streams == 1  # read behind, still waiting for room
+            assert scheduler.queue_depth() == 3
+            await sock.send_all(ws.send(CloseConnection(code=1000, reason="bye")))
+            await settle()
+            assert gw.statistics().streams == 0
+            assert scheduler.queue_depth() == 0  # withdrawn at once
+            assert rt.credits_refunded["t"] == 3
+            ws.receive_data(await _read_to_eof(sock))
+            events = list(ws.events())
+            assert [type(e) for e in events] == [Pong, CloseConnection]
+            assert events[-1].code == 1000
+            assert not any(isinstance(e, TextMessage) for e in events)
+            await sock.aclose()
+            gate.release()
+            # One replica, batches of one: this request runs after the held batch ends.
+            async with open_stream(gw.url) as stream:
+                assert (await stream.infer("held", {"x": f32(0)}))["y"].tolist() == [0]
+            assert rt.models["held"].metrics.items == 2  # the held one and this one
+    finally:
+        gate.release()
+
+
+async def test_a_close_frame_past_one_read_behind_the_held_message_waits_for_room():
+    """Reading on behind the message held at the bound stops at one read's bytes
+    (64 KiB, the held message's included): a close frame the client sends behind
+    more than that is not read until room frees (the bound's backpressure), and
+    withdraws nothing until then. Once room frees it is read and answered (1000)
+    after the answers already written, and each request has at most one answer."""
+    from trioserve.transport._replay import RECEIVE_SIZE
     from wsproto.events import CloseConnection, TextMessage
 
     gate = Gate()
@@ -400,6 +449,11 @@ async def test_a_close_frame_sent_after_the_message_held_at_the_bound_waits_for_
             await settle()
             await sock.send_all(_infer_frame(4, model="held") + _infer_frame(5, model="held"))
             await settle()
+            behind = b"".join(_infer_frame(i, x=[1.0] * 6000, model="held")
+                              for i in range(6, 9))
+            assert len(behind) > RECEIVE_SIZE
+            await sock.send_all(behind)
+            await settle()
             await sock.send_all(ws.send(CloseConnection(code=1000)))
             await settle()
             assert gw.statistics().streams == 1  # the close is not read
@@ -415,7 +469,7 @@ async def test_a_close_frame_sent_after_the_message_held_at_the_bound_waits_for_
             # the running one's answer, framed before its place freed, comes first
             assert ids
             assert len(ids) == len(set(ids))
-            assert set(ids) <= set(range(6))
+            assert set(ids) <= set(range(9))
             await sock.aclose()
     finally:
         gate.release()
@@ -553,7 +607,7 @@ def _decoder_after_first_message(data: bytes):
 def test_a_close_frame_in_the_bytes_read_is_found_behind_a_held_message(rest, found):
     """Behind the message held at the bound, the frames of the bytes already read are
     walked for a close frame: whole frames only, and none past one wsproto refuses."""
-    from trioserve.transport._stream import _holds_close
+    from trioserve.transport._ws_decoder import _holds_close
 
     frames, whole = _decoder_after_first_message(_client_frame(b"{}") + rest)
     assert whole
@@ -563,7 +617,7 @@ def test_a_close_frame_in_the_bytes_read_is_found_behind_a_held_message(rest, fo
 def test_the_walk_for_a_close_frame_starts_past_the_rest_of_the_held_frame():
     """A held message whose frame the read cut: the walk skips the payload it still
     announces (bytes that could read as a close frame's), and finds what follows."""
-    from trioserve.transport._stream import _holds_close
+    from trioserve.transport._ws_decoder import _holds_close
     from wsproto import ConnectionType
     from wsproto.connection import Connection
 
@@ -579,8 +633,37 @@ def test_the_walk_for_a_close_frame_starts_past_the_rest_of_the_held_frame():
     assert _holds_close(frames)
 
 
+def test_the_walk_for_a_close_frame_goes_on_from_where_it_stopped():
+    """Bytes read behind the held message a few at a time: each walk goes on from
+    the first frame the last one found not whole (each byte walked once), and finds
+    what a walk from the decoder's place finds."""
+    from trioserve.transport._ws_decoder import _close_in, _holds_close
+    from wsproto import ConnectionType
+    from wsproto.connection import Connection
+    from wsproto.events import Message
+
+    ws = Connection(ConnectionType.SERVER)
+    ws.receive_data(_client_frame(b"{}"))
+    assert isinstance(next(ws.events()), Message)
+    frames = ws._proto._frame_decoder
+    ping = _client_frame(b"p", 0x9)
+    rest = ping + _frame_header(300) + _masked(b"a" * 300) + _client_frame(b"\x03\xe8", 0x8)
+    unwalked = 0
+    for i in range(len(rest)):
+        ws.receive_data(rest[i:i + 1])
+        found, unwalked = _close_in(frames, unwalked + 1)
+        assert found is _holds_close(frames) is (i == len(rest) - 1)
+        if not found:  # from the first frame not whole: the ping, then the long one
+            fed = i + 1
+            assert unwalked == (fed if fed < len(ping) else
+                                fed - len(ping) if fed < len(ping) + 8 + 300 else
+                                fed - len(ping) - 8 - 300)
+    assert unwalked == 0
+    assert _close_in(object(), 7) == (False, 7)
+
+
 def test_without_the_decoder_state_no_close_frame_is_looked_for():
-    from trioserve.transport._stream import _holds_close
+    from trioserve.transport._ws_decoder import _holds_close
 
     assert _holds_close(object()) is False
     assert _holds_close(None) is False
@@ -588,12 +671,13 @@ def test_without_the_decoder_state_no_close_frame_is_looked_for():
 
 async def test_a_close_frame_wrongly_foreseen_loses_no_message(monkeypatch):
     """Were the walk wrong (a close foreseen where the bytes hold none), the messages
-    the server handles looking for it are kept and served once room frees: each
-    request gets its answer."""
+    the server handles looking for it are kept and served once room frees, and so
+    are those the client sends after them (read once room frees, behind the kept
+    ones): each request gets its answer."""
     from trioserve.transport import _stream
     from wsproto.events import TextMessage
 
-    monkeypatch.setattr(_stream, "_holds_close", lambda frames: True)
+    monkeypatch.setattr(_stream, "_close_in", lambda frames, unwalked: (True, 0))
     gate = Gate()
     cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None),
                  server={"stream_in_flight": 4})
@@ -605,15 +689,17 @@ async def test_a_close_frame_wrongly_foreseen_loses_no_message(monkeypatch):
             await settle()
             await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(4, 8)))
             await settle()
+            await sock.send_all(b"".join(_infer_frame(i, model="held") for i in range(8, 12)))
+            await settle()
             assert gw.statistics().streams == 1
             gate.release()
             ids: list[int] = []
             with trio.fail_after(GATE_LIMIT_S):
-                while len(ids) < 8:
+                while len(ids) < 12:
                     events = await _events_until(sock, ws, TextMessage)
                     ids += [json.loads(e.data)["id"] for e in events
                             if isinstance(e, TextMessage)]
-            assert sorted(ids) == list(range(8))
+            assert sorted(ids) == list(range(12))
             await sock.aclose()
     finally:
         gate.release()

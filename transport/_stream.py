@@ -7,9 +7,9 @@ Each client message is a v2 infer request (JSON text) with its own ``id`` and
 At most ``server.stream_in_flight`` requests of one connection are in flight, and
 while their messages and the answers not yet written hold more than
 ``server.stream_in_flight_bytes`` no other is read: at either bound the server stops
-reading the socket once it has found the next message (one read at most), so TCP
-pushes back on the client, and a close frame before that message, or after it in
-the bytes already read, is seen at once.
+reading the socket once it holds one read's bytes past the bound (the next message
+and the bytes behind it, unparsed), so TCP pushes back on the client, and a close
+frame within those bytes, or before that message, is seen at once.
 Closing the socket cancels the connection's requests not yet dispatched.
 
 The server side: the handshake, and a session per connection (:class:`_Session`).
@@ -54,7 +54,7 @@ from ._request import InferRequest
 from ._request_json import loads_request
 from ._response import encode_response
 from ._v2 import shown
-from ._ws_decoder import _begun, _holds_close, _unread
+from ._ws_decoder import _begun, _close_in, _unparsed, _unread
 
 if TYPE_CHECKING:
     from ._gateway import Gateway, _Conn
@@ -206,7 +206,8 @@ class _Session:
     handled before the next read), answers are framed at once and leave through the
     stream's flusher, several to a write. At ``stream_in_flight`` requests, or when a
     message would take the bytes held past ``stream_in_flight_bytes``, the loop stops
-    reading, so TCP pushes back on the client.
+    reading once it holds one read's bytes past the bound (looking through them for a
+    close frame), so TCP pushes back on the client.
     """
 
     def __init__(self, gateway: Gateway, ws: Connection, stream: ReplayStream, tenant: str,
@@ -231,12 +232,14 @@ class _Session:
         self._events: Any = ()
         self._ahead: Any = None
         self._reading_ahead: trio.CancelScope | None = None
-        #: wsproto's frame decoder (private: see _holds_close), the socket reads fed
-        #: to wsproto, and the count when its unparsed bytes were last looked through
-        #: for a close frame (once a read: the bytes only shrink until the next)
+        #: wsproto's frame decoder (private: see _holds_close), and the bytes at the
+        #: end of its buffer not yet looked through for a close frame (see _close_in:
+        #: each read adds its bytes, each walk leaves the frame it stopped at)
         self._frames = getattr(getattr(ws, "_proto", None), "_frame_decoder", None)
-        self._reads = 0
-        self._scanned = -1
+        self._unwalked = 0
+        #: with a message held (``_ahead``): whether the socket may be read on behind
+        #: it (:meth:`_read_behind`)
+        self._behind = False
         self.pending: dict[int, Any] = {}  # token -> id of requests not yet answered
         self._tokens = itertools.count()
         #: (code, reason) we fail the connection with: a protocol error, a message
@@ -315,15 +318,16 @@ class _Session:
 
     async def _wait_for_room(self, n: int) -> bool | None:
         """Wait until fewer than ``bound`` requests are in flight and a message of
-        ``n`` bytes fits the byte budget, reading ahead only as far as the next message
-        (:meth:`_look_ahead`), so a close frame the client sends meanwhile is seen at
-        once, as is one after that message in the bytes already read. Returns None
-        when there is room (``_events``, and ``_ahead`` if found, are what the loop
-        handles next), or what ``_read`` returns when the client
+        ``n`` bytes fits the byte budget, reading ahead as far as the next message
+        (:meth:`_look_ahead`), which is held, and then on behind it, unparsed, up to
+        one read's bytes (:meth:`_read_behind`), so a close frame the client sends
+        meanwhile is seen at once, as is one after that message in the bytes already
+        read. Returns None when there is room (``_events``, and ``_ahead`` if found,
+        are what the loop handles next), or what ``_read`` returns when the client
         closed or the connection failed meanwhile. A checkpoint. The gateway's hang-up
-        watch also looks out for the client leaving (once a message is held, the loop
-        reads no more): a hang-up cancels the read loop, and ``run`` withdraws what
-        is in flight."""
+        watch also looks out for the client leaving (once the bytes held behind the
+        bound reach one read's, the loop reads no more): a hang-up cancels the read
+        loop, and ``run`` withdraws what is in flight."""
         conn, watch, fd = self.conn, self.gateway.hangups, self._fd
         if watch is not None and fd is not None and not conn.armed:
             watch.arm(fd, conn)  # once a stream, unless a hang-up was reported since
@@ -335,19 +339,18 @@ class _Session:
             while self.in_flight >= self.bound or self._over_budget(n):
                 if self._ahead is None:
                     done = await self._look_ahead()
-                    if done is not None:
-                        return done
                 else:
-                    await self._room.park()
+                    done = await self._read_behind()
+                if done is not None:
+                    return done
         finally:
             conn.waiting = False
         return None
 
     async def _look_ahead(self) -> bool | None:
         """At a bound: handle what follows the waiting message up to the next message
-        event (a ping gets its pong), which is held in ``_ahead`` and not handled, so
-        at most one read's bytes (``RECEIVE_SIZE``) are held past the bound; a close
-        frame in the rest of those bytes, already read, is handled at once
+        event (a ping gets its pong), which is held in ``_ahead`` and not handled; a
+        close frame in the rest of the bytes read, unparsed, is handled at once
         (:meth:`_close_ahead`). When the events of the reads so far hold no message,
         read the socket once, until room frees (:meth:`_unpark` ends that read).
         Returns as :meth:`_wait_for_room` does."""
@@ -356,10 +359,11 @@ class _Session:
             kind = type(event)
             if kind is TextMessage or kind is BytesMessage:
                 self._ahead = event
-                if self._scanned != self._reads:  # bytes read since the last look
-                    self._scanned = self._reads
-                    if _holds_close(self._frames):
-                        return await self._close_ahead()
+                self._behind = True
+                # the bytes read since the last walk, if any
+                found, self._unwalked = _close_in(self._frames, self._unwalked)
+                if found:
+                    return await self._close_ahead()
                 return None
             if kind is Ping:
                 await self._send(ws.send(event.response()))
@@ -373,8 +377,53 @@ class _Session:
             finally:
                 self._reading_ahead = None
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
-            self._reads += 1
+            self._unwalked += len(data)
             self._events = ws.events()
+        return None
+
+    def _room_behind(self) -> int:
+        """How many bytes :meth:`_read_behind` may read: one read's bytes
+        (``RECEIVE_SIZE``) less the held message's (``_ahead``, as received) and those
+        wsproto holds unparsed; 0 when reading behind is off or the decoder's state
+        cannot be read."""
+        unparsed = _unparsed(self._frames) if self._behind else None
+        if unparsed is None:
+            return 0
+        data = self._ahead.data
+        held = len(data) if type(data) is not str or data.isascii() else len(data.encode())
+        return RECEIVE_SIZE - held - unparsed
+
+    async def _read_behind(self) -> bool | None:
+        """At a bound, with the next message held (``_ahead``): read the socket on,
+        the bytes fed to wsproto and left unparsed behind that message, and walk them
+        for a close frame (:func:`_close_in`, each byte once), which is answered at
+        once (:meth:`_close_ahead`). Only while the held message and the bytes behind
+        it stay within one read's bytes (:meth:`_room_behind`): past that, the loop
+        waits for room without reading, so what the client sends further waits in
+        its socket (the bound's backpressure). A read is cancelled when room frees.
+        Returns as :meth:`_wait_for_room` does."""
+        room = self._room_behind()
+        if room <= 0:
+            await self._room.park()
+            return None
+        data = None
+        with trio.CancelScope() as self._reading_ahead:
+            try:
+                data = await self.stream.receive_some(room)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return True  # reset by the peer: it is gone, as at EOF
+            finally:
+                self._reading_ahead = None
+        if data is None:
+            return None  # room freed
+        if not data:
+            self.ws.receive_data(None)  # EOF: the client is gone (1006)
+            return True
+        self.ws.receive_data(data)
+        self._unwalked += len(data)
+        found, self._unwalked = _close_in(self._frames, self._unwalked)
+        if found:
+            return await self._close_ahead()
         return None
 
     async def _close_ahead(self) -> bool | None:
@@ -384,7 +433,9 @@ class _Session:
         gets its pong first, in order (RFC 6455 5.5.2: no close has been sent yet).
         Returns as :meth:`_wait_for_room` does. Were there no close among them after
         all, the messages are kept (``_events``) and handled once room frees (their
-        pings already answered)."""
+        pings already answered), and nothing more is read behind them until then:
+        what is kept is no longer wsproto's, so no longer counted by
+        :meth:`_room_behind`. Bytes read later are parsed after them."""
         ws = self.ws
         held = []
         for event in self._events:
@@ -397,7 +448,8 @@ class _Session:
                 await self._send(ws.send(event.response()))
                 continue
             held.append(event)
-        self._events = held
+        self._events = itertools.chain(held, ws.events())
+        self._behind = False
         return None
 
     async def _closed(self, event: CloseConnection) -> bool:
@@ -478,7 +530,7 @@ class _Session:
                 pinged = False
                 quiet_at = trio.current_time() + ping_every
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
-            self._reads += 1
+            self._unwalked += len(data)
             events: Any = ws.events()
             waiting: str | bytes | None = None  # a message read, waiting for room
             try:

@@ -56,6 +56,23 @@ def _holds_close(frames: Any) -> bool:
     its decoder's state, so this reads it; were that to change, False (the close is
     then seen when the loop reaches it, as before). It only says where to look: the
     close itself is what wsproto's events report."""
+    return _close_in(frames, _ALL)[0]
+
+
+#: an ``unwalked`` count that walks all :func:`_close_in` may
+_ALL = 1 << 62
+
+
+def _close_in(frames: Any, unwalked: int) -> tuple[bool, int]:
+    """:func:`_holds_close`, walking only the last ``unwalked`` bytes of the decoder's
+    buffer (or from where the decoder stands, if that is further on): what an
+    earlier walk left unwalked plus the bytes fed since. The buffer only grows at
+    its end and drops parsed bytes at its front, so a count from its end stays true
+    between walks. Returns whether a close frame was found, and the bytes this walk
+    leaves unwalked (from the first frame not whole yet, or one wsproto would refuse,
+    to the end), for the next walk to add the bytes fed since to: so bytes fed a few
+    at a time are walked once, not once a read. ``unwalked`` as it was when the
+    decoder's state cannot be read."""
     try:
         header = frames.header
         buffer = frames.buffer
@@ -64,15 +81,17 @@ def _holds_close(frames: Any) -> bool:
         if header is not None:
             at += header.payload_len - frames.payload_consumed
         if type(data) is not bytearray or type(at) is not int:
-            return False
+            return False, unwalked
     except (AttributeError, TypeError):
-        return False
+        return False, unwalked
     end = len(data)
+    at = max(at, end - unwalked)
     while at + 2 <= end:
         first, second = data[at], data[at + 1]
         opcode, size = first & 0x0F, second & 0x7F
         if opcode not in _OPCODES or not second & 0x80:  # wsproto fails the stream here
-            return False
+            return False, end - at
+        start = at
         at += 2
         if size == 126:
             size = int.from_bytes(data[at:at + 2], "big")
@@ -82,7 +101,17 @@ def _holds_close(frames: Any) -> bool:
             at += 8
         at += 4 + size  # the mask (a client's frames are masked) and the payload
         if at > end:  # cut by the read: what follows is not read yet
-            return False
+            return False, end - start
         if opcode == 0x8:
-            return True
-    return False
+            return True, end - at
+    return False, end - at
+
+
+def _unparsed(frames: Any) -> int | None:
+    """The bytes fed to wsproto's frame decoder (``frames``) and not parsed yet;
+    None where its state cannot be read (see :func:`_holds_close`)."""
+    try:
+        left = len(frames.buffer.buffer) - frames.buffer.bytes_used
+    except (AttributeError, TypeError):
+        return None
+    return left if type(left) is int else None
