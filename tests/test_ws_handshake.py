@@ -152,6 +152,31 @@ async def test_an_upgrade_that_cannot_happen_says_why(head, why):
     assert [v for v in head_lines if v.startswith(b"connection:")] == [b"connection: close"]
 
 
+@pytest.mark.parametrize("closing", ["client-asks", "server-leaving"])
+async def test_a_426_that_closes_the_connection_has_one_connection_line(closing):
+    """A plain GET of /v2/stream is 426 with ``Upgrade`` and ``upgrade`` in
+    ``Connection``; when the connection then closes (the client sent ``Connection:
+    close``, or the server is leaving, its drain delay) ``close`` joins it in the
+    same field line: there were two, ``Connection: close`` and ``Connection:
+    upgrade``, which a client reading one line takes for one option."""
+    head = b"GET /v2/stream HTTP/1.1\r\nHost: x\r\n"
+    if closing == "client-asks":
+        head += b"Connection: close\r\n"
+    async with serving(config(echo_model())) as gw, trio.open_nursery() as nursery:
+        if closing == "server-leaving":
+            nursery.start_soon(gw.leave, 3600)
+            await settle()
+        data = await _handshake_answer(gw, head + b"\r\n")
+        nursery.cancel_scope.cancel()
+    assert data.startswith(b"HTTP/1.1 426 ")
+    lines = data.partition(b"\r\n\r\n")[0].split(b"\r\n")
+    found = [line for line in lines if line.lower().startswith(b"connection:")]
+    assert len(found) == 1, found
+    options = {o.strip().lower() for o in found[0].partition(b":")[2].split(b",")}
+    assert options == {b"close", b"upgrade"}
+    assert b"upgrade: websocket" in [line.lower() for line in lines]
+
+
 async def test_a_websocket_upgrade_needs_http_1_1():
     async with serving(config(echo_model())) as gw:
         sock = await trio.open_tcp_stream(*gw.addresses[0])

@@ -492,9 +492,34 @@ def _response(h: h11.Connection, status: int, headers: Headers, body: bytes, clo
         headers.append((b"connection", b"close"))
     reason = _REASONS.get(status, b"")
     out = h.send(h11.Response(status_code=status, headers=headers, reason=reason))
+    if out.lower().count(b"\r\nconnection:") > 1:
+        out = _one_connection_line(out)
     if body:
         out += h.send(_Data(data=body))
     return out + h.send(_EndOfMessage())
+
+
+def _one_connection_line(head: bytes) -> bytes:
+    """``head`` (a response's head, as h11 wrote it) with its Connection field lines
+    made one, their options joined in order. An answer that names an option of its
+    own (the 426's ``upgrade``) and closes the connection had two: h11 writes a line
+    per option when it closes (``Connection: close``, ``Connection: upgrade``), and a
+    ``close`` added for a drain was a line of its own. RFC 9110 5.3 lets a recipient
+    join them, but a client that reads one line sees only one option."""
+    kept: list[bytes] = []
+    options: list[bytes] = []
+    at = -1
+    for line in head[:-4].split(b"\r\n"):  # the head ends with an empty line
+        name, colon, value = line.partition(b":")
+        if colon and name.strip().lower() == b"connection":
+            if at < 0:
+                at = len(kept)
+                kept.append(b"")
+            options.append(value.strip())
+        else:
+            kept.append(line)
+    kept[at] = b"Connection: " + b", ".join(options)
+    return b"\r\n".join(kept) + b"\r\n\r\n"
 
 
 async def _send_quietly(c: _Connection, status: int, headers: Headers, body: bytes) -> None:
