@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
+import subprocess
+import sys
 
 import pytest
 import trio
+import trioserve
 from http_helpers import config, echo_model, serving
 from trioserve.transport import bench_http_main
 from trioserve.transport._client import open_http
@@ -154,3 +158,60 @@ def test_a_url_bench_says_where_its_offline_figure_was_measured():
     assert ("  offline        1,000 items/s at batch 64 (the built-in 'mlp' at its "
             "defaults, on this machine)  → served/offline 0.10") in text
     assert "  requests/s     100   (100 ok, 0 errors)" in text
+
+
+def test_a_url_bench_that_cannot_reach_its_server_imports_no_torch(tmp_path):
+    """The offline figure of a built-in torch model (``mlp``, the default) is
+    measured once the server has answered: a bench that cannot reach it exits at
+    once, without torch's import (seconds) and the offline loop (3 s) first."""
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import sys\n"
+        "from trioserve.cli import main\n"
+        f"rc = main(['bench', '--url', 'http://127.0.0.1:{port}', '--duration', '0.1',"
+        f" '--json', {str(tmp_path / 'b.json')!r}])\n"
+        "print(rc, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.stdout.split() == ["1", "False"], done.stderr
+    assert f"cannot reach http://127.0.0.1:{port}" in done.stderr
+
+
+@pytest.mark.parametrize("served", [True, False])
+async def test_a_url_bench_measures_its_offline_figure_after_the_server_answered(
+    tmp_path, capsys, monkeypatch, served
+):
+    """The offline figure is measured after the served run, and not at all for a
+    model the server does not serve."""
+    from trioserve import _bench
+
+    measured: list[int] = []
+
+    def offline(cfg, **kw):
+        measured.append(sum(n for (_, _, status), n in gw.requests.items() if status == 200))
+        return {"batch_size": 64, "items_per_s": 1000.0}
+
+    monkeypatch.setattr(_bench, "offline_throughput", offline)
+    model = trioserve.ModelConfig(name="mlp" if served else "other", backend="echo",
+                                  max_wait_ms=0.0)
+    async with serving(config(model)) as gw:
+        args = argparse.Namespace(
+            url=gw.url, model="mlp", concurrency=2, duration=0.5, warmup=0.0,
+            batch_dim=1, stream=False, json=str(tmp_path / "b.json"), no_offline=False,
+        )
+        if served:
+            assert await trio.to_thread.run_sync(bench_http_main, args) == 0
+        else:
+            with pytest.raises(SystemExit):
+                await trio.to_thread.run_sync(bench_http_main, args)
+    if served:
+        assert len(measured) == 1
+        assert measured[0] > 0  # the served run came first
+        res = json.loads((tmp_path / "b.json").read_text())
+        assert res["offline"]["items_per_s"] == 1000.0
+        assert "served/offline" in capsys.readouterr().out
+    else:
+        assert measured == []

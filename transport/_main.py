@@ -324,18 +324,14 @@ def bench_http_main(args: Any) -> int:
 
     from ._bench import bench_http
 
-    offline = note = None
+    offline = note = builtin = None
     if not getattr(args, "no_offline", False):
-        try:  # a built-in model of that name: measure its offline limit here
+        try:  # a built-in model of that name: its offline limit is measured here
             builtin = ModelConfig(name=args.model, backend=args.model)
         except ConfigError:
             builtin = None
         if builtin is not None:
             note = no_offline_note(builtin)
-            if note is None:
-                offline = offline_throughput(builtin)
-                # the server's model may differ (its config, its machine)
-                offline["where"] = f"the built-in {args.model!r} at its defaults, on this machine"
     try:
         res = trio.run(
             lambda: bench_http(
@@ -368,6 +364,13 @@ def bench_http_main(args: Any) -> int:
             file=sys.stderr,
         )
         return 1
+    if builtin is not None and note is None and res["requests"]:
+        # Once the server has answered: the offline loop loads the model here (for
+        # a torch model, torch's import alone takes seconds), which a bench that
+        # cannot reach the server, or one it answers with errors only, does not need.
+        offline = offline_throughput(builtin)
+        # the server's model may differ (its config, its machine)
+        offline["where"] = f"the built-in {args.model!r} at its defaults, on this machine"
     if offline:
         res["offline"] = offline
         res["served_over_offline"] = res["items_per_s"] / offline["items_per_s"]
