@@ -443,3 +443,93 @@ def test_the_client_sends_and_reads_non_finite_values():
     assert b"[1.5,NaN,Infinity,-Infinity]" in body
     x = InferRequest.from_v2_json(body, OPEN).items[0]["x"]
     np.testing.assert_array_equal(x, NON_FINITE)
+
+
+# ------------------------------------------------- nested data against the shape
+def _nested_outcome(data, shape, datatype="FP32", spec_shape=(-1, -1)):
+    """The input's array, or the refusal's message, for ``data`` of ``shape``."""
+    sig = signature([TensorSpec(name="x", datatype=datatype, shape=spec_shape)])
+    doc = {"inputs": [{"name": "x", "shape": shape, "datatype": datatype, "data": data}]}
+    try:
+        req = parse(doc, sig)
+    except InvalidInput as exc:
+        return str(exc)
+    arrays = [it["x"] for it in req.items]  # one, or one per row of a batch dimension
+    return arrays[0] if len(shape) == len(spec_shape) else np.stack(arrays)
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "FP64", "FP16", "INT32", "UINT8", "BYTES"])
+def test_nested_data_must_be_nested_as_the_shape(datatype):
+    """Nested data is the tensor in its multi-dimensional form (the v2 protocol's):
+    three rows of two are not a [2, 3] tensor, though they hold six values (it was
+    taken, reshaped). Flat data of the right length, or data nested as the shape, is."""
+    rows = [[1, 2], [3, 4], [5, 6]]
+    if datatype == "BYTES":
+        rows = [[str(v) for v in row] for row in rows]
+    assert _nested_outcome(rows, [2, 3], datatype) == (
+        "input 'x': 'data' is nested as [3, 2], but 'shape' is [2, 3]: send the data "
+        "nested as the shape, or flat"
+    )
+    flat = [v for row in rows for v in row]
+    for data, shape in ((flat, [2, 3]), (flat, [3, 2]), (rows, [3, 2])):
+        got = _nested_outcome(data, shape, datatype)
+        assert not isinstance(got, str), got
+        assert got.shape == tuple(shape)
+        assert got.reshape(-1).tolist() == flat
+
+
+@pytest.mark.parametrize(
+    ("data", "shape", "nesting"),
+    [
+        ([[1, 2, 3, 4], [5, 6, 7, 8]], [2, 2, 2], [2, 4]),  # nested less deep
+        ([[[1, 2], [3, 4]], [[5, 6], [7, 8]]], [2, 4], [2, 2, 2]),  # deeper
+        ([[[1, 2], [3, 4]], [[5, 6], [7, 8]]], [4, 2], [2, 2, 2]),
+        ([[1, 2, 3, 4, 5, 6]], [6], [1, 6]),
+        ([[1], [2]], [1, 2], [2, 1]),
+    ],
+)
+def test_a_nesting_other_than_the_shape_is_refused_saying_both(data, shape, nesting):
+    got = _nested_outcome(data, shape, spec_shape=(-1,) * len(shape))
+    assert got == (f"input 'x': 'data' is nested as {nesting}, but 'shape' is {shape}: "
+                   "send the data nested as the shape, or flat")
+
+
+def test_nested_data_as_a_shape_with_a_batch_dimension_is_taken():
+    got = _nested_outcome([[[1, 2], [3, 4]], [[5, 6], [7, 8]]], [2, 2, 2])
+    assert got.shape == (2, 2, 2)
+    assert got.reshape(-1).tolist() == list(range(1, 9))
+
+
+def test_ragged_nested_bytes_data_is_refused():
+    assert _nested_outcome([["a", "b"], ["c"]], [3], "BYTES", (-1,)) == (
+        "input 'x': data is not a regular array")
+    assert _nested_outcome(["a", ["b", "c"]], [3], "BYTES", (-1,)) == (
+        "input 'x': data is not a regular array")
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "FP64"])
+def test_a_large_body_read_by_simdjson_checks_the_nesting_too(datatype):
+    """A body of 16 KiB or more is decoded by simdjson straight into an array: its rows
+    keep their nesting, which is checked as on the other path."""
+    from trioserve.transport._request_json import NUMERIC_PARSE_MIN, _loads_numeric
+
+    rows = [[float(i * 8 + j) for j in range(8)] for i in range(600)]
+    sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1, -1))])
+
+    def body(shape, data):
+        return dumps({"inputs": [{"name": "x", "shape": shape, "datatype": datatype,
+                                  "data": data}]})
+
+    wrong = body([8, 600], rows)
+    assert len(wrong) >= NUMERIC_PARSE_MIN
+    assert _loads_numeric(wrong) is not None  # this path, not orjson's
+    with pytest.raises(InvalidInput) as info:
+        InferRequest.from_v2_json(wrong, sig)
+    assert str(info.value) == ("input 'x': 'data' is nested as [600, 8], but 'shape' is "
+                               "[8, 600]: send the data nested as the shape, or flat")
+    flat = [v for row in rows for v in row]
+    for shape, data in (([600, 8], rows), ([8, 600], flat)):
+        (item,) = InferRequest.from_v2_json(body(shape, data), sig).items
+        x = item["x"]
+        assert x.shape == tuple(shape)
+        assert x.reshape(-1).tolist() == flat
