@@ -737,35 +737,3 @@ def test_the_error_table_of_docs_embedding_md_gives_each_errors_status():
         status = error_answer(getattr(trioserve, name)("x"))[0]
         assert (name, status) == (name, int(code))
 
-
-
-@pytest.mark.parametrize("size", ["small", "large"])
-async def test_data_nested_otherwise_than_its_shape_is_400_over_http_and_stream(
-    server, size
-):
-    """Three rows of two sent as a [2, 3] tensor were taken (six values, reshaped);
-    nested data is the tensor in its multi-dimensional form: 400 saying both, over
-    HTTP and /v2/stream, in a small body and in one large enough for simdjson's path.
-    The same data flat, or nested as the shape, is answered."""
-    rows, cols = (3, 2) if size == "small" else (1200, 2)
-    nested = [[float(i * cols + j) for j in range(cols)] for i in range(rows)]
-    flat = [v for row in nested for v in row]
-    x = {"name": "x", "datatype": "FP32"}
-    wrong = {"inputs": [{**x, "shape": [cols, rows], "data": nested}]}
-    message = (f"input 'x': 'data' is nested as [{rows}, {cols}], but 'shape' is "
-               f"[{cols}, {rows}]: send the data nested as the shape, or flat")
-    res = await post(server, "/v2/models/echo/infer", wrong)
-    assert (res.status, error_of(res)) == (400, message)
-    async with open_stream(server.url) as stream:
-        await stream.send_raw(orjson.dumps({"id": "n", "model": "echo", **wrong}).decode())
-        reply = await stream.receive()
-        assert (reply.id, reply.status, reply.error) == ("n", 400, message)
-        for shape, data in (([cols, rows], flat), ([rows, cols], nested)):
-            doc = {"inputs": [{**x, "shape": shape, "data": data}]}
-            res = await post(server, "/v2/models/echo/infer", doc)
-            assert res.status == 200
-            assert res.json()["outputs"][0]["shape"] == shape
-            await stream.send_raw(orjson.dumps({"id": "ok", "model": "echo", **doc}).decode())
-            reply = await stream.receive()
-            assert reply.status == 200
-            assert reply.outputs["x"].shape == tuple(shape)

@@ -171,8 +171,6 @@ def _from_json(
     if type(data) is np.ndarray:  # decoded straight to the dtype (_loads_numeric)
         arr = data
     elif dtype.kind == "O":
-        if any(type(v) is list for v in data):
-            _check_nesting(name, _nesting(name, data), shape)
         flat = _flatten(data)
         if not all(isinstance(v, str) for v in flat):
             raise InvalidInput(f"input {name!r}: BYTES data must be strings")
@@ -195,46 +193,11 @@ def _from_json(
             in_range = not (np.isfinite(given) & ~np.isfinite(arr.reshape(-1))).any()
         if not in_range:
             raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
-    if arr.ndim > 1:  # nested data: its nesting is the shape's (flat data is any)
-        _check_nesting(name, arr.shape, shape)
     if arr.size != count:
         raise InvalidInput(
             f"input {name!r}: shape {shape} holds {count} values, 'data' has {arr.size}"
         )
     return arr
-
-
-def _check_nesting(name: str, nesting: tuple[int, ...], shape: list[int]) -> None:
-    """Nested ``data`` is the tensor in its multi-dimensional form (the v2
-    protocol's), so its nesting (the lengths of its lists, outermost first) must be
-    ``shape``: ``[[1, 2], [3, 4], [5, 6]]`` is not a ``[2, 3]`` tensor, though it
-    holds six values. Flat data of the right length is taken for any shape."""
-    if list(nesting) != shape:
-        raise InvalidInput(
-            f"input {name!r}: 'data' is nested as {list(nesting)}, but 'shape' is "
-            f"{shape}: send the data nested as the shape, or flat"
-        )
-
-
-def _nesting(name: str, data: list[Any]) -> tuple[int, ...]:
-    """The nesting of ``data`` (BYTES data: numpy's would read the strings), its lists'
-    lengths outermost first; InvalidInput when its lists are not a regular array."""
-    dims = []
-    level: list[Any] = data
-    while type(level) is list:
-        dims.append(len(level))
-        level = level[0] if level else None
-    rows = [data]
-    for depth, width in enumerate(dims):
-        inner = depth + 1 < len(dims)
-        for row in rows:
-            if type(row) is not list or len(row) != width:
-                raise InvalidInput(f"input {name!r}: data is not a regular array")
-            if not inner and any(type(v) is list for v in row):
-                raise InvalidInput(f"input {name!r}: data is not a regular array")
-        if inner:
-            rows = [v for row in rows for v in row]
-    return tuple(dims)
 
 
 def _convert(
@@ -322,9 +285,7 @@ def _pack(data: list[Any], dtype: np.dtype, count: int) -> np.ndarray | None:
                 packer.pack_into(buf, i * step, *row)
     except (struct.error, OverflowError):  # a non-number, a row of another length, an
         return None  # int out of range
-    arr = np.frombuffer(buf, dtype=dtype)
-    # rows keep their nesting, for _from_json to check against the shape
-    return arr if width == count else arr.reshape(len(data), width)
+    return np.frombuffer(buf, dtype=dtype)
 
 
 def _may_hold_bool(text: bytes | bytearray | str) -> bool:
