@@ -293,14 +293,15 @@ def control_app(gateway: Gateway) -> QuartTrio:
         # that is to close. Only a connection that stays open can be upgraded.
         upgrading = "websocket" in request.headers.get("Upgrade", "").lower()
         tokens = {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
-        headers = {"Upgrade": "websocket"}
+        # a sender of Upgrade lists it in Connection (RFC 9110 7.8): with the close
+        # a connection that cannot be upgraded gets, one field line (transport/_http.py)
+        headers = {"Upgrade": "websocket", "Connection": "upgrade"}
         if request.http_version != "1.1":
             why = "a WebSocket upgrade needs HTTP/1.1"
         elif upgrading and "close" in tokens:
             why = "'Connection: close' ends the connection it would upgrade"
         else:
             why = "send 'Upgrade: websocket'"
-            headers["Connection"] = "upgrade"
         return json(error_body(f"/v2/stream is a WebSocket endpoint: {why}"), 426, headers)
 
     @app.get("/metrics")
