@@ -323,7 +323,8 @@ def item_list(model: str, items: Any, call: str, *, stacked: bool = True) -> Any
     """``items`` of an ``infer_batch`` (``stacked``: a mapping of stacked inputs is
     taken too) or ``infer_many`` call: a mapping or a sized sequence as it is, any
     other iterable as a list; InvalidInput, naming the model, for a value that holds
-    no items (None, a number, a 0-d array), and UnorderedItems (InvalidInput and
+    no items (None, a number, a 0-d array) or is one value though iterable (a str,
+    bytes or bytearray), and UnorderedItems (InvalidInput and
     TypeError) for a set or frozenset (a dict's keys or items view keeps its order)."""
     takes = "a sequence of items" + (
         " or a mapping input name -> stacked array" if stacked else ""
@@ -332,6 +333,13 @@ def item_list(model: str, items: Any, call: str, *, stacked: bool = True) -> Any
         raise UnorderedItems(
             f"model {model!r}: {call} takes {takes}, got a {type(items).__qualname__}, "
             "which has no order: the answers come in the items' order, so pass a list"
+        )
+    if isinstance(items, (str, bytes, bytearray)):
+        # iterable, each character (or byte) would be taken for an item: "abc" was
+        # three items, refused as "expected FP32, got BYTES" for the first of them
+        raise InvalidInput(
+            f"model {model!r}: {call} takes {takes}, got a {type(items).__qualname__} "
+            "(one value, not a list of items: pass [value] for one item)"
         )
     if isinstance(items, Mapping):
         if stacked:

@@ -363,6 +363,21 @@ async def test_infer_batch_of_no_sequence_of_items_is_invalid_input(rt, seen, it
     assert (await rt.infer_batch("one", [[1, 2, 3, 4]]))[0]["y"].tolist() == [10.0]
 
 
+# Regression: a str was taken as a sequence of its characters, one item each.
+@pytest.mark.parametrize("items", ["abcd", b"abcd", bytearray(b"abcd")])
+async def test_infer_batch_of_a_str_or_bytes_is_refused_saying_it_wants_a_list(
+    rt, seen, items
+):
+    with pytest.raises(InvalidInput) as caught:
+        await rt.infer_batch("one", items)
+    assert str(caught.value) == (
+        "model 'one': infer_batch takes a sequence of items or a mapping input name -> "
+        f"stacked array, got a {type(items).__name__} (one value, not a list of items: "
+        "pass [value] for one item)"
+    )
+    assert seen["one"].items == []
+
+
 # Regression: a set of items was taken, its answers in the set's order, which is no
 # order of the caller's: nothing told which answer was whose.
 @pytest.mark.parametrize("kind", [set, frozenset])

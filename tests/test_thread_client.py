@@ -335,6 +335,20 @@ def test_infer_many_of_no_sequence_of_items_is_invalid_input(served, inputs):
     assert served.infer_many("double", iter([item(1)]))[0]["y"].tolist() == [3.0]
 
 
+# Regression: a str was iterated as its characters, each taken for an item, and the
+# call failed on the first of them with "expected FP32, got BYTES".
+@pytest.mark.parametrize("inputs", ["abc", b"abc", bytearray(b"abc")])
+def test_infer_many_of_a_str_or_bytes_is_refused_saying_it_wants_a_list(served, inputs):
+    with pytest.raises(InvalidInput) as caught:
+        served.infer_many("double", inputs)
+    assert str(caught.value) == (
+        "model 'double': infer_many takes a sequence of items, got a "
+        f"{type(inputs).__name__} (one value, not a list of items: pass [value] for one "
+        "item)"
+    )
+    assert served.infer_many("double", [item(1)])[0]["y"].tolist() == [3.0]
+
+
 def test_infer_many_of_a_set_is_refused_saying_to_pass_a_list(served):
     """A set's results came back in the set's order, matching no order of the
     caller's."""
