@@ -37,6 +37,7 @@ from ._config_checks import (
     _str,
     _strs,
     _tuple,
+    yaml_hint,
 )
 from ._errors import ConfigError
 from ._model import ModelBackend
@@ -754,7 +755,7 @@ def load_config(path: str | PathLike[str] | None = None) -> Config:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        raise ConfigError(f"{path}: invalid TOML: {exc}{yaml_hint(path, text)}") from None
     except ValueError as exc:  # an integer of more digits than int() converts
         raise ConfigError(f"{path}: invalid TOML: {str(exc).partition(';')[0]}") from None
     except RecursionError:

@@ -5,7 +5,9 @@ value must be; ``_field`` makes an attrs field whose ConfigError names the key
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
+from os import PathLike
 from typing import Any
 
 import attrs
@@ -186,3 +188,24 @@ def _checked(check: Callable[[Any], None]):
 
 def _field(check: Callable[[Any], None], default: Any = attrs.NOTHING, **kw: Any) -> Any:
     return attrs.field(default=default, validator=_checked(check), **kw)
+
+
+#: A line as YAML writes a mapping's key (``models:``, ``max_batch_size: 64``) or a
+#: document's start (``---``); in TOML a key is followed by ``=``.
+_YAML_LINE = re.compile(r"---\s*|[A-Za-z_][\w.-]*:(\s.*)?|- \S.*")
+
+
+def yaml_hint(path: str | PathLike[str], text: str) -> str:
+    """A hint for a file that fails as TOML and is named or written as YAML: the
+    config is TOML. Empty for any other file."""
+    named = str(path).lower().endswith((".yaml", ".yml"))
+    first = next(
+        (s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")),
+        "",
+    )
+    if not (named or _YAML_LINE.fullmatch(first)):
+        return ""
+    return (
+        " (the config file is TOML, not YAML: `key = value` lines under `[table]` "
+        "headers; docs/configuration.md)"
+    )

@@ -463,6 +463,44 @@ def test_invalid_toml_is_named(tmp_path):
     assert "line 1" in str(excinfo.value)
 
 
+YAML_HINT = (
+    " (the config file is TOML, not YAML: `key = value` lines under `[table]` headers; "
+    "docs/configuration.md)"
+)
+
+
+# Regression: a YAML file failed with TOML's accurate but puzzling "Expected '=' after
+# a key in a key/value pair", nothing saying that the config is TOML.
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("serve.yaml", "models:\n  mlp:\n    backend: mlp\n"),
+        ("serve.YML", "# my config\n\nmodels:\n  mlp:\n    backend: mlp\n"),
+        ("serve.toml", "models:\n  mlp:\n    backend: mlp\n"),  # reads as YAML
+        ("serve.conf", "---\nmodels: {}\n"),
+        ("serve.yml", "[models.m\nbackend = 'echo'\n"),  # named so: the hint too
+    ],
+)
+def test_a_yaml_config_that_fails_as_toml_says_the_config_is_toml(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    message = str(excinfo.value)
+    assert message.startswith(f"{path}: invalid TOML: ")
+    assert message.endswith(f"){YAML_HINT}")  # after TOML's own "(at line L, column C)"
+
+
+def test_a_toml_error_in_a_toml_file_has_no_yaml_hint(tmp_path):
+    path = write(tmp_path, "[models.m]\nbackend: 'echo'\n")
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value) == (
+        f"{path}: invalid TOML: Expected '=' after a key in a key/value pair "
+        "(at line 2, column 8)"
+    )
+
+
 def test_a_file_that_is_not_utf8_is_named(tmp_path):
     path = tmp_path / "latin1.toml"
     path.write_bytes(b'[models.e]\nbackend = "echo"\n# caf\xe9\n')
