@@ -70,6 +70,7 @@ from ._straggler import (
     retried,
     split,
     split_failed,
+    to_retry,
 )
 from ._watchdog import Watchdog
 from ._worker_feed import WorkerFeed
@@ -526,7 +527,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         self._scheduler.completed(batch, failed=True)
         policy = self._timer.policy
         retry, poison = split_failed(
-            batch, poison_attempts=policy.poison_attempts, parts=policy.retry_parts
+            to_retry(batch), poison_attempts=policy.poison_attempts, parts=policy.retry_parts
         )
         for req in poison:
             req.reply.set_error(
@@ -557,13 +558,15 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 "other replicas succeed", self.name, _text(exc),
             )
         alive = [r for r in batch if r.reply.answerable]
-        if len(batch) > 1 and alive:  # not alone: any one of them may be the cause
-            self._scheduler.completed(batch, failed=True)
-            for r in alive:
-                r.reply.suspect = True
-            self._metrics.statuses["retried"] += len(alive)
-            self._scheduler.retry(split(alive, self._timer.policy.retry_parts))
-            return opened
+        if len(batch) > 1:  # not alone: any one of them may be the cause
+            parts = alive if len(alive) == len(batch) else to_retry(batch)
+            if parts:
+                self._scheduler.completed(batch, failed=True)
+                for r in parts:
+                    r.reply.suspect = True
+                self._metrics.statuses["retried"] += len(parts)
+                self._scheduler.retry(split(parts, self._timer.policy.retry_parts))
+                return opened
         if len(alive) == 1 and self._elsewhere(alive[0]):
             # A part of a failed batch raised alone here: run it once on another
             # replica. An input bad for the model raises there too (and gets the

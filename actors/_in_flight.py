@@ -16,7 +16,9 @@ A request answered so may have others waiting for what its batch computes (the
 other callers of a coalesced flight: ``Reply.late``). It is told when its request
 is answered (``late.expect()``), the batch's answer hands it the item's outcome, and
 a batch that leaves without one (it failed, was cut off or handed back, its worker
-lost) settles it with None as it leaves, so that those waiting run it again instead.
+lost) settles it with None as it leaves, so that those waiting run it again instead;
+unless the batch was split for a retry and the item carried into a part
+(``late.carry()``, see ``to_retry``): that part's answer settles it.
 
 Wall time, not a trio timer: under ``MockClock(autojump_threshold=0)`` a trio timer
 fires at once whenever the loop waits for a thread or a pipe, and every request in a
@@ -101,7 +103,8 @@ class _BatchDeadlines:
         late, self._late = self._late, None
         if late is not None:
             for hook in late:
-                hook.settle(None)
+                if not hook.carried:  # one carried into a retry is settled by its part
+                    hook.settle(None)
         calls, self._calls = self._calls, None
         if calls is not None:
             for call in calls:

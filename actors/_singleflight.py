@@ -86,20 +86,33 @@ class LateOutcome:
     DeadlineExceeded while its batch ran, the batch going on for others. The
     computation hangs it on its request (``Reply.late``); the replica calls
     :meth:`expect` when it answers the request so, then :meth:`settle` once with
-    the batch's outcome for the item (None: none came). ``keep``: what the
-    computation does with a value it returns (the cache actor keeps it in the cache),
-    done to a late value too. Neither call is a checkpoint."""
+    the batch's outcome for the item (None: none came). If that batch fails and is
+    split for a retry, the item runs again in its part, carried by a request of its
+    own (:meth:`carry`), whose answer settles this. ``keep``: what the computation
+    does with a value it returns (the cache actor keeps it in the cache), done to a
+    late value too. None of its methods is a checkpoint."""
 
-    __slots__ = ("_done", "call_at", "expected", "keep", "result")
+    __slots__ = (
+        "_carriers", "_done", "_watches", "abandoned", "call_at", "carried", "expected",
+        "keep", "result",
+    )
 
     def __init__(self) -> None:
         #: the work goes on after its request was answered: :meth:`settle` will come
         self.expected = False
+        #: its item runs again in a part of its failed batch (:meth:`carry`)
+        self.carried = False
+        #: nobody waits for its outcome any more (:meth:`abandon`)
+        self.abandoned = False
         self.result: outcome.Outcome | None = None
         self.keep: Callable[[Any], Any] | None = None
         #: see :meth:`expect`
         self.call_at: Callable[[float, Callable[[], object]], Callable[[], None]] | None = None
         self._done = trio.Event()
+        #: the waits kept on its clock (:meth:`watch`): [deadline, scope, disarm]
+        self._watches: list[list[Any]] | None = None
+        #: the replies of the requests carrying its item (:meth:`hold`)
+        self._carriers: list[Any] | None = None
 
     def expect(
         self,
@@ -110,19 +123,93 @@ class LateOutcome:
         on the clock the work's own deadlines are kept on (a replica's wall clock:
         trio's would pass at once under an autojumping MockClock while a thread
         runs), until the work is done at the latest, and returns what disarms it;
-        the waiters' own deadlines are kept with it. None: trio's."""
+        the waiters' own deadlines are kept with it (:meth:`watch`). None: trio's.
+        Called again, the waits move to the new clock."""
         self.expected = True
+        self._move(call_at)
+
+    def watch(self, deadline: float, scope: trio.CancelScope) -> Callable[[], None]:
+        """Cancel ``scope`` when the trio ``deadline`` passes on the work's clock (see
+        :meth:`expect`; trio's, as the scope's own deadline, when it has none), the
+        wait moving with the work to another clock (:meth:`carry`). Returns what
+        disarms it."""
+        entry: list[Any] = [deadline, scope, None]
+        self._arm(entry)
+        if self._watches is None:
+            self._watches = []
+        self._watches.append(entry)
+
+        def unwatch() -> None:
+            disarm, entry[2] = entry[2], None
+            if disarm is not None:
+                disarm()
+            if self._watches is not None and entry in self._watches:
+                self._watches.remove(entry)
+
+        return unwatch
+
+    def _arm(self, entry: list[Any]) -> None:
+        deadline, scope, _ = entry
+        if self.call_at is None:
+            scope.deadline = deadline
+        else:
+            scope.deadline = math.inf
+            entry[2] = self.call_at(deadline, scope.cancel)
+
+    def _move(
+        self, call_at: Callable[[float, Callable[[], object]], Callable[[], None]] | None
+    ) -> None:
         self.call_at = call_at
+        for entry in self._watches or ():
+            disarm, entry[2] = entry[2], None
+            if disarm is not None:
+                disarm()
+            self._arm(entry)
+
+    def carry(self, reply: Any) -> bool:
+        """The batch of its request failed and is split for a retry: its item runs
+        again in a part, carried by a request whose reply is ``reply`` and whose
+        answer settles this. Returns whether it is carried so; not when no outcome
+        was expected, one came already, or nobody wants it any more. The waits
+        move to trio's clock until then (the batch that kept them left), and the
+        batch that left does not settle it."""
+        if not self.expected or self.abandoned or self._done.is_set():
+            return False
+        self.carried = True
+        self._move(None)
+        self.hold(reply)
+        return True
+
+    def hold(self, reply: Any) -> None:
+        """``reply``'s request carries (a part of) its item (:meth:`carry`): it is
+        withdrawn should nobody want the outcome any more (:meth:`abandon`)."""
+        if self._carriers is None:
+            self._carriers = []
+        self._carriers.append(reply)
+
+    def abandon(self) -> None:
+        """Nobody waits for its outcome (any more): the requests carrying its item
+        are withdrawn, and none is carried from now on."""
+        self.abandoned = True
+        carriers, self._carriers = self._carriers, None
+        for reply in carriers or ():
+            reply.withdraw()
 
     def settle(self, result: outcome.Outcome | None) -> None:
         """The work's outcome for the request (None: none came); only the first
         counts. The work is done: its clock (:meth:`expect`'s ``call_at``) is
         dropped, which would keep the work (a replica's batch, its requests, whose
-        own reply holds this) alive."""
+        own reply holds this) alive, as are its carriers."""
         self.call_at = None
+        self._carriers = None
         if not self._done.is_set():
             self.result = result
             self._done.set()
+
+    @property
+    def settled(self) -> bool:
+        """Whether :meth:`settle` came."""
+        return self._done.is_set()
 
     async def wait(self) -> outcome.Outcome | None:
         """Wait for :meth:`settle` and return its outcome. A checkpoint."""
@@ -302,14 +389,14 @@ class SingleFlight:
     async def _wait_until(round_: _Round, deadline: float) -> bool:
         """Wait for the late ``round_`` to end, until ``deadline`` at most (on the
         late work's clock); return whether it ended. A checkpoint."""
-        call_at = round_.late.call_at if round_.late is not None else None
+        late = round_.late
         with trio.CancelScope() as scope:
             disarm = None
             if deadline < math.inf:
-                if call_at is None:
+                if late is None:
                     scope.deadline = deadline
                 else:
-                    disarm = call_at(deadline, scope.cancel)
+                    disarm = late.watch(deadline, scope)
             try:
                 await round_.done.wait()
             finally:
@@ -363,6 +450,15 @@ class SingleFlight:
         ``late.keep``) answers every waiter left, and this returns True. Otherwise
         (no such waiter; the work failed) it returns False, the late round being
         the flight's, for :meth:`_run_again` to end. A checkpoint when it waits."""
+        try:
+            return await self._wait_late_outcome(flight, exc, late)
+        finally:
+            if not late.settled:  # nobody waits for it (any more)
+                late.abandon()
+
+    async def _wait_late_outcome(
+        self, flight: _Flight, exc: Exception, late: LateOutcome
+    ) -> bool:
         round_ = flight.round
         driver = round_.driver
         bound = self._deadline_bound(exc, driver.deadline)

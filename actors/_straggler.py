@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import attrs
-from trioserve import Request, RequestState
+from trioserve import ReplyRelay, Request, RequestState
 
 _DISPATCHED = RequestState.DISPATCHED
 
@@ -113,13 +113,41 @@ def split(requests: list[Request], parts: int) -> list[list[Request]]:
     return out
 
 
+def to_retry(batch: list[Request]) -> list[Request]:
+    """The requests of a failed ``batch`` to run again in its parts, in its order:
+    those still waiting, and, in the place of one answered while the batch ran
+    (its deadline passed) whose item others still wait for (``Reply.late``), a
+    request carrying that item: its answer is theirs (``LateOutcome.carry``). It
+    costs nobody credits (the answered one paid for the item), has no deadline of
+    its own (each of those waiting keeps theirs) and is withdrawn when nobody waits
+    any more. The rest are left out."""
+    out = []
+    for r in batch:
+        reply = r.reply
+        if reply.state is _DISPATCHED:
+            out.append(r)
+            continue
+        late = reply.late
+        if late is None or not late.expected:
+            continue
+        relay = ReplyRelay(late.settle)
+        if late.carry(relay.reply):
+            relay.reply.attempts = reply.attempts
+            relay.reply.suspect = reply.suspect
+            out.append(attrs.evolve(
+                r, reply=relay.reply, deadline=math.inf, answer_expiry=False
+            ))
+    return out
+
+
 def split_failed(
     batch: list[Request], *, poison_attempts: int, parts: int = 2
 ) -> tuple[list[list[Request]], list[Request]]:
     """Split a batch that failed (timed out, crashed its worker, or raised) for retry.
 
     Returns (batches to retry, poison requests). Requests no longer dispatched (their
-    caller left, or already answered) are dropped. A batch of several is split in
+    caller left, or already answered) are dropped (pass :func:`to_retry`'s requests
+    to carry an answered one's item for those waiting for it). A batch of several is split in
     ``parts`` (halved by default; see ``StragglerPolicy.retry_parts``), so that
     retries narrow down to the request at fault while the others succeed; a request
     that failed alone counts an attempt (``reply.attempts``) and is poison once it

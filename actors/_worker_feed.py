@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from trioserve import RayReplica, Request, WorkerProcess
 
-from ._straggler import retried, split
+from ._straggler import retried, split, to_retry
 
 if TYPE_CHECKING:
     from ._in_flight import InFlight
@@ -276,13 +276,15 @@ class WorkerFeed:
             # their poison attempts): a few poison requests, bisected, would open
             # the breaker of a sound replica and hold every other request back.
             self._breaker.failure(trio.current_time())
-        self._in_flight.clear()
         if batches:
             # The staged ones first: they ran into nothing, and have waited already.
             for b in batches[1:]:
                 self._scheduler.completed(b, failed=True)
-            self._scheduler.retry(batches[1:])
+            self._scheduler.retry([to_retry(b) for b in batches[1:]])
             self._suspect(batches[0], f"its batch failed: {why}")
+        # after the retries are made: an item answered meanwhile that others wait
+        # for is carried into them, and its batch leaving must not settle it
+        self._in_flight.clear()
         raise _WorkerLost(why)
 
     async def _close_worker(self) -> None:

@@ -41,6 +41,7 @@ from ._errors import UnknownModel as UnknownModel
 from ._errors import exception_text as exception_text
 from ._front import Runtime as Runtime
 from ._messages import Reply as Reply
+from ._messages import ReplyRelay as ReplyRelay
 from ._messages import Request as Request
 from ._messages import RequestState as RequestState
 from ._model import V2_DTYPES as V2_DTYPES

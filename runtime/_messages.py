@@ -72,8 +72,9 @@ class Reply:
     #: replicas could run it: it is run once more elsewhere, and a result there is
     #: evidence against that replica (``Breaker.confirmed``). None: it has not.
     raised_on: Any = None
-    #: The ReplyGroup awaiting this reply with others (None: awaited by ``wait``).
-    group: ReplyGroup | None = None
+    #: The ReplyGroup awaiting this reply with others, or the ReplyRelay its answer
+    #: is handed to (None: awaited by ``wait``).
+    group: ReplyGroup | ReplyRelay | None = None
     #: (start, seconds) in trio time of the model execution (batch) that answered it;
     #: one tuple object per execution, shared by every request it answered. None
     #: until a result is delivered.
@@ -85,7 +86,10 @@ class Reply:
     #: ``late.settle(outcome)`` once the batch is done with it (the batch's
     #: ``outcome.Value`` or ``outcome.Error`` for its item; None: none came, the
     #: batch failed or was handed back). Read only for a request already answered:
-    #: it costs the others nothing. None: nobody waits.
+    #: it costs the others nothing. None: nobody waits. A batch split for a retry
+    #: after such an answer carries the item into its part with a request of its own
+    #: (``late.carry(reply)``: see ``ReplyRelay``), unless nobody wants it any more;
+    #: the batch that left then settles nothing (``late.carried``).
     late: Any = None
 
     def _transition(self, new: RequestState) -> None:
@@ -211,6 +215,24 @@ class ReplyGroup:
             result, reply._outcome = reply._outcome, None
             out.append(result)
         return out
+
+
+class ReplyRelay:
+    """A dispatched reply awaited by no task: its answer, when it comes, is handed to
+    ``to(outcome)`` (from the batcher's task, as it answers). For the request that
+    carries an answered request's item into a part of its failed batch (others wait
+    for that item's outcome: ``Reply.late``)."""
+
+    __slots__ = ("_to", "reply")
+
+    def __init__(self, to: Any) -> None:
+        self._to = to
+        self.reply = Reply(state=DISPATCHED, group=self)
+
+    def _settled(self) -> None:
+        reply = self.reply
+        result, reply._outcome = reply._outcome, None
+        self._to(result)
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -334,14 +334,36 @@ async def test_a_batch_that_fails_after_the_leaders_deadline_runs_again_for_the_
     assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (1, 0, 0)
 
 
-async def test_a_batch_split_after_the_leaders_deadline_runs_again_for_the_follower(
+async def _split_with_poison(rt, callers, mock_clock, dog, model) -> None:
+    """The leader's item and a poison one (a caller 0.1 s later) run in one batch; a
+    follower joins the leader at 0.05; the leader's deadline passes while the batch
+    runs (the leader alone is answered); the batch then raises and is split for a
+    retry, each item alone."""
+    await callers.start("leader", 5.0)
+    mock_clock.jump(0.05)
+    await callers.start("follower", 5.0)
+    mock_clock.jump(0.05)
+    await callers.start("poison", 666.0)  # fills the batch: it runs
+    # its thread may not have called the model yet
+    assert await trio.to_thread.run_sync(model.entered.wait, GATE_LIMIT_S)
+    assert model.seen == [5.0, 666.0]
+    # the leader's 1 s, not the poison caller's (its batch came in at 0.1 in trio
+    # time, 0.0 on the replica's clock)
+    dog.advance(0.9)
+    await trio.testing.wait_all_tasks_blocked()
+    assert list(callers.got) == ["leader"]
+    assert isinstance(callers.got["leader"][0], DeadlineExceeded)
+    model.release()
+
+
+async def test_a_batch_split_after_the_leaders_deadline_answers_the_follower_from_its_part(
     mock_clock, manual_watchdog
 ):
-    """The leader's item and a poison one (a caller 0.1 s later) run in one batch;
-    the leader's deadline passes while it runs, and the batch raises: it is retried
-    in parts, the poison item alone (the leader's, answered, is not run again), so
-    no answer for the follower comes of it: the flight runs again for the follower,
-    which gets its answer; the poison item's caller gets the model's error."""
+    """The leader's deadline passes while its batch runs, and the batch raises (a
+    poison item in it): it is retried in parts, the leader's item among them in its
+    place although the leader was answered, and that part's answer is the
+    follower's. Nothing runs again from the back of the queue, and nobody pays
+    twice: the leader paid for its item, the poison caller for its own."""
     model = HeldOnce(poison=666.0)
     try:
         async with trioserve.open_runtime(
@@ -350,35 +372,92 @@ async def test_a_batch_split_after_the_leaders_deadline_runs_again_for_the_follo
             dog = manual_watchdog.made[-1]
             async with trio.open_nursery() as nursery:
                 callers = Callers(rt, nursery)
-                await callers.start("leader", 5.0)
-                mock_clock.jump(0.05)
-                await callers.start("follower", 5.0)
-                mock_clock.jump(0.05)
-                await callers.start("poison", 666.0)  # fills the batch: it runs
-                # its thread may not have called the model yet
-                assert await trio.to_thread.run_sync(model.entered.wait, GATE_LIMIT_S)
-                assert model.seen == [5.0, 666.0]
-                # the leader's 1 s, not the poison caller's (its batch came in at
-                # 0.1 in trio time, 0.0 on the replica's clock)
-                dog.advance(0.9)
+                await _split_with_poison(rt, callers, mock_clock, dog, model)
+                await callers.answered["poison"].wait()  # its part ran last
                 await trio.testing.wait_all_tasks_blocked()
-                assert list(callers.got) == ["leader"]
-                assert isinstance(callers.got["leader"][0], DeadlineExceeded)
-                model.release()
-                await callers.answered["poison"].wait()
+                assert callers.got["follower"] == (11.0, 0.1)
+                assert flow(rt)["queued"] == 0  # nothing runs again from the queue
+            stats, cache = flow(rt), rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+    finally:
+        model.release()
+    assert callers.got["follower"] == (11.0, 0.1)
+    assert isinstance(callers.got["poison"][0], trioserve.ModelError)
+    assert model.seen == [5.0, 666.0, 5.0, 666.0]  # the batch, then its parts in order
+    assert (stats["dispatched"], stats["expired_running"]) == (2, 1)
+    assert used == 2  # the leader's, the poison caller's
+    assert (cache["computations"], cache["coalesced"]) == (2, 1)
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+
+
+class HeldTwice(HeldOnce):
+    """:class:`HeldOnce` whose second call of the key ``held`` waits for
+    :meth:`release_again` too (its thread, once in, sets ``entered_again``)."""
+
+    def __init__(self, *, held: float, **kw) -> None:
+        super().__init__(**kw)
+        self.held = held
+        self.again = threading.Event()
+        self.entered_again = threading.Event()
+
+    def __call__(self, items):
+        keys = [key(it) for it in items]
+        if self.seen and self.held in keys and self.held in self.seen:
+            with self._lock:
+                self.seen.extend(keys)
+            self.entered_again.set()
+            self.again.wait(GATE_LIMIT_S)
+            return [{"y": it["x"] * 2 + 1} for it in items]
+        return super().__call__(items)
+
+    def release_again(self) -> None:
+        self.again.set()
+
+
+async def test_a_follower_whose_deadline_passes_while_the_leaders_item_runs_in_a_part(
+    mock_clock, manual_watchdog
+):
+    """As above, but the part holding the leader's item hangs: the follower's own
+    deadline (1.05) passes while it runs, and the follower gets its own
+    DeadlineExceeded then, in its own terms; nobody waits for the part's answer any
+    more, which then answers nobody, and nothing runs again."""
+    model = HeldTwice(held=5.0, poison=666.0)
+    try:
+        async with trioserve.open_runtime(
+            coalesced(model, max_batch_size=2, max_wait_ms=500.0)
+        ) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await _split_with_poison(rt, callers, mock_clock, dog, model)
                 await trio.testing.wait_all_tasks_blocked()
-                assert flow(rt)["queued"] == 1  # the follower's own run
-                mock_clock.jump(0.5)  # its batch's max_wait_ms
+                assert flow(rt)["queued"] == 0  # nothing runs again from the queue
+                assert await trio.to_thread.run_sync(model.entered_again.wait, GATE_LIMIT_S)
+                assert rt.cache_statistics()["in_flight"] == 2  # the poison's waits too
+                mock_clock.jump(0.949)  # 1.049: the follower has 1 ms left
+                await trio.testing.wait_all_tasks_blocked()
+                assert "follower" not in callers.got
+                mock_clock.jump(0.002)
                 await callers.answered["follower"].wait()
+                error, at = callers.got["follower"]
+                assert isinstance(error, DeadlineExceeded)
+                assert str(error) == (
+                    f"model 'm': deadline passed after 1.000s {JOINED} (limit: the "
+                    "model's or its class's timeout_ms)"
+                )
+                assert error.in_queue
+                assert at == pytest.approx(1.05, abs=0.002)  # its own deadline
+                assert rt.cache_statistics()["in_flight"] == 1
+                model.release_again()
+                await callers.answered["poison"].wait()
             cache = rt.cache_statistics()
             used = rt.tenant_statistics()["t"]["credits_used"]
     finally:
         model.release()
-    assert callers.got["follower"][0] == 11.0
-    assert isinstance(callers.got["poison"][0], trioserve.ModelError)
-    assert sorted(model.seen) == [5.0, 5.0, 666.0, 666.0]  # the follower's run, the part
-    assert used == 3  # the leader's, the poison caller's, the follower's
-    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (1, 0, 0)
+        model.release_again()
+    assert model.seen == [5.0, 666.0, 5.0, 666.0]
+    assert used == 2
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 0, 0)
 
 
 async def test_a_follower_whose_own_deadline_passes_before_the_late_batch_ends(
