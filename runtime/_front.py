@@ -169,12 +169,15 @@ class Runtime(
         deadline, for a computation the cache actor runs). ``due``: when its model's
         or class's timeout passes, if counted from an earlier arrival than now (see
         :meth:`_deadline`). ``late``: hung on its request (``Reply.late``: others
-        wait for what its batch computes); an item split in parts has none."""
+        wait for what its batch computes); an item split in parts hangs one on each
+        part, which feed it (``_SplitLate``)."""
         model = served.config.name
         limits = served.limits
         if limits.max_tokens is not None and cost > limits.max_tokens:
             if limits.oversize == "split" and served.backend.supports_split:
-                return await self._infer_split(served, item, tenant, priority, latest, due)
+                return await self._infer_split(
+                    served, item, tenant, priority, latest, due, late
+                )
             if limits.oversize != "alone":
                 await trio.lowlevel.checkpoint()
                 raise InvalidInput(

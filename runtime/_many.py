@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import outcome
 import trio
 
 from ._errors import InvalidInput, Overloaded, TrioserveError
@@ -148,12 +149,14 @@ class _ManyItems:
         *,
         latest: float = math.inf,
         due: float | None = None,
+        late: _SplitLate | None = None,
     ) -> list[Any]:
         """Submit every prepared (item, cost) at once, without a task each, and return
         their outputs in order; the first failure (in item order) is raised, unwrapped,
         after every item is settled (its position appended to ``failed``, if given).
         Cancelling it withdraws every item not yet dispatched. ``latest``, ``due``:
-        see :meth:`_infer_prepared`."""
+        see :meth:`_infer_prepared`. ``late``: the late hooks of the parts of one
+        item (``Reply.late``), told of the outcomes before a failure is raised."""
         now = trio.current_time()
         deadline, answer_expiry = self._deadline(served, priority, now, due)
         now, taken = await self._pay(
@@ -170,6 +173,9 @@ class _ManyItems:
             )
             for (item, cost), reply in zip(prepared, replies, strict=True)
         ]
+        if late is not None:
+            for reply, hook in zip(replies, late.parts, strict=True):
+                reply.late = hook
         submitted = 0
         self._in_flight += 1
         try:
@@ -220,6 +226,8 @@ class _ManyItems:
                             failed.append(i)
                     results.append(None)
             self._refund_unrun(tenant, unrun, taken)
+            if late is not None and first_error is not None:
+                late.answered(answers)
         finally:
             for reply in replies[:submitted]:
                 reply.withdraw()
@@ -239,14 +247,21 @@ class _ManyItems:
 
     async def _infer_split(
         self, served: ServedModel, item: Any, tenant: str, priority: str,
-        latest: float = math.inf, due: float | None = None,
+        latest: float = math.inf, due: float | None = None, late: Any = None,
     ) -> dict[str, Any]:
+        """An oversize item run in parts, their outputs merged. ``late``: the item's
+        late hook (see :meth:`_infer_prepared`), fed by its parts' (``_SplitLate``)."""
         # The parts go in as one submission: a part's failure is raised as itself,
         # not wrapped in a nursery's ExceptionGroup.
         parts = served.backend.split(item, served.limits.max_tokens)
-        results = await self._submit_all(
-            served, parts, tenant, priority, latest=latest, due=due
-        )
+        hooks = None if late is None else _SplitLate(late, len(parts), served.backend.merge)
+        try:
+            results = await self._submit_all(
+                served, parts, tenant, priority, latest=latest, due=due, late=hooks
+            )
+        finally:
+            if hooks is not None:
+                hooks.close()
         return served.backend.merge(results)
 
 
@@ -257,3 +272,124 @@ def _leading(value: Any) -> int:
     if shape is not None:
         return int(shape[0]) if len(shape) else 0
     return len(value) if isinstance(value, list | tuple) else 0
+
+
+class _PartLate:
+    """The late hook (``Reply.late``) of one part of an item run in parts: what the
+    replica tells it (the protocol of the flight's ``LateOutcome``: ``expect``,
+    ``settle``, ``carry``) goes to the item's :class:`_SplitLate`."""
+
+    __slots__ = ("_owner", "call_at", "carried", "carrier", "done", "expected", "result")
+
+    def __init__(self, owner: _SplitLate) -> None:
+        self._owner = owner
+        self.expected = False
+        self.carried = False
+        self.done = False
+        self.result: outcome.Outcome | None = None
+        self.call_at: Any = None
+        self.carrier: Any = None
+
+    def expect(self, call_at: Any = None) -> None:
+        self.expected = True
+        self.call_at = call_at
+        self._owner._check()
+
+    def settle(self, result: outcome.Outcome | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.result = result
+        self.call_at = None
+        self.carrier = None
+        self._owner._check()
+
+    def carry(self, reply: Any) -> bool:
+        owner = self._owner
+        if not self.expected or self.done or owner.over or owner.whole.abandoned:
+            return False
+        self.carried = True
+        self.call_at = None
+        self.carrier = reply
+        owner.whole.hold(reply)
+        owner._check()
+        return True
+
+
+class _SplitLate:
+    """The late outcome of an item run in parts, for the flight waiting for it
+    (``whole``: its ``LateOutcome``). When the call fails (a part answered
+    DeadlineExceeded while its batch ran), the whole outcome is to come if every
+    part has an answer or its batch's to come (:meth:`answered`): the whole then
+    expects it, on the clock of a part still running (trio's when none), and is
+    settled with the parts' outputs merged once each came, or with none as soon as
+    one fails. Otherwise (a part expired queued, or failed) none comes, and the
+    parts' batches that still run for it are left to others (their carriers
+    withdrawn)."""
+
+    __slots__ = ("_at", "_live", "_merge", "over", "parts", "whole")
+
+    def __init__(self, whole: Any, n: int, merge: Any) -> None:
+        self.whole = whole
+        self._merge = merge
+        self.parts = [_PartLate(self) for _ in range(n)]
+        #: the whole expects its outcome (see :meth:`answered`)
+        self._live = False
+        #: the whole's outcome was given, or none will come
+        self.over = False
+        self._at: Any = None  # the clock the whole keeps its waits on
+
+    def answered(self, answers: list[outcome.Outcome]) -> None:
+        """The call's outcomes, one an error at least: tell the whole to expect its
+        outcome if each part has one to come. Not a checkpoint."""
+        for answer, part in zip(answers, self.parts, strict=True):
+            if isinstance(answer, outcome.Value):
+                part.done, part.result = True, outcome.Value(answer.value)
+            elif not part.expected:
+                self._end(None)  # this part's item will not be computed
+                return
+        self._live = True
+        self._at = self._clock()
+        self.whole.expect(self._at)
+        self._check()
+
+    def close(self) -> None:
+        """The call is over: if the whole expects nothing, nothing is carried for it."""
+        if not self._live:
+            self._end(None)
+
+    def _clock(self) -> Any:
+        for part in self.parts:
+            if not part.done and part.call_at is not None:
+                return part.call_at
+        return None
+
+    def _check(self) -> None:
+        if not self._live or self.over:
+            return
+        pending = False
+        for part in self.parts:
+            if not part.done:
+                pending = True
+            elif not isinstance(part.result, outcome.Value):
+                self._end(part.result if isinstance(part.result, outcome.Error) else None)
+                return
+        if pending:
+            at = self._clock()
+            if at is not self._at:  # the part whose clock it kept is done
+                self._at = at
+                self.whole.expect(at)
+            return
+        self._end(outcome.capture(
+            self._merge,
+            [part.result.value for part in self.parts],  # type: ignore[union-attr]
+        ))
+
+    def _end(self, result: outcome.Outcome | None) -> None:
+        self.over = True
+        for part in self.parts:
+            carrier, part.carrier = part.carrier, None
+            if carrier is not None and not part.done:
+                carrier.withdraw()
+        if self._live:
+            self.whole.settle(result)

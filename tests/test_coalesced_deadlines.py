@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import GATE_LIMIT_S, Gate, Recorder, callable_model, item, key
-from trioserve import CacheConfig, DeadlineExceeded, QuotaExceeded, TenantConfig
+from runtime_helpers import GATE_LIMIT_S, Gate, Recorder, X, Y, callable_model, item, key
+from trioserve import (
+    CacheConfig,
+    DeadlineExceeded,
+    ModelBackend,
+    ModelConfig,
+    QuotaExceeded,
+    TenantConfig,
+)
 
 RUNNING = "deadline passed while its batch was running"
 QUEUED = "in the queue"
@@ -533,6 +541,106 @@ async def test_a_cancelled_follower_leaves_the_late_batch_to_the_others(
     assert callers.got["stays"] == (11.0, 0.5)
     assert model.seen == [5.0]
     assert used == 1
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+
+
+class HeldParts(ModelBackend):
+    """A model run in a thread whose items cost their length and split into chunks
+    of the budget (their outputs concatenated): ``y = 2x + 1``. Every call waits
+    for :meth:`release`; ``entered`` is set once ``calls`` calls are in. The chunk
+    each call ran, by its ``x[0]``, in ``seen``."""
+
+    inputs = (X,)
+    outputs = (Y,)
+    default_execution = "thread"
+    supports_split = True
+
+    def __init__(self, calls: int) -> None:
+        self.released = threading.Event()
+        self.entered = threading.Event()
+        self.calls = calls
+        self.seen: list[float] = []
+        self._lock = threading.Lock()
+
+    def prepare(self, name, inputs):
+        it, _ = super().prepare(name, inputs)
+        return it, int(it["x"].shape[0])
+
+    def load(self, device, *, torch_threads=1):
+        def run(items):
+            with self._lock:
+                self.seen.extend(key(it) for it in items)
+                if len(self.seen) >= self.calls:
+                    self.entered.set()
+            self.released.wait(GATE_LIMIT_S)
+            return [{"y": it["x"] * 2 + 1} for it in items]
+
+        return run
+
+    def split(self, it, budget):
+        x = it["x"]
+        chunks = [x[i : i + budget] for i in range(0, len(x), budget)]
+        return [({"x": c}, len(c)) for c in chunks]
+
+    def merge(self, parts):
+        return {"y": np.concatenate([p["y"] for p in parts])}
+
+    def release(self) -> None:
+        self.released.set()
+
+
+async def test_a_follower_gets_the_parts_of_an_oversize_item_still_running(
+    mock_clock, manual_watchdog
+):
+    """An item over the batch budget runs in parts (two, one on each replica). The
+    leader's deadline passes while both run: the leader is answered at once, and the
+    follower, with time left, waits for the parts as for a plain batch; their
+    answers, merged, are its answer. Nothing runs again, and the tenant paid for the
+    parts once."""
+    model = HeldParts(calls=2)
+    config = trioserve.Config(
+        models=(ModelConfig(
+            name="m", backend=model, coalesce=True, timeout_ms=1_000.0, replicas=2,
+            max_batch_size=1, max_batch_tokens=2, max_wait_ms=0, oversize="split",
+            batch_timeout_floor_ms=30_000.0, batch_timeout_cap_ms=30_000.0,
+        ),),
+        tenants=(TenantConfig(name="t", default=True),),
+    )
+    x = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    got: dict[str, object] = {}
+
+    async def call(name: str) -> None:
+        try:
+            got[name] = (await rt.infer("m", {"x": x}))["y"].tolist()
+        except trioserve.TrioserveError as exc:
+            got[name] = exc
+
+    try:
+        async with trioserve.open_runtime(config) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, "leader")
+                await trio.testing.wait_all_tasks_blocked()
+                mock_clock.jump(0.25)
+                nursery.start_soon(call, "follower")
+                await trio.testing.wait_all_tasks_blocked()
+                assert await trio.to_thread.run_sync(model.entered.wait, GATE_LIMIT_S)
+                dog.advance(1.0)  # the leader's 1 s, while both parts run
+                await trio.testing.wait_all_tasks_blocked()
+                assert list(got) == ["leader"]
+                assert isinstance(got["leader"], DeadlineExceeded)
+                assert RUNNING in str(got["leader"])
+                assert flow(rt)["queued"] == 0
+                model.release()
+            stats, cache = flow(rt), rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+    finally:
+        model.release()
+    assert got["follower"] == [3.0, 5.0, 7.0, 9.0]
+    assert sorted(model.seen) == [1.0, 3.0]  # the two parts, once each
+    assert (stats["dispatched"], stats["expired_running"]) == (2, 2)
+    assert used == 4  # the parts' cost, once
+    assert (cache["computations"], cache["coalesced"]) == (1, 1)
     assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
 
 
