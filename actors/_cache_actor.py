@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import trio
-from trioserve import Actor, DeadlineExceeded, Overloaded
+from trioserve import Actor, DeadlineExceeded, Overloaded, QuotaExceeded
 
 from ._cache import Cache, CacheRule
 from ._cachekey import cache_key
@@ -129,10 +129,27 @@ def _waited_out(
     deadline of the caller its flight ran for. Its own deadline passed too (at once,
     or while it waited for that caller's batch), and it is told so in its own figures:
     how long it waited, for what. A DeadlineExceeded it gets is ``in_queue``: it
-    reached no device of its own and is charged nothing. Any other error (a refusal
-    measured against that deadline) is its own copy, as is."""
+    reached no device of its own and is charged nothing. A refusal measured against
+    that deadline (``Overloaded.deadline``: credits that refill only after it, an
+    estimated wait past it) holds for its own, no later: it is refused of the same
+    class, with the same ``retry_after``, against its own deadline, with its time
+    left and its wait. Any other error is its own copy, as is."""
 
     def as_own(exc: BaseException) -> BaseException:
+        if isinstance(exc, Overloaded) and exc.deadline is not None:
+            now = trio.current_time()
+            why = (
+                "the tenant's credits refill only after its deadline"
+                if isinstance(exc, QuotaExceeded)
+                else "the estimated time to serve it exceeds its deadline"
+            )
+            return type(exc)(
+                f"model {model!r}: refused: {why} ({max(0.0, deadline - now) * 1e3:.0f} "
+                f"ms left), after {now - arrival:.3f}s waiting for the computation of "
+                "an identical request it joined in flight",
+                retry_after=exc.retry_after,
+                deadline=deadline,
+            )
         if not isinstance(exc, DeadlineExceeded):
             return own_error(exc)
         return DeadlineExceeded(

@@ -684,3 +684,49 @@ async def test_a_credit_refusal_measured_against_the_leaders_deadline_is_not_the
     assert used == 2
     # the first request's flight, and the leader's, which the follower joined
     assert (cache["computations"], cache["coalesced"], cache["reruns"]) == (2, 1, 1)
+
+
+async def test_a_follower_refused_for_the_leaders_deadline_is_told_of_its_own_request(
+    autojump_clock,
+):
+    """The tenant's credits refill only after the model's timeout (0.5 s): the leader
+    is refused, QuotaExceeded measured against its deadline, and so is a follower
+    that joined it at its instant (its deadline is the same). The follower's refusal
+    describes its own request: its own deadline, its time left and its wait for the
+    computation it joined, not the leader's words."""
+    model = Recorder()
+    config = trioserve.Config(
+        models=(callable_model("m", model, coalesce=True, max_wait_ms=0, timeout_ms=500.0),),
+        tenants=(TenantConfig(name="t", default=True, credit_rate=1.0, credit_burst=1.0),),
+    )
+    got: dict[str, object] = {}
+    async with trioserve.open_runtime(config) as rt:
+        await rt.infer("m", item(1.0), priority="batch")  # spends the burst
+        t0 = trio.current_time()
+
+        async def one(name: str, nursery=None) -> None:
+            if nursery is not None:
+                # the follower is called before the flight's task runs: it joins
+                nursery.start_soon(one, "follower")
+            with pytest.raises(QuotaExceeded) as refused:
+                await rt.infer("m", item(5.0), priority="batch")
+            got[name] = refused.value
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "leader", nursery)
+        cache = rt.cache_statistics()
+    leader, follower = got["leader"], got["follower"]
+    assert str(leader) == (
+        "tenant 't' is over its credit rate (1/s) and its credits refill only after "
+        "the request's deadline"
+    )
+    assert leader.deadline == pytest.approx(t0 + 0.5)
+    assert type(follower) is QuotaExceeded
+    assert str(follower) == (
+        "model 'm': refused: the tenant's credits refill only after its deadline "
+        f"(500 ms left), after 0.000s {JOINED}"
+    )
+    assert follower.deadline == pytest.approx(t0 + 0.5)  # its own
+    assert follower.retry_after == leader.retry_after
+    assert model.seen == [1.0]
+    assert (cache["computations"], cache["coalesced"], cache["reruns"]) == (2, 1, 0)
