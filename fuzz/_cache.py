@@ -70,7 +70,7 @@ import trioserve.actors
 from trioserve import ModelBackend, TensorSpec
 
 from ._cache_checks import GEN, KEY, MODEL, RUN, check_cache
-from ._cache_flights import ASK, FlightRecord, SeenLate, observed_flights
+from ._cache_flights import ASK, FlightRecord, SeenLate, carrying, observed_flights
 from ._cache_scenario import HORIZON_S, STRAGGLE, TICK, Ask, CacheScenario, Invalidate
 from ._cache_scenario import cache_scenarios as cache_scenarios
 from ._checker import InvariantViolation
@@ -215,6 +215,10 @@ def _taken(
         hook = req.reply.late
         if isinstance(hook, SeenLate):
             hook.round.batches.append(taken)
+        elif (hook := carrying(req.reply)) is not None:
+            # the request carrying the item of one answered while its batch ran
+            hook.round.batches.append(taken)
+            hook.round.late_batch = taken
     latency = max(sc.latency[k] for k in keys)
     if worker:
         straggles = False

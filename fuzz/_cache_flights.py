@@ -72,9 +72,12 @@ class Round:
     late_end: float | None = None
     late_ok: bool = False
     #: the batches (``fuzz._cache.Dispatched``) its request was taken in, in order,
-    #: and the one holding it when the replica answered it while it ran
+    #: and the one holding it when the replica answered it while it ran, or, once
+    #: a batch that failed carried its item into a retry, the last one that took
+    #: the request carrying it (``carriers``: those requests' replies)
     batches: list[Any] = attrs.Factory(list)
     late_batch: Any = None
+    carriers: list[Any] = attrs.Factory(list)
 
 
 class SeenLate:
@@ -105,6 +108,20 @@ class SeenLate:
             rnd.late_end = trio.current_time()
             rnd.late_ok = isinstance(result, outcome.Value)
         self._inner.settle(result)
+
+    def carry(self, reply: Any) -> bool:
+        carried = self._inner.carry(reply)
+        if carried:
+            self.round.carriers.append(reply)
+        return carried
+
+
+def carrying(reply: Any) -> SeenLate | None:
+    """The round's hook whose item the request of ``reply`` carries into a retry
+    (``Reply.late``, ``LateOutcome.carry``: its answer goes to that hook through a
+    ``ReplyRelay``), or None."""
+    owner = getattr(getattr(reply.group, "_to", None), "__self__", None)
+    return owner if isinstance(owner, SeenLate) else None
 
 
 @attrs.define(eq=False)
@@ -359,10 +376,14 @@ def _check_late_source(run: CacheRun, who: str, n: int, rnd: Round) -> tuple[str
     """Round ``n``'s late outcome, when its driver was answered while its batch ran,
     comes as that batch leaves its replica: the model's value for the item if it
     answered the batch, none if it did not (the model raised; the batch was cut off,
-    its worker died, it was handed back as it was). The suite's own record of the
-    batch says which and when, not the product's hook: a hook never settled would
-    leave the waiters for it waiting in vain (until their own deadline, or for ever
-    without one)."""
+    its worker died, it was handed back as it was). A batch that failed and was
+    retried in parts may carry the item into a part (docs/cache.md): the outcome
+    then comes as the last batch that took the request carrying it leaves, the same
+    way, unless nobody waited for it any more (that request withdrawn before its
+    batch left, or never taken before the runtime closed). The suite's own record of
+    the batches says which and when, not the product's hook: a hook never settled
+    would leave the waiters for it waiting in vain (until their own deadline, or for
+    ever without one)."""
     if not rnd.late:
         return None
     b = rnd.late_batch
@@ -374,6 +395,17 @@ def _check_late_source(run: CacheRun, who: str, n: int, rnd: Round) -> tuple[str
         )
     if b.end is None or b.end >= run.closed_at:
         return None  # it ran on as the runtime closed: every caller was back
+    held = [j for j, r in enumerate(b.replies) if any(r is c for c in rnd.carriers)]
+    if rnd.carriers:
+        note("cache", "late outcomes carried into a retry")
+    alive = bool(held) and bool(b.alive) and any(b.alive[j] for j in held)
+    if held and not alive and b.alive and rnd.late_end is None:
+        return None  # withdrawn before its batch left: nobody waited
+    if (rnd.carriers and not held) or (alive and b.how != "ok" and rnd.late_end != b.end):
+        # carried out of ``b`` into a retry no replica took: withdrawn (nobody
+        # waited), or failed as the runtime closed
+        if rnd.late_end is None or (rnd.late_end >= run.closed_at and not rnd.late_ok):
+            return None
     ok = b.how == "ok"
     if rnd.late_end == b.end and rnd.late_ok == ok:
         if not ok:

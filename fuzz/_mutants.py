@@ -295,7 +295,8 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     # The faults a model off the event loop meets behind the cache
     # (fuzz/_mutants_faults.py).
     "cut-off-followers-waiting": (
-        "a batch cut off never settles the late outcome its flight's waiters wait for",
+        "a batch cut off neither carries nor settles the late outcome its flight's "
+        "waiters wait for",
         attrs.evolve(
             PRODUCT, name="cut-off-followers-waiting",
             batcher_class=CutOffLeavesFollowersWaiting,

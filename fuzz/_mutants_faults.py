@@ -15,15 +15,20 @@ BatcherActor = trioserve.actors.BatcherActor
 
 class CutOffLeavesFollowersWaiting(BatcherActor):
     """A batch cut off at its deadline is handed back, but the late hooks of its
-    requests already answered are never settled: the callers of a flight waiting for
-    its driver's batch wait in vain (until their own deadline, or for ever) instead
-    of the flight running again at once."""
+    requests already answered are neither carried into its retry nor settled: the
+    callers of a flight waiting for its driver's batch wait in vain (until their own
+    deadline, or for ever) instead of getting the retry's answer or the flight
+    running again."""
 
     def _lose(self, worker: Any, why: str, *, died: bool = False) -> None:
         if not died:
             for deadlines in self._in_flight._deadlines:
                 if deadlines is not None:
                     deadlines._late = None
+            for batch in self._in_flight:
+                for r in batch:
+                    if not r.reply.answerable:
+                        r.reply.late = None
         super()._lose(worker, why, died=died)
 
 
