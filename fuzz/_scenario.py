@@ -143,9 +143,14 @@ _POISON_NO_CRASH = st.sampled_from([None] * 16 + ["error"])
 _PIPELINE = st.sampled_from([1, 1, 2, 3])
 _REPLICA_DELAY = st.sampled_from([0, 2, 5, 20, 100])
 _MAX_TOKENS = st.none() | st.integers(1, 10)
+_BATCH_SIZE = st.integers(1, 5)
+#: "flaky": batches of several, which fail there and are split into parts
+_FLAKY_BATCH = st.integers(2, 5)
 _MODE = st.sampled_from(["plain", "hedge", "broken", "both"])
 #: without a slow lane (so that its three replicas serve one lane)
-_MODE_ONE_LANE = st.sampled_from(["plain", "hedge", "broken", "both", "apart", "apart"])
+_MODE_ONE_LANE = st.sampled_from(
+    ["plain", "hedge", "broken", "both", "apart", "apart", "flaky"]
+)
 _HEDGE_AFTER = st.sampled_from([1, 2, 5, 20])
 #: "apart": hedges sent early, one replica broken from the start, the others pipelined
 _APART_HEDGE_AFTER = st.sampled_from([1, 2])
@@ -153,6 +158,13 @@ _APART_UNTIL = st.sampled_from([None, None, 50, 200])
 _APART_PIPELINE = st.sampled_from([2, 3])
 _APART_SLOWER = st.sampled_from([5, 20])
 _APART_MAX_WAIT = st.sampled_from([1, 5, 20])
+#: "flaky": one replica fails all but every n-th of its model's calls, for good
+_FLAKY_EVERY = st.sampled_from([3, 4])
+#: "flaky": the sound replicas this much slower than the flaky one
+_FLAKY_SLOWER = st.sampled_from([2, 5, 20])
+#: "flaky": quick items, so that the flaky replica runs several batches while a part
+#: of one it failed runs on a slower replica
+_FLAKY_LATENCY = st.sampled_from([0, 0, 1, 2, 5])
 _AGING = st.sampled_from([0, 2, 10, 50, 1000])
 _CLASS_TIMEOUT = st.none() | st.sampled_from([1, 10, 100])
 _OVER_QUOTA = st.sampled_from(["reject", "wait"])
@@ -210,13 +222,14 @@ def _broken(replicas: int) -> st.SearchStrategy[tuple[Broken, ...]]:
 @functools.cache
 def _calls(
     *, max_tokens: int | None, busy: bool, plain: bool, n_tenants: int, n_classes: int,
-    most_items: int, crash: bool = True,
+    most_items: int, crash: bool = True, flaky: bool = False,
 ) -> st.SearchStrategy[list[Call]]:
     """The calls of a scenario, their ``at_ms`` the gap after the previous call."""
     cost = st.integers(1, 4) if max_tokens is None else st.integers(1, max_tokens + 2)
     # (several replicas hedging or broken: poison inputs more often)
     fault = _FAULT if plain else _POISON if crash else _POISON_NO_CRASH
-    item = st.builds(Item, cost=cost, latency_ms=_BUSY if busy else _LATENCY, fault=fault)
+    latency = _BUSY if busy else _FLAKY_LATENCY if flaky else _LATENCY
+    item = st.builds(Item, cost=cost, latency_ms=latency, fault=fault)
     call = st.builds(
         Call,
         # after the previous call (in bursts with several replicas hedging or broken:
@@ -232,7 +245,7 @@ def _calls(
     # evidence pile up and open)
     if plain:
         return st.lists(call, min_size=1, max_size=30)
-    return st.lists(call, min_size=8, max_size=40)
+    return st.lists(call, min_size=16 if flaky else 8, max_size=40)
 
 
 def _in_both_lanes(call: Call, slow_cost: int, *, top: int) -> Call:
@@ -416,6 +429,13 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         hedge_after = draw(_HEDGE_AFTER)
     if mode in ("broken", "both"):
         broken = draw(_broken(replicas))
+    if mode == "flaky":
+        max_tokens = None
+        bad = draw(st.integers(0, replicas - 1))
+        broken = (Broken(replica=bad, every=draw(_FLAKY_EVERY)),)
+        delays = tuple(
+            0 if i == bad else d + draw(_FLAKY_SLOWER) for i, d in enumerate(delays)
+        )
     if mode == "apart":
         hedge_after = draw(_APART_HEDGE_AFTER)
         bad = draw(st.integers(0, replicas - 1))
@@ -434,7 +454,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     gaps = draw(_calls(
         max_tokens=max_tokens, busy=slow_cost is not None, plain=mode == "plain",
         n_tenants=n_tenants, n_classes=n_classes, most_items=most_items,
-        crash=max(pipeline, default=1) == 1,
+        crash=max(pipeline, default=1) == 1, flaky=mode == "flaky",
     ))
     if slow_cost is not None:
         # (moved to the slow lane, an item stays within the token budget when it can)
@@ -442,7 +462,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         gaps = [_in_both_lanes(c, slow_cost, top=top) for c in gaps]
     calls = _arrivals(gaps)
     return Scenario(
-        max_batch_size=draw(st.integers(1, 5)),
+        max_batch_size=draw(_FLAKY_BATCH if mode == "flaky" else _BATCH_SIZE),
         max_batch_tokens=max_tokens,
         padded=draw(st.booleans()),
         oversize=draw(_OVERSIZE),
@@ -457,7 +477,8 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         batch_latency_ms=draw(_BATCH_LATENCY),
         queue_bound=bound,
         graceful_ms=draw(_GRACEFUL),
-        shutdown_at_ms=draw(_SHUTDOWN),
+        # ("flaky": served to the end, so that parts reach another replica)
+        shutdown_at_ms=None if mode == "flaky" else draw(_SHUTDOWN),
         hedge_after_ms=hedge_after,
         replica_delay_ms=delays,
         pipeline=pipeline,

@@ -37,6 +37,7 @@ TEST_SEEDS = {
     "copy-dropped-while-running": 4,
     "apart-same-replica": 15,
     "confirmed-across-runs": 1,
+    "late-answer-unguarded": 2,
     "pause-holds-checks": 1,
     "split-call-item-by-item": 2,
     "unload-before-drained": 1,
