@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
-import logging
 import math
 import random
 import sys
@@ -19,6 +18,7 @@ from rich.text import Text
 
 from ._harness import SUITES, Failure, Profile, Suite, chunk_seed, default_database, run_chunk
 from ._known import strict
+from ._logs import RuntimeLog, runtime_log
 from ._mutants import MUTANTS
 from ._selftest import check_bug
 from ._stats import EXAMPLES, EXPECTED, FEATURES
@@ -87,23 +87,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logger = logging.getLogger("trioserve")
-    level = logger.level
-    logger.setLevel(logging.ERROR)  # planted crashes log restarts
-    try:
-        return _main(args)
-    finally:
-        logger.setLevel(level)  # as it was: main may run inside another program
+    # the runtime's lines for the faults the scenarios plant are counted, not shown;
+    # the logger is as it was afterwards: main may run inside another program
+    # (in the self-test without their tracebacks: the product is broken on purpose)
+    with runtime_log(tracebacks=not args.self_test) as log:
+        return _main(args, log)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, log: RuntimeLog) -> int:
     console = Console(stderr=False, highlight=False)
     if args.strict:
         strict()
     wanted = args.suite or ["all"]
     names = list(SUITES) if "all" in wanted else list(dict.fromkeys(wanted))
     if args.self_test:
-        return _self_test(console, args.budget, names, 0 if args.seed is None else args.seed)
+        return _self_test(
+            console, args.budget, names, 0 if args.seed is None else args.seed, log
+        )
     suites = [SUITES[n] for n in names]
     profile = Profile(args.profile)
     run_seed = args.seed
@@ -111,7 +111,7 @@ def _main(args: argparse.Namespace) -> int:
         run_seed = 0 if profile is Profile.CI else random.SystemRandom().randrange(10**6)
     database = None if args.no_database or profile is Profile.CI else default_database()
     try:
-        failure = _fuzz(console, suites, profile, args.minutes, run_seed, database)
+        failure = _fuzz(console, suites, profile, args.minutes, run_seed, database, log)
     finally:
         faulthandler.cancel_dump_traceback_later()
     return 1 if failure else 0
@@ -169,6 +169,7 @@ def _fuzz(
     minutes: float,
     run_seed: int,
     database: object,
+    log: RuntimeLog,
 ) -> Failure | None:
     budget = None if profile is Profile.CI else minutes * 60.0
     progress = _Progress(console, suites, budget, run_seed)
@@ -220,6 +221,7 @@ def _fuzz(
     if not console.is_terminal:
         print(progress.line().plain, flush=True)
     _summary(console, progress)
+    print(log.summary(), flush=True)
     if failure is not None:
         _report(failure, saved=database is not None)
     else:
@@ -265,7 +267,9 @@ def _report(failure: Failure, *, saved: bool) -> None:
         )
 
 
-def _self_test(console: Console, budget: float, names: list[str], seed: int) -> int:
+def _self_test(
+    console: Console, budget: float, names: list[str], seed: int, log: RuntimeLog
+) -> int:
     """The planted bugs that the suites ``names`` can see, each against those of
     them (``--suite`` and ``--seed`` apply: they were ignored, and every bug ran
     against every suite with seed 0)."""
@@ -294,6 +298,7 @@ def _self_test(console: Console, budget: float, names: list[str], seed: int) -> 
                 print(f"  MISSED by {r.suite:<9} in {r.seconds:5.2f} s ({r.examples} examples)")
         if not any(r.caught for r in results):
             missed.append(name)
+    print(log.summary(), flush=True)
     if missed:
         print(f"fuzz --self-test: NOT caught: {', '.join(missed)}", flush=True)
         return 1
