@@ -369,16 +369,26 @@ class _Session:
                 await self._send(ws.send(event.response()))
             elif kind is CloseConnection:
                 return await self._closed(event)
-        with trio.CancelScope() as self._reading_ahead:
-            try:
-                data = await self.stream.receive_some(RECEIVE_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return True  # reset by the peer: it is gone, as at EOF
-            finally:
-                self._reading_ahead = None
+        data = await self._read_waiting(RECEIVE_SIZE)
+        if data is True:
+            return True
+        if data is not None:
             ws.receive_data(data or None)  # b"": EOF, reported as a close (1006)
             self._unwalked += len(data)
             self._events = ws.events()
+        return None
+
+    async def _read_waiting(self, n: int) -> bytes | bool | None:
+        """Read at most ``n`` bytes of the socket while waiting for room: the bytes
+        (b"" at EOF), None when room freed first (:meth:`_unpark` cancels the read),
+        or True when the peer reset the connection (it is gone, as at EOF)."""
+        with trio.CancelScope() as self._reading_ahead:
+            try:
+                return await self.stream.receive_some(n)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return True
+            finally:
+                self._reading_ahead = None
         return None
 
     def _room_behind(self) -> int:
@@ -406,16 +416,9 @@ class _Session:
         if room <= 0:
             await self._room.park()
             return None
-        data = None
-        with trio.CancelScope() as self._reading_ahead:
-            try:
-                data = await self.stream.receive_some(room)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return True  # reset by the peer: it is gone, as at EOF
-            finally:
-                self._reading_ahead = None
-        if data is None:
-            return None  # room freed
+        data = await self._read_waiting(room)
+        if data is None or data is True:
+            return data  # room freed, or the peer is gone
         if not data:
             self.ws.receive_data(None)  # EOF: the client is gone (1006)
             return True
