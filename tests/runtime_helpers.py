@@ -183,7 +183,20 @@ class Gate:
         self.opened.set()
 
 
-class CostModel(ModelBackend):
+class SplitsInChunks:
+    """A model's split of an oversize item into chunks of ``x`` within the budget,
+    each costing its length, and the merge of their ``y`` outputs, concatenated."""
+
+    def split(self, it, budget):
+        x = it["x"]
+        chunks = [x[i : i + budget] for i in range(0, len(x), budget)]
+        return [({"x": c}, len(c)) for c in chunks]
+
+    def merge(self, parts):
+        return {"y": np.concatenate([p["y"] for p in parts])}
+
+
+class CostModel(SplitsInChunks, ModelBackend):
     """Items cost their length; an inline runner records each batch's item costs and
     the trio time, and returns ``y = 2x``. With ``splittable`` an oversize item splits
     into chunks within the budget and the chunk outputs are concatenated."""
@@ -210,14 +223,6 @@ class CostModel(ModelBackend):
             return [{"y": it["x"] * 2} for it in items]
 
         return run
-
-    def split(self, it, budget):
-        x = it["x"]
-        chunks = [x[i : i + budget] for i in range(0, len(x), budget)]
-        return [({"x": c}, len(c)) for c in chunks]
-
-    def merge(self, parts):
-        return {"y": np.concatenate([p["y"] for p in parts])}
 
     @property
     def costs(self) -> list[list[int]]:

@@ -15,7 +15,17 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import GATE_LIMIT_S, Gate, Recorder, X, Y, callable_model, item, key
+from runtime_helpers import (
+    GATE_LIMIT_S,
+    Gate,
+    Recorder,
+    SplitsInChunks,
+    X,
+    Y,
+    callable_model,
+    item,
+    key,
+)
 from trioserve import (
     CacheConfig,
     DeadlineExceeded,
@@ -544,7 +554,7 @@ async def test_a_cancelled_follower_leaves_the_late_batch_to_the_others(
     assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
 
 
-class HeldParts(ModelBackend):
+class HeldParts(SplitsInChunks, ModelBackend):
     """A model run in a thread whose items cost their length and split into chunks
     of the budget (their outputs concatenated): ``y = 2x + 1``. Every call waits
     for :meth:`release`; ``entered`` is set once ``calls`` calls are in. The chunk
@@ -577,13 +587,6 @@ class HeldParts(ModelBackend):
 
         return run
 
-    def split(self, it, budget):
-        x = it["x"]
-        chunks = [x[i : i + budget] for i in range(0, len(x), budget)]
-        return [({"x": c}, len(c)) for c in chunks]
-
-    def merge(self, parts):
-        return {"y": np.concatenate([p["y"] for p in parts])}
 
     def release(self) -> None:
         self.released.set()
