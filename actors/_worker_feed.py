@@ -337,7 +337,9 @@ class WorkerFeed:
         access was encountered" fails every later call in its process) or a bad
         device. Kill the worker, so that its successor (a fresh process: a fresh CUDA
         context) runs the breaker's trial; the batches staged behind go back as they
-        were (they ran into nothing of theirs). Raises _WorkerLost."""
+        were (they ran into nothing of theirs), an item answered while staged (its
+        deadline passed) that others wait for carried into them (:func:`to_retry`).
+        Raises _WorkerLost."""
         why = "its model kept raising there while other replicas succeeded"
         self._replace_due = False
         self._replace_wake = trio.Event()
@@ -349,8 +351,11 @@ class WorkerFeed:
         self._metrics.statuses["worker_broken"] += 1
         log.warning("%s: its %s is replaced: %s", self.name, self._worker_kind, why)
         batches = list(self._in_flight)
-        self._in_flight.clear()
         for b in batches:
             self._scheduler.completed(b, failed=True)
-        self._scheduler.retry(batches)
+        self._scheduler.retry([to_retry(b) for b in batches])
+        # after the retries are made, as in _lose: an item answered meanwhile that
+        # others wait for is carried into them, and its batch leaving must not
+        # settle it
+        self._in_flight.clear()
         raise _WorkerLost(why)

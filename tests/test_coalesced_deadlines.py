@@ -18,10 +18,12 @@ import trioserve
 from runtime_helpers import (
     GATE_LIMIT_S,
     Gate,
+    NoZygote,
     Recorder,
     SplitsInChunks,
     X,
     Y,
+    _StandIn,
     callable_model,
     item,
     key,
@@ -33,7 +35,9 @@ from trioserve import (
     ModelConfig,
     QuotaExceeded,
     TenantConfig,
+    WorkerProcess,
 )
+from trioserve.actors import Breaker
 
 RUNNING = "deadline passed while its batch was running"
 QUEUED = "in the queue"
@@ -41,14 +45,16 @@ JOINED = "waiting for the computation of an identical request it joined in fligh
 
 
 def coalesced(model, *, capacity: int = 0, **cfg) -> trioserve.Config:
-    """``model`` run in a thread, one item a batch, with a timeout of 1 s, coalesced
-    (and cached, with a capacity), served to one open tenant."""
+    """``model`` run in a thread (unless ``execution`` says otherwise), one item a
+    batch, with a timeout of 1 s, coalesced (and cached, with a capacity), served to
+    one open tenant."""
     cfg.setdefault("replicas", 1)
     cfg.setdefault("max_batch_size", 1)
     cfg.setdefault("max_wait_ms", 0)
+    cfg.setdefault("execution", "thread")
     return trioserve.Config(
         models=(callable_model(
-            "m", model, execution="thread", coalesce=True, timeout_ms=1_000.0,
+            "m", model, coalesce=True, timeout_ms=1_000.0,
             batch_timeout_floor_ms=30_000.0, batch_timeout_cap_ms=30_000.0, **cfg,
         ),),
         tenants=(TenantConfig(name="t", default=True),),
@@ -733,3 +739,109 @@ async def test_a_follower_refused_for_the_leaders_deadline_is_told_of_its_own_re
     assert follower.retry_after == leader.retry_after
     assert model.seen == [1.0]
     assert (cache["computations"], cache["coalesced"], cache["reruns"]) == (2, 1, 0)
+
+
+# ---------------------------------------------------------------- a worker process
+class StagedWorker(_StandIn):
+    """Stands in for a worker process (none runs), in trio time: batches are staged
+    and answered in order, ``y = 2x + 1``. The first batch sent to the first worker
+    waits for ``gate``, then fails as ``fate`` says: "raises" (the model raised),
+    "too_large" (its outputs do not fit in a message); every other batch is
+    answered at once. Workers are numbered as they are made (a successor gets the
+    next number); each batch sent is recorded in ``sent`` as (worker number,
+    keys)."""
+
+    gate: trio.Event
+    fate: str
+    sent: list[tuple[int, list[float]]]
+    made: int
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.number = StagedWorker.made
+        StagedWorker.made += 1
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self._staged: list = []
+        self._answered = 0
+        self._exited = trio.Event()
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        StagedWorker.sent.append((self.number, [key(it) for it in items]))
+        self._staged.append(items)
+
+    async def result(self):
+        first = self.number == 0 and not self._answered
+        self._answered += 1
+        items = self._staged.pop(0)
+        if first:
+            await StagedWorker.gate.wait()
+            if StagedWorker.fate == "raises":
+                raise self.Failed("a sticky device error")
+            raise WorkerProcess.TooLarge("its outputs are more than one message can carry")
+        await trio.lowlevel.checkpoint()
+        return [{"y": it["x"] * 2 + 1} for it in items]
+
+
+class OpensOnARaise(Breaker):
+    """A breaker that opens on the model's first raise on fresh work, as on evidence
+    that its replica, not the input, is at fault."""
+
+    def __init__(self) -> None:
+        super().__init__(threshold=1)
+
+    def raised(self, now: float, successes: int, *, alone: bool = True) -> bool:
+        self.failure(now)
+        return True
+
+
+@pytest.fixture
+def staged_workers(monkeypatch, manual_watchdog):
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    StagedWorker.gate, StagedWorker.fate = trio.Event(), "raises"
+    StagedWorker.sent, StagedWorker.made = [], 0
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", StagedWorker)
+    return StagedWorker
+
+
+async def test_a_worker_replaced_for_its_breaker_carries_the_leaders_staged_item(
+    mock_clock, manual_watchdog, staged_workers, monkeypatch
+):
+    """The leader's batch is staged behind another on a worker process; a follower
+    joins; the leader's deadline passes while its batch is staged (it is answered
+    at once, as is the one ahead, whose deadline is the same). The batch ahead then
+    raises and opens the replica's breaker: the worker is replaced, and the staged
+    batch goes back as it was, the leader's item carried by a request of its own,
+    whose answer is the follower's. The flight
+    does not run again for the follower, and nobody pays twice."""
+    monkeypatch.setattr(trioserve.actors, "Breaker", OpensOnARaise)
+    async with trioserve.open_runtime(coalesced(None, execution="process")) as rt:
+        dog = manual_watchdog.made[-1]
+        batcher = rt.models["m"].batchers[0]
+        async with trio.open_nursery() as nursery:
+            callers = Callers(rt, nursery)
+            await callers.start("blocker", 0.0)  # runs first, held
+            await callers.start("leader", 5.0)
+            mock_clock.jump(0.25)
+            await callers.start("follower", 5.0)
+            dog.advance(1.0)  # the blocker's 1 s, and the leader's, staged
+            await trio.testing.wait_all_tasks_blocked()
+            assert sorted(callers.got) == ["blocker", "leader"]
+            assert RUNNING in str(callers.got["leader"][0])
+            assert staged_workers.sent == [(0, [0.0]), (0, [5.0])]  # the leader's staged
+            staged_workers.gate.set()  # the blocker's batch raises: the breaker opens
+            await callers.answered["follower"].wait()
+        stats, cache = flow(rt), rt.cache_statistics()
+        used = rt.tenant_statistics()["t"]["credits_used"]
+    assert batcher.workers_broken == 1
+    assert callers.got["follower"] == (11.0, 0.25)
+    # the successor ran the leader's item, carried: the follower's own request never
+    # entered the queue
+    assert staged_workers.sent == [(0, [0.0]), (0, [5.0]), (1, [5.0])]
+    assert stats["dispatched"] == 2
+    assert used == 2  # the blocker's, the leader's
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+
