@@ -191,8 +191,8 @@ class WorkerFeed:
                 except WorkerProcess.Died as exc:
                     self._lose(worker, f"its {self._worker_kind} died ({exc})", died=True)
                 except WorkerProcess.TooLarge as exc:
-                    self._in_flight.pop()  # never sent: the worker goes on
                     self._too_large(batch, exc)
+                    self._in_flight.pop()  # never sent: the worker goes on
                     room.release()
                     continue
                 await sent_send.send((batch, t0))
@@ -318,13 +318,25 @@ class WorkerFeed:
     def _too_large(self, batch: list[Request], exc: Exception) -> None:
         """The batch's inputs or outputs do not fit in one message to or from the
         worker (its 4-byte length: 4 GiB): run it again in halves, and answer a request
-        alone that does not fit with ModelError. No fault of the model's or the
-        worker's: the breaker is not told."""
+        alone that does not fit with ModelError. An item answered while the batch
+        ran (its deadline passed) that others wait for runs again in its place in
+        the halves, carried (:func:`to_retry`). No fault of the model's or the
+        worker's: the breaker is not told. Call it before the batch leaves the
+        batches in flight: leaving, it settles the late hooks not carried."""
         alive = [r for r in batch if r.reply.answerable]
-        if len(alive) > 1:
+        # (a batch of one too large is its item's own: nothing to carry)
+        parts = alive if len(alive) == len(batch) or len(batch) == 1 else to_retry(batch)
+        if len(parts) > 1:
             self._scheduler.completed(batch, failed=True)
-            self._metrics.statuses["retried"] += len(alive)
-            self._scheduler.retry(split(alive, 2))
+            self._metrics.statuses["retried"] += len(parts)
+            self._scheduler.retry(split(parts, 2))
+            return
+        if parts and not alive:
+            # the carried item alone was left of the batch (the others' callers
+            # left): run it alone, as a half
+            self._scheduler.completed(batch, failed=True)
+            self._metrics.statuses["retried"] += 1
+            self._scheduler.retry([parts])
             return
         self._answer_error(batch, alive, (
             f"model {self.model!r} failed on {self.device}: {exc}; send a smaller "

@@ -845,3 +845,44 @@ async def test_a_worker_replaced_for_its_breaker_carries_the_leaders_staged_item
     assert used == 2  # the blocker's, the leader's
     assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
 
+
+async def test_a_batch_too_large_for_its_worker_carries_the_leaders_item_into_its_halves(
+    mock_clock, manual_watchdog, staged_workers
+):
+    """The leader's item runs in a batch of three on a worker process; a follower
+    joins; the leader's deadline passes while the batch runs. The batch's outputs
+    are then too large for one message: it runs again in halves, the leader's item
+    among them in its place (carried), and that half's answer is the follower's.
+    Nothing runs again from the back of the queue, and nobody pays twice."""
+    staged_workers.fate = "too_large"
+    async with trioserve.open_runtime(
+        coalesced(None, execution="process", max_batch_size=3, max_wait_ms=500.0)
+    ) as rt:
+        dog = manual_watchdog.made[-1]
+        async with trio.open_nursery() as nursery:
+            callers = Callers(rt, nursery)
+            await callers.start("leader", 5.0)
+            mock_clock.jump(0.05)
+            await callers.start("follower", 5.0)
+            mock_clock.jump(0.05)
+            await callers.start("a", 7.0)
+            await callers.start("b", 9.0)  # fills the batch: it runs
+            assert staged_workers.sent == [(0, [5.0, 7.0, 9.0])]
+            # the leader's 1 s (the batch came in at 0.1 in trio time, 0.0 on the
+            # replica's clock), not the others'
+            dog.advance(0.9)
+            await trio.testing.wait_all_tasks_blocked()
+            assert list(callers.got) == ["leader"]
+            assert RUNNING in str(callers.got["leader"][0])
+            staged_workers.gate.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert sorted(callers.got) == ["a", "b", "follower", "leader"]
+            assert flow(rt)["queued"] == 0  # nothing runs again from the queue
+        stats, cache = flow(rt), rt.cache_statistics()
+        used = rt.tenant_statistics()["t"]["credits_used"]
+    assert callers.got["follower"] == (11.0, 0.1)
+    assert (callers.got["a"][0], callers.got["b"][0]) == (15.0, 19.0)
+    assert staged_workers.sent == [(0, [5.0, 7.0, 9.0]), (0, [5.0]), (0, [7.0, 9.0])]
+    assert stats["dispatched"] == 3
+    assert used == 3  # the leader's, a's, b's
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
