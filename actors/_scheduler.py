@@ -28,6 +28,7 @@ from trioserve import (
     DeadlineExceeded,
     Overloaded,
     Reply,
+    ReplyRelay,
     Request,
     RequestState,
     TrioserveError,
@@ -338,8 +339,30 @@ class SchedulerActor(Actor):
                 if alive:
                     self._retries.append(alive)
                     self._hold(alive)
+                    for req in alive:
+                        relay = req.reply.group
+                        if type(relay) is ReplyRelay:
+                            # a request carrying an answered one's item: it has no
+                            # deadline, and leaves when withdrawn, as a queued one
+                            relay.on_withdraw = self._drop_withdrawn
         if self._retries and self._idle:
             self._idle.unpark_all()
+
+    def _drop_withdrawn(self) -> None:
+        """A request carrying an answered one's item into a retry was withdrawn
+        (nobody waits for it any more: ``ReplyRelay.withdraw``): drop the retries'
+        withdrawn requests now, as a withdrawn queued request leaves the queue,
+        rather than at the next pull (nothing else would: it has no deadline), so
+        that the queue's depth and load, and a drain (:meth:`wait_empty`), do not
+        count it meanwhile. Its order in what is held is kept. Not a checkpoint."""
+        retries = self._retries
+        for _ in range(len(retries)):
+            batch = retries.popleft()
+            alive = [r for r in batch if r.reply.state is _DISPATCHED]
+            if alive:
+                retries.append(alive)
+        if self._emptied:
+            self._emptied.unpark_all()
 
     def _hold(self, requests: list[Request]) -> None:
         """``requests`` (dispatched) are held here: note the earliest deadline at

@@ -41,7 +41,7 @@ from typing import Any
 import attrs
 import outcome
 import trio
-from trioserve import ActorClosed
+from trioserve import ActorClosed, ReplyRelay
 
 
 def own_error(exc: BaseException) -> BaseException:
@@ -189,11 +189,16 @@ class LateOutcome:
 
     def abandon(self) -> None:
         """Nobody waits for its outcome (any more): the requests carrying its item
-        are withdrawn, and none is carried from now on."""
+        are withdrawn (one held for a retry leaves its queue at once: see
+        ``ReplyRelay.withdraw``), and none is carried from now on."""
         self.abandoned = True
         carriers, self._carriers = self._carriers, None
         for reply in carriers or ():
-            reply.withdraw()
+            group = reply.group
+            if isinstance(group, ReplyRelay):
+                group.withdraw()
+            else:
+                reply.withdraw()
 
     def settle(self, result: outcome.Outcome | None) -> None:
         """The work's outcome for the request (None: none came); only the first

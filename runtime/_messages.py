@@ -221,13 +221,23 @@ class ReplyRelay:
     """A dispatched reply awaited by no task: its answer, when it comes, is handed to
     ``to(outcome)`` (from the batcher's task, as it answers). For the request that
     carries an answered request's item into a part of its failed batch (others wait
-    for that item's outcome: ``Reply.late``)."""
+    for that item's outcome: ``Reply.late``). ``on_withdraw``: called (no
+    arguments) when it is withdrawn (:meth:`withdraw`); the queue holding its request
+    for a retry sets it, to drop the request at once."""
 
-    __slots__ = ("_to", "reply")
+    __slots__ = ("_to", "on_withdraw", "reply")
 
     def __init__(self, to: Any) -> None:
         self._to = to
+        self.on_withdraw: Any = None
         self.reply = Reply(state=DISPATCHED, group=self)
+
+    def withdraw(self) -> None:
+        """Nobody wants its answer any more: its reply is withdrawn (an answer that
+        comes is dropped), and ``on_withdraw`` told. Not a checkpoint."""
+        self.reply.withdraw()
+        if self.on_withdraw is not None:
+            self.on_withdraw()
 
     def _settled(self) -> None:
         reply = self.reply

@@ -46,17 +46,17 @@ JOINED = "waiting for the computation of an identical request it joined in fligh
 
 def coalesced(model, *, capacity: int = 0, **cfg) -> trioserve.Config:
     """``model`` run in a thread (unless ``execution`` says otherwise), one item a
-    batch, with a timeout of 1 s, coalesced (and cached, with a capacity), served to
-    one open tenant."""
+    batch, with a timeout of 1 s and batches cut off after 30 s (unless
+    ``batch_timeout_floor_ms`` says otherwise), coalesced (and cached, with a
+    capacity), served to one open tenant."""
     cfg.setdefault("replicas", 1)
     cfg.setdefault("max_batch_size", 1)
     cfg.setdefault("max_wait_ms", 0)
     cfg.setdefault("execution", "thread")
+    cfg.setdefault("batch_timeout_floor_ms", 30_000.0)
+    cfg.setdefault("batch_timeout_cap_ms", cfg["batch_timeout_floor_ms"])
     return trioserve.Config(
-        models=(callable_model(
-            "m", model, coalesce=True, timeout_ms=1_000.0,
-            batch_timeout_floor_ms=30_000.0, batch_timeout_cap_ms=30_000.0, **cfg,
-        ),),
+        models=(callable_model("m", model, coalesce=True, timeout_ms=1_000.0, **cfg),),
         tenants=(TenantConfig(name="t", default=True),),
         cache=CacheConfig(capacity_bytes=capacity),
     )
@@ -412,6 +412,46 @@ async def test_a_batch_split_after_the_leaders_deadline_answers_the_follower_fro
     assert used == 2  # the leader's, the poison caller's
     assert (cache["computations"], cache["coalesced"]) == (2, 1)
     assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+
+
+async def test_a_carried_item_nobody_waits_for_leaves_the_queue_at_once(
+    mock_clock, manual_watchdog
+):
+    """The leader's deadline passes while its batch runs, in a thread on the one
+    replica; the batch is then cut off, and the leader's item, carried, waits to
+    be retried while the straggling thread holds the replica. The follower's own
+    deadline passes first: nobody waits for the item any more, and the request
+    carrying it leaves the queue at once, as a withdrawn request does (it has no
+    deadline: it stayed, counted in the queue's depth and load, until the replica
+    pulled again). It never runs."""
+    model = HeldOnce()
+    try:
+        async with trioserve.open_runtime(
+            coalesced(model, batch_timeout_floor_ms=1_100.0)
+        ) as rt:
+            dog = manual_watchdog.made[-1]
+            scheduler = rt.models["m"].scheduler
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await _leader_expires_running(rt, callers, mock_clock, dog, "follower")
+                dog.advance(0.1)  # the batch's 1.1 s: cut off, handed back split
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.models["m"].batchers[0].health == "degraded"
+                assert (scheduler.queue_depth(), scheduler.load()) == (1, 1)  # carried
+                mock_clock.jump(1.0)  # the follower's 1 s, kept on trio's clock now
+                await trio.testing.wait_all_tasks_blocked()
+                error, at = callers.got["follower"]
+                assert isinstance(error, DeadlineExceeded)
+                assert JOINED in str(error)
+                assert at == 1.25
+                assert (scheduler.queue_depth(), scheduler.load()) == (0, 0)
+                model.release()
+            await scheduler.wait_empty()
+            cache = rt.cache_statistics()
+    finally:
+        model.release()
+    assert model.seen == [5.0]  # the carried item never ran
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 0, 0)
 
 
 class HeldTwice(HeldOnce):
