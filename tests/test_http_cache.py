@@ -4,7 +4,9 @@ are never kept; invalidation reaches both."""
 
 from __future__ import annotations
 
+import inspect
 import struct
+import tracemalloc
 
 import numpy as np
 import orjson
@@ -13,7 +15,7 @@ import trioserve
 from http_helpers import serving
 from runtime_helpers import Recorder, callable_model
 from trioserve import CacheConfig, TenantConfig, TensorSpec
-from trioserve.transport import open_http
+from trioserve.transport import _v2, open_http
 
 TENANTS = (
     TenantConfig(name="A", api_keys=("key-a",)),
@@ -254,3 +256,33 @@ async def test_a_bytes_tensor_sent_as_json_then_as_binary_data_is_computed_once(
     assert orjson.loads(first.body)["outputs"][0]["data"] == [5, 0, 4]  # UTF-8 bytes
     assert seen == [[["caf\u00e9", "", "spam"]]]  # one computation, from the JSON
     assert (stats["hits"], stats["misses"]) == (1, 1)
+
+
+async def test_a_kept_answer_holds_a_block_of_its_own_length():
+    """The cache counts a kept answer by its length, and holds no more: orjson's
+    output keeps the 4 KiB buffer it was written into (a ~150-byte answer here), so
+    64 answers kept as encoded held 256 KiB counted as ~25 KiB."""
+    n = 64
+    tracemalloc.start()
+    try:
+        async with serving(cfg(callable_model("m", Recorder(timed=False)))) as gw:
+            for i in range(n):
+                status, _, out = await gw.infer(
+                    "m", None, body(float(i)), authorization=b"Bearer key-a"
+                )
+                assert status == 200, out
+            del out
+            stats = gw.runtime.cache_statistics()
+            snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    # each request's item and its encoded answer kept
+    assert (stats["misses"], stats["entries"]) == (n, 2 * n)
+    # the blocks orjson wrote answers into (one line of transport/_v2.py)
+    source, first = inspect.getsourcelines(_v2.dumps)
+    line = first + next(i for i, text in enumerate(source) if "orjson.dumps" in text)
+    held = sum(
+        t.size for t in snapshot.traces
+        if t.traceback[0].filename == _v2.__file__ and t.traceback[0].lineno == line
+    )
+    assert held < 4096, f"{held} bytes of encoder buffers held after {n} answers"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import orjson
 import pytest
@@ -165,6 +167,37 @@ async def test_the_store_holds_at_most_max_keys(autojump_clock):
     for i in range(5):
         await store.run(i, b"x", ok)
     assert len(store) == 3
+
+
+def _encoded(i: int) -> bytes:
+    return orjson.dumps({"model_name": "m", "id": f"r{i}", "outputs": [1.0] * 8})
+
+
+async def test_a_kept_answer_holds_a_block_of_its_own_length(autojump_clock):
+    """An answer is kept in a copy of its own length: orjson's output keeps the
+    4 KiB buffer it was written into, so 100 small answers kept as returned held
+    400 KiB (10,000 keys, the default bound: 40 MiB)."""
+    n = 100
+    store = IdempotencyStore(window=60.0, max_keys=n)
+    tracemalloc.start()
+    try:
+        for i in range(n):
+
+            async def ok(i=i):
+                return 200, JSON, _encoded(i)
+
+            await store.run(i, b"x", ok)
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    assert len(store) == n
+    # the blocks orjson wrote the answers into (the line after _encoded's def)
+    line = _encoded.__code__.co_firstlineno + 1
+    here = snapshot.filter_traces([tracemalloc.Filter(True, __file__, line)])
+    held = sum(t.size for t in here.traces)
+    assert held < 4096, f"{held} bytes of encoder buffers held by {n} answers"
+    replay = await store.run(7, b"x", None)
+    assert replay[2] == _encoded(7)
 
 
 # Regression: an answer outlived its window while an older key was still running

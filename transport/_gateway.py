@@ -39,7 +39,7 @@ from ._listeners import open_listeners
 from ._request import InferRequest
 from ._response import encode_response
 from ._signature import Signatures
-from ._v2 import error_body
+from ._v2 import compact, error_body
 
 if TYPE_CHECKING:
     from ._hangup import HangupWatch
@@ -517,6 +517,8 @@ class Gateway:
         if accept_encoding is not None:
             answer = await encode_answer(answer, accept_encoding)
         if rkey is not None:
+            # kept in a block of its own length: the bytes the cache counts (compact)
+            answer = answer[0], answer[1], compact(answer[2])
             self.runtime.keep_response(rkey, answer, len(answer[2]) + 256, tenant)
         return answer
 

@@ -20,6 +20,8 @@ from typing import Any
 import attrs
 import trio
 
+from ._v2 import compact
+
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 REPLAYED = (b"idempotent-replayed", b"true")
 
@@ -93,6 +95,8 @@ class IdempotencyStore:
             self._forget(key, entry)  # worth retrying: keep nothing
         else:
             del self._running[key]
+            # kept in a block of its own length (orjson's output holds far more)
+            result = result[0], result[1], compact(result[2])
             entry.answer = result
             entry.expires = trio.current_time() + self.window
             self._answered[key] = entry
