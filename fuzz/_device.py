@@ -235,6 +235,11 @@ class TrioWorker:
         await trio.lowlevel.checkpoint()
 
     async def result(self) -> Any:
+        if self._killed:  # killed before the call: as a WorkerProcess's, Died
+            await trio.lowlevel.checkpoint()
+            raise self.Died("killed")
+        if not self._held:
+            raise RuntimeError("fuzz: a result asked of a worker holding no batch")
         record, items, begins, done = self._held[0]
         with trio.move_on_at(done):
             await self._exited.wait()
