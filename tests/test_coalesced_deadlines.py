@@ -693,6 +693,65 @@ async def test_a_follower_gets_the_parts_of_an_oversize_item_still_running(
     assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
 
 
+async def test_a_carried_part_left_when_another_part_expires_queued_leaves_the_queue(
+    mock_clock, manual_watchdog
+):
+    """An item over the batch budget runs in two parts on the one replica: the
+    first runs (held in its thread), the second waits in the queue. The caller's
+    deadline passes while the first runs (answered at once), and its batch is then
+    cut off: its item, carried, waits to be retried while the straggling thread
+    holds the replica. The second part's deadline then passes in the queue: no
+    outcome of the whole item can come, and the request carrying the first part
+    leaves the queue at once, as a withdrawn request does (it has no deadline: it
+    stayed, counted in the queue's depth and load, until the replica pulled
+    again). It never runs."""
+    model = HeldParts(calls=1)
+    config = trioserve.Config(
+        models=(ModelConfig(
+            name="m", backend=model, coalesce=True, timeout_ms=1_000.0, replicas=1,
+            max_batch_size=1, max_batch_tokens=2, max_wait_ms=0, oversize="split",
+            batch_timeout_floor_ms=1_100.0, batch_timeout_cap_ms=1_100.0,
+        ),),
+        tenants=(TenantConfig(name="t", default=True),),
+    )
+    x = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    got: dict[str, object] = {}
+
+    async def call() -> None:
+        try:
+            got["caller"] = (await rt.infer("m", {"x": x}))["y"].tolist()
+        except trioserve.TrioserveError as exc:
+            got["caller"] = exc
+
+    try:
+        async with trioserve.open_runtime(config) as rt:
+            dog = manual_watchdog.made[-1]
+            scheduler = rt.models["m"].scheduler
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                await trio.testing.wait_all_tasks_blocked()
+                assert await trio.to_thread.run_sync(model.entered.wait, GATE_LIMIT_S)
+                assert scheduler.queue_depth() == 1  # the second part
+                dog.advance(1.0)  # the caller's 1 s, while the first part runs
+                await trio.testing.wait_all_tasks_blocked()
+                dog.advance(0.1)  # the batch's 1.1 s: cut off, its item carried
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.models["m"].batchers[0].health == "degraded"
+                assert scheduler.queue_depth() == 2  # the carried part, the second
+                mock_clock.jump(1.0)  # the second part's 1 s, in the queue
+                await trio.testing.wait_all_tasks_blocked()
+                assert isinstance(got["caller"], DeadlineExceeded)
+                assert scheduler.queue_depth() == 0
+                # the expired part's cost is counted until the queue skips it
+                # (FairQueue.queued_cost); the carried part's is not held
+                assert scheduler.load() == 2
+                model.release()
+            await scheduler.wait_empty()
+    finally:
+        model.release()
+    assert model.seen == [1.0]  # the carried part never ran again
+
+
 # ---------------------------------------------------------------- credits
 async def test_a_credit_refusal_measured_against_the_leaders_deadline_is_not_the_followers(
     autojump_clock,
