@@ -194,11 +194,7 @@ class LateOutcome:
         self.abandoned = True
         carriers, self._carriers = self._carriers, None
         for reply in carriers or ():
-            group = reply.group
-            if isinstance(group, ReplyRelay):
-                group.withdraw()
-            else:
-                reply.withdraw()
+            ReplyRelay.withdraw_reply(reply)
 
     def settle(self, result: outcome.Outcome | None) -> None:
         """The work's outcome for the request (None: none came); only the first

@@ -11,7 +11,7 @@ import outcome
 import trio
 
 from ._errors import InvalidInput, Overloaded, TrioserveError
-from ._messages import CANCELLED, ReplyGroup, Request
+from ._messages import CANCELLED, ReplyGroup, ReplyRelay, Request
 from ._outcomes import _never_ran, _note_withdrawal
 from ._served import ServedModel
 
@@ -390,6 +390,7 @@ class _SplitLate:
         for part in self.parts:
             carrier, part.carrier = part.carrier, None
             if carrier is not None and not part.done:
-                carrier.withdraw()
+                # through its relay: the queue holding it for a retry drops it now
+                ReplyRelay.withdraw_reply(carrier)
         if self._live:
             self.whole.settle(result)

@@ -239,6 +239,17 @@ class ReplyRelay:
         if self.on_withdraw is not None:
             self.on_withdraw()
 
+    @staticmethod
+    def withdraw_reply(reply: Reply) -> None:
+        """Withdraw ``reply``: through its ReplyRelay when it is a relay's (so that
+        ``on_withdraw`` is told: the queue holding its request drops it at once),
+        else as any reply. Not a checkpoint."""
+        group = reply.group
+        if type(group) is ReplyRelay:
+            group.withdraw()
+        else:
+            reply.withdraw()
+
     def _settled(self) -> None:
         reply = self.reply
         result, reply._outcome = reply._outcome, None
