@@ -79,7 +79,8 @@ class _Statistics:
         requests that joined one in flight; ``reruns``: a flight's computation run
         again for joined requests after another's deadline; ``late_answers``: joined
         requests answered instead by the batch still running when that deadline
-        passed, one per batch answer; ``in_flight``); {} when off."""
+        passed, one per batch answer; ``in_flight``). With the cache off: the
+        coalescing counters alone when a model has ``coalesce = true``, else {}."""
         return self.cache.statistics() if self.cache is not None else {}
 
     def model_ready(self, model: str, version: str | None = None) -> bool:

@@ -73,7 +73,8 @@ class Client:
         return self._call(self._read, "tenant_statistics")
 
     def cache_statistics(self) -> dict[str, Any]:
-        """``Runtime.cache_statistics()`` ({} when the cache is off)."""
+        """``Runtime.cache_statistics()`` (with the cache off: the coalescing counters
+        when a model coalesces, else {})."""
         return self._call(self._read, "cache_statistics")
 
     def invalidate_cache(self, model: str, version: str | None = None) -> int:

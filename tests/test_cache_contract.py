@@ -306,3 +306,42 @@ async def test_an_edge_answer_whose_item_was_not_kept_is_dropped_when_its_ttl_pa
         await trio.testing.wait_all_tasks_blocked()
         stats = rt.cache_statistics()
     assert (stats["entries"], stats["bytes_used"], stats["expirations"]) == (0, 0, 1)
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+async def test_with_the_cache_off_only_coalescing_is_counted_and_only_when_a_model_coalesces(
+    autojump_clock, coalesce
+):
+    """With ``capacity_bytes = 0``, ``rt.cache_statistics()`` is ``{}`` and /metrics has
+    no ``trioserve_cache_*`` series, unless a model has ``coalesce = true``: then both
+    hold the coalescing counters alone (the docs said ``{}`` and "with the result cache
+    on" whatever the models)."""
+    gated = Counting(gated=True)
+    config = cfg(
+        callable_model("g", gated, execution="thread", max_wait_ms=0, coalesce=coalesce),
+        capacity_bytes=0,
+    )
+    try:
+        async with trioserve.open_runtime(config) as rt:
+            client = Gateway(rt).app.test_client()
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(lambda: rt.infer("g", item(1), tenant="A"))
+                await trio.testing.wait_all_tasks_blocked()
+                gated.release.set()
+            stats = rt.cache_statistics()
+            res = await client.get("/metrics")
+            series = {n for (n, _), _ in _samples((await res.get_data()).decode()).items()
+                      if n.startswith("trioserve_cache_")}
+    finally:
+        gated.release.set()
+    if not coalesce:
+        assert gated.seen == [1.0, 1.0, 1.0]
+        assert stats == {}
+        assert series == set()
+        return
+    assert gated.seen == [1.0]
+    assert stats == {"coalesced": 2, "computations": 1, "reruns": 0, "late_answers": 0,
+                     "in_flight": 0}
+    assert series == {"trioserve_cache_coalesced_total", "trioserve_cache_reruns_total",
+                      "trioserve_cache_late_answers_total"}
