@@ -419,10 +419,16 @@ class Rollout:
         stable = self.counts[self.stable]
         n = canary.answers
         if canary.errors > r.max_error_rate * max(n, r.min_requests):
+            if n >= r.min_requests:
+                over = f"over max_error_rate {r.max_error_rate:g}"
+            else:  # caught early: these errors breach the rate at min_requests already
+                over = (
+                    f"more than max_error_rate {r.max_error_rate:g} × min_requests "
+                    f"{r.min_requests} = {r.max_error_rate * r.min_requests:g} already"
+                )
             return (
                 f"error rate: {canary.errors} errors in {n} answers of the canary "
-                f"({canary.errors / n:.2%}), over max_error_rate {r.max_error_rate:g} "
-                f"(at least {r.min_requests} answers)"
+                f"({canary.errors / n:.2%}), {over}"
             )
         late = self._late_breach()
         if late is not None:

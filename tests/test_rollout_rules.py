@@ -49,7 +49,10 @@ def test_errors_past_the_rate_roll_back_before_min_requests_are_reached():
     assert r.state is RolloutState.CANARY  # 1 error in 100 would be within 1%
     (event,) = r.record("2", False, 0.01, 2.0)  # 2 errors: over 1% at 100 answers
     assert event.kind == "rolled_back"
-    assert r.reason.startswith("error rate: 2 errors in 2 answers")
+    assert r.reason == (
+        "error rate: 2 errors in 2 answers of the canary (100.00%), more than "
+        "max_error_rate 0.01 × min_requests 100 = 1 already"
+    )
     assert (r.share, r.target()) == (0.0, "1")
     assert {r.route() for _ in range(10)} == {"1"}
     assert r.tick(1e9) == []
@@ -166,6 +169,19 @@ def test_late_requests_alike_on_both_versions_are_no_breach():
     assert r2.state is RolloutState.CANARY
     (event,) = r2.record_late("2", 1.0)  # 21/101 - 10/100 > 0.1
     assert event.reason.startswith("late: 21 of the canary's 101 requests")
+
+
+def test_errors_past_the_rate_after_min_requests_say_the_rate_they_exceed():
+    r = rollout(min_requests=4, max_error_rate=0.2)
+    for t in range(4):
+        assert r.record("2", True, 0.01, 1.0 + t) == []
+    assert r.record("2", False, 0.01, 5.0) == []  # 1 error in 5 answers: 20%, not over
+    assert r.state is RolloutState.CANARY
+    (event,) = r.record("2", False, 0.01, 6.0)  # 2 in 6: over 20%
+    assert event.kind == "rolled_back"
+    assert r.reason == (
+        "error rate: 2 errors in 6 answers of the canary (33.33%), over max_error_rate 0.2"
+    )
 
 
 def test_late_requests_neither_end_a_step_nor_are_errors():
