@@ -70,6 +70,9 @@ MAX_QUEUE_BOUND = 1_048_576
 #: Five minutes: load balancers stop sending to an endpoint within seconds of its
 #: removal; a longer delay only holds a stopping server (and its pod) longer.
 MAX_DRAIN_DELAY_S = 300.0
+#: The Idempotency-Key store's least byte bound (64 KiB): each kept answer costs ~1 KiB
+#: besides its body, so a smaller bound (a size meant in MiB, say) keeps next to nothing.
+MIN_IDEMPOTENCY_BYTES = 64 * 1024
 #: A tenant's weight: its fair share within a class, relative to the others'. A
 #: million to one between two tenants is as uneven as a share gets; past that the
 #: fair-share counters (cost / weight, in floats) could not hold the lightest
@@ -465,6 +468,9 @@ class ServerConfig:
     )
     idempotency_window_s: float = _field(_number(0.0), 60.0)
     idempotency_max_keys: int = _field(_int(1), 10_000)
+    #: the bytes the Idempotency-Key store holds at most (answers' bodies, keys, and
+    #: ~1 KiB an entry besides); the oldest answers go first past it
+    idempotency_max_bytes: int = _field(_int(MIN_IDEMPOTENCY_BYTES), 64 * 1024 * 1024)
     #: API keys that may read the control plane (all but inference and the health
     #: probes); empty: it answers anyone. No tenant's key may be one of them.
     control_plane_keys: tuple[str, ...] = _field(

@@ -118,6 +118,7 @@ def test_load_config_reads_every_table(tmp_path):
     assert cfg.server.max_connections == ServerConfig().max_connections == 4096
     assert cfg.server.stream_in_flight_bytes == ServerConfig().stream_in_flight_bytes == 16 << 20
     assert cfg.server.drain_delay_s == ServerConfig().drain_delay_s == 0.0
+    assert cfg.server.idempotency_max_bytes == ServerConfig().idempotency_max_bytes == 64 << 20
 
 
 def test_one_write_timeout_serves_http_and_the_stream_unless_the_stream_has_its_own(
@@ -372,6 +373,14 @@ def test_a_bad_list_of_api_keys_is_refused_without_showing_a_key(keys):
         (
             "[models.m]\nbackend = 'echo'\n[server]\nstream_write_timeout_s = 0\n",
             "server.stream_write_timeout_s: must be a finite number > 0.0, got 0",
+        ),
+        (  # a size meant in MiB: it would keep next to nothing (~1 KiB an answer)
+            "[models.m]\nbackend = 'echo'\n[server]\nidempotency_max_bytes = 64\n",
+            "server.idempotency_max_bytes: must be an integer >= 65536, got 64",
+        ),
+        (
+            "[models.m]\nbackend = 'echo'\n[server]\nidempotency_max_bytes = '64MiB'\n",
+            "server.idempotency_max_bytes: must be an integer >= 65536, got '64MiB'",
         ),
         (
             "[models.m]\nbackend = 'echo'\n[tenants.t]\nweight = 0\n",

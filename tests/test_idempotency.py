@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import sys
 import tracemalloc
 
 import numpy as np
@@ -11,7 +13,7 @@ import trio
 import trioserve
 from http_helpers import Gate, config, echo_model, held_model, serving, v2_input
 from trioserve.transport import open_http
-from trioserve.transport._idempotency import IdempotencyStore
+from trioserve.transport._idempotency import ENTRY_OVERHEAD, IdempotencyStore, key_bytes
 
 JSON = [(b"content-type", b"application/json")]
 
@@ -411,3 +413,196 @@ async def test_an_identical_retry_after_a_reload_or_a_rollout_moved_is_a_replay(
     assert after.headers["idempotent-replayed"] == "true"
     assert after.body == before.body
     assert echo_items == 0  # it ran nothing after the reload: the retry was a replay
+
+
+# ------------------------------------------------------------------ the byte bound
+
+
+def answering(runs, tag, size=0, status=200):
+    """An answer of ``size`` body bytes, noting ``tag`` in ``runs`` when it runs."""
+
+    async def answer():
+        runs.append(tag)
+        return status, JSON, b"%s:" % tag.encode() + b"x" * size
+
+    return answer
+
+
+def cost(key, body: bytes) -> int:
+    """What the store counts for an answer ``body`` kept under ``key``."""
+    return ENTRY_OVERHEAD + key_bytes(key) + sys.getsizeof(body)
+
+
+async def test_the_bytes_counted_bound_what_the_store_really_holds(autojump_clock):
+    """Under many keys (of many lengths, with answers of many sizes) the bytes counted
+    never pass ``max_bytes``, they are the sum of the entries' costs, and what the
+    store really holds (tracemalloc: everything allocated and not freed since it was
+    empty) is never more than they say."""
+    limit = 1 << 20
+    store = IdempotencyStore(window=60.0, max_keys=1_000_000, max_bytes=limit)
+    rng = random.Random(7)
+    runs: list[str] = []  # not held past each run: it would count as the store's
+    tracemalloc.start()
+    try:
+        await store.run(("t", "m", "warm"), b"x", answering(runs, "w", 10))
+        before = tracemalloc.get_traced_memory()[0] - store.bytes
+        for i in range(3000):
+            key = ("t", "m" * rng.randrange(1, 40), "k%d" % i + "K" * rng.randrange(0, 200))
+            await store.run(key, b"%d" % i, answering(runs, str(i), rng.randrange(0, 6000)))
+            assert store.bytes <= limit
+            runs.clear()
+        del key
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    counted = sum(cost(k, e.answer[2]) for k, e in store._answered.items())
+    stats = store.statistics()
+    assert stats.bytes == counted == store.bytes
+    assert held <= store.bytes, f"held {held} bytes, counted {store.bytes}"
+    assert held > 0.6 * store.bytes  # the count is an estimate, not a bound far off
+    assert stats.running == 0
+    assert stats.evicted_bytes > 2000  # the bound, not max_keys, did the evicting
+    assert stats.evicted_keys == stats.too_large == 0
+    assert stats.keys == len(store) < 1000
+
+
+async def test_over_the_byte_bound_the_oldest_answers_go_first(autojump_clock):
+    size = 1000
+    one = cost(("t", "m", "a"), b"a:" + b"x" * size)
+    store = IdempotencyStore(window=60.0, max_keys=100, max_bytes=3 * one)
+    runs: list[str] = []
+    for k in "abc":
+        await store.run(("t", "m", k), b"x", answering(runs, k, size))
+    assert store.bytes == 3 * one
+    await store.run(("t", "m", "b"), b"x", answering(runs, "b", size))  # replayed
+    await store.run(("t", "m", "d"), b"x", answering(runs, "d", size))  # a goes
+    assert runs == ["a", "b", "c", "d"]
+    assert store.statistics().evicted_bytes == 1
+    # a larger answer takes the place of the two oldest (a replay does not make
+    # an answer younger: the store forgets in the order answers were given)
+    await store.run(("t", "m", "e"), b"x", answering(runs, "e", 2 * size))
+    assert [k[2] for k in store._answered] == ["d", "e"]
+    assert store.statistics().evicted_bytes == 3
+    for k in "debc":
+        await store.run(("t", "m", k), b"x", answering(runs, k, size))
+    # d and e replayed; b and c ran again (and pushed d and e out in turn)
+    assert runs == ["a", "b", "c", "d", "e", "b", "c"]
+    assert [k[2] for k in store._answered] == ["b", "c"]
+    assert store.bytes <= 3 * one
+
+
+async def test_an_answer_larger_than_the_bound_is_answered_and_not_kept(autojump_clock):
+    """Its caller and a repeat already waiting get it; a retry after it runs again."""
+    key = ("t", "m", "big")
+    limit = ENTRY_OVERHEAD + key_bytes(key) + 1000
+    store = IdempotencyStore(window=60.0, max_keys=100, max_bytes=limit)
+    runs: list[str] = []
+
+    async def big():
+        runs.append("big")
+        await trio.sleep(1.0)
+        return 200, JSON, b"y" * 2000
+
+    got = []
+
+    async def call():
+        got.append(await store.run(key, b"x", big))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(call)  # a repeat while it runs: waits for it
+    assert runs == ["big"]
+    assert got[0][2] == got[1][2] == b"y" * 2000
+    assert got[1][1][-1] == (b"idempotent-replayed", b"true")
+    stats = store.statistics()
+    assert (len(store), stats.bytes, stats.too_large, stats.replayed) == (0, 0, 1, 1)
+    small = await store.run(("t", "m", "small"), b"x", answering(runs, "small", 10))
+    assert small[0] == 200
+    assert len(store) == 1  # a small one is still kept
+    assert (await store.run(key, b"x", big))[2] == b"y" * 2000  # runs again
+    assert runs == ["big", "small", "big"]
+    assert store.statistics().too_large == 2
+
+
+async def test_running_keys_are_kept_over_the_byte_bound(autojump_clock):
+    """Running keys count in the bytes and are never evicted: they push the answers
+    out, and while they alone hold more than the bound each answer is evicted as it
+    is given (its waiting repeat still gets it, once); then answers are kept again."""
+    runs: list[str] = []
+    a = ("t", "m", "a")
+    running = [("t", "m", "r%d" % i) for i in range(3)]
+    limit = 2 * (ENTRY_OVERHEAD + key_bytes(a)) + 200
+    store = IdempotencyStore(window=60.0, max_keys=100, max_bytes=limit)
+    await store.run(a, b"x", answering(runs, "a"))
+    release = trio.Event()
+
+    def held(tag):
+        async def answer():
+            runs.append(tag)
+            await release.wait()
+            return 200, JSON, tag.encode()
+
+        return answer
+
+    got = {}
+
+    async def call(key, answer):
+        got.setdefault(key, []).append(await store.run(key, b"x", answer))
+
+    async with trio.open_nursery() as nursery:
+        for k in running:
+            nursery.start_soon(call, k, held(k[2]))
+        await trio.testing.wait_all_tasks_blocked()
+        stats = store.statistics()
+        assert (stats.running, stats.keys, stats.evicted_bytes) == (3, 0, 1)  # a went
+        assert stats.bytes == sum(ENTRY_OVERHEAD + key_bytes(k) for k in running) > limit
+        # an answer given now is evicted at once; its repeat that waited gets it
+        b = ("t", "m", "b")
+        gate = trio.Event()
+
+        async def gated():
+            runs.append("b")
+            await gate.wait()
+            return 200, JSON, b"b"
+
+        nursery.start_soon(call, b, gated)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(call, b, answering(runs, "b again"))
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [g[2] for g in got[b]] == [b"b", b"b"]
+        assert store.statistics().evicted_bytes == 2
+        for k in running:  # repeats of running keys wait for them
+            nursery.start_soon(call, k, answering(runs, "again"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.statistics().running == 3
+        release.set()
+    assert sorted(runs) == ["a", "b", "r0", "r1", "r2"]  # each once ("again" never)
+    for k in running:
+        assert [g[2] for g in got[k]] == [k[2].encode()] * 2
+    assert store.bytes <= limit
+    assert 1 <= store.statistics().keys <= 2  # the newest answers are kept again
+
+
+async def test_the_store_is_shown_in_metrics():
+    async with serving(config(echo_model(), server={"idempotency_max_bytes": 1 << 20})) as gw:
+        assert (await post(gw, "echo", body(1), key="k1")).status == 200
+        assert (await post(gw, "echo", body(1), key="k1")).status == 200
+        async with open_http(gw.url) as http:
+            text = (await http.request("GET", "/metrics")).body
+        held = gw.idempotency.bytes
+    assert held > ENTRY_OVERHEAD
+    for line in (
+        b"trioserve_idempotency_keys 1.0",
+        b"trioserve_idempotency_running 0.0",
+        b"trioserve_idempotency_bytes %d.0" % held,
+        b"trioserve_idempotency_bytes_limit 1.048576e+06",
+        b"trioserve_idempotency_replays_total 1.0",
+        b'trioserve_idempotency_evictions_total{bound="keys"} 0.0',
+        b'trioserve_idempotency_evictions_total{bound="bytes"} 0.0',
+        b"trioserve_idempotency_too_large_total 0.0",
+        b"trioserve_idempotency_expirations_total 0.0",
+    ):
+        assert b"\n" + line + b"\n" in text, line

@@ -331,6 +331,7 @@ class Gateway:
         self.idempotency = IdempotencyStore(
             window=self.server_config.idempotency_window_s,
             max_keys=self.server_config.idempotency_max_keys,
+            max_bytes=self.server_config.idempotency_max_bytes,
         )
         self.registry = metrics_registry(self)
         self.app = control_app(self)

@@ -262,6 +262,55 @@ class GatewayCollector(Collector):
             "server.max_connections.",
             value=stats.connections_evicted,
         )
+        yield from GatewayCollector._idempotency(gw)
+
+    @staticmethod
+    def _idempotency(gw: Gateway) -> Iterator[Metric]:
+        """The Idempotency-Key store: what it holds and why answers left it early."""
+        idem = gw.idempotency.statistics()
+        for metric, doc, value in (
+            ("trioserve_idempotency_keys",
+             "Answers the Idempotency-Key store keeps (server.idempotency_max_keys at most).",
+             idem.keys),
+            ("trioserve_idempotency_running",
+             "Requests with an Idempotency-Key running: their keys are held, never evicted.",
+             idem.running),
+            ("trioserve_idempotency_bytes",
+             "Bytes the Idempotency-Key store holds, as counted: answers' bodies, keys, "
+             "and 1 KiB an entry besides (running keys too).",
+             idem.bytes),
+            ("trioserve_idempotency_bytes_limit",
+             "The most bytes the Idempotency-Key store holds (server.idempotency_max_bytes).",
+             idem.max_bytes),
+        ):
+            yield GaugeMetricFamily(metric, doc, value=value)
+        yield CounterMetricFamily(
+            "trioserve_idempotency_replays",
+            "Repeats of a request with an Idempotency-Key answered with the first's answer.",
+            value=idem.replayed,
+        )
+        evictions = CounterMetricFamily(
+            "trioserve_idempotency_evictions",
+            "Answers the Idempotency-Key store dropped before their window to stay within "
+            "server.idempotency_max_keys (bound=keys) or server.idempotency_max_bytes "
+            "(bound=bytes): a retry with their key runs again.",
+            labels=["bound"],
+        )
+        evictions.add_metric(["keys"], idem.evicted_keys)
+        evictions.add_metric(["bytes"], idem.evicted_bytes)
+        yield evictions
+        yield CounterMetricFamily(
+            "trioserve_idempotency_too_large",
+            "Answers not kept by the Idempotency-Key store because one alone costs more "
+            "than server.idempotency_max_bytes: a retry with their key runs again.",
+            value=idem.too_large,
+        )
+        yield CounterMetricFamily(
+            "trioserve_idempotency_expirations",
+            "Answers the Idempotency-Key store forgot at the end of their window "
+            "(server.idempotency_window_s).",
+            value=idem.expired,
+        )
 
 
     @staticmethod
