@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +14,12 @@ import pytest
 import trio
 import trioserve
 from http_helpers import Gate, config, echo_model, held_model, mlp_model, serving, settle, v2_input
+from hypothesis import given
+from hypothesis import strategies as st
 from trioserve import QuotaExceeded
-from trioserve.transport import open_http, open_stream
+from trioserve.transport import _gateway, open_http, open_stream
 from trioserve.transport._gateway import error_answer
+from trioserve.transport._v2 import error_body
 
 ONE = {"inputs": [v2_input(np.zeros((1, 256), np.float32))]}
 
@@ -737,3 +741,62 @@ def test_the_error_table_of_docs_embedding_md_gives_each_errors_status():
         status = error_answer(getattr(trioserve, name)("x"))[0]
         assert (name, status) == (name, int(code))
 
+
+
+# ------------------------------------------------------------ error bodies' bytes
+
+
+def _orjson_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+@given(message=st.text())
+def test_an_error_body_is_byte_for_byte_what_orjson_wrote(message):
+    """``error_body`` no longer goes through orjson (whose output holds a 4 KiB
+    buffer): its bytes are the same for any text, escapes and non-ASCII included."""
+    try:
+        expected = _orjson_body(message)
+    except orjson.JSONEncodeError:  # a lone surrogate: refused as before
+        with pytest.raises(orjson.JSONEncodeError):
+            error_body(message)
+        return
+    assert error_body(message) == expected
+
+
+def test_an_error_body_is_orjson_s_for_every_code_point():
+    every = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000)
+    assert error_body(every) == _orjson_body(every)
+    for c in range(0x80):  # each ASCII one alone: the escapes
+        assert error_body(chr(c)) == _orjson_body(chr(c)), c
+
+
+def test_an_error_body_is_a_block_of_its_own_length():
+    message = "model 'mlp': queue full (64 requests waiting)"
+    tracemalloc.start()
+    try:
+        body = error_body(message)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert body == _orjson_body(message)
+    assert peak < 1024, f"{peak} bytes allocated for a {len(body)}-byte body"
+
+
+def test_a_refusal_s_body_is_written_once_per_message_and_the_table_is_bounded():
+    """A 503 or 429 with a message seen before shares its body (nothing written);
+    messages that vary never hold more than REFUSAL_BODIES bodies."""
+    full = trioserve.Overloaded("model 'm': queue full (64 requests waiting)")
+    first, again = error_answer(full), error_answer(full)
+    assert first == again
+    assert first[2] is again[2]
+    assert first[2] == _orjson_body(str(full))
+    for i in range(3 * _gateway.REFUSAL_BODIES):
+        exc = QuotaExceeded(f"tenant 't' is over its credit rate; 1 more in {i} ms")
+        answer = error_answer(exc)
+        assert answer[0] == 429
+        assert answer[2] == _orjson_body(str(exc))
+        assert len(_gateway._refusal_bodies) <= _gateway.REFUSAL_BODIES
+    # other statuses are written each time (their messages are the request's)
+    bad = trioserve.InvalidInput("bad")
+    assert error_answer(bad)[2] == _orjson_body("bad")
+    assert "bad" not in _gateway._refusal_bodies

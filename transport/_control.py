@@ -37,6 +37,9 @@ from ._v2 import error_body, shown
 if TYPE_CHECKING:
     from ._gateway import Gateway
 
+#: Readiness while draining: every probe is refused the same way.
+_DRAINING_NOT_READY = error_body("not ready: the server is shutting down")
+
 
 def control_app(gateway: Gateway) -> QuartTrio:
     """The Quart app of ``gateway``'s control plane."""
@@ -125,7 +128,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.get("/v2/health/ready")
     async def ready() -> Any:
         if not gateway.ready:
-            return json(error_body("not ready: the server is shutting down"), 503)
+            return json(_DRAINING_NOT_READY, 503)
         rt = gateway.runtime
         # (a model not loaded, under explicit model control, is not awaited: Triton's)
         down = [

@@ -186,6 +186,25 @@ def retry_after_seconds(retry_after: float) -> int:
     return max(1, math.ceil(retry_after))
 
 
+#: The bodies of the last refusals (429, 503) by message, at most ``REFUSAL_BODIES``.
+_refusal_bodies: dict[str, bytes] = {}
+REFUSAL_BODIES = 64
+
+
+def _refusal_body(message: str) -> bytes:
+    """A 429's or 503's body, written once per message: under a flood the same few
+    messages repeat (a full queue, a tenant's share), and each answer wrote its own.
+    Messages that vary (a wait in ms) fill the table, which then starts over, so it
+    holds at most ``REFUSAL_BODIES``. Not a checkpoint."""
+    body = _refusal_bodies.get(message)
+    if body is None:
+        body = error_body(message)
+        if len(_refusal_bodies) >= REFUSAL_BODIES:
+            _refusal_bodies.clear()
+        _refusal_bodies[message] = body
+    return body
+
+
 def error_answer(exc: BaseException) -> Answer:
     """The JSON error answer of an exception: its ``status`` (500 for foreign ones),
     ``{"error": message}`` and, with 429 and 503, a Retry-After header (whole seconds,
@@ -200,6 +219,7 @@ def error_answer(exc: BaseException) -> Answer:
         elif exc.status in (429, 503):
             retry_after = exc.retry_after if isinstance(exc, Overloaded) else 1.0
             headers.append((b"retry-after", b"%d" % retry_after_seconds(retry_after)))
+            return exc.status, headers, _refusal_body(str(exc))
         return exc.status, headers, error_body(str(exc))
     return 500, [JSON], error_body(f"internal error: {type(exc).__name__}: {exc}")
 

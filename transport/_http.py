@@ -80,6 +80,11 @@ _Request = h11.Request
 _Data = h11.Data
 _EndOfMessage = h11.EndOfMessage
 _CLOSE = (b"connection", b"close")
+#: The drain's refusals, written once (each connection left at its end gets one).
+_NOT_COMPLETED = error_body("the server is shutting down; the request was not completed")
+_NO_NEW_STREAM = error_body(
+    "the server is shutting down; open the stream again elsewhere or later"
+)
 #: The methods of RFC 9110 (and PATCH); any other gets 501.
 _METHODS = frozenset(
     (b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"OPTIONS", b"TRACE", b"PATCH")
@@ -151,7 +156,7 @@ async def serve_connection(gateway: Gateway, stream: trio.SocketStream) -> None:
             c.bare or c.h.our_state is h11.SEND_RESPONSE
         ):
             # Drained past the grace period with this request unanswered: say so.
-            body = error_body("the server is shutting down; the request was not completed")
+            body = _NOT_COMPLETED
             with trio.CancelScope(shield=True), trio.move_on_after(LINGER):
                 await _send_quietly(c, 503, [JSON, (b"retry-after", b"1")], body)
         if not handed_off:
@@ -413,8 +418,7 @@ class _Connection:
                 if gateway.draining:
                     # Its head was still arriving when the drain began: no new stream
                     # (it would read and run messages for the whole grace period).
-                    body = error_body("the server is shutting down; open the stream again "
-                                      "elsewhere or later")
+                    body = _NO_NEW_STREAM
                     headers = [JSON, (b"retry-after", b"1")]
                     await _send_all(fd, _response(h, 503, headers, body, True), stall)
                     raise _Close()

@@ -42,6 +42,9 @@ NOT_READY = "not ready: the server is loading models"
 #: The answer to any other request (a probe of liveness aside) while they load.
 LOADING = "the server is loading models; retry later"
 _RETRY = (b"retry-after", b"1")
+#: their bodies, written once: every request is refused so while the models load
+_NOT_READY_BODY = error_body(NOT_READY)
+_LOADING_BODY = error_body(LOADING)
 _CLOSE = (b"connection", b"close")
 
 
@@ -52,8 +55,8 @@ def loading_answer(method: bytes, target: bytes) -> Answer:
         if path == b"/v2/health/live":
             return 200, [JSON], b'{"live":true}'
         if path == b"/v2/health/ready":
-            return 503, [JSON, _RETRY], error_body(NOT_READY)
-    return 503, [JSON, _RETRY], error_body(LOADING)
+            return 503, [JSON, _RETRY], _NOT_READY_BODY
+    return 503, [JSON, _RETRY], _LOADING_BODY
 
 
 class LoadingAnswers:

@@ -183,8 +183,23 @@ def _float_text(value: float, text: bytes | str) -> str:
     return orjson.dumps(value).decode()
 
 
+#: JSON's string escaping in C (the standard library's), writing what orjson writes:
+#: ``"``, ``\`` and the control characters escaped (``\n`` or ``\u001f``), all else
+#: as UTF-8 (checked for every code point but the surrogates).
+_json_string = json.encoder.c_encode_basestring or json.encoder.py_encode_basestring
+
+
 def error_body(message: str) -> bytes:
-    return orjson.dumps({"error": message})
+    """``{"error": message}`` as orjson writes it, byte for byte, in a block of its own
+    length. Not a checkpoint.
+
+    orjson writes into a 4 KiB buffer it keeps: under a flood of refusals (429, 503)
+    each answer allocated and freed one (``tests/test_http_errors.py``). A message
+    with a lone surrogate (no UTF-8) goes to orjson, which refuses it as before."""
+    try:
+        return b'{"error":%b}' % _json_string(message).encode()
+    except UnicodeEncodeError:
+        return orjson.dumps({"error": message})
 
 
 def datatype_of(arr: np.ndarray) -> str:
