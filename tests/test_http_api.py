@@ -643,7 +643,7 @@ async def test_the_metrics_exposition_is_valid_after_traffic_through_every_featu
         f.name + "_total" if f.type == "counter" else f.name
         for f in text_string_to_metric_families(final.body.decode())
     }
-    assert len(exposed) == 44
+    assert len(exposed) == 52  # 8 of them the Idempotency-Key store's
     assert exposed - documented_series() == set()
     requests = {
         (dict(labels)["model"], dict(labels)["tenant"], dict(labels)["status"]): v
@@ -657,6 +657,8 @@ async def test_the_metrics_exposition_is_valid_after_traffic_through_every_featu
     assert requests[("held", "t", "503")] == 1
     assert requests[("held", "t", "200")] == 2
     assert samples["trioserve_cache_hits_total", ()] >= 1
+    assert samples["trioserve_idempotency_replays_total", ()] == 1
+    assert samples["trioserve_idempotency_keys", ()] == 1
     # nothing observed: count 0 and NaN quantiles (they were 0.0, a latency of 0 s)
     idle = (("model", "idle"), ("stage", "end_to_end"))
     assert samples["trioserve_latency_seconds_count", idle] == 0
