@@ -567,15 +567,19 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 self._metrics.statuses["retried"] += len(parts)
                 self._scheduler.retry(split(parts, self._timer.policy.retry_parts))
                 return opened
-        if len(alive) == 1 and self._elsewhere(alive[0]):
+        if len(batch) == 1 and self._elsewhere(batch[0]):
             # A part of a failed batch raised alone here: run it once on another
             # replica. An input bad for the model raises there too (and gets the
-            # error); a result there says this replica fails on sound input.
-            self._scheduler.completed(batch, failed=True)
-            alive[0].reply.raised_on = (self, self._breaker.run)
-            self._metrics.statuses["retried"] += 1
-            self._scheduler.retry([alive])
-            return opened
+            # error); a result there says this replica fails on sound input. An
+            # item answered while it ran (its deadline passed) that others wait
+            # for goes there too, carried (to_retry), as its request would have.
+            part = alive or to_retry(batch)
+            if part:
+                self._scheduler.completed(batch, failed=True)
+                part[0].reply.raised_on = (self, self._breaker.run)
+                self._metrics.statuses["retried"] += 1
+                self._scheduler.retry([part])
+                return opened
         msg = f"model {self.model!r} failed on {self.device}: {_text(exc)}"
         self._answer_error(batch, alive, msg)
         self._log_model_error(msg, len(alive))
@@ -598,7 +602,20 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
 
     def _answer_error(self, batch: list[Request], alive: list[Request], msg: str) -> None:
         """Answer ``alive`` (the batch's requests still waiting) with ModelError(msg):
-        the batch is done, failed."""
+        the batch is done, failed. A request of the batch answered while it ran (its
+        deadline passed) whose item others wait for (``Reply.late``, not carried
+        into a retry) hands them the same error: the model's for that item, which
+        its own caller would have got, and which running the item again would
+        only repeat (the model raised on it alone, it is poison, too large, or it
+        left its device unusable)."""
+        for req in batch:
+            reply = req.reply
+            late = reply.late
+            if (
+                late is not None and late.expected and not late.carried
+                and not reply.answerable
+            ):
+                late.settle(outcome.Error(ModelError(msg)))
         for req in alive:
             req.reply.set_error(ModelError(msg))
         self._metrics.statuses["model_error"] += len(alive)

@@ -7,8 +7,8 @@ or runs ``compute()`` once for every concurrent caller of that key (in the actor
 nursery, so a caller leaving does not cancel it for the others) and caches what it
 returns. A joined caller whose own deadline outlives the one its flight ran with is
 not failed by that one passing: it is answered by the batch still running for the
-other, if that one passed while it ran, or the flight runs its own ``compute()``
-again.
+other, if that one passed while it ran (its value, or the model's error for the
+item), or the flight runs its own ``compute()`` again.
 ``answer_many(model, version, tenant, items, compute)`` does the same for several items
 at once (``Runtime.infer_batch``): the cached ones from the cache, the others computed
 together, each distinct one once. The actor's task also drops expired entries as their
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import trio
-from trioserve import Actor, DeadlineExceeded, Overloaded, QuotaExceeded
+from trioserve import Actor, DeadlineExceeded, ModelError, Overloaded, QuotaExceeded
 
 from ._cache import Cache, CacheRule
 from ._cachekey import cache_key
@@ -120,6 +120,21 @@ def deadline_bound(exc: BaseException, deadline: float) -> float | None:
     if isinstance(exc, Overloaded):
         return exc.deadline
     return None
+
+
+def input_error(exc: BaseException) -> bool:
+    """For :class:`SingleFlight`: whether an error that the batch of a driver answered
+    before it ended brought for its item (a late outcome) is the input's own doing,
+    every waiter's answer, rather than a reason to run the item again. A ModelError
+    is the model's error for that item, the one its own caller would have got, which
+    the runtime never retries: it raised on it alone (on a second replica too, when
+    another was ready), the item is poison (it hung or killed its worker each time
+    it ran alone), too large for a worker's message, refused by the model's
+    signature, or it left its device unusable; or the model's queue was retired,
+    which would refuse a rerun with that same error. Anything else (the replica
+    crashed under it, the runtime shuts down) is no answer of the item's: the
+    flight runs again."""
+    return isinstance(exc, ModelError)
 
 
 def _waited_out(
@@ -252,7 +267,8 @@ class CacheActor(Actor):
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._flights = SingleFlight(
-                nursery, deadline_bound=deadline_bound, late_outcomes=True
+                nursery, deadline_bound=deadline_bound, late_outcomes=True,
+                input_error=input_error,
             )
             task_status.started(self)
             try:

@@ -21,9 +21,12 @@ When the error came while the driver's work went on (a request answered
 DeadlineExceeded while its batch ran, the batch still running for others), the
 waiters with time left first wait for that work's outcome (a :class:`LateOutcome`
 the computation hands on: ``Reply.late``): a value answers them all, as the round's
-own would have, and runs nothing again; a waiter whose own deadline passes first
-gets its own error then (below); and if the work fails, the flight runs
-again for those still waiting, as above.
+own would have, and runs nothing again; so does an error that is the input's own
+doing (the owner's ``input_error`` says which: the model's error for that input,
+which running it again would only repeat); a waiter whose own deadline passes first
+gets its own error then (below); and if the work fails otherwise (no outcome came,
+or an error of the work or its replica), the flight runs again for those still
+waiting, as above.
 
 A waiter answered so by an error of another's deadline (the driver's, passed in the
 queue or while its work ran), or whose own deadline passes while it waits for a late
@@ -69,8 +72,9 @@ class SingleFlightStatistics:
     ``abandoned``: flights cancelled because every waiter left; ``reruns``: a
     flight's computation run again, for waiters whose own deadline was later than
     the one its error belonged to; ``late_answers``: a flight's waiters answered
-    instead by the late outcome of the work of a driver whose deadline passed (one
-    per such outcome, however many waiters it answered)."""
+    instead by the late outcome of the work of a driver whose deadline passed, a
+    value or the input's own error (one per such outcome, however many waiters it
+    answered)."""
 
     in_flight: int
     started: int
@@ -264,6 +268,10 @@ def _never_bound(exc: BaseException, deadline: float) -> float | None:
     return None
 
 
+def _never_input(exc: BaseException) -> bool:
+    return False
+
+
 class SingleFlight:
     """A table of computations in flight, by key; they run in ``nursery``.
 
@@ -281,6 +289,12 @@ class SingleFlight:
     :class:`LateOutcome` of its own; if it raises such an error after the hook was
     told to expect an outcome, the waiters with a later deadline wait for that
     outcome (each until its own deadline) before the flight runs again.
+
+    ``input_error(exc)``: for an error that late outcome brought, whether it is the
+    input's own doing (the same input would fail again): it is then every waiter's
+    answer (each its own copy) and the flight ends; otherwise (the error of the work
+    or of its replica) the flight runs again, as when no outcome came. By default
+    no error is the input's.
     """
 
     def __init__(
@@ -289,9 +303,11 @@ class SingleFlight:
         *,
         deadline_bound: Callable[[BaseException, float], float | None] = _never_bound,
         late_outcomes: bool = False,
+        input_error: Callable[[BaseException], bool] = _never_input,
     ) -> None:
         self._nursery = nursery
         self._deadline_bound = deadline_bound
+        self._input_error = input_error
         self._late_outcomes = late_outcomes
         self._late_answers = 0
         self._flights: dict[Hashable, _Flight] = {}
@@ -448,9 +464,11 @@ class SingleFlight:
         waiter's own is later (and not passed), end the round with it (answering
         the others, as :meth:`_run_again`) and wait, in a round that runs nothing,
         for that outcome: a value (kept as the computation keeps its own,
-        ``late.keep``) answers every waiter left, and this returns True. Otherwise
-        (no such waiter; the work failed) it returns False, the late round being
-        the flight's, for :meth:`_run_again` to end. A checkpoint when it waits."""
+        ``late.keep``), or an error that is the input's own (``input_error``),
+        answers every waiter left, and this returns True. Otherwise (no such
+        waiter; no outcome came; the work failed otherwise) it returns False, the
+        late round being the flight's, for :meth:`_run_again` to end. A checkpoint
+        when it waits."""
         try:
             return await self._wait_late_outcome(flight, exc, late)
         finally:
@@ -478,7 +496,15 @@ class SingleFlight:
         round_.result = outcome.Error(exc)
         round_.done.set()
         result = await late.wait()
-        if not isinstance(result, outcome.Value):
+        if isinstance(result, outcome.Error):
+            if not self._input_error(result.error):
+                return False  # the work's or its replica's: run it again
+            # The model's error for the input: running it again would repeat it,
+            # and charge for it again.
+            waiting.result = result
+            self._late_answers += 1
+            return True
+        if not isinstance(result, outcome.Value):  # none came
             return False
         keep = late.keep
         waiting.result = result if keep is None else outcome.capture(keep, result.value)

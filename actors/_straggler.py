@@ -120,7 +120,9 @@ def to_retry(batch: list[Request]) -> list[Request]:
     request carrying that item: its answer is theirs (``LateOutcome.carry``). It
     costs nobody credits (the answered one paid for the item), has no deadline of
     its own (each of those waiting keeps theirs) and is withdrawn when nobody waits
-    any more. The rest are left out."""
+    any more; it keeps the answered one's record as a retry (``attempts``,
+    ``suspect``, ``raised_on``), so that it is retried as that request would have
+    been. The rest are left out."""
     out = []
     for r in batch:
         reply = r.reply
@@ -134,6 +136,7 @@ def to_retry(batch: list[Request]) -> list[Request]:
         if late.carry(relay.reply):
             relay.reply.attempts = reply.attempts
             relay.reply.suspect = reply.suspect
+            relay.reply.raised_on = reply.raised_on
             out.append(attrs.evolve(
                 r, reply=relay.reply, deadline=math.inf, answer_expiry=False
             ))

@@ -33,6 +33,7 @@ from trioserve import (
     DeadlineExceeded,
     ModelBackend,
     ModelConfig,
+    ModelError,
     QuotaExceeded,
     TenantConfig,
     WorkerProcess,
@@ -329,14 +330,16 @@ async def test_a_follower_gets_the_batch_still_running_for_a_leader_whose_deadli
         assert (cache["hits"], cache["entries"]) == (1, 1)
 
 
-async def test_a_batch_that_fails_after_the_leaders_deadline_runs_again_for_the_follower(
+async def test_the_models_error_on_the_leaders_item_alone_is_the_followers_answer(
     mock_clock, manual_watchdog
 ):
-    """The leader's deadline passes while its batch runs, and the batch then fails:
-    no answer for the follower came of it, so the flight runs again for it, as its
-    own request under its own deadline (on the other replica), and answers it. The
-    tenant is charged for both runs: each ran, for one caller."""
-    model = HeldOnce(fail=True)
+    """The leader's deadline passes while its batch (its item alone) runs, and the
+    model then raises on that item: the follower gets the model's error, the one a
+    direct caller of the item gets (same type, words and status), rather than a run
+    of its own that would raise again. The model ran the item once for the two, and
+    the tenant paid once (the leader's run); the direct call after runs and pays on
+    its own."""
+    model = HeldOnce(poison=5.0)
     try:
         async with trioserve.open_runtime(coalesced(model, replicas=2)) as rt:
             dog = manual_watchdog.made[-1]
@@ -348,29 +351,40 @@ async def test_a_batch_that_fails_after_the_leaders_deadline_runs_again_for_the_
                 await callers.answered["follower"].wait()
             stats, cache = flow(rt), rt.cache_statistics()
             used = rt.tenant_statistics()["t"]["credits_used"]
+            assert model.seen == [5.0]
+            with pytest.raises(ModelError) as direct:
+                await rt.infer("m", item(5.0))
     finally:
         model.release()
-    assert callers.got["follower"] == (11.0, 0.25)
-    assert model.seen == [5.0, 5.0]
-    assert (stats["dispatched"], stats["expired_running"]) == (2, 1)
-    assert used == 2
+    error, at = callers.got["follower"]
+    assert type(error) is ModelError
+    assert str(error) == str(direct.value) == (
+        "model 'm' failed on cpu: RuntimeError: a poison input"
+    )
+    assert error.status == direct.value.status == 500
+    assert at == 0.25
+    assert model.seen == [5.0, 5.0]  # the flight's one run, then the direct call
+    assert (stats["dispatched"], stats["expired_running"]) == (1, 1)
+    assert used == 1
     assert (cache["computations"], cache["coalesced"]) == (1, 1)
-    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (1, 0, 0)
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
 
 
-async def _split_with_poison(rt, callers, mock_clock, dog, model) -> None:
-    """The leader's item and a poison one (a caller 0.1 s later) run in one batch; a
-    follower joins the leader at 0.05; the leader's deadline passes while the batch
-    runs (the leader alone is answered); the batch then raises and is split for a
-    retry, each item alone."""
+async def _split_with_poison(
+    rt, callers, mock_clock, dog, model, other: tuple[str, float] = ("poison", 666.0)
+) -> None:
+    """The leader's item and a poison one (``other``: a caller 0.1 s later) run in
+    one batch; a follower joins the leader at 0.05; the leader's deadline passes
+    while the batch runs (the leader alone is answered); the batch then raises and
+    is split for a retry, each item alone."""
     await callers.start("leader", 5.0)
     mock_clock.jump(0.05)
     await callers.start("follower", 5.0)
     mock_clock.jump(0.05)
-    await callers.start("poison", 666.0)  # fills the batch: it runs
+    await callers.start(*other)  # fills the batch: it runs
     # its thread may not have called the model yet
     assert await trio.to_thread.run_sync(model.entered.wait, GATE_LIMIT_S)
-    assert model.seen == [5.0, 666.0]
+    assert model.seen == [5.0, other[1]]
     # the leader's 1 s, not the poison caller's (its batch came in at 0.1 in trio
     # time, 0.0 on the replica's clock)
     dog.advance(0.9)
@@ -412,6 +426,98 @@ async def test_a_batch_split_after_the_leaders_deadline_answers_the_follower_fro
     assert used == 2  # the leader's, the poison caller's
     assert (cache["computations"], cache["coalesced"]) == (2, 1)
     assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+
+
+async def test_a_split_that_finds_the_leaders_item_bad_answers_the_follower_with_its_error(
+    mock_clock, manual_watchdog
+):
+    """The leader's deadline passes while its batch runs, and the batch raises: the
+    leader's item is the bad one. Split, its part (carried) raises alone on the one
+    replica: that error, the model's for the item, is the follower's answer, as
+    the direct caller of an item found so gets it; the flight does not run it a
+    third time, and nobody pays for it again."""
+    model = HeldOnce(poison=5.0)
+    try:
+        async with trioserve.open_runtime(
+            coalesced(model, max_batch_size=2, max_wait_ms=500.0)
+        ) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await _split_with_poison(
+                    rt, callers, mock_clock, dog, model, other=("sound", 7.0)
+                )
+                await callers.answered["sound"].wait()  # its part ran last
+                await trio.testing.wait_all_tasks_blocked()
+                assert flow(rt)["queued"] == 0  # nothing runs again from the queue
+            stats, cache = flow(rt), rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+    finally:
+        model.release()
+    error, at = callers.got["follower"]
+    assert type(error) is ModelError
+    assert str(error) == "model 'm' failed on cpu: RuntimeError: a poison input"
+    assert error.status == 500
+    assert at == 0.1
+    assert callers.got["sound"][0] == 15.0
+    assert model.seen == [5.0, 7.0, 5.0, 7.0]  # the batch, then its parts in order
+    assert (stats["dispatched"], stats["expired_running"]) == (2, 1)
+    assert used == 2  # the leader's, the sound caller's
+    assert (cache["computations"], cache["coalesced"]) == (2, 1)
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+
+
+async def test_a_replica_crashing_under_the_leaders_carried_item_runs_it_again(
+    mock_clock, manual_watchdog, monkeypatch
+):
+    """The leader's deadline passes while its batch runs; the batch raises and is
+    split, the leader's item carried into a part; the replica then crashes while
+    that part runs (a fault of the batcher's, not the item's): the carrying
+    request's ActorBroken is no answer of the item's, so the flight runs again for
+    the follower, as its own request, which the restarted replica answers."""
+    from trioserve.actors import BatcherActor
+
+    original = BatcherActor._execute
+    batches: list[list[float]] = []
+
+    async def execute(self, batch):
+        batches.append([key(r.item) for r in batch])
+        if len(batches) == 2:  # the part carrying the leader's item
+            raise RuntimeError("a batcher bug")
+        await original(self, batch)
+
+    monkeypatch.setattr(BatcherActor, "_execute", execute)
+    model = HeldOnce(poison=666.0)
+    try:
+        async with trioserve.open_runtime(
+            coalesced(model, max_batch_size=2, max_wait_ms=500.0)
+        ) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await _split_with_poison(rt, callers, mock_clock, dog, model)
+                await callers.answered["poison"].wait()  # its part ran after the crash
+                await trio.testing.wait_all_tasks_blocked()
+                assert "follower" not in callers.got
+                assert flow(rt)["queued"] == 1  # its own request: the batch waits to close
+                mock_clock.jump(0.5)
+                await callers.answered["follower"].wait()
+            stats, cache = flow(rt), rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+            replica = rt.statistics()["m"]["replicas"][0]
+    finally:
+        model.release()
+    assert callers.got["follower"] == (11.0, 0.6)
+    assert isinstance(callers.got["poison"][0], ModelError)
+    assert replica["restarts"] == 1
+    # the batch, the carried part (crashed before the model ran it), the poison's
+    # part, then the follower's own request
+    assert batches == [[5.0, 666.0], [5.0], [666.0], [5.0]]
+    assert model.seen == [5.0, 666.0, 666.0, 5.0]
+    assert stats["dispatched"] == 3
+    assert used == 3  # the leader's, the poison caller's, the follower's own run
+    assert (cache["computations"], cache["coalesced"]) == (2, 1)
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (1, 0, 0)
 
 
 async def test_a_carried_item_nobody_waits_for_leaves_the_queue_at_once(
