@@ -467,6 +467,82 @@ async def test_a_split_that_finds_the_leaders_item_bad_answers_the_follower_with
     assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
 
 
+class FailsOnOneReplica:
+    """A model run in a thread, ``y = 2x + 1``, that raises on any batch of several;
+    the second time it is called with the key 5.0 alone it waits for
+    :meth:`release` (``entered`` set once it is in), then raises (a fault of the
+    replica, not of the input). The keys it was called with in ``seen``."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.entered = threading.Event()
+        self.seen: list[float] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, items):
+        keys = [key(it) for it in items]
+        with self._lock:
+            self.seen.extend(keys)
+            n = self.seen.count(5.0)
+        if len(keys) > 1:
+            raise RuntimeError("a batch of several")
+        if keys == [5.0] and n == 2:
+            self.entered.set()
+            self.released.wait(GATE_LIMIT_S)
+            raise RuntimeError("a fault of this replica")
+        return [{"y": it["x"] * 2 + 1} for it in items]
+
+    def release(self) -> None:
+        self.released.set()
+
+
+async def test_the_leaders_part_raising_alone_runs_on_another_replica_for_the_follower(
+    mock_clock, manual_watchdog
+):
+    """The leader's batch raises and is split; the leader's deadline passes while
+    its part runs alone, which then raises. A request in that place runs once on
+    another ready replica, which tells the item's error from its replica's: so does
+    the leader's item, carried there for the follower, whose answer is what that
+    replica computes. Nothing runs again from the back of the queue, nobody pays
+    twice, and the first replica's breaker is told, as for a request of its own."""
+    model = FailsOnOneReplica()
+    try:
+        async with trioserve.open_runtime(
+            coalesced(model, replicas=2, max_batch_size=2, max_wait_ms=500.0)
+        ) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                callers = Callers(rt, nursery)
+                await callers.start("leader", 5.0)
+                mock_clock.jump(0.05)
+                await callers.start("follower", 5.0)
+                mock_clock.jump(0.05)
+                await callers.start("other", 7.0)  # fills the batch: it runs, raises
+                assert await trio.to_thread.run_sync(model.entered.wait, GATE_LIMIT_S)
+                await callers.answered["other"].wait()  # its part, on the other replica
+                dog.advance(0.9)  # the leader's 1 s, while its part runs
+                await trio.testing.wait_all_tasks_blocked()
+                assert sorted(callers.got) == ["leader", "other"]
+                assert RUNNING in str(callers.got["leader"][0])
+                model.release()
+                await callers.answered["follower"].wait()
+                assert flow(rt)["queued"] == 0  # nothing runs again from the queue
+            stats, cache = flow(rt), rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+            failures = sorted(b._breaker.failures for b in rt.models["m"].batchers)
+    finally:
+        model.release()
+    assert callers.got["follower"] == (11.0, 0.1)
+    assert callers.got["other"][0] == 15.0
+    assert sorted(model.seen) == [5.0, 5.0, 5.0, 7.0, 7.0]
+    assert model.seen[-1] == 5.0  # its part, run again elsewhere, carried
+    assert stats["dispatched"] == 2
+    assert used == 2  # the leader's, the other caller's
+    assert failures == [0, 1]  # the result elsewhere is evidence against the first
+    assert (cache["computations"], cache["coalesced"]) == (2, 1)
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+
+
 async def test_a_replica_crashing_under_the_leaders_carried_item_runs_it_again(
     mock_clock, manual_watchdog, monkeypatch
 ):
