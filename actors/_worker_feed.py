@@ -348,10 +348,10 @@ class WorkerFeed:
         other replicas succeeded: a sticky device error (CUDA's "an illegal memory
         access was encountered" fails every later call in its process) or a bad
         device. Kill the worker, so that its successor (a fresh process: a fresh CUDA
-        context) runs the breaker's trial; the batches staged behind go back as they
-        were (they ran into nothing of theirs), an item answered while staged (its
-        deadline passed) that others wait for carried into them (:func:`to_retry`).
-        Raises _WorkerLost."""
+        context) runs the breaker's trial; its batches go back as they were (they ran
+        into nothing of theirs, the one it was running included: see below), an item
+        answered meanwhile (its deadline passed) that others wait for carried into
+        them (:func:`to_retry`). Raises _WorkerLost."""
         why = "its model kept raising there while other replicas succeeded"
         self._replace_due = False
         self._replace_wake = trio.Event()
@@ -362,6 +362,21 @@ class WorkerFeed:
         self.workers_broken += 1
         self._metrics.statuses["worker_broken"] += 1
         log.warning("%s: its %s is replaced: %s", self.name, self._worker_kind, why)
+        # Every batch goes back as it was, the one the worker was running included
+        # (when the replacement fell due in the pull loop, on another replica's
+        # evidence): unlike _lose's, that batch did not fail. It neither ran past
+        # its deadline nor took its worker down: the runtime killed the worker for
+        # what other inputs showed, at a moment that has nothing to do with this
+        # batch. Made a suspect, it would be split for nothing, a request alone in
+        # it would count a poison attempt it never failed (with poison_attempts = 2,
+        # one real failure later would make an innocent request "poison"), and its
+        # fresh requests would be retries, whose later failures no longer tell the
+        # breaker. Its requests keep what they were (suspect, attempts), so a retry
+        # stays a retry. (The one case it misjudges: a worker that died on its own
+        # under that batch in the same scheduler step, before _watch or _collect
+        # saw it: ``alive`` only says we have not killed it, and a worker (process or
+        # Ray actor) tells its exit only to a wait. The batch then takes the next
+        # worker down, and _lose splits it there, one round later.)
         batches = list(self._in_flight)
         for b in batches:
             self._scheduler.completed(b, failed=True)
