@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from trioserve import DeadlineExceeded, ModelError, Overloaded
 
-from ._cache_flights import check_flights, deadline_of
+from ._cache_flights import SeenLate, carrying, check_flights, deadline_of
 from ._cache_scenario import HORIZON_S, TICK, Ask, ModelRule, deadline_ticks
 from ._checker import InvariantViolation
 from ._stats import note
@@ -69,6 +69,24 @@ _POISON = re.compile(
 _POISON_WHY = {"killed": "ran past its batch deadline", "died": "died"}
 
 
+def _item_of(reply: Any) -> int:
+    """Which run of an item the request of ``reply`` is: a flight round's request
+    and the requests carrying its item into retries after it was answered while
+    its batch ran (docs/cache.md) are one; any other request is its own."""
+    hook = reply.late if isinstance(reply.late, SeenLate) else carrying(reply)
+    return id(hook.round) if hook is not None else id(reply)
+
+
+def _carried_out(b: Any, j: int) -> bool:
+    """Whether the request ``j`` of batch ``b``, answered while ``b`` ran, or a
+    request carrying its item, had that item carried out of ``b`` into a retry for
+    the waiters of its flight (``to_retry``: it ran there as a request still
+    waiting does, alone when nothing else in ``b`` waited)."""
+    reply = b.replies[j]
+    hook = reply.late if isinstance(reply.late, SeenLate) else carrying(reply)
+    return hook is not None and any(x is b for x in hook.round.carried_from)
+
+
 def _check_poison(run: CacheRun, i: int, ask: Ask, poison: re.Match[str], at: float) -> None:
     """Caller ``i`` was answered at ``at`` that its request is poison: a request of
     its model, one of its keys, its tenant and class, failed alone (the only one of
@@ -88,13 +106,13 @@ def _check_poison(run: CacheRun, i: int, ask: Ask, poison: re.Match[str], at: fl
     for b in run.dispatched:
         if b.model != ask.model or b.how not in _POISON_WHY or b.end is None or b.end > at:
             continue
-        alive = [j for j, a in enumerate(b.alive) if a]
+        alive = [j for j, a in enumerate(b.alive) if a or _carried_out(b, j)]
         if len(alive) != 1:
             continue
         j = alive[0]
         k, t, c, _ = b.items[j]
         if k in ask.keys and t == ask.tenant and c == cls:
-            fails.setdefault(id(b.replies[j]), []).append(b)
+            fails.setdefault(_item_of(b.replies[j]), []).append(b)
     for tried in fails.values():
         last = tried[-1]
         if (

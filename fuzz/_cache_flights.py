@@ -18,15 +18,18 @@ rules:
   off the event loop: the round's ``LateOutcome`` was told to expect an outcome)
   and a waiter with a later deadline waits, no round follows until that batch's
   outcome for the driver's item comes: a value ends the flight (no second model
-  call), a failure is followed at that instant by a round for the earliest waiter
-  whose deadline is later than it, as above;
+  call), and so does the model's error for the item (a ModelError: it raised on it
+  alone, it is poison...), which answers every waiter left; a failure with no
+  answer of the item's is followed at that instant by a round for the earliest
+  waiter whose deadline is later than it, as above;
 - each caller is answered by the first round that answers it (the one it drove, one
   with no deadline in its error, or one whose error's deadline is not before its
   own), at that round's end, with its outcome; one waiting for the late outcome of
-  a batch gets its value as the batch ends, or its own DeadlineExceeded at its own
-  deadline if that comes first (never a late value after it);
+  a batch gets its value (or the model's error for the item) as the batch ends, or
+  its own DeadlineExceeded at its own deadline if that comes first (never a late
+  answer after it);
 - ``computations`` counts the flights, ``reruns`` their rounds after the first,
-  ``late_answers`` the batches whose late value answered a flight's waiters, and
+  ``late_answers`` the batches whose late value or error answered a flight's waiters, and
   each tenant was charged once per round (and for what it asked outside flights):
   a late answer is charged to nobody.
 
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import outcome
 import trio
-from trioserve import DeadlineExceeded, Overloaded
+from trioserve import DeadlineExceeded, ModelError, Overloaded
 
 from ._cache_scenario import TICK, deadline_ticks
 from ._stats import note
@@ -60,8 +63,9 @@ ASK: contextvars.ContextVar[int] = contextvars.ContextVar("fuzz_cache_ask", defa
 class Round:
     """One run of a flight's computation, for caller ``driver``; ``late``: its
     request was answered while its batch ran (the replica expects an outcome for it),
-    ``late_end`` when that batch's outcome for it came (None: none yet), and
-    ``late_ok`` whether it was a value."""
+    ``late_end`` when that batch's outcome for it came (None: none yet),
+    ``late_ok`` whether it was a value, and ``late_error`` the model's error for the
+    item when that was it (None: it was not)."""
 
     driver: int
     at: float
@@ -71,6 +75,7 @@ class Round:
     late: bool = False
     late_end: float | None = None
     late_ok: bool = False
+    late_error: BaseException | None = None
     #: the batches (``fuzz._cache.Dispatched``) its request was taken in, in order,
     #: and the one holding it when the replica answered it while it ran, or, once
     #: a batch that failed carried its item into a retry, the last one that took
@@ -78,6 +83,8 @@ class Round:
     batches: list[Any] = attrs.Factory(list)
     late_batch: Any = None
     carriers: list[Any] = attrs.Factory(list)
+    #: the batches its item was carried out of, into a retry (one per carrier)
+    carried_from: list[Any] = attrs.Factory(list)
 
 
 class SeenLate:
@@ -107,12 +114,15 @@ class SeenLate:
         if rnd.late_end is None:
             rnd.late_end = trio.current_time()
             rnd.late_ok = isinstance(result, outcome.Value)
+            if isinstance(result, outcome.Error) and isinstance(result.error, ModelError):
+                rnd.late_error = result.error
         self._inner.settle(result)
 
     def carry(self, reply: Any) -> bool:
         carried = self._inner.carry(reply)
         if carried:
             self.round.carriers.append(reply)
+            self.round.carried_from.append(self.round.late_batch)
         return carried
 
 
@@ -334,12 +344,13 @@ def _check_record(
         if rnd.late and later and (sure or nxt is None or nxt.at != rnd.end):
             note("cache", "flights waiting for a late answer")
             lend = rnd.late_end
-            if lend is not None and rnd.late_ok:
+            answered = rnd.late_ok or rnd.late_error is not None
+            if lend is not None and answered:
                 # (a waiter still there at the batch's end is answered by it)
                 at_end = _later(run, waiters, drivers, lend, lend, tie=True)
                 late[0] += any(w for j, w in at_end if deadline_of(run, j) > lend)
                 late[1] += bool(at_end)
-            if lend is None or rnd.late_ok:
+            if lend is None or answered:
                 if nxt is not None:
                     return (
                         "outcome",
@@ -347,8 +358,8 @@ def _check_record(
                         f"with {what} while its batch ran, and its batch "
                         + (
                             "never answered" if lend is None
-                            else f"answered at {run.at(lend)}, which answers every waiter "
-                            "left"
+                            else f"answered at {run.at(lend)} (its value or the item's "
+                            "ModelError), which answers every waiter left"
                         )
                         + f", yet round {n + 1} ran for ask #{nxt.driver} at "
                         f"{run.at(nxt.at)}: a second model call",
@@ -376,8 +387,9 @@ def _check_late_source(run: CacheRun, who: str, n: int, rnd: Round) -> tuple[str
     """Round ``n``'s late outcome, when its driver was answered while its batch ran,
     comes as that batch leaves its replica: the model's value for the item if it
     answered the batch, none if it did not (the model raised; the batch was cut off,
-    its worker died, it was handed back as it was). A batch that failed and was
-    retried in parts may carry the item into a part (docs/cache.md): the outcome
+    its worker died, it was handed back as it was), or the model's error for the
+    item (it raised on it alone, it is poison), which is no value either. A batch
+    that failed and was retried in parts may carry the item into a part (docs/cache.md): the outcome
     then comes as the last batch that took the request carrying it leaves, the same
     way, unless nobody waited for it any more (that request withdrawn before its
     batch left, or never taken before the runtime closed). The suite's own record of
@@ -507,7 +519,9 @@ def _check_waiter(
                 late.append(("DeadlineExceeded", d))
             if lend is not None and rnd.late_ok and d >= lend:
                 late.append(("result", lend))
-            if lend is None or rnd.late_ok or d <= lend:
+            if lend is not None and rnd.late_error is not None and d >= lend:
+                late.append((type(rnd.late_error).__name__, lend))
+            if lend is None or rnd.late_ok or rnd.late_error is not None or d <= lend:
                 break
             continue  # the batch failed: a later round answers it
         if (rnd.end is not None and rnd.end < start) or not _answers(run, rnd, i):

@@ -479,8 +479,7 @@ def _late_flight(flaky: int = 0) -> fuzz.CacheScenario:
     (tick 0) is answered DeadlineExceeded at tick 6 while its batch runs; of the
     callers who joined its flight, the one of tick 1 leaves by its own deadline
     (tick 7), the one of tick 4 (deadline tick 10) waits for the batch's answer (a
-    late answer, tick 8) or, if the batch fails, drives the flight's rerun (from tick
-    8)."""
+    late answer, tick 8), or the model's error for the item if it raises."""
     return fuzz.CacheScenario(
         tenants=1,
         models=(fuzz.ModelRule(running=True, timeout=6),),
@@ -509,17 +508,19 @@ def test_fuzz_cache_waiters_get_the_late_answer_of_a_batch_their_driver_left():
     assert int(run.outcomes[2].value[0]["y"][RUN]) == 0
 
 
-def test_fuzz_cache_a_failed_late_batch_runs_the_flight_again():
+def test_fuzz_cache_the_models_error_in_a_late_batch_answers_the_waiter():
     run = play_cache(_late_flight(flaky=1))
     check_cache(run)
-    assert run.flights["late_answers"] == 0
-    assert run.flights["reruns"] == 1
-    # the rerun is taken at tick 8, as the failed batch ends, for the caller of tick
-    # 4; it takes 8 ticks too, so that caller is answered by its own deadline
+    # the model raised on the driver's item alone: that error is the caller of tick
+    # 4's answer as the batch ends (tick 8), as a direct caller's; the flight does not
+    # run the item again (it used to, from tick 8, until that caller's deadline)
+    assert run.flights["late_answers"] == 1
+    assert run.flights["reruns"] == 0
     assert [r.status for r in run.runs] == ["error"]
-    assert [(b.at - run.t0) / TICK for b in run.dispatched] == [0, 8]
-    assert isinstance(run.outcomes[2].value, trioserve.DeadlineExceeded)
-    assert (run.outcomes[2].at - run.t0) / TICK == 10
+    assert [(b.at - run.t0) / TICK for b in run.dispatched] == [0]
+    assert isinstance(run.outcomes[2].value, trioserve.ModelError)
+    assert "planted model error on key 0" in str(run.outcomes[2].value)
+    assert (run.outcomes[2].at - run.t0) / TICK == 8
 
 
 def test_fuzz_cache_a_flight_that_ignores_the_late_answer_is_caught():
