@@ -250,7 +250,8 @@ class _Entry:
     #: one asked before it (a lock would let two asked at once go in either order)
     tail: trio.Event = attrs.Factory(_done)
     copy: _Copy | None = None  # the copy serving (None: not loaded)
-    #: copies replaced by a reload, draining (an unload waits for them too)
+    #: copies replaced by a reload, draining (an unload waits for them too); each
+    #: leaves it once drained, so that the control keeps none past its drain
     replaced: list[_Copy] = attrs.Factory(list)
     loading: _Op | None = None
     unloading: _Op | None = None
@@ -463,8 +464,10 @@ class ModelControl:
                     if old is not None:
                         log.info("model %r: reloaded; the copy replaced drains", name)
                         old.retire(copy)
-                        entry.replaced = [c for c in entry.replaced if not c.finished.is_set()]
-                        entry.replaced.append(old)
+                        entry.replaced.append(old)  # (until it has drained)
+                        # nor kept by this task while the new copy serves: only a
+                        # request that may run on it keeps it (and the copies after it)
+                        old = None
                     else:
                         log.info("model %r: loaded", name)
                     if copy.reason:
@@ -491,6 +494,8 @@ class ModelControl:
                 if copy.stop.is_set():  # cut off while draining: answer what it held
                     _close(copy, copy.cut)
                 copy.finished.set()
+                if copy in entry.replaced:  # drained: the control forgets it
+                    entry.replaced.remove(copy)
             op.settled.set()
 
     # ------------------------------------------------------------ unload
@@ -576,9 +581,8 @@ class ModelControl:
                     await copy.finished.wait()
                     # and a copy an earlier reload replaced, if it is still draining:
                     # once unloaded, nothing of the model holds a worker or a device
-                    for older in entry.replaced:
+                    for older in list(entry.replaced):  # (each leaves it as it ends)
                         await older.finished.wait()
-                    entry.replaced.clear()
                 # its turn came as the loads it abandoned were cancelled: what they
                 # started has stopped once their tasks end (a thread's load is not
                 # waited for: its model is dropped when the thread returns)

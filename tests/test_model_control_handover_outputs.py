@@ -384,7 +384,7 @@ async def test_a_replaced_copy_is_dropped_once_no_request_it_may_have_run_waits(
     """A replaced copy (its ``ServedModel``, and the signature an answer made of
     it) is kept for as long as a request that may have run on it waits for its
     answer, and no longer: once the requests are answered, and the model reloaded
-    again (the control then forgets the copies drained), nothing holds them."""
+    again, nothing holds them (the control forgets each copy once it has drained)."""
     turnstile = Turnstile()
     async with serving(staged_config(turnstile)) as gw:
         copies: list = []
@@ -399,11 +399,11 @@ async def test_a_replaced_copy_is_dropped_once_no_request_it_may_have_run_waits(
                                    parameters={"priority": "batch"})
             assert answered(res) == (200, {"y": ("FP32", [1, 2], [3.0, 3.0])})
         assert len(copies) == 4
-        # the last one replaced is still the control's until the next reload
-        gone = [weakref.ref(c) for c in copies[:-1]]
+        gone = [weakref.ref(c) for c in copies]
         del copies
+        await trio.testing.wait_all_tasks_blocked()  # the copy replaced last drains
         gc.collect()
-        assert [ref() for ref in gone] == [None] * 3
+        assert [ref() for ref in gone] == [None] * 4
 
 
 @pytest.mark.parametrize(

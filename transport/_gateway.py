@@ -479,8 +479,12 @@ class Gateway:
                 )
             # a version the model has not: whether it is loaded or not (the same
             # answer as every other entry point's), then a model not loaded
+            # held until the request is answered: the copy it is checked against,
+            # and those that replace it meanwhile, any of which may run it
+            # (``Signatures.answering``)
+            served = sig.served
             sig.check_version(version)
-            if not self.runtime.models[model].loaded:  # explicit model control
+            if not served.loaded:  # explicit model control
                 self.runtime.check_loaded(model)
             hlen = None
             if header_length is not None:
@@ -519,8 +523,8 @@ class Gateway:
             )
             answered: list[str] = []
             results = await self.run_request(request, tenant, answered)
-            if rt.models[model] is not sig.served:  # reloaded meanwhile
-                sig = self.signatures.answering(sig, request.outputs, results)
+            if rt.models[model] is not served:  # reloaded meanwhile
+                sig = self.signatures.answering(sig, served, request.outputs, results)
             out, json_len = encode_response(request, results, sig, answered=answered)
         except Exception as exc:
             if not isinstance(exc, TrioserveError):

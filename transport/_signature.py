@@ -3,6 +3,7 @@ versions, and its metadata document, encoded once) and the server's metadata doc
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,12 +29,17 @@ class ModelSignature:
     metadata_json: bytes = attrs.field(eq=False, repr=False)
     #: the metadata document asked for one version: that version only, as Triton's
     version_json: Mapping[str, bytes] = attrs.field(eq=False, repr=False, factory=dict)
-    #: the ``Runtime.models[name]`` entry it was made of (the copy serving then):
-    #: while that serves, an answer is encoded by this signature
-    served: Any = attrs.field(eq=False, repr=False, default=None)
-    #: the signature of ``served.successor`` (the copy a reload replaced it with),
-    #: made once an answer needs it (:meth:`replacements`); empty until then
-    _next: list[ModelSignature] = attrs.field(eq=False, repr=False, init=False, factory=list)
+    #: the ``Runtime.models[name]`` entry it was made of (the copy serving then),
+    #: held weakly (:attr:`served`): a signature kept (:class:`Signatures`) keeps
+    #: no copy alive
+    _served: weakref.ref[Any] = attrs.field(eq=False, repr=False)
+
+    @property
+    def served(self) -> Any:
+        """The ``Runtime.models[name]`` entry it was made of; None once that copy,
+        replaced, is gone (nothing held it: no request that may have run on it
+        waits for its answer)."""
+        return self._served()
 
     @classmethod
     def of(cls, served: Any) -> ModelSignature:
@@ -70,21 +76,8 @@ class ModelSignature:
             outputs_by_name={s.name: s for s in outputs},
             metadata_json=orjson.dumps(doc),
             version_json={v: orjson.dumps({**doc, "versions": [v]}) for v in cfg.versions},
-            served=served,
+            served=weakref.ref(served),
         )
-
-    def replacements(self) -> Iterator[ModelSignature]:
-        """The signatures of the copies that replaced this one's, one reload after
-        the other (``ServedModel.successor``), oldest first: the copies a request
-        checked against this signature may have been handed over to. Each is made
-        once, when first asked for, and kept by the one before it: they live as long
-        as a signature before them is held (by a request waiting for its answer)."""
-        sig = self
-        while (after := getattr(sig.served, "successor", None)) is not None:
-            if not sig._next:
-                sig._next.append(ModelSignature.of(after))
-            sig = sig._next[0]
-            yield sig
 
     def metadata(self, version: str | None) -> bytes:
         """The model's metadata document (``GET /v2/models/NAME[/versions/V]``): its
@@ -106,43 +99,60 @@ class Signatures(Mapping[str, ModelSignature]):
     one made before (a lookup is one identity check). The models named are fixed:
     those of the configuration.
 
-    Only the serving copies' signatures are kept here. A replaced copy's is reached
-    from the signatures before it (:meth:`ModelSignature.replacements`), which the
-    requests that looked them up hold until they are answered: it lives as long as
-    that copy may have run a request still to be answered, and no longer."""
+    No signature here holds its copy (:attr:`ModelSignature.served` is weak): the
+    one kept for a model whose copy a reload or an unload replaced since its last
+    lookup holds nothing of it. Past its drain, what keeps a replaced copy is the
+    caller of a request that looked it up here: it holds the copy (the
+    ``ServedModel`` of its lookup) until the request is answered, and with it the
+    copies that replaced
+    it, one reload after the other (``ServedModel.successor``), any of which may
+    run the request (:meth:`answering`). So a copy lives as long as a request that
+    may have run on it waits for its answer, and no longer."""
 
     def __init__(self, models: Mapping[str, Any]) -> None:
         self._models = models
         self._made: dict[str, ModelSignature] = {}
         for name, served in models.items():
             self._made[name] = ModelSignature.of(served)
+        #: the signatures of replaced copies that an answer needed, each kept while
+        #: its copy lives (a key held weakly; the signature holds it weakly too)
+        self._replaced: weakref.WeakKeyDictionary[Any, ModelSignature] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def __getitem__(self, name: str) -> ModelSignature:
         sig = self._made[name]
         served = self._models[name]
-        if served is not sig.served:  # a load swapped in another copy
+        if served is not sig._served():  # a load swapped in another copy
             sig = self._made[name] = ModelSignature.of(served)
         return sig
 
     def answering(
         self,
         sig: ModelSignature,
+        served: Any,
         outputs: Sequence[tuple[str, bool, int]] | None,
         results: Sequence[Mapping[str, Any]],
     ) -> ModelSignature:
         """The signature to encode ``results`` by: those of a request checked against
-        ``sig``, which asked for ``outputs`` (None: all), when a reload swapped in
-        another copy meanwhile (``Runtime.models[name] is not sig.served``: the
-        callers check that first, so that an answer pays one identity check for
-        it). The request was run by the copy it looked up (queued before the swap),
-        or by one that replaced it (handed over to it, docs/model-control.md): by
-        one of ``sig``'s copy and its replacements, however many reloads came
+        ``sig``, the signature of ``served`` (the ``Runtime.models[name]`` entry the
+        request looked up, which its caller holds until it is answered), which asked
+        for ``outputs`` (None: all), when a reload swapped in another copy meanwhile
+        (``Runtime.models[name] is not served``: the callers check that first, so
+        that an answer pays one identity check for it). The request was run by the
+        copy it looked up (queued before the swap), or by one that replaced it
+        (handed over to it, docs/model-control.md): by ``served`` or one of the
+        copies after it (``ServedModel.successor``), however many reloads came
         meanwhile. This is the signature of the one whose outputs ``results`` are
         (each copy's replicas conform what they return to its declarations); ``sig``
         itself when every one of them declares the same outputs. Raises
         InvalidInput (400) when an output asked for is one the copy that ran it
         does not have, as for an unknown output."""
-        copies = [sig, *sig.replacements()]
+        copies = [sig]
+        after = getattr(served, "successor", None)
+        while after is not None:
+            copies.append(self._of(after))
+            after = after.successor
         if all(s.outputs == sig.outputs for s in copies):
             return sig
         ran = _returned_by(copies, results[0])
@@ -156,6 +166,17 @@ class Signatures(Mapping[str, ModelSignature]):
                         f"{TensorSpec.listed(ran.outputs)})"
                     )
         return ran
+
+    def _of(self, served: Any) -> ModelSignature:
+        """The signature of ``served``, a copy of a model (one serving, or replaced),
+        made once: the one kept for the model when it serves it."""
+        name = served.config.name
+        if self._models[name] is served:
+            return self[name]
+        sig = self._replaced.get(served)
+        if sig is None:
+            sig = self._replaced[served] = ModelSignature.of(served)
+        return sig
 
     def __contains__(self, name: object) -> bool:
         return name in self._made

@@ -762,16 +762,18 @@ class _Session:
                         "a stream message's 'version' must be a string, got "
                         f"{shown(version, message)}"
                     )
+                # held until the request is answered, as over HTTP
+                served = sig.served
                 sig.check_version(version)  # before "not loaded", as over HTTP
-                if not gateway.runtime.models[model].loaded:  # explicit model control
+                if not served.loaded:  # explicit model control
                     gateway.runtime.check_loaded(model)
                 request = InferRequest.from_v2_json(
                     message, sig, version=version, doc=doc, classes=gateway.class_names
                 )
                 answered: list[str] = []
                 results = await gateway.run_request(request, self.tenant, answered)
-                if gateway.runtime.models[model] is not sig.served:  # reloaded
-                    sig = gateway.signatures.answering(sig, request.outputs, results)
+                if gateway.runtime.models[model] is not served:  # reloaded
+                    sig = gateway.signatures.answering(sig, served, request.outputs, results)
                 frame = encode_response(
                     request, results, sig, binary=False, answered=answered
                 )[0]
