@@ -26,17 +26,26 @@ from trioserve.transport import open_http
 Y1 = TensorSpec(name="y", datatype="FP32", shape=(1,))
 
 
-def sized(width: int = 4) -> trioserve.CallableBackend:
+class OwnPrepare(trioserve.CallableBackend):
+    """A backend that prepares its items its own way (here: as the plain one does,
+    but the runtime cannot know that)."""
+
+    def prepare(self, name, inputs):
+        return super().prepare(name, inputs)
+
+
+def sized(width: int = 4, own_prepare: bool = False) -> trioserve.CallableBackend:
     """A backend factory: ``y = sum(x)`` over an input ``x`` of ``width`` values
     (-1: any number), as a product with a ``width`` × 1 matrix, so that an item of
-    another width fails in the model."""
+    another width fails in the model. ``own_prepare``: an :class:`OwnPrepare`."""
 
     def run(items):
         x = np.stack([it["x"] for it in items])
         w = np.ones((x.shape[1] if width == -1 else width, 1), np.float32)
         return [{"y": row} for row in x @ w]
 
-    return trioserve.CallableBackend(
+    backend = OwnPrepare if own_prepare else trioserve.CallableBackend
+    return backend(
         run, inputs=(TensorSpec(name="x", datatype="FP32", shape=(width,)),),
         outputs=(Y1,), execution="inline",
     )
@@ -230,6 +239,10 @@ async def test_a_reload_that_keeps_the_inputs_hands_requests_over_unchecked(
     [
         # the copy between takes other inputs; the one serving takes the old again
         pytest.param([{"width": 3}, None], 8.0, id="back-to-the-table"),
+        # ... and prepares its items its own way: a request handed over to it would
+        # be refused ("send the request again"); it goes past it, to the copy serving
+        pytest.param([{"width": 3, "own_prepare": True}, None], 8.0,
+                     id="back-to-the-table-past-its-own-prepare"),
         pytest.param([{"width": 3}, {"width": -1}], 8.0, id="then-any"),
         # the copy between takes the old inputs; the one serving other ones
         pytest.param([{"width": -1}, {"width": 3}], (
