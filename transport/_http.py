@@ -495,12 +495,15 @@ def _response(h: h11.Connection, status: int, headers: Headers, body: bytes, clo
     if close:
         headers.append((b"connection", b"close"))
     reason = _REASONS.get(status, b"")
-    out = h.send(h11.Response(status_code=status, headers=headers, reason=reason))
-    if out.lower().count(b"\r\nconnection:") > 1:
-        out = _one_connection_line(out)
-    if body:
-        out += h.send(_Data(data=body))
-    return out + h.send(_EndOfMessage())
+    head = h.send(h11.Response(status_code=status, headers=headers, reason=reason))
+    data = h.send(_Data(data=body)) if body else b""
+    end = h.send(_EndOfMessage())
+    # Several Connection lines come only from h11 closing the connection (``close``,
+    # or a request that asked it to close, or of HTTP/1.0: h11 is then MUST_CLOSE),
+    # as it writes a line per option: a keep-alive answer's head is not searched.
+    if (close or h.our_state is not h11.DONE) and head.lower().count(b"\r\nconnection:") > 1:
+        head = _one_connection_line(head)
+    return b"".join((head, data, end))
 
 
 def _one_connection_line(head: bytes) -> bytes:
