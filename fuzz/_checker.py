@@ -72,6 +72,8 @@ INVARIANTS: dict[str, str] = {
     "lane": "a request waits in and runs from the lane of its cost: a model's slow lane "
     "(its own queue and replicas) for cost >= slow_lane_cost, the other lane below it",
     "leak": "no task outlives the runtime",
+    "crash": "no actor of the runtime crashes (to be restarted by its supervisor), nor does "
+    "the runtime log another traceback, unless a fault the scenario planted made it",
     "hedge": "a hedge copy never runs in one batch with its original, and when one of "
     "the two is answered with a result the other is withdrawn at once",
     "elsewhere": "a part of a failed batch that raised alone on a replica while another "

@@ -47,6 +47,7 @@ import trioserve.actors
 from hypothesis.internal.entropy import deterministic_PRNG
 
 from ._checker import InvariantViolation, QueueObserver, batch_cost
+from ._crashes import watch_crashes
 from ._device import (
     EchoModel,
     Execution,
@@ -418,10 +419,22 @@ def play(scenario: Scenario, product: Product = PRODUCT) -> Run:
 def replay(play_fn: Any, run: Any) -> Any:
     """Run ``play_fn(run)`` under trio on an autojumping MockClock, trio's scheduler
     seeded as in a hypothesis example, so a pasted reproduction replays exactly;
-    return ``run``. Every suite that drives a runtime plays through this."""
+    return ``run``. Every suite that drives a runtime plays through this.
+
+    An actor of the runtime that crashed (or a traceback the runtime logged) where
+    no fault the scenario planted explains it fails the run (``crash``,
+    ``fuzz/_crashes.py``), before the suite checks what the callers got; when the run
+    failed otherwise first, the crash is added to that failure as a note."""
     clock = trio.testing.MockClock(autojump_threshold=0)
-    with deterministic_PRNG(0):
-        trio.run(play_fn, run, clock=clock)
+    with watch_crashes() as crashes, deterministic_PRNG(0):
+        try:
+            trio.run(play_fn, run, clock=clock)
+        except Exception as exc:
+            if (crash := crashes.violation()) is not None:
+                exc.add_note(f"Before it, {crash}")
+            raise
+    if (crash := crashes.violation()) is not None:
+        raise crash
     return run
 
 
