@@ -289,11 +289,41 @@ def test_cli_self_test_runs_only_the_suites_named(capsys):
     out = capsys.readouterr().out
     cache_bugs = [n for n, (_, _, suites) in fuzz.MUTANTS.items() if "cache" in suites]
     assert f"{len(cache_bugs)} planted bugs" in out
-    assert "(cache), 30 s each, seed 3" in out
+    assert "(cache) until one catches it, 30 s each, seed 3" in out
     assert out.count("caught by cache") == len(cache_bugs)
     assert "caught by queue" not in out
     assert "drop-request" not in out
-    assert f"all {len(cache_bugs)} planted bugs caught" in out
+    assert f"all {len(cache_bugs)} planted bugs caught in " in out
+    assert f"(caught by: cache {len(cache_bugs)})" in out
+
+
+def test_cli_self_test_stops_at_the_first_suite_that_catches_a_bug(capsys, monkeypatch):
+    """A bug two suites can see is fuzzed with the first (the quicker to catch it)
+    and, once caught, not with the second; one the first misses goes on to the next."""
+    import fuzz._cli
+
+    bugs = {n: fuzz.MUTANTS[n] for n in ("over-budget", "reversed-batch")}
+    assert all(suites == ("queue", "runtime") for _, _, suites in bugs.values())
+    # a bug the queue suite cannot see (a batcher's) listed with the queue suite
+    # first: not caught there, then caught by the runtime suite
+    bugs["swap-replies"] = (*fuzz.MUTANTS["swap-replies"][:2], ("queue", "runtime"))
+    monkeypatch.setattr(fuzz._cli, "MUTANTS", bugs)
+    assert fuzz._cli.main(["--self-test", "--budget", "3"]) == 0
+    out = capsys.readouterr().out
+    tried: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.split(":")[0] in bugs:
+            bug = line.split(":")[0]
+            tried[bug] = []
+        elif line.startswith("  ") and "caught by" in line:
+            tried[bug].append(line.split(" in ")[0].strip())
+    assert tried == {
+        "over-budget": ["caught by queue"],
+        "reversed-batch": ["caught by queue"],
+        "swap-replies": ["not caught by queue", "caught by runtime"],
+    }
+    assert "all 3 planted bugs caught in " in out
+    assert "(caught by: queue 2, runtime 1)" in out
 
 
 # ---------------------------------------------------------------- bugs the fuzzer found
@@ -422,7 +452,13 @@ def test_fuzz_runtime_running_batches_expire_their_requests_and_retry_the_others
 @pytest.mark.parametrize(
     ("bug", "expected"),
     [
-        ("late-answer-unguarded", r"^outcome: call #2 .* raised ActorBroken"),
+        # (the reply answered twice crashes the replica: reported first, then what its
+        # callers got, below)
+        (
+            "late-answer-unguarded",
+            r"^crash: the runtime logged \"batcher\[m#0@cpu\] crashed \(.*'request state "
+            r"cannot go from done to done'",
+        ),
         ("expiry-not-disarmed", r"^leak: 1 deadline\(s\) stayed armed"),
         ("expiry-whole-batch", r"^outcome: call #1 .* raised DeadlineExceeded"),
     ],
@@ -430,6 +466,21 @@ def test_fuzz_runtime_running_batches_expire_their_requests_and_retry_the_others
 def test_fuzz_runtime_running_scenario_catches_the_planted_bug(bug, expected):
     with pytest.raises(fuzz.InvariantViolation, match=expected):
         fuzz.run_scenario(_RUNNING, fuzz.MUTANTS[bug][1])
+
+
+def test_fuzz_runtime_a_reply_answered_twice_fails_its_callers_too(monkeypatch):
+    # Without the crash check, the callers' outcomes still tell the planted bug.
+    import contextlib
+
+    import fuzz._runtime
+
+    class Blind:
+        def violation(self) -> None:
+            return None
+
+    monkeypatch.setattr(fuzz._runtime, "watch_crashes", lambda: contextlib.nullcontext(Blind()))
+    with pytest.raises(fuzz.InvariantViolation, match=r"^outcome: call #2 .* raised ActorBroken"):
+        fuzz.run_scenario(_RUNNING, fuzz.MUTANTS["late-answer-unguarded"][1])
 
 
 def test_fuzz_cache_a_coalesced_model_after_an_invalidation():
