@@ -321,6 +321,21 @@ def _setups(
     return classes, tenants
 
 
+#: a quarter of the scenarios (but the running ones) open with a surge: their first
+#: calls arrive at once, as at a traffic spike (a client's retry storm, a batch job
+#: starting, a failover), so that the queue is at its deepest and every tenant of a
+#: class backlogged together, served a batch at a time: where the fair share between
+#: tenants of different weights shows (the lag check needs two of them backlogged
+#: for several batches) and a low class waits longest
+_SURGE = st.sampled_from([0, 0, 0, 12])
+
+
+def _surged(gaps: list[Call], surge: int) -> list[Call]:
+    """``gaps`` with the first ``surge`` calls arriving at once (a gap of 0 after the
+    previous call): a mapping of the values drawn, not other draws."""
+    return [attrs.evolve(c, at_ms=0) if i < surge and c.at_ms else c for i, c in enumerate(gaps)]
+
+
 def _arrivals(gaps: list[Call]) -> list[Call]:
     """The calls at their arrival times: the gaps between them accumulated."""
     at, calls = 0, []
@@ -460,8 +475,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         # (moved to the slow lane, an item stays within the token budget when it can)
         top = max(slow_cost, 4 if max_tokens is None else max_tokens)
         gaps = [_in_both_lanes(c, slow_cost, top=top) for c in gaps]
-    calls = _arrivals(gaps)
-    return Scenario(
+    scenario = Scenario(
         max_batch_size=draw(_FLAKY_BATCH if mode == "flaky" else _BATCH_SIZE),
         max_batch_tokens=max_tokens,
         padded=draw(st.booleans()),
@@ -485,6 +499,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         broken=broken,
         classes=classes,
         tenants=tuple(tenants),
-        calls=tuple(calls),
     )
+    # (drawn last, so that the draws before it, and the scenarios of a seed without
+    # a surge, are as they were)
+    surge = draw(_SURGE)
+    return attrs.evolve(scenario, calls=tuple(_arrivals(_surged(gaps, surge))))
 
