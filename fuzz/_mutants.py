@@ -76,7 +76,8 @@ from ._mutants_runtime import (
 )
 from ._product import PRODUCT, Product
 
-#: name -> (what it breaks, the broken product, the suites that can see it)
+#: name -> (what it breaks, the broken product, the suites that can see it, in the
+#: order the self-test tries them: the one that catches it soonest first)
 MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "drop-request": (
         "next_batch drops one request of a batch",
