@@ -39,6 +39,19 @@ def test_bulk_fold_equals_per_value_recording(values):
         assert lat.summary().mean_ms == total / count / 1e3
 
 
+@given(us=st.integers(min_value=1, max_value=3_600_000_000))
+def test_quantiles_are_at_most_one_percent_above_the_value(us):
+    # docs/gateway.md (/metrics): latencies are whole µs in a histogram of two
+    # significant digits, and a quantile is its bucket's highest value, so it never
+    # reads below the latency measured and at most 1% above it (2^-7, precisely).
+    lat = Latency()
+    lat.record(us / 1e6)
+    _, recorded = lat.totals()
+    for value in lat.hist.get_percentile_to_value_dict([50, 90, 99, 99.9]).values():
+        assert recorded <= value <= recorded * (1 + 2**-7)
+    assert recorded <= round(lat.percentile_s(99) * 1e6) <= recorded * (1 + 2**-7)
+
+
 def test_summary_reads_buffered_values():
     lat = Latency()
     for ms in (1, 2, 3, 4, 100):
