@@ -431,6 +431,16 @@ def test_command_line_parses(where, line, argv):
                              "mark its block <!-- not run: why --> if it is not ours")
 
 
+def test_the_readme_names_the_extras_make_installs():
+    """README.md says which extras the two commands install: those of the Makefile's
+    ``pip install -e '.[...]'`` (it said test and minilm after ray joined them)."""
+    extras = re.search(r"pip install -q -e '\.\[([\w,]+)\]'", (ROOT / "Makefile").read_text())
+    assert extras is not None
+    named = " ".join((ROOT / "README.md").read_text().split())
+    listed = ", ".join(f"`{e}`" for e in extras[1].split(",")[:-1])
+    assert f"with its {listed} and `{extras[1].split(',')[-1]}` extras" in named
+
+
 # ---------------------------------------------------------------- curl
 def _curl_argv(command: str, path: str) -> list[str]:
     """The arguments a shell passes to curl for ``command`` (quotes, ``$(...)`` and
