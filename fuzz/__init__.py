@@ -5,6 +5,20 @@ invariants of DESIGN.md. Run it with ``python -m fuzz`` (docs/fuzzing.md).
 The names below are what a pasted reproduction imports.
 """
 
+try:
+    import trioserve as _trioserve  # noqa: F401  (the product under test)
+except ModuleNotFoundError as _missing:
+    if _missing.name != "trioserve":
+        raise
+    # A system ``python -m fuzz`` on a fresh checkout: say which interpreter to use,
+    # not only "No module named 'trioserve'" from deep inside a suite's import.
+    raise ModuleNotFoundError(
+        "the fuzz harness drives the trioserve package, which this Python does not "
+        "have installed: run it with the project's interpreter, `.venv/bin/python -m "
+        "fuzz` from the repository root (`make setup` creates .venv)",
+        name="trioserve",
+    ) from None
+
 from ._admission import BucketMachine as BucketMachine
 from ._admission import BucketSetup as BucketSetup
 from ._autoscale import ACall as ACall

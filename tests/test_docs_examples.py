@@ -422,13 +422,25 @@ def test_command_line_parses(where, line, argv):
         args = [a.removeprefix("ARGS=") for a in rest if a.startswith("ARGS=")]
         if target in ("serve", "bench"):
             _check_trioserve([target, *(a for arg in args for a in shlex.split(arg))])
-    elif argv[:3] == ["python", "-m", "fuzz"]:
+    elif program.startswith("python") and argv[1:3] == ["-m", "fuzz"]:
         from fuzz._cli import _parser as fuzz_parser
 
         assert _parses(fuzz_parser(), argv[3:]) is not None, line
     else:
         raise AssertionError(f"{where}: a command this test cannot check: {line!r}; "
                              "mark its block <!-- not run: why --> if it is not ours")
+
+
+def test_python_lines_name_the_projects_interpreter():
+    """A command line that runs Python names ``.venv/bin/python``, the interpreter
+    ``make setup`` fills: on a fresh machine a bare ``python`` (or ``python3``) has
+    neither trioserve nor its dependencies (docs/fuzzing.md's ``python -m fuzz``
+    lines failed so, "No module named 'trioserve'")."""
+    lines = [(where, line, argv) for where, line, argv in _shell_commands()
+             if Path(argv[0]).name.startswith("python")]
+    assert len(lines) >= 5
+    for where, line, argv in lines:
+        assert argv[0] == ".venv/bin/python", (where, line)
 
 
 def test_the_readme_names_the_extras_make_installs():

@@ -264,6 +264,29 @@ def test_cli_refuses_a_budget_that_is_not_a_finite_positive_number(argv, capsys)
     assert "must be a finite number above 0" in capsys.readouterr().err
 
 
+def test_a_python_without_trioserve_is_told_which_interpreter_runs_the_harness():
+    """``python -m fuzz`` with a Python that lacks the package (the system's, on a
+    fresh checkout, as docs/fuzzing.md used to say) ended in "No module named
+    'trioserve'" from deep inside a suite's import; it names the interpreter to use."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import runpy, sys; sys.modules['trioserve'] = None; "  # as if not installed
+        "runpy.run_module('fuzz', run_name='__main__', alter_sys=True)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True,
+        cwd=Path(fuzz.__file__).resolve().parent.parent, timeout=120,
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: the fuzz harness drives the trioserve "
+                           "package, which this Python does not have installed"), last
+    assert "`.venv/bin/python -m fuzz` from the repository root" in last
+
+
 def test_cli_failure_without_a_database_does_not_claim_the_example_was_saved(
     monkeypatch, capsys
 ):
