@@ -37,6 +37,7 @@ from ._config_checks import (
     _str,
     _strs,
     _tuple,
+    bare_word_hint,
     yaml_hint,
 )
 from ._errors import ConfigError
@@ -761,7 +762,8 @@ def load_config(path: str | PathLike[str] | None = None) -> Config:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}{yaml_hint(path, text)}") from None
+        hint = yaml_hint(path, text) or bare_word_hint(str(exc), text)
+        raise ConfigError(f"{path}: invalid TOML: {exc}{hint}") from None
     except ValueError as exc:  # an integer of more digits than int() converts
         raise ConfigError(f"{path}: invalid TOML: {str(exc).partition(';')[0]}") from None
     except RecursionError:

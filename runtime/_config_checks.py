@@ -209,3 +209,26 @@ def yaml_hint(path: str | PathLike[str], text: str) -> str:
         " (the config file is TOML, not YAML: `key = value` lines under `[table]` "
         "headers; docs/configuration.md)"
     )
+
+
+#: Where tomllib's message says it failed: ``(at line L, column C)``, both from 1.
+_TOML_AT = re.compile(r"\(at line (\d+), column (\d+)\)$")
+#: A word where TOML wants a value: ``mlp`` in ``backend = mlp`` or ``devices = [cpu]``.
+_BARE_WORD = re.compile(r"[A-Za-z_][\w.:/-]*")
+
+
+def bare_word_hint(message: str, text: str) -> str:
+    """A hint for tomllib's ``Invalid value`` (``message``) where a bare word
+    stands in ``text``: a string is quoted in TOML, and its booleans are lowercase.
+    Empty for any other error."""
+    at = _TOML_AT.search(message)
+    if at is None or not message.startswith("Invalid value"):
+        return ""
+    lines = text.split("\n")  # tomllib counts lines by "\n" (a "\r\n" file too)
+    line, column = int(at[1]), int(at[2])
+    word = _BARE_WORD.match(lines[line - 1], column - 1) if line <= len(lines) else None
+    if word is None:
+        return ""
+    if word[0].lower() in ("true", "false"):
+        return f" (TOML's booleans are lowercase: {word[0].lower()}, not {word[0]})"
+    return f' (a string is quoted in TOML: "{word[0]}", not {word[0]})'

@@ -510,6 +510,40 @@ def test_a_toml_error_in_a_toml_file_has_no_yaml_hint(tmp_path):
     )
 
 
+# Regression: an unquoted string (`backend = mlp`) failed with TOML's bare "Invalid
+# value (at line 2, column 11)", a puzzle to whoever wrote YAML or INI before.
+@pytest.mark.parametrize(
+    ("text", "where", "hint"),
+    [
+        ("[models.m]\nbackend = echo\n", "line 2, column 11", '"echo", not echo'),
+        ('[models.m]\nbackend = "echo"\ndevices = [cpu]\n', "line 3, column 12",
+         '"cpu", not cpu'),
+        ('[models.m]\r\nbackend = "echo"\r\noversize =alone # c\r\n', "line 3, column 11",
+         '"alone", not alone'),
+        ('[models.m]\nbackend = "echo"\nhedge = True\n', "line 3, column 9", None),
+    ],
+)
+def test_a_bare_word_for_a_value_says_strings_are_quoted(tmp_path, text, where, hint):
+    path = tmp_path / "serve.toml"
+    path.write_bytes(text.encode())
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    if hint is None:
+        tail = " (TOML's booleans are lowercase: true, not True)"
+    else:
+        tail = f" (a string is quoted in TOML: {hint})"
+    assert str(excinfo.value) == f"{path}: invalid TOML: Invalid value (at {where}){tail}"
+
+
+def test_an_invalid_value_that_is_not_a_word_has_no_quoting_hint(tmp_path):
+    path = write(tmp_path, "[models.m]\nbackend = 'echo'\nreplicas = @1\n")
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value).endswith("Invalid value (at line 3, column 12)")
+    assert "quoted" not in str(excinfo.value)
+    assert "lowercase" not in str(excinfo.value)
+
+
 def test_a_file_that_is_not_utf8_is_named(tmp_path):
     path = tmp_path / "latin1.toml"
     path.write_bytes(b'[models.e]\nbackend = "echo"\n# caf\xe9\n')
