@@ -63,6 +63,14 @@ def _shared_memory(size: int) -> int:
     return fd
 
 
+def _pipe_broke(exc: BaseException) -> str:
+    """Why the worker's pipe failed, in words: trio's BrokenResourceError often says
+    nothing itself (its cause may), and ``pipe broke: `` with nothing after it read
+    as a message cut short."""
+    why = str(exc) or str(exc.__cause__ or "")
+    return f"pipe broke: {why}" if why else "pipe broke"
+
+
 class WorkerProcess:
     """One worker process running one replica. Use :meth:`start`, :meth:`run`, :meth:`kill`."""
 
@@ -283,7 +291,7 @@ class WorkerProcess:
         try:
             await self._send.send_all(_LEN.pack(len(data)) + data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise self._death(f"pipe broke: {exc}") from None
+            raise self._death(_pipe_broke(exc)) from None
 
     async def _read(self) -> Any:
         # Killed by another task (the batcher's watch on the exit) between our caller
@@ -310,7 +318,7 @@ class WorkerProcess:
             try:
                 chunk = await self._recv.receive_some(1 << 16)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise self._death(f"pipe broke: {exc}") from None
+                raise self._death(_pipe_broke(exc)) from None
             if not chunk:
                 raise self._death("worker process exited")
             buf += chunk

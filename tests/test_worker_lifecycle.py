@@ -476,3 +476,33 @@ async def test_a_worker_ends_with_its_runtime_even_in_the_middle_of_a_model_call
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (trio.BrokenResourceError(), "pipe broke (pid 4242)"),
+        (trio.ClosedResourceError("this stream was already closed"),
+         "pipe broke: this stream was already closed (pid 4242)"),
+        (BrokenPipeError(32, "Broken pipe"), "pipe broke: [Errno 32] Broken pipe (pid 4242)"),
+    ],
+)
+async def test_a_broken_pipe_says_why_or_nothing_after_it(error, expected):
+    """The faults bench's log read ``worker process died (pipe broke:  (pid N))``:
+    trio's BrokenResourceError, raised bare, has no words of its own."""
+
+    class Breaks:
+        async def send_all(self, data):
+            raise error
+
+        async def receive_some(self, n):
+            raise error
+
+    cfg = ModelConfig(name="m", backend="echo")
+    worker = WorkerProcess(cfg, resolve_backend(cfg), "cpu", 1)
+    worker.pid = 4242
+    worker._send = worker._recv = Breaks()
+    for op in (worker._write(b"x"), worker._read()):
+        with pytest.raises(WorkerProcess.Died) as died:
+            await op
+        assert str(died.value) == expected
