@@ -140,16 +140,21 @@ async def test_the_health_probes_stay_open(guarded):
 
 
 async def test_inference_is_the_tenants_as_before(guarded):
-    """The data plane authenticates tenants only: an operator's key is no tenant's."""
+    """The data plane authenticates tenants only: an operator's key is no tenant's,
+    and the refusal says so (it was "unknown API key", as for a key never issued)."""
     res = await call(guarded, "POST", "/v2/models/echo/infer", infer_body(), keys=("key-a",))
     assert res.status == 200, res.body
     res = await call(guarded, "POST", "/v2/models/echo/infer", infer_body())
     assert res.status == 200  # the default tenant
     res = await call(guarded, "POST", "/v2/models/echo/infer", infer_body(), keys=("ops-key",))
     assert res.status == 401
+    assert res.json() == {"error": "an operator's API key (server.control_plane_keys) does "
+                                   "not infer: send one of a tenant's api_keys"}
+    res = await call(guarded, "POST", "/v2/models/echo/infer", infer_body(), keys=("nokey",))
+    assert res.status == 401
     assert res.json() == {"error": "unknown API key"}
     assert dict(guarded.requests) == {("echo", "A", 200): 1, ("echo", "open", 200): 1,
-                                      ("echo", "-", 401): 1}
+                                      ("echo", "-", 401): 2}
     # the stream's plain-GET answer is the data plane's, as before
     res = await call(guarded, "GET", "/v2/stream")
     assert res.status == 426

@@ -14,11 +14,15 @@ ANONYMOUS = "-"
 class Authenticator:
     """Maps API keys to tenant names; the ``default`` tenant takes keyless requests."""
 
-    __slots__ = ("_default", "_keys")
+    __slots__ = ("_default", "_keys", "_operators")
 
-    def __init__(self, tenants: Iterable[TenantConfig]) -> None:
+    def __init__(
+        self, tenants: Iterable[TenantConfig], operator_keys: Iterable[str] = ()
+    ) -> None:
         self._keys: dict[bytes, str] = {}
         self._default: str | None = None
+        # known only to say why one does not infer (it was "unknown API key")
+        self._operators = frozenset(k.encode() for k in operator_keys)
         for t in tenants:
             for key in t.api_keys:
                 self._keys[key.encode()] = t.name
@@ -30,14 +34,21 @@ class Authenticator:
         the values of several Authorization field lines).
 
         Raises Unauthorized (401) for a missing key without a default tenant, a
-        malformed header, an unknown key, or more than one Authorization field line
-        (a singleton field: a proxy that reads one and the server that reads another
-        would disagree on who is asking).
+        malformed header, an unknown key or an operator's (``operator_keys``, which
+        says so), or more than one Authorization field line (a singleton field: a
+        proxy that reads one and the server that reads another would disagree on who
+        is asking).
         """
         if authorization is None and self._default is not None:
             return self._default
-        tenant = self._keys.get(bearer_key(authorization))
+        key = bearer_key(authorization)
+        tenant = self._keys.get(key)
         if tenant is None:
+            if key in self._operators:
+                raise Unauthorized(
+                    "an operator's API key (server.control_plane_keys) does not infer: "
+                    "send one of a tenant's api_keys"
+                )
             raise Unauthorized("unknown API key")
         return tenant
 

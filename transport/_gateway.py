@@ -289,7 +289,7 @@ class Gateway:
         self.runtime = runtime
         self.config = config if config is not None else runtime.config
         self.server_config = self.config.server
-        self.auth = Authenticator(self.config.tenants)
+        self.auth = Authenticator(self.config.tenants, self.server_config.control_plane_keys)
         self.control_plane = ControlPlaneGuard(self.server_config.control_plane_keys, self.auth)
         #: each model's, as its serving copy has it (a load's config may change it)
         self.signatures = Signatures(runtime.models)
