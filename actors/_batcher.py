@@ -103,8 +103,12 @@ class _Escaped(Exception):
         self.exc = exc
 
 
-#: What a model may raise that is not an ordinary error in the batcher's loop (a
-#: KeyboardInterrupt is left alone: inline it is the process's Ctrl-C).
+#: What a model may raise that is not an ordinary error in the batcher's loop. Any
+#: other BaseException (GeneratorExit, a class of the model's own) is carried so
+#: too; only a KeyboardInterrupt inline is left alone: there it is the process's
+#: Ctrl-C. In a worker thread it is the model's own raise (a signal's
+#: KeyboardInterrupt is only ever raised in the main thread), and it used to end
+#: the runtime, its request unanswered.
 _ESCAPES = (StopIteration, StopAsyncIteration, SystemExit)
 
 
@@ -399,6 +403,12 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                     )
                 except _ESCAPES as exc:
                     raise _Escaped(exc) from exc
+                except Exception:
+                    raise
+                except BaseException as exc:  # not Exception: see _ESCAPES
+                    if isinstance(exc, KeyboardInterrupt):
+                        raise
+                    raise _Escaped(exc) from exc
             except Exception as exc:
                 if device_lost(self.device):
                     self._lose_device(batch, exc)
@@ -457,6 +467,8 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             if device_lost(self.device):  # a synchronize: here, not on the event loop
                 raise _DeviceLost() from exc
             raise
+        except BaseException as exc:  # KeyboardInterrupt and the rest: see _ESCAPES
+            raise _Escaped(exc) from exc
         finally:
             with _threads_lock:
                 _threads_running -= 1

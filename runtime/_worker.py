@@ -166,7 +166,11 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
             write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
         except FrameTooLarge as exc:
             write_frame(wfd, ("too_large", str(exc)))
-        except (Exception, SystemExit) as exc:  # the model's sys.exit() ends no worker
+        # The model's sys.exit() ends no worker, nor does its KeyboardInterrupt (the
+        # worker ignores SIGINT: it is the model's own raise) or any other
+        # BaseException: each used to end the process, and its request was found
+        # as poison after two more dead workers.
+        except BaseException as exc:
             text = exception_text(exc)  # (its str() may raise: this loop must go on)
             if context_lost(device):
                 # Every later call here would fail too: say why, and wait for the

@@ -150,6 +150,23 @@ def escapes_on_1(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarra
     return [{"y": it["x"]} for it in items]
 
 
+class OwnBaseException(BaseException):
+    """A model's own exception class that is not an Exception."""
+
+
+def interrupts_on_1(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """``y = x``, but a batch holding an item with x[0] == 1 raises KeyboardInterrupt,
+    one with x[0] == 2 GeneratorExit and one with x[0] == 3 a BaseException of its
+    own. Importable, so a worker process can run it."""
+    if any(key(it) == 1.0 for it in items):
+        raise KeyboardInterrupt("model interrupts")
+    if any(key(it) == 2.0 for it in items):
+        raise GeneratorExit("model closes")
+    if any(key(it) == 3.0 for it in items):
+        raise OwnBaseException("model's own")
+    return [{"y": it["x"]} for it in items]
+
+
 def crash_on_666(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """A model for a worker process: a batch holding an item with x[0] == 666 ends the
     process at once (``os._exit``, as a segfault would); otherwise ``y = x``.

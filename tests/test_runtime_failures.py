@@ -25,6 +25,7 @@ from runtime_helpers import (
     callable_model,
     config,
     escapes_on_1,
+    interrupts_on_1,
     item,
     misshapen,
     off_signature,
@@ -181,6 +182,64 @@ async def test_a_model_raising_stop_iteration_or_system_exit_is_a_model_error(
     assert str(exited.value) == f"model 'm' failed on cpu: {prefix}SystemExit: model says bye"
     assert after["y"].tolist() == [3.0]
     assert stats["replicas"][0]["restarts"] == 0
+
+
+@pytest.mark.parametrize("execution", ["thread", "process"])
+async def test_a_model_raising_a_base_exception_off_the_event_loop_is_a_model_error(
+    monkeypatch, execution
+):
+    # A KeyboardInterrupt (or any BaseException that is not an Exception) a model
+    # raised in a worker thread ended the runtime, its request unanswered (over
+    # HTTP `trioserve serve` stopped, saying "SIGINT while starting"); in a worker
+    # process it ended the worker, and the request was answered as poison after two
+    # more dead workers. No signal reaches a worker thread, and a worker process
+    # ignores SIGINT: it is the model's raise, answered as any other.
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = config(
+        callable_model(
+            "m", interrupts_on_1, execution=execution, max_wait_ms=0, timeout_ms=None
+        ),
+        restart_intensity=0,
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        errors = []
+        for x in (1, 2, 3):
+            with pytest.raises(ModelError) as info:
+                await rt.infer("m", item(x))
+            errors.append(str(info.value))
+        after = await rt.infer("m", item(4))
+        stats = rt.statistics()["m"]
+    prefix = "WorkerError: " if execution == "process" else ""
+    assert errors == [
+        f"model 'm' failed on cpu: {prefix}KeyboardInterrupt: model interrupts",
+        f"model 'm' failed on cpu: {prefix}GeneratorExit: model closes",
+        f"model 'm' failed on cpu: {prefix}OwnBaseException: model's own",
+    ]
+    assert after["y"].tolist() == [4.0]
+    replica = stats["replicas"][0]
+    assert replica["restarts"] == 0
+    # Each answered at once, not found as poison by killing workers
+    assert stats["statuses"].get("worker_lost", 0) == 0
+    assert stats["statuses"].get("poison", 0) == 0
+    assert stats["statuses"]["model_error"] == 3
+
+
+async def test_an_inline_model_raising_a_base_exception_of_its_own_is_a_model_error():
+    # Inline, a KeyboardInterrupt is the process's Ctrl-C and is left alone; any other
+    # BaseException is the model's, and used to end the runtime.
+    cfg = config(
+        callable_model("m", interrupts_on_1, execution="inline", max_wait_ms=0),
+        restart_intensity=0,
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(ModelError) as closed:
+            await rt.infer("m", item(2))
+        with pytest.raises(ModelError) as own:
+            await rt.infer("m", item(3))
+        after = await rt.infer("m", item(4))
+    assert str(closed.value) == "model 'm' failed on cpu: GeneratorExit: model closes"
+    assert str(own.value) == "model 'm' failed on cpu: OwnBaseException: model's own"
+    assert after["y"].tolist() == [4.0]
 
 
 async def test_wrong_number_of_outputs_is_a_model_error(autojump_clock):
