@@ -10,7 +10,7 @@ from typing import Any
 import outcome
 import trio
 
-from ._errors import InvalidInput, Overloaded, TrioserveError
+from ._errors import InvalidInput, ModelError, Overloaded, TrioserveError
 from ._messages import CANCELLED, ReplyGroup, ReplyRelay, Request
 from ._outcomes import _never_ran, _note_withdrawal
 from ._served import ServedModel
@@ -322,10 +322,12 @@ class _SplitLate:
     DeadlineExceeded while its batch ran), the whole outcome is to come if every
     part has an answer or its batch's to come (:meth:`answered`): the whole then
     expects it, on the clock of a part still running (trio's when none), and is
-    settled with the parts' outputs merged once each came, or with none as soon as
-    one fails. Otherwise (a part expired queued, or failed) none comes, and the
-    parts' batches that still run for it are left to others (their carriers
-    withdrawn)."""
+    settled with the parts' outputs merged once each came, or as soon as one fails
+    with its error (none when no outcome came of it). A part answered the model's
+    error (ModelError) makes that error the whole outcome at once, as a whole
+    item's late ModelError is. Otherwise (a part expired queued, or failed
+    otherwise) none comes. Either way the parts' batches that still run for it are
+    left to others (their carriers withdrawn)."""
 
     __slots__ = ("_at", "_live", "_merge", "over", "parts", "whole")
 
@@ -341,7 +343,17 @@ class _SplitLate:
 
     def answered(self, answers: list[outcome.Outcome]) -> None:
         """The call's outcomes, one an error at least: tell the whole to expect its
-        outcome if each part has one to come. Not a checkpoint."""
+        outcome if each part has one to come. A part answered the model's error
+        (ModelError) has answered the whole: its outcome is that error (the first
+        such part's, in item order, as a direct caller of the item gets it), as
+        for an item run whole; a rerun would only raise it again. Not a
+        checkpoint."""
+        for answer in answers:
+            if isinstance(answer, outcome.Error) and isinstance(answer.error, ModelError):
+                self._live = True
+                self.whole.expect(None)
+                self._end(outcome.Error(answer.error))
+                return
         for answer, part in zip(answers, self.parts, strict=True):
             if isinstance(answer, outcome.Value):
                 part.done, part.result = True, outcome.Value(answer.value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import outcome
 import pytest
 import trio
 import trio.testing
@@ -29,6 +30,8 @@ from runtime_helpers import (
     key,
 )
 from trioserve import (
+    ActorBroken,
+    ActorClosed,
     CacheConfig,
     DeadlineExceeded,
     ModelBackend,
@@ -38,7 +41,9 @@ from trioserve import (
     TenantConfig,
     WorkerProcess,
 )
+from trioserve._many import _SplitLate
 from trioserve.actors import Breaker
+from trioserve.actors._singleflight import LateOutcome
 
 RUNNING = "deadline passed while its batch was running"
 QUEUED = "in the queue"
@@ -932,6 +937,154 @@ async def test_a_carried_part_left_when_another_part_expires_queued_leaves_the_q
     finally:
         model.release()
     assert model.seen == [1.0]  # the carried part never ran again
+
+
+class HeldPartAndPoisonPart(SplitsInChunks, ModelBackend):
+    """A model run in a thread whose items cost their length and split into chunks
+    of the budget: ``y = 2x + 1``. A chunk starting at ``held`` waits for
+    :meth:`release` (``entered`` set once it is in); one starting at ``poison``
+    raises. The chunks it was called with, by their ``x[0]``, in ``seen``."""
+
+    inputs = (X,)
+    outputs = (Y,)
+    default_execution = "thread"
+    supports_split = True
+
+    def __init__(self, *, held: float, poison: float) -> None:
+        self.held = held
+        self.poison = poison
+        self.released = threading.Event()
+        self.entered = threading.Event()
+        self.seen: list[float] = []
+        self._lock = threading.Lock()
+
+    def prepare(self, name, inputs):
+        it, _ = super().prepare(name, inputs)
+        return it, int(it["x"].shape[0])
+
+    def load(self, device, *, torch_threads=1):
+        def run(items):
+            keys = [key(it) for it in items]
+            with self._lock:
+                self.seen.extend(keys)
+            if self.held in keys:
+                self.entered.set()
+                self.released.wait(GATE_LIMIT_S)
+            if self.poison in keys:
+                raise RuntimeError("a poison part")
+            return [{"y": it["x"] * 2 + 1} for it in items]
+
+        return run
+
+    def release(self) -> None:
+        self.released.set()
+
+
+async def test_the_models_error_on_one_part_is_the_followers_answer_for_the_whole_item(
+    mock_clock, manual_watchdog
+):
+    """An item over the batch budget runs in two parts, one on each replica. The
+    second part raises at once (the model's error, answered directly); the leader's
+    deadline then passes while the first part still runs. The follower gets the
+    model's error, the one a direct caller of the item gets (same type, words and
+    status), as it would for a whole item's late ModelError: before, the item ran
+    again for it (both parts, paid again), only for the second part to raise again.
+    The model ran each part once for the two callers, and the tenant paid once."""
+    model = HeldPartAndPoisonPart(held=1.0, poison=3.0)
+    config = trioserve.Config(
+        models=(ModelConfig(
+            name="m", backend=model, coalesce=True, timeout_ms=1_000.0, replicas=2,
+            max_batch_size=1, max_batch_tokens=2, max_wait_ms=0, oversize="split",
+            batch_timeout_floor_ms=30_000.0, batch_timeout_cap_ms=30_000.0,
+        ),),
+        tenants=(TenantConfig(name="t", default=True),),
+    )
+    x = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    got: dict[str, tuple[object, float]] = {}
+
+    async def call(name: str) -> None:
+        try:
+            out: object = (await rt.infer("m", {"x": x}))["y"].tolist()
+        except trioserve.TrioserveError as exc:
+            out = exc
+        got[name] = (out, trio.current_time())
+
+    try:
+        async with trioserve.open_runtime(config) as rt:
+            dog = manual_watchdog.made[-1]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, "leader")
+                await trio.testing.wait_all_tasks_blocked()
+                assert await trio.to_thread.run_sync(model.entered.wait, GATE_LIMIT_S)
+                mock_clock.jump(0.25)
+                nursery.start_soon(call, "follower")
+                await trio.testing.wait_all_tasks_blocked()
+                assert sorted(model.seen) == [1.0, 3.0]  # the second part raised
+                assert got == {}  # the leader waits for its first part
+                dog.advance(1.0)  # the leader's 1 s, while the first part runs
+                await trio.testing.wait_all_tasks_blocked()
+                assert isinstance(got["leader"][0], DeadlineExceeded)
+                assert RUNNING in str(got["leader"][0])
+                assert "follower" in got  # answered then, nothing run for it
+                assert flow(rt)["queued"] == 0
+                model.release()
+            stats, cache = flow(rt), rt.cache_statistics()
+            used = rt.tenant_statistics()["t"]["credits_used"]
+            assert sorted(model.seen) == [1.0, 3.0]
+            with pytest.raises(ModelError) as direct:
+                await rt.infer("m", {"x": x})
+    finally:
+        model.release()
+    error, at = got["follower"]
+    assert type(error) is ModelError
+    assert str(error) == str(direct.value) == (
+        "model 'm' failed on cpu: RuntimeError: a poison part"
+    )
+    assert error.status == direct.value.status == 500
+    assert at == 0.25
+    assert sorted(model.seen) == [1.0, 1.0, 3.0, 3.0]  # the flight's parts, the direct call's
+    assert (stats["dispatched"], stats["expired_running"]) == (2, 1)
+    assert used == 4  # the parts' cost, once
+    assert (cache["computations"], cache["coalesced"]) == (1, 1)
+    assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "whole"),
+    [
+        # the second part's model error, before the first (still running) expired
+        ("running", ModelError("model 'm' failed on cpu: RuntimeError: bad"), "error"),
+        # the model's error wins over a replica's: a rerun would raise it again
+        (ActorBroken("replica m#0 crashed"), ModelError("model 'm' failed"), "error"),
+        # a replica's error or a part expired queued: no outcome of the item comes
+        ("running", ActorBroken("replica m#1 crashed"), None),
+        ("running", ActorClosed("the runtime is closing"), None),
+        ("running", DeadlineExceeded("model 'm': deadline passed in the queue"), None),
+    ],
+)
+def test_a_parts_direct_error_is_the_whole_items_outcome_when_it_is_the_models(
+    first, second, whole
+):
+    """A split item's call failed: a part answered directly with the model's error
+    settles the flight's hook with that error (which its ``input_error`` makes every
+    waiter's answer); a part answered directly otherwise leaves it no outcome (the
+    flight runs again)."""
+    late = LateOutcome()
+    split = _SplitLate(late, 2, merge=None)
+    answers = []
+    for part, answer in zip(split.parts, (first, second), strict=True):
+        if answer == "running":  # answered DeadlineExceeded while its batch runs
+            part.expect()
+            answer = DeadlineExceeded("model 'm': deadline passed while its batch was running")
+        answers.append(outcome.Error(answer))
+    split.answered(answers)
+    split.close()
+    if whole is None:
+        assert (late.expected, late.settled) == (False, False)
+    else:
+        assert (late.expected, late.settled) == (True, True)
+        assert late.result.error is second
+    assert split.over
 
 
 # ---------------------------------------------------------------- credits
