@@ -13,7 +13,12 @@ import trio
 import trioserve
 from http_helpers import Gate, config, echo_model, held_model, serving, v2_input
 from trioserve.transport import open_http
-from trioserve.transport._idempotency import ENTRY_OVERHEAD, IdempotencyStore, key_bytes
+from trioserve.transport._idempotency import (
+    ENTRY_OVERHEAD,
+    REPLAYED,
+    IdempotencyStore,
+    key_bytes,
+)
 
 JSON = [(b"content-type", b"application/json")]
 
@@ -65,6 +70,45 @@ async def test_a_repeat_while_the_first_runs_waits_for_it():
     assert [a.status for a in answers] == [200, 200]
     assert answers[0].body == answers[1].body
     assert stats["items"] == 1
+
+
+async def test_an_answered_key_keeps_no_event():
+    """The event repeats wait on while their key runs is made by the first repeat,
+    and dropped once the key is answered (each kept answer held one, ~270 of the
+    ~760 bytes an entry held besides its body): the repeats waiting still get the
+    answer, and the model runs once."""
+    store = IdempotencyStore()
+    gate = trio.Event()
+    runs: list[str] = []
+
+    async def first():
+        runs.append("first")
+        await gate.wait()
+        return 200, JSON, b"{}"
+
+    await store.run("alone", b"x", answering(runs, "alone"))
+    assert store._answered["alone"].done is None  # no repeat came: never made
+    got = []
+
+    async def call(answer):
+        got.append(await store.run("k", b"x", answer))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, first)
+        await trio.testing.wait_all_tasks_blocked()
+        assert store._running["k"].done is None
+        nursery.start_soon(call, answering(runs, "again"))
+        nursery.start_soon(call, answering(runs, "again"))
+        await trio.testing.wait_all_tasks_blocked()
+        event = store._running["k"].done
+        assert isinstance(event, trio.Event)
+        assert store.waiting == 2
+        gate.set()
+    assert runs == ["alone", "first"]
+    assert [g[2] for g in got] == [b"{}"] * 3
+    assert [REPLAYED in g[1] for g in got] == [False, True, True]
+    assert event.is_set()
+    assert store._answered["k"].done is None
 
 
 async def test_the_same_key_with_another_body_is_422_and_keys_are_per_tenant():
@@ -433,12 +477,21 @@ def cost(key, body: bytes) -> int:
     return ENTRY_OVERHEAD + key_bytes(key) + sys.getsizeof(body)
 
 
-async def test_the_bytes_counted_bound_what_the_store_really_holds(autojump_clock):
-    """Under many keys (of many lengths, with answers of many sizes) the bytes counted
-    never pass ``max_bytes``, they are the sum of the entries' costs, and what the
-    store really holds (tracemalloc: everything allocated and not freed since it was
-    empty) is never more than they say."""
-    limit = 1 << 20
+@pytest.mark.parametrize(
+    ("largest", "limit", "close"),
+    # measured: 0.91 and 0.61 of what is counted held (0.70 for small answers while
+    # each entry kept its event, with 1 KiB counted)
+    [(6000, 1 << 20, 0.8), (100, 1 << 19, 0.5)],
+)
+async def test_the_bytes_counted_bound_what_the_store_really_holds(
+    autojump_clock, largest, limit, close
+):
+    """Under many keys (of many lengths, with answers of many sizes, up to
+    ``largest`` bytes: small answers make the entry's own bytes, ENTRY_OVERHEAD,
+    most of what is held) the bytes counted never pass ``max_bytes``, they are the
+    sum of the entries' costs, and what the store really holds (tracemalloc:
+    everything allocated and not freed since it was empty) is never more than they
+    say, nor far below it (``close``)."""
     store = IdempotencyStore(window=60.0, max_keys=1_000_000, max_bytes=limit)
     rng = random.Random(7)
     runs: list[str] = []  # not held past each run: it would count as the store's
@@ -448,7 +501,7 @@ async def test_the_bytes_counted_bound_what_the_store_really_holds(autojump_cloc
         before = tracemalloc.get_traced_memory()[0] - store.bytes
         for i in range(3000):
             key = ("t", "m" * rng.randrange(1, 40), "k%d" % i + "K" * rng.randrange(0, 200))
-            await store.run(key, b"%d" % i, answering(runs, str(i), rng.randrange(0, 6000)))
+            await store.run(key, b"%d" % i, answering(runs, str(i), rng.randrange(0, largest)))
             assert store.bytes <= limit
             runs.clear()
         del key
@@ -459,7 +512,8 @@ async def test_the_bytes_counted_bound_what_the_store_really_holds(autojump_cloc
     stats = store.statistics()
     assert stats.bytes == counted == store.bytes
     assert held <= store.bytes, f"held {held} bytes, counted {store.bytes}"
-    assert held > 0.6 * store.bytes  # the count is an estimate, not a bound far off
+    # the count is an estimate, not a bound far off
+    assert held > close * store.bytes, f"held {held} bytes, counted {store.bytes}"
     assert stats.running == 0
     assert stats.evicted_bytes > 2000  # the bound, not max_keys, did the evicting
     assert stats.evicted_keys == stats.too_large == 0

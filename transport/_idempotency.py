@@ -10,15 +10,17 @@ retry runs.
 The store is bounded twice: at most ``max_keys`` answers, and at most ``max_bytes``
 bytes, counted as each entry's answer body and its key's strings (as
 ``sys.getsizeof`` counts them) and :data:`ENTRY_OVERHEAD` for the rest (the entry,
-its event, the digest, the answer's tuple and header list, its place in the store's
-dicts). Over either bound the oldest answers go first, before their window. Each
-answer is forgotten ``window`` seconds after it was given.
+the digest, the key's tuple, the answer's tuple and header list, its place in the
+store's dicts; the event repeats wait on while the key runs, made by the first
+repeat, is dropped once the key is answered). Over either bound the oldest answers
+go first, before their window. Each answer is forgotten ``window`` seconds after it
+was given.
 
 Keys still running are never evicted (evicting one let its repeat run the model a
 second time): they count in the bytes (their overhead and key) and evict answers to
 make room, so the bytes held stay within ``max_bytes`` unless the running keys alone
 take more (they are as many as the infer requests in flight with a key, at most about
-one an HTTP connection, ~1 KiB each). Then every answer is evicted as soon as it is
+one an HTTP connection, ``ENTRY_OVERHEAD`` each). Then every answer is evicted as soon as it is
 given (its waiting repeats still get it), until enough of them finish. An answer
 whose entry alone costs more than ``max_bytes`` is not kept at all: the request and
 the repeats already waiting for it are answered, and a later retry runs again.
@@ -41,11 +43,13 @@ Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 REPLAYED = (b"idempotent-replayed", b"true")
 
 #: Bytes counted for each entry besides its answer's body and its key's strings.
-#: Measured with tracemalloc (CPython 3.11, 1,000 to 40,000 answers of 100 bytes):
-#: 620-650 bytes an entry with a JSON answer, 775-805 with a binary one (its header
-#: list holds its own Inference-Header-Content-Length); counted as 1 KiB, so the
-#: count is never below what is held.
-ENTRY_OVERHEAD = 1024
+#: Measured with tracemalloc (CPython 3.11, 100 to 350,000 answers of 100 bytes, the
+#: key's tuple and the dicts' growth included): at most 490 bytes an entry with a
+#: JSON answer, 590 with a binary one (its header list holds its own
+#: Inference-Header-Content-Length); 760 and 860 while each kept the ~270-byte
+#: event its repeats waited on. Counted as 768, so the count is never below what
+#: is held.
+ENTRY_OVERHEAD = 768
 
 
 @attrs.frozen(kw_only=True)
@@ -72,7 +76,10 @@ class IdempotencyStatistics:
 class _Entry:
     digest: bytes
     cost: int
-    done: trio.Event = attrs.Factory(trio.Event)
+    #: what repeats wait on while the first of the key runs: made by the first
+    #: repeat, and dropped when the key is answered (a repeat woken holds its own
+    #: reference; one that comes later finds the answer), so a kept answer holds none
+    done: trio.Event | None = None
     answer: Answer | None = None
     expires: float = float("inf")
 
@@ -164,9 +171,12 @@ class IdempotencyStore:
                     b'{"error":"Idempotency-Key was already used with a different request"}'
                 )
             if entry.answer is None:
+                done = entry.done
+                if done is None:
+                    done = entry.done = trio.Event()
                 self.waiting += 1
                 try:
-                    await entry.done.wait()  # the first is running; then look again
+                    await done.wait()  # the first is running; then look again
                 finally:
                     self.waiting -= 1
                 if entry.answer is None:
@@ -201,11 +211,18 @@ class IdempotencyStore:
         entry.expires = trio.current_time() + self.window
         self._answered[key] = entry
         self._expire(trio.current_time())  # over a bound: the oldest answers go
-        entry.done.set()
+        _wake(entry)
         return result
 
     def _forget(self, key: Any, entry: _Entry) -> None:
         if self._running.get(key) is entry:
             del self._running[key]
             self._bytes -= entry.cost
-        entry.done.set()
+        _wake(entry)
+
+
+def _wake(entry: _Entry) -> None:
+    """Wake the repeats waiting for ``entry``'s key, and drop their event."""
+    done, entry.done = entry.done, None
+    if done is not None:
+        done.set()
