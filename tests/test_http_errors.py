@@ -17,9 +17,9 @@ from http_helpers import Gate, config, echo_model, held_model, mlp_model, servin
 from hypothesis import given
 from hypothesis import strategies as st
 from trioserve import QuotaExceeded
-from trioserve.transport import _gateway, open_http, open_stream
+from trioserve.transport import _gateway, _stream, open_http, open_stream
 from trioserve.transport._gateway import error_answer
-from trioserve.transport._v2 import error_body
+from trioserve.transport._v2 import error_body, error_frame
 
 ONE = {"inputs": [v2_input(np.zeros((1, 256), np.float32))]}
 
@@ -800,3 +800,80 @@ def test_a_refusal_s_body_is_written_once_per_message_and_the_table_is_bounded()
     bad = trioserve.InvalidInput("bad")
     assert error_answer(bad)[2] == _orjson_body("bad")
     assert "bad" not in _gateway._refusal_bodies
+
+
+# ------------------------------------------------------------ stream error frames' bytes
+
+
+def _orjson_frame(rid, message, status, retry_after=None) -> bytes:
+    doc = {"id": rid, "error": message, "status": status}
+    if retry_after is not None:
+        doc["retry_after"] = retry_after
+    return orjson.dumps(doc)
+
+
+_IDS = (
+    st.none()
+    | st.text()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    # a bad message's id, echoed as it came (orjson writes it)
+    | st.booleans()
+    | st.floats()
+    | st.lists(st.integers(), max_size=3)
+    | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)
+)
+
+
+@given(
+    rid=_IDS,
+    message=st.text(),
+    status=st.sampled_from([400, 401, 404, 429, 500, 503, 504]),
+    retry_after=st.none() | st.integers(min_value=1, max_value=_gateway.RETRY_AFTER_MAX),
+)
+def test_a_stream_error_frame_is_byte_for_byte_what_orjson_wrote(
+    rid, message, status, retry_after
+):
+    """``error_frame`` no longer goes through orjson (whose output holds a 4 KiB
+    buffer): its bytes are the same for any id and text; what orjson refuses (a
+    lone surrogate) it still refuses."""
+    try:
+        expected = _orjson_frame(rid, message, status, retry_after)
+    except orjson.JSONEncodeError:
+        with pytest.raises(orjson.JSONEncodeError):
+            error_frame(rid, message, status, retry_after)
+        return
+    assert error_frame(rid, message, status, retry_after) == expected
+
+
+@pytest.mark.parametrize("exc", [
+    trioserve.Overloaded("model 'm': queue full (64 requests waiting)", retry_after=0.2),
+    trioserve.Overloaded("model 'm': draining", retry_after=math.inf),
+    QuotaExceeded("tenant 't' is over its credit rate; 1 more in 1500 ms", retry_after=1.5),
+    trioserve.InvalidInput('a stream message\'s \'model\' must be a string, got "\\n"'),
+    trioserve.UnknownModel("unknown model 'x'; serving: echo, mlp"),
+    trioserve.Unauthorized("missing API key"),
+    trioserve.DeadlineExceeded("model 'm': deadline passed after 1.000s in the queue"),
+    RuntimeError("a bug, with ünïcode"),
+])
+@pytest.mark.parametrize("rid", ["r1", 7, None, 2.5])
+def test_a_stream_error_frame_holds_what_error_answer_says(exc, rid):
+    """The stream's frame for an error: the status of its HTTP answer and, with 429
+    and 503, that answer's Retry-After as ``retry_after``; the bytes orjson wrote."""
+    status, headers, _ = error_answer(exc)
+    retry = dict(headers).get(b"retry-after")
+    expected = _orjson_frame(rid, str(exc), status, None if retry is None else int(retry))
+    assert _stream._error_frame(rid, exc) == expected
+
+
+def test_a_stream_error_frame_is_a_block_of_its_own_length():
+    exc = trioserve.Overloaded("model 'mlp': queue full (64 requests waiting)", retry_after=1)
+    _stream._error_frame("r1", exc)
+    tracemalloc.start()
+    try:
+        frames = [_stream._error_frame("r%d" % i, exc) for i in range(100)]
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert frames[1] == _orjson_frame("r1", str(exc), 503, 1)
+    # orjson's frames held 4 KiB each: 100 of them, 400 KiB
+    assert held < 100 * 256, f"{held} bytes held by 100 frames of {len(frames[1])} bytes"

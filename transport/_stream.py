@@ -25,10 +25,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import orjson
 import trio
 from trioserve import (
     InvalidInput,
+    Overloaded,
     TrioserveError,
     Unauthorized,
     UnknownModel,
@@ -48,12 +48,12 @@ from wsproto.events import Request as WsRequest
 from wsproto.utilities import RemoteProtocolError
 
 from ._auth import another_field_line
-from ._gateway import UNKNOWN_MODEL, WWW_AUTHENTICATE, error_answer, log
+from ._gateway import UNKNOWN_MODEL, WWW_AUTHENTICATE, log, retry_after_seconds
 from ._replay import CLOSE_GRACE, RECEIVE_SIZE
 from ._request import InferRequest
 from ._request_json import loads_request
 from ._response import encode_response
-from ._v2 import shown
+from ._v2 import error_body, error_frame, shown
 from ._ws_decoder import _begun, _close_in, _unparsed, _unread
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def _reject(
 ) -> bytes:
     """A refused handshake: ``status`` with the gateway's JSON error body (and the
     ``extra`` headers)."""
-    body = orjson.dumps({"error": message})
+    body = error_body(message)
     headers = [
         *extra,
         (b"content-type", b"application/json"),
@@ -662,10 +662,8 @@ class _Session:
                 doc = loads_request(message)
             except Exception:  # not JSON: its id is null, as its 400 would say
                 doc = None
-            frame = {"id": doc.get("id") if type(doc) is dict else None,
-                     "error": "the server is shutting down; request not run",
-                     "status": 503, "retry_after": 1}
-            await self._send(self.ws.send(TextMessage(data=orjson.dumps(frame).decode())))
+            frame = error_frame(doc.get("id") if type(doc) is dict else None, _NOT_RUN, 503, 1)
+            await self._send(self.ws.send(TextMessage(data=frame.decode())))
 
     async def _send(self, data: bytes) -> None:
         try:
@@ -693,9 +691,8 @@ class _Session:
             return
         # Requests cancelled by the end of a drain's grace period: tell the client.
         for rid in self.pending.values():
-            frame = {"id": rid, "error": "the server is shutting down; request not completed",
-                     "status": 503, "retry_after": 1}
-            await self._send(ws.send(TextMessage(data=orjson.dumps(frame).decode())))
+            frame = error_frame(rid, _NOT_COMPLETED, 503, 1)
+            await self._send(ws.send(TextMessage(data=frame.decode())))
         if self.gateway.draining:
             code, reason = 1001, "server shutting down"
         else:
@@ -781,11 +778,8 @@ class _Session:
             except Exception as exc:
                 if not isinstance(exc, TrioserveError):
                     log.exception("stream request %r: unexpected error", rid)
-                status, headers, _ = error_answer(exc)
-                doc = {"id": rid, "error": str(exc), "status": status}
-                if status in (429, 503):  # as HTTP's Retry-After, in whole seconds
-                    doc["retry_after"] = int(dict(headers)[b"retry-after"])
-                frame = orjson.dumps(doc)
+                frame = _error_frame(rid, exc)
+                status = exc.status if isinstance(exc, TrioserveError) else 500
             gateway.requests[(label, self.tenant, status)] += 1
             # Answered from here on: once framed, the answer is in the stream's bytes
             # (a cancellation while it waits to be written must not add a 503 frame
@@ -804,6 +798,26 @@ class _Session:
         self._room.unpark()
         if self._reading_ahead is not None:
             self._reading_ahead.cancel("room freed")
+
+
+#: The drain's refusals of the requests it did not run, or did not let finish.
+_NOT_RUN = "the server is shutting down; request not run"
+_NOT_COMPLETED = "the server is shutting down; request not completed"
+
+
+def _error_frame(rid: Any, exc: Exception) -> bytes:
+    """The error frame answering request ``rid`` with ``exc``: its status as over HTTP
+    (``error_answer``: 500 for a foreign exception), its message, and with 429 and
+    503 ``retry_after`` as HTTP's Retry-After (whole seconds). Written without
+    orjson (``error_frame``: its output holds a 4 KiB buffer, and a frame is held
+    until the client takes it). Not a checkpoint."""
+    if not isinstance(exc, TrioserveError):
+        return error_frame(rid, str(exc), 500)
+    status = exc.status
+    if status in (429, 503):
+        retry_after = exc.retry_after if isinstance(exc, Overloaded) else 1.0
+        return error_frame(rid, str(exc), status, retry_after_seconds(retry_after))
+    return error_frame(rid, str(exc), status)
 
 
 __all__ = [

@@ -202,6 +202,39 @@ def error_body(message: str) -> bytes:
         return orjson.dumps({"error": message})
 
 
+def error_frame(rid: Any, message: str, status: int, retry_after: int | None = None) -> bytes:
+    """A stream's error frame, ``{"id": rid, "error": message, "status": status}``
+    (and ``"retry_after"`` when given), as orjson writes it, byte for byte, in a block
+    of its own length (see :func:`error_body`). Not a checkpoint.
+
+    An id other than a string or an integer of 64 bits (a bad message's, echoed as
+    it came), and a message or id with a lone surrogate, go to orjson (which
+    refuses the surrogate)."""
+    kind = type(rid)
+    try:
+        if kind is str:
+            ident: bytes | None = _json_string(rid).encode()
+        elif rid is None:
+            ident = b"null"
+        elif kind is int and -(2**63) <= rid < 2**64:
+            ident = b"%d" % rid
+        else:
+            ident = None
+        text = _json_string(message).encode()
+    except UnicodeEncodeError:
+        ident = None
+    if ident is None:
+        doc = {"id": rid, "error": message, "status": status}
+        if retry_after is not None:
+            doc["retry_after"] = retry_after
+        return orjson.dumps(doc)
+    if retry_after is None:
+        return b'{"id":%b,"error":%b,"status":%d}' % (ident, text, status)
+    return b'{"id":%b,"error":%b,"status":%d,"retry_after":%d}' % (
+        ident, text, status, retry_after
+    )
+
+
 def datatype_of(arr: np.ndarray) -> str:
     """The v2 datatype of an array (object and string arrays are BYTES)."""
     name = _DATATYPE_OF.get(arr.dtype)
@@ -217,6 +250,7 @@ __all__ = [
     "datatype_of",
     "dumps",
     "error_body",
+    "error_frame",
     "json_data",
     "json_loads",
     "loads",
