@@ -53,7 +53,7 @@ from ._replay import CLOSE_GRACE, RECEIVE_SIZE
 from ._request import InferRequest
 from ._request_json import loads_request
 from ._response import encode_response
-from ._v2 import error_body, error_frame, shown
+from ._v2 import error_body, error_frame, id_problem, shown
 from ._ws_decoder import _begun, _close_in, _unparsed, _unread
 
 if TYPE_CHECKING:
@@ -739,6 +739,10 @@ class _Session:
                         "a stream message's 'id' must be a string or an integer, got "
                         f"{shown(rid, message)}"
                     )
+                why = id_problem(rid)
+                if why is not None:  # it cannot be echoed: the answer's id is null
+                    rid = self.pending[token] = None
+                    raise InvalidInput(f"a stream message's 'id': {why}")
                 model = doc.get("model")
                 if type(model) is not str:
                     raise InvalidInput(

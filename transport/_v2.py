@@ -189,17 +189,45 @@ def _float_text(value: float, text: bytes | str) -> str:
 _json_string = json.encoder.c_encode_basestring or json.encoder.py_encode_basestring
 
 
+def id_problem(rid: str | int) -> str | None:
+    """Why a request's id (a str or an int) cannot be echoed in a JSON answer, or
+    None. An integer past 64 bits or a string with a lone surrogate only comes from
+    the standard library's reader (a body with NaN or Infinity, ``loads_request``):
+    orjson writes neither, and the answer echoing it failed (a 500 over HTTP; the
+    stream's connection ended, the requests in flight on it unanswered). Not a
+    checkpoint; an ASCII string costs one ``isascii``."""
+    if type(rid) is int:
+        if -(2**63) <= rid < 2**64:
+            return None
+        return (
+            "an integer id must be within 64 bits (-2**63 to 2**64-1): use a string"
+        )
+    if rid.isascii():
+        return None
+    try:
+        rid.encode()
+    except UnicodeEncodeError:
+        return "an id must be Unicode text: it holds a lone surrogate (\\ud800-\\udfff)"
+    return None
+
+
+def _writable(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape (``\\ud800``): orjson
+    refuses those, and an error answer must still be written."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
 def error_body(message: str) -> bytes:
     """``{"error": message}`` as orjson writes it, byte for byte, in a block of its own
     length. Not a checkpoint.
 
     orjson writes into a 4 KiB buffer it keeps: under a flood of refusals (429, 503)
     each answer allocated and freed one (``tests/test_http_errors.py``). A message
-    with a lone surrogate (no UTF-8) goes to orjson, which refuses it as before."""
+    with a lone surrogate (no UTF-8) is written with it escaped (``\\ud800``)."""
     try:
         return b'{"error":%b}' % _json_string(message).encode()
     except UnicodeEncodeError:
-        return orjson.dumps({"error": message})
+        return orjson.dumps({"error": _writable(message)})
 
 
 def error_frame(rid: Any, message: str, status: int, retry_after: int | None = None) -> bytes:
@@ -208,8 +236,9 @@ def error_frame(rid: Any, message: str, status: int, retry_after: int | None = N
     of its own length (see :func:`error_body`). Not a checkpoint.
 
     An id other than a string or an integer of 64 bits (a bad message's, echoed as
-    it came), and a message or id with a lone surrogate, go to orjson (which
-    refuses the surrogate)."""
+    it came), and a message or id with a lone surrogate, go to orjson; what it
+    cannot write (see :func:`id_problem`) is written as ``null`` (the id) or with
+    its surrogates escaped (the message), so that the frame is always written."""
     kind = type(rid)
     try:
         if kind is str:
@@ -227,7 +256,15 @@ def error_frame(rid: Any, message: str, status: int, retry_after: int | None = N
         doc = {"id": rid, "error": message, "status": status}
         if retry_after is not None:
             doc["retry_after"] = retry_after
-        return orjson.dumps(doc)
+        try:
+            return orjson.dumps(doc)
+        except TypeError:  # what it cannot write (see id_problem): null, the escapes
+            doc["error"] = _writable(message)
+            try:
+                orjson.dumps(rid)
+            except TypeError:  # past 64 bits or a lone surrogate, in a bad id too
+                doc["id"] = None
+            return orjson.dumps(doc)
     if retry_after is None:
         return b'{"id":%b,"error":%b,"status":%d}' % (ident, text, status)
     return b'{"id":%b,"error":%b,"status":%d,"retry_after":%d}' % (
