@@ -720,7 +720,11 @@ class ReplicaServer:
                 out = stack_outputs(
                     backend.conform_outputs(cfg.name, check_outputs(self._runner(payload), n))
                 )
-        except (Exception, SystemExit) as exc:  # the model's sys.exit() ends no actor
+        # The model's sys.exit() ends no actor; its KeyboardInterrupt (its own: the
+        # runtime stops a straggler with ray.kill, never ray.cancel) read as Ray's
+        # "task was cancelled"; any BaseException is the model's error, as in a
+        # worker process.
+        except BaseException as exc:
             text = exception_text(exc)
             if context_lost(self._device):
                 return ("lost", text)

@@ -18,6 +18,15 @@ RAISE = -3.0
 #: x[0] of an item whose batch takes SLOW_S
 SLOW = -4.0
 SLOW_S = 1.5
+#: x[0] of an item whose batch raises KeyboardInterrupt in the model (its own: no
+#: signal reaches an actor's call), and of one whose batch raises a BaseException
+#: of the model's own
+INTERRUPT = -5.0
+BASE = -6.0
+
+
+class ModelsOwnBaseException(BaseException):
+    pass
 
 
 def doubled(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
@@ -31,6 +40,10 @@ def doubled(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         raise ValueError("x[0] == -3 is refused")
     if SLOW in firsts:
         time.sleep(SLOW_S)
+    if INTERRUPT in firsts:
+        raise KeyboardInterrupt("the model's own")
+    if BASE in firsts:
+        raise ModelsOwnBaseException("x[0] == -6")
     return [{"y": 2 * it["x"]} for it in items]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -103,6 +104,28 @@ async def test_a_model_error_on_ray_is_the_models_error_and_the_actor_goes_on():
         out = await rt.infer("m", item(4.0))
         assert float(out["y"][0]) == 8.0
         assert actors() == first  # the same actor: a model error replaces nothing
+        assert rt.models["m"].batchers[0].workers_lost == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (ray_models.INTERRUPT, "KeyboardInterrupt: the model's own"),
+        (ray_models.BASE, "ModelsOwnBaseException: x[0] == -6"),
+    ],
+)
+async def test_a_models_base_exception_on_ray_is_a_model_error_and_the_actor_goes_on(
+    value, text
+):
+    """Not an Exception: it ended the actor's call as Ray's failure, not the
+    model's error (a worker process and a thread replica answer it so)."""
+    async with trioserve.open_runtime(config(on_ray(max_batch_size=1))) as rt:
+        first = actors()
+        with pytest.raises(ModelError, match=re.escape(text)):
+            await rt.infer("m", item(value))
+        out = await rt.infer("m", item(4.0))
+        assert float(out["y"][0]) == 8.0
+        assert actors() == first
         assert rt.models["m"].batchers[0].workers_lost == 0
 
 
