@@ -130,11 +130,13 @@ def without_model(model: str, text: str) -> str:
 
 
 def exception_text(exc: BaseException) -> str:
-    """``Type: message`` of an exception a model (or its backend) raised. One whose
-    ``str()`` raises too is said so, instead of the formatting raising in its turn
-    (it crashed the replica that was answering with it)."""
+    """``Type: message`` of an exception a model (or its backend) raised, or
+    ``Type`` alone when it has no message (``KeyboardInterrupt: `` read as cut).
+    One whose ``str()`` raises too is said so, instead of the formatting raising in
+    its turn (it crashed the replica that was answering with it)."""
     try:
-        return f"{type(exc).__name__}: {exc}"
+        text = str(exc)
+        return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     except Exception as err:
         why = f"its message cannot be shown: str() raised {type(err).__name__}"
         return f"{type(exc).__name__} ({why})"

@@ -387,3 +387,18 @@ async def test_a_torch_module_answering_no_tensor_for_an_output_says_which(
         with pytest.raises(ModelError) as info:
             await rt.infer("m", {"x": [1.0, 2.0]})
     assert str(info.value) == f"model 'm' failed on cpu: RuntimeError: module returned {said}"
+
+
+def _raises_bare(items):
+    raise ValueError()
+
+
+async def test_an_error_without_words_is_named_without_a_dangling_colon(autojump_clock):
+    # "ValueError: " read as a message cut off; an error with no words is its type
+    cfg = config(callable_model("m", _raises_bare, execution="inline", max_wait_ms=0))
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(ModelError) as info:
+            await rt.infer("m", item(1))
+    assert str(info.value) == "model 'm' failed on cpu: ValueError"
+    assert trioserve.exception_text(KeyboardInterrupt()) == "KeyboardInterrupt"
+    assert trioserve.exception_text(ValueError("no")) == "ValueError: no"
