@@ -41,12 +41,14 @@ from trioserve.actors import (
     BatchTimer,
     Breaker,
     FairQueue,
+    LateOutcome,
     SchedulerActor,
     StragglerPolicy,
     Watchdog,
     retried,
     split_failed,
 )
+from trioserve.actors._straggler import to_retry
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -80,6 +82,28 @@ def test_requests_whose_caller_left_are_not_retried():
     assert retry == [[batch[0]]]
     assert poison == []
     assert split_failed([batch[1], batch[2]], poison_attempts=2) == ([], [])
+
+
+def test_a_carried_item_keeps_the_answered_requests_record_as_a_retry():
+    # A request answered while its batch ran (its deadline passed), whose item
+    # others wait for, is carried into the retry by a request of its own: that one
+    # is retried as the answered one would have been, the replica it raised alone
+    # on included (else it would run on a third replica, and its result there
+    # would tell the first replica's breaker nothing).
+    batch = dispatched(2)
+    answered = batch[0].reply
+    answered.late = late = LateOutcome()
+    late.expect()
+    answered.attempts = 1
+    answered.suspect = True
+    answered.raised_on = raised_on = ("the replica it raised alone on", 3)
+    answered.set_error(DeadlineExceeded("its deadline passed while its batch ran"))
+    carried, waiting = to_retry(batch)
+    assert waiting is batch[1]
+    assert carried.reply is not answered
+    assert carried.item == batch[0].item
+    assert (carried.reply.attempts, carried.reply.suspect) == (1, True)
+    assert carried.reply.raised_on == raised_on
 
 
 def test_the_batch_deadline_is_the_cap_until_enough_samples_then_p99_times_factor():
