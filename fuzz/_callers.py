@@ -3,7 +3,8 @@
 does with a request's reply, without trio. Each caller pays its cost once when its
 request is admitted, may be hedged (a copy through ``offer_spare``), takes the first
 answer of its original or its copy (a "never ran" error, Overloaded or one answered in
-the queue, ``in_queue``, is no answer while the other may still run), withdraws the
+the queue, ``in_queue``, is no answer while the other may still run, nor is the model's
+error, ``ModelError``, while the other may still answer), withdraws the
 other, and leaves at its deadline or when cancelled. It gets its credits back exactly
 when none of its requests ran.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import collections
 
 import attrs
-from trioserve import Overloaded, Request, RequestState, TrioserveError
+from trioserve import ModelError, Overloaded, Request, RequestState, TrioserveError
 
 from ._checker import InvariantViolation, QueueObserver
 
@@ -148,7 +149,11 @@ class Callers:
     def _settle(self, caller: Caller, now: float) -> bool:
         reqs = caller.requests
         for r in reqs:
-            if r.reply.state is DONE and not never_ran(r):
+            if r.reply.state is DONE and not never_ran(r) and (
+                # the model's error is no answer while the twin may still answer
+                not isinstance(r.reply.error, ModelError)
+                or all(o.reply.state is DONE for o in reqs)
+            ):
                 caller.answered_by = r
                 for other in reqs:
                     if other is not r:

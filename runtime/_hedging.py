@@ -10,6 +10,7 @@ import attrs
 import outcome
 import trio
 
+from ._errors import ModelError
 from ._messages import CANCELLED, DONE, Reply, Request
 from ._outcomes import _never_ran, _note_withdrawal
 
@@ -28,13 +29,17 @@ class _Hedging:
         An error that says a request never ran (refused, pushed out or given its room
         back, expired queued) is no answer while the other may still run: a copy
         pushed out of the queue while its original runs does not fail the caller.
-        When neither ran, the original's error is raised.
+        Nor is the model's error (``ModelError``: it raised on that replica) while the
+        other may still answer: a replica whose model raises on every call does not
+        fail a caller whose twin another replica is running. When neither answered,
+        the first model error is raised, or else (neither ran) the original's error.
 
         ``refund`` is called when the caller leaves (is cancelled) and neither the
         original nor its copy ever ran.
         """
         answer: list[outcome.Outcome] = []
         unrun: list[outcome.Outcome | None] = [None, None]  # the original's, the copy's
+        raised: list[outcome.Outcome] = []  # a model error, held while the other may answer
         won: list[int] = []  # which of the two answered first (not a never-ran error)
         pending = 1
         copy: Request | None = None
@@ -51,13 +56,17 @@ class _Hedging:
                             request.reply.run = reply.run
                     except Exception as exc:
                         value = outcome.Error(exc)
-                        if _never_ran(exc):
-                            unrun[i] = value
+                        never_ran = _never_ran(exc)
+                        if never_ran or isinstance(exc, ModelError):
+                            if never_ran:
+                                unrun[i] = value
+                            else:
+                                raised.append(value)
                             pending -= 1
                             if pending:
-                                return  # the other may still run
-                            value = unrun[0] or value
-                            i = -1  # neither ran: no answer came first
+                                return  # the other may still run, or answer
+                            value = raised[0] if raised else unrun[0] or value
+                            i = -1  # neither answered: no answer came first
                     if not answer:
                         answer.append(value)
                         if i >= 0:

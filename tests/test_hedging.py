@@ -661,3 +661,101 @@ async def test_a_twin_kept_apart_leaves_the_queue_when_its_hedge_ends(autojump_c
     assert queue.estimated_wait("default", 0, 1) == 0.0  # no rate measured yet
     queue.rate = 1.0
     assert queue.estimated_wait("default", 0, 1) == 1.0  # only its own cost
+
+
+class HeldThenRaises(HeldKeys):
+    """HeldKeys whose first batch holding 1.0 waits for ``release`` (then answers, or
+    raises when ``first_raises``); each later batch holding 1.0 raises at once, as a
+    replica whose model fails every call would."""
+
+    def __init__(self, *, first_raises: bool = False) -> None:
+        super().__init__(1.0)
+        self.first_raises = first_raises
+        self.runs = 0
+
+    def __call__(self, items):
+        keys = [key(it) for it in items]
+        if 1.0 not in keys:
+            return super().__call__(items)
+        with self._lock:
+            self.batches.append(keys)
+            self.runs += 1
+            run = self.runs
+        if run == 1:
+            if not self.gates[1.0].wait(GATE_LIMIT_S):
+                raise RuntimeError("1 never released")
+            if not self.first_raises:
+                return [{"y": it["x"]} for it in items]
+        raise ValueError(f"run {run} raised")
+
+
+async def test_a_hedge_twin_that_raises_does_not_fail_the_caller_while_the_other_runs(
+    autojump_clock,
+):
+    """The copy runs on another replica and the model raises there at once, while the
+    original still runs: that error is no answer while the original may still give
+    one (the caller used to get the failing replica's ModelError at once, its
+    original's value dropped). The original's answer is the caller's."""
+    model = HeldThenRaises()
+    cfg = config(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            got: list[float] = []
+            answered = trio.Event()
+
+            async def call() -> None:
+                out = await rt.infer("m", item(1.0))
+                got.append(float(out["y"][0]))
+                answered.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                await trio.testing.wait_all_tasks_blocked()  # the original runs, held
+                await trio.sleep(0.05)
+                while model.runs < 2:  # the copy ran on the other replica, and raised
+                    await trio.testing.wait_all_tasks_blocked()
+                    await trio.sleep(0.001)
+                await trio.testing.wait_all_tasks_blocked()
+                assert rt.hedges == 1
+                assert not answered.is_set()  # the original may still answer
+                model.release(1.0)
+            assert got == [1.0]
+            flow = hedged_flow(rt, "t/realtime")
+            assert (flow["admitted"], flow["hedged"], flow["dispatched"]) == (1, 1, 2)
+            assert rt.credits_used["t"] == 1  # the copy is not charged
+    finally:
+        model.release()
+    assert model.batches == [[1.0], [1.0]]
+
+
+async def test_a_hedged_caller_gets_the_first_model_error_when_both_twins_raise(
+    autojump_clock,
+):
+    """When the original raises too, no value can come: the caller gets the first
+    of the two errors (the copy's), once the original's run ended."""
+    model = HeldThenRaises(first_raises=True)
+    cfg = config(hedged_threads(model))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            errors: list[str] = []
+
+            async def call() -> None:
+                with pytest.raises(trioserve.ModelError) as err:
+                    await rt.infer("m", item(1.0))
+                errors.append(str(err.value))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                while model.runs < 2:  # the copy ran on the other replica, and raised
+                    await trio.testing.wait_all_tasks_blocked()
+                    await trio.sleep(0.001)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not errors  # the original may still answer
+                model.release(1.0)  # it raises too
+            assert len(errors) == 1
+            assert "run 2 raised" in errors[0]  # the first of the two
+            flow = hedged_flow(rt, "t/realtime")
+            assert (flow["admitted"], flow["hedged"], flow["dispatched"]) == (1, 1, 2)
+    finally:
+        model.release()
+    assert model.batches == [[1.0], [1.0]]
