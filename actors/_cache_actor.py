@@ -130,7 +130,9 @@ def input_error(exc: BaseException) -> bool:
     the runtime never retries: it raised on it alone (on a second replica too, when
     another was ready), the item is poison (it hung or killed its worker each time
     it ran alone), too large for a worker's message, refused by the model's
-    signature, or it left its device unusable; or the model's queue was retired,
+    signature, or its batch left its device unusable (strictly its own doing only
+    in a batch of one; the batch's other callers get that error too, not retried);
+    or the model's queue was retired,
     which would refuse a rerun with that same error. Anything else (the replica
     crashed under it, the runtime shuts down) is no answer of the item's: the
     flight runs again."""

@@ -955,6 +955,8 @@ class HeldPartAndPoisonPart(SplitsInChunks, ModelBackend):
         self.poison = poison
         self.released = threading.Event()
         self.entered = threading.Event()
+        #: set as the poison chunk raises
+        self.poisoned = threading.Event()
         self.seen: list[float] = []
         self._lock = threading.Lock()
 
@@ -971,6 +973,7 @@ class HeldPartAndPoisonPart(SplitsInChunks, ModelBackend):
                 self.entered.set()
                 self.released.wait(GATE_LIMIT_S)
             if self.poison in keys:
+                self.poisoned.set()
                 raise RuntimeError("a poison part")
             return [{"y": it["x"] * 2 + 1} for it in items]
 
@@ -1019,7 +1022,17 @@ async def test_the_models_error_on_one_part_is_the_followers_answer_for_the_whol
                 mock_clock.jump(0.25)
                 nursery.start_soon(call, "follower")
                 await trio.testing.wait_all_tasks_blocked()
-                assert sorted(model.seen) == [1.0, 3.0]  # the second part raised
+                # the second part raised, and was answered: its thread runs, and
+                # returns to trio, after the tasks are blocked (a wait for tasks
+                # blocked does not wait for a thread)
+                assert await trio.to_thread.run_sync(model.poisoned.wait, GATE_LIMIT_S)
+                assert sorted(model.seen) == [1.0, 3.0]
+                for _ in range(1000):
+                    if rt.statistics()["m"]["statuses"].get("model_error", 0):
+                        break
+                    assert await trio.to_thread.run_sync(model.poisoned.wait, GATE_LIMIT_S)
+                    await trio.testing.wait_all_tasks_blocked()
+                assert rt.statistics()["m"]["statuses"]["model_error"] == 1
                 assert got == {}  # the leader waits for its first part
                 dog.advance(1.0)  # the leader's 1 s, while the first part runs
                 await trio.testing.wait_all_tasks_blocked()
