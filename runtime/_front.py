@@ -213,6 +213,7 @@ class Runtime(
         try:
             served = self._served(model, version)
             tenant, priority = self._classify(tenant, priority)
+            given = items
             items = item_list(model, items, "infer_batch")  # any iterable, as before
             self._check_count(served, items, tenant)
             try:
@@ -220,7 +221,12 @@ class Runtime(
                     prepared = served.backend.prepare_rows(model, items)
                     items = [item for item, _ in prepared]
                 else:
-                    prepared = [served.backend.prepare(model, x) for x in items]
+                    prepared = []
+                    for i, x in enumerate(items):
+                        try:
+                            prepared.append(served.backend.prepare(model, x))
+                        except InvalidInput as exc:
+                            raise _of_item(exc, i, len(items), given) from exc
             except TrioserveError:
                 raise
             except Exception as exc:
@@ -497,3 +503,19 @@ async def _within_slo(slo: Any, call: Awaitable[T]) -> T:
     now = trio.current_time()
     slo.answered(now, now - t0)
     return result
+
+
+def _of_item(exc: InvalidInput, i: int, n: int, given: Any) -> InvalidInput:
+    """``exc``, an item's refusal in ``infer_batch``, naming the item: which of a
+    thousand was bad was left to guess. A 1-D array given as the items is read as
+    its values, one item each: the refusal of its first says so."""
+    if type(exc) is not InvalidInput:  # a subclass keeps its own words
+        return exc
+    text = f"item {i} of {n}: {exc}"
+    if getattr(given, "ndim", None) == 1:
+        text += (
+            f" (a 1-D array is read as its {n} values, one item each: pass [array] "
+            "for one item, or the items stacked)"
+        )
+    return InvalidInput(text)
+

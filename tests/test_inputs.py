@@ -378,6 +378,32 @@ async def test_infer_batch_of_a_str_or_bytes_is_refused_saying_it_wants_a_list(
     assert seen["one"].items == []
 
 
+# Regression: an item refused in infer_batch was not named: which of a thousand?
+async def test_infer_batch_names_the_item_refused(rt, seen):
+    good = np.zeros(4, np.float32)
+    with pytest.raises(InvalidInput) as caught:
+        await rt.infer_batch("one", [good, good, np.zeros(3, np.float32), good])
+    assert str(caught.value) == (
+        "item 2 of 4: input 'x' of model 'one': expected shape [4], got [3]"
+    )
+    assert seen["one"].items == []  # nothing submitted
+
+
+async def test_infer_batch_of_a_1d_array_says_it_is_read_as_its_values(rt, seen):
+    # np.zeros(4) meant as one item is four items of one value each
+    with pytest.raises(InvalidInput) as caught:
+        await rt.infer_batch("one", np.zeros(4, np.float32))
+    assert str(caught.value) == (
+        "item 0 of 4: input 'x' of model 'one': expected shape [4], got [] (a 1-D array "
+        "is read as its 4 values, one item each: pass [array] for one item, or the "
+        "items stacked)"
+    )
+    assert seen["one"].items == []
+    # the same array as one item, or stacked, is served
+    assert len(await rt.infer_batch("one", [np.zeros(4, np.float32)])) == 1
+    assert len(await rt.infer_batch("one", np.zeros((2, 4), np.float32))) == 2
+
+
 # Regression: a set of items was taken, its answers in the set's order, which is no
 # order of the caller's: nothing told which answer was whose.
 @pytest.mark.parametrize("kind", [set, frozenset])
