@@ -205,6 +205,12 @@ def _refusal_body(message: str) -> bytes:
     return body
 
 
+def retry_after_of(exc: TrioserveError) -> int:
+    """A 429's or 503's Retry-After in whole seconds (:func:`retry_after_seconds`):
+    Overloaded's ``retry_after``, 1 s for any other refusal."""
+    return retry_after_seconds(exc.retry_after if isinstance(exc, Overloaded) else 1.0)
+
+
 def error_answer(exc: BaseException) -> Answer:
     """The JSON error answer of an exception: its ``status`` (500 for foreign ones),
     ``{"error": message}`` and, with 429 and 503, a Retry-After header (whole seconds,
@@ -217,8 +223,7 @@ def error_answer(exc: BaseException) -> Answer:
         elif exc.status == 415:  # RFC 9110 §15.5.16: the codings it takes
             headers.append(ACCEPT_ENCODING)
         elif exc.status in (429, 503):
-            retry_after = exc.retry_after if isinstance(exc, Overloaded) else 1.0
-            headers.append((b"retry-after", b"%d" % retry_after_seconds(retry_after)))
+            headers.append((b"retry-after", b"%d" % retry_after_of(exc)))
             return exc.status, headers, _refusal_body(str(exc))
         return exc.status, headers, error_body(str(exc))
     return 500, [JSON], error_body(f"internal error: {type(exc).__name__}: {exc}")

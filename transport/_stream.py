@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import trio
 from trioserve import (
     InvalidInput,
-    Overloaded,
     TrioserveError,
     Unauthorized,
     UnknownModel,
@@ -48,7 +47,7 @@ from wsproto.events import Request as WsRequest
 from wsproto.utilities import RemoteProtocolError
 
 from ._auth import another_field_line
-from ._gateway import UNKNOWN_MODEL, WWW_AUTHENTICATE, log, retry_after_seconds
+from ._gateway import UNKNOWN_MODEL, WWW_AUTHENTICATE, log, retry_after_of
 from ._replay import CLOSE_GRACE, RECEIVE_SIZE
 from ._request import InferRequest
 from ._request_json import loads_request
@@ -819,8 +818,7 @@ def _error_frame(rid: Any, exc: Exception) -> bytes:
         return error_frame(rid, str(exc), 500)
     status = exc.status
     if status in (429, 503):
-        retry_after = exc.retry_after if isinstance(exc, Overloaded) else 1.0
-        return error_frame(rid, str(exc), status, retry_after_seconds(retry_after))
+        return error_frame(rid, str(exc), status, retry_after_of(exc))
     return error_frame(rid, str(exc), status)
 
 
