@@ -34,7 +34,7 @@ def _decode(rows) -> np.ndarray:
     (None, r"expected FP32 values, got null \(element 1297\)"),  # 5 * 256 + 17
     ("1.5", "expected FP32 values, got"),
     ({}, r"expected FP32 values, got \{\} \(element 1297\)"),
-    ([1.0], "data is not a regular array"),
+    ([1.0, 2.0], r"shape \[8, 256\] holds 2048 values, 'data' has 2049"),
 ])
 def test_a_large_float_tensor_with_one_bad_value_is_refused(bad, message):
     rows = [[0.5] * 256 for _ in range(8)]
@@ -71,12 +71,20 @@ def _json_data(draw):
     if draw(st.booleans()):
         values[draw(st.integers(0, rows - 1))][draw(st.integers(0, width - 1))] = draw(_ELEMENTS)
     shape = [rows, width]
-    match draw(st.sampled_from(["rows", "flat", "ragged", "short"])):
+    match draw(st.sampled_from(["rows", "flat", "ragged", "regrouped", "deeper", "short"])):
         case "flat":
             data = [v for row in values for v in row]
-        case "ragged":
+        case "ragged":  # one value short, or one too many
             data = values
             data[-1] = data[-1][:-1] + ([] if width > 1 else [0.5, 0.5])
+        case "regrouped":  # the same values in rows of other lengths (empty ones too)
+            flat = [v for row in values for v in row]
+            cuts = sorted(draw(st.lists(st.integers(0, len(flat)), max_size=3)))
+            data = [flat[a:b] for a, b in zip([0, *cuts], [*cuts, len(flat)], strict=True)]
+        case "deeper":  # one value nested further down
+            data = values
+            i, j = draw(st.integers(0, rows - 1)), draw(st.integers(0, width - 1))
+            data[i][j] = [[data[i][j]]] if draw(st.booleans()) else [data[i][j]]
         case "short":
             data = [v for row in values for v in row][:-1]
         case _:
@@ -136,7 +144,10 @@ def test_packed_json_data_refuses_what_numpy_refuses():
     assert "out of range for INT8" in refusal([1, 2, 300, 4], "INT8")
     assert "expected INT32 values, got floats" in refusal([1, 2, 3.5, 4], "INT32")
     assert "holds 4 values" in refusal([1.0, 2.0, 3.0])
-    assert "not a regular array" in refusal([[1.0, 2.0], [3.0]], shape=(3,))
+    assert "holds 4 values, 'data' has 3" in refusal([[1.0, 2.0], [3.0]])
+    assert "got strings" in refusal([[1.0], [2.0, "3", 4.0]])
+    assert "got null (element 2)" in refusal([[1.0], [2.0, None, 4.0]])
+    assert "out of range for INT8" in refusal([[1], [2, 300, 4]], "INT8")
     ok = parse({"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32",
                             "data": [[1, 2.5], [3, 4]]}]}, sig)
     assert [it["x"].tolist() for it in ok.items] == [[1.0, 2.5], [3.0, 4.0]]
@@ -300,8 +311,9 @@ def test_a_large_float_request_is_decoded_without_python_floats():
     sig = signature([TensorSpec(name="x", datatype="FP32", shape=(256,))])
     req = InferRequest.from_v2_json(body, sig)
     assert np.array_equal(req.stacked["x"], x)
-    # what it hands back: a ragged row, a bool, a '[' in a string, a duplicate key
-    for bad in (b'{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[[1,2,3],[4]]}]}',
+    # what it hands back: a value nested deeper than a row, a bool, a '[' in a string,
+    # a duplicate key
+    for bad in (b'{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[[1,2,[3]],[4]]}]}',
                 b'{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[true,2]}]}',
                 b'{"id":"[","inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}',
                 b'{"inputs":[],"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}'):
@@ -320,7 +332,7 @@ def test_deeply_nested_data_with_a_boolean_elsewhere_is_a_400_not_a_recursion():
     body = ('{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":' + deep
             + '}],"parameters":{"a":[true]}}')
     sig = signature([TensorSpec(name="x", datatype="FP32", shape=(-1,))])
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match="'data' nests a value in 100 arrays or more"):
         InferRequest.from_v2_json(body.encode(), sig)
 
 
@@ -471,3 +483,140 @@ def test_nested_data_is_its_values_in_row_major_order_whatever_its_nesting(
 
 def _as_text(data):
     return [_as_text(v) for v in data] if isinstance(data, list) else str(data)
+
+
+# ------------------------ ragged nesting: only the count of values is the shape's
+_ALL_JSON_TYPES = [*_NUMERIC, "UINT16", "FP16", "BOOL", "BYTES"]
+
+
+def _values(datatype: str, n: int) -> list:
+    """``n`` values of ``datatype`` as JSON data holds them."""
+    if datatype == "BOOL":
+        return [i % 3 == 0 for i in range(n)]
+    if datatype == "BYTES":
+        return [f"s{i % 90}" for i in range(n)]
+    if datatype.startswith("FP"):
+        return [(i % 90) / 4 for i in range(n)]
+    return [i % 90 for i in range(n)]
+
+
+def _ragged_body(datatype: str, data: list, shape: list[int], large: bool) -> bytes:
+    """A request with ``data`` as JSON text, padded to the numeric decoder's size when
+    ``large`` (with an id: no value of the tensor changes)."""
+    from trioserve.transport._request_json import NUMERIC_PARSE_MIN
+
+    doc = {"inputs": [{"name": "x", "shape": shape, "datatype": datatype, "data": data}]}
+    body = orjson.dumps(doc)
+    if large and len(body) < NUMERIC_PARSE_MIN:
+        doc["id"] = "p" * (NUMERIC_PARSE_MIN - len(body))
+        body = orjson.dumps(doc)
+    assert (len(body) >= NUMERIC_PARSE_MIN) is large
+    return body
+
+
+def _flat_of(req: InferRequest) -> list:
+    return np.concatenate([np.asarray(it["x"]).reshape(-1) for it in req.items]).tolist()
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small-body", "16KiB-body"])
+@pytest.mark.parametrize("datatype", _ALL_JSON_TYPES)
+@pytest.mark.parametrize(
+    ("shape", "cut"),
+    [([2, 3], [[0, 2], [2, 6]]),  # [[a, b], [c, d, e, f]]
+     ([2, 3], [[0, 0], [0, 6]]),  # an empty row first
+     ([3, 2], [[0, 5], [5, 6], [6, 6]]),  # an empty row last
+     ([2, 4096], [[0, 4095], [4095, 8192]])],  # a large tensor, one value moved
+    ids=["2+4", "0+6", "5+1+0", "large"],
+)
+def test_ragged_rows_are_read_depth_first_when_their_count_is_the_shapes(
+    large, datatype, shape, cut
+):
+    """Triton's JSON reader walks ``data`` depth first and checks only the count of
+    values against ``shape``: rows of unequal lengths are served as the values in
+    that order (they were a 400, "data is not a regular array"). Numbers, BOOL and
+    BYTES alike, decoded by orjson (small bodies) or simdjson first (16 KiB and
+    more)."""
+    count = shape[0] * shape[1]
+    want = _values(datatype, count)
+    data = [want[a:b] for a, b in cut]
+    big = count > 6
+    body = _ragged_body(datatype, data, shape, large or big)
+    sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1,))])
+    req = InferRequest.from_v2_json(body, sig)
+    assert [it["x"].shape for it in req.items] == [(shape[1],)] * shape[0]
+    got = _flat_of(req)
+    if datatype == "FP16":
+        want = np.asarray(want, np.float16).tolist()
+    assert got == want
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small-body", "16KiB-body"])
+def test_the_numeric_decoder_reads_ragged_rows_itself(large):
+    """A large FP32 body in rows of unequal length is still read straight into an
+    array (no Python floats), and gives the array the other decoder gives."""
+    from trioserve.transport._request_json import _loads_numeric
+
+    want = _values("FP32", 8192)
+    body = _ragged_body("FP32", [want[:100], [], want[100:]], [2, 4096], True)
+    doc = _loads_numeric(body)
+    assert doc is not None
+    got = doc["inputs"][0]["data"]
+    assert type(got) is np.ndarray
+    assert got.tolist() == want
+    sig = signature([TensorSpec(name="x", datatype="FP32", shape=(4096,))])
+    assert _flat_of(InferRequest.from_v2_json(body, sig)) == want
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small-body", "16KiB-body"])
+@pytest.mark.parametrize("datatype", _ALL_JSON_TYPES)
+def test_ragged_data_of_another_count_or_kind_is_still_refused(large, datatype):
+    """What Triton refuses stays a 400 with its reason, whatever the nesting: a count
+    of values other than the shape's, and a value not of the datatype."""
+    sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1,))])
+    values = _values(datatype, 6)
+
+    def refusal(data):
+        body = _ragged_body(datatype, data, [2, 3], large)
+        with pytest.raises(InvalidInput) as info:
+            InferRequest.from_v2_json(body, sig)
+        return str(info.value)
+
+    assert refusal([values[:2], values[2:5]]) == (
+        "input 'x': shape [2, 3] holds 6 values, 'data' has 5")
+    assert refusal([values[:2], values[2:], values[:1]]) == (
+        "input 'x': shape [2, 3] holds 6 values, 'data' has 7")
+    if datatype == "BYTES":
+        assert refusal([values[:2], [*values[2:5], 7]]) == (
+            "input 'x': BYTES data must be strings")
+        return
+    assert "got null (element 4)" in refusal([values[:2], [*values[2:4], None, values[5]]])
+    assert "got strings" in refusal([values[:2], [*values[2:4], "7", values[5]]])
+    if datatype == "BOOL":
+        assert "expected BOOL values, got integers" in refusal([[True], [1, 0, 1, 0, 1]])
+    else:
+        assert "got a boolean" in refusal([values[:2], [*values[2:4], True, values[5]]])
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small-body", "16KiB-body"])
+@pytest.mark.parametrize("datatype", ["FP32", "INT64", "BYTES"])
+def test_data_is_read_99_arrays_deep_and_refused_100_deep_as_triton_does(large, datatype):
+    """Triton's reader refuses a value inside 100 arrays (its JSON nesting limit)."""
+    sig = signature([TensorSpec(name="x", datatype=datatype, shape=(-1,))])
+    value = _values(datatype, 2)[1]
+
+    def nested(levels, innermost=None):
+        v = innermost or value
+        for _ in range(levels - 1):
+            v = [v]
+        return [v, value]  # ``levels`` arrays around the first value
+
+    req = InferRequest.from_v2_json(_ragged_body(datatype, nested(99), [2], large), sig)
+    assert _flat_of(req) == [value, value]
+    with pytest.raises(InvalidInput, match=(
+        "input 'x': 'data' nests a value in 100 arrays or more; at most 99 levels are read"
+    )):
+        InferRequest.from_v2_json(_ragged_body(datatype, nested(100), [2], large), sig)
+    # an empty array as the 100th holds no value: read, as Triton reads it
+    empty = nested(98, innermost=[value, []])  # the value inside 99 arrays, [] beside it
+    assert _flat_of(InferRequest.from_v2_json(
+        _ragged_body(datatype, empty, [2], large), sig)) == [value, value]

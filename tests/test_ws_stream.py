@@ -65,6 +65,33 @@ async def test_a_large_batch_message_is_split_and_answered_like_a_small_one():
     assert "got null (element 777) in 'data'" in replies["bad"].error  # 3 * 256 + 9
 
 
+async def test_ragged_rows_are_read_as_their_values_in_order_on_the_stream():
+    """As over HTTP (and as Triton reads them): rows of unequal lengths holding the
+    shape's count of values, in a small message and in one of 16 KiB and more; a
+    count other than the shape's is an error frame saying so."""
+    x = np.random.default_rng(9).standard_normal((24, 256)).astype(np.float32)
+    flat = x.reshape(-1).tolist()
+
+    def message(rid, rows, shape):
+        return json.dumps({"id": rid, "model": "mlp", "inputs": [
+            {"name": "x", "shape": shape, "datatype": "FP32", "data": rows}]})
+
+    small = [flat[:10], flat[10:256]]
+    large = [flat[:300], [], flat[300:]]
+    assert len(message("large", large, [24, 256])) >= 16 * 1024
+    async with serving(config(mlp_model())) as gw:
+        want = np.stack([(await gw.runtime.infer("mlp", row))["y"] for row in x])
+        async with open_stream(gw.url) as stream:
+            await stream.send_raw(message("small", small, [1, 256]))
+            await stream.send_raw(message("large", large, [24, 256]))
+            await stream.send_raw(message("short", [flat[:10], flat[10:255]], [1, 256]))
+            replies = {r.id: r for r in [await stream.receive() for _ in range(3)]}
+    np.testing.assert_allclose(replies["small"].unwrap()["y"], want[:1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(replies["large"].unwrap()["y"], want, rtol=1e-5, atol=1e-6)
+    assert (replies["short"].status, replies["short"].error) == (
+        400, "input 'x': shape [1, 256] holds 256 values, 'data' has 255")
+
+
 async def test_a_slow_request_is_answered_after_a_later_fast_one():
     # x[0] of the sleep model is an extra delay in ms; two replicas run both at once.
     sleep = trioserve.ModelConfig(name="sleep", backend="sleep", execution="thread",

@@ -47,12 +47,13 @@ def _loads_numeric(body: bytes) -> dict[str, Any] | None:
       the last), a byte order mark (simdjson skips it, orjson refuses it), a number
       simdjson cannot hold (orjson makes an integer past 64 bits a float), or malformed
       JSON returns None;
-    - the same data: flat, or rows of equal length, all numbers (``as_buffer`` refuses
+    - the same data: flat, or rows (of any lengths, as the other path reads them:
+      depth first, the count checked after), all numbers (``as_buffer`` refuses
       bools, null and strings), every value finite as the dtype (else None, so the
       other path words the refusal);
     - nothing hidden: ``as_buffer`` flattens any nesting, so the ``[`` in the body are
-      counted against the arrays accounted for; a deeper or ragged nesting (or a ``[``
-      in a string) does not match, and the body takes the other path.
+      counted against the arrays accounted for; a deeper nesting (or a ``[`` in a
+      string) does not match, and the body takes the other path.
     """
     if type(body) is not bytes or body.startswith(b"\xef\xbb\xbf"):
         return None  # simdjson skips a UTF-8 byte order mark; orjson refuses it
@@ -119,9 +120,10 @@ def _fields(obj: Any) -> dict[str, Any] | None:
 
 
 def _numbers(data: Any, dtype: np.dtype) -> tuple[np.ndarray, int] | None:
-    """``data`` (flat, or rows of equal length, all numbers) as a flat array of
-    ``dtype`` and its count of JSON arrays; None for anything else or a value that
-    overflows the dtype."""
+    """``data`` (flat, or rows of any lengths, all numbers) as a flat array of
+    ``dtype``, its values in row-major order, and its count of JSON arrays if no row
+    holds another (:func:`_decode_numeric` counts the ``[`` to know); None for
+    anything else or a value that overflows the dtype."""
     n = len(data)
     if not n:
         return None
@@ -131,11 +133,8 @@ def _numbers(data: Any, dtype: np.dtype) -> tuple[np.ndarray, int] | None:
         return None
     first = data[0]
     if type(first) is _SArray:
-        width = len(first)
-        if not width or flat.size != n * width:
-            return None
         for row in data:
-            if type(row) is not _SArray or len(row) != width:
+            if type(row) is not _SArray:
                 return None
         arrays = 1 + n
     else:

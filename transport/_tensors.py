@@ -26,6 +26,9 @@ _PACK_CODES = {
 }
 _PACKERS: dict[tuple[str, int], struct.Struct] = {}
 _PACKERS_MAX = 256
+#: A value of an input's JSON ``data`` inside this many arrays or more is refused, as
+#: Triton's reader refuses it (its HTTP_MAX_JSON_NESTING_DEPTH): at most 99 levels.
+MAX_DATA_DEPTH = 100
 
 
 def _decode_tensor(
@@ -171,7 +174,7 @@ def _from_json(
     if type(data) is np.ndarray:  # decoded straight to the dtype (_loads_numeric)
         arr = data
     elif dtype.kind == "O":
-        flat = _flatten(data)
+        flat = _flatten(data, name)
         if not all(isinstance(v, str) for v in flat):
             raise InvalidInput(f"input {name!r}: BYTES data must be strings")
         arr = np.empty(len(flat), dtype=object)
@@ -184,13 +187,13 @@ def _from_json(
         # A narrowing cast (1e300 as FP32) makes inf; so do NaN and Infinity, which
         # are the caller's own values (json_loads reads them, as Triton does).
         arr = _pack(data, dtype, count)
-        if arr is not None:
-            in_range = dtype.kind != "f" or bool(np.isfinite(arr).all())
-        else:
+        if arr is None:
             arr, in_range = _convert(name, data, datatype, dtype)
-        if not in_range and dtype.kind == "f":
+        elif dtype.kind != "f" or np.isfinite(arr).all():
+            in_range = True
+        else:  # packed: flat, or rows of equal length
             given = np.asarray(data, dtype=np.float64).reshape(-1)
-            in_range = not (np.isfinite(given) & ~np.isfinite(arr.reshape(-1))).any()
+            in_range = not (np.isfinite(given) & ~np.isfinite(arr)).any()
         if not in_range:
             raise InvalidInput(f"input {name!r}: a value is out of range for {datatype}")
     if arr.size != count:
@@ -204,11 +207,15 @@ def _convert(
     name: str, data: list[Any], datatype: str, dtype: np.dtype
 ) -> tuple[np.ndarray, bool]:
     """numpy's path for JSON data: the array as ``dtype``, and whether every value was
-    within its range. Raises InvalidInput for ragged nesting or values of a wrong kind."""
+    within its range (a NaN or an infinity sent is the caller's own). Data nested
+    otherwise than in rows of equal length (ragged, mixed, deeper than numpy's 64
+    dimensions) is its values depth first, as Triton's reader takes it: the count is
+    checked after. Raises InvalidInput for values of a wrong kind, or nested in
+    ``MAX_DATA_DEPTH`` arrays or more."""
     try:
         arr = np.asarray(data)
-    except ValueError as exc:  # ragged nesting
-        raise InvalidInput(f"input {name!r}: data is not a regular array ({exc})") from None
+    except ValueError:  # not a regular array: read depth first
+        arr = np.asarray(_flatten(data, name))
     if arr.dtype.kind not in _JSON_KINDS[dtype.kind] and arr.size:
         if dtype.kind in "iu" and arr.dtype.kind in "fO" and _past_int64(data):
             # numpy makes floats (or objects) of integers past INT64's range, and the
@@ -223,7 +230,7 @@ def _convert(
     if dtype.kind == "f":
         with np.errstate(over="ignore"):
             cast = arr.astype(dtype)
-        return cast, bool(np.isfinite(cast).all())
+        return cast, not (np.isfinite(arr) & ~np.isfinite(cast)).any()
     cast = arr.astype(dtype)
     return cast, dtype.kind not in "iu" or bool(np.array_equal(cast, arr))
 
@@ -352,12 +359,20 @@ def _json_kind(arr: np.ndarray, data: list[Any]) -> str:
     return "mixed values"
 
 
-def _flatten(data: list[Any]) -> list[Any]:
+def _flatten(data: list[Any], name: str = "") -> list[Any]:
+    """``data``'s values depth first (row-major), however it nests them (a stack, not
+    recursion). Raises InvalidInput for a value inside ``MAX_DATA_DEPTH`` arrays or
+    more (``name``: the input's, for the message)."""
     out: list[Any] = []
     stack = [iter(data)]
     while stack:
         for v in stack[-1]:
             if type(v) is list:
+                if v and len(stack) + 1 >= MAX_DATA_DEPTH:  # v's values: that deep
+                    raise InvalidInput(
+                        f"input {name!r}: 'data' nests a value in {MAX_DATA_DEPTH} arrays "
+                        f"or more; at most {MAX_DATA_DEPTH - 1} levels are read"
+                    )
                 stack.append(iter(v))
                 break
             out.append(v)
