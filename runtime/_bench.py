@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 import trio
 
-from ._builtin import resolve_backend
+from ._builtin import imported, resolve_backend
 from ._config import (
     BUILTIN_BACKENDS,
     MAX_QUEUE_BOUND,
@@ -93,6 +93,12 @@ class NoOpenTenant(ConfigError):
     the in-process bench's callers need: a usage error of the bench, not a wrong file."""
 
 
+class UnknownBenchModel(ConfigError):
+    """``--model`` names no model of the configuration, no built-in backend and no
+    import string that imports: a usage error of the bench, not a wrong file. The
+    message begins "cannot bench model", as ``bench --url``'s does."""
+
+
 def _bench_config(base: Config, spec: BenchSpec) -> Config:
     """The configuration the bench runs: ``base`` with the chosen model alone (the
     others are not loaded: they would take memory and start-up time, and no load goes
@@ -111,15 +117,23 @@ def _bench_config(base: Config, spec: BenchSpec) -> Config:
     try:
         m = base.model(spec.model)
     except KeyError:
+        where = f"--config {spec.config}" if spec.config else "the built-in configuration"
+        served = ", ".join(mc.name for mc in base.models) or "no model"
+        unknown = (
+            f"cannot bench model {spec.model!r}: {where} does not serve it (serving: {served})"
+        )
         try:
             m = ModelConfig(name=spec.model, backend=spec.model)
         except ConfigError:
-            configured = ", ".join(mc.name for mc in base.models) or "none"
-            raise ConfigError(
-                f"--model {spec.model!r} is neither a model of the configuration "
-                f"({configured}) nor a built-in backend ({', '.join(BUILTIN_BACKENDS)}) "
-                "or an import string 'module:attr'"
+            raise UnknownBenchModel(
+                f"{unknown}, and it is not a built-in backend "
+                f"({', '.join(BUILTIN_BACKENDS)}) or an import string 'module:attr'"
             ) from None
+        if m.backend not in BUILTIN_BACKENDS:
+            try:  # imported only: the runtime makes the backend, as for a file's model
+                imported(spec.model)
+            except ConfigError as exc:
+                raise UnknownBenchModel(f"{unknown}, and as an import string: {exc}") from None
     changes = {
         k: v
         for k, v in {

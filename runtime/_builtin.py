@@ -140,6 +140,23 @@ class SleepBackend(ModelBackend):
         return run
 
 
+def imported(name: str) -> Any:
+    """The object an import string ``'module:attr'`` names (imported, not called).
+    Raises ConfigError saying why it cannot be imported."""
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception as exc:  # not found, or the module failed while importing
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name is not None and (
+            module == exc.name or module.startswith(exc.name + ".")
+        ):
+            hint = f" (put the directory that holds {exc.name!r} on PYTHONPATH, or install it)"
+        raise ConfigError(
+            f"cannot import {name!r}: {type(exc).__name__}: {exc}{hint}"
+        ) from exc
+
+
 def resolve_backend(cfg: ModelConfig) -> ModelBackend:
     """The ModelBackend a model config names. Raises ConfigError naming the key."""
     b = cfg.backend
@@ -172,22 +189,10 @@ def resolve_backend(cfg: ModelConfig) -> ModelBackend:
         # a factory given from Python: called as one named in TOML is
         obj = _made(cfg, b, _name(b))
     else:
-        module, _, attr = str(b).partition(":")
         try:
-            obj = getattr(importlib.import_module(module), attr)
-        except Exception as exc:  # not found, or the module failed while importing
-            hint = ""
-            if isinstance(exc, ModuleNotFoundError) and exc.name is not None and (
-                module == exc.name or module.startswith(exc.name + ".")
-            ):
-                hint = (
-                    f" (put the directory that holds {exc.name!r} on PYTHONPATH, "
-                    f"or install it)"
-                )
-            raise ConfigError(
-                f"models.{cfg.name}.backend: cannot import {b!r}: "
-                f"{type(exc).__name__}: {exc}{hint}"
-            ) from exc
+            obj = imported(str(b))
+        except ConfigError as exc:
+            raise ConfigError(f"models.{cfg.name}.backend: {exc}") from exc.__cause__
         if not isinstance(obj, ModelBackend) and callable(obj):
             obj = _made(cfg, obj, repr(b))
     if not isinstance(obj, ModelBackend):
@@ -250,6 +255,7 @@ __all__ = [
     "InvalidInput",
     "SleepBackend",
     "echo_backend",
+    "imported",
     "mlp_backend",
     "resolve_backend",
     "warm_imports",

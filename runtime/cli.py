@@ -10,7 +10,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import _early_signals
 from ._config import EXECUTIONS, in_file
@@ -60,8 +60,17 @@ _COUNT = _number(int, low=1)
 _SECONDS = _number(float, low=0.0, low_ok=False)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage error is one line: what was wrong and where the
+    options are listed. argparse printed the usage synopsis above it, a dozen lines
+    for ``bench`` (its scenarios listed), with the one line that matters last."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="trioserve",
         description="Serve models over HTTP and WebSocket (serve), or measure them (bench).",
         epilog="Each command has its own --help. Docs: README.md and docs/.",
@@ -184,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             why = _unwritable(args.json)
             why = why and f"--json {args.json}: {why}"
         if why is not None:
-            parser.error(f"bench: {why}")
+            parser.exit(2, f"{parser.prog}: error: bench: {why}; see {parser.prog} bench --help\n")
     try:
         _early_signals.release(serving=args.command == "serve")
         if args.command == "serve":
@@ -218,10 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return main_in_process(spec, args.config, args.json)
     except ConfigError as exc:
-        from ._bench import NoOpenTenant
+        from ._bench import NoOpenTenant, UnknownBenchModel
 
         if isinstance(exc, NoOpenTenant):  # a valid file the bench cannot call
             print(f"trioserve: bench: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, UnknownBenchModel):  # --model, not the file, is wrong
+            print(f"trioserve: {exc}", file=sys.stderr)
             return 2
         if args.command == "serve":  # every value serve checks is the file's
             exc = in_file(exc, args.config)

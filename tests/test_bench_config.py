@@ -79,6 +79,22 @@ def test_a_file_with_no_open_tenant_is_a_usage_error_naming_what_is_needed(
     assert not (tmp_path / "o.json").exists()
 
 
+def test_a_model_the_file_does_not_serve_is_a_usage_error_naming_those_it_does(
+    tmp_path: Path, capsys
+):
+    path = tmp_path / "bench.toml"
+    path.write_text(FILE)
+    code = main(["bench", "--config", str(path), "--model", "nosuch", "-d", "0.1",
+                 "--warmup", "0", "--no-offline", "--json", str(tmp_path / "o.json")])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"trioserve: cannot bench model 'nosuch': --config {path} does not serve it "
+        "(serving: echo, other), and it is not a built-in backend (mlp, echo, sleep, "
+        "minilm) or an import string 'module:attr'"
+    ]
+    assert not (tmp_path / "o.json").exists()
+
+
 def test_the_report_names_the_config_file_it_ran(tmp_path: Path, capsys):
     path = tmp_path / "bench.toml"
     path.write_text(FILE)

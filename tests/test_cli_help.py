@@ -76,20 +76,32 @@ def test_python_dash_m_trioserve_is_the_command():
         (["serve", "--config", ""], "--config: must name a TOML file, got nothing"),
         (["bench", "--config", " "], "--config: must name a TOML file, got nothing"),
         (["bench", "-c", "0"], "--concurrency: must be at least 1, got 0"),
+        (["bench", "-c", "-3"], "--concurrency: must be at least 1, got -3"),
+        (["bench", "-d", "0"], "--duration: must be above 0, got 0"),
         (["bench", "-d", "-1"], "--duration: must be above 0, got -1"),
         (["bench", "-d", "nan"], "--duration: must be above 0, got nan"),
         (["bench", "-d", "inf"], "--duration: must be above 0, got inf"),
         (["bench", "--warmup", "inf"], "--warmup: must be at least 0, got inf"),
         (["bench", "--batch-dim", "x"], "--batch-dim: expected a number, got 'x'"),
+        (["bench", "--scenario", "nosuch"], "--scenario: invalid choice: 'nosuch' (choose "
+         "from 'autoscale', "),
+        (["bench", "--execution", "gpu"], "--execution: invalid choice: 'gpu'"),
+        ([], "the following arguments are required: command"),
     ],
 )
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
     """Exit status 2 and a line naming the argument: a port past 65535 was bound
-    modulo 65536 (70000: 4464), -c 0 ran 256 callers, -d -1 reported nonsense."""
+    modulo 65536 (70000: 4464), -c 0 ran 256 callers, -d -1 reported nonsense. One
+    line, saying where the options are listed: argparse printed its usage synopsis
+    above it (a dozen lines for bench)."""
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert done.value.code == 2
-    assert message in capsys.readouterr().err
+    [line] = capsys.readouterr().err.splitlines()
+    assert message in line
+    command = " ".join(["trioserve", *argv[:1]])
+    assert line.startswith(f"{command}: error: argument ") or not argv
+    assert line.endswith(f"; see {command} --help")
 
 
 @pytest.mark.parametrize(
@@ -115,7 +127,9 @@ def test_a_bench_option_that_would_be_ignored_is_a_usage_error(argv, message, ca
     with pytest.raises(SystemExit) as done:
         main(["bench", *argv])
     assert done.value.code == 2
-    assert f"bench: {message}" in capsys.readouterr().err
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"trioserve: error: bench: {message}")
+    assert line.endswith("; see trioserve bench --help")
 
 
 @pytest.mark.parametrize("where", ["folder", "under a file"])
@@ -219,14 +233,52 @@ def test_a_bench_against_a_server_that_is_not_there_says_so_in_a_line(capsys):
 
 
 def test_a_bench_of_a_model_there_is_not_names_what_there_is(capsys):
+    """Not "invalid configuration" (the configuration is fine: --model is wrong), but
+    what ``bench --url`` says of a model the server does not serve: the models that
+    are served."""
     code = main(["bench", "--model", "nosuch", "-d", "1"])
     assert code == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == [
-        "trioserve: invalid configuration: --model 'nosuch' is neither a model of the "
-        "configuration (mlp, echo, minilm) nor a built-in backend (mlp, echo, sleep, "
-        "minilm) or an import string 'module:attr'"
+    assert err.splitlines() == [
+        "trioserve: cannot bench model 'nosuch': the built-in configuration does not "
+        "serve it (serving: mlp, echo, minilm), and it is not a built-in backend (mlp, "
+        "echo, sleep, minilm) or an import string 'module:attr'"
     ]
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [("nosuch_pkg_x:make", "ModuleNotFoundError: No module named 'nosuch_pkg_x' (put the "
+      "directory that holds 'nosuch_pkg_x' on PYTHONPATH, or install it)"),
+     ("os:nosuch", "AttributeError: module 'os' has no attribute 'nosuch'")],
+)
+def test_a_bench_of_an_import_string_that_does_not_import_says_why_in_a_line(
+    model, why, capsys
+):
+    """It was "invalid configuration: models.M.backend: ...": a key of no file."""
+    code = main(["bench", "--model", model, "-d", "1", "--no-offline"])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"trioserve: cannot bench model {model!r}: the built-in configuration does not "
+        f"serve it (serving: mlp, echo, minilm), and as an import string: cannot import "
+        f"{model!r}: {why}"
+    ]
+
+
+@pytest.mark.parametrize("where", ["missing", "folder", "not TOML"])
+def test_a_bench_config_that_cannot_be_read_is_one_line_naming_it(where, tmp_path, capsys):
+    path = tmp_path / "x.toml"
+    if where == "folder":
+        path.mkdir()
+    elif where == "not TOML":
+        path.write_text("not toml [[[")
+    code = main(["bench", "--config", str(path), "--model", "echo", "-d", "1"])
+    assert code == 2
+    why = {"missing": "cannot read config file: No such file or directory",
+           "folder": "cannot read config file: Is a directory",
+           "not TOML": "invalid TOML: "}[where]
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"trioserve: invalid configuration: {path}: {why}")
 
 
 @pytest.mark.parametrize("execution", ["process", "thread", "inline"])
