@@ -672,7 +672,9 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             return
         t1 = trio.current_time()
         self.busy_time += t1 - t0
-        self._metrics.record_batch(len(batch), t1 - t0, t1)
+        self._metrics.record_batch(
+            len(batch), t1 - t0, t1, max_batch_size=self._config.max_batch_size
+        )
         run = (t0, t1 - t0)  # one object per execution: the callers tell them apart
         refused = 0
         wrong: ModelError | None = None

@@ -4,6 +4,7 @@ counters and batch fill. Recording is O(1); percentiles are computed on demand."
 from __future__ import annotations
 
 import collections
+from fractions import Fraction
 
 import attrs
 import numpy as np
@@ -160,15 +161,25 @@ class ModelMetrics:
     last_batch_end: float | None = None
     #: Abnormal batch outcomes by name (see OUTCOMES).
     statuses: collections.Counter = attrs.Factory(collections.Counter)
+    #: Items run, by the ``max_batch_size`` of the copy whose replica ran their batch
+    #: (a load's config may change it): the fill is each batch's against its own
+    #: copy's, so a reload to a smaller one does not read earlier batches as overfull.
+    items_by_max_batch: collections.Counter = attrs.Factory(collections.Counter)
     #: Batches answered with results, on any replica, since the model was loaded.
     #: Never reset (``reset`` leaves it): each replica's breaker weighs a model
     #: raise against its growth (``Breaker.raised``).
     successes: int = 0
 
-    def record_batch(self, size: int, seconds: float, end: float | None = None) -> None:
+    def record_batch(
+        self, size: int, seconds: float, end: float | None = None,
+        *, max_batch_size: int | None = None,
+    ) -> None:
+        """A batch of ``size`` items ran in ``seconds``, closed under ``max_batch_size``
+        (its copy's; None: this model's)."""
         self.successes += 1
         self.batches += 1
         self.items += size
+        self.items_by_max_batch[max_batch_size or self.max_batch_size] += size
         if end is not None:
             self.last_batch_end = end
         self.batch_exec.record(seconds)
@@ -182,13 +193,23 @@ class ModelMetrics:
 
     @property
     def fill_ratio(self) -> float:
-        """Mean batch fill: items per batch over max_batch_size."""
-        return self.items / (self.batches * self.max_batch_size) if self.batches else 0.0
+        """Mean batch fill: each batch's items over the max_batch_size of the copy
+        that ran it, averaged over the batches."""
+        if not self.batches:
+            return 0.0
+        by_max = self.items_by_max_batch
+        if len(by_max) == 1:  # one max_batch_size throughout: exact
+            ((largest, items),) = by_max.items()
+            return items / (self.batches * largest)
+        return float(
+            sum(Fraction(items, largest) for largest, items in by_max.items()) / self.batches
+        )
 
     def reset(self) -> None:
         for lat in (self.queue_wait, self.batch_exec, self.end_to_end):
             lat.reset()
         self.batches = self.items = 0
+        self.items_by_max_batch.clear()
         self.requests_run = self.request_queue_us = self.request_compute_us = 0
         self.last_batch_end = None
         self.statuses.clear()

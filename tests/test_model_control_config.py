@@ -569,3 +569,35 @@ def test_the_thread_clients_load_takes_a_config():
             client.load_model("m", config={"cache": False})
         client.load_model("m")
         assert client.infer("m", item(2.0))["y"][0] == 4.0
+
+
+async def test_batch_fill_is_each_batchs_against_the_copy_that_ran_it(
+    autojump_clock, workers  # noqa: F811
+):
+    """docs/gateway.md (/metrics): trioserve_batch_fill_ratio is the mean fill of the
+    batches run, each over the max_batch_size of the copy that closed it; a reload
+    that lowers max_batch_size does not read the earlier batches as overfull."""
+    answers: dict = {}
+
+    async def calls(rt, base, n):
+        async with trio.open_nursery() as callers:
+            for x in range(n):
+                callers.start_soon(call, rt, float(base + x), answers)
+
+    async with trioserve.open_runtime(control_config(max_batch_size=4, max_wait_ms=50)) as rt:
+        metrics = rt.models["m"].metrics
+        await calls(rt, 0, 8)
+        assert batch_sizes() == [4, 4]
+        assert metrics.fill_ratio == 1.0
+        await rt.load_model("m", config={"max_batch_size": 1})
+        assert metrics.fill_ratio == 1.0  # the two full batches of 4 stay full
+        done = len(workers.ran)
+        await calls(rt, 10, 2)
+        assert batch_sizes(done) == [1, 1]
+        assert metrics.fill_ratio == 1.0
+        await rt.load_model("m", config={"max_batch_size": 8})
+        done = len(workers.ran)
+        await calls(rt, 20, 2)
+        assert batch_sizes(done) == [2]
+        assert metrics.fill_ratio == (4 * 1.0 + 2 / 8) / 5
+        assert rt.statistics()["m"]["fill_ratio"] == metrics.fill_ratio

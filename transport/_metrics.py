@@ -163,7 +163,8 @@ class GatewayCollector(Collector):
         )
         fill = GaugeMetricFamily(
             "trioserve_batch_fill_ratio",
-            "Mean batch fill: items per batch over max_batch_size.",
+            "Mean batch fill: each batch's items over the max_batch_size of the "
+            "copy that ran it, averaged over the batches.",
             labels=["model"],
         )
         depth = GaugeMetricFamily(
