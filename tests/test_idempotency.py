@@ -660,3 +660,10 @@ async def test_the_store_is_shown_in_metrics():
         b"trioserve_idempotency_expirations_total 0.0",
     ):
         assert b"\n" + line + b"\n" in text, line
+    # its help says what an entry is counted as besides its answer and key: the store's
+    # own figure (docs/faults.md), not another
+    (help_line,) = [
+        line for line in text.split(b"\n")
+        if line.startswith(b"# HELP trioserve_idempotency_bytes ")
+    ]
+    assert b"%d bytes an entry" % ENTRY_OVERHEAD in help_line, help_line

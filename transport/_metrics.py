@@ -32,6 +32,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.registry import Collector
 from trioserve.actors import OUTCOMES, SLO_WINDOWS
 
+from ._idempotency import ENTRY_OVERHEAD
 from ._rollout_metrics import rollout_metrics
 
 if TYPE_CHECKING:
@@ -278,7 +279,7 @@ class GatewayCollector(Collector):
              idem.running),
             ("trioserve_idempotency_bytes",
              "Bytes the Idempotency-Key store holds, as counted: answers' bodies, keys, "
-             "and 1 KiB an entry besides (running keys too).",
+             f"and {ENTRY_OVERHEAD} bytes an entry besides (running keys too).",
              idem.bytes),
             ("trioserve_idempotency_bytes_limit",
              "The most bytes the Idempotency-Key store holds (server.idempotency_max_bytes).",
