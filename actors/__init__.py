@@ -27,6 +27,7 @@ from ._metrics import OUTCOMES as OUTCOMES
 from ._metrics import Latency as Latency
 from ._metrics import LatencySummary as LatencySummary
 from ._metrics import ModelMetrics as ModelMetrics
+from ._metrics import values_at as values_at
 from ._policy import CACHE_POLICIES as CACHE_POLICIES
 from ._policy import CacheStatistics as CacheStatistics
 from ._policy import LruPolicy as LruPolicy

@@ -4,6 +4,7 @@ counters and batch fill. Recording is O(1); percentiles are computed on demand."
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from fractions import Fraction
 
 import attrs
@@ -127,6 +128,30 @@ class Latency:
         self.hist.reset()
         self.overflow = 0
         self.total_us = 0
+
+
+def values_at(hists: Sequence[HdrHistogram], percentiles: Sequence[float]) -> list[int] | None:
+    """The values (µs) at ``percentiles`` (each in (0, 100]) of the values the
+    hdrhistograms ``hists`` (of one range) hold together: what hdrh's
+    ``get_percentile_to_value_dict`` gives for one histogram holding them all, found
+    with numpy (one cumulative sum, tens of µs) where hdrh walks every bucket in Python
+    (hundreds of µs a histogram, the most for an empty one). None when they hold none.
+    """
+    total = sum(h.get_total_count() for h in hists)
+    if not total:
+        return None
+    first = hists[0]
+    counts = np.ctypeslib.as_array(first.counts)[: first.counts_len].astype(np.int64)
+    for h in hists[1:]:
+        counts += np.ctypeslib.as_array(h.counts)[: h.counts_len].astype(np.int64)
+    cumulative = np.cumsum(counts)
+    last = first.counts_len - 1
+    out = []
+    for percentile in percentiles:
+        target = max(int(min(percentile, 100.0) * total / 100 + 0.5), 1)
+        index = min(int(np.searchsorted(cumulative, target)), last)
+        out.append(first.get_highest_equivalent_value(first.get_value_from_index(index)))
+    return out
 
 
 #: The names ModelMetrics.statuses counts: items ``retried`` or answered

@@ -30,7 +30,7 @@ from prometheus_client.openmetrics.exposition import (
 )
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
-from trioserve.actors import OUTCOMES, SLO_WINDOWS
+from trioserve.actors import OUTCOMES, SLO_WINDOWS, values_at
 
 from ._idempotency import ENTRY_OVERHEAD
 from ._rollout_metrics import rollout_metrics
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ._gateway import Gateway
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
+PERCENTILES = (50, 90, 99, 99.9)
 STAGES = ("queue_wait", "batch_exec", "end_to_end")
 
 
@@ -182,13 +183,12 @@ class GatewayCollector(Collector):
             for stage in STAGES:
                 lat = getattr(m, stage)
                 count, total_us = lat.totals()  # folds the buffered values first
-                hist = lat.hist
-                values = hist.get_percentile_to_value_dict([q * 100 for q in QUANTILES])
-                for q in QUANTILES:
+                values = values_at([lat.hist], PERCENTILES)
+                for i, q in enumerate(QUANTILES):
                     latency.add_sample(
                         "trioserve_latency_seconds",
                         {"model": name, "stage": stage, "quantile": str(q)},
-                        values[q * 100] / 1e6 if hist.get_total_count() else math.nan,
+                        values[i] / 1e6 if values is not None else math.nan,
                     )
                 latency.add_metric([name, stage], count_value=count, sum_value=total_us / 1e6)
             batches.add_metric([name], m.batches)
@@ -391,16 +391,13 @@ class GatewayCollector(Collector):
                     n, us = f.wait.totals()
                     count += n
                     total_us += us
-                hist = _merged([f.wait.hist for f, _ in parts])
-                values = (
-                    hist.get_percentile_to_value_dict([50, 99])
-                    if hist is not None and hist.get_total_count() else None
-                )
-                for q in (0.5, 0.99):
+                # (the lanes' histograms together; each is folded by totals() above)
+                values = values_at([f.wait.hist for f, _ in parts], (50, 99)) if parts else None
+                for i, q in enumerate((0.5, 0.99)):
                     wait.add_sample(
                         "trioserve_flow_wait_seconds",
                         {"model": name, "tenant": tenant, "class": cls, "quantile": str(q)},
-                        values[q * 100] / 1e6 if values is not None else math.nan,
+                        values[i] / 1e6 if values is not None else math.nan,
                     )
                 wait.add_metric(key, count_value=count, sum_value=total_us / 1e6)
             mains = [g.scheduler.policy for g in gw.runtime._groups_of(name)]
@@ -491,20 +488,6 @@ class GatewayCollector(Collector):
             for model in sorted(set(cached) | set(counts)):
                 family.add_metric([model], counts.get(model, 0))
             yield family
-
-
-def _merged(hists: list[Any]) -> Any:
-    """One histogram of the values of ``hists`` (hdrhistograms of one range): the
-    only one itself, None for none."""
-    if len(hists) <= 1:
-        return hists[0] if hists else None
-    first = hists[0]
-    out = type(first)(
-        first.lowest_trackable_value, first.highest_trackable_value, first.significant_figures
-    )
-    for h in hists:
-        out.add(h)
-    return out
 
 
 def metrics_registry(gateway: Gateway) -> CollectorRegistry:
