@@ -9,10 +9,13 @@ replica is degraded — it pulls nothing — until the thread returns. Either wa
 batch goes back to the scheduler split in ``retry_parts`` (each request alone when it
 held no more), so retries narrow down to the request at fault while the rest succeed;
 a request that fails alone ``poison_attempts`` times is answered with a
-poison-request error and never retried. A batch whose model raised is split the same
-way, so only the input that raises gets the error. A worker process runs such a retry
-with nothing staged behind it: were it to hang or kill its worker again, what was
-staged would wait out its deadline and go back too.
+poison-request error and never retried. A hung thread's parts run only where a
+replica can be spared (``SchedulerActor.spare``), and a request that hung a thread
+alone is poison at once when running it again would take the model's last ready
+replica: one hanging input cannot degrade every thread replica. A batch whose model
+raised is split the same way, so only the input that raises gets the error. A worker
+process runs such a retry with nothing staged behind it: were it to hang or kill its
+worker again, what was staged would wait out its deadline and go back too.
 
 A request's own deadline (its model's or class's ``timeout_ms``) that passes while its
 batch is in flight (running in a thread or a worker, or staged) is answered then,
@@ -65,8 +68,11 @@ from ._singleflight import own_error
 from ._straggler import (
     BatchTimer,
     Breaker,
+    Hang,
     LogThrottle,
     StragglerPolicy,
+    hung,
+    mark_hung,
     retried,
     split,
     split_failed,
@@ -210,6 +216,10 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         self.busy_time = 0.0
         self._worker_seconds = 0.0  # busy seconds of workers this batcher already replaced
         self._degraded = False  # a straggling thread still runs
+        #: it runs a part of a batch that hung another replica's thread, which still
+        #: runs: it may hang too, so it does not count as a replica to spare
+        #: (``SchedulerActor.spare``)
+        self.risking = False
         #: why its device is unusable for the rest of the process (a thread or inline
         #: replica: nothing can replace it); None while it is not
         self.lost: str | None = None
@@ -307,7 +317,11 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 if not batch:
                     continue
             self._in_flight.append(batch)
-            await self._execute(batch)
+            self.risking = retried(batch) and hung(batch)
+            try:
+                await self._execute(batch)
+            finally:
+                self.risking = False
             self._in_flight.clear()
         else:
             # Its device is lost: it pulls no more (one being retired ends, as retired)
@@ -435,12 +449,21 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 self._disarm(armed)
         if timer.cancelled_caught:
             # A thread cannot be killed: hand the batch back and pull nothing until
-            # the thread returns (it holds the replica's limiter until then).
+            # the thread returns (it holds the replica's limiter until then). Its
+            # parts run again only where a replica can be spared (SchedulerActor.
+            # _unspared), and a request that hung it alone is not run again where
+            # that would take the model's last ready replica.
             self.stragglers += 1
             self._metrics.statuses["straggler"] += 1
             if not retried(batch):  # a retry's failure is its requests' (see _lose)
                 self._breaker.failure(trio.current_time())
-            self._suspect(batch, f"its batch ran past its deadline of {deadline:.3f}s")
+            hang = Hang()
+            mark_hung(batch, hang)
+            self._suspect(
+                batch, f"its batch ran past its deadline of {deadline:.3f}s",
+                # it ran alone (not a batch-mate left after the others' answers)
+                last=len(batch) == 1 and self._scheduler.spare(self) < 2,
+            )
             self._in_flight.clear()  # handed back: no longer this replica's to answer
             self._degraded = True
             try:
@@ -448,6 +471,8 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                     pass
             finally:
                 self._degraded = False
+                hang.returned = True
+                self._scheduler.thread_returned()
             return
         self._timer.record(trio.current_time() - t0)
         self._breaker.success()
@@ -533,21 +558,33 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         return kept
 
     # ------------------------------------------------------------------ answers
-    def _suspect(self, batch: list[Request], why: str) -> None:
+    def _suspect(self, batch: list[Request], why: str, *, last: bool = False) -> None:
         """A batch timed out or lost its worker: retry it in parts; a request that
-        fails alone too often is poison."""
+        fails alone too often is poison. ``last``: the batch, one request, hung
+        this replica's thread and fewer than two other replicas are ready to
+        serve, so that request is poison at once: run again, it would hang the
+        model's last ready replica (or wait for one to spare, while none may ever
+        come back)."""
         self._scheduler.completed(batch, failed=True)
         policy = self._timer.policy
         retry, poison = split_failed(
-            to_retry(batch), poison_attempts=policy.poison_attempts, parts=policy.retry_parts
+            to_retry(batch), poison_attempts=1 if last else policy.poison_attempts,
+            parts=policy.retry_parts,
         )
         for req in poison:
-            req.reply.set_error(
-                ModelError(
+            if req.reply.attempts < policy.poison_attempts:
+                msg = (
+                    f"model {self.model!r}: poison request, not retried: {why} when "
+                    "it ran alone, its worker thread still runs, and no other "
+                    "replica can be spared to run it again (it would hang the "
+                    "model's last ready replica)"
+                )
+            else:
+                msg = (
                     f"model {self.model!r}: poison request, not retried: {why} each of "
                     f"the {req.reply.attempts} times it ran alone"
                 )
-            )
+            req.reply.set_error(ModelError(msg))
             self._metrics.statuses["poison"] += 1
         self._metrics.statuses["retried"] += sum(len(b) for b in retry)
         self._scheduler.retry(retry)

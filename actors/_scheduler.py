@@ -36,6 +36,7 @@ from trioserve import (
 
 from ._batching import SchedulingPolicy
 from ._singleflight import own_error
+from ._straggler import hung
 
 _DISPATCHED = RequestState.DISPATCHED
 
@@ -285,11 +286,15 @@ class SchedulerActor(Actor):
                     return batch
                 if batch is not None:
                     continue
-                # None: every retry waits for another replica than ``puller``. That
-                # one was ready just now; should it stop being ready before it pulls
-                # (its breaker opens, its worker is replaced), ``puller`` takes the
-                # retry at its next look.
-                recheck = trio.current_time() + ELSEWHERE_RECHECK
+                # None: no retry is for ``puller`` now. One that waits for another
+                # replica than ``puller`` (it raised alone there): that one was ready
+                # just now; should it stop being ready before it pulls (its breaker
+                # opens, its worker is replaced), ``puller`` takes the retry at its
+                # next look. One that waits for a replica to spare (it hung a
+                # thread) is looked at again when a replica pulls, or a hung thread
+                # returns (``thread_returned``).
+                if any(self._elsewhere(b, puller) for b in self._retries):
+                    recheck = trio.current_time() + ELSEWHERE_RECHECK
             if self._apart:
                 batch = self._next_apart(puller, trio.current_time())
                 if batch:
@@ -307,6 +312,31 @@ class SchedulerActor(Actor):
                 self._emptied.unpark_all()
             with trio.move_on_at(min(policy.next_close_time(), recheck)):
                 await self._idle.park()
+
+    def thread_returned(self) -> None:
+        """A model call cut off in a worker thread of one of this queue's replicas
+        returned: a retry that waited for a replica to spare (see :meth:`spare`) may
+        run now, on that replica or another one; idle replicas look again. Not a
+        checkpoint."""
+        if (self._retries or self._apart) and self._idle:
+            self._idle.unpark_all()
+
+    def spare(self, but: Any) -> int:
+        """How many of this queue's replicas other than ``but`` are ready and not
+        running a part that may hang their thread (``risking``): those that would
+        go on serving should ``but`` hang. Not a checkpoint."""
+        return sum(
+            1 for b in self.batchers
+            if b is not but and b.ready and not getattr(b, "risking", False)
+        )
+
+    def _unspared(self, batch: list[Request], puller: Any) -> bool:
+        """Whether ``batch`` holds a request whose batch hung a worker thread that
+        still runs (it may hang ``puller``'s thread too: nothing stops a thread) and
+        no other replica would go on serving should it: it waits for a replica to
+        spare rather than take the model's last ready one. Only thread replicas mark
+        such requests: a worker process or a Ray actor is killed at its deadline."""
+        return puller is not None and hung(batch) and not self.spare(puller)
 
     def completed(self, batch: list[Request], *, failed: bool = False) -> None:
         """A batcher finished a batch it pulled: answered, or ``failed`` (handed back
@@ -407,6 +437,9 @@ class SchedulerActor(Actor):
                 apart.append(req)
                 elsewhere = True
                 continue
+            if self._unspared([req], puller):
+                apart.append(req)  # looked at again as a retry is (see pull)
+                continue
             return [req]
         return None if elsewhere else []
 
@@ -470,12 +503,15 @@ class SchedulerActor(Actor):
     def _next_retry(self, puller: Any, now: float) -> list[Request] | None:
         """The next batch to retry that ``puller`` may run (its requests still
         waiting for an answer; possibly none: []), or None when each waits for
-        another replica (a request that raised alone on ``puller``). One that waits
+        another replica (a request that raised alone on ``puller``) or for a
+        replica to spare (one whose batch hung a thread still running, while
+        ``puller`` is the last ready replica: :meth:`_unspared`). One that waits
         so is answered at its deadline (dropped if its caller left) by the look of
         any puller, rather than only when another replica pulls it."""
         retries = self._retries
         for _ in range(len(retries)):
-            if not self._elsewhere(retries[0], puller):
+            head = retries[0]
+            if not (self._elsewhere(head, puller) or self._unspared(head, puller)):
                 break
             if self._settle(retries[0], now):
                 retries.rotate(-1)

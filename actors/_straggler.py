@@ -97,6 +97,32 @@ class RecentQuantile:
             self.value = sorted(s)[min(n - 1, math.ceil(self.q * n) - 1)]
 
 
+@attrs.define(eq=False)
+class Hang:
+    """A model call in a worker thread cut off at its batch deadline: the thread
+    cannot be stopped and runs on, its replica degraded, until it ``returned``.
+    Each request of the batch it ran keeps it (``Reply.hung``) while it is retried."""
+
+    returned: bool = False
+
+
+def hung(batch: list[Request]) -> bool:
+    """Whether ``batch`` holds a request whose batch hung a worker thread that has not
+    returned yet (see :class:`Hang`): run again, it may hang its replica too."""
+    for r in batch:
+        hangs = r.reply.hung
+        if hangs is not None and not all(h.returned for h in hangs):
+            return True
+    return False
+
+
+def mark_hung(batch: list[Request], hang: Hang) -> None:
+    """The requests of ``batch`` were in a call cut off in a worker thread (``hang``)."""
+    for r in batch:
+        reply = r.reply
+        reply.hung = (hang,) if reply.hung is None else (*reply.hung, hang)
+
+
 def split(requests: list[Request], parts: int) -> list[list[Request]]:
     """``requests`` in ``parts`` consecutive parts of sizes differing by at most one
     (each alone when there are no more than ``parts``; none empty)."""
@@ -121,8 +147,8 @@ def to_retry(batch: list[Request]) -> list[Request]:
     costs nobody credits (the answered one paid for the item), has no deadline of
     its own (each of those waiting keeps theirs) and is withdrawn when nobody waits
     any more; it keeps the answered one's record as a retry (``attempts``,
-    ``suspect``, ``raised_on``), so that it is retried as that request would have
-    been. The rest are left out."""
+    ``suspect``, ``raised_on``, ``hung``), so that it is retried as that request
+    would have been. The rest are left out."""
     out = []
     for r in batch:
         reply = r.reply
@@ -137,6 +163,7 @@ def to_retry(batch: list[Request]) -> list[Request]:
             relay.reply.attempts = reply.attempts
             relay.reply.suspect = reply.suspect
             relay.reply.raised_on = reply.raised_on
+            relay.reply.hung = reply.hung
             out.append(attrs.evolve(
                 r, reply=relay.reply, deadline=math.inf, answer_expiry=False
             ))

@@ -1,0 +1,350 @@
+"""An input that hangs its model call in a worker thread, with several thread replicas.
+
+A thread cannot be stopped: a replica whose batch ran past its deadline is degraded
+until its thread returns. The retried part holding the hanging input used to be
+pulled by the next thread replica, to hang there too, until every replica of the
+model was degraded and innocent traffic waited for the hung calls (possibly for
+ever). Now such a part runs on a thread replica only while another replica is
+ready to serve meanwhile, and an input that hung a thread alone is poison at once
+when running it again could take the model's last ready replica (docs/faults.md,
+"A hanging input and the last thread replica").
+
+The batch deadline is kept on wall time by the watchdog thread, so these tests use
+real time with deadlines of 100 ms, and release every hanging call at their end.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+import trio.testing
+import trioserve
+from runtime_helpers import GATE_LIMIT_S, callable_model, config, item, key
+from trioserve import DeadlineExceeded, ModelError, Reply, Request
+from trioserve.actors import BatchLimits, FifoQueue, SchedulerActor
+from trioserve.actors._straggler import Hang
+
+HANG = 99.0
+DEADLINE_MS = 100.0
+#: what innocent traffic may take, a few batch deadlines on a loaded machine; it
+#: waited for the hung calls before (here: for ever, until the test released them)
+SERVED_WITHIN = 5.0
+
+
+class Hangs:
+    """A thread model doubling ``x``; a batch holding ``HANG`` blocks until the test
+    lets one such call return (``let_one_return``), as a model stuck on an input
+    would. Records each batch's keys."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[float]] = []
+        self.hung = 0  # calls blocked now
+        self._lock = threading.Lock()
+        self._returns = threading.Semaphore(0)
+
+    def __call__(self, items):
+        keys = [key(it) for it in items]
+        with self._lock:
+            self.batches.append(keys)
+        if HANG in keys:
+            with self._lock:
+                self.hung += 1
+            try:
+                if not self._returns.acquire(timeout=GATE_LIMIT_S):
+                    raise RuntimeError("the test never let the call return")
+            finally:
+                with self._lock:
+                    self.hung -= 1
+        return [{"y": it["x"] * 2} for it in items]
+
+    def let_one_return(self) -> None:
+        self._returns.release()
+
+    def let_all_return(self) -> None:
+        self._returns.release(64)
+
+    def runs_of(self, v: float) -> list[int]:
+        """The sizes of the batches that held ``v``."""
+        return [len(b) for b in self.batches if v in b]
+
+
+def hanging_model(model: Hangs, **cfg) -> trioserve.ModelConfig:
+    """Two thread replicas of ``model`` (unless ``cfg`` says), batches of up to 8
+    closing after 5 ms, a batch deadline of ``DEADLINE_MS``."""
+    cfg.setdefault("replicas", 2)
+    cfg.setdefault("max_batch_size", 8)
+    cfg.setdefault("max_wait_ms", 5)
+    return callable_model(
+        "m", model, execution="thread", batch_timeout_floor_ms=DEADLINE_MS,
+        batch_timeout_cap_ms=DEADLINE_MS, **cfg,
+    )
+
+
+async def values(rt, vs: list[float]) -> dict[float, object]:
+    """Send a request of each value at once; what each got (a value, or the
+    ModelError), by value."""
+    got: dict[float, object] = {}
+
+    async def one(v: float) -> None:
+        try:
+            out = await rt.infer("m", item(v))
+        except ModelError as exc:
+            got[v] = exc
+        else:
+            got[v] = float(out["y"][0])
+
+    async with trio.open_nursery() as nursery:
+        for v in vs:
+            nursery.start_soon(one, v)
+    return got
+
+
+def handed_back(monkeypatch, rt) -> trio.Event:
+    """An event set when a replica of ``m`` first hands a batch back (a cut-off)."""
+    scheduler = rt.models["m"].scheduler
+    event = trio.Event()
+    retry = scheduler.retry
+
+    def note_retry(batches) -> None:
+        retry(batches)
+        event.set()
+
+    monkeypatch.setattr(scheduler, "retry", note_retry)
+    return event
+
+
+def healths(rt) -> list[str]:
+    return sorted(b.health for b in rt.models["m"].batchers)
+
+
+async def test_an_input_that_hangs_alone_is_poison_at_once_and_the_other_replica_serves():
+    """Two thread replicas; one request hangs its call for ever. It was retried on
+    the other replica, hung it too, and the innocent requests sent after it waited
+    for the hung calls (until the test let them return). Now it is poison after its
+    first run, alone, and the other replica serves what comes."""
+    model = Hangs()
+    try:
+        async with trioserve.open_runtime(config(hanging_model(model))) as rt:
+            with trio.fail_after(SERVED_WITHIN):
+                with pytest.raises(ModelError) as info:
+                    await rt.infer("m", item(HANG))
+            assert "poison request, not retried" in str(info.value)
+            assert "no other replica can be spared" in str(info.value)
+            assert model.runs_of(HANG) == [1]  # run once, not on the second replica
+            assert healths(rt) == ["degraded", "ready"]
+            assert rt.model_ready("m")
+            with trio.fail_after(SERVED_WITHIN):
+                got = await values(rt, [float(v) for v in range(1, 17)])
+            assert got == {float(v): 2.0 * v for v in range(1, 17)}
+            assert model.hung == 1  # answered while the call still hangs
+            stats = rt.statistics()["m"]["statuses"]
+            assert stats["straggler"] == 1
+            assert stats["poison"] == 1
+            model.let_all_return()
+    finally:
+        model.let_all_return()
+
+
+async def test_a_hung_batchs_parts_wait_for_a_replica_to_spare_and_the_innocents_are_answered(
+    monkeypatch,
+):
+    """Two thread replicas; a batch of four holding the hanging input is cut off on
+    one. Its parts (any may hang) are not run on the last ready replica, which
+    serves the traffic sent after the hang meanwhile. Once the hung call returns
+    (here: the test lets it), the parts run with a replica to spare: the three
+    innocents get their values, the input that hangs again, alone, is poison, and
+    the other replica goes on serving."""
+    model = Hangs()
+    cfg = config(hanging_model(model, max_batch_size=4, max_wait_ms=10_000))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            scheduler = rt.models["m"].scheduler
+            cut_off = handed_back(monkeypatch, rt)
+            first: dict[float, object] = {}
+
+            async def hung_batch() -> None:
+                first.update(await values(rt, [HANG, 1.0, 2.0, 3.0]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hung_batch)
+                with trio.fail_after(SERVED_WITHIN):
+                    await cut_off.wait()  # the batch is cut off, its parts held
+                assert healths(rt) == ["degraded", "ready"]
+                assert scheduler.queue_depth() == 4  # four parts, none run again
+                with trio.fail_after(SERVED_WITHIN):
+                    got = await values(rt, [float(v) for v in range(11, 19)])  # 2 batches
+                assert got == {float(v): 2.0 * v for v in range(11, 19)}
+                assert not first  # still held: no replica could be spared
+                assert model.runs_of(HANG) == [4]
+                assert scheduler.queue_depth() == 4
+                model.let_one_return()  # the hung call returns: both replicas ready
+            poison = first.pop(HANG)
+            assert first == {1.0: 2.0, 2.0: 4.0, 3.0: 6.0}
+            assert isinstance(poison, ModelError)
+            assert "poison request, not retried" in str(poison)
+            assert model.runs_of(HANG) == [4, 1]  # its batch, then alone once
+            assert healths(rt) == ["degraded", "ready"]
+            with trio.fail_after(SERVED_WITHIN):
+                got = await values(rt, [float(v) for v in range(21, 25)])
+            assert got == {float(v): 2.0 * v for v in range(21, 25)}
+            assert model.hung == 1
+            stats = rt.statistics()["m"]["statuses"]
+            assert stats["straggler"] == 2
+            assert stats["poison"] == 1
+            assert stats["retried"] == 4
+            model.let_all_return()
+    finally:
+        model.let_all_return()
+
+
+async def test_a_hung_batchs_parts_are_answered_at_their_deadline_if_no_replica_can_be_spared(
+    monkeypatch,
+):
+    """As above, but the hung call never returns (within the test): the parts held
+    for a replica to spare are answered DeadlineExceeded at the model's timeout
+    (charged: they ran), as any retry is, while the other replica serves; nothing
+    is lost, and no part ran on the last ready replica."""
+    timeout = 0.5
+    model = Hangs()
+    cfg = config(
+        hanging_model(model, max_batch_size=2, max_wait_ms=10_000, timeout_ms=timeout * 1000)
+    )
+    got: dict[float, object] = {}
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            cut_off = handed_back(monkeypatch, rt)
+
+            async def one(v: float) -> None:
+                with pytest.raises(DeadlineExceeded) as info:
+                    await rt.infer("m", item(v))
+                got[v] = info.value
+
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, HANG)
+                nursery.start_soon(one, 1.0)
+                with trio.fail_after(SERVED_WITHIN):
+                    await cut_off.wait()
+                    served = await values(rt, [11.0, 12.0])  # one batch, after the hang
+                assert served == {11.0: 22.0, 12.0: 24.0}
+            assert trio.current_time() - start < SERVED_WITHIN
+            assert model.runs_of(HANG) == [2]
+            assert model.runs_of(1.0) == [2]
+            assert model.hung == 1
+            assert healths(rt) == ["degraded", "ready"]
+            assert rt.models["m"].scheduler.queue_depth() == 0
+            model.let_all_return()
+    finally:
+        model.let_all_return()
+    assert sorted(got) == [1.0, HANG]
+    for error in got.values():
+        assert "deadline passed while its batch was being retried" in str(error)
+        assert not error.in_queue
+
+
+async def test_with_three_replicas_a_hanging_input_is_run_alone_twice_and_one_replica_serves():
+    """Three thread replicas: where a replica can be spared, an input that hung
+    alone is retried as any poison candidate is (``poison_attempts``, 2), then
+    poison; the third replica serves the traffic sent after it."""
+    model = Hangs()
+    try:
+        async with trioserve.open_runtime(config(hanging_model(model, replicas=3))) as rt:
+            with trio.fail_after(SERVED_WITHIN):
+                with pytest.raises(ModelError) as info:
+                    await rt.infer("m", item(HANG))
+            assert "each of the 2 times it ran alone" in str(info.value)
+            assert model.runs_of(HANG) == [1, 1]
+            assert healths(rt) == ["degraded", "degraded", "ready"]
+            with trio.fail_after(SERVED_WITHIN):
+                got = await values(rt, [float(v) for v in range(1, 9)])
+            assert got == {float(v): 2.0 * v for v in range(1, 9)}
+            assert model.hung == 2
+            model.let_all_return()
+    finally:
+        model.let_all_return()
+
+
+# ---------------------------------------------------------------- the scheduler's rule
+class Replica:
+    """What the scheduler reads of a replica pulling from it."""
+
+    def __init__(self, *, ready: bool = True) -> None:
+        self.ready = ready
+        self.risking = False
+
+    def holds(self, reply) -> bool:
+        return False
+
+
+def scheduler_of(*replicas: Replica) -> SchedulerActor:
+    scheduler = SchedulerActor("m", FifoQueue(BatchLimits(max_size=4), bound=16))
+    scheduler.batchers = list(replicas)
+    scheduler.replicas = len(replicas)
+    return scheduler
+
+
+def hung_part(hang: Hang, v: float) -> list[Request]:
+    """A part of a batch cut off in a worker thread (``hang``), handed back."""
+    req = Request(model="m", item=v, reply=Reply())
+    req.reply.dispatch()
+    req.reply.suspect = True
+    req.reply.hung = (hang,)
+    return [req]
+
+
+def fresh(scheduler: SchedulerActor, v: float) -> None:
+    scheduler.submit_nowait(Request(model="m", item=v, reply=Reply()))
+
+
+async def test_a_part_that_may_hang_goes_to_a_replica_only_while_another_can_be_spared(
+    autojump_clock,
+):
+    hung_replica, last, third = Replica(ready=False), Replica(), Replica(ready=False)
+    scheduler = scheduler_of(hung_replica, last, third)
+    hang = Hang()
+    scheduler.retry([hung_part(hang, 99.0)])
+    fresh(scheduler, 1.0)
+    # the last ready replica takes the new work, not the part (retries come first
+    # otherwise); the part stays held
+    assert [r.item for r in await scheduler.pull(last)] == [1.0]
+    assert scheduler.queue_depth() == 1
+    got: list = []
+
+    async def pull() -> None:
+        got.append(await scheduler.pull(last))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got  # nothing else to do: it still waits, for a replica to spare
+        third.ready = third.risking = True  # ready, but running such a part itself
+        scheduler.thread_returned()  # (a look: nothing changed for it)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got
+        third.risking = False  # a replica to spare: the last one may run the part
+        scheduler.thread_returned()
+    assert [[r.item for r in b] for b in got] == [[99.0]]
+
+
+async def test_a_part_is_an_ordinary_retry_once_the_thread_it_hung_returns(autojump_clock):
+    hung_replica, last = Replica(ready=False), Replica()
+    scheduler = scheduler_of(hung_replica, last)
+    hang = Hang()
+    scheduler.retry([hung_part(hang, 99.0)])
+    got: list = []
+
+    async def pull() -> None:
+        got.append(await scheduler.pull(last))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got
+        hang.returned = True  # its replica's breaker may keep it from pulling: the
+        scheduler.thread_returned()  # last one is woken and takes the part
+    assert [[r.item for r in b] for b in got] == [[99.0]]
+    # and a puller that is no replica (None) is never held back
+    scheduler.retry([hung_part(Hang(), 98.0)])
+    assert [r.item for r in await scheduler.pull()] == [98.0]
