@@ -459,10 +459,13 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 self._breaker.failure(trio.current_time())
             hang = Hang()
             mark_hung(batch, hang)
+            scheduler = self._scheduler
             self._suspect(
                 batch, f"its batch ran past its deadline of {deadline:.3f}s",
-                # it ran alone (not a batch-mate left after the others' answers)
-                last=len(batch) == 1 and self._scheduler.spare(self) < 2,
+                # it ran alone (not a batch-mate left after the others' answers),
+                # and other replicas serve: a lone replica's retry waits for its
+                # thread, as before (the model is down until it returns anyway)
+                last=len(batch) == 1 and scheduler.replicas > 1 and scheduler.spare(self) < 2,
             )
             self._in_flight.clear()  # handed back: no longer this replica's to answer
             self._degraded = True
@@ -561,10 +564,10 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
     def _suspect(self, batch: list[Request], why: str, *, last: bool = False) -> None:
         """A batch timed out or lost its worker: retry it in parts; a request that
         fails alone too often is poison. ``last``: the batch, one request, hung
-        this replica's thread and fewer than two other replicas are ready to
-        serve, so that request is poison at once: run again, it would hang the
-        model's last ready replica (or wait for one to spare, while none may ever
-        come back)."""
+        this replica's thread, and of the model's other replicas fewer than two are
+        ready to serve, so that request is poison at once: run again, it would
+        hang the model's last ready replica (or wait for one to spare, while none
+        may ever come back)."""
         self._scheduler.completed(batch, failed=True)
         policy = self._timer.policy
         retry, poison = split_failed(
