@@ -127,3 +127,10 @@ async def supervise(
             log.warning(  # with its traceback: a crash is a bug to find
                 "%s crashed (%r); restart %d", actor.name, exc, actor.restarts, exc_info=True
             )
+        except BaseExceptionGroup as group:
+            # Not an Exception, so it holds a BaseException: a run that serves from a
+            # nursery of its own (a worker process's batcher) is cancelled with a group
+            # of Cancelled, and is stopped all the same.
+            if group.split(trio.Cancelled)[1] is None:
+                actor.state = ActorState.STOPPED
+            raise

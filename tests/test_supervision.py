@@ -170,6 +170,32 @@ async def test_cancelling_supervise_stops_the_actor_without_a_restart(autojump_c
     assert actor.crashes == []
 
 
+
+class TwoTasks(Actor):
+    """An actor whose run serves from a nursery of two tasks (as a worker process's
+    batcher does): cancelled, it raises a group of Cancelled, not one."""
+
+    name = "two-tasks"
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            nursery.start_soon(trio.sleep_forever)
+            task_status.started(self)
+
+
+async def test_cancelling_an_actor_whose_run_raises_a_group_of_cancelled_stops_it(
+    autojump_clock,
+):
+    actor = TwoTasks()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervise, actor, RestartPolicy())
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel("test done")
+    assert actor.state is ActorState.STOPPED  # not left RUNNING, reported 'ready'
+    assert actor.restarts == 0
+
+
 # ---------------------------------------------------------------- batchers in a runtime
 @pytest.fixture
 def crashing_execute(monkeypatch):

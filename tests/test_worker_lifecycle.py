@@ -506,3 +506,13 @@ async def test_a_broken_pipe_says_why_or_nothing_after_it(error, expected):
         with pytest.raises(WorkerProcess.Died) as died:
             await op
         assert str(died.value) == expected
+
+
+async def test_a_worker_replica_reads_stopped_once_the_runtime_is_closed():
+    # Its batcher serves from a nursery of tasks, so the close cancels it with a group
+    # of Cancelled: it used to stay RUNNING, and health() said 'ready' after the close.
+    async with trioserve.open_runtime(config(SLEEP)) as rt:
+        assert (await rt.infer("s", x(1.0)))["y"].tolist() == [1.0, 0.0]
+        batcher = rt.models["s"].batchers[0]
+    assert batcher.state is trioserve.ActorState.STOPPED
+    assert rt.health()["s"] == {"ready": False, "replicas": {batcher.name: "stopped"}}
