@@ -40,6 +40,16 @@ from ._versioned import _Versioned
 T = TypeVar("T")
 
 
+def _another_run() -> RuntimeError:
+    """A call from a trio run other than the runtime's (``trio.run`` in another
+    thread): its queues and events would be touched from the wrong thread."""
+    return RuntimeError(
+        "this runtime belongs to another trio run: call it from the trio run that "
+        "opened it (from another thread: trio.from_thread.run(rt.infer, ..., "
+        "trio_token=...)), or serve blocking code with trioserve.serve_in_thread"
+    )
+
+
 class Runtime(
     _ManyItems, _Credits, _Hedging, _Versioned, _Statistics, _EdgeCache, _Control, _RolloutOps
 ):
@@ -47,6 +57,8 @@ class Runtime(
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        #: the trio run that opened it: its tasks, queues and events belong to that run
+        self._token = trio.lowlevel.current_trio_token()
         self.models: dict[str, ServedModel] = {}
         self._closed = False
         self._in_flight = 0
@@ -108,11 +120,14 @@ class Runtime(
 
         Raises UnknownModel, InvalidInput, Overloaded, DeadlineExceeded (the model's
         timeout), ModelError (the model raised, or answered against its declared
-        outputs), ActorClosed (shut down). A refusal
+        outputs), ActorClosed (shut down); RuntimeError when called from another
+        trio run than the one that opened the runtime. A refusal
         before the request waited anywhere is a checkpoint too, so a caller that
         retries at once cannot hold the event loop (and the queue it waits to enter)
         to itself.
         """
+        if trio.lowlevel.current_trio_token() is not self._token:
+            raise _another_run()
         if version is None and self._families and self._routed(model):
             return await self._infer_routed(model, inputs, tenant, priority)
         try:
@@ -208,6 +223,8 @@ class Runtime(
         stacked inputs are checked once, not item by item. A refusal before waiting
         is a checkpoint, as for :meth:`infer`.
         """
+        if trio.lowlevel.current_trio_token() is not self._token:
+            raise _another_run()
         if version is None and self._families and self._routed(model):
             return await self._batch_routed(model, items, tenant, priority)
         try:

@@ -440,3 +440,25 @@ async def test_model_ready_of_a_model_not_served_is_unknown_model(autojump_clock
         with pytest.raises(trioserve.UnknownModel, match=r"^unknown model \['m'\]"):
             rt.model_ready(["m"])  # unhashable: was TypeError
     assert not rt.model_ready("m")
+
+
+# Regression: a call from another trio run (trio.run in a thread of the program's)
+# reached the scheduler's queue, then failed on waking it with trio's bare
+# AssertionError; the request stayed queued in a runtime it did not belong to.
+@pytest.mark.parametrize("many", [False, True], ids=["infer", "infer_batch"])
+async def test_a_call_from_another_trio_run_is_refused_before_anything_is_queued(many):
+    rec = Recorder()
+    async with trioserve.open_runtime(config(callable_model("m", rec))) as rt:
+
+        async def call():
+            if many:
+                return await rt.infer_batch("m", [item(1.0), item(2.0)])
+            return await rt.infer("m", item(1.0))
+
+        with pytest.raises(RuntimeError, match=r"^this runtime belongs to another trio run: "
+                                               r".*trio\.from_thread\.run.*serve_in_thread"):
+            await trio.to_thread.run_sync(trio.run, call)
+        assert rt.statistics()["m"]["queue_depth"] == 0
+        assert (await rt.infer("m", item(3.0)))["y"].tolist() == [7.0]
+    assert rec.seen == [3.0]
+    assert rt.statistics()["m"]["flows"]["t/realtime"]["admitted"] == 1
