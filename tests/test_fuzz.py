@@ -331,7 +331,12 @@ def test_cli_self_test_stops_at_the_first_suite_that_catches_a_bug(capsys, monke
     # first: not caught there, then caught by the runtime suite
     bugs["swap-replies"] = (*fuzz.MUTANTS["swap-replies"][:2], ("queue", "runtime"))
     monkeypatch.setattr(fuzz._cli, "MUTANTS", bugs)
-    assert fuzz._cli.main(["--self-test", "--budget", "3"]) == 0
+    # a count of examples, not seconds, bounds each suite's try, so the outcome is
+    # the same on a loaded machine (a 3 s budget once ran 25 examples of the runtime
+    # suite there, short of the 29 that catch swap-replies on seed 0)
+    counted = functools.partial(fuzz._cli.catch_bug, examples_budget=50)
+    monkeypatch.setattr(fuzz._cli, "catch_bug", counted)
+    assert fuzz._cli.main(["--self-test", "--budget", "600"]) == 0
     out = capsys.readouterr().out
     tried: dict[str, list[str]] = {}
     for line in out.splitlines():
