@@ -3,7 +3,8 @@ what was expected."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 class TrioserveError(Exception):
@@ -24,6 +25,21 @@ class UnknownModel(TrioserveError, LookupError):
     """No model (or model version) of that name is served."""
 
     status = 404
+
+    @classmethod
+    def not_served(cls, model: Any, models: Mapping[str, Any]) -> UnknownModel:
+        """What every entry point answers for a model of no name served: the name
+        asked for, the models that answer now as serving, and the configured ones
+        not loaded (explicit model control) apart. ``models``: the runtime's (name ->
+        ``ServedModel``; one whose ``loaded`` is false is not loaded)."""
+        serving = sorted(n for n, s in models.items() if getattr(s, "loaded", True))
+        idle = sorted(n for n, s in models.items() if not getattr(s, "loaded", True))
+        text = f"unknown model {model!r}; " + (
+            f"serving: {', '.join(serving)}" if serving else "serving no model"
+        )
+        if idle:
+            text += f"; not loaded: {', '.join(idle)}"
+        return cls(text)
 
     @classmethod
     def no_version(cls, model: str, version: str, versions: Iterable[str]) -> UnknownModel:

@@ -312,9 +312,7 @@ class Runtime(
         """The model ``model`` serves, with ``version`` (if given) one of its own."""
         served = self.models.get(model) if isinstance(model, str) else None
         if served is None:
-            raise UnknownModel(
-                f"unknown model {model!r}; serving: {', '.join(sorted(self.models))}"
-            )
+            raise UnknownModel.not_served(model, self.models)
         if version is not None and version not in served.config.versions:
             if not isinstance(version, str):
                 # as in the config, where versions are names: 2 is not "02" or "v2"

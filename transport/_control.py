@@ -58,9 +58,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
     def signature(name: str, version: str | None) -> Any:
         sig = gateway.signatures.get(name)
         if sig is None:
-            raise UnknownModel(
-                f"unknown model {name!r}; serving: {', '.join(sorted(gateway.signatures))}"
-            )
+            raise UnknownModel.not_served(name, gateway.runtime.models)
         sig.check_version(version)
         return sig
 

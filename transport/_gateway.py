@@ -479,9 +479,7 @@ class Gateway:
         try:
             sig = self.signatures.get(model)
             if sig is None:
-                raise UnknownModel(
-                    f"unknown model {model!r}; serving: {', '.join(sorted(self.signatures))}"
-                )
+                raise UnknownModel.not_served(model, self.runtime.models)
             # a version the model has not: whether it is loaded or not (the same
             # answer as every other entry point's), then a model not loaded
             # held until the request is answered: the copy it is checked against,

@@ -751,10 +751,7 @@ class _Session:
                     )
                 sig = gateway.signatures.get(model)
                 if sig is None:
-                    raise UnknownModel(
-                        f"unknown model {model!r}; serving: "
-                        f"{', '.join(sorted(gateway.signatures))}"
-                    )
+                    raise UnknownModel.not_served(model, gateway.runtime.models)
                 label = model
                 version = doc.get("version")
                 if version is not None and type(version) is not str:
