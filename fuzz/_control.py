@@ -13,9 +13,11 @@ a reload or an unload in between hands its request over (the old queue forwards 
 to the new copy's, or to the stand-in's refusal). The checks:
 
 - ``lost`` / ``outcome`` / ``misrouted``: every call returns once, with its own inputs
-  echoed, or ``UnknownModel`` (not loaded) exactly when the model was not loaded when
-  it arrived, or an unload swapped the copy out while it waited for its credits;
-  nothing else (no ``ActorClosed`` from a copy gone).
+  echoed, or refused exactly when the model was not loaded when it arrived, as its
+  state was then (``UnknownModel`` not loaded, or unloading; ``Overloaded`` for its
+  first load under way), or an unload swapped the copy out while it waited for its
+  credits (then at once, as one of those); nothing else (no ``ActorClosed`` from a
+  copy gone).
 - ``control``: each request runs on a replica of the copy (the queue) that admitted
   it, which the request looked up or was handed to; the model's state moves are a
   legal lifecycle path, and exactly the moves of the loads and unloads in the order
@@ -43,7 +45,7 @@ import trioserve
 import trioserve._control as _control_module
 import trioserve.actors
 from hypothesis import strategies as st
-from trioserve import ModelBackend, TensorSpec, UnknownModel
+from trioserve import ModelBackend, Overloaded, TensorSpec, UnknownModel
 
 from ._product import PRODUCT, Product
 from ._runtime import _tasks, leaked_since, raise_first, replay
@@ -152,8 +154,9 @@ class ControlRun:
     violations: list[tuple[str, str]] = attrs.Factory(list)
     #: input -> the scheduler that admitted it
     admitted: dict[int, Any] = attrs.Factory(dict)
-    #: call number -> (loaded when it arrived, unloaded while it waited, outcome)
-    outcomes: dict[int, tuple[bool, bool, Any]] = attrs.Factory(dict)
+    #: call number -> (loaded when it arrived, unloaded while it waited, outcome, the
+    #: model's state when it arrived)
+    outcomes: dict[int, tuple[bool, bool, Any, str]] = attrs.Factory(dict)
     batchers_running: int = 0
     #: the swaps of a copy for the stand-in so far (an unload's first move)
     unloads: int = 0
@@ -377,6 +380,7 @@ async def _play(run: ControlRun) -> None:
         await trio.sleep_until(run.t0 + call.at * TICK)
         xs = [i * 10 + j for j in range(call.n)]
         loaded = rt.models["m"].loaded
+        state = rt.model_state("m")[0]
         unloads = run.unloads
         version = call.version if sc.versions else None
         try:
@@ -391,7 +395,7 @@ async def _play(run: ControlRun) -> None:
             outcome = exc
         if i in run.outcomes:
             run.fail("duplicated", f"call #{i} returned twice")
-        run.outcomes[i] = (loaded, run.unloads != unloads, outcome)
+        run.outcomes[i] = (loaded, run.unloads != unloads, outcome, state)
 
     async def operator(op: Op, rt: trioserve.Runtime) -> None:
         await trio.sleep_until(run.t0 + op.at * TICK)
@@ -430,16 +434,20 @@ def _check_call(run: ControlRun, i: int, call: CCall) -> None:
     if i not in run.outcomes:
         run.fail("lost", f"{what} never got an answer")
         return
-    loaded, unloaded, outcome = run.outcomes[i]
+    loaded, unloaded, outcome, state = run.outcomes[i]
     xs = [i * 10 + j for j in range(call.n)]
     if isinstance(outcome, BaseException):
-        # refused as not loaded: the model was not loaded when the call looked it up,
-        # or an unload swapped its copy out before the call submitted (credits)
-        refusable = not loaded or (unloaded and run.scenario.credit_per_tick is not None)
-        if (
-            not refusable or not isinstance(outcome, UnknownModel)
-            or "not loaded" not in str(outcome)
-        ):
+        # refused as not loaded: the model was not loaded when the call looked it up
+        # (told as its state was), or an unload swapped its copy out while the call
+        # waited for its credits (told as the state is then: unloading, mostly)
+        said = _refused_as(outcome)
+        if not loaded:
+            refused = said == state
+        else:
+            refused = (
+                unloaded and run.scenario.credit_per_tick is not None and said is not None
+            )
+        if not refused:
             run.fail("outcome", f"{what}, the model {'' if loaded else 'not '}loaded when "
                      f"it arrived, raised {outcome!r}")
         else:
@@ -449,6 +457,18 @@ def _check_call(run: ControlRun, i: int, call: CCall) -> None:
                  f"answered {outcome}")
     elif outcome != xs:
         run.fail("misrouted", f"{what} sent {xs} and was answered {outcome}")
+
+
+def _refused_as(outcome: BaseException) -> str | None:
+    """The model's state a refusal of a model not loaded says (None: not one)."""
+    text = str(outcome)
+    if isinstance(outcome, UnknownModel) and "' is not loaded (" in text:
+        return "UNAVAILABLE"
+    if isinstance(outcome, UnknownModel) and "' is unloading: " in text:
+        return "UNLOADING"
+    if isinstance(outcome, Overloaded) and "' is loading: " in text:
+        return "LOADING"
+    return None
 
 
 def run_control_scenario(scenario: ControlScenario, product: Product = PRODUCT) -> None:

@@ -57,6 +57,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import attrs
 import trio
@@ -68,6 +69,7 @@ from ._errors import (
     ConfigError,
     InvalidInput,
     ModelLoadError,
+    Overloaded,
     TrioserveError,
     UnknownModel,
     without_model,
@@ -101,11 +103,31 @@ _MOVES = {
 }
 
 
-def not_loaded(model: str) -> UnknownModel:
-    """What a request for a configured model that is not loaded gets."""
+#: A request for a model whose first load is under way: Retry-After (seconds).
+LOADING_RETRY_S = 1.0
+
+
+def not_loaded(
+    model: str, state: ModelState = ModelState.UNAVAILABLE
+) -> UnknownModel | Overloaded:
+    """What a request for a configured model that is not loaded gets, by the model's
+    ``state``: one loading is 503 (Overloaded: retry shortly, as Triton answers a
+    model not at its ready state), one unloading or not loaded 404 (UnknownModel;
+    only the second is told to load it, at a URL the name is percent-encoded in)."""
+    if state is ModelState.LOADING:
+        return Overloaded(
+            f"model {model!r} is loading: it serves once its load ends; retry shortly",
+            retry_after=LOADING_RETRY_S,
+        )
+    if state is ModelState.UNLOADING:
+        return UnknownModel(
+            f"model {model!r} is unloading: it takes no new requests (those it "
+            "admitted are answered)"
+        )
     return UnknownModel(
         f"model {model!r} is not loaded (model control is explicit: load it with "
-        f"POST /v2/repository/models/{model}/load, or Runtime.load_model)"
+        f"POST /v2/repository/models/{quote(model, safe='')}/load, or "
+        "Runtime.load_model)"
     )
 
 
@@ -258,6 +280,8 @@ class _Entry:
     #: the load or unload asked last: one asked again shares it only if it is
     #: (load, unload, load must end loaded, not share the first load)
     last: _Op | None = None
+    #: called after each move (the stand-in's refusal follows the state)
+    on_move: Callable[[_Entry], None] | None = None
 
     def take_turn(self) -> tuple[trio.Event, trio.Event]:
         """A new load's or unload's turn: the end of the one asked before it, and
@@ -273,6 +297,8 @@ class _Entry:
             )
         self.state = to
         self.reason = reason
+        if self.on_move is not None:
+            self.on_move(self)
 
 
 class ModelControl:
@@ -310,7 +336,9 @@ class ModelControl:
         self._prepare = prepare
         self._start_copy = start_copy
         self._unloaded = unloaded
-        self._entries = {m.name: _Entry(config=m) for m in rt.config.models}
+        self._entries = {
+            m.name: _Entry(config=m, on_move=self._refuse_as) for m in rt.config.models
+        }
         self._nursery: trio.Nursery | None = None
         for m in rt.config.models:
             rt.models[m.name] = unloaded(m, None)
@@ -325,6 +353,20 @@ class ModelControl:
     def state(self, model: str) -> tuple[ModelState, str]:
         entry = self._entry(model)
         return entry.state, entry.reason
+
+    def refusal(self, model: str) -> UnknownModel | Overloaded:
+        """What a request for ``model``, configured and not loaded, gets now (by its
+        state: :func:`not_loaded`). Not a checkpoint."""
+        return not_loaded(model, self._entry(model).state)
+
+    def _refuse_as(self, entry: _Entry) -> None:
+        """The model's stand-in (if one takes its requests) refuses them as its
+        state says: a request handed over to it (it looked up a copy since
+        unloaded) is told the model is unloading, loading or not loaded, as one that
+        looks it up now."""
+        served = self._rt.models.get(entry.config.name)
+        if served is not None and not served.loaded:
+            served.scheduler.retire(not_loaded(entry.config.name, entry.state))
 
     def _entry(self, model: str) -> _Entry:
         entry = self._entries.get(model) if isinstance(model, str) else None
@@ -574,6 +616,7 @@ class ModelControl:
                     entry.move(ModelState.UNLOADING, "unloading (requests admitted finish)")
                     stand_in = self._unloaded(entry.config, copy.started)
                     rt.models[name] = stand_in
+                    self._refuse_as(entry)  # (unloading)
                     rt._families.pop(name, None)
                     entry.copy = None
                     _invalidate(rt, name)
@@ -876,9 +919,17 @@ class _Control:
 
     def check_loaded(self, model: str) -> None:
         """Raise UnknownModel unless ``model`` is served and loaded (under explicit
-        model control, a configured model may not be). Not a checkpoint."""
+        model control, a configured model may not be; one whose first load is under
+        way: Overloaded, 503, to retry shortly). Not a checkpoint."""
         if not self._known(model, None).loaded:  # type: ignore[attr-defined]
-            raise not_loaded(model)
+            raise self._not_loaded(model)
+
+    def _not_loaded(self, model: str) -> UnknownModel | Overloaded:
+        """What a request for ``model``, configured and not loaded, gets now: as its
+        state says (loading, unloading or not loaded: :func:`not_loaded`)."""
+        if self._control is None:
+            return not_loaded(model)
+        return self._control.refusal(model)
 
     def triton_config(self, model: str, version: str | None = None) -> dict[str, Any]:
         """``model``'s configuration as Triton's ``ModelConfig`` document, as ``GET

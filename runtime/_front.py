@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import trio
 
 from ._config import Config
-from ._control import _Control, not_loaded
+from ._control import _Control
 from ._credits import _Credits
 from ._edge_cache import _EdgeCache
 from ._errors import (
@@ -305,7 +305,7 @@ class Runtime(
                 served.slo.failed(trio.current_time())
             raise ActorClosed("the runtime is shut down")
         if not served.loaded:
-            raise not_loaded(model)
+            raise self._not_loaded(model)
         return served
 
     def _known(self, model: str, version: str | None) -> ServedModel:

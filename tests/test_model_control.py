@@ -124,7 +124,7 @@ async def test_unload_answers_every_admitted_request_then_refuses(autojump_clock
                 ops.start_soon(rt.unload_model, "m")
                 await trio.testing.wait_all_tasks_blocked()
                 assert rt.model_state("m") == ("UNLOADING", "unloading (requests admitted finish)")
-                with pytest.raises(UnknownModel, match="is not loaded"):
+                with pytest.raises(UnknownModel, match="is unloading"):
                     await rt.infer("m", item(9.0))
         # the unload returned once the six (three batches of two) were answered
         assert trio.current_time() == pytest.approx(t0 + 3 * RUN_S)
@@ -385,7 +385,7 @@ async def test_an_unload_during_a_reload_abandons_it_then_unloads_the_loaded_cop
             assert failures == [ABANDONED]  # at once
             assert rt.model_state("m") == ("UNLOADING", "unloading (requests admitted "
                                            "finish)")
-            with pytest.raises(UnknownModel, match="'m' is not loaded"):
+            with pytest.raises(UnknownModel, match="'m' is unloading"):
                 await rt.infer("m", item(4.0))  # refused at once, as by any unload
         # its drain and its worker's stop (the reload's stopped meanwhile), not the
         # reload's 30 s

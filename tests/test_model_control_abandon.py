@@ -16,7 +16,7 @@ import trio
 import trio.testing
 import trioserve
 from runtime_helpers import GATE_LIMIT_S, X, Y, item
-from trioserve import ModelBackend, ModelLoadError, ServerConfig, UnknownModel
+from trioserve import ModelBackend, ModelLoadError, Overloaded, ServerConfig, UnknownModel
 
 ABANDONED = "model 'm': its load was abandoned: an unload of the model was asked before it ended"
 
@@ -92,8 +92,8 @@ async def test_an_unload_abandons_a_first_load_stuck_in_its_thread(autojump_cloc
             ops.start_soon(load_abandoned, rt, failures)  # shares the first
             assert await wait_in_thread(held.entered)
             assert rt.model_state("m") == ("LOADING", "loading")
-            with pytest.raises(UnknownModel, match="'m' is not loaded"):
-                await rt.infer("m", item(1.0))  # refused at once, as before
+            with pytest.raises(Overloaded, match=r"'m' is loading: .* retry shortly"):
+                await rt.infer("m", item(1.0))  # refused at once, as before (503)
             t0 = trio.current_time()
             await rt.unload_model("m")  # does not wait for the load
             unloaded_in = trio.current_time() - t0

@@ -20,6 +20,7 @@ from trioserve import (
     ActorClosed,
     ConfigError,
     ModelLoadError,
+    Overloaded,
     TrioserveError,
     UnknownModel,
 )
@@ -83,6 +84,12 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.errorhandler(UnknownModel)
     async def unknown_model(exc: UnknownModel) -> Any:
         return json(error_body(str(exc)), exc.status)
+
+    @app.errorhandler(Overloaded)
+    async def not_now(exc: Overloaded) -> Any:
+        # a model whose first load is under way (explicit model control): 503, to
+        # retry after Retry-After
+        return answer(error_answer(exc))
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Any:
