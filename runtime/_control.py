@@ -222,6 +222,8 @@ class _Copy:
         if isinstance(successor, _Copy):
             for group in self.groups:
                 group.successor = self.heir(group)
+        for group in self.groups:  # a request waiting for credits goes on, or is refused
+            group.retired.set()
         if self.family is not None and self.family.controller is not None:
             if not isinstance(successor, _Copy):
                 # unloaded: its trial's progress is what its next load resumes

@@ -58,7 +58,7 @@ class _Credits:
         if at > now:
             self.credit_waits[tenant] += 1
             try:
-                await trio.sleep_until(at)
+                unloaded = await _until_or_unloaded(at, served)
             except trio.Cancelled:
                 bucket.refund(cost)  # never used: give the credits back
                 self.credits_used[tenant] -= cost
@@ -66,6 +66,11 @@ class _Credits:
                 raise
             finally:
                 self.credit_wait_seconds[tenant] += trio.current_time() - now
+            if unloaded:  # refused now, not when its credits come; never used
+                bucket.refund(cost)
+                self.credits_used[tenant] -= cost
+                self.credits_refunded[tenant] += cost
+                raise self._not_loaded(served.config.name)  # type: ignore[attr-defined]
             now = trio.current_time()
         return now, taken
 
@@ -105,6 +110,24 @@ class _Credits:
                 "credit_wait_seconds": self.credit_wait_seconds.get(t.name, 0.0),
             }
         return out
+
+
+async def _until_or_unloaded(at: float, served: ServedModel) -> bool:
+    """Sleep until ``at``, the start of a reservation of credits for requests to
+    ``served`` (the copy they looked up), or until the model is unloaded (explicit
+    model control); return whether it was. A reload keeps them waiting: they go to
+    the copy that replaced it (``ServedModel.successor``), and so on, one reload
+    after the other. A checkpoint; cancelling it leaves the reservation to the
+    caller."""
+    with trio.move_on_at(at):
+        while True:
+            while served.retired.is_set() and served.successor is not None:
+                served = served.successor
+            if served.retired.is_set():  # unloaded: no copy takes them
+                await trio.lowlevel.checkpoint()
+                return True
+            await served.retired.wait()
+    return False
 
 
 def _seconds(s: float) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import trio
 
 from ._config import ModelConfig
 from ._model import ModelBackend
@@ -50,6 +51,10 @@ class ServedModel:
     #: forward: what holds a copy (a request that looked it up) holds the copies
     #: that may have run that request, and no longer than that
     successor: ServedModel | None = None
+    #: set when it takes no more new requests (explicit model control): replaced by
+    #: a reload (``successor`` then) or unloaded (no ``successor``); requests
+    #: waiting for their tenant's credits wake on it
+    retired: trio.Event = attrs.Factory(trio.Event)
 
     @property
     def name(self) -> str:

@@ -187,3 +187,87 @@ async def test_the_load_url_in_not_loaded_is_one_to_paste(autojump_clock, worker
             res = await http.request("POST", target)
             assert (res.status, res.body) == (200, b"{}")
         assert gw.runtime.model_state(name) == ("READY", "")
+
+
+def credits_config(rate: float = 1.0):
+    """Model ``m`` (loaded at start, batches of 1 s) and a tenant with ``rate``
+    credits a second and a burst of 1: a second request of the batch class waits
+    for its credits."""
+    return trioserve.Config(
+        models=(m_model(load_at_start=True),),
+        tenants=(trioserve.TenantConfig(name="t", default=True, credit_rate=rate,
+                                        credit_burst=1.0),),
+        server=trioserve.ServerConfig(model_control="explicit"),
+    )
+
+
+async def test_an_unload_answers_the_requests_waiting_for_credits_at_once(
+    autojump_clock, workers  # noqa: F811
+):
+    """With ``over_quota = "wait"``, requests waiting for their tenant's credits were
+    refused by an unload only when their credits came (seconds later): now the
+    unload answers them at once, each once, and gives their credits back."""
+    answers: dict = {}
+
+    async def one(rt, x):
+        try:
+            out = await rt.infer("m", item(x), priority="batch")
+        except trioserve.TrioserveError as exc:
+            answers.setdefault(x, []).append((trio.current_time() - t0, exc))
+        else:
+            answers.setdefault(x, []).append((trio.current_time() - t0, float(out["y"][0])))
+
+    async with trioserve.open_runtime(credits_config()) as rt:
+        t0 = trio.current_time()
+        async with trio.open_nursery() as callers:
+            for x in (1.0, 2.0, 3.0, 4.0):  # 1 paid; 2, 3 and 4 wait 1, 2 and 3 s
+                callers.start_soon(one, rt, x)
+                await trio.testing.wait_all_tasks_blocked()  # (in this order)
+            assert rt.tenant_statistics()["t"]["credit_waits"] == 3
+            await rt.unload_model("m")  # once the request admitted is answered (1 s)
+            unloaded_at = trio.current_time() - t0
+        assert unloaded_at == 1.0
+        assert answers[1.0] == [(1.0, 1.0)]
+        for x in (2.0, 3.0, 4.0):
+            ((when, exc),) = answers[x]  # one answer each
+            assert when == 0.0  # at the unload, not when its credits came
+            assert type(exc) is UnknownModel
+            assert str(exc) == UNLOADING
+        stats = rt.tenant_statistics()["t"]
+        # given back as to callers that left while waiting (docs/scheduling.md)
+        assert (stats["credits_used"], stats["credits_refunded"]) == (1, 3)
+
+
+async def test_requests_waiting_for_credits_go_on_through_a_reload_then_an_unload(
+    autojump_clock, workers  # noqa: F811
+):
+    """A reload while requests wait for credits keeps them waiting (the new copy
+    answers them once their credits come); an unload after it answers the ones
+    still waiting at once."""
+    answers: dict = {}
+
+    async def one(rt, x):
+        try:
+            out = await rt.infer("m", item(x), priority="batch")
+        except trioserve.TrioserveError as exc:
+            answers[x] = (trio.current_time() - t0, str(exc))
+        else:
+            answers[x] = (trio.current_time() - t0, float(out["y"][0]))
+
+    async with trioserve.open_runtime(credits_config()) as rt:
+        t0 = trio.current_time()
+        async with trio.open_nursery() as callers:
+            for x in (1.0, 2.0, 3.0, 4.0):  # their credits come at 0, 1, 2 and 3 s
+                callers.start_soon(one, rt, x)
+                await trio.testing.wait_all_tasks_blocked()  # (in this order)
+            workers.weight = 10.0
+            await rt.load_model("m")  # a reload: the new copy weighs 10
+            assert trio.current_time() - t0 == 0.0
+            await trio.sleep(1.5)  # 2's credits came (at 1 s): the new copy runs it
+            await rt.unload_model("m")
+        assert answers == {
+            1.0: (1.0, 1.0),  # the old copy's, queued before the reload
+            2.0: (2.0, 20.0),  # handed over to the new copy at 1 s, run 1 s
+            3.0: (1.5, UNLOADING),  # still waiting at the unload: answered then
+            4.0: (1.5, UNLOADING),
+        }
