@@ -100,7 +100,8 @@ async def test_a_tenants_key_is_403_and_the_default_tenant_reads_nothing(guarded
     keyless inference, not a keyless look at every tenant's counts."""
     res = await call(guarded, "GET", "/metrics", keys=("key-a",))
     assert res.status == 403
-    assert res.json() == {"error": "a tenant's API key may not read the control plane"}
+    assert res.json() == {"error": "a tenant's API key may not read the control plane: "
+                                   "that takes an operator's key (server.control_plane_keys)"}
     res = await call(guarded, "GET", "/v2/models/stats")
     assert res.status == 401
 
@@ -120,6 +121,23 @@ async def test_refusals_name_no_model_or_tenant(guarded):
     assert "echo" in res.json()["error"]
     res = await call(guarded, "GET", "/metrics", keys=("ops-key",))
     assert 'tenant="A"' in res.body.decode()
+
+
+async def test_a_tenants_key_is_told_what_it_may_not_do(guarded):
+    """The 403 said "may not read the control plane" for a load or an unload too:
+    a write is named as one."""
+    tail = ": that takes an operator's key (server.control_plane_keys)"
+    for method, target, doing in (
+        ("POST", "/v2/repository/models/echo/load", "load or unload a model"),
+        ("POST", "/v2/repository/models/echo/unload", "load or unload a model"),
+        ("POST", "/v2/models/echo/rollout/promote", "act on a model's rollout"),
+        ("GET", "/v2/models/echo/rollout", "read the control plane"),
+        ("POST", "/v2/repository/index", "read the control plane"),
+        ("GET", "/v2/models/echo", "read the control plane"),
+    ):
+        res = await call(guarded, method, target, keys=("key-a",))
+        assert res.status == 403, (method, target)
+        assert res.json() == {"error": f"a tenant's API key may not {doing}{tail}"}
 
 
 async def test_the_repositorys_load_and_unload_need_the_key_too(guarded):

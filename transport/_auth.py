@@ -72,8 +72,13 @@ class ControlPlaneGuard:
         """Whether the control plane answers anyone (no key configured)."""
         return not self._keys
 
-    def check(self, authorization: bytes | str | tuple[bytes | str, ...] | None) -> None:
-        """Refuse a request to the control plane that lacks an operator's key.
+    def check(
+        self, authorization: bytes | str | tuple[bytes | str, ...] | None,
+        doing: str = "read the control plane",
+    ) -> None:
+        """Refuse a request to the control plane that lacks an operator's key;
+        ``doing``: what the request does, as the 403 says it (``load or unload a
+        model``, ``act on a model's rollout``; else a read).
 
         Raises Unauthorized (401) for a missing, malformed or unknown key, or more
         than one Authorization field line (as :meth:`Authenticator.tenant`), and
@@ -87,7 +92,10 @@ class ControlPlaneGuard:
         if key in self._keys:
             return
         if self._auth.is_tenant_key(key):
-            raise Forbidden("a tenant's API key may not read the control plane")
+            raise Forbidden(
+                f"a tenant's API key may not {doing}: that takes an operator's key "
+                "(server.control_plane_keys)"
+            )
         raise Unauthorized("unknown API key")
 
 

@@ -120,8 +120,15 @@ def control_app(gateway: Gateway) -> QuartTrio:
     async def control_plane_key() -> Any:
         if guard.open or (request.endpoint, request.method) in unguarded:
             return None
+        # what the 403 of a tenant's key says the request does
+        endpoint = request.endpoint or ""
+        doing = "read the control plane"
+        if request.method == "POST" and endpoint == "repository_control":
+            doing = "load or unload a model"
+        elif request.method == "POST" and endpoint.startswith("rollout_"):
+            doing = "act on a model's rollout"
         try:
-            guard.check(_field_lines(request.headers.getlist("Authorization")))
+            guard.check(_field_lines(request.headers.getlist("Authorization")), doing)
         except TrioserveError as exc:
             return answer(error_answer(exc))
         return None
