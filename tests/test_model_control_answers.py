@@ -271,3 +271,23 @@ async def test_requests_waiting_for_credits_go_on_through_a_reload_then_an_unloa
             3.0: (1.5, UNLOADING),  # still waiting at the unload: answered then
             4.0: (1.5, UNLOADING),
         }
+
+
+def broken_factory(**options):
+    raise RuntimeError("weights server unreachable")
+
+
+async def test_a_backend_that_cannot_be_made_stops_the_start_even_if_not_loaded_at_start():
+    """As docs/model-control.md says (and why): the stand-in of a model not loaded is
+    made from its backend, so a factory that raises fails the start, naming it."""
+    cfg = trioserve.Config(
+        models=(trioserve.ModelConfig(name="big", backend=broken_factory,
+                                      load_at_start=False),),
+        server=trioserve.ServerConfig(model_control="explicit"),
+    )
+    with pytest.raises(trioserve.ConfigError, match=(
+        r"^models\.big\.backend: broken_factory failed with its options \{\}: "
+        r"RuntimeError: weights server unreachable$"
+    )):
+        async with trioserve.open_runtime(cfg):
+            pass  # pragma: no cover
