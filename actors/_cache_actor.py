@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 import math
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,19 +50,29 @@ def _answered(expires: float) -> None:
         box[0] = expires
 
 
-#: For the rollout's checks: how many answers the current task was given that the
-#: model did not run for (a cache hit, a join of an identical request in flight, an
-#: item repeated within one call) within :meth:`CacheActor.counting_shared` (a
-#: one-item list; None: nobody asks).
-_shared_answers: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+#: For the rollout's checks and its shadow: which answers the current task was given
+#: that the model did not run for (a cache hit, a join of an identical request in
+#: flight, an item repeated within one call) within :meth:`CacheActor.counting_shared`:
+#: their positions in the counted call's items (a set; None: nobody asks).
+_shared_answers: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar(
     "trioserve_cache_shared_answers", default=None
 )
 
+#: Where the items of the current task's cache calls are among the counted call's
+#: items (its item i is the call's ``positions[i]``, :meth:`CacheActor.items_at`);
+#: None: at their own positions.
+_item_positions: contextvars.ContextVar[Sequence[int] | None] = contextvars.ContextVar(
+    "trioserve_cache_item_positions", default=None
+)
 
-def _shared(n: int = 1) -> None:
+
+def _shared(where: Iterable[int] = (0,)) -> None:
+    """The answers of the items at ``where`` (positions in the cache's call: a
+    single item's is 0) were not computed for them."""
     box = _shared_answers.get()
     if box is not None:
-        box[0] += n
+        at = _item_positions.get()
+        box.update(where if at is None else (at[i] for i in where))
 
 
 def answer_size(value: Any) -> int:
@@ -231,17 +241,35 @@ class CacheActor(Actor):
 
     @staticmethod
     @contextlib.contextmanager
-    def counting_shared() -> Iterator[list[int]]:
-        """Within the block, count for the calling task (and the tasks it starts)
+    def counting_shared() -> Iterator[set[int]]:
+        """Within the block, note for the calling task (and the tasks it starts)
         the answers it is given that the model did not run for: a cache hit, a join
         of an identical request already in flight, an item repeated within one
-        ``answer_many`` call. Yields a one-item list, the count. Not a checkpoint."""
-        box = [0]
+        ``answer_many`` call. Yields a set, filled with their positions among the
+        items of the call made in the block (``infer_batch``'s; a single item's is
+        0): its size is how many there were. Not a checkpoint."""
+        box: set[int] = set()
         token = _shared_answers.set(box)
         try:
             yield box
         finally:
             _shared_answers.reset(token)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def items_at(positions: Sequence[int]) -> Iterator[None]:
+        """Within the block, the calling task's cache calls answer part of the call
+        that :meth:`counting_shared` counts: their item i is its item
+        ``positions[i]`` (an ``infer_batch``'s items within the token budget, or one
+        run alone). Not a checkpoint."""
+        outer = _item_positions.get()
+        token = _item_positions.set(
+            positions if outer is None else [outer[p] for p in positions]
+        )
+        try:
+            yield
+        finally:
+            _item_positions.reset(token)
 
     def keep(
         self, key: Any, value: Any, *, size: int, tenant: str, expires: float = math.inf
@@ -410,9 +438,9 @@ class CacheActor(Actor):
             hit = cache.get(key, now)
             if hit is None:
                 missing[key] = where
-                _shared(len(where) - 1)  # its repeats share its one computation
+                _shared(where[1:])  # its repeats share its one computation
             else:
-                _shared(len(where))
+                _shared(where)
                 if ttl < math.inf:
                     _answered(cache.expiry(key))  # type: ignore[arg-type]
                 for i in where:

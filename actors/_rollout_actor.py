@@ -7,8 +7,9 @@ time (the end of a step's ``step_s``), logs each step (INFO), promotion (INFO) a
 rollback (WARNING), and counts them.
 
 With a ``shadow`` version it also runs the shadow's copies: a share of the
-unversioned requests answered by stable are offered (``shadow_copy``, never a
-checkpoint) to a bounded channel; when it is full the copy is dropped and counted.
+unversioned requests stable's model ran for (the runtime offers no cache hit nor
+coalesced join) are offered (``shadow_copy``, never a checkpoint) to a bounded
+channel; when it is full the copy is dropped and counted.
 A few worker tasks take the copies, run them on the shadow version at the lowest
 request class (never cached, never returned to anyone) and compare their outputs
 with stable's: match, mismatch or error.
@@ -151,7 +152,8 @@ class RolloutController(Actor):
         self._apply(self.rollout.record_late(version, trio.current_time()))
 
     def shadow_copy(self, version: str, inputs: Any, result: Any, tenant: str) -> None:
-        """Offer a copy of a request answered by ``version`` to the shadow: only
+        """Offer a copy of a request ``version``'s model ran for (the caller offers
+        no answer shared from the cache or another's flight) to the shadow: only
         stable's answers, the shadow's share of them; dropped (counted) when the
         shadow's queue is full. Never a checkpoint: the caller is not delayed."""
         if (

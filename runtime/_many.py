@@ -3,8 +3,10 @@ once without a task per item, all or none across a model's lanes, settled togeth
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import outcome
@@ -63,10 +65,11 @@ class _ManyItems:
         async def run_small() -> None:
             failed: list[int] = []
             try:
-                values = await self._rows(
-                    served, model, version, [prepared[i] for i in small], tenant, priority,
-                    failed,
-                )
+                with self._items_at(model, small):
+                    values = await self._rows(
+                        served, model, version, [prepared[i] for i in small], tenant,
+                        priority, failed,
+                    )
             except Exception as exc:
                 # where the first failure was (a cached model's: its first item)
                 errors[small[failed[0] if failed else 0]] = exc
@@ -77,9 +80,10 @@ class _ManyItems:
         async def run_big(i: int) -> None:
             item, cost = prepared[i]
             try:
-                out[i] = await self._answer_prepared(
-                    served, model, version, item, cost, tenant, priority
-                )
+                with self._items_at(model, [i]):
+                    out[i] = await self._answer_prepared(
+                        served, model, version, item, cost, tenant, priority
+                    )
             except Exception as exc:
                 errors[i] = exc
 
@@ -91,6 +95,14 @@ class _ManyItems:
         if errors:
             raise errors[min(errors)]
         return out
+
+    def _items_at(self, model: str, positions: Sequence[int]) -> AbstractContextManager[None]:
+        """Within the block, the calling task's items are the call's ``positions``
+        (``CacheActor.items_at``: which of its answers the model did not run for is
+        told by their place in the call, for a rollout's checks and shadow)."""
+        if model in self._cached:
+            return self.cache.items_at(positions)
+        return contextlib.nullcontext()
 
     def _check_count(
         self, served: ServedModel, items: Sequence[Any] | Mapping[str, Any], tenant: str

@@ -300,15 +300,17 @@ class _Versioned:
                     model, inputs, tenant=tenant, priority=priority, version=version
                 )
             except TrioserveError as exc:
-                if shared[0]:  # a joined request's failure is the one it joined
+                if shared:  # a joined request's failure is the one it joined
                     family.record_shared(version)
                 else:
                     family.record_failure(version, exc, trio.current_time() - t0)
                 raise
-        if shared[0]:
+        if shared:
+            # The model did not run for it: no shadow copy either, or under a high
+            # hit rate the shadow would run the few popular inputs over and over.
             family.record_shared(version)
-        else:
-            family.record(version, True, trio.current_time() - t0)
+            return result
+        family.record(version, True, trio.current_time() - t0)
         if family.controller is not None:
             family.controller.shadow_copy(version, inputs, result, tenant)
         return result
@@ -354,16 +356,18 @@ class _Versioned:
                     )
                 except TrioserveError as exc:
                     # the items the model ran for (not those from the cache or repeated)
-                    ran = len(index) - shared[0]
-                    family.record_shared(version, shared[0])
+                    ran = len(index) - len(shared)
+                    family.record_shared(version, len(shared))
                     family.record_failure(version, exc, trio.current_time() - t0, ran)
                     errors[index[0]] = exc
                     return
-            family.record_shared(version, shared[0])
+            family.record_shared(version, len(shared))
+            latency = trio.current_time() - t0
             for n, (i, value) in enumerate(zip(index, values, strict=True)):
                 out[i] = value
-                if n >= shared[0]:  # the part's latency, once per item the model ran
-                    family.record(version, True, trio.current_time() - t0)
+                if n in shared:  # from the cache, or a repeat: no check, no copy
+                    continue
+                family.record(version, True, latency)  # the part's, once per item run
                 if family.controller is not None:
                     family.controller.shadow_copy(version, rows[i], value, tenant)
 
@@ -405,12 +409,13 @@ class _Versioned:
         served.scheduler_for(cost).submit_nowait(request)
         return await reply.wait()
 
-    def _counting_shared(self, model: str) -> AbstractContextManager[list[int]]:
-        """Counts the answers of the block's calls that ``model`` did not run for
-        (``CacheActor.counting_shared``; always 0 for a model not cached)."""
+    def _counting_shared(self, model: str) -> AbstractContextManager[set[int]]:
+        """The positions among the items of the block's call of the answers that
+        ``model`` did not run for (``CacheActor.counting_shared``; always none for a
+        model not cached)."""
         if model in self._cached:
             return self.cache.counting_shared()
-        return contextlib.nullcontext([0])
+        return contextlib.nullcontext(set())
 
     def _groups_of(self, model: str) -> list[ServedModel]:
         """Every ServedModel serving ``model``: its own, or each of its versions'."""

@@ -442,6 +442,128 @@ async def test_a_request_joined_to_another_in_flight_is_left_out_of_the_checks()
     assert timed == 2  # the two computations' latencies
 
 
+class Seen(CallableBackend):
+    """A backend computing ``y = x + k`` inline, recording the ``x`` of each item it
+    runs (as a tuple) in ``seen``; an item costs its length."""
+
+    def __init__(self, k: float, *, gate=None) -> None:
+        self.seen: list[tuple[float, ...]] = []
+
+        def run(items):
+            if gate is not None:
+                gate.wait(GATE_LIMIT_S)
+            self.seen.extend(tuple(map(float, it["x"])) for it in items)
+            return [{"y": it["x"] + np.float32(k)} for it in items]
+
+        super().__init__(run, inputs=[X], outputs=[Y],
+                         execution="thread" if gate is not None else "inline")
+
+    def prepare(self, name, inputs):
+        it, _ = super().prepare(name, inputs)
+        return it, int(it["x"].shape[0])
+
+
+def shadow_of(stable, shadow, **cfg) -> ModelConfig:
+    """Model ``m``: stable version 1 (``stable``) and its shadow 3 (``shadow``)."""
+    cfg.setdefault("max_wait_ms", 0.0)
+    rollout = {"stable": "1", "shadow": "3"}
+    rollout.update(cfg.pop("rollout", {}))
+    return ModelConfig(name="m", backend=stable, versions={"1": {}, "3": {"backend": shadow}},
+                       rollout=rollout, **cfg)
+
+
+async def _copied(rt, n: int) -> int:
+    """Wait for ``n`` shadow copies to have run, then return how many ran or were
+    dropped once nothing more moves."""
+    controller = rt._families["m"].controller
+    await controller.wait_shadow_results(n)
+    await trio.testing.wait_all_tasks_blocked()
+    return sum(controller.shadow_results.values())
+
+
+@pytest.mark.parametrize(("share", "copied"), [(1.0, [5, 6, 7, 8]), (0.5, [6, 8])])
+async def test_the_shadow_copies_only_answers_the_model_computed(autojump_clock, share, copied):
+    # Repeats of an input answered from the cache are not copied: the shadow runs
+    # each input once (the first, the one the model ran), and its share is of those.
+    shadow = Seen(3)
+    m = shadow_of(adder(1), shadow, rollout={"shadow_share": share})
+    async with trioserve.open_runtime(_cached(m)) as rt:
+        for x in (5, 5, 5, 6, 6, 7, 5, 7, 8, 8, 6):
+            assert version_of(await rt.infer("m", one(x)), x) == "1"
+        ran = await _copied(rt, len(copied))
+    assert sorted(shadow.seen) == [(float(x),) for x in copied]
+    assert ran == len(copied)
+
+
+async def test_an_uncached_models_every_answer_is_copied_to_its_shadow(autojump_clock):
+    shadow = Seen(3)
+    m = shadow_of(adder(1), shadow)
+    async with trioserve.open_runtime(config(m)) as rt:
+        for x in (5, 5, 5, 6):
+            await rt.infer("m", one(x))
+        await rt.infer_batch("m", [one(5), one(6), one(6)])
+        ran = await _copied(rt, 7)
+    assert sorted(shadow.seen) == [(5.0,)] * 4 + [(6.0,)] * 3
+    assert ran == 7
+
+
+async def test_a_batch_call_copies_to_the_shadow_only_the_items_the_model_ran(autojump_clock):
+    shadow = Seen(3)
+    m = shadow_of(adder(1), shadow)
+    async with trioserve.open_runtime(_cached(m)) as rt:
+        await rt.infer("m", one(5))
+        # 5 from the cache, 6 computed, its repeat shared, 7 computed
+        out = await rt.infer_batch("m", [one(5), one(6), one(6), one(7)])
+        ran = await _copied(rt, 3)
+    assert [float(o["y"][0]) for o in out] == [6.0, 7.0, 7.0, 8.0]
+    assert sorted(shadow.seen) == [(5.0,), (6.0,), (7.0,)]
+    assert ran == 3
+
+
+async def test_a_batch_call_with_items_run_alone_copies_only_those_the_model_ran(
+    autojump_clock,
+):
+    # Items over max_batch_tokens run alone, the others together: which answers the
+    # model did not run for is known by each item's place in the whole call.
+    shadow = Seen(3)
+    m = shadow_of(Seen(1), shadow, max_batch_tokens=2, oversize="alone")
+    big = {"x": np.full(3, 7.0, np.float32)}
+    bigger = {"x": np.full(3, 8.0, np.float32)}
+    async with trioserve.open_runtime(_cached(m)) as rt:
+        await rt.infer("m", big)
+        await rt.infer("m", one(5))
+        # 0: big, cached; 1: computed; 2: cached; 3: big, computed; 4: big, cached
+        out = await rt.infer_batch("m", [big, one(6), one(5), bigger, big])
+        ran = await _copied(rt, 4)
+    assert [o["y"].tolist() for o in out] == [[8.0] * 3, [7.0], [6.0], [9.0] * 3, [8.0] * 3]
+    assert sorted(shadow.seen) == [(5.0,), (6.0,), (7.0, 7.0, 7.0), (8.0, 8.0, 8.0)]
+    assert ran == 4
+
+
+async def test_a_request_joined_to_another_in_flight_is_not_copied_to_the_shadow():
+    gate = threading.Event()
+    shadow = Seen(3)
+    m = shadow_of(Seen(1, gate=gate), shadow, coalesce=True)
+    got: list[float] = []
+
+    async def call(rt) -> None:
+        got.append(float((await rt.infer("m", one(4)))["y"][0]))
+
+    try:
+        async with trioserve.open_runtime(config(m)) as rt:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, rt)
+                nursery.start_soon(call, rt)
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+            ran = await _copied(rt, 1)
+    finally:
+        gate.set()
+    assert got == [5.0, 5.0]
+    assert sorted(shadow.seen) == [(4.0,)]
+    assert ran == 1
+
+
 # ---------------------------------------------------------------- the operator's
 async def test_the_operator_pauses_resumes_and_promotes_a_canary(autojump_clock, caplog):
     m = model({"stable": "1", "canary": "2", "steps": [0.5, 0.75], "step_s": 10,
