@@ -5,6 +5,7 @@ from ._admission import AimdLimit as AimdLimit
 from ._autoscale import Autoscaler as Autoscaler
 from ._autoscale import AutoscalerStatistics as AutoscalerStatistics
 from ._autoscale import ScaleDecision as ScaleDecision
+from ._batcher import REPLICA_HEALTH as REPLICA_HEALTH
 from ._batcher import BatcherActor as BatcherActor
 from ._batcher import model_threads_running as model_threads_running
 from ._batching import BatchBuilder as BatchBuilder

@@ -83,6 +83,16 @@ from ._worker_feed import WorkerFeed
 
 log = logging.getLogger("trioserve")
 
+#: Every health a replica may have (:attr:`BatcherActor.health`): the running
+#: replica's, then the actor's states when it is not running.
+REPLICA_HEALTH = (
+    "ready", "half_open", "open", "degraded", "replacing", "retiring", "lost",
+    "starting", "restarting", "stopped", "broken",
+)
+#: The healths of a replica that takes work (``BatcherActor.ready``).
+_SERVING = frozenset({"ready", "half_open"})
+
+
 class _DeviceLost(Exception):
     """The model raised in a worker thread and left its device unusable
     (``trioserve.device_lost``); the model's exception is its cause."""
@@ -241,13 +251,16 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
     # ------------------------------------------------------------------ health
     @property
     def health(self) -> str:
-        """``ready`` (pulling work), ``lost`` (a thread or inline replica whose model
+        """``ready`` (pulling work), ``half_open`` (pulling work on probation: its
+        circuit breaker's cooldown passed, and its next good batch closes it, a
+        failure opens it again), ``lost`` (a thread or inline replica whose model
         left its device unusable: it serves no more), ``degraded`` (a straggling
         thread still runs),
         ``replacing`` (a new worker process is starting), ``open`` (its circuit breaker
-        is open after repeated failures), ``retiring`` (the autoscaler retires it: it
-        finishes what it holds and pulls no more), or the actor's state when it is not
-        running (starting, restarting, stopped, broken)."""
+        is open after repeated failures: it pulls nothing), ``retiring`` (the
+        autoscaler retires it: it finishes what it holds and pulls no more), or the
+        actor's state when it is not running (starting, restarting, stopped, broken).
+        One of :data:`REPLICA_HEALTH`."""
         if self.state is not ActorState.RUNNING:
             return self.state.value
         if self.lost is not None:
@@ -258,13 +271,19 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             return "degraded"
         if self._replacing:
             return "replacing"
-        if self._breaker.is_open(trio.current_time()):
+        now = trio.current_time()
+        if self._breaker.is_open(now):
             return "open"
+        if self._breaker.half_open(now):
+            return "half_open"
         return "ready"
 
     @property
     def ready(self) -> bool:
-        return self.health == "ready"
+        """Whether it takes work: ``ready``, or ``half_open`` (its trial needs work
+        to run, and a readiness probe that turned a lone replica's traffic away
+        would hold its breaker half-open)."""
+        return self.health in _SERVING
 
     async def _wait_breaker(self) -> None:
         """Wait while the breaker is open; a worker replacement falling due (another

@@ -332,3 +332,9 @@ class Breaker:
 
     def is_open(self, now: float) -> bool:
         return now < self.open_until
+
+    def half_open(self, now: float) -> bool:
+        """Whether it opened since its last success and its cooldown has passed: the
+        replica pulls again on probation, until a batch that succeeds closes it or a
+        failure on fresh work opens it again."""
+        return self.openings > 0 and not self.is_open(now)

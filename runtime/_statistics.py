@@ -86,7 +86,8 @@ class _Statistics:
     def model_ready(self, model: str, version: str | None = None) -> bool:
         """Whether ``model`` can serve now: the runtime is open and at least one of its
         replicas is ready (running, not degraded by a straggler, not replacing its
-        worker, its circuit breaker closed). With ``version``: one of the replicas
+        worker, its circuit breaker not open: closed, or half-open, its trial taking
+        work). With ``version``: one of the replicas
         serving that version. UnknownModel for a model (or version) not served."""
         served = self._known(model, version)
         return not self._closed and any(
@@ -94,7 +95,8 @@ class _Statistics:
         )
 
     def health(self) -> dict[str, Any]:
-        """Per model: ready or not, and each replica's health."""
+        """Per model: ready or not, and each replica's health (``BatcherActor.health``:
+        ``ready``, ``half_open``, ``open``, ... see docs/faults.md)."""
         return {
             name: {
                 "ready": self.model_ready(name),

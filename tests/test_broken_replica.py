@@ -165,6 +165,104 @@ def errors_before_evidence(outcomes: list) -> int:
     return rest.index(next(o for o in rest if o != "error"))
 
 
+async def seen_from_outside(rt, client) -> dict:
+    """What an operator sees of model ``m``: ``rt.health()``'s replicas, the
+    ``trioserve_replicas`` samples that are not 0, and the status of
+    ``/v2/health/ready`` and ``/v2/models/m/ready``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await (await client.get("/metrics")).get_data()).decode()
+    (family,) = [f for f in text_string_to_metric_families(text)
+                 if f.name == "trioserve_replicas"]
+    samples = {s.labels["health"]: s.value for s in family.samples
+               if s.labels["model"] == "m"}
+    assert set(samples) >= {"ready", "half_open", "open"}  # each one from the start
+    return {
+        "replicas": rt.health()["m"]["replicas"],
+        "metrics": {h: int(v) for h, v in samples.items() if v},
+        "ready": ((await client.get("/v2/health/ready")).status_code,
+                  (await client.get("/v2/models/m/ready")).status_code),
+    }
+
+
+async def test_an_operator_sees_a_breaker_open_then_on_probation_then_closed(mock_clock):
+    """The breaker of a replica whose model raises there (cpu:0) while cpu:1 serves:
+    open (pulls nothing), half-open once its cooldown passed (pulls on probation),
+    open again after a trial that fails, and closed after one that succeeds. Each
+    state shows in ``rt.health()`` and in ``trioserve_replicas``; the model stays
+    ready throughout (the sound replica)."""
+    from trioserve.transport import Gateway
+
+    backend, model = per_device({"cpu:0"})
+    async with trioserve.open_runtime(config(model)) as rt:
+        client = Gateway(rt).app.test_client()
+        broken, sound = rt.models["m"].batchers
+        b, s = broken.name, sound.name
+        assert await seen_from_outside(rt, client) == {
+            "replicas": {b: "ready", s: "ready"}, "metrics": {"ready": 2},
+            "ready": (200, 200),
+        }
+        await one_at_a_time(rt, [], until=lambda: broken._breaker.is_open(trio.current_time()))
+        opened = await seen_from_outside(rt, client)
+        assert not broken.ready
+
+        mock_clock.jump(1.0)  # its cooldown passed
+        await trio.testing.wait_all_tasks_blocked()
+        probation = await seen_from_outside(rt, client)
+        assert broken.ready  # it takes work: its trial
+        await one_at_a_time(rt, [], until=lambda: broken._breaker.is_open(trio.current_time()))
+        reopened = await seen_from_outside(rt, client)
+
+        backend.broken.clear()  # its device recovers
+        mock_clock.jump(2.0)  # the doubled cooldown
+        await trio.testing.wait_all_tasks_blocked()
+        second = await seen_from_outside(rt, client)
+        healed: list = []
+        await one_at_a_time(rt, healed, until=lambda: 0.0 in healed)  # its good batch
+        closed = await seen_from_outside(rt, client)
+    assert opened == {"replicas": {b: "open", s: "ready"},
+                      "metrics": {"open": 1, "ready": 1}, "ready": (200, 200)}
+    assert probation == {"replicas": {b: "half_open", s: "ready"},
+                         "metrics": {"half_open": 1, "ready": 1}, "ready": (200, 200)}
+    assert reopened == opened
+    assert second == probation
+    assert closed == {"replicas": {b: "ready", s: "ready"}, "metrics": {"ready": 2},
+                      "ready": (200, 200)}
+
+
+async def test_a_lone_replicas_open_breaker_fails_readiness_and_its_probation_passes_it(
+    mock_clock,
+):
+    """A model's only replica: while its breaker is open the model is not ready (503
+    on both probes), and once the cooldown passed it is again (half-open: it must
+    take work for its trial to run); a good batch closes the breaker. The breaker is
+    opened as a run of five stragglers would (its sans-IO ``failure``)."""
+    from trioserve.transport import Gateway
+
+    m = callable_model("m", lambda items: [{"y": it["x"]} for it in items],
+                       execution="thread", max_wait_ms=0)
+    async with trioserve.open_runtime(config(m)) as rt:
+        client = Gateway(rt).app.test_client()
+        (replica,) = rt.models["m"].batchers
+        name = replica.name
+        for _ in range(THRESHOLD):
+            replica._breaker.failure(trio.current_time())
+        opened = await seen_from_outside(rt, client)
+        opened_ready = rt.model_ready("m")
+        mock_clock.jump(1.0)
+        probation = await seen_from_outside(rt, client)
+        probation_ready = rt.model_ready("m")
+        assert float((await rt.infer("m", item(2.0)))["y"][0]) == 2.0
+        closed = await seen_from_outside(rt, client)
+    assert (opened, opened_ready) == ({"replicas": {name: "open"}, "metrics": {"open": 1},
+                                       "ready": (503, 503)}, False)
+    assert (probation, probation_ready) == ({"replicas": {name: "half_open"},
+                                             "metrics": {"half_open": 1},
+                                             "ready": (200, 200)}, True)
+    assert closed == {"replicas": {name: "ready"}, "metrics": {"ready": 1},
+                      "ready": (200, 200)}
+
+
 async def test_a_broken_thread_replica_is_isolated_and_its_trial_reopens_or_closes_it(
     mock_clock,
 ):
@@ -197,7 +295,8 @@ async def test_a_broken_thread_replica_is_isolated_and_its_trial_reopens_or_clos
         assert broken._breaker.open_until == opened_at + 1.0
         mock_clock.jump(1.0)
         await trio.testing.wait_all_tasks_blocked()
-        assert broken.health == "ready"
+        assert broken.health == "half_open"  # on probation: it pulls again
+        assert broken.ready
         trial: list = []
         await one_at_a_time(rt, trial, until=lambda: "error" in trial)
         assert broken.health == "open"
@@ -210,6 +309,7 @@ async def test_a_broken_thread_replica_is_isolated_and_its_trial_reopens_or_clos
         assert broken.health == "open"  # a second of the two to go
         mock_clock.jump(1.0)
         await trio.testing.wait_all_tasks_blocked()
+        assert broken.health == "half_open"
         healed: list = []
         await one_at_a_time(rt, healed, until=lambda: 0.0 in healed)
         assert set(healed) <= {0.0, 1.0}  # no error
@@ -280,7 +380,7 @@ async def test_a_broken_worker_process_is_replaced_and_its_replica_serves_again(
         # clock does not move), and serves.
         assert broken._breaker.open_until == trio.current_time()
         await replaced.wait()
-        assert broken.health == "ready"
+        assert broken.health == "half_open"  # the successor's trial
         await one_at_a_time(rt, outcomes, until=lambda: outcomes[-1] not in ("error", sound_pid))
         successor = broken._worker.pid
         assert successor != first[broken]

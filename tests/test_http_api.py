@@ -643,7 +643,7 @@ async def test_the_metrics_exposition_is_valid_after_traffic_through_every_featu
         f.name + "_total" if f.type == "counter" else f.name
         for f in text_string_to_metric_families(final.body.decode())
     }
-    assert len(exposed) == 52  # 8 of them the Idempotency-Key store's
+    assert len(exposed) == 53  # 8 of them the Idempotency-Key store's
     assert exposed - documented_series() == set()
     requests = {
         (dict(labels)["model"], dict(labels)["tenant"], dict(labels)["status"]): v

@@ -12,6 +12,7 @@ give: there is no latency to report, and 0 would claim one.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from prometheus_client.openmetrics.exposition import (
 )
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
-from trioserve.actors import OUTCOMES, SLO_WINDOWS, values_at
+from trioserve.actors import OUTCOMES, REPLICA_HEALTH, SLO_WINDOWS, values_at
 
 from ._idempotency import ENTRY_OVERHEAD
 from ._rollout_metrics import rollout_metrics
@@ -178,6 +179,14 @@ class GatewayCollector(Collector):
             "requests, straggler batches cut, worker_lost workers.",
             labels=["model", "outcome"],
         )
+        replicas = GaugeMetricFamily(
+            "trioserve_replicas",
+            "The model's replicas (all its versions') by health: ready, half_open (its "
+            "circuit breaker's trial: pulling work on probation), open (its breaker "
+            "open: pulling nothing), degraded, replacing, retiring, lost, or the "
+            "replica's actor state when it is not running.",
+            labels=["model", "health"],
+        )
         for name, served in sorted(gw.runtime.models.items()):
             m = served.metrics
             for stage in STAGES:
@@ -199,7 +208,14 @@ class GatewayCollector(Collector):
             # every outcome from the start, at 0 until it happens
             for outcome in sorted(set(OUTCOMES) | set(m.statuses)):
                 outcomes.add_metric([name, str(outcome)], m.statuses[outcome])
-        yield from (latency, batches, items, fill, depth, outcomes)
+            # every health from the start, at 0 when no replica has it
+            health = collections.Counter(
+                getattr(b, "health", b.state.value)
+                for g in gw.runtime._groups_of(name) for b in g.batchers
+            )
+            for h in (*REPLICA_HEALTH, *sorted(set(health) - set(REPLICA_HEALTH))):
+                replicas.add_metric([name, h], health[h])
+        yield from (latency, batches, items, fill, depth, outcomes, replicas)
         yield from self._autoscaling(gw)
         yield from rollout_metrics(gw.runtime)
         yield from self._slo(gw)
