@@ -321,9 +321,10 @@ class Admission:
         leaving = plan.leaving
         self._capacity = plan.capacity
         try:
-            if not leaving:
-                for request in requests:  # room for all: ``offer`` finds it
-                    self.offer(request, now)
+            if not leaving:  # room for all: ``offer`` finds it
+                if not self._offer_call(requests, now):
+                    for request in requests:
+                        self.offer(request, now)
                 return
             j = 0
             for i, request in enumerate(requests):
@@ -344,6 +345,79 @@ class Admission:
                 self.offer(request, now)
         finally:
             self._update_capacity()
+
+    def _offer_call(self, requests: Sequence[Request], now: float) -> bool:
+        """``offer`` for each of the requests of one call (one tenant and class, as
+        ``plan_all`` checked), in order, in one pass: the same checks and effects,
+        and the same refusal at the same item, with what is the same for every item
+        (its flow, its class, its statistics, the share and the room) looked up
+        once. Only where the queue has room for all of them and the tenant has no
+        queue share: there ``_admit`` can refuse an item only for its estimated
+        wait, a check that stays per item. Returns False, having done nothing,
+        otherwise (the caller offers the items one by one)."""
+        first = requests[0]
+        tenant = first.tenant
+        n = len(requests)
+        if (
+            self.shares.get(tenant, 1.0) < 1.0
+            or self._count - self._dead + n > self._capacity
+        ):
+            return False
+        # The room checked above holds for every item (``offer`` adds one live
+        # request each, and nothing here makes one leave), so ``_admit`` would
+        # neither push out, give a hedge copy's room away, nor refuse for room.
+        c = self._rank.get(first.priority, len(self.classes) - 1)
+        stats = self._stats(tenant, self.classes[c].name)
+        rate = self.rate
+        in_service = self.in_service
+        batch_time = self.batch_time
+        on_cancel = self._on_cancel
+        arrivals = self._arrivals[c]
+        cost = self._cost[c]
+        done = 0
+        try:
+            for request in requests:
+                rc = request.cost
+                deadline = request.deadline
+                if (
+                    rate > 0.0
+                    # cheap first, as in ``_admit``
+                    and now + max((self._total_cost + in_service + rc) / rate, batch_time)
+                    > deadline
+                    and (wait := self._too_late(request, tenant, c, now)) is not None
+                ):
+                    stats.shed += 1
+                    raise self._late_refusal(request, wait, now)
+                if self._dead * 4 > self._count:
+                    self._compact()
+                if not done:
+                    flows = self._flows[c]
+                    q = flows.get(tenant)
+                    if q is None:
+                        q = flows[tenant] = collections.deque()
+                    active = self._active[c]
+                    if tenant not in active:
+                        vt = self._vt[c]
+                        floor = min(vt[u] for u in active) if active else self._floor[c]
+                        vt[tenant] = max(vt.get(tenant, 0.0), floor)
+                        active[tenant] = q
+                    cost.setdefault(tenant, 0)
+                q.append(request)
+                request.reply.on_cancel = on_cancel
+                arrivals.append(request)
+                cost[tenant] += rc
+                self._total_cost += rc
+                self._count += 1
+                done += 1
+                if request.answer_expiry and deadline < math.inf:
+                    self._seq += 1
+                    heapq.heappush(self._expiry, (deadline, self._seq, request))
+        finally:
+            if done:
+                stats.admitted += done
+                stats.queued += done
+                self._tenant_count[tenant] += done
+        return True
 
     def _plan_call(
         self, requests: Sequence[Request], tenant: str, c: int, now: float

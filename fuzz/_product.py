@@ -116,6 +116,21 @@ def observed_queue_class(
                 self.observer.offered(request, now)
             self._swept(now, requests[0])
 
+        def _offer_call(self, requests: Sequence[Request], now: float) -> bool:
+            # ``offer_planned`` queues a call that pushes nobody out in one pass,
+            # not through ``offer``: its items are reported here, as ``offer_all``
+            # reports a call's, once the whole call is in
+            try:
+                queued = super()._offer_call(requests, now)
+            except Overloaded:
+                self._refused(requests[0])
+                raise
+            if queued and not self._in_call:
+                for request in requests:
+                    self.observer.offered(request, now)
+                self._swept(now, requests[0])
+            return queued
+
         def offer_spare(self, request: Request, now: float) -> bool:
             spare = self.observer.spare
             spare.add(id(request.reply))
