@@ -177,14 +177,10 @@ class _ManyItems:
         )
         group = ReplyGroup(len(prepared))
         replies = group.replies
-        requests = [
-            Request(
-                model=served.config.name, item=item, cost=cost, tenant=tenant,
-                priority=priority, arrival=now, deadline=deadline,
-                answer_expiry=answer_expiry, reply=reply,
-            )
-            for (item, cost), reply in zip(prepared, replies, strict=True)
-        ]
+        requests = Request.for_items(
+            prepared, replies, model=served.config.name, tenant=tenant, priority=priority,
+            arrival=now, deadline=deadline, answer_expiry=answer_expiry,
+        )
         if late is not None:
             for reply, hook in zip(replies, late.parts, strict=True):
                 reply.late = hook

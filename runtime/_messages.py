@@ -8,6 +8,7 @@ answered) lives in its :class:`Reply`, whose state moves only through
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -271,6 +272,7 @@ class Request:
     which fires at the same moment).
     """
 
+    # A new field goes into ``for_items`` (and ``_FIELDS``) too.
     model: str
     item: Any = attrs.field(eq=False, repr=False)
     cost: int = 1
@@ -280,3 +282,52 @@ class Request:
     deadline: float = float("inf")
     answer_expiry: bool = False
     reply: Reply = attrs.field(factory=Reply, eq=False, repr=False)
+
+    @classmethod
+    def for_items(
+        cls,
+        prepared: Sequence[tuple[Any, int]],
+        replies: Sequence[Reply],
+        *,
+        model: str,
+        tenant: str,
+        priority: str,
+        arrival: float,
+        deadline: float,
+        answer_expiry: bool,
+    ) -> list[Request]:
+        """The requests of one call's items: for each (item, cost) of ``prepared``
+        and the reply in the same place of ``replies``, what ``Request(model=model,
+        item=item, cost=cost, ..., reply=reply)`` builds, the other fields shared.
+        Each field is set through its slot, as attrs' ``__init__`` sets it, without
+        that call's keywords and its call per field (about half of the cost of a row
+        of a batched request's admission). Not a checkpoint."""
+        if cls is not Request:
+            raise TypeError("Request.for_items builds Requests only")
+        new = object.__new__
+        s_model, s_item, s_cost, s_tenant, s_priority, s_arrival, s_deadline, s_expiry, s_reply = (
+            _SLOTS
+        )
+        out = []
+        for (item, cost), reply in zip(prepared, replies, strict=True):
+            r = new(Request)
+            s_model(r, model)
+            s_item(r, item)
+            s_cost(r, cost)
+            s_tenant(r, tenant)
+            s_priority(r, priority)
+            s_arrival(r, arrival)
+            s_deadline(r, deadline)
+            s_expiry(r, answer_expiry)
+            s_reply(r, reply)
+            out.append(r)
+        return out
+
+
+#: Request's fields in order, as ``Request.for_items`` sets them.
+_FIELDS = (
+    "model", "item", "cost", "tenant", "priority", "arrival", "deadline", "answer_expiry",
+    "reply",
+)
+#: Their slots' setters (the member descriptors' ``__set__``).
+_SLOTS = tuple(Request.__dict__[name].__set__ for name in _FIELDS)
