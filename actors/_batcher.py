@@ -228,7 +228,8 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         self._degraded = False  # a straggling thread still runs
         #: it runs a part of a batch that hung another replica's thread, which still
         #: runs: it may hang too, so it does not count as a replica to spare
-        #: (``SchedulerActor.spare``)
+        #: (``SchedulerActor.spare``); the scheduler sets it as it hands such a part
+        #: over, before the pull returns
         self.risking = False
         #: why its device is unusable for the rest of the process (a thread or inline
         #: replica: nothing can replace it); None while it is not
@@ -334,6 +335,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             if twins:
                 batch = self._keep_apart(batch)
                 if not batch:
+                    self.risking = False  # (the scheduler marked it with the batch)
                     continue
             self._in_flight.append(batch)
             self.risking = retried(batch) and hung(batch)

@@ -282,6 +282,7 @@ class SchedulerActor(Actor):
             if self._retries:
                 batch = self._next_retry(puller, trio.current_time())
                 if batch:
+                    self._risk(batch, puller)
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     return batch
                 if batch is not None:
@@ -298,6 +299,7 @@ class SchedulerActor(Actor):
             if self._apart:
                 batch = self._next_apart(puller, trio.current_time())
                 if batch:
+                    self._risk(batch, puller)
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     return batch
                 if batch is None:  # as for a retry, above
@@ -329,6 +331,15 @@ class SchedulerActor(Actor):
             1 for b in self.batchers
             if b is not but and b.ready and not getattr(b, "risking", False)
         )
+
+    @staticmethod
+    def _risk(batch: list[Request], puller: Any) -> None:
+        """``puller`` is given ``batch``: if it may hang its thread, the puller runs
+        such a part from now (``risking``), not from when its pull returns: the
+        checkpoint before that lets another idle replica look, and it must not count
+        this one as a replica to spare. Not a checkpoint."""
+        if puller is not None and hung(batch):
+            puller.risking = True
 
     def _unspared(self, batch: list[Request], puller: Any) -> bool:
         """Whether ``batch`` holds a request whose batch hung a worker thread that

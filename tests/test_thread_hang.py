@@ -348,3 +348,29 @@ async def test_a_part_is_an_ordinary_retry_once_the_thread_it_hung_returns(autoj
     # and a puller that is no replica (None) is never held back
     scheduler.retry([hung_part(Hang(), 98.0)])
     assert [r.item for r in await scheduler.pull()] == [98.0]
+
+
+async def test_two_idle_replicas_woken_together_do_not_both_take_a_part_that_may_hang(
+    autojump_clock,
+):
+    # Both wake at the retry; the first to look takes a part, and is running such a
+    # part from then on (before its pull returns), so the second is not spared by it.
+    hung_replica, b, c = Replica(ready=False), Replica(), Replica()
+    scheduler = scheduler_of(hung_replica, b, c)
+    hang = Hang()
+    got: dict[Replica, list] = {}
+
+    async def pull(replica: Replica) -> None:
+        got[replica] = await scheduler.pull(replica)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull, b)
+        nursery.start_soon(pull, c)
+        await trio.testing.wait_all_tasks_blocked()
+        scheduler.retry([hung_part(hang, 98.0), hung_part(hang, 99.0)])
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(got) == 1  # one replica is spared: the other part waits for it
+        (taker,) = got
+        assert taker.risking
+        assert scheduler.queue_depth() == 1
+        nursery.cancel_scope.cancel("the test is over")
