@@ -131,6 +131,10 @@ async def supervise(
             # Not an Exception, so it holds a BaseException: a run that serves from a
             # nursery of its own (a worker process's batcher) is cancelled with a group
             # of Cancelled, and is stopped all the same.
+            # One with an error of its own besides (a task's cleanup that raised) is
+            # down all the same: BROKEN, not left RUNNING and read as ready.
             if group.split(trio.Cancelled)[1] is None:
                 actor.state = ActorState.STOPPED
+            else:
+                actor.state = ActorState.BROKEN
             raise

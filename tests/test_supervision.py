@@ -196,6 +196,43 @@ async def test_cancelling_an_actor_whose_run_raises_a_group_of_cancelled_stops_i
     assert actor.restarts == 0
 
 
+class TwoTasksOneFailsToStop(Actor):
+    """As TwoTasks, but one task's cleanup raises when cancelled: the group holds
+    Cancelled and that error."""
+
+    name = "two-tasks-one-fails"
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async def fails_to_stop() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                raise RuntimeError("cleanup failed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            nursery.start_soon(fails_to_stop)
+            task_status.started(self)
+
+
+async def test_an_actor_cancelled_with_an_error_of_its_own_in_the_group_is_broken(
+    autojump_clock,
+):
+    actor = TwoTasksOneFailsToStop()
+
+    async def supervise_then_cancel() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(supervise, actor, RestartPolicy())
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel("test done")
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        await supervise_then_cancel()
+    assert info.group_contains(RuntimeError, match="cleanup failed", depth=None)
+    assert actor.state is ActorState.BROKEN  # down: not left RUNNING, read as ready
+    assert actor.restarts == 0
+
+
 # ---------------------------------------------------------------- batchers in a runtime
 @pytest.fixture
 def crashing_execute(monkeypatch):
