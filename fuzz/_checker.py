@@ -146,6 +146,20 @@ class Tracked:
         )
 
 
+@attrs.frozen
+class Waiting:
+    """What waited as a request of a batch was taken: the aged request of the
+    earliest promotion (None: none aged), the highest class among the flows not aged
+    (None: none), and the classes with a flow whose first live request had aged."""
+
+    first: Tracked | None
+    top: int | None
+    aged_classes: frozenset[int]
+
+
+_NONE_WAITING = Waiting(first=None, top=None, aged_classes=frozenset())
+
+
 def batch_cost(costs: Sequence[int], padded: bool) -> int:
     """A batch's cost in token units: the sum, or items × longest when padded."""
     if not costs:
@@ -197,9 +211,12 @@ class QueueObserver:
         self._lag_start: list[dict[str, tuple[int, float, dict[str, float]]]] = [
             {} for _ in range(n)
         ]
-        #: per class: tenant -> the largest cost / weight of its requests there
-        self._lag_unit: list[dict[str, float]] = [{} for _ in range(n)]
-        self._aged_seen = [False] * n
+        #: per class: tenant -> the cost / weight of the last request of it taken in
+        #: fair-share order there, and its weighted service taken out of that order
+        #: (an aged request of it, or one taken while an aged request of the class
+        #: waited) since then (see ``_note_order`` and ``_check_lag``)
+        self._lag_last: list[dict[str, float]] = [{} for _ in range(n)]
+        self._lag_excess: list[dict[str, float]] = [{} for _ in range(n)]
         #: the aged requests' cost taken less the others', over the requests taken
         #: while both groups waited (see ``_check_aging``)
         self._aged_lead = 0
@@ -261,10 +278,6 @@ class QueueObserver:
             # starts again at the next sweep.
             self._lag_start[c].pop(request.tenant, None)
         flow.append(t)
-        unit = request.cost / self.weight(request.tenant)
-        units = self._lag_unit[c]
-        if unit > units.get(request.tenant, 0.0):
-            units[request.tenant] = unit
         return t
 
     def dispatched(self, batch: Sequence[Request], now: float) -> None:
@@ -309,7 +322,9 @@ class QueueObserver:
         self.exercised[f"batches of {min(len(taken), 3)}{'+' if len(taken) >= 3 else ''}"] += 1
         self._check_budget(no, now, taken)
         self._check_fifo(no, now, taken)
-        self._check_aging(no, now, taken)
+        before = self._waiting_before(now, taken)
+        self._note_order(now, taken, before)
+        self._check_aging(no, now, taken, before)
         for t in taken:
             self.served[t.cls][t.request.tenant] += t.request.cost
 
@@ -412,16 +427,76 @@ class QueueObserver:
                     q.remove(t)
                 break
 
-    def _check_aging(self, no: int, now: float, taken: list[Tracked]) -> None:
+    def _promotion(self, t: Tracked) -> float:
+        """When ``t`` ages (arrival + its class's aging bound; never in the top class)."""
+        return t.request.arrival + self.classes[t.cls].aging if t.cls > 0 else math.inf
+
+    def _waiting_before(self, now: float, taken: list[Tracked]) -> list[Waiting]:
+        """What waited before each request of a batch pulled at ``now`` was taken,
+        worked out flow by flow from the requests live then (those still queued after
+        the batch, and those taken from it on): a flow whose first live request has
+        aged is the aged group's, any other the rest's."""
+        if len(self.classes) < 2:  # nothing ages
+            return [_NONE_WAITING] * len(taken)
+        promotion = self._promotion
+        heads: dict[tuple[str, int], Tracked] = {}
+        for t in self.live(now):
+            h = heads.get(t.flow)
+            if h is None or t.seq < h.seq:
+                heads[t.flow] = t
+        # (from the last request taken back to the first)
+        before: list[Waiting] = []
+        for t in reversed(taken):
+            h = heads.get(t.flow)
+            if h is None or t.seq < h.seq:
+                heads[t.flow] = t
+            first: Tracked | None = None
+            top: int | None = None
+            aged_classes: set[int] = set()
+            for h in heads.values():
+                p = promotion(h)
+                if p <= now:
+                    aged_classes.add(h.cls)
+                    if first is None or p < promotion(first):
+                        first = h
+                elif top is None or h.cls < top:
+                    top = h.cls
+            before.append(Waiting(first=first, top=top, aged_classes=frozenset(aged_classes)))
+        before.reverse()
+        return before
+
+    def _note_order(self, now: float, taken: list[Tracked], before: list[Waiting]) -> None:
+        """Note, per tenant and class, the requests taken in fair-share order and the
+        weighted service taken out of it. Out of it: a request aged when taken (served
+        by promotion), or one taken while a flow of its class had an aged head (that
+        flow was out of the share then, the others shared among themselves). In it,
+        any other: its tenant's counter was then the least of its class's backlogged
+        tenants (or its run's, below the next one), so the request took it at most its
+        own cost / weight past the least; the service taken out of order counts from
+        0 again."""
+        for t, w in zip(taken, before, strict=True):
+            c = t.cls
+            tenant = t.request.tenant
+            unit = t.request.cost / self.weight(tenant)
+            excess = self._lag_excess[c]
+            if self._promotion(t) <= now or c in w.aged_classes:
+                excess[tenant] = excess.get(tenant, 0.0) + unit
+                self.exercised["fair-share: a request taken out of share order (aging)"] += 1
+            else:
+                self._lag_last[c][tenant] = unit
+                excess.pop(tenant, None)
+
+    def _check_aging(
+        self, no: int, now: float, taken: list[Tracked], before: list[Waiting]
+    ) -> None:
         """The aging rule, request by request in batch order.
 
         A request below the top class is aged once it has waited its class's aging
         bound. Before each request taken, the groups waiting are worked out flow by
-        flow from the requests live then (those still queued after the batch, and
-        those taken from it on): a flow whose first live request has aged is the aged
-        group's, any other the rest's. While both wait, the request taken is the aged
-        group's when the lead (the aged cost taken less the rest's, over the requests
-        taken while both waited, carried across batches) is <= 0, the rest's
+        flow (``_waiting_before``): a flow whose first live request has aged is the
+        aged group's, any other the rest's. While both wait, the request taken is the
+        aged group's when the lead (the aged cost taken less the rest's, over the
+        requests taken while both waited, carried across batches) is <= 0, the rest's
         otherwise; a request taken while one group is empty sets the lead to 0. From
         the aged group, one of the earliest promotion; from the rest, one of its
         highest class (strict priority). So the aged group and the rest share the
@@ -431,42 +506,11 @@ class QueueObserver:
         classes = self.classes
         if len(classes) < 2:
             return
-
-        def promotion(t: Tracked) -> float:
-            return t.request.arrival + classes[t.cls].aging if t.cls > 0 else math.inf
-
-        heads: dict[tuple[str, int], Tracked] = {}
-        for t in self.live(now):
-            h = heads.get(t.flow)
-            if h is None or t.seq < h.seq:
-                heads[t.flow] = t
-        # (the earliest promotion among the aged flows, the highest class among the
-        # others) before each request taken, worked out from the last one back
-        before: list[tuple[Tracked | None, int | None]] = []
-        for t in reversed(taken):
-            h = heads.get(t.flow)
-            if h is None or t.seq < h.seq:
-                heads[t.flow] = t
-            first: Tracked | None = None
-            top: int | None = None
-            for h in heads.values():
-                p = promotion(h)
-                if p <= now:
-                    if first is None or p < promotion(first):
-                        first = h
-                elif top is None or h.cls < top:
-                    top = h.cls
-            before.append((first, top))
-        before.reverse()
-        for h in heads.values():  # the flows at the start of the pull
-            if promotion(h) <= now:
-                # its flows with an aged head are served by promotion, and the others
-                # of the class without them: fair share no longer holds there
-                self._aged_seen[h.cls] = True
-        if before[0][0] is not None:
+        promotion = self._promotion
+        if before[0].first is not None:
             self.exercised["aging: batch pulled with a promoted request waiting"] += 1
-        for i, t in enumerate(taken):
-            first, top = before[i]
+        for t, waiting in zip(taken, before, strict=True):
+            first, top = waiting.first, waiting.top
             aged = promotion(t) <= now
             cost = t.request.cost
             if first is not None and top is not None:
@@ -511,19 +555,27 @@ class QueueObserver:
                 return
 
     def _check_lag(self, now: float) -> None:
-        """The fair-share lag bound (virtual-time counting).
+        """The fair-share lag bound (virtual-time counting, VTC).
 
-        For two tenants i, j of class c continuously backlogged (a live request queued at
-        every sweep) since the later of their backlog starts, the weighted service they
-        received in that interval differs by at most ``u_i + u_j + lag_slack``, where
-        ``u_k`` is the largest cost / weight of a request of tenant k in the class. VTC
-        serves the least counter m, and a tenant's run overshoots the next counter by at
-        most one request, so every backlogged counter stays within [m, m + u_k]; the
-        weighted service of an interval is the change of the counter.
+        The queue keeps a counter per tenant of a class (its weighted service, cost /
+        weight, summed), serves the least, and lifts a tenant that becomes backlogged
+        to the least counter among the backlogged ones (or to where service last
+        was); so the least counter m of the backlogged tenants only grows. A request
+        taken in fair-share order (``_note_order``) leaves its tenant's counter at most
+        its own cost / weight past the least counter (a run stops once it passes the
+        next one), and a counter moves only by its tenant's service: so a backlogged
+        tenant k's counter stays within [m, m + l_k + x_k], ``l_k`` the cost / weight
+        of its last request taken in order, ``x_k`` the weighted service it took out
+        of order since (aging: an aged request is served by promotion, and while a
+        flow of the class has an aged head its other flows share among themselves).
 
-        A class that had an aged request waiting at a pull is no longer checked: its
-        aged requests are served by promotion, not by share, and its other tenants'
-        flows meanwhile by share among themselves alone, by design.
+        For two tenants i, j of class c continuously backlogged (a live request queued
+        at every sweep) since the later of their backlog starts s, the weighted service
+        they received in that interval is the change of their counters, so i leads j
+        by at most ``l_i + x_i`` now plus ``l_j + x_j`` at s (``+ lag_slack``), and the
+        other way round. Without aging x is 0; with it, the check keeps its teeth
+        between the aged requests' turns and after them: a lead that the service taken
+        out of order does not explain fails.
         """
         backlogged: list[set[str]] = [set() for _ in self.classes]
         spare = self.spare
@@ -536,37 +588,48 @@ class QueueObserver:
             starts = self._lag_start[c]
             for gone in [u for u in starts if u not in tenants]:
                 del starts[gone]
-            if self._aged_seen[c]:
-                starts.clear()
-                continue
             served = self.served[c]
+            last = self._lag_last[c]
+            excess = self._lag_excess[c]
             for u in tenants:
                 if u not in starts:
-                    snapshot = {v: served[v] / self.weight(v) for v in tenants}
+                    snapshot = {
+                        v: (
+                            served[v] / self.weight(v),
+                            last.get(v, 0.0) + excess.get(v, 0.0),
+                        )
+                        for v in tenants
+                    }
                     starts[u] = (self._sweeps, now, snapshot)
             if len(tenants) < 2:
                 continue
             self.exercised["fair-share: sweep with 2+ tenants backlogged in a class"] += 1
-            units = self._lag_unit[c]
             names = sorted(tenants)
             for a_i, a in enumerate(names):
                 for b in names[a_i + 1 :]:
-                    limit = units.get(a, 0.0) + units.get(b, 0.0) + self.lag_slack + 1e-9
                     sa, sb = starts[a], starts[b]
                     _, since, snap = sa if sa[0] >= sb[0] else sb
-                    da = served[a] / self.weight(a) - snap.get(a, 0.0)
-                    db = served[b] / self.weight(b) - snap.get(b, 0.0)
-                    if abs(da - db) > limit:
-                        ahead, behind = (a, b) if da > db else (b, a)
+                    da = served[a] / self.weight(a) - snap[a][0]
+                    db = served[b] / self.weight(b) - snap[b][0]
+                    ahead, behind = (a, b) if da > db else (b, a)
+                    # how far past the least counter the one ahead may be now, and
+                    # the one behind may have been at the start
+                    now_part = last.get(ahead, 0.0) + excess.get(ahead, 0.0)
+                    limit = now_part + snap[behind][1] + self.lag_slack
+                    if abs(da - db) > limit + 1e-9:
+                        bent = excess.get(ahead, 0.0)
+                        aging = f", {bent:.6g} of it out of share order" if bent else ""
                         self._fail(
                             "fair-share",
                             f"class {self.classes[c].name!r} at t={now:.6g}: tenants "
                             f"{a!r} (weight {self.weight(a):g}) and {b!r} (weight "
                             f"{self.weight(b):g}) both backlogged since t={since:.6g}; "
                             f"weighted service (cost / weight) since then {a!r} {da:.6g}, "
-                            f"{b!r} {db:.6g}: "
-                            f"{ahead!r} is ahead of {behind!r} by {abs(da - db):.6g}, over "
-                            f"the bound {limit:.6g}",
+                            f"{b!r} {db:.6g}: {ahead!r} is ahead of {behind!r} by "
+                            f"{abs(da - db):.6g}, over the bound {limit:.6g} (how far past "
+                            f"the least counter {ahead!r} may be now, "
+                            f"{now_part:.6g}{aging}; and {behind!r} at t={since:.6g}, "
+                            f"{snap[behind][1]:.6g})",
                         )
                         starts.clear()  # report once per interval
                         return

@@ -330,6 +330,54 @@ def _setups(
 _SURGE = st.sampled_from([0, 0, 0, 12])
 
 
+#: half the surges are a contest for the share: drawn after the surge, only with one
+_CONTEST = st.booleans()
+#: a contest's second tenant's weight when the first's is the same (a ratio of 3 to 6)
+_OTHER_WEIGHT = {1.0: 3.0, 2.0: 0.5, 0.5: 3.0, 3.0: 0.5}
+
+
+def _contest(scenario: Scenario, surge: int) -> Scenario:
+    """``scenario`` (two tenants or more, with a surge) made a contest for the share
+    between tenants t0 and t1: where the fair-share lag check has work to do, two
+    tenants of different weights backlogged together in one class for several pulls.
+    The surged calls alternate between the two, in their default class, the first
+    allowed to t0 (t1 allowed the same classes), with no caller leaving early; the
+    two have no credits and their whole share of the queue, the model and that class
+    no timeout shorter than a second, the queue room for the surge, and the runtime
+    is not shut down early. A mapping of the values drawn, not other draws."""
+    first, second = scenario.tenants[0], scenario.tenants[1]
+    weight = second.weight
+    if weight == first.weight:
+        weight = _OTHER_WEIGHT[first.weight]
+    common = {"credit_rate": None, "credit_burst": None, "queue_share": 1.0}
+    tenants = (
+        attrs.evolve(first, **common),
+        attrs.evolve(second, weight=weight, classes=first.classes, **common),
+        *scenario.tenants[2:],
+    )
+    top = first.classes[0] if first.classes else 0
+    classes = tuple(
+        attrs.evolve(c, timeout_ms=None)
+        if i == top and c.timeout_ms is not None and c.timeout_ms < 1000
+        else c
+        for i, c in enumerate(scenario.classes)
+    )
+    calls = tuple(
+        attrs.evolve(c, tenant=i % 2, cls=None, cancel_ms=None) if i < surge else c
+        for i, c in enumerate(scenario.calls)
+    )
+    timeout = scenario.timeout_ms
+    return attrs.evolve(
+        scenario,
+        tenants=tenants,
+        classes=classes,
+        calls=calls,
+        timeout_ms=None if timeout is not None and timeout < 1000 else timeout,
+        queue_bound=max(scenario.queue_bound, 2 * surge),
+        shutdown_at_ms=None,
+    )
+
+
 def _surged(gaps: list[Call], surge: int) -> list[Call]:
     """``gaps`` with the first ``surge`` calls arriving at once (a gap of 0 after the
     previous call): a mapping of the values drawn, not other draws."""
@@ -503,5 +551,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     # (drawn last, so that the draws before it, and the scenarios of a seed without
     # a surge, are as they were)
     surge = draw(_SURGE)
-    return attrs.evolve(scenario, calls=tuple(_arrivals(_surged(gaps, surge))))
+    scenario = attrs.evolve(scenario, calls=tuple(_arrivals(_surged(gaps, surge))))
+    # (drawn after it, only with a surge: the scenarios without one are as they were)
+    if surge and n_tenants > 1 and draw(_CONTEST):
+        scenario = _contest(scenario, surge)
+    return scenario
 
