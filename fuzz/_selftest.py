@@ -37,7 +37,7 @@ EXAMPLES = 1000
 TEST_SEEDS = {
     "ignore-weights": 6,
     "copy-dropped-while-running": 4,
-    "apart-same-replica": 4,
+    "apart-same-replica": 5,
     "late-answer-unguarded": 2,
     "pause-holds-checks": 1,
     "split-call-item-by-item": 2,

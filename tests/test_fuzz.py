@@ -19,7 +19,7 @@ import trio.testing
 import trioserve
 from runtime_helpers import GATE_LIMIT_S, callable_model, config, item, key
 from trioserve import Reply, Request
-from trioserve.actors import BatchLimits, FairQueue, TokenBucket
+from trioserve.actors import BatchLimits, ClassSpec, FairQueue, TokenBucket
 
 import fuzz
 from fuzz._cache import play_cache
@@ -27,6 +27,7 @@ from fuzz._cache_checks import RUN, check_cache
 from fuzz._cache_scenario import TICK
 from fuzz._checker import ClassBound, QueueObserver
 from fuzz._harness import SUITES, chunk_seed, run_chunk
+from fuzz._product import observed_queue_class
 from fuzz._selftest import EXAMPLES, TEST_SEEDS, catch_bug, check_bug
 
 
@@ -669,6 +670,75 @@ def test_the_lag_check_restarts_a_backlog_that_ended_between_sweeps():
         r.reply.dispatch()
         obs.dispatched([r], 0.060)
         obs.sweep(0.060)
+    assert obs.violations == []
+
+
+def _aged_then_contested(queue_class: type) -> QueueObserver:
+    """A queue of classes c0 and c1 (aging 1 s) under its observer: t0's request of
+    c1 ages and is served (by promotion, while t2 waits in the top class), then
+    t0 (weight 3) and t1 (weight 0.5) queue eight requests each in c1 at once and
+    are served one at a time, none of them aged."""
+    queue = observed_queue_class(queue_class)(
+        BatchLimits(max_size=1), bound=64, adaptive=False,
+        classes=(ClassSpec(name="c0"), ClassSpec(name="c1", aging=1.0)),
+        weights={"t0": 3.0, "t1": 0.5},
+    )
+
+    def offer(tenant: str, cls: str, at: float) -> None:
+        queue.offer(Request(model="m", item=None, tenant=tenant, priority=cls, arrival=at), at)
+
+    offer("t0", "c1", 0.0)
+    offer("t2", "c0", 2.0)
+    # aged and top-class requests both wait: the aged one's turn first
+    assert [r.tenant for r in queue.next_batch(2.0)] == ["t0"]
+    for _ in range(8):
+        offer("t0", "c1", 2.0)
+        offer("t1", "c1", 2.0)
+    while queue.next_batch(2.5):
+        pass
+    return queue.observer
+
+
+def test_the_lag_check_goes_on_in_a_class_once_its_aged_request_was_served():
+    # The check used to stop for good in a class that had an aged request waiting
+    # at a pull: here the planted ignore-weights serves t0 and t1 alike afterwards
+    # (weighted service 8/3 against 16), which it now finds.
+    obs = _aged_then_contested(fuzz.MUTANTS["ignore-weights"][1].queue_class)
+    assert obs.exercised["fair-share: a request taken out of share order (aging)"] == 1
+    assert [v.invariant for v in obs.violations][:1] == ["fair-share"]
+    assert "class 'c1'" in obs.violations[0].message
+
+
+def test_the_lag_check_holds_for_the_fair_queue_once_an_aged_request_was_served():
+    obs = _aged_then_contested(FairQueue)
+    assert obs.exercised["fair-share: sweep with 2+ tenants backlogged in a class"] > 8
+    assert obs.violations == []
+
+
+def test_the_lag_check_allows_what_aging_took_out_of_share_order():
+    # t0's aged requests are served by promotion, by turns with t1's fresh ones (the
+    # aged group's share): t0 leads t1 by the service it took out of share order,
+    # which is no broken share (the bound was 0 before anything was taken in order).
+    obs = QueueObserver(
+        max_size=1, max_tokens=None, padded=False, bound=8,
+        classes=[ClassBound(name="c0"), ClassBound(name="c1", aging=1.0)],
+        weights={"t0": 1.0, "t1": 1.0},
+    )
+
+    def request(tenant: str, at: float) -> Request:
+        r = Request(model="m", item=None, tenant=tenant, priority="c1", arrival=at)
+        obs.offered(r, at)
+        return r
+
+    aged = [request("t0", 0.0) for _ in range(3)]
+    fresh = [request("t1", 2.0) for _ in range(2)]
+    obs.sweep(2.0)  # both backlogged
+    for r in (aged[0], fresh[0], aged[1]):
+        r.reply.dispatch()
+        obs.dispatched([r], 2.0)
+        obs.sweep(2.0)
+    assert obs.exercised["fair-share: a request taken out of share order (aging)"] == 3
+    assert obs.exercised["fair-share: sweep with 2+ tenants backlogged in a class"] == 4
     assert obs.violations == []
 
 
