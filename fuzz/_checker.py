@@ -207,8 +207,8 @@ class QueueObserver:
         n = len(self.classes)
         self.served: list[collections.Counter[str]] = [collections.Counter() for _ in range(n)]
         #: per class: tenant -> (sweep, time) its backlog began, and everyone's weighted
-        #: service then
-        self._lag_start: list[dict[str, tuple[int, float, dict[str, float]]]] = [
+        #: service then with how far past the least counter it may have been
+        self._lag_start: list[dict[str, tuple[int, float, dict[str, tuple[float, float]]]]] = [
             {} for _ in range(n)
         ]
         #: per class: tenant -> the cost / weight of the last request of it taken in
