@@ -142,16 +142,7 @@ class Admission:
             raise
         stats.admitted += 1
         stats.queued += 1
-        flows = self._flows[c]
-        q = flows.get(tenant)
-        if q is None:
-            q = flows[tenant] = collections.deque()
-        active = self._active[c]
-        if tenant not in active:
-            vt = self._vt[c]
-            floor = min(vt[u] for u in active) if active else self._floor[c]
-            vt[tenant] = max(vt.get(tenant, 0.0), floor)
-            active[tenant] = q
+        q = self._flow_in(c, tenant)
         q.append(request)
         request.reply.on_cancel = self._on_cancel
         self._arrivals[c].append(request)
@@ -346,6 +337,22 @@ class Admission:
         finally:
             self._update_capacity()
 
+    def _flow_in(self, c: int, tenant: str) -> collections.deque[Request]:
+        """``tenant``'s flow in class ``c``, made backlogged: a tenant that was not
+        is lifted to the least counter among those that are (or to where service
+        last was), so an idle tenant banks no credit."""
+        flows = self._flows[c]
+        q = flows.get(tenant)
+        if q is None:
+            q = flows[tenant] = collections.deque()
+        active = self._active[c]
+        if tenant not in active:
+            vt = self._vt[c]
+            floor = min(vt[u] for u in active) if active else self._floor[c]
+            vt[tenant] = max(vt.get(tenant, 0.0), floor)
+            active[tenant] = q
+        return q
+
     def _offer_call(self, requests: Sequence[Request], now: float) -> bool:
         """``offer`` for each of the requests of one call (one tenant and class, as
         ``plan_all`` checked), in order, in one pass: the same checks and effects,
@@ -391,16 +398,7 @@ class Admission:
                 if self._dead * 4 > self._count:
                     self._compact()
                 if not done:
-                    flows = self._flows[c]
-                    q = flows.get(tenant)
-                    if q is None:
-                        q = flows[tenant] = collections.deque()
-                    active = self._active[c]
-                    if tenant not in active:
-                        vt = self._vt[c]
-                        floor = min(vt[u] for u in active) if active else self._floor[c]
-                        vt[tenant] = max(vt.get(tenant, 0.0), floor)
-                        active[tenant] = q
+                    q = self._flow_in(c, tenant)
                     cost.setdefault(tenant, 0)
                 q.append(request)
                 request.reply.on_cancel = on_cancel
