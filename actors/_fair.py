@@ -107,7 +107,7 @@ class FairQueue(Admission):
       the top class keeps half the service, and an aged request is served.
     - Within a class: the backlogged tenant with the least weighted service (cost
       served / weight) goes next; a tenant that becomes backlogged is lifted to the
-      least counter among the backlogged ones (or to where service last was), so an
+      least counter among the backlogged ones (or to the most any counter reached), so an
       idle tenant banks no credit (virtual-time counting, VTC). A class's counters
       are rebased (all moved down by one amount, see ``_vtime.rebase``) once one of
       them reaches ``REBASE_AT``, so that they never grow past the precision of the
@@ -163,7 +163,7 @@ class FairQueue(Admission):
         self.shares = dict(shares or {})
         n = len(self.classes)
         # per class: tenant -> its FIFO deque (kept while it exists); backlogged ones;
-        # weighted service counters; where service last was; all of the class in
+        # weighted service counters; the most service a counter reached; all of the class in
         # arrival order (for aging and the oldest request; dead entries skipped lazily,
         # or dropped by _compact_arrivals).
         self._flows: list[dict[str, collections.deque[Request]]] = [{} for _ in range(n)]
@@ -490,7 +490,8 @@ class FairQueue(Admission):
         self._forget(req, tenant, c)
         vt = self._vt[c]
         v = vt[tenant] = vt[tenant] + req.cost / self._weight(tenant)
-        self._floor[c] = v
+        if v > self._floor[c]:
+            self._floor[c] = v
         if v >= self._rebase_at[c]:
             self._rebase(c)
         if not q:
@@ -553,7 +554,11 @@ class FairQueue(Admission):
             if v >= bound:
                 break
         vt[tenant] = v
-        self._floor[c] = v  # where service is now: a newcomer to an idle class starts here
+        # The most service any counter reached (never lowered: every counter stays at
+        # or below it): a newcomer to an idle class starts here, so the least counter
+        # never goes back (docs/scheduling.md, "Within a class").
+        if v > self._floor[c]:
+            self._floor[c] = v
         if v >= self._rebase_at[c]:
             self._rebase(c)
         self._count -= n

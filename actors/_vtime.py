@@ -30,7 +30,7 @@ def rebase(
     vt: dict[str, float], active: Container[str], floor: float, threshold: float
 ) -> tuple[float, float]:
     """Move a class's counters ``vt`` (tenant -> weighted service) and its ``floor``
-    (where service last was) down by one amount; return the new floor and the value a
+    (the most service a counter reached) down by one amount; return the new floor and the value a
     counter must reach before the next rebase.
 
     The amount is at most the least of the floor and the counters of the ``active``

@@ -304,3 +304,33 @@ def test_a_weight_out_of_its_bounds_is_a_config_error(weight, message):
             {"models": {"m": {"backend": "echo"}}, "tenants": {"t": {"weight": weight}}}
         )
     assert str(info.value) == message
+
+
+def test_a_tenant_lifted_and_withdrawn_unserved_is_not_left_behind_newcomers():
+    """A tenant that joined while only one with a higher counter waited is lifted to
+    that counter; withdrawn before any service, it keeps it. The class's start for a
+    newcomer never goes below the counters it lifted to, so when the tenant comes back
+    beside a newcomer the two are served in turn (it came back 3 behind: where service
+    last was had gone back to a tenant served after the first)."""
+    q = FairQueue(BatchLimits(max_size=1), bound=64, classes=(ClassSpec(name="c0"),),
+                  weights={}, adaptive=False)
+
+    def offer(tenant: str, cost: int, now: float) -> Request:
+        r = req(tenant, cost, cls="c0", arrival=now)
+        q.offer(r, now)
+        return r
+
+    offer("A", 4, 0.0)
+    offer("E", 1, 0.0)
+    assert [r.tenant for r in q.next_batch(0.0)] == ["A"]  # first come, counters equal
+    assert [r.tenant for r in q.next_batch(0.0)] == ["E"]  # A at 4, E at 1
+    a, b = offer("A", 1, 1.0), offer("B", 1, 1.0)  # B lifted to A's 4
+    a.reply.withdraw()
+    b.reply.withdraw()
+    assert q.next_batch(1.0) is None  # both gone unserved: the class is idle
+    for _ in range(6):
+        offer("D", 1, 2.0)  # a newcomer to the idle class
+    for _ in range(3):
+        offer("B", 1, 2.0)
+    order = [q.next_batch(2.0)[0].tenant for _ in range(6)]
+    assert order == ["D", "B", "D", "B", "D", "B"]
