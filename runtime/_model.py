@@ -280,6 +280,18 @@ def _with_dtype(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
                     f"(strings or bytes), got {arr.dtype}"
                 )
             arr = arr.astype(object)
+        elif arr.dtype.kind == "O" and want.kind in "iuf" and _big_ints(arr):
+            # integers past 64 bits, which numpy keeps as objects: numbers all the same
+            try:
+                wide = arr.astype(np.float64) if want.kind == "f" else None
+            except OverflowError:  # past 1e308
+                wide = None
+            if wide is None:
+                raise InvalidInput(
+                    f"input {spec.name!r} of model {model!r}: a value is out of range "
+                    f"for {spec.datatype}"
+                )
+            arr = _narrowed(wide, want, spec, model)
         elif arr.dtype.kind not in _NUMERIC_KINDS.get(want.kind, want.kind):
             raise InvalidInput(
                 f"input {spec.name!r} of model {model!r}: expected {spec.datatype}, "
@@ -288,6 +300,15 @@ def _with_dtype(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
         else:
             arr = _narrowed(arr, want, spec, model)
     return arr
+
+
+def _big_ints(arr: np.ndarray) -> bool:
+    """Whether an object array holds Python integers only (no bool), one at least
+    2**63 in magnitude: what numpy makes of integers too large for int64 and uint64."""
+    values = arr.ravel().tolist()
+    return bool(values) and all(type(v) is int for v in values) and any(
+        abs(v) >= 2**63 for v in values
+    )
 
 
 def _narrowed(arr: np.ndarray, want: np.dtype, spec: TensorSpec, model: str) -> np.ndarray:

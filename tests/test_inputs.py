@@ -97,6 +97,15 @@ async def test_multi_input_model_takes_a_mapping_of_mixed_forms(rt, seen):
     assert it["b"].tolist() == [10, 20]
 
 
+async def test_integers_past_64_bits_are_numbers_for_a_float_input(rt, seen):
+    # numpy keeps integers too large for int64 and uint64 as Python objects
+    out = await rt.infer("one", {"x": [2**70, 1, 2, -(2**64)]})
+    (it,) = seen["one"].items
+    assert it["x"].dtype == np.float32
+    assert it["x"].tolist() == [float(np.float32(2.0**70)), 1.0, 2.0, -(2.0**64)]
+    assert out["y"].tolist() == [float(np.float32(2.0**70 - 2.0**64 + 3))]
+
+
 async def test_nested_lists_keep_their_shape(rt, seen):
     spec = TensorSpec(name="m", datatype="FP32", shape=(2, -1))
     cfg = config(callable_model("grid", seen["one"], inputs=(spec,), outputs=OUT, max_wait_ms=0))
@@ -216,6 +225,16 @@ async def test_a_bare_array_for_a_multi_input_model_is_refused(rt):
             "one",
             {"x": [{"k": 1}] * 4},
             r"input 'x' of model 'one': expected FP32, got objects",
+        ),
+        (
+            "two",
+            {"a": [1, 2, 3], "b": [2**64, 1]},  # past uint64's range: numpy keeps objects
+            r"input 'b' of model 'two': a value is out of range for INT64",
+        ),
+        (
+            "one",
+            {"x": [10**400, 1, 2, 3]},
+            r"input 'x' of model 'one': a value is out of range for FP32",
         ),
         (
             "text",
