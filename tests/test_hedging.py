@@ -749,7 +749,15 @@ async def test_a_hedged_caller_gets_the_first_model_error_when_both_twins_raise(
                 while model.runs < 2:  # the copy ran on the other replica, and raised
                     await trio.testing.wait_all_tasks_blocked()
                     await trio.sleep(0.001)
-                await trio.testing.wait_all_tasks_blocked()
+                # ... and its replica answered the copy with that error: its thread
+                # returns to trio after the tasks are blocked (a wait for tasks
+                # blocked does not wait for a thread), so wait for the answer itself
+                for _ in range(10_000):
+                    if rt.statistics()["m"]["statuses"].get("model_error", 0):
+                        break
+                    await trio.to_thread.run_sync(threading.Event().wait, 0.0001)
+                    await trio.testing.wait_all_tasks_blocked()
+                assert rt.statistics()["m"]["statuses"]["model_error"] == 1
                 assert not errors  # the original may still answer
                 model.release(1.0)  # it raises too
             assert len(errors) == 1
