@@ -145,6 +145,33 @@ async def test_infer_with_default_outputs_and_a_version(server):
     np.testing.assert_array_equal(await trio.to_thread.run_sync(call), x)
 
 
+@pytest.mark.parametrize(("datatype", "x"), [
+    ("FP32", np.zeros((1, 0), np.float32)),
+    ("BYTES", np.zeros((2, 0), object)),
+])
+async def test_an_empty_tensor_sent_as_binary_data_is_taken(server, datatype, x):
+    """An empty tensor as binary data (tritonclient's default) is a binary_data_size
+    of 0 with an Inference-Header-Content-Length at the body's end: it was refused
+    as "binary_data_size is given but the request has no binary data", as though
+    the header were missing, while the server answers an empty output so itself."""
+
+    def call():
+        client = _client(server)
+        try:
+            inp = tritonclient_http.InferInput("x", list(x.shape), datatype)
+            inp.set_data_from_numpy(x)
+            out = tritonclient_http.InferRequestedOutput("x", binary_data=True)
+            result = client.infer("echo", [inp], outputs=[out])
+            return result.get_output("x"), result.as_numpy("x")
+        finally:
+            client.close()
+
+    output, got = await trio.to_thread.run_sync(call)
+    assert output == {"name": "x", "datatype": datatype, "shape": list(x.shape),
+                      "parameters": {"binary_data_size": 0}}
+    assert got.shape == x.shape
+
+
 @pytest.mark.parametrize("binary", [False, True])
 async def test_nan_and_infinities_go_both_ways_as_json_data(server, binary):
     """tritonclient writes non-finite floats as NaN / Infinity / -Infinity in JSON

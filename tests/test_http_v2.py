@@ -162,6 +162,25 @@ def test_binary_inputs_and_outputs_follow_the_json_header():
     assert orjson.loads(text)["outputs"][0]["data"] == [0, 0, 1, -1]
 
 
+def test_a_binary_part_of_0_bytes_holds_empty_tensors():
+    """A header that ends the body at the JSON is a binary part of 0 bytes: inputs
+    of 0 bytes are read from it; without the header binary data is still refused."""
+    header = orjson.dumps({"inputs": [
+        {"name": "x", "shape": [1, 0], "datatype": "FP32", "parameters": {"binary_data_size": 0}},
+        {"name": "s", "shape": [1, 0], "datatype": "BYTES", "parameters": {"binary_data_size": 0}},
+    ]})
+    req = InferRequest.from_v2_json(header, OPEN, header_length=len(header))
+    assert req.items[0]["x"].shape == (0,)
+    assert req.items[0]["x"].dtype == np.float32
+    assert req.items[0]["s"].shape == (0,)
+    with pytest.raises(InvalidInput, match="x': binary data is 0 bytes, shape and datatype need 8"):
+        InferRequest.from_v2_json(
+            header.replace(b"[1,0]", b"[1,2]", 1), OPEN, header_length=len(header)
+        )
+    with pytest.raises(InvalidInput, match="given but the request has no binary data"):
+        InferRequest.from_v2_json(header, OPEN)
+
+
 def test_bytes_tensors_in_binary_are_length_prefixed():
     values = [b"ab", b"", "é".encode()]
     raw = b"".join(len(v).to_bytes(4, "little") + v for v in values)

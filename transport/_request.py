@@ -87,7 +87,10 @@ class InferRequest:
         with ``parameters.class`` is compared as the class it names. Raises
         InvalidInput with a message naming what is wrong and what was expected.
         """
-        binary = b""
+        # The binary part: None without Inference-Header-Content-Length (and on the
+        # stream), which is not the same as a header that ends the body at the JSON:
+        # that one holds tensors of 0 bytes (tritonclient sends an empty tensor so).
+        binary: memoryview | None = None
         if doc is None:
             if header_length is not None:
                 if not 0 <= header_length <= len(body):
@@ -134,7 +137,7 @@ class InferRequest:
             if t["name"] in arrays:
                 raise InvalidInput(f"model {name!r}: input {t['name']!r} given twice")
             arrays[t["name"]] = arr
-        if offset != len(binary):
+        if binary is not None and offset != len(binary):
             raise InvalidInput(
                 f"the body has {len(binary) - offset} bytes of binary data that no input claims"
             )

@@ -34,7 +34,7 @@ MAX_DATA_DEPTH = 100
 def _decode_tensor(
     t: dict[str, Any],
     signature: ModelSignature,
-    binary: Any,
+    binary: memoryview | None,
     offset: int,
     bools: bool = True,
     text: bytes | str = b"",
@@ -106,8 +106,9 @@ def _decode_tensor(
                 f"input {name!r}: parameters.binary_data_size must be a count of bytes "
                 f"(an integer, 0 or more), got {shown(size, text)}"
             )
-        if not len(binary):
-            # no binary part at all: the header is missing (or this is the stream)
+        if binary is None:
+            # no binary part at all: the header is missing (or this is the stream); a
+            # header at the body's end is a binary part of 0 bytes, for empty tensors
             raise InvalidInput(
                 f"input {name!r}: parameters.binary_data_size is given but the request "
                 "has no binary data: over HTTP, send the tensors' bytes after the JSON "
