@@ -380,6 +380,29 @@ async def test_classification_of_integer_outputs_and_of_fewer_classes_than_asked
     }]
 
 
+@pytest.mark.parametrize(("datatype", "data", "ranked"), [
+    # a boolean's value as C++'s std::to_string prints it (it was "True:0")
+    ("BOOL", [True, False, True], ["1:0", "1:2", "0:1"]),
+    # integers compared as they are: as float64 the three were equal (index order)
+    ("UINT64", [2**63, 2**63 + 2, 2**63 + 1], ["9223372036854775810:1", "9223372036854775809:2",
+                                             "9223372036854775808:0"]),
+    ("INT64", [2**62, 2**62 + 1, -(2**63)], ["4611686018427387905:1", "4611686018427387904:0",
+                                            "-9223372036854775808:2"]),
+])
+async def test_classes_of_booleans_and_of_large_integers(mlp_server, datatype, data, ranked):
+    """Each ranked value reads back as the number it is, in the order of the values."""
+    body = {
+        "inputs": [{"name": "x", "shape": [1, 3], "datatype": datatype, "data": data}],
+        "outputs": [{"name": "x", "parameters": {"classification": 3}}],
+    }
+    async with open_http(mlp_server.url) as http:
+        res = await http.request("POST", "/v2/models/echo/infer", orjson.dumps(body))
+    assert res.status == 200
+    assert res.json()["outputs"] == [
+        {"name": "x", "datatype": "BYTES", "shape": [1, 3], "data": ranked}
+    ]
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True, 70_000])
 async def test_a_bad_classification_count_is_400(mlp_server, bad):
     body = {

@@ -187,13 +187,22 @@ def _top_classes(
             f"model {model!r}: output {name!r} {described(arr)}: it has no classes "
             f"to rank (parameters.classification)"
         )
+    if arr.dtype.kind == "b":
+        arr = arr.view(np.uint8)  # std::to_string(true) is "1"
     rows = arr.reshape(arr.shape[0] if stacked else 1, -1)
-    n = min(count, rows.shape[1])
+    width = rows.shape[1]
+    n = min(count, width)
     fmt = "{:f}:{}" if arr.dtype.kind == "f" else "{}:{}"
     out = np.empty((rows.shape[0], n), dtype=object)
     for r, row in enumerate(rows):
-        # a stable sort of the negated values: ties keep the lower index first
-        order = np.argsort(-row.astype(np.float64), kind="stable")[:n]
+        if arr.dtype.kind == "f":
+            # a stable sort of the negated values: ties keep the lower index first
+            order = np.argsort(-row, kind="stable")[:n]
+        else:
+            # integers compared as they are (as float64, 2**53 + 1 was 2**53, and an
+            # unsigned value cannot be negated): a stable sort of the row reversed,
+            # read backwards, is highest first with the lower index first among equals
+            order = (width - 1 - np.argsort(row[::-1], kind="stable"))[::-1][:n]
         values = row[order].tolist()
         out[r] = [fmt.format(v, int(i)) for v, i in zip(values, order, strict=True)]
     return out if stacked else out[0]
