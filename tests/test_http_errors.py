@@ -60,6 +60,11 @@ def error_of(res) -> str:
     ("body", "status", "message"),
     [
         (b"{not json", 400, "malformed JSON body"),
+        # bytes that are not UTF-8 are named, with their place: orjson said "str is not
+        # valid UTF-8: surrogates not allowed: line 1 column 1 (char 0)", whatever the
+        # bytes and wherever they stood
+        (b'{"id": "caf\xe9", "inputs": []}', 400,
+         "malformed JSON body: not UTF-8 text (byte 0xe9 at offset 11); JSON is UTF-8"),
         (b"[1, 2]", 400, "must be a JSON object"),
         ({"inputs": []}, 400, "'inputs' must be a non-empty list of tensors, got an empty list"),
         ({"inputs": {"x": [1.0]}}, 400, "non-empty list of tensors, got a JSON object"),

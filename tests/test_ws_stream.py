@@ -170,6 +170,24 @@ async def test_a_bad_message_gets_an_error_frame_and_the_stream_goes_on():
         400, "input 'x': expected FP32 values, got a boolean in 'data'")
 
 
+async def test_a_binary_message_that_is_not_utf8_is_refused_naming_the_byte():
+    """A binary message is read as JSON text (UTF-8): one that is not gets a 400 frame
+    naming the first bad byte and its offset, and the stream goes on (the frame said
+    "str is not valid UTF-8: surrogates not allowed ... (char 0)", orjson's words for
+    any such bytes)."""
+    async with serving(config(echo_model())) as gw, open_stream(gw.url) as stream:
+        await stream.send_raw(b"\xff\xfe{}")
+        await stream.send_raw(b'{"id": "x\xc3", "model": "echo"}')
+        replies = [await stream.receive() for _ in range(2)]
+        assert (await stream.infer("echo", {"x": f32(6)}))["x"].tolist() == [6]
+    assert sorted((r.id, r.status, r.error) for r in replies) == [
+        (None, 400, "malformed JSON body: not UTF-8 text (byte 0xc3 at offset 9); "
+                    "JSON is UTF-8"),
+        (None, 400, "malformed JSON body: not UTF-8 text (byte 0xff at offset 0); "
+                    "JSON is UTF-8"),
+    ]
+
+
 async def test_a_class_the_tenant_may_not_use_is_forbidden_on_the_stream():
     tenants = (trioserve.TenantConfig(name="acme", api_keys=("k1",), classes=("realtime",)),)
     async with serving(config(echo_model(), tenants=tenants)) as gw, \

@@ -100,11 +100,26 @@ def json_loads(body: bytes | bytearray | memoryview | str) -> Any:
 
 
 def loads(body: bytes | str) -> Any:
-    """Decode JSON (:func:`json_loads`); malformed JSON is InvalidInput (400)."""
+    """Decode JSON (:func:`json_loads`); malformed JSON is InvalidInput (400), and
+    bytes that are not UTF-8 are named with their offset."""
     try:
         return json_loads(body)
     except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"malformed JSON body: {exc}") from None
+        raise InvalidInput(f"malformed JSON body: {_not_utf8(body) or exc}") from None
+
+
+def _not_utf8(body: bytes | str) -> str | None:
+    """Why ``body`` is not JSON text when its bytes are not UTF-8 (the first bad byte
+    and its offset), else None. orjson's own words for any such bytes are "str is not
+    valid UTF-8: surrogates not allowed" at char 0. Only a refusal pays for it."""
+    if isinstance(body, str):
+        return None
+    try:
+        str(body, "utf-8")
+    except UnicodeDecodeError as exc:
+        return (f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                f"{exc.start}); JSON is UTF-8")
+    return None
 
 
 #: A value echoed in an error message is cut to this many characters (and "...").
