@@ -27,6 +27,7 @@ from http_helpers import (
     serving,
     settle,
 )
+from runtime_helpers import callable_model
 from trioserve.transport import open_stream
 
 
@@ -343,3 +344,62 @@ async def test_a_message_larger_than_the_byte_budget_is_served_alone():
             await sock.aclose()
     finally:
         gate.release()
+
+
+async def test_an_answer_waiting_for_a_slow_reader_holds_only_its_frame():
+    """A client that does not read: the answers framed and waiting for its socket hold
+    their frames' bytes, not also the model's outputs and the encoded JSON they came
+    from, whose orjson buffer is up to ~4 times its length (8 answers of 195 KiB, one
+    a batch, held 8.7 MiB where their frames are 1.5 MiB; a stream's 256 answers of
+    1 MiB at the byte budget held over a GiB)."""
+    import gc
+    import tracemalloc
+    import weakref
+
+    from trioserve.transport._http import serve_connection
+
+    outputs: list[weakref.ref] = []
+
+    def big(items):
+        out = []
+        for _ in items:
+            y = np.ones(50_000, np.float32)
+            outputs.append(weakref.ref(y))
+            out.append({"y": y})
+        return out
+
+    model = callable_model("big", big, max_wait_ms=0.0, max_batch_size=1)
+    async with serving(config(model)) as gw, trio.open_nursery() as nursery:
+        server, client = trio.socket.socketpair()
+        server.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, 4096)
+        client.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        nursery.start_soon(serve_connection, gw, trio.SocketStream(server))
+        sock = trio.SocketStream(client)
+        await sock.send_all(_HANDSHAKE)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await sock.receive_some(1)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            await sock.send_all(b"".join(_infer_frame(i, [1.0], "big") for i in range(8)))
+            await settle()
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        # every request ran, one a batch, and was answered: its answer waits for the
+        # client, which has taken next to none of it (4 KiB socket buffers)
+        assert len(outputs) == 8
+        assert gw.requests == {("big", "t", 200): 8}
+        assert [ref for ref in outputs if ref() is not None] == []
+        ws = _raw_ws()
+        answers = await _answers(sock, ws, 8)
+        assert sorted(a["id"] for a in answers) == list(range(8))
+        assert all(a["outputs"][0]["data"] == [1.0] * 50_000 for a in answers)
+        framed = sum(len(json.dumps(a, separators=(",", ":"))) for a in answers)
+        # the frames, and at most a copy of them joined for the write under way (the
+        # flusher's): they were ~6 times that
+        assert held < 3 * framed
+        await sock.aclose()

@@ -712,85 +712,98 @@ class _Session:
     async def _one(self, message: str | bytes, n: int) -> None:
         """Answer one message of ``n`` bytes (counted in ``in_flight_bytes`` until it
         is answered)."""
-        gateway = self.gateway
         token = next(self._tokens)
-        rid: Any = None
-        label = UNKNOWN_MODEL
         self.pending[token] = None
         try:
-            try:
-                doc = loads_request(message)
-                if type(doc) is not dict:
-                    raise InvalidInput(
-                        f"a stream message must be a JSON object, got {shown(doc, message)}"
-                    )
-                rid = doc.get("id")
-                self.pending[token] = rid
-                if rid is None or type(rid) not in (str, int):
-                    # JSON parsers read a larger integer as a float (10**30 as 1e30)
-                    raise InvalidInput(
-                        "a stream message needs an 'id' (string or integer)"
-                        if rid is None else
-                        "a stream message's 'id' must be a string or an integer; an "
-                        "integer id must be within 64 bits (-2**63 to 2**64-1): use a "
-                        "string" if type(rid) is float and rid.is_integer()
-                        and not -(2**63) <= rid < 2**64 else
-                        "a stream message's 'id' must be a string or an integer, got "
-                        f"{shown(rid, message)}"
-                    )
-                why = id_problem(rid)
-                if why is not None:  # it cannot be echoed: the answer's id is null
-                    rid = self.pending[token] = None
-                    raise InvalidInput(f"a stream message's 'id': {why}")
-                model = doc.get("model")
-                if type(model) is not str:
-                    raise InvalidInput(
-                        "a stream message needs a 'model' (string)" if "model" not in doc
-                        else "a stream message's 'model' must be a string, got "
-                        f"{shown(model, message)}"
-                    )
-                sig = gateway.signatures.get(model)
-                if sig is None:
-                    raise UnknownModel.not_served(model, gateway.runtime.models)
-                label = model
-                version = doc.get("version")
-                if version is not None and type(version) is not str:
-                    raise InvalidInput(
-                        "a stream message's 'version' must be a string, got "
-                        f"{shown(version, message)}"
-                    )
-                # held until the request is answered, as over HTTP
-                served = sig.served
-                sig.check_version(version)  # before "not loaded", as over HTTP
-                if not served.loaded:  # explicit model control
-                    gateway.runtime.check_loaded(model)
-                request = InferRequest.from_v2_json(
-                    message, sig, version=version, doc=doc, classes=gateway.class_names
-                )
-                answered: list[str] = []
-                results = await gateway.run_request(request, self.tenant, answered)
-                if gateway.runtime.models[model] is not served:  # reloaded
-                    sig = gateway.signatures.answering(sig, served, request.outputs, results)
-                frame = encode_response(
-                    request, results, sig, binary=False, answered=answered
-                )[0]
-                status = 200
-            except Exception as exc:
-                if not isinstance(exc, TrioserveError):
-                    log.exception("stream request %r: unexpected error", rid)
-                frame = _error_frame(rid, exc)
-                status = exc.status if isinstance(exc, TrioserveError) else 500
-            gateway.requests[(label, self.tenant, status)] += 1
+            # While the answer waits for the client (one that reads slowly) only its
+            # frame is held: the request, the model's outputs and the encoded JSON
+            # (orjson's output keeps a buffer up to ~4 times its length) are let go
+            # when _answer returns. They were held too: ~6 times the answer's bytes.
+            frame = await self._answer(message, token)
             # Answered from here on: once framed, the answer is in the stream's bytes
             # (a cancellation while it waits to be written must not add a 503 frame
             # for the same id at close).
             del self.pending[token]
             if self.ws.state is ConnectionState.OPEN:
-                await self._send(self.ws.send(TextMessage(data=frame.decode())))
+                data = self.ws.send(TextMessage(data=frame.decode()))
+                del frame
+                await self._send(data)
         finally:
             self.in_flight -= 1
             self.in_flight_bytes -= n
             self._unpark()
+
+    async def _answer(self, message: str | bytes, token: int) -> bytes:
+        """Run one message's request and return its answer's JSON (an error frame for
+        a bad message or a failed request), counted in the gateway's requests. Sets
+        ``pending[token]`` to its id once read."""
+        gateway = self.gateway
+        rid: Any = None
+        label = UNKNOWN_MODEL
+        try:
+            doc = loads_request(message)
+            if type(doc) is not dict:
+                raise InvalidInput(
+                    f"a stream message must be a JSON object, got {shown(doc, message)}"
+                )
+            rid = doc.get("id")
+            self.pending[token] = rid
+            if rid is None or type(rid) not in (str, int):
+                # JSON parsers read a larger integer as a float (10**30 as 1e30)
+                raise InvalidInput(
+                    "a stream message needs an 'id' (string or integer)"
+                    if rid is None else
+                    "a stream message's 'id' must be a string or an integer; an "
+                    "integer id must be within 64 bits (-2**63 to 2**64-1): use a "
+                    "string" if type(rid) is float and rid.is_integer()
+                    and not -(2**63) <= rid < 2**64 else
+                    "a stream message's 'id' must be a string or an integer, got "
+                    f"{shown(rid, message)}"
+                )
+            why = id_problem(rid)
+            if why is not None:  # it cannot be echoed: the answer's id is null
+                rid = self.pending[token] = None
+                raise InvalidInput(f"a stream message's 'id': {why}")
+            model = doc.get("model")
+            if type(model) is not str:
+                raise InvalidInput(
+                    "a stream message needs a 'model' (string)" if "model" not in doc
+                    else "a stream message's 'model' must be a string, got "
+                    f"{shown(model, message)}"
+                )
+            sig = gateway.signatures.get(model)
+            if sig is None:
+                raise UnknownModel.not_served(model, gateway.runtime.models)
+            label = model
+            version = doc.get("version")
+            if version is not None and type(version) is not str:
+                raise InvalidInput(
+                    "a stream message's 'version' must be a string, got "
+                    f"{shown(version, message)}"
+                )
+            # held until the request is answered, as over HTTP
+            served = sig.served
+            sig.check_version(version)  # before "not loaded", as over HTTP
+            if not served.loaded:  # explicit model control
+                gateway.runtime.check_loaded(model)
+            request = InferRequest.from_v2_json(
+                message, sig, version=version, doc=doc, classes=gateway.class_names
+            )
+            answered: list[str] = []
+            results = await gateway.run_request(request, self.tenant, answered)
+            if gateway.runtime.models[model] is not served:  # reloaded
+                sig = gateway.signatures.answering(sig, served, request.outputs, results)
+            frame = encode_response(
+                request, results, sig, binary=False, answered=answered
+            )[0]
+            status = 200
+        except Exception as exc:
+            if not isinstance(exc, TrioserveError):
+                log.exception("stream request %r: unexpected error", rid)
+            frame = _error_frame(rid, exc)
+            status = exc.status if isinstance(exc, TrioserveError) else 500
+        gateway.requests[(label, self.tenant, status)] += 1
+        return frame
 
     def _unpark(self) -> None:
         """Room may have freed: wake the read loop waiting at a bound (and end its read
