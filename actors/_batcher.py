@@ -71,8 +71,8 @@ from ._straggler import (
     Hang,
     LogThrottle,
     StragglerPolicy,
-    hung,
     mark_hung,
+    may_hang,
     retried,
     split,
     split_failed,
@@ -338,7 +338,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                     self.risking = False  # (the scheduler marked it with the batch)
                     continue
             self._in_flight.append(batch)
-            self.risking = retried(batch) and hung(batch)
+            self.risking = may_hang(batch)
             try:
                 await self._execute(batch)
             finally:

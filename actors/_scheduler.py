@@ -36,7 +36,7 @@ from trioserve import (
 
 from ._batching import SchedulingPolicy
 from ._singleflight import own_error
-from ._straggler import hung
+from ._straggler import hung, may_hang
 
 _DISPATCHED = RequestState.DISPATCHED
 
@@ -338,16 +338,24 @@ class SchedulerActor(Actor):
         such a part from now (``risking``), not from when its pull returns: the
         checkpoint before that lets another idle replica look, and it must not count
         this one as a replica to spare. Not a checkpoint."""
-        if puller is not None and hung(batch):
+        if puller is not None and may_hang(batch):
             puller.risking = True
 
     def _unspared(self, batch: list[Request], puller: Any) -> bool:
-        """Whether ``batch`` holds a request whose batch hung a worker thread that
-        still runs (it may hang ``puller``'s thread too: nothing stops a thread) and
-        no other replica would go on serving should it: it waits for a replica to
-        spare rather than take the model's last ready one. Only thread replicas mark
-        such requests: a worker process or a Ray actor is killed at its deadline."""
-        return puller is not None and hung(batch) and not self.spare(puller)
+        """Whether ``batch`` holds a request that may hang ``puller``'s thread too
+        (nothing stops a thread): one of a batch that hung a worker thread, until it
+        runs to completion (:func:`may_hang`), and no other replica would go on
+        serving should it: it waits for a replica to spare rather than take the
+        model's last ready one, so that one replica at a time is put at risk. That
+        the hung call returned changes nothing: another input of its batch may hang
+        too. A lone replica's part waits only for its thread (the model is down
+        until it returns anyway), then runs. Only thread replicas mark such
+        requests: a worker process or a Ray actor is killed at its deadline."""
+        if puller is None:
+            return False
+        if self.replicas < 2:
+            return hung(batch)  # (no replica is ever spared)
+        return may_hang(batch) and not self.spare(puller)
 
     def completed(self, batch: list[Request], *, failed: bool = False) -> None:
         """A batcher finished a batch it pulled: answered, or ``failed`` (handed back

@@ -116,6 +116,17 @@ def hung(batch: list[Request]) -> bool:
     return False
 
 
+def may_hang(batch: list[Request]) -> bool:
+    """Whether ``batch`` holds a request that was in a batch that hung a worker
+    thread, returned or not, or whose input did (``Reply.hung``): until it runs to
+    completion it may hang its replica too (a batch of two inputs that hang returns
+    once both are found, not when the first is)."""
+    for r in batch:
+        if r.reply.hung is not None:
+            return True
+    return False
+
+
 def mark_hung(batch: list[Request], hang: Hang) -> None:
     """The requests of ``batch`` were in a call cut off in a worker thread (``hang``)."""
     for r in batch:

@@ -74,9 +74,10 @@ class Reply:
     #: evidence against that replica (``Breaker.confirmed``). None: it has not.
     raised_on: Any = None
     #: The model calls in worker threads its batches hung (ran past their deadline:
-    #: ``Hang``, one per cut-off), while it is retried: a part holding a request
-    #: whose hung call has not returned yet runs on a thread replica only while
-    #: another replica can serve meanwhile. None: it hung none.
+    #: ``Hang``, one per cut-off), while it is retried: until it runs to completion,
+    #: a part holding it runs on a thread replica only while another replica can
+    #: serve meanwhile (with a lone replica: once its hung call returned). None: it
+    #: hung none.
     hung: Any = None
     #: The ReplyGroup awaiting this reply with others, or the ReplyRelay its answer
     #: is handed to (None: awaited by ``wait``).

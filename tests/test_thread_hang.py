@@ -27,6 +27,7 @@ from trioserve.actors import BatchLimits, FifoQueue, SchedulerActor
 from trioserve.actors._straggler import Hang
 
 HANG = 99.0
+HANG2 = 98.0  # a second input that hangs
 DEADLINE_MS = 100.0
 #: what innocent traffic may take, a few batch deadlines on a loaded machine; it
 #: waited for the hung calls before (here: for ever, until the test released them)
@@ -34,11 +35,13 @@ SERVED_WITHIN = 5.0
 
 
 class Hangs:
-    """A thread model doubling ``x``; a batch holding ``HANG`` blocks until the test
-    lets one such call return (``let_one_return``), as a model stuck on an input
-    would. Records each batch's keys."""
+    """A thread model doubling ``x``; a batch holding ``HANG`` (or another of
+    ``hanging``) blocks until the test lets one such call return
+    (``let_one_return``), as a model stuck on an input would. Records each batch's
+    keys."""
 
-    def __init__(self) -> None:
+    def __init__(self, hanging: tuple[float, ...] = (HANG,)) -> None:
+        self.hanging = frozenset(hanging)
         self.batches: list[list[float]] = []
         self.hung = 0  # calls blocked now
         self._lock = threading.Lock()
@@ -48,7 +51,7 @@ class Hangs:
         keys = [key(it) for it in items]
         with self._lock:
             self.batches.append(keys)
-        if HANG in keys:
+        if self.hanging.intersection(keys):
             with self._lock:
                 self.hung += 1
             try:
@@ -119,6 +122,38 @@ def healths(rt) -> list[str]:
     return sorted(b.health for b in rt.models["m"].batchers)
 
 
+class Answers:
+    """What each of several requests sent one by one got (a value, or the error),
+    by value, as each answer comes."""
+
+    def __init__(self, rt) -> None:
+        self.rt = rt
+        self.got: dict[float, object] = {}
+        self._came = trio.Event()
+
+    async def send(self, nursery: trio.Nursery, v: float) -> None:
+        """Send ``v`` and wait until it is queued (every task blocked): the requests
+        sent so reach the queue, and their batch, in the order sent."""
+        nursery.start_soon(self._one, v)
+        await trio.testing.wait_all_tasks_blocked()
+
+    async def _one(self, v: float) -> None:
+        try:
+            out = await self.rt.infer("m", item(v))
+        except (ModelError, DeadlineExceeded) as exc:
+            value: object = exc
+        else:
+            value = float(out["y"][0])
+        assert v not in self.got  # one answer per request
+        self.got[v] = value
+        self._came.set()
+
+    async def wait_for(self, *vs: float) -> None:
+        while not all(v in self.got for v in vs):
+            self._came = trio.Event()
+            await self._came.wait()
+
+
 async def test_an_input_that_hangs_alone_is_poison_at_once_and_the_other_replica_serves():
     """Two thread replicas; one request hangs its call for ever. It was retried on
     the other replica, hung it too, and the innocent requests sent after it waited
@@ -153,22 +188,21 @@ async def test_a_hung_batchs_parts_wait_for_a_replica_to_spare_and_the_innocents
     """Two thread replicas; a batch of four holding the hanging input is cut off on
     one. Its parts (any may hang) are not run on the last ready replica, which
     serves the traffic sent after the hang meanwhile. Once the hung call returns
-    (here: the test lets it), the parts run with a replica to spare: the three
-    innocents get their values, the input that hangs again, alone, is poison, and
-    the other replica goes on serving."""
+    (here: the test lets it), the parts run one at a time with a replica to spare:
+    the input that hangs again, alone, is poison, and the other replica goes on
+    serving; the three innocents, held while no replica can be spared (any of them
+    may hang too: a batch may hold two such inputs), get their values once that
+    second call returns."""
     model = Hangs()
     cfg = config(hanging_model(model, max_batch_size=4, max_wait_ms=10_000))
     try:
         async with trioserve.open_runtime(cfg) as rt:
             scheduler = rt.models["m"].scheduler
             cut_off = handed_back(monkeypatch, rt)
-            first: dict[float, object] = {}
-
-            async def hung_batch() -> None:
-                first.update(await values(rt, [HANG, 1.0, 2.0, 3.0]))
-
+            first = Answers(rt)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(hung_batch)
+                for v in (HANG, 1.0, 2.0, 3.0):  # HANG's part is the first to run
+                    await first.send(nursery, v)
                 with trio.fail_after(SERVED_WITHIN):
                     await cut_off.wait()  # the batch is cut off, its parts held
                 assert healths(rt) == ["degraded", "ready"]
@@ -176,25 +210,29 @@ async def test_a_hung_batchs_parts_wait_for_a_replica_to_spare_and_the_innocents
                 with trio.fail_after(SERVED_WITHIN):
                     got = await values(rt, [float(v) for v in range(11, 19)])  # 2 batches
                 assert got == {float(v): 2.0 * v for v in range(11, 19)}
-                assert not first  # still held: no replica could be spared
+                assert not first.got  # still held: no replica could be spared
                 assert model.runs_of(HANG) == [4]
                 assert scheduler.queue_depth() == 4
                 model.let_one_return()  # the hung call returns: both replicas ready
-            poison = first.pop(HANG)
-            assert first == {1.0: 2.0, 2.0: 4.0, 3.0: 6.0}
-            assert isinstance(poison, ModelError)
-            assert "poison request, not retried" in str(poison)
-            assert model.runs_of(HANG) == [4, 1]  # its batch, then alone once
-            assert healths(rt) == ["degraded", "ready"]
-            with trio.fail_after(SERVED_WITHIN):
-                got = await values(rt, [float(v) for v in range(21, 25)])
-            assert got == {float(v): 2.0 * v for v in range(21, 25)}
-            assert model.hung == 1
+                with trio.fail_after(SERVED_WITHIN):
+                    await first.wait_for(HANG)
+                poison = first.got[HANG]
+                assert isinstance(poison, ModelError)
+                assert "poison request, not retried" in str(poison)
+                assert model.runs_of(HANG) == [4, 1]  # its batch, then alone once
+                assert healths(rt) == ["degraded", "ready"]
+                assert scheduler.queue_depth() == 3
+                with trio.fail_after(SERVED_WITHIN):
+                    got = await values(rt, [float(v) for v in range(21, 25)])
+                assert got == {float(v): 2.0 * v for v in range(21, 25)}
+                assert model.hung == 1
+                model.let_one_return()  # its second call returns: the innocents run
+            assert {v: first.got[v] for v in (1.0, 2.0, 3.0)} == {1.0: 2.0, 2.0: 4.0, 3.0: 6.0}
+            assert healths(rt) == ["ready", "ready"]
             stats = rt.statistics()["m"]["statuses"]
             assert stats["straggler"] == 2
             assert stats["poison"] == 1
             assert stats["retried"] == 4
-            model.let_all_return()
     finally:
         model.let_all_return()
 
@@ -266,6 +304,68 @@ async def test_with_three_replicas_a_hanging_input_is_run_alone_twice_and_one_re
         model.let_all_return()
 
 
+async def test_two_hanging_inputs_in_one_batch_put_one_replica_at_risk_at_a_time(monkeypatch):
+    """Two thread replicas; a batch holds two inputs that hang, and two innocents.
+    Once the batch's hung call returned, its four parts used to be ordinary retries:
+    each replica took one, both hanging inputs ran at once, and both replicas hung
+    (the model served nobody). Now a part of a batch that hung runs only where
+    another replica can be spared, whether or not that call returned: one replica at
+    a time is put at risk, the other serves the traffic sent meanwhile, and each of
+    the four is answered once (the innocents once both hanging inputs are found,
+    each hung call let return here; else at their deadline)."""
+    model = Hangs(hanging=(HANG, HANG2))
+    cfg = config(hanging_model(model, max_batch_size=4, max_wait_ms=10_000))
+    try:
+        async with trioserve.open_runtime(cfg) as rt:
+            scheduler = rt.models["m"].scheduler
+            cut_off = handed_back(monkeypatch, rt)
+            answers = Answers(rt)
+            async with trio.open_nursery() as nursery:
+                for v in (HANG, HANG2, 1.0, 2.0):
+                    await answers.send(nursery, v)
+                with trio.fail_after(SERVED_WITHIN):
+                    await cut_off.wait()  # the batch of four is cut off
+                assert healths(rt) == ["degraded", "ready"]
+                assert model.runs_of(HANG) == model.runs_of(HANG2) == [4]
+                model.let_one_return()  # both replicas ready, four parts to run
+                with trio.fail_after(SERVED_WITHIN):
+                    await answers.wait_for(HANG)  # run alone on one replica: hangs it
+                assert "poison request, not retried" in str(answers.got[HANG])
+                assert model.runs_of(HANG) == [4, 1]
+                assert model.runs_of(HANG2) == [4]  # not run beside it on the other
+                assert model.hung == 1
+                assert healths(rt) == ["degraded", "ready"]
+                assert scheduler.queue_depth() == 3
+                with trio.fail_after(SERVED_WITHIN):
+                    got = await values(rt, [float(v) for v in range(11, 19)])
+                assert got == {float(v): 2.0 * v for v in range(11, 19)}
+                model.let_one_return()  # HANG's call returns: the next part runs
+                with trio.fail_after(SERVED_WITHIN):
+                    await answers.wait_for(HANG2)
+                assert "poison request, not retried" in str(answers.got[HANG2])
+                assert model.runs_of(HANG2) == [4, 1]
+                assert model.hung == 1
+                assert healths(rt) == ["degraded", "ready"]
+                assert 1.0 not in answers.got
+                assert 2.0 not in answers.got
+                with trio.fail_after(SERVED_WITHIN):
+                    got = await values(rt, [float(v) for v in range(21, 29)])
+                assert got == {float(v): 2.0 * v for v in range(21, 29)}
+                model.let_one_return()  # HANG2's call returns: the innocents run
+                with trio.fail_after(SERVED_WITHIN):
+                    await answers.wait_for(1.0, 2.0)
+            assert {v: answers.got[v] for v in (1.0, 2.0)} == {1.0: 2.0, 2.0: 4.0}
+            assert model.runs_of(1.0) == model.runs_of(2.0) == [4, 1]
+            assert model.hung == 0
+            assert scheduler.queue_depth() == 0
+            stats = rt.statistics()["m"]["statuses"]
+            assert stats["straggler"] == 3
+            assert stats["poison"] == 2
+            assert stats["retried"] == 4
+    finally:
+        model.let_all_return()
+
+
 # ---------------------------------------------------------------- the scheduler's rule
 class Replica:
     """What the scheduler reads of a replica pulling from it."""
@@ -328,7 +428,12 @@ async def test_a_part_that_may_hang_goes_to_a_replica_only_while_another_can_be_
     assert [[r.item for r in b] for b in got] == [[99.0]]
 
 
-async def test_a_part_is_an_ordinary_retry_once_the_thread_it_hung_returns(autojump_clock):
+async def test_a_part_waits_for_a_replica_to_spare_even_once_the_thread_it_hung_returns(
+    autojump_clock,
+):
+    # The call that hung returned, but its replica's breaker keeps it from pulling:
+    # the part (which may hang too) is not run on the last ready replica. It used to
+    # be an ordinary retry then: two hanging inputs of one batch hung two replicas.
     hung_replica, last = Replica(ready=False), Replica()
     scheduler = scheduler_of(hung_replica, last)
     hang = Hang()
@@ -342,12 +447,59 @@ async def test_a_part_is_an_ordinary_retry_once_the_thread_it_hung_returns(autoj
         nursery.start_soon(pull)
         await trio.testing.wait_all_tasks_blocked()
         assert not got
-        hang.returned = True  # its replica's breaker may keep it from pulling: the
-        scheduler.thread_returned()  # last one is woken and takes the part
+        hang.returned = True
+        scheduler.thread_returned()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got  # still the last ready replica
+        hung_replica.ready = True  # a replica to spare
+        scheduler.thread_returned()
     assert [[r.item for r in b] for b in got] == [[99.0]]
+    assert last.risking
     # and a puller that is no replica (None) is never held back
     scheduler.retry([hung_part(Hang(), 98.0)])
     assert [r.item for r in await scheduler.pull()] == [98.0]
+
+
+async def test_a_lone_replica_runs_a_part_once_the_thread_it_hung_returns(autojump_clock):
+    # A lone replica has no other to spare: its part waits for its thread, and is
+    # then an ordinary retry (the model is down until it returns anyway).
+    only = Replica()
+    scheduler = scheduler_of(only)
+    hang = Hang()
+    scheduler.retry([hung_part(hang, 99.0)])
+    got: list = []
+
+    async def pull() -> None:
+        got.append(await scheduler.pull(only))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got
+        hang.returned = True
+        scheduler.thread_returned()
+    assert [[r.item for r in b] for b in got] == [[99.0]]
+
+
+async def test_the_parts_of_a_hung_batch_run_one_at_a_time_once_its_thread_returned(
+    autojump_clock,
+):
+    # Both replicas ready again, two parts: one replica takes a part, the other is
+    # spared (it takes new work, not the second part) until the first is done.
+    a, b = Replica(), Replica()
+    scheduler = scheduler_of(a, b)
+    hang = Hang()
+    hang.returned = True
+    scheduler.retry([hung_part(hang, 98.0), hung_part(hang, 99.0)])
+    first = await scheduler.pull(a)
+    assert [r.item for r in first] == [98.0]
+    assert a.risking
+    fresh(scheduler, 1.0)
+    assert [r.item for r in await scheduler.pull(b)] == [1.0]  # not the part
+    assert scheduler.queue_depth() == 1
+    a.risking = False  # its part ran in time (the batcher clears it)
+    assert [r.item for r in await scheduler.pull(b)] == [99.0]
+    assert b.risking
 
 
 async def test_two_idle_replicas_woken_together_do_not_both_take_a_part_that_may_hang(
