@@ -481,6 +481,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             hang = Hang()
             mark_hung(batch, hang)
             scheduler = self._scheduler
+            scheduler.note_hang(batch, hang)  # its inputs, should they come again
             self._suspect(
                 batch, f"its batch ran past its deadline of {deadline:.3f}s",
                 # it ran alone (not a batch-mate left after the others' answers),

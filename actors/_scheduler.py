@@ -36,7 +36,7 @@ from trioserve import (
 
 from ._batching import SchedulingPolicy
 from ._singleflight import own_error
-from ._straggler import hung, may_hang
+from ._sparing import Sparing
 
 _DISPATCHED = RequestState.DISPATCHED
 
@@ -55,7 +55,7 @@ class PlannedCall:
     plan: Any = attrs.field(eq=False)
 
 
-class SchedulerActor(Actor):
+class SchedulerActor(Sparing, Actor):
     def __init__(self, model: str, policy: SchedulingPolicy) -> None:
         super().__init__()
         self.name = f"scheduler[{model}]"
@@ -104,6 +104,7 @@ class SchedulerActor(Actor):
         #: ``wait_empty`` callers, woken when a batch is taken or completed or a
         #: batcher idles
         self._emptied = trio.lowlevel.ParkingLot()
+        self._init_sparing()
 
     # ---- callers
     def submit_nowait(self, request: Request) -> None:
@@ -118,6 +119,8 @@ class SchedulerActor(Actor):
                     self.handed_check(request)
                 return self._handed_to().submit_nowait(request)
             raise self._refusal()
+        if self.hung_inputs:  # (a thread hung, on inputs still remembered)
+            self._recall(request)
         policy = self.policy
         try:
             policy.offer(request, request.arrival)
@@ -145,6 +148,8 @@ class SchedulerActor(Actor):
             raise self._refusal()
         if not requests:
             return
+        if self.hung_inputs:
+            self._mark_recalled(requests)
         policy = self.policy
         was = len(policy)
         offer_all = getattr(policy, "offer_all", None)
@@ -203,6 +208,8 @@ class SchedulerActor(Actor):
                 # (planned by the successor: checked by ``plan_all_nowait`` then)
                 return self.successor.submit_planned_nowait(planned)
             raise self._refusal()
+        if self.hung_inputs:
+            self._mark_recalled(requests)
         policy = self.policy
         was = len(policy)
         try:
@@ -231,9 +238,14 @@ class SchedulerActor(Actor):
         A copy is speculative: it takes only free room in the queue, pushing nobody
         out, and a new request takes its room back (``offer_spare``). Returns False,
         with nothing queued and nothing counted, when there is none (or the runtime
-        is shut down). Once the hedge is over, call :meth:`forget_copy`.
+        is shut down), or when its input hung a worker thread that still runs
+        (:meth:`note_hang`). Once the hedge is over, call :meth:`forget_copy`.
         """
         if self._closed:
+            return False
+        if self.hung_inputs and self.hung_inputs.match(copy.item) is not None:
+            # Its input hung a thread, which still runs: its original is held for
+            # a replica to spare (or poison), and a copy would put another at risk.
             return False
         try:
             if not self.policy.offer_spare(copy, copy.arrival):
@@ -305,6 +317,10 @@ class SchedulerActor(Actor):
                 if batch is None:  # as for a retry, above
                     recheck = trio.current_time() + ELSEWHERE_RECHECK
             batch = policy.next_batch(trio.current_time())
+            if batch and self.hung_inputs is not None:
+                batch = self._set_aside(batch, puller)
+                if not batch:
+                    continue  # it was all held apart (or answered): look again
             if batch:
                 if self._emptied:
                     self._emptied.unpark_all()
@@ -315,52 +331,12 @@ class SchedulerActor(Actor):
             with trio.move_on_at(min(policy.next_close_time(), recheck)):
                 await self._idle.park()
 
-    def thread_returned(self) -> None:
-        """A model call cut off in a worker thread of one of this queue's replicas
-        returned: a retry that waited for a replica to spare (see :meth:`spare`) may
-        run now, on that replica or another one; idle replicas look again. Not a
-        checkpoint."""
-        if (self._retries or self._apart) and self._idle:
-            self._idle.unpark_all()
-
-    def spare(self, but: Any) -> int:
-        """How many of this queue's replicas other than ``but`` are ready and not
-        running a part that may hang their thread (``risking``): those that would
-        go on serving should ``but`` hang. Not a checkpoint."""
-        return sum(
-            1 for b in self.batchers
-            if b is not but and b.ready and not getattr(b, "risking", False)
-        )
-
-    @staticmethod
-    def _risk(batch: list[Request], puller: Any) -> None:
-        """``puller`` is given ``batch``: if it may hang its thread, the puller runs
-        such a part from now (``risking``), not from when its pull returns: the
-        checkpoint before that lets another idle replica look, and it must not count
-        this one as a replica to spare. Not a checkpoint."""
-        if puller is not None and may_hang(batch):
-            puller.risking = True
-
-    def _unspared(self, batch: list[Request], puller: Any) -> bool:
-        """Whether ``batch`` holds a request that may hang ``puller``'s thread too
-        (nothing stops a thread): one of a batch that hung a worker thread, until it
-        runs to completion (:func:`may_hang`), and no other replica would go on
-        serving should it: it waits for a replica to spare rather than take the
-        model's last ready one, so that one replica at a time is put at risk. That
-        the hung call returned changes nothing: another input of its batch may hang
-        too. A lone replica's part waits only for its thread (the model is down
-        until it returns anyway), then runs. Only thread replicas mark such
-        requests: a worker process or a Ray actor is killed at its deadline."""
-        if puller is None:
-            return False
-        if self.replicas < 2:
-            return hung(batch)  # (no replica is ever spared)
-        return may_hang(batch) and not self.spare(puller)
-
     def completed(self, batch: list[Request], *, failed: bool = False) -> None:
         """A batcher finished a batch it pulled: answered, or ``failed`` (handed back
         or answered with errors; not a measure of service)."""
         self.policy.completed(batch, trio.current_time(), failed=failed)
+        if not failed and self.hung_inputs:
+            self.hung_inputs.ran(batch)
         if self._emptied:  # a drain waits for its replicas to hold nothing
             self._emptied.unpark_all()
 
@@ -459,6 +435,10 @@ class SchedulerActor(Actor):
             if self._unspared([req], puller):
                 apart.append(req)  # looked at again as a retry is (see pull)
                 continue
+            if reply.hung is not None:
+                # its input hung a thread (or was in a batch that did): it runs as
+                # a retry, whose failure is its input's doing (``retried``)
+                reply.suspect = True
             return [req]
         return None if elsewhere else []
 
@@ -474,7 +454,11 @@ class SchedulerActor(Actor):
                 reply.set_error(
                     DeadlineExceeded(
                         f"model {self.model!r}: deadline passed while it waited "
-                        "for a replica other than its hedge twin's",
+                        + (
+                            "for a replica to spare: its input hung the model's "
+                            "worker thread earlier" if reply.hung is not None
+                            else "for a replica other than its hedge twin's"
+                        ),
                         # never ran, unless it is the retry of a failed batch
                         in_queue=not reply.suspect,
                     )

@@ -486,6 +486,9 @@ async def _start_model(
     )
     # a load's config may change it: the fill is of the batches the copy closes
     metrics.max_batch_size = m.max_batch_size
+    for lane in (scheduler, slow):
+        if lane is not None:
+            lane.metrics = metrics  # (the poison requests a queue answers itself)
     served = ServedModel(
         config=m,
         backend=backend,

@@ -1,0 +1,116 @@
+"""The inputs that hung a model's worker thread, remembered by the model's queue, so
+that the same input sent again (a new request: its client's retry, a hedge copy) is
+not fresh work that may take the model's last ready thread replica.
+
+Sans-IO. A digest of an item (the result cache's canonical hash of its input tensors:
+``_cachekey``) is computed only by a queue whose replicas hung a thread at least once
+and still remember an input: never on the hot path of a model that has not.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Any
+
+from trioserve import ModelError, Request
+
+from ._cachekey import _feed
+from ._straggler import Hang
+
+#: Inputs one queue remembers at most (the least recently seen go first).
+HUNG_INPUTS = 1024
+
+
+def digest(item: Any) -> bytes | None:
+    """A canonical digest of ``item``'s inputs (equal values, equal digests, whatever
+    their arrays; another dtype or shape, another digest); None for an item that
+    cannot be hashed so (an object of a backend's own): it is not remembered."""
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        _feed(h, item)
+    except (TypeError, ValueError):
+        return None
+    return h.digest()
+
+
+class HungInputs:
+    """The inputs of the batches that hung a worker thread of one queue's replicas
+    (``Hang``), each while the call it hung still runs: at most ``size``, the least
+    recently noted or matched dropped first. An input that runs to completion in
+    time is forgotten (:meth:`forget`); one whose call returned is forgotten at the
+    next look (:meth:`match`, :meth:`drop_returned`)."""
+
+    __slots__ = ("_hangs", "size")
+
+    def __init__(self, size: int = HUNG_INPUTS) -> None:
+        self.size = size
+        self._hangs: collections.OrderedDict[bytes, Hang] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._hangs)
+
+    def note(self, item: Any, hang: Hang) -> None:
+        """``item`` was in the batch whose call ``hang`` is (it ran past its
+        deadline in a worker thread, and runs on)."""
+        key = digest(item)
+        if key is None:
+            return
+        hangs = self._hangs
+        hangs[key] = hang
+        hangs.move_to_end(key)
+        if len(hangs) > self.size:
+            hangs.popitem(last=False)
+
+    def match(self, item: Any) -> Hang | None:
+        """The call that ``item``'s input hung and that still runs; None: none
+        (it is then forgotten, if its call returned)."""
+        if not self._hangs:
+            return None
+        key = digest(item)
+        if key is None:
+            return None
+        hang = self._hangs.get(key)
+        if hang is None:
+            return None
+        if hang.returned:
+            del self._hangs[key]
+            return None
+        self._hangs.move_to_end(key)
+        return hang
+
+    def forget(self, item: Any) -> None:
+        """``item``'s input ran to completion within its batch deadline: it did not
+        hang that call."""
+        key = digest(item)
+        if key is not None:
+            self._hangs.pop(key, None)
+
+    def ran(self, batch: list[Request]) -> None:
+        """``batch`` ran to completion in time: forget the inputs of its requests
+        that hung a call, or were in a batch that did, or came remembered
+        (``Reply.hung``): no digest is taken of the others."""
+        for r in batch:
+            if r.reply.hung is not None:
+                self.forget(r.item)
+
+    def drop_returned(self) -> None:
+        """Forget the inputs whose call returned."""
+        hangs = self._hangs
+        for key in [k for k, hang in hangs.items() if hang.returned]:
+            del hangs[key]
+
+
+def hung_input_poison(model: str) -> ModelError:
+    """The error of a request whose input hung a worker thread of ``model`` earlier
+    and still does, when no other replica can be spared to run it: the error a
+    retried part that hung alone gets then. It never ran (``in_queue``): its caller
+    is not charged."""
+    error = ModelError(
+        f"model {model!r}: poison request, not run: this input hung the model's worker "
+        "thread earlier (its batch ran past its deadline, and that call still runs), "
+        "and no other replica can be spared to run it (it would hang the model's last "
+        "ready replica)"
+    )
+    error.in_queue = True
+    return error

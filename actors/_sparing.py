@@ -1,0 +1,165 @@
+"""Keeping what may hang a worker thread off a model's last ready replica: the part of
+:class:`~trioserve.actors.SchedulerActor` that decides which of a queue's replicas can
+be spared (``spare``), which replica runs a request that may hang (``risking``), and
+remembers the inputs that hung a thread (``note_hang``) so that the same input sent
+again is held or answered poison at once (docs/faults.md, "A hanging input and the
+last thread replica"). Only thread replicas mark such requests: a worker process or a
+Ray actor is killed at its deadline.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._hung_inputs import HungInputs, hung_input_poison
+from ._straggler import Hang, hung, may_hang
+
+if TYPE_CHECKING:
+    import collections
+
+    import trio
+    from trioserve import Request
+
+
+class Sparing:
+    """The sparing methods of a scheduler (its attributes ``hung_inputs`` and
+    ``metrics`` set up by ``_init_sparing``); not used on its own."""
+
+    if TYPE_CHECKING:
+        model: str
+        policy: Any
+        batchers: list[Any]
+        replicas: int
+        twins: dict[Any, Any]
+        _retries: collections.deque[list[Request]]
+        _apart: collections.deque[Request]
+        _idle: trio.lowlevel.ParkingLot
+
+        def _hold(self, requests: list[Request]) -> None: ...
+
+    def _init_sparing(self) -> None:
+        #: the inputs whose batch hung a worker thread of this queue's replicas,
+        #: while that call runs (:meth:`note_hang`); None until one hung: a queue
+        #: whose replicas never hung a thread digests no input
+        self.hung_inputs: HungInputs | None = None
+        #: the model's metrics (set by the assembly; None: nothing is counted): the
+        #: poison requests answered here count in its ``statuses``
+        self.metrics: Any = None
+
+    def thread_returned(self) -> None:
+        """A model call cut off in a worker thread of one of this queue's replicas
+        returned: a retry that waited for a replica to spare (see :meth:`spare`) may
+        run now, on that replica or another one; idle replicas look again. Not a
+        checkpoint."""
+        if self.hung_inputs:
+            self.hung_inputs.drop_returned()
+        if (self._retries or self._apart) and self._idle:
+            self._idle.unpark_all()
+
+    def spare(self, but: Any) -> int:
+        """How many of this queue's replicas other than ``but`` are ready and not
+        running a part that may hang their thread (``risking``): those that would
+        go on serving should ``but`` hang. Not a checkpoint."""
+        return sum(
+            1 for b in self.batchers
+            if b is not but and b.ready and not getattr(b, "risking", False)
+        )
+
+    @staticmethod
+    def _risk(batch: list[Request], puller: Any) -> None:
+        """``puller`` is given ``batch``: if it may hang its thread, the puller runs
+        such a part from now (``risking``), not from when its pull returns: the
+        checkpoint before that lets another idle replica look, and it must not count
+        this one as a replica to spare. Not a checkpoint."""
+        if puller is not None and may_hang(batch):
+            puller.risking = True
+
+    def _unspared(self, batch: list[Request], puller: Any) -> bool:
+        """Whether ``batch`` holds a request that may hang ``puller``'s thread too
+        (nothing stops a thread): one of a batch that hung a worker thread, until it
+        runs to completion (:func:`may_hang`), and no other replica would go on
+        serving should it: it waits for a replica to spare rather than take the
+        model's last ready one, so that one replica at a time is put at risk. That
+        the hung call returned changes nothing: another input of its batch may hang
+        too. A lone replica's part waits only for its thread (the model is down
+        until it returns anyway), then runs. Only thread replicas mark such
+        requests: a worker process or a Ray actor is killed at its deadline."""
+        if puller is None:
+            return False
+        if self.replicas < 2:
+            return hung(batch)  # (no replica is ever spared)
+        return may_hang(batch) and not self.spare(puller)
+
+    def note_hang(self, batch: list[Request], hang: Hang) -> None:
+        """``batch``, run by a thread replica of this queue, ran past its deadline:
+        its thread runs on (``hang``). Remember its inputs while it does, so that a
+        new request with one of them (its client sending it again, a hedge copy)
+        goes the way its retried part goes: it runs only where a replica can be
+        spared, or is poison at once (:meth:`_recall`). A hedge twin of one of its
+        requests still waiting is marked so at once. A lone replica remembers
+        nothing: its own retries wait for its thread, and so does all its traffic.
+        Not a checkpoint."""
+        if self.replicas < 2:
+            return
+        memory = self.hung_inputs
+        if memory is None:
+            memory = self.hung_inputs = HungInputs()
+        for r in batch:
+            memory.note(r.item, hang)
+        twins = self.twins
+        if twins:
+            for r in batch:
+                twin = twins.get(r.reply)
+                if twin is not None and twin.hung is None and twin.answerable:
+                    twin.hung = (hang,)
+
+    def _recall(self, request: Request) -> None:
+        """Mark ``request`` as one that may hang (``Reply.hung``) when its input hung
+        a thread of this queue's replicas that still runs; raise its poison error
+        (counted) when fewer than two replicas are ready: one to run it, and one to
+        go on serving should it hang (one of them running such a request itself
+        may be spared once it is done: until then it waits, see :meth:`_unspared`)."""
+        hang = self.hung_inputs.match(request.item)  # type: ignore[union-attr]
+        if hang is None:
+            return
+        if self._ready_besides(None) < 2:
+            self._count_poison()
+            raise hung_input_poison(self.model)
+        request.reply.hung = (hang,)
+
+    def _mark_recalled(self, requests: list[Request]) -> None:
+        """Mark the requests of a call whose input hung a thread that still runs, as
+        :meth:`_recall` does; whether one is poison is decided when it is pulled
+        (:meth:`_set_aside`), not here: a call is queued all or none."""
+        memory = self.hung_inputs
+        for r in requests:
+            hang = memory.match(r.item)  # type: ignore[union-attr]
+            if hang is not None:
+                r.reply.hung = (hang,)
+
+    def _set_aside(self, batch: list[Request], puller: Any) -> list[Request]:
+        """``batch`` (fresh work, just dispatched) without its requests marked as
+        ones that may hang (:meth:`_recall`, :meth:`note_hang`): each is held apart
+        to run alone where a replica can be spared (see :meth:`_next_apart`), or,
+        when no other replica than ``puller`` is ready, is answered its poison error
+        now. Not a checkpoint."""
+        kept = []
+        for req in batch:
+            if req.reply.hung is None:
+                kept.append(req)
+            elif puller is not None and not self._ready_besides(puller):
+                req.reply.set_error(hung_input_poison(self.model))
+                self.policy.left([req])
+                self._count_poison()
+            else:
+                self._apart.append(req)
+                self._hold([req])
+        return kept
+
+    def _ready_besides(self, but: Any) -> int:
+        """How many of this queue's replicas other than ``but`` are ready."""
+        return sum(1 for b in self.batchers if b is not but and b.ready)
+
+    def _count_poison(self) -> None:
+        if self.metrics is not None:
+            self.metrics.statuses["poison"] += 1

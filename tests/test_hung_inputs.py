@@ -1,0 +1,301 @@
+"""The inputs that hung a thread replica, remembered (docs/faults.md, "An input that
+hung a thread, sent again").
+
+A request's record of the hang (``Reply.hung``) used to be all: the same input sent
+again by its client (a new request), or a hedge copy of it, was fresh work, and could
+take the model's last ready thread replica. Now each queue of a model that has thread
+replicas remembers, once one of its calls hung, the inputs of the batch that hung,
+while that call runs: a request with one of them runs only where a replica can be
+spared, or is answered poison at once.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+import trioserve
+from runtime_helpers import config, item
+from test_thread_hang import (
+    HANG,
+    SERVED_WITHIN,
+    Hangs,
+    Replica,
+    hanging_model,
+    healths,
+    scheduler_of,
+    values,
+)
+from trioserve import ModelError, Reply, Request
+from trioserve.actors import BatchLimits, FairQueue, _hung_inputs
+from trioserve.actors._hung_inputs import HungInputs, digest
+from trioserve.actors._straggler import Hang
+
+
+# ---------------------------------------------------------------- the memory
+def test_equal_inputs_match_whatever_their_arrays_and_others_do_not():
+    memory = HungInputs()
+    hang = Hang()
+    memory.note(item(1.0), hang)
+    assert memory.match(item(1.0)) is hang  # another array, the same values
+    assert memory.match({"x": np.array([1.0], dtype=np.float64)}) is None  # another dtype
+    assert memory.match(item(2.0)) is None
+    assert len(memory) == 1
+
+
+def test_it_holds_at_most_its_size_and_forgets_the_least_recently_seen():
+    memory = HungInputs(size=3)
+    hang = Hang()
+    for v in (1.0, 2.0, 3.0):
+        memory.note(item(v), hang)
+    assert memory.match(item(1.0)) is hang  # seen again: the most recent now
+    memory.note(item(4.0), hang)
+    assert len(memory) == 3
+    assert memory.match(item(2.0)) is None  # the least recently seen went
+    assert all(memory.match(item(v)) is hang for v in (1.0, 3.0, 4.0))
+
+
+def test_an_input_is_forgotten_once_it_ran_in_time_or_its_call_returned():
+    memory = HungInputs()
+    first, second = Hang(), Hang()
+    memory.note(item(1.0), first)
+    memory.note(item(2.0), second)
+    memory.forget(item(1.0))
+    assert memory.match(item(1.0)) is None
+    second.returned = True
+    assert memory.match(item(2.0)) is None  # its call returned: forgotten
+    assert len(memory) == 0
+    memory.note(item(3.0), first)
+    memory.note(item(4.0), second)
+    memory.drop_returned()
+    assert len(memory) == 1
+
+
+def test_an_input_it_cannot_digest_is_not_remembered():
+    memory = HungInputs()
+    odd = {"x": object()}
+    assert digest(odd) is None
+    memory.note(odd, Hang())
+    assert len(memory) == 0
+    assert memory.match(odd) is None
+
+
+# ---------------------------------------------------------------- the queue's rule
+def request(v: float) -> Request:
+    return Request(model="m", item=item(v), reply=Reply())
+
+
+class Metrics:
+    """What the queue counts in its model's metrics."""
+
+    def __init__(self) -> None:
+        self.statuses: collections.Counter = collections.Counter()
+
+
+def with_metrics(scheduler):
+    scheduler.metrics = Metrics()
+    return scheduler
+
+
+def hung_in(scheduler, *vs: float) -> Hang:
+    """A batch of ``vs`` hung a thread of ``scheduler``'s replicas: its call runs."""
+    hang = Hang()
+    batch = [request(v) for v in vs]
+    for r in batch:
+        r.reply.dispatch()
+    scheduler.note_hang(batch, hang)
+    return hang
+
+
+async def test_a_queue_whose_replicas_never_hung_digests_nothing(autojump_clock, monkeypatch):
+    calls = []
+    monkeypatch.setattr(_hung_inputs, "digest", lambda it: calls.append(it))
+    scheduler = scheduler_of(Replica(), Replica())
+    scheduler.submit_nowait(request(1.0))
+    assert len(await scheduler.pull(scheduler.batchers[0])) == 1
+    assert scheduler.hung_inputs is None
+    assert not calls
+
+
+async def test_a_lone_replica_remembers_nothing(autojump_clock):
+    scheduler = scheduler_of(Replica())
+    hung_in(scheduler, HANG)
+    assert scheduler.hung_inputs is None
+
+
+async def test_the_input_sent_again_with_no_replica_to_spare_is_poison_at_once(autojump_clock):
+    hung_replica, last = Replica(ready=False), Replica()
+    scheduler = with_metrics(scheduler_of(hung_replica, last))
+    hung_in(scheduler, HANG, 1.0)
+    again = request(HANG)
+    with pytest.raises(ModelError) as info:
+        scheduler.submit_nowait(again)
+    assert "poison request" in str(info.value)
+    assert "this input hung the model's worker thread earlier" in str(info.value)
+    assert info.value.in_queue  # never ran: not charged
+    assert scheduler.queue_depth() == 0
+    assert scheduler.metrics.statuses["poison"] == 1
+    scheduler.submit_nowait(request(2.0))  # another input is fresh work
+    assert [r.item["x"][0] for r in await scheduler.pull(last)] == [2.0]
+
+
+async def test_the_input_sent_again_runs_alone_where_a_replica_can_be_spared(autojump_clock):
+    hung_replica, b, c = Replica(ready=False), Replica(), Replica()
+    scheduler = scheduler_of(hung_replica, b, c)
+    hang = hung_in(scheduler, HANG)
+    again = request(HANG)
+    scheduler.submit_nowait(request(1.0))
+    scheduler.submit_nowait(again)
+    scheduler.submit_nowait(request(2.0))
+    assert again.reply.hung == (hang,)
+    # the fresh batch goes without it; it waits apart, for a replica to spare
+    assert [r.item["x"][0] for r in await scheduler.pull(b)] == [1.0, 2.0]
+    assert scheduler.queue_depth() == 1
+    assert await scheduler.pull(c) == [again]  # alone, b to spare
+    assert c.risking
+    assert again.reply.suspect  # a failure of its run is its input's doing
+    # it ran to completion in time: not a hanging input after all
+    again.reply.set_result({"y": 0})
+    scheduler.completed([again])
+    assert scheduler.hung_inputs.match(item(HANG)) is None
+    fresh = request(HANG)
+    scheduler.submit_nowait(fresh)
+    assert fresh.reply.hung is None
+
+
+async def test_the_input_sent_again_waits_apart_while_the_spare_runs_such_a_part(
+    autojump_clock,
+):
+    hung_replica, b, c = Replica(ready=False), Replica(), Replica()
+    scheduler = scheduler_of(hung_replica, b, c)
+    hung_in(scheduler, HANG)
+    again = request(HANG)
+    scheduler.submit_nowait(again)
+    c.risking = True  # c runs a part that may hang: b is not to be put at risk too
+    got: list = []
+
+    async def pull() -> None:
+        got.append(await scheduler.pull(b))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got
+        assert scheduler.queue_depth() == 1
+        c.risking = False
+        scheduler.thread_returned()  # (a look)
+    assert got == [[again]]
+
+
+async def test_the_input_is_forgotten_once_the_call_it_hung_returns(autojump_clock):
+    hung_replica, last = Replica(ready=False), Replica()
+    scheduler = scheduler_of(hung_replica, last)
+    hang = hung_in(scheduler, HANG)
+    hang.returned = True
+    hung_replica.ready = True
+    scheduler.thread_returned()
+    assert len(scheduler.hung_inputs) == 0
+    again = request(HANG)
+    scheduler.submit_nowait(again)  # no longer remembered: ordinary fresh work
+    assert again.reply.hung is None
+    assert await scheduler.pull(last) == [again]
+
+
+async def test_a_hedge_copy_of_the_input_is_not_queued(autojump_clock):
+    hung_replica, b, c = Replica(ready=False), Replica(), Replica()
+    scheduler = scheduler_of(hung_replica, b, c)
+    hung_in(scheduler, HANG)
+    original = request(HANG)
+    original.reply.dispatch()
+    copy = request(HANG)
+    assert not scheduler.submit_copy_nowait(original, copy)
+    assert scheduler.queue_depth() == 0
+    assert not scheduler.twins
+
+
+async def test_a_queued_hedge_copy_is_held_apart_once_its_original_hangs(autojump_clock):
+    hung_replica, b, c = Replica(), Replica(), Replica()
+    scheduler = scheduler_of(hung_replica, b, c)
+    original = request(HANG)
+    original.reply.dispatch()  # running on hung_replica
+    copy = request(HANG)
+    assert scheduler.submit_copy_nowait(original, copy)
+    hang = Hang()
+    scheduler.note_hang([original], hang)  # its batch hangs there
+    hung_replica.ready = False
+    assert copy.reply.hung == (hang,)
+    scheduler.submit_nowait(request(1.0))
+    assert [r.item["x"][0] for r in await scheduler.pull(b)] == [1.0]
+    assert await scheduler.pull(c) == [copy]  # alone, b to spare
+    assert c.risking
+
+
+async def test_a_calls_item_with_the_input_is_poison_when_it_is_pulled_with_none_to_spare(
+    autojump_clock,
+):
+    hung_replica, last = Replica(ready=False), Replica()
+    scheduler = with_metrics(scheduler_of(hung_replica, last))
+    scheduler.policy = FairQueue(BatchLimits(max_size=4), bound=16, adaptive=False)
+    hung_in(scheduler, HANG)
+    call = [request(1.0), request(HANG), request(2.0)]
+    scheduler.submit_all_nowait(call)  # a call's items are queued all or none
+    batch = await scheduler.pull(last)
+    assert [r.item["x"][0] for r in batch] == [1.0, 2.0]
+    with pytest.raises(ModelError, match="hung the model's worker thread earlier"):
+        await call[1].reply.wait()
+    assert scheduler.queue_depth() == 0
+    assert scheduler.metrics.statuses["poison"] == 1
+    assert scheduler.policy.in_service == 2  # its cost left the devices
+    for r in batch:
+        r.reply.set_result({"y": 0})
+    scheduler.completed(batch)
+    assert scheduler.policy.in_service == 0
+
+
+# ---------------------------------------------------------------- through the runtime
+async def test_the_input_sent_again_is_poison_at_once_and_the_other_replica_serves(
+    monkeypatch,
+):
+    """Two thread replicas; one request hangs its call, and is poison after its run
+    alone. Its client sends it again: the new request used to run on the last ready
+    replica, hang it too, and the model served nobody until a hung call returned.
+    Now it is answered poison at once, without running, and the other replica
+    serves what comes."""
+    model = Hangs()
+    try:
+        async with trioserve.open_runtime(config(hanging_model(model))) as rt:
+            scheduler = rt.models["m"].scheduler
+            returned = trio.Event()
+            thread_returned = scheduler.thread_returned
+
+            def note_return() -> None:
+                thread_returned()
+                returned.set()
+
+            monkeypatch.setattr(scheduler, "thread_returned", note_return)
+            with trio.fail_after(SERVED_WITHIN):
+                with pytest.raises(ModelError, match="poison request, not retried"):
+                    await rt.infer("m", item(HANG))
+            assert healths(rt) == ["degraded", "ready"]
+            for _ in range(3):
+                with trio.fail_after(SERVED_WITHIN):
+                    with pytest.raises(ModelError) as info:
+                        await rt.infer("m", item(HANG))
+                assert "this input hung the model's worker thread earlier" in str(info.value)
+            assert model.runs_of(HANG) == [1]  # never run again
+            assert healths(rt) == ["degraded", "ready"]
+            with trio.fail_after(SERVED_WITHIN):
+                got = await values(rt, [float(v) for v in range(1, 17)])
+            assert got == {float(v): 2.0 * v for v in range(1, 17)}
+            stats = rt.statistics()["m"]["statuses"]
+            assert stats["straggler"] == 1
+            assert stats["poison"] == 4
+            model.let_one_return()  # the hung call returns: the input is forgotten
+            with trio.fail_after(SERVED_WITHIN):
+                await returned.wait()
+            assert len(scheduler.hung_inputs) == 0
+    finally:
+        model.let_all_return()
