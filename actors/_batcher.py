@@ -226,10 +226,10 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         self.busy_time = 0.0
         self._worker_seconds = 0.0  # busy seconds of workers this batcher already replaced
         self._degraded = False  # a straggling thread still runs
-        #: it runs a part of a batch that hung another replica's thread, which still
-        #: runs: it may hang too, so it does not count as a replica to spare
-        #: (``SchedulerActor.spare``); the scheduler sets it as it hands such a part
-        #: over, before the pull returns
+        #: it runs a part of a batch that hung a thread, or an input that did
+        #: (``may_hang``): it may hang too, so it does not count as a replica to
+        #: spare (``SchedulerActor.spare``); the scheduler sets it as it hands such
+        #: a part over, before the pull returns
         self.risking = False
         #: why its device is unusable for the rest of the process (a thread or inline
         #: replica: nothing can replace it); None while it is not

@@ -48,8 +48,9 @@ class Sparing:
 
     def thread_returned(self) -> None:
         """A model call cut off in a worker thread of one of this queue's replicas
-        returned: a retry that waited for a replica to spare (see :meth:`spare`) may
-        run now, on that replica or another one; idle replicas look again. Not a
+        returned: the inputs of its batch are forgotten (:meth:`note_hang`), and a
+        retry that waited for a replica to spare (see :meth:`spare`) may run now,
+        on that replica or another one; idle replicas look again. Not a
         checkpoint."""
         if self.hung_inputs:
             self.hung_inputs.drop_returned()
