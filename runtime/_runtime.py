@@ -74,8 +74,7 @@ def _limits(cfg: ModelConfig, backend: ModelBackend) -> Any:
     )
 
 
-@asynccontextmanager
-async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
+def open_runtime(config: Config | None = None) -> _OpenRuntime:
     """Start the runtime: per model a scheduler and one batcher per replica, each
     supervised; models are loaded before this returns.
 
@@ -84,7 +83,38 @@ async def open_runtime(config: Config | None = None) -> AsyncIterator[Runtime]:
     ``rt.grace_deadline``, when the caller began the grace sooner), then every request
     still waiting is failed with ActorClosed: nothing hangs and nothing is lost. If the block
     raises, or an actor escalates, everything is cancelled at once.
+
+    The object it returns is entered once (``async with``): entering it again, while
+    it runs or after it closed, is a RuntimeError; call ``open_runtime`` again for
+    another runtime.
     """
+    return _OpenRuntime(config)
+
+
+@attrs.define(eq=False)
+class _OpenRuntime:
+    """What :func:`open_runtime` returns: an async context manager entered once."""
+
+    _config: Config | None
+    _cm: Any = None
+
+    async def __aenter__(self) -> Runtime:
+        if self._cm is not None:
+            raise RuntimeError(
+                "this open_runtime(...) was entered already: it is entered once (its "
+                "runtime runs for one `async with` block); call open_runtime(config) "
+                "again for another runtime"
+            )
+        self._cm = _open_runtime(self._config)
+        return await self._cm.__aenter__()
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return await self._cm.__aexit__(*exc_info)
+
+
+@asynccontextmanager
+async def _open_runtime(config: Config | None) -> AsyncIterator[Runtime]:
+    """:func:`open_runtime`'s block."""
     config = given_config(config, "open_runtime")
     limits_cfg = config.runtime
     _check_devices(config.models)

@@ -236,14 +236,41 @@ def _check_timeout(timeout: float | None) -> None:
         raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
-@contextmanager
-def serve_in_thread(config: Config | None = None) -> Iterator[Client]:
+def serve_in_thread(config: Config | None = None) -> _ServeInThread:
     """Run the runtime on a background trio thread; yield a blocking :class:`Client`.
 
     Leaving the block shuts the runtime down: requests in flight are answered or
     failed (ActorClosed), and later calls raise ActorClosed, as does a call that the
-    shutdown overtakes. Never hangs.
+    shutdown overtakes. Never hangs. The object it returns is entered once (``with``):
+    entering it again is a RuntimeError.
     """
+    return _ServeInThread(config)
+
+
+class _ServeInThread:
+    """What :func:`serve_in_thread` returns: a context manager entered once."""
+
+    def __init__(self, config: Config | None) -> None:
+        self._config = config
+        self._cm: Any = None
+
+    def __enter__(self) -> Client:
+        if self._cm is not None:
+            raise RuntimeError(
+                "this serve_in_thread(...) was entered already: it is entered once (its "
+                "runtime runs for one `with` block); call serve_in_thread(config) again "
+                "for another runtime"
+            )
+        self._cm = _serve_in_thread(self._config)
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._cm.__exit__(*exc_info)
+
+
+@contextmanager
+def _serve_in_thread(config: Config | None) -> Iterator[Client]:
+    """:func:`serve_in_thread`'s block."""
     config = given_config(config, "serve_in_thread")  # refused here, not in its thread
     if trio.lowlevel.in_trio_task():
         # Its exit would have to block this task's thread until the runtime stops:

@@ -462,3 +462,23 @@ async def test_a_call_from_another_trio_run_is_refused_before_anything_is_queued
         assert (await rt.infer("m", item(3.0)))["y"].tolist() == [7.0]
     assert rec.seen == [3.0]
     assert rt.statistics()["m"]["flows"]["t/realtime"]["admitted"] == 1
+
+
+# Regression: entering an ``open_runtime(...)`` object a second time raised Python's
+# own AttributeError ('_AsyncGeneratorContextManager' object has no attribute 'args').
+async def test_an_open_runtime_object_is_entered_once(autojump_clock):
+    rec = Recorder()
+    opened = trioserve.open_runtime(config(callable_model("m", rec)))
+    once = r"^this open_runtime\(\.\.\.\) was entered already: it is entered once"
+    async with opened as rt:
+        with pytest.raises(RuntimeError, match=once):  # while it runs
+            async with opened:
+                pass
+        assert (await rt.infer("m", item(1.0)))["y"].tolist() == [3.0]  # unharmed
+    with pytest.raises(RuntimeError, match=once):  # after it closed
+        async with opened:
+            pass
+    # a new call opens a new runtime
+    async with trioserve.open_runtime(config(callable_model("m", rec))) as again:
+        assert (await again.infer("m", item(2.0)))["y"].tolist() == [5.0]
+    assert rec.seen == [1.0, 2.0]

@@ -448,3 +448,15 @@ def test_a_client_called_by_a_trio_task_says_to_call_it_in_a_thread(served):
                                            r".*: call it in trio\.to_thread\.run_sync"):
         trio.run(call)
     assert served.infer("echo", {"a": [1]})["a"].tolist() == [1]  # still serving
+
+
+def test_a_serve_in_thread_object_is_entered_once():
+    # It raised Python's own AttributeError, as open_runtime's did.
+    served = trioserve.serve_in_thread(config(callable_model("m", Recorder(timed=False))))
+    once = r"^this serve_in_thread\(\.\.\.\) was entered already: it is entered once"
+    with served as client:
+        with pytest.raises(RuntimeError, match=once), served:
+            pass
+        assert client.infer("m", item(1.0))["y"].tolist() == [3.0]
+    with pytest.raises(RuntimeError, match=once), served:
+        pass
