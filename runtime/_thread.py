@@ -77,6 +77,12 @@ class Client:
         when a model coalesces, else {})."""
         return self._call(self._read, "cache_statistics")
 
+    def health(self) -> dict[str, Any]:
+        """``Runtime.health()``: per model, whether it is ready and each replica's
+        health (``ready``, ``half_open``, ``open``, ...), read in the runtime's
+        thread."""
+        return self._call(self._read, "health")
+
     def invalidate_cache(self, model: str, version: str | None = None) -> int:
         """``Runtime.invalidate_cache()``: drop the model's cached results (of one
         version if given) and return how many, in the runtime's thread."""

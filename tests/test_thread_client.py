@@ -460,3 +460,23 @@ def test_a_serve_in_thread_object_is_entered_once():
         assert client.infer("m", item(1.0))["y"].tolist() == [3.0]
     with pytest.raises(RuntimeError, match=once), served:
         pass
+
+
+def test_health_is_the_runtimes_read_in_its_thread():
+    # The async runtime had health(); the blocking client had none.
+    cfg = config(
+        callable_model("m", Recorder(timed=False), execution="thread", replicas=2),
+        ModelConfig(name="echo", backend="echo"),
+    )
+    with trioserve.serve_in_thread(cfg) as client:
+        health = client.health()
+        names = {m: [r["name"] for r in s["replicas"]] for m, s in client.statistics().items()}
+        assert health == {
+            m: {"ready": True, "replicas": dict.fromkeys(names[m], "ready")} for m in names
+        }
+        assert len(health["m"]["replicas"]) == 2
+        # the same answer as the runtime's own, read in its thread
+        assert health == trio.from_thread.run_sync(client.runtime.health,
+                                                   trio_token=client._token)
+    with pytest.raises(ActorClosed, match="the runtime is shut down"):
+        client.health()
