@@ -3,9 +3,16 @@ flows, the result cache's counters, and whether each model can serve now."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import trio
+
+
+def replica_health(batcher: Any) -> str:
+    """A replica's health (``BatcherActor.health``), or its actor's state for a
+    replica that has none."""
+    return getattr(batcher, "health", batcher.state.value)
 
 
 class _Statistics:
@@ -27,10 +34,13 @@ class _Statistics:
                 "end_to_end": m.end_to_end.summary(),
                 "statuses": dict(m.statuses),
                 "replicas": [
-                    {"name": b.name, "state": b.state.value, "restarts": b.restarts}
+                    {"name": b.name, "state": b.state.value, "health": replica_health(b),
+                     "restarts": b.restarts}
                     for b in s.batchers
                 ],
                 "replica_count": len(s.batchers),
+                # as the trioserve_replicas{model, health} gauge counts them
+                "replica_health": self._replica_health(name),
                 # (None: the replicas are fixed; docs/faults.md, Autoscaling)
                 "autoscaler": s.scaler.statistics() if s.scaler is not None else None,
                 "ready": self.model_ready(name),
@@ -43,6 +53,16 @@ class _Statistics:
                 "slo": s.slo.statistics(now) if s.slo is not None else None,
             }
         return out
+
+    def _replica_health(self, model: str) -> dict[str, int]:
+        """``model``'s replicas (all its versions') counted by health: every health
+        a replica may have (``REPLICA_HEALTH``), 0 when none has it."""
+        from trioserve.actors import REPLICA_HEALTH
+
+        counts = collections.Counter(
+            replica_health(b) for g in self._groups_of(model) for b in g.batchers
+        )
+        return {h: counts[h] for h in (*REPLICA_HEALTH, *sorted(set(counts) - set(REPLICA_HEALTH)))}
 
     @staticmethod
     def _queue_statistics(policy: Any) -> dict[str, Any]:
@@ -100,7 +120,7 @@ class _Statistics:
         return {
             name: {
                 "ready": self.model_ready(name),
-                "replicas": {b.name: getattr(b, "health", b.state.value) for b in s.batchers},
+                "replicas": {b.name: replica_health(b) for b in s.batchers},
             }
             for name, s in self.models.items()
         }

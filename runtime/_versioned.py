@@ -36,6 +36,7 @@ from ._messages import Reply, Request
 from ._model import ModelBackend, TensorSpec, _unstack, item_list
 from ._outcomes import _prepare_failed
 from ._served import ServedModel
+from ._statistics import replica_health
 from ._versions_config import VersionList
 
 log = logging.getLogger("trioserve")
@@ -433,8 +434,7 @@ class _Versioned:
             if len(family.groups) > 1 and name in out:
                 # every version's replicas: it listed one group's alone
                 out[name]["replicas"] = {
-                    b.name: getattr(b, "health", b.state.value)
-                    for g in family.groups for b in g.batchers
+                    b.name: replica_health(b) for g in family.groups for b in g.batchers
                 }
         return out
 
@@ -457,7 +457,8 @@ class _Versioned:
                 # and so are its replicas, each with the versions it serves (the
                 # name of one of a version with weights of its own says which)
                 out[name]["replicas"] = [
-                    {"name": b.name, "state": b.state.value, "restarts": b.restarts,
+                    {"name": b.name, "state": b.state.value, "health": replica_health(b),
+                     "restarts": b.restarts,
                      "versions": [v for v, s in family.by_version.items() if s is g]}
                     for g in family.groups for b in g.batchers
                 ]
@@ -473,7 +474,8 @@ class _Versioned:
                     "own_weights": v in family.own,
                     "queue_depth": sum(q.queue_depth() for q in served.schedulers),
                     "replicas": [
-                        {"name": b.name, "state": b.state.value, "restarts": b.restarts}
+                        {"name": b.name, "state": b.state.value,
+                         "health": replica_health(b), "restarts": b.restarts}
                         for b in served.batchers
                     ],
                     "autoscaler": (

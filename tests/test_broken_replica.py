@@ -167,7 +167,8 @@ def errors_before_evidence(outcomes: list) -> int:
 
 async def seen_from_outside(rt, client) -> dict:
     """What an operator sees of model ``m``: ``rt.health()``'s replicas, the
-    ``trioserve_replicas`` samples that are not 0, and the status of
+    ``trioserve_replicas`` samples that are not 0 (``rt.statistics()``'s
+    ``replica_health`` checked equal to all of them), and the status of
     ``/v2/health/ready`` and ``/v2/models/m/ready``."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -177,6 +178,11 @@ async def seen_from_outside(rt, client) -> dict:
     samples = {s.labels["health"]: s.value for s in family.samples
                if s.labels["model"] == "m"}
     assert set(samples) >= {"ready", "half_open", "open"}  # each one from the start
+    # rt.statistics() counts them as the gauge does (every health, 0 when none has
+    # it), and names each replica's health as rt.health() does
+    stats = rt.statistics()["m"]
+    assert stats["replica_health"] == {h: int(v) for h, v in samples.items()}
+    assert {r["name"]: r["health"] for r in stats["replicas"]} == rt.health()["m"]["replicas"]
     return {
         "replicas": rt.health()["m"]["replicas"],
         "metrics": {h: int(v) for h, v in samples.items() if v},

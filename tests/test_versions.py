@@ -64,6 +64,10 @@ async def test_each_version_answers_with_its_own_weights():
     assert health == {
         "ready": True, "replicas": {r["name"]: "ready" for r in stats["replicas"]},
     }
+    # and so are its replicas counted by health (as trioserve_replicas counts them)
+    assert stats["replica_health"]["ready"] == 3
+    assert sum(stats["replica_health"].values()) == 3
+    assert [r["health"] for r in stats["versions"]["2"]["replicas"]] == ["ready"]
     assert "rollout" not in stats
 
 
