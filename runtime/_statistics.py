@@ -114,6 +114,31 @@ class _Statistics:
             getattr(b, "ready", False) for b in served.batchers
         )
 
+    def readiness(self, model: str, version: str | None = None) -> dict[str, Any]:
+        """Whether ``model`` (``version``: that version's replicas) can serve now, and
+        if not why: ``ready`` (:meth:`model_ready`), ``state`` and ``reason`` (as
+        :meth:`model_state` gives them: READY and "" when ready; UNAVAILABLE, LOADING
+        or UNLOADING and why when not: ``no replica ready``, ``loading``, ``not
+        loaded``, ``the runtime is shut down``, ...) and ``replicas``, the replicas
+        that could serve it counted by health (those there are: ``{"open": 1}``).
+        UnknownModel for a model (or version) not served. Not a checkpoint."""
+        served = self._known(model, version)
+        ready = self.model_ready(model, version)
+        state, reason = self.model_state(model)
+        if ready:
+            state, reason = "READY", ""
+        elif state == "READY":  # the model serves; this version's replicas do not
+            state, reason = "UNAVAILABLE", f"no replica of version {version!r} ready"
+        batchers = (
+            served.batchers if version is not None
+            else [b for g in self._groups_of(model) for b in g.batchers]
+        )
+        counts = collections.Counter(replica_health(b) for b in batchers)
+        return {
+            "ready": ready, "state": state, "reason": reason,
+            "replicas": dict(sorted(counts.items())),
+        }
+
     def health(self) -> dict[str, Any]:
         """Per model: ready or not, and each replica's health (``BatcherActor.health``:
         ``ready``, ``half_open``, ``open``, ... see docs/faults.md)."""

@@ -143,12 +143,15 @@ def control_app(gateway: Gateway) -> QuartTrio:
             return json(_DRAINING_NOT_READY, 503)
         rt = gateway.runtime
         # (a model not loaded, under explicit model control, is not awaited: Triton's)
-        down = [
-            name for name, served in sorted(rt.models.items())
+        down = {
+            name: _why(rt.readiness(name)) for name, served in sorted(rt.models.items())
             if served.loaded and not rt.model_ready(name)
-        ]
+        }
         if down:
-            return json(error_body(f"not ready: no replica ready for {', '.join(down)}"), 503)
+            said = "; ".join(f"{name}: {_said(why)}" for name, why in down.items())
+            return json(orjson.dumps(
+                {"error": f"not ready: {said}", "ready": False, "models": down}
+            ), 503)
         return json(b'{"ready":true}')
 
     @app.get("/v2")
@@ -170,9 +173,15 @@ def control_app(gateway: Gateway) -> QuartTrio:
     @app.get("/v2/models/<name>/versions/<version>/ready")
     async def model_ready(name: str, version: str | None = None) -> Any:
         signature(name, version)
-        if gateway.ready and gateway.runtime.model_ready(name, version):
+        if not gateway.ready:
+            return json(_DRAINING_NOT_READY, 503)
+        if gateway.runtime.model_ready(name, version):
             return json(b'{"name":%s,"ready":true}' % _quote(name))
-        return json(error_body(f"model {name!r} is not ready"), 503)
+        why = _why(gateway.runtime.readiness(name, version))
+        doc = {"error": f"model {name!r} is not ready: {_said(why)}", "name": name}
+        if version is not None:
+            doc["version"] = version
+        return json(orjson.dumps({**doc, "ready": False, **why}), 503)
 
     @app.get("/v2/models/<name>/config")
     @app.get("/v2/models/<name>/versions/<version>/config")
@@ -378,6 +387,18 @@ def repository_request(action: str, body: bytes) -> tuple[str | None, dict | Non
                 "model's keys (as its [models.NAME] table), or a string holding one, got "
                 f"{shown(parameters['config'], body)}"), None
     return None, config
+
+
+def _why(readiness: dict[str, Any]) -> dict[str, Any]:
+    """Why a model is not ready, as a readiness probe's 503 says it: its ``state``,
+    ``reason`` and ``replicas`` by health (``Runtime.readiness``)."""
+    return {k: readiness[k] for k in ("state", "reason", "replicas")}
+
+
+def _said(why: dict[str, Any]) -> str:
+    """``why`` in words: ``no replica ready (replicas: open 1, lost 1)``."""
+    replicas = ", ".join(f"{h} {n}" for h, n in why["replicas"].items())
+    return f"{why['reason']} (replicas: {replicas})" if replicas else why["reason"]
 
 
 def _field_lines(values: list[str]) -> Any:
