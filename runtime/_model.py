@@ -280,16 +280,25 @@ def _with_dtype(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
                     f"(strings or bytes), got {arr.dtype}"
                 )
             arr = arr.astype(object)
-        elif arr.dtype.kind == "O" and want.kind in "iuf" and _big_ints(arr):
-            # integers past 64 bits, which numpy keeps as objects: numbers all the same
+        elif arr.dtype.kind == "O" and want.kind in "iuf" and (kinds := _big_ints(arr)):
+            # integers past 64 bits (among integers or floats), which numpy keeps as
+            # objects: numbers all the same. With a float among them they are the
+            # floats numpy makes of the same numbers without the big integer.
             try:
-                wide = arr.astype(np.float64) if want.kind == "f" else None
+                wide = (
+                    arr.astype(np.float64) if want.kind == "f" or float in kinds else None
+                )
             except OverflowError:  # past 1e308
                 wide = None
             if wide is None:
                 raise InvalidInput(
                     f"input {spec.name!r} of model {model!r}: a value is out of range "
                     f"for {spec.datatype}"
+                )
+            if want.kind != "f":
+                raise InvalidInput(
+                    f"input {spec.name!r} of model {model!r}: expected {spec.datatype}, "
+                    f"got {_dtype_name(wide.dtype)}"
                 )
             arr = _narrowed(wide, want, spec, model)
         elif arr.dtype.kind not in _NUMERIC_KINDS.get(want.kind, want.kind):
@@ -302,13 +311,18 @@ def _with_dtype(spec: TensorSpec, value: Any, model: str) -> np.ndarray:
     return arr
 
 
-def _big_ints(arr: np.ndarray) -> bool:
-    """Whether an object array holds Python integers only (no bool), one at least
-    2**63 in magnitude: what numpy makes of integers too large for int64 and uint64."""
+def _big_ints(arr: np.ndarray) -> set[type]:
+    """The kinds of number (``int``, ``float``) an object array holds when it holds
+    Python integers and floats only (no bool), one an integer at least 2**63 in
+    magnitude: what numpy makes of numbers with an integer too large for int64 and
+    uint64 among them. Empty for anything else."""
     values = arr.ravel().tolist()
-    return bool(values) and all(type(v) is int for v in values) and any(
-        abs(v) >= 2**63 for v in values
-    )
+    kinds = set(map(type, values))
+    if not values or not kinds <= {int, float} or not any(
+        type(v) is int and abs(v) >= 2**63 for v in values
+    ):
+        return set()
+    return kinds
 
 
 def _narrowed(arr: np.ndarray, want: np.dtype, spec: TensorSpec, model: str) -> np.ndarray:

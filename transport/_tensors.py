@@ -217,6 +217,14 @@ def _convert(
         arr = np.asarray(data)
     except ValueError:  # not a regular array: read depth first
         arr = np.asarray(_flatten(data, name))
+    if arr.dtype.kind == "O" and dtype.kind == "f" and arr.size and _numbers(arr):
+        # integers past 64 bits among floats (the standard library's decoder, which
+        # reads a body holding NaN or Infinity, keeps them as integers): numbers,
+        # read as floats, as orjson reads them; past FP64's range they are out of range
+        try:
+            arr = arr.astype(np.float64)
+        except OverflowError:
+            return arr, False
     if arr.dtype.kind not in _JSON_KINDS[dtype.kind] and arr.size:
         if dtype.kind in "iu" and arr.dtype.kind in "fO" and _past_int64(data):
             # numpy makes floats (or objects) of integers past INT64's range, and the
@@ -354,10 +362,20 @@ def _json_kind(arr: np.ndarray, data: list[Any]) -> str:
             "U": "strings"}.get(arr.dtype.kind)
     if kind is not None:
         return kind
-    for i, v in enumerate(_flatten(data)):
+    flat = _flatten(data)
+    for i, v in enumerate(flat):
         if v is None or type(v) is dict:
             return f"{shown(v)} (element {i})"
+    kinds = set(map(type, flat))
+    if kinds <= {int, float}:  # integers past 64 bits among floats: numbers
+        return "floats" if float in kinds else "integers"
     return "mixed values"
+
+
+def _numbers(arr: np.ndarray) -> bool:
+    """Whether an object array holds only integers and floats (no bool, which is an
+    int to Python): what numpy makes of numbers with an integer past 64 bits."""
+    return set(map(type, arr.ravel().tolist())) <= {int, float}
 
 
 def _flatten(data: list[Any], name: str = "") -> list[Any]:
