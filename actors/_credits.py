@@ -9,6 +9,7 @@ admission pays a request's cost here before the queue sees it; docs/scheduling.m
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from typing import Any
 
@@ -88,12 +89,25 @@ class TokenBucket:
             return 0.0
         return (need - self.level) / self.rate
 
-    def refund(self, cost: float, *, since: int | None = None) -> None:
+    def refund(
+        self, cost: float, *, since: int | None = None, reservation: int | None = None
+    ) -> None:
         """Give back credits taken for a request that never ran: a reservation whose
         caller left while waiting, or (``since``: the grant's ``seq``) a request the
         queue refused or pushed out after its start. All of them, less what the
         bucket's history since and the reservations still waiting leave no room for
-        (see the class)."""
+        (see the class).
+
+        ``reservation``: the waiting caller's ``seq`` (read right after its
+        ``reserve``): that reservation is the one given back, and leaves the
+        waiting ones (its start, and theirs, unchanged), so that the next refund of
+        a waiter does not take it for one still waiting (the credits of the second
+        of two waiters who left were lost); one that has started is refunded as a
+        grant (``since``)."""
+        if reservation is not None:
+            if self._refund_waiting(cost, reservation):
+                return
+            since = reservation  # it started: a grant
         self.used -= cost
         give = cost
         top = -math.inf
@@ -124,6 +138,35 @@ class TokenBucket:
                     if record[0] > since:
                         record[1] += give
         self.level = min(self.burst, self.level + give)
+
+    def _refund_waiting(self, cost: float, reservation: int) -> bool:
+        """:meth:`refund` of the waiting reservation numbered ``reservation``: at most
+        ``burst`` less the highest level a later waiter meets at its start (or one
+        merged with it), and it leaves the waiting ones. False, refunding nothing,
+        when it waits no more (it started)."""
+        waiting = self._waiting
+        for i, entry in enumerate(waiting):
+            records = entry[3]
+            for record in records:
+                if record[0] == reservation:
+                    break
+            else:
+                continue
+            self.used -= cost
+            top = entry[1] if entry[2] > 1 else -math.inf
+            for later in itertools.islice(waiting, i + 1, None):
+                top = max(top, later[1])
+            give = cost if top == -math.inf else max(0.0, min(cost, self.burst - top))
+            records.remove(record)
+            entry[2] -= 1
+            if not entry[2]:
+                del waiting[i]
+            if give:
+                for later in itertools.islice(waiting, i, None):
+                    later[1] += give  # the levels they meet rise by what stays
+            self.level = min(self.burst, self.level + give)
+            return True
+        return False
 
     def _start(self, cost: float, now: float) -> float:
         # When a reservation of ``cost`` made now would start (the bucket refilled to now).

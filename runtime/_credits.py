@@ -60,14 +60,14 @@ class _Credits:
             try:
                 unloaded = await _until_or_unloaded(at, served)
             except trio.Cancelled:
-                bucket.refund(cost)  # never used: give the credits back
+                bucket.refund(cost, reservation=taken)  # never used: give them back
                 self.credits_used[tenant] -= cost
                 self.credits_refunded[tenant] += cost
                 raise
             finally:
                 self.credit_wait_seconds[tenant] += trio.current_time() - now
             if unloaded:  # refused now, not when its credits come; never used
-                bucket.refund(cost)
+                bucket.refund(cost, reservation=taken)
                 self.credits_used[tenant] -= cost
                 self.credits_refunded[tenant] += cost
                 raise self._not_loaded(served.config.name)  # type: ignore[attr-defined]
@@ -100,7 +100,11 @@ class _Credits:
             bucket = self.buckets.get(t.name)
             avail = None
             if bucket is not None:
-                avail = min(bucket.burst, bucket.level + max(0.0, now - bucket.stamp) * bucket.rate)
+                # (the level is below 0 while waiters' reservations are owed: none
+                # is available then)
+                avail = max(0.0, min(
+                    bucket.burst, bucket.level + max(0.0, now - bucket.stamp) * bucket.rate
+                ))
             out[t.name] = {
                 "weight": t.weight,
                 "credits_used": self.credits_used.get(t.name, 0),

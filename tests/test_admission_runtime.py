@@ -246,6 +246,39 @@ async def test_cancelling_a_request_waiting_for_credits_refunds_them(autojump_cl
         assert (tenant["credit_waits"], tenant["credit_wait_seconds"]) == (2, pytest.approx(1.0))
 
 
+# Regression: the refund of a waiting caller took the first reservation still
+# waiting for its own, and a reservation refunded stayed among them: of two waiters
+# who both left, the second's credits were lost, and the credits shown read
+# negative (-0.5 here) while nothing was owed.
+async def test_two_waiters_who_leave_both_get_their_credits_back(autojump_clock):
+    async with trioserve.open_runtime(credits(1.0, 2.0)) as rt:
+        t0 = trio.current_time()
+        await rt.infer_batch("m", [item(0), item(1)], priority="batch")  # the burst
+        shown = []
+        async with trio.open_nursery() as nursery:
+            scopes = [trio.CancelScope(), trio.CancelScope()]
+
+            async def waiter(scope):
+                with scope:
+                    await rt.infer("m", item(2), priority="batch")  # t0 + 1, t0 + 2
+
+            for scope in scopes:
+                nursery.start_soon(waiter, scope)
+                await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(0.5)
+            shown.append(rt.tenant_statistics()["a"]["credits_available"])  # owed: none
+            for scope in scopes:
+                scope.cancel("the caller left")
+        assert trio.current_time() == t0 + 0.5
+        tenant = rt.tenant_statistics()["a"]
+        shown.append(tenant["credits_available"])
+        assert (tenant["credits_used"], tenant["credits_refunded"]) == (2, 2)
+        assert available(rt) == 0.5  # both refunds: what refilled since t0 is there
+        await trio.sleep(1.0)
+        shown.append(rt.tenant_statistics()["a"]["credits_available"])
+    assert shown == [0.0, 0.5, 1.5]
+
+
 # Fixed in 70474a8 (credits were charged for requests the queue refused).
 async def test_a_request_the_queue_refuses_is_not_charged(autojump_clock):
     cfg = credits(

@@ -276,3 +276,28 @@ def test_token_bucket_refund_after_forgotten_takes_gives_nothing_back():
         assert b.try_take(1, 0.0) == 0.0
     b.refund(5, since=a)  # 65 takes later: the history since is gone
     assert b.level == 1000.0 - 64 - 5 - 65
+
+
+def test_a_waiting_reservation_refunded_by_its_number_leaves_the_waiting_ones():
+    b = TokenBucket(rate=1.0, burst=2.0, now=0.0)
+    assert b.try_take(2.0, 0.0) == 0.0
+    assert b.reserve(1.0, 0.0, math.inf) == 1.0
+    first = b.seq
+    assert b.reserve(1.0, 0.0, math.inf) == 2.0
+    second = b.seq
+    b.refund(1.0, reservation=first)  # a later waiter meets 1 at its start: 1 fits
+    b.refund(1.0, reservation=second)  # the last waiter now: all of it
+    assert (b.level, b.used) == (0.0, 2.0)
+    # the starts handed out never move: a new reservation still goes after them
+    assert b.reserve(1.0, 0.5, math.inf) == 2.0
+
+
+def test_a_reservation_refunded_after_its_start_is_refunded_as_a_grant():
+    b = TokenBucket(rate=1.0, burst=2.0, now=0.0)
+    b.try_take(2.0, 0.0)
+    assert b.reserve(1.0, 0.0, math.inf) == 1.0
+    taken = b.seq
+    assert b.wait_time(0.0, 1.5) == 0.0  # refilled to 1.5: it started at 1
+    b.refund(1.0, reservation=taken)  # the bucket held at most 0.5 since: all of it back
+    assert b.level == 1.5
+    assert b.used == 2.0
