@@ -81,6 +81,9 @@ class Runtime(
             self._tenant_classes[t.name] = (allowed[0], frozenset(allowed))
         #: per-tenant token buckets (tenants with a credit_rate), made at start
         self.buckets: dict[str, Any] = {}
+        #: every health a replica may have (``BatcherActor.health``), in the order
+        #: statistics list them; set by the assembly
+        self._replica_healths: tuple[str, ...] = ()
         #: cost units admitted per tenant (what its credits paid for, when it has some)
         self.credits_used: collections.Counter[str] = collections.Counter()
         #: Of what was charged, the cost units given back (requests that never ran).

@@ -128,9 +128,10 @@ async def _open_runtime(config: Config | None) -> AsyncIterator[Runtime]:
     policy = RestartPolicy(
         intensity=limits_cfg.restart_intensity, period=limits_cfg.restart_period_s
     )
-    from trioserve.actors import Watchdog
+    from trioserve.actors import REPLICA_HEALTH, Watchdog
 
     rt = Runtime(config)
+    rt._replica_healths = REPLICA_HEALTH
     _make_buckets(rt, trio.current_time())
     # read before anything starts: a state file that cannot be read fails the start
     rt._rollout_state = await open_state_file(config)

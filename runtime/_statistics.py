@@ -56,13 +56,13 @@ class _Statistics:
 
     def _replica_health(self, model: str) -> dict[str, int]:
         """``model``'s replicas (all its versions') counted by health: every health
-        a replica may have (``REPLICA_HEALTH``), 0 when none has it."""
-        from trioserve.actors import REPLICA_HEALTH
-
+        a replica may have (``REPLICA_HEALTH``, as the assembly gave it), 0 when none
+        has it."""
+        every = self._replica_healths
         counts = collections.Counter(
             replica_health(b) for g in self._groups_of(model) for b in g.batchers
         )
-        return {h: counts[h] for h in (*REPLICA_HEALTH, *sorted(set(counts) - set(REPLICA_HEALTH)))}
+        return {h: counts[h] for h in (*every, *sorted(set(counts) - set(every)))}
 
     @staticmethod
     def _queue_statistics(policy: Any) -> dict[str, Any]:
