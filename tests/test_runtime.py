@@ -422,7 +422,9 @@ async def test_statistics_before_and_after_a_request(autojump_clock):
     assert before["queue_depth"] == 0
     assert before["queue_wait"].count == 0
     assert before["end_to_end"].p99_ms == 0.0
-    assert before["replicas"] == [{"name": "batcher[m#0@cpu]", "state": "running", "restarts": 0}]
+    assert before["replicas"] == [
+        {"name": "batcher[m#0@cpu]", "state": "running", "health": "ready", "restarts": 0}
+    ]
     assert (after["batches"], after["items"], after["fill_ratio"]) == (1, 1, 1 / 8)
     # Latencies come from trio time: exactly max_wait, to hdrhistogram's 2 digits.
     assert after["queue_wait"].count == 1

@@ -271,7 +271,9 @@ async def test_a_crashed_batcher_fails_its_batch_and_is_restarted(autojump_clock
         replica = rt.statistics()["m"]["replicas"][0]
     assert [float(o["y"][0]) for o in outs] == [7.0, 9.0]
     assert rec.seen == [3.0, 4.0]  # the crashed batch never reached the model
-    assert replica == {"name": "batcher[m#0@cpu]", "state": "running", "restarts": 1}
+    assert replica == {
+        "name": "batcher[m#0@cpu]", "state": "running", "health": "ready", "restarts": 1,
+    }
 
 
 async def test_a_batcher_crashing_past_its_budget_escalates_out_of_open_runtime(
