@@ -244,8 +244,10 @@ class Admission:
         same order) and queues its items (``offer_planned``). A refused call sheds
         nobody and queues nothing: its replies are withdrawn, the whole call counts as
         shed, and the refusal of its first item refused is raised. The estimated wait
-        of an item counts everything queued now, so also what the items before it (and
-        it) would push out: like ``offer``'s, it errs on the side of refusing.
+        of an item is ``offer``'s with the items before it queued: it counts them (in
+        their class: below the top one, in the backlog that aging shares with the top
+        class), not the requests they push out, and still the one the item itself
+        pushes out.
 
         An idle queue takes a whole call whatever the adaptive limit. The call is
         within the bound (the runtime checks that), and a call larger than the limit
@@ -448,18 +450,21 @@ class Admission:
             counts = collections.Counter(self._tenant_count)  # updated as items go in
         leaving: list[tuple[int, Request, int, bool]] = []
         gone: set[int] = set()  # id() of the requests in ``leaving``
+        # The queued cost per class and tenant as ``offer`` finds it at each item:
+        # the call's items before it queued, the requests they made leave gone (its
+        # own leaver not yet: ``offer`` estimates before it sheds anyone). Copied
+        # from the queue at the first estimate; until then the moves are kept.
+        costs: list[dict[str, int]] | None = None
+        moves: list[tuple[int, str, int]] = []
         own = 0  # the call's cost up to and including the item
         for i, request in enumerate(requests):
+            mine = None  # the tenant's own hedge copy the item drops for its share
             if at_share and counts[tenant] >= quota:
-                copy = self._newest_copy(tenant, gone) if self._copies else None
-                if copy is None:
+                mine = self._newest_copy(tenant, gone) if self._copies else None
+                if mine is None:
                     raise self._quota_refusal(tenant, share)
-                k = self._rank.get(copy.priority, len(self.classes) - 1)
-                leaving.append((i, copy, k, True))
-                gone.add(id(copy))
-                counts[tenant] -= 1
-                live -= 1
-            own += request.cost
+            rc = request.cost
+            own += rc
             deadline = request.deadline
             if (
                 rate > 0.0
@@ -467,30 +472,51 @@ class Admission:
                 # cheap first: everything queued or running ahead of it (an upper bound)
                 and now + max((ahead + own) / rate, self.batch_time) > deadline
             ):
-                if self._dead:
-                    self._compact()  # the estimate must count live requests only
-                wait = self.estimated_wait(tenant, c, own)
+                if costs is None:
+                    if self._dead:
+                        self._compact()  # the estimate must count live requests only
+                    costs = [dict(d) for d in self._cost]
+                    for k, u, d in moves:
+                        costs[k][u] = costs[k].get(u, 0) + d
+                wait = self._estimate(costs, tenant, c, rc)
                 if now + wait > deadline:
                     raise self._late_refusal(request, wait, now)
+            if mine is not None:
+                k = self._rank.get(mine.priority, len(self.classes) - 1)
+                leaving.append((i, mine, k, True))
+                gone.add(id(mine))
+                counts[tenant] -= 1
+                live -= 1
+                if costs is None:
+                    moves.append((k, tenant, -mine.cost))
+                else:
+                    costs[k][tenant] -= mine.cost
             if live >= cap:
                 copy = self._newest_copy(None, gone) if self._copies else None
                 if copy is not None:
                     k = self._rank.get(copy.priority, len(self.classes) - 1)
                     leaving.append((i, copy, k, True))
-                    gone.add(id(copy))
-                    counts[copy.tenant] -= 1
+                    out = copy
                 else:
                     victim = self._victim(counts, tenant)
                     found = None if victim is None else self._newest_of(victim, gone)
                     if found is None:
                         raise self._full_refusal(live)
-                    req, k = found
-                    leaving.append((i, req, k, False))
-                    gone.add(id(req))
-                    counts[req.tenant] -= 1
+                    out, k = found
+                    leaving.append((i, out, k, False))
+                gone.add(id(out))
+                counts[out.tenant] -= 1
                 live -= 1
+                if costs is None:
+                    moves.append((k, out.tenant, -out.cost))
+                else:
+                    costs[k][out.tenant] -= out.cost
             live += 1
             counts[tenant] += 1
+            if costs is None:
+                moves.append((c, tenant, rc))
+            else:
+                costs[c][tenant] = costs[c].get(tenant, 0) + rc
         return leaving
 
     def _newest_of(self, victim: str, gone: set[int]) -> tuple[Request, int] | None:
@@ -681,23 +707,29 @@ class Admission:
         top class holds now) and its own cost: so a backlog of the top class does not
         refuse it for a deadline its aging meets. Like the rest of the estimate it
         counts no later arrival, so it errs on the side of admitting."""
+        return self._estimate(self._cost, tenant, c, cost)
+
+    def _estimate(self, costs: list[dict[str, int]], tenant: str, c: int, cost: int) -> float:
+        """``estimated_wait`` were ``costs`` (per class, tenant -> live cost queued)
+        what the queue holds: so a call's plan estimates each item as ``offer`` would
+        with the items before it queued and the requests they shed gone."""
         rate = self.rate
         if rate <= 0.0:
             return 0.0
         ahead = float(self.in_service)
         for k in range(c):
-            ahead += sum(self._cost[k].values())
-        own = self._cost[c].get(tenant, 0) + cost
+            ahead += sum(costs[k].values())
+        own = costs[c].get(tenant, 0) + cost
         ahead += own
         w = self._weight(tenant)
-        for u, q in self._cost[c].items():
+        for u, q in costs[c].items():
             if u != tenant and q:
                 ahead += min(q, own * self._weight(u) / w)
         wait = ahead / rate
         aging = self.classes[c].aging
         if c and aging < wait:
-            below = sum(sum(self._cost[k].values()) for k in range(1, len(self.classes)))
-            top = sum(self._cost[0].values())
+            below = sum(sum(costs[k].values()) for k in range(1, len(self.classes)))
+            top = sum(costs[0].values())
             wait = min(wait, aging + (self.in_service + below + min(below, top) + cost) / rate)
         # No answer comes sooner than one batch's run (the rate leaves its fixed time
         # out): a deadline shorter than the shortest batch measured cannot be met.

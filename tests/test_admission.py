@@ -401,10 +401,11 @@ def test_a_call_refused_at_its_third_item_pushes_nobody_out_and_queues_nothing(w
         b1, b2 = q.next_batch(0.0), q.next_batch(0.0)
         q.completed(b1, 1.0)
         q.completed(b2, 2.0)  # 2 units/s
-        # b's items wait 1, 2 and 3 s (each shares with as much of a's backlog as it
-        # has of its own); the third's 3 s are past the 2.2 s left.
+        # b's items wait 1, 2 and 2.5 s (each shares with as much of a's backlog as
+        # it has of its own, a's less the requests the items before it pushed out, as
+        # ``offer`` finds it item by item); the third's 2.5 s are past the 2.2 s left.
         now, deadline = 2.0, 4.2
-        error, match = Overloaded, r"^model 'm': estimated time to serve it 3000 ms"
+        error, match = Overloaded, r"^model 'm': estimated time to serve it 2500 ms"
     a = fill(q, "a", 4)  # full
     call = [req("b", arrival=now, deadline=deadline) for _ in range(3)]
     with pytest.raises(error, match=match) as e:
