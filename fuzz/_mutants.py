@@ -90,7 +90,7 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         ("runtime",),
     ),
     "dispatch-expired": (
-        "the queue skips the deadline check",
+        "the queue skips the deadline check (a request's and a call's items')",
         attrs.evolve(PRODUCT, name="dispatch-expired", queue_class=IgnoresDeadlines),
         ("queue", "runtime"),
     ),

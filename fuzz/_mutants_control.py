@@ -61,6 +61,12 @@ class HandOverRefusesLateSubmits(SchedulerActor):
             raise self._refusal()
         super().submit_all_nowait(requests)
 
+    def plan_all_nowait(self, requests: list[Request]) -> Any:
+        # a call split between a model's lanes is planned first, then submitted
+        if self._closed and self.successor is not None:
+            raise self._refusal()
+        return super().plan_all_nowait(requests)
+
 
 class StartingReplicasUncounted(ScalingController):
     """A replica still loading does not count as serving: a look while the replicas

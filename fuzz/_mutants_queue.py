@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import attrs
@@ -29,10 +30,28 @@ class DropsOneRequest(FairQueue):
 
 class IgnoresDeadlines(FairQueue):
     """The deadline check is skipped: the queue keeps every request as if it had none,
-    so an expired one is dispatched (and a model timeout is never answered)."""
+    so an expired one is dispatched (and a model timeout is never answered). On every
+    way in: a request alone (``offer``), and a call's items, decided whole
+    (``plan_all``) and queued one by one or in one pass (``_offer_call``, where a call
+    that pushes nobody out goes)."""
 
     def offer(self, request: Request, now: float) -> None:
-        super().offer(attrs.evolve(request, deadline=math.inf), now)
+        super().offer(_deadline_less(request), now)
+
+    def plan_all(self, requests: Sequence[Request], now: float) -> Any:
+        # Decided as if the items had no deadline, planned for the items themselves
+        # (``offer_planned`` queues them through the two methods here).
+        plan = super().plan_all([_deadline_less(r) for r in requests], now)
+        return attrs.evolve(plan, requests=requests)
+
+    def _offer_call(self, requests: Sequence[Request], now: float) -> bool:
+        return super()._offer_call([_deadline_less(r) for r in requests], now)
+
+
+def _deadline_less(request: Request) -> Request:
+    """``request`` as if it had no deadline (its reply, which its caller awaits, the
+    same)."""
+    return attrs.evolve(request, deadline=math.inf)
 
 
 class ExceedsBudget(FairQueue):
@@ -107,11 +126,11 @@ class QueuesCallsItemByItem(FairQueue):
 
 
 class DropsRunningCopies(FairQueue):
-    """A new request that finds the queue full takes the room of the newest hedge
-    copy still answerable, queued or already dispatched: ``_copies`` is pruned only
-    at the next ``offer_spare``, so a copy running on a device is answered
-    Overloaded (and its batch answers it again) while the queue counts room it never
-    had."""
+    """A new request (alone, or a call's item) that finds the queue full takes the
+    room of the newest hedge copy still answerable, queued or already dispatched:
+    ``_copies`` is pruned only at the next ``offer_spare``, so a copy running on a
+    device is answered Overloaded (and its batch answers it again) while the queue
+    counts room it never had."""
 
     def _drop_copy(self, tenant: str | None) -> bool:
         copies = self._copies
@@ -123,6 +142,20 @@ class DropsRunningCopies(FairQueue):
             self._shed_copy(req)
             return True
         return False
+
+    def _newest_copy(self, tenant: str | None, gone: AbstractSet[int]) -> Request | None:
+        # The copy a call's plan gives the room of (``offer_planned`` sheds it), by
+        # the same rule: a call's items take a running copy's room too.
+        copies = self._copies
+        for i in range(len(copies) - 1, -1, -1):
+            req = copies[i]
+            if (
+                req.reply.answerable
+                and id(req) not in gone
+                and (tenant is None or req.tenant == tenant)
+            ):
+                return req
+        return None
 
 
 class DeadlineWithdrawalAsCallers(FairQueue):

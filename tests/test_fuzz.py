@@ -12,6 +12,7 @@ import logging
 import math
 import threading
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -27,6 +28,7 @@ from fuzz._cache_checks import RUN, check_cache
 from fuzz._cache_scenario import TICK
 from fuzz._checker import ClassBound, QueueObserver
 from fuzz._harness import SUITES, chunk_seed, run_chunk
+from fuzz._mutants_queue import DropsRunningCopies, IgnoresDeadlines
 from fuzz._product import observed_queue_class
 from fuzz._selftest import EXAMPLES, TEST_SEEDS, catch_bug, check_bug
 
@@ -840,3 +842,78 @@ def test_token_bucket_refund_of_a_started_grant_counts_the_levels_waiters_met():
     b.refund(1, since=first)  # the first request is refused after its start
     assert b.level == pytest.approx(-0.5)  # every later waiter met a full bucket
     assert b.try_take(8, 0.1) > 0.0
+
+
+# ---------------------------------------------------------------- planted bugs reach calls
+def _call(tenant: str, n: int, *, deadline: float = math.inf) -> list[Request]:
+    return [
+        Request(model="m", item=i, tenant=tenant, deadline=deadline,
+                answer_expiry=deadline < math.inf)
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["one pass", "pushing out"])
+@pytest.mark.parametrize("queue_class", [FairQueue, IgnoresDeadlines])
+def test_dispatch_expired_ignores_the_deadlines_of_a_calls_items_too(full, queue_class):
+    # A call that pushes nobody out is queued in one pass (``_offer_call``), not
+    # through ``offer``: the planted bug patched only ``offer``, so a call's items
+    # kept their deadlines and expired as the product's do.
+    q = queue_class(BatchLimits(max_size=8, max_wait=0.0), bound=4, adaptive=False)
+    held = [*_call("b", 4)] if full else []
+    for r in held:
+        q.offer(r, 0.0)
+    call = _call("a", 2, deadline=1.0)
+    q.offer_all(call, 0.0)  # full: pushes out two of b's
+    assert len(q) == (4 if full else 2)
+    if queue_class is FairQueue:
+        assert q.expire(2.0) == 2
+        assert all(isinstance(r.reply.error, trioserve.DeadlineExceeded) for r in call)
+    else:
+        assert q.expire(2.0) == 0
+        batch = q.next_batch(2.0)
+        assert {id(r.reply) for r in call} <= {id(r.reply) for r in batch}
+
+
+def test_the_queue_suite_sees_deadlines_ignored_on_a_calls_way_in_alone():
+    # The planted bug with ``offer`` left as the product's: only a call's way in
+    # (its plan and its one pass) ignores deadlines, and the queue suite catches it.
+    class CallsIgnoreDeadlines(IgnoresDeadlines):
+        def offer(self, request: Request, now: float) -> None:
+            FairQueue.offer(self, request, now)
+
+    product = attrs.evolve(fuzz.PRODUCT, name="calls-ignore-deadlines",
+                           queue_class=CallsIgnoreDeadlines)
+    for chunk in range(8):
+        failure = run_chunk(
+            SUITES["queue"], product=product,
+            hypothesis_seed=chunk_seed(0, "calls-ignore-deadlines", chunk),
+            max_examples=25, database=None, shrink=False,
+        )
+        if failure is not None:
+            break
+    assert failure is not None
+    assert str(failure.error).startswith("deadline: ")
+
+
+@pytest.mark.parametrize("queue_class", [FairQueue, DropsRunningCopies])
+def test_copy_dropped_while_running_reaches_a_calls_items_too(queue_class):
+    # A call's items give a hedge copy's room away through the plan
+    # (``_newest_copy``), not ``_drop_copy``: the planted bug now takes a running
+    # copy's room there too.
+    q = queue_class(BatchLimits(max_size=1, max_wait=0.0), bound=2, adaptive=False)
+    original, copy = _call("a", 2)
+    q.offer(original, 0.0)
+    assert q.offer_spare(copy, 0.0)
+    assert q.next_batch(0.0) == [original]
+    assert q.next_batch(0.0) == [copy]  # running
+    a = _call("a", 2)
+    for r in a:
+        q.offer(r, 0.0)  # full
+    q.offer_all(_call("b", 1), 0.0)
+    if queue_class is FairQueue:
+        assert copy.reply.state is trioserve.RequestState.DISPATCHED
+        assert a[1].reply.state is trioserve.RequestState.DONE  # pushed out
+    else:
+        assert copy.reply.state is trioserve.RequestState.DONE  # answered while it runs
+        assert a[1].reply.state is trioserve.RequestState.QUEUED
