@@ -1,12 +1,14 @@
 """A seed replays exactly (docs/fuzzing.md, "Profiles"): a chunk of a suite, given
 its hypothesis seed and its budget of examples, draws the same examples and the
 product does the same with them, whatever ran before it in the process, and in a
-fresh interpreter (another ``PYTHONHASHSEED``) alike. What a time budget changes is
-only how many chunks run."""
+fresh interpreter (another ``PYTHONHASHSEED``) alike, hypothesis's pool of the
+constants of the modules loaded included (``fuzz._harness.fixed_constants``). What a
+time budget changes is only how many chunks run."""
 
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import os
 import subprocess
@@ -76,13 +78,24 @@ def _fresh(seed: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("seed", [3401])
-def test_a_seed_replays_the_same_examples_alone_and_after_other_suites(seed):
+def test_a_seed_replays_the_same_examples_alone_and_after_other_suites(
+    seed, tmp_path, monkeypatch
+):
     alone = _fresh(seed)
     # Other suites first, in this process: their examples, runtimes and caches.
     run_chunk(SUITES["cache"], hypothesis_seed=chunk_seed(seed, "cache", 0),
               max_examples=20, database=None)
     run_chunk(SUITES["admission"], hypothesis_seed=chunk_seed(seed, "admission", 0),
               max_examples=20, database=None)
+    # And one more module of the project's loaded, with a few constants: hypothesis
+    # draws now and then from those of the modules loaded, and with these the queue
+    # suite drew other examples (42, not 44) before fuzz._harness.fixed_constants.
+    (tmp_path / "constants_pool.py").write_text(
+        'SEEN = (3401, 40, 30, "queue", "runtime", "examples", "after", "tests")\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "constants_pool", raising=False)  # gone after
+    importlib.import_module("constants_pool")
     after = [fingerprint(s, n, seed) for s, n in reversed(REPLAYED)][::-1]
     for (suite, n), a, b in zip(REPLAYED, alone, after, strict=True):
         assert a["examples"] >= n, suite
