@@ -433,6 +433,16 @@ class CacheConfig:
     policy: str = _field(_choice(("tinylfu", "lru")), "tinylfu")
     tenant_quota_bytes: int | None = _field(_opt_int(1), None)
 
+    @tenant_quota_bytes.validator
+    def _check_quota(self, attribute: attrs.Attribute, value: Any) -> None:
+        # The capacity is fixed at the start: nothing turns the cache on later.
+        if value is not None and self.capacity_bytes == 0:
+            raise ConfigError(
+                "cache.tenant_quota_bytes: the result cache is off (cache.capacity_bytes "
+                "= 0), so tenant_quota_bytes would do nothing; give [cache] a "
+                "capacity_bytes, or leave tenant_quota_bytes out"
+            )
+
     def _path(self) -> str:
         return "cache"
 

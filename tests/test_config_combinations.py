@@ -70,6 +70,24 @@ def test_cache_options_need_the_result_cache(tmp_path, key, value):
     assert trioserve.load_config(None).cache.capacity_bytes == 0
 
 
+# Regression: [cache] tenant_quota_bytes was accepted, and did nothing, while the
+# result cache itself was off (capacity_bytes = 0, the default), as cache_ttl_s was.
+def test_a_tenant_quota_needs_the_result_cache(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        trioserve.CacheConfig(tenant_quota_bytes=4096)
+    assert str(caught.value) == (
+        "cache.tenant_quota_bytes: the result cache is off (cache.capacity_bytes = 0), "
+        "so tenant_quota_bytes would do nothing; give [cache] a capacity_bytes, or "
+        "leave tenant_quota_bytes out"
+    )
+    path = tmp_path / "c.toml"
+    path.write_text('[models.m]\nbackend = "echo"\n[cache]\ntenant_quota_bytes = 4096\n')
+    with pytest.raises(ConfigError, match=r"^cache\.tenant_quota_bytes: the result cache is off"):
+        trioserve.load_config(path)
+    path.write_text(path.read_text() + "capacity_bytes = 1048576\n")
+    assert trioserve.load_config(path).cache.tenant_quota_bytes == 4096
+
+
 # Regression: an empty [tenants] table (or tenants=() from Python) made a runtime that
 # refused every request (Unauthorized: no tenant given and no default tenant).
 def test_no_tenants_at_all_is_refused(tmp_path):
