@@ -399,7 +399,8 @@ async def test_an_answer_waiting_for_a_slow_reader_holds_only_its_frame():
         assert sorted(a["id"] for a in answers) == list(range(8))
         assert all(a["outputs"][0]["data"] == [1.0] * 50_000 for a in answers)
         framed = sum(len(json.dumps(a, separators=(",", ":"))) for a in answers)
-        # the frames, and at most a copy of them joined for the write under way (the
-        # flusher's): they were ~6 times that
-        assert held < 3 * framed
+        # the frames, and at most the write buffer's limit (256 KiB) of them joined
+        # for the write under way (the flusher's; it joined all that was queued, 1.3
+        # times the frames here): they were ~6 times that
+        assert held < framed + 256 * 1024
         await sock.aclose()

@@ -5,7 +5,9 @@ in bytes and in how long the client may take none of them."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import deque
 from collections.abc import Callable
 
 import trio
@@ -37,10 +39,15 @@ class ReplayStream(trio.abc.HalfCloseableStream):
     would drop bytes that come with the handshake).
 
     Writing coalesces: while :meth:`run_flusher` runs, ``send_all`` only queues its
-    bytes, and the flusher sends everything queued in one write, so the answers of one
-    batch leave in one syscall. At most ``limit`` bytes wait; beyond that ``send_all``
-    waits for the flusher (backpressure). :attr:`unsent` counts the bytes queued and
-    those of the write under way; ``on_sent`` is called (sync) after each flusher write.
+    bytes, and the flusher sends what is queued, at most ``limit`` bytes joined in one
+    write (a larger piece is written alone, not copied), so the answers of one batch
+    leave in one syscall; the pieces joined are let go, so a write the socket blocks
+    adds at most ``limit`` bytes to the pieces' own. ``send_all`` queues its piece,
+    then waits for the flusher while more than ``limit`` bytes are queued: that bounds
+    what one writer queues (the read loop's pongs), not what many do, each queueing its
+    piece before it waits (the connection's byte budget bounds those: every piece
+    queued is in :attr:`unsent`, which counts the bytes queued and those of the write
+    under way). ``on_sent`` is called (sync) after each flusher write.
 
     A write cancelled part way (a client that does not read, at the end of a drain)
     may have sent part of a frame: the stream is then broken, and nothing more is
@@ -75,7 +82,8 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         self._fd: int | None = sock.fileno() if sock is not None else None
         #: after a stall: the rest of the frame the stalled write cut
         self._rest: bytes | None = None
-        self._out: list[bytes] = []
+        #: the pieces queued (one per ``send_all``), oldest first, and their bytes
+        self._out: deque[bytes] = deque()
         self._out_size = 0
         self._writing = 0  # bytes of the flusher's write under way
         self._flushing = False
@@ -112,7 +120,7 @@ class ReplayStream(trio.abc.HalfCloseableStream):
             raise trio.BrokenResourceError("the connection failed") from self._error
         if not self._flushing:
             if self._out:  # left by a flusher that has stopped: keep the order
-                await self._write(self._take())
+                await self._write_queued()
             await self._write(data)
             return
         self._out.append(bytes(data))
@@ -137,17 +145,25 @@ class ReplayStream(trio.abc.HalfCloseableStream):
                     await self._wake.park()
                     continue
                 pieces = self._take_pieces()
-                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                if len(pieces) == 1:
+                    data, ends = pieces[0], None
+                else:
+                    # The pieces' bytes are in the join now: let them go, so a write
+                    # the socket blocks holds them once (the ends of the pieces
+                    # remain, to find where whole frames end after a stall).
+                    data = b"".join(pieces)
+                    ends = list(itertools.accumulate(map(len, pieces)))
+                del pieces
                 self._writing = len(data)
                 try:
                     await self._write(data, report_stall=True)
                 except _Stalled as stall:
-                    self._stall(pieces, data, stall.sent)
+                    self._stall(data, ends, stall.sent)
                     return
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
                 # the write's bytes are freed now, not when the next write comes
-                del pieces, data
+                del data, ends
                 self._writing = 0
                 if self.on_sent is not None:
                     self.on_sent()
@@ -167,29 +183,48 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         else:
             await trio.lowlevel.checkpoint()
 
-    def _take_pieces(self) -> list[bytes]:
-        """Everything queued (one piece per ``send_all``); wakes writers waiting for
-        room."""
-        pieces = self._out
-        self._out = []
-        self._out_size = 0
-        self._room.unpark_all()
+    def _take_pieces(self) -> deque[bytes] | list[bytes]:
+        """The pieces of the next write: those queued first, as many as fit in
+        ``limit`` bytes (at least one: a larger piece goes alone). Wakes the writers
+        waiting for room once ``limit`` bytes or fewer remain queued."""
+        out = self._out
+        pieces: deque[bytes] | list[bytes]
+        if self._out_size <= self._limit:  # all of it (a round of answers, usually)
+            pieces, self._out = out, deque()
+            self._out_size = 0
+        else:
+            pieces = [out.popleft()]
+            size = len(pieces[0])
+            while out and size + len(out[0]) <= self._limit:
+                piece = out.popleft()
+                size += len(piece)
+                pieces.append(piece)
+            self._out_size -= size
+        if self._out_size <= self._limit:
+            self._room.unpark_all()
         return pieces
 
-    def _take(self) -> bytes:
-        """Everything queued, as one write; wakes writers waiting for room."""
-        return b"".join(self._take_pieces())
+    async def _write_queued(self) -> None:
+        """Write what is queued, a write at a time (as the flusher does)."""
+        while self._out:
+            pieces = self._take_pieces()
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            del pieces
+            await self._write(data)
 
-    def _stall(self, pieces: list[bytes], data: bytes, sent: int) -> None:
-        """A flusher write of ``pieces`` (joined: ``data``) stalled after ``sent``
-        bytes: keep the rest of the piece it cut (whole frames end there), drop the
-        pieces after it, break the stream for other writers, report it."""
-        end = 0
-        for piece in pieces:
-            start, end = end, end + len(piece)
+    def _stall(self, data: bytes, ends: list[int] | None, sent: int) -> None:
+        """A flusher write of ``data`` (pieces ending at ``ends``, or one piece: None)
+        stalled after ``sent`` bytes: keep the rest of the piece it cut (whole frames
+        end there), drop what is queued behind it, break the stream for other writers,
+        report it."""
+        start = 0
+        for end in ends or (len(data),):
             if end > sent:
                 self._rest = data[sent:end] if sent > start else b""
                 break
+            start = end
+        self._out.clear()  # answers not yet written are dropped: let them go now
+        self._out_size = 0
         self._error = trio.BrokenResourceError(
             f"the client took no data for {self.write_timeout:g} s"
         )
@@ -248,7 +283,7 @@ class ReplayStream(trio.abc.HalfCloseableStream):
     async def _flush_rest(self) -> None:
         if self._out and self._error is None:
             with trio.move_on_after(CLOSE_GRACE):
-                await self._write(self._take())
+                await self._write_queued()
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport_stream.wait_send_all_might_not_block()

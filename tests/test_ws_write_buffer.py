@@ -1,0 +1,209 @@
+"""The /v2/stream write buffer (``transport/_replay.py``) under a client that reads
+slowly or not at all: what one write joins and holds, what the buffer's limit bounds
+(one writer's pieces, and the join), and what the connection's byte budget bounds (the
+answers' frames, however many tasks queue them)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import tracemalloc
+
+import pytest
+import trio
+from http_helpers import (
+    _HANDSHAKE,
+    _infer_frame,
+    _infer_text,
+    _raw_ws,
+    config,
+    echo_model,
+    serving,
+    settle,
+)
+from test_ws_limits import _answers, _flow_is_whole
+from trioserve.transport._replay import KIB, ReplayStream
+
+#: socket buffers of 4 KiB: a client that does not read blocks the server's writes at once
+SMALL = 4096
+
+
+def _small_socketpair() -> tuple[trio.socket.SocketType, trio.socket.SocketType]:
+    server, client = trio.socket.socketpair()
+    server.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, SMALL)
+    client.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, SMALL)
+    return server, client
+
+
+def _record_writes(stream: ReplayStream) -> list[int]:
+    """The sizes of the writes ``stream`` makes on its transport, as it makes them."""
+    writes: list[int] = []
+    write = stream._write
+
+    async def recording(data, **kw):
+        writes.append(len(data))
+        await write(data, **kw)
+
+    stream._write = recording
+    return writes
+
+
+async def test_a_write_the_socket_blocks_joins_at_most_the_limit_and_holds_it_once():
+    """32 writers queue 16 KiB each (512 KiB) on a stream whose limit is 64 KiB while
+    the socket takes nothing: the flusher's write joins at most 64 KiB and lets go of
+    the pieces it joined. It joined all 512 KiB, and held the pieces too: 1 MiB for
+    512 KiB of frames. Read slowly, every byte arrives, each piece whole, once."""
+    limit, piece, count = 64 * KIB, 16 * KIB, 32
+    server, client = _small_socketpair()
+    stream = ReplayStream(trio.SocketStream(server), b"", limit=limit)
+    writes = _record_writes(stream)
+    sock = trio.SocketStream(client)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.run_flusher)
+        await settle()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            async with trio.open_nursery() as writers:
+                for i in range(count):
+                    writers.start_soon(stream.send_all, bytes([i]) * piece)
+                await settle()
+                gc.collect()
+                held = tracemalloc.get_traced_memory()[0] - before
+                tracemalloc.stop()
+                total = piece * count
+                assert stream.unsent == total  # nothing written yet (4 KiB buffers)
+                assert writes == [limit]
+                # the pieces, once, and the write under way: at most the limit
+                assert held < total + limit + 64 * KIB
+                received = bytearray()
+                while len(received) < total:
+                    received += await sock.receive_some(SMALL)
+                    await settle()
+        finally:
+            tracemalloc.stop()
+        assert len(received) == total
+        runs = [bytes(received[i:i + piece]) for i in range(0, total, piece)]
+        assert sorted(run[0] for run in runs) == list(range(count))
+        assert all(run == run[:1] * piece for run in runs)
+        assert sum(writes) == total
+        assert max(writes) <= limit
+        assert stream.unsent == 0
+        await stream.stop_flusher()
+    await stream.aclose()
+    await sock.aclose()
+
+
+async def test_one_writer_waits_once_more_than_the_limit_is_queued():
+    """The limit bounds what one writer queues (the read loop's pongs and refusals
+    among them, which the byte budget does not count): its piece is queued, and past
+    the limit its ``send_all`` waits for the flusher, so with the socket taking
+    nothing it holds at most the write under way (the limit) and the limit and a
+    piece queued. Read slowly, its pieces arrive whole, in order."""
+    limit, piece, count = 64 * KIB, 16 * KIB, 32
+    server, client = _small_socketpair()
+    stream = ReplayStream(trio.SocketStream(server), b"", limit=limit)
+    writes = _record_writes(stream)
+    sock = trio.SocketStream(client)
+    sent = 0
+
+    async def writer() -> None:
+        nonlocal sent
+        for i in range(count):
+            await stream.send_all(bytes([i]) * piece)
+            sent += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.run_flusher)
+        await settle()
+        nursery.start_soon(writer)
+        await settle()
+        # a write under way (at most the limit), the limit and a piece queued: the
+        # piece that passed the limit is queued, and its writer waits
+        assert sent < count
+        assert max(writes) <= limit
+        assert limit < stream.unsent <= writes[-1] + limit + piece
+        received = bytearray()
+        while len(received) < piece * count:
+            received += await sock.receive_some(SMALL)
+            await settle()
+            assert stream.unsent <= 2 * limit + piece
+        assert received == b"".join(bytes([i]) * piece for i in range(count))
+        assert sent == count
+        assert max(writes) <= limit
+        await stream.stop_flusher()
+    await stream.aclose()
+    await sock.aclose()
+
+
+@pytest.mark.parametrize("reads", ["nothing", "slowly"])
+async def test_answers_waiting_for_the_client_are_bounded_by_the_byte_budget(reads, monkeypatch):
+    """Answers framed for a client that reads nothing, or reads slowly, are bounded
+    by ``server.stream_in_flight_bytes`` (1 MiB here), which counts every frame
+    queued, not by the write buffer's 256 KiB: each answer's task queues its frame,
+    then waits for room, so the frames of many tasks pass it (they are held either
+    way, queued or by their tasks). Each write joins at most 256 KiB. Every answer
+    arrives, once."""
+    from trioserve.transport._http import serve_connection
+
+    budget, count = 1 << 20, 96
+    x = [0.5] * 4000
+    size = len(_infer_text(0, x))  # ~20 KB; an answer is a little smaller (no spaces)
+    peak, writes = 0, []
+    send_all, write = ReplayStream.send_all, ReplayStream._write
+
+    async def counting(self, data):
+        nonlocal peak
+        if self._flushing:  # an answer queued: what the stream holds, with it
+            peak = max(peak, self.unsent + len(data))
+        await send_all(self, data)
+
+    async def recording(self, data, **kw):
+        writes.append(len(data))
+        await write(self, data, **kw)
+
+    monkeypatch.setattr(ReplayStream, "send_all", counting)
+    monkeypatch.setattr(ReplayStream, "_write", recording)
+    cfg = config(echo_model(), server={"stream_in_flight_bytes": budget})
+    async with serving(cfg) as gw, trio.open_nursery() as nursery:
+        server, client = _small_socketpair()
+        nursery.start_soon(serve_connection, gw, trio.SocketStream(server))
+        sock = trio.SocketStream(client)
+        await sock.send_all(_HANDSHAKE)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await sock.receive_some(1)
+        nursery.start_soon(sock.send_all, b"".join(_infer_frame(i, x) for i in range(count)))
+        ws = _raw_ws()
+        if reads == "nothing":
+            await settle()
+            # the server stopped reading at the budget, the answers it framed past
+            # the write buffer's limit and within the budget
+            answered = gw.runtime.models["echo"].metrics.items
+            assert 256 * KIB // size < answered < count
+            assert gw.statistics().stream_byte_budget_waits == 1
+            assert 256 * KIB < peak <= budget
+            answers = await _answers(sock, ws, count)
+        else:
+            from wsproto.events import TextMessage
+
+            answers, pieces = [], []
+            while len(answers) < count:  # 4 KiB a read, the server idle between reads
+                data = await sock.receive_some(SMALL)
+                assert data, f"closed after {len(answers)} answers"
+                ws.receive_data(data)
+                for event in ws.events():
+                    if isinstance(event, TextMessage):
+                        pieces.append(event.data)
+                        if event.message_finished:
+                            answers.append(json.loads("".join(pieces)))
+                            pieces.clear()
+                await settle()
+        assert sorted(a["id"] for a in answers) == list(range(count))
+        assert all(a["outputs"][0]["data"] == x for a in answers)
+        assert 256 * KIB < peak <= budget
+        assert max(writes) <= 256 * KIB
+        assert gw.statistics().stream_in_flight_bytes_peak <= budget
+        _flow_is_whole(gw, "echo", count)
+        await sock.aclose()
