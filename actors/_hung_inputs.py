@@ -25,11 +25,12 @@ HUNG_INPUTS = 1024
 def digest(item: Any) -> bytes | None:
     """A canonical digest of ``item``'s inputs (equal values, equal digests, whatever
     their arrays; another dtype or shape, another digest); None for an item that
-    cannot be hashed so (an object of a backend's own): it is not remembered."""
+    cannot be hashed so (an object of a backend's own, or one nested past the
+    interpreter's recursion limit): it is not remembered."""
     h = hashlib.blake2b(digest_size=16)
     try:
         _feed(h, item)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None
     return h.digest()
 

@@ -12,6 +12,7 @@ spared, or is answered poison at once.
 from __future__ import annotations
 
 import collections
+import sys
 
 import numpy as np
 import pytest
@@ -81,6 +82,18 @@ def test_an_input_it_cannot_digest_is_not_remembered():
     memory.note(odd, Hang())
     assert len(memory) == 0
     assert memory.match(odd) is None
+
+
+def test_an_input_nested_past_the_recursion_limit_is_not_remembered():
+    # A backend's own prepare may give an item nested deeper than the v2 readers'
+    # 99 levels; digesting it must not raise out of the queue's submit.
+    deep: list = []
+    for _ in range(sys.getrecursionlimit() + 10):
+        deep = [deep]
+    memory = HungInputs()
+    assert digest({"x": deep}) is None
+    memory.note({"x": deep}, Hang())
+    assert len(memory) == 0
 
 
 # ---------------------------------------------------------------- the queue's rule
