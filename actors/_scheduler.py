@@ -464,7 +464,11 @@ class SchedulerActor(Sparing, Actor):
                     )
                 )
             else:
-                reply.withdraw()
+                reply.withdraw()  # its caller leaves now
+        if not reply.suspect:
+            # abandoned by its caller (now, or before), it never ran: its caller
+            # is told (Reply.when_unrun; a no-op when it was answered)
+            reply.unrun()
         # it left the devices, but not as a batch: the service rate's pair of full
         # batches goes on
         self.policy.left([req])
@@ -536,7 +540,9 @@ class SchedulerActor(Sparing, Actor):
         alive = []
         for req in batch:
             if req.reply.state is not _DISPATCHED:
-                continue  # the caller left
+                if not req.reply.suspect:  # staged behind a lost worker's batch
+                    req.reply.unrun()  # its caller left, and it never ran
+                continue  # the caller left, or it was answered
             if req.deadline <= now:
                 if req.answer_expiry:
                     req.reply.set_error(
@@ -550,6 +556,8 @@ class SchedulerActor(Sparing, Actor):
                     )
                 else:
                     req.reply.withdraw()
+                    if not req.reply.suspect:
+                        req.reply.unrun()  # its caller leaves now: it never ran
                 continue
             alive.append(req)
         return alive

@@ -209,6 +209,18 @@ def split_failed(
     return [[req]], []
 
 
+def handed_back(batch: list[Request]) -> list[Request]:
+    """:func:`to_retry` of a batch handed back as it was (it never reached the model,
+    or ran into nothing of its own: staged behind a lost worker's batch, or on a
+    worker replaced for other inputs' failures). A request of it whose caller left
+    meanwhile, not itself a failed batch's retry, never ran: its caller is told
+    (``Reply.unrun``) as it is left out."""
+    for r in batch:
+        if not r.reply.suspect:
+            r.reply.unrun()  # a no-op unless its caller left (abandoned)
+    return to_retry(batch)
+
+
 def retried(batch: list[Request]) -> bool:
     """Whether ``batch`` is a retry of a batch that failed (a part of a split batch,
     or a request run alone again): its failure is then its requests' doing, counted

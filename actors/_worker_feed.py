@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from trioserve import RayReplica, Request, WorkerProcess
 
-from ._straggler import retried, split, to_retry
+from ._straggler import handed_back, retried, split, to_retry
 
 if TYPE_CHECKING:
     from ._in_flight import InFlight
@@ -280,7 +280,7 @@ class WorkerFeed:
             # The staged ones first: they ran into nothing, and have waited already.
             for b in batches[1:]:
                 self._scheduler.completed(b, failed=True)
-            self._scheduler.retry([to_retry(b) for b in batches[1:]])
+            self._scheduler.retry([handed_back(b) for b in batches[1:]])
             self._suspect(batches[0], f"its batch failed: {why}")
         # after the retries are made: an item answered meanwhile that others wait
         # for is carried into them, and its batch leaving must not settle it
@@ -380,7 +380,7 @@ class WorkerFeed:
         batches = list(self._in_flight)
         for b in batches:
             self._scheduler.completed(b, failed=True)
-        self._scheduler.retry([to_retry(b) for b in batches])
+        self._scheduler.retry([handed_back(b) for b in batches])
         # after the retries are made, as in _lose: an item answered meanwhile that
         # others wait for is carried into them, and its batch leaving must not
         # settle it

@@ -156,3 +156,12 @@ def exception_text(exc: BaseException) -> str:
     except Exception as err:
         why = f"its message cannot be shown: str() raised {type(err).__name__}"
         return f"{type(exc).__name__} ({why})"
+
+
+def _never_ran(exc: BaseException) -> bool:
+    """Whether a request answered with ``exc`` never reached a device: pushed out of
+    (or refused by) the queue, or answered while queued (expired, or failed by a
+    queue that closed: ``in_queue``)."""
+    return isinstance(exc, Overloaded) or (
+        isinstance(exc, TrioserveError) and exc.in_queue
+    )

@@ -29,9 +29,9 @@ from ._errors import (
 )
 from ._hedging import _Hedging
 from ._many import _ManyItems
-from ._messages import CANCELLED, Reply, Request
+from ._messages import Reply, Request
 from ._model import item_list
-from ._outcomes import _never_ran, _note_withdrawal, _prepare_failed
+from ._outcomes import _never_ran, _note_withdrawal, _prepare_failed, _refund_if_unrun
 from ._rollout_ops import _RolloutOps
 from ._served import ServedModel
 from ._statistics import _Statistics
@@ -456,9 +456,10 @@ class Runtime(
                 try:
                     result = await reply.wait()
                 except trio.Cancelled:
-                    if reply.state is CANCELLED:  # withdrawn while queued: never ran
-                        self._refund(tenant, cost, taken)
-                        _note_withdrawal([request])
+                    # withdrawn while queued, or answered as it left, it never ran;
+                    # dispatched, it may yet never run (then it is refunded)
+                    _refund_if_unrun([reply], lambda: self._refund(tenant, cost, taken))
+                    _note_withdrawal([request])
                     raise
         except TrioserveError as exc:
             # Admitted, then pushed out of a full queue by another tenant, or expired

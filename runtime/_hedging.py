@@ -12,7 +12,7 @@ import trio
 
 from ._errors import ModelError
 from ._messages import CANCELLED, DONE, Reply, Request
-from ._outcomes import _never_ran, _note_withdrawal
+from ._outcomes import _never_ran, _note_withdrawal, _refund_if_unrun
 
 
 class _Hedging:
@@ -34,8 +34,9 @@ class _Hedging:
         fail a caller whose twin another replica is running. When neither answered,
         the first model error is raised, or else (neither ran) the original's error.
 
-        ``refund`` is called when the caller leaves (is cancelled) and neither the
-        original nor its copy ever ran.
+        ``refund`` is called once when the caller leaves (is cancelled) and neither
+        the original nor its copy ever ran: as it leaves, or later, when one that was
+        dispatched turns out never to run (``_refund_if_unrun``).
         """
         answer: list[outcome.Outcome] = []
         unrun: list[outcome.Outcome | None] = [None, None]  # the original's, the copy's
@@ -84,12 +85,12 @@ class _Hedging:
                     copy = None  # no free room: wait for the original alone
         except BaseException:  # the caller left: a group of Cancelled, from the nursery
             # Both waits withdrew their requests. Neither ran if each was withdrawn
-            # while queued or had been answered a never-ran error.
+            # while queued or answered a never-ran error (taken by its wait, or
+            # held: answered before its wait began, which was cancelled at its
+            # checkpoint); one dispatched may yet never run (then it is refunded).
             left = True
-            if (request.reply.state is CANCELLED or unrun[0] is not None) and (
-                copy is None or copy.reply.state is CANCELLED or unrun[1] is not None
-            ):
-                refund()
+            pair = [request.reply] if copy is None else [request.reply, copy.reply]
+            _refund_if_unrun(pair, refund, [u is not None for u in unrun])
             raise
         finally:
             if copy is not None:

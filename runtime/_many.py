@@ -7,14 +7,15 @@ import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 import outcome
 import trio
 
 from ._errors import InvalidInput, ModelError, Overloaded, TrioserveError
-from ._messages import CANCELLED, ReplyGroup, ReplyRelay, Request
-from ._outcomes import _never_ran, _note_withdrawal
+from ._messages import ABANDONED, CANCELLED, ReplyGroup, ReplyRelay, Request
+from ._outcomes import _never_ran, _note_withdrawal, _refund_if_unrun
 from ._served import ServedModel
 
 
@@ -210,13 +211,17 @@ class _ManyItems:
                 answers = await group.wait()
             except trio.Cancelled:
                 # the caller left: the items still queued were withdrawn, and those
-                # answered meanwhile as pushed out or expired queued never ran either
+                # answered meanwhile as pushed out or expired queued never ran either;
+                # one dispatched may yet never run (then it is refunded, alone)
                 unrun = [
                     r for r in requests
                     if r.reply.state is CANCELLED
                     or ((e := r.reply.error) is not None and _never_ran(e))
                 ]
                 self._refund_unrun(tenant, unrun, taken)
+                for r in requests:
+                    if r.reply.state is ABANDONED:
+                        _refund_if_unrun([r.reply], partial(self._refund, tenant, r.cost, taken))
                 _note_withdrawal(requests)
                 raise
             # every reply is answered and its outcome taken: withdrawing it (below)

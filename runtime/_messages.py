@@ -15,7 +15,7 @@ import attrs
 import outcome
 import trio
 
-from ._errors import ActorBroken
+from ._errors import ActorBroken, _never_ran
 
 
 class RequestState(enum.Enum):
@@ -98,6 +98,11 @@ class Reply:
     #: (``late.carry(reply)``: see ``ReplyRelay``), unless nobody wants it any more;
     #: the batch that left then settles nothing (``late.carried``).
     late: Any = None
+    #: For a request whose caller left after its dispatch (abandoned), should it
+    #: never run after all: whom to tell (``when_unrun``: called once, no arguments;
+    #: its caller's refund), or True once it is known never to have run (told, or
+    #: kept for a caller still to ask: it left in the same moment). None: neither.
+    on_unrun: Any = None
 
     def _transition(self, new: RequestState) -> None:
         if new not in _ALLOWED[self.state]:
@@ -126,6 +131,11 @@ class Reply:
 
     def _answer(self, result: outcome.Outcome) -> bool:
         if self.state is ABANDONED or self.state is CANCELLED:
+            if (
+                self.state is ABANDONED and isinstance(result, outcome.Error)
+                and _never_ran(result.error)
+            ):
+                self.unrun()  # its caller left, and it never ran after all
             return False
         self._transition(DONE)
         group = self.group
@@ -158,6 +168,27 @@ class Reply:
         elif self.state is DISPATCHED:
             self._transition(ABANDONED)
         self._outcome = None
+
+    def unrun(self) -> None:
+        """The request, abandoned (its caller left after its dispatch), leaves without
+        having run: dropped from those held for a retry or kept apart, handed back
+        from a worker it never reached, or answered an error saying so (which is
+        dropped). Tells ``on_unrun``, once, or keeps the fact for a caller that has
+        not asked yet (:meth:`when_unrun`). A no-op in any other state. Not a
+        checkpoint."""
+        if self.state is ABANDONED and self.on_unrun is not True:
+            tell, self.on_unrun = self.on_unrun, True
+            if tell is not None:
+                tell()
+
+    def when_unrun(self, tell: Any) -> None:
+        """Its caller, which abandoned it, asks to be told if it never runs
+        (:meth:`unrun`): ``tell()`` is called once then, or at once if that is
+        already known. Ask once. Not a checkpoint."""
+        if self.on_unrun is True:
+            tell()
+        else:
+            self.on_unrun = tell
 
     async def wait(self) -> Any:
         """Wait for the answer; return the value or raise the error.

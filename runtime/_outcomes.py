@@ -4,12 +4,13 @@ the requests it withdrew in their flows."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
-from ._errors import ModelError, Overloaded, TrioserveError, exception_text
-from ._messages import CANCELLED, Request
+from ._errors import ModelError, exception_text
+from ._errors import _never_ran as _never_ran
+from ._messages import ABANDONED, CANCELLED, DONE, Reply, Request
 
 
 def _note_withdrawal(requests: Sequence[Request]) -> None:
@@ -36,13 +37,43 @@ def _note_withdrawal(requests: Sequence[Request]) -> None:
                     note(r)
 
 
-def _never_ran(exc: BaseException) -> bool:
-    """Whether a request answered with ``exc`` never reached a device: pushed out of
-    (or refused by) the queue, or answered while queued (expired, or failed by a
-    queue that closed: ``in_queue``)."""
-    return isinstance(exc, Overloaded) or (
-        isinstance(exc, TrioserveError) and exc.in_queue
-    )
+def _refund_if_unrun(
+    replies: Sequence[Reply], refund: Callable[[], None], taken: Sequence[bool] = ()
+) -> None:
+    """The caller of ``replies`` (a request, or a request and its hedge copy) left:
+    call ``refund`` once if none of them ran. Now, when each was withdrawn queued or
+    answered an error saying it never ran (still held, or, ``taken[i]``, taken by
+    the caller from reply ``i``); later, when each one dispatched whose caller's
+    leaving abandoned it turns out never to run (``Reply.when_unrun``: dropped or
+    answered so, after the caller left or as it left); never once one of them ran
+    (answered a result or the model's error, or it is a failed batch's retry).
+    Called with the caller's cancellation only: a request that runs pays nothing
+    for it. Not a checkpoint."""
+    waiting = []
+    for i, reply in enumerate(replies):
+        state = reply.state
+        if state is CANCELLED or (i < len(taken) and taken[i]):
+            continue
+        if state is DONE:
+            error = reply.error
+            if error is None or not _never_ran(error):
+                return  # answered: it ran
+        elif state is ABANDONED and not reply.suspect:
+            waiting.append(reply)  # dispatched: it may still run, or not
+        else:
+            return  # a failed batch's retry: it ran
+    if not waiting:
+        refund()
+        return
+    left = [len(waiting)]
+
+    def one_unrun() -> None:
+        left[0] -= 1
+        if not left[0]:
+            refund()
+
+    for reply in waiting:
+        reply.when_unrun(one_unrun)
 
 
 def _prepare_failed(model: str, exc: Exception) -> ModelError:

@@ -1,0 +1,252 @@
+"""A request that never ran is refunded exactly once, whatever the order in which its
+caller leaves and the runtime finds it will not run: answered a "never ran" error
+first, the caller cancelled first (in the same scheduling step), or dropped unrun
+after its caller left. The unhedged path, a hedged caller's pair, and a batch call's
+items. A request that ran keeps its charge."""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+import trio
+import trio.testing
+import trioserve
+from runtime_helpers import Gate, callable_model, item
+from trioserve import (
+    ActorClosed,
+    DeadlineExceeded,
+    Overloaded,
+    Request,
+    RequestState,
+    TenantConfig,
+)
+from trioserve._hedging import _Hedging
+
+
+@pytest.fixture
+def gate():
+    g = Gate()
+    yield g
+    g.release()
+
+
+def _config(gate: Gate) -> trioserve.Config:
+    """Tenant a with 10 credits (1/s) and a one-replica model that blocks on ``gate``."""
+    return trioserve.Config(
+        models=(callable_model(
+            "m", gate, execution="thread", max_batch_size=1, max_wait_ms=0,
+            timeout_ms=None, adaptive_limit=False,
+        ),),
+        tenants=(TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=10.0),),
+    )
+
+
+async def _handed_back(rt) -> Request:
+    """Take the one request queued as a replica would, and hand it back as it was (it
+    never reached the model: a batch staged behind a lost worker's): dispatched, held
+    for a retry, never run."""
+    scheduler = rt.models["m"].scheduler
+    batch = await scheduler.pull()
+    assert len(batch) == 1
+    scheduler.completed(batch, failed=True)
+    scheduler.retry([batch])
+    (request,) = batch
+    assert request.reply.state is RequestState.DISPATCHED
+    assert not request.reply.suspect
+    return request
+
+
+def _credits(rt) -> tuple[int, int]:
+    tenant = rt.tenant_statistics()["a"]
+    return tenant["credits_used"], tenant["credits_refunded"]
+
+
+@pytest.mark.parametrize("order", ["answered-then-cancelled", "cancelled-then-answered"])
+@pytest.mark.parametrize("held", ["queued", "handed back"])
+async def test_a_request_not_run_at_shutdown_is_refunded_whoever_comes_first(
+    autojump_clock, gate, order, held
+):
+    """Its queue fails it as not run (``in_queue``) in the same step as its caller's
+    scope is cancelled. Handed back (dispatched) and cancelled first, the caller
+    abandoned it (it might still run) and the error that said it never ran was
+    dropped with its credits: they were lost."""
+    async with trioserve.open_runtime(_config(gate)) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(rt.infer, "m", item(1)))
+        await trio.testing.wait_all_tasks_blocked()  # item 1 holds the replica
+        scope = trio.CancelScope()
+        ended: list[BaseException] = []
+
+        async def caller() -> None:
+            with scope:
+                try:
+                    await rt.infer("m", item(2))
+                except Exception as exc:  # the error it is answered with
+                    ended.append(exc)
+
+        nursery.start_soon(caller)
+        await trio.testing.wait_all_tasks_blocked()
+        scheduler = rt.models["m"].scheduler
+        if held == "handed back":
+            request = await _handed_back(rt)
+        else:
+            (request,) = list(scheduler.policy)
+        # in one step: nothing else runs between the two
+        if order == "answered-then-cancelled":
+            scheduler.retire(ActorClosed("the model's devices are gone"))
+            scope.cancel("the caller left")
+        else:
+            scope.cancel("the caller left")
+            if held == "handed back":
+                assert request.reply.state is RequestState.ABANDONED
+                assert _credits(rt) == (2, 0)  # it may still run: charged for now
+            scheduler.retire(ActorClosed("the model's devices are gone"))
+        await trio.testing.wait_all_tasks_blocked()
+        if order == "answered-then-cancelled":
+            assert [type(e) for e in ended] == [ActorClosed]
+            assert ended[0].in_queue
+        else:
+            assert ended == []
+            assert scope.cancelled_caught
+        assert _credits(rt) == (1, 1)
+        gate.release()
+    assert _credits(rt) == (1, 1)  # once, not twice
+    assert gate.seen == [1.0]
+
+
+@pytest.mark.parametrize("call", ["infer", "infer_batch"])
+async def test_a_dispatched_request_dropped_unrun_after_its_caller_left_is_refunded(
+    autojump_clock, gate, call
+):
+    """Its caller left while it was held for a retry (abandoned: it might still
+    run); the replica's next pull drops it, never run. Its credits come back then,
+    once; they used to be lost. So for a batch call's item."""
+    async with trioserve.open_runtime(_config(gate)) as rt:
+        scheduler = rt.models["m"].scheduler
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(rt.infer, "m", item(1)))
+            await trio.testing.wait_all_tasks_blocked()  # item 1 holds the replica
+            scope = trio.CancelScope()
+
+            async def caller() -> None:
+                with scope:
+                    if call == "infer":
+                        await rt.infer("m", item(2))
+                    else:
+                        await rt.infer_batch("m", [item(2)])
+
+            nursery.start_soon(caller)
+            await trio.testing.wait_all_tasks_blocked()
+            request = await _handed_back(rt)
+            scope.cancel("the caller left")
+            await trio.testing.wait_all_tasks_blocked()
+            assert request.reply.state is RequestState.ABANDONED
+            assert _credits(rt) == (2, 0)  # it may still run: charged for now
+            gate.release()  # item 1 ends; the replica's next pull drops item 2
+        await trio.testing.wait_all_tasks_blocked()
+        assert scheduler.queue_depth() == 0
+        assert _credits(rt) == (1, 1)
+    assert _credits(rt) == (1, 1)
+    assert gate.seen == [1.0]
+
+
+# ---------------------------------------------------------------- a hedged caller
+class _Copies:
+    """The hedging side of a scheduler, as ``Runtime._hedged`` uses it: every copy
+    is queued, and kept here for the test to answer."""
+
+    def __init__(self) -> None:
+        self.copies: list[Request] = []
+
+    def submit_copy_nowait(self, original: Request, copy: Request) -> bool:
+        self.copies.append(copy)
+        return True
+
+    def forget_copy(self, original: Request, copy: Request) -> None:
+        pass
+
+
+def _unrun_error() -> DeadlineExceeded:
+    return DeadlineExceeded("deadline passed while it waited for a replica", in_queue=True)
+
+
+async def test_a_hedged_original_answered_unrun_before_its_wait_began_is_refunded(
+    autojump_clock,
+):
+    """The original was answered "never ran" (pushed out) between the hedged
+    caller's start and its wait's first step, and the caller was cancelled at that
+    moment: its wait found the answer held, and was cancelled at its checkpoint
+    before taking it. Nothing said the original never ran: the credits were lost."""
+    request = Request(model="m", item=None)
+    assert request.reply.set_error(Overloaded("model 'm': pushed out of a full queue"))
+    refunds: list[int] = []
+    with trio.CancelScope() as scope:
+        scope.cancel("the caller left")
+        await _Hedging._hedged(
+            types.SimpleNamespace(hedges=0), _Copies(), request, 0.1,
+            lambda: refunds.append(1),
+        )
+    assert scope.cancelled_caught
+    assert refunds == [1]
+
+
+@pytest.mark.parametrize(
+    ("original", "copy", "refunded"),
+    [
+        ("queued", "answered unrun, then cancelled", 1),
+        ("queued", "cancelled, then answered unrun", 1),
+        ("queued", "cancelled, then dropped unrun", 1),
+        ("queued", "cancelled, then ran", 0),
+        ("dispatched", "cancelled, then answered unrun", 0),  # the original may still run
+    ],
+)
+async def test_a_hedged_caller_is_refunded_once_when_neither_copy_ran(
+    autojump_clock, original, copy, refunded
+):
+    """The caller leaves in the same step as its copy, dispatched, is answered or
+    dropped. Refunded exactly when neither ran, once, whichever came first; a copy
+    abandoned while dispatched that turns out never to run used to keep the
+    credits."""
+    request = Request(model="m", item=None)
+    copies = _Copies()
+    refunds: list[int] = []
+    scope = trio.CancelScope()
+
+    async def caller() -> None:
+        with scope:
+            await _Hedging._hedged(
+                types.SimpleNamespace(hedges=0), copies, request, 0.1,
+                lambda: refunds.append(1),
+            )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(caller)
+        await trio.sleep(0.2)
+        await trio.testing.wait_all_tasks_blocked()
+        (twin,) = copies.copies
+        assert twin.reply.dispatch()
+        if original == "dispatched":
+            assert request.reply.dispatch()
+        if copy == "answered unrun, then cancelled":
+            twin.reply.set_error(_unrun_error())
+            scope.cancel("the caller left")
+        else:
+            scope.cancel("the caller left")
+            if copy == "cancelled, then answered unrun":
+                twin.reply.set_error(_unrun_error())
+            elif copy == "cancelled, then dropped unrun":
+                await trio.testing.wait_all_tasks_blocked()
+                assert refunds == []  # the copy may still run
+                twin.reply.unrun()
+            else:
+                twin.reply.set_result({"y": 1})
+    assert scope.cancelled_caught
+    if refunded:
+        twin.reply.unrun()  # dropped once more (say, at shutdown): no second refund
+    assert refunds == [1] * refunded
+    if original == "dispatched":
+        assert request.reply.state is RequestState.ABANDONED
+        request.reply.set_error(_unrun_error())  # neither ran, after all
+        request.reply.unrun()
+        assert refunds == [1]
