@@ -69,6 +69,9 @@ class SchedulerActor(Sparing, Actor):
         #: what new requests get once no replica can serve them (``retire``); None:
         #: ActorClosed, the runtime is shut down
         self._closed_error: BaseException | None = None
+        #: makes that error anew for each request refused (``retire``'s ``refusal``:
+        #: one that says what is true when it is refused); None: ``_closed_error``
+        self._refuse: Callable[[], BaseException] | None = None
         #: batches handed back by batchers (a straggler's or a dead worker's), already
         #: dispatched; pulled before new work
         self._retries: collections.deque[list[Request]] = collections.deque()
@@ -652,18 +655,25 @@ class SchedulerActor(Sparing, Actor):
         return len(self.policy) + sum(len(b) for b in self._retries) + len(self._apart)
 
     def _refusal(self) -> BaseException:
+        if self._refuse is not None:
+            return self._refuse()
         if self._closed_error is not None:
             return own_error(self._closed_error)
         return ActorClosed(f"model {self.model!r}: the runtime is shut down")
 
-    def retire(self, error: BaseException) -> int:
+    def retire(
+        self, error: BaseException, *, refusal: Callable[[], BaseException] | None = None
+    ) -> int:
         """No replica will ever pull from this queue again (each lost its device): fail
         everything waiting with ``error`` and refuse new requests with it, rather
         than hold them to their deadlines; return how many were failed. A retired
         queue may be retired again, to refuse with another error (the model's last
-        lane was retired meanwhile)."""
+        lane was retired meanwhile). ``refusal``: called for each new request
+        refused, to make its error then (a model loading: its Retry-After is the
+        time its load has left when the request comes), instead of ``error``."""
         n = self.close(error)
         self._closed_error = error
+        self._refuse = refusal
         return n
 
     def close(self, error: BaseException) -> int:
@@ -674,6 +684,7 @@ class SchedulerActor(Sparing, Actor):
         """
         self._closed = True
         self._closed_error = None
+        self._refuse = None
         self._held_at = math.inf  # nothing is held once this returns
         n = 0
         while self._retries:

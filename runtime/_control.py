@@ -53,7 +53,9 @@ any unload does (its drain bounded by ``runtime.unload_timeout_s``).
 from __future__ import annotations
 
 import enum
+import functools
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -103,21 +105,37 @@ _MOVES = {
 }
 
 
-#: A request for a model whose first load is under way: Retry-After (seconds).
-LOADING_RETRY_S = 1.0
+#: A request for a model whose first load is under way: the bounds of its
+#: Retry-After (whole seconds), the time the load has left by the model's last load.
+LOADING_RETRY_MIN_S = 1
+LOADING_RETRY_MAX_S = 30
+
+
+def loading_retry_after(last_load_s: float | None, loading_for: float) -> float:
+    """The Retry-After of a request for a model whose load has run ``loading_for``
+    seconds: what is left of ``last_load_s`` (what the model's last load in this
+    process took; None: it has not loaded before, and no load time is configured to
+    expect) rounded up to whole seconds, within ``LOADING_RETRY_MIN_S`` and
+    ``LOADING_RETRY_MAX_S``; the least with no last load. Not a checkpoint."""
+    if last_load_s is None:
+        return float(LOADING_RETRY_MIN_S)
+    left = math.ceil(last_load_s - loading_for)
+    return float(min(max(left, LOADING_RETRY_MIN_S), LOADING_RETRY_MAX_S))
 
 
 def not_loaded(
-    model: str, state: ModelState = ModelState.UNAVAILABLE
+    model: str, state: ModelState = ModelState.UNAVAILABLE,
+    retry_after: float = LOADING_RETRY_MIN_S,
 ) -> UnknownModel | Overloaded:
     """What a request for a configured model that is not loaded gets, by the model's
-    ``state``: one loading is 503 (Overloaded: retry shortly, as Triton answers a
-    model not at its ready state), one unloading or not loaded 404 (UnknownModel;
-    only the second is told to load it, at a URL the name is percent-encoded in)."""
+    ``state``: one loading is 503 (Overloaded: retry after ``retry_after`` s, as
+    Triton answers a model not at its ready state), one unloading or not loaded 404
+    (UnknownModel; only the second is told to load it, at a URL the name is
+    percent-encoded in)."""
     if state is ModelState.LOADING:
         return Overloaded(
             f"model {model!r} is loading: it serves once its load ends; retry shortly",
-            retry_after=LOADING_RETRY_S,
+            retry_after=retry_after,
         )
     if state is ModelState.UNLOADING:
         return UnknownModel(
@@ -284,6 +302,11 @@ class _Entry:
     last: _Op | None = None
     #: called after each move (the stand-in's refusal follows the state)
     on_move: Callable[[_Entry], None] | None = None
+    #: when the load under way had its turn (trio time; a first load's or a reload's)
+    load_began: float = 0.0
+    #: how long the model's last load that installed a copy took, in seconds, from its
+    #: turn (None: none has yet): a first load's Retry-After is what is left of it
+    last_load_s: float | None = None
 
     def take_turn(self) -> tuple[trio.Event, trio.Event]:
         """A new load's or unload's turn: the end of the one asked before it, and
@@ -358,17 +381,39 @@ class ModelControl:
 
     def refusal(self, model: str) -> UnknownModel | Overloaded:
         """What a request for ``model``, configured and not loaded, gets now (by its
-        state: :func:`not_loaded`). Not a checkpoint."""
-        return not_loaded(model, self._entry(model).state)
+        state: :func:`not_loaded`; one loading: with the time its load has left as
+        ``retry_after``). Not a checkpoint."""
+        entry = self._entry(model)
+        if entry.state is ModelState.LOADING:
+            return self._loading(entry)
+        return not_loaded(model, entry.state)
+
+    def _loading(self, entry: _Entry) -> UnknownModel | Overloaded:
+        """The refusal of a request for a model loading, made when it is refused:
+        its ``retry_after`` is what the model's last load took less what this one has
+        run (:func:`loading_retry_after`; the least once the load has ended, for a
+        request handed over to a stand-in replaced since). Not a checkpoint."""
+        retry_after: float = LOADING_RETRY_MIN_S
+        if entry.state is ModelState.LOADING:
+            retry_after = loading_retry_after(
+                entry.last_load_s, trio.current_time() - entry.load_began
+            )
+        return not_loaded(entry.config.name, ModelState.LOADING, retry_after)
 
     def _refuse_as(self, entry: _Entry) -> None:
         """The model's stand-in (if one takes its requests) refuses them as its
         state says: a request handed over to it (it looked up a copy since
         unloaded) is told the model is unloading, loading or not loaded, as one that
-        looks it up now."""
+        looks it up now (loading: its Retry-After made when it is refused)."""
         served = self._rt.models.get(entry.config.name)
         if served is not None and not served.loaded:
-            served.scheduler.retire(not_loaded(entry.config.name, entry.state))
+            served.scheduler.retire(
+                not_loaded(entry.config.name, entry.state),
+                refusal=(
+                    functools.partial(self._loading, entry)
+                    if entry.state is ModelState.LOADING else None
+                ),
+            )
 
     def _entry(self, model: str) -> _Entry:
         entry = self._entries.get(model) if isinstance(model, str) else None
@@ -436,6 +481,7 @@ class ModelControl:
                         return
                     old = entry.copy
                     was = entry.reason
+                    began = entry.load_began = trio.current_time()
                     if old is not None:  # the loaded copy serves meanwhile: READY
                         entry.move(ModelState.READY, "reloading (the loaded copy serves "
                                    "meanwhile)")
@@ -499,6 +545,7 @@ class ModelControl:
                     assert op.config is not None
                     copy.reason = _runs(entry.config, op.config)
                     entry.copy = copy
+                    entry.last_load_s = trio.current_time() - began
                     _install(rt, name, copy)
                     _invalidate(rt, name)
                     entry.move(ModelState.READY, copy.reason)
