@@ -63,7 +63,7 @@ from trioserve import (
 from ._in_flight import InFlight
 from ._metrics import ModelMetrics
 from ._retiring import Retiring
-from ._scheduler import SchedulerActor
+from ._scheduler import SchedulerActor, _unrun
 from ._singleflight import own_error
 from ._straggler import (
     BatchTimer,
@@ -223,6 +223,8 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             model=model, watchdog=None if self._inline else watchdog,
             noted=scheduler.expired_running,
         )
+        #: of those, the ones its closed worker process is known never to have started
+        self._never_started: list[list[Request]] = []
         self.busy_time = 0.0
         self._worker_seconds = 0.0  # busy seconds of workers this batcher already replaced
         self._degraded = False  # a straggling thread still runs
@@ -781,12 +783,18 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         self._scheduler.completed(batch)
 
     def fail_current(self, error: BaseException) -> int:
-        """Fail every still-unanswered request of the batches in flight."""
+        """Fail every still-unanswered request of the batches in flight. A batch its
+        closed worker process is known never to have started (staged behind the one
+        it ran) is failed as never run (``in_queue``): its callers are not charged."""
         n = 0
+        never_started, self._never_started = self._never_started, []
         while self._in_flight:
             batch = self._in_flight.popleft()
+            unrun = any(b is batch for b in never_started)
             n += sum(
-                req.reply.set_error(own_error(error)) for req in batch if req.reply.answerable
+                # (a retry among them ran before: it stays charged)
+                req.reply.set_error(_unrun(own_error(error), unrun and not req.reply.suspect))
+                for req in batch if req.reply.answerable
             )
             self._scheduler.completed(batch, failed=True)
         return n

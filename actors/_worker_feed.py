@@ -53,6 +53,7 @@ class WorkerFeed:
         _retire_asked: trio.Event
         _retire_scope: trio.CancelScope | None
         _in_flight: InFlight
+        _never_started: list[list[Request]]
         _scheduler: SchedulerActor
         _metrics: ModelMetrics
         _timer: BatchTimer
@@ -299,6 +300,13 @@ class WorkerFeed:
         finally:
             self._worker = None
             self._log_death(worker)
+            # The batches it is known never to have started (the newest ones): a
+            # request of theirs that the runtime's close fails never ran, and is not
+            # charged.
+            left = len(self._in_flight)
+            self._never_started = [
+                self._in_flight[i] for i in range(max(0, left - worker.never_started), left)
+            ]
 
     def _log_death(self, worker: WorkerProcess | None) -> None:
         """Log the loss of a worker that died on its own (see :meth:`_lose`), with how

@@ -187,6 +187,9 @@ class TrioWorker:
         self._free_at = -math.inf
         self.busy_seconds = 0.0
         self.last_run_seconds = 0.0
+        #: as a WorkerProcess's: once killed, how many of the batches it held it never
+        #: started (those after the first whose result it had not written)
+        self.never_started = 0
 
     # ------------------------------------------------ the suite's hooks
     def _stage(self, items: list[Any]) -> tuple[Any, float]:
@@ -215,6 +218,9 @@ class TrioWorker:
     def kill(self) -> None:
         if not self._killed:
             self._killed = True
+            now = trio.current_time()
+            written = sum(1 for _, _, _, done in self._held if done <= now)
+            self.never_started = max(0, len(self._held) - written - 1)
             held = [record for record, _, _, _ in self._held]
             self._held.clear()
             self._killed_holding(held)

@@ -115,6 +115,12 @@ class WorkerProcess:
         self._shm_size = self.SLOTS * self._slot_size
         self._next_slot = 0
         self.in_flight = 0
+        #: Once closed: how many of the batches left in flight (their results unread)
+        #: it never started. It runs them in order, each once it has written the
+        #: result of the one before, so all but the first of those whose result it
+        #: never wrote; 0 when that is not known (the end of its pipe not read).
+        self.never_started = 0
+        self._left_in_flight = 0  # batches in flight when it was killed
         #: Seconds the worker spent running batches (measured in the worker).
         self.busy_seconds = 0.0
         #: Seconds the worker spent on the last batch whose result was read.
@@ -376,9 +382,11 @@ class WorkerProcess:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if (self._recv is not None and self._zygote is not None
-                and self.exit_status is None and self._tail is None):
+        if self._recv is not None and self.exit_status is None and self._tail is None:
+            # read by aclose: the zygote's word on how it ended, and the results it
+            # wrote that were not read (which tell what it never started)
             self._tail = (os.dup(self._recv.fileno()), bytes(self._buf))
+            self._left_in_flight = self.in_flight
         for stream in (self._send, self._recv):
             if stream is not None:
                 stream.close()
@@ -407,13 +415,22 @@ class WorkerProcess:
             fd, self._buf[:] = self._tail
             self._tail = None
             self._recv = trio.lowlevel.FdStream(fd)
+            written = 0  # results it wrote that were not read before
             try:
-                # The zygote writes it as soon as it reaps the worker (exited above).
+                # The zygote writes it as soon as it reaps the worker (exited above);
+                # a worker started alone ends its pipe as it exits.
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    while self.exit_status is None:
-                        await self._read()
+                    while True:
+                        reply = await self._read()
+                        if reply[0] in ("ok", "error", "too_large", "lost"):
+                            written += 1
+            except WorkerDied:
+                # the end of its pipe (the zygote's word comes after all it wrote;
+                # a result it left half written was its last): the batch after the
+                # last result written never started, nor did those after it
+                self.never_started = max(0, self._left_in_flight - written - 1)
             except Exception:
-                pass  # the end of the pipe, or what the killed worker left half written
+                pass  # what the killed worker left half written, misread
             finally:
                 self._recv.close()
                 self._recv = None

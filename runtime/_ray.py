@@ -465,6 +465,9 @@ class RayReplica:
         self._watch: Any = None  # a call that returns only when the actor dies
         self._refs: collections.deque[Any] = collections.deque()
         self.in_flight = 0
+        #: Which of the batches left in flight it never started is not known (an
+        #: actor tells nothing of its queue): 0, as a worker process says then.
+        self.never_started = 0
         #: Seconds the actor spent running batches (measured in the actor).
         self.busy_seconds = 0.0
         #: Seconds the actor spent on the last batch whose result was read.

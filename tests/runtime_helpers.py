@@ -394,6 +394,7 @@ class _StandIn:
     Failed = WorkerProcess.Failed
     ended_how: str | None = None
     stderr_tail: str | None = None
+    never_started = 0  # not known, unless a stand-in says
     _exited: trio.Event
 
     async def start(self) -> None:

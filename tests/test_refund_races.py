@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import Gate, callable_model, item
+from runtime_helpers import Gate, NoZygote, _StandIn, callable_model, item
 from trioserve import (
     ActorClosed,
     DeadlineExceeded,
@@ -149,6 +149,72 @@ async def test_a_dispatched_request_dropped_unrun_after_its_caller_left_is_refun
         assert _credits(rt) == (1, 1)
     assert _credits(rt) == (1, 1)
     assert gate.seen == [1.0]
+
+
+# ---------------------------------------------------------------- a worker process's staged batches
+class _StagingWorker(_StandIn):
+    """A worker process in trio time that runs nothing: each batch it is sent waits
+    for the runtime to kill it. Closed, it says the batches left in flight after the
+    first were never started, as a worker process that wrote no result does."""
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self.in_flight = 0
+        self._exited = trio.Event()
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        self.in_flight += 1
+
+    async def result(self):
+        await self._exited.wait()
+        raise self.Died("killed")
+
+    async def aclose(self) -> None:
+        self.kill()
+        self.never_started = max(0, self.in_flight - 1)
+        with trio.CancelScope(shield=True):  # as a worker process waits for its exit
+            await trio.lowlevel.checkpoint()
+
+
+async def test_batches_staged_on_a_worker_process_at_shutdown_are_refunded(
+    autojump_clock, manual_watchdog, monkeypatch
+):
+    """At shutdown the batch its worker ran is failed as the runtime's close (charged:
+    it may have run), the two staged behind it as never run (refunded, once): they
+    used to be charged too."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _StagingWorker)
+    cfg = trioserve.Config(
+        models=(callable_model(
+            "m", lambda items: items, execution="process", max_batch_size=1,
+            max_wait_ms=0, timeout_ms=None, adaptive_limit=False,
+        ),),
+        tenants=(TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=10.0),),
+    )
+    ended: dict[float, BaseException] = {}
+
+    async def caller(rt, value: float) -> None:
+        try:
+            await rt.infer("m", item(value))
+        except ActorClosed as exc:
+            ended[value] = exc
+
+    async with trio.open_nursery() as nursery:
+        async with trioserve.open_runtime(cfg) as rt:
+            for value in (1.0, 2.0, 3.0):
+                nursery.start_soon(caller, rt, value)
+                await trio.testing.wait_all_tasks_blocked()
+            assert [len(b) for b in rt.models["m"].batchers[0]._in_flight] == [1, 1, 1]
+            assert _credits(rt) == (3, 0)
+    assert sorted(ended) == [1.0, 2.0, 3.0]
+    assert [ended[v].in_queue for v in (1.0, 2.0, 3.0)] == [False, True, True]
+    assert all("the runtime is shut down" in str(e) for e in ended.values())
+    assert _credits(rt) == (1, 2)  # the staged ones given back: 1 charged, not 3
 
 
 # ---------------------------------------------------------------- a hedged caller

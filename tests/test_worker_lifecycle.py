@@ -20,7 +20,17 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import X, Y, callable_model, config, crash_on_666, item, pythonpath_with
+from runtime_helpers import (
+    GATE_FILE_ENV,
+    X,
+    Y,
+    callable_model,
+    config,
+    crash_on_666,
+    held_until_file,
+    item,
+    pythonpath_with,
+)
 from trioserve import ModelConfig, ModelError, WorkerProcess
 from trioserve._builtin import resolve_backend
 from trioserve._model import CallableBackend
@@ -516,3 +526,33 @@ async def test_a_worker_replica_reads_stopped_once_the_runtime_is_closed():
         batcher = rt.models["s"].batchers[0]
     assert batcher.state is trioserve.ActorState.STOPPED
     assert rt.health()["s"] == {"ready": False, "replicas": {batcher.name: "stopped"}}
+
+
+@pytest.mark.parametrize("spawn", ["forked", "alone"])
+async def test_a_closed_worker_says_which_batches_in_flight_it_never_started(
+    monkeypatch, tmp_path, spawn
+):
+    """Three batches sent to a worker held in the first (its gate never opens): once
+    closed, it says the two staged behind it never started (it wrote no result, and
+    runs each only after writing the one before's). Its own pipe says so, forked from
+    the zygote or started alone."""
+    monkeypatch.setenv(GATE_FILE_ENV, str(tmp_path / "never"))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = callable_model("h", held_until_file, execution="process")
+    zygote = Zygote()
+    await zygote.start()
+    try:
+        worker = WorkerProcess(
+            cfg, resolve_backend(cfg), "cpu", 1, zygote=zygote if spawn == "forked" else None
+        )
+        try:
+            with trio.fail_after(60):
+                await worker.start()
+                for v in (1.0, 2.0, 3.0):
+                    await worker.submit([x(v)])
+            assert worker.never_started == 0  # not known while it runs
+        finally:
+            await worker.aclose()
+        assert worker.never_started == 2
+    finally:
+        await zygote.aclose()
