@@ -85,7 +85,8 @@ def open_runtime(config: Config | None = None) -> _OpenRuntime:
     raises, or an actor escalates, everything is cancelled at once.
 
     The object it returns is entered once (``async with``): entering it again, while
-    it runs or after it closed, is a RuntimeError; call ``open_runtime`` again for
+    it runs, after it closed or after its entry failed, is a RuntimeError (which says
+    that entry failed, and with what type of error); call ``open_runtime`` again for
     another runtime.
     """
     return _OpenRuntime(config)
@@ -97,8 +98,16 @@ class _OpenRuntime:
 
     _config: Config | None
     _cm: Any = None
+    #: the type name of the error its first entry raised (None: it did not fail)
+    _failed: str | None = None
 
     async def __aenter__(self) -> Runtime:
+        if self._failed is not None:
+            raise RuntimeError(
+                "this open_runtime(...) was entered already, and that entry failed "
+                f"({self._failed}: see its error): it is entered once; call "
+                "open_runtime(config) again for another runtime"
+            )
         if self._cm is not None:
             raise RuntimeError(
                 "this open_runtime(...) was entered already: it is entered once (its "
@@ -106,7 +115,11 @@ class _OpenRuntime:
                 "again for another runtime"
             )
         self._cm = _open_runtime(self._config)
-        return await self._cm.__aenter__()
+        try:
+            return await self._cm.__aenter__()
+        except BaseException as exc:
+            self._failed = type(exc).__name__
+            raise
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         return await self._cm.__aexit__(*exc_info)

@@ -248,7 +248,8 @@ def serve_in_thread(config: Config | None = None) -> _ServeInThread:
     Leaving the block shuts the runtime down: requests in flight are answered or
     failed (ActorClosed), and later calls raise ActorClosed, as does a call that the
     shutdown overtakes. Never hangs. The object it returns is entered once (``with``):
-    entering it again is a RuntimeError.
+    entering it again is a RuntimeError (which says when its first entry failed, and
+    with what type of error).
     """
     return _ServeInThread(config)
 
@@ -259,8 +260,16 @@ class _ServeInThread:
     def __init__(self, config: Config | None) -> None:
         self._config = config
         self._cm: Any = None
+        #: the type name of the error its first entry raised (None: it did not fail)
+        self._failed: str | None = None
 
     def __enter__(self) -> Client:
+        if self._failed is not None:
+            raise RuntimeError(
+                "this serve_in_thread(...) was entered already, and that entry failed "
+                f"({self._failed}: see its error): it is entered once; call "
+                "serve_in_thread(config) again for another runtime"
+            )
         if self._cm is not None:
             raise RuntimeError(
                 "this serve_in_thread(...) was entered already: it is entered once (its "
@@ -268,7 +277,11 @@ class _ServeInThread:
                 "for another runtime"
             )
         self._cm = _serve_in_thread(self._config)
-        return self._cm.__enter__()
+        try:
+            return self._cm.__enter__()
+        except BaseException as exc:
+            self._failed = type(exc).__name__
+            raise
 
     def __exit__(self, *exc_info: Any) -> bool | None:
         return self._cm.__exit__(*exc_info)

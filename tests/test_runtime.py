@@ -484,3 +484,20 @@ async def test_an_open_runtime_object_is_entered_once(autojump_clock):
     async with trioserve.open_runtime(config(callable_model("m", rec))) as again:
         assert (await again.infer("m", item(2.0)))["y"].tolist() == [5.0]
     assert rec.seen == [1.0, 2.0]
+
+
+async def test_an_open_runtime_object_whose_entry_failed_says_so_when_entered_again():
+    # It said "entered already", as if it ran, instead of its first entry's error.
+    opened = trioserve.open_runtime("trioserve.toml")  # a path: refused at entry
+    with pytest.raises(trioserve.ConfigError, match="load_config"):
+        async with opened:
+            pytest.fail("started")  # pragma: no cover
+    failed = (
+        r"^this open_runtime\(\.\.\.\) was entered already, and that entry failed "
+        r"\(ConfigError: see its error\): it is entered once; call open_runtime\(config\) "
+        r"again for another runtime$"
+    )
+    for _ in range(2):  # each time
+        with pytest.raises(RuntimeError, match=failed):
+            async with opened:
+                pytest.fail("started")  # pragma: no cover

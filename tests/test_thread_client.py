@@ -462,6 +462,21 @@ def test_a_serve_in_thread_object_is_entered_once():
         pass
 
 
+def test_a_serve_in_thread_object_whose_entry_failed_says_so_when_entered_again():
+    # It said "entered already", as if it ran, instead of its first entry's error.
+    served = trioserve.serve_in_thread("trioserve.toml")  # a path: refused at entry
+    with pytest.raises(ConfigError, match="load_config"), served:
+        pytest.fail("started")  # pragma: no cover
+    failed = (
+        r"^this serve_in_thread\(\.\.\.\) was entered already, and that entry failed "
+        r"\(ConfigError: see its error\): it is entered once; call "
+        r"serve_in_thread\(config\) again for another runtime$"
+    )
+    for _ in range(2):  # each time
+        with pytest.raises(RuntimeError, match=failed), served:
+            pytest.fail("started")  # pragma: no cover
+
+
 def test_health_is_the_runtimes_read_in_its_thread():
     # The async runtime had health(); the blocking client had none.
     cfg = config(
