@@ -92,6 +92,7 @@ class Ownership:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owned = True
+        self.begun = False
 
     def replace(self, tmp: str, path: str) -> bool:
         """``os.replace(tmp, path)`` if still owned; whether it was. Blocking."""
@@ -100,6 +101,17 @@ class Ownership:
                 return False
             os.replace(tmp, path)
             return True
+
+    def begin(self) -> bool:
+        """Mark the write begun if still owned; whether it was (a write revoked
+        before it began creates no temporary file). Under the lock, so that a
+        revocation comes wholly before it (it writes nothing, ``begun`` stays False)
+        or after it (``begun`` is True by then: it renames nothing). Blocking,
+        briefly."""
+        with self._lock:
+            if self._owned:
+                self.begun = True
+            return self._owned
 
     def revoke_nowait(self) -> bool:
         """Revoke it, unless a rename is under way this moment (then False: call
@@ -389,10 +401,15 @@ class RolloutStateFile:
         """The end of ``run`` (shielded): the write under way, if any, then the
         changes not written yet, each within ``FINAL_WRITE_S``."""
         job, self._under_way = self._under_way, None
-        if job is not None and not job.begun:
-            # cancelled before its thread began (it may yet): its changes are the
-            # final write's, and it replaces nothing if it runs
-            job.owner.revoke_nowait()
+        revoked = job is not None and not job.begun and job.owner.revoke_nowait()
+        if revoked and job.begun:  # type: ignore[union-attr]
+            # it began as it was revoked: it renames nothing, and removes its
+            # temporary file; waited for, so that none is left once this returns
+            await _wait_written(job, FINAL_WRITE_S)  # type: ignore[arg-type]
+        elif revoked:
+            # cancelled before its thread began (it may yet, and then writes
+            # nothing): its changes are the final write's
+            pass
         elif job is not None:
             if await _wait_written(job, FINAL_WRITE_S):
                 self._settle(job)
@@ -465,14 +482,19 @@ class _Write:
         self._write = write
         self.wanted = wanted
         self.owner = Ownership()
-        self.begun = False
         self.done = threading.Event()
         self.error: Exception | None = None
 
+    @property
+    def begun(self) -> bool:
+        """Whether its thread has begun it (:meth:`Ownership.begin`)."""
+        return self.owner.begun
+
     def run(self) -> None:
         """The write itself. Blocking: in a worker thread."""
-        self.begun = True
         try:
+            if not self.owner.begin():
+                return  # revoked before it began: nothing to write, nor to remove
             self._write(owner=self.owner)
         except Exception as exc:  # raised (or counted) by the task: _settle
             self.error = exc

@@ -837,3 +837,48 @@ async def test_a_file_of_the_earlier_format_still_loads(autojump_clock, tmp_path
         state = rt.rollout_state("m")
     assert (state["state"], state["step"], state["step_elapsed_s"], state["restored"]) == (
         "paused", 1, 0.0, "paused")
+
+
+def test_a_write_revoked_before_its_thread_began_creates_no_temporary_file(tmp_path):
+    # The close revokes a write cancelled before its thread began, and does not wait
+    # for that thread: had it begun anyway, a temporary file would appear beside the
+    # state file after the close (then be removed), or be left at the process's exit.
+    path = tmp_path / "rollout.json"
+    writes = []
+
+    def write(owner):
+        writes.append(sorted(p.name for p in tmp_path.iterdir()))
+        state_file.write_atomic(str(path), b"{}", owner=owner)
+
+    job = state_file._Write(write, 1)
+    assert job.owner.revoke_nowait()
+    job.run()  # the thread begins only now
+    assert writes == []  # (it was begun, and made a temporary file)
+    assert job.done.is_set()
+    assert not job.begun
+    assert job.error is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_revoked_once_begun_removes_its_temporary_file_and_replaces_nothing(
+    tmp_path,
+):
+    # Begun (its ownership checked) before the revocation: the close sees it begun
+    # and waits for it; it renames nothing and leaves no temporary file.
+    path = tmp_path / "rollout.json"
+    path.write_bytes(b"old")
+    seen = []
+
+    def write(owner):
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        assert owner.revoke_nowait()  # revoked as it writes
+        state_file.write_atomic(str(path), b"new", owner=owner)
+
+    job = state_file._Write(write, 1)
+    job.run()
+    assert job.begun
+    assert job.done.is_set()
+    assert job.error is None
+    assert seen == [["rollout.json"]]
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["rollout.json"]
