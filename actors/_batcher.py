@@ -483,15 +483,18 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             hang = Hang()
             mark_hung(batch, hang)
             scheduler = self._scheduler
-            scheduler.note_hang(batch, hang)  # its inputs, should they come again
+            why = f"its batch ran past its deadline of {deadline:.3f}s"
+            # its inputs, should they come again; its hedge twins
+            scheduler.note_hang(batch, hang, self, why)
             self._suspect(
-                batch, f"its batch ran past its deadline of {deadline:.3f}s",
+                batch, why,
                 # it ran alone (not a batch-mate left after the others' answers),
                 # and other replicas serve: a lone replica's retry waits for its
                 # thread, as before (the model is down until it returns anyway)
                 last=len(batch) == 1 and scheduler.replicas > 1 and scheduler.spare(self) < 2,
             )
             self._in_flight.clear()  # handed back: no longer this replica's to answer
+            scheduler.after_hang()
             self._degraded = True
             try:
                 async with self._limiter:

@@ -115,3 +115,33 @@ def hung_input_poison(model: str) -> ModelError:
     )
     error.in_queue = True
     return error
+
+
+def hedged_hang_poison(model: str, why: str, *, first: bool) -> ModelError:
+    """The error of a hedged request whose batch ran past its deadline (``why``) in
+    a worker thread, not retried: its twin (the same input) runs on another replica
+    (``first``), whose run is the input's last, or hung one already. It ran: its
+    caller is charged. A caller whose other twin answers gets that answer."""
+    twin = (
+        "while its hedge twin (the same input) runs on another replica, which is its "
+        "last run" if first else "and so did its hedge twin (the same input) on "
+        "another replica"
+    )
+    return ModelError(
+        f"model {model!r}: poison request, not retried: {why} in a worker thread "
+        f"{twin}; a hedged input is run on two replicas at most"
+    )
+
+
+def hedged_twin_poison(model: str) -> ModelError:
+    """The error of a hedge twin held apart (``Reply.hung``) whose twin hung a
+    worker thread and was answered poison: not run, as it would be the input's
+    third run (``in_queue``: its caller, who gets its twin's error, is not charged
+    for it)."""
+    error = ModelError(
+        f"model {model!r}: poison request, not run: its hedge twin (the same input) "
+        "hung the model's worker thread and was not run again; a hedged input is run "
+        "on two replicas at most"
+    )
+    error.in_queue = True
+    return error

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._hung_inputs import HungInputs, hung_input_poison
+from trioserve import RequestState
+
+from ._hung_inputs import HungInputs, hedged_hang_poison, hedged_twin_poison, hung_input_poison
 from ._straggler import Hang, hung, may_hang
+
+DISPATCHED = RequestState.DISPATCHED
 
 if TYPE_CHECKING:
     import collections
@@ -91,14 +95,24 @@ class Sparing:
             return hung(batch)  # (no replica is ever spared)
         return may_hang(batch) and not self.spare(puller)
 
-    def note_hang(self, batch: list[Request], hang: Hang) -> None:
-        """``batch``, run by a thread replica of this queue, ran past its deadline:
-        its thread runs on (``hang``). Remember its inputs while it does, so that a
-        new request with one of them (its client sending it again, a hedge copy)
-        goes the way its retried part goes: it runs only where a replica can be
-        spared, or is poison at once (:meth:`_recall`). A hedge twin of one of its
-        requests still waiting is marked so at once. A lone replica remembers
-        nothing: its own retries wait for its thread, and so does all its traffic.
+    def note_hang(
+        self, batch: list[Request], hang: Hang, replica: Any = None,
+        why: str = "its batch ran past its deadline",
+    ) -> None:
+        """``batch``, run by a thread replica of this queue (``replica``), ran past
+        its deadline (``why``): its thread runs on (``hang``). Remember its inputs
+        while it does, so that a new request with one of them (its client sending
+        it again, a hedge copy) goes the way its retried part goes: it runs only
+        where a replica can be spared, or is poison at once (:meth:`_recall`). A
+        lone replica remembers nothing: its own retries wait for its thread, and so
+        does all its traffic.
+
+        A request and its hedge twin are one input, run on two replicas at most
+        (docs/faults.md, "A hedged input that hangs"): a request of ``batch``
+        whose twin already runs on another replica is not retried (that run is
+        its input's last), nor is one whose twin hung and was answered; a twin
+        still waiting is marked (``Reply.hung``) and never runs while this one is
+        retried (:meth:`_next_apart`). Call it before the batch is handed back.
         Not a checkpoint."""
         if self.replicas < 2:
             return
@@ -110,9 +124,58 @@ class Sparing:
         twins = self.twins
         if twins:
             for r in batch:
-                twin = twins.get(r.reply)
-                if twin is not None and twin.hung is None and twin.answerable:
-                    twin.hung = (hang,)
+                reply = r.reply
+                twin = twins.get(reply)
+                if twin is None or not reply.answerable:
+                    continue
+                if twin.answerable:
+                    if self._running_elsewhere(twin, replica):
+                        self._poison(r, hedged_hang_poison(self.model, why, first=True))
+                    elif twin.hung is None:
+                        twin.hung = (hang,)
+                elif twin.hung is not None:
+                    self._poison(r, hedged_hang_poison(self.model, why, first=False))
+
+    def _running_elsewhere(self, reply: Any, but: Any) -> bool:
+        """Whether the request of ``reply`` is in a batch in flight on a replica of
+        this queue other than ``but``."""
+        return reply.state is DISPATCHED and any(
+            b is not but and b.holds(reply) for b in self.batchers
+        )
+
+    def _poison(self, request: Request, error: BaseException) -> None:
+        """Answer ``request`` (dispatched) ``error``, counted as poison."""
+        if request.reply.set_error(error):
+            self._count_poison()
+
+    def after_hang(self) -> None:
+        """A batch hung a thread and was handed back (:meth:`note_hang` first):
+        answer a hedge twin held apart whose twin hung and was answered poison
+        (:meth:`_held_twin_poisoned`), rather than hold it to its deadline. Not a
+        checkpoint."""
+        apart = self._apart
+        if not apart or not self.twins:
+            return
+        for _ in range(len(apart)):
+            req = apart.popleft()
+            if self._held_twin_poisoned(req):
+                self.policy.left([req])
+            else:
+                apart.append(req)
+
+    def _held_twin_poisoned(self, req: Request) -> bool:
+        """Whether ``req``, held apart because its hedge twin hung a thread
+        (``Reply.hung``), was answered now that its twin was answered an error
+        (poison, not run again): it would be the input's third run. Its caller
+        gets its twin's error (``in_queue``: it never ran). Not a checkpoint."""
+        reply = req.reply
+        if reply.hung is None or reply.state is not DISPATCHED:
+            return False
+        twin = self.twins.get(reply)
+        if twin is None or twin.answerable or twin.hung is None:
+            return False
+        self._poison(req, hedged_twin_poison(self.model))
+        return True
 
     def _recall(self, request: Request) -> None:
         """Mark ``request`` as one that may hang (``Reply.hung``) when its input hung
