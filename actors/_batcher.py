@@ -494,7 +494,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 last=len(batch) == 1 and scheduler.replicas > 1 and scheduler.spare(self) < 2,
             )
             self._in_flight.clear()  # handed back: no longer this replica's to answer
-            scheduler.after_hang()
+            scheduler.after_hang(hang, self)
             self._degraded = True
             try:
                 async with self._limiter:

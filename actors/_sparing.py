@@ -148,20 +148,43 @@ class Sparing:
         if request.reply.set_error(error):
             self._count_poison()
 
-    def after_hang(self) -> None:
-        """A batch hung a thread and was handed back (:meth:`note_hang` first):
-        answer a hedge twin held apart whose twin hung and was answered poison
-        (:meth:`_held_twin_poisoned`), rather than hold it to its deadline. Not a
-        checkpoint."""
+    def after_hang(self, hang: Hang | None = None, replica: Any = None) -> None:
+        """A batch hung a thread of ``replica`` (``hang``) and was handed back
+        (:meth:`note_hang` first). Answer, rather than hold to its deadline, a
+        request held apart that can no longer run: a hedge twin whose twin hung
+        and was answered poison (:meth:`_held_twin_poisoned`), and one whose input
+        (remembered) is among those that hung now, when fewer than two replicas
+        other than ``replica`` are ready: what a new request with that input gets
+        (:meth:`_recall`). The replica that ran it alone beside a spared one hung
+        on it, and the spared one would otherwise be the last ready replica. Not
+        a checkpoint."""
         apart = self._apart
-        if not apart or not self.twins:
+        if not apart:
             return
+        memory = self.hung_inputs
+        scarce = (
+            hang is not None and memory is not None and self._ready_besides(replica) < 2
+        )
         for _ in range(len(apart)):
             req = apart.popleft()
-            if self._held_twin_poisoned(req):
+            if (self.twins and self._held_twin_poisoned(req)) or (
+                scarce and self._hung_again(req, hang, memory)
+            ):
                 self.policy.left([req])
             else:
                 apart.append(req)
+
+    def _hung_again(self, req: Request, hang: Any, memory: Any) -> bool:
+        """Whether ``req``, held apart for its input (``Reply.hung``), was answered
+        poison because that input just hung another thread (``hang``). Not a
+        checkpoint."""
+        reply = req.reply
+        if reply.hung is None or reply.state is not DISPATCHED:
+            return False
+        if memory.match(req.item) is not hang:
+            return False
+        self._poison(req, hung_input_poison(self.model))
+        return True
 
     def _held_twin_poisoned(self, req: Request) -> bool:
         """Whether ``req``, held apart because its hedge twin hung a thread

@@ -33,7 +33,7 @@ from test_thread_hang import (
 from trioserve import ModelError, Reply, Request
 from trioserve.actors import BatchLimits, FairQueue, _hung_inputs
 from trioserve.actors._hung_inputs import HungInputs, digest
-from trioserve.actors._straggler import Hang
+from trioserve.actors._straggler import Hang, mark_hung
 
 
 # ---------------------------------------------------------------- the memory
@@ -312,3 +312,28 @@ async def test_the_input_sent_again_is_poison_at_once_and_the_other_replica_serv
             assert len(scheduler.hung_inputs) == 0
     finally:
         model.let_all_return()
+
+
+async def test_the_input_held_apart_is_poison_once_the_replica_running_it_alone_hangs(
+    autojump_clock,
+):
+    # Three replicas, one hung on the input. Sent again twice: the first runs alone
+    # on b, c spared; the second waits apart. b hangs on it too: c is the last
+    # ready replica, so the second is answered poison then, not at its deadline.
+    hung_replica, b, c = Replica(ready=False), Replica(), Replica()
+    scheduler = with_metrics(scheduler_of(hung_replica, b, c))
+    hung_in(scheduler, HANG)
+    first, second = request(HANG), request(HANG)
+    scheduler.submit_nowait(first)
+    scheduler.submit_nowait(second)
+    assert await scheduler.pull(b) == [first]  # alone, c to spare
+    assert scheduler.queue_depth() == 1
+    hang = Hang()
+    mark_hung([first], hang)
+    scheduler.note_hang([first], hang, b, "its batch ran past its deadline of 0.100s")
+    scheduler.after_hang(hang, b)
+    with pytest.raises(ModelError, match="this input hung the model's worker thread") as info:
+        await second.reply.wait()
+    assert info.value.in_queue  # never ran: not charged
+    assert scheduler.queue_depth() == 0
+    assert scheduler.metrics.statuses["poison"] == 1
