@@ -338,6 +338,8 @@ def entry_class(base: type, run: ControlRun) -> type:
 
 @contextlib.contextmanager
 def product_installed(run: ControlRun) -> Iterator[None]:
+    # patched where they are looked up: ModelControl by the assembly, _Entry (defined in
+    # trioserve._model_state) by ModelControl, both as trioserve._control's names
     actors, ctl = trioserve.actors, _control_module
     saved = actors.BatcherActor, actors.SchedulerActor, ctl.ModelControl, ctl._Entry
     actors.BatcherActor = batcher_class(run.product.batcher_class, run)

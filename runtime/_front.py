@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import trio
 
 from ._config import Config
-from ._control import _Control
+from ._control_ops import _Control
 from ._credits import _Credits
 from ._edge_cache import _EdgeCache
 from ._errors import (

@@ -411,7 +411,7 @@ def _unloaded(
     its versions' flows' counters added up)."""
     from trioserve.actors import ClassSpec, FairQueue, ModelMetrics, SchedulerActor, SloTracker
 
-    from ._control import not_loaded
+    from ._not_loaded import not_loaded
     from ._versioned import _MergedQueues
 
     cfg = rt.config

@@ -17,7 +17,7 @@ from runtime_helpers import item
 from test_model_control import control_config, workers  # noqa: F401  (fixture)
 from test_model_control_answers import LOADING, answers_of, m_model
 from trioserve import Overloaded, Request
-from trioserve._control import LOADING_RETRY_MAX_S, LOADING_RETRY_MIN_S, loading_retry_after
+from trioserve._not_loaded import LOADING_RETRY_MAX_S, LOADING_RETRY_MIN_S, loading_retry_after
 from trioserve.actors import BatchLimits, FairQueue, SchedulerActor
 
 
