@@ -21,6 +21,7 @@ from ._config import DEFAULT_SLO_TARGET, Config, ModelConfig, given_config
 from ._errors import ActorClosed, ConfigError, ModelLoadError
 from ._front import Runtime
 from ._model import ModelBackend
+from ._not_loaded import not_loaded
 from ._ray import check_ray_installed, start_ray, stop_ray
 from ._ray_config import RayReplicaConfig
 from ._rollout_start import start_rollout
@@ -411,7 +412,6 @@ def _unloaded(
     its versions' flows' counters added up)."""
     from trioserve.actors import ClassSpec, FairQueue, ModelMetrics, SchedulerActor, SloTracker
 
-    from ._not_loaded import not_loaded
     from ._versioned import _MergedQueues
 
     cfg = rt.config
