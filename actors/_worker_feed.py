@@ -302,11 +302,16 @@ class WorkerFeed:
             self._log_death(worker)
             # The batches it is known never to have started (the newest ones): a
             # request of theirs that the runtime's close fails never ran, and is not
-            # charged.
+            # charged. One whose caller left meanwhile (abandoned: the close answers
+            # it nothing) never ran either: its caller is told now (Reply.unrun).
             left = len(self._in_flight)
             self._never_started = [
                 self._in_flight[i] for i in range(max(0, left - worker.never_started), left)
             ]
+            for batch in self._never_started:
+                for r in batch:
+                    if not r.reply.suspect:  # (a retry ran before: it stays charged)
+                        r.reply.unrun()  # a no-op unless its caller left
 
     def _log_death(self, worker: WorkerProcess | None) -> None:
         """Log the loss of a worker that died on its own (see :meth:`_lose`), with how

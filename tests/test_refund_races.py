@@ -217,6 +217,58 @@ async def test_batches_staged_on_a_worker_process_at_shutdown_are_refunded(
     assert _credits(rt) == (1, 2)  # the staged ones given back: 1 charged, not 3
 
 
+async def test_a_staged_request_whose_caller_left_is_refunded_when_its_worker_never_started_it(
+    autojump_clock, manual_watchdog, monkeypatch
+):
+    """The caller of the last staged batch leaves before the shutdown (its request,
+    dispatched, is abandoned: it might still run). The close finds its worker never
+    started that batch: it never ran, and is refunded once, as the staged batch
+    whose caller stayed is. It used to stay charged: the close fails only the
+    requests still answerable, and nothing told the one abandoned that it never ran."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _StagingWorker)
+    cfg = trioserve.Config(
+        models=(callable_model(
+            "m", lambda items: items, execution="process", max_batch_size=1,
+            max_wait_ms=0, timeout_ms=None, adaptive_limit=False,
+        ),),
+        tenants=(TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=10.0),),
+    )
+    ended: dict[float, BaseException] = {}
+    scope = trio.CancelScope()
+
+    async def caller(rt, value: float) -> None:
+        try:
+            await rt.infer("m", item(value))
+        except ActorClosed as exc:
+            ended[value] = exc
+
+    async def leaving(rt) -> None:
+        with scope:
+            await rt.infer("m", item(3.0))
+
+    async with trio.open_nursery() as nursery:
+        async with trioserve.open_runtime(cfg) as rt:
+            for value in (1.0, 2.0):
+                nursery.start_soon(caller, rt, value)
+                await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(leaving, rt)
+            await trio.testing.wait_all_tasks_blocked()
+            staged = rt.models["m"].batchers[0]._in_flight
+            assert [len(b) for b in staged] == [1, 1, 1]
+            (last,) = list(staged)[-1]
+            scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert last.reply.state is RequestState.ABANDONED
+            assert _credits(rt) == (3, 0)  # it may still run: kept
+    assert sorted(ended) == [1.0, 2.0]
+    assert [ended[v].in_queue for v in (1.0, 2.0)] == [False, True]
+    assert _credits(rt) == (1, 2)  # the two staged given back, the abandoned one too
+
+
 # ---------------------------------------------------------------- a hedged caller
 class _Copies:
     """The hedging side of a scheduler, as ``Runtime._hedged`` uses it: every copy
