@@ -192,6 +192,12 @@ class WorkerFeed:
                 except WorkerProcess.Died as exc:
                     self._lose(worker, f"its {self._worker_kind} died ({exc})", died=True)
                 except WorkerProcess.TooLarge as exc:
+                    for r in batch:
+                        # never sent: one whose caller left since its dispatch (not a
+                        # failed batch's retry, which ran) never ran; its caller is
+                        # told, as the parts run again or answered leave it out
+                        if not r.reply.suspect:
+                            r.reply.unrun()  # a no-op unless its caller left
                     self._too_large(batch, exc)
                     self._in_flight.pop()  # never sent: the worker goes on
                     room.release()

@@ -21,6 +21,7 @@ from trioserve import (
     Request,
     RequestState,
     TenantConfig,
+    WorkerProcess,
 )
 from trioserve._hedging import _Hedging
 
@@ -267,6 +268,68 @@ async def test_a_staged_request_whose_caller_left_is_refunded_when_its_worker_ne
     assert sorted(ended) == [1.0, 2.0]
     assert [ended[v].in_queue for v in (1.0, 2.0)] == [False, True]
     assert _credits(rt) == (1, 2)  # the two staged given back, the abandoned one too
+
+
+class _TooLargeWorker(_StandIn):
+    """A worker process in trio time whose pipe cannot carry any batch: each one sent
+    is refused, not sent (FrameTooLarge), once ``sending`` is set."""
+
+    TooLarge = WorkerProcess.TooLarge
+    sending: trio.Event
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self.in_flight = 0
+        self._exited = trio.Event()
+
+    async def submit(self, items) -> None:
+        await self.sending.wait()
+        raise self.TooLarge("its inputs are more bytes than a message carries")
+
+    async def result(self):
+        await self._exited.wait()
+        raise self.Died("killed")
+
+
+async def test_a_request_whose_caller_left_before_its_batch_was_refused_by_the_pipe_is_refunded(
+    autojump_clock, manual_watchdog, monkeypatch
+):
+    """Its caller leaves once the request is dispatched (a pull yields before the
+    batcher sends the batch): abandoned, it might still run. The batch is too large
+    for the worker's pipe and is never sent: the request never ran, and is refunded.
+    It used to stay charged: the halves to run again, or the answers, leave out a
+    request whose caller left, and nothing told it that it never ran."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _TooLargeWorker)
+    monkeypatch.setattr(_TooLargeWorker, "sending", trio.Event(), raising=False)
+    cfg = trioserve.Config(
+        models=(callable_model(
+            "m", lambda items: items, execution="process", max_batch_size=1,
+            max_wait_ms=0, timeout_ms=None, adaptive_limit=False,
+        ),),
+        tenants=(TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=10.0),),
+    )
+    scope = trio.CancelScope()
+
+    async def leaving(rt) -> None:
+        with scope:
+            await rt.infer("m", item(1.0))
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(leaving, rt)
+        await trio.testing.wait_all_tasks_blocked()
+        ((request,),) = rt.models["m"].batchers[0]._in_flight
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert request.reply.state is RequestState.ABANDONED
+        assert _credits(rt) == (1, 0)  # it may still run: kept
+        _TooLargeWorker.sending.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert _credits(rt) == (0, 1)  # never sent: given back, once
 
 
 # ---------------------------------------------------------------- a hedged caller
