@@ -30,7 +30,7 @@ from http_helpers import (
 from hypothesis import given
 from hypothesis import strategies as st
 from trioserve import QuotaExceeded
-from trioserve.transport import _gateway, _stream, open_http, open_stream
+from trioserve.transport import _gateway, _stream_answer, open_http, open_stream
 from trioserve.transport._gateway import error_answer
 from trioserve.transport._v2 import error_body, error_frame
 
@@ -920,15 +920,15 @@ def test_a_stream_error_frame_holds_what_error_answer_says(exc, rid):
     status, headers, _ = error_answer(exc)
     retry = dict(headers).get(b"retry-after")
     expected = _orjson_frame(rid, str(exc), status, None if retry is None else int(retry))
-    assert _stream._error_frame(rid, exc) == expected
+    assert _stream_answer._error_frame(rid, exc) == expected
 
 
 def test_a_stream_error_frame_is_a_block_of_its_own_length():
     exc = trioserve.Overloaded("model 'mlp': queue full (64 requests waiting)", retry_after=1)
-    _stream._error_frame("r1", exc)
+    _stream_answer._error_frame("r1", exc)
     tracemalloc.start()
     try:
-        frames = [_stream._error_frame("r%d" % i, exc) for i in range(100)]
+        frames = [_stream_answer._error_frame("r%d" % i, exc) for i in range(100)]
         held = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()

@@ -674,10 +674,10 @@ async def test_a_close_frame_wrongly_foreseen_loses_no_message(monkeypatch):
     the server handles looking for it are kept and served once room frees, and so
     are those the client sends after them (read once room frees, behind the kept
     ones): each request gets its answer."""
-    from trioserve.transport import _stream
+    from trioserve.transport import _stream_read
     from wsproto.events import TextMessage
 
-    monkeypatch.setattr(_stream, "_close_in", lambda frames, unwalked: (True, 0))
+    monkeypatch.setattr(_stream_read, "_close_in", lambda frames, unwalked: (True, 0))
     gate = Gate()
     cfg = config(held_model(gate, max_batch_size=1, timeout_ms=None),
                  server={"stream_in_flight": 4})

@@ -148,11 +148,11 @@ async def test_a_message_of_exactly_the_limit_arriving_slowly_is_served(
     what the header still announces, to the byte: a euro sign cut between two reads
     (held by the UTF-8 decoder) is not lost nor counted twice. Were wsproto's decoder
     state unreadable, the bytes are counted as they come, as before."""
-    from trioserve.transport import _stream
+    from trioserve.transport import _stream_read
     from wsproto.events import TextMessage
 
     if decoder_state == "unreadable":
-        monkeypatch.setattr(_stream, "_unread", lambda frames, texts: 0)
+        monkeypatch.setattr(_stream_read, "_unread", lambda frames, texts: 0)
     doc = json.dumps({"id": "€", "model": "echo", "inputs": [
         {"name": "x", "shape": [1], "datatype": "FP32", "data": [2.0]}]}, ensure_ascii=False)
     text = (doc + " " * 1000).encode()[:1000]  # padded with spaces to 1,000 bytes
@@ -176,10 +176,10 @@ async def test_without_the_decoder_state_a_message_is_refused_as_its_bytes_come(
 ):
     """The fallback: a frame announcing one byte over the limit is read until its
     bytes pass the limit, then refused (1009) all the same."""
-    from trioserve.transport import _stream
+    from trioserve.transport import _stream_read
     from wsproto.events import CloseConnection
 
-    monkeypatch.setattr(_stream, "_unread", lambda frames, texts: 0)
+    monkeypatch.setattr(_stream_read, "_unread", lambda frames, texts: 0)
     async with serving(config(echo_model(), server={"max_body_bytes": 1000})) as gw:
         sock, ws = await _raw_handshake(gw)
         payload = _masked(b"x" * 1001)

@@ -1,5 +1,5 @@
 """What the WebSocket stream reads of wsproto's frame and message decoders beyond
-their published events (transport/_stream.py): whether a message was begun, how
+their published events (transport/_stream_read.py): whether a message was begun, how
 many of its bytes are still to come, and whether the bytes already read hold a
 close frame. wsproto does not publish that state; each reading falls back to the
 answer that leaves the stream's behaviour as it was, were its shape to change.
