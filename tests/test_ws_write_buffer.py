@@ -6,6 +6,7 @@ answers' frames, however many tasks queue them)."""
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import tracemalloc
 
@@ -205,5 +206,94 @@ async def test_answers_waiting_for_the_client_are_bounded_by_the_byte_budget(rea
         assert 256 * KIB < peak <= budget
         assert max(writes) <= 256 * KIB
         assert gw.statistics().stream_in_flight_bytes_peak <= budget
+        _flow_is_whole(gw, "echo", count)
+        await sock.aclose()
+
+
+async def test_a_piece_written_is_not_held_by_its_waiting_writer():
+    """A writer waiting for room (more than the limit queued) no longer holds its
+    piece once it is queued: the flusher's join is the only other copy, and once a
+    write is done its bytes are gone, when ``unsent`` falls. The writers held their
+    pieces while they waited, after the pieces were joined and even written: with
+    the socket read slowly the memory held grew to about twice ``unsent``."""
+    limit, piece, count = 64 * KIB, 16 * KIB, 32
+    server, client = _small_socketpair()
+    stream = ReplayStream(trio.SocketStream(server), b"", limit=limit)
+    sock = trio.SocketStream(client)
+    total = piece * count
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.run_flusher)
+        await settle()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            excess = []
+            async with trio.open_nursery() as writers:
+                for i in range(count):
+                    writers.start_soon(stream.send_all, bytes([i]) * piece)
+                await settle()
+                # the tasks and the traces' own bookkeeping: no piece is held twice
+                # yet (the first write's writers did not wait, and have returned)
+                tasks = tracemalloc.get_traced_memory()[0] - before - stream.unsent
+                received = 0
+                while received < total:
+                    received += len(await sock.receive_some(SMALL))
+                    await settle()
+                    held = tracemalloc.get_traced_memory()[0] - before
+                    excess.append(held - stream.unsent)
+        finally:
+            tracemalloc.stop()
+        # what is held beyond the bytes not yet written grows by less than a piece
+        # (16 KiB) as the pieces are written: it grew to ~400 KiB
+        assert max(excess) - tasks < piece
+        assert received == total
+        await stream.stop_flusher()
+    await stream.aclose()
+    await sock.aclose()
+
+
+async def test_an_answer_frame_queued_is_held_by_the_write_buffer_alone(monkeypatch):
+    """Each answer's task queues its frame and, past the buffer's limit, waits: it
+    holds the frame no more while it waits, so once the flusher has joined (and
+    written) the frame its bytes are gone. Its task, and the helper it queued
+    through, held it too, for as long as they waited."""
+    streams: list[ReplayStream] = []
+    run_flusher = ReplayStream.run_flusher
+
+    async def recording(self):
+        streams.append(self)
+        await run_flusher(self)
+
+    monkeypatch.setattr(ReplayStream, "run_flusher", recording)
+    from trioserve.transport._http import serve_connection
+
+    count = 48
+    x = [0.5] * 4000  # ~20 KB a message, its answer a little smaller
+    async with serving(config(echo_model())) as gw, trio.open_nursery() as nursery:
+        server, client = _small_socketpair()
+        nursery.start_soon(serve_connection, gw, trio.SocketStream(server))
+        sock = trio.SocketStream(client)
+        await sock.send_all(_HANDSHAKE)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await sock.receive_some(1)
+        nursery.start_soon(sock.send_all, b"".join(_infer_frame(i, x) for i in range(count)))
+        await settle()
+        [stream] = streams
+        queued = list(stream._out)
+        assert stream.unsent > 256 * KIB  # answers wait for room, their frames queued
+        assert len(queued) > 1
+        here = inspect.currentframe()  # this test's coroutine holds them in ``queued``
+        for frame in queued:
+            holders = [
+                getattr(r, "__qualname__", type(r).__name__) for r in gc.get_referrers(frame)
+                if r is not queued and r is not stream._out
+                and getattr(r, "cr_frame", None) is not here
+            ]
+            assert holders == []
+        del queued, frame, here
+        answers = await _answers(sock, _raw_ws(), count)
+        assert sorted(a["id"] for a in answers) == list(range(count))
         _flow_is_whole(gw, "echo", count)
         await sock.aclose()

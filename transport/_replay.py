@@ -58,6 +58,10 @@ class ReplayStream(trio.abc.HalfCloseableStream):
     other writers, ``on_stall`` is called, and :meth:`send_final` may still send the
     rest of the cut write's last frame and one more (the close frame): each
     ``send_all`` holds whole frames, so the stream stays framed.
+
+    A piece queued is held by the queue alone: ``send_all`` lets go of it before it
+    waits, and so must its callers (pass it, do not keep it: see
+    ``_Answers._send``), so the bytes of a write are gone when ``unsent`` falls.
     """
 
     def __init__(
@@ -125,6 +129,9 @@ class ReplayStream(trio.abc.HalfCloseableStream):
             return
         self._out.append(bytes(data))
         self._out_size += len(data)
+        # Queued, the piece is the flusher's: held here too while this writer waits,
+        # it would outlive its join and its write (up to twice ``unsent`` held).
+        del data
         self._wake.unpark_all()
         if self._out_size > self._limit:
             await self._room.park()

@@ -43,8 +43,14 @@ class _Answers:
             await self._send(self.ws.send(TextMessage(data=frame.decode())))
 
     async def _send(self, data: bytes) -> None:
+        """Queue ``data`` on the stream (whole frames), waiting while the stream's
+        buffer is over its limit; a peer that left is the read loop's to see. A
+        checkpoint. ``data`` is not held while this waits: once queued it is the
+        flusher's, let go of when written (a caller must not keep it either)."""
+        sending = self.stream.send_all(data)
+        del data
         try:
-            await self.stream.send_all(data)
+            await sending
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the peer left; the read loop sees it
 
@@ -105,7 +111,11 @@ class _Answers:
             if self.ws.state is ConnectionState.OPEN:
                 data = self.ws.send(TextMessage(data=frame.decode()))
                 del frame
-                await self._send(data)
+                # The frame is passed on, not kept: a task waiting for room holding
+                # it would hold it past its join and its write (see _send).
+                sending = self._send(data)
+                del data
+                await sending
         finally:
             self.in_flight -= 1
             self.in_flight_bytes -= n
