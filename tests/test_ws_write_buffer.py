@@ -297,3 +297,86 @@ async def test_an_answer_frame_queued_is_held_by_the_write_buffer_alone(monkeypa
         assert sorted(a["id"] for a in answers) == list(range(count))
         _flow_is_whole(gw, "echo", count)
         await sock.aclose()
+
+
+class _FailsOnSecondWrite(trio.abc.HalfCloseableStream):
+    """A transport whose first write waits for ``go`` and whose second fails, as a
+    client's reset does."""
+
+    def __init__(self) -> None:
+        self.go = trio.Event()
+        self.writes: list[bytes] = []
+
+    async def send_all(self, data) -> None:
+        self.writes.append(bytes(data))
+        if len(self.writes) == 1:
+            await self.go.wait()
+            return
+        await trio.lowlevel.checkpoint()
+        raise trio.BrokenResourceError("connection reset by peer")
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return b""
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_a_flusher_that_fails_on_a_send_fails_its_waiting_writers():
+    """A flusher write that fails (the client reset the connection) ends the flusher
+    and wakes every writer waiting for room with BrokenResourceError, as it does each
+    later writer: none waits for ever, none is told its piece left. A writer
+    cancelled while it waits is cancelled (Cancelled, not swallowed); its piece,
+    already queued, stays in order."""
+    transport = _FailsOnSecondWrite()
+    stream = ReplayStream(transport, b"", limit=10)
+    outcomes: dict[int, str] = {}
+
+    async def writer(i: int, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                await stream.send_all(bytes([i]) * 8)
+                outcomes[i] = "queued"
+            except trio.BrokenResourceError:
+                outcomes[i] = "broken"
+            except trio.Cancelled:
+                outcomes[i] = "cancelled"
+                raise
+
+    async with trio.open_nursery() as nursery:
+        flushed = trio.Event()
+
+        async def flusher() -> None:
+            await stream.run_flusher()
+            flushed.set()
+
+        nursery.start_soon(flusher)
+        await settle()
+        scopes = [trio.CancelScope() for _ in range(4)]
+        for i, scope in enumerate(scopes):
+            nursery.start_soon(writer, i, scope)
+            await settle()
+        # the first piece is in the write, which waits; the rest are queued, over
+        # the limit: writers 2 and 3 wait for room (1 did not: 8 bytes queued)
+        assert transport.writes == [bytes([0]) * 8]
+        assert outcomes == {0: "queued", 1: "queued"}
+        scopes[3].cancel("the answer's request was withdrawn")
+        await settle()
+        assert outcomes[3] == "cancelled"
+        assert stream.unsent == 4 * 8  # its piece stays queued
+        transport.go.set()
+        await flushed.wait()
+        await settle()
+        assert outcomes == {0: "queued", 1: "queued", 2: "broken", 3: "cancelled"}
+        # the second write (the next piece: two would pass the limit) failed
+        assert transport.writes[1:] == [bytes([1]) * 8]
+        with pytest.raises(trio.BrokenResourceError):
+            await stream.send_all(b"late")
+    await stream.aclose()
