@@ -537,6 +537,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         serves no more; the model is ready while another replica is."""
         text = _text(exc)
         self.lost = text
+        self._scheduler.replicas_changed()  # it is no longer ready
         self._metrics.statuses["device_lost"] += 1
         log.error(
             "%s: the model left its device unusable (%s); this replica serves no more. "
@@ -636,6 +637,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 "%s: circuit breaker open: the model keeps raising here (%s) while "
                 "other replicas succeed", self.name, _text(exc),
             )
+            self._scheduler.replicas_changed()  # it is no longer ready
         alive = [r for r in batch if r.reply.answerable]
         if len(batch) > 1:  # not alone: any one of them may be the cause
             parts = alive if len(alive) == len(batch) else to_retry(batch)

@@ -62,6 +62,7 @@ class Retiring:
                 "model control, retires"
             )
         self._retire_asked.set()
+        self._scheduler.replicas_changed()  # it is no longer ready
         if self._retire_scope is not None:
             self._retire_scope.cancel("replica retired")
 

@@ -174,6 +174,45 @@ class Sparing:
             else:
                 apart.append(req)
 
+    def replicas_changed(self) -> None:
+        """The set of this queue's ready replicas changed otherwise than by a hang
+        (:meth:`after_hang`): a replica added, retired, lost, its breaker opened.
+        Re-decide the requests held apart for their input as a new request with
+        it is decided (:meth:`_recall`): with fewer than two replicas ready, each
+        whose input hung a thread that still runs is answered its poison error
+        now, not at its deadline; and idle replicas look again, so that one runs
+        what can run now beside a spared one. Only an empty check when nothing is
+        held apart. Not a checkpoint."""
+        apart = self._apart
+        if not apart:
+            return
+        memory = self.hung_inputs
+        if memory and self._ready_besides(None) < 2:
+            for _ in range(len(apart)):
+                req = apart.popleft()
+                if self._unrunnable(req, memory):
+                    self.policy.left([req])
+                else:
+                    apart.append(req)
+        if apart and self._idle:
+            self._idle.unpark_all()
+
+    def _unrunnable(self, req: Request, memory: Any) -> bool:
+        """Whether ``req``, held apart for its input (``Reply.hung``; not a hedge
+        twin waiting for its twin's retry), was answered poison because that input
+        hung a thread that still runs and fewer than two replicas are ready (the
+        caller's look). Not a checkpoint."""
+        reply = req.reply
+        if reply.hung is None or reply.state is not DISPATCHED:
+            return False
+        twin = self.twins.get(reply) if self.twins else None
+        if twin is not None and twin.answerable and twin.hung is not None:
+            return False  # its twin's retry is the input's next run: it decides
+        if memory.match(req.item) is None:
+            return False
+        self._poison(req, hung_input_poison(self.model))
+        return True
+
     def _hung_again(self, req: Request, hang: Any, memory: Any) -> bool:
         """Whether ``req``, held apart for its input (``Reply.hung``), was answered
         poison because that input just hung another thread (``hang``). Not a

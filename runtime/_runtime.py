@@ -607,6 +607,7 @@ async def _start_model(
         except BaseException:  # its load failed, or the start was cancelled
             served.remove_replica(batcher)  # it never took work
             raise
+        lane.replicas_changed()  # one more ready: what is held apart may run now
         return batcher
 
     for i, device in enumerate(devices):

@@ -337,3 +337,117 @@ async def test_the_input_held_apart_is_poison_once_the_replica_running_it_alone_
     assert info.value.in_queue  # never ran: not charged
     assert scheduler.queue_depth() == 0
     assert scheduler.metrics.statuses["poison"] == 1
+
+
+# ---------------------------------------------------------------- replicas that change otherwise
+async def held_apart(scheduler, puller, got: list, nursery) -> Request:
+    """The input sent again, pulled by ``puller`` and held apart (no replica to
+    spare): ``puller`` waits in its pull, which appends what it gets to ``got``."""
+    again = request(HANG)
+    scheduler.submit_nowait(again)
+
+    async def pull() -> None:
+        got.append(await scheduler.pull(puller))
+
+    nursery.start_soon(pull)
+    await trio.testing.wait_all_tasks_blocked()
+    assert not got
+    assert scheduler.queue_depth() == 1  # held apart
+    return again
+
+
+async def test_a_held_input_runs_once_a_replica_is_added_to_spare(autojump_clock):
+    # c runs a part that may hang, so b is not to be put at risk: the input waits.
+    # A replica added (the autoscaler's) is one to spare: b runs it now, not at
+    # the input's deadline.
+    hung_replica, b, c = Replica(ready=False), Replica(), Replica()
+    scheduler = scheduler_of(hung_replica, b, c)
+    hung_in(scheduler, HANG)
+    c.risking = True
+    got: list = []
+    async with trio.open_nursery() as nursery:
+        again = await held_apart(scheduler, b, got, nursery)
+        began = trio.current_time()
+        scheduler.batchers.append(Replica())
+        scheduler.replicas += 1
+        scheduler.replicas_changed()
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [[again]]
+        assert trio.current_time() == began
+    assert b.risking
+
+
+@pytest.mark.parametrize("why", ["breaker opened", "retired", "device lost"])
+async def test_a_held_input_is_poison_at_once_when_too_few_replicas_are_left(
+    autojump_clock, why,
+):
+    # The other replica stops being ready (whatever the reason): one ready replica
+    # is left, so the held input is what a new request with it is, poison, never
+    # run, now rather than at its deadline.
+    hung_replica, b, c = Replica(ready=False), Replica(), Replica()
+    scheduler = with_metrics(scheduler_of(hung_replica, b, c))
+    hung_in(scheduler, HANG)
+    c.risking = True
+    got: list = []
+    async with trio.open_nursery() as nursery:
+        again = await held_apart(scheduler, b, got, nursery)
+        began = trio.current_time()
+        c.ready = False
+        scheduler.replicas_changed()
+        with pytest.raises(ModelError, match="this input hung the model's worker") as info:
+            await again.reply.wait()
+        assert trio.current_time() == began
+        assert info.value.in_queue  # never ran: not charged
+        assert scheduler.queue_depth() == 0
+        assert scheduler.metrics.statuses["poison"] == 1
+        scheduler.submit_nowait(request(1.0))  # b serves on
+        await trio.testing.wait_all_tasks_blocked()
+        assert [[r.item["x"][0] for r in batch] for batch in got] == [[1.0]]
+
+
+async def test_a_held_input_whose_call_returned_is_not_poison_when_replicas_change(
+    autojump_clock,
+):
+    hung_replica, b, c = Replica(ready=False), Replica(), Replica()
+    scheduler = with_metrics(scheduler_of(hung_replica, b, c))
+    hang = hung_in(scheduler, HANG)
+    c.risking = True
+    got: list = []
+    async with trio.open_nursery() as nursery:
+        again = await held_apart(scheduler, b, got, nursery)
+        hang.returned = True  # its input is known to end: no longer poison
+        c.ready = False
+        scheduler.replicas_changed()
+        await trio.testing.wait_all_tasks_blocked()
+        assert again.reply.answerable
+        assert scheduler.queue_depth() == 1  # still waits for a replica to spare
+        c.ready, c.risking = True, False
+        scheduler.replicas_changed()
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [[again]]
+    assert scheduler.metrics.statuses["poison"] == 0
+
+
+class Counted(Replica):
+    """A replica that counts the looks at its readiness."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looks = 0
+
+    @property
+    def ready(self) -> bool:
+        self.looks += 1
+        return True
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        pass
+
+
+async def test_a_change_of_replicas_costs_nothing_when_nothing_is_held(autojump_clock):
+    a, b = Counted(), Counted()
+    scheduler = scheduler_of(a, b)
+    hung_in(scheduler, HANG)
+    scheduler.replicas_changed()
+    assert a.looks == b.looks == 0
