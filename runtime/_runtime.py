@@ -27,7 +27,7 @@ from ._ray_config import RayReplicaConfig
 from ._rollout_start import start_rollout
 from ._rollout_state import open_state_file
 from ._served import ServedModel, label
-from ._versioned import Family, start_family, version_backends
+from ._versioned import Family, _MergedQueues, start_family, version_backends
 from ._zygote import Zygote, ZygoteError
 
 log = logging.getLogger("trioserve")
@@ -411,8 +411,6 @@ def _unloaded(
     counters of the copy it replaces (new ones for a model never loaded; a family's:
     its versions' flows' counters added up)."""
     from trioserve.actors import ClassSpec, FairQueue, ModelMetrics, SchedulerActor, SloTracker
-
-    from ._versioned import _MergedQueues
 
     cfg = rt.config
     queue = FairQueue(
