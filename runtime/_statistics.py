@@ -120,8 +120,13 @@ class _Statistics:
         :meth:`model_state` gives them: READY and "" when ready; UNAVAILABLE, LOADING
         or UNLOADING and why when not: ``no replica ready``, ``loading``, ``not
         loaded``, ``the runtime is shut down``, ...) and ``replicas``, the replicas
-        that could serve it counted by health (those there are: ``{"open": 1}``).
-        UnknownModel for a model (or version) not served. Not a checkpoint."""
+        that :meth:`model_ready` looks at counted by health (those there are:
+        ``{"open": 1}``): without ``version``, those of the version unversioned
+        requests go to by default (the latest, or the rollout's stable one); with
+        it, that version's. A model whose versions have replicas of their own also
+        has ``other_versions``: each other version's replicas by health, those not
+        counted in ``replicas`` (docs/rollout.md). UnknownModel for a model (or
+        version) not served. Not a checkpoint."""
         served = self._known(model, version)
         ready = self.model_ready(model, version)
         state, reason = self.model_state(model)
@@ -129,11 +134,7 @@ class _Statistics:
             state, reason = "READY", ""
         elif state == "READY":  # the model serves; this version's replicas do not
             state, reason = "UNAVAILABLE", f"no replica of version {version!r} ready"
-        batchers = (
-            served.batchers if version is not None
-            else [b for g in self._groups_of(model) for b in g.batchers]
-        )
-        counts = collections.Counter(replica_health(b) for b in batchers)
+        counts = collections.Counter(replica_health(b) for b in served.batchers)
         return {
             "ready": ready, "state": state, "reason": reason,
             "replicas": dict(sorted(counts.items())),

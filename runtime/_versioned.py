@@ -11,6 +11,7 @@ serves one version's answer as another's.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -436,6 +437,21 @@ class _Versioned:
                 out[name]["replicas"] = {
                     b.name: replica_health(b) for g in family.groups for b in g.batchers
                 }
+        return out
+
+    def readiness(self, model: str, version: str | None = None) -> dict[str, Any]:
+        out = super().readiness(model, version)
+        family = self._families.get(model)
+        if family is not None and len(family.groups) > 1:
+            # ``replicas`` are the asked version's (or the default's) alone: the
+            # others', labelled by version, so that the two never read as one
+            asked = self._known(model, version)
+            out["other_versions"] = {
+                v: dict(sorted(collections.Counter(
+                    replica_health(b) for b in served.batchers
+                ).items()))
+                for v, served in family.by_version.items() if served is not asked
+            }
         return out
 
     def statistics(self) -> dict[str, Any]:

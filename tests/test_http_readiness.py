@@ -13,6 +13,7 @@ from http_helpers import config, echo_model, serving
 from runtime_helpers import callable_model, item
 from test_http_model_control import LOAD, UNLOAD, call, served_config
 from test_model_control import workers  # noqa: F401  (fixture)
+from trioserve import ModelConfig
 from trioserve.actors import Breaker
 from trioserve.transport import Gateway
 
@@ -99,3 +100,103 @@ async def test_a_model_not_loaded_loading_or_unloaded_says_so(autojump_clock, wo
             "error": f"model 'm' is not ready: {reason}", "name": "m", "ready": False,
             "state": state, "reason": reason, "replicas": {},
         }
+
+
+def _open_breaker(replica) -> None:
+    for _ in range(THRESHOLD):
+        replica._breaker.failure(trio.current_time())
+
+
+async def test_a_rollouts_probes_count_the_versions_asked_for_each_labelled(mock_clock):
+    """A model whose versions have replicas of their own (a rollout with a canary):
+    ``replicas`` are those ``model_ready`` looks at (the stable's without a version,
+    the version's with one) and the other versions' are each labelled by version,
+    so a 503 never says "no replica ready" beside a count of ready ones."""
+    from test_rollout_runtime import model
+
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 1000})
+    targets = ("/v2/health/ready", "/v2/models/m/ready",
+               "/v2/models/m/versions/1/ready", "/v2/models/m/versions/2/ready")
+    async with trioserve.open_runtime(config(m)) as rt:
+        client = Gateway(rt).app.test_client()
+        family = rt._families["m"]
+        (stable,) = family.by_version["1"].batchers
+        (canary,) = family.by_version["2"].batchers
+        _open_breaker(stable)
+        stable_down = {t: await probe(client, t) for t in targets}
+        in_process = (rt.model_ready("m"), rt.readiness("m"), rt.readiness("m", "2"))
+        mock_clock.jump(1.0)  # its cooldown passed: half-open, ready again
+        _open_breaker(canary)
+        canary_down = {t: await probe(client, t) for t in targets}
+        canary_readiness = rt.readiness("m", "2")
+    no_stable = {"state": "UNAVAILABLE", "reason": "no replica ready",
+                 "replicas": {"open": 1},
+                 "other_versions": {"2": {"ready": 1}, "3": {"ready": 1}}}
+    said = ("no replica ready (replicas: open 1; version '2': ready 1; "
+            "version '3': ready 1)")
+    assert in_process == (
+        False,
+        {"ready": False, **no_stable},
+        {"ready": True, "state": "READY", "reason": "", "replicas": {"ready": 1},
+         "other_versions": {"1": {"open": 1}, "3": {"ready": 1}}},
+    )
+    # the status codes are as they were: the stable's decides the model's probes
+    assert {t: s for t, (s, _) in stable_down.items()} == {
+        "/v2/health/ready": 503, "/v2/models/m/ready": 503,
+        "/v2/models/m/versions/1/ready": 503, "/v2/models/m/versions/2/ready": 200,
+    }
+    assert orjson.loads(stable_down["/v2/health/ready"][1]) == {
+        "error": f"not ready: m: {said}", "ready": False, "models": {"m": no_stable},
+    }
+    assert orjson.loads(stable_down["/v2/models/m/ready"][1]) == {
+        "error": f"model 'm' is not ready: {said}", "name": "m", "ready": False,
+        **no_stable,
+    }
+    assert orjson.loads(stable_down["/v2/models/m/versions/1/ready"][1]) == {
+        "error": f"model 'm' is not ready: {said}", "name": "m", "version": "1",
+        "ready": False, **no_stable,
+    }
+    assert stable_down["/v2/models/m/versions/2/ready"][1] == b'{"name":"m","ready":true}'
+    # the canary down: the model serves (200), its version's probe says why
+    no_canary = {"state": "UNAVAILABLE", "reason": "no replica of version '2' ready",
+                 "replicas": {"open": 1},
+                 "other_versions": {"1": {"half_open": 1}, "3": {"ready": 1}}}
+    assert canary_readiness == {"ready": False, **no_canary}
+    assert {t: s for t, (s, _) in canary_down.items()} == {
+        "/v2/health/ready": 200, "/v2/models/m/ready": 200,
+        "/v2/models/m/versions/1/ready": 200, "/v2/models/m/versions/2/ready": 503,
+    }
+    assert orjson.loads(canary_down["/v2/models/m/versions/2/ready"][1]) == {
+        "error": ("model 'm' is not ready: no replica of version '2' ready (replicas: "
+                  "open 1; version '1': half_open 1; version '3': ready 1)"),
+        "name": "m", "version": "2", "ready": False, **no_canary,
+    }
+
+
+async def test_versions_sharing_the_models_replicas_are_not_counted_as_others(mock_clock):
+    """Versions served by the model's backend share its replicas: the version asked
+    for and those sharing its replicas are in ``replicas``, each other version with
+    its own, labelled."""
+    from test_rollout_runtime import adder
+
+    m = ModelConfig(name="m", backend=adder(1), max_wait_ms=0.0,
+                    versions={"1": {}, "2": {"backend": adder(2)}, "3": {}})
+    async with trioserve.open_runtime(config(m)) as rt:
+        client = Gateway(rt).app.test_client()
+        (shared,) = rt._families["m"].by_version["3"].batchers
+        _open_breaker(shared)
+        latest = rt.readiness("m")  # 3, the latest: the model's backend's replica
+        one = await probe(client, "/v2/models/m/versions/1/ready")
+        two = rt.readiness("m", "2")
+    assert latest == {
+        "ready": False, "state": "UNAVAILABLE", "reason": "no replica ready",
+        "replicas": {"open": 1}, "other_versions": {"2": {"ready": 1}},
+    }
+    assert one[0] == 503
+    assert orjson.loads(one[1])["error"] == (
+        "model 'm' is not ready: no replica ready (replicas: open 1; version '2': ready 1)"
+    )
+    assert two == {
+        "ready": True, "state": "READY", "reason": "",
+        "replicas": {"ready": 1}, "other_versions": {"1": {"open": 1}, "3": {"open": 1}},
+    }
