@@ -81,14 +81,15 @@ class _Control:
         """``model``'s configuration as Triton's ``ModelConfig`` document, as ``GET
         /v2/models/NAME[/versions/V]/config`` answers it (``tritonclient``'s
         ``get_model_config``): the copy serving it (a version with weights of its
-        own: that version's tensors and replicas). Edited, it is a load's config
+        own: that version's platform, backend, tensors and replicas, where Triton,
+        one configuration a model, gives every version the model's). The model's
+        document (no ``version``), edited, is a load's config
         (docs/model-control.md). Not a checkpoint. Raises UnknownModel for a model
         or version not served, or a model not loaded."""
         self.check_loaded(model)
         served = self._known(model, version)  # type: ignore[attr-defined]
-        backend = self.models[model].backend  # type: ignore[attr-defined]
         classes = [c.name for c in self.config.classes]  # type: ignore[attr-defined]
-        return triton_config(served, triton_platform(backend), classes)
+        return triton_config(served, triton_platform(served.backend), classes)
 
     def model_state(self, model: str) -> tuple[str, str]:
         """``model``'s state and why, as Triton's repository index gives them:

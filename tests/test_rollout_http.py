@@ -90,6 +90,30 @@ async def test_a_versions_config_document_is_its_own():
     assert unversioned["parameters"]["execution"]["string_value"] == "inline"
 
 
+async def test_a_versions_config_document_gives_its_own_platform_and_backend():
+    """A version whose own backend is of another kind than the model's (a callable
+    beside a torch module): its document names its platform and backend, as it does
+    its tensors and replicas; the model's (unversioned) is its default version's.
+    (Triton has one configuration a model and answers a version's with it.)"""
+    from trioserve import CallableBackend, ModelConfig
+    from trioserve._builtin import mlp_backend
+
+    torch_like = mlp_backend()
+    plain = CallableBackend(lambda items: items, inputs=torch_like.inputs,
+                            outputs=torch_like.outputs, execution="inline")
+    m = ModelConfig(name="m", backend="mlp", execution="inline", max_wait_ms=0.0,
+                    versions={"1": {}, "2": {"backend": plain}})
+    async with serving(http_config(m)) as gw, open_http(gw.url) as http:
+        docs = {v: (await http.get(f"/v2/models/m/versions/{v}/config")).json()
+                for v in ("1", "2")}
+        unversioned = (await http.get("/v2/models/m/config")).json()
+        in_process = {v: gw.runtime.triton_config("m", v) for v in ("1", "2")}
+    kinds = {v: (d["platform"], d["backend"]) for v, d in docs.items()}
+    assert kinds == {"1": ("pytorch", "mlp"), "2": ("python", "CallableBackend")}
+    assert in_process == docs
+    assert unversioned == docs["2"]  # the latest: where unversioned requests go
+
+
 # ---------------------------------------------------------------- the operator's
 async def test_the_operator_acts_on_a_rollout_over_http():
     from http_helpers import echo_model
