@@ -38,7 +38,9 @@ class TokenBucket:
     later take, or for a later reservation that waited, just before its start; and now)
     and less the highest level a waiter meets at its start goes back, and those levels
     all rise by what goes back; past the last _LOG takes that history is gone and
-    nothing goes back.
+    nothing goes back. A grant the bucket still counts as waiting (no call has
+    refilled it since its start) goes back as a waiter: the same as by this rule
+    once a call has refilled it.
     Otherwise (a waiting caller left) the bucket cannot tell which reservation it was,
     so it assumes the earliest still waiting: with at most one reservation waiting the
     credits all go back; otherwise at most ``burst`` less the highest level a later
@@ -103,11 +105,19 @@ class TokenBucket:
         waiting ones (its start, and theirs, unchanged), so that the next refund of
         a waiter does not take it for one still waiting (the credits of the second
         of two waiters who left were lost); one that has started is refunded as a
-        grant (``since``)."""
+        grant (``since``). Either way, a reservation the bucket still counts as
+        waiting (its start passed with no call since) is refunded as a waiter, so
+        the two agree, and agree with the same refund after any call that refilled
+        the bucket (a grant refused at its start used to get nothing back)."""
         if reservation is not None:
-            if self._refund_waiting(cost, reservation):
-                return
-            since = reservation  # it started: a grant
+            since = reservation  # unless it still waits: then a grant that started
+        if since is not None and self._waiting and self._refund_waiting(cost, since):
+            # Its reservation is still on the books as waiting: no call has refilled
+            # the bucket since its start (then nothing was taken since, and a waiter's
+            # refund is exact), or it was merged with a later one (whose peak bounds
+            # the levels since). As a grant, the level it met at its own start would
+            # count as a later waiter's and keep its credits from it.
+            return
         self.used -= cost
         give = cost
         top = -math.inf

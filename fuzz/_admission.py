@@ -172,6 +172,9 @@ class Reference:
         its number), the ones after the earliest for a reservation still waiting; and
         for a started one, the room the bucket's levels since its take leave (none when
         more than LOG takes came after it)."""
+        if since is not None and self._refund_waiting(cost, since):
+            self.events.append("refunds of a start with no call since")
+            return
         self.used -= cost
         give = Fraction(cost)
         w = self.waiting
@@ -198,6 +201,32 @@ class Reference:
                 if record[0] > since:
                     record[1] += give
         self.level = min(self.burst, self.level + give)
+
+
+    def _refund_waiting(self, cost: int, seq: int) -> bool:
+        """The refund of the reservation numbered ``seq`` while it is still on the
+        books as waiting (no call since its start, or merged with a later one): at most
+        the room the waiters after it leave (and its entry's, when merged); it leaves
+        the waiting ones. False, refunding nothing, when it is not there."""
+        w = self.waiting
+        for i, e in enumerate(w):
+            mine = [r for r in e[3] if r[0] == seq]
+            if not mine:
+                continue
+            self.used -= cost
+            tops = [later[1] for later in w[i + 1:]] + ([e[1]] if e[2] > 1 else [])
+            give = Fraction(cost)
+            if tops:
+                give = max(Fraction(0), min(give, self.burst - max(tops)))
+            e[3].remove(mine[0])
+            e[2] -= 1
+            if not e[2]:
+                del w[i]
+            for later in w[i:]:
+                later[1] += give
+            self.level = min(self.burst, self.level + give)
+            return True
+        return False
 
 
 def _waiting_count(bucket) -> int | None:

@@ -301,3 +301,108 @@ def test_a_reservation_refunded_after_its_start_is_refunded_as_a_grant():
     b.refund(1.0, reservation=taken)  # the bucket held at most 0.5 since: all of it back
     assert b.level == 1.5
     assert b.used == 2.0
+
+
+def test_a_reservation_refused_at_its_start_before_any_refill_gets_its_credits_back():
+    # A waiter wakes at its start and the queue refuses it at once: no call has
+    # refilled the bucket since, so its reservation is still on the books as waiting.
+    # It was refunded as a grant that also counted the level it met at its own start
+    # (a full bucket) as a later waiter's, and got nothing back.
+    b = TokenBucket(rate=1.0, burst=4.0, now=0.0)
+    assert b.try_take(4.0, 0.0) == 0.0
+    assert b.reserve(4.0, 0.0, math.inf) == 4.0  # meets a full bucket at 4
+    taken = b.seq
+    b.refund(4.0, since=taken)  # at t=4, the bucket untouched since t=0
+    assert b.wait_time(4.0, 4.0) == 0.0  # the credits stayed: full again at 4
+    assert (b.level, b.used) == (4.0, 4.0)
+    # the same refund after a call that refilled the bucket (an observation) agrees
+    c = TokenBucket(rate=1.0, burst=4.0, now=0.0)
+    assert c.try_take(4.0, 0.0) == 0.0
+    assert c.reserve(4.0, 0.0, math.inf) == 4.0
+    assert c.wait_time(0.0, 4.0) == 0.0
+    c.refund(4.0, since=c.seq)
+    assert (c.level, c.used) == (b.level, b.used)
+
+
+def _envelope_excess(grants, rate, burst):
+    """The most by which the grants that stand (start, seq, cost) exceed, over a window
+    [a, b] of their starts, burst + rate x (b - a) + the debt of a grant starting at b
+    (a cost above the burst takes a full bucket below 0); <= 0 when within it."""
+    live = sorted(grants)
+    worst = Fraction(-(10**9))
+    prefix, least = Fraction(0), None
+    for j, (start, _, cost) in enumerate(live):
+        here = prefix - rate * start
+        least = here if least is None else min(least, here)
+        prefix += cost
+        if j + 1 < len(live) and live[j + 1][0] == start:
+            continue  # the window ends after every grant starting then
+        debt = max(max(0, c - burst) for s, _, c in live if s == start)
+        worst = max(worst, prefix - rate * start - least - burst - debt)
+    return worst
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rate=st.sampled_from([1, 2, 4]),
+    burst=st.integers(1, 8),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["advance", "take", "reserve", "reserve", "refund", "refund"]),
+            st.integers(0, 16),  # advance: in 1/8 s; take, reserve: cost
+            st.integers(0, 1 << 16),  # refund: which of the grants that stand
+            st.booleans(),  # refund of a started reservation: by reservation= or since=
+        ),
+        max_size=80,
+    ),
+)
+def test_token_bucket_refunds_keep_the_envelope_whenever_the_bucket_is_looked_at(
+    rate, burst, ops
+):
+    # Two buckets take the same calls; one is also looked at (wait_time, which takes
+    # nothing and refills it) after every step of time, the other only when called. A
+    # refund gives back the same whichever: a reservation whose start has passed with
+    # no call since is still on the books as waiting in one and has started in the
+    # other; and a started reservation is refunded alike by reservation= and since=.
+    # Whatever the refunds, the grants that stand keep to burst + rate x window (+ one
+    # grant's debt). Rates are powers of two, times multiples of 1/8 s: floats exact.
+    lazy = TokenBucket(float(rate), float(burst), 0.0)
+    eager = TokenBucket(float(rate), float(burst), 0.0)
+    now = Fraction(0)
+    grants: list[tuple[Fraction, int, int]] = []  # (start, seq, cost), not refunded
+    waited: set[int] = set()  # the grants that were reservations made to wait
+    for op, n, k, by_reservation in ops:
+        t = float(now)
+        if op == "advance":
+            now += Fraction(n, 8)
+            eager.wait_time(0.0, float(now))
+            continue
+        if op == "take" and n:
+            got = lazy.try_take(n, t)
+            assert eager.try_take(n, t) == got
+            if got == 0.0:
+                grants.append((now, lazy.seq, n))
+        elif op == "reserve" and n:
+            at = lazy.reserve(n, t, math.inf)
+            assert eager.reserve(n, t, math.inf) == at
+            grants.append((Fraction(at), lazy.seq, n))
+            if at > t:
+                waited.add(lazy.seq)
+        elif op == "refund" and grants:
+            start, seq, cost = grants.pop(k % len(grants))
+            if start > now:  # its caller left while it waited
+                lazy.refund(cost, reservation=seq)
+                eager.refund(cost, reservation=seq)
+            elif seq in waited:  # it waited, and started: either way it is a grant
+                lazy.refund(cost, **{"reservation" if by_reservation else "since": seq})
+                eager.refund(cost, **{"since" if by_reservation else "reservation": seq})
+            else:
+                lazy.refund(cost, since=seq)
+                eager.refund(cost, since=seq)
+        assert lazy.seq == eager.seq
+        assert lazy.used == eager.used == sum(c for _, _, c in grants)
+        # the levels agree once brought to the same moment
+        assert lazy.wait_time(0.0, t) == eager.wait_time(0.0, t)
+        assert (lazy.level, lazy.stamp) == (eager.level, eager.stamp)
+        assert lazy.level <= burst
+        assert _envelope_excess(grants, rate, burst) <= 0
