@@ -24,8 +24,9 @@ class _Credits:
         """Take ``cost`` from the tenant's credits for ``n`` requests to ``served``,
         waiting for them when its class allows (at most until ``deadline``); return the
         time the requests reach the queue and the take's number (for ``_refund``).
-        Raises QuotaExceeded (429) with the refill time as retry_after; the requests
-        count as shed for their flow."""
+        Raises QuotaExceeded (429) with the refill time as retry_after (for a cost
+        above the burst: until the bucket is full); the requests count as shed for
+        their flow."""
         bucket = self.buckets.get(tenant)
         if bucket is None:
             self.credits_used[tenant] += cost
@@ -35,10 +36,16 @@ class _Credits:
             if wait > 0.0:
                 served.scheduler.policy.note_shed(tenant, priority, n)
                 await trio.lowlevel.checkpoint()  # a refusal still yields
+                if cost > bucket.burst:  # the bucket never holds it: a full one will do
+                    when = (
+                        f"a full bucket ({bucket.burst:g}) available in {_seconds(wait)}; "
+                        f"a request costing {cost} > {bucket.burst:g} drains it below zero"
+                    )
+                else:
+                    when = f"{cost} more available in {_seconds(wait)}"
                 raise QuotaExceeded(
                     f"tenant {tenant!r} is over its credit rate "
-                    f"({bucket.rate:g}/s, burst {bucket.burst:g}); "
-                    f"{cost} more available in {_seconds(wait)}",
+                    f"({bucket.rate:g}/s, burst {bucket.burst:g}); {when}",
                     retry_after=wait,
                 )
             self.credits_used[tenant] += cost

@@ -516,6 +516,32 @@ async def test_retry_after_for_a_cost_above_the_burst_is_when_it_would_be_admitt
         assert e.value.retry_after == 8.0
 
 
+async def test_refusal_of_a_cost_above_the_burst_says_a_full_bucket_is_what_comes(
+    autojump_clock,
+):
+    # The message said "8 more available in 8.000s": the bucket never holds 8; a cost
+    # above the burst waits for a full bucket and takes it below zero.
+    backend = CostModel()
+    cfg = credits(
+        1.0,
+        4.0,
+        model=ModelConfig(
+            name="m", backend=backend, max_batch_size=4, max_batch_tokens=64, max_wait_ms=0
+        ),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        await rt.infer("m", item(0, n=8))  # full bucket: served, level -4
+        with pytest.raises(
+            QuotaExceeded,
+            match=r"^tenant 'a' is over its credit rate \(1/s, burst 4\); a full bucket "
+            r"\(4\) available in 8\.000s; a request costing 8 > 4 drains it below zero$",
+        ) as e:
+            await rt.infer("m", item(1, n=8))
+        assert e.value.retry_after == 8.0  # when the bucket is full again
+        await trio.sleep(8.0)
+        await rt.infer("m", item(2, n=8))  # and then it is admitted
+
+
 # ---------------------------------------------------------------- runtime: the slow lane
 def _two_lanes(backend: CostModel) -> trioserve.Config:
     """Tenants a (default) and b; model m on two replicas, items of cost >= 10 in the
