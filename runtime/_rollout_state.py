@@ -587,7 +587,7 @@ class Keeper:
             )
         for v in (now["stable"], now["canary"]):
             if rec["versions"].get(v) != now["versions"][v]:
-                return None, f"version {v!r}'s backend or options changed since"
+                return None, f"the backend or options of version {v!r} changed since"
         if rec["state"] in ("paused", "canary") and rec["steps"] != now["steps"]:
             return None, (
                 f"its canary was on trial at step {rec['step'] + 1} of steps "
@@ -617,7 +617,7 @@ class Keeper:
             if v not in self._m.versions:
                 return None, f"its version {v!r} is no longer one of the model's"
             if rec["versions"].get(v) != version_fingerprint(self._m, v):
-                return None, f"version {v!r}'s backend or options changed since"
+                return None, f"the backend or options of version {v!r} changed since"
             if v == self._shadow:
                 return None, f"its version {v!r} is the configuration's shadow now"
         return rec, None

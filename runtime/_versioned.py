@@ -164,7 +164,7 @@ def _check_signatures(m: ModelConfig, backends: Mapping[str | None, ModelBackend
             where = f"{m._path()}.versions.{_key(v)}" if v is not None else m._path()
             other = f"version {first_v!r}" if first_v is not None else "the model's backend"
             raise ConfigError(
-                f"{where}: its signature ({shown(b)}) differs from {other}'s "
+                f"{where}: its signature ({shown(b)}) differs from that of {other} "
                 f"({shown(first)}); every version of a model must take and give the same"
             )
 

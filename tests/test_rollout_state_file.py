@@ -214,7 +214,7 @@ async def test_a_record_of_other_weights_or_steps_is_not_used(
     assert (restepped["state"], restepped["restored"]) == ("canary", None)
     assert (same["state"], same["restored"]) == ("paused", "paused")
     assert said == [
-        "version '2''s backend or options changed since; it starts afresh",
+        "the backend or options of version '2' changed since; it starts afresh",
         "its canary was on trial at step 1 of steps [0.5, 0.75], the configuration's "
         "steps are now [0.1]; it starts afresh",
     ]

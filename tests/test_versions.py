@@ -180,7 +180,7 @@ async def test_versions_whose_signatures_differ_are_refused_at_start():
             pass
     assert str(caught.value) == (
         "models.m.versions.2: its signature (inputs x FP32 [-1]; outputs z FP32 [-1]) "
-        "differs from the model's backend's (inputs x FP32 [-1]; outputs y FP32 [-1]); "
+        "differs from that of the model's backend (inputs x FP32 [-1]; outputs y FP32 [-1]); "
         "every version of a model must take and give the same"
     )
 
