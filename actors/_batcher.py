@@ -644,7 +644,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             if parts:
                 self._scheduler.completed(batch, failed=True)
                 for r in parts:
-                    r.reply.suspect = True
+                    r.reply.suspect = r.reply.ran = True
                 self._metrics.statuses["retried"] += len(parts)
                 self._scheduler.retry(split(parts, self._timer.policy.retry_parts))
                 return opened
@@ -797,8 +797,8 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
             batch = self._in_flight.popleft()
             unrun = any(b is batch for b in never_started)
             n += sum(
-                # (a retry among them ran before: it stays charged)
-                req.reply.set_error(_unrun(own_error(error), unrun and not req.reply.suspect))
+                # (one among them that ran before, a retry say, stays charged)
+                req.reply.set_error(_unrun(own_error(error), unrun and not req.reply.ran))
                 for req in batch if req.reply.answerable
             )
             self._scheduler.completed(batch, failed=True)

@@ -473,12 +473,12 @@ class SchedulerActor(Sparing, Actor):
                             else "for a replica other than its hedge twin's"
                         ),
                         # never ran, unless it is the retry of a failed batch
-                        in_queue=not reply.suspect,
+                        in_queue=not reply.ran,
                     )
                 )
             else:
                 reply.withdraw()  # its caller leaves now
-        if not reply.suspect:
+        if not reply.ran:
             # abandoned by its caller (now, or before), it never ran: its caller
             # is told (Reply.when_unrun; a no-op when it was answered)
             reply.unrun()
@@ -553,7 +553,7 @@ class SchedulerActor(Sparing, Actor):
         alive = []
         for req in batch:
             if req.reply.state is not _DISPATCHED:
-                if not req.reply.suspect:  # staged behind a lost worker's batch
+                if not req.reply.ran:  # staged behind a lost worker's batch
                     req.reply.unrun()  # its caller left, and it never ran
                 continue  # the caller left, or it was answered
             if req.deadline <= now:
@@ -564,12 +564,12 @@ class SchedulerActor(Sparing, Actor):
                             "being retried",
                             # a part of a failed batch ran; a batch staged behind it on
                             # a lost worker, handed back as it was, never did
-                            in_queue=not req.reply.suspect,
+                            in_queue=not req.reply.ran,
                         )
                     )
                 else:
                     req.reply.withdraw()
-                    if not req.reply.suspect:
+                    if not req.reply.ran:
                         req.reply.unrun()  # its caller leaves now: it never ran
                 continue
             alive.append(req)
@@ -700,13 +700,13 @@ class SchedulerActor(Sparing, Actor):
         while self._retries:
             n += sum(
                 # a retry ran, unless it was staged behind a lost worker's batch
-                req.reply.set_error(_unrun(own_error(error), not req.reply.suspect))
+                req.reply.set_error(_unrun(own_error(error), not req.reply.ran))
                 for req in self._retries.popleft()
             )
         while self._apart:
             req = self._apart.popleft()
             # a hedge twin held apart never ran, unless it is a failed batch's retry
-            n += req.reply.set_error(_unrun(own_error(error), not req.reply.suspect))
+            n += req.reply.set_error(_unrun(own_error(error), not req.reply.ran))
         for req in self.policy.drain():
             # never ran: not charged (a request refused by the closed queue is not)
             n += req.reply.set_error(_unrun(own_error(error)))

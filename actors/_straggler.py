@@ -173,6 +173,7 @@ def to_retry(batch: list[Request]) -> list[Request]:
         if late.carry(relay.reply):
             relay.reply.attempts = reply.attempts
             relay.reply.suspect = reply.suspect
+            relay.reply.ran = reply.ran
             relay.reply.raised_on = reply.raised_on
             relay.reply.hung = reply.hung
             out.append(attrs.evolve(
@@ -193,13 +194,13 @@ def split_failed(
     retries narrow down to the request at fault while the others succeed; a request
     that failed alone counts an attempt (``reply.attempts``) and is poison once it
     reaches ``poison_attempts``. Every request retried is marked ``reply.suspect``
-    (see :func:`retried`).
+    (see :func:`retried`), and ``reply.ran`` (it reached the model: never refunded).
     """
     alive = [r for r in batch if r.reply.state is _DISPATCHED]
     if not alive:
         return [], []
     for r in alive:
-        r.reply.suspect = True
+        r.reply.suspect = r.reply.ran = True
     if len(alive) > 1:
         return split(alive, parts), []
     req = alive[0]
@@ -214,9 +215,10 @@ def handed_back(batch: list[Request]) -> list[Request]:
     or ran into nothing of its own: staged behind a lost worker's batch, or on a
     worker replaced for other inputs' failures). A request of it whose caller left
     meanwhile, not itself a failed batch's retry, never ran: its caller is told
-    (``Reply.unrun``) as it is left out."""
+    (``Reply.unrun``) as it is left out (not one that reached a device before:
+    ``Reply.ran``)."""
     for r in batch:
-        if not r.reply.suspect:
+        if not r.reply.ran:
             r.reply.unrun()  # a no-op unless its caller left (abandoned)
     return to_retry(batch)
 

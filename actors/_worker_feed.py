@@ -193,10 +193,11 @@ class WorkerFeed:
                     self._lose(worker, f"its {self._worker_kind} died ({exc})", died=True)
                 except WorkerProcess.TooLarge as exc:
                     for r in batch:
-                        # never sent: one whose caller left since its dispatch (not a
-                        # failed batch's retry, which ran) never ran; its caller is
-                        # told, as the parts run again or answered leave it out
-                        if not r.reply.suspect:
+                        # never sent: one whose caller left since its dispatch (not
+                        # one that reached a device before, Reply.ran) never ran; its
+                        # caller is told, as the parts run again or answered leave
+                        # it out
+                        if not r.reply.ran:
                             r.reply.unrun()  # a no-op unless its caller left
                     self._too_large(batch, exc)
                     self._in_flight.pop()  # never sent: the worker goes on
@@ -242,6 +243,11 @@ class WorkerFeed:
                 self._lose(worker, f"it ran past its batch deadline of {deadline:.3f}s")
             broken = False
             if isinstance(outputs, WorkerProcess.TooLarge):
+                for r in batch:
+                    # it ran: only its outputs could not come back. Its halves run
+                    # again charged (not suspects: no fault of their inputs), and
+                    # one whose caller leaves meanwhile is not refunded.
+                    r.reply.ran = True
                 self._too_large(batch, outputs)
             elif isinstance(outputs, Exception):
                 broken = self._model_failed(batch, outputs)
@@ -316,7 +322,7 @@ class WorkerFeed:
             ]
             for batch in self._never_started:
                 for r in batch:
-                    if not r.reply.suspect:  # (a retry ran before: it stays charged)
+                    if not r.reply.ran:  # (a retry ran before: it stays charged)
                         r.reply.unrun()  # a no-op unless its caller left
 
     def _log_death(self, worker: WorkerProcess | None) -> None:

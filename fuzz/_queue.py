@@ -417,7 +417,7 @@ class QueueMachine(RuleBasedStateMachine):
                 self._answer(req, ModelError(f"planted failure of item {req.item}"))
             return
         for req in batch:
-            req.reply.suspect = True
+            req.reply.suspect = req.reply.ran = True  # as split_failed marks them
         half = len(batch) // 2 if how == "split" else 0
         self.retries.extend(part for part in (batch[:half], batch[half:]) if part)
 

@@ -69,6 +69,14 @@ class Reply:
     #: raised) and is being retried: a failure of its batch now is the requests' own
     #: doing, not its replica's (it counts towards poison, not the circuit breaker).
     suspect: bool = False
+    #: It reached a device: a model call was made with it (a failed batch's retry,
+    #: a half of a batch whose outputs were too large for its worker's pipe, a
+    #: batch its worker had finished or was running when the worker was lost or
+    #: replaced), so its caller is charged whatever happens to it after: it is
+    #: never answered, nor dropped, as never run. Unlike ``suspect`` it says
+    #: nothing against its input: its failures still count for its replica's
+    #: breaker, not towards poison.
+    ran: bool = False
     #: (replica, its breaker's run) where it raised alone as a retry while other
     #: replicas could run it: it is run once more elsewhere, and a result there is
     #: evidence against that replica (``Breaker.confirmed``). None: it has not.

@@ -46,7 +46,8 @@ def _refund_if_unrun(
     the caller from reply ``i``); later, when each one dispatched whose caller's
     leaving abandoned it turns out never to run (``Reply.when_unrun``: dropped or
     answered so, after the caller left or as it left); never once one of them ran
-    (answered a result or the model's error, or it is a failed batch's retry).
+    (answered a result or the model's error, or it reached a device before:
+    ``Reply.ran``, a failed batch's retry say).
     Called with the caller's cancellation only: a request that runs pays nothing
     for it. Not a checkpoint."""
     waiting = []
@@ -58,10 +59,10 @@ def _refund_if_unrun(
             error = reply.error
             if error is None or not _never_ran(error):
                 return  # answered: it ran
-        elif state is ABANDONED and not reply.suspect:
+        elif state is ABANDONED and not reply.ran:
             waiting.append(reply)  # dispatched: it may still run, or not
         else:
-            return  # a failed batch's retry: it ran
+            return  # it reached a device (Reply.ran): it ran
     if not waiting:
         refund()
         return

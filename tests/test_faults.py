@@ -95,14 +95,14 @@ def test_a_carried_item_keeps_the_answered_requests_record_as_a_retry():
     answered.late = late = LateOutcome()
     late.expect()
     answered.attempts = 1
-    answered.suspect = True
+    answered.suspect = answered.ran = True
     answered.raised_on = raised_on = ("the replica it raised alone on", 3)
     answered.set_error(DeadlineExceeded("its deadline passed while its batch ran"))
     carried, waiting = to_retry(batch)
     assert waiting is batch[1]
     assert carried.reply is not answered
     assert carried.item == batch[0].item
-    assert (carried.reply.attempts, carried.reply.suspect) == (1, True)
+    assert (carried.reply.attempts, carried.reply.suspect, carried.reply.ran) == (1, True, True)
     assert carried.reply.raised_on == raised_on
 
 

@@ -169,7 +169,7 @@ async def test_a_copy_held_while_its_original_is_retried_never_runs_beside_it(
     hangs(scheduler, a, original)
     assert copy.reply.hung is not None
     a.running.clear()
-    original.reply.suspect = True
+    original.reply.suspect = original.reply.ran = True
     scheduler.retry([[original]])
     assert await scheduler.pull(b) == [original]  # c and d to spare
     b.running.append(original.reply)

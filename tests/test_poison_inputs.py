@@ -263,7 +263,7 @@ async def test_a_retry_left_to_a_replica_that_stops_being_ready_is_taken_back(au
     (pulled,) = await scheduler.pull(a)
     assert pulled is request
     scheduler.completed([request], failed=True)
-    request.reply.suspect = True
+    request.reply.suspect = request.reply.ran = True
     request.reply.raised_on = (a, 0)
     scheduler.retry([[request]])
 

@@ -431,3 +431,99 @@ async def test_a_hedged_caller_is_refunded_once_when_neither_copy_ran(
         request.reply.set_error(_unrun_error())  # neither ran, after all
         request.reply.unrun()
         assert refunds == [1]
+
+
+# ---------------------------------------------------------------- a request that ran
+def _process_config(**cfg) -> trioserve.Config:
+    """Tenant a with 10 credits (1/s) and a one-replica worker-process model."""
+    return trioserve.Config(
+        models=(callable_model(
+            "m", lambda items: items, execution="process", adaptive_limit=False, **cfg
+        ),),
+        tenants=(TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=10.0),),
+    )
+
+
+class _BigOutputsWorker(_StandIn):
+    """A worker process in trio time whose first batch's outputs are too large for its
+    pipe (it ran; FrameTooLarge, as the worker answers it). Every later batch is
+    echoed, its sending held until ``resume`` is set."""
+
+    TooLarge = WorkerProcess.TooLarge
+    resume: trio.Event
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self._exited = trio.Event()
+        self._sent: list[list] = []
+        self._results = 0
+
+    async def submit(self, items) -> None:
+        if self._sent:
+            await self.resume.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+        self._sent.append(items)
+
+    async def result(self):
+        await trio.lowlevel.checkpoint()
+        self._results += 1
+        if self._results == 1:
+            raise self.TooLarge("its batch's outputs are more bytes than a message carries")
+        return [{"y": it["x"]} for it in self._sent[self._results - 1]]
+
+
+@pytest.mark.parametrize("end", ["caller left", "deadline passed"])
+async def test_a_half_of_a_batch_whose_outputs_were_too_large_is_charged_while_it_waits(
+    autojump_clock, manual_watchdog, monkeypatch, end
+):
+    """A batch whose outputs were too large for its worker's pipe ran: its halves run
+    again. One waits for its run while the other is sent; its caller leaves, or its
+    deadline passes. It ran: its caller stays charged. It used to be refunded (or
+    answered "never ran"): nothing said its batch had run, the halves looking like a
+    batch staged behind a lost worker's."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _BigOutputsWorker)
+    monkeypatch.setattr(_BigOutputsWorker, "resume", trio.Event(), raising=False)
+    # the batch closes at its two requests (never at its wait)
+    cfg = _process_config(max_batch_size=2, max_wait_ms=10_000, timeout_ms=1_000)
+    scope = trio.CancelScope()
+    ended: dict[float, object] = {}
+
+    async def caller(rt, value: float, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                ended[value] = await rt.infer("m", item(value))
+            except DeadlineExceeded as exc:
+                ended[value] = exc
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(caller, rt, 1.0, trio.CancelScope())
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(caller, rt, 2.0, scope)
+        await trio.testing.wait_all_tasks_blocked()
+        batcher = rt.models["m"].batchers[0]
+        # the halves: the first being sent, the second held for its run
+        ((first,),) = batcher._in_flight
+        (second,) = rt.models["m"].scheduler._retries[0]
+        assert (first.item["x"][0], second.item["x"][0]) == (1.0, 2.0)
+        assert second.reply.ran
+        assert not second.reply.suspect  # no fault of its input
+        if end == "caller left":
+            scope.cancel("the caller left")
+            await trio.testing.wait_all_tasks_blocked()
+            assert second.reply.state is RequestState.ABANDONED
+        else:
+            await trio.sleep(1.5)  # trio time: past its deadline, still held
+        _BigOutputsWorker.resume.set()
+        await trio.testing.wait_all_tasks_blocked()
+        if end == "deadline passed":
+            assert isinstance(ended[2.0], DeadlineExceeded)
+            assert not ended[2.0].in_queue  # it ran
+        assert rt.models["m"].scheduler.queue_depth() == 0
+        assert _credits(rt) == (2, 0)  # both ran: neither refunded
+    assert _credits(rt) == (2, 0)

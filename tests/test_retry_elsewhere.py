@@ -53,7 +53,7 @@ async def _raised_alone_on(scheduler: SchedulerActor, replica: _Replica, request
         (pulled,) = await scheduler.pull(replica)
         assert pulled is request
         scheduler.completed([request], failed=True)
-        request.reply.suspect = True
+        request.reply.suspect = request.reply.ran = True
         request.reply.raised_on = (replica, 0)
         scheduler.retry([[request]])
 
@@ -156,7 +156,7 @@ async def test_a_retry_held_past_its_deadline_says_whether_it_ran(autojump_clock
     DeadlineExceeded then, with ``in_queue`` saying it never ran: its caller is
     refunded, and a hedged caller's copy held so is no answer while its original
     may still run. It used to say it ran (charged, and the copy's 504 answered the
-    hedged caller). A failed batch's part (``suspect``) ran, and is charged."""
+    hedged caller). A failed batch's part (``suspect``, ``ran``) ran, and is charged."""
     queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
     scheduler = SchedulerActor("m", queue)
     async with trio.open_nursery() as nursery:
@@ -165,7 +165,7 @@ async def test_a_retry_held_past_its_deadline_says_whether_it_ran(autojump_clock
         scheduler.submit_nowait(request)
         assert await scheduler.pull() == [request]
         scheduler.completed([request], failed=True)  # handed back: no longer running
-        request.reply.suspect = ran
+        request.reply.suspect = request.reply.ran = ran  # (as split_failed marks it)
         scheduler.retry([[request]])
         assert queue.in_service == 0
         with pytest.raises(DeadlineExceeded, match="being retried") as info:
@@ -184,7 +184,7 @@ async def test_a_request_kept_apart_is_answered_at_its_deadline_while_no_replica
     """A replica pulls a request while it runs the request's hedge twin and keeps
     it apart for another replica, which never pulls (busy). The actor's timer
     answers it DeadlineExceeded at its deadline, saying whether it ran (a failed
-    batch's part, ``suspect``, did), and takes its cost off the devices' load
+    batch's part, ``suspect`` and ``ran``, did), and takes its cost off the devices' load
     (``in_service``), which kept it while it waited; a later request is queued and
     served as usual."""
     queue = FairQueue(BatchLimits(max_size=4), bound=16, model="m", adaptive=False)
@@ -200,7 +200,7 @@ async def test_a_request_kept_apart_is_answered_at_its_deadline_while_no_replica
         scheduler.submit_nowait(request)
         a.held.add(twin.reply)
         assert await scheduler.pull(a) == [request]
-        request.reply.suspect = suspect
+        request.reply.suspect = request.reply.ran = suspect  # (as split_failed marks it)
         scheduler.keep_apart(request)  # (as BatcherActor._keep_apart does)
         assert queue.in_service == 1  # still dispatched: waiting for a device
         with pytest.raises(DeadlineExceeded, match="hedge twin") as info:
@@ -256,7 +256,7 @@ async def test_a_part_kept_apart_is_taken_at_once_when_its_twin_is_handed_back(
         # The twin raises alone on b: handed back to run on another replica.
         b.held.clear()
         scheduler.completed([twin], failed=True)
-        twin.reply.suspect = True
+        twin.reply.suspect = twin.reply.ran = True
         twin.reply.raised_on = (b, 0)
         scheduler.retry([[twin]])
         await trio.testing.wait_all_tasks_blocked()
@@ -402,7 +402,7 @@ async def test_the_timer_answers_held_requests_at_their_deadlines_and_looks_only
         scheduler.submit_nowait(request)
         assert queue.next_batch(trio.current_time()) == [request]
         scheduler.completed([request], failed=True)
-        request.reply.suspect = True
+        request.reply.suspect = request.reply.ran = True
         scheduler.retry([[request]])
         return request
 
@@ -524,7 +524,7 @@ async def test_a_closing_queue_marks_the_errors_of_what_never_ran():
     batch = await scheduler.pull()
     assert batch == [retry, apart, staged]
     scheduler.completed([retry, staged], failed=True)
-    retry.reply.suspect = True
+    retry.reply.suspect = retry.reply.ran = True
     scheduler.retry([[retry], [staged]])
     scheduler.keep_apart(apart)
     scheduler.submit_nowait(queued)

@@ -389,7 +389,7 @@ def hung_part(hang: Hang, v: float) -> list[Request]:
     """A part of a batch cut off in a worker thread (``hang``), handed back."""
     req = Request(model="m", item=v, reply=Reply())
     req.reply.dispatch()
-    req.reply.suspect = True
+    req.reply.suspect = req.reply.ran = True
     req.reply.hung = (hang,)
     return [req]
 
