@@ -269,9 +269,12 @@ class WorkerFeed:
 
     def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
         """The worker is gone (or must go): kill it, hand its batches back — the one it
-        was running as a suspect, split in ``retry_parts``; the staged ones as they were
-        — and raise _WorkerLost to stop feeding it. The loss is logged at once, or,
-        when the worker ``died`` on its own, once it is closed, with how it ended."""
+        was running as a suspect, split in ``retry_parts``; the staged ones as they
+        were; those a worker that ``died`` had finished, their results unread in its
+        pipe (:meth:`WorkerProcess.finished_unread`), as they were and marked as
+        having run (``Reply.ran``) — and raise _WorkerLost to stop feeding it. The
+        loss is logged at once, or, when the worker ``died`` on its own, once it is
+        closed, with how it ended."""
         if not worker.alive:
             raise _WorkerLost(why)  # already lost and handled (by the other task)
         worker.kill()
@@ -284,17 +287,29 @@ class WorkerFeed:
                 "%s: %s lost: %s; a new one is started", self.name, self._worker_kind, why
             )
         batches = list(self._in_flight)
-        if not (batches and retried(batches[0])):
+        # A worker that died may have written results not read yet (its death found
+        # by _watch before _collect read them): those batches ran to their end, and
+        # the one after them is the one it died running. (Killed by us, it was
+        # running the oldest: a straggler's, whose result did not come in time.)
+        done = worker.finished_unread() if died else 0
+        crashed = batches[done] if done < len(batches) else None
+        if crashed is None or not retried(crashed):
             # A retry that crashes again is its requests' doing (it counts towards
             # their poison attempts): a few poison requests, bisected, would open
             # the breaker of a sound replica and hold every other request back.
             self._breaker.failure(trio.current_time())
-        if batches:
-            # The staged ones first: they ran into nothing, and have waited already.
-            for b in batches[1:]:
+        for b in batches[:done]:
+            for r in b:
+                r.reply.ran = True  # it ran: charged, run again as it was
+        back = batches[:done] + batches[done + 1:]
+        if back:
+            # The finished and the staged ones first: they ran into nothing, and have
+            # waited already.
+            for b in back:
                 self._scheduler.completed(b, failed=True)
-            self._scheduler.retry([handed_back(b) for b in batches[1:]])
-            self._suspect(batches[0], f"its batch failed: {why}")
+            self._scheduler.retry([handed_back(b) for b in back])
+        if crashed is not None:
+            self._suspect(crashed, f"its batch failed: {why}")
         # after the retries are made: an item answered meanwhile that others wait
         # for is carried into them, and its batch leaving must not settle it
         self._in_flight.clear()

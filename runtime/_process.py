@@ -399,6 +399,43 @@ class WorkerProcess:
                 pass  # a view is still alive; the mapping goes with it
             self._shm = None
 
+    def finished_unread(self) -> int:
+        """Once killed: how many of the batches left in flight it finished, their
+        results written and not read (waiting in its pipe, read now without
+        waiting: what :meth:`aclose` reads on keeps them). It runs its batches in
+        order, each once it has written the result of the one before, so the batch
+        after those is the one it was running, if any. Exact for a worker that has
+        exited (a death found by :meth:`wait_exited` before the results were read);
+        one killed alive may write one more before the signal lands. 0 when not
+        killed. Not a checkpoint."""
+        if self._tail is None:
+            return 0
+        fd, data = self._tail
+        chunks = [data]
+        try:
+            os.set_blocking(fd, False)
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+        except OSError:
+            pass  # nothing more now (BlockingIOError), or a pipe that broke
+        data = b"".join(chunks)
+        self._tail = (fd, data)
+        written = 0
+        at = 0
+        while at + _LEN.size <= len(data):
+            end = at + _LEN.size + _LEN.unpack_from(data, at)[0]
+            if end > len(data):
+                break  # half written: the batch it was running
+            try:
+                kind = pickle.loads(data[at + _LEN.size:end])[0]
+            except Exception:
+                break  # misread: count no further
+            if kind not in ("ok", "error", "too_large", "lost"):
+                break  # the zygote's word on how it ended comes last
+            written += 1
+            at = end
+        return min(written, self._left_in_flight)
+
     async def aclose(self) -> None:
         """Kill the process and wait until it has exited (shielded, bounded), then
         free its pidfd. After it the worker is gone: its zygote may go too, without

@@ -579,6 +579,12 @@ class RayReplica:
             if self.ended_how is None:
                 self.ended_how = _how(exc)
 
+    def finished_unread(self) -> int:
+        """As a worker process's (:meth:`WorkerProcess.finished_unread`): an actor's
+        results are its calls' own, each read as it comes, so none waits unread: 0.
+        Not a checkpoint."""
+        return 0
+
     def kill(self) -> None:
         """Kill the actor (``ray.kill``, no restart) and drop its batches' refs.
         Synchronous; the actor may still be exiting when it returns: :meth:`aclose`

@@ -395,6 +395,7 @@ class _StandIn:
     ended_how: str | None = None
     stderr_tail: str | None = None
     never_started = 0  # not known, unless a stand-in says
+    unread = 0  # results written and not read when it was lost, unless a stand-in says
     _exited: trio.Event
 
     async def start(self) -> None:
@@ -413,6 +414,9 @@ class _StandIn:
 
     async def wait_exited(self) -> None:
         await self._exited.wait()
+
+    def finished_unread(self) -> int:
+        return self.unread
 
 
 class NoZygote:

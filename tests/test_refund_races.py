@@ -527,3 +527,87 @@ async def test_a_half_of_a_batch_whose_outputs_were_too_large_is_charged_while_i
         assert rt.models["m"].scheduler.queue_depth() == 0
         assert _credits(rt) == (2, 0)  # both ran: neither refunded
     assert _credits(rt) == (2, 0)
+
+
+class _DyingWorker(_StandIn):
+    """A worker process in trio time that answers no batch: the test makes it die
+    (``die``), having written the results of its first ``unread`` batches, which
+    nothing read (its reader waits until the runtime kills it)."""
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self._exited = trio.Event()  # killed by the runtime
+        self._gone = trio.Event()  # exited on its own
+        self._killed = False
+
+    @property
+    def alive(self) -> bool:
+        return not self._killed
+
+    def kill(self) -> None:
+        self._killed = True
+        self._exited.set()
+
+    def die(self, unread: int) -> None:
+        self.unread = unread
+        self._gone.set()
+
+    async def wait_exited(self) -> None:
+        await self._gone.wait()
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def result(self):
+        await self._exited.wait()
+        raise self.Died("killed")
+
+
+@pytest.mark.parametrize("crashed", ["its caller stays", "its caller left"])
+async def test_a_worker_found_dead_before_its_results_were_read_crashed_on_the_batch_after_them(
+    autojump_clock, manual_watchdog, monkeypatch, crashed
+):
+    """Its worker finished batch a (its result written, not read yet), died running
+    b, and never started c; the watch on its exit finds the death first. b is the
+    suspect (split, an attempt counted: a crashing input is recognised on the next
+    worker), and charged when its caller left; a ran too (handed back to run again,
+    charged); c never ran (its caller, gone, is refunded). b used to be handed back
+    as never started (refunded, no attempt counted) and a made the suspect."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _DyingWorker)
+    cfg = _process_config(max_batch_size=1, max_wait_ms=0, timeout_ms=None)
+    scopes = {v: trio.CancelScope() for v in (1.0, 2.0, 3.0)}
+
+    async def caller(rt, value: float) -> None:
+        with scopes[value]:
+            await rt.infer("m", item(value))
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        for value in (1.0, 2.0, 3.0):
+            nursery.start_soon(caller, rt, value)
+            await trio.testing.wait_all_tasks_blocked()
+        batcher = rt.models["m"].batchers[0]
+        worker = batcher._worker
+        ((a,), (b,), (c,)) = batcher._in_flight
+        scopes[3.0].cancel("the caller left")
+        if crashed == "its caller left":
+            scopes[2.0].cancel("the caller left")
+        await trio.testing.wait_all_tasks_blocked()
+        assert _credits(rt) == (3, 0)  # dispatched: each may still run
+        worker.die(unread=1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert batcher.workers_lost == 1
+        assert batcher._worker is not worker  # its successor runs what came back
+        assert a.reply.ran
+        assert not a.reply.suspect  # it did not fail
+        if crashed == "its caller stays":
+            assert b.reply.ran
+            assert b.reply.suspect
+            assert b.reply.attempts == 1  # run alone: one of its poison attempts
+        assert not c.reply.ran
+        assert _credits(rt) == (2, 1)  # c alone refunded: a and b ran
+        nursery.cancel_scope.cancel("the test is over")

@@ -556,3 +556,40 @@ async def test_a_closed_worker_says_which_batches_in_flight_it_never_started(
         assert worker.never_started == 2
     finally:
         await zygote.aclose()
+
+
+@pytest.mark.parametrize("spawn", ["forked", "alone"])
+async def test_a_killed_worker_says_which_batches_it_finished_unread(
+    monkeypatch, tmp_path, spawn
+):
+    """A worker that wrote its first batch's result, nobody reading it, and then
+    held the second: killed, its pipe says it finished one (the result waiting
+    there), so the batch it was running is the second; the third never started."""
+    gate = tmp_path / "open"
+    monkeypatch.setenv(GATE_FILE_ENV, str(gate))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
+    cfg = callable_model("h", held_until_file, execution="process")
+    zygote = Zygote()
+    await zygote.start()
+    try:
+        worker = WorkerProcess(
+            cfg, resolve_backend(cfg), "cpu", 1, zygote=zygote if spawn == "forked" else None
+        )
+        try:
+            with trio.fail_after(60):
+                await worker.start()
+                gate.touch()
+                await worker.submit([x(1.0)])
+                await trio.lowlevel.wait_readable(worker._recv.fileno())  # its result
+                gate.unlink()
+                for v in (2.0, 3.0):
+                    await worker.submit([x(v)])
+            assert worker.finished_unread() == 0  # not known while it runs
+            worker.kill()
+            assert worker.finished_unread() == 1
+            assert worker.finished_unread() == 1  # what it read is kept
+        finally:
+            await worker.aclose()
+        assert worker.never_started == 1  # aclose reads on from what it kept
+    finally:
+        await zygote.aclose()
