@@ -225,6 +225,9 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
         )
         #: of those, the ones its closed worker process is known never to have started
         self._never_started: list[list[Request]] = []
+        #: the batch being sent to its worker process (None: none): in flight, it
+        #: has reached nothing yet
+        self._sending: list[Request] | None = None
         self.busy_time = 0.0
         self._worker_seconds = 0.0  # busy seconds of workers this batcher already replaced
         self._degraded = False  # a straggling thread still runs

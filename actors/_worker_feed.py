@@ -54,6 +54,7 @@ class WorkerFeed:
         _retire_scope: trio.CancelScope | None
         _in_flight: InFlight
         _never_started: list[list[Request]]
+        _sending: list[Request] | None
         _scheduler: SchedulerActor
         _metrics: ModelMetrics
         _timer: BatchTimer
@@ -184,8 +185,10 @@ class WorkerFeed:
                 self._in_flight.append(batch)
                 t0 = trio.current_time()
                 self._metrics.queue_wait.record_many([t0 - req.arrival for req in batch])
+                self._sending = batch  # in flight, not yet sent: it has reached nothing
                 try:
                     await worker.submit([req.item for req in batch])
+                    self._sending = None
                 except trio.Cancelled:
                     worker.kill()
                     raise
@@ -199,6 +202,7 @@ class WorkerFeed:
                         # it out
                         if not r.reply.ran:
                             r.reply.unrun()  # a no-op unless its caller left
+                    self._sending = None
                     self._too_large(batch, exc)
                     self._in_flight.pop()  # never sent: the worker goes on
                     room.release()
@@ -391,7 +395,10 @@ class WorkerFeed:
         context) runs the breaker's trial; its batches go back as they were (they ran
         into nothing of theirs, the one it was running included: see below), an item
         answered meanwhile (its deadline passed) that others wait for carried into
-        them (:func:`to_retry`). Raises _WorkerLost."""
+        them (:func:`to_retry`). The one it was running, and those it had finished
+        (their results unread), reached the model: they are marked so
+        (``Reply.ran``), and charged; those it never started are not. Raises
+        _WorkerLost."""
         why = "its model kept raising there while other replicas succeeded"
         self._replace_due = False
         self._replace_wake = trio.Event()
@@ -418,6 +425,15 @@ class WorkerFeed:
         # Ray actor) tells its exit only to a wait. The batch then takes the next
         # worker down, and _lose splits it there, one round later.)
         batches = list(self._in_flight)
+        # It runs its batches in order: those whose results wait unread, then the one
+        # it was running (unless it was never sent), reached the model. Their callers
+        # are charged, whatever happens to them after (ran = reached the model): one
+        # who leaves before the run again is not refunded. They used to be, as if
+        # never started.
+        for b in batches[:worker.finished_unread() + 1]:
+            if b is not self._sending:
+                for r in b:
+                    r.reply.ran = True
         for b in batches:
             self._scheduler.completed(b, failed=True)
         self._scheduler.retry([handed_back(b) for b in batches])

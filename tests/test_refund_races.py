@@ -611,3 +611,73 @@ async def test_a_worker_found_dead_before_its_results_were_read_crashed_on_the_b
         assert not c.reply.ran
         assert _credits(rt) == (2, 1)  # c alone refunded: a and b ran
         nursery.cancel_scope.cancel("the test is over")
+
+
+class _ReplacedWorker(_StandIn):
+    """A worker process in trio time that answers its first batch once ``finish`` is
+    set (echoing it), and runs each later one until the runtime kills it."""
+
+    finish: trio.Event
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self._exited = trio.Event()
+        self._sent: list[list] = []
+        self._results = 0
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        self._sent.append(items)
+
+    async def result(self):
+        self._results += 1
+        if self._results == 1:
+            await self.finish.wait()
+            return [{"y": it["x"]} for it in self._sent[0]]
+        await self._exited.wait()
+        raise self.Died("killed")
+
+
+async def test_the_batch_a_replaced_worker_was_running_is_charged(
+    autojump_clock, manual_watchdog, monkeypatch
+):
+    """The worker's breaker opened on another replica's evidence: it is replaced as
+    its first batch is answered, running the second, the third staged behind. Both
+    go back as they were (no suspects); the callers of both left. The second reached
+    the model: its caller is charged; the third never started: refunded. Both used
+    to be refunded (they "ran into nothing of their own")."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _ReplacedWorker)
+    monkeypatch.setattr(_ReplacedWorker, "finish", trio.Event(), raising=False)
+    cfg = _process_config(max_batch_size=1, max_wait_ms=0, timeout_ms=None)
+    scopes = {v: trio.CancelScope() for v in (1.0, 2.0, 3.0)}
+
+    async def caller(rt, value: float) -> None:
+        with scopes[value]:
+            await rt.infer("m", item(value))
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        for value in (1.0, 2.0, 3.0):
+            nursery.start_soon(caller, rt, value)
+            await trio.testing.wait_all_tasks_blocked()
+        batcher = rt.models["m"].batchers[0]
+        worker = batcher._worker
+        ((_,), (running,), (staged,)) = batcher._in_flight
+        scopes[2.0].cancel("the caller left")
+        scopes[3.0].cancel("the caller left")
+        await trio.testing.wait_all_tasks_blocked()
+        assert _credits(rt) == (3, 0)  # dispatched: each may still run
+        batcher._replace_due = True  # (as another replica's evidence sets it)
+        _ReplacedWorker.finish.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert batcher.workers_broken == 1
+        assert batcher._worker is not worker
+        assert running.reply.ran
+        assert not running.reply.suspect  # it did not fail
+        assert not staged.reply.ran
+        assert _credits(rt) == (2, 1)  # the first answered, the second charged
+    assert _credits(rt) == (2, 1)
