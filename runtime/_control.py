@@ -214,7 +214,8 @@ class ModelControl:
         nursery = self._ready_nursery()
         if triton_shaped(config):  # Triton's model configuration, as its config gives it
             classes = [c.name for c in self._rt.config.classes]
-            config = from_triton(config, self._rt.models[model], entry.config, classes)
+            # read against the copy its document (GET .../config) describes
+            config = from_triton(config, self._rt._probed(model, None), entry.config, classes)
         wanted = entry.config if config is None else with_load_config(entry.config, config)
         op = entry.loading
         if op is None or op is not entry.last or op.config != wanted:

@@ -83,11 +83,13 @@ class _Control:
         ``get_model_config``): the copy serving it (a version with weights of its
         own: that version's platform, backend, tensors and replicas, where Triton,
         one configuration a model, gives every version the model's). The model's
-        document (no ``version``), edited, is a load's config
-        (docs/model-control.md). Not a checkpoint. Raises UnknownModel for a model
-        or version not served, or a model not loaded."""
+        document (no ``version``) is the version's its unversioned requests go to
+        (the latest, the rollout's stable, or its canary once promoted), and,
+        edited, is a load's config (docs/model-control.md). Not a checkpoint.
+        Raises UnknownModel for a model or version not served, or a model not
+        loaded."""
         self.check_loaded(model)
-        served = self._known(model, version)  # type: ignore[attr-defined]
+        served = self._probed(model, version)  # type: ignore[attr-defined]
         classes = [c.name for c in self.config.classes]  # type: ignore[attr-defined]
         return triton_config(served, triton_platform(served.backend), classes)
 

@@ -107,9 +107,12 @@ class _Statistics:
         """Whether ``model`` can serve now: the runtime is open and at least one of its
         replicas is ready (running, not degraded by a straggler, not replacing its
         worker, its circuit breaker not open: closed, or half-open, its trial taking
-        work). With ``version``: one of the replicas
-        serving that version. UnknownModel for a model (or version) not served."""
-        served = self._known(model, version)
+        work). Without ``version``, for a model with versions served apart (a
+        rollout): those of the version its unversioned requests go to (the latest,
+        the rollout's stable, or its canary once promoted; while a canary is on
+        trial, the stable); with ``version``: one of the replicas serving that
+        version. UnknownModel for a model (or version) not served."""
+        served = self._probed(model, version)
         return not self._closed and any(
             getattr(b, "ready", False) for b in served.batchers
         )
@@ -122,12 +125,13 @@ class _Statistics:
         loaded``, ``the runtime is shut down``, ...) and ``replicas``, the replicas
         that :meth:`model_ready` looks at counted by health (those there are:
         ``{"open": 1}``): without ``version``, those of the version unversioned
-        requests go to by default (the latest, or the rollout's stable one); with
-        it, that version's. A model whose versions have replicas of their own also
-        has ``other_versions``: each other version's replicas by health, those not
-        counted in ``replicas`` (docs/rollout.md). UnknownModel for a model (or
-        version) not served. Not a checkpoint."""
-        served = self._known(model, version)
+        requests go to (the latest, or the rollout's stable, or its canary once
+        promoted: as :meth:`model_ready`); with it, that version's. A model whose
+        versions have replicas of their own also has ``other_versions``: each other
+        version's replicas by health, those not counted in ``replicas``
+        (docs/rollout.md). UnknownModel for a model (or version) not served. Not a
+        checkpoint."""
+        served = self._probed(model, version)
         ready = self.model_ready(model, version)
         state, reason = self.model_state(model)
         if ready:

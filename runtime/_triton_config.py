@@ -174,7 +174,8 @@ def from_triton(
 ) -> dict[str, Any]:
     """A load's config of Triton's shape as keys of the model's table, for
     ``with_load_config(table, ...)``: what ``given`` says of one copy, read back.
-    ``served`` is the model as it serves now (``Runtime.models[name]``): a value
+    ``served`` is the model as it serves now (what its document describes: the
+    version its unversioned requests go to, ``Runtime._probed``): a value
     equal to what its document gives reads back as the serving copy's own value
     (the batch timeout is in whole microseconds there; its instance groups count
     the replicas an autoscaler scaled to), so an unchanged document loads what

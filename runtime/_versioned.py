@@ -70,7 +70,8 @@ class Family:
     #: each distinct ServedModel once: the model's backend's first, if it serves any
     groups: list[ServedModel]
     #: the version unversioned requests go to without a rollout (the latest), or
-    #: the rollout's stable one
+    #: the rollout's configured stable one (``Runtime.models[model]`` serves it);
+    #: where they go now, a canary promoted or a trial started since, is ``target``
     default: str
     #: the versions with weights of their own (a backend, queue and replicas)
     own: frozenset[str] = frozenset()
@@ -81,6 +82,16 @@ class Family:
         """The version the next unversioned request goes to."""
         if self.controller is not None:
             return self.controller.route()
+        return self.default
+
+    def target(self) -> str:
+        """The version unversioned requests go to when no split applies, which the
+        model's unversioned probes and documents describe: the rollout's canary once
+        promoted, else its stable (also while a canary is on trial and takes its
+        share: the probes decide on the stable then); without a rollout, the latest
+        (``default``). Not a checkpoint."""
+        if self.controller is not None:
+            return self.controller.rollout.target()
         return self.default
 
     def record(self, version: str, ok: bool, latency: float) -> None:
@@ -284,6 +295,19 @@ class _Versioned:
     def _served_version(self, model: str, version: str) -> ServedModel:
         return self._families[model].by_version[version]
 
+    def _probed(self, model: str, version: str | None) -> ServedModel:
+        """What a probe or a document of ``model`` (``version``: that version's)
+        describes: ``_known``'s, but for an unversioned one of a model with a Family
+        the version its unversioned requests go to now (``Family.target``: a
+        canary promoted, not the configured stable). Not for the request path (it
+        looks the Family up). Raises as ``_known``."""
+        served = self._known(model, version)
+        if version is None:
+            family = self._families.get(model)
+            if family is not None:
+                return family.by_version[family.target()]
+        return served
+
     async def _infer_routed(
         self, model: str, inputs: Any, tenant: Any, priority: Any,
         answered: list[str] | None = None,
@@ -333,11 +357,11 @@ class _Versioned:
         except TrioserveError:
             # refused as the version's own call refuses it
             return await self.infer_batch(
-                model, items, tenant=tenant, priority=priority, version=family.default
+                model, items, tenant=tenant, priority=priority, version=family.target()
             )
         if not rows:
             return await self.infer_batch(
-                model, rows, tenant=tenant, priority=priority, version=family.default
+                model, rows, tenant=tenant, priority=priority, version=family.target()
             )
         chosen = [family.route() for _ in rows]
         if answered is not None:
@@ -443,9 +467,9 @@ class _Versioned:
         out = super().readiness(model, version)
         family = self._families.get(model)
         if family is not None and len(family.groups) > 1:
-            # ``replicas`` are the asked version's (or the default's) alone: the
+            # ``replicas`` are the asked version's (or the target's) alone: the
             # others', labelled by version, so that the two never read as one
-            asked = self._known(model, version)
+            asked = self._probed(model, version)
             out["other_versions"] = {
                 v: dict(sorted(collections.Counter(
                     replica_health(b) for b in served.batchers

@@ -200,3 +200,123 @@ async def test_versions_sharing_the_models_replicas_are_not_counted_as_others(mo
         "ready": True, "state": "READY", "reason": "",
         "replicas": {"ready": 1}, "other_versions": {"1": {"open": 1}, "3": {"open": 1}},
     }
+
+
+def _decided_by(rt) -> str:
+    """The version whose replicas the model's unversioned readiness counts: the one
+    not among its ``other_versions``."""
+    (version,) = set(rt._families["m"].by_version) - set(rt.readiness("m")["other_versions"])
+    return version
+
+
+async def test_after_a_promotion_the_models_probes_decide_on_the_promoted_version(
+    mock_clock,
+):
+    """Once the canary is promoted it takes every unversioned request: the model's
+    probes, its state and its unversioned config document follow it, so the
+    configured stable's replicas down no longer make the model unready (its
+    requests succeed), and the promoted version's down do."""
+    from test_rollout_runtime import adder, model, one, version_of
+
+    # the canary runs in a thread: its config document differs from the stable's
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 1000},
+              canary=adder(2, execution="thread"))
+    targets = ("/v2/health/ready", "/v2/models/m/ready",
+               "/v2/models/m/versions/1/ready", "/v2/models/m/versions/2/ready")
+    async with trioserve.open_runtime(config(m)) as rt:
+        client = Gateway(rt).app.test_client()
+        family = rt._families["m"]
+        (stable,) = family.by_version["1"].batchers
+        (canary,) = family.by_version["2"].batchers
+        config_on_trial = rt.triton_config("m")
+        _open_breaker(stable)
+        on_trial = (await probe(client, "/v2/models/m/ready"))[0]
+        rt.promote("m")
+        stable_down = {t: await probe(client, t) for t in targets}
+        in_process = (rt.model_ready("m"), rt.readiness("m"), rt.model_state("m"),
+                      rt.statistics()["m"]["ready"], rt.health()["m"]["ready"])
+        answered = [version_of(await rt.infer("m", one(i)), i) for i in range(3)]
+        configs = (rt.triton_config("m"), rt.triton_config("m", "1"),
+                   rt.triton_config("m", "2"))
+        config_doc = await client.get("/v2/models/m/config")
+        config_doc = orjson.loads(await config_doc.get_data())
+        mock_clock.jump(1.0)  # the stable's cooldown passed: half-open
+        _open_breaker(canary)
+        canary_down = {t: await probe(client, t) for t in targets}
+        down = (rt.model_ready("m"), rt.readiness("m"), rt.model_state("m"))
+    # on trial the stable decides (as before); promoted, the canary does
+    assert on_trial == 503
+    assert answered == ["2", "2", "2"]  # served while the stable's breaker is open
+    no_stable = {"1": {"open": 1}, "3": {"ready": 1}}
+    assert in_process == (
+        True,
+        {"ready": True, "state": "READY", "reason": "", "replicas": {"ready": 1},
+         "other_versions": no_stable},
+        ("READY", ""), True, True,
+    )
+    assert {t: s for t, (s, _) in stable_down.items()} == {
+        "/v2/health/ready": 200, "/v2/models/m/ready": 200,
+        "/v2/models/m/versions/1/ready": 503, "/v2/models/m/versions/2/ready": 200,
+    }
+    assert stable_down["/v2/models/m/ready"][1] == b'{"name":"m","ready":true}'
+    assert orjson.loads(stable_down["/v2/models/m/versions/1/ready"][1]) == {
+        "error": ("model 'm' is not ready: no replica of version '1' ready (replicas: "
+                  "open 1; version '2': ready 1; version '3': ready 1)"),
+        "name": "m", "version": "1", "ready": False, "state": "UNAVAILABLE",
+        "reason": "no replica of version '1' ready", "replicas": {"open": 1},
+        "other_versions": {"2": {"ready": 1}, "3": {"ready": 1}},
+    }
+    # the unversioned config document is the promoted version's
+    assert configs[0] == configs[2] != configs[1]
+    assert configs[0]["parameters"]["execution"] == {"string_value": "thread"}
+    assert config_on_trial == configs[1]
+    assert config_doc == configs[2]
+    # the promoted version's replica down: the model is not ready, and says why
+    no_canary = {"state": "UNAVAILABLE", "reason": "no replica ready",
+                 "replicas": {"open": 1},
+                 "other_versions": {"1": {"half_open": 1}, "3": {"ready": 1}}}
+    said = ("no replica ready (replicas: open 1; version '1': half_open 1; "
+            "version '3': ready 1)")
+    assert down == (False, {"ready": False, **no_canary}, ("UNAVAILABLE", "no replica ready"))
+    assert {t: s for t, (s, _) in canary_down.items()} == {
+        "/v2/health/ready": 503, "/v2/models/m/ready": 503,
+        "/v2/models/m/versions/1/ready": 200, "/v2/models/m/versions/2/ready": 503,
+    }
+    assert orjson.loads(canary_down["/v2/health/ready"][1]) == {
+        "error": f"not ready: m: {said}", "ready": False, "models": {"m": no_canary},
+    }
+    assert orjson.loads(canary_down["/v2/models/m/ready"][1]) == {
+        "error": f"model 'm' is not ready: {said}", "name": "m", "ready": False,
+        **no_canary,
+    }
+
+
+async def test_the_models_probes_follow_each_trial_its_rollback_and_its_promotion(
+    mock_clock,
+):
+    """Which version the model's unversioned probes decide on: the stable while a
+    canary is on trial (whatever its share) and after it is rolled back, the
+    canary once promoted, and a new trial's stable (the version that took every
+    unversioned request) from its start."""
+    from test_rollout_runtime import model
+
+    m = model({"stable": "1", "canary": "2", "steps": [0.5], "min_requests": 1000})
+    async with trioserve.open_runtime(config(m)) as rt:
+        seen = [("trial 1/2", _decided_by(rt))]
+        rt.rollback("m", reason="bad")
+        seen.append(("rolled back", _decided_by(rt)))
+        rt.start_rollout("m", canary="2")
+        seen.append(("trial 1/2 again", _decided_by(rt)))
+        rt.promote("m")
+        seen.append(("promoted 2", _decided_by(rt)))
+        rt.start_rollout("m", canary="3")
+        seen.append(("trial 2/3", _decided_by(rt)))
+        rt.rollback("m", reason="bad")
+        seen.append(("rolled back", _decided_by(rt)))
+        rt.start_rollout("m", canary="1")
+        rt.promote("m")
+        seen.append(("promoted 1", _decided_by(rt)))
+    assert seen == [
+        ("trial 1/2", "1"), ("rolled back", "1"), ("trial 1/2 again", "1"),
+        ("promoted 2", "2"), ("trial 2/3", "2"), ("rolled back", "2"), ("promoted 1", "1"),
+    ]

@@ -163,3 +163,26 @@ async def test_a_refused_document_loads_nothing_and_the_copy_serves_on(
         assert rt.models["m"] is old
         assert len(workers.made) == 1
         assert (await rt.infer("m", item(5.0)))["y"][0] == 5.0
+
+
+async def test_a_promoted_canarys_document_unchanged_reloads_the_table(autojump_clock):
+    """Once its canary is promoted the model's document is the canary's (it takes
+    every unversioned request), and a load's config in that shape is read against
+    the same copy: unchanged, it loads the table itself, not the canary's execution
+    as a change of the model's."""
+    from test_rollout_runtime import adder
+
+    m = ModelConfig(
+        name="m", backend=adder(1), max_wait_ms=0.0,
+        versions={"1": {}, "2": {"backend": adder(2, execution="thread")}},
+        rollout={"stable": "1", "canary": "2", "min_requests": 1000},
+    )
+    cfg = trioserve.Config(models=(m,), server=ServerConfig(model_control="explicit"))
+    async with trioserve.open_runtime(cfg) as rt:
+        rt.promote("m")
+        doc = shown(rt, "m")
+        assert doc == rt.triton_config("m", "2") != rt.triton_config("m", "1")
+        assert doc["parameters"]["execution"] == {"string_value": "thread"}
+        await rt.load_model("m", config=doc)
+        assert rt.model_state("m") == ("READY", "")  # no config of its own
+        assert rt.models["m"].config.execution is None
