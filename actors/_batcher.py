@@ -809,6 +809,7 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
 
     def on_crash(self, exc: BaseException) -> None:
         self.fail_current(ActorBroken(f"{self.name} crashed mid-batch: {exc!r}"))
+        self._scheduler.replicas_changed()  # down (restarting) until its run starts again
 
     def close(self) -> int:
         return self.fail_current(ActorClosed(f"{self.name}: the runtime is shut down"))

@@ -104,6 +104,10 @@ class SchedulerActor(Sparing, Actor):
         #: checked): set by ``hand_over`` when the successor's model takes other
         #: inputs than this queue's requests were checked against
         self.handed_check: Callable[[Request], None] | None = None
+        #: handed over because its model was unloaded (``hand_over``'s
+        #: ``refuse_held``): a request held apart for its input is answered at once
+        #: with what a new one gets, not held for the drain to wait on
+        self._refuse_held = False
         #: ``wait_empty`` callers, woken when a batch is taken or completed or a
         #: batcher idles
         self._emptied = trio.lowlevel.ParkingLot()
@@ -605,7 +609,8 @@ class SchedulerActor(Sparing, Actor):
         return self._closed
 
     def hand_over(
-        self, successor: SchedulerActor, check: Callable[[Request], None] | None = None
+        self, successor: SchedulerActor, check: Callable[[Request], None] | None = None,
+        *, refuse_held: bool = False,
     ) -> None:
         """Take no more requests: each new one goes to ``successor`` instead (a
         reloaded model's new queue, or an unloaded model's, which refuses it). What
@@ -623,10 +628,47 @@ class SchedulerActor(Sparing, Actor):
         (it takes the inputs this queue's requests were checked against); one
         checked goes straight to the queue at the end (:meth:`heir`), which is
         then the one ``check`` checks it against, not those between.
-        Not a checkpoint."""
+
+        ``refuse_held``: the model is unloaded (``successor`` refuses every
+        request): each request held apart for its input (``Reply.hung``: it hung a
+        thread earlier, and waits for a replica to spare) is answered now with what
+        a new request gets, never run (not charged), and so is one that would be
+        held from now (:meth:`_set_aside`), so that a drain (:meth:`wait_empty`)
+        does not wait for them to their deadlines. A reload does not: what is held
+        here stays here, nothing of it handed to the new copy. Not a checkpoint."""
         self.successor = successor
         self.handed_check = check
         self._closed = True
+        if refuse_held:
+            self._refuse_held = True
+            self._answer_held()
+
+    def _answer_held(self) -> None:
+        """Answer each request held apart for its input that never ran (an unloaded
+        model's: :meth:`hand_over`) with what a new request gets now, marked as never
+        run; drop one whose caller left. Not a checkpoint."""
+        apart = self._apart
+        if not apart:
+            return
+        for _ in range(len(apart)):
+            req = apart.popleft()
+            if req.reply.hung is None or req.reply.suspect:
+                apart.append(req)  # kept apart for another replica, or a retry
+                continue
+            self._refuse_one(req)
+        if self._emptied:
+            self._emptied.unpark_all()
+
+    def _refuse_one(self, req: Request) -> None:
+        """Answer ``req`` (dispatched, held apart for its input, never run) with the
+        refusal a new request gets from the queue it is handed over to (an unloaded
+        model's), not charged; it leaves the devices' cost."""
+        reply = req.reply
+        if reply.state is _DISPATCHED:
+            reply.set_error(_unrun(self.heir()._refusal()))
+        else:
+            reply.unrun()  # its caller left: it never ran
+        self.policy.left([req])
 
     def heir(self) -> SchedulerActor:
         """The queue a request handed over here goes to now: the last of its

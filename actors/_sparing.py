@@ -38,8 +38,10 @@ class Sparing:
         _retries: collections.deque[list[Request]]
         _apart: collections.deque[Request]
         _idle: trio.lowlevel.ParkingLot
+        _refuse_held: bool
 
         def _hold(self, requests: list[Request]) -> None: ...
+        def _refuse_one(self, req: Request) -> None: ...
 
     def _init_sparing(self) -> None:
         #: the inputs whose batch hung a worker thread of this queue's replicas,
@@ -150,14 +152,18 @@ class Sparing:
 
     def after_hang(self, hang: Hang | None = None, replica: Any = None) -> None:
         """A batch hung a thread of ``replica`` (``hang``) and was handed back
-        (:meth:`note_hang` first). Answer, rather than hold to its deadline, a
-        request held apart that can no longer run: a hedge twin whose twin hung
-        and was answered poison (:meth:`_held_twin_poisoned`), and one whose input
-        (remembered) is among those that hung now, when fewer than two replicas
-        other than ``replica`` are ready: what a new request with that input gets
-        (:meth:`_recall`). The replica that ran it alone beside a spared one hung
-        on it, and the spared one would otherwise be the last ready replica. Not
-        a checkpoint."""
+        (:meth:`note_hang` first). Re-decide every request held apart, and answer,
+        rather than hold to its deadline, one that can no longer run: a hedge twin
+        whose twin hung and was answered poison (:meth:`_held_twin_poisoned`), and,
+        when fewer than two replicas other than ``replica`` are ready, one whose
+        input hung a thread that still runs, this one or an earlier one: what a
+        new request with that input gets (:meth:`_unrunnable`, as
+        :meth:`replicas_changed` decides). The replica that ran it alone beside a
+        spared one hung (on it, or on another input), and the spared one would
+        otherwise be the last ready replica. An unloaded model's queue answers what
+        this hang marked to be held (:meth:`note_hang`) with its refusal
+        (:meth:`hand_over`). One loop over what is held; nothing when nothing is.
+        Not a checkpoint."""
         apart = self._apart
         if not apart:
             return
@@ -165,12 +171,15 @@ class Sparing:
         scarce = (
             hang is not None and memory is not None and self._ready_besides(replica) < 2
         )
+        unloaded = self._refuse_held
         for _ in range(len(apart)):
             req = apart.popleft()
             if (self.twins and self._held_twin_poisoned(req)) or (
-                scarce and self._hung_again(req, hang, memory)
+                scarce and self._unrunnable(req, memory)
             ):
                 self.policy.left([req])
+            elif unloaded and req.reply.hung is not None and not req.reply.suspect:
+                self._refuse_one(req)
             else:
                 apart.append(req)
 
@@ -209,18 +218,6 @@ class Sparing:
         if twin is not None and twin.answerable and twin.hung is not None:
             return False  # its twin's retry is the input's next run: it decides
         if memory.match(req.item) is None:
-            return False
-        self._poison(req, hung_input_poison(self.model))
-        return True
-
-    def _hung_again(self, req: Request, hang: Any, memory: Any) -> bool:
-        """Whether ``req``, held apart for its input (``Reply.hung``), was answered
-        poison because that input just hung another thread (``hang``). Not a
-        checkpoint."""
-        reply = req.reply
-        if reply.hung is None or reply.state is not DISPATCHED:
-            return False
-        if memory.match(req.item) is not hang:
             return False
         self._poison(req, hung_input_poison(self.model))
         return True
@@ -268,11 +265,14 @@ class Sparing:
         ones that may hang (:meth:`_recall`, :meth:`note_hang`): each is held apart
         to run alone where a replica can be spared (see :meth:`_next_apart`), or,
         when no other replica than ``puller`` is ready, is answered its poison error
-        now. Not a checkpoint."""
+        now; once the model is unloaded, it is answered the unload's refusal
+        (:meth:`hand_over`). Not a checkpoint."""
         kept = []
         for req in batch:
             if req.reply.hung is None:
                 kept.append(req)
+            elif self._refuse_held:
+                self._refuse_one(req)  # an unloaded model's: nothing is held
             elif puller is not None and not self._ready_besides(puller):
                 req.reply.set_error(hung_input_poison(self.model))
                 self.policy.left([req])

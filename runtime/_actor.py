@@ -68,7 +68,9 @@ class Actor:
         raise NotImplementedError
 
     def on_crash(self, exc: BaseException) -> None:
-        """Called after a crash, before the restart: fail or requeue what was in flight."""
+        """Called after a crash, before the restart: fail or requeue what was in flight.
+        The actor reads as down then (``restarting``, or ``broken`` when it is not
+        restarted), so that what it tells others of its crash counts it out."""
 
 
 async def supervise(
@@ -106,11 +108,11 @@ async def supervise(
             actor.state = ActorState.STOPPED
             raise
         except Exception as exc:
-            actor.on_crash(exc)
             if outer is not None:
                 # It never started: a start-up failure (a model that cannot load) is
                 # reported to whoever started it, not retried.
                 actor._transition(ActorState.BROKEN)
+                actor.on_crash(exc)
                 raise
             now = trio.current_time()
             crashes.append(now)
@@ -118,12 +120,15 @@ async def supervise(
                 crashes.popleft()
             if len(crashes) > policy.intensity:
                 actor._transition(ActorState.BROKEN)
+                actor.on_crash(exc)
                 raise ActorBroken(
                     f"{actor.name} crashed {len(crashes)} times within {policy.period:g}s "
                     f"(restart budget {policy.intensity}); last error: {exc!r}"
                 ) from exc
             actor.restarts += 1
+            # down from here (on_crash reads it so) until its run starts again
             actor._transition(ActorState.RESTARTING)
+            actor.on_crash(exc)
             log.warning(  # with its traceback: a crash is a bug to find
                 "%s crashed (%r); restart %d", actor.name, exc, actor.restarts, exc_info=True
             )

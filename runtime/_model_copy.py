@@ -109,7 +109,8 @@ async def _drain(copy: _Copy) -> None:
     by ``retire``: the shadow's copies in flight withdrawn): new requests go to the successor
     (each version's to the same version's); those queued here are pulled by the
     copy's replicas, which retire once every one is answered (a batch that fails is
-    run again in parts, by them)."""
+    run again in parts, by them). Unloaded, a request held apart for its input
+    (it hung a thread earlier) is answered the unload's refusal at once instead."""
     groups = copy.groups
     reloaded = isinstance(copy.successor, _Copy)  # (else: the stand-in refuses them all)
     for served in groups:
@@ -117,7 +118,12 @@ async def _drain(copy: _Copy) -> None:
         for lane in served.schedulers:
             after = successor.slow_scheduler if lane is served.slow_scheduler else None
             check = _handed_check(served, successor, lane) if reloaded else None
-            lane.hand_over(after if after is not None else successor.scheduler, check)
+            # unloaded: what a queue holds apart for its input (it hung a thread
+            # earlier) is refused now, never run, not waited for; a reload keeps it
+            lane.hand_over(
+                after if after is not None else successor.scheduler, check,
+                refuse_held=not reloaded,
+            )
     for served in groups:
         for lane in served.schedulers:
             await lane.wait_empty()
