@@ -41,8 +41,8 @@ class HandOverDropsTheQueued(SchedulerActor):
     """A hand-over (reload, unload) drops the batch queued at the swap: taken from
     the queue, never run nor answered."""
 
-    def hand_over(self, successor: Any, check: Any = None) -> None:
-        super().hand_over(successor, check)
+    def hand_over(self, successor: Any, check: Any = None, *, refuse_held: bool = False) -> None:
+        super().hand_over(successor, check, refuse_held=refuse_held)
         self.policy.next_batch(math.inf)
 
 
