@@ -81,6 +81,10 @@ class SchedulerActor(Sparing, Actor):
         self.replicas = 0
         #: those batchers (set by the assembly; ``replicas`` of them when complete)
         self.batchers: list[Any] = []
+        #: they run the model in worker threads, which cannot be stopped (set by the
+        #: assembly): a hedge copy is sent only where a third replica is left to
+        #: serve should the input hang both (:meth:`hedge_room`)
+        self.threads = False
         #: the model's queues, this one among them (set by the assembly: a model with
         #: a slow lane has two), and which of its requests this one takes when there
         #: are several (None: all), as an error message names them
@@ -245,14 +249,18 @@ class SchedulerActor(Sparing, Actor):
         A copy is speculative: it takes only free room in the queue, pushing nobody
         out, and a new request takes its room back (``offer_spare``). Returns False,
         with nothing queued and nothing counted, when there is none (or the runtime
-        is shut down), or when its input hung a worker thread that still runs
-        (:meth:`note_hang`). Once the hedge is over, call :meth:`forget_copy`.
+        is shut down), when its input hung a worker thread that still runs
+        (:meth:`note_hang`), or when thread replicas would have none ready left to
+        serve should the original and its copy both hang (:meth:`hedge_room`).
+        Once the hedge is over, call :meth:`forget_copy`.
         """
         if self._closed:
             return False
         if self.hung_inputs and self.hung_inputs.match(copy.item) is not None:
             # Its input hung a thread, which still runs: its original is held for
             # a replica to spare (or poison), and a copy would put another at risk.
+            return False
+        if not self.hedge_room():
             return False
         try:
             if not self.policy.offer_spare(copy, copy.arrival):

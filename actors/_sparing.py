@@ -34,6 +34,7 @@ class Sparing:
         policy: Any
         batchers: list[Any]
         replicas: int
+        threads: bool
         twins: dict[Any, Any]
         _retries: collections.deque[list[Request]]
         _apart: collections.deque[Request]
@@ -62,6 +63,16 @@ class Sparing:
             self.hung_inputs.drop_returned()
         if (self._retries or self._apart) and self._idle:
             self._idle.unpark_all()
+
+    def hedge_room(self) -> bool:
+        """Whether a hedge copy may be sent: always for replicas that can be killed
+        at their deadline (worker processes, Ray actors); for thread replicas
+        (``threads``) only while three or more are ready, so that one is left that
+        runs neither the original nor its copy should the input hang both (a
+        thread cannot be stopped: with two, one hanging input would take the
+        whole model). A count over the replicas, not the queue. Not a
+        checkpoint."""
+        return not self.threads or self._ready_besides(None) >= 3
 
     def spare(self, but: Any) -> int:
         """How many of this queue's replicas other than ``but`` are ready and not

@@ -564,6 +564,9 @@ async def _start_model(
     if slow is not None:
         await nursery.start(supervise, slow, policy)
     execution = m.execution or backend.default_execution
+    for lane in (scheduler, slow):
+        if lane is not None:
+            lane.threads = execution == "thread"  # (a hedge needs a third replica)
     started = trio.current_time()
     # (a model whose versions have weights of their own loads each: say which)
     which = f"model {m.name!r}" + (

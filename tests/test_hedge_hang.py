@@ -52,6 +52,29 @@ async def test_a_hedged_input_that_hangs_takes_two_replicas_at_most_and_is_answe
         model.let_all_return()
 
 
+async def test_two_thread_replicas_send_no_hedge_copy_so_a_hanging_input_takes_one():
+    """Two thread replicas, hedging after 1 ms. The copy of an input that hangs used
+    to hang the other replica too, and the model served nobody (readiness 503,
+    every request waiting to its deadline). No copy is sent now: the input takes
+    its own replica, is answered poison, and the other replica serves."""
+    model = Hangs()
+    try:
+        cfg = hanging_model(model, replicas=2, hedge=True, hedge_after_ms=1)
+        async with trioserve.open_runtime(config(cfg)) as rt:
+            with trio.fail_after(SERVED_WITHIN):
+                with pytest.raises(ModelError, match="poison request, not retried"):
+                    await rt.infer("m", item(HANG))
+            assert rt.hedges == 0
+            assert model.runs_of(HANG) == [1]
+            assert healths(rt) == ["degraded", "ready"]
+            with trio.fail_after(SERVED_WITHIN):
+                got = await values(rt, [float(v) for v in range(1, 9)])
+            assert got == {float(v): 2.0 * v for v in range(1, 9)}
+            assert model.runs_of(HANG) == [1]
+    finally:
+        model.let_all_return()
+
+
 class SlowFirst:
     """A thread model doubling ``x`` whose first call blocks until the test lets it
     go on (a slow replica that is healthy: it would answer)."""
@@ -74,12 +97,13 @@ class SlowFirst:
 
 
 async def test_a_slow_healthy_replicas_hedge_is_still_answered_first(autojump_clock):
-    """The rule costs a slow replica nothing: its request's copy runs on the other
+    """The rule costs a slow replica nothing: its request's copy runs on another
     replica and answers first, while the original still runs (no batch deadline is
-    reached: a replica that is slow, not hung)."""
+    reached: a replica that is slow, not hung). Three replicas: with two, thread
+    replicas send no copy (below)."""
     model = SlowFirst()
     cfg = callable_model(
-        "m", model, execution="thread", replicas=2, max_batch_size=8, max_wait_ms=5,
+        "m", model, execution="thread", replicas=3, max_batch_size=8, max_wait_ms=5,
         hedge=True, hedge_after_ms=50, timeout_ms=None,
     )
     try:
@@ -91,8 +115,8 @@ async def test_a_slow_healthy_replicas_hedge_is_still_answered_first(autojump_cl
             assert model.finished == 1  # the copy's; the original still runs
             assert not model.go_on.is_set()
             model.go_on.set()
-            await rt.models["m"].batchers[0].join_thread()
-            await rt.models["m"].batchers[1].join_thread()
+            for batcher in rt.models["m"].batchers:
+                await batcher.join_thread()
             assert model.finished == 2
             assert rt.statistics()["m"]["statuses"].get("poison", 0) == 0
     finally:
@@ -113,11 +137,39 @@ class Replica:
         return reply in self.running
 
 
-def scheduler_of(*replicas: Replica) -> SchedulerActor:
+def scheduler_of(*replicas: Replica, threads: bool = True) -> SchedulerActor:
     scheduler = SchedulerActor("m", FifoQueue(BatchLimits(max_size=4), bound=16))
     scheduler.batchers = list(replicas)
     scheduler.replicas = len(replicas)
+    scheduler.threads = threads
     return scheduler
+
+
+def copy_sent(scheduler: SchedulerActor, on: Replica) -> bool:
+    """Whether a copy of a request running on ``on`` is queued."""
+    original = Request(model="m", item=item(1.0), reply=Reply())
+    original.reply.dispatch()
+    on.running.append(original.reply)
+    copy = Request(model="m", item=item(1.0), reply=Reply())
+    sent = scheduler.submit_copy_nowait(original, copy)
+    assert scheduler.queue_depth() == (1 if sent else 0)
+    assert (copy.reply in scheduler.twins) is sent
+    return sent
+
+
+def test_thread_replicas_hedge_only_while_a_third_is_ready_to_serve():
+    # two thread replicas: the original's and the copy's would be all of them
+    a, b = Replica(), Replica()
+    assert not copy_sent(scheduler_of(a, b), a)
+    # three, one of them not ready (hung, or its breaker open): the same
+    a, b, c = Replica(), Replica(), Replica(ready=False)
+    assert not copy_sent(scheduler_of(a, b, c), a)
+    # three ready: one is left that runs neither
+    a, b, c = Replica(), Replica(), Replica()
+    assert copy_sent(scheduler_of(a, b, c), a)
+    # replicas that are killed at their deadline hedge with two, as before
+    a, b = Replica(), Replica()
+    assert copy_sent(scheduler_of(a, b, threads=False), a)
 
 
 def hedged(scheduler: SchedulerActor, on: Replica) -> tuple[Request, Request]:

@@ -26,7 +26,7 @@ from runtime_helpers import (
     key,
 )
 from trioserve import ModelConfig, TenantConfig
-from trioserve.actors import Breaker
+from trioserve.actors import Breaker, SchedulerActor
 
 
 # ---------------------------------------------------------------- slow lane, hedging
@@ -147,6 +147,16 @@ async def test_a_hedged_request_takes_the_copys_answer_when_the_first_straggles(
     finally:
         backend.release.set()
     assert [keys for _, keys in backend.ran[:2]] == [[7.0], [7.0]]
+
+
+
+@pytest.fixture(autouse=True)
+def threads_hedge_as_processes(monkeypatch):
+    """The hedging mechanics tested here (a copy's room, its expiry, refunds, which
+    answer wins) are those of any replicas; thread replicas send a copy only while
+    three or more are ready (``hedge_room``: tests/test_hedge_hang.py), so these
+    tests' two thread replicas, gated by events, hedge as worker processes do."""
+    monkeypatch.setattr(SchedulerActor, "hedge_room", lambda self: True)
 
 
 class HeldKeys:
