@@ -620,6 +620,9 @@ class BatcherActor(WorkerFeed, Retiring, Actor):
                 )
             req.reply.set_error(ModelError(msg))
             self._metrics.statuses["poison"] += 1
+        if poison:
+            # its input may be in another part of a hung batch (see after_hang)
+            self._scheduler.poisoned_alone(poison)
         self._metrics.statuses["retried"] += sum(len(b) for b in retry)
         self._scheduler.retry(retry)
 

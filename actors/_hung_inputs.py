@@ -40,13 +40,19 @@ class HungInputs:
     (``Hang``), each while the call it hung still runs: at most ``size``, the least
     recently noted or matched dropped first. An input that runs to completion in
     time is forgotten (:meth:`forget`); one whose call returned is forgotten at the
-    next look (:meth:`match`, :meth:`drop_returned`)."""
+    next look (:meth:`match`, :meth:`drop_returned`). Of those, the ones answered
+    poison after running alone (:meth:`poisoned`) are marked, for as long as they are
+    remembered: another request with such an input held for a retry is poison too
+    (:meth:`was_poisoned`)."""
 
-    __slots__ = ("_hangs", "size")
+    __slots__ = ("_hangs", "_poisoned", "size")
 
     def __init__(self, size: int = HUNG_INPUTS) -> None:
         self.size = size
         self._hangs: collections.OrderedDict[bytes, Hang] = collections.OrderedDict()
+        #: the digests of ``_hangs`` whose input was answered poison after it ran
+        #: alone (a subset of its keys: dropped with them)
+        self._poisoned: set[bytes] = set()
 
     def __len__(self) -> int:
         return len(self._hangs)
@@ -61,7 +67,7 @@ class HungInputs:
         hangs[key] = hang
         hangs.move_to_end(key)
         if len(hangs) > self.size:
-            hangs.popitem(last=False)
+            self._poisoned.discard(hangs.popitem(last=False)[0])
 
     def match(self, item: Any) -> Hang | None:
         """The call that ``item``'s input hung and that still runs; None: none
@@ -76,9 +82,39 @@ class HungInputs:
             return None
         if hang.returned:
             del self._hangs[key]
+            self._poisoned.discard(key)
             return None
         self._hangs.move_to_end(key)
         return hang
+
+    def poisoned(self, item: Any) -> bool:
+        """``item``'s input ran alone, hung a thread and was answered poison: mark
+        it, if it is remembered (its call, or the one it hung alone, runs). Returns
+        whether it was marked. Not for an input it does not remember: no other
+        request with it is held for a retry (its batch did not hang)."""
+        if not self._hangs:
+            return False
+        key = digest(item)
+        if key is None:
+            return False
+        hang = self._hangs.get(key)
+        if hang is None or hang.returned:
+            return False
+        self._poisoned.add(key)
+        return True
+
+    def any_poisoned(self) -> bool:
+        """Whether an input remembered was answered poison after it ran alone."""
+        return bool(self._poisoned)
+
+    def was_poisoned(self, item: Any) -> bool:
+        """Whether ``item``'s input was answered poison after it ran alone
+        (:meth:`poisoned`) and is still remembered. Digests ``item`` only while
+        one is marked."""
+        if not self._poisoned:
+            return False
+        key = digest(item)
+        return key is not None and key in self._poisoned
 
     def forget(self, item: Any) -> None:
         """``item``'s input ran to completion within its batch deadline: it did not
@@ -86,6 +122,7 @@ class HungInputs:
         key = digest(item)
         if key is not None:
             self._hangs.pop(key, None)
+            self._poisoned.discard(key)
 
     def ran(self, batch: list[Request]) -> None:
         """``batch`` ran to completion in time: forget the inputs of its requests
@@ -100,6 +137,7 @@ class HungInputs:
         hangs = self._hangs
         for key in [k for k, hang in hangs.items() if hang.returned]:
             del hangs[key]
+            self._poisoned.discard(key)
 
 
 def hung_input_poison(model: str) -> ModelError:
@@ -114,6 +152,22 @@ def hung_input_poison(model: str) -> ModelError:
         "ready replica)"
     )
     error.in_queue = True
+    return error
+
+
+def same_input_poison(model: str, *, ran: bool) -> ModelError:
+    """The error of a retried part of a batch that hung a worker thread of ``model``
+    whose input is that of another request of the batch, answered poison after it
+    ran alone (its call still runs): run again, it would hang its replica too. It
+    ran in the hung batch (``ran``): its caller is charged, unless it never reached
+    the model (``in_queue``)."""
+    error = ModelError(
+        f"model {model!r}: poison request, not retried: its batch ran past its "
+        "deadline in a worker thread, and another request of that batch with the "
+        "same input was found poison when run alone (it hung the model's worker "
+        "thread, and that call still runs)"
+    )
+    error.in_queue = not ran
     return error
 
 

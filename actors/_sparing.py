@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from trioserve import RequestState
 
-from ._hung_inputs import HungInputs, hedged_hang_poison, hedged_twin_poison, hung_input_poison
+from ._hung_inputs import (
+    HungInputs,
+    hedged_hang_poison,
+    hedged_twin_poison,
+    hung_input_poison,
+    same_input_poison,
+)
 from ._straggler import Hang, hung, may_hang
 
 DISPATCHED = RequestState.DISPATCHED
@@ -39,6 +45,7 @@ class Sparing:
         _retries: collections.deque[list[Request]]
         _apart: collections.deque[Request]
         _idle: trio.lowlevel.ParkingLot
+        _emptied: trio.lowlevel.ParkingLot
         _refuse_held: bool
 
         def _hold(self, requests: list[Request]) -> None: ...
@@ -161,6 +168,38 @@ class Sparing:
         if request.reply.set_error(error):
             self._count_poison()
 
+    def poisoned_alone(self, requests: list[Request]) -> None:
+        """``requests``, each run alone, hung a thread of this queue's replicas and
+        were answered poison (the batcher decides it): mark their inputs in what is
+        remembered (:meth:`note_hang`), so that a retried part holding one of them
+        (the same input twice in a hung batch) is answered poison too
+        (:meth:`after_hang`) rather than wait for a replica to spare. Nothing when
+        nothing is remembered. Not a checkpoint."""
+        memory = self.hung_inputs
+        if memory:
+            for r in requests:
+                memory.poisoned(r.item)
+
+    def _poison_retried(self, memory: HungInputs) -> None:
+        """Answer each retried part's request whose input was answered poison after
+        it ran alone (:meth:`poisoned_alone`) with :func:`same_input_poison`; the
+        others stay held, in their order. One look through the retries."""
+        retries = self._retries
+        dropped = False
+        for _ in range(len(retries)):
+            batch = retries.popleft()
+            kept = []
+            for req in batch:
+                if req.reply.state is DISPATCHED and memory.was_poisoned(req.item):
+                    self._poison(req, same_input_poison(self.model, ran=req.reply.ran))
+                    dropped = True
+                else:
+                    kept.append(req)
+            if kept:
+                retries.append(kept)
+        if dropped and self._emptied:
+            self._emptied.unpark_all()
+
     def after_hang(self, hang: Hang | None = None, replica: Any = None) -> None:
         """A batch hung a thread of ``replica`` (``hang``) and was handed back
         (:meth:`note_hang` first). Re-decide every request held apart, and answer,
@@ -173,12 +212,16 @@ class Sparing:
         spared one hung (on it, or on another input), and the spared one would
         otherwise be the last ready replica. An unloaded model's queue answers what
         this hang marked to be held (:meth:`note_hang`) with its refusal
-        (:meth:`hand_over`). One loop over what is held; nothing when nothing is.
-        Not a checkpoint."""
+        (:meth:`hand_over`). A retried part whose input was answered poison after
+        it ran alone (:meth:`poisoned_alone`: the same input twice in a hung batch)
+        is answered poison too (:meth:`_poison_retried`). One loop over what is
+        held; nothing when nothing is. Not a checkpoint."""
+        memory = self.hung_inputs
+        if memory is not None and self._retries and memory.any_poisoned():
+            self._poison_retried(memory)
         apart = self._apart
         if not apart:
             return
-        memory = self.hung_inputs
         scarce = (
             hang is not None and memory is not None and self._ready_besides(replica) < 2
         )

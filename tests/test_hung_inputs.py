@@ -33,7 +33,7 @@ from test_thread_hang import (
 from trioserve import ModelError, Reply, Request
 from trioserve.actors import BatchLimits, FairQueue, _hung_inputs
 from trioserve.actors._hung_inputs import HungInputs, digest
-from trioserve.actors._straggler import Hang, mark_hung
+from trioserve.actors._straggler import Hang, mark_hung, split_failed, to_retry
 
 
 # ---------------------------------------------------------------- the memory
@@ -73,6 +73,25 @@ def test_an_input_is_forgotten_once_it_ran_in_time_or_its_call_returned():
     memory.note(item(4.0), second)
     memory.drop_returned()
     assert len(memory) == 1
+
+
+def test_an_input_answered_poison_alone_is_marked_while_it_is_remembered():
+    memory = HungInputs()
+    hang = Hang()
+    assert not memory.poisoned(item(1.0))  # not remembered: nothing to mark
+    memory.note(item(1.0), hang)
+    memory.note(item(2.0), hang)
+    assert not memory.any_poisoned()
+    assert memory.poisoned(item(1.0))
+    assert memory.any_poisoned()
+    assert memory.was_poisoned(item(1.0))
+    assert not memory.was_poisoned(item(2.0))
+    memory.forget(item(1.0))  # forgotten: so is the mark
+    assert not memory.was_poisoned(item(1.0))
+    assert memory.poisoned(item(2.0))
+    hang.returned = True
+    memory.drop_returned()
+    assert not memory.any_poisoned()
 
 
 def test_an_input_it_cannot_digest_is_not_remembered():
@@ -337,6 +356,78 @@ async def test_the_input_held_apart_is_poison_once_the_replica_running_it_alone_
     assert info.value.in_queue  # never ran: not charged
     assert scheduler.queue_depth() == 0
     assert scheduler.metrics.statuses["poison"] == 1
+
+
+async def test_a_retried_part_with_the_input_found_poison_alone_is_answered_poison_at_once(
+    autojump_clock,
+):
+    # A hung batch held the same input twice (A1, A2). Once the hung call returned,
+    # A1 ran alone on a (b spared), hung it and was answered poison. A2's part used
+    # to wait for a replica to spare until its deadline (504, charged); now it is
+    # answered poison at once, and the innocent x still waits for a spare replica.
+    a, b = Replica(), Replica()
+    scheduler = with_metrics(scheduler_of(a, b))
+    a1, a2, x = (
+        Request(model="m", item=item(v), reply=Reply(), deadline=10.0) for v in (HANG, HANG, 1.0)
+    )
+    for r in (a1, a2, x):
+        scheduler.submit_nowait(r)
+    batch = await scheduler.pull(a)
+    assert batch == [a1, a2, x]
+    why = "its batch ran past its deadline of 0.100s"
+
+    def hangs(batch: list[Request], *, last: bool) -> Hang:
+        """``batch`` hangs ``a``'s thread, handed back as its batcher does."""
+        hang = Hang()
+        a.ready = False  # degraded while its thread runs
+        mark_hung(batch, hang)
+        scheduler.note_hang(batch, hang, a, why)
+        scheduler.completed(batch, failed=True)
+        retry, poison = split_failed(
+            to_retry(batch), poison_attempts=1 if last else 2, parts=8
+        )
+        for r in poison:
+            r.reply.set_error(ModelError(f"poison request, not retried: {why}"))
+        if poison:
+            scheduler.poisoned_alone(poison)
+        scheduler.retry(retry)
+        scheduler.after_hang(hang, a)
+        return hang
+
+    first = hangs(batch, last=False)
+    assert scheduler.queue_depth() == 3  # three parts, waiting for a to return
+    first.returned, a.ready = True, True
+    scheduler.thread_returned()
+    assert await scheduler.pull(a) == [a1]  # alone, b spared
+    got: list = []
+    done = trio.Event()
+
+    async def pull_b() -> None:
+        got.append(await scheduler.pull(b))
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull_b)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got  # b is the spared one: it takes no part
+        start = trio.current_time()
+        hangs([a1], last=True)  # b is the last ready replica: a1 is poison
+        with pytest.raises(ModelError, match="poison request, not retried"):
+            await a1.reply.wait()
+        assert not a2.reply.answerable  # answered then, not held to its deadline
+        with pytest.raises(ModelError) as info:
+            await a2.reply.wait()
+        assert trio.current_time() == start  # at once, not at its deadline
+        assert "the same input was found poison when run alone" in str(info.value)
+        assert not info.value.in_queue  # it ran in the hung batch: charged
+        assert scheduler.metrics.statuses["poison"] == 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got  # x's part still waits for a replica to spare
+        assert scheduler.queue_depth() == 1
+        scheduler.submit_nowait(request(2.0))  # b serves new work meanwhile
+        await done.wait()
+    assert [[r.item["x"][0] for r in b] for b in got] == [[2.0]]
+    assert x.reply.answerable
 
 
 # ---------------------------------------------------------------- replicas that change otherwise
