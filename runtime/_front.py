@@ -443,8 +443,13 @@ class Runtime(
         self._in_flight += 1
         hedge = served.hedge_timer
         delay = None  # when to send a hedged copy (None: never)
-        # A copy needs another replica than its original's to run on.
-        if hedge is not None and priority == self._class_order[0] and scheduler.replicas > 1:
+        # A copy needs another replica than its original's to run on, and thread
+        # replicas send none while fewer than three are ready (``hedge_room``): no
+        # wait for a copy that would be refused.
+        if (
+            hedge is not None and priority == self._class_order[0]
+            and scheduler.replicas > 1 and scheduler.hedge_room()
+        ):
             delay = served.config.hedge_after_ms
             delay = delay / 1e3 if delay is not None else hedge.value
         try:

@@ -123,6 +123,39 @@ async def test_a_slow_healthy_replicas_hedge_is_still_answered_first(autojump_cl
         model.go_on.set()
 
 
+def doubled(items):
+    return [{"y": it["x"] * 2} for it in items]
+
+
+@pytest.mark.parametrize(("replicas", "waits"), [(2, False), (3, True)])
+async def test_no_hedge_wait_is_started_while_no_copy_could_be_sent(
+    autojump_clock, monkeypatch, replicas, waits,
+):
+    """Two thread replicas send no hedge copy (``hedge_room``): the caller used to
+    wait the hedge delay all the same, to be refused its copy then. It now waits
+    for its answer alone; with three, the hedge is waited for."""
+    from trioserve._hedging import _Hedging
+
+    hedged = _Hedging._hedged
+    started: list[float] = []
+
+    async def note_hedged(self, scheduler, request, delay, refund):
+        started.append(delay)
+        return await hedged(self, scheduler, request, delay, refund)
+
+    monkeypatch.setattr(_Hedging, "_hedged", note_hedged)
+    cfg = callable_model(
+        "m", doubled, execution="thread", replicas=replicas, max_batch_size=8,
+        max_wait_ms=5, hedge=True, hedge_after_ms=50, timeout_ms=None,
+    )
+    async with trioserve.open_runtime(config(cfg)) as rt:
+        out = await rt.infer("m", item(3.0))
+        assert float(out["y"][0]) == 6.0
+        assert started == ([0.05] if waits else [])
+        if not waits:
+            assert rt.hedges == 0
+
+
 # ---------------------------------------------------------------- the queue's rule
 class Replica:
     """What the scheduler reads of a replica pulling from it; ``running``: the
