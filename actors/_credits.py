@@ -92,7 +92,8 @@ class TokenBucket:
         return (need - self.level) / self.rate
 
     def refund(
-        self, cost: float, *, since: int | None = None, reservation: int | None = None
+        self, cost: float, *, since: int | None = None, reservation: int | None = None,
+        now: float | None = None,
     ) -> None:
         """Give back credits taken for a request that never ran: a reservation whose
         caller left while waiting, or (``since``: the grant's ``seq``) a request the
@@ -108,10 +109,15 @@ class TokenBucket:
         grant (``since``). Either way, a reservation the bucket still counts as
         waiting (its start passed with no call since) is refunded as a waiter, so
         the two agree, and agree with the same refund after any call that refilled
-        the bucket (a grant refused at its start used to get nothing back)."""
+        the bucket (a grant refused at its start used to get nothing back).
+        ``now`` (with ``reservation``): the refund's time, so that a reservation whose
+        start has passed counts as started, as after a refill; without it, one still
+        listed as waiting counts as withdrawn before its start."""
         if reservation is not None:
             since = reservation  # unless it still waits: then a grant that started
-        if since is not None and self._waiting and self._refund_waiting(cost, since):
+        if since is not None and self._waiting and self._refund_waiting(
+            cost, since, withdrawn=reservation is not None, now=now
+        ):
             # Its reservation is still on the books as waiting: no call has refilled
             # the bucket since its start (then nothing was taken since, and a waiter's
             # refund is exact), or it was merged with a later one (whose peak bounds
@@ -149,7 +155,9 @@ class TokenBucket:
                         record[1] += give
         self.level = min(self.burst, self.level + give)
 
-    def _refund_waiting(self, cost: float, reservation: int) -> bool:
+    def _refund_waiting(
+        self, cost: float, reservation: int, *, withdrawn: bool, now: float | None
+    ) -> bool:
         """:meth:`refund` of the waiting reservation numbered ``reservation``: at most
         ``burst`` less the highest level a later waiter meets at its start (or one
         merged with it), and it leaves the waiting ones. False, refunding nothing,
@@ -168,6 +176,12 @@ class TokenBucket:
                 top = max(top, later[1])
             give = cost if top == -math.inf else max(0.0, min(cost, self.burst - top))
             records.remove(record)
+            if withdrawn and (now is None or entry[0] > now):
+                # its caller left before its start: the level it would have met then
+                # is no level the bucket held (a later grant's refund must not count
+                # it); one that started (``since``, or a start at or before ``now``)
+                # met it, and it stays
+                record[1] = -math.inf
             entry[2] -= 1
             if not entry[2]:
                 del waiting[i]

@@ -67,14 +67,16 @@ class _Credits:
             try:
                 unloaded = await _until_or_unloaded(at, served)
             except trio.Cancelled:
-                bucket.refund(cost, reservation=taken)  # never used: give them back
+                bucket.refund(  # never used: give them back
+                    cost, reservation=taken, now=trio.current_time()
+                )
                 self.credits_used[tenant] -= cost
                 self.credits_refunded[tenant] += cost
                 raise
             finally:
                 self.credit_wait_seconds[tenant] += trio.current_time() - now
             if unloaded:  # refused now, not when its credits come; never used
-                bucket.refund(cost, reservation=taken)
+                bucket.refund(cost, reservation=taken, now=trio.current_time())
                 self.credits_used[tenant] -= cost
                 self.credits_refunded[tenant] += cost
                 raise self._not_loaded(served.config.name)  # type: ignore[attr-defined]
