@@ -660,7 +660,7 @@ class SchedulerActor(Sparing, Actor):
             return
         for _ in range(len(apart)):
             req = apart.popleft()
-            if req.reply.hung is None or req.reply.suspect:
+            if req.reply.hung is None or req.reply.ran:
                 apart.append(req)  # kept apart for another replica, or a retry
                 continue
             self._refuse_one(req)

@@ -232,7 +232,7 @@ class Sparing:
                 scarce and self._unrunnable(req, memory)
             ):
                 self.policy.left([req])
-            elif unloaded and req.reply.hung is not None and not req.reply.suspect:
+            elif unloaded and req.reply.hung is not None and not req.reply.ran:
                 self._refuse_one(req)
             else:
                 apart.append(req)
