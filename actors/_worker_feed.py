@@ -185,10 +185,12 @@ class WorkerFeed:
                 self._in_flight.append(batch)
                 t0 = trio.current_time()
                 self._metrics.queue_wait.record_many([t0 - req.arrival for req in batch])
-                self._sending = batch  # in flight, not yet sent: it has reached nothing
+                # In flight, not all sent yet: it has reached nothing. The worker reads
+                # a batch whole before it runs it, so one whose sending did not end
+                # never ran there, whatever ends it (see _lose).
+                self._sending = batch
                 try:
                     await worker.submit([req.item for req in batch])
-                    self._sending = None
                 except trio.Cancelled:
                     worker.kill()
                     raise
@@ -202,11 +204,12 @@ class WorkerFeed:
                         # it out
                         if not r.reply.ran:
                             r.reply.unrun()  # a no-op unless its caller left
-                    self._sending = None
                     self._too_large(batch, exc)
                     self._in_flight.pop()  # never sent: the worker goes on
                     room.release()
                     continue
+                finally:
+                    self._sending = None
                 await sent_send.send((batch, t0))
                 if retried(batch) and self._scheduler.replicas > 1:
                     # A retry of a failed batch may hang or kill its worker again:
@@ -273,12 +276,13 @@ class WorkerFeed:
 
     def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
         """The worker is gone (or must go): kill it, hand its batches back — the one it
-        was running as a suspect, split in ``retry_parts``; the staged ones as they
-        were; those a worker that ``died`` had finished, their results unread in its
-        pipe (:meth:`WorkerProcess.finished_unread`), as they were and marked as
-        having run (``Reply.ran``) — and raise _WorkerLost to stop feeding it. The
-        loss is logged at once, or, when the worker ``died`` on its own, once it is
-        closed, with how it ended."""
+        was running as a suspect, split in ``retry_parts``; the staged ones, and one
+        it was still being sent (it never had it whole), as they were; those a
+        worker that ``died`` had finished, their results unread in its pipe
+        (:meth:`WorkerProcess.finished_unread`), as they were and marked as having
+        run (``Reply.ran``) — and raise _WorkerLost to stop feeding it. The loss is
+        logged at once, or, when the worker ``died`` on its own, once it is closed,
+        with how it ended."""
         if not worker.alive:
             raise _WorkerLost(why)  # already lost and handled (by the other task)
         worker.kill()
@@ -297,6 +301,12 @@ class WorkerFeed:
         # running the oldest: a straggler's, whose result did not come in time.)
         done = worker.finished_unread() if died else 0
         crashed = batches[done] if done < len(batches) else None
+        if crashed is not None and crashed is self._sending:
+            # It died as this batch was being sent (what it had of it, it was
+            # reading): it never had it whole, so never ran it, and what it died of
+            # is not this batch. It goes back as it was, never run. It used to be
+            # made the suspect: split, a poison attempt counted, and charged.
+            crashed = None
         if crashed is None or not retried(crashed):
             # A retry that crashes again is its requests' doing (it counts towards
             # their poison attempts): a few poison requests, bisected, would open
@@ -305,7 +315,7 @@ class WorkerFeed:
         for b in batches[:done]:
             for r in b:
                 r.reply.ran = True  # it ran: charged, run again as it was
-        back = batches[:done] + batches[done + 1:]
+        back = batches[:done] + (batches[done + 1:] if crashed is not None else batches[done:])
         if back:
             # The finished and the staged ones first: they ran into nothing, and have
             # waited already.
