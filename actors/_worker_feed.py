@@ -248,25 +248,49 @@ class WorkerFeed:
                 self.stragglers += 1
                 self._metrics.statuses["straggler"] += 1
                 self._lose(worker, f"it ran past its batch deadline of {deadline:.3f}s")
-            broken = False
-            if isinstance(outputs, WorkerProcess.TooLarge):
-                for r in batch:
-                    # it ran: only its outputs could not come back. Its halves run
-                    # again charged (not suspects: no fault of their inputs), and
-                    # one whose caller leaves meanwhile is not refunded.
-                    r.reply.ran = True
-                self._too_large(batch, outputs)
-            elif isinstance(outputs, Exception):
-                broken = self._model_failed(batch, outputs)
-            else:
-                self._timer.record(worker.last_run_seconds)
-                self._breaker.success()
-                self._deliver(batch, outputs, t0)
+            broken = self._answered(batch, outputs, t0, worker.last_run_seconds)
             if self._in_flight and self._in_flight[0] is batch:
                 self._in_flight.popleft()
             if broken or self._replace_due:
                 self._replace_broken(worker)
             room.release()
+
+    def _answered(
+        self, batch: list[Request], outputs: Any, t0: float, seconds: float,
+        *, success: bool = True,
+    ) -> bool:
+        """What the worker answered for ``batch`` (sent at ``t0``): its outputs (it ran
+        ``seconds``; a ``success`` for the breaker), or the error its run raised
+        (WorkerError, FrameTooLarge). Returns whether the model's error opened the
+        breaker."""
+        if isinstance(outputs, WorkerProcess.TooLarge):
+            for r in batch:
+                # it ran: only its outputs could not come back. Its halves run
+                # again charged (not suspects: no fault of their inputs), and
+                # one whose caller leaves meanwhile is not refunded.
+                r.reply.ran = True
+            self._too_large(batch, outputs)
+            return False
+        if isinstance(outputs, Exception):
+            return self._model_failed(batch, outputs)
+        self._timer.record(seconds)
+        if success:
+            self._breaker.success()
+        self._deliver(batch, outputs, t0)
+        return False
+
+    def _answer_unread(
+        self, batches: list[list[Request]], results: list, *, success: bool = True
+    ) -> None:
+        """Answer the oldest of ``batches`` with the results their lost worker wrote
+        and nobody read (:meth:`WorkerProcess.unread_results`), as if read in time
+        (their outputs a ``success`` for the breaker, as they would have been): they
+        ran to their end, and running them again would only charge the work twice,
+        and hand their callers another run's outputs (or its failure)."""
+        now = trio.current_time()
+        for batch, (outputs, seconds) in zip(batches, results, strict=False):
+            self._worker_seconds += seconds
+            self._answered(batch, outputs, now - seconds, seconds, success=success)
 
     async def _watch(self, worker: WorkerProcess) -> None:
         # A worker can die while idle, with no batch to find out by: its replica would
@@ -275,14 +299,14 @@ class WorkerFeed:
         self._lose(worker, f"its {self._worker_kind} exited (pid {worker.pid})", died=True)
 
     def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
-        """The worker is gone (or must go): kill it, hand its batches back — the one it
-        was running as a suspect, split in ``retry_parts``; the staged ones, and one
-        it was still being sent (it never had it whole), as they were; those a
-        worker that ``died`` had finished, their results unread in its pipe
-        (:meth:`WorkerProcess.finished_unread`), as they were and marked as having
-        run (``Reply.ran``) — and raise _WorkerLost to stop feeding it. The loss is
-        logged at once, or, when the worker ``died`` on its own, once it is closed,
-        with how it ended."""
+        """The worker is gone (or must go): kill it, answer those of its batches that a
+        worker that ``died`` had finished, with the results it wrote and nobody read
+        (in its pipe: :meth:`WorkerProcess.unread_results`), hand the others back —
+        the one it was running as a suspect, split in ``retry_parts``; the staged
+        ones, and one it was still being sent (it never had it whole), as they were
+        — and raise _WorkerLost to stop feeding it. The loss is logged at once, or,
+        when the worker ``died`` on its own, once it is closed, with how it
+        ended."""
         if not worker.alive:
             raise _WorkerLost(why)  # already lost and handled (by the other task)
         worker.kill()
@@ -296,10 +320,12 @@ class WorkerFeed:
             )
         batches = list(self._in_flight)
         # A worker that died may have written results not read yet (its death found
-        # by _watch before _collect read them): those batches ran to their end, and
-        # the one after them is the one it died running. (Killed by us, it was
-        # running the oldest: a straggler's, whose result did not come in time.)
-        done = worker.finished_unread() if died else 0
+        # by _watch, or by a send, before _collect read them): those batches ran to
+        # their end, and the one after them is the one it died running. (Killed by
+        # us, it was running the oldest: a straggler's, whose result did not come in
+        # time.) They used to be run again (charged), their results dropped.
+        results = worker.unread_results() if died else []
+        done = len(results)
         crashed = batches[done] if done < len(batches) else None
         if crashed is not None and crashed is self._sending:
             # It died as this batch was being sent (what it had of it, it was
@@ -307,18 +333,16 @@ class WorkerFeed:
             # is not this batch. It goes back as it was, never run. It used to be
             # made the suspect: split, a poison attempt counted, and charged.
             crashed = None
+        # (before the breaker is told: their successes came before this failure)
+        self._answer_unread(batches, results)
         if crashed is None or not retried(crashed):
             # A retry that crashes again is its requests' doing (it counts towards
             # their poison attempts): a few poison requests, bisected, would open
             # the breaker of a sound replica and hold every other request back.
             self._breaker.failure(trio.current_time())
-        for b in batches[:done]:
-            for r in b:
-                r.reply.ran = True  # it ran: charged, run again as it was
-        back = batches[:done] + (batches[done + 1:] if crashed is not None else batches[done:])
+        back = batches[done + 1:] if crashed is not None else batches[done:]
         if back:
-            # The finished and the staged ones first: they ran into nothing, and have
-            # waited already.
+            # The staged ones first: they ran into nothing, and have waited already.
             for b in back:
                 self._scheduler.completed(b, failed=True)
             self._scheduler.retry([handed_back(b) for b in back])
@@ -439,11 +463,15 @@ class WorkerFeed:
         # it was running (unless it was never sent), reached the model. Their callers
         # are charged, whatever happens to them after (ran = reached the model): one
         # who leaves before the run again is not refunded. They used to be, as if
-        # never started.
-        for b in batches[:worker.finished_unread() + 1]:
-            if b is not self._sending:
-                for r in b:
-                    r.reply.ran = True
+        # never started. Those it finished are answered what it wrote (as _lose's),
+        # which closes no breaker: its successor's trial is what does.
+        results = worker.unread_results()
+        done = len(results)
+        self._answer_unread(batches, results, success=False)
+        batches = batches[done:]
+        if batches and batches[0] is not self._sending:
+            for r in batches[0]:
+                r.reply.ran = True
         for b in batches:
             self._scheduler.completed(b, failed=True)
         self._scheduler.retry([handed_back(b) for b in batches])

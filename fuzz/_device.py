@@ -230,10 +230,10 @@ class TrioWorker:
         self.kill()
         await trio.lowlevel.checkpoint()
 
-    def finished_unread(self) -> int:
+    def unread_results(self) -> list[tuple[Any, float]]:
         # each result is read the moment its batch is done (``result``), and a
         # batch the worker dies at the end of wrote none: none waits unread
-        return 0
+        return []
 
     async def wait_exited(self) -> None:
         await self._exited.wait()

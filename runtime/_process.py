@@ -399,17 +399,20 @@ class WorkerProcess:
                 pass  # a view is still alive; the mapping goes with it
             self._shm = None
 
-    def finished_unread(self) -> int:
-        """Once killed: how many of the batches left in flight it finished, their
-        results written and not read (waiting in its pipe, read now without
-        waiting: what :meth:`aclose` reads on keeps them). It runs its batches in
-        order, each once it has written the result of the one before, so the batch
-        after those is the one it was running, if any. Exact for a worker that has
-        exited (a death found by :meth:`wait_exited` before the results were read);
-        one killed alive may write one more before the signal lands. 0 when not
-        killed. Not a checkpoint."""
+    def unread_results(self) -> list[tuple[Any, float]]:
+        """Once killed: what it wrote for the batches left in flight that it finished,
+        their results not read (waiting in its pipe, read now without waiting: what
+        :meth:`aclose` reads on keeps them), oldest first: each (its outputs as
+        :meth:`result` returns them, or the WorkerError or FrameTooLarge it would
+        raise; the seconds it ran). It runs its batches in order, each once it has
+        written the result of the one before, so the batch after those is the one it
+        was running, if any: also the one whose device context it lost (its "lost"
+        reply ends them). A result half written is not one. Exact for a worker that
+        has exited (a death found by :meth:`wait_exited` before the results were
+        read); one killed alive may write one more before the signal lands. Empty
+        when not killed. Not a checkpoint."""
         if self._tail is None:
-            return 0
+            return []
         fd, data = self._tail
         chunks = [data]
         try:
@@ -420,21 +423,27 @@ class WorkerProcess:
             pass  # nothing more now (BlockingIOError), or a pipe that broke
         data = b"".join(chunks)
         self._tail = (fd, data)
-        written = 0
+        results: list[tuple[Any, float]] = []
         at = 0
-        while at + _LEN.size <= len(data):
+        while at + _LEN.size <= len(data) and len(results) < self._left_in_flight:
             end = at + _LEN.size + _LEN.unpack_from(data, at)[0]
             if end > len(data):
                 break  # half written: the batch it was running
             try:
-                kind = pickle.loads(data[at + _LEN.size:end])[0]
+                reply = pickle.loads(data[at + _LEN.size:end])
             except Exception:
                 break  # misread: count no further
-            if kind not in ("ok", "error", "too_large", "lost"):
-                break  # the zygote's word on how it ended comes last
-            written += 1
+            kind = reply[0]
+            if kind == "ok":
+                results.append((unstack_outputs(reply[1], reply[2]), reply[3]))
+            elif kind == "error":
+                results.append((WorkerError(reply[1]), 0.0))
+            elif kind == "too_large":
+                results.append((FrameTooLarge(reply[1]), 0.0))
+            else:
+                break  # "lost" (the batch it failed on), or the zygote's word: the last
             at = end
-        return min(written, self._left_in_flight)
+        return results
 
     async def aclose(self) -> None:
         """Kill the process and wait until it has exited (shielded, bounded), then

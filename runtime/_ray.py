@@ -579,11 +579,11 @@ class RayReplica:
             if self.ended_how is None:
                 self.ended_how = _how(exc)
 
-    def finished_unread(self) -> int:
-        """As a worker process's (:meth:`WorkerProcess.finished_unread`): an actor's
-        results are its calls' own, each read as it comes, so none waits unread: 0.
-        Not a checkpoint."""
-        return 0
+    def unread_results(self) -> list[tuple[Any, float]]:
+        """As a worker process's (:meth:`WorkerProcess.unread_results`): an actor's
+        results are its calls' own, each read as it comes, so none waits unread:
+        none. Not a checkpoint."""
+        return []
 
     def kill(self) -> None:
         """Kill the actor (``ray.kill``, no restart) and drop its batches' refs.

@@ -395,7 +395,9 @@ class _StandIn:
     ended_how: str | None = None
     stderr_tail: str | None = None
     never_started = 0  # not known, unless a stand-in says
-    unread = 0  # results written and not read when it was lost, unless a stand-in says
+    #: results written and not read when it was lost ((outputs, seconds) each, as
+    #: WorkerProcess.unread_results), unless a stand-in says
+    unread: tuple = ()
     _exited: trio.Event
 
     async def start(self) -> None:
@@ -415,8 +417,8 @@ class _StandIn:
     async def wait_exited(self) -> None:
         await self._exited.wait()
 
-    def finished_unread(self) -> int:
-        return self.unread
+    def unread_results(self) -> list:
+        return list(self.unread)
 
 
 class NoZygote:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import types
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -531,7 +532,7 @@ async def test_a_half_of_a_batch_whose_outputs_were_too_large_is_charged_while_i
 
 class _DyingWorker(_StandIn):
     """A worker process in trio time that answers no batch: the test makes it die
-    (``die``), having written the results of its first ``unread`` batches, which
+    (``die``), having written ``unread``, the results of its first batches, which
     nothing read (its reader waits until the runtime kills it)."""
 
     def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
@@ -549,7 +550,7 @@ class _DyingWorker(_StandIn):
         self._killed = True
         self._exited.set()
 
-    def die(self, unread: int) -> None:
+    def die(self, unread: tuple) -> None:
         self.unread = unread
         self._gone.set()
 
@@ -571,9 +572,10 @@ async def test_a_worker_found_dead_before_its_results_were_read_crashed_on_the_b
     """Its worker finished batch a (its result written, not read yet), died running
     b, and never started c; the watch on its exit finds the death first. b is the
     suspect (split, an attempt counted: a crashing input is recognised on the next
-    worker), and charged when its caller left; a ran too (handed back to run again,
-    charged); c never ran (its caller, gone, is refunded). b used to be handed back
-    as never started (refunded, no attempt counted) and a made the suspect."""
+    worker), and charged when its caller left; a ran too (answered the result its
+    worker wrote, charged); c never ran (its caller, gone, is refunded). b used to
+    be handed back as never started (refunded, no attempt counted) and a made the
+    suspect."""
     import trioserve._runtime
     import trioserve.actors._batcher
 
@@ -581,10 +583,11 @@ async def test_a_worker_found_dead_before_its_results_were_read_crashed_on_the_b
     monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _DyingWorker)
     cfg = _process_config(max_batch_size=1, max_wait_ms=0, timeout_ms=None)
     scopes = {v: trio.CancelScope() for v in (1.0, 2.0, 3.0)}
+    answers: dict[float, list[float]] = {}
 
     async def caller(rt, value: float) -> None:
         with scopes[value]:
-            await rt.infer("m", item(value))
+            answers[value] = (await rt.infer("m", item(value)))["y"].tolist()
 
     async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
         for value in (1.0, 2.0, 3.0):
@@ -598,11 +601,11 @@ async def test_a_worker_found_dead_before_its_results_were_read_crashed_on_the_b
             scopes[2.0].cancel("the caller left")
         await trio.testing.wait_all_tasks_blocked()
         assert _credits(rt) == (3, 0)  # dispatched: each may still run
-        worker.die(unread=1)
+        worker.die(unread=(([{"y": np.array([1.0], dtype=np.float32)}], 0.0),))
         await trio.testing.wait_all_tasks_blocked()
         assert batcher.workers_lost == 1
         assert batcher._worker is not worker  # its successor runs what came back
-        assert a.reply.ran
+        assert answers == {1.0: [1.0]}  # a: what its worker wrote
         assert not a.reply.suspect  # it did not fail
         if crashed == "its caller stays":
             assert b.reply.ran

@@ -1,17 +1,34 @@
-"""A worker process that dies at an awkward moment for its batcher: while a batch is
+"""A worker process that dies at an awkward moment for its batcher: after writing
+results nobody read yet (they are delivered, not run again), or while a batch is
 still being written into its pipe (that batch never reached it: it goes back as
 never run, no suspect). Stand-in workers in trio time, whose death the test sets
 off; the batcher's two ways of finding it (the watch on its exit, and the call
-that failed on its pipe) both taken."""
+that failed on its pipe) both taken; and a real worker process whose parent reads
+nothing of it until it is dead."""
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import NoZygote, _StandIn, callable_model, item
-from trioserve import TenantConfig
+from runtime_helpers import (
+    NoZygote,
+    _StandIn,
+    callable_model,
+    config,
+    crash_on_666,
+    item,
+    key,
+    pythonpath_with,
+)
+from trioserve import ModelError, TenantConfig, WorkerProcess
+from trioserve.actors import Breaker
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _config(**cfg) -> trioserve.Config:
@@ -35,8 +52,8 @@ class _Worker(_StandIn):
     """A worker process in trio time. Every one but the first echoes each batch
     (``y = x``) as soon as it is asked for its result. The first answers nothing:
     its results are read only once the runtime kills it; the test makes it die
-    (:meth:`die`), and may hold the sending of a batch (``hold_send``) until it
-    dies."""
+    (:meth:`die`), having written the results ``written`` of its first batches,
+    or holds the sending of a batch (``hold_send``) until it dies."""
 
     made: list[_Worker] = []
 
@@ -48,6 +65,7 @@ class _Worker(_StandIn):
         self.hold_send = False
         self.seen_by = "watch"  # which of the batcher's calls finds the death
         self._read = 0  # results read
+        self._written: list = []
         self._killed = trio.Event()
         self._gone = trio.Event()  # exited on its own
         self._exited = self._killed  # (the base's, for aclose)
@@ -60,11 +78,17 @@ class _Worker(_StandIn):
     def kill(self) -> None:
         self._killed.set()
 
-    def die(self) -> None:
+    def die(self, written: list | None = None) -> None:
+        self._written = written or []
         self._gone.set()
 
     async def wait_exited(self) -> None:
         await (self._gone if self.seen_by == "watch" else self._killed).wait()
+
+    def unread_results(self) -> list:
+        if not self._killed.is_set():
+            return []
+        return [(outputs, 0.0) for outputs in self._written]
 
     async def submit(self, items) -> None:
         self.sent.append(items)
@@ -83,15 +107,78 @@ class _Worker(_StandIn):
         return [{"y": it["x"]} for it in self.sent[self._read - 1]]
 
 
+class _RecordingBreaker(Breaker):
+    """A Breaker that records what it was told, in order (of every replica)."""
+
+    told: list[str] = []
+
+    def failure(self, now: float) -> None:
+        _RecordingBreaker.told.append("failure")
+        super().failure(now)
+
+    def success(self) -> None:
+        _RecordingBreaker.told.append("success")
+        super().success()
+
+
 @pytest.fixture
 def worker_class(monkeypatch):
     import trioserve._runtime
     import trioserve.actors._batcher
 
     _Worker.made = []
+    _RecordingBreaker.told = []
+    monkeypatch.setattr(trioserve.actors, "Breaker", _RecordingBreaker)
     monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
     monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _Worker)
     return _Worker
+
+
+@pytest.mark.parametrize("seen_by", ["watch", "the next send"])
+async def test_results_a_dead_worker_wrote_are_delivered_not_run_again(
+    autojump_clock, manual_watchdog, worker_class, seen_by
+):
+    """Its worker wrote a's result (nothing read it yet), died running b, never
+    started c; the batcher finds the death before it reads a's result (the watch on
+    its exit, or a send that fails on its pipe). a's caller gets that result, the
+    one it ran (charged once, not run again); b is the suspect; c goes back. a used
+    to be handed back to run again on the next worker, charged, its result dropped
+    (and its caller, had it left meanwhile, charged for both runs' work)."""
+    cfg = _config()
+    answers: dict[float, object] = {}
+
+    async def caller(rt, value: float) -> None:
+        answers[value] = (await rt.infer("m", item(value)))["y"].tolist()
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        (first,) = worker_class.made
+        first.seen_by = "watch" if seen_by == "watch" else "nobody"
+        for value in (1.0, 2.0, 3.0):
+            # (the third, in the second case, held as it is sent, as the worker dies)
+            first.hold_send = value == 3.0 and seen_by == "the next send"
+            nursery.start_soon(caller, rt, value)
+            await trio.testing.wait_all_tasks_blocked()
+        batcher = rt.models["m"].batchers[0]
+        ((a,), (b,), (c,)) = batcher._in_flight
+        # what the dead worker computed for a: not what a second run gives
+        first.die(written=[[{"y": np.array([10.0], dtype=np.float32)}]])
+        await trio.testing.wait_all_tasks_blocked()
+        assert batcher.workers_lost == 1
+    assert answers[1.0] == [10.0]  # the result it wrote, read from its pipe
+    assert answers[2.0] == [2.0]
+    assert answers[3.0] == [3.0]
+    assert a.reply.run is not None  # answered from its run
+    assert not a.reply.suspect
+    assert b.reply.suspect  # it crashed the worker
+    assert b.reply.attempts == 1
+    assert not c.reply.suspect
+    ran_again = [it["x"][0] for w in worker_class.made[1:] for batch in w.sent for it in batch]
+    assert 1.0 not in ran_again  # a ran once
+    assert sorted(ran_again) == [2.0, 3.0]
+    assert _credits(rt) == (3, 0)
+    # a's success came before the death, which the breaker counts (b's retry's
+    # success on the next worker after it)
+    assert _RecordingBreaker.told[:3] == ["success", "failure", "success"]
 
 
 @pytest.mark.parametrize("seen_by", ["watch", "the send"])
@@ -142,3 +229,109 @@ async def test_a_batch_whose_sending_its_worker_died_in_never_ran(
     else:
         assert 2.0 not in answers
         assert _credits(rt) == (1, 1)  # b never ran: refunded
+
+
+async def test_a_replaced_worker_s_unread_results_are_delivered(
+    autojump_clock, manual_watchdog, worker_class
+):
+    """The worker's breaker opened on another replica's evidence: it is replaced as
+    its first batch a is answered. It had finished b too (its result written, not
+    read yet) and was running c. b's caller gets what it wrote (b runs nowhere
+    else); c reached the model: handed back as it was, charged (``Reply.ran``), no
+    suspect. b used to be handed back to run again, charged, its result dropped."""
+    cfg = _config()
+    answers: dict[float, object] = {}
+
+    async def caller(rt, value: float) -> None:
+        answers[value] = (await rt.infer("m", item(value)))["y"].tolist()
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        (first,) = worker_class.made
+        first.seen_by = "nobody"
+        finish = trio.Event()
+        result = first.result
+
+        async def first_answered_on_finish():
+            if not finish.is_set():
+                await finish.wait()
+                return [{"y": it["x"]} for it in first.sent[0]]
+            return await result()
+
+        first.result = first_answered_on_finish
+        for value in (1.0, 2.0, 3.0):
+            nursery.start_soon(caller, rt, value)
+            await trio.testing.wait_all_tasks_blocked()
+        batcher = rt.models["m"].batchers[0]
+        ((_,), (b,), (c,)) = batcher._in_flight
+        first._written = [[{"y": np.array([20.0], dtype=np.float32)}]]
+        batcher._replace_due = True  # (as another replica's evidence sets it)
+        finish.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert batcher.workers_broken == 1
+    assert answers == {1.0: [1.0], 2.0: [20.0], 3.0: [3.0]}
+    assert not b.reply.suspect
+    assert c.reply.ran
+    assert not c.reply.suspect
+    ran_again = [it["x"][0] for w in worker_class.made[1:] for batch in w.sent for it in batch]
+    assert ran_again == [3.0]
+    assert _credits(rt) == (3, 0)
+
+
+class _UnreadProcess(WorkerProcess):
+    """A worker process that records the batches sent to it; the first one made is
+    never asked for a result (its parent is slow to read): its death is found by the
+    watch on its exit, with what it wrote still in its pipe."""
+
+    made: list[_UnreadProcess] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent: list[list[float]] = []
+        _UnreadProcess.made.append(self)
+
+    async def submit(self, items) -> None:
+        self.sent.append([key(it) for it in items])
+        await super().submit(items)
+
+    async def result(self):
+        if self is _UnreadProcess.made[0]:
+            await trio.sleep_forever()
+        return await super().result()
+
+
+async def test_a_dead_worker_process_s_unread_result_is_read_from_its_pipe(monkeypatch):
+    """A real worker process runs a, writes its result, and exits in b
+    (``crash_on_666``) before its parent read a's result. a's caller gets it, read
+    from the dead worker's pipe, and a runs nowhere else; b, the suspect, crashes
+    the next workers until it is poison. a used to run again on the next worker."""
+    import trioserve.actors._batcher
+
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))  # crash_on_666's
+    _UnreadProcess.made = []
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _UnreadProcess)
+    cfg = config(callable_model(
+        "m", crash_on_666, execution="process", max_batch_size=1, max_wait_ms=0,
+        timeout_ms=None,
+    ))
+    answers: dict[float, object] = {}
+
+    async def caller(rt, value: float) -> None:
+        try:
+            answers[value] = (await rt.infer("m", item(value)))["y"].tolist()
+        except ModelError as exc:
+            answers[value] = exc
+
+    async with trioserve.open_runtime(cfg) as rt:
+        batcher = rt.models["m"].batchers[0]
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(caller, rt, 1.0)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(caller, rt, 666.0)
+    assert answers[1.0] == [1.0]
+    assert isinstance(answers[666.0], ModelError)
+    assert "poison request" in str(answers[666.0])
+    first, *later = _UnreadProcess.made
+    assert first.sent == [[1.0], [666.0]]
+    assert all(batch == [666.0] for w in later for batch in w.sent)  # a ran once
+    assert batcher.workers_lost >= 2

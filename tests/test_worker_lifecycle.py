@@ -559,12 +559,12 @@ async def test_a_closed_worker_says_which_batches_in_flight_it_never_started(
 
 
 @pytest.mark.parametrize("spawn", ["forked", "alone"])
-async def test_a_killed_worker_says_which_batches_it_finished_unread(
+async def test_a_killed_worker_gives_the_results_it_wrote_that_were_not_read(
     monkeypatch, tmp_path, spawn
 ):
     """A worker that wrote its first batch's result, nobody reading it, and then
-    held the second: killed, its pipe says it finished one (the result waiting
-    there), so the batch it was running is the second; the third never started."""
+    held the second: killed, its pipe holds the first's outputs (read without
+    waiting), so the batch it was running is the second; the third never started."""
     gate = tmp_path / "open"
     monkeypatch.setenv(GATE_FILE_ENV, str(gate))
     monkeypatch.setenv("PYTHONPATH", pythonpath_with(TESTS))
@@ -584,10 +584,12 @@ async def test_a_killed_worker_says_which_batches_it_finished_unread(
                 gate.unlink()
                 for v in (2.0, 3.0):
                     await worker.submit([x(v)])
-            assert worker.finished_unread() == 0  # not known while it runs
+            assert worker.unread_results() == []  # not known while it runs
             worker.kill()
-            assert worker.finished_unread() == 1
-            assert worker.finished_unread() == 1  # what it read is kept
+            ((outputs, seconds),) = worker.unread_results()
+            assert [o["y"].tolist() for o in outputs] == [[1.0, 0.0]]
+            assert seconds >= 0.0
+            assert len(worker.unread_results()) == 1  # what it read is kept
         finally:
             await worker.aclose()
         assert worker.never_started == 1  # aclose reads on from what it kept
