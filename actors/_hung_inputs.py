@@ -13,7 +13,7 @@ import collections
 import hashlib
 from typing import Any
 
-from trioserve import ModelError, Request
+from trioserve import ActorClosed, ModelError, Request
 
 from ._cachekey import _feed
 from ._straggler import Hang
@@ -199,3 +199,16 @@ def hedged_twin_poison(model: str) -> ModelError:
     )
     error.in_queue = True
     return error
+
+
+def unloaded_hung_error(model: str) -> ActorClosed:
+    """The error of a request held to run again after its batch hung a worker thread
+    of ``model`` (it waits for a replica to spare) when the model is unloaded: a
+    copy that unloads runs nothing that may hang a thread again (another hung call
+    would hold its unload). It ran in the hung batch: its caller is charged (not
+    ``in_queue``)."""
+    return ActorClosed(
+        f"model {model!r} was unloaded while this request waited to be run again "
+        "after its batch hung the model's worker thread (it ran past its deadline): "
+        "a model that unloads runs no request that may hang a thread again"
+    )

@@ -370,7 +370,9 @@ class SchedulerActor(Sparing, Actor):
         ``pull`` of any batcher takes them before new work. A request whose deadline
         has passed is answered now (see :meth:`_settle`), and one that waits is
         answered at its deadline by the actor's timer, whether or not a replica
-        pulls meanwhile (the only one may be stuck in a straggling thread)."""
+        pulls meanwhile (the only one may be stuck in a straggling thread). Once the
+        model is unloaded, one that may hang a thread is answered at once
+        (:meth:`hand_over`)."""
         now = trio.current_time()
         for batch in batches:
             if batch:
@@ -385,6 +387,8 @@ class SchedulerActor(Sparing, Actor):
                             # a request carrying an answered one's item: it has no
                             # deadline, and leaves when withdrawn, as a queued one
                             relay.on_withdraw = self._drop_withdrawn
+        if self._refuse_held and self._retries:
+            self._refuse_retries()  # an unloaded model's: nothing waits for a spare
         if self._retries and self._idle:
             self._idle.unpark_all()
 
@@ -416,7 +420,12 @@ class SchedulerActor(Sparing, Actor):
 
     def keep_apart(self, request: Request) -> None:
         """A batcher pulled ``request`` (dispatched) while it holds its hedge twin:
-        another replica's next ``pull`` takes it, alone (see :meth:`pull`)."""
+        another replica's next ``pull`` takes it, alone (see :meth:`pull`); one that
+        may hang a thread is answered at once once the model is unloaded
+        (:meth:`hand_over`)."""
+        if self._refuse_held and request.reply.hung is not None:
+            self._refuse_one(request)
+            return
         self._apart.append(request)
         self._hold([request])
         if self._idle:
@@ -638,45 +647,22 @@ class SchedulerActor(Sparing, Actor):
         then the one ``check`` checks it against, not those between.
 
         ``refuse_held``: the model is unloaded (``successor`` refuses every
-        request): each request held apart for its input (``Reply.hung``: it hung a
-        thread earlier, and waits for a replica to spare) is answered now with what
-        a new request gets, never run (not charged), and so is one that would be
-        held from now (:meth:`_set_aside`), so that a drain (:meth:`wait_empty`)
-        does not wait for them to their deadlines. A reload does not: what is held
-        here stays here, nothing of it handed to the new copy. Not a checkpoint."""
+        request): each request held because it may hang a thread (``Reply.hung``:
+        its batch, or its input, hung one earlier, and it waits for a replica to
+        spare), kept apart or a failed batch's retry, is answered now, and so is
+        one that would be held from now (:meth:`_set_aside`, :meth:`retry`), so that
+        a drain (:meth:`wait_empty`) does not wait for them to their deadlines: one
+        that never ran with what a new request gets (not charged), one that ran
+        with :func:`unloaded_hung_error` (charged: it reached the model). A retry
+        that may not hang (a part of a batch that raised) is left for this queue's
+        replicas, which pull it at once. A reload does not: what is held here stays
+        here, nothing of it handed to the new copy. Not a checkpoint."""
         self.successor = successor
         self.handed_check = check
         self._closed = True
         if refuse_held:
             self._refuse_held = True
             self._answer_held()
-
-    def _answer_held(self) -> None:
-        """Answer each request held apart for its input that never ran (an unloaded
-        model's: :meth:`hand_over`) with what a new request gets now, marked as never
-        run; drop one whose caller left. Not a checkpoint."""
-        apart = self._apart
-        if not apart:
-            return
-        for _ in range(len(apart)):
-            req = apart.popleft()
-            if req.reply.hung is None or req.reply.ran:
-                apart.append(req)  # kept apart for another replica, or a retry
-                continue
-            self._refuse_one(req)
-        if self._emptied:
-            self._emptied.unpark_all()
-
-    def _refuse_one(self, req: Request) -> None:
-        """Answer ``req`` (dispatched, held apart for its input, never run) with the
-        refusal a new request gets from the queue it is handed over to (an unloaded
-        model's), not charged; it leaves the devices' cost."""
-        reply = req.reply
-        if reply.state is _DISPATCHED:
-            reply.set_error(_unrun(self.heir()._refusal()))
-        else:
-            reply.unrun()  # its caller left: it never ran
-        self.policy.left([req])
 
     def heir(self) -> SchedulerActor:
         """The queue a request handed over here goes to now: the last of its

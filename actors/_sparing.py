@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trioserve import RequestState
+from trioserve import RequestState, TrioserveError
 
 from ._hung_inputs import (
     HungInputs,
@@ -19,6 +19,7 @@ from ._hung_inputs import (
     hedged_twin_poison,
     hung_input_poison,
     same_input_poison,
+    unloaded_hung_error,
 )
 from ._straggler import Hang, hung, may_hang
 
@@ -49,7 +50,7 @@ class Sparing:
         _refuse_held: bool
 
         def _hold(self, requests: list[Request]) -> None: ...
-        def _refuse_one(self, req: Request) -> None: ...
+        def heir(self) -> Any: ...
 
     def _init_sparing(self) -> None:
         #: the inputs whose batch hung a worker thread of this queue's replicas,
@@ -172,9 +173,9 @@ class Sparing:
         """``requests``, each run alone, hung a thread of this queue's replicas and
         were answered poison (the batcher decides it): mark their inputs in what is
         remembered (:meth:`note_hang`), so that a retried part holding one of them
-        (the same input twice in a hung batch) is answered poison too
-        (:meth:`after_hang`) rather than wait for a replica to spare. Nothing when
-        nothing is remembered. Not a checkpoint."""
+        (the same input twice in a hung batch) is answered poison too, rather than
+        wait for a replica to spare (:meth:`after_hang`). Nothing when nothing is
+        remembered. Not a checkpoint."""
         memory = self.hung_inputs
         if memory:
             for r in requests:
@@ -200,6 +201,62 @@ class Sparing:
         if dropped and self._emptied:
             self._emptied.unpark_all()
 
+    def _answer_held(self) -> None:
+        """Answer each request held because it may hang a thread, kept apart or a
+        retry (an unloaded model's: :meth:`hand_over`), as :meth:`_refuse_one`
+        does. Not a checkpoint."""
+        apart = self._apart
+        for _ in range(len(apart)):
+            req = apart.popleft()
+            if req.reply.hung is None:
+                apart.append(req)  # kept apart for another replica than its twin's
+            else:
+                self._refuse_one(req)
+        if self._retries:
+            self._refuse_retries()
+        if self._emptied:
+            self._emptied.unpark_all()
+
+    def _refuse_one(self, req: Request, *, kept_apart: bool = True) -> None:
+        """Answer ``req`` (held because it may hang a thread, in an unloaded
+        model's queue): one that never ran with the refusal a new request gets from
+        the queue it is handed over to, not charged; one that ran (a failed
+        batch's retry) with :func:`unloaded_hung_error`, charged. One whose caller
+        left is dropped (told it never ran, unless it ran). ``kept_apart``: it
+        leaves the devices' cost (a retry left it when its batch was handed
+        back)."""
+        reply = req.reply
+        if reply.state is DISPATCHED:
+            if reply.ran:
+                reply.set_error(unloaded_hung_error(self.model))
+            else:
+                refusal = self.heir()._refusal()
+                if isinstance(refusal, TrioserveError):
+                    refusal.in_queue = True  # never ran: not charged
+                reply.set_error(refusal)
+        elif not reply.ran:
+            reply.unrun()  # its caller left: it never ran
+        if kept_apart:
+            self.policy.left([req])
+
+    def _refuse_retries(self) -> None:
+        """Answer each request of the retries that may hang a thread (``Reply.hung``)
+        as an unloaded model's queue does (:meth:`_refuse_one`: charged when it ran,
+        as a failed batch's retry did); the others stay, in their order, for this
+        queue's replicas. One look through the retries. Not a checkpoint."""
+        retries = self._retries
+        for _ in range(len(retries)):
+            kept = []
+            for req in retries.popleft():
+                if req.reply.hung is None:
+                    kept.append(req)
+                else:
+                    self._refuse_one(req, kept_apart=False)
+            if kept:
+                retries.append(kept)
+        if self._emptied:
+            self._emptied.unpark_all()
+
     def after_hang(self, hang: Hang | None = None, replica: Any = None) -> None:
         """A batch hung a thread of ``replica`` (``hang``) and was handed back
         (:meth:`note_hang` first). Re-decide every request held apart, and answer,
@@ -211,7 +268,7 @@ class Sparing:
         :meth:`replicas_changed` decides). The replica that ran it alone beside a
         spared one hung (on it, or on another input), and the spared one would
         otherwise be the last ready replica. An unloaded model's queue answers what
-        this hang marked to be held (:meth:`note_hang`) with its refusal
+        this hang marked to be held (:meth:`note_hang`) at once
         (:meth:`hand_over`). A retried part whose input was answered poison after
         it ran alone (:meth:`poisoned_alone`: the same input twice in a hung batch)
         is answered poison too (:meth:`_poison_retried`). One loop over what is
@@ -232,7 +289,7 @@ class Sparing:
                 scarce and self._unrunnable(req, memory)
             ):
                 self.policy.left([req])
-            elif unloaded and req.reply.hung is not None and not req.reply.ran:
+            elif unloaded and req.reply.hung is not None:
                 self._refuse_one(req)
             else:
                 apart.append(req)
