@@ -370,9 +370,11 @@ class SchedulerActor(Sparing, Actor):
         ``pull`` of any batcher takes them before new work. A request whose deadline
         has passed is answered now (see :meth:`_settle`), and one that waits is
         answered at its deadline by the actor's timer, whether or not a replica
-        pulls meanwhile (the only one may be stuck in a straggling thread). Once the
-        model is unloaded, one that may hang a thread is answered at once
-        (:meth:`hand_over`)."""
+        pulls meanwhile (the only one may be stuck in a straggling thread). A part
+        with an input found poison when run alone (:meth:`poisoned_alone`) is
+        answered poison now, however it was handed back (a hang, or a model raise
+        after that input hung a thread alone), and, once the model is unloaded,
+        one that may hang a thread is answered at once (:meth:`hand_over`)."""
         now = trio.current_time()
         for batch in batches:
             if batch:
@@ -387,6 +389,9 @@ class SchedulerActor(Sparing, Actor):
                             # a request carrying an answered one's item: it has no
                             # deadline, and leaves when withdrawn, as a queued one
                             relay.on_withdraw = self._drop_withdrawn
+        memory = self.hung_inputs
+        if memory is not None and self._retries and memory.any_poisoned():
+            self._poison_retried(memory)
         if self._refuse_held and self._retries:
             self._refuse_retries()  # an unloaded model's: nothing waits for a spare
         if self._retries and self._idle:

@@ -174,8 +174,10 @@ class Sparing:
         were answered poison (the batcher decides it): mark their inputs in what is
         remembered (:meth:`note_hang`), so that a retried part holding one of them
         (the same input twice in a hung batch) is answered poison too, rather than
-        wait for a replica to spare (:meth:`after_hang`). Nothing when nothing is
-        remembered. Not a checkpoint."""
+        wait for a replica to spare: one held when it is marked (:meth:`after_hang`),
+        and one handed back later, as a part of a batch that raised on another
+        replica (:meth:`retry`). Nothing when nothing is remembered. Not a
+        checkpoint."""
         memory = self.hung_inputs
         if memory:
             for r in requests:

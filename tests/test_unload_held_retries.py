@@ -1,6 +1,7 @@
 """A failed batch's retry held for a replica to spare (its batch hung a worker thread
 of a thread replica: docs/faults.md, "A hanging input and the last thread replica")
-when the model is unloaded.
+when the model is unloaded, and a retried part whose input was found poison alone
+handed back by a model raise.
 
 A request that ran is never refunded; one that never ran is refunded exactly once.
 """
@@ -13,7 +14,7 @@ import trio.testing
 from test_held_apart import UNLOADING, served, stand_in
 from test_hung_inputs import hung_in, request, with_metrics
 from test_thread_hang import HANG, Replica, scheduler_of
-from trioserve import ActorClosed, Request, UnknownModel
+from trioserve import ActorClosed, ModelError, Request, UnknownModel
 from trioserve._model_copy import _Copy, _drain
 from trioserve._outcomes import _never_ran, _refund_if_unrun
 from trioserve.actors._straggler import Hang, mark_hung
@@ -148,3 +149,39 @@ async def test_a_reload_keeps_a_ran_retry_held_for_its_own_replicas(autojump_clo
     assert scheduler.queue_depth() == 1
     c.risking = False  # c is spared now: b runs it, here
     assert await scheduler.pull(b) == [waiting]
+
+
+# ---------------------------------------------------------------- handed back by a raise
+async def test_a_part_with_an_input_found_poison_handed_back_by_a_raise_is_poison_at_once(
+    autojump_clock,
+):
+    # A hung batch held the same input twice (A1, A2), in two parts. A2's part
+    # ([A2, x]) ran on c beside a spared d while A1, alone on b, hung b too and was
+    # answered poison: A2's part was not held then. c's model then raised on the
+    # part; split, [A2] was handed back and held for a replica to spare (d runs a
+    # part that may hang) until its deadline, since only a hang looked for a part
+    # with an input found poison. It is answered poison as it is handed back.
+    a, b, c, d = Replica(ready=False), Replica(ready=False), Replica(), Replica()
+    scheduler = with_metrics(scheduler_of(a, b, c, d))
+    hang = hung_in(scheduler, HANG, 1.0)
+    a1 = request(HANG)
+    a1.reply.dispatch()
+    scheduler.poisoned_alone([a1])  # it hung b alone, answered poison
+    d.risking = True
+    a2, x = request(HANG), request(1.0)
+    a2 = Request(model="m", item=a2.item, reply=a2.reply, deadline=DEADLINE)
+    x = Request(model="m", item=x.item, reply=x.reply, deadline=DEADLINE)
+    for r in (a2, x):
+        r.reply.dispatch()
+        mark_hung([r], hang)
+        r.reply.suspect = r.reply.ran = True
+    start = trio.current_time()
+    scheduler.retry([[a2], [x]])  # the raised part, split (as _model_failed does)
+    assert not a2.reply.answerable  # answered as it is handed back
+    with pytest.raises(ModelError, match="the same input was found poison") as info:
+        await a2.reply.wait()
+    assert trio.current_time() == start
+    assert not info.value.in_queue  # it ran in the hung batch: charged
+    assert scheduler.metrics.statuses["poison"] == 1
+    assert x.reply.answerable  # the innocent part still waits for a replica to spare
+    assert scheduler.queue_depth() == 1
