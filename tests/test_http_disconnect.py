@@ -210,6 +210,53 @@ async def test_a_running_request_whose_client_hangs_up_is_dropped(caplog):
     assert errors(caplog) == []
 
 
+def keyed(x: float, key: bytes) -> bytes:
+    """``request(x)`` with ``Idempotency-Key: key``."""
+    return request(x).replace(b"Host: t\r\n", b"Host: t\r\nIdempotency-Key: %b\r\n" % key)
+
+
+@pytest.mark.parametrize("where", ["running", "queued"])
+async def test_a_keyed_request_whose_client_hangs_up_runs_once_for_its_retry(caplog, where):
+    """A client that loses its connection and retries with the same Idempotency-Key
+    gets the first request's answer: the first is neither withdrawn nor dropped when
+    its client hangs up (the key asks for one run), so the model runs it once. Its
+    answer used to be dropped (or the request withdrawn) and the key forgotten, so
+    the retry ran the model a second time."""
+    model = Held()
+    try:
+        async with serving(held_config(model)) as gw:
+            rt = gw.runtime
+            blocker = None
+            if where == "queued":
+                blocker = await connect(gw)
+                await blocker.send_all(request(5.0))  # runs, held
+                await model.wait_holding()
+            gone = await connect(gw)
+            await gone.send_all(keyed(1.0, b"k1"))
+            if where == "running":
+                await model.wait_holding()
+            await settle()
+            await gone.aclose()
+            await settle()
+            assert gw.statistics().clients_gone == 0  # not cancelled: still waiting
+            retry = await connect(gw)
+            await retry.send_all(keyed(1.0, b"k1"))
+            await settle()
+            model.release()
+            if blocker is not None:
+                assert await answers(blocker, 1) == [(200, "5.0")]
+                await blocker.aclose()
+            assert await answers(retry, 1) == [(200, "1.0")]
+            await retry.aclose()
+            assert model.seen.count(1.0) == 1
+            assert gw.idempotency.replayed == 1
+            assert rt.credits_refunded["t"] == 0
+            assert gw.statistics().requests_in_flight == 0
+    finally:
+        model.release()
+    assert errors(caplog) == []
+
+
 async def test_a_drain_past_its_grace_still_answers_503_and_is_no_hang_up():
     model = Held()
     try:

@@ -9,7 +9,9 @@ once, at its first data-plane request, for hang-ups only (``EPOLLRDHUP``, ``EPOL
 and stays registered until the connection closes. When a client hangs up while its
 connection awaits an infer, the watch cancels the connection's scope: ``Runtime.infer``
 withdraws the request if it is still queued (and refunds its credits) or drops its
-answer if it is running, and the connection closes without an answer.
+answer if it is running, and the connection closes without an answer. A request with
+an ``Idempotency-Key`` is not watched: it runs, and its answer waits in the key's
+store for the retry of a client that lost its connection.
 
 The hot path pays no system call: a request only sets and clears ``_Conn.waiting``.
 The registration is ``EPOLLONESHOT``: a hang-up reported while the connection was not

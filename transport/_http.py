@@ -375,7 +375,10 @@ class _Connection:
             if route is not None:
                 if watch is not None and not conn.armed:
                     watch.arm(fd, conn)  # once a connection, unless it hung up since
-                conn.waiting = True
+                # A keyed request is carried out whoever leaves: its client asked for
+                # one run, and the retry it sends after a lost connection waits for it
+                # and gets its answer (cancelled, it would run again for the retry).
+                conn.waiting = idem is None
                 try:
                     status, headers, out = await infer(
                         route[0], route[1], body, authorization=auth, header_length=hlen,
