@@ -380,3 +380,55 @@ async def test_a_flusher_that_fails_on_a_send_fails_its_waiting_writers():
         with pytest.raises(trio.BrokenResourceError):
             await stream.send_all(b"late")
     await stream.aclose()
+
+
+@pytest.mark.parametrize("ends", ["fails", "is cancelled"])
+async def test_a_flusher_whose_write_fails_lets_go_of_what_is_queued(ends):
+    """A flusher write that fails (the client reset the connection), or is cancelled
+    part way, breaks the stream: nothing queued behind it will be written. Those
+    pieces are let go as the flusher ends, so ``unsent`` (which the connection's
+    byte budget counts) falls to nothing, and the writers waiting for room are
+    woken with BrokenResourceError. The pieces stayed queued and counted until the
+    stream closed."""
+    transport = _FailsOnSecondWrite()
+    stream = ReplayStream(transport, b"", limit=10)
+    outcomes: dict[int, str] = {}
+
+    async def writer(i: int) -> None:
+        try:
+            await stream.send_all(bytes([i]) * 8)
+            outcomes[i] = "queued"
+        except trio.BrokenResourceError:
+            outcomes[i] = "broken"
+
+    async with trio.open_nursery() as nursery:
+        flushing = trio.CancelScope()
+
+        async def flusher() -> None:
+            with flushing:
+                await stream.run_flusher()
+
+        nursery.start_soon(flusher)
+        await settle()
+        for i in range(4):
+            nursery.start_soon(writer, i)
+            await settle()
+        # the first piece in a write that waits, three queued behind it, past the
+        # limit: writers 2 and 3 wait for room, and still do once the next write
+        # has taken its piece (two remain queued, past the limit)
+        assert outcomes == {0: "queued", 1: "queued"}
+        assert stream.unsent == 4 * 8
+        if ends == "fails":
+            transport.go.set()  # the first write ends, the second fails
+        else:
+            flushing.cancel("the stream is closing")  # the first write, cut
+        await settle()
+        assert not stream._flushing
+        assert outcomes == {0: "queued", 1: "queued", 2: "broken", 3: "broken"}
+        assert stream.unsent == 0
+        assert len(stream._out) == 0
+        with pytest.raises(trio.BrokenResourceError):
+            await stream.send_all(b"late")
+        assert stream.unsent == 0
+    await stream.aclose()
+    assert transport.writes == [bytes([0]) * 8] + ([bytes([1]) * 8] if ends == "fails" else [])

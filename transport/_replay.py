@@ -51,7 +51,10 @@ class ReplayStream(trio.abc.HalfCloseableStream):
 
     A write cancelled part way (a client that does not read, at the end of a drain)
     may have sent part of a frame: the stream is then broken, and nothing more is
-    written (what followed would be read as the rest of the cut frame).
+    written (what followed would be read as the rest of the cut frame). A flusher
+    write that fails or is cut so lets go of the pieces queued behind it as the
+    flusher ends (``unsent`` falls to 0), and wakes the writers waiting for room with
+    BrokenResourceError.
 
     A socket's writes are bounded by ``write_timeout``: a write the client takes no
     byte of for that long stalls. The flusher then stops, the stream is broken for
@@ -177,7 +180,13 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         finally:
             self._writing = 0
             self._flushing = False
-            self._room.unpark_all()
+            if self._error is not None:
+                # A write failed or was cut (the client left, a cancellation): the
+                # stream is broken, nothing queued will be written. Let go of it now,
+                # so ``unsent`` is right and it is not held until the stream closes.
+                self._out.clear()
+                self._out_size = 0
+            self._room.unpark_all()  # each writer waiting for room sees the error
             self._stopped.set()
 
     async def stop_flusher(self) -> None:
