@@ -127,10 +127,11 @@ class _Statistics:
         ``{"open": 1}``): without ``version``, those of the version unversioned
         requests go to (the latest, or the rollout's stable, or its canary once
         promoted: as :meth:`model_ready`); with it, that version's. A model whose
-        versions have replicas of their own also has ``other_versions``: each other
-        version's replicas by health, those not counted in ``replicas``
-        (docs/rollout.md). UnknownModel for a model (or version) not served. Not a
-        checkpoint."""
+        versions have replicas of their own also has ``replicas_of``, the versions
+        those ``replicas`` serve (the one probed and those sharing its replicas),
+        and ``other_versions``: each other version's replicas by health, those not
+        counted in ``replicas`` (docs/rollout.md). UnknownModel for a model (or
+        version) not served. Not a checkpoint."""
         served = self._probed(model, version)
         ready = self.model_ready(model, version)
         state, reason = self.model_state(model)

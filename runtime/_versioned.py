@@ -467,9 +467,13 @@ class _Versioned:
         out = super().readiness(model, version)
         family = self._families.get(model)
         if family is not None and len(family.groups) > 1:
-            # ``replicas`` are the asked version's (or the target's) alone: the
-            # others', labelled by version, so that the two never read as one
+            # ``replicas`` are the asked version's (or the target's) alone, and
+            # those of the versions sharing them: said (``replicas_of``), and the
+            # others' labelled by version, so that the two never read as one
             asked = self._probed(model, version)
+            out["replicas_of"] = [
+                v for v, served in family.by_version.items() if served is asked
+            ]
             out["other_versions"] = {
                 v: dict(sorted(collections.Counter(
                     replica_health(b) for b in served.batchers

@@ -130,15 +130,15 @@ async def test_a_rollouts_probes_count_the_versions_asked_for_each_labelled(mock
         canary_down = {t: await probe(client, t) for t in targets}
         canary_readiness = rt.readiness("m", "2")
     no_stable = {"state": "UNAVAILABLE", "reason": "no replica ready",
-                 "replicas": {"open": 1},
+                 "replicas": {"open": 1}, "replicas_of": ["1"],
                  "other_versions": {"2": {"ready": 1}, "3": {"ready": 1}}}
-    said = ("no replica ready (replicas: open 1; version '2': ready 1; "
+    said = ("no replica ready (replicas of version '1': open 1; version '2': ready 1; "
             "version '3': ready 1)")
     assert in_process == (
         False,
         {"ready": False, **no_stable},
         {"ready": True, "state": "READY", "reason": "", "replicas": {"ready": 1},
-         "other_versions": {"1": {"open": 1}, "3": {"ready": 1}}},
+         "replicas_of": ["2"], "other_versions": {"1": {"open": 1}, "3": {"ready": 1}}},
     )
     # the status codes are as they were: the stable's decides the model's probes
     assert {t: s for t, (s, _) in stable_down.items()} == {
@@ -159,7 +159,7 @@ async def test_a_rollouts_probes_count_the_versions_asked_for_each_labelled(mock
     assert stable_down["/v2/models/m/versions/2/ready"][1] == b'{"name":"m","ready":true}'
     # the canary down: the model serves (200), its version's probe says why
     no_canary = {"state": "UNAVAILABLE", "reason": "no replica of version '2' ready",
-                 "replicas": {"open": 1},
+                 "replicas": {"open": 1}, "replicas_of": ["2"],
                  "other_versions": {"1": {"half_open": 1}, "3": {"ready": 1}}}
     assert canary_readiness == {"ready": False, **no_canary}
     assert {t: s for t, (s, _) in canary_down.items()} == {
@@ -167,8 +167,8 @@ async def test_a_rollouts_probes_count_the_versions_asked_for_each_labelled(mock
         "/v2/models/m/versions/1/ready": 200, "/v2/models/m/versions/2/ready": 503,
     }
     assert orjson.loads(canary_down["/v2/models/m/versions/2/ready"][1]) == {
-        "error": ("model 'm' is not ready: no replica of version '2' ready (replicas: "
-                  "open 1; version '1': half_open 1; version '3': ready 1)"),
+        "error": ("model 'm' is not ready: no replica of version '2' ready (replicas of "
+                  "version '2': open 1; version '1': half_open 1; version '3': ready 1)"),
         "name": "m", "version": "2", "ready": False, **no_canary,
     }
 
@@ -190,22 +190,28 @@ async def test_versions_sharing_the_models_replicas_are_not_counted_as_others(mo
         two = rt.readiness("m", "2")
     assert latest == {
         "ready": False, "state": "UNAVAILABLE", "reason": "no replica ready",
-        "replicas": {"open": 1}, "other_versions": {"2": {"ready": 1}},
+        "replicas": {"open": 1}, "replicas_of": ["1", "3"],
+        "other_versions": {"2": {"ready": 1}},
     }
     assert one[0] == 503
     assert orjson.loads(one[1])["error"] == (
-        "model 'm' is not ready: no replica ready (replicas: open 1; version '2': ready 1)"
+        "model 'm' is not ready: no replica ready (replicas of versions '1', '3': open 1; "
+        "version '2': ready 1)"
     )
     assert two == {
         "ready": True, "state": "READY", "reason": "",
-        "replicas": {"ready": 1}, "other_versions": {"1": {"open": 1}, "3": {"open": 1}},
+        "replicas": {"ready": 1}, "replicas_of": ["2"],
+        "other_versions": {"1": {"open": 1}, "3": {"open": 1}},
     }
 
 
 def _decided_by(rt) -> str:
-    """The version whose replicas the model's unversioned readiness counts: the one
-    not among its ``other_versions``."""
-    (version,) = set(rt._families["m"].by_version) - set(rt.readiness("m")["other_versions"])
+    """The version whose replicas the model's unversioned readiness counts (its
+    ``replicas_of``: here no version shares another's replicas), the one not among
+    its ``other_versions``."""
+    readiness = rt.readiness("m")
+    (version,) = readiness["replicas_of"]
+    assert {version} == set(rt._families["m"].by_version) - set(readiness["other_versions"])
     return version
 
 
@@ -251,7 +257,7 @@ async def test_after_a_promotion_the_models_probes_decide_on_the_promoted_versio
     assert in_process == (
         True,
         {"ready": True, "state": "READY", "reason": "", "replicas": {"ready": 1},
-         "other_versions": no_stable},
+         "replicas_of": ["2"], "other_versions": no_stable},
         ("READY", ""), True, True,
     )
     assert {t: s for t, (s, _) in stable_down.items()} == {
@@ -260,10 +266,11 @@ async def test_after_a_promotion_the_models_probes_decide_on_the_promoted_versio
     }
     assert stable_down["/v2/models/m/ready"][1] == b'{"name":"m","ready":true}'
     assert orjson.loads(stable_down["/v2/models/m/versions/1/ready"][1]) == {
-        "error": ("model 'm' is not ready: no replica of version '1' ready (replicas: "
-                  "open 1; version '2': ready 1; version '3': ready 1)"),
+        "error": ("model 'm' is not ready: no replica of version '1' ready (replicas of "
+                  "version '1': open 1; version '2': ready 1; version '3': ready 1)"),
         "name": "m", "version": "1", "ready": False, "state": "UNAVAILABLE",
         "reason": "no replica of version '1' ready", "replicas": {"open": 1},
+        "replicas_of": ["1"],
         "other_versions": {"2": {"ready": 1}, "3": {"ready": 1}},
     }
     # the unversioned config document is the promoted version's
@@ -273,9 +280,9 @@ async def test_after_a_promotion_the_models_probes_decide_on_the_promoted_versio
     assert config_doc == configs[2]
     # the promoted version's replica down: the model is not ready, and says why
     no_canary = {"state": "UNAVAILABLE", "reason": "no replica ready",
-                 "replicas": {"open": 1},
+                 "replicas": {"open": 1}, "replicas_of": ["2"],
                  "other_versions": {"1": {"half_open": 1}, "3": {"ready": 1}}}
-    said = ("no replica ready (replicas: open 1; version '1': half_open 1; "
+    said = ("no replica ready (replicas of version '2': open 1; version '1': half_open 1; "
             "version '3': ready 1)")
     assert down == (False, {"ready": False, **no_canary}, ("UNAVAILABLE", "no replica ready"))
     assert {t: s for t, (s, _) in canary_down.items()} == {

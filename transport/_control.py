@@ -392,26 +392,31 @@ def repository_request(action: str, body: bytes) -> tuple[str | None, dict | Non
 def _why(readiness: dict[str, Any]) -> dict[str, Any]:
     """Why a model is not ready, as a readiness probe's 503 says it: its ``state``,
     ``reason`` and ``replicas`` by health, and a model whose versions have replicas
-    of their own its ``other_versions``' (``Runtime.readiness``)."""
-    keys = ("state", "reason", "replicas", "other_versions")
+    of their own the versions those replicas serve (``replicas_of``) and its
+    ``other_versions``' (``Runtime.readiness``)."""
+    keys = ("state", "reason", "replicas", "replicas_of", "other_versions")
     return {k: readiness[k] for k in keys if k in readiness}
 
 
 def _said(why: dict[str, Any]) -> str:
-    """``why`` in words: ``no replica ready (replicas: open 1, lost 1)``; the other
-    versions' replicas each labelled: ``no replica ready (replicas: open 1;
-    version '2': ready 1)``."""
+    """``why`` in words: ``no replica ready (replicas: open 1, lost 1)``; with other
+    versions' replicas, every count labelled by version: ``no replica ready
+    (replicas of version '1': open 1; version '2': ready 1)``."""
 
     def counted(replicas: dict[str, int]) -> str:
         return ", ".join(f"{h} {n}" for h, n in replicas.items())
 
-    parts = [f"replicas: {counted(why['replicas'])}"] if why["replicas"] else []
     others = why.get("other_versions", {})
-    if others:
-        if not parts:
-            parts.append("replicas: none")
-        parts.extend(f"version {v!r}: {counted(r) or 'none'}" for v, r in others.items())
-    return f"{why['reason']} ({'; '.join(parts)})" if parts else why["reason"]
+    if not others:
+        if not why["replicas"]:
+            return why["reason"]
+        return f"{why['reason']} (replicas: {counted(why['replicas'])})"
+    versions = why["replicas_of"]
+    label = "version" if len(versions) == 1 else "versions"
+    parts = [f"replicas of {label} {', '.join(map(repr, versions))}: "
+             f"{counted(why['replicas']) or 'none'}"]
+    parts.extend(f"version {v!r}: {counted(r) or 'none'}" for v, r in others.items())
+    return f"{why['reason']} ({'; '.join(parts)})"
 
 
 def _field_lines(values: list[str]) -> Any:
