@@ -11,10 +11,10 @@ import pytest
 import trio
 import trioserve
 from http_helpers import config as http_config
-from http_helpers import mlp_model, serving, v2_input
+from http_helpers import echo_model, mlp_model, serving, v2_input
 from runtime_helpers import X, Y, config
 from trioserve import CallableBackend, ConfigError, ModelConfig, UnknownModel
-from trioserve.transport import open_http
+from trioserve.transport import Gateway, open_http
 
 
 def _adder(k: float):
@@ -232,6 +232,36 @@ async def test_per_version_weights_over_http():
     assert ready2.status == 200
     assert stats2.status == 200
     await trio.lowlevel.checkpoint()
+
+
+async def test_unversioned_statistics_give_all_versions_together_naming_none():
+    """Triton's statistics extension answers a request without a version with the
+    statistics of all the model's versions. Here a model's figures are all its
+    versions' together (they share its measurements): the unversioned answers
+    (``/v2/models/m/stats``, ``m`` in ``/v2/models/stats``) give them once, with
+    an empty version (Triton's field for a server without versions), so a client
+    adding entries up counts each request once. They named the latest version
+    (``3``), as if the figures were its alone. A version asked for is named as
+    before; a model of one version names it (its figures are that version's)."""
+    paths = ("/v2/models/m/stats", "/v2/models/stats", "/v2/models/m/versions/2/stats",
+             "/v2/models/echo/stats")
+    async with trioserve.open_runtime(http_config(adders(), echo_model())) as rt:
+        client = Gateway(rt).app.test_client()
+        for version in ("1", "2", None):  # None: routed to 3, the latest
+            await rt.infer("m", one(1), version=version)
+        docs = {}
+        for path in paths:
+            res = await client.get(path)
+            assert res.status_code == 200, path
+            docs[path] = orjson.loads(await res.get_data())["model_stats"]
+
+    def said(path):
+        return [(s["name"], s["version"], s["inference_count"]) for s in docs[path]]
+
+    assert said("/v2/models/m/stats") == [("m", "", 3)]
+    assert said("/v2/models/stats") == [("echo", "1", 0), ("m", "", 3)]
+    assert said("/v2/models/m/versions/2/stats") == [("m", "2", 3)]
+    assert said("/v2/models/echo/stats") == [("echo", "1", 0)]
 
 
 async def test_a_model_name_that_is_not_a_string_is_unknown_beside_versioned_models():

@@ -28,7 +28,7 @@ from trioserve._errors import without_model
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._auth import another_field_line
-from ._extensions import model_statistics
+from ._extensions import all_versions, model_statistics
 from ._gateway import Answer, error_answer
 from ._metrics import exposition
 from ._rollout_http import rollout_routes
@@ -197,10 +197,11 @@ def control_app(gateway: Gateway) -> QuartTrio:
         models = gateway.runtime.models
         if name is None:
             signatures = sorted(gateway.signatures.items())
-            entries = [(models[n], sig.versions[-1]) for n, sig in signatures]
+            entries = [(models[n], all_versions(sig.versions)) for n, sig in signatures]
         else:
             sig = signature(name, version)
-            entries = [(models[name], version or sig.versions[-1])]
+            entries = [(models[name], all_versions(sig.versions) if version is None
+                        else version)]
         # Failed inside the server: a client's error (4xx, a tenant over its quota's
         # 429 included) is not the model's. A 5xx answer is never an Idempotency-Key
         # replay (those are not kept), so each counted here ran.

@@ -10,7 +10,7 @@ Sans-IO: a served model (``Runtime.models[name]``) in, JSON bytes out.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -43,7 +43,7 @@ def model_statistics(
 
     Each version of a model reports the model's figures, all versions together
     (versions with weights of their own run on their own queues and replicas, but
-    share the model's measurements).
+    share the model's measurements); so does ``all_versions``' entry, once.
     """
     now_wall, now = time.time(), trio.current_time()
     out = []
@@ -71,8 +71,17 @@ def model_statistics(
     return orjson.dumps({"model_stats": out})
 
 
+def all_versions(versions: Sequence[str]) -> str:
+    """The version an entry of all of a model's ``versions`` names, as a request
+    without a version asks (Triton answers it with every version's statistics):
+    the one there is, or, with several, none (``""``: the figures are the model's,
+    all its versions together, not kept per version; one entry a version would
+    count each request as many times). Not a checkpoint."""
+    return versions[0] if len(versions) == 1 else ""
+
+
 def _duration(count: int, ns: int) -> dict[str, int]:
     return {"count": count, "ns": ns}
 
 
-__all__ = ["model_statistics"]
+__all__ = ["all_versions", "model_statistics"]
