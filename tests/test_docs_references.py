@@ -107,3 +107,42 @@ def test_every_python_example_binds_every_name_it_uses():
             examples += 1
             assert _free_names(block) == set(), (page.name, block.splitlines()[0])
     assert examples >= 4
+
+
+def test_configuration_md_names_every_config_class():
+    """configuration.md's list of the Python objects the TOML tables are holds every
+    public ``*Config`` class (AutoscalingConfig, VersionConfig and RolloutConfig were
+    missing from it)."""
+    import trioserve
+
+    text = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
+    listed = re.search(r"the same values exist as Python objects \(([^)]*)\)", text)
+    assert listed is not None
+    named = set(re.findall(r"`(?:trioserve\.)?(\w+)`", listed[1]))
+    public = {
+        n for n in dir(trioserve)
+        if (n.endswith("Config") or n == "RuntimeLimits")
+        and isinstance(getattr(trioserve, n), type)
+    }
+    assert public <= named, sorted(public - named)
+
+
+def test_architecture_md_names_every_module_of_the_front_door():
+    """The front door's mixins, "a module each": architecture.md names the module of
+    every base class of ``Runtime`` (the rollout's operator actions were missing)."""
+    from trioserve._front import Runtime
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    for base in Runtime.__mro__[1:-1]:  # not object
+        package, _, module = base.__module__.partition(".")
+        assert package == "trioserve", base
+        assert f"`runtime/{module}.py`" in text, (base.__name__, module)
+
+
+def test_the_readme_points_at_every_page_of_docs():
+    """The README's guide to docs/ ("See `docs/embedding.md` for the API, ...") names
+    each page (model-control.md was missing from it)."""
+    guide = re.search(r"^See `docs/.*?(?=\n\n)", (ROOT / "README.md").read_text(), re.S | re.M)
+    assert guide is not None
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"`docs/{page.name}`" in guide[0], page.name
