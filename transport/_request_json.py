@@ -149,9 +149,14 @@ def _numbers(data: Any, dtype: np.dtype) -> tuple[np.ndarray, int] | None:
 
 
 def _lists(v: Any) -> int:
-    """How many lists ``v`` holds, itself included."""
+    """How many lists ``v`` holds, itself included. Only the lists and dicts among a
+    list's values are visited: a BYTES or BOOL input's million values cost one pass
+    in C (``set(map(type, ...))``), not a call each (~1.3 µs: 1.3 s)."""
     if type(v) is list:
-        return 1 + sum(_lists(x) for x in v)
+        kinds = set(map(type, v))
+        if list not in kinds and dict not in kinds:
+            return 1
+        return 1 + sum(_lists(x) for x in v if type(x) is list or type(x) is dict)
     if type(v) is dict:
         return sum(_lists(x) for x in v.values())
     return 0

@@ -175,9 +175,17 @@ def _from_json(
     if type(data) is np.ndarray:  # decoded straight to the dtype (_loads_numeric)
         arr = data
     elif dtype.kind == "O":
-        flat = _flatten(data, name)
-        if not all(isinstance(v, str) for v in flat):
-            raise InvalidInput(f"input {name!r}: BYTES data must be strings")
+        kinds = set(map(type, data))  # one pass in C: flat strings need no other
+        if kinds == {str}:
+            flat = data
+        else:
+            flat = _flatten(data, name)
+            if not all(isinstance(v, str) for v in flat):
+                raise InvalidInput(f"input {name!r}: BYTES data must be strings")
+        if len(flat) != count:  # before the array is made
+            raise InvalidInput(
+                f"input {name!r}: shape {shape} holds {count} values, 'data' has {len(flat)}"
+            )
         arr = np.empty(len(flat), dtype=object)
         arr[:] = flat
     else:
@@ -414,22 +422,69 @@ def _from_binary(name: str, chunk: Any, dtype: np.dtype, count: int) -> np.ndarr
                 f"and 1 (true)"
             )
         return np.frombuffer(chunk, dtype=dtype)
-    # BYTES: each element is a 4-byte little-endian length, then the bytes.
-    values: list[bytes] = []
-    pos, end = 0, len(chunk)
-    while pos < end:
-        if pos + 4 > end:
-            raise InvalidInput(f"input {name!r}: truncated BYTES element length")
-        (n,) = _LEN.unpack_from(chunk, pos)
-        pos += 4
-        if pos + n > end:
-            raise InvalidInput(f"input {name!r}: BYTES element overruns the binary data")
-        values.append(bytes(chunk[pos : pos + n]))
-        pos += n
-    if len(values) != count:
+    return _bytes_elements(name, chunk, count)
+
+
+def _bytes_elements(name: str, chunk: Any, count: int) -> np.ndarray:
+    """BYTES binary data — each element a 4-byte little-endian length, then its bytes —
+    as an object array of ``count`` bytes. The count is checked against the data as
+    early as it can be: first against the fewest elements the data may hold (4 bytes
+    each at least), then as the elements are read, so a body holding more elements
+    than its shape is refused at the element past the count, never read to its end.
+
+    Elements all of one length (empty strings, fixed-width ids) are read by numpy at
+    ~0.03 µs each; others one by one at ~0.3 µs (a million: ~0.3 s, which is why a large
+    body is decoded off the event loop: ``_decode.py``)."""
+    end = len(chunk)
+    if count * 4 > end:
         raise InvalidInput(
-            f"input {name!r}: binary data holds {len(values)} BYTES elements, shape needs {count}"
+            f"input {name!r}: binary data of {end} bytes holds at most {end // 4} BYTES "
+            f"elements (each is a 4-byte length and its bytes), shape needs {count}"
         )
+    data = chunk if type(chunk) is bytes else bytes(chunk)  # bytes slice fastest
     arr = np.empty(count, dtype=object)
+    if count and _same_length(data, count, arr):
+        return arr
+    values = [b""] * count
+    unpack = _LEN.unpack_from
+    pos = 0
+    for i in range(count):
+        if pos + 4 > end:
+            raise InvalidInput(
+                f"input {name!r}: truncated BYTES element length"
+                if pos < end else
+                f"input {name!r}: binary data holds {i} BYTES elements, shape needs {count}"
+            )
+        (n,) = unpack(data, pos)
+        pos += 4
+        stop = pos + n
+        if stop > end:
+            raise InvalidInput(f"input {name!r}: BYTES element overruns the binary data")
+        values[i] = data[pos:stop]
+        pos = stop
+    if pos != end:
+        raise InvalidInput(
+            f"input {name!r}: binary data goes on past the {count} BYTES elements the "
+            f"shape needs ({end - pos} bytes more)"
+        )
     arr[:] = values
     return arr
+
+
+def _same_length(data: bytes, count: int, out: np.ndarray) -> bool:
+    """Fill ``out`` with ``data``'s ``count`` BYTES elements if they all have the first
+    one's length and fill ``data`` exactly (numpy reads them at once); else False."""
+    (size,) = _LEN.unpack_from(data, 0)
+    step = 4 + size
+    if count * step != len(data):
+        return False
+    lengths = np.ndarray((count,), dtype="<u4", buffer=data, strides=(step,))
+    if not (lengths == size).all():
+        return False
+    if size:  # a void element reads as bytes, its NULs kept (numpy's S would strip)
+        out[:] = np.ndarray(
+            (count,), dtype=f"V{size}", buffer=data, offset=4, strides=(step,)
+        ).tolist()
+    else:
+        out[:] = b""
+    return True
