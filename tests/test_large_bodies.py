@@ -1,19 +1,25 @@
 """Large request bodies: a BYTES tensor's element count checked against its shape
-before the elements past it are read, and decoders that visit a million values in C
-rather than one Python call each."""
+before the elements past it are read, decoders that visit a million values in C
+rather than one Python call each, and bodies of ``DECODE_IN_THREAD_MIN`` bytes or
+more decoded in a worker thread (the same answers as on the event loop; a client
+leaving meanwhile lets the thread finish and its result go)."""
 
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
-from http_helpers import signature
+import trio
+from http_helpers import GATE_LIMIT_S, config, echo_model, serving, settle, signature
 from hypothesis import given
 from hypothesis import strategies as st
 from trioserve import InvalidInput, TensorSpec
-from trioserve.transport import InferRequest, _request_json, _tensors
+from trioserve.transport import InferRequest, _request_json, _tensors, open_http, open_stream
+from trioserve.transport._decode import DECODE_IN_THREAD_MIN, Decoder
 
 TEXT = signature([TensorSpec(name="x", datatype="BYTES", shape=(-1,))])
 FLAGS = signature([TensorSpec(name="x", datatype="BOOL", shape=(-1,))])
@@ -163,3 +169,179 @@ def test_flat_json_strings_are_bytes_data_without_a_walk(monkeypatch):
     doc["inputs"][0].update(shape=[2, 2], data=[["a", "b"], ["c", 1]])
     with pytest.raises(InvalidInput, match="BYTES data must be strings"):
         InferRequest.from_v2_json(orjson.dumps(doc), TEXT)
+
+
+# ------------------------------------------------------------- decoded in a thread
+def _bodies() -> list[tuple[bytes, str | None]]:
+    """(body, Inference-Header-Content-Length) pairs, good and bad, for ``echo``."""
+    out: list[tuple[bytes, str | None]] = []
+    for values, shape in (([b"ab", b"", b"\0c"], [3]), ([b"xy"] * 4, [2, 2]),
+                          ([b"a", b"b", b"c"], [2])):
+        body, hlen = binary_body(elements(values), shape)
+        out.append((body, str(hlen)))
+    for doc in (
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]},
+        {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2], "data": ["a", "b"]}]},
+        {"inputs": [{"name": "x", "datatype": "BOOL", "shape": [2], "data": [True, 3]}]},
+        {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [3], "data": ["a"]}]},
+    ):
+        out.append((orjson.dumps(doc), None))
+    out.append((b'{"inputs": [', None))
+    return out
+
+
+async def _answers(gw: Any) -> list[tuple[int, bytes]]:
+    out = []
+    async with open_http(gw.url) as http:
+        for body, hlen in _bodies():
+            headers = [] if hlen is None else [("Inference-Header-Content-Length", hlen)]
+            res = await http.request("POST", "/v2/models/echo/infer", body, headers=headers)
+            out.append((res.status, res.body))
+    return out
+
+
+async def test_a_body_decoded_in_a_thread_is_answered_as_on_the_event_loop():
+    async with serving(config(echo_model())) as gw:
+        assert gw.decoder.threshold == DECODE_IN_THREAD_MIN
+        on_loop = await _answers(gw)
+        assert gw.decoder.in_thread == 0
+        gw.decoder.threshold = 0  # every body to a thread
+        in_thread = await _answers(gw)
+        assert gw.decoder.in_thread == len(_bodies())
+    assert in_thread == on_loop
+    assert [status for status, _ in on_loop] == [200, 200, 400, 200, 200, 400, 400, 400]
+
+
+async def test_a_stream_message_decoded_in_a_thread_is_answered_as_on_the_event_loop():
+    docs = [
+        {"id": "1", "model": "echo", "inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]},
+        {"id": "2", "model": "echo", "inputs": [
+            {"name": "x", "datatype": "BYTES", "shape": [2], "data": ["a", "b"]}]},
+        {"id": "3", "model": "echo", "inputs": [
+            {"name": "x", "datatype": "BYTES", "shape": [3], "data": ["a"]}]},
+    ]
+
+    async def answers(gw: Any) -> list[Any]:
+        async with open_stream(gw.url) as stream:
+            out = []
+            for doc in docs:
+                await stream.send_raw(orjson.dumps(doc))
+                out.append(await stream.receive())
+            return out
+
+    async with serving(config(echo_model())) as gw:
+        on_loop = await answers(gw)
+        gw.decoder.threshold = 0
+        in_thread = await answers(gw)
+        assert gw.decoder.in_thread == 2 * len(docs)  # the JSON, then the tensors
+    assert repr(in_thread) == repr(on_loop)
+    assert "'data' has 1" in repr(on_loop[2])
+
+
+class HeldDecode:
+    """Stands for ``InferRequest.from_v2_json``: waits in its thread until released,
+    then decodes; records what it returned."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.returned: list[InferRequest] = []
+        self._decode = InferRequest.from_v2_json
+
+    def __call__(self, *args: Any, **kwargs: Any) -> InferRequest:
+        self.entered.set()
+        self.release.wait(GATE_LIMIT_S)
+        request = self._decode(*args, **kwargs)
+        self.returned.append(request)
+        return request
+
+
+async def test_a_client_leaving_while_its_body_decodes_drops_the_result(monkeypatch):
+    """The hang-up cancels the request; the thread is not abandoned: it finishes,
+    its request is dropped (never run, never answered), and its thread is given back."""
+    held = HeldDecode()
+    monkeypatch.setattr(InferRequest, "from_v2_json", staticmethod(held))
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2],
+                                     "data": [1, 2]}]})
+    request = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d"
+               b"\r\n\r\n%b" % (len(body), body))
+    try:
+        async with serving(config(echo_model())) as gw:
+            gw.decoder.threshold = 0
+            gw.decoder.limiter.total_tokens = 1  # to wait below for its thread
+            stream = await trio.open_tcp_stream(*gw.addresses[0])
+            await stream.send_all(request)
+            await trio.to_thread.run_sync(held.entered.wait, GATE_LIMIT_S)
+            await stream.aclose()
+            await settle()
+            # cancelled, and waiting for its thread
+            assert [c.gone for c in gw._conns] == [True]
+            assert gw.decoder.limiter.borrowed_tokens == 1
+            held.release.set()
+            async with gw.decoder.limiter:  # its thread has finished
+                await settle()
+            stats = gw.statistics()
+            assert (stats.clients_gone, stats.requests_in_flight, stats.connections) == (1, 0, 0)
+            assert len(held.returned) == 1  # decoded, then dropped
+            assert gw.decoder.limiter.borrowed_tokens == 0
+            assert gw.runtime.statistics()["echo"]["batches"] == 0
+            assert dict(gw.requests) == {}
+            # the thread given back: the next large body is decoded and served
+            async with open_http(gw.url) as http:
+                res = await http.request("POST", "/v2/models/echo/infer", body)
+            assert res.status == 200
+            assert gw.decoder.limiter.borrowed_tokens == 0
+    finally:
+        held.release.set()
+
+
+async def test_a_decode_waiting_for_a_thread_runs_nothing_when_cancelled():
+    decoder = Decoder(limiter=trio.CapacityLimiter(1))
+    release = threading.Event()
+    ran: list[str] = []
+
+    def first() -> str:
+        release.wait(GATE_LIMIT_S)
+        ran.append("first")
+        return "first"
+
+    def second() -> str:
+        ran.append("second")
+        return "second"
+
+    results: list[str] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            async def one() -> None:
+                results.append(await decoder.run(first))
+
+            nursery.start_soon(one)
+            await settle()
+            with trio.CancelScope() as scope:
+                nursery.start_soon(lambda: _cancel_when_blocked(scope))
+                await decoder.run(second)
+            assert scope.cancelled_caught
+            assert decoder.limiter.borrowed_tokens == 1  # the first's thread
+            release.set()
+    finally:
+        release.set()
+    assert results == ["first"]
+    assert ran == ["first"]
+    assert decoder.limiter.borrowed_tokens == 0
+
+
+async def _cancel_when_blocked(scope: trio.CancelScope) -> None:
+    await settle()
+    scope.cancel("test: the caller left")
+
+
+def test_large_bodies_are_those_of_the_threshold_and_more():
+    decoder = Decoder(limiter=None)  # type: ignore[arg-type]
+    assert not decoder.large(DECODE_IN_THREAD_MIN - 1)
+    assert decoder.large(DECODE_IN_THREAD_MIN)
+    # the gateway bench's [32, 256] FP32 body (~70 KB) stays on the event loop
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [32, 256],
+                       "data": np.round(np.random.default_rng(0).standard_normal(8192), 5)
+                       .tolist()}]}
+    assert not decoder.large(len(orjson.dumps(doc)))

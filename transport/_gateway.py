@@ -34,6 +34,7 @@ from trioserve import (
 
 from ._auth import ANONYMOUS, Authenticator, ControlPlaneGuard
 from ._coding import encode_answer, negotiate
+from ._decode import Decoder
 from ._idempotency import IdempotencyStore
 from ._listeners import open_listeners
 from ._request import InferRequest
@@ -300,6 +301,8 @@ class Gateway:
         self.signatures = Signatures(runtime.models)
         #: the request classes' names, highest first (a Triton priority level's order)
         self.class_names = tuple(c.name for c in runtime.config.classes)
+        #: decodes a large request in a worker thread (``._decode``)
+        self.decoder = Decoder()
         #: answered infer requests by (model, tenant, status): the gateway's own count.
         self.requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
         self.draining = False
@@ -521,9 +524,15 @@ class Gateway:
                     if hit is not None:
                         self.requests[(label, tenant, 200)] += 1
                         return hit
-            request = InferRequest.from_v2_json(
-                body, sig, version=version, header_length=hlen, classes=self.class_names
-            )
+            if self.decoder.large(len(body)):
+                request = await self.decoder.run(functools.partial(
+                    InferRequest.from_v2_json, body, sig, version=version,
+                    header_length=hlen, classes=self.class_names,
+                ))
+            else:
+                request = InferRequest.from_v2_json(
+                    body, sig, version=version, header_length=hlen, classes=self.class_names
+                )
             answered: list[str] = []
             results = await self.run_request(request, tenant, answered)
             if rt.models[model] is not served:  # reloaded meanwhile

@@ -3,6 +3,7 @@ its answer framed and queued on the stream, the drain's refusals, and the close.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import trio
@@ -128,8 +129,13 @@ class _Answers:
         gateway = self.gateway
         rid: Any = None
         label = UNKNOWN_MODEL
+        # a large message is decoded in a worker thread, as a large HTTP body
+        large = gateway.decoder.large(len(message))
         try:
-            doc = loads_request(message)
+            if large:
+                doc = await gateway.decoder.run(functools.partial(loads_request, message))
+            else:
+                doc = loads_request(message)
             if type(doc) is not dict:
                 raise InvalidInput(
                     f"a stream message must be a JSON object, got {shown(doc, message)}"
@@ -174,9 +180,15 @@ class _Answers:
             sig.check_version(version)  # before "not loaded", as over HTTP
             if not served.loaded:  # explicit model control
                 gateway.runtime.check_loaded(model)
-            request = InferRequest.from_v2_json(
-                message, sig, version=version, doc=doc, classes=gateway.class_names
-            )
+            if large:
+                request = await gateway.decoder.run(functools.partial(
+                    InferRequest.from_v2_json, message, sig, version=version, doc=doc,
+                    classes=gateway.class_names,
+                ))
+            else:
+                request = InferRequest.from_v2_json(
+                    message, sig, version=version, doc=doc, classes=gateway.class_names
+                )
             answered: list[str] = []
             results = await gateway.run_request(request, self.tenant, answered)
             if gateway.runtime.models[model] is not served:  # reloaded
