@@ -13,11 +13,13 @@ In a ``Scenario.running`` scenario the replicas run their batches off the event 
 the product's worker-process path (``BatcherActor._serve_worker``, ``_collect``,
 ``_lose``) feeds a :class:`SimWorker`, a worker process in trio time
 (:class:`TrioWorker`, which the cache suite uses too) whose batches complete when
-their latency says (it dies at the end of a batch holding a "crash"
-item), and the watchdog is a :class:`DrivenWatchdog`, whose clock is trio's and whose
-deadlines a task of the scenario fires: so the runtime's deadlines of requests in
-running batches, the batch cut-off and a dead worker's hand-back all run as they do
-in production, and replay exactly.
+their latency says (a "crash" item kills it, :func:`death_of`: at the end of its
+batch, or after writing that batch's result, its exit found before the results it
+wrote are read, or while its batch is sent), and the watchdog is a
+:class:`DrivenWatchdog`, whose clock is trio's and whose deadlines a task of the
+scenario fires: so the runtime's deadlines of requests in running batches, the batch
+cut-off and a dead worker's hand-back all run as they do in production, and replay
+exactly.
 """
 
 from __future__ import annotations
@@ -146,6 +148,9 @@ class Execution:
     #: on a worker: when the device begins it, and when it is done
     begins: float = 0.0
     done: float = 0.0
+    #: on a worker: the device began it (the model ran it, or its worker was lost
+    #: or replaced while it ran it); one handed back unsent or staged never began
+    reached: bool = False
 
 
 def batch_latency(run: Run, replica: int, parts: list[tuple[int, int]]) -> float:
@@ -185,6 +190,15 @@ class TrioWorker:
         self._exited = trio.Event()
         self._killed = False
         self._free_at = -math.inf
+        #: the batch being sent now (the worker reads a batch whole before it runs it)
+        self._sending: Any = None
+        #: once it died on its own: when, and the batch it died running (None: it died
+        #: after writing the results of those before, or while one was sent)
+        self._death: tuple[float, Any] | None = None
+        #: once killed after dying: the batches it finished, their results not read
+        self._unread: list[tuple[Any, list[Any], float, float]] = []
+        #: and the batch after them, which it died running (None: none, or one sent)
+        self._after_unread: Any = None
         self.busy_seconds = 0.0
         self.last_run_seconds = 0.0
         #: as a WorkerProcess's: once killed, how many of the batches it held it never
@@ -202,10 +216,29 @@ class TrioWorker:
         return None
 
     def _runs(self, record: Any) -> None:
-        """The model is about to run this batch (synchronously, in ``result``)."""
+        """The model is about to run this batch (synchronously, in ``result``, or in
+        ``unread_results`` for one whose result its dead worker wrote unread)."""
 
     def _killed_holding(self, records: list[Any]) -> None:
         """The worker was killed holding these batches, the oldest first."""
+
+    def _dies_after_writing(self, record: Any) -> bool:
+        """Whether the worker dies as soon as it has written this batch's result,
+        its exit found (by the batcher's watch on it) before the result is read."""
+        return False
+
+    def _died_after_writing(self, record: Any) -> None:
+        """It died as soon as it wrote this batch's result (:meth:`_dies_after_writing`)."""
+
+    def _dies_sending(self, record: Any) -> str | None:
+        """Whether the worker dies while this batch is sent to it: "send" (the send
+        fails), "watch" (its exit is found by the batcher's watch), None: no."""
+        return None
+
+    def _read_unread(self, records: list[Any], after: Any) -> None:
+        """The batcher read the results its dead worker wrote for ``records``
+        (:meth:`unread_results`); ``after``: the batch after them, the one it died
+        running (None: none, or one that was being sent)."""
 
     # ------------------------------------------------ the worker
     @property
@@ -218,12 +251,27 @@ class TrioWorker:
     def kill(self) -> None:
         if not self._killed:
             self._killed = True
-            now = trio.current_time()
-            written = sum(1 for _, _, _, done in self._held if done <= now)
-            self.never_started = max(0, len(self._held) - written - 1)
-            held = [record for record, _, _, _ in self._held]
+            held = list(self._held)
             self._held.clear()
-            self._killed_holding(held)
+            if self._death is not None:
+                # it died: the results it wrote before are in its pipe, unread
+                at, running = self._death
+                written = 0
+                while (
+                    written < len(held) and held[written][3] <= at
+                    and held[written][0] is not running
+                ):
+                    written += 1
+                self._unread = held[:written]
+            else:
+                now = trio.current_time()
+                written = sum(1 for _, _, _, done in held if done <= now)
+            rest = held[written:]
+            # (the oldest unfinished was running, unless it was still being sent)
+            began = 1 if rest and rest[0][0] is not self._sending else 0
+            self.never_started = max(0, len(rest) - began)
+            self._after_unread = rest[0][0] if began else None
+            self._killed_holding([record for record, _, _, _ in held])
         self._exited.set()
 
     async def aclose(self) -> None:
@@ -231,19 +279,53 @@ class TrioWorker:
         await trio.lowlevel.checkpoint()
 
     def unread_results(self) -> list[tuple[Any, float]]:
-        # each result is read the moment its batch is done (``result``), and a
-        # batch the worker dies at the end of wrote none: none waits unread
-        return []
+        """As a WorkerProcess's: once killed after dying on its own, what it wrote for
+        the batches it finished and nobody read (a worker that dies after writing
+        them, its exit found first), oldest first; the model runs them now. A
+        result is read the moment its batch is done otherwise: none waits."""
+        unread, self._unread = self._unread, []
+        if not unread:
+            return []
+        results: list[tuple[Any, float]] = []
+        for record, items, begins, done in unread:
+            self._runs(record)
+            try:
+                results.append((self._runner(items), done - begins))
+            except Exception as exc:
+                results.append((self.Failed(f"{type(exc).__name__}: {exc}"), 0.0))
+        self._read_unread([record for record, _, _, _ in unread], self._after_unread)
+        return results
 
     async def wait_exited(self) -> None:
         await self._exited.wait()
 
     async def submit(self, items: list[Any]) -> None:
         record, latency = self._stage(items)
-        begins = max(trio.current_time(), self._free_at)
+        now = trio.current_time()
+        if self._death is not None:
+            # dead, its exit not found yet: the send fails (it never has the batch)
+            self._held.append((record, items, math.inf, math.inf))
+            self._sending = record
+            raise self.Died("the worker is dead: the send failed")
+        dies = self._dies_sending(record)
+        if dies is not None:
+            # it dies while the batch is sent: it never has it whole, never runs it
+            self._held.append((record, items, math.inf, math.inf))
+            self._sending = record
+            self._death = (now, None)
+            self._exited.set()
+            if dies == "send":
+                raise self.Died("planted worker death while a batch was sent")
+            await trio.sleep_forever()  # the exit is found first (the batcher's watch)
+        begins = max(now, self._free_at)
         self._free_at = begins + latency
         self._held.append((record, items, begins, self._free_at))
-        await trio.lowlevel.checkpoint()
+        self._sending = record  # (a kill meanwhile finds it never run)
+        try:
+            await trio.lowlevel.checkpoint()
+        finally:
+            if not self._killed:
+                self._sending = None
 
     async def result(self) -> Any:
         if self._killed:  # killed before the call: as a WorkerProcess's, Died
@@ -258,8 +340,21 @@ class TrioWorker:
             raise self.Died("killed")
         why = self._dies(record)
         if why is not None:
+            self._death = (done, record)
             self._exited.set()
             raise self.Died(why)
+        writes = [(d, r) for r, _, _, d in self._held if self._dies_after_writing(r)]
+        if writes:
+            # It dies once it has written a result still to come, its exit found
+            # before this one and those up to it are read: they wait in its pipe.
+            with trio.move_on_at(writes[0][0]):
+                await self._exited.wait()
+            if self._exited.is_set():
+                raise self.Died("killed")
+            self._died_after_writing(writes[0][1])
+            self._death = (writes[0][0], None)
+            self._exited.set()
+            await trio.sleep_forever()  # the batcher's watch finds the exit first
         self._held.popleft()
         self.last_run_seconds = done - begins
         self.busy_seconds += self.last_run_seconds
@@ -282,6 +377,10 @@ class SimWorker(TrioWorker):
         self._run = run
         #: handed back whole when killed (its breaker replaced it): none a suspect
         self.whole = False
+        #: when killed: the suspects its oldest batch added, and each batch's key
+        #: in the batcher's executions (see :meth:`_read_unread`)
+        self._added: set[Any] = set()
+        self._gone: dict[int, int] = {}
 
     def _stage(self, items: list[Any]) -> tuple[Execution, float]:
         batcher = self._batcher
@@ -299,29 +398,92 @@ class SimWorker(TrioWorker):
         batcher._executions[id(batch)] = ex
         return ex, ex.done - ex.begins
 
+    def _crash(self, record: Execution, how: str) -> list[int]:
+        """The "crash" items of ``record`` whose worker death is ``how``
+        (:func:`death_of`) and, but for "ran", not yet planted."""
+        run = self._run
+        return [
+            k for k, _ in record.parts
+            if run.fault(k) == "crash" and death_of(k) == how
+            and (how == "ran" or k not in run.deaths)
+        ]
+
     def _dies(self, record: Execution) -> str | None:
-        crash = [k for k, _ in record.parts if self._run.fault(k) == "crash"]
+        crash = self._crash(record, "ran")
         if not crash:
             return None
         record.status = "died"
         return f"planted worker death on item {crash[0]}"
 
+    def _dies_after_writing(self, record: Execution) -> bool:
+        return bool(self._crash(record, "wrote"))
+
+    def _died_after_writing(self, record: Execution) -> None:
+        self._run.deaths.update(self._crash(record, "wrote"))
+        note("runtime", "running: workers dead after writing results")
+
+    def _dies_sending(self, record: Execution) -> str | None:
+        crash = self._crash(record, "send")
+        if not crash:
+            return None
+        self._run.deaths.update(crash)
+        note("runtime", "running: workers dead while a batch was sent")
+        return "send" if crash[0] // 3 % 2 else "watch"
+
     def _runs(self, record: Execution) -> None:
+        record.reached = True
         self._run.current = record
 
     def _killed_holding(self, records: list[Execution]) -> None:
         now = trio.current_time()
+        replicas = self._run.replicas
+        self._added = set()
         for i, ex in enumerate(records):
-            if ex.status == "staged":
-                ex.status = "killed" if i == 0 and not self.whole else "returned"
+            if ex.status == "died":
+                ex.reached = True
+            elif ex.status == "staged":
+                began = i == 0 and ex is not self._sending
+                ex.reached = began
+                ex.status = "killed" if began and not self.whole else "returned"
+                if ex.status == "killed":
+                    self._added = set(ex.keys) - replicas.suspects
             ex.end = now
             # (what the replica, handing it back, finds still waiting)
             ex.answerable = [req.reply.answerable for req in ex.reqs]
-            self._run.replicas.left(ex)
+            replicas.left(ex)
         gone = {id(ex) for ex in records}
         executions = self._batcher._executions
-        for k in [k for k, ex in executions.items() if id(ex) in gone]:
+        self._gone = {id(ex): k for k, ex in executions.items() if id(ex) in gone}
+        for k in self._gone.values():
             del executions[k]
+
+    def _read_unread(self, records: list[Execution], after: Execution | None) -> None:
+        # Its batches were marked as the batcher hands them back when it reads
+        # nothing (killed, or handed back); it read what the worker wrote: those
+        # ran to their end (the model ran them just now), and the one after them is
+        # the one it died running.
+        replicas = self._run.replicas
+        replicas.suspects -= self._added
+        executions = self._batcher._executions
+        for ex in records:
+            ex.end = None
+            executions[self._gone[id(ex)]] = ex
+        note("runtime", "running: results read from a dead worker's pipe", len(records))
+        if after is not None and after.status != "died":
+            after.reached = True
+            if not self.whole:  # (replaced: it goes back as it was, charged)
+                after.status = "died"
+                replicas.left(after)
+
+
+def death_of(key: int) -> str:
+    """How a "crash" item kills its worker in a running scenario (a mapping of the
+    item's key, so a seed's examples are as they were drawn): "ran" (it dies at the
+    end of the batch holding it, every time it runs, its result unwritten), "wrote"
+    (once: it dies as soon as it has written that batch's result, its exit found
+    before the results still unread are read), "send" (once: it dies while the batch
+    is sent to it, which it never had whole)."""
+    return ("ran", "wrote", "send")[key % 3]
 
 
 class DrivenWatchdog(trioserve.actors.Watchdog):
@@ -406,6 +568,8 @@ def batcher_class(base: type, run: Run) -> type:
             run.executions.append(ex)
             run.check_started(ex, batch)
             run.replicas.started(ex, batch)
+            if run.scenario.running:
+                run.check_attempts(ex, batch)
             return ex
 
         async def _execute(self, batch: list[Any], ex: Execution | None = None) -> None:

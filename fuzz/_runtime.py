@@ -42,6 +42,8 @@ import attrs
 import trio
 import trio.testing
 import trioserve
+import trioserve._front as _front
+import trioserve._many as _many
 import trioserve._runtime as _assembly
 import trioserve.actors
 from hypothesis.internal.entropy import deterministic_PRNG
@@ -77,6 +79,9 @@ expect(
     "replica batches: killed",
     "replica batches: died",
     "replica batches: returned",
+    "running: workers dead after writing results",
+    "running: results read from a dead worker's pipe",
+    "running: workers dead while a batch was sent",
 )
 
 
@@ -111,6 +116,12 @@ class Run:
     scheduler_class: type | None = None
     #: with ``Scenario.running``: the runtime's watchdog, on trio's clock
     watchdog: Any = None
+    #: with ``Scenario.running``: the "crash" items whose one worker death
+    #: (after writing, or while sent: ``fuzz._device.death_of``) was planted
+    deaths: set[int] = attrs.Factory(set)
+    #: with ``Scenario.running``: per reply (by id), how often its caller's credits
+    #: were refunded for it as never run (``_refund_if_unrun``), and the reply
+    refunds: dict[int, list[Any]] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self.replicas = Replicas(
@@ -175,6 +186,29 @@ class Run:
                         f"t={ex.at:.6g}, {ex.at - req.deadline:.6g}s after its deadline",
                     )
                 )
+
+    def check_attempts(self, ex: Execution, batch: list[Any]) -> None:
+        """On a worker (``Scenario.running``), as ``batch`` starts: each request has
+        counted (``Reply.attempts``) exactly the poison attempts it made, the batches
+        it failed alone in: cut off, or its worker dead running them. A batch handed
+        back unsent, or staged behind, never ran: no attempt, whatever took its
+        worker (one being sent as its worker died included)."""
+        for k, req in zip(ex.keys, batch, strict=True):
+            made = [
+                e for e in self.executions
+                if e.status in ("killed", "died") and k in e.keys
+                and sum(e.answerable) == 1 and e.answerable[e.keys.index(k)]
+            ]
+            if req.reply.attempts != len(made):
+                self.violations.append((
+                    "outcome",
+                    f"item {k[0]} (part at {k[1]}) started on replica {ex.replica} at "
+                    f"t={ex.at:.6g} having counted {req.reply.attempts} poison "
+                    f"attempt(s); it failed alone in {len(made)} batch(es) (cut off, or "
+                    f"its worker dead running them): "
+                    f"{[(f'{e.at:.6g}', e.status) for e in made]}; its batches: "
+                    f"{[(f'{e.at:.6g}', e.status) for e in self.executions if k in e.keys]}",
+                ))
 
     def fault(self, key: int) -> str | None:
         return self.items[key][1].fault
@@ -270,10 +304,14 @@ def product_installed(run: Run) -> Iterator[None]:
     actors.SchedulerActor = run.scheduler_class
     actors.Breaker = run.product.breaker_class
     _assembly.Runtime = run.product.runtime_class
+    refund_if_unrun = _front._refund_if_unrun
     if run.scenario.running:
         # worker processes in trio time, and a watchdog on trio's clock
         actors.Watchdog = watchdog_class(run)
         _assembly.Zygote = NoZygote
+        _front._refund_if_unrun = _many._refund_if_unrun = _refunds_noted(
+            run, refund_if_unrun
+        )
     try:
         yield
     finally:
@@ -281,6 +319,23 @@ def product_installed(run: Run) -> Iterator[None]:
             actors.FairQueue, actors.BatcherActor, actors.SchedulerActor, actors.Breaker,
             _assembly.Runtime, actors.Watchdog, _assembly.Zygote,
         ) = saved
+        _front._refund_if_unrun = _many._refund_if_unrun = refund_if_unrun
+
+
+def _refunds_noted(run: Run, refund_if_unrun: Any) -> Any:
+    """The runtime's ``_refund_if_unrun`` (a caller that left is refunded when its
+    request never ran), noting each refund it makes against the replies it was
+    for (``Run.refunds``)."""
+
+    def noted(replies: Any, refund: Any, taken: Any = ()) -> None:
+        def told() -> None:
+            for reply in replies:
+                run.refunds.setdefault(id(reply), [reply, 0])[1] += 1
+            refund()
+
+        refund_if_unrun(replies, told, taken)
+
+    return noted
 
 
 def _lanes(run: Run, rt: trioserve.Runtime) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from trioserve import (
     InvalidInput,
     ModelError,
     Overloaded,
+    RequestState,
 )
 
 from ._checker import InvariantViolation
@@ -86,7 +87,40 @@ def check(run: Run) -> None:
                 )
     for i, call in enumerate(sc.calls):
         _check_call(run, i, call, history)
+    if sc.running:
+        _check_refunds(run)
     _check_credits(run)
+
+
+def _check_refunds(run: Run) -> None:
+    """On workers: a request whose caller left after its dispatch is refunded (as
+    never run, ``_refund_if_unrun``) exactly once if no batch holding it reached
+    the device (handed back unsent, or staged behind a lost worker's batch, and
+    never run after), never if one did (it ran to its end, its results read in time
+    or from its dead worker's pipe, or its worker was cut off, died or was replaced
+    while it ran)."""
+    reached: dict[int, tuple[Any, list[Execution]]] = {}
+    for ex in run.executions:
+        for req in ex.reqs:
+            reached.setdefault(id(req.reply), (req, []))[1].append(ex)
+    for req, runs in reached.values():
+        reply = req.reply
+        ran = any(ex.reached for ex in runs)
+        refunds = run.refunds.get(id(reply), (None, 0))[1]
+        if ran:
+            ok = not refunds
+        else:
+            ok = refunds == (1 if reply.state is RequestState.ABANDONED else 0)
+        if not ok:
+            p = part_id(req.item["x"])
+            ended = [(f"{ex.at:.6g}", ex.status, ex.reached) for ex in runs]
+            raise InvariantViolation(
+                "outcome",
+                f"item {p[0]} (part at {p[1]}) was refunded {refunds} time(s) as never run "
+                f"(its reply {reply.state.value}); its batches (started, how they "
+                f"ended, reached the device): {ended}: a request that ran is never "
+                "refunded, one whose caller left that never ran is, once",
+            )
 
 
 def _check_lanes(run: Run) -> None:
