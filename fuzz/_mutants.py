@@ -26,6 +26,8 @@ from ._mutants_faults import (
     CutOffLeavesFollowersWaiting,
     DeathFailsTheBatch,
     FallbackWhileOpen,
+    SendingBatchBlamed,
+    UnreadResultsRunAgain,
 )
 from ._mutants_flights import (
     CacheActorIgnoringLateOutcomes,
@@ -227,6 +229,21 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
             PRODUCT, name="expiry-whole-batch",
             batcher_class=_in_flight_of(_ExpiresTheWholeBatch),
         ),
+        ("runtime",),
+    ),
+    # A worker's death on a running scenario's replica, after it wrote results
+    # nobody read, or while a batch was sent to it (fuzz/_mutants_faults.py).
+    "unread-results-run-again": (
+        "the results a dead worker wrote and nobody read are dropped: their batches "
+        "run again",
+        attrs.evolve(
+            PRODUCT, name="unread-results-run-again", batcher_class=UnreadResultsRunAgain
+        ),
+        ("runtime",),
+    ),
+    "sending-batch-blamed": (
+        "a batch whose sending its worker died in is split as the suspect of the death",
+        attrs.evolve(PRODUCT, name="sending-batch-blamed", batcher_class=SendingBatchBlamed),
         ("runtime",),
     ),
     # The admission suite's own: the credits.

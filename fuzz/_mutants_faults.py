@@ -1,6 +1,8 @@
-"""Planted bugs of the faults a model off the event loop meets behind the cache (a
-batch cut off, a worker dead mid-batch, a circuit breaker open), which the cache
-suite sees: variants of the batcher. Listed in ``fuzz._mutants.MUTANTS``."""
+"""Planted bugs of the faults a model off the event loop meets (a batch cut off, a
+worker dead mid-batch, after writing results nobody read yet, or while a batch was
+sent to it, a circuit breaker open), which the cache suite, or the runtime suite's
+running scenarios, see: variants of the batcher. Listed in
+``fuzz._mutants.MUTANTS``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 import numpy as np
 import trio
 import trioserve.actors
+from trioserve.actors._straggler import handed_back
 
 BatcherActor = trioserve.actors.BatcherActor
 
@@ -57,3 +60,31 @@ class FallbackWhileOpen(BatcherActor):
                 if req.reply.answerable:
                     req.reply.set_result({"y": np.zeros(0)})
             self._scheduler.completed(batch)
+
+
+class UnreadResultsRunAgain(BatcherActor):
+    """The results a lost worker wrote and nobody read (``unread_results``) are
+    dropped: those batches go back as they were, marked as having run, and run
+    again on its successor (charged twice, their callers answered another run's
+    outputs) instead of being answered what the worker wrote."""
+
+    def _answer_unread(
+        self, batches: list[list[Any]], results: list, *, success: bool = True
+    ) -> None:
+        back = batches[: len(results)]
+        for b in back:
+            for r in b:
+                r.reply.ran = True
+            self._scheduler.completed(b, failed=True)
+        if back:
+            self._scheduler.retry([handed_back(b) for b in back])
+
+
+class SendingBatchBlamed(BatcherActor):
+    """A batch whose sending its worker died in is taken for the one the worker died
+    running, when it had finished those before: split as a suspect, a poison
+    attempt counted, marked as having run (its caller, leaving, not refunded)."""
+
+    def _lose(self, worker: Any, why: str, *, died: bool = False) -> None:
+        self._sending = None  # (so _lose cannot tell it was never sent whole)
+        super()._lose(worker, why, died=died)

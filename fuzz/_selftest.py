@@ -43,6 +43,8 @@ TEST_SEEDS = {
     "split-call-item-by-item": 2,
     "unload-before-drained": 1,
     "start-keeps-old-stable": 2,
+    "unread-results-run-again": 2,
+    "sending-batch-blamed": 2,
 }
 
 
