@@ -18,7 +18,14 @@ from http_helpers import GATE_LIMIT_S, config, echo_model, serving, settle, sign
 from hypothesis import given
 from hypothesis import strategies as st
 from trioserve import InvalidInput, TensorSpec
-from trioserve.transport import InferRequest, _request_json, _tensors, open_http, open_stream
+from trioserve.transport import (
+    InferRequest,
+    _gateway,
+    _request_json,
+    _tensors,
+    open_http,
+    open_stream,
+)
 from trioserve.transport._decode import DECODE_IN_THREAD_MIN, Decoder
 
 TEXT = signature([TensorSpec(name="x", datatype="BYTES", shape=(-1,))])
@@ -207,7 +214,8 @@ async def test_a_body_decoded_in_a_thread_is_answered_as_on_the_event_loop():
         assert gw.decoder.in_thread == 0
         gw.decoder.threshold = 0  # every body to a thread
         in_thread = await _answers(gw)
-        assert gw.decoder.in_thread == len(_bodies())
+        # each body decoded there, and each of the four answers encoded there
+        assert gw.decoder.in_thread == len(_bodies()) + 4
     assert in_thread == on_loop
     assert [status for status, _ in on_loop] == [200, 200, 400, 200, 200, 400, 400, 400]
 
@@ -234,7 +242,8 @@ async def test_a_stream_message_decoded_in_a_thread_is_answered_as_on_the_event_
         on_loop = await answers(gw)
         gw.decoder.threshold = 0
         in_thread = await answers(gw)
-        assert gw.decoder.in_thread == 2 * len(docs)  # the JSON, then the tensors
+        # the JSON, then the tensors; and the two answers
+        assert gw.decoder.in_thread == 2 * len(docs) + 2
     assert repr(in_thread) == repr(on_loop)
     assert "'data' has 1" in repr(on_loop[2])
 
@@ -345,3 +354,140 @@ def test_large_bodies_are_those_of_the_threshold_and_more():
                        "data": np.round(np.random.default_rng(0).standard_normal(8192), 5)
                        .tolist()}]}
     assert not decoder.large(len(orjson.dumps(doc)))
+
+
+# ------------------------------------------------------------- encoded in a thread
+def _outputs_bodies() -> list[tuple[bytes, str | None]]:
+    """Bodies for ``echo`` asking its output as binary or JSON data: BYTES (text, and
+    bytes that are not UTF-8, which JSON data refuses), FP32, BOOL."""
+    out: list[tuple[bytes, str | None]] = []
+    for values in ([b"ab", b"", b"c"], [b"\xff\xfe", b"a"]):
+        for as_binary in (True, False):
+            data = elements(values)
+            head = orjson.dumps({
+                "inputs": [{"name": "x", "datatype": "BYTES", "shape": [len(values)],
+                            "parameters": {"binary_data_size": len(data)}}],
+                "outputs": [{"name": "x", "parameters": {"binary_data": as_binary}}],
+            })
+            out.append((head + data, str(len(head))))
+    for datatype, data in (("FP32", [1.5, -2, 3]), ("BOOL", [True, False, True])):
+        for as_binary in (True, False):
+            out.append((orjson.dumps({
+                "id": "r",
+                "inputs": [{"name": "x", "datatype": datatype, "shape": [1, 3], "data": data}],
+                "outputs": [{"name": "x", "parameters": {"binary_data": as_binary}}],
+            }), None))
+    return out
+
+
+async def test_an_answer_encoded_in_a_thread_is_the_one_encoded_on_the_event_loop():
+    async def answers(gw: Any) -> list[tuple[int, Any, bytes]]:
+        out = []
+        async with open_http(gw.url) as http:
+            for body, hlen in _outputs_bodies():
+                headers = [] if hlen is None else [("Inference-Header-Content-Length", hlen)]
+                res = await http.request("POST", "/v2/models/echo/infer", body, headers=headers)
+                out.append((res.status, res.headers.get("inference-header-content-length"),
+                            res.body))
+        return out
+
+    async with serving(config(echo_model())) as gw:
+        on_loop = await answers(gw)
+        assert gw.decoder.in_thread == 0
+        gw.decoder.threshold = 0
+        in_thread = await answers(gw)
+        # every body decoded there, and every answer encoded there (also the refused)
+        assert gw.decoder.in_thread == 2 * len(_outputs_bodies())
+    assert in_thread == on_loop
+    assert [status for status, _, _ in on_loop] == [200, 200, 200, 400, 200, 200, 200, 200]
+    assert b"not UTF-8" in on_loop[3][2]
+
+
+async def test_a_stream_answer_encoded_in_a_thread_is_the_one_encoded_on_the_event_loop():
+    docs = [
+        {"id": "1", "model": "echo", "inputs": [
+            {"name": "x", "datatype": "BYTES", "shape": [2], "data": ["a", ""]}]},
+        {"id": 2, "model": "echo", "inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.5, 2]}]},
+    ]
+
+    async def answers(gw: Any) -> list[Any]:
+        async with open_stream(gw.url) as stream:
+            out = []
+            for doc in docs:
+                await stream.send_raw(orjson.dumps(doc))
+                out.append(await stream.receive())
+            return out
+
+    async with serving(config(echo_model())) as gw:
+        on_loop = await answers(gw)
+        gw.decoder.threshold = 0
+        in_thread = await answers(gw)
+        assert gw.decoder.in_thread == 3 * len(docs)  # the JSON, the tensors, the answer
+    assert repr(in_thread) == repr(on_loop)
+
+
+def test_large_answers_are_those_whose_bytes_outputs_hold_the_threshold_and_more():
+    decoder = Decoder(limiter=None)  # type: ignore[arg-type]
+    # an object array counts 8 bytes an element: a Python call each to encode
+    texts = np.full(DECODE_IN_THREAD_MIN // 8, b"", dtype=object)
+    assert decoder.large_results([{"x": texts}])
+    assert not decoder.large_results([{"x": texts[1:]}])
+    # the items' outputs together: stacked, they are alike
+    assert decoder.large_results([{"x": texts[: len(texts) // 2]}] * 2)
+    assert decoder.large_results([{"x": texts[:4096], "y": texts[:4096]}] * 4)
+    assert decoder.large_results([{"x": np.zeros(DECODE_IN_THREAD_MIN // 4, dtype="S4")}])
+    assert decoder.large_results([{"x": np.zeros(DECODE_IN_THREAD_MIN // 4, dtype="U1")}])
+    # numbers are written in one C call, in a thread or not: on the loop
+    for dtype in (np.float32, np.float64, np.int64, np.bool_):
+        assert not decoder.large_results([{"x": np.zeros(10**6, dtype=dtype)}])
+    assert not decoder.large_results([{"x": [b""] * 10**6}])  # not an array: nothing
+    assert not decoder.large_results([])
+    # the answer to the gateway bench's [32, 256] request of mlp ([32, 10]) too
+    assert not decoder.large_results([{"y": np.zeros(10, dtype=np.float32)}] * 32)
+
+
+async def test_a_client_leaving_while_its_answer_encodes_drops_it(monkeypatch):
+    """As for a decode: the thread is waited for, its answer dropped (never sent,
+    never counted), and its thread given back."""
+    entered, release = threading.Event(), threading.Event()
+    encoded: list[Any] = []
+    encode = _gateway.encode_response
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        release.wait(GATE_LIMIT_S)
+        encoded.append(encode(*args, **kwargs))
+        return encoded[-1]
+
+    monkeypatch.setattr(_gateway, "encode_response", held)
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2],
+                                     "data": ["a", "b"]}]})
+    request = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d"
+               b"\r\n\r\n%b" % (len(body), body))
+    try:
+        async with serving(config(echo_model())) as gw:
+            gw.decoder.threshold = 2 * 8  # the answer's 2 BYTES elements (and the body)
+            gw.decoder.limiter.total_tokens = 1
+            stream = await trio.open_tcp_stream(*gw.addresses[0])
+            await stream.send_all(request)
+            await trio.to_thread.run_sync(entered.wait, GATE_LIMIT_S)
+            await stream.aclose()
+            await settle()
+            assert [c.gone for c in gw._conns] == [True]
+            assert gw.decoder.limiter.borrowed_tokens == 1
+            release.set()
+            async with gw.decoder.limiter:  # its thread has finished
+                await settle()
+            stats = gw.statistics()
+            assert (stats.clients_gone, stats.requests_in_flight, stats.connections) == (1, 0, 0)
+            assert len(encoded) == 1  # encoded, then dropped
+            assert gw.decoder.in_thread == 2  # the body, then the answer
+            assert gw.runtime.statistics()["echo"]["batches"] == 1
+            assert dict(gw.requests) == {}
+            async with open_http(gw.url) as http:
+                res = await http.request("POST", "/v2/models/echo/infer", body)
+            assert res.status == 200
+            assert gw.decoder.limiter.borrowed_tokens == 0
+    finally:
+        release.set()

@@ -301,7 +301,8 @@ class Gateway:
         self.signatures = Signatures(runtime.models)
         #: the request classes' names, highest first (a Triton priority level's order)
         self.class_names = tuple(c.name for c in runtime.config.classes)
-        #: decodes a large request in a worker thread (``._decode``)
+        #: decodes a large request, and encodes a large answer, in a worker thread
+        #: (``._decode``)
         self.decoder = Decoder()
         #: answered infer requests by (model, tenant, status): the gateway's own count.
         self.requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
@@ -537,7 +538,12 @@ class Gateway:
             results = await self.run_request(request, tenant, answered)
             if rt.models[model] is not served:  # reloaded meanwhile
                 sig = self.signatures.answering(sig, served, request.outputs, results)
-            out, json_len = encode_response(request, results, sig, answered=answered)
+            if self.decoder.large_results(results):
+                out, json_len = await self.decoder.run(functools.partial(
+                    encode_response, request, results, sig, answered=answered
+                ))
+            else:
+                out, json_len = encode_response(request, results, sig, answered=answered)
         except Exception as exc:
             if not isinstance(exc, TrioserveError):
                 log.exception("infer %s: unexpected error", model)

@@ -193,9 +193,14 @@ class _Answers:
             results = await gateway.run_request(request, self.tenant, answered)
             if gateway.runtime.models[model] is not served:  # reloaded
                 sig = gateway.signatures.answering(sig, served, request.outputs, results)
-            frame = encode_response(
-                request, results, sig, binary=False, answered=answered
-            )[0]
+            if gateway.decoder.large_results(results):  # as over HTTP
+                frame = (await gateway.decoder.run(functools.partial(
+                    encode_response, request, results, sig, binary=False, answered=answered
+                )))[0]
+            else:
+                frame = encode_response(
+                    request, results, sig, binary=False, answered=answered
+                )[0]
             status = 200
         except Exception as exc:
             if not isinstance(exc, TrioserveError):
