@@ -247,9 +247,10 @@ def serve_in_thread(config: Config | None = None) -> _ServeInThread:
 
     Leaving the block shuts the runtime down: requests in flight are answered or
     failed (ActorClosed), and later calls raise ActorClosed, as does a call that the
-    shutdown overtakes. Never hangs. The object it returns is entered once (``with``):
-    entering it again is a RuntimeError (which says when its first entry failed, and
-    with what type of error).
+    shutdown overtakes. Never hangs. An interrupt (Ctrl-C) while it starts stops the
+    start, then is raised: no runtime is left behind. The object it returns is
+    entered once (``with``): entering it again is a RuntimeError (which says when its
+    first entry failed, and with what type of error).
     """
     return _ServeInThread(config)
 
@@ -299,15 +300,28 @@ def _serve_in_thread(config: Config | None) -> Iterator[Client]:
             "trio program use `async with trioserve.open_runtime(config) as rt`"
         )
     ready = threading.Event()
+    abandoned = threading.Event()  # the caller left while it started
     box: dict[str, Any] = {}
 
     async def main() -> None:
-        async with open_runtime(config) as rt:
-            stop = trio.Event()
-            box["client"] = Client(rt, trio.lowlevel.current_trio_token())
-            box["stop"] = stop
-            ready.set()
-            await stop.wait()
+        with trio.CancelScope() as start:
+            box["start"] = start
+            box["token"] = trio.lowlevel.current_trio_token()
+            if abandoned.is_set():  # before the token was there to reach it
+                start.cancel("the caller left while the runtime started")
+            async with open_runtime(config) as rt:
+                stop = trio.Event()
+                box["client"] = Client(rt, box["token"])
+                box["stop"] = stop
+                ready.set()
+                await stop.wait()
+
+    def leave() -> None:
+        """In the runtime's thread: stop the runtime, or its start."""
+        if "stop" in box:
+            box["stop"].set()  # started: closed as the block's end closes it
+        else:
+            box["start"].cancel("the caller left while the runtime started")
 
     def thread_main() -> None:
         try:
@@ -319,7 +333,19 @@ def _serve_in_thread(config: Config | None) -> Iterator[Client]:
 
     thread = threading.Thread(target=thread_main, name="trioserve-runtime", daemon=True)
     thread.start()
-    ready.wait()
+    try:
+        ready.wait()
+    except BaseException:
+        # A Ctrl-C (KeyboardInterrupt) while the models load: the start is stopped
+        # and waited for, not left to load and serve with nobody to stop it.
+        abandoned.set()
+        if "token" in box:  # else main() sees ``abandoned`` as it begins
+            try:
+                trio.from_thread.run_sync(leave, trio_token=box["token"])
+            except trio.RunFinishedError:
+                pass
+        thread.join()
+        raise
     if "client" not in box:
         thread.join()
         raise box["error"]

@@ -4,6 +4,7 @@ plain threads call it. These tests are synchronous and use the real clock."""
 from __future__ import annotations
 
 import pathlib
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -13,7 +14,7 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import Gate, Recorder, callable_model, config, item
+from runtime_helpers import GATE_LIMIT_S, Gate, Recorder, X, Y, callable_model, config, item
 from trioserve import (
     ActorClosed,
     ClassConfig,
@@ -495,3 +496,32 @@ def test_health_is_the_runtimes_read_in_its_thread():
                                                    trio_token=client._token)
     with pytest.raises(ActorClosed, match="the runtime is shut down"):
         client.health()
+
+
+def test_an_interrupt_while_it_starts_stops_the_runtime_it_was_starting():
+    # A Ctrl-C while the models loaded raised KeyboardInterrupt in the caller and left
+    # the runtime thread behind: it went on loading, then served with nobody to stop
+    # it (its worker processes too), until the interpreter's exit killed it.
+    loading = threading.Event()
+    release = threading.Event()
+
+    class Interrupting(trioserve.CallableBackend):
+        def load(self, device, *, torch_threads=1):
+            loading.set()
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            release.wait(GATE_LIMIT_S)  # the caller's interrupt comes meanwhile
+            return super().load(device, torch_threads=torch_threads)
+
+    backend = Interrupting(Recorder(timed=False), inputs=[X], outputs=[Y], execution="thread")
+    runtimes = [t for t in threading.enumerate() if t.name == "trioserve-runtime"]
+    try:
+        with pytest.raises(KeyboardInterrupt), trioserve.serve_in_thread(
+            config(ModelConfig(name="m", backend=backend))
+        ):
+            pytest.fail("started")  # pragma: no cover
+        assert loading.is_set()
+        # the load is abandoned (a thread cannot be stopped); the runtime is not
+        left = [t for t in threading.enumerate() if t.name == "trioserve-runtime"]
+        assert left == runtimes
+    finally:
+        release.set()
