@@ -199,6 +199,9 @@ class TrioWorker:
         self._unread: list[tuple[Any, list[Any], float, float]] = []
         #: and the batch after them, which it died running (None: none, or one sent)
         self._after_unread: Any = None
+        #: once killed: how many of the batches it held, the oldest first, reached the
+        #: device (those it finished, its results read or not, and the one it ran)
+        self.reached_upto = 0
         self.busy_seconds = 0.0
         self.last_run_seconds = 0.0
         #: as a WorkerProcess's: once killed, how many of the batches it held it never
@@ -271,6 +274,7 @@ class TrioWorker:
             began = 1 if rest and rest[0][0] is not self._sending else 0
             self.never_started = max(0, len(rest) - began)
             self._after_unread = rest[0][0] if began else None
+            self.reached_upto = written + began
             self._killed_holding([record for record, _, _, _ in held])
         self._exited.set()
 
@@ -443,7 +447,9 @@ class SimWorker(TrioWorker):
                 ex.reached = True
             elif ex.status == "staged":
                 began = i == 0 and ex is not self._sending
-                ex.reached = began
+                # (not only the oldest: one whose result waits unread, its worker
+                # killed alive, ran to its end, and the one after it began)
+                ex.reached = i < self.reached_upto
                 ex.status = "killed" if began and not self.whole else "returned"
                 if ex.status == "killed":
                     self._added = set(ex.keys) - replicas.suspects

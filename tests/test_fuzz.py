@@ -480,6 +480,45 @@ def test_fuzz_runtime_running_batches_expire_their_requests_and_retry_the_others
     assert run.watchdog.live() == 0
 
 
+def test_fuzz_runtime_a_batch_running_behind_one_whose_result_waits_unread_reached_the_device():
+    # Found by the runtime suite (seed 3407): replica 1's worker ran calls 0 and 3
+    # (items 0 and 12) from 0 to 5 ms, then call 9's batch (items 36 and 37) from
+    # 5 ms; item 37's crash kills it once it has written that result, so the first
+    # batch's result waits unread (fuzz._device.death_of). The runtime closes at 6 ms,
+    # killing it while it runs call 9's batch, whose caller left at 1 ms: the worker
+    # says it had started that batch, so the runtime does not refund it. The harness
+    # recorded only the oldest batch as having reached the device, and took the
+    # missing refund for a bug.
+    from fuzz._runtime import play
+    from fuzz._runtime_checks import check
+
+    scenario = fuzz.Scenario(
+        max_batch_size=2,
+        timeout_ms=5,
+        replicas=2,
+        batch_latency_ms=5,
+        queue_bound=3,
+        graceful_ms=0,
+        pipeline=(1, 2),
+        running=True,
+        cut_off_ms=20,
+        classes=(fuzz.ClassSetup(aging_ms=0),),
+        calls=(
+            *[fuzz.Call() for _ in range(8)],
+            fuzz.Call(at_ms=1),
+            fuzz.Call(
+                at_ms=1, items=(fuzz.Item(), fuzz.Item(fault="crash")),
+                cancel_ms=0, cancel_how="cancel",
+            ),
+        ),
+    )
+    run = play(scenario)
+    check(run)
+    last = [ex for ex in run.executions if [k for k, _ in ex.parts] == [36, 37]]
+    assert [(round(ex.begins - run.t0, 6), ex.reached) for ex in last] == [(0.005, True)]
+    assert not run.refunds
+
+
 @pytest.mark.parametrize(
     ("bug", "expected"),
     [
