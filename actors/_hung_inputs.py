@@ -201,6 +201,21 @@ def hedged_twin_poison(model: str) -> ModelError:
     return error
 
 
+def hedged_twin_answered(model: str) -> ModelError:
+    """The error of a hedge twin held apart (``Reply.hung``) whose twin hung a worker
+    thread of ``model``, ran again and was answered otherwise than poison (a value,
+    the model's own error, its deadline): not run, as it would be the input's third
+    run. Not poison, and not the caller's answer: a hedged caller gets its twin's
+    (``in_queue``: it never ran, and its caller is not charged for it)."""
+    error = ModelError(
+        f"model {model!r}: not run: its hedge twin (the same input) hung the model's "
+        "worker thread, ran again and was answered; a hedged input is run on two "
+        "replicas at most"
+    )
+    error.in_queue = True
+    return error
+
+
 def unloaded_hung_error(model: str) -> ActorClosed:
     """The error of a request held to run again after its batch hung a worker thread
     of ``model`` (it waits for a replica to spare) when the model is unloaded: a

@@ -457,11 +457,11 @@ class SchedulerActor(Sparing, Actor):
             if twin is not None and reply.hung is not None and twin.hung is not None:
                 # its twin hung a thread: the twin's retry is the input's next run,
                 # and this one never runs beside it (a hedged input is run on two
-                # replicas at most); once the twin was answered poison, nor after
+                # replicas at most); once the twin was answered, nor after
                 if twin.answerable:
                     apart.append(req)
                     continue
-                if self._held_twin_poisoned(req):
+                if self._held_twin_answered(req):
                     self.policy.left([req])
                     continue
             if puller is not None and twin is not None and puller.holds(twin):

@@ -16,6 +16,7 @@ from trioserve import RequestState, TrioserveError
 from ._hung_inputs import (
     HungInputs,
     hedged_hang_poison,
+    hedged_twin_answered,
     hedged_twin_poison,
     hung_input_poison,
     same_input_poison,
@@ -263,7 +264,7 @@ class Sparing:
         """A batch hung a thread of ``replica`` (``hang``) and was handed back
         (:meth:`note_hang` first). Re-decide every request held apart, and answer,
         rather than hold to its deadline, one that can no longer run: a hedge twin
-        whose twin hung and was answered poison (:meth:`_held_twin_poisoned`), and,
+        whose twin hung, ran again and was answered (:meth:`_held_twin_answered`), and,
         when fewer than two replicas other than ``replica`` are ready, one whose
         input hung a thread that still runs, this one or an earlier one: what a
         new request with that input gets (:meth:`_unrunnable`, as
@@ -287,7 +288,7 @@ class Sparing:
         unloaded = self._refuse_held
         for _ in range(len(apart)):
             req = apart.popleft()
-            if (self.twins and self._held_twin_poisoned(req)) or (
+            if (self.twins and self._held_twin_answered(req)) or (
                 scarce and self._unrunnable(req, memory)
             ):
                 self.policy.left([req])
@@ -335,18 +336,26 @@ class Sparing:
         self._poison(req, hung_input_poison(self.model))
         return True
 
-    def _held_twin_poisoned(self, req: Request) -> bool:
+    def _held_twin_answered(self, req: Request) -> bool:
         """Whether ``req``, held apart because its hedge twin hung a thread
-        (``Reply.hung``), was answered now that its twin was answered an error
-        (poison, not run again): it would be the input's third run. Its caller
-        gets its twin's error (``in_queue``: it never ran). Not a checkpoint."""
+        (``Reply.hung``), was answered now that its twin, run again, was answered:
+        it never runs (it would be the input's third run). Poison (counted) only
+        when its twin was, after it ran alone (:meth:`poisoned_alone`: its input
+        is marked so while its call runs); otherwise (the model raised on the twin,
+        its deadline passed, it answered) it is answered
+        :func:`hedged_twin_answered`, not counted: its hedged caller gets its
+        twin's answer. ``in_queue`` either way: it never ran. Not a checkpoint."""
         reply = req.reply
         if reply.hung is None or reply.state is not DISPATCHED:
             return False
         twin = self.twins.get(reply)
         if twin is None or twin.answerable or twin.hung is None:
             return False
-        self._poison(req, hedged_twin_poison(self.model))
+        memory = self.hung_inputs
+        if memory is not None and memory.was_poisoned(req.item):
+            self._poison(req, hedged_twin_poison(self.model))
+        else:
+            reply.set_error(hedged_twin_answered(self.model))
         return True
 
     def _recall(self, request: Request) -> None:

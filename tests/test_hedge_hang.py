@@ -12,14 +12,18 @@ started, it never does).
 from __future__ import annotations
 
 import threading
+import types
 
+import outcome
 import pytest
 import trio
 import trio.testing
 import trioserve
 from runtime_helpers import GATE_LIMIT_S, callable_model, config, item
+from test_hung_inputs import request, with_metrics
 from test_thread_hang import HANG, SERVED_WITHIN, Hangs, hanging_model, healths, values
 from trioserve import ModelError, Reply, Request
+from trioserve._hedging import _Hedging
 from trioserve.actors import BatchLimits, FifoQueue, SchedulerActor
 from trioserve.actors._straggler import Hang, mark_hung
 
@@ -249,7 +253,7 @@ async def test_a_copy_held_while_its_original_is_retried_never_runs_beside_it(
     # replica meanwhile (a fourth one spared); it waits for the retry instead,
     # and once the retry is poison it is answered, never run.
     a, b, c, d = Replica(), Replica(), Replica(), Replica()
-    scheduler = scheduler_of(a, b, c, d)
+    scheduler = with_metrics(scheduler_of(a, b, c, d))
     original, copy = hedged(scheduler, a)
     hangs(scheduler, a, original)
     assert copy.reply.hung is not None
@@ -268,11 +272,77 @@ async def test_a_copy_held_while_its_original_is_retried_never_runs_beside_it(
         await trio.testing.wait_all_tasks_blocked()
         assert not got  # the copy waits apart, beside its original's retry
         assert scheduler.queue_depth() == 1
-        # the retry hangs b too, and is answered poison
+        # the retry hangs b too, and is answered poison (as the batcher does: its
+        # input is marked so, then the queue looks at what it holds)
         original.reply.set_error(ModelError("poison request, not retried"))
+        scheduler.metrics.statuses["poison"] += 1
+        scheduler.poisoned_alone([original])
         scheduler.after_hang()
-        with pytest.raises(ModelError, match="its hedge twin") as info:
+        with pytest.raises(ModelError, match=r"its hedge twin .* was not run again") as info:
             await copy.reply.wait()
         assert info.value.in_queue  # it never ran
+        assert scheduler.metrics.statuses["poison"] == 2  # the input's two runs
         assert scheduler.queue_depth() == 0
         nursery.cancel_scope.cancel("the test is over")
+
+
+@pytest.mark.parametrize("retry_answer", ["the model raised", "a value"])
+async def test_a_copy_held_while_its_original_is_retried_is_not_poison_when_the_retry_is_not(
+    autojump_clock, retry_answer,
+):
+    # As above, but the original's retry is answered otherwise than poison: the
+    # model raises on it (a ModelError of its own), or it answers. The held copy
+    # used to be answered poison all the same, and counted so; it is answered
+    # "not run" now, not counted, and the hedged caller gets the retry's answer.
+    a, b, c, d = Replica(), Replica(), Replica(), Replica()
+    scheduler = with_metrics(scheduler_of(a, b, c, d))
+    original = Request(model="m", item=item(HANG), reply=Reply())
+    original.reply.dispatch()
+    a.running.append(original.reply)
+    refunds: list[int] = []
+    caller: list = []
+
+    async def hedged_caller() -> None:
+        caller.append(await outcome.acapture(
+            _Hedging._hedged, types.SimpleNamespace(hedges=0), scheduler, original,
+            0.001, lambda: refunds.append(1),
+        ))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hedged_caller)
+        await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()
+        copy_reply = scheduler.twins[original.reply]  # the copy is queued
+        hangs(scheduler, a, original)
+        assert copy_reply.hung is not None
+        a.running.clear()
+        original.reply.suspect = original.reply.ran = True
+        scheduler.retry([[original]])
+        assert await scheduler.pull(b) == [original]  # c and d to spare
+        b.running.append(original.reply)
+        innocent = request(1.0)
+        scheduler.submit_nowait(innocent)
+        assert await scheduler.pull(c) == [innocent]  # the copy is held apart
+        assert scheduler.queue_depth() == 1
+        b.running.clear()
+        if retry_answer == "the model raised":
+            original.reply.set_error(ModelError("model 'm' failed on cpu: boom"))
+        else:
+            original.reply.set_result(2.0)
+        # b pulls again at once (nothing lets the hedged caller run first): its
+        # look answers the held copy
+        innocent = request(2.0)
+        scheduler.submit_nowait(innocent)
+        assert await scheduler.pull(b) == [innocent]
+        assert not copy_reply.answerable
+        await trio.testing.wait_all_tasks_blocked()
+        assert caller
+        if retry_answer == "the model raised":
+            with pytest.raises(ModelError, match="boom"):
+                caller[0].unwrap()
+        else:
+            assert caller[0].unwrap() == 2.0
+        assert scheduler.metrics.statuses["poison"] == 0
+        assert scheduler.queue_depth() == 0
+        assert refunds == []  # the caller did not leave
+
