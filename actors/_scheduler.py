@@ -112,8 +112,8 @@ class SchedulerActor(Sparing, Actor):
         #: ``refuse_held``): a request held apart for its input is answered at once
         #: with what a new one gets, not held for the drain to wait on
         self._refuse_held = False
-        #: ``wait_empty`` callers, woken when a batch is taken or completed or a
-        #: batcher idles
+        #: ``wait_empty`` callers, woken when a batch is taken or completed, a
+        #: batcher idles, or requests held here are answered
         self._emptied = trio.lowlevel.ParkingLot()
         self._init_sparing()
 
@@ -697,9 +697,10 @@ class SchedulerActor(Sparing, Actor):
         checkpoint; cancelling it changes nothing."""
         await trio.lowlevel.checkpoint()
         while self.queue_depth() or any(not getattr(b, "idle", True) for b in self.batchers):
-            # woken when a batch is taken or completed, or a batcher finds none; a
-            # request withdrawn or expired leaves at the next pull or timer wake,
-            # which wakes the batchers
+            # woken when a batch is taken or completed, or a batcher finds none,
+            # or requests held here are answered otherwise (a change of replicas,
+            # a hang: see Sparing); a request withdrawn or expired leaves at the
+            # next pull or timer wake, which wakes the batchers
             await self._emptied.park()
 
     def queue_depth(self) -> int:

@@ -274,7 +274,8 @@ class Sparing:
         this hang marked to be held (:meth:`note_hang`) at once
         (:meth:`hand_over`). A retried part whose input was answered poison after
         it ran alone (:meth:`poisoned_alone`: the same input twice in a hung batch)
-        is answered poison too (:meth:`_poison_retried`). One loop over what is
+        is answered poison too (:meth:`_poison_retried`). A drain
+        (:meth:`wait_empty`) is woken when one was answered. One loop over what is
         held; nothing when nothing is. Not a checkpoint."""
         memory = self.hung_inputs
         if memory is not None and self._retries and memory.any_poisoned():
@@ -286,7 +287,8 @@ class Sparing:
             hang is not None and memory is not None and self._ready_besides(replica) < 2
         )
         unloaded = self._refuse_held
-        for _ in range(len(apart)):
+        held = len(apart)
+        for _ in range(held):
             req = apart.popleft()
             if (self.twins and self._held_twin_answered(req)) or (
                 scarce and self._unrunnable(req, memory)
@@ -296,6 +298,8 @@ class Sparing:
                 self._refuse_one(req)
             else:
                 apart.append(req)
+        if len(apart) < held:
+            self._drained_some()
 
     def replicas_changed(self) -> None:
         """The set of this queue's ready replicas changed otherwise than by a hang
@@ -304,21 +308,32 @@ class Sparing:
         it is decided (:meth:`_recall`): with fewer than two replicas ready, each
         whose input hung a thread that still runs is answered its poison error
         now, not at its deadline; and idle replicas look again, so that one runs
-        what can run now beside a spared one. Only an empty check when nothing is
-        held apart. Not a checkpoint."""
+        what can run now beside a spared one; a drain (:meth:`wait_empty`) is woken
+        when one was answered. Only an empty check when nothing is held apart. Not
+        a checkpoint."""
         apart = self._apart
         if not apart:
             return
         memory = self.hung_inputs
         if memory and self._ready_besides(None) < 2:
-            for _ in range(len(apart)):
+            held = len(apart)
+            for _ in range(held):
                 req = apart.popleft()
                 if self._unrunnable(req, memory):
                     self.policy.left([req])
                 else:
                     apart.append(req)
+            if len(apart) < held:
+                self._drained_some()
         if apart and self._idle:
             self._idle.unpark_all()
+
+    def _drained_some(self) -> None:
+        """Requests held here were answered: wake a drain (``wait_empty``), which
+        nothing else may wake (no batch need be taken or completed meanwhile). Not
+        a checkpoint."""
+        if self._emptied:
+            self._emptied.unpark_all()
 
     def _unrunnable(self, req: Request, memory: Any) -> bool:
         """Whether ``req``, held apart for its input (``Reply.hung``; not a hedge

@@ -519,6 +519,45 @@ async def test_a_held_input_whose_call_returned_is_not_poison_when_replicas_chan
     assert scheduler.metrics.statuses["poison"] == 0
 
 
+@pytest.mark.parametrize("change", ["replicas changed", "another thread hung"])
+async def test_a_drain_returns_once_what_was_held_apart_is_answered_poison(
+    autojump_clock, change,
+):
+    # A drain (an unload or a reload waiting for the queue to empty) waits for the
+    # input held apart. The change of replicas (or a hang) that answers it poison
+    # used to leave the drain parked until something else woke it (a batch taken
+    # or completed); it wakes the drain itself now.
+    hung_replica, b, c = Replica(ready=False), Replica(), Replica()
+    scheduler = with_metrics(scheduler_of(hung_replica, b, c))
+    hung_in(scheduler, HANG)
+    c.risking = True
+    got: list = []
+    drained = trio.Event()
+
+    async def drain() -> None:
+        await scheduler.wait_empty()
+        drained.set()
+
+    async with trio.open_nursery() as nursery:
+        again = await held_apart(scheduler, b, got, nursery)
+        nursery.start_soon(drain)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not drained.is_set()  # it waits for the input held apart
+        began = trio.current_time()
+        if change == "replicas changed":
+            c.ready = False
+            scheduler.replicas_changed()
+        else:
+            scheduler.after_hang(Hang(), c)  # c hung (on another input)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not again.reply.answerable  # answered poison
+        assert scheduler.queue_depth() == 0
+        assert drained.is_set()
+        assert trio.current_time() == began
+        assert got == []  # b still waits for work
+        nursery.cancel_scope.cancel("the test is over")
+
+
 class Counted(Replica):
     """A replica that counts the looks at its readiness."""
 
