@@ -376,10 +376,19 @@ class SchedulerActor(Sparing, Actor):
         after that input hung a thread alone), and, once the model is unloaded,
         one that may hang a thread is answered at once (:meth:`hand_over`)."""
         now = trio.current_time()
+        # Only the parts handed back now are looked at for a poison input: one held
+        # already was looked at when it was handed back, and again by the hang
+        # that marked an input poison (after_hang follows poisoned_alone), so one
+        # digest per request handed back, not per request held.
+        memory = self.hung_inputs
+        if memory is not None and not memory.any_poisoned():
+            memory = None
         for batch in batches:
             if batch:
                 self.retried += 1
                 alive = self._settle(batch, now)
+                if alive and memory is not None:
+                    alive = self._unpoisoned(alive, memory)
                 if alive:
                     self._retries.append(alive)
                     self._hold(alive)
@@ -389,9 +398,6 @@ class SchedulerActor(Sparing, Actor):
                             # a request carrying an answered one's item: it has no
                             # deadline, and leaves when withdrawn, as a queued one
                             relay.on_withdraw = self._drop_withdrawn
-        memory = self.hung_inputs
-        if memory is not None and self._retries and memory.any_poisoned():
-            self._poison_retried(memory)
         if self._refuse_held and self._retries:
             self._refuse_retries()  # an unloaded model's: nothing waits for a spare
         if self._retries and self._idle:

@@ -192,17 +192,25 @@ class Sparing:
         dropped = False
         for _ in range(len(retries)):
             batch = retries.popleft()
-            kept = []
-            for req in batch:
-                if req.reply.state is DISPATCHED and memory.was_poisoned(req.item):
-                    self._poison(req, same_input_poison(self.model, ran=req.reply.ran))
-                    dropped = True
-                else:
-                    kept.append(req)
+            kept = self._unpoisoned(batch, memory)
             if kept:
                 retries.append(kept)
-        if dropped and self._emptied:
-            self._emptied.unpark_all()
+            dropped = dropped or len(kept) < len(batch)
+        if dropped:
+            self._drained_some()
+
+    def _unpoisoned(self, batch: list[Request], memory: HungInputs) -> list[Request]:
+        """``batch`` (a retried part) without its requests whose input was answered
+        poison after it ran alone (:meth:`poisoned_alone`), each answered
+        :func:`same_input_poison` (counted). One digest per request. Not a
+        checkpoint."""
+        kept = []
+        for req in batch:
+            if req.reply.state is DISPATCHED and memory.was_poisoned(req.item):
+                self._poison(req, same_input_poison(self.model, ran=req.reply.ran))
+            else:
+                kept.append(req)
+        return kept
 
     def _answer_held(self) -> None:
         """Answer each request held because it may hang a thread, kept apart or a

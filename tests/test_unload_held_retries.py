@@ -17,6 +17,7 @@ from test_thread_hang import HANG, Replica, scheduler_of
 from trioserve import ActorClosed, ModelError, Request, UnknownModel
 from trioserve._model_copy import _Copy, _drain
 from trioserve._outcomes import _never_ran, _refund_if_unrun
+from trioserve.actors import _hung_inputs
 from trioserve.actors._straggler import Hang, mark_hung
 
 UNLOADED_RETRY = (
@@ -185,3 +186,39 @@ async def test_a_part_with_an_input_found_poison_handed_back_by_a_raise_is_poiso
     assert scheduler.metrics.statuses["poison"] == 1
     assert x.reply.answerable  # the innocent part still waits for a replica to spare
     assert scheduler.queue_depth() == 1
+
+
+async def test_a_part_handed_back_is_looked_at_alone_for_an_input_found_poison(
+    autojump_clock, monkeypatch,
+):
+    # While an input is marked poison, each retry used to digest the input of every
+    # part held (40 parts held: 41 digests to hand back one more); it digests the
+    # parts handed back now. One held already was looked at as it was handed back.
+    a, b, c, d = Replica(ready=False), Replica(ready=False), Replica(), Replica()
+    scheduler = with_metrics(scheduler_of(a, b, c, d))
+    hang = hung_in(scheduler, HANG, *(float(v) for v in range(1, 42)))
+    a1 = request(HANG)
+    a1.reply.dispatch()
+    scheduler.poisoned_alone([a1])
+    d.risking = True  # no replica to spare: the parts stay held
+
+    def part(v: float) -> list[Request]:
+        r = request(v)
+        r = Request(model="m", item=r.item, reply=r.reply, deadline=DEADLINE)
+        r.reply.dispatch()
+        mark_hung([r], hang)
+        r.reply.suspect = r.reply.ran = True
+        return [r]
+
+    for v in range(1, 41):
+        scheduler.retry([part(float(v))])
+    assert scheduler.queue_depth() == 40
+    digests: list = []
+    real = _hung_inputs.digest
+    monkeypatch.setattr(_hung_inputs, "digest", lambda it: digests.append(it) or real(it))
+    poison = part(HANG)
+    scheduler.retry([part(41.0), poison])
+    assert len(digests) == 2  # the two parts handed back, not the 40 held
+    assert not poison[0].reply.answerable  # still found poison
+    assert scheduler.metrics.statuses["poison"] == 1
+    assert scheduler.queue_depth() == 41
