@@ -286,10 +286,13 @@ class SchedulerActor(Sparing, Actor):
         apart = self._apart
         if apart:
             now = trio.current_time()
-            for _ in range(len(apart)):
+            held = len(apart)
+            for _ in range(held):
                 req = apart.popleft()
                 if (req is not original and req is not copy) or not self._drop_apart(req, now):
                     apart.append(req)
+            if len(apart) < held:
+                self._drained_some()  # a drain may wait for it alone
 
     # ---- batchers
     async def pull(self, puller: Any = None) -> list[Request]:
@@ -525,6 +528,8 @@ class SchedulerActor(Sparing, Actor):
         at which one still held is to be answered (inf: none)."""
         first = math.inf
         retries = self._retries
+        apart = self._apart
+        held = sum(len(b) for b in retries) + len(apart)
         for _ in range(len(retries)):
             alive = self._settle(retries.popleft(), now)
             if alive:
@@ -532,13 +537,16 @@ class SchedulerActor(Sparing, Actor):
                 for r in alive:
                     if r.answer_expiry and r.deadline < first:
                         first = r.deadline
-        apart = self._apart
         for _ in range(len(apart)):
             req = apart.popleft()
             if not self._drop_apart(req, now):
                 apart.append(req)
                 if req.answer_expiry and req.deadline < first:
                     first = req.deadline
+        if sum(len(b) for b in retries) + len(apart) < held:
+            # (answered at their deadline with no batcher pulling, e.g. each degraded
+            # by a hung thread: nothing else wakes a drain waiting for them)
+            self._drained_some()
         return first
 
     def _elsewhere(self, batch: list[Request], puller: Any) -> bool:
@@ -618,8 +626,10 @@ class SchedulerActor(Sparing, Actor):
             now = trio.current_time()
             if self._held_at <= now:
                 self._held_at = self._expire_held(now)
-            if policy.expire(now) and self._idle:
-                self._idle.unpark_all()  # the oldest request may have changed
+            if policy.expire(now):
+                if self._idle:
+                    self._idle.unpark_all()  # the oldest request may have changed
+                self._drained_some()  # (with no batcher to pull, nothing else would)
 
     def load(self) -> float:
         """Cost units queued, in service and held here for another run (retries,
@@ -705,7 +715,8 @@ class SchedulerActor(Sparing, Actor):
         while self.queue_depth() or any(not getattr(b, "idle", True) for b in self.batchers):
             # woken when a batch is taken or completed, or a batcher finds none,
             # or requests held here are answered otherwise (a change of replicas,
-            # a hang: see Sparing); a request withdrawn or expired leaves at the
+            # a hang: see Sparing; a hedge ended, forget_copy; the timer answering
+            # what expired, queued or held); a request withdrawn leaves at the
             # next pull or timer wake, which wakes the batchers
             await self._emptied.park()
 

@@ -777,3 +777,70 @@ async def test_a_hedged_caller_gets_the_first_model_error_when_both_twins_raise(
     finally:
         model.release()
     assert model.batches == [[1.0], [1.0]]
+
+
+async def test_a_drain_returns_once_a_twin_kept_apart_leaves_with_its_hedge(autojump_clock):
+    """A drain (an unload or a reload waiting for the queue to empty) waits for the
+    copy kept apart from its original's replica. When the hedge ends, the copy leaves
+    (:meth:`SchedulerActor.forget_copy`), which used to leave the drain parked until
+    something else woke it (a batch taken or completed, a batcher finding none)."""
+    from trioserve import ModelError, Reply, Request
+    from trioserve.actors import BatchLimits, FairQueue, SchedulerActor
+
+    queue = FairQueue(BatchLimits(max_size=4), bound=8, adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    now = trio.current_time()
+    original = Request(model="m", item=None, cost=1, arrival=now)
+    copy = attrs.evolve(original, reply=Reply())
+    scheduler.submit_nowait(original)
+    assert scheduler.submit_copy_nowait(original, copy)
+    assert queue.next_batch(now) == [original, copy]  # one replica pulled both
+    scheduler.keep_apart(copy)  # it holds the original: the copy waits for another
+    drained = trio.Event()
+
+    async def drain() -> None:
+        await scheduler.wait_empty()
+        drained.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drain)
+        original.reply.set_error(ModelError("model 'm' failed"))
+        scheduler.completed([original], failed=True)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not drained.is_set()  # the copy is still kept apart
+        began = trio.current_time()
+        copy.reply.withdraw()  # the caller took the error and left
+        scheduler.forget_copy(original, copy)
+        await trio.testing.wait_all_tasks_blocked()
+        assert scheduler.queue_depth() == 0
+        assert drained.is_set()
+        assert trio.current_time() == began
+
+
+async def test_a_drain_returns_once_what_waits_expires_with_no_batcher_pulling(autojump_clock):
+    """A drain waits for a queued request while no batcher pulls (each degraded by a
+    hung thread, say). The queue's timer answers it at its deadline, which used to
+    wake only the idle batchers (none here), not the drain: it stayed parked."""
+    from trioserve import DeadlineExceeded, Request
+    from trioserve.actors import BatchLimits, FairQueue, SchedulerActor
+
+    queue = FairQueue(BatchLimits(max_size=4), bound=8, adaptive=False)
+    scheduler = SchedulerActor("m", queue)
+    t0 = trio.current_time()
+    request = Request(model="m", item=None, arrival=t0, deadline=t0 + 1.0, answer_expiry=True)
+    scheduler.submit_nowait(request)
+    drained = trio.Event()
+
+    async def drain() -> None:
+        await scheduler.wait_empty()
+        drained.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        nursery.start_soon(drain)
+        with trio.fail_after(5):
+            await drained.wait()
+        assert trio.current_time() == t0 + 1.0
+        with pytest.raises(DeadlineExceeded):
+            await request.reply.wait()  # answered at its deadline, never run
+        nursery.cancel_scope.cancel("the test is over")
