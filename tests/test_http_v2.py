@@ -499,3 +499,24 @@ def test_a_datatype_that_is_a_list_or_an_object_is_400_not_500(datatype, sent):
     with pytest.raises(InvalidInput) as info:
         parse(doc)
     assert str(info.value).startswith(f"input 'x': datatype {sent} is not one of BOOL, ")
+
+
+def test_binary_data_without_its_header_length_is_refused_with_a_hint():
+    """A JSON header followed by binary tensor data, sent without
+    Inference-Header-Content-Length: the body is not JSON, and the refusal says which
+    header was missing rather than only that the bytes are not UTF-8 text."""
+    x = np.array([[1.5, -2.0, 3.25, 0.0]], np.float32)
+    header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                                       "parameters": {"binary_data_size": x.nbytes}}]})
+    with pytest.raises(InvalidInput) as info:
+        InferRequest.from_v2_json(header + x.tobytes(), VEC)
+    message = str(info.value)
+    assert message.startswith("malformed JSON body: ")
+    assert message.endswith(
+        "; a body with binary tensor data (binary_data_size) needs the "
+        "Inference-Header-Content-Length header: the length of its JSON part"
+    )
+    # malformed JSON with no binary data gets no such hint
+    with pytest.raises(InvalidInput) as info:
+        InferRequest.from_v2_json(b'{"inputs": [', VEC)
+    assert "Inference-Header-Content-Length" not in str(info.value)

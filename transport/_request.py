@@ -99,7 +99,12 @@ class InferRequest:
                         f"body ({len(body)} bytes)"
                     )
                 body, binary = body[:header_length], memoryview(body)[header_length:]
-            doc = loads_request(body)
+                doc = loads_request(body)
+            else:
+                try:
+                    doc = loads_request(body)
+                except InvalidInput as exc:
+                    raise _binary_without_header(exc, body) from None
         # Whether the JSON may hold a boolean among numbers: scanned for only once an
         # input's data is JSON values (a binary or a simdjson-decoded input needs no scan)
         bools: bool | None = None if body else True
@@ -385,6 +390,18 @@ def sample_inputs(
         )
     return tensors
 
+
+
+def _binary_without_header(exc: InvalidInput, body: bytes | str) -> InvalidInput:
+    """``exc`` (the body is not JSON), with a hint when the body looks like a JSON
+    header followed by binary tensor data sent without the header that says where
+    the JSON ends (tritonclient sends it; a hand-made client may forget it)."""
+    if isinstance(body, (bytes, bytearray)) and b'"binary_data_size"' in body[:65536]:
+        return InvalidInput(
+            f"{exc}; a body with binary tensor data (binary_data_size) needs the "
+            "Inference-Header-Content-Length header: the length of its JSON part"
+        )
+    return exc
 
 __all__ = [
     "MAX_CLASSES",
