@@ -529,21 +529,24 @@ class SchedulerActor(Sparing, Actor):
         first = math.inf
         retries = self._retries
         apart = self._apart
-        held = sum(len(b) for b in retries) + len(apart)
+        answered = False
         for _ in range(len(retries)):
-            alive = self._settle(retries.popleft(), now)
+            batch = retries.popleft()
+            alive = self._settle(batch, now)
+            answered = answered or len(alive) < len(batch)
             if alive:
                 retries.append(alive)
                 for r in alive:
                     if r.answer_expiry and r.deadline < first:
                         first = r.deadline
-        for _ in range(len(apart)):
+        held = len(apart)
+        for _ in range(held):
             req = apart.popleft()
             if not self._drop_apart(req, now):
                 apart.append(req)
                 if req.answer_expiry and req.deadline < first:
                     first = req.deadline
-        if sum(len(b) for b in retries) + len(apart) < held:
+        if answered or len(apart) < held:
             # (answered at their deadline with no batcher pulling, e.g. each degraded
             # by a hung thread: nothing else wakes a drain waiting for them)
             self._drained_some()

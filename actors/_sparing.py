@@ -225,8 +225,7 @@ class Sparing:
                 self._refuse_one(req)
         if self._retries:
             self._refuse_retries()
-        if self._emptied:
-            self._emptied.unpark_all()
+        self._drained_some()
 
     def _refuse_one(self, req: Request, *, kept_apart: bool = True) -> None:
         """Answer ``req`` (held because it may hang a thread, in an unloaded
@@ -265,8 +264,7 @@ class Sparing:
                     self._refuse_one(req, kept_apart=False)
             if kept:
                 retries.append(kept)
-        if self._emptied:
-            self._emptied.unpark_all()
+        self._drained_some()
 
     def after_hang(self, hang: Hang | None = None, replica: Any = None) -> None:
         """A batch hung a thread of ``replica`` (``hang``) and was handed back
