@@ -13,8 +13,8 @@ import trio
 import trioserve
 from http_helpers import config, echo_model, serving, v2_input
 from trioserve import InvalidInput
-from trioserve.transport import _gateway, open_http
-from trioserve.transport._gateway import BodyTooLarge, decode_body
+from trioserve.transport import _inflate, open_http
+from trioserve.transport._inflate import BodyTooLarge, decode_body
 
 MIB = 1024 * 1024
 
@@ -30,7 +30,7 @@ def steps(monkeypatch):
     """Each step of an inflate: (output before, output after, checkpoints before it)."""
     seen: list[tuple[int, int, int]] = []
     checkpoints = 0
-    step = _gateway._Inflater.step
+    step = _inflate._Inflater.step
 
     def spy(self):
         before = self._size
@@ -44,8 +44,8 @@ def steps(monkeypatch):
         checkpoints += 1
         await trio.lowlevel.checkpoint()
 
-    monkeypatch.setattr(_gateway._Inflater, "step", spy)
-    monkeypatch.setattr(_gateway, "_checkpoint", counted)
+    monkeypatch.setattr(_inflate._Inflater, "step", spy)
+    monkeypatch.setattr(_inflate, "_checkpoint", counted)
     return seen
 
 
@@ -60,7 +60,7 @@ async def test_a_large_body_is_inflated_in_bounded_steps_with_checkpoints(steps,
     body = echo_body(3 * MIB + 100)
     packed = gzip.compress(body) if coding == b"gzip" else zlib.compress(body)
     assert await decode_body(packed, coding, 4 * MIB) == body
-    step = _gateway.INFLATE_STEP
+    step = _inflate.INFLATE_STEP
     full = len(body) // step
     # each step at most INFLATE_STEP of output, a checkpoint between each two
     assert steps[:full + 1] == [(i * step, min((i + 1) * step, len(body)), i)

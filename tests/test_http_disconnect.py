@@ -331,7 +331,7 @@ async def test_the_watch_cancels_only_a_waiting_connection_and_rearms():
     reported at once."""
     import socket
 
-    from trioserve.transport._gateway import _Conn
+    from trioserve.transport._connections import _Conn
     from trioserve.transport._hangup import HangupWatch
 
     ours, theirs = socket.socketpair()

@@ -30,8 +30,8 @@ from http_helpers import (
 from hypothesis import given
 from hypothesis import strategies as st
 from trioserve import QuotaExceeded
-from trioserve.transport import _gateway, _stream_answer, open_http, open_stream
-from trioserve.transport._gateway import error_answer
+from trioserve.transport import _answers, _stream_answer, open_http, open_stream
+from trioserve.transport._answers import error_answer
 from trioserve.transport._v2 import error_body, error_frame
 
 ONE = {"inputs": [v2_input(np.zeros((1, 256), np.float32))]}
@@ -845,16 +845,16 @@ def test_a_refusal_s_body_is_written_once_per_message_and_the_table_is_bounded()
     assert first == again
     assert first[2] is again[2]
     assert first[2] == _orjson_body(str(full))
-    for i in range(3 * _gateway.REFUSAL_BODIES):
+    for i in range(3 * _answers.REFUSAL_BODIES):
         exc = QuotaExceeded(f"tenant 't' is over its credit rate; 1 more in {i} ms")
         answer = error_answer(exc)
         assert answer[0] == 429
         assert answer[2] == _orjson_body(str(exc))
-        assert len(_gateway._refusal_bodies) <= _gateway.REFUSAL_BODIES
+        assert len(_answers._refusal_bodies) <= _answers.REFUSAL_BODIES
     # other statuses are written each time (their messages are the request's)
     bad = trioserve.InvalidInput("bad")
     assert error_answer(bad)[2] == _orjson_body("bad")
-    assert "bad" not in _gateway._refusal_bodies
+    assert "bad" not in _answers._refusal_bodies
 
 
 # ------------------------------------------------------------ stream error frames' bytes
@@ -883,7 +883,7 @@ _IDS = (
     rid=_IDS,
     message=_ANY_TEXT,
     status=st.sampled_from([400, 401, 404, 429, 500, 503, 504]),
-    retry_after=st.none() | st.integers(min_value=1, max_value=_gateway.RETRY_AFTER_MAX),
+    retry_after=st.none() | st.integers(min_value=1, max_value=_answers.RETRY_AFTER_MAX),
 )
 def test_a_stream_error_frame_is_byte_for_byte_what_orjson_wrote(
     rid, message, status, retry_after

@@ -13,8 +13,8 @@ from ._client import HttpClient as HttpClient
 from ._client import HttpResponse as HttpResponse
 from ._client import infer_body as infer_body
 from ._client import open_http as open_http
+from ._connections import GatewayStatistics as GatewayStatistics
 from ._gateway import Gateway as Gateway
-from ._gateway import GatewayStatistics as GatewayStatistics
 from ._gateway import open_gateway as open_gateway
 from ._listeners import open_listeners as open_listeners
 from ._main import bench_http_main as bench_http_main

@@ -10,7 +10,7 @@ from urllib.parse import unquote
 import h11
 import trio
 
-from ._gateway import Answer, error_answer
+from ._answers import Answer, error_answer
 
 if TYPE_CHECKING:
     from ._gateway import Gateway

@@ -1,7 +1,7 @@
 """Content codings of answers: ``Accept-Encoding`` (RFC 9110 §12.5.3) and gzip or
 deflate compression in bounded steps.
 
-A request's body may come compressed (``decode_body`` in ``._gateway``); an answer
+A request's body may come compressed (``decode_body`` in ``._inflate``); an answer
 is compressed when its request asks for it with ``Accept-Encoding``, as Triton does
 and as ``tritonclient``'s ``response_compression_algorithm`` asks: gzip, or deflate
 in the zlib format (what Triton sends and ``tritonclient`` reads with
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import trio
 
 if TYPE_CHECKING:
-    from ._gateway import Answer
+    from ._answers import Answer
 
 
 GZIP = b"gzip"

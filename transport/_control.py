@@ -27,9 +27,9 @@ from trioserve import (
 from trioserve._errors import without_model
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from ._answers import Answer, error_answer
 from ._auth import another_field_line
 from ._extensions import all_versions, model_statistics
-from ._gateway import Answer, error_answer
 from ._metrics import exposition
 from ._rollout_http import rollout_routes
 from ._signature import server_metadata

@@ -7,6 +7,11 @@ in-process (the control plane); ``/v2/stream`` upgrades go to trio-websocket. Th
 gateway adapts the wire onto ``Runtime.infer`` / ``infer_batch`` and owns no policy:
 authenticate (API key -> tenant), validate, classify (priority, deadline), submit,
 answer, count.
+
+This module holds :class:`Gateway`'s data plane (``infer``: authenticate, decode,
+idempotency, the edge cache, submit, encode) and :func:`open_gateway`; its
+connections, readiness and drain are in ``._connections``, HTTP answers and error
+answers in ``._answers``, a request body's Content-Encoding in ``._inflate``.
 """
 
 from __future__ import annotations
@@ -14,160 +19,36 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import math
-import zlib
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import attrs
 import trio
 from trioserve import (
     Config,
     DeadlineExceeded,
     InvalidInput,
-    Overloaded,
     Runtime,
     TrioserveError,
     UnknownModel,
 )
 
+from ._answers import JSON, OCTETS, Answer, error_answer
 from ._auth import ANONYMOUS, Authenticator, ControlPlaneGuard
 from ._coding import encode_answer, negotiate
+from ._connections import Connections
 from ._decode import Decoder
 from ._idempotency import IdempotencyStore
-from ._listeners import open_listeners
+from ._inflate import decode_body
 from ._request import InferRequest
 from ._response import encode_response
 from ._signature import Signatures
-from ._v2 import compact, error_body
-
-if TYPE_CHECKING:
-    from ._hangup import HangupWatch
-    from ._wire import Outbox
+from ._v2 import compact
 
 log = logging.getLogger("trioserve.transport")
 
 #: The model label of requests for a model that is not served (bounded label values).
 UNKNOWN_MODEL = "-"
-
-#: After the grace period, how long connections get to send their 503s and close.
-CLOSE_GRACE = 1.0
-JSON = (b"content-type", b"application/json")
-OCTETS = (b"content-type", b"application/octet-stream")
-
-Headers = list[tuple[bytes, bytes]]
-#: An HTTP answer: (status, headers without content-length, body).
-Answer = tuple[int, Headers, bytes]
-
-
-WWW_AUTHENTICATE = (b"www-authenticate", b'Bearer realm="trioserve"')
-#: The content codings a request body may come in (RFC 9110 §8.4.1).
-ACCEPT_ENCODING = (b"accept-encoding", b"gzip, deflate")
-
-
-class UnsupportedEncoding(TrioserveError):
-    """The request body's Content-Encoding is not one the server decodes."""
-
-    status = 415
-
-
-class BodyTooLarge(TrioserveError):
-    """The request body is over the size limit once decompressed."""
-
-    status = 413
-
-
-#: Output one step of a request body's inflate produces: the size limit is checked
-#: after each step, and the loop checkpoints between steps. A 16 MiB inflate takes
-#: ~50 ms here (48 ms for a JSON body of floats compressed to 7.3 MiB, 53 ms for
-#: 16 MiB of spaces in 16 KiB): in one call it stalled every other connection that
-#: long; a step of 256 KiB takes ~0.3-0.5 ms. (A worker thread was tried: with the loop
-#: busy the two contend for the GIL, and the loop's longest stall was 5-25 ms.)
-INFLATE_STEP = 256 * 1024
-_checkpoint = trio.lowlevel.checkpoint
-
-
-async def decode_body(body: bytes, coding: bytes | str, limit: int) -> bytes:
-    """``body`` decoded from its Content-Encoding ``coding`` (gzip, x-gzip, deflate,
-    identity, or a list of them in the order applied), at most ``limit`` bytes of it:
-    BodyTooLarge as soon as the output passes it (a small body may inflate a
-    thousandfold), UnsupportedEncoding for another coding, InvalidInput for corrupt data.
-
-    Inflates in steps of :data:`INFLATE_STEP` bytes of output with a checkpoint
-    between them, so only a body that inflates past one step is a checkpoint.
-    Cancelling it abandons the inflate.
-    """
-    if isinstance(coding, bytes):
-        coding = coding.decode("latin-1")
-    for c in reversed([c.strip().lower() for c in coding.split(",") if c.strip()]):
-        if c == "identity":
-            continue
-        if c in ("gzip", "x-gzip"):
-            body = await _inflate(body, 31, c, limit)
-        elif c == "deflate":
-            try:  # RFC 9110's deflate is zlib-wrapped; some clients send it raw
-                body = await _inflate(body, 15, c, limit)
-            except InvalidInput:
-                body = await _inflate(body, -15, c, limit)
-        else:
-            raise UnsupportedEncoding(
-                f"Content-Encoding {c!r} is not supported; send gzip, deflate or identity"
-            )
-    return body
-
-
-async def _inflate(body: bytes, wbits: int, coding: str, limit: int) -> bytes:
-    inflater = _Inflater(body, wbits, coding, limit)
-    while not inflater.step():
-        await _checkpoint()
-    return inflater.result()
-
-
-class _Inflater:
-    """One body's inflate, a step of at most :data:`INFLATE_STEP` bytes of output at a
-    time, the size limit checked after each (never more than ``limit + 1`` bytes held)."""
-
-    __slots__ = ("_coding", "_d", "_input", "_limit", "_out", "_size")
-
-    def __init__(self, body: bytes, wbits: int, coding: str, limit: int) -> None:
-        self._d = zlib.decompressobj(wbits)
-        self._input = body
-        self._coding = coding
-        self._limit = limit
-        self._out: list[bytes] = []
-        self._size = 0
-
-    def step(self) -> bool:
-        """Inflate the next step; returns whether the inflate is over. Raises
-        BodyTooLarge or InvalidInput."""
-        d = self._d
-        step = min(INFLATE_STEP, self._limit + 1 - self._size)
-        try:
-            part = d.decompress(self._input, step)
-        except zlib.error as exc:
-            raise InvalidInput(f"the body is not valid {self._coding} data: {exc}") from None
-        self._out.append(part)
-        self._size += len(part)
-        if self._size > self._limit:
-            raise BodyTooLarge(f"request body over {self._limit} bytes once decompressed")
-        self._input = d.unconsumed_tail
-        # output short of the step with no input left: nothing is pending in zlib
-        return d.eof or (not self._input and len(part) < step)
-
-    def result(self) -> bytes:
-        d = self._d
-        if not d.eof or d.unused_data:
-            raise InvalidInput(
-                f"the body is not valid {self._coding} data: it ends early or late"
-            )
-        return self._out[0] if len(self._out) == 1 else b"".join(self._out)
-
-
-#: The longest Retry-After sent, in seconds (a day): a refill slower than that (a tiny
-#: ``credit_rate``; an infinite wait) is told to come back then, not in 10**300 s,
-#: which neither a header parser nor a stream frame's 64-bit integer would take.
-RETRY_AFTER_MAX = 86_400
 
 
 def _form(accept_encoding: bytes) -> bytes:
@@ -179,116 +60,7 @@ def _form(accept_encoding: bytes) -> bytes:
     return (coding or b"identity") + (b"" if plain_ok else b";q0")
 
 
-def retry_after_seconds(retry_after: float) -> int:
-    """``retry_after`` as HTTP's Retry-After (RFC 9110 §10.2.3): whole seconds,
-    rounded up, at least 1 and at most :data:`RETRY_AFTER_MAX` (also for inf or NaN)."""
-    if not retry_after <= RETRY_AFTER_MAX:  # inf and NaN too
-        return RETRY_AFTER_MAX
-    return max(1, math.ceil(retry_after))
-
-
-#: The bodies of the last refusals (429, 503) by message, at most ``REFUSAL_BODIES``.
-_refusal_bodies: dict[str, bytes] = {}
-REFUSAL_BODIES = 64
-
-
-def _refusal_body(message: str) -> bytes:
-    """A 429's or 503's body, written once per message: under a flood the same few
-    messages repeat (a full queue, a tenant's share), and each answer wrote its own.
-    Messages that vary (a wait in ms) fill the table, which then starts over, so it
-    holds at most ``REFUSAL_BODIES``. Not a checkpoint."""
-    body = _refusal_bodies.get(message)
-    if body is None:
-        body = error_body(message)
-        if len(_refusal_bodies) >= REFUSAL_BODIES:
-            _refusal_bodies.clear()
-        _refusal_bodies[message] = body
-    return body
-
-
-def retry_after_of(exc: TrioserveError) -> int:
-    """A 429's or 503's Retry-After in whole seconds (:func:`retry_after_seconds`):
-    Overloaded's ``retry_after``, 1 s for any other refusal."""
-    return retry_after_seconds(exc.retry_after if isinstance(exc, Overloaded) else 1.0)
-
-
-def error_answer(exc: BaseException) -> Answer:
-    """The JSON error answer of an exception: its ``status`` (500 for foreign ones),
-    ``{"error": message}`` and, with 429 and 503, a Retry-After header (whole seconds,
-    from Overloaded's ``retry_after``, 1 to a day); with 401, WWW-Authenticate (a
-    bearer key)."""
-    if isinstance(exc, TrioserveError):
-        headers = [JSON]
-        if exc.status == 401:  # RFC 9110 §15.5.2: how to authenticate
-            headers.append(WWW_AUTHENTICATE)
-        elif exc.status == 415:  # RFC 9110 §15.5.16: the codings it takes
-            headers.append(ACCEPT_ENCODING)
-        elif exc.status in (429, 503):
-            headers.append((b"retry-after", b"%d" % retry_after_of(exc)))
-            return exc.status, headers, _refusal_body(str(exc))
-        return exc.status, headers, error_body(str(exc))
-    return 500, [JSON], error_body(f"internal error: {type(exc).__name__}: {exc}")
-
-
-@attrs.frozen(kw_only=True)
-class GatewayStatistics:
-    """A snapshot of the gateway: open connections (of which WebSocket streams), HTTP
-    infer requests being answered, the most stream requests one connection has had
-    in flight, HTTP infer requests given up because their client closed its
-    connection while they waited, whether it is draining, streams closed (1008)
-    because their client took none of their answers for their write timeout, the
-    most bytes one stream held when it took a message (``stream_in_flight_bytes_peak``,
-    see ``server.stream_in_flight_bytes``) and the times a stream stopped reading at
-    that byte budget, HTTP connections closed for the same reason (``server.write_timeout_s``), and,
-    at ``server.max_connections``, connections refused with 503 and idle ones closed
-    to make room for a new one."""
-
-    connections: int
-    streams: int
-    requests_in_flight: int
-    stream_in_flight_peak: int
-    clients_gone: int
-    draining: bool
-    stream_write_timeouts: int = 0
-    stream_ping_timeouts: int = 0
-    stream_in_flight_bytes_peak: int = 0
-    stream_byte_budget_waits: int = 0
-    http_write_timeouts: int = 0
-    connections_refused: int = 0
-    connections_evicted: int = 0
-
-
-@attrs.define(eq=False, slots=True)
-class _Conn:
-    """One client connection, as the drain sees it."""
-
-    scope: trio.CancelScope
-    #: its socket's descriptor (-1: not known)
-    fd: int = -1
-    #: between a request's first byte and its answer (an idle connection is closed at
-    #: once on drain; a busy one gets the grace period).
-    busy: bool = False
-    #: set by a WebSocket stream: called on drain to stop reading new messages, and
-    #: when the grace period ends to cancel its requests (it then closes itself).
-    stop_reading: Any = None
-    cancel_requests: Any = None
-    #: awaiting ``Gateway.infer`` (the hang-up watch cancels only then)
-    waiting: bool = False
-    #: its socket is watched for a hang-up (see ``._hangup``)
-    armed: bool = False
-    #: the hang-up watch cancelled ``scope``: the client went while a request waited
-    gone: bool = False
-    #: set by a WebSocket stream: what the hang-up watch calls (instead of cancelling
-    #: ``scope``) when the client goes while ``waiting``
-    hang_up: Any = None
-    #: it has answered a request and stays open (keep-alive): only then may it be
-    #: closed to make room for a new connection
-    kept: bool = False
-    #: closed to make room for a new connection (``._accept``)
-    evicted: bool = False
-
-
-class Gateway:
+class Gateway(Connections):
     """The network front of a runtime. Start it with :func:`open_gateway`."""
 
     def __init__(self, runtime: Runtime, config: Config | None = None) -> None:
@@ -306,15 +78,7 @@ class Gateway:
         self.decoder = Decoder()
         #: answered infer requests by (model, tenant, status): the gateway's own count.
         self.requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
-        self.draining = False
-        #: readiness answers 503 (:meth:`leave`): the drain is about to begin
-        self.leaving = False
-        #: HTTP/1.1 answers keep their connection open; False from :meth:`leave` or
-        #: :meth:`drain` on: each answer says ``Connection: close`` and the connection
-        #: closes, so a kept-alive client reconnects elsewhere while this one answers
-        self.keep_alive = True
-        #: set when :meth:`drain` begins (a model load under way is answered then)
-        self.drain_begun = trio.Event()
+        self._init_connections()
         self.in_flight = 0
         self.stream_in_flight_peak = 0
         #: the most bytes one stream held when it took a message (its messages in
@@ -333,27 +97,6 @@ class Gateway:
         self.stream_ping_timeouts = 0
         #: HTTP connections closed because their client did not take an answer in time
         self.http_write_timeouts = 0
-        #: connections refused (503) at ``server.max_connections``, and idle ones
-        #: closed at the limit to make room for a new one (``._accept``)
-        self.connections_refused = 0
-        self.connections_evicted = 0
-        #: the open connections, in the order they opened (the oldest idle one makes
-        #: room at the limit)
-        self._conns: dict[_Conn, None] = {}
-        #: connections accepted and not yet closed, and refusals under way; the accept
-        #: loops wait in ``_room`` when both are full
-        self._open = 0
-        self._refusing = 0
-        self._room = trio.lowlevel.ParkingLot()
-        self._streams = 0
-        self._all_closed = trio.Event()
-        self._accept_scope: trio.CancelScope | None = None
-        #: Writes the data plane's keep-alive answers (``serve`` starts it).
-        self.outbox: Outbox | None = None
-        #: Cancels the infer of a client that hangs up (``serve`` starts it; None
-        #: without epoll).
-        self.hangups: HangupWatch | None = None
-        self.addresses: list[tuple[str, int]] = []
         from ._control import control_app
         from ._metrics import metrics_registry
 
@@ -612,135 +355,6 @@ class Gateway:
             priority=request.priority,
             version=request.version,
         )
-
-    # ------------------------------------------------------------ connections and drain
-    def _open_conn(self, scope: trio.CancelScope, fd: int = -1) -> _Conn:
-        conn = _Conn(scope=scope, fd=fd)
-        self._conns[conn] = None
-        return conn
-
-    def _close_conn(self, conn: _Conn) -> None:
-        self._conns.pop(conn, None)
-        if self.draining and not self._conns:
-            self._all_closed.set()
-
-    @property
-    def ready(self) -> bool:
-        """Taking new requests, and saying so to readiness probes: not leaving (the
-        drain delay), not draining, and the runtime is open."""
-        return not self.leaving and not self.draining and not self.runtime.closed
-
-    async def leave(self, delay: float) -> None:
-        """Answer readiness probes (the server's and each model's) 503 from now on,
-        serving all else as usual (new connections too) for ``delay`` seconds, while
-        load balancers stop sending here; then the caller drains. HTTP answers say
-        ``Connection: close`` meanwhile (as Envoy's do while it drains), so a kept-alive
-        client moves to another server rather than race the drain's close of its idle
-        connection; WebSocket streams are left as they are. A checkpoint.
-        Cancelling it ends the delay (the gateway stays not ready)."""
-        self.leaving = True
-        self.keep_alive = False
-        await trio.sleep(delay)
-
-    async def serve(
-        self,
-        host: str | None = None,
-        port: int | None = None,
-        *,
-        listeners: list[trio.SocketListener] | None = None,
-        task_status: Any = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Listen on ``host:port`` (the server config's by default; port 0 picks a free
-        one), or on ``listeners`` already open, and serve connections until
-        :meth:`drain` or cancellation, at most ``server.max_connections`` at once
-        (see ``._accept``).
-
-        Reports ``started(addresses)`` once listening. Returns after a drain, when the
-        last connection has closed.
-        """
-        from ._accept import accept_connections
-        from ._hangup import HangupWatch
-        from ._wire import Outbox
-
-        if listeners is None:
-            listeners = await open_listeners(self.server_config, host, port)
-        self.addresses = [ls.socket.getsockname()[:2] for ls in listeners]
-
-        self.hangups = hangups = HangupWatch.open()
-        try:
-            async with trio.open_nursery() as flushing:
-                self.outbox = Outbox()
-                flushing.start_soon(self.outbox.run)
-                if hangups is not None:
-                    flushing.start_soon(hangups.run)
-                async with trio.open_nursery() as connections:
-                    with trio.CancelScope() as accept:
-                        self._accept_scope = accept
-                        task_status.started(self.addresses)
-                        await accept_connections(self, listeners, connections)
-                # every connection has closed: the flusher has nothing left to write,
-                # the watch nothing left to watch
-                flushing.cancel_scope.cancel("gateway closed")
-        finally:
-            self.hangups = None
-            if hangups is not None:
-                hangups.close()
-
-    async def drain(self, grace: float) -> None:
-        """Stop accepting, close idle connections, give requests in flight up to
-        ``grace`` seconds (no later than the runtime's ``grace_deadline``, when its
-        shutdown has begun), then answer what is left with 503 and close.
-
-        Idempotent. A checkpoint. Returns when every connection has closed (or, at
-        worst, ``CLOSE_GRACE`` after the grace period, closing what is left).
-        """
-        self.draining = True
-        self.keep_alive = False
-        self.drain_begun.set()
-        if self._accept_scope is not None:
-            self._accept_scope.cancel("gateway draining: stop accepting")
-        if not self._conns:
-            self._all_closed.set()
-        for conn in list(self._conns):
-            if conn.stop_reading is not None:
-                conn.stop_reading()
-            elif not conn.busy:
-                conn.scope.cancel("gateway draining: idle connection")
-        with trio.move_on_at(min(trio.current_time() + grace, self.runtime.grace_deadline)):
-            await self._all_closed.wait()
-        # Grace over: what is left is answered 503 (HTTP) or with error frames (streams).
-        for conn in list(self._conns):
-            if conn.cancel_requests is not None:
-                conn.cancel_requests()
-            else:
-                conn.scope.cancel("gateway draining: grace period over")
-        with trio.move_on_after(CLOSE_GRACE):
-            await self._all_closed.wait()
-        for conn in list(self._conns):
-            conn.scope.cancel("gateway draining: closing")
-
-    def statistics(self) -> GatewayStatistics:
-        return GatewayStatistics(
-            connections=len(self._conns),
-            streams=self._streams,
-            requests_in_flight=self.in_flight,
-            stream_in_flight_peak=self.stream_in_flight_peak,
-            clients_gone=self.clients_gone,
-            draining=self.draining,
-            stream_write_timeouts=self.stream_write_timeouts,
-            stream_ping_timeouts=self.stream_ping_timeouts,
-            stream_in_flight_bytes_peak=self.stream_in_flight_bytes_peak,
-            stream_byte_budget_waits=self.stream_byte_budget_waits,
-            http_write_timeouts=self.http_write_timeouts,
-            connections_refused=self.connections_refused,
-            connections_evicted=self.connections_evicted,
-        )
-
-    @property
-    def url(self) -> str:
-        """``http://host:port`` of the first listener."""
-        host, port = self.addresses[0]
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 @asynccontextmanager

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import trio
 
 if TYPE_CHECKING:
-    from ._gateway import _Conn
+    from ._connections import _Conn
 
 _epoll = getattr(select, "epoll", None)
 #: Hang-ups only (a peer's FIN or the shutdown of its writing side, a reset, an

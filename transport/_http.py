@@ -47,11 +47,11 @@ from typing import TYPE_CHECKING
 import h11
 import trio
 
+from ._answers import JSON, Headers
 from ._asgi import _call_asgi, _peer
 from ._auth import another_field_line
 from ._coding import encode_answer
 from ._data_plane import _FAST_PREFIX, MAX_HEAD, _data_plane_request, _infer_route
-from ._gateway import JSON, Headers
 from ._target import MAX_TARGET, check_target, unusual
 from ._v2 import error_body
 from ._wire import (
@@ -65,7 +65,8 @@ from ._wire import (
 )
 
 if TYPE_CHECKING:
-    from ._gateway import Gateway, _Conn
+    from ._connections import _Conn
+    from ._gateway import Gateway
     from ._hangup import HangupWatch
 
 log = logging.getLogger("trioserve.transport")

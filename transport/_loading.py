@@ -30,7 +30,7 @@ import trio
 from trioserve import ServerConfig
 
 from ._accept import ACCEPT_CAPACITY_ERRNOS, ACCEPT_RETRY_S
-from ._gateway import JSON, Answer
+from ._answers import JSON, Answer
 from ._http import LINGER, _close, _new_h11, _plain_response, _response
 from ._v2 import error_body
 from ._wire import RECEIVE_SIZE

@@ -28,7 +28,8 @@ from ._replay import CLOSE_GRACE
 from ._stream_handshake import _handshake
 
 if TYPE_CHECKING:
-    from ._gateway import Gateway, _Conn
+    from ._connections import _Conn
+    from ._gateway import Gateway
     from ._replay import ReplayStream
 
 

@@ -12,7 +12,8 @@ from wsproto.connection import ConnectionState
 from wsproto.events import CloseConnection, TextMessage
 from wsproto.utilities import RemoteProtocolError
 
-from ._gateway import UNKNOWN_MODEL, log, retry_after_of
+from ._answers import retry_after_of
+from ._gateway import UNKNOWN_MODEL, log
 from ._replay import RECEIVE_SIZE
 from ._request import InferRequest
 from ._request_json import loads_request

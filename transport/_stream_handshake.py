@@ -15,14 +15,15 @@ from wsproto.events import AcceptConnection, RejectConnection, RejectData
 from wsproto.events import Request as WsRequest
 from wsproto.utilities import RemoteProtocolError
 
+from ._answers import WWW_AUTHENTICATE
 from ._auth import another_field_line
-from ._gateway import WWW_AUTHENTICATE
 from ._replay import RECEIVE_SIZE
 from ._stream_session import _Session
 from ._v2 import error_body
 
 if TYPE_CHECKING:
-    from ._gateway import Gateway, _Conn
+    from ._connections import _Conn
+    from ._gateway import Gateway
     from ._replay import ReplayStream
 
 

@@ -15,7 +15,8 @@ from ._stream_answer import _Answers
 from ._stream_read import _Reader
 
 if TYPE_CHECKING:
-    from ._gateway import Gateway, _Conn
+    from ._connections import _Conn
+    from ._gateway import Gateway
     from ._hangup import HangupWatch
     from ._replay import ReplayStream
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from urllib.parse import unquote_to_bytes
 
-from ._gateway import JSON, Answer
+from ._answers import JSON, Answer
 from ._v2 import error_body
 
 #: The longest request target (path and query) taken; a longer one is 414.
