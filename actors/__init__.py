@@ -21,9 +21,9 @@ from ._cachekey import CacheKey as CacheKey
 from ._cachekey import cache_key as cache_key
 from ._cachekey import namespace_for as namespace_for
 from ._credits import TokenBucket as TokenBucket
-from ._fair import ClassSpec as ClassSpec
 from ._fair import FairQueue as FairQueue
-from ._fair import FlowStats as FlowStats
+from ._fair_books import ClassSpec as ClassSpec
+from ._fair_books import FlowStats as FlowStats
 from ._metrics import OUTCOMES as OUTCOMES
 from ._metrics import Latency as Latency
 from ._metrics import LatencySummary as LatencySummary

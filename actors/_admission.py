@@ -23,7 +23,7 @@ from trioserve import Overloaded, QuotaExceeded, Request, RequestState
 
 if TYPE_CHECKING:
     from ._batching import BatchLimits
-    from ._fair import ClassSpec, FlowStats
+    from ._fair_books import ClassSpec, FlowStats
 
 _QUEUED = RequestState.QUEUED
 #: No request left the queue (``gone`` for a look-up that plans nothing).
@@ -91,7 +91,7 @@ class CallPlan:
 class Admission:
     """The admission methods of :class:`~trioserve.actors.FairQueue`, over the queue's
     state (set up by ``FairQueue.__init__``; the dispatch side, expiry and the memory
-    bookkeeping are in ``_fair.py``). Not used on its own."""
+    bookkeeping are in ``_fair.py`` and ``_fair_books.py``). Not used on its own."""
 
     if TYPE_CHECKING:
         limits: BatchLimits
