@@ -10,6 +10,7 @@ whose deadline passes while held, at a pull or at the actor's timer
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -205,6 +206,19 @@ class Held:
         self.policy.left([req])
         return True
 
+    def _sweep_apart(self, done: Callable[[Request], bool]) -> bool:
+        """Re-decide each request held apart once, in order: ``done(req)`` answers
+        or drops it and returns True (it leaves), or returns False (it stays, in its
+        place). Returns whether one left: the caller then wakes a drain
+        (``_drained_some``), which nothing else may wake. Not a checkpoint."""
+        apart = self._apart
+        held = len(apart)
+        for _ in range(held):
+            req = apart.popleft()
+            if not done(req):
+                apart.append(req)
+        return len(apart) < held
+
     def _expire_held(self, now: float) -> float:
         """Answer the requests held here (retries, kept apart) whose deadline passed,
         as a pull would; drop those whose caller left. Returns the earliest deadline
@@ -222,14 +236,11 @@ class Held:
                 for r in alive:
                     if r.answer_expiry and r.deadline < first:
                         first = r.deadline
-        held = len(apart)
-        for _ in range(held):
-            req = apart.popleft()
-            if not self._drop_apart(req, now):
-                apart.append(req)
-                if req.answer_expiry and req.deadline < first:
-                    first = req.deadline
-        if answered or len(apart) < held:
+        dropped = self._sweep_apart(lambda req: self._drop_apart(req, now))
+        for req in apart:
+            if req.answer_expiry and req.deadline < first:
+                first = req.deadline
+        if answered or dropped:
             # (answered at their deadline with no batcher pulling, e.g. each degraded
             # by a hung thread: nothing else wakes a drain waiting for them)
             self._drained_some()

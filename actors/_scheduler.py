@@ -288,15 +288,11 @@ class SchedulerActor(Held, Sparing, Actor):
         newcomer's estimated wait."""
         self.twins.pop(original.reply, None)
         self.twins.pop(copy.reply, None)
-        apart = self._apart
-        if apart:
+        if self._apart:
             now = trio.current_time()
-            held = len(apart)
-            for _ in range(held):
-                req = apart.popleft()
-                if (req is not original and req is not copy) or not self._drop_apart(req, now):
-                    apart.append(req)
-            if len(apart) < held:
+            if self._sweep_apart(
+                lambda req: (req is original or req is copy) and self._drop_apart(req, now)
+            ):
                 self._drained_some()  # a drain may wait for it alone
 
     # ---- batchers

@@ -28,6 +28,7 @@ DISPATCHED = RequestState.DISPATCHED
 
 if TYPE_CHECKING:
     import collections
+    from collections.abc import Callable
 
     import trio
     from trioserve import Request
@@ -51,6 +52,7 @@ class Sparing:
         _refuse_held: bool
 
         def _hold(self, requests: list[Request]) -> None: ...
+        def _sweep_apart(self, done: Callable[[Request], bool]) -> bool: ...
         def heir(self) -> Any: ...
 
     def _init_sparing(self) -> None:
@@ -216,13 +218,14 @@ class Sparing:
         """Answer each request held because it may hang a thread, kept apart or a
         retry (an unloaded model's: :meth:`hand_over`), as :meth:`_refuse_one`
         does. Not a checkpoint."""
-        apart = self._apart
-        for _ in range(len(apart)):
-            req = apart.popleft()
+
+        def done(req: Request) -> bool:
             if req.reply.hung is None:
-                apart.append(req)  # kept apart for another replica than its twin's
-            else:
-                self._refuse_one(req)
+                return False  # kept apart for another replica than its twin's
+            self._refuse_one(req)
+            return True
+
+        self._sweep_apart(done)
         if self._retries:
             self._refuse_retries()
         self._drained_some()
@@ -286,25 +289,25 @@ class Sparing:
         memory = self.hung_inputs
         if memory is not None and self._retries and memory.any_poisoned():
             self._poison_retried(memory)
-        apart = self._apart
-        if not apart:
+        if not self._apart:
             return
         scarce = (
             hang is not None and memory is not None and self._ready_besides(replica) < 2
         )
         unloaded = self._refuse_held
-        held = len(apart)
-        for _ in range(held):
-            req = apart.popleft()
+
+        def done(req: Request) -> bool:
             if (self.twins and self._held_twin_answered(req)) or (
                 scarce and self._unrunnable(req, memory)
             ):
                 self.policy.left([req])
-            elif unloaded and req.reply.hung is not None:
+                return True
+            if unloaded and req.reply.hung is not None:
                 self._refuse_one(req)
-            else:
-                apart.append(req)
-        if len(apart) < held:
+                return True
+            return False
+
+        if self._sweep_apart(done):
             self._drained_some()
 
     def replicas_changed(self) -> None:
@@ -322,14 +325,14 @@ class Sparing:
             return
         memory = self.hung_inputs
         if memory and self._ready_besides(None) < 2:
-            held = len(apart)
-            for _ in range(held):
-                req = apart.popleft()
-                if self._unrunnable(req, memory):
-                    self.policy.left([req])
-                else:
-                    apart.append(req)
-            if len(apart) < held:
+
+            def done(req: Request) -> bool:
+                if not self._unrunnable(req, memory):
+                    return False
+                self.policy.left([req])
+                return True
+
+            if self._sweep_apart(done):
                 self._drained_some()
         if apart and self._idle:
             self._idle.unpark_all()
