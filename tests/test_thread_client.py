@@ -521,7 +521,8 @@ def test_an_interrupt_while_it_starts_stops_the_runtime_it_was_starting():
             pytest.fail("started")  # pragma: no cover
         assert loading.is_set()
         # the load is abandoned (a thread cannot be stopped); the runtime is not
+        # (a runtime thread of an earlier test may end meanwhile: none may be added)
         left = [t for t in threading.enumerate() if t.name == "trioserve-runtime"]
-        assert left == runtimes
+        assert set(left) <= set(runtimes)
     finally:
         release.set()
