@@ -338,6 +338,34 @@ async def test_a_request_that_does_not_arrive_whole_in_time_is_408(impatient, pa
     assert b"connection: close" in data.lower()
 
 
+@pytest.fixture
+async def patient_between_requests():
+    # idle connections may wait long; a request begun may not
+    server = {"keep_alive_timeout_s": 60, "request_timeout_s": 0.2}
+    async with serving(config(echo_model(), server=server)) as gw:
+        yield gw
+
+
+@pytest.mark.parametrize(
+    "first",
+    [infer_request(1.0), b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n"],
+    ids=["after-infer", "after-control-plane"],
+)
+async def test_a_pipelined_request_that_does_not_arrive_whole_in_time_is_408(
+    patient_between_requests, first
+):
+    # The next request's first bytes came with the one before: it has begun, so it has
+    # server.request_timeout_s to arrive whole, as on a new connection. It was taken
+    # for an idle connection and closed without an answer after keep_alive_timeout_s.
+    stream = await trio.open_tcp_stream(*patient_between_requests.addresses[0])
+    await stream.send_all(first + b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\n")
+    with trio.fail_after(10):
+        data = await read_until_closed(stream)
+    assert data.startswith(b"HTTP/1.1 200 ")
+    assert b"HTTP/1.1 408 " in data
+    assert b"server.request_timeout_s" in data
+
+
 # ---- request targets and OPTIONS
 async def exchange(server, *requests: bytes) -> list[tuple]:
     """Send ``requests`` pipelined on one connection and read their answers."""

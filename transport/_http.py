@@ -248,16 +248,18 @@ class _Connection:
                 event = h.next_event()
             while fast is None and event is _NEED_DATA:
                 if fresh:
-                    # part of a pipelined request head is buffered
+                    # part of a pipelined request head is buffered: the request has
+                    # begun, so it has server.request_timeout_s to arrive whole (an
+                    # idle wait here closed it quietly after keep_alive_timeout_s)
                     if gateway.draining:
                         return False
-                    data = await _receive(fd, True, idle, checkpoint=not waited)
+                    if not waited:
+                        await _checkpoint()  # the loop's one checkpoint a request
                     waited = False
                     fresh = False
-                else:
-                    if deadline == math.inf:
-                        deadline = trio.current_time() + patience
-                    data = await _receive(fd, False, deadline=deadline)
+                if deadline == math.inf:
+                    deadline = trio.current_time() + patience
+                data = await _receive(fd, False, deadline=deadline)
                 h.receive_data(data)  # b"" (EOF): h11 reports ConnectionClosed or raises
                 event = h.next_event()
             if fast is None:
