@@ -118,3 +118,43 @@ async def test_a_compressed_request_is_authenticated_once(idempotency_key, size)
         assert res.json()["outputs"][0]["data"] == [1.5, 2.5]
         assert counting.calls == 1
         assert gw.requests[("echo", "acme", 200)] == 1
+
+
+# ---- the control plane's bodies are decoded as an infer body is
+@pytest.mark.parametrize(
+    ("coding", "encode"),
+    [("gzip", gzip.compress), ("deflate", zlib.compress), ("identity", bytes),
+     ("gzip, deflate", lambda b: zlib.compress(gzip.compress(b)))],
+)
+async def test_a_compressed_repository_index_request_is_decoded(coding, encode):
+    async with serving(config(echo_model())) as gw, open_http(gw.url) as http:
+        plain = await http.request("POST", "/v2/repository/index", b'{"ready": true}')
+        res = await http.request("POST", "/v2/repository/index",
+                                 encode(b'{"ready": true}'),
+                                 headers=[("Content-Encoding", coding)])
+    # it was parsed as JSON as it came: 400 "invalid JSON" for the compressed bytes
+    assert res.status == 200, res.body
+    assert res.json() == plain.json() == [
+        {"name": "echo", "version": "1", "state": "READY", "reason": ""}
+    ]
+
+
+async def test_a_control_plane_body_that_cannot_be_decoded_is_refused_as_an_infer_body_is():
+    cfg = config(echo_model(), server={"max_body_bytes": 65536})
+    async with serving(cfg) as gw, open_http(gw.url) as http:
+        async def index(body: bytes, coding: str):
+            res = await http.request("POST", "/v2/repository/index", body,
+                                     headers=[("Content-Encoding", coding)])
+            return res.status, res.json()["error"], res.headers.get("accept-encoding")
+
+        unknown = await index(b'{"ready": true}', "br")
+        corrupt = await index(b"not gzip", "gzip")
+        bomb = await index(gzip.compress(b" " * (1024 * 1024)), "gzip")
+    # a coding nobody decodes was read as if plain (200)
+    assert unknown == (
+        415, "Content-Encoding 'br' is not supported; send gzip, deflate or identity",
+        "gzip, deflate",
+    )
+    assert corrupt[:2] == (400, "the body is not valid gzip data: Error -3 while "
+                                "decompressing data: incorrect header check")
+    assert bomb[:2] == (413, "request body over 65536 bytes once decompressed")

@@ -29,6 +29,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._answers import Answer, error_answer
 from ._auth import another_field_line
+from ._control_body import BodyRefused, control_body
 from ._extensions import all_versions, model_statistics
 from ._metrics import exposition
 from ._rollout_http import rollout_routes
@@ -90,6 +91,10 @@ def control_app(gateway: Gateway) -> QuartTrio:
         # a model whose first load is under way (explicit model control): 503, to
         # retry after Retry-After
         return answer(error_answer(exc))
+
+    @app.errorhandler(BodyRefused)
+    async def body_refused(exc: BodyRefused) -> Any:
+        return answer(exc.answer)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Any:
@@ -215,7 +220,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
     async def repository_index() -> Any:
         # Triton's model repository extension, as Triton with model control off
         # answers it: every served model's versions and whether they can serve.
-        body = await request.get_data(cache=False)
+        body = await control_body(gateway.server_config.max_body_bytes)
         only_ready = False
         if body.strip():
             try:
@@ -260,7 +265,7 @@ def control_app(gateway: Gateway) -> QuartTrio:
                 ),
                 400,
             )
-        body = await request.get_data(cache=False)
+        body = await control_body(gateway.server_config.max_body_bytes)
         refusal, load_config = repository_request(action, body)
         if refusal is not None:
             return json(error_body(refusal), 400)

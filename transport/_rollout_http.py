@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from quart import request
 from trioserve import ConfigError, InvalidInput, UnknownModel
 from trioserve._rollout_ops import START_RULES
 
+from ._control_body import control_body
 from ._v2 import error_body
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def rollout_routes(app: QuartTrio, gateway: Gateway, json: Callable[..., Any]) -
 
     def action_view(action: str) -> Callable[..., Any]:
         async def view(name: str) -> Any:
-            body = await request.get_data(cache=False)
+            body = await control_body(gateway.server_config.max_body_bytes)
             try:
                 args, kwargs = _arguments(action, body)
             except ValueError as exc:
