@@ -6,7 +6,8 @@ from __future__ import annotations
 from quart import request
 from trioserve import TrioserveError
 
-from ._gateway import Answer, decode_body, error_answer
+from ._answers import Answer, error_answer
+from ._inflate import decode_body
 
 
 class BodyRefused(Exception):
