@@ -165,7 +165,7 @@ class InFlight:
     docstring). ``watchdog`` None: it keeps none (an inline replica, or batches run
     without a watchdog). ``noted`` is told of the requests it answered."""
 
-    __slots__ = ("_batches", "_deadlines", "_noted", "model", "watchdog")
+    __slots__ = ("_batches", "_deadlines", "_noted", "_since", "model", "watchdog")
 
     def __init__(
         self, *, model: str, watchdog: Watchdog | None,
@@ -178,6 +178,8 @@ class InFlight:
         #: each batch's deadlines (None: it has none the runtime answers), in step
         #: with ``_batches``
         self._deadlines: collections.deque[_BatchDeadlines | None] = collections.deque()
+        #: when each came in (trio time), in step with ``_batches``
+        self._since: collections.deque[float] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -191,10 +193,12 @@ class InFlight:
     def __getitem__(self, i: int) -> list[Request]:
         return self._batches[i]
 
-    def append(self, batch: list[Request]) -> None:
+    def append(self, batch: list[Request], since: float | None = None) -> None:
         """``batch`` is in flight from now on (it runs, or is staged): arm the earliest
-        deadline the runtime answers among its requests."""
+        deadline the runtime answers among its requests. ``since``: when it came in
+        (trio time; None: now), what :meth:`since` tells."""
         self._batches.append(batch)
+        self._since.append(trio.current_time() if since is None else since)
         deadlines = None
         if self.watchdog is not None:
             first = _first_deadline(batch)
@@ -202,8 +206,14 @@ class InFlight:
                 deadlines = _BatchDeadlines(self, batch, first)
         self._deadlines.append(deadlines)
 
+    def since(self, i: int) -> float:
+        """When batch ``i`` came in (trio time): a batch sent to a worker, when it was
+        sent, from which its run is measured (``BatcherActor._deliver``'s ``t0``)."""
+        return self._since[i]
+
     def popleft(self) -> list[Request]:
         """Take the oldest batch out (disarmed)."""
+        self._since.popleft()
         deadlines = self._deadlines.popleft()
         if deadlines is not None:
             deadlines.close()
@@ -211,6 +221,7 @@ class InFlight:
 
     def pop(self) -> list[Request]:
         """Take the newest batch out (disarmed)."""
+        self._since.pop()
         deadlines = self._deadlines.pop()
         if deadlines is not None:
             deadlines.close()
@@ -223,6 +234,7 @@ class InFlight:
                 deadlines.close()
         self._deadlines.clear()
         self._batches.clear()
+        self._since.clear()
 
     def expired(self, requests: list[Request]) -> None:
         """Answer ``requests`` (dispatched, in a batch in flight) ``DeadlineExceeded``:

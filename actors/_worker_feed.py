@@ -182,8 +182,8 @@ class WorkerFeed:
                     if not batch:
                         room.release()
                         continue
-                self._in_flight.append(batch)
                 t0 = trio.current_time()
+                self._in_flight.append(batch, t0)
                 self._metrics.queue_wait.record_many([t0 - req.arrival for req in batch])
                 # In flight, not all sent yet: it has reached nothing. The worker reads
                 # a batch whole before it runs it, so one whose sending did not end
@@ -279,18 +279,22 @@ class WorkerFeed:
         self._deliver(batch, outputs, t0)
         return False
 
-    def _answer_unread(
-        self, batches: list[list[Request]], results: list, *, success: bool = True
-    ) -> None:
-        """Answer the oldest of ``batches`` with the results their lost worker wrote
-        and nobody read (:meth:`WorkerProcess.unread_results`), as if read in time
-        (their outputs a ``success`` for the breaker, as they would have been): they
-        ran to their end, and running them again would only charge the work twice,
-        and hand their callers another run's outputs (or its failure)."""
-        now = trio.current_time()
-        for batch, (outputs, seconds) in zip(batches, results, strict=False):
+    def _answer_unread(self, results: list, *, success: bool = True) -> None:
+        """Answer the oldest batches in flight with the results their lost worker
+        wrote and nobody read (:meth:`WorkerProcess.unread_results`), as if read in
+        time (their outputs a ``success`` for the breaker, as they would have been):
+        they ran to their end, and running them again would only charge the work
+        twice, and hand their callers another run's outputs (or its failure). Each
+        batch's run is measured as a reply read in time is, from when it was sent
+        (``InFlight.since``) to now, on the event loop's clock: not from ``now``
+        less the seconds the worker measured on its own clock, a start the batch
+        never had (it ran behind the batches before it, and the two clocks differ:
+        under a MockClock, trio's does not move while the worker runs)."""
+        held = self._in_flight
+        sent = [(held[i], held.since(i)) for i in range(min(len(results), len(held)))]
+        for (batch, t0), (outputs, seconds) in zip(sent, results, strict=False):
             self._worker_seconds += seconds
-            self._answered(batch, outputs, now - seconds, seconds, success=success)
+            self._answered(batch, outputs, t0, seconds, success=success)
 
     async def _watch(self, worker: WorkerProcess) -> None:
         # A worker can die while idle, with no batch to find out by: its replica would
@@ -334,7 +338,7 @@ class WorkerFeed:
             # made the suspect: split, a poison attempt counted, and charged.
             crashed = None
         # (before the breaker is told: their successes came before this failure)
-        self._answer_unread(batches, results)
+        self._answer_unread(results)
         if crashed is None or not retried(crashed):
             # A retry that crashes again is its requests' doing (it counts towards
             # their poison attempts): a few poison requests, bisected, would open
@@ -467,7 +471,7 @@ class WorkerFeed:
         # which closes no breaker: its successor's trial is what does.
         results = worker.unread_results()
         done = len(results)
-        self._answer_unread(batches, results, success=False)
+        self._answer_unread(results, success=False)
         batches = batches[done:]
         if batches and batches[0] is not self._sending:
             for r in batches[0]:

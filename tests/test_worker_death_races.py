@@ -62,6 +62,8 @@ class _Worker(_StandIn):
         self.busy_seconds = self.last_run_seconds = 0.0
         self.first = not _Worker.made
         self.sent: list[list] = []  # every batch whose sending began
+        self.sent_at: list[float] = []  # when (trio time)
+        self.ran_for = 0.0  # the seconds it says it ran each batch whose result it wrote
         self.hold_send = False
         self.seen_by = "watch"  # which of the batcher's calls finds the death
         self._read = 0  # results read
@@ -88,10 +90,11 @@ class _Worker(_StandIn):
     def unread_results(self) -> list:
         if not self._killed.is_set():
             return []
-        return [(outputs, 0.0) for outputs in self._written]
+        return [(outputs, self.ran_for) for outputs in self._written]
 
     async def submit(self, items) -> None:
         self.sent.append(items)
+        self.sent_at.append(trio.current_time())
         await trio.lowlevel.checkpoint()
         if self.hold_send:
             await self._gone.wait()  # the worker reads a part of it, and dies
@@ -275,6 +278,45 @@ async def test_a_replaced_worker_s_unread_results_are_delivered(
     ran_again = [it["x"][0] for w in worker_class.made[1:] for batch in w.sent for it in batch]
     assert ran_again == [3.0]
     assert _credits(rt) == (3, 0)
+
+
+async def test_an_unread_result_s_run_is_measured_from_its_sending(
+    autojump_clock, manual_watchdog, worker_class
+):
+    """A dead worker's result read from its pipe is measured as one read in time:
+    from the batch's sending to its answer, on trio's clock (its reply's ``run``,
+    the batch execution histogram, the replica's busy time). It used to be taken to
+    have started ``now`` less the seconds the worker measured on its own clock: a
+    start the batch never had (here 0.25 s before the death, where it was sent 2 s
+    before)."""
+    cfg = _config()
+    answers: dict[float, object] = {}
+
+    async def caller(rt, value: float) -> None:
+        answers[value] = (await rt.infer("m", item(value)))["y"].tolist()
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        (first,) = worker_class.made
+        first.ran_for = 0.25
+        nursery.start_soon(caller, rt, 1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        batcher = rt.models["m"].batchers[0]
+        ((a,),) = batcher._in_flight
+        (sent,) = first.sent_at
+        execs = batcher._metrics.batch_exec
+        execs.fold()
+        before = (execs.total_us, batcher.busy_time)
+        await trio.sleep(2.0)
+        died = trio.current_time()
+        first.die(written=[[{"y": np.array([10.0], dtype=np.float32)}]])
+        await trio.testing.wait_all_tasks_blocked()
+        assert batcher.workers_lost == 1
+        execs.fold()
+        assert execs.total_us - before[0] == int((died - sent) * 1e6)
+        assert batcher.busy_time - before[1] == pytest.approx(died - sent)
+    assert answers == {1.0: [10.0]}
+    assert died - sent >= 2.0
+    assert a.reply.run == (sent, pytest.approx(died - sent))
 
 
 class _UnreadProcess(WorkerProcess):
