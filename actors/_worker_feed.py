@@ -303,14 +303,16 @@ class WorkerFeed:
         self._lose(worker, f"its {self._worker_kind} exited (pid {worker.pid})", died=True)
 
     def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
-        """The worker is gone (or must go): kill it, answer those of its batches that a
-        worker that ``died`` had finished, with the results it wrote and nobody read
-        (in its pipe: :meth:`WorkerProcess.unread_results`), hand the others back —
-        the one it was running as a suspect, split in ``retry_parts``; the staged
-        ones, and one it was still being sent (it never had it whole), as they were
-        — and raise _WorkerLost to stop feeding it. The loss is logged at once, or,
-        when the worker ``died`` on its own, once it is closed, with how it
-        ended."""
+        """The worker is gone (or must go): kill it, answer those of its batches it
+        had finished, with the results it wrote and nobody read (in its pipe:
+        :meth:`WorkerProcess.unread_results`), hand the others back — the one it was
+        running as a suspect, split in ``retry_parts``; the staged ones, and one it
+        was still being sent (it never had it whole), as they were — and raise
+        _WorkerLost to stop feeding it. Killed as a straggler (not ``died``) just as
+        it wrote the result of the batch that was late, that batch is answered, and
+        the one after it, which it had just started, goes back as it was (no
+        suspect), charged. The loss is logged at once, or, when the worker ``died``
+        on its own, once it is closed, with how it ended."""
         if not worker.alive:
             raise _WorkerLost(why)  # already lost and handled (by the other task)
         worker.kill()
@@ -325,10 +327,9 @@ class WorkerFeed:
         batches = list(self._in_flight)
         # A worker that died may have written results not read yet (its death found
         # by _watch, or by a send, before _collect read them): those batches ran to
-        # their end, and the one after them is the one it died running. (Killed by
-        # us, it was running the oldest: a straggler's, whose result did not come in
-        # time.) They used to be run again (charged), their results dropped.
-        results = worker.unread_results() if died else []
+        # their end, and the one after them is the one it died running. They used to
+        # be run again (charged), their results dropped.
+        results = worker.unread_results()
         done = len(results)
         crashed = batches[done] if done < len(batches) else None
         if crashed is not None and crashed is self._sending:
@@ -337,12 +338,27 @@ class WorkerFeed:
             # is not this batch. It goes back as it was, never run. It used to be
             # made the suspect: split, a poison attempt counted, and charged.
             crashed = None
+        # Killed by us as a straggler, it was running the oldest, whose result did
+        # not come in time; unless it wrote that result as its deadline passed (in
+        # its pipe, unread: done). That batch is answered, no straggler after all,
+        # and the one after it is the one it had just started, killed not for its
+        # own lateness (its time had only begun): it goes back as it was, no
+        # suspect (no split, no poison attempt), but charged, as it reached the
+        # model (Reply.ran; as a replaced worker's running batch, _replace_broken).
+        # The oldest used to go back as the suspect (split, a poison attempt
+        # counted) to run again, its result dropped, and the one after it as never
+        # started (refunded, had its caller left, though it had reached the model).
+        if not died and done and crashed is not None:
+            for r in crashed:
+                r.reply.ran = True
+            crashed = None
         # (before the breaker is told: their successes came before this failure)
         self._answer_unread(results)
-        if crashed is None or not retried(crashed):
+        if (died or not done) and (crashed is None or not retried(crashed)):
             # A retry that crashes again is its requests' doing (it counts towards
             # their poison attempts): a few poison requests, bisected, would open
             # the breaker of a sound replica and hold every other request back.
+            # (A straggler whose result came after all failed nothing.)
             self._breaker.failure(trio.current_time())
         back = batches[done + 1:] if crashed is not None else batches[done:]
         if back:

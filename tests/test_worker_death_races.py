@@ -280,6 +280,54 @@ async def test_a_replaced_worker_s_unread_results_are_delivered(
     assert _credits(rt) == (3, 0)
 
 
+async def test_a_straggler_s_result_written_as_it_was_cut_off_is_delivered(
+    autojump_clock, manual_watchdog, worker_class
+):
+    """a ran past the batch deadline and its worker was killed; it had written a's
+    result as the deadline passed (in its pipe, unread), and then started b; c was
+    staged behind. a's caller gets that result (a ran once, and is no straggler's
+    suspect); b, killed as it began, goes back as it was (no suspect, no poison
+    attempt) and is charged (it reached the model); c never started: refunded.
+    b's and c's callers left meanwhile. a used to go back as the suspect, to run
+    again, its result dropped, and b as never started: refunded, though it had
+    reached the model. No batch failed: the breaker is told a's success, and no
+    failure."""
+    cfg = _config()
+    answers: dict[float, object] = {}
+    scopes = {2.0: trio.CancelScope(), 3.0: trio.CancelScope()}
+
+    async def caller(rt, value: float) -> None:
+        with scopes.get(value, trio.CancelScope()):
+            answers[value] = (await rt.infer("m", item(value)))["y"].tolist()
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        (first,) = worker_class.made
+        first.seen_by = "nobody"  # its end is found by the deadline
+        for value in (1.0, 2.0, 3.0):
+            nursery.start_soon(caller, rt, value)
+            await trio.testing.wait_all_tasks_blocked()
+        batcher = rt.models["m"].batchers[0]
+        ((a,), (b,), (c,)) = batcher._in_flight
+        for scope in scopes.values():
+            scope.cancel("the caller left")
+        await trio.testing.wait_all_tasks_blocked()
+        assert _credits(rt) == (3, 0)  # they may still run: kept
+        first._written = [[{"y": np.array([10.0], dtype=np.float32)}]]
+        (watchdog,) = manual_watchdog.made
+        watchdog.advance(3600.0)  # past a's batch deadline
+        await trio.testing.wait_all_tasks_blocked()
+        assert (batcher.stragglers, batcher.workers_lost) == (1, 1)
+    assert answers == {1.0: [10.0]}  # what it wrote, read from its pipe
+    assert a.reply.run is not None
+    assert not a.reply.suspect
+    assert (b.reply.ran, b.reply.suspect, b.reply.attempts) == (True, False, 0)
+    assert not c.reply.ran
+    ran_again = [it["x"][0] for w in worker_class.made[1:] for batch in w.sent for it in batch]
+    assert ran_again == []  # a ran once; b's and c's callers are gone
+    assert _credits(rt) == (2, 1)  # a and b ran; c never did: refunded
+    assert _RecordingBreaker.told == ["success"]
+
+
 async def test_an_unread_result_s_run_is_measured_from_its_sending(
     autojump_clock, manual_watchdog, worker_class
 ):
