@@ -26,7 +26,14 @@ from typing import Any
 
 import numpy as np
 import trio
-from trioserve import Actor, DeadlineExceeded, ModelError, Overloaded, QuotaExceeded
+from trioserve import (
+    Actor,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    Overloaded,
+    QuotaExceeded,
+)
 
 from ._cache import Cache, CacheRule
 from ._cachekey import cache_key
@@ -139,14 +146,16 @@ def input_error(exc: BaseException) -> bool:
     is the model's error for that item, the one its own caller would have got, which
     the runtime never retries: it raised on it alone (on a second replica too, when
     another was ready), the item is poison (it hung or killed its worker each time
-    it ran alone), too large for a worker's message, refused by the model's
-    signature, or its batch left its device unusable (strictly its own doing only
-    in a batch of one; the batch's other callers get that error too, not retried);
-    or the model's queue was retired,
-    which would refuse a rerun with that same error. Anything else (the replica
-    crashed under it, the runtime shuts down) is no answer of the item's: the
-    flight runs again."""
-    return isinstance(exc, ModelError)
+    it ran alone), its outputs too large for a worker's message, refused by the
+    model's signature, or its batch left its device unusable (strictly its own doing
+    only in a batch of one; the batch's other callers get that error too, not
+    retried); or the model's queue was retired,
+    which would refuse a rerun with that same error. So is an InvalidInput: the
+    item refused before it ran (its inputs too large for a worker's message; a
+    reloaded model that takes other inputs), as a rerun would be. Anything else
+    (the replica crashed under it, the runtime shuts down) is no answer of the
+    item's: the flight runs again."""
+    return isinstance(exc, (ModelError, InvalidInput))
 
 
 def _waited_out(

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import outcome
 import trio
-from trioserve import RayReplica, Request, WorkerProcess
+from trioserve import InvalidInput, RayReplica, Request, WorkerProcess
 
 from ._straggler import handed_back, retried, split, to_retry
 
@@ -29,6 +30,14 @@ log = logging.getLogger("trioserve")
 #: doubling up to START_RETRY_MAX seconds.
 START_RETRY_MIN = 0.1
 START_RETRY_MAX = 10.0
+
+
+def _refused(msg: str, *, ran: bool) -> InvalidInput:
+    """InvalidInput(msg) for a request whose input was refused before it was sent:
+    never run (``in_queue``), unless it ``ran`` before."""
+    error = InvalidInput(msg)
+    error.in_queue = not ran
+    return error
 
 
 class _WorkerLost(Exception):
@@ -204,7 +213,7 @@ class WorkerFeed:
                         # it out
                         if not r.reply.ran:
                             r.reply.unrun()  # a no-op unless its caller left
-                    self._too_large(batch, exc)
+                    self._too_large(batch, exc, sent=False)
                     self._in_flight.pop()  # never sent: the worker goes on
                     room.release()
                     continue
@@ -413,12 +422,15 @@ class WorkerFeed:
             WorkerProcess.stderr_note(worker.stderr_tail if worker is not None else None),
         )
 
-    def _too_large(self, batch: list[Request], exc: Exception) -> None:
-        """The batch's inputs or outputs do not fit in one message to or from the
-        worker (its 4-byte length: 4 GiB): run it again in halves, and answer a request
-        alone that does not fit with ModelError. An item answered while the batch
-        ran (its deadline passed) that others wait for runs again in its place in
-        the halves, carried (:func:`to_retry`). No fault of the model's or the
+    def _too_large(self, batch: list[Request], exc: Exception, *, sent: bool = True) -> None:
+        """The batch's inputs (not ``sent``: refused before sending) or outputs do
+        not fit in one message to or from the worker (its 4-byte length: 4 GiB): run
+        it again in halves. A request alone whose outputs do not fit (it ran) gets
+        ModelError; one whose inputs do not fit (it never ran) is refused as the
+        caller's InvalidInput, never run (``in_queue``: not charged), unless it ran
+        before (a failed batch's retry). An item answered while the batch ran (its
+        deadline passed) that others wait for runs again in its place in the
+        halves, carried (:func:`to_retry`). No fault of the model's or the
         worker's: the breaker is not told. Call it before the batch leaves the
         batches in flight: leaving, it settles the late hooks not carried."""
         alive = [r for r in batch if r.reply.answerable]
@@ -436,10 +448,35 @@ class WorkerFeed:
             self._metrics.statuses["retried"] += 1
             self._scheduler.retry([parts])
             return
+        if not sent:
+            self._refuse_input(batch, alive, (
+                f"model {self.model!r}: {exc}; send a smaller request, or use "
+                'execution = "thread"'
+            ))
+            return
         self._answer_error(batch, alive, (
             f"model {self.model!r} failed on {self.device}: {exc}; send a smaller "
             'request, or use execution = "thread"'
         ))
+
+    def _refuse_input(self, batch: list[Request], alive: list[Request], msg: str) -> None:
+        """Answer ``alive`` (the requests of ``batch``, a batch never sent, still
+        waiting) InvalidInput(msg): their input is more than the worker's pipe
+        carries. The model never saw it, so it is no model error (a 400 over HTTP,
+        not a 500), and a request refused so never ran (``in_queue``: its caller is
+        not charged), unless it had reached a device before (``Reply.ran``: a
+        failed batch's retry stays charged). Those waiting for the item of one
+        answered meanwhile (``Reply.late``) get the same refusal."""
+        for req in batch:
+            late = req.reply.late
+            if (
+                late is not None and late.expected and not late.carried
+                and not req.reply.answerable
+            ):
+                late.settle(outcome.Error(_refused(msg, ran=False)))
+        for req in alive:
+            req.reply.set_error(_refused(msg, ran=req.reply.ran))
+        self._scheduler.completed(batch, failed=True)
 
     def _replace_broken(self, worker: WorkerProcess) -> None:
         """Its breaker opened because the model kept raising on this worker while

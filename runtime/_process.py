@@ -85,7 +85,8 @@ class WorkerProcess:
     #: through the pipe instead (as one whose inputs cannot be stacked is).
     MAX_SLOT_BYTES = 64 * MIB
     #: The most one message over the pipe carries, either way: its length is 4 bytes.
-    #: Told to the worker at its start, so both ends hold to the same limit.
+    #: Read at each batch sent, and told to the worker at its start, so both ends
+    #: hold to the same limit (a test lowers it, on the class, to a few KB).
     MAX_FRAME_BYTES = (1 << 32) - 1
 
     def __init__(

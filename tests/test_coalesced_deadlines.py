@@ -34,6 +34,7 @@ from trioserve import (
     ActorClosed,
     CacheConfig,
     DeadlineExceeded,
+    InvalidInput,
     ModelBackend,
     ModelConfig,
     ModelError,
@@ -1291,6 +1292,20 @@ async def test_a_worker_replaced_for_its_breaker_carries_the_leaders_staged_item
     assert stats["dispatched"] == 2
     assert used == 2  # the blocker's, the leader's
     assert (cache["reruns"], cache["late_answers"], cache["in_flight"]) == (0, 1, 0)
+
+
+def test_an_item_refused_before_it_ran_answers_the_flights_waiters():
+    """The late outcome of an item whose inputs its worker's pipe could not carry
+    (refused before it was sent: InvalidInput, never run) is the input's own, as
+    the model's error for it is: the flight's waiters get it, where running the item
+    again for them would be refused the same way. Before, the refusal was a
+    ModelError; as an InvalidInput it made the flight run again."""
+    from trioserve.actors._cache_actor import input_error
+
+    assert input_error(ModelError("model 'm' failed on cpu: ValueError: bad"))
+    assert input_error(InvalidInput("model 'm': its batch's inputs are 5000 bytes ..."))
+    assert not input_error(ActorBroken("batcher crashed mid-batch"))
+    assert not input_error(ActorClosed("the runtime is shut down"))
 
 
 async def test_a_batch_too_large_for_its_worker_carries_the_leaders_item_into_its_halves(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import trioserve
 from runtime_helpers import config
-from trioserve import ModelConfig, ModelError
+from trioserve import InvalidInput, ModelConfig, ModelError
 from trioserve._builtin import mlp_backend
 from trioserve._config import MAX_BATCH_SIZE
 from trioserve._process import WorkerProcess, _stack_into
@@ -110,8 +110,11 @@ async def test_a_batch_past_a_workers_message_limit_is_split_and_a_lone_one_refu
     (the actor crashed, its requests failed with ActorBroken, and every such request
     spent a restart); outputs as long failed in the worker with the same struct.error,
     told as the model's. Now such a batch runs again in halves, and a request that
-    does not fit alone gets a ModelError saying so; the worker goes on. (The limit is
-    lowered here: the worker gets it from the parent at its start.)"""
+    does not fit alone is answered so; the worker goes on. One whose outputs do not
+    fit ran: a ModelError, charged. One whose inputs do not fit was never sent: the
+    caller's InvalidInput (a 400 over HTTP), not charged; it used to be a ModelError
+    ("failed on cpu", a 500), charged, and counted as the model's error. (The limit
+    is lowered here: the worker gets it from the parent at its start.)"""
     monkeypatch.setattr(WorkerProcess, "MAX_FRAME_BYTES", 3000)
     if way == "inputs":
         monkeypatch.setattr(WorkerProcess, "MAX_SLOT_BYTES", 64)  # sent as items
@@ -121,14 +124,21 @@ async def test_a_batch_past_a_workers_message_limit_is_split_and_a_lone_one_refu
         outs = await rt.infer_batch("s", items)
         assert [o["y"].tolist() for o in outs] == [[float(v)] * 200 for v in range(8)]
         assert rt.statistics()["s"]["statuses"]["retried"] >= 8  # split, not failed
-        with pytest.raises(ModelError) as caught:
+        before = rt.tenant_statistics()["t"]
+        with pytest.raises(ModelError if way == "outputs" else InvalidInput) as caught:
             await rt.infer("s", {"x": np.zeros(1000, np.float32)})  # 4 KB alone
+        after = rt.tenant_statistics()["t"]
         assert re.fullmatch(
-            rf"model 's' failed on cpu: its batch's {way} are \d+ bytes in one message "
+            (r"model 's' failed on cpu: " if way == "outputs" else r"model 's': ")
+            + rf"its batch's {way} are \d+ bytes in one message "
             rf"(to|from) its worker process, more than the 3000 bytes a message carries; "
             r'send a smaller request, or use execution = "thread"',
             str(caught.value),
         )
+        assert after["credits_used"] - before["credits_used"] == (
+            1 if way == "outputs" else 0  # it ran; never sent: refunded
+        )
+        assert rt.statistics()["s"]["statuses"].get("model_error", 0) == (way == "outputs")
         batcher = rt.models["s"].batchers[0]
         assert (batcher.restarts, batcher.workers_lost) == (0, 0)
         assert (await rt.infer("s", items[3]))["y"].tolist() == [3.0] * 200

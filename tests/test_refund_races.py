@@ -18,6 +18,7 @@ from runtime_helpers import Gate, NoZygote, _StandIn, callable_model, item
 from trioserve import (
     ActorClosed,
     DeadlineExceeded,
+    InvalidInput,
     Overloaded,
     Request,
     RequestState,
@@ -331,6 +332,73 @@ async def test_a_request_whose_caller_left_before_its_batch_was_refused_by_the_p
         _TooLargeWorker.sending.set()
         await trio.testing.wait_all_tasks_blocked()
         assert _credits(rt) == (0, 1)  # never sent: given back, once
+
+
+class _TooLargeAfterDeath(_StandIn):
+    """Worker stand-ins in trio time: with ``die_first``, the first one made dies
+    running its first batch (its result never comes); every later one's pipe cannot
+    carry any batch: each one sent is refused, not sent (FrameTooLarge)."""
+
+    TooLarge = WorkerProcess.TooLarge
+    made: list[_TooLargeAfterDeath] = []
+    die_first = False
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = len(_TooLargeAfterDeath.made)
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self.in_flight = 0
+        self._exited = trio.Event()
+        self.dies = self.die_first and not _TooLargeAfterDeath.made
+        _TooLargeAfterDeath.made.append(self)
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        if not self.dies:
+            raise self.TooLarge("its batch's inputs are more bytes than a message carries")
+
+    async def result(self):
+        await trio.lowlevel.checkpoint()
+        raise self.Died("pipe broke")  # it died running the batch
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+async def test_a_request_whose_inputs_its_workers_pipe_cannot_carry_is_the_callers_error(
+    autojump_clock, manual_watchdog, monkeypatch, fresh
+):
+    """A request alone whose inputs are more than one message to its worker carries
+    is refused before it is sent: the caller's InvalidInput (a 400 over HTTP, not the
+    model's 500), never run (``in_queue``), so not charged; the worker is not blamed
+    (not lost, its breaker not told, no model error counted). It used to be a
+    ModelError ("failed on cpu"), charged, and counted as the model's error. A
+    request that reached a device before (here: the retry of a batch whose worker
+    died running it) stays charged."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _TooLargeAfterDeath)
+    monkeypatch.setattr(_TooLargeAfterDeath, "made", [])
+    monkeypatch.setattr(_TooLargeAfterDeath, "die_first", not fresh)
+    cfg = trioserve.Config(
+        models=(callable_model(
+            "m", lambda items: items, execution="process", max_batch_size=1,
+            max_wait_ms=0, timeout_ms=None, adaptive_limit=False,
+        ),),
+        tenants=(TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=10.0),),
+    )
+    async with trioserve.open_runtime(cfg) as rt:
+        batcher = rt.models["m"].batchers[0]
+        with pytest.raises(InvalidInput) as caught:
+            await rt.infer("m", item(1.0))
+        assert batcher.workers_lost == (0 if fresh else 1)
+        assert batcher._breaker.failures == (0 if fresh else 1)
+        assert rt.statistics()["m"]["statuses"].get("model_error", 0) == 0
+    assert str(caught.value) == (
+        "model 'm': its batch's inputs are more bytes than a message carries; send a "
+        'smaller request, or use execution = "thread"'
+    )
+    assert caught.value.in_queue is fresh
+    assert _credits(rt) == ((0, 1) if fresh else (1, 0))
 
 
 # ---------------------------------------------------------------- a hedged caller
