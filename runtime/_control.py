@@ -329,7 +329,7 @@ class ModelControl:
                     await _drain(copy)
                 if bound.cancelled_caught:
                     copy.cut = _cut_short(name, copy, limit)
-                    log.warning("model %r: %s", name, copy.cut)
+                    log.warning("%s", copy.cut)  # it names the model
                 # its replicas are stopped (a worker process killed), then what they
                 # and its queues still hold is answered (``finally``)
                 nursery.cancel_scope.cancel("model copy drained")

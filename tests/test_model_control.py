@@ -692,7 +692,7 @@ def bounded_config(unload_timeout_s: float = 5.0, **model):
 
 
 async def test_an_unload_answers_what_a_stuck_model_holds_after_unload_timeout_s(
-    autojump_clock, hanging
+    autojump_clock, hanging, caplog
 ):
     """An unload waited for the requests in flight without a bound: with a model
     that never answers, for ever. After ``runtime.unload_timeout_s`` what is still
@@ -721,6 +721,9 @@ async def test_an_unload_answers_what_a_stuck_model_holds_after_unload_timeout_s
         }
         # the two never dispatched are not charged to their caller; the six were
         assert sum(e.in_queue for e in errors) == 2
+        # logged once, naming the model once ("model 'm': model 'm' was ..." before)
+        (line,) = [r.getMessage() for r in caplog.records if "unload_timeout_s" in r.getMessage()]
+        assert line == str(errors[0])
         assert not worker.alive
         assert rt.model_state("m") == ("UNAVAILABLE", "unloaded")
         assert rt.statistics()["m"]["replica_count"] == 0
