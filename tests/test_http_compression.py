@@ -4,6 +4,7 @@ the size limit enforced as the output grows, the caller authenticated once."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import tracemalloc
 import zlib
 
@@ -158,3 +159,97 @@ async def test_a_control_plane_body_that_cannot_be_decoded_is_refused_as_an_infe
     assert corrupt[:2] == (400, "the body is not valid gzip data: Error -3 while "
                                 "decompressing data: incorrect header check")
     assert bomb[:2] == (413, "request body over 65536 bytes once decompressed")
+
+
+# ---- a gzip body of several members (RFC 1952 §2.2), as gzip -d reads it
+def members(body: bytes, n: int) -> bytes:
+    """``body`` gzipped as ``n`` members, one after another (as ``cat a.gz b.gz``)."""
+    cut = [len(body) * i // n for i in range(n + 1)]
+    return b"".join(gzip.compress(body[a:b], mtime=0) for a, b in itertools.pairwise(cut))
+
+
+async def test_a_gzip_body_of_several_members_is_inflated_whole():
+    cfg = config(echo_model())
+    body = echo_body(600)
+    async with serving(cfg) as gw, open_http(gw.url) as http:
+        res = await http.request("POST", "/v2/models/echo/infer", members(body, 2),
+                                 headers=[("Content-Encoding", "gzip")])
+    # it was 400 "the body is not valid gzip data: it ends early or late"
+    assert res.status == 200, res.body
+    assert res.json()["outputs"][0]["data"] == [1.5, 2.5]
+    assert gzip.decompress(members(body, 2)) == body  # as Python's reader takes it
+    for n in (3, 64):
+        assert await decode_body(members(body, n), b"x-gzip", MIB) == body
+
+
+async def test_the_members_are_inflated_in_bounded_steps_with_checkpoints(steps):
+    body = echo_body(3 * MIB + 100)
+    assert await decode_body(members(body, 5), b"gzip", 4 * MIB) == body
+    step = _inflate.INFLATE_STEP
+    full = len(body) // step
+    # a step runs on from one member into the next, never past INFLATE_STEP
+    assert steps[:full + 1] == [(i * step, min((i + 1) * step, len(body)), i)
+                                for i in range(full + 1)]
+    # many small members: at most MEMBERS_PER_STEP of them a step
+    steps.clear()
+    many = _inflate.MEMBERS_PER_STEP * 3 + 1
+    small = echo_body(many * 40)
+    assert await decode_body(members(small, many), b"gzip", MIB) == small
+    assert [n - steps[0][2] for _, _, n in steps] == [0, 1, 2, 3]
+    assert steps[-1][1] == len(small)
+
+
+async def test_the_limit_counts_every_member_and_a_bomb_member_is_stopped_early():
+    body = echo_body(MIB)
+    # each member under the limit, the two over it
+    assert await decode_body(members(body, 2), b"gzip", MIB) == body
+    with pytest.raises(BodyTooLarge, match="over 1048575 bytes once decompressed"):
+        await decode_body(members(body, 2), b"gzip", MIB - 1)
+    # a bomb behind a plain member is refused as it grows, never inflated whole
+    bomb = gzip.compress(b"x" * MIB) + gzip.compress(bytes(256 * MIB))
+    tracemalloc.start()
+    try:
+        with pytest.raises(BodyTooLarge, match="over 2097152 bytes once decompressed"):
+            await decode_body(bomb, b"gzip", 2 * MIB)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * MIB
+
+
+@pytest.mark.parametrize(
+    ("tail", "error"),
+    [(b"junk", r"it ends early or late \(4 bytes after gzip member 2 are not a gzip member\)"),
+     (b"\0" * 8, r"it ends early or late \(8 bytes after gzip member 2"),
+     (b"\x1f", "it ends early or late$"),  # a member's first byte, and no more
+     (gzip.compress(b"x")[:-1], "it ends early or late$"),  # a last member cut short
+     (b"\x1f\x8b\x09" + bytes(20), "Error -3 while decompressing data")],
+)
+async def test_bytes_after_the_members_that_are_not_a_whole_member_are_refused(tail, error):
+    body = echo_body(600)
+    with pytest.raises(InvalidInput, match=f"not valid gzip data: {error}"):
+        await decode_body(members(body, 2) + tail, b"gzip", MIB)
+    with pytest.raises(InvalidInput, match=r"ends early or late$"):
+        await decode_body(b"", b"gzip", MIB)  # no member at all
+
+
+async def test_deflate_is_one_stream_and_takes_nothing_after_it():
+    body = echo_body(600)
+    for packed in (zlib.compress(body) * 2, gzip.compress(body) * 2):
+        with pytest.raises(InvalidInput, match="not valid deflate data"):
+            await decode_body(packed, b"deflate", MIB)
+
+
+async def test_a_gzip_body_of_too_many_members_is_refused():
+    limit = 128 * 1024  # one member per KiB of the limit: 128
+    body = echo_body(1000)
+    assert await decode_body(members(body, 128), b"gzip", limit) == body
+    with pytest.raises(InvalidInput, match="more than 128 members"):
+        await decode_body(members(body, 129), b"gzip", limit)
+    # a body of empty members (20 bytes each) is stopped at the cap
+    with pytest.raises(InvalidInput, match="more than 16384 members"):
+        await decode_body(gzip.compress(b"", mtime=0) * 800_000, b"gzip", 16 * MIB)
+    # a small limit still takes MIN_MEMBERS
+    assert await decode_body(members(body, 64), b"gzip", 4096) == body
+    with pytest.raises(InvalidInput, match="more than 64 members"):
+        await decode_body(members(body, 65), b"gzip", 4096)
