@@ -163,6 +163,35 @@ async def test_large_bodies_get_the_same_refusals(server, poison, message):
 
 
 @pytest.mark.parametrize("large", [False, True], ids=["small-body", "16KiB-body"])
+@pytest.mark.parametrize(
+    ("datatype", "token"),
+    [("FP64", "1e309"), ("FP32", "-2.5e400"), ("INT64", "1" + "0" * 320)],
+)
+async def test_a_number_past_fp64_is_out_of_range_for_the_input(server, large, datatype,
+                                                                token):
+    """The JSON parser refuses a number past FP64's range in its own words ("number is
+    infinity when parsed as double"): the 400 says which input and datatype."""
+    data = "[" + "0.5, " * (4000 if large else 1) + token + "]"
+    n = data.count(",") + 1
+    body = ('{"inputs": [{"name": "a", "shape": [1, %d], "datatype": "%s", "data": %s}]}'
+            % (n, datatype, data)).encode()
+    assert (len(body) >= 16 * 1024) == large
+    res = await post(server, "/v2/models/echo/infer", body)
+    assert res.status == 400
+    shown = token if len(token) <= 80 else token[:80] + "..."
+    assert error_of(res) == f"input 'a': a value is out of range for {datatype} (got {shown})"
+
+
+async def test_a_number_past_fp64_outside_any_input_is_named_where_it_is(server):
+    res = await post(server, "/v2/models/echo/infer",
+                     b'{"parameters": {"p": 1e999},\n "inputs": [{"name": "a", "shape": '
+                     b'[1], "datatype": "FP32", "data": [1.0]}]}')
+    assert res.status == 400
+    assert error_of(res) == ("the number 1e999 (line 1 column 22) is past the range of a "
+                             "64-bit float, which JSON numbers are read as")
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small-body", "16KiB-body"])
 async def test_ragged_rows_are_served_as_triton_serves_them(server, large):
     """Rows of unequal lengths holding the shape's count of values are the values in
     row-major order (Triton's reader checks only the count); another count is a 400

@@ -105,7 +105,71 @@ def loads(body: bytes | str) -> Any:
     try:
         return json_loads(body)
     except orjson.JSONDecodeError as exc:
+        if str(exc).startswith(_INFINITE):
+            raise InvalidInput(_past_fp64(body, exc)) from None
         raise InvalidInput(f"malformed JSON body: {_not_utf8(body) or exc}") from None
+
+
+#: orjson's words for a number past FP64's range (``1e309``, 309 digits or more)
+_INFINITE = "number is infinity when parsed as double"
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
+class _Infinite:
+    """A number of the request's JSON past FP64's range, as :func:`_past_fp64` reads it."""
+
+    __slots__ = ()
+
+
+def _infinite_float(text: str) -> Any:
+    # the standard library's reader makes inf of a float past FP64's range
+    value = float(text)
+    return _Infinite() if math.isinf(value) else value
+
+
+def _infinite_int(text: str) -> Any:
+    # and keeps an integer past it (309 digits or more), which orjson reads as a float
+    return _Infinite() if len(text) > 300 and math.isinf(float(text)) else int(text)
+
+
+def _past_fp64(body: bytes | str, exc: orjson.JSONDecodeError) -> str:
+    """Why a body is refused whose number ``exc`` found past FP64's range: in our
+    words, naming the input whose data holds it and its datatype when the body reads
+    otherwise (read again by the standard library's reader, only for the refusal)."""
+    text = body if isinstance(body, str) else str(body, "utf-8", "replace")
+    m = _NUMBER.match(text, exc.pos)
+    token = m.group() if m else "a number"
+    if len(token) > SHOWN_MAX:
+        token = token[:SHOWN_MAX] + "..."
+    where = (f"the number {token} (line {exc.lineno} column {exc.colno}) is past the "
+             "range of a 64-bit float, which JSON numbers are read as")
+    try:
+        doc = json.loads(text, parse_float=_infinite_float, parse_int=_infinite_int)
+    except (ValueError, RecursionError):
+        return where
+    inputs = doc.get("inputs") if type(doc) is dict else None
+    for t in inputs if type(inputs) is list else ():
+        if type(t) is dict and _holds_infinite(t.get("data")):
+            name, datatype = t.get("name"), t.get("datatype")
+            if type(name) is str and datatype in DTYPES and datatype not in _NOT_NUMBERS:
+                return f"input {name!r}: a value is out of range for {datatype} (got {token})"
+            break
+    return where
+
+
+_NOT_NUMBERS = frozenset(("BYTES", "BOOL"))
+
+
+def _holds_infinite(data: Any) -> bool:
+    """Whether ``data`` (an input's JSON data, nested lists) holds an :class:`_Infinite`."""
+    todo = [data]
+    while todo:
+        v = todo.pop()
+        if type(v) is list:
+            todo.extend(v)
+        elif type(v) is _Infinite:
+            return True
+    return False
 
 
 def _not_utf8(body: bytes | str) -> str | None:
