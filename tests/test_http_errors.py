@@ -1019,3 +1019,19 @@ async def test_a_stream_message_whose_id_json_cannot_echo_is_answered_and_the_st
     assert refused["error"].startswith(f"a stream message's 'id': {why}")
     answered = next(d for d in got if d.get("id") == "after")
     assert answered["outputs"][0]["data"] == [1.0]
+
+
+def test_a_number_past_fp64_in_a_body_over_a_mib_is_named_by_where_it_is():
+    """Only a body of at most 1 MiB is read again to name the input."""
+    from trioserve.transport._request_json import loads_request
+
+    for pad, named in ((1000, True), (1024 * 1024, False)):
+        body = ('{"inputs": [{"name": "a", "shape": [1], "datatype": "FP64", "data": '
+                '[1e309]}]}' + " " * pad).encode()
+        with pytest.raises(trioserve.InvalidInput) as info:
+            loads_request(body)
+        assert str(info.value) == (
+            "input 'a': a value is out of range for FP64 (got 1e309)" if named else
+            "the number 1e309 (line 1 column 70) is past the range of a 64-bit float, "
+            "which JSON numbers are read as"
+        )
