@@ -254,8 +254,7 @@ class WorkerFeed:
                 finally:
                     self._disarm(armed)
             if timer.cancelled_caught:
-                self.stragglers += 1
-                self._metrics.statuses["straggler"] += 1
+                # a straggler, unless its result came as it was killed (see _lose)
                 self._lose(worker, f"it ran past its batch deadline of {deadline:.3f}s")
             broken = self._answered(batch, outputs, t0, worker.last_run_seconds)
             if self._in_flight and self._in_flight[0] is batch:
@@ -320,7 +319,8 @@ class WorkerFeed:
         _WorkerLost to stop feeding it. Killed as a straggler (not ``died``) just as
         it wrote the result of the batch that was late, that batch is answered, and
         the one after it, which it had just started, goes back as it was (no
-        suspect), charged. The loss is logged at once, or, when the worker ``died``
+        suspect), charged, and it is no straggler (not counted in ``stragglers``,
+        nor logged as one). The loss is logged at once, or, when the worker ``died``
         on its own, once it is closed, with how it ended."""
         if not worker.alive:
             raise _WorkerLost(why)  # already lost and handled (by the other task)
@@ -329,10 +329,6 @@ class WorkerFeed:
         self._metrics.statuses["worker_lost"] += 1
         if died:
             self._lost_why = why
-        else:
-            log.warning(
-                "%s: %s lost: %s; a new one is started", self.name, self._worker_kind, why
-            )
         batches = list(self._in_flight)
         # A worker that died may have written results not read yet (its death found
         # by _watch, or by a send, before _collect read them): those batches ran to
@@ -340,6 +336,8 @@ class WorkerFeed:
         # be run again (charged), their results dropped.
         results = worker.unread_results()
         done = len(results)
+        if not died:
+            self._log_cut_off(why, done)
         crashed = batches[done] if done < len(batches) else None
         if crashed is not None and crashed is self._sending:
             # It died as this batch was being sent (what it had of it, it was
@@ -381,6 +379,23 @@ class WorkerFeed:
         # for is carried into them, and its batch leaving must not settle it
         self._in_flight.clear()
         raise _WorkerLost(why)
+
+    def _log_cut_off(self, why: str, done: int) -> None:
+        """Log the kill of a straggler's worker (``why``: its batch ran past its
+        deadline), and count the straggler; unless it had written that batch's
+        result (``done``: results in its pipe, unread) as the deadline passed: then
+        the batch was answered, no straggler. It was counted, and logged as one that
+        "ran past its batch deadline", though its result was there."""
+        if done:
+            log.warning(
+                "%s: %s killed as its batch deadline passed, just as it wrote that "
+                "batch's result (answered, not run again); a new one is started",
+                self.name, self._worker_kind,
+            )
+            return
+        self.stragglers += 1
+        self._metrics.statuses["straggler"] += 1
+        log.warning("%s: %s lost: %s; a new one is started", self.name, self._worker_kind, why)
 
     async def _close_worker(self) -> None:
         """Close the replica's worker, if any (killed, and waited for: shielded), and

@@ -9,6 +9,7 @@ nothing of it until it is dead."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -316,7 +317,7 @@ async def test_a_straggler_s_result_written_as_it_was_cut_off_is_delivered(
         (watchdog,) = manual_watchdog.made
         watchdog.advance(3600.0)  # past a's batch deadline
         await trio.testing.wait_all_tasks_blocked()
-        assert (batcher.stragglers, batcher.workers_lost) == (1, 1)
+        assert (batcher.stragglers, batcher.workers_lost) == (0, 1)  # no straggler
     assert answers == {1.0: [10.0]}  # what it wrote, read from its pipe
     assert a.reply.run is not None
     assert not a.reply.suspect
@@ -326,6 +327,53 @@ async def test_a_straggler_s_result_written_as_it_was_cut_off_is_delivered(
     assert ran_again == []  # a ran once; b's and c's callers are gone
     assert _credits(rt) == (2, 1)  # a and b ran; c never did: refunded
     assert _RecordingBreaker.told == ["success"]
+
+
+@pytest.mark.parametrize("written", [True, False])
+async def test_a_straggler_is_counted_and_logged_only_when_its_result_did_not_come(
+    autojump_clock, manual_watchdog, worker_class, caplog, written
+):
+    """Its batch's deadline passed and its worker was killed. Had the worker written
+    that batch's result as the deadline passed (in its pipe, unread), the batch was
+    answered: no straggler is counted (the batcher's ``stragglers``, the model's
+    ``straggler`` outcome), and the log says it was killed as it wrote that result;
+    it used to count a straggler and log that it "ran past its batch deadline".
+    Without the result, it is a straggler, as before. The worker's loss is counted
+    either way."""
+    cfg = _config()
+
+    async def caller(rt) -> None:
+        with trio.move_on_after(7200.0):
+            await rt.infer("m", item(1.0))
+
+    with caplog.at_level("WARNING", logger="trioserve"):
+        async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+            (first,) = worker_class.made
+            first.seen_by = "nobody"  # its end is found by the deadline
+            nursery.start_soon(caller, rt)
+            await trio.testing.wait_all_tasks_blocked()
+            if written:
+                first._written = [[{"y": np.array([10.0], dtype=np.float32)}]]
+            (watchdog,) = manual_watchdog.made
+            watchdog.advance(3600.0)  # past the batch deadline
+            await trio.testing.wait_all_tasks_blocked()
+            batcher = rt.models["m"].batchers[0]
+            stats = rt.statistics()["m"]["statuses"]
+            nursery.cancel_scope.cancel()
+    assert (batcher.stragglers, stats.get("straggler", 0)) == ((0, 0) if written else (1, 1))
+    assert (batcher.workers_lost, stats["worker_lost"]) == (1, 1)
+    (line,) = [r.getMessage() for r in caplog.records if "worker process" in r.getMessage()]
+    if written:
+        assert line == (
+            "batcher[m#0@cpu]: worker process killed as its batch deadline passed, just "
+            "as it wrote that batch's result (answered, not run again); a new one is "
+            "started"
+        )
+    else:
+        assert re.fullmatch(
+            r"batcher\[m#0@cpu\]: worker process lost: it ran past its batch deadline "
+            r"of \d+\.\d{3}s; a new one is started", line,
+        )
 
 
 async def test_an_unread_result_s_run_is_measured_from_its_sending(
