@@ -236,8 +236,10 @@ class WorkerProcess:
             data = pickle.dumps(("items", n, items), protocol=5)
             if len(data) > self.MAX_FRAME_BYTES:
                 # Before anything is counted: the worker never sees this batch.
+                # (a request alone is no batch to its caller)
+                what = "its inputs" if n == 1 else "its batch's inputs"
                 raise FrameTooLarge(
-                    f"its batch's inputs are {len(data)} bytes in one message to its "
+                    f"{what} are {len(data)} bytes in one message to its "
                     f"worker process, more than the {self.MAX_FRAME_BYTES} bytes a "
                     "message carries"
                 )
