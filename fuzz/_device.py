@@ -15,7 +15,9 @@ the product's worker-process path (``BatcherActor._serve_worker``, ``_collect``,
 (:class:`TrioWorker`, which the cache suite uses too) whose batches complete when
 their latency says (a "crash" item kills it, :func:`death_of`: at the end of its
 batch, or after writing that batch's result, its exit found before the results it
-wrote are read, or while its batch is sent), and the watchdog is a
+wrote are read, or while its batch is sent; killed as a straggler, it may have
+written the late batch's result just as its deadline passed,
+:meth:`SimWorker._writes_as_cut_off`), and the watchdog is a
 :class:`DrivenWatchdog`, whose clock is trio's and whose deadlines a task of the
 scenario fires: so the runtime's deadlines of requests in running batches, the batch
 cut-off and a dead worker's hand-back all run as they do in production, and replay
@@ -124,8 +126,10 @@ class Execution:
     "cut" (cancelled at shutdown before the model ran); on a worker
     (``Scenario.running``) also "died" (its worker died running it), "killed" (its
     worker was killed while it ran: cut off, or lost; the replica retries it as a
-    suspect) and "returned" (staged behind, handed back as it was when its worker
-    went)."""
+    suspect), "returned" (staged behind, handed back as it was when its worker
+    went) and "wrote" (its worker, dead or cut off, had written its result, unread:
+    it ran to its end, never to run again; "ok" or "error" once the result is
+    read)."""
 
     at: float
     replica: int
@@ -170,8 +174,10 @@ class TrioWorker:
     a loss) or died. What a suite sees of it is in its hooks: :meth:`_stage` (a batch
     is handed to it: its record and latency), :meth:`_dies` (whether it dies at the
     end of a batch), :meth:`_runs` (the model is about to run a batch) and
-    :meth:`_killed_holding` (it was killed holding these batches). Used by the
-    runtime suite (:class:`SimWorker`) and the cache suite (``fuzz/_cache.py``)."""
+    :meth:`_killed_holding` (it was killed holding these batches). The batcher that
+    kills it as a straggler says so first (:meth:`cut_off`): the results it wrote by
+    then are unread in its pipe, as a dead worker's are. Used by the runtime suite
+    (:class:`SimWorker`) and the cache suite (``fuzz/_cache.py``)."""
 
     Died = WorkerProcess.Died
     Failed = WorkerProcess.Failed
@@ -199,6 +205,11 @@ class TrioWorker:
         self._unread: list[tuple[Any, list[Any], float, float]] = []
         #: and the batch after them, which it died running (None: none, or one sent)
         self._after_unread: Any = None
+        #: once killed: how many batches it held, the oldest first, whose results
+        #: were written unread (as ``_unread`` was then)
+        self.unread_upto = 0
+        #: killed as a straggler (:meth:`cut_off`), not dead on its own
+        self._cut = False
         #: once killed: how many of the batches it held, the oldest first, reached the
         #: device (those it finished, its results read or not, and the one it ran)
         self.reached_upto = 0
@@ -239,9 +250,15 @@ class TrioWorker:
         return None
 
     def _read_unread(self, records: list[Any], after: Any) -> None:
-        """The batcher read the results its dead worker wrote for ``records``
-        (:meth:`unread_results`); ``after``: the batch after them, the one it died
-        running (None: none, or one that was being sent)."""
+        """The batcher read the results its dead or cut-off worker wrote for
+        ``records`` (:meth:`unread_results`); ``after``: the batch after them, the
+        one it died running, or had just begun when cut off (None: none, or one
+        that was being sent)."""
+
+    def _writes_as_cut_off(self, record: Any) -> bool:
+        """Whether the worker, killed as this batch (the oldest, running) ran past
+        its deadline, had just written its result: done then, unread."""
+        return False
 
     # ------------------------------------------------ the worker
     @property
@@ -250,6 +267,25 @@ class TrioWorker:
 
     async def start(self) -> None:
         await trio.lowlevel.checkpoint()
+
+    def cut_off(self) -> None:
+        """The batcher is about to kill it as a straggler: its oldest batch ran past
+        its deadline. What it wrote by then waits in its pipe, unread (the kill
+        finds it): that batch's result when it was done just then (the deadline
+        and its end at one time), or when it wrote it as the deadline passed
+        (:meth:`_writes_as_cut_off`: it is done now)."""
+        if self._killed or self._death is not None:
+            return
+        self._cut = True
+        if not self._held:
+            return
+        record, items, begins, done = self._held[0]
+        now = trio.current_time()
+        if (
+            begins <= now < done and record is not self._sending
+            and self._writes_as_cut_off(record)
+        ):
+            self._held[0] = (record, items, begins, now)
 
     def kill(self) -> None:
         if not self._killed:
@@ -269,6 +305,9 @@ class TrioWorker:
             else:
                 now = trio.current_time()
                 written = sum(1 for _, _, _, done in held if done <= now)
+                if self._cut:  # (cut off: its results written by now are unread)
+                    self._unread = held[:written]
+            self.unread_upto = len(self._unread)
             rest = held[written:]
             # (the oldest unfinished was running, unless it was still being sent)
             began = 1 if rest and rest[0][0] is not self._sending else 0
@@ -283,10 +322,12 @@ class TrioWorker:
         await trio.lowlevel.checkpoint()
 
     def unread_results(self) -> list[tuple[Any, float]]:
-        """As a WorkerProcess's: once killed after dying on its own, what it wrote for
-        the batches it finished and nobody read (a worker that dies after writing
-        them, its exit found first), oldest first; the model runs them now. A
-        result is read the moment its batch is done otherwise: none waits."""
+        """As a WorkerProcess's: once killed after dying on its own, or as a
+        straggler (:meth:`cut_off`), what it wrote for the batches it finished and
+        nobody read (a worker that dies after writing them, its exit found first;
+        one cut off as it wrote the late batch's), oldest first; the model runs
+        them now. A result is read the moment its batch is done otherwise: none
+        waits."""
         unread, self._unread = self._unread, []
         if not unread:
             return []
@@ -426,6 +467,20 @@ class SimWorker(TrioWorker):
         self._run.deaths.update(self._crash(record, "wrote"))
         note("runtime", "running: workers dead after writing results")
 
+    def _writes_as_cut_off(self, record: Execution) -> bool:
+        # A mapping of the key of the item that held the batch back (its slowest:
+        # the first of them), so a seed's examples are as they were drawn: a
+        # quarter of the calls (index 3 mod 4). Never a batch holding a "crash"
+        # item (its death is its own).
+        run = self._run
+        if any(run.fault(k) == "crash" for k, _ in record.parts):
+            return False
+        slowest = max(record.parts, key=lambda p: run.latency(p[0]))[0]
+        if slowest // 4 % 4 != 3:
+            return False
+        note("runtime", "running: stragglers cut off as they wrote their result")
+        return True
+
     def _dies_sending(self, record: Execution) -> str | None:
         crash = self._crash(record, "send")
         if not crash:
@@ -444,6 +499,10 @@ class SimWorker(TrioWorker):
         self._added = set()
         for i, ex in enumerate(records):
             if ex.status == "died":
+                ex.reached = True
+            elif ex.status == "staged" and i < self.unread_upto:
+                # its result waits unread in its pipe: it ran to its end
+                ex.status = "wrote"
                 ex.reached = True
             elif ex.status == "staged":
                 began = i == 0 and ex is not self._sending
@@ -465,19 +524,26 @@ class SimWorker(TrioWorker):
 
     def _read_unread(self, records: list[Execution], after: Execution | None) -> None:
         # Its batches were marked as the batcher hands them back when it reads
-        # nothing (killed, or handed back); it read what the worker wrote: those
-        # ran to their end (the model ran them just now), and the one after them is
-        # the one it died running.
+        # nothing (those whose results were written, "wrote"; the others killed or
+        # handed back); it read what the worker wrote: those ran to their end (the
+        # model ran them just now), and the one after them is the one it died
+        # running, or (cut off) had just begun: handed back as it was, charged.
         replicas = self._run.replicas
         replicas.suspects -= self._added
         executions = self._batcher._executions
         for ex in records:
             ex.end = None
             executions[self._gone[id(ex)]] = ex
-        note("runtime", "running: results read from a dead worker's pipe", len(records))
+        note(
+            "runtime",
+            "running: results read from a "
+            + ("cut-off" if self._cut else "dead") + " worker's pipe",
+            len(records),
+        )
         if after is not None and after.status != "died":
             after.reached = True
-            if not self.whole:  # (replaced: it goes back as it was, charged)
+            # (replaced, or cut off: it goes back as it was, charged)
+            if not self.whole and not self._cut:
                 after.status = "died"
                 replicas.left(after)
 
@@ -631,6 +697,11 @@ def batcher_class(base: type, run: Run) -> type:
             finally:
                 if self._process:
                     self._left_worker(batch)
+
+        def _lose(self, worker: Any, why: str, *, died: bool = False) -> None:
+            if not died and worker.alive:
+                worker.cut_off()  # (killed as a straggler)
+            super()._lose(worker, why, died=died)
 
         def _replace_broken(self, worker: Any) -> None:
             worker.whole = True  # its batches go back as they were

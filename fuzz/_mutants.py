@@ -23,6 +23,7 @@ from ._mutants_control import (
     WindowOfTheLastSample,
 )
 from ._mutants_faults import (
+    CutOffIgnoresUnreadResults,
     CutOffLeavesFollowersWaiting,
     DeathFailsTheBatch,
     FallbackWhileOpen,
@@ -232,7 +233,8 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         ("runtime",),
     ),
     # A worker's death on a running scenario's replica, after it wrote results
-    # nobody read, or while a batch was sent to it (fuzz/_mutants_faults.py).
+    # nobody read, or while a batch was sent to it, and a worker cut off as it wrote
+    # the late batch's result (fuzz/_mutants_faults.py).
     "unread-results-run-again": (
         "the results a dead worker wrote and nobody read are dropped: their batches "
         "run again",
@@ -244,6 +246,14 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     "sending-batch-blamed": (
         "a batch whose sending its worker died in is split as the suspect of the death",
         attrs.evolve(PRODUCT, name="sending-batch-blamed", batcher_class=SendingBatchBlamed),
+        ("runtime",),
+    ),
+    "cut-off-ignores-unread": (
+        "a worker cut off as a straggler is not asked for the result it wrote as the "
+        "deadline passed: the late batch runs again as the suspect",
+        attrs.evolve(
+            PRODUCT, name="cut-off-ignores-unread", batcher_class=CutOffIgnoresUnreadResults
+        ),
         ("runtime",),
     ),
     # The admission suite's own: the credits.

@@ -1,8 +1,8 @@
 """Planted bugs of the faults a model off the event loop meets (a batch cut off, a
 worker dead mid-batch, after writing results nobody read yet, or while a batch was
-sent to it, a circuit breaker open), which the cache suite, or the runtime suite's
-running scenarios, see: variants of the batcher. Listed in
-``fuzz._mutants.MUTANTS``."""
+sent to it, a worker cut off as it wrote the late batch's result, a circuit breaker
+open), which the cache suite, or the runtime suite's running scenarios, see:
+variants of the batcher. Listed in ``fuzz._mutants.MUTANTS``."""
 
 from __future__ import annotations
 
@@ -68,10 +68,8 @@ class UnreadResultsRunAgain(BatcherActor):
     again on its successor (charged twice, their callers answered another run's
     outputs) instead of being answered what the worker wrote."""
 
-    def _answer_unread(
-        self, batches: list[list[Any]], results: list, *, success: bool = True
-    ) -> None:
-        back = batches[: len(results)]
+    def _answer_unread(self, results: list, *, success: bool = True) -> None:
+        back = [self._in_flight[i] for i in range(min(len(results), len(self._in_flight)))]
         for b in back:
             for r in b:
                 r.reply.ran = True
@@ -87,4 +85,18 @@ class SendingBatchBlamed(BatcherActor):
 
     def _lose(self, worker: Any, why: str, *, died: bool = False) -> None:
         self._sending = None  # (so _lose cannot tell it was never sent whole)
+        super()._lose(worker, why, died=died)
+
+
+class CutOffIgnoresUnreadResults(BatcherActor):
+    """A worker killed as a straggler is not asked for the results it wrote and
+    nobody read (the rule before the kill path read ``unread_results``): the late
+    batch whose result it wrote as its deadline passed goes back as the suspect
+    (split, a poison attempt counted) to run again, its result dropped; the batch
+    after it, which it had just begun, as never started (refunded, had its caller
+    left); and its breaker is told a failure."""
+
+    def _lose(self, worker: Any, why: str, *, died: bool = False) -> None:
+        if not died and worker.alive:
+            worker.unread_results = list  # (read nothing: an empty list)
         super()._lose(worker, why, died=died)

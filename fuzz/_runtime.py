@@ -82,6 +82,8 @@ expect(
     "running: workers dead after writing results",
     "running: results read from a dead worker's pipe",
     "running: workers dead while a batch was sent",
+    "running: stragglers cut off as they wrote their result",
+    "running: results read from a cut-off worker's pipe",
 )
 
 
