@@ -230,11 +230,14 @@ class BatcherActor(ReplicaHealth, BatchFailures, WorkerFeed, Retiring, Actor):
         except _ESCAPES as exc:
             raise _Escaped(exc) from exc
 
-    async def _load(self, load: Callable[[], Awaitable[Any]]) -> Any:
+    async def _load(
+        self, load: Callable[[], Awaitable[Any]], late: Callable[[], str | None] | None = None
+    ) -> Any:
         """Run ``load`` (the replica's model load, in a thread or a worker process)
         within the model's ``load_timeout_s`` of wall time (a trio timer would fire at
         once under an autojumping MockClock while a thread loads). Its failure is raised
-        as ModelLoadError, naming the model, the replica and the cause."""
+        as ModelLoadError, naming the model, the replica and the cause (past the
+        limit, what ``late`` says of it, if anything: a Ray actor never placed)."""
         cfg = self._config
         limit = cfg.load_timeout_s
         watchdog = self._watchdog
@@ -260,8 +263,10 @@ class BatcherActor(ReplicaHealth, BatchFailures, WorkerFeed, Retiring, Actor):
             finally:
                 if armed is not None:
                     watchdog.disarm(armed)  # type: ignore[union-attr]
+        why = late() if late is not None else None
         raise ModelLoadError(
             f"{what} did not load within {limit:g} s (models.{cfg.name}.load_timeout_s)"
+            + (f": {why}" if why else "")
         )
 
     # ------------------------------------------------------------------ worker process
@@ -278,7 +283,7 @@ class BatcherActor(ReplicaHealth, BatchFailures, WorkerFeed, Retiring, Actor):
                 zygote=self._zygote,
             )
         try:
-            await self._load(worker.start)
+            await self._load(worker.start, worker.unplaced if self._ray else None)
         except BaseException:
             await worker.aclose()
             raise

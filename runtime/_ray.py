@@ -32,7 +32,7 @@ from ._config import ModelConfig
 from ._errors import ConfigError
 from ._model import ModelBackend
 from ._process import FrameTooLarge, WorkerDied, WorkerError, _portable, unstack_outputs
-from ._ray_config import RayConfig, RayReplicaConfig
+from ._ray_config import RayConfig, RayReplicaConfig, amounts, unplaceable
 
 log = logging.getLogger("trioserve")
 
@@ -457,7 +457,11 @@ class RayReplica:
         self._backend = backend
         self._device = device
         self._torch_threads = torch_threads
-        self._options = (cfg.ray or RayReplicaConfig()).actor_options()
+        ray_cfg = cfg.ray or RayReplicaConfig()
+        self._options = ray_cfg.actor_options()
+        self._asked = ray_cfg.asked()
+        #: done once Ray has placed the actor (a future of its ``__ray_ready__``)
+        self._placed: Any = None
         #: the actor's name in its namespace: the replica's, and a suffix of its own
         self.name = f"trioserve:{name}:{uuid.uuid4().hex[:8]}"
         self._actor: Any = None
@@ -481,11 +485,21 @@ class RayReplica:
     async def start(self) -> None:
         """Create the actor (with the model's Ray options) and wait until its model
         is loaded. Raises WorkerDied (with ``details``, the load's traceback, when
-        the model failed to load). An actor Ray cannot place waits for resources:
-        the model's ``load_timeout_s`` bounds that."""
+        the model failed to load), at once when this process started the Ray (a
+        local one: no node joins it) and none of its nodes has what the actor asks
+        for. Otherwise an actor Ray cannot place waits for resources (a cluster's
+        autoscaler may add a node): the model's ``load_timeout_s`` bounds that, and
+        :meth:`unplaced` then says so."""
         import ray
 
         cfg = self._cfg
+        nodes = await trio.to_thread.run_sync(_local_nodes)
+        why = None if nodes is None else unplaceable(self._asked, nodes)
+        if why is not None:
+            raise WorkerDied(
+                f"its Ray actor could never be placed: {why}, and no node joins the local "
+                f"Ray this process started; ask for less in models.{cfg.name}.ray"
+            )
         backend = cfg.backend if isinstance(cfg.backend, str) else self._backend
         actor_class = _actor_class()
         try:
@@ -497,6 +511,7 @@ class RayReplica:
             raise WorkerDied(
                 f"model {cfg.name!r}: its Ray actor cannot be created ({exc})"
             ) from None
+        self._placed = self._actor.__ray_ready__.remote().future()
         # in a concurrency group of its own: it holds no batch up
         self._watch = self._actor.watch.options(concurrency_group="watch").remote()
         try:
@@ -510,6 +525,17 @@ class RayReplica:
             died.details = reply[1]
             raise died
         self.pid = reply[1]
+
+    def unplaced(self) -> str | None:
+        """Why the actor has not loaded, when Ray has not placed it yet (no node had
+        the resources it asks for free); None once placed, or if never created. Not
+        a checkpoint."""
+        if self._placed is None or self._placed.done():
+            return None
+        return (
+            f"its Ray actor was never placed: no node had {amounts(self._asked)} free "
+            f"for it (models.{self._cfg.name}.ray; ray status shows what holds them)"
+        )
 
     @property
     def alive(self) -> bool:
@@ -613,6 +639,21 @@ class RayReplica:
         if self.ended_how is None:
             self.ended_how = how
         return f"the Ray actor {self.name} died: {how}"
+
+
+def _local_nodes() -> list[dict[str, float]] | None:
+    """Each live node's total resources, when this process started the Ray it is
+    connected to (``ray.init`` with no address, here or by the process's own code: a
+    local Ray, its head node this process's, which no node joins and no autoscaler
+    grows); None for a cluster's, which may yet get a node with what an actor asks
+    for. Blocking (a call to Ray's GCS)."""
+    import ray
+    from ray._private import worker as ray_worker
+
+    node = getattr(ray_worker, "_global_node", None)
+    if node is None or not node.is_head():
+        return None
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
 
 def _how(exc: BaseException) -> str:

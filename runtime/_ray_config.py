@@ -104,6 +104,12 @@ class RayReplicaConfig:
         to the GPU it gave, which torch then sees as ``cuda:0``."""
         return "cuda:0" if self.num_gpus > 0 else "cpu"
 
+    def asked(self) -> dict[str, float]:
+        """The resources each actor asks for, by Ray's names (``CPU``, ``GPU``, the
+        custom ones), those of amount 0 left out."""
+        asked = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {name: float(amount) for name, amount in asked.items() if amount > 0}
+
     def actor_options(self) -> dict[str, Any]:
         """The options of ``ActorClass.options(...)``."""
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
@@ -112,6 +118,25 @@ class RayReplicaConfig:
         if self.runtime_env is not None:
             options["runtime_env"] = dict(self.runtime_env)
         return options
+
+
+def amounts(resources: Mapping[str, float], names: Any = None) -> str:
+    """``resources`` (or those of ``names``, 0 when absent) as ``CPU 0.5, GPU 1``."""
+    names = resources.keys() if names is None else names
+    return ", ".join(f"{name} {resources.get(name, 0.0):g}" for name in names)
+
+
+def unplaceable(asked: Mapping[str, float], nodes: list[Mapping[str, float]]) -> str | None:
+    """Why an actor asking for ``asked`` fits on none of ``nodes`` (each node's
+    total resources, as Ray counts them), or None when one of them has it all."""
+    if any(all(node.get(name, 0.0) >= amount for name, amount in asked.items())
+           for node in nodes):
+        return None
+    if not nodes:
+        return "the Ray has no live node"
+    has = "; ".join(amounts(node, asked) for node in nodes)
+    node_has = "its node has" if len(nodes) == 1 else "its nodes have"
+    return f"it asks for {amounts(asked)}, more than any node of the Ray has ({node_has} {has})"
 
 
 def ray_replica(value: Any, path: str) -> Any:

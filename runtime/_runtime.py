@@ -573,9 +573,11 @@ async def _start_model(
         "" if versions is None
         else f", version{'s' if len(versions) > 1 else ''} {', '.join(map(repr, versions))}"
     )
+    # (on Ray, where each actor loads its model: devices only count the replicas)
+    shown = [(m.ray or RayReplicaConfig()).device] if execution == "ray" else m.devices
     log.info(
         "%s: loading %s (%s)", which,
-        _count(n_replicas, "replica"), f"{execution} on {', '.join(m.devices)}",
+        _count(n_replicas, "replica"), f"{execution} on {', '.join(shown)}",
     )
 
     async def start_replica(index: int, device: str, lane: Any = scheduler) -> Any:

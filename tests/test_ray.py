@@ -270,6 +270,54 @@ async def test_a_replica_whose_model_fails_to_load_on_ray_is_a_model_load_error(
     assert actors() == []
 
 
+@pytest.mark.parametrize(
+    ("options", "asked", "has"),
+    [
+        ({"num_cpus": 4}, "CPU 4", "CPU 2"),
+        ({"num_cpus": 0.5, "num_gpus": 1}, "CPU 0.5, GPU 1", "CPU 2, GPU 0"),
+        ({"num_cpus": 0.5, "resources": {"tpu_pod": 1}}, "CPU 0.5, tpu_pod 1", "tpu_pod 0"),
+    ],
+)
+async def test_an_actor_no_node_of_a_local_ray_can_hold_fails_the_start_at_once(
+    options, asked, has, caplog
+):
+    """The module's Ray is a local one, started in this process (two CPUs, no GPU):
+    no node will ever join it. An actor it cannot hold used to wait out the model's
+    load_timeout_s (600 s by default) and fail saying only that the replica did not
+    load in time."""
+    caplog.set_level(logging.INFO, logger="trioserve")
+    cfg = config(on_ray(ray=options, load_timeout_s=20.0))
+    t0 = trio.current_time()
+    with pytest.raises(ModelLoadError) as raised:
+        async with trioserve.open_runtime(cfg):
+            pass
+    message = str(raised.value)
+    assert "could never be placed" in message, message
+    assert f"it asks for {asked}" in message
+    assert has in message
+    assert "models.m.ray" in message
+    assert trio.current_time() - t0 < 10  # not the load timeout
+    assert actors() == []
+    device = "cuda:0" if options.get("num_gpus") else "cpu"
+    assert f"model 'm': loading 1 replica (ray on {device})" in caplog.text
+
+
+async def test_a_replica_ray_has_no_room_for_in_time_says_its_actor_was_never_placed():
+    """The node holds two CPUs, which the first model takes: the second model's actor
+    fits the node but waits for a CPU, past its load_timeout_s. The error says why."""
+    cfg = config(
+        on_ray("big", ray={"num_cpus": 2}),
+        on_ray("m", ray={"num_cpus": 1}, load_timeout_s=1.5),
+    )
+    with pytest.raises(ModelLoadError) as raised:
+        async with trioserve.open_runtime(cfg):
+            pass
+    message = str(raised.value)
+    assert message.startswith("model 'm': replica 0 on cpu did not load within 1.5 s "), message
+    assert "its Ray actor was never placed: no node had CPU 1 free for it" in message
+    assert actors() == []
+
+
 async def test_a_model_timeout_passing_in_a_running_ray_batch_is_answered_then():
     """The batch holding a realtime request (its class's 200 ms timeout) and a batch
     one takes 1.5 s in its actor (cut-off 3 s): the first caller gets
