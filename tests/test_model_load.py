@@ -343,6 +343,39 @@ def test_serve_reports_a_model_that_cannot_load_with_its_own_traceback(
     assert "trio" not in err.replace("trioserve: ", "")
 
 
+def test_serve_reports_a_load_failure_with_no_frame_of_the_model_on_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    """A replica that fails to load with no traceback of the model's to show (here a
+    worker process that exits while it loads; on Ray, an actor no node can hold) is
+    the line that says why: it used to come after a traceback of one runtime frame,
+    the line raising the runtime's own error, which reads as a crash."""
+    (tmp_path / "exitsloading.py").write_text(
+        "import os\n"
+        "from trioserve import CallableBackend, TensorSpec\n"
+        "X = TensorSpec(name='x', datatype='FP32', shape=(2,))\n"
+        "class Exits(CallableBackend):\n"
+        "    def load(self, device, *, torch_threads=1):\n"
+        "        os._exit(3)\n"
+        "def make():\n"
+        "    return Exits(lambda items: items, inputs=(X,), outputs=(X,))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(tmp_path))
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        '[server]\nport = 0\n[models.b]\nbackend = "exitsloading:make"\n'
+        'execution = "process"\n'
+    )
+    assert main(["serve", "--config", str(path)]) == 1
+    _, err = capsys.readouterr()
+    assert err.splitlines()[-1].startswith(
+        "trioserve: model 'b': replica 0 on cpu failed to load: worker process exited "
+    ), err
+    assert "exit status 3" in err.splitlines()[-1]
+    assert "Traceback" not in err, err
+
+
 async def test_a_backend_the_worker_process_cannot_import_says_so(tmp_path, monkeypatch):
     """A callable of a module the parent imports but a worker process cannot (a
     script's own function, a module on the parent's sys.path only) failed the start

@@ -103,16 +103,19 @@ class _progress_shown:
 
 def _cannot_load(exc: BaseException) -> int:
     """A model failed to load: the traceback of the backend's code (none of the
-    runtime's frames), then one line saying which replica and why."""
+    runtime's frames; none at all when it has no frame there: a worker process or
+    a Ray actor that died or could not be placed), then one line saying which
+    replica and why."""
     cause = exc.__cause__
     details = getattr(cause, "details", None)  # a worker process's
     if details:
         print(details.rstrip(), file=sys.stderr)
     elif cause is not None:
         tb = cause.__traceback__
-        while tb is not None and tb.tb_next is not None and _runtime_frame(tb.tb_frame):
+        while tb is not None and _runtime_frame(tb.tb_frame):
             tb = tb.tb_next
-        traceback.print_exception(type(cause), cause, tb, file=sys.stderr)
+        if tb is not None:
+            traceback.print_exception(type(cause), cause, tb, file=sys.stderr)
     print(f"trioserve: {exc}", file=sys.stderr)
     return 1
 
