@@ -332,8 +332,10 @@ def _serve_in_thread(config: Config | None) -> Iterator[Client]:
             ready.set()
 
     thread = threading.Thread(target=thread_main, name="trioserve-runtime", daemon=True)
-    thread.start()
     try:
+        # (start() inside: a Ctrl-C may land as it returns, the runtime thread
+        # already running on to load the models)
+        thread.start()
         ready.wait()
     except BaseException:
         # A Ctrl-C (KeyboardInterrupt) while the models load: the start is stopped
@@ -344,7 +346,10 @@ def _serve_in_thread(config: Config | None) -> Iterator[Client]:
                 trio.from_thread.run_sync(leave, trio_token=box["token"])
             except trio.RunFinishedError:
                 pass
-        thread.join()
+        try:
+            thread.join()
+        except RuntimeError:
+            pass  # it had not begun: main() sees ``abandoned`` as it begins
         raise
     if "client" not in box:
         thread.join()

@@ -498,6 +498,42 @@ def test_health_is_the_runtimes_read_in_its_thread():
         client.health()
 
 
+def test_an_interrupt_as_its_thread_starts_stops_the_runtime_it_was_starting(monkeypatch):
+    # A Ctrl-C that lands while Thread.start() returns (the main thread waiting for
+    # the GIL while the runtime thread ran on to load the models) left the runtime
+    # thread behind, as before the start was waited for: start() was outside the
+    # block that stops it. Here the interrupt comes just after the thread started.
+    loading = threading.Event()
+    release = threading.Event()
+
+    class Blocking(trioserve.CallableBackend):
+        def load(self, device, *, torch_threads=1):
+            loading.set()
+            release.wait(GATE_LIMIT_S)
+            return super().load(device, torch_threads=torch_threads)
+
+    class Interrupted(threading.Thread):
+        def start(self):
+            super().start()
+            if self.name == "trioserve-runtime":  # (no other thread's start)
+                loading.wait(GATE_LIMIT_S)
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading, "Thread", Interrupted)
+    backend = Blocking(Recorder(timed=False), inputs=[X], outputs=[Y], execution="thread")
+    runtimes = [t for t in threading.enumerate() if t.name == "trioserve-runtime"]
+    try:
+        with pytest.raises(KeyboardInterrupt), trioserve.serve_in_thread(
+            config(ModelConfig(name="m", backend=backend))
+        ):
+            pytest.fail("started")  # pragma: no cover
+        assert loading.is_set()
+        left = [t for t in threading.enumerate() if t.name == "trioserve-runtime"]
+        assert set(left) <= set(runtimes)
+    finally:
+        release.set()
+
+
 def test_an_interrupt_while_it_starts_stops_the_runtime_it_was_starting():
     # A Ctrl-C while the models loaded raised KeyboardInterrupt in the caller and left
     # the runtime thread behind: it went on loading, then served with nobody to stop
