@@ -443,11 +443,13 @@ class WorkerFeed:
         it again in halves. A request alone whose outputs do not fit (it ran) gets
         ModelError; one whose inputs do not fit (it never ran) is refused as the
         caller's InvalidInput, never run (``in_queue``: not charged), unless it ran
-        before (a failed batch's retry). An item answered while the batch ran (its
-        deadline passed) that others wait for runs again in its place in the
-        halves, carried (:func:`to_retry`). No fault of the model's or the
-        worker's: the breaker is not told. Call it before the batch leaves the
-        batches in flight: leaving, it settles the late hooks not carried."""
+        before (a failed batch's retry). The one request left of a batch of several
+        (the others' callers left) runs again alone, as a half: its own inputs or
+        outputs may fit. An item answered while the batch ran (its deadline passed)
+        that others wait for runs again in its place in the halves, carried
+        (:func:`to_retry`). No fault of the model's or the worker's: the breaker is
+        not told. Call it before the batch leaves the batches in flight: leaving, it
+        settles the late hooks not carried."""
         alive = [r for r in batch if r.reply.answerable]
         # (a batch of one too large is its item's own: nothing to carry)
         parts = alive if len(alive) == len(batch) or len(batch) == 1 else to_retry(batch)
@@ -456,9 +458,11 @@ class WorkerFeed:
             self._metrics.statuses["retried"] += len(parts)
             self._scheduler.retry(split(parts, 2))
             return
-        if parts and not alive:
-            # the carried item alone was left of the batch (the others' callers
-            # left): run it alone, as a half
+        if parts and len(batch) > 1:
+            # one request alone was left of the batch (the others' callers left),
+            # or the carried item of one answered: run it alone, as a half. The
+            # batch's size is not its own; it used to be refused by it (a request
+            # whose own inputs or outputs fit answered InvalidInput or ModelError).
             self._scheduler.completed(batch, failed=True)
             self._metrics.statuses["retried"] += 1
             self._scheduler.retry([parts])

@@ -7,9 +7,12 @@ import re
 import attrs
 import numpy as np
 import pytest
+import trio
+import trio.testing
 import trioserve
-from runtime_helpers import config
-from trioserve import InvalidInput, ModelConfig, ModelError
+from runtime_helpers import NoZygote, _StandIn, callable_model, config
+from runtime_helpers import item as one_item
+from trioserve import InvalidInput, ModelConfig, ModelError, RequestState, TenantConfig
 from trioserve._builtin import mlp_backend
 from trioserve._config import MAX_BATCH_SIZE
 from trioserve._process import WorkerProcess, _stack_into
@@ -144,3 +147,99 @@ async def test_a_batch_past_a_workers_message_limit_is_split_and_a_lone_one_refu
         batcher = rt.models["s"].batchers[0]
         assert (batcher.restarts, batcher.workers_lost) == (0, 0)
         assert (await rt.infer("s", items[3]))["y"].tolist() == [3.0] * 200
+
+
+class _PipeCarriesOne(_StandIn):
+    """A worker process in trio time whose pipe carries one request's inputs and
+    outputs, not two: a batch of two is refused, not sent (``way`` "inputs":
+    FrameTooLarge from its submit), or ran and its outputs cannot come back
+    ("outputs": FrameTooLarge as its result). Its sending ("inputs") or its result
+    ("outputs") waits for ``go``; a batch of one is echoed."""
+
+    TooLarge = WorkerProcess.TooLarge
+    way: str
+    go: trio.Event
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self._exited = trio.Event()
+        self._sent: list[list] = []
+
+    async def submit(self, items) -> None:
+        if self.way == "inputs":
+            await self.go.wait()
+            if len(items) > 1:
+                raise self.TooLarge("its batch's inputs are more bytes than a message carries")
+        else:
+            await trio.lowlevel.checkpoint()
+        self._sent.append(items)
+
+    async def result(self):
+        if self.way == "outputs":
+            await self.go.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+        items = self._sent.pop(0)
+        if len(items) > 1:
+            raise self.TooLarge("its batch's outputs are more bytes than a message carries")
+        return [{"y": it["x"]} for it in items]
+
+
+@pytest.mark.parametrize("way", ["inputs", "outputs"])
+async def test_the_one_request_left_of_a_batch_past_the_limit_runs_alone(
+    autojump_clock, manual_watchdog, monkeypatch, way
+):
+    """A batch of two does not fit in one message to (or from) its worker, and one
+    of its callers left as it was sent (or ran): the one request left runs again
+    alone, which fits, and gets its answer. It used to be refused for the whole
+    batch's size (InvalidInput for its inputs, ModelError for its outputs), though
+    its own fit. The one that left never ran (inputs: refunded, once) or ran
+    (outputs: charged)."""
+    import trioserve._runtime
+    import trioserve.actors._batcher
+
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _PipeCarriesOne)
+    monkeypatch.setattr(_PipeCarriesOne, "way", way, raising=False)
+    monkeypatch.setattr(_PipeCarriesOne, "go", trio.Event(), raising=False)
+    # the batch closes at its two requests (never at its wait)
+    cfg = trioserve.Config(
+        models=(callable_model(
+            "m", lambda items: items, execution="process", max_batch_size=2,
+            max_wait_ms=10_000, timeout_ms=None, adaptive_limit=False,
+        ),),
+        tenants=(TenantConfig(name="a", default=True, credit_rate=1.0, credit_burst=10.0),),
+    )
+    scope = trio.CancelScope()
+    ended: dict[float, object] = {}
+
+    async def caller(rt, value: float, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                ended[value] = (await rt.infer("m", one_item(value)))["y"].tolist()
+            except trioserve.TrioserveError as exc:
+                ended[value] = exc
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(caller, rt, 1.0, trio.CancelScope())
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(caller, rt, 2.0, scope)
+        await trio.testing.wait_all_tasks_blocked()
+        batcher = rt.models["m"].batchers[0]
+        ((first, second),) = batcher._in_flight
+        assert [r.item["x"][0] for r in (first, second)] == [1.0, 2.0]
+        scope.cancel("the caller left")
+        await trio.testing.wait_all_tasks_blocked()
+        assert second.reply.state is RequestState.ABANDONED
+        _PipeCarriesOne.go.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert ended == {1.0: [1.0]}  # alone, it fit
+        statuses = rt.statistics()["m"]["statuses"]
+        assert statuses["retried"] == 1
+        assert statuses.get("model_error", 0) == 0
+        assert (batcher.restarts, batcher.workers_lost) == (0, 0)
+        tenant = rt.tenant_statistics()["a"]
+        assert (tenant["credits_used"], tenant["credits_refunded"]) == (
+            (1, 1) if way == "inputs" else (2, 0)  # never sent: refunded; it ran: charged
+        )
