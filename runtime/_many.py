@@ -359,9 +359,11 @@ class _SplitLate:
     expects it, on the clock of a part still running (trio's when none), and is
     settled with the parts' outputs merged once each came, or as soon as one fails
     with its error (none when no outcome came of it). A part answered the model's
-    error (ModelError) makes that error the whole outcome at once, as a whole
-    item's late ModelError is. Otherwise (a part expired queued, or failed
-    otherwise) none comes. Either way the parts' batches that still run for it are
+    error (ModelError), or refused before it ran (InvalidInput: its inputs too
+    large for a worker's message, a reloaded model that takes other inputs),
+    makes that error the whole outcome at once, as a whole item's late error of
+    the input's own is. Otherwise (a part expired queued, or failed otherwise)
+    none comes. Either way the parts' batches that still run for it are
     left to others (their carriers withdrawn)."""
 
     __slots__ = ("_at", "_live", "_merge", "over", "parts", "whole")
@@ -379,12 +381,16 @@ class _SplitLate:
     def answered(self, answers: list[outcome.Outcome]) -> None:
         """The call's outcomes, one an error at least: tell the whole to expect its
         outcome if each part has one to come. A part answered the model's error
-        (ModelError) has answered the whole: its outcome is that error (the first
-        such part's, in item order, as a direct caller of the item gets it), as
-        for an item run whole; a rerun would only raise it again. Not a
-        checkpoint."""
+        (ModelError), or refused before it ran (InvalidInput), has answered the
+        whole: its outcome is that error (the first such part's, in item order, as
+        a direct caller of the item gets it), as for an item run whole; a rerun
+        would only raise it again, or be refused again. (A refused part used to
+        leave no outcome: the flight ran the item again for its waiters, to be
+        refused the same.) Not a checkpoint."""
         for answer in answers:
-            if isinstance(answer, outcome.Error) and isinstance(answer.error, ModelError):
+            if isinstance(answer, outcome.Error) and isinstance(
+                answer.error, (ModelError, InvalidInput)
+            ):
                 self._live = True
                 self.whole.expect(None)
                 self._end(outcome.Error(answer.error))

@@ -10,7 +10,8 @@ import pytest
 import trio
 import trio.testing
 from runtime_helpers import k
-from trioserve import ActorClosed, DeadlineExceeded, ModelError, Overloaded
+from trioserve import ActorClosed, DeadlineExceeded, InvalidInput, ModelError, Overloaded
+from trioserve._many import _SplitLate
 from trioserve.actors import (
     RAW_INLINE,
     SHARED_NAMESPACE,
@@ -21,7 +22,7 @@ from trioserve.actors import (
     WTinyLFU,
     cache_key,
 )
-from trioserve.actors._cache_actor import deadline_bound
+from trioserve.actors._cache_actor import deadline_bound, input_error
 
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -679,3 +680,56 @@ async def test_waiters_with_time_left_wait_for_the_late_outcome_of_the_drivers_w
         assert got["third"] == ("third's", "third")
         assert (s.reruns, s.late_answers) == (1, 0)
     assert (first.runs, second.runs, s.in_flight) == (1, 0, 0)
+
+
+class SplitComputation(Computation):
+    """The computation of an item run in two parts (``_SplitLate`` on its ``late``
+    hook, as ``_infer_split``): when released, the first part is answered
+    DeadlineExceeded while its batch runs (its outcome to come) and the second is
+    refused before it ran (InvalidInput: its inputs too large for a worker's
+    message); the call raises the first error in item order, the first part's."""
+
+    async def __call__(self, *args, late=None):
+        self.runs += 1
+        await self.release.wait()
+        hooks = _SplitLate(late, 2, merge=None)
+        try:
+            hooks.parts[0].expect()
+            expired = DeadlineExceeded("deadline passed while its batch was running")
+            refused = InvalidInput("model 'm': its inputs are too many bytes")
+            hooks.answered([outcome.Error(expired), outcome.Error(refused)])
+            self.refused = refused
+            raise expired
+        finally:
+            hooks.close()
+
+
+async def test_a_split_items_part_refused_before_it_ran_answers_the_waiters_left(
+    mock_clock,
+):
+    """The driver's item ran in two parts: the first expired while its batch ran,
+    the second was refused before it ran (InvalidInput). The waiter with time left
+    gets that refusal, as it would get the model's error for a part, and nothing
+    runs again: a run again would be refused the same. It used to run the item
+    again (its own computation), for that part to be refused again."""
+    first = SplitComputation()
+    second = Computation("second's")
+    got = {}
+    async with trio.open_nursery() as owner:
+        flights = SingleFlight(
+            owner, deadline_bound=deadline_bound, late_outcomes=True,
+            input_error=input_error,
+        )
+        async with trio.open_nursery() as callers:
+            calls = [("first", 1.0, first), ("second", 2.0, second)]
+            await _start_waiters(callers, flights, calls, got)
+            mock_clock.jump(1.0)
+            first.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            second.release.set()  # (were it run again)
+    assert type(got["first"]) is DeadlineExceeded
+    assert type(got["second"]) is InvalidInput
+    assert str(got["second"]) == str(first.refused)
+    s = flights.statistics()
+    assert (first.runs, second.runs) == (1, 0)
+    assert (s.reruns, s.late_answers, s.in_flight) == (0, 1, 0)

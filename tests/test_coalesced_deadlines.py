@@ -1070,6 +1070,9 @@ async def test_the_models_error_on_one_part_is_the_followers_answer_for_the_whol
         ("running", ModelError("model 'm' failed on cpu: RuntimeError: bad"), "error"),
         # the model's error wins over a replica's: a rerun would raise it again
         (ActorBroken("replica m#0 crashed"), ModelError("model 'm' failed"), "error"),
+        # a part refused before it ran (too large for a worker's message): a rerun
+        # would be refused again; it used to leave no outcome, and the flight ran again
+        ("running", InvalidInput("model 'm': its inputs are too many bytes"), "error"),
         # a replica's error or a part expired queued: no outcome of the item comes
         ("running", ActorBroken("replica m#1 crashed"), None),
         ("running", ActorClosed("the runtime is closing"), None),
@@ -1079,10 +1082,10 @@ async def test_the_models_error_on_one_part_is_the_followers_answer_for_the_whol
 def test_a_parts_direct_error_is_the_whole_items_outcome_when_it_is_the_models(
     first, second, whole
 ):
-    """A split item's call failed: a part answered directly with the model's error
-    settles the flight's hook with that error (which its ``input_error`` makes every
-    waiter's answer); a part answered directly otherwise leaves it no outcome (the
-    flight runs again)."""
+    """A split item's call failed: a part answered directly with the model's error,
+    or refused before it ran (InvalidInput), settles the flight's hook with that
+    error (which its ``input_error`` makes every waiter's answer); a part answered
+    directly otherwise leaves it no outcome (the flight runs again)."""
     late = LateOutcome()
     split = _SplitLate(late, 2, merge=None)
     answers = []
