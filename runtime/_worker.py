@@ -48,13 +48,13 @@ def read_frame(fd: int) -> Any:
     return pickle.loads(read_exact(fd, n))
 
 
-def write_frame(fd: int, obj: Any) -> None:
+def write_frame(fd: int, obj: Any, what: str = "its batch's outputs") -> None:
     """Write ``obj`` as one frame. Raises FrameTooLarge, before writing anything, when
-    it is longer than ``max_frame`` pickled."""
+    it is longer than ``max_frame`` pickled, saying ``what`` it holds."""
     data = pickle.dumps(obj, protocol=5)
     if len(data) > max_frame:
         raise FrameTooLarge(
-            f"its batch's outputs are {len(data)} bytes in one message from its worker "
+            f"{what} are {len(data)} bytes in one message from its worker "
             f"process, more than the {max_frame} bytes a message carries"
         )
     view = memoryview(_LEN.pack(len(data)) + data)
@@ -163,7 +163,11 @@ def serve(rfd: int, wfd: int, shm_fd: int) -> None:
                 out = stack_outputs(
                     backend.conform_outputs(cfg.name, check_outputs(runner(payload), n))
                 )
-            write_frame(wfd, ("ok", n, out, time.perf_counter() - started))
+            # (a request alone is no batch to its caller)
+            write_frame(
+                wfd, ("ok", n, out, time.perf_counter() - started),
+                "its outputs" if n == 1 else "its batch's outputs",
+            )
         except FrameTooLarge as exc:
             write_frame(wfd, ("too_large", str(exc)))
         # The model's sys.exit() ends no worker, nor does its KeyboardInterrupt (the

@@ -133,8 +133,9 @@ async def test_a_batch_past_a_workers_message_limit_is_split_and_a_lone_one_refu
         after = rt.tenant_statistics()["t"]
         assert re.fullmatch(
             (r"model 's' failed on cpu: " if way == "outputs" else r"model 's': ")
-            # (a request alone: its inputs, not its batch's, which it used to say)
-            + (r"its batch's outputs" if way == "outputs" else r"its inputs")
+            # (a request alone: its inputs or outputs, not its batch's, which it
+            # used to say)
+            + rf"its {way}"
             + r" are \d+ bytes in one message "
             r"(to|from) its worker process, more than the 3000 bytes a message carries; "
             r'send a smaller request, or use execution = "thread"',
