@@ -313,11 +313,15 @@ class Breaker:
         counts as a failure only when that count grew since this replica's first
         raise of its current run: the successes are then other replicas' (one of
         its own would have ended the run). A batch of several never counts here.
-        Returns whether the breaker (re)opened."""
+        While it is open the raise is no new evidence (as for :meth:`confirmed`):
+        it is a batch staged before it opened (a worker process holds several),
+        of the same failures; counted, it opened the breaker a second time, which
+        doubled the cooldown and kept the worker's successor from its trial at
+        once (:meth:`replaced`). Returns whether the breaker (re)opened."""
         if self._since is None:
             self._since = successes  # the run begins: no evidence yet
             return False
-        if not alone or successes <= self._since:
+        if not alone or successes <= self._since or self.is_open(now):
             return False  # its inputs' doing, or nothing succeeded anywhere since
         self.failure(now)
         return self.failures >= self.threshold

@@ -93,8 +93,8 @@ class BreakerModel:
         if self.since is None:
             self.since = successes
             return
-        if alone and successes > self.since:
-            self.failure(now)
+        if alone and successes > self.since and now >= self.open_until:
+            self.failure(now)  # (while open: a batch staged before, no new evidence)
 
     def confirmed(self, now: float, run: int) -> bool:
         if run != self.run or now < self.open_until:

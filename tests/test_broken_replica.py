@@ -62,6 +62,24 @@ def test_a_raise_counts_only_once_another_replica_succeeded_since_the_run_began(
     assert br.open_until == 10.0
 
 
+def test_a_raise_while_the_breaker_is_open_does_not_open_it_again():
+    """A worker process holds several batches staged: one staged before the breaker
+    opened can raise alone after, on the same failures. It counted as a second
+    opening: the cooldown doubled, and the worker's successor waited it out
+    instead of running its trial at once (``replaced``)."""
+    br = Breaker(threshold=2, cooldown=1.0, max_cooldown=8.0)
+    assert not br.raised(0.0, 10)
+    assert not br.raised(0.0, 11)
+    assert br.raised(0.0, 11)  # opened, until 1.0
+    assert not br.raised(0.5, 12)  # a staged batch's raise while open: not new
+    assert (br.openings, br.open_until) == (1, 1.0)
+    br.replaced(0.5)  # the worker is replaced: its successor's trial comes at once
+    assert not br.is_open(0.5)
+    assert br.half_open(0.5)
+    assert br.raised(1.0, 13)  # the trial raised: it opens again, twice as long
+    assert (br.openings, br.open_until) == (2, 3.0)
+
+
 def test_a_model_that_never_succeeds_anywhere_never_opens_a_breaker():
     br = Breaker(threshold=2)
     for i in range(100):
