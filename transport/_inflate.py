@@ -1,6 +1,7 @@
 """A request body's Content-Encoding: :func:`decode_body` inflates gzip (of one member
-or several) or deflate in steps, checkpointing between them, within the body size limit
-(413 past it, 415 for a coding it does not take)."""
+or several, zero padding after the last skipped) or deflate in steps, checkpointing
+between them, within the body size limit (413 past it, 415 for a coding it does not
+take)."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ class _Inflater:
     ``gzip -d`` reads them): each is inflated in turn, the limit counting all of them."""
 
     __slots__ = (
-        "_coding", "_d", "_feed", "_limit", "_max_members", "_members", "_multi",
+        "_body", "_coding", "_d", "_feed", "_limit", "_max_members", "_members", "_multi",
         "_out", "_pos", "_size", "_view", "_wbits",
     )
 
@@ -105,6 +106,7 @@ class _Inflater:
         self._d = zlib.decompressobj(wbits)
         self._wbits = wbits
         self._multi = wbits == 31  # gzip: another member may follow one that ends
+        self._body = body
         self._view = memoryview(body)
         self._pos = 0  # where in the body the current call's input begins
         self._feed = _FEED_FIRST
@@ -146,7 +148,8 @@ class _Inflater:
                 self._pos += len(chunk) - len(d.unused_data)
                 if self._pos == end or not self._multi:
                     return True  # result() refuses bytes after a deflate stream
-                self._next_member()
+                if not self._next_member():
+                    return True  # zero padding after the last member
                 started += 1
                 if got == want or started == MEMBERS_PER_STEP:
                     return False
@@ -160,14 +163,20 @@ class _Inflater:
                 return True
             self._feed = min(2 * self._feed, _FEED_MAX)
 
-    def _next_member(self) -> None:
-        """Start inflating the gzip member at ``_pos``; InvalidInput when the bytes
-        there are not one (trailing bytes after the last member)."""
+    def _next_member(self) -> bool:
+        """Start inflating the gzip member at ``_pos``; False, and the body is read to
+        its end, when only NUL bytes are left (padding to a block size, which
+        ``gzip -d`` and Python's ``gzip`` skip); InvalidInput when the bytes there are
+        not a member (nor padding: trailing bytes after the last member)."""
         rest = self._view[self._pos:self._pos + 2]
+        left = len(self._view) - self._pos
+        if rest[:1] == b"\0" and self._body.count(b"\0", self._pos) == left:
+            self._pos = len(self._view)  # (counted in C, however long the padding)
+            return False
         if not _GZIP_MAGIC.startswith(rest):
             raise InvalidInput(
                 f"the body is not valid {self._coding} data: it ends early or late "
-                f"({len(self._view) - self._pos} bytes after gzip member "
+                f"({left} bytes after gzip member "
                 f"{self._members} are not a gzip member)"
             )
         if self._members == self._max_members:
@@ -179,6 +188,7 @@ class _Inflater:
         self._d = zlib.decompressobj(self._wbits)
         self._feed = _FEED_FIRST
         self._members += 1
+        return True
 
     def result(self) -> bytes:
         if not self._d.eof or self._pos != len(self._view):
