@@ -308,7 +308,10 @@ class WorkerFeed:
         # A worker can die while idle, with no batch to find out by: its replica would
         # be reported ready, and replaced only when the next request hit it.
         await worker.wait_exited()
-        self._lose(worker, f"its {self._worker_kind} exited (pid {worker.pid})", died=True)
+        if isinstance(worker, RayReplica):  # as a batch's result words it
+            self._lose(worker, f"its {worker.KIND} died ({worker.died_of()})", died=True)
+        else:
+            self._lose(worker, f"its {self._worker_kind} exited (pid {worker.pid})", died=True)
 
     def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
         """The worker is gone (or must go): kill it, answer those of its batches it

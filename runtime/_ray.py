@@ -518,7 +518,7 @@ class RayReplica:
             reply = await wait_ref(self._actor.load.remote())
         except ray.exceptions.RayError as exc:
             self.kill()
-            raise WorkerDied(self._death(exc)) from None
+            raise WorkerDied(f"its Ray actor died ({self._death(exc)})") from None
         if reply[0] != "ready":
             self.kill()
             died = WorkerDied(f"Ray actor for model {cfg.name!r} failed to load:\n{reply[1]}")
@@ -635,10 +635,16 @@ class RayReplica:
             self._watch = None
 
     def _death(self, exc: BaseException) -> str:
-        how = _how(exc)
         if self.ended_how is None:
-            self.ended_how = how
-        return f"the Ray actor {self.name} died: {how}"
+            self.ended_how = _how(exc)
+        return self.died_of()
+
+    def died_of(self) -> str:
+        """The actor's death in one wording, whichever call found it (a batch's
+        result, or :meth:`wait_exited`): its pid and Ray's reason, those known
+        (``pid 4242: it was killed by `ray.kill`.``). Not a checkpoint."""
+        known = [f"pid {self.pid}" if self.pid is not None else "", self.ended_how or ""]
+        return ": ".join(k for k in known if k) or "Ray gave no reason"
 
 
 def _local_nodes() -> list[dict[str, float]] | None:

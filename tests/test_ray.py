@@ -160,7 +160,7 @@ async def test_an_actor_that_dies_mid_batch_is_replaced_and_its_batch_retried(ca
     for line in logged:
         name, _, why = line.partition(": Ray actor lost: its Ray actor ")
         assert name in names, line
-        assert why.startswith(("died (", "exited (pid ")), line
+        assert why.startswith("died (pid "), line  # one wording, however found
         assert line.endswith("; a new one is started"), line
 
 
