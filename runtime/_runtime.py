@@ -22,8 +22,8 @@ from ._errors import ActorClosed, ConfigError, ModelLoadError
 from ._front import Runtime
 from ._model import ModelBackend
 from ._not_loaded import not_loaded
-from ._ray import check_ray_installed, start_ray, stop_ray
 from ._ray_config import RayReplicaConfig
+from ._ray_connect import check_ray_installed, start_ray, stop_ray
 from ._rollout_start import start_rollout
 from ._rollout_state import open_state_file
 from ._served import ServedModel, label

@@ -28,7 +28,8 @@ from trioserve import (  # noqa: E402
     RayReplica,
 )
 from trioserve._builtin import resolve_backend  # noqa: E402
-from trioserve._ray import start_ray, wait_ref  # noqa: E402
+from trioserve._ray import wait_ref  # noqa: E402
+from trioserve._ray_connect import start_ray  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 NAMESPACE = "trioserve-tests"
@@ -376,7 +377,7 @@ def test_a_local_ray_started_here_lives_until_stopped_and_writes_no_info_lines()
         "import time, trio, ray\n"
         "import trio._core._thread_cache as cache\n"
         "from trioserve import RayConfig\n"
-        "from trioserve._ray import start_ray, stop_ray\n"
+        "from trioserve._ray_connect import start_ray, stop_ray\n"
         "cache.IDLE_TIMEOUT = 0.1\n"
         "async def main():\n"
         "    assert await start_ray(RayConfig())\n"

@@ -106,7 +106,7 @@ def test_a_cuda_device_on_ray_with_a_gpu_only_counts_a_replica():
 
 
 async def test_a_model_on_ray_without_ray_installed_is_a_config_error_at_start(monkeypatch):
-    monkeypatch.setattr(trioserve._ray, "ray_available", lambda: False)
+    monkeypatch.setattr(trioserve._ray_connect, "ray_available", lambda: False)
     cfg = config(ModelConfig(name="m", backend="echo", execution="ray"))
     with pytest.raises(ConfigError) as info:
         async with trioserve.open_runtime(cfg):
@@ -133,19 +133,19 @@ async def test_ray_is_connected_without_its_failure_signal_handler(monkeypatch):
     ray = pytest.importorskip("ray")
     seen = []
     monkeypatch.delenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", raising=False)
-    monkeypatch.setattr(trioserve._ray, "_users", 0)
-    monkeypatch.setattr(trioserve._ray, "_owner", None)
+    monkeypatch.setattr(trioserve._ray_connect, "_users", 0)
+    monkeypatch.setattr(trioserve._ray_connect, "_owner", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(
         ray, "init", lambda **kw: seen.append(os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"])
     )
-    assert await trioserve._ray.start_ray(RayConfig()) is True
-    await trioserve._ray.stop_ray()
+    assert await trioserve._ray_connect.start_ray(RayConfig()) is True
+    await trioserve._ray_connect.stop_ray()
     assert seen == ["1"]
     monkeypatch.setenv("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "0")
-    await trioserve._ray.start_ray(RayConfig())
-    await trioserve._ray.stop_ray()
+    await trioserve._ray_connect.start_ray(RayConfig())
+    await trioserve._ray_connect.stop_ray()
     assert seen == ["1", "0"]
 
 
@@ -167,13 +167,13 @@ async def test_ray_is_connected_with_its_warnings_and_errors_but_not_its_info_li
     logger is set to WARNING, and what else ``[ray]`` says is passed on."""
     ray = pytest.importorskip("ray")
     kwargs = []
-    monkeypatch.setattr(trioserve._ray, "_users", 0)
-    monkeypatch.setattr(trioserve._ray, "_owner", None)
+    monkeypatch.setattr(trioserve._ray_connect, "_users", 0)
+    monkeypatch.setattr(trioserve._ray_connect, "_owner", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: kwargs.append(kw))
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    assert await trioserve._ray.start_ray(RayConfig(**table)) is True
-    await trioserve._ray.stop_ray()
+    assert await trioserve._ray_connect.start_ray(RayConfig(**table)) is True
+    await trioserve._ray_connect.stop_ray()
     assert kwargs == [{"logging_level": logging.WARNING, **passed}]
 
 
@@ -196,24 +196,24 @@ async def test_ray_is_connected_and_disconnected_by_a_thread_that_lives_in_betwe
         ran.append(("shutdown", threading.current_thread()))
         connected[0] = False
 
-    monkeypatch.setattr(trioserve._ray, "_users", 0)
-    monkeypatch.setattr(trioserve._ray, "_owner", None)
+    monkeypatch.setattr(trioserve._ray_connect, "_users", 0)
+    monkeypatch.setattr(trioserve._ray_connect, "_owner", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: connected[0])
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", shutdown)
-    assert await trioserve._ray.start_ray(RayConfig()) is True
+    assert await trioserve._ray_connect.start_ray(RayConfig()) is True
     [(what, owner)] = ran
     assert what == "init"
     assert owner.name == "trioserve-ray"
     assert owner is not threading.current_thread()
     assert owner.is_alive()  # after the call that waited for it returned
-    assert await trioserve._ray.start_ray(RayConfig()) is True  # a second user
-    await trioserve._ray.stop_ray()
+    assert await trioserve._ray_connect.start_ray(RayConfig()) is True  # a second user
+    await trioserve._ray_connect.stop_ray()
     assert owner.is_alive()  # the second still uses it
-    await trioserve._ray.stop_ray()
+    await trioserve._ray_connect.stop_ray()
     assert ran == [("init", owner), ("shutdown", owner)]
     assert not owner.is_alive()
-    assert trioserve._ray._owner is None
+    assert trioserve._ray_connect._owner is None
 
 
 async def test_a_ray_that_cannot_be_connected_leaves_no_thread_behind(monkeypatch):
@@ -221,14 +221,14 @@ async def test_a_ray_that_cannot_be_connected_leaves_no_thread_behind(monkeypatc
     def refuse(**kw):
         raise ConnectionError("no cluster there")
 
-    monkeypatch.setattr(trioserve._ray, "_users", 0)
-    monkeypatch.setattr(trioserve._ray, "_owner", None)
+    monkeypatch.setattr(trioserve._ray_connect, "_users", 0)
+    monkeypatch.setattr(trioserve._ray_connect, "_owner", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
     with pytest.raises(ConfigError, match="cannot connect to Ray at 'ray://nowhere:1'"):
-        await trioserve._ray.start_ray(RayConfig(address="ray://nowhere:1"))
+        await trioserve._ray_connect.start_ray(RayConfig(address="ray://nowhere:1"))
     assert not [t for t in threading.enumerate() if t.name == "trioserve-ray"]
-    assert (trioserve._ray._users, trioserve._ray._owner) == (0, None)
+    assert (trioserve._ray_connect._users, trioserve._ray_connect._owner) == (0, None)
 
 
 async def test_the_last_runtime_using_the_ray_it_connected_disconnects_it(monkeypatch):
@@ -247,12 +247,12 @@ async def test_the_last_runtime_using_the_ray_it_connected_disconnects_it(monkey
         calls.append("shutdown")
         connected[0] = False
 
-    monkeypatch.setattr(trioserve._ray, "_users", 0)
-    monkeypatch.setattr(trioserve._ray, "_owner", None)
+    monkeypatch.setattr(trioserve._ray_connect, "_users", 0)
+    monkeypatch.setattr(trioserve._ray_connect, "_owner", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: connected[0])
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", shutdown)
-    start, stop = trioserve._ray.start_ray, trioserve._ray.stop_ray
+    start, stop = trioserve._ray_connect.start_ray, trioserve._ray_connect.stop_ray
     assert await start(RayConfig()) is True  # connected here
     assert await start(RayConfig()) is True  # a second runtime on it: counted
     await stop()
@@ -286,7 +286,7 @@ def test_ray_sees_its_failure_signal_handler_off_when_first_imported(tmp_path, c
     script = (
         "import sys, trio\n"
         "from trioserve import RayConfig\n"
-        "from trioserve._ray import start_ray\n"
+        "from trioserve._ray_connect import start_ray\n"
         "assert 'ray' not in sys.modules\n"
         "assert trio.run(start_ray, RayConfig())\n"
         "print(sys.modules['ray'].SEEN)\n"

@@ -57,10 +57,10 @@ class FakeRay:
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeRay()
-    monkeypatch.setattr(trioserve._ray, "_users", 0)
-    monkeypatch.setattr(trioserve._ray, "_owner", None)
-    monkeypatch.setattr(trioserve._ray, "_connecting", None)
-    monkeypatch.setattr(trioserve._ray, "_stopping", None)
+    monkeypatch.setattr(trioserve._ray_connect, "_users", 0)
+    monkeypatch.setattr(trioserve._ray_connect, "_owner", None)
+    monkeypatch.setattr(trioserve._ray_connect, "_connecting", None)
+    monkeypatch.setattr(trioserve._ray_connect, "_stopping", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: f.connected)
     monkeypatch.setattr(ray, "init", f.init)
     monkeypatch.setattr(ray, "shutdown", f.shutdown)
@@ -77,7 +77,7 @@ def _ray_threads() -> list[threading.Thread]:
 
 
 def _state() -> tuple:
-    r = trioserve._ray
+    r = trioserve._ray_connect
     return r._users, r._owner, r._connecting, r._stopping
 
 
@@ -106,7 +106,7 @@ async def test_every_failure_of_ray_init_is_a_config_error_naming_the_ray_and_th
     timeout of Ray's came out as a traceback."""
     fake.error = error
     with pytest.raises(ConfigError) as info:
-        await trioserve._ray.start_ray(RayConfig(address=address))
+        await trioserve._ray_connect.start_ray(RayConfig(address=address))
     assert str(info.value) == f"{named}: {type(error).__name__}: {error}"
     assert info.value.__cause__ is error
     assert fake.calls == ["init"]
@@ -118,7 +118,9 @@ async def test_a_ray_init_that_hangs_fails_the_start_at_its_timeout(fake, autoju
     fake.hang()
     start = trio.current_time()
     with pytest.raises(ConfigError) as info:
-        await trioserve._ray.start_ray(RayConfig(address="ray://slow:1", start_timeout_s=5.0))
+        await trioserve._ray_connect.start_ray(
+            RayConfig(address="ray://slow:1", start_timeout_s=5.0)
+        )
     assert trio.current_time() - start == 5.0
     assert str(info.value) == (
         "ray.start_timeout_s: cannot connect to Ray at 'ray://slow:1': ray.init has not "
@@ -127,8 +129,8 @@ async def test_a_ray_init_that_hangs_fails_the_start_at_its_timeout(fake, autoju
     )
     assert fake.calls == ["init"]
     # no lock is held for it: a stop or another start can take the lock at once
-    assert trioserve._ray._users_lock.acquire(blocking=False)
-    trioserve._ray._users_lock.release()
+    assert trioserve._ray_connect._users_lock.acquire(blocking=False)
+    trioserve._ray_connect._users_lock.release()
     users, owner, connecting, _ = _state()
     assert (users, owner) == (0, None)
     assert connecting is not None
@@ -139,20 +141,20 @@ async def test_an_abandoned_ray_init_that_connects_late_is_disconnected_and_a_ne
     fake,
 ):
     fake.hang()
-    hung = trioserve._ray.RayThread(lambda: ray.init(), ray.shutdown)
+    hung = trioserve._ray_connect.RayThread(lambda: ray.init(), ray.shutdown)
     # what start_ray does at its timeout, without waiting for one
-    trioserve._ray._connecting = hung
+    trioserve._ray_connect._connecting = hung
     hung.launch()
-    with trioserve._ray._users_lock:
+    with trioserve._ray_connect._users_lock:
         hung.state = "abandoned"
     fake.release.set()  # ray.init returns, connected: nobody uses it
     await trio.to_thread.run_sync(hung.join)
     assert fake.calls == ["init", "shutdown"]
     assert not fake.connected
     assert _state() == (0, None, None, None)
-    assert await trioserve._ray.start_ray(RayConfig()) is True
+    assert await trioserve._ray_connect.start_ray(RayConfig()) is True
     assert fake.calls == ["init", "shutdown", "init"]
-    await trioserve._ray.stop_ray()
+    await trioserve._ray_connect.stop_ray()
     assert fake.calls == ["init", "shutdown", "init", "shutdown"]
     assert _state() == (0, None, None, None)
 
@@ -164,10 +166,10 @@ async def test_a_start_while_an_earlier_ray_init_hangs_waits_for_it_within_its_o
     timeout, saying why."""
     fake.hang()
     with pytest.raises(ConfigError):
-        await trioserve._ray.start_ray(RayConfig(start_timeout_s=5.0))
+        await trioserve._ray_connect.start_ray(RayConfig(start_timeout_s=5.0))
     start = trio.current_time()
     with pytest.raises(ConfigError) as info:
-        await trioserve._ray.start_ray(RayConfig(start_timeout_s=3.0))
+        await trioserve._ray_connect.start_ray(RayConfig(start_timeout_s=3.0))
     assert trio.current_time() - start == 3.0
     assert str(info.value) == (
         "ray.start_timeout_s: cannot connect to a local Ray (ray.address is not set: one "
@@ -184,7 +186,7 @@ def watch_waits(mp, method: str, n: int, wrap=lambda wake: wake):
     what the thread calls instead of the wait's own wake-up."""
     registered = trio.Event()
     threads = []
-    register = getattr(trioserve._ray.RayThread, method)
+    register = getattr(trioserve._ray_connect.RayThread, method)
 
     def seen(self, wake):
         threads.append(self)
@@ -192,7 +194,7 @@ def watch_waits(mp, method: str, n: int, wrap=lambda wake: wake):
         if len(threads) == n:
             registered.set()
 
-    mp.setattr(trioserve._ray.RayThread, method, seen)
+    mp.setattr(trioserve._ray_connect.RayThread, method, seen)
     return threads, registered
 
 
@@ -201,10 +203,10 @@ async def test_a_start_after_a_hung_ray_init_returned_connects_within_its_timeou
     second then connects on its own."""
     fake.hang()
     fake.error = ConnectionError("refused")
-    first = trioserve._ray.RayThread(lambda: ray.init(), ray.shutdown)
-    trioserve._ray._connecting = first
+    first = trioserve._ray_connect.RayThread(lambda: ray.init(), ray.shutdown)
+    trioserve._ray_connect._connecting = first
     first.launch()
-    with trioserve._ray._users_lock:
+    with trioserve._ray_connect._users_lock:
         first.state = "abandoned"
 
     async def release_when_waiting():
@@ -215,9 +217,9 @@ async def test_a_start_after_a_hung_ray_init_returned_connects_within_its_timeou
         _, waiting = watch_waits(mp, "on_settled", 1)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(release_when_waiting)
-            assert await trioserve._ray.start_ray(RayConfig()) is True
+            assert await trioserve._ray_connect.start_ray(RayConfig()) is True
     assert fake.calls == ["init", "init"]  # the first one's, then the second start's
-    await trioserve._ray.stop_ray()
+    await trioserve._ray_connect.stop_ray()
     assert fake.calls == ["init", "init", "shutdown"]
 
 
@@ -228,10 +230,10 @@ async def test_no_ray_init_starts_once_the_time_went_waiting_for_one_that_failed
     started, to be given up at once."""
     fake.hang()
     fake.error = ConnectionError("refused")
-    first = trioserve._ray.RayThread(lambda: ray.init(), ray.shutdown)
-    trioserve._ray._connecting = first
+    first = trioserve._ray_connect.RayThread(lambda: ray.init(), ray.shutdown)
+    trioserve._ray_connect._connecting = first
     first.launch()
-    with trioserve._ray._users_lock:
+    with trioserve._ray_connect._users_lock:
         first.state = "abandoned"
     token = trio.lowlevel.current_trio_token()
 
@@ -252,7 +254,7 @@ async def test_no_ray_init_starts_once_the_time_went_waiting_for_one_that_failed
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fail_when_waiting)
             with pytest.raises(ConfigError) as info:
-                await trioserve._ray.start_ray(RayConfig(start_timeout_s=3.0))
+                await trioserve._ray_connect.start_ray(RayConfig(start_timeout_s=3.0))
     assert str(info.value) == (
         "ray.start_timeout_s: cannot connect to a local Ray (ray.address is not set: one "
         "is started in this process): its 3 s passed waiting for an earlier ray.init of "
@@ -269,7 +271,7 @@ async def test_two_starts_at_once_connect_ray_once_and_count_two_users(fake):
     results = []
 
     async def start():
-        results.append(await trioserve._ray.start_ray(RayConfig()))
+        results.append(await trioserve._ray_connect.start_ray(RayConfig()))
 
     with pytest.MonkeyPatch.context() as mp:
         waiters, registered = watch_waits(mp, "on_settled", 2)
@@ -281,10 +283,10 @@ async def test_two_starts_at_once_connect_ray_once_and_count_two_users(fake):
             fake.release.set()
     assert results == [True, True]
     assert fake.calls == ["init"]
-    assert trioserve._ray._users == 2
-    await trioserve._ray.stop_ray()
+    assert trioserve._ray_connect._users == 2
+    await trioserve._ray_connect.stop_ray()
     assert fake.calls == ["init"]
-    await trioserve._ray.stop_ray()
+    await trioserve._ray_connect.stop_ray()
     assert fake.calls == ["init", "shutdown"]
     assert _state() == (0, None, None, None)
 
@@ -298,15 +300,15 @@ async def test_a_stop_with_no_runtime_counted_leaves_ray_alone(fake, caplog):
     ray.shutdown (which no start would wait for) nor disconnects the process's Ray."""
     caplog.set_level(logging.ERROR, logger="trioserve")
     fake.connected = True  # the process's own code connected it
-    assert await trioserve._ray.start_ray(RayConfig()) is False
-    await trioserve._ray.stop_ray()
+    assert await trioserve._ray_connect.start_ray(RayConfig()) is False
+    await trioserve._ray_connect.stop_ray()
     assert fake.calls == []
     assert fake.connected
     assert _state() == (0, None, None, None)
     fake.connected = False
-    assert await trioserve._ray.start_ray(RayConfig()) is True
-    await trioserve._ray.stop_ray()
-    await trioserve._ray.stop_ray()  # once too often
+    assert await trioserve._ray_connect.start_ray(RayConfig()) is True
+    await trioserve._ray_connect.stop_ray()
+    await trioserve._ray_connect.stop_ray()  # once too often
     assert fake.calls == ["init", "shutdown"]
     assert _state() == (0, None, None, None)
     assert [r.getMessage() for r in caplog.records] == [
@@ -321,7 +323,7 @@ async def test_a_cancelled_start_waits_at_most_its_timeout(fake, autojump_clock)
     with trio.CancelScope() as scope:
         scope.cancel()
         with pytest.raises(ConfigError, match="has not returned within 2 s"):
-            await trioserve._ray.start_ray(RayConfig(start_timeout_s=2.0))
+            await trioserve._ray_connect.start_ray(RayConfig(start_timeout_s=2.0))
     assert trio.current_time() - start == 2.0
 
 
@@ -337,29 +339,29 @@ async def test_a_hung_ray_shutdown_holds_the_close_at_most_its_bound_and_no_lock
     (it connects at once), and the stop's bound before the thread began the
     shutdown."""
     caplog.set_level(logging.ERROR, logger="trioserve")
-    assert await trioserve._ray.start_ray(RayConfig()) is True
+    assert await trioserve._ray_connect.start_ray(RayConfig()) is True
     fake.hang_shutdown()
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trioserve._ray.stop_ray)
+        nursery.start_soon(trioserve._ray_connect.stop_ray)
         assert await trio.to_thread.run_sync(fake.stopping.wait, GATE_LIMIT_S)
         mock_clock.autojump_threshold = 0  # the shutdown hangs: the stop's bound passes
-    assert trio.current_time() - start == trioserve._ray.STOP_TIMEOUT_S
+    assert trio.current_time() - start == trioserve._ray_connect.STOP_TIMEOUT_S
     assert fake.stopping.is_set()  # (and it still hangs)
     assert [r.getMessage() for r in caplog.records] == [
         "ray.shutdown() has not returned within 30 s of the close: the runtime closes "
         "without waiting for it (it is left to finish in its thread; Ray is connected "
         "again in this process only once it has returned)"
     ]
-    assert trioserve._ray._users_lock.acquire(blocking=False)
-    trioserve._ray._users_lock.release()
+    assert trioserve._ray_connect._users_lock.acquire(blocking=False)
+    trioserve._ray_connect._users_lock.release()
     users, owner, connecting, stopping = _state()
     assert (users, owner, connecting) == (0, None, None)
     assert stopping is not None
     assert not stopping.ended
     start = trio.current_time()
     with pytest.raises(ConfigError) as info:
-        await trioserve._ray.start_ray(RayConfig(start_timeout_s=3.0))
+        await trioserve._ray_connect.start_ray(RayConfig(start_timeout_s=3.0))
     assert trio.current_time() - start == 3.0
     assert str(info.value) == (
         "ray.start_timeout_s: cannot connect to a local Ray (ray.address is not set: one "
@@ -375,17 +377,17 @@ async def test_a_hung_ray_shutdown_holds_the_close_at_most_its_bound_and_no_lock
 async def test_a_start_while_ray_shutdown_runs_waits_for_it_then_connects(fake):
     """Another runtime of the process starts while the last one's ray.shutdown runs:
     it connects once the shutdown has returned, never beside it."""
-    assert await trioserve._ray.start_ray(RayConfig()) is True
+    assert await trioserve._ray_connect.start_ray(RayConfig()) is True
     fake.hang_shutdown()
     results = []
 
     async def stop() -> None:
-        await trioserve._ray.stop_ray()
+        await trioserve._ray_connect.stop_ray()
         results.append("stopped")
 
     async def start() -> None:
         await trio.to_thread.run_sync(fake.stopping.wait, GATE_LIMIT_S)
-        results.append(await trioserve._ray.start_ray(RayConfig()))
+        results.append(await trioserve._ray_connect.start_ray(RayConfig()))
 
     with pytest.MonkeyPatch.context() as mp:
         waiters, both_wait = watch_waits(mp, "on_ended", 2)
@@ -394,14 +396,14 @@ async def test_a_start_while_ray_shutdown_runs_waits_for_it_then_connects(fake):
             nursery.start_soon(start)
             await both_wait.wait()  # the stop and the start wait for the shutdown
             assert waiters[0] is waiters[1]
-            assert trioserve._ray._connecting is None  # no ray.init beside it
+            assert trioserve._ray_connect._connecting is None  # no ray.init beside it
             assert fake.calls == ["init", "shutdown"]
             fake.stopped.set()
     assert sorted(results, key=str) == [True, "stopped"]
     assert fake.calls == ["init", "shutdown", "init"]
     assert fake.connected
-    assert trioserve._ray._users == 1
-    await trioserve._ray.stop_ray()
+    assert trioserve._ray_connect._users == 1
+    await trioserve._ray_connect.stop_ray()
     assert fake.calls == ["init", "shutdown", "init", "shutdown"]
     assert _state() == (0, None, None, None)
 
