@@ -23,8 +23,8 @@ from ._config import ModelConfig as ModelConfig
 from ._config import RuntimeLimits as RuntimeLimits
 from ._config import ServerConfig as ServerConfig
 from ._config import TenantConfig as TenantConfig
-from ._config import config_from_mapping as config_from_mapping
-from ._config import load_config as load_config
+from ._config_file import config_from_mapping as config_from_mapping
+from ._config_file import load_config as load_config
 from ._errors import ActorBroken as ActorBroken
 from ._errors import ActorClosed as ActorClosed
 from ._errors import ConfigError as ConfigError

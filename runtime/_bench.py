@@ -23,9 +23,8 @@ from ._config import (
     Config,
     ConfigError,
     ModelConfig,
-    in_file,
-    load_config,
 )
+from ._config_file import in_file, load_config
 from ._runtime import open_runtime
 
 

@@ -17,7 +17,8 @@ import trio
 
 from ._actor import RestartPolicy, supervise
 from ._builtin import resolve_backend
-from ._config import DEFAULT_SLO_TARGET, Config, ModelConfig, given_config
+from ._config import DEFAULT_SLO_TARGET, Config, ModelConfig
+from ._config_file import given_config
 from ._errors import ActorClosed, ConfigError, ModelLoadError
 from ._front import Runtime
 from ._model import ModelBackend

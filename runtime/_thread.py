@@ -10,7 +10,8 @@ from typing import Any
 
 import trio
 
-from ._config import Config, given_config
+from ._config import Config
+from ._config_file import given_config
 from ._errors import ActorClosed, DeadlineExceeded, InvalidInput, TrioserveError
 from ._front import Runtime
 from ._model import item_list

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import _early_signals
-from ._config import EXECUTIONS, in_file
+from ._config import EXECUTIONS
+from ._config_file import in_file
 from ._errors import ConfigError
 from .scenarios import SCENARIOS, run_scenario
 
