@@ -76,7 +76,7 @@ class Round:
     late_end: float | None = None
     late_ok: bool = False
     late_error: BaseException | None = None
-    #: the batches (``fuzz._cache.Dispatched``) its request was taken in, in order,
+    #: the batches (``fuzz._cache_model.Dispatched``) its request was taken in, in order,
     #: and the one holding it when the replica answered it while it ran, or, once
     #: a batch that failed carried its item into a retry, the last one that took
     #: the request carrying it (``carriers``: those requests' replies)
