@@ -182,6 +182,27 @@ async def test_a_number_past_fp64_is_out_of_range_for_the_input(server, large, d
     assert error_of(res) == f"input 'a': a value is out of range for {datatype} (got {shown})"
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["small-body", "16KiB-body"])
+async def test_a_number_past_fp64_beside_a_nan_is_refused_too(server, large):
+    """A body holding NaN or Infinity (Triton's words for non-finite floats) is read by
+    the standard library's reader, which made inf of 1e309 silently and served it,
+    while the same number beside 0.5 was a 400. Infinity itself is still taken."""
+    pad = "0.5, " * (4000 if large else 1)
+    for token, datatype in (("1e309", "FP64"), ("-1E+0400", "FP32")):
+        body = ('{"inputs": [{"name": "a", "shape": [1, %d], "datatype": "%s", "data": '
+                '[%sNaN, %s]}]}' % (pad.count(",") + 2, datatype, pad, token)).encode()
+        res = await post(server, "/v2/models/echo/infer", body)
+        assert res.status == 400
+        assert error_of(res) == (
+            f"input 'a': a value is out of range for {datatype} (got {token})"
+        )
+    body = ('{"inputs": [{"name": "a", "shape": [1, 3], "datatype": "BYTES", "data": '
+            '["1e999", "NaN", "%s"]}, {"name": "b", "shape": [1, 2], "datatype": "FP64", '
+            '"data": [NaN, -Infinity]}]}' % ("9" * 400)).encode()
+    res = await post(server, "/v2/models/echo/infer", body)  # strings are no numbers
+    assert res.status == 200, error_of(res)
+
+
 async def test_a_number_past_fp64_outside_any_input_is_named_where_it_is(server):
     res = await post(server, "/v2/models/echo/infer",
                      b'{"parameters": {"p": 1e999},\n "inputs": [{"name": "a", "shape": '

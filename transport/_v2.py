@@ -93,10 +93,45 @@ def json_loads(body: bytes | bytearray | memoryview | str) -> Any:
         if not any(m in text for m in marks):
             raise
         try:
-            return json.loads(text)
+            doc = json.loads(text)
         except ValueError:
             pass
+        else:
+            if _maybe_past_fp64.search(text if isinstance(text, str) else str(text, "latin-1")):
+                _refuse_past_fp64(text)
+            return doc
         raise
+
+
+#: A number that may be past FP64's range: an exponent of 3 digits or more, or 309
+#: digits in a row. The standard library's reader makes inf of it, silently: only a
+#: body with one is read again, with a check of each number (:func:`_refuse_past_fp64`).
+_maybe_past_fp64 = re.compile(r"[0-9][eE]\+?0*[1-9][0-9]{2}|[0-9]{309}")
+
+
+def _refuse_past_fp64(text: bytes | str) -> None:
+    """Raise orjson's error for a number past FP64's range, as orjson raises it for a
+    body without NaN or Infinity (so that :func:`loads` words it alike), when ``text``
+    (JSON the standard library reads) holds one; a string's content is no number."""
+    doc = json.loads(text, parse_float=_infinite_float, parse_int=_infinite_int)
+    todo = [doc]
+    while todo:
+        v = todo.pop()
+        if type(v) is list:
+            todo.extend(v)
+        elif type(v) is dict:
+            todo.extend(v.values())
+        elif type(v) is _Infinite:
+            break
+    else:
+        return
+    body = text if isinstance(text, str) else str(text, "utf-8", "replace")
+    pos = 0
+    for m in _NUMBER.finditer(body):
+        if math.isinf(float(m.group())):
+            pos = m.start()
+            break
+    raise orjson.JSONDecodeError(_INFINITE, body, pos)
 
 
 def loads(body: bytes | str) -> Any:
