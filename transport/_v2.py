@@ -103,32 +103,30 @@ def json_loads(body: bytes | bytearray | memoryview | str) -> Any:
         raise
 
 
-#: A number that may be past FP64's range: an exponent of 3 digits or more, or 309
-#: digits in a row. The standard library's reader makes inf of it, silently: only a
-#: body with one is read again, with a check of each number (:func:`_refuse_past_fp64`).
-_maybe_past_fp64 = re.compile(r"[0-9][eE]\+?0*[1-9][0-9]{2}|[0-9]{309}")
+#: A float that may be past FP64's range: an exponent of 3 digits or more. The
+#: standard library's reader makes inf of it, silently: only a body with one is read
+#: again, with a check of each float in the inputs' data (:func:`_refuse_past_fp64`).
+#: (An integer past it stays an int, which the tensor's conversion refuses.)
+_maybe_past_fp64 = re.compile(r"[0-9][eE]\+?0*[1-9][0-9]{2}")
 
 
 def _refuse_past_fp64(text: bytes | str) -> None:
-    """Raise orjson's error for a number past FP64's range, as orjson raises it for a
-    body without NaN or Infinity (so that :func:`loads` words it alike), when ``text``
-    (JSON the standard library reads) holds one; a string's content is no number."""
-    doc = json.loads(text, parse_float=_infinite_float, parse_int=_infinite_int)
-    todo = [doc]
-    while todo:
-        v = todo.pop()
-        if type(v) is list:
-            todo.extend(v)
-        elif type(v) is dict:
-            todo.extend(v.values())
-        elif type(v) is _Infinite:
-            break
-    else:
+    """Raise orjson's error for a float past FP64's range in an input's data, as
+    orjson raises it for a body without NaN or Infinity (so that :func:`loads` words
+    it alike), when ``text`` (JSON the standard library reads) holds one; a string's
+    content is no number, and one elsewhere (``parameters``) is left to their checks."""
+    doc = json.loads(text, parse_float=_infinite_float)
+    inputs = doc.get("inputs") if type(doc) is dict else None
+    if not any(
+        type(t) is dict and _holds_infinite(t.get("data"))
+        for t in (inputs if type(inputs) is list else ())
+    ):
         return
     body = text if isinstance(text, str) else str(text, "utf-8", "replace")
+    at = body.find('"inputs"')
     pos = 0
-    for m in _NUMBER.finditer(body):
-        if math.isinf(float(m.group())):
+    for m in _NUMBER.finditer(body, max(at, 0)):
+        if any(c in m.group() for c in ".eE") and math.isinf(float(m.group())):
             pos = m.start()
             break
     raise orjson.JSONDecodeError(_INFINITE, body, pos)
