@@ -521,17 +521,7 @@ def test_an_interrupt_as_its_thread_starts_stops_the_runtime_it_was_starting(mon
 
     monkeypatch.setattr(threading, "Thread", Interrupted)
     backend = Blocking(Recorder(timed=False), inputs=[X], outputs=[Y], execution="thread")
-    runtimes = [t for t in threading.enumerate() if t.name == "trioserve-runtime"]
-    try:
-        with pytest.raises(KeyboardInterrupt), trioserve.serve_in_thread(
-            config(ModelConfig(name="m", backend=backend))
-        ):
-            pytest.fail("started")  # pragma: no cover
-        assert loading.is_set()
-        left = [t for t in threading.enumerate() if t.name == "trioserve-runtime"]
-        assert set(left) <= set(runtimes)
-    finally:
-        release.set()
+    _check_an_interrupted_start_adds_no_runtime(backend, loading, release)
 
 
 def test_an_interrupt_while_it_starts_stops_the_runtime_it_was_starting():
@@ -549,6 +539,13 @@ def test_an_interrupt_while_it_starts_stops_the_runtime_it_was_starting():
             return super().load(device, torch_threads=torch_threads)
 
     backend = Interrupting(Recorder(timed=False), inputs=[X], outputs=[Y], execution="thread")
+    _check_an_interrupted_start_adds_no_runtime(backend, loading, release)
+
+
+def _check_an_interrupted_start_adds_no_runtime(backend, loading, release):
+    """serve_in_thread with ``backend`` (whose load sets ``loading`` and waits for
+    ``release``) is interrupted as it starts: KeyboardInterrupt, and no runtime
+    thread is left."""
     runtimes = [t for t in threading.enumerate() if t.name == "trioserve-runtime"]
     try:
         with pytest.raises(KeyboardInterrupt), trioserve.serve_in_thread(
