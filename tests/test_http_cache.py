@@ -11,8 +11,9 @@ import tracemalloc
 import numpy as np
 import orjson
 import pytest
+import trio
 import trioserve
-from http_helpers import serving
+from http_helpers import Gate, held_model, serving, settle
 from runtime_helpers import Recorder, callable_model
 from trioserve import CacheConfig, TenantConfig, TensorSpec
 from trioserve.transport import _v2, open_http
@@ -286,3 +287,30 @@ async def test_a_kept_answer_holds_a_block_of_its_own_length():
         if t.traceback[0].filename == _v2.__file__ and t.traceback[0].lineno == line
     )
     assert held < 4096, f"{held} bytes of encoder buffers held after {n} answers"
+
+
+async def test_answers_the_model_did_not_run_for_are_not_in_the_stats_success_count():
+    """docs/gateway.md, Statistics: ``success`` counts the requests the model's queue
+    answered; a cache hit (whole answer or item) and a request that joined an identical
+    one in flight are counted by /metrics instead (hits, coalesced)."""
+    gate = Gate()
+    async with serving(cfg(held_model(gate, name="m"))) as gw:
+
+        async def success() -> int:
+            async with open_http(gw.url) as http:
+                res = await http.get("/v2/models/m/stats")
+            return orjson.loads(res.body)["model_stats"][0]["inference_stats"]["success"]["count"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(post, gw, body(4.0, request_id=f"r{i}"))
+            await trio.to_thread.run_sync(gate.holding.wait)
+            await settle()
+            gate.release()
+        stats = gw.runtime.cache_statistics()
+        assert (stats["computations"], stats["coalesced"]) == (1, 2)
+        assert await success() == 1  # one run answered three callers
+        assert ys(await post(gw, body(4.0, request_id="r0"))) == [4.0]  # edge hit
+        assert ys(await post(gw, body(4.0, request_id="r9"))) == [4.0]  # item hit
+        assert gw.runtime.cache_statistics()["hits"] == 2
+        assert await success() == 1
