@@ -1,10 +1,11 @@
 """A request body's Content-Encoding: :func:`decode_body` inflates gzip (of one member
-or several, zero padding after the last skipped) or deflate in steps, checkpointing
-between them, within the body size limit (413 past it, 415 for a coding it does not
-take)."""
+or several, zero padding between and after them skipped) or deflate in steps,
+checkpointing between them, within the body size limit (413 past it, 415 for a coding
+it does not take)."""
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import trio
@@ -89,6 +90,7 @@ MEMBERS_PER_STEP = 256
 MEMBER_BYTES = 1024
 MIN_MEMBERS = 64
 _GZIP_MAGIC = b"\x1f\x8b"
+_NOT_NUL = re.compile(rb"[^\x00]")
 
 
 class _Inflater:
@@ -164,21 +166,28 @@ class _Inflater:
             self._feed = min(2 * self._feed, _FEED_MAX)
 
     def _next_member(self) -> bool:
-        """Start inflating the gzip member at ``_pos``; False, and the body is read to
-        its end, when only NUL bytes are left (padding to a block size, which
-        ``gzip -d`` and Python's ``gzip`` skip); InvalidInput when the bytes there are
+        """Start inflating the gzip member at ``_pos``, past any NUL bytes before it
+        (padding to a block size, which Python's ``gzip`` skips between members and
+        after the last; ``gzip -d`` only after the last). False, and the body is read
+        to its end, when only NUL bytes are left; InvalidInput when the bytes there are
         not a member (nor padding: trailing bytes after the last member)."""
-        rest = self._view[self._pos:self._pos + 2]
-        left = len(self._view) - self._pos
-        if rest[:1] == b"\0" and self._body.count(b"\0", self._pos) == left:
-            self._pos = len(self._view)  # (counted in C, however long the padding)
-            return False
+        pos = self._pos
+        start = pos
+        if self._view[pos:pos + 1] == b"\0":
+            found = _NOT_NUL.search(self._body, pos)  # (in C, however long the padding)
+            if found is None:
+                self._pos = len(self._view)
+                return False
+            start = found.start()
+        rest = self._view[start:start + 2]
         if not _GZIP_MAGIC.startswith(rest):
+            left = len(self._view) - pos
             raise InvalidInput(
                 f"the body is not valid {self._coding} data: it ends early or late "
                 f"({left} bytes after gzip member "
                 f"{self._members} are not a gzip member)"
             )
+        self._pos = start
         if self._members == self._max_members:
             raise InvalidInput(
                 f"the body is gzip of more than {self._max_members} members (one per "
