@@ -9,6 +9,7 @@ from urllib.parse import unquote
 
 import h11
 import trio
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from ._answers import Answer, error_answer
 
@@ -75,6 +76,22 @@ async def _call_asgi(
         log.exception("control plane: %s %s failed", scope["method"], scope["path"])
         return error_answer(exc)
     return answer["status"], answer["headers"], b"".join(answer["chunks"])
+
+
+def routes_nothing(gateway: Gateway, method: bytes, target: bytes) -> bool:
+    """Whether the control plane's app has no endpoint for ``method`` on ``target``
+    (origin-form): it then answers 404 or 405 (or its key guard's 401 or 403) whatever
+    the body, as its routing fails before a view would read one. Matched as the app
+    matches (its werkzeug map; the path percent-decoded as in the ASGI scope).
+    ``method`` is one of RFC 9110's (ASCII). Not a checkpoint."""
+    path = unquote(target.partition(b"?")[0].decode("latin-1"))
+    try:
+        gateway.app.url_map.bind("").match(path, method.decode("ascii"))
+    except (NotFound, MethodNotAllowed):
+        return True
+    except HTTPException:
+        return False  # a redirect (none of the app's routes makes one): left to the app
+    return False
 
 
 def _peer(stream: trio.SocketStream, *, local: bool) -> tuple[str, int] | None:

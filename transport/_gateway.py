@@ -194,6 +194,25 @@ class Gateway(Connections):
             model, version, body, tenant, label, header_length, accept_encoding
         )
 
+    def answers_before_body(
+        self,
+        model: str,
+        version: str | None,
+        idempotency_key: bytes | tuple[bytes, ...] | None,
+        content_encoding: bytes | None,
+    ) -> bool:
+        """Whether :meth:`infer`'s answer to a request for ``model`` and ``version``
+        is known before its body arrives: the model is not served, or not that version
+        (404; both are fixed for the server's life), and nothing :meth:`infer` does
+        before it looks the model up reads the body (a Content-Encoding is decoded
+        first; an Idempotency-Key's replay compares bodies). ``infer`` of an empty body
+        then gives that answer (401 or 403 first, for a refused key). For a request
+        that asked to send its body only after a 100 (Continue). Not a checkpoint."""
+        if idempotency_key is not None or content_encoding:
+            return False
+        sig = self.signatures.get(model)
+        return sig is None or (version is not None and version not in sig.versions)
+
     def _idempotent_version(self, model: str, version: str | None) -> str | None:
         """The version an infer of ``model`` naming ``version`` runs, as its
         Idempotency-Key counts it: the one named, else the model's last when that is

@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING
 import h11
 import trio
 
-from ._answers import JSON, Headers
-from ._asgi import _call_asgi, _peer
+from ._answers import JSON, Answer, Headers
+from ._asgi import _call_asgi, _peer, routes_nothing
 from ._auth import another_field_line
 from ._coding import encode_answer
 from ._data_plane import _FAST_PREFIX, MAX_HEAD, _data_plane_request, _infer_route
@@ -335,6 +335,24 @@ class _Connection:
                     route = _infer_route(target)
 
                 # ---- the body
+                if expect is not None and (length > 0 or chunked) and (
+                    h.they_are_waiting_for_100_continue and not h.trailing_data[0]
+                ):
+                    # The client waits for a 100 before it sends its body: an answer
+                    # the body cannot change is sent instead (RFC 9110 10.1.1), and
+                    # the connection closes, as the next bytes may be that body or
+                    # the next request (see docs/gateway.md).
+                    early = await _answer_before_body(
+                        gateway, stream, request, target, route, verdict, upgrade,
+                        auth, idem, encoding,
+                    )
+                    if early is not None:
+                        status, headers, out = early
+                        if method == b"HEAD" and status != 204:
+                            headers.append((b"content-length", b"%d" % len(out)))
+                            out = b""
+                        await _send_all(fd, _response(h, status, headers, out, True), stall)
+                        raise _Close(linger=True)
                 body = rest = None
                 if route is not None and length >= 0:
                     # The data plane's usual case: h11 has framed the body (one
@@ -442,12 +460,7 @@ class _Connection:
                 ):
                     status, headers, out = await encode_answer((status, headers, out), accept)
             else:
-                # Methods are case-sensitive (RFC 9110 9.1): "post" is not POST.
-                status, headers, out = 501, [JSON], error_body(
-                    f"method {method.decode('latin-1')!r} is not implemented "
-                    f"(methods are case-sensitive; this server knows "
-                    f"{', '.join(m.decode() for m in sorted(_METHODS))})"
-                )
+                status, headers, out = _not_implemented(method)
             if method == b"HEAD" and status != 204:
                 headers.append((b"content-length", b"%d" % len(out)))
                 out = b""
@@ -461,6 +474,44 @@ class _Connection:
             h = self.h = _new_h11()
             conn.kept = True
             waited = False  # this answer did not go through the scheduler
+
+
+async def _answer_before_body(
+    gateway: Gateway, stream: trio.SocketStream, request: h11.Request, target: bytes,
+    route: tuple[str, str | None] | None, verdict: Answer | None, upgrade: bytes | None,
+    auth: bytes | None, idem: bytes | tuple[bytes, ...] | None, encoding: bytes | None,
+) -> Answer | None:
+    """The answer to a request that its body cannot change, known from its head
+    (``target`` in origin-form, ``route`` and ``verdict`` as the loop found them), or
+    None when the body is to be read: an infer of a model or version not served, a
+    target answered without routing (404 for a path that names nothing, 414 ...), a
+    method not implemented (501), a path or method no endpoint of the control plane
+    takes (404, 405). Answered as after the body (by the same code, given an empty
+    body), so 401 or 403 still come first where they do. A checkpoint only where
+    ``infer`` or the control plane's app is called."""
+    method = request.method
+    if route is not None:
+        if not gateway.answers_before_body(route[0], route[1], idem, encoding):
+            return None
+        return await gateway.infer(route[0], route[1], b"", authorization=auth)
+    if verdict is not None:
+        return verdict
+    if upgrade is not None:
+        return None  # a WebSocket handshake, or its refusal, is the stream's
+    if method not in _METHODS:
+        return _not_implemented(method)
+    if routes_nothing(gateway, method, target):
+        return await _call_asgi(gateway, stream, request, target, b"")
+    return None
+
+
+def _not_implemented(method: bytes) -> Answer:
+    # Methods are case-sensitive (RFC 9110 9.1): "post" is not POST.
+    return 501, [JSON], error_body(
+        f"method {method.decode('latin-1')!r} is not implemented "
+        f"(methods are case-sensitive; this server knows "
+        f"{', '.join(m.decode() for m in sorted(_METHODS))})"
+    )
 
 
 def _unmet(expect: bytes) -> bool:
