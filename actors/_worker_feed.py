@@ -203,8 +203,8 @@ class WorkerFeed:
                 except trio.Cancelled:
                     worker.kill()
                     raise
-                except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its {self._worker_kind} died ({exc})", died=True)
+                except WorkerProcess.Died:
+                    self._lose(worker, self._died(worker), died=True)
                 except WorkerProcess.TooLarge as exc:
                     for r in batch:
                         # never sent: one whose caller left since its dispatch (not
@@ -249,8 +249,8 @@ class WorkerFeed:
                     raise
                 except WorkerProcess.Failed as exc:
                     outputs = exc
-                except WorkerProcess.Died as exc:
-                    self._lose(worker, f"its {self._worker_kind} died ({exc})", died=True)
+                except WorkerProcess.Died:
+                    self._lose(worker, self._died(worker), died=True)
                 finally:
                     self._disarm(armed)
             if timer.cancelled_caught:
@@ -308,10 +308,16 @@ class WorkerFeed:
         # A worker can die while idle, with no batch to find out by: its replica would
         # be reported ready, and replaced only when the next request hit it.
         await worker.wait_exited()
-        if isinstance(worker, RayReplica):  # as a batch's result words it
-            self._lose(worker, f"its {worker.KIND} died ({worker.died_of()})", died=True)
-        else:
-            self._lose(worker, f"its {self._worker_kind} exited (pid {worker.pid})", died=True)
+        self._lose(worker, self._died(worker), died=True)
+
+    def _died(self, worker: WorkerProcess) -> str:
+        """The loss of a worker that died on its own, in one wording whichever path
+        found it (a batch's sending or result, or the watch on its exit): ``its
+        <kind> died (<what it said it died of; its pid and how it ended, those
+        known>)`` (:meth:`WorkerProcess.died_of`, :meth:`RayReplica.died_of`). The
+        three paths used to word one death three ways (``died (pipe broke (pid
+        N))``, ``died (worker process exited (pid N; …))``, ``exited (pid N)``)."""
+        return f"its {self._worker_kind} died ({worker.died_of()})"
 
     def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
         """The worker is gone (or must go): kill it, answer those of its batches it
@@ -432,9 +438,8 @@ class WorkerFeed:
         if self._lost_why is None:
             return
         why, self._lost_why = self._lost_why, None
-        how = worker.ended_how if worker is not None else None
-        if how is not None and how not in why:
-            why = f"{why}, {how}"
+        if worker is not None:
+            why = self._died(worker)  # with what is known now (its exit status)
         log.warning(
             "%s: %s lost: %s; a new one is started%s", self.name, self._worker_kind, why,
             WorkerProcess.stderr_note(worker.stderr_tail if worker is not None else None),

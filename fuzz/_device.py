@@ -218,6 +218,8 @@ class TrioWorker:
         #: as a WorkerProcess's: once killed, how many of the batches it held it never
         #: started (those after the first whose result it had not written)
         self.never_started = 0
+        #: what it died of, once it died on its own (a planted death's words)
+        self._why: str | None = None
 
     # ------------------------------------------------ the suite's hooks
     def _stage(self, items: list[Any]) -> tuple[Any, float]:
@@ -321,6 +323,10 @@ class TrioWorker:
         self.kill()
         await trio.lowlevel.checkpoint()
 
+    def died_of(self) -> str:
+        """As a WorkerProcess's: its death in words (a planted death's own)."""
+        return self._why or "killed"
+
     def unread_results(self) -> list[tuple[Any, float]]:
         """As a WorkerProcess's: once killed after dying on its own, or as a
         straggler (:meth:`cut_off`), what it wrote for the batches it finished and
@@ -358,9 +364,10 @@ class TrioWorker:
             self._held.append((record, items, math.inf, math.inf))
             self._sending = record
             self._death = (now, None)
+            self._why = "planted worker death while a batch was sent"
             self._exited.set()
             if dies == "send":
-                raise self.Died("planted worker death while a batch was sent")
+                raise self.Died(self._why)
             await trio.sleep_forever()  # the exit is found first (the batcher's watch)
         begins = max(now, self._free_at)
         self._free_at = begins + latency
@@ -386,6 +393,7 @@ class TrioWorker:
         why = self._dies(record)
         if why is not None:
             self._death = (done, record)
+            self._why = why
             self._exited.set()
             raise self.Died(why)
         writes = [(d, r) for r, _, _, d in self._held if self._dies_after_writing(r)]
@@ -398,6 +406,7 @@ class TrioWorker:
                 raise self.Died("killed")
             self._died_after_writing(writes[0][1])
             self._death = (writes[0][0], None)
+            self._why = "planted worker death after writing a result"
             self._exited.set()
             await trio.sleep_forever()  # the batcher's watch finds the exit first
         self._held.popleft()

@@ -141,6 +141,8 @@ class WorkerProcess:
         #: zygote, which passes them on to the server's stderr as they come too); ""
         #: when it wrote nothing, None when not known.
         self.stderr_tail: str | None = None
+        #: What it said it died of (its device context was lost), when it said so.
+        self.cause: str | None = None
 
     async def start(self) -> None:
         """Spawn the process and wait until its model is loaded. Raises WorkerDied."""
@@ -259,7 +261,8 @@ class WorkerProcess:
         if reply[0] == "too_large":
             raise FrameTooLarge(reply[1])
         if reply[0] == "lost":  # its device context was lost: it exits
-            raise self._death(f"its device context was lost: {reply[1]}")
+            self.cause = f"its device context was lost: {reply[1]}"
+            raise self._death(self.cause)
         n, out = reply[1], reply[2]
         self.busy_seconds += reply[3]
         self.last_run_seconds = reply[3]
@@ -339,6 +342,17 @@ class WorkerProcess:
         )
         died.stderr = self.stderr_tail or None
         return died
+
+    def died_of(self) -> str:
+        """The worker's death in one wording, whichever call found it (a batch's
+        sending or result, or :meth:`wait_exited`): what it said it died of, its pid
+        and how it ended, those known (``pid 4242, killed by SIGKILL: …``; ``its
+        device context was lost: …; pid 4242``, where the signal is the kill that
+        followed its word, not news). Not a checkpoint."""
+        how = None if self.cause is not None else self.ended_how
+        pid = f"pid {self.pid}" if self.pid is not None else ""
+        facts = ", ".join(k for k in (pid, how or "") if k)
+        return "; ".join(k for k in (self.cause or "", facts) if k) or "how is not known"
 
     @property
     def ended_how(self) -> str | None:

@@ -101,6 +101,8 @@ class RayReplica:
         self.ended_how: str | None = None
         #: None: what an actor writes goes to Ray's logs, not through us.
         self.stderr_tail: str | None = None
+        #: What it said it died of (its device context was lost), when it said so.
+        self.cause: str | None = None
 
     async def start(self) -> None:
         """Create the actor (with the model's Ray options) and wait until its model
@@ -207,7 +209,8 @@ class RayReplica:
         if reply[0] == "error":
             raise WorkerError(reply[1])
         if reply[0] == "lost":
-            raise WorkerDied(f"its device context was lost: {reply[1]} ({self.name})")
+            self.cause = f"its device context was lost: {reply[1]}"
+            raise WorkerDied(f"{self.cause} ({self.name})")
         n, out, seconds = reply[1], reply[2], reply[3]
         self.busy_seconds += seconds
         self.last_run_seconds = seconds
@@ -261,8 +264,13 @@ class RayReplica:
 
     def died_of(self) -> str:
         """The actor's death in one wording, whichever call found it (a batch's
-        result, or :meth:`wait_exited`): its pid and Ray's reason, those known
-        (``pid 4242: it was killed by `ray.kill`.``). Not a checkpoint."""
+        result, or :meth:`wait_exited`): what it said it died of, its pid and Ray's
+        reason, those known (``pid 4242: it was killed by `ray.kill`.``; ``its
+        device context was lost: …; pid 4242``, where Ray's reason would be the kill
+        that followed its word). Not a checkpoint."""
+        if self.cause is not None:
+            pid = f"; pid {self.pid}" if self.pid is not None else ""
+            return f"{self.cause}{pid}"
         known = [f"pid {self.pid}" if self.pid is not None else "", self.ended_how or ""]
         return ": ".join(k for k in known if k) or "Ray gave no reason"
 

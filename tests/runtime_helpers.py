@@ -395,6 +395,8 @@ class _StandIn:
     ended_how: str | None = None
     stderr_tail: str | None = None
     never_started = 0  # not known, unless a stand-in says
+    #: how it died, as WorkerProcess.died_of words it, unless a stand-in says
+    death = "a stand-in's death"
     #: results written and not read when it was lost ((outputs, seconds) each, as
     #: WorkerProcess.unread_results), unless a stand-in says
     unread: tuple = ()
@@ -419,6 +421,9 @@ class _StandIn:
 
     def unread_results(self) -> list:
         return list(self.unread)
+
+    def died_of(self) -> str:
+        return self.death
 
 
 class NoZygote:

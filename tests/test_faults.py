@@ -477,6 +477,7 @@ class TimedWorker(_StandIn):
 
     START, RUN = 0.1, 0.01
     HANG, CRASH = 99.0, 666.0
+    death = "killed by its batch"  # (its died_of: the only death it has)
     submitted: list
     done: list
 

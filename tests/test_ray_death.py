@@ -27,6 +27,7 @@ class _Feed:
     """What WorkerFeed._watch asks of its batcher: the loss it reports."""
 
     _worker_kind = RayReplica.KIND
+    _died = WorkerFeed._died
 
     def _lose(self, worker, why, *, died=False):
         self.why = why
@@ -49,13 +50,15 @@ async def test_an_actor_death_is_worded_the_same_by_a_result_and_by_the_watch(mo
         raise _Died()
 
     monkeypatch.setattr(ray_module, "wait_ref", dies)
-    # found by a batch's result: the feed says "its Ray actor died ({exc})"
+    # found by a batch's result: its error says what the feed says of the death
+    replica = _replica()
     with pytest.raises(RayReplica.Died) as died:
-        await _replica().result()
-    by_result = f"its {RayReplica.KIND} died ({died.value})"
+        await replica.result()
+    feed = _Feed()
+    by_result = feed._died(replica)
+    assert by_result == f"its {RayReplica.KIND} died ({died.value})"
     # found by the watch on an idle actor: it said "its Ray actor exited (pid 4242)",
     # and the first "... died (the Ray actor trioserve:m#0:<id> died: ...)"
-    feed = _Feed()
     with pytest.raises(RuntimeError):
         await WorkerFeed._watch(feed, _replica())
     assert feed.why == by_result == (

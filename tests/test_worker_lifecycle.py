@@ -91,7 +91,7 @@ async def test_a_worker_that_dies_idle_is_replaced_before_the_next_request():
 async def test_a_worker_killed_while_serving_is_logged_with_its_signal(caplog):
     """The loss of a worker that died on its own was logged as "its worker process
     exited (pid N)", with nothing of how: now its signal (or exit status) too, once
-    its zygote has reaped it."""
+    its zygote has reaped it, worded as a death found by a batch's call is."""
     import logging
 
     caplog.set_level(logging.WARNING, logger="trioserve")
@@ -103,9 +103,9 @@ async def test_a_worker_killed_while_serving_is_logged_with_its_signal(caplog):
             assert (await rt.infer("s", x(2.0)))["y"].tolist() == [2.0, 0.0]
     lost = [r.getMessage() for r in caplog.records if "worker process lost: " in r.getMessage()]
     assert len(lost) == batcher.workers_lost == 1
-    assert f"(pid {first})" in lost[0]
-    assert lost[0].endswith(
-        ", killed by SIGKILL: an out-of-memory kill, or kill -9; a new one is started"
+    assert lost[0] == (
+        f"{batcher.name}: worker process lost: its worker process died (pid {first}, "
+        "killed by SIGKILL: an out-of-memory kill, or kill -9); a new one is started"
     )
 
 
