@@ -158,8 +158,8 @@ def values_at(hists: Sequence[HdrHistogram], percentiles: Sequence[float]) -> li
 #: ``model_error``, ``poison`` requests, ``straggler`` batches cut, ``worker_lost``
 #: workers, ``worker_broken`` workers replaced because the model kept raising there.
 OUTCOMES = (
-    "device_lost", "model_error", "poison", "retried", "straggler", "worker_broken",
-    "worker_lost",
+    "device_lost", "invalid_input", "model_error", "poison", "retried", "straggler",
+    "worker_broken", "worker_lost",
 )
 
 

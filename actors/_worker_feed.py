@@ -493,7 +493,9 @@ class WorkerFeed:
         not a 500), and a request refused so never ran (``in_queue``: its caller is
         not charged), unless it had reached a device before (``Reply.ran``: a
         failed batch's retry stays charged). Those waiting for the item of one
-        answered meanwhile (``Reply.late``) get the same refusal."""
+        answered meanwhile (``Reply.late``) get the same refusal. Counted as the
+        model's ``invalid_input`` outcome (``trioserve_batcher_outcomes_total``), not
+        its ``model_error``: it used to be counted nowhere of the model's."""
         for req in batch:
             late = req.reply.late
             if (
@@ -503,6 +505,7 @@ class WorkerFeed:
                 late.settle(outcome.Error(_refused(msg, ran=False)))
         for req in alive:
             req.reply.set_error(_refused(msg, ran=req.reply.ran))
+        self._metrics.statuses["invalid_input"] += len(alive)
         self._scheduler.completed(batch, failed=True)
 
     def _replace_broken(self, worker: WorkerProcess) -> None:

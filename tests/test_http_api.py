@@ -293,7 +293,8 @@ async def test_metrics_expose_counts_latency_quantiles_fill_and_queue_depth():
     # Every abnormal outcome has its series from the start, at 0 until it happens.
     for model in ("echo", "held"):
         for outcome in (
-            "model_error", "poison", "retried", "straggler", "worker_broken", "worker_lost"
+            "invalid_input", "model_error", "poison", "retried", "straggler",
+            "worker_broken", "worker_lost",
         ):
             key = ("trioserve_batcher_outcomes_total", (("model", model), ("outcome", outcome)))
             assert samples[key] == 0

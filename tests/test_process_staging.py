@@ -145,6 +145,7 @@ async def test_a_batch_past_a_workers_message_limit_is_split_and_a_lone_one_refu
             1 if way == "outputs" else 0  # it ran; never sent: refunded
         )
         assert rt.statistics()["s"]["statuses"].get("model_error", 0) == (way == "outputs")
+        assert rt.statistics()["s"]["statuses"].get("invalid_input", 0) == (way == "inputs")
         batcher = rt.models["s"].batchers[0]
         assert (batcher.restarts, batcher.workers_lost) == (0, 0)
         assert (await rt.infer("s", items[3]))["y"].tolist() == [3.0] * 200
@@ -244,3 +245,63 @@ async def test_the_one_request_left_of_a_batch_past_the_limit_runs_alone(
         assert (tenant["credits_used"], tenant["credits_refunded"]) == (
             (1, 1) if way == "inputs" else (2, 0)  # never sent: refunded; it ran: charged
         )
+
+
+class _NeverFits(_StandIn):
+    """A worker process in trio time whose pipe carries no request's inputs: every
+    batch is refused before it is sent (FrameTooLarge from its submit)."""
+
+    TooLarge = WorkerProcess.TooLarge
+
+    def __init__(self, cfg, backend, device, torch_threads, *, zygote=None) -> None:
+        self.pid = None
+        self.busy_seconds = self.last_run_seconds = 0.0
+        self._exited = trio.Event()
+
+    async def submit(self, items) -> None:
+        await trio.lowlevel.checkpoint()
+        raise self.TooLarge("its inputs are 4096 bytes in one message to its worker process")
+
+
+async def test_a_request_refused_for_the_pipe_is_counted_as_invalid_input(
+    autojump_clock, manual_watchdog, monkeypatch
+):
+    """A request whose inputs its worker's pipe cannot carry is answered 400
+    (InvalidInput) and counted so: by the gateway's HTTP statuses, and as the
+    model's ``invalid_input`` outcome (``statistics()``, /metrics), not its
+    ``model_error``. It used to be counted in no outcome of the model's, unlike
+    every other answer a replica gives."""
+    import orjson
+    import trioserve._runtime
+    import trioserve.actors._batcher
+    from http_helpers import v2_input
+    from prometheus_client.parser import text_string_to_metric_families
+    from trioserve.transport import Gateway
+
+    monkeypatch.setattr(trioserve._runtime, "Zygote", NoZygote)
+    monkeypatch.setattr(trioserve.actors._batcher, "WorkerProcess", _NeverFits)
+    cfg = config(callable_model(
+        "m", lambda items: items, execution="process", max_batch_size=1, max_wait_ms=0,
+        timeout_ms=None,
+    ))
+    async with trioserve.open_runtime(cfg) as rt:
+        client = Gateway(rt).app.test_client()
+        res = await client.post(
+            "/v2/models/m/infer", data=orjson.dumps({"inputs": [v2_input([[2.0]])]})
+        )
+        assert res.status_code == 400
+        assert "its inputs are 4096 bytes" in (await res.get_data(as_text=True))
+        assert rt.statistics()["m"]["statuses"] == {"invalid_input": 1}
+        scraped = await (await client.get("/metrics")).get_data(as_text=True)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(scraped) for s in family.samples
+    }
+    outcome = "trioserve_batcher_outcomes_total"
+    assert samples[outcome, (("model", "m"), ("outcome", "invalid_input"))] == 1
+    assert samples[outcome, (("model", "m"), ("outcome", "model_error"))] == 0
+    statuses = {
+        labels: n for (name, labels), n in samples.items()
+        if name == "trioserve_requests_total" and n
+    }
+    assert statuses == {(("model", "m"), ("status", "400"), ("tenant", "t")): 1}

@@ -175,8 +175,9 @@ class GatewayCollector(Collector):
         )
         outcomes = CounterMetricFamily(
             "trioserve_batcher_outcomes",
-            "Abnormal batch outcomes: items retried or answered model_error, poison "
-            "requests, straggler batches cut, worker_lost workers.",
+            "Abnormal batch outcomes: items retried or answered model_error, "
+            "invalid_input items refused by their replica (too large for its worker's "
+            "pipe), poison requests, straggler batches cut, worker_lost workers.",
             labels=["model", "outcome"],
         )
         replicas = GaugeMetricFamily(
