@@ -328,9 +328,11 @@ class WorkerFeed:
         _WorkerLost to stop feeding it. Killed as a straggler (not ``died``) just as
         it wrote the result of the batch that was late, that batch is answered, and
         the one after it, which it had just started, goes back as it was (no
-        suspect), charged, and it is no straggler (not counted in ``stragglers``,
-        nor logged as one). The loss is logged at once, or, when the worker ``died``
-        on its own, once it is closed, with how it ended."""
+        suspect), charged, unless its pipe says it never read that one whole
+        (``never_read``: then never run, as the staged ones), and it is no straggler
+        (not counted in ``stragglers``, nor logged as one). The loss is logged at
+        once, or, when the worker ``died`` on its own, once it is closed, with how
+        it ended."""
         if not worker.alive:
             raise _WorkerLost(why)  # already lost and handled (by the other task)
         worker.kill()
@@ -348,11 +350,16 @@ class WorkerFeed:
         if not died:
             self._log_cut_off(why, done)
         crashed = batches[done] if done < len(batches) else None
-        if crashed is not None and crashed is self._sending:
+        if crashed is not None and (
+            crashed is self._sending or len(batches) - done <= worker.never_read
+        ):
             # It died as this batch was being sent (what it had of it, it was
-            # reading): it never had it whole, so never ran it, and what it died of
-            # is not this batch. It goes back as it was, never run. It used to be
-            # made the suspect: split, a poison attempt counted, and charged.
+            # reading), or before it read it whole (its pipe still held it, or its
+            # end, as it was killed: WorkerProcess.never_read): it never had it
+            # whole, so never ran it, and what it died of (or ran late on) is not
+            # this batch. It goes back as it was, never run. It used to be made the
+            # suspect: split, a poison attempt counted, and charged; or, after a
+            # straggler's result written as it was cut off, charged as begun.
             crashed = None
         # Killed by us as a straggler, it was running the oldest, whose result did
         # not come in time; unless it wrote that result as its deadline passed (in
@@ -364,6 +371,7 @@ class WorkerFeed:
         # The oldest used to go back as the suspect (split, a poison attempt
         # counted) to run again, its result dropped, and the one after it as never
         # started (refunded, had its caller left, though it had reached the model).
+        # (Unless its pipe said it never read that one: see above.)
         if not died and done and crashed is not None:
             for r in crashed:
                 r.reply.ran = True
@@ -556,8 +564,8 @@ class WorkerFeed:
         done = len(results)
         self._answer_unread(results, success=False)
         batches = batches[done:]
-        if batches and batches[0] is not self._sending:
-            for r in batches[0]:
+        if batches and batches[0] is not self._sending and len(batches) > worker.never_read:
+            for r in batches[0]:  # (not one it never read whole: it never ran it)
                 r.reply.ran = True
         for b in batches:
             self._scheduler.completed(b, failed=True)

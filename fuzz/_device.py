@@ -218,6 +218,9 @@ class TrioWorker:
         #: as a WorkerProcess's: once killed, how many of the batches it held it never
         #: started (those after the first whose result it had not written)
         self.never_started = 0
+        #: as a WorkerProcess's: once killed, how many of the batches it held, the
+        #: newest, it never read whole (not known here: 0)
+        self.never_read = 0
         #: what it died of, once it died on its own (a planted death's words)
         self._why: str | None = None
 

@@ -7,12 +7,14 @@ without touching the runtime.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import signal
 import struct
 import sys
 import tempfile
+import termios
 from typing import Any
 
 import numpy as np
@@ -115,7 +117,14 @@ class WorkerProcess:
         self._slot_size = (want + 63) & ~63
         self._shm_size = self.SLOTS * self._slot_size
         self._next_slot = 0
+        #: the length of the message of each slot's batch, as sent (its frame)
+        self._frames = [0] * self.SLOTS
+        self._writing = False  # a batch's message is being written into the pipe
         self.in_flight = 0
+        #: Once killed: how many of the batches left in flight (the newest) it never
+        #: read whole, so never ran: their messages, or the end of one, were still in
+        #: its request pipe when the kill was sent (0 when not known).
+        self.never_read = 0
         #: Once closed: how many of the batches left in flight (their results unread)
         #: it never started. It runs them in order, each once it has written the
         #: result of the one before, so all but the first of those whose result it
@@ -245,9 +254,12 @@ class WorkerProcess:
                     f"worker process, more than the {self.MAX_FRAME_BYTES} bytes a "
                     "message carries"
                 )
+        self._frames[self._next_slot] = _LEN.size + len(data)
         self._next_slot = (self._next_slot + 1) % self.SLOTS
         self.in_flight += 1
+        self._writing = True
         await self._write(data)
+        self._writing = False
 
     async def result(self) -> list[dict[str, Any]]:
         """The outputs of the oldest batch in flight. Raises WorkerError (the model
@@ -404,6 +416,8 @@ class WorkerProcess:
             # wrote that were not read (which tell what it never started)
             self._tail = (os.dup(self._recv.fileno()), bytes(self._buf))
             self._left_in_flight = self.in_flight
+        if self._send is not None:
+            self.never_read = self._never_read()
         for stream in (self._send, self._recv):
             if stream is not None:
                 stream.close()
@@ -415,6 +429,28 @@ class WorkerProcess:
             except BufferError:
                 pass  # a view is still alive; the mapping goes with it
             self._shm = None
+
+    def _never_read(self) -> int:
+        """How many of the batches in flight, the newest, the worker has not read
+        whole: what is left unread in its request pipe (``FIONREAD``) is more than
+        the messages of the batches sent after each. Called as it is killed (after
+        the signal): a read it was in then may still end, but it runs nothing more.
+        0 when not known (a message being written: its part in the pipe is not
+        known; a pipe that cannot say). Not a checkpoint."""
+        if self._send is None or self._writing or not self.in_flight:
+            return 0
+        try:
+            raw = fcntl.ioctl(self._send.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except OSError:
+            return 0
+        unread = struct.unpack("i", raw)[0]
+        never, after = 0, 0
+        for i in range(1, self.in_flight + 1):  # the newest first
+            if unread <= after:
+                break  # it read this one whole (and those before it)
+            never += 1
+            after += self._frames[(self._next_slot - i) % self.SLOTS]
+        return never
 
     def unread_results(self) -> list[tuple[Any, float]]:
         """Once killed: what it wrote for the batches left in flight that it finished,

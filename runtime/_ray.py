@@ -92,6 +92,8 @@ class RayReplica:
         #: Which of the batches left in flight it never started is not known (an
         #: actor tells nothing of its queue): 0, as a worker process says then.
         self.never_started = 0
+        #: Nor which it never read (as a worker process says once killed): 0.
+        self.never_read = 0
         #: Seconds the actor spent running batches (measured in the actor).
         self.busy_seconds = 0.0
         #: Seconds the actor spent on the last batch whose result was read.

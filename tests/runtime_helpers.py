@@ -395,6 +395,7 @@ class _StandIn:
     ended_how: str | None = None
     stderr_tail: str | None = None
     never_started = 0  # not known, unless a stand-in says
+    never_read = 0  # not known, unless a stand-in says
     #: how it died, as WorkerProcess.died_of words it, unless a stand-in says
     death = "a stand-in's death"
     #: results written and not read when it was lost ((outputs, seconds) each, as

@@ -473,3 +473,53 @@ async def test_a_dead_worker_process_s_unread_result_is_read_from_its_pipe(monke
     assert first.sent == [[1.0], [666.0]]
     assert all(batch == [666.0] for w in later for batch in w.sent)  # a ran once
     assert batcher.workers_lost >= 2
+
+
+@pytest.mark.parametrize("its_caller", ["stays", "left"])
+async def test_a_batch_a_cut_off_straggler_never_read_is_not_charged(
+    autojump_clock, manual_watchdog, worker_class, its_caller
+):
+    """As above, a's worker wrote its result as a's deadline passed and was killed;
+    but its pipe says it never read b (nor c) whole (``never_read``: their
+    messages were still in it as the kill was sent). b never ran: it goes back as
+    it was, not charged, not a suspect, and runs on the next worker; refunded when
+    its caller left. It used to be charged as the batch the worker had just begun."""
+    cfg = _config()
+    answers: dict[float, object] = {}
+    scope = trio.CancelScope()
+
+    async def caller(rt, value: float) -> None:
+        with scope if value == 2.0 else trio.CancelScope():
+            answers[value] = (await rt.infer("m", item(value)))["y"].tolist()
+
+    async with trioserve.open_runtime(cfg) as rt, trio.open_nursery() as nursery:
+        (first,) = worker_class.made
+        first.seen_by = "nobody"  # its end is found by the deadline
+        for value in (1.0, 2.0, 3.0):
+            nursery.start_soon(caller, rt, value)
+            await trio.testing.wait_all_tasks_blocked()
+        batcher = rt.models["m"].batchers[0]
+        ((a,), (b,), _) = batcher._in_flight
+        if its_caller == "left":
+            scope.cancel("the caller left")
+            await trio.testing.wait_all_tasks_blocked()
+        first._written = [[{"y": np.array([10.0], dtype=np.float32)}]]
+        first.never_read = 2  # b and c, as its pipe says
+        (watchdog,) = manual_watchdog.made
+        watchdog.advance(3600.0)  # past a's batch deadline
+        await trio.testing.wait_all_tasks_blocked()
+        assert (batcher.stragglers, batcher.workers_lost) == (0, 1)
+    assert a.reply.run is not None
+    assert (b.reply.suspect, b.reply.attempts) == (False, 0)
+    ran_again = [it["x"][0] for w in worker_class.made[1:] for batch in w.sent for it in batch]
+    if its_caller == "stays":
+        assert answers == {1.0: [10.0], 2.0: [2.0], 3.0: [3.0]}
+        assert ran_again == [2.0, 3.0]
+        assert _credits(rt) == (3, 0)
+    else:
+        assert not b.reply.ran
+        assert answers == {1.0: [10.0], 3.0: [3.0]}
+        assert ran_again == [3.0]
+        assert _credits(rt) == (2, 1)  # b never ran: refunded
+    assert _RecordingBreaker.told[0] == "success"
+    assert "failure" not in _RecordingBreaker.told
