@@ -14,6 +14,7 @@ from http_helpers import (
     Gate,
     _client_frame,
     _events_until,
+    _infer_frame,
     _raw_client,
     _raw_handshake,
     config,
@@ -551,3 +552,32 @@ async def test_a_message_sent_again_with_the_same_id_runs_again():
             reply = await stream.receive()
             assert (reply.id, reply.outputs["y"].tolist()) == ("same", [1.0])
     assert calls == [1, 1]
+
+
+async def test_messages_read_together_are_queued_in_the_order_they_were_sent():
+    """A stream's messages are admitted in the order they came: the first of those
+    a read brings is queued first. Each used to be queued by a task of its own, in
+    the order trio ran the new tasks, which it reverses half the time: a client's
+    later message could take the queue place, or the credits, of an earlier one."""
+    from wsproto.events import TextMessage
+
+    ran: list[float] = []
+
+    def record(items):
+        ran.extend(float(it["x"][0]) for it in items)
+        return [{"y": it["x"]} for it in items]
+
+    model = callable_model("rec", record, max_batch_size=1, max_wait_ms=0.0)
+    async with serving(config(model)) as gw:
+        sock, ws = await _raw_client(gw)
+        for round_ in range(6):
+            sent = [float(16 * round_ + i) for i in range(16)]
+            await sock.send_all(b"".join(
+                _infer_frame(f"r{x:g}", (x,), model="rec") for x in sent
+            ))
+            answers = 0
+            while answers < len(sent):
+                ws.receive_data(await sock.receive_some(65536))
+                answers += sum(isinstance(e, TextMessage) for e in ws.events())
+        await sock.aclose()
+    assert ran == [float(i) for i in range(96)]

@@ -95,9 +95,17 @@ class _Answers:
         except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError):
             pass
 
-    async def _one(self, message: str | bytes, n: int) -> None:
-        """Answer one message of ``n`` bytes (counted in ``in_flight_bytes`` until it
-        is answered)."""
+    async def _one(self) -> None:
+        """Answer the oldest message read and not yet begun (its bytes counted in
+        ``in_flight_bytes`` until it is answered).
+
+        The read loop spawns a task per message; trio runs new tasks in no set order
+        (it reverses a batch of them half the time), so each task takes the oldest
+        message rather than its own. A request is admitted (credits, the queue) in
+        its task's first steps, before any checkpoint, so the messages of a stream
+        are queued in the order they came (a message decoded in a worker thread, of
+        ``DECODE_IN_THREAD_MIN`` bytes or more, takes its place once decoded)."""
+        message, n = self._spawned.popleft()
         token = next(self._tokens)
         self.pending[token] = None
         try:

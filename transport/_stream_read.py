@@ -294,7 +294,10 @@ class _Reader:
                             held = self.in_flight_bytes + stream.unsent
                             if held > gateway.stream_in_flight_bytes_peak:
                                 gateway.stream_in_flight_bytes_peak = held
-                            requests.start_soon(self._one, message, n)
+                            # its task takes the oldest message spawned, not this
+                            # one: trio runs new tasks in no set order
+                            self._spawned.append((message, n))
+                            requests.start_soon(self._one)
                             if events is not None:
                                 break  # go on with what the wait read ahead
                         elif kind is Ping:

@@ -4,6 +4,7 @@ which serves it with the read loop (``._stream_read``) and the answers
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,9 @@ class _Session(_Reader, _Answers):
         #: it (:meth:`_read_behind`)
         self._behind = False
         self.pending: dict[int, Any] = {}  # token -> id of requests not yet answered
+        #: (message, bytes) of the requests whose task is spawned and not yet begun:
+        #: each task takes the oldest (see :meth:`_one`), at most ``bound`` of them
+        self._spawned: collections.deque[tuple[str | bytes, int]] = collections.deque()
         self._tokens = itertools.count()
         #: (code, reason) we fail the connection with: a protocol error, a message
         #: over the limit, a client that does not take its answers
