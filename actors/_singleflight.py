@@ -36,6 +36,7 @@ driver's figures (its time in the queue, its limit) are not the waiter's.
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 from collections.abc import Awaitable, Callable, Hashable
@@ -311,6 +312,10 @@ class SingleFlight:
         self._late_outcomes = late_outcomes
         self._late_answers = 0
         self._flights: dict[Hashable, _Flight] = {}
+        #: flights whose task is spawned and not yet begun, oldest first: each task
+        #: takes the oldest (see :meth:`_compute`), so computations begin in the
+        #: order their flights were started (trio runs new tasks in no set order)
+        self._spawned: collections.deque[tuple[Hashable, _Flight]] = collections.deque()
         self._started = 0
         self._coalesced = 0
         self._abandoned = 0
@@ -352,9 +357,10 @@ class SingleFlight:
         if flight is None:
             flight = _Flight(_Round(waiter))
             try:
-                self._nursery.start_soon(self._compute, key, flight)
+                self._nursery.start_soon(self._compute)
             except RuntimeError:  # "Nursery is closed to new arrivals"
                 raise ActorClosed("singleflight: its owner's nursery is closed") from None
+            self._spawned.append((key, flight))
             self._flights[key] = flight
             self._started += 1
         else:
@@ -421,7 +427,11 @@ class SingleFlight:
                     disarm()
         return round_.done.is_set()
 
-    async def _compute(self, key: Hashable, flight: _Flight) -> None:
+    async def _compute(self) -> None:
+        # The oldest flight spawned, not necessarily the one this task was spawned
+        # for: a request is submitted (credits, the queue) before the computation's
+        # first checkpoint, so flights started in order are queued in order.
+        key, flight = self._spawned.popleft()
         try:
             with flight.scope:
                 while True:

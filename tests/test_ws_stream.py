@@ -554,11 +554,14 @@ async def test_a_message_sent_again_with_the_same_id_runs_again():
     assert calls == [1, 1]
 
 
-async def test_messages_read_together_are_queued_in_the_order_they_were_sent():
+@pytest.mark.parametrize("coalesce", [False, True])
+async def test_messages_read_together_are_queued_in_the_order_they_were_sent(coalesce):
     """A stream's messages are admitted in the order they came: the first of those
     a read brings is queued first. Each used to be queued by a task of its own, in
     the order trio ran the new tasks, which it reverses half the time: a client's
-    later message could take the queue place, or the credits, of an earlier one."""
+    later message could take the queue place, or the credits, of an earlier one.
+    A model whose requests in flight are coalesced (or cached) submits each from a
+    computation the cache actor starts: those began in trio's order too."""
     from wsproto.events import TextMessage
 
     ran: list[float] = []
@@ -567,7 +570,8 @@ async def test_messages_read_together_are_queued_in_the_order_they_were_sent():
         ran.extend(float(it["x"][0]) for it in items)
         return [{"y": it["x"]} for it in items]
 
-    model = callable_model("rec", record, max_batch_size=1, max_wait_ms=0.0)
+    model = callable_model("rec", record, max_batch_size=1, max_wait_ms=0.0,
+                           coalesce=coalesce)
     async with serving(config(model)) as gw:
         sock, ws = await _raw_client(gw)
         for round_ in range(6):
