@@ -385,6 +385,22 @@ async def test_an_integer_id_past_64_bits_is_refused_saying_so():
     assert "within 64 bits" in replies[2].error
 
 
+async def test_an_integer_id_just_below_64_bits_is_refused_saying_so():
+    """-2**63 - 1 (to -2**63 - 1024) is read as the float -2**63, the least id, and
+    was refused as "got -9223372036854775809", not saying why: the bound was checked
+    on the float, which rounded back into range."""
+    async with serving(config(echo_model())) as gw, open_stream(gw.url) as stream:
+        for rid in (-(2**63), -(2**63) - 1, -(2**63) - 1024):
+            await stream.send_raw(json.dumps({"id": rid, "model": "echo", "inputs": [
+                {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}))
+        replies = [await stream.receive() for _ in range(3)]
+    least = [r for r in replies if type(r.id) is int]
+    assert [(r.id, r.error) for r in least] == [(-(2**63), None)]
+    refused = [r for r in replies if r not in least]
+    assert [r.status for r in refused] == [400, 400]
+    assert all("within 64 bits" in r.error for r in refused), [r.error for r in refused]
+
+
 @pytest.mark.parametrize(("rate", "retry_after"), [(1.0, 1), (1e-320, 86_400)])
 async def test_a_429_frame_says_when_to_retry_and_the_stream_goes_on(rate, retry_after):
     # An infinite refill time (1e-320) crashed the connection (OverflowError turning

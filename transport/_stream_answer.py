@@ -159,7 +159,9 @@ class _Answers:
                     "a stream message's 'id' must be a string or an integer; an "
                     "integer id must be within 64 bits (-2**63 to 2**64-1): use a "
                     "string" if type(rid) is float and rid.is_integer()
-                    and not -(2**63) <= rid < 2**64 else
+                    # -2**63 as a float: an integer below it, rounded up (the
+                    # least id itself is read as an int)
+                    and not -(2**63) < rid < 2**64 else
                     "a stream message's 'id' must be a string or an integer, got "
                     f"{shown(rid, message)}"
                 )
