@@ -90,7 +90,10 @@ MEMBERS_PER_STEP = 256
 MEMBER_BYTES = 1024
 MIN_MEMBERS = 64
 _GZIP_MAGIC = b"\x1f\x8b"
-_NOT_NUL = re.compile(rb"[^\x00]")
+#: The NUL bytes from a position on: sre counts a run of one byte in a tight loop, as
+#: fast as a ``bytes.count`` of it (a search for ``[^\x00]`` tries its class at each
+#: byte: ~10 times as long, ~0.3-0.5 s of the loop for 16 MiB of padding).
+_NUL_RUN = re.compile(rb"\x00*")
 
 
 class _Inflater:
@@ -174,11 +177,10 @@ class _Inflater:
         pos = self._pos
         start = pos
         if self._view[pos:pos + 1] == b"\0":
-            found = _NOT_NUL.search(self._body, pos)  # (in C, however long the padding)
-            if found is None:
-                self._pos = len(self._view)
+            start = _NUL_RUN.match(self._body, pos).end()  # type: ignore[union-attr]
+            if start == len(self._view):
+                self._pos = start
                 return False
-            start = found.start()
         rest = self._view[start:start + 2]
         if not _GZIP_MAGIC.startswith(rest):
             left = len(self._view) - pos
