@@ -1012,6 +1012,30 @@ async def test_an_id_json_cannot_echo_is_a_400_not_a_500(rid, why):
         assert res.json()["id"] == "r"
 
 
+@pytest.mark.parametrize("rid", ["100000000000000000000", "18446744073709551616",
+                                 "-9223372036854775809", "-9223372036854776832"])
+async def test_an_integer_id_past_64_bits_is_refused_naming_the_bound_over_http_as_on_the_stream(
+    rid,
+):
+    """Read as a float by the JSON parser, such an id got "must be a string or an
+    integer, got 100000000000000000000" over HTTP (the stream named the bound; and
+    over HTTP too once the body held NaN, its parser keeping the integer)."""
+    bound = "an integer id must be within 64 bits (-2**63 to 2**64-1): use a string"
+    body = ('{"id": %s, "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", '
+            '"data": [1]}]}' % rid)
+    async with serving(config(echo_model())) as gw:
+        res = await post(gw, "/v2/models/echo/infer", body.encode())
+        assert res.status == 400
+        assert error_of(res) == f"'id' must be a string or an integer; {bound}"
+        async with open_stream(gw.url) as stream:
+            await stream.send_raw(body[:-1] + ', "model": "echo"}')
+            refused = await stream.receive()
+        assert refused.status == 400
+        assert refused.error == (
+            f"a stream message's 'id' must be a string or an integer; {bound}"
+        )
+
+
 @pytest.mark.parametrize(("rid", "why"), _UNECHOABLE_IDS)
 @pytest.mark.parametrize("model", ['"echo"', "NaN"])
 async def test_a_stream_message_whose_id_json_cannot_echo_is_answered_and_the_stream_goes_on(

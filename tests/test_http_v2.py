@@ -448,7 +448,8 @@ _BIG = "99999999999999999999"  # past 64 bits: the JSON parser reads it as 1e20
         ('{"inputs": [X], "parameters": {"class": "batch", "priority": 1}}',
          'parameters.class "batch" and parameters.priority 1 (class \'realtime\') '
          "disagree; send one of them"),
-        ('{"inputs": [X], "id": BIG}', "'id' must be a string or an integer, got BIG"),
+        ('{"inputs": [X], "id": BIG}', "'id' must be a string or an integer; an integer id "
+         "must be within 64 bits (-2**63 to 2**64-1): use a string"),
         ('{"inputs": [X], "id": 1.5}', "'id' must be a string or an integer, got 1.5"),
         ('{"inputs": [X], "id": {"a": [1, false]}}',
          "'id' must be a string or an integer, got {\"a\": [1, false]}"),

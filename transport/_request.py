@@ -21,7 +21,7 @@ from trioserve import InvalidInput, TensorSpec
 from ._request_json import loads_request
 from ._signature import ModelSignature
 from ._tensors import _decode_tensor, _may_hold_bool, _no_shared_memory
-from ._v2 import DTYPES, datatype_of, id_problem, json_data, shown
+from ._v2 import DTYPES, datatype_of, id_problem, id_type_problem, json_data, shown
 
 #: The most classes an output may be asked for (the classification extension).
 MAX_CLASSES = 65_536
@@ -178,9 +178,7 @@ class InferRequest:
         rid = doc.get("id")
         if rid is not None:
             if type(rid) not in (str, int):
-                raise InvalidInput(
-                    f"'id' must be a string or an integer, got {shown(rid, body)}"
-                )
+                raise InvalidInput(f"'id' {id_type_problem(rid, body)}")
             why = id_problem(rid)
             if why is not None:
                 raise InvalidInput(f"'id': {why}")

@@ -18,7 +18,7 @@ from ._replay import RECEIVE_SIZE
 from ._request import InferRequest
 from ._request_json import loads_request
 from ._response import encode_response
-from ._v2 import error_frame, id_problem, shown
+from ._v2 import error_frame, id_problem, id_type_problem, shown
 
 
 class _Answers:
@@ -156,14 +156,7 @@ class _Answers:
                 raise InvalidInput(
                     "a stream message needs an 'id' (string or integer)"
                     if rid is None else
-                    "a stream message's 'id' must be a string or an integer; an "
-                    "integer id must be within 64 bits (-2**63 to 2**64-1): use a "
-                    "string" if type(rid) is float and rid.is_integer()
-                    # -2**63 as a float: an integer below it, rounded up (the
-                    # least id itself is read as an int)
-                    and not -(2**63) < rid < 2**64 else
-                    "a stream message's 'id' must be a string or an integer, got "
-                    f"{shown(rid, message)}"
+                    f"a stream message's 'id' {id_type_problem(rid, message)}"
                 )
             why = id_problem(rid)
             if why is not None:  # it cannot be echoed: the answer's id is null

@@ -309,6 +309,24 @@ def _float_text(value: float, text: bytes | str) -> str:
 _json_string = json.encoder.c_encode_basestring or json.encoder.py_encode_basestring
 
 
+#: Why an integer id is refused past 64 bits: orjson neither reads (it makes it a
+#: float) nor writes one, so no answer could echo it.
+_ID_BITS = "an integer id must be within 64 bits (-2**63 to 2**64-1): use a string"
+
+
+def id_type_problem(rid: Any, text: bytes | str) -> str:
+    """What is wrong with a request's id that is neither a string nor an integer (nor
+    absent), as the refusal of ``'id'`` ends: "must be a string or an integer, got"
+    what was sent, or for an integer past 64 bits, which the JSON parser read as a
+    float, the bound. The same words over HTTP and on a stream. Only a refusal pays
+    for it; not a checkpoint."""
+    # -2**63 as a float: an integer just below it, rounded up (the least id itself
+    # is read as an int)
+    if type(rid) is float and rid.is_integer() and not -(2**63) < rid < 2**64:
+        return f"must be a string or an integer; {_ID_BITS}"
+    return f"must be a string or an integer, got {shown(rid, text)}"
+
+
 def id_problem(rid: str | int) -> str | None:
     """Why a request's id (a str or an int) cannot be echoed in a JSON answer, or
     None. An integer past 64 bits or a string with a lone surrogate only comes from
@@ -319,9 +337,7 @@ def id_problem(rid: str | int) -> str | None:
     if type(rid) is int:
         if -(2**63) <= rid < 2**64:
             return None
-        return (
-            "an integer id must be within 64 bits (-2**63 to 2**64-1): use a string"
-        )
+        return _ID_BITS
     if rid.isascii():
         return None
     try:
@@ -408,6 +424,7 @@ __all__ = [
     "dumps",
     "error_body",
     "error_frame",
+    "id_type_problem",
     "json_data",
     "json_loads",
     "loads",
