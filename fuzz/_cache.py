@@ -75,7 +75,7 @@ from ._cache_model import Dispatched, KeyModel, ModelRun, device_class
 from ._cache_scenario import HORIZON_S, TICK, Ask, CacheScenario, Invalidate
 from ._cache_scenario import cache_scenarios as cache_scenarios
 from ._checker import InvariantViolation
-from ._device import NoZygote, watchdog_class
+from ._driven import NoZygote, watchdog_class
 from ._product import PRODUCT, Product
 from ._runtime import Outcome, _cancel_at, _tasks, leaked_since, replay
 from ._stats import count_example, expect, note

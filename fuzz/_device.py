@@ -18,7 +18,7 @@ batch, or after writing that batch's result, its exit found before the results i
 wrote are read, or while its batch is sent; killed as a straggler, it may have
 written the late batch's result just as its deadline passed,
 :meth:`SimWorker._writes_as_cut_off`), and the watchdog is a
-:class:`DrivenWatchdog`, whose clock is trio's and whose deadlines a task of the
+:class:`~fuzz._driven.DrivenWatchdog`, whose clock is trio's and whose deadlines a task of the
 scenario fires: so the runtime's deadlines of requests in running batches, the batch
 cut-off and a dead worker's hand-back all run as they do in production, and replay
 exactly.
@@ -27,7 +27,6 @@ exactly.
 from __future__ import annotations
 
 import collections
-import heapq
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -568,67 +567,6 @@ def death_of(key: int) -> str:
     before the results still unread are read), "send" (once: it dies while the batch
     is sent to it, which it never had whole)."""
     return ("ran", "wrote", "send")[key % 3]
-
-
-class DrivenWatchdog(trioserve.actors.Watchdog):
-    """The watchdog on trio's clock (``Scenario.running``): no thread; the
-    scenario's task :meth:`drive` fires each deadline at its trio time, in that
-    task. Bound to its run by :func:`watchdog_class`."""
-
-    run: Run
-
-    def __init__(self) -> None:
-        super().__init__(clock=trio.current_time)
-        self.wake = trio.Event()
-        self.run.watchdog = self
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def arm_call(self, seconds: float, fn: Any) -> Any:
-        armed = super().arm_call(seconds, fn)
-        self.wake.set()
-        return armed
-
-    def live(self) -> int:
-        """How many deadlines are armed (neither fired nor disarmed)."""
-        return self._live
-
-    async def drive(self) -> None:
-        """Fire every deadline at its time, for good (cancelled at the run's end)."""
-        heap = self._heap
-        while True:
-            while heap and not heap[0][2].live:
-                heapq.heappop(heap)
-            with trio.move_on_at(heap[0][0] if heap else math.inf):
-                await self.wake.wait()
-            self.wake = trio.Event()
-            now = trio.current_time()
-            while heap and (heap[0][0] <= now or not heap[0][2].live):
-                _, _, entry = heapq.heappop(heap)
-                if entry.live:
-                    entry.live = False
-                    self._live -= 1
-                    self.fired += 1
-                    entry.fn()
-
-
-def watchdog_class(run: Run) -> type:
-    return type("DrivenWatchdog", (DrivenWatchdog,), {"run": run})
-
-
-class NoZygote:
-    """The zygote a runtime with worker processes starts: none is needed for
-    :class:`SimWorker`."""
-
-    async def start(self) -> None:
-        await trio.lowlevel.checkpoint()
-
-    async def aclose(self) -> None:
-        await trio.lowlevel.checkpoint()
 
 
 def batcher_class(base: type, run: Run) -> type:

@@ -50,16 +50,8 @@ from hypothesis.internal.entropy import deterministic_PRNG
 
 from ._checker import InvariantViolation, QueueObserver, batch_cost
 from ._crashes import watch_crashes
-from ._device import (
-    EchoModel,
-    Execution,
-    NoZygote,
-    batcher_class,
-    item_input,
-    item_key,
-    part_id,
-    watchdog_class,
-)
+from ._device import EchoModel, Execution, batcher_class, item_input, item_key, part_id
+from ._driven import NoZygote, watchdog_class
 from ._product import PRODUCT, Product, observed_queue_class
 from ._replicas import Replicas, scheduler_class
 from ._runtime_checks import check
