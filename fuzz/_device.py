@@ -17,7 +17,9 @@ their latency says (a "crash" item kills it, :func:`death_of`: at the end of its
 batch, or after writing that batch's result, its exit found before the results it
 wrote are read, or while its batch is sent; killed as a straggler, it may have
 written the late batch's result just as its deadline passed,
-:meth:`SimWorker._writes_as_cut_off`), and the watchdog is a
+:meth:`SimWorker._writes_as_cut_off`; dead or cut off so, it may not have read
+the batch after it yet, and says so, ``never_read``, or cannot say,
+:meth:`SimWorker._reads_next`), and the watchdog is a
 :class:`~fuzz._driven.DrivenWatchdog`, whose clock is trio's and whose deadlines a task of the
 scenario fires: so the runtime's deadlines of requests in running batches, the batch
 cut-off and a dead worker's hand-back all run as they do in production, and replay
@@ -218,7 +220,8 @@ class TrioWorker:
         #: started (those after the first whose result it had not written)
         self.never_started = 0
         #: as a WorkerProcess's: once killed, how many of the batches it held, the
-        #: newest, it never read whole (not known here: 0)
+        #: newest, it never read whole (its pipe's word: 0 when it cannot say, a
+        #: batch being sent, or :meth:`_reads_next` None)
         self.never_read = 0
         #: what it died of, once it died on its own (a planted death's words)
         self._why: str | None = None
@@ -263,6 +266,14 @@ class TrioWorker:
         """Whether the worker, killed as this batch (the oldest, running) ran past
         its deadline, had just written its result: done then, unread."""
         return False
+
+    def _reads_next(self, record: Any) -> bool | None:
+        """Whether the worker, dead or cut off just as it wrote the result of the
+        batch before ``record`` (its results unread), had read ``record`` whole:
+        True (it had begun it), False (it had not, and its pipe says so:
+        ``never_read``), None (it had not, and its pipe cannot say: ``never_read``
+        is 0, and the batcher takes it for begun, as it must)."""
+        return True
 
     # ------------------------------------------------ the worker
     @property
@@ -315,6 +326,20 @@ class TrioWorker:
             rest = held[written:]
             # (the oldest unfinished was running, unless it was still being sent)
             began = 1 if rest and rest[0][0] is not self._sending else 0
+            # Those after it it never read (it reads a batch once the one before is
+            # done), nor one being sent (but its pipe cannot say then: a message
+            # half written). The oldest unfinished, right after the results it
+            # wrote (unread) and not one it died running, it may not have read
+            # yet: its pipe may say so.
+            self.never_read = len(rest) - began if self._sending is None else 0
+            died_running = self._death is not None and self._death[1] is not None
+            if began and self._unread and not died_running:
+                reads = self._reads_next(rest[0][0])
+                if reads is False:
+                    began = 0
+                    self.never_read = len(rest)
+                elif reads is None:
+                    self.never_read = 0  # (not known: taken for begun)
             self.never_started = max(0, len(rest) - began)
             self._after_unread = rest[0][0] if began else None
             self.reached_upto = written + began
@@ -437,6 +462,8 @@ class SimWorker(TrioWorker):
         #: in the batcher's executions (see :meth:`_read_unread`)
         self._added: set[Any] = set()
         self._gone: dict[int, int] = {}
+        #: once killed: the batches it held, the oldest first
+        self.held: list[Execution] = []
 
     def _stage(self, items: list[Any]) -> tuple[Execution, float]:
         batcher = self._batcher
@@ -492,6 +519,17 @@ class SimWorker(TrioWorker):
         note("runtime", "running: stragglers cut off as they wrote their result")
         return True
 
+    def _reads_next(self, record: Execution) -> bool | None:
+        # A mapping of the key of the batch's first part, so a seed's examples are
+        # as they were drawn: a third of the calls each way.
+        reads = (True, False, None)[record.parts[0][0] % 3]
+        note(
+            "runtime",
+            "running: batches after a written result "
+            + {True: "begun", False: "never read", None: "not known if read"}[reads],
+        )
+        return reads
+
     def _dies_sending(self, record: Execution) -> str | None:
         crash = self._crash(record, "send")
         if not crash:
@@ -505,6 +543,7 @@ class SimWorker(TrioWorker):
         self._run.current = record
 
     def _killed_holding(self, records: list[Execution]) -> None:
+        self.held = records
         now = trio.current_time()
         replicas = self._run.replicas
         self._added = set()
@@ -538,7 +577,8 @@ class SimWorker(TrioWorker):
         # nothing (those whose results were written, "wrote"; the others killed or
         # handed back); it read what the worker wrote: those ran to their end (the
         # model ran them just now), and the one after them is the one it died
-        # running, or (cut off) had just begun: handed back as it was, charged.
+        # running, or (cut off) had just begun: handed back as it was, charged
+        # (None: it had not read it, and its pipe said so, never_read).
         replicas = self._run.replicas
         replicas.suspects -= self._added
         executions = self._batcher._executions
@@ -649,13 +689,23 @@ def batcher_class(base: type, run: Run) -> type:
                     self._left_worker(batch)
 
         def _lose(self, worker: Any, why: str, *, died: bool = False) -> None:
-            if not died and worker.alive:
+            fresh = worker.alive
+            if not died and fresh:
                 worker.cut_off()  # (killed as a straggler)
-            super()._lose(worker, why, died=died)
+            try:
+                super()._lose(worker, why, died=died)
+            finally:
+                if fresh:
+                    run.check_never_reached(worker.held)
 
         def _replace_broken(self, worker: Any) -> None:
             worker.whole = True  # its batches go back as they were
-            super()._replace_broken(worker)
+            fresh = worker.alive
+            try:
+                super()._replace_broken(worker)
+            finally:
+                if fresh:
+                    run.check_never_reached(worker.held)
 
         async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             if run.scenario.running:

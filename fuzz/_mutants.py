@@ -27,6 +27,7 @@ from ._mutants_faults import (
     CutOffLeavesFollowersWaiting,
     DeathFailsTheBatch,
     FallbackWhileOpen,
+    NeverReadCharged,
     SendingBatchBlamed,
     UnreadResultsRunAgain,
 )
@@ -234,7 +235,7 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
     ),
     # A worker's death on a running scenario's replica, after it wrote results
     # nobody read, or while a batch was sent to it, and a worker cut off as it wrote
-    # the late batch's result (fuzz/_mutants_faults.py).
+    # the late batch's result, the batch after it never read (fuzz/_mutants_faults.py).
     "unread-results-run-again": (
         "the results a dead worker wrote and nobody read are dropped: their batches "
         "run again",
@@ -254,6 +255,13 @@ MUTANTS: dict[str, tuple[str, Product, tuple[str, ...]]] = {
         attrs.evolve(
             PRODUCT, name="cut-off-ignores-unread", batcher_class=CutOffIgnoresUnreadResults
         ),
+        ("runtime",),
+    ),
+    "never-read-charged": (
+        "a batch its lost worker never read whole (its pipe said so) is charged as "
+        "begun: the suspect of a death after a written result, or run behind a "
+        "straggler cut off as it wrote",
+        attrs.evolve(PRODUCT, name="never-read-charged", batcher_class=NeverReadCharged),
         ("runtime",),
     ),
     # The admission suite's own: the credits.

@@ -100,3 +100,23 @@ class CutOffIgnoresUnreadResults(BatcherActor):
         if not died and worker.alive:
             worker.unread_results = list  # (read nothing: an empty list)
         super()._lose(worker, why, died=died)
+
+
+class NeverReadCharged(BatcherActor):
+    """A worker lost just as it wrote a result is taken to have begun the batch
+    after it, though its pipe said it never read that one whole
+    (``WorkerProcess.never_read`` ignored, as before the batcher asked): the batch
+    is charged (marked as having run: its caller, leaving, not refunded) behind a
+    straggler cut off as it wrote, or split as the suspect of a worker that died
+    after writing (a poison attempt counted)."""
+
+    def _lose(self, worker: Any, why: str, *, died: bool = False) -> None:
+        if worker.alive:
+            kill = worker.kill
+
+            def kill_not_asking() -> None:
+                kill()
+                worker.never_read = 0  # (what its pipe said is not asked)
+
+            worker.kill = kill_not_asking
+        super()._lose(worker, why, died=died)

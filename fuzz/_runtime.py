@@ -76,6 +76,9 @@ expect(
     "running: workers dead while a batch was sent",
     "running: stragglers cut off as they wrote their result",
     "running: results read from a cut-off worker's pipe",
+    "running: batches after a written result begun",
+    "running: batches after a written result never read",
+    "running: batches after a written result not known if read",
 )
 
 
@@ -203,6 +206,31 @@ class Run:
                     f"{[(f'{e.at:.6g}', e.status) for e in made]}; its batches: "
                     f"{[(f'{e.at:.6g}', e.status) for e in self.executions if k in e.keys]}",
                 ))
+
+    def check_never_reached(self, held: list[Execution]) -> None:
+        """On a worker (``Scenario.running``), once its replica handed back the
+        batches it was killed holding (lost, or replaced): one that never reached
+        its device (staged behind, being sent, or not read whole: its pipe said
+        so, ``never_read``) is not charged: a request of it is marked as having run
+        (``Reply.ran``: its caller, leaving, not refunded) only when a batch
+        holding it reached a device before."""
+        for ex in held:
+            if ex.reached:
+                continue
+            for k, req in zip(ex.keys, ex.reqs, strict=True):
+                ran = [
+                    e for e in self.executions
+                    if e.reached and any(r.reply is req.reply for r in e.reqs)
+                ]
+                if req.reply.ran and not ran:
+                    self.violations.append((
+                        "outcome",
+                        f"item {k[0]} (part at {k[1]}) was charged as having run "
+                        f"(Reply.ran) when its worker on replica {ex.replica} was lost "
+                        f"or replaced at t={ex.end:.6g}, though its batch (started at "
+                        f"t={ex.at:.6g}, {ex.status}) never reached the device, nor "
+                        "did any batch holding it before",
+                    ))
 
     def fault(self, key: int) -> str | None:
         return self.items[key][1].fault

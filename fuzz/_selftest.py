@@ -44,7 +44,6 @@ TEST_SEEDS = {
     "unload-before-drained": 1,
     "start-keeps-old-stable": 2,
     "unread-results-run-again": 2,
-    "sending-batch-blamed": 2,
 }
 
 
