@@ -3,7 +3,10 @@ poison request, model errors reaching only their own input, killed worker proces
 replaced with their batches retried, the circuit breaker and readiness.
 
 Batch deadlines are wall-clock (a device's time is real time), so the tests that
-need one to pass use real time with deadlines of tens of milliseconds; the decisions
+need one to pass either use real time with deadlines of tens of milliseconds, for a
+call held until the test releases it, or a model that moves the watchdog's clock
+itself (``SlowOn``: a real sleep against a real deadline is cut late, or not at all,
+on a loaded machine, and an innocent call can be cut off there); the decisions
 themselves (deadline from observed times, the split, the breaker) are sans-IO and
 tested with explicit times. Shutdown with a model call cut off is in
 test_shutdown_grace.py, the slow lane and hedging in test_hedging.py.
@@ -25,6 +28,7 @@ import trio.testing
 import trioserve
 from runtime_helpers import (
     GATE_LIMIT_S,
+    ManualWatchdog,
     NoZygote,
     _StandIn,
     callable_model,
@@ -161,8 +165,12 @@ async def test_the_watchdog_cancels_a_scope_after_wall_time_and_not_when_disarme
 
 # ---------------------------------------------------------------- through the runtime
 class SlowOn:
-    """A thread model doubling ``x``; an item with x[0] == 99 makes its batch take
-    ``seconds`` of wall time. Records each batch's keys."""
+    """A thread model doubling ``x``; a batch holding an item with x[0] == 99 takes
+    ``seconds`` on its replica's wall clock, the runtime's :class:`ManualWatchdog`
+    (the ``manual_watchdog`` fixture): the model moves that clock from its thread, so
+    a batch deadline shorter than ``seconds`` passes while the call runs, and no other
+    batch takes any of that clock (whatever the machine's load, neither a late cut
+    nor an innocent batch cut off). Records each batch's keys."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -174,17 +182,18 @@ class SlowOn:
         with self._lock:
             self.batches.append(keys)
         if 99.0 in keys:
-            time.sleep(self.seconds)
+            # the cut is delivered in the event loop before this returns
+            trio.from_thread.run_sync(ManualWatchdog.made[-1].advance, self.seconds)
         return [{"y": it["x"] * 2} for it in items]
 
 
-async def test_a_straggler_batch_is_bisected_until_the_poison_request_is_isolated():
-    # Real time: a deadline of 150 ms (not 50) leaves an innocent part room on a
-    # loaded machine; a part counted a straggler would change every count below.
+async def test_a_straggler_batch_is_bisected_until_the_poison_request_is_isolated(
+    manual_watchdog,
+):
+    # The batches' wall clock moves only in the model's batches holding 99: a part
+    # counted a straggler would change every count below.
     model = SlowOn(0.6)
-    cfg = config(straggler_model(
-        model, replicas=2, batch_timeout_floor_ms=150.0, batch_timeout_cap_ms=150.0
-    ))
+    cfg = config(straggler_model(model, replicas=2))
     results: dict[float, object] = {}
     async with trioserve.open_runtime(cfg) as rt:
 
@@ -204,7 +213,7 @@ async def test_a_straggler_batch_is_bisected_until_the_poison_request_is_isolate
     # Alone once: of two thread replicas, a second run would hang the last ready
     # one (test_thread_hang.py). The parts waited for the first thread to return.
     assert (
-        "ran past its deadline of 0.150s when it ran alone, its worker thread still "
+        "ran past its deadline of 0.050s when it ran alone, its worker thread still "
         "runs, and no other replica can be spared"
     ) in str(poison)
     assert {v: float(r["y"][0]) for v, r in results.items()} == {v: 2 * v for v in range(7)}
@@ -412,7 +421,9 @@ async def test_requests_that_crash_their_worker_do_not_open_its_breaker(monkeypa
         assert rt.model_ready("m")
 
 
-async def test_straggling_retries_do_not_open_the_breaker_of_a_thread_replica(monkeypatch):
+async def test_straggling_retries_do_not_open_the_breaker_of_a_thread_replica(
+    monkeypatch, manual_watchdog
+):
     monkeypatch.setattr(trioserve.actors, "Breaker", CountingBreaker)
     model = SlowOn(0.1)
     cfg = config(straggler_model(model))
