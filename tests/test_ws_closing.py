@@ -864,6 +864,38 @@ async def test_a_message_not_received_whole_in_time_closes_the_stream_with_1008(
         await sock.aclose()
 
 
+async def test_a_stream_whose_reads_each_end_inside_a_message_is_not_closed(autojump_clock):
+    """Each message's time is counted from its own first bytes: a client with a
+    backlog (every read ends inside a message, the next begun as one ends), each
+    message whole 3 s after its first bytes, streams on well past
+    ``server.request_timeout_s``. It was closed with 1008 10 s after the first read
+    that ended inside a message, the deadline of that message kept for the next."""
+    from wsproto.events import TextMessage
+
+    cfg = config(echo_model(), server={"request_timeout_s": 10})
+    async with serving(cfg) as gw:
+        sock, ws = await _raw_handshake(gw)
+        frames = [_infer_frame(f"r{i}") for i in range(12)]
+        await sock.send_all(frames[0][:20])
+        await settle()
+        for i in range(1, 12):  # every 3 s: the end of one message, the start of the next
+            await trio.sleep(3)
+            await sock.send_all(frames[i - 1][20:] + frames[i][:20])
+            await settle()
+        assert trio.current_time() > 30
+        assert gw.statistics().streams == 1
+        await sock.send_all(frames[11][20:])
+        ids = []
+        while len(ids) < 12:
+            data = await sock.receive_some(65536)
+            assert data, f"closed with {ids} answered"
+            ws.receive_data(data)
+            ids += [json.loads(e.data)["id"] for e in ws.events() if isinstance(e, TextMessage)]
+        assert sorted(ids) == sorted(f"r{i}" for i in range(12))
+        assert gw.statistics().streams == 1
+        await sock.aclose()
+
+
 async def _quiet_until(sock, when: float) -> None:
     """Assert that the server sends nothing before ``when``."""
     with trio.move_on_at(when):

@@ -270,6 +270,9 @@ class _Reader:
                                 message = bytes(partial)
                                 partial = None
                             n, size = size, 0
+                            # whole: the time of a message begun after it in this
+                            # read is its own, counted afresh below
+                            deadline = math.inf
                             if self.in_flight >= bound or self._over_budget(n):
                                 waiting = message
                                 self._events, self._ahead = more, None
