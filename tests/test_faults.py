@@ -2,11 +2,12 @@
 poison request, model errors reaching only their own input, killed worker processes
 replaced with their batches retried, the circuit breaker and readiness.
 
-Batch deadlines are wall-clock (a device's time is real time), so the tests that
-need one to pass either use real time with deadlines of tens of milliseconds, for a
-call held until the test releases it, or a model that moves the watchdog's clock
-itself (``SlowOn``: a real sleep against a real deadline is cut late, or not at all,
-on a loaded machine, and an innocent call can be cut off there); the decisions
+Batch deadlines are wall-clock (a device's time is real time): the tests that need
+one to pass through the runtime keep it on the ``manual_watchdog`` fixture's clock,
+which the straggling call itself moves past its deadline (``SlowOn``, or a call held
+until the test releases it): a real sleep against a real deadline is cut late, or
+not at all, on a loaded machine, and an innocent call can be cut off there. Only the
+watchdog's own thread is tested in real time; the decisions
 themselves (deadline from observed times, the split, the breaker) are sans-IO and
 tested with explicit times. Shutdown with a model call cut off is in
 test_shutdown_grace.py, the slow lane and hedging in test_hedging.py.
@@ -224,11 +225,17 @@ async def test_a_straggler_batch_is_bisected_until_the_poison_request_is_isolate
     assert stats["statuses"]["poison"] == 1
 
 
-async def test_a_replica_with_a_straggling_thread_is_not_ready_until_it_returns():
+async def test_a_replica_with_a_straggling_thread_is_not_ready_until_it_returns(
+    manual_watchdog,
+):
+    # The call holding 99 moves the wall clock past its deadline, then hangs until
+    # released; no other call takes any of that clock (a real 50 ms deadline could
+    # cut off the innocent call below on a loaded machine).
     release = threading.Event()
 
     def held(items):
         if any(key(it) == 99.0 for it in items):
+            trio.from_thread.run_sync(manual_watchdog.made[-1].advance, 0.05)
             release.wait(30)
         return [{"y": it["x"]} for it in items]
 
@@ -236,7 +243,7 @@ async def test_a_replica_with_a_straggling_thread_is_not_ready_until_it_returns(
     async with trioserve.open_runtime(cfg) as rt:
         assert rt.model_ready("m")
         with pytest.raises(ModelError, match="poison request"):
-            await rt.infer("m", item(99))  # cut off after 50 ms; alone: poison at once
+            await rt.infer("m", item(99))  # cut off at 50 ms; alone: poison at once
         batcher = rt.models["m"].batchers[0]
         assert batcher.health == "degraded"
         assert not rt.model_ready("m")
@@ -247,19 +254,24 @@ async def test_a_replica_with_a_straggling_thread_is_not_ready_until_it_returns(
         assert rt.model_ready("m")
 
 
-async def test_a_retried_request_is_answered_at_its_deadline_while_its_only_replica_straggles():
+async def test_a_retried_request_is_answered_at_its_deadline_while_its_only_replica_straggles(
+    manual_watchdog,
+):
     """The lone thread replica hangs on 99 in a batch with 1; the batch is cut off
     after 50 ms and its parts go back for a retry, but the replica pulls nothing
     until the thread returns. Both callers are answered DeadlineExceeded at the
     model's timeout (500 ms), while the thread still hangs: they waited for the
     thread to return before, because only a pull answered a retry past its
     deadline. (A timeout sooner than the cut is answered while the batch runs:
-    test_running_deadlines.py.) Real clock: the watchdog keeps wall time."""
+    test_running_deadlines.py.) Real clock for the timeout; the call moves the
+    watchdog's wall clock by the 50 ms itself, so the cut comes before the
+    timeout whatever the machine's load."""
     timeout_ms = 500.0
     release = threading.Event()
 
     def held(items):
         if any(key(it) == 99.0 for it in items):
+            trio.from_thread.run_sync(manual_watchdog.made[-1].advance, 0.05)
             release.wait(GATE_LIMIT_S)
         return [{"y": it["x"]} for it in items]
 

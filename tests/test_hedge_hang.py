@@ -29,13 +29,16 @@ from trioserve.actors._straggler import Hang, mark_hung
 
 
 # ---------------------------------------------------------------- through the runtime
-async def test_a_hedged_input_that_hangs_takes_two_replicas_at_most_and_is_answered_poison():
+async def test_a_hedged_input_that_hangs_takes_two_replicas_at_most_and_is_answered_poison(
+    manual_watchdog,
+):
     """Three thread replicas, hedging after 1 ms. The input hangs its replica, its
     copy hangs a second; the original was retried on the third, which hung too, and
     the model served nobody. Now neither is run again: the caller gets the poison
     error once the copy's batch too ran past its deadline, and the third replica
-    serves what comes."""
-    model = Hangs()
+    serves what comes. (The copy, hanging beside the original, moves the wall clock
+    past both batches' deadlines.)"""
+    model = Hangs(cut=2)
     try:
         cfg = hanging_model(model, replicas=3, hedge=True, hedge_after_ms=1)
         async with trioserve.open_runtime(config(cfg)) as rt:
@@ -56,12 +59,15 @@ async def test_a_hedged_input_that_hangs_takes_two_replicas_at_most_and_is_answe
         model.let_all_return()
 
 
-async def test_two_thread_replicas_send_no_hedge_copy_so_a_hanging_input_takes_one():
+async def test_two_thread_replicas_send_no_hedge_copy_so_a_hanging_input_takes_one(
+    manual_watchdog,
+):
     """Two thread replicas, hedging after 1 ms. The copy of an input that hangs used
     to hang the other replica too, and the model served nobody (readiness 503,
     every request waiting to its deadline). No copy is sent now: the input takes
-    its own replica, is answered poison, and the other replica serves."""
-    model = Hangs()
+    its own replica, is answered poison, and the other replica serves. (The call
+    moves the wall clock once the hedge delay has passed: a copy would be sent.)"""
+    model = Hangs(cut=1, cut_after=0.001)
     try:
         cfg = hanging_model(model, replicas=2, hedge=True, hedge_after_ms=1)
         async with trioserve.open_runtime(config(cfg)) as rt:

@@ -289,14 +289,14 @@ async def test_a_calls_item_with_the_input_is_poison_when_it_is_pulled_with_none
 
 # ---------------------------------------------------------------- through the runtime
 async def test_the_input_sent_again_is_poison_at_once_and_the_other_replica_serves(
-    monkeypatch,
+    monkeypatch, manual_watchdog,
 ):
     """Two thread replicas; one request hangs its call, and is poison after its run
     alone. Its client sends it again: the new request used to run on the last ready
     replica, hang it too, and the model served nobody until a hung call returned.
     Now it is answered poison at once, without running, and the other replica
     serves what comes."""
-    model = Hangs()
+    model = Hangs(cut=1)
     try:
         async with trioserve.open_runtime(config(hanging_model(model))) as rt:
             scheduler = rt.models["m"].scheduler

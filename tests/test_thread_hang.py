@@ -9,8 +9,12 @@ ready to serve meanwhile, and an input that hung a thread alone is poison at onc
 when running it again could take the model's last ready replica (docs/faults.md,
 "A hanging input and the last thread replica").
 
-The batch deadline is kept on wall time by the watchdog thread, so these tests use
-real time with deadlines of 100 ms, and release every hanging call at their end.
+The batch deadline is kept on wall time, the watchdog's: the runtime tests keep it on
+the :class:`ManualWatchdog` (the ``manual_watchdog`` fixture) and a hanging call moves
+that clock past its deadline of 100 ms from its thread (``Hangs``), so its batch is cut
+off while it hangs and no innocent batch is: a real deadline kept by the watchdog
+thread can cut off a trivial call on a loaded machine. They release every hanging
+call at their end.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pytest
 import trio
 import trio.testing
 import trioserve
-from runtime_helpers import GATE_LIMIT_S, callable_model, config, item, key
+from runtime_helpers import GATE_LIMIT_S, ManualWatchdog, callable_model, config, item, key
 from trioserve import DeadlineExceeded, ModelError, Reply, Request
 from trioserve.actors import BatchLimits, FifoQueue, SchedulerActor
 from trioserve.actors._straggler import Hang
@@ -37,11 +41,20 @@ SERVED_WITHIN = 5.0
 class Hangs:
     """A thread model doubling ``x``; a batch holding ``HANG`` (or another of
     ``hanging``) blocks until the test lets one such call return
-    (``let_one_return``), as a model stuck on an input would. Records each batch's
-    keys."""
+    (``let_one_return``), as a model stuck on an input would. With ``cut`` (n), a
+    call that hangs while n or more do (itself included) first moves the runtime's
+    :class:`ManualWatchdog` (the ``manual_watchdog`` fixture) by ``DEADLINE_MS``,
+    from its thread: every batch running then is cut off, before it blocks, and no
+    other batch takes any of that clock; with ``cut_after`` too, it first sleeps
+    that long on trio's clock (a trio timer due sooner has fired by then). Records
+    each batch's keys."""
 
-    def __init__(self, hanging: tuple[float, ...] = (HANG,)) -> None:
+    def __init__(
+        self, hanging: tuple[float, ...] = (HANG,), *, cut: int = 0, cut_after: float = 0.0
+    ) -> None:
         self.hanging = frozenset(hanging)
+        self.cut = cut  # 0: the clock is not moved (a real watchdog cuts them)
+        self.cut_after = cut_after
         self.batches: list[list[float]] = []
         self.hung = 0  # calls blocked now
         self._lock = threading.Lock()
@@ -54,6 +67,12 @@ class Hangs:
         if self.hanging.intersection(keys):
             with self._lock:
                 self.hung += 1
+                hung = self.hung
+            if self.cut and hung >= self.cut:
+                if self.cut_after:
+                    trio.from_thread.run(trio.sleep, self.cut_after)
+                # the cut is delivered in the event loop before this blocks
+                trio.from_thread.run_sync(ManualWatchdog.made[-1].advance, DEADLINE_MS / 1000)
             try:
                 if not self._returns.acquire(timeout=GATE_LIMIT_S):
                     raise RuntimeError("the test never let the call return")
@@ -154,12 +173,14 @@ class Answers:
             await self._came.wait()
 
 
-async def test_an_input_that_hangs_alone_is_poison_at_once_and_the_other_replica_serves():
+async def test_an_input_that_hangs_alone_is_poison_at_once_and_the_other_replica_serves(
+    manual_watchdog,
+):
     """Two thread replicas; one request hangs its call for ever. It was retried on
     the other replica, hung it too, and the innocent requests sent after it waited
     for the hung calls (until the test let them return). Now it is poison after its
     first run, alone, and the other replica serves what comes."""
-    model = Hangs()
+    model = Hangs(cut=1)
     try:
         async with trioserve.open_runtime(config(hanging_model(model))) as rt:
             with trio.fail_after(SERVED_WITHIN):
@@ -183,7 +204,7 @@ async def test_an_input_that_hangs_alone_is_poison_at_once_and_the_other_replica
 
 
 async def test_a_hung_batchs_parts_wait_for_a_replica_to_spare_and_the_innocents_are_answered(
-    monkeypatch,
+    monkeypatch, manual_watchdog,
 ):
     """Two thread replicas; a batch of four holding the hanging input is cut off on
     one. Its parts (any may hang) are not run on the last ready replica, which
@@ -193,7 +214,7 @@ async def test_a_hung_batchs_parts_wait_for_a_replica_to_spare_and_the_innocents
     serving; the three innocents, held while no replica can be spared (any of them
     may hang too: a batch may hold two such inputs), get their values once that
     second call returns."""
-    model = Hangs()
+    model = Hangs(cut=1)
     cfg = config(hanging_model(model, max_batch_size=4, max_wait_ms=10_000))
     try:
         async with trioserve.open_runtime(cfg) as rt:
@@ -238,14 +259,14 @@ async def test_a_hung_batchs_parts_wait_for_a_replica_to_spare_and_the_innocents
 
 
 async def test_a_hung_batchs_parts_are_answered_at_their_deadline_if_no_replica_can_be_spared(
-    monkeypatch,
+    monkeypatch, manual_watchdog,
 ):
     """As above, but the hung call never returns (within the test): the parts held
     for a replica to spare are answered DeadlineExceeded at the model's timeout
     (charged: they ran), as any retry is, while the other replica serves; nothing
     is lost, and no part ran on the last ready replica."""
     timeout = 0.5
-    model = Hangs()
+    model = Hangs(cut=1)
     cfg = config(
         hanging_model(model, max_batch_size=2, max_wait_ms=10_000, timeout_ms=timeout * 1000)
     )
@@ -282,11 +303,13 @@ async def test_a_hung_batchs_parts_are_answered_at_their_deadline_if_no_replica_
         assert not error.in_queue
 
 
-async def test_with_three_replicas_a_hanging_input_is_run_alone_twice_and_one_replica_serves():
+async def test_with_three_replicas_a_hanging_input_is_run_alone_twice_and_one_replica_serves(
+    manual_watchdog,
+):
     """Three thread replicas: where a replica can be spared, an input that hung
     alone is retried as any poison candidate is (``poison_attempts``, 2), then
     poison; the third replica serves the traffic sent after it."""
-    model = Hangs()
+    model = Hangs(cut=1)
     try:
         async with trioserve.open_runtime(config(hanging_model(model, replicas=3))) as rt:
             with trio.fail_after(SERVED_WITHIN):
@@ -304,7 +327,9 @@ async def test_with_three_replicas_a_hanging_input_is_run_alone_twice_and_one_re
         model.let_all_return()
 
 
-async def test_two_hanging_inputs_in_one_batch_put_one_replica_at_risk_at_a_time(monkeypatch):
+async def test_two_hanging_inputs_in_one_batch_put_one_replica_at_risk_at_a_time(
+    monkeypatch, manual_watchdog,
+):
     """Two thread replicas; a batch holds two inputs that hang, and two innocents.
     Once the batch's hung call returned, its four parts used to be ordinary retries:
     each replica took one, both hanging inputs ran at once, and both replicas hung
@@ -313,7 +338,7 @@ async def test_two_hanging_inputs_in_one_batch_put_one_replica_at_risk_at_a_time
     a time is put at risk, the other serves the traffic sent meanwhile, and each of
     the four is answered once (the innocents once both hanging inputs are found,
     each hung call let return here; else at their deadline)."""
-    model = Hangs(hanging=(HANG, HANG2))
+    model = Hangs(hanging=(HANG, HANG2), cut=1)
     cfg = config(hanging_model(model, max_batch_size=4, max_wait_ms=10_000))
     try:
         async with trioserve.open_runtime(cfg) as rt:
