@@ -55,6 +55,7 @@ async def test_a_hedged_input_that_hangs_takes_two_replicas_at_most_and_is_answe
             assert got == {float(v): 2.0 * v for v in range(1, 9)}
             assert model.runs_of(HANG) == [1, 1]
             assert rt.statistics()["m"]["statuses"]["poison"] == 2  # the two answered
+            model.let_all_return()  # before the close, which waits for hung calls
     finally:
         model.let_all_return()
 
@@ -81,6 +82,7 @@ async def test_two_thread_replicas_send_no_hedge_copy_so_a_hanging_input_takes_o
                 got = await values(rt, [float(v) for v in range(1, 9)])
             assert got == {float(v): 2.0 * v for v in range(1, 9)}
             assert model.runs_of(HANG) == [1]
+            model.let_all_return()  # before the close, which waits for hung calls
     finally:
         model.let_all_return()
 

@@ -248,6 +248,7 @@ async def test_a_crashed_thread_replica_re_decides_a_held_input(monkeypatch):
             assert len(runs_of_hang) == 2  # not run again
             assert model.runs_of(HANG) == [1]
             assert sorted(healths(rt)) == ["degraded", "ready", "ready"]
+            model.let_all_return()  # before the close, which waits for hung calls
     finally:
         model.let_all_return()
 
