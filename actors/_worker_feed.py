@@ -319,6 +319,13 @@ class WorkerFeed:
         N))``, ``died (worker process exited (pid N; …))``, ``exited (pid N)``)."""
         return f"its {self._worker_kind} died ({worker.died_of()})"
 
+    def _never_had(self, worker: WorkerProcess, batch: list[Request], newest: int) -> bool:
+        """Whether the lost ``worker`` never had ``batch`` whole, so never ran it: it
+        was being sent, or its pipe still held it (or its end) as the kill was sent
+        (``WorkerProcess.never_read``); ``newest``: how many batches in flight, it
+        included, are it and those sent after it. Not a checkpoint."""
+        return batch is self._sending or newest <= worker.never_read
+
     def _lose(self, worker: WorkerProcess, why: str, *, died: bool = False) -> None:
         """The worker is gone (or must go): kill it, answer those of its batches it
         had finished, with the results it wrote and nobody read (in its pipe:
@@ -350,9 +357,7 @@ class WorkerFeed:
         if not died:
             self._log_cut_off(why, done)
         crashed = batches[done] if done < len(batches) else None
-        if crashed is not None and (
-            crashed is self._sending or len(batches) - done <= worker.never_read
-        ):
+        if crashed is not None and self._never_had(worker, crashed, len(batches) - done):
             # It died as this batch was being sent (what it had of it, it was
             # reading), or before it read it whole (its pipe still held it, or its
             # end, as it was killed: WorkerProcess.never_read): it never had it
@@ -564,8 +569,8 @@ class WorkerFeed:
         done = len(results)
         self._answer_unread(results, success=False)
         batches = batches[done:]
-        if batches and batches[0] is not self._sending and len(batches) > worker.never_read:
-            for r in batches[0]:  # (not one it never read whole: it never ran it)
+        if batches and not self._never_had(worker, batches[0], len(batches)):
+            for r in batches[0]:
                 r.reply.ran = True
         for b in batches:
             self._scheduler.completed(b, failed=True)
