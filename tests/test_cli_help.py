@@ -444,6 +444,40 @@ async def test_the_banners_curl_line_works_for_any_model_name_and_input_name():
     assert answer.json()["model_name"] == "a b?#é"
 
 
+@pytest.mark.parametrize(
+    "datatype", ["BOOL", "UINT8", "UINT64", "INT8", "INT64", "FP16", "FP64", "BYTES"]
+)
+async def test_the_banners_curl_line_is_served_for_every_input_datatype(datatype):
+    """The curl line wrote the sample's zeros as floats whatever the input's
+    datatype (``"data":[0.0, ...]``), which the server refuses for BOOL and the
+    integer datatypes (400, "expected BOOL values, got floats"). Each datatype's
+    sample is now of its own kind (``false``, ``0``), and the line is answered 200."""
+    import shlex
+
+    import trioserve
+    from http_helpers import config, serving
+    from trioserve.transport._client import HttpClient
+    from trioserve.transport._main import banner
+
+    backend = trioserve.CallableBackend(
+        lambda items: [{"y": it["x"]} for it in items],
+        inputs=[trioserve.TensorSpec(name="x", datatype=datatype, shape=(2,))],
+        outputs=[trioserve.TensorSpec(name="y", datatype=datatype, shape=(2,))],
+        execution="inline",
+    )
+    cfg = config(trioserve.ModelConfig(name="m", backend=backend, max_wait_ms=0.0))
+    async with serving(cfg) as gw:
+        argv = shlex.split(banner(gw).splitlines()[-1])
+        url, body = argv[2], argv[argv.index("-d") + 1]
+        client = HttpClient(gw.url)
+        try:
+            answer = await client.request("POST", url[len(gw.url):], body.encode())
+        finally:
+            await client.aclose()
+    assert answer.status == 200, answer.body
+    assert answer.json()["outputs"][0]["datatype"] == datatype
+
+
 class _TwoAddresses(trio.abc.HostnameResolver):
     """Resolves every name as a dual-stack ``localhost`` does, to two addresses
     (here both IPv4 loopback, which every test machine has)."""

@@ -382,7 +382,11 @@ def sample_inputs(
         else:
             data = rng.standard_normal(math.prod(shape)).astype(spec.dtype)
         if literal and isinstance(data, np.ndarray):
-            data = [round(float(v), 3) for v in data]
+            # each datatype's own kind: BOOL's false, an integer's 0 (a float among
+            # them is refused)
+            data = (
+                [round(float(v), 3) for v in data] if data.dtype.kind == "f" else data.tolist()
+            )
         tensors.append(
             {"name": spec.name, "shape": shape, "datatype": spec.datatype, "data": data}
         )
