@@ -719,7 +719,8 @@ class TorchBackend(ModelBackend):
                             f"{_count(n, 'item')}; "
                             "expected one row per item"
                         )
-                return {n: o.detach().cpu().numpy() for n, o in zip(out_names, outs, strict=True)}
+                # to_numpy: a bfloat16 output (numpy has none) comes as float32
+                return {n: to_numpy(o) for n, o in zip(out_names, outs, strict=True)}
 
         def run(items: list[Item]) -> list[dict[str, np.ndarray]]:
             stacked = run_stacked({n: np.stack([it[n] for it in items]) for n in in_names})

@@ -253,3 +253,27 @@ async def test_a_backend_prepare_raising_its_own_error_is_a_model_error():
             async with open_http(gw.url) as http:
                 res = await http.request("POST", "/v2/models/m/infer", orjson.dumps(body))
             assert (res.status, res.json()) == (500, {"error": said})
+
+
+def test_a_torch_module_answering_bfloat16_is_answered_as_declared():
+    """numpy has no bfloat16: a module answering in it (a model run in bf16, its
+    output not cast back) failed every batch with torch's ``TypeError: Got
+    unsupported ScalarType BFloat16`` (a 500). Such an output is read as float32,
+    which holds each of its values exactly, then conformed as declared (FP32 here),
+    as an input in bfloat16 is taken."""
+    torch = pytest.importorskip("torch")
+
+    class Bf16(torch.nn.Module):
+        def forward(self, x):
+            return x.to(torch.bfloat16)
+
+    backend = trioserve.TorchBackend(
+        Bf16,
+        inputs=[TensorSpec(name="x", datatype="FP32", shape=[2])],
+        outputs=[TensorSpec(name="y", datatype="FP32", shape=[2])],
+    )
+    run = backend.load("cpu")
+    outs = run([{"x": np.array([1.5, -3.0], np.float32)}])
+    assert outs[0]["y"].tolist() == [1.5, -3.0]
+    stacked = run.stacked({"x": np.array([[0.25, 1.0]], np.float32)})
+    assert (stacked["y"].dtype, stacked["y"].tolist()) == (np.float32, [[0.25, 1.0]])
