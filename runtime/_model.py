@@ -719,8 +719,18 @@ class TorchBackend(ModelBackend):
                             f"{_count(n, 'item')}; "
                             "expected one row per item"
                         )
-                # to_numpy: a bfloat16 output (numpy has none) comes as float32
-                return {n: to_numpy(o) for n, o in zip(out_names, outs, strict=True)}
+                # to_numpy: a bfloat16 output (numpy has none) comes as float32. On
+                # the CPU a tensor's array shares its memory: one the module keeps (a
+                # buffer it answers from) would be written by the next batch while
+                # this one's answers wait to be sent, so each is copied (once per
+                # output a batch; bfloat16's conversion made a new array already).
+                answers = {}
+                for name, o in zip(out_names, outs, strict=True):
+                    arr = to_numpy(o)
+                    answers[name] = (
+                        arr.copy() if on_cpu and o.dtype is not torch.bfloat16 else arr
+                    )
+                return answers
 
         def run(items: list[Item]) -> list[dict[str, np.ndarray]]:
             stacked = run_stacked({n: np.stack([it[n] for it in items]) for n in in_names})

@@ -277,3 +277,35 @@ def test_a_torch_module_answering_bfloat16_is_answered_as_declared():
     assert outs[0]["y"].tolist() == [1.5, -3.0]
     stacked = run.stacked({"x": np.array([[0.25, 1.0]], np.float32)})
     assert (stacked["y"].dtype, stacked["y"].tolist()) == (np.float32, [[0.25, 1.0]])
+
+
+
+def test_a_torch_module_writing_a_tensor_it_keeps_does_not_change_earlier_answers():
+    """On the CPU a tensor's numpy array shares its memory: a module that answers
+    from a buffer it keeps and writes again on the next batch (a preallocated
+    output) rewrote the answers of the batch before, while they waited to be sent
+    (served with threads, callers got another caller's values). Each batch's
+    outputs are now its own."""
+    torch = pytest.importorskip("torch")
+
+    class Buffered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("out", torch.zeros(8, 2))
+
+        def forward(self, x):
+            self.out[: len(x)] = x
+            return self.out[: len(x)]
+
+    backend = trioserve.TorchBackend(
+        Buffered,
+        inputs=[TensorSpec(name="x", datatype="FP32", shape=[2])],
+        outputs=[TensorSpec(name="y", datatype="FP32", shape=[2])],
+    )
+    run = backend.load("cpu")
+    first = run([{"x": np.array([1.0, 2.0], np.float32)}])
+    first_stacked = run.stacked({"x": np.array([[3.0, 4.0]], np.float32)})
+    run([{"x": np.array([5.0, 6.0], np.float32)}])
+    run.stacked({"x": np.array([[7.0, 8.0]], np.float32)})
+    assert first[0]["y"].tolist() == [1.0, 2.0]
+    assert first_stacked["y"].tolist() == [[3.0, 4.0]]
