@@ -7,6 +7,7 @@ in a worker thread (or inline) and must not touch trio.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from collections.abc import Callable, ItemsView, Iterable, KeysView, Mapping, Sequence, Set
@@ -52,6 +53,9 @@ def check_outputs(outputs: Any, n: int) -> Sequence[Mapping[str, Any]]:
     mappings = "mapping" if n == 1 else "mappings"
     want = f"expected a list of {n} output {mappings} (name -> array), one per item"
     if not isinstance(outputs, Sequence) or isinstance(outputs, str | bytes):
+        if inspect.iscoroutine(outputs):
+            outputs.close()  # never to run: no "never awaited" warning
+            raise TypeError(f"returned a coroutine; {_NOT_ASYNC}")
         raise TypeError(f"returned {_kind(outputs)}; {want}")
     if len(outputs) != n:
         got = _count(len(outputs), "output")
@@ -60,6 +64,13 @@ def check_outputs(outputs: Any, n: int) -> Sequence[Mapping[str, Any]]:
         if type(out) is not dict and not isinstance(out, Mapping):
             raise TypeError(f"returned {_kind(out)} as the output of item {i}; {want}")
     return outputs
+
+
+#: Models run off the event loop, in a thread or a worker process, and are called.
+_NOT_ASYNC = (
+    "a model is called, not awaited (it runs in a thread or a worker process, off "
+    "the event loop): define it with def, not async def"
+)
 
 
 def _kind(value: Any) -> str:
@@ -629,6 +640,9 @@ class CallableBackend(ModelBackend):
         open_inputs: bool = False,
         execution: str = "thread",
     ) -> None:
+        # (a callable object's own __call__ too)
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+            raise ValueError(f"{fn!r} is an async function; {_NOT_ASYNC}")
         self._fn = fn
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)

@@ -309,3 +309,43 @@ def test_a_torch_module_writing_a_tensor_it_keeps_does_not_change_earlier_answer
     run.stacked({"x": np.array([[7.0, 8.0]], np.float32)})
     assert first[0]["y"].tolist() == [1.0, 2.0]
     assert first_stacked["y"].tolist() == [[3.0, 4.0]]
+
+
+class _AsyncCall:
+    async def __call__(self, items):
+        return [{"y": it["x"]} for it in items]
+
+
+async def _async_model(items):
+    return [{"y": it["x"]} for it in items]
+
+
+@pytest.mark.parametrize("fn", [_async_model, _AsyncCall()], ids=["function", "object"])
+def test_an_async_model_is_refused_when_its_backend_is_made(fn):
+    # A model is called off the loop, never awaited: every batch would have failed
+    # with "returned a value of type coroutine" and a "never awaited" warning.
+    with pytest.raises(ValueError, match="is an async function; a model is called, not awaited"):
+        trioserve.CallableBackend(
+            fn, inputs=[TensorSpec(name="x", datatype="FP32", shape=[-1])], outputs=[]
+        )
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # "coroutine ... never awaited"
+@pytest.mark.parametrize("execution", ["inline", "thread"])
+async def test_a_model_returning_a_coroutine_fails_its_callers_and_closes_it(
+    autojump_clock, execution
+):
+    # A sync callable that hands back a coroutine (a wrapper of an async function):
+    # the model's error, saying why; the coroutine closed, never run.
+    ran: list[bool] = []
+
+    async def body(items):
+        ran.append(True)
+        return [{"y": it["x"]} for it in items]
+
+    cfg = config(callable_model("m", lambda items: body(items), execution=execution))
+    async with trioserve.open_runtime(cfg) as rt:
+        with pytest.raises(ModelError, match="returned a coroutine; a model is called, not"):
+            await rt.infer("m", item(1.0))
+        assert rt.statistics()["m"]["replicas"][0]["state"] == "running"
+    assert ran == []
