@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -359,3 +360,77 @@ async def test_a_second_signal_stops_the_cli_at_once(tmp_path: Path):
     assert "SIGINT again: stopping now" in text
     assert text.rstrip().endswith("trioserve: stopped")
     assert [type(a) for a in answer] == [str]  # closed without an answer
+
+
+async def _answer_of(sock: socket.socket) -> bytes:
+    """What the server sent on ``sock`` until it closed (b"" if reset or closed
+    without a byte)."""
+    data = b""
+    while True:
+        try:
+            await trio.lowlevel.wait_readable(sock)
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+_ECHO_BODY = b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}'
+_ECHO_REQUEST = (
+    b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_ECHO_BODY), _ECHO_BODY)
+)
+
+
+async def test_a_request_that_arrived_before_the_drain_is_answered_not_reset():
+    """A request already in its connection's socket when the drain began, not yet read
+    (its task between requests, or not yet scheduled), was taken for an idle
+    connection: the drain closed the socket with the request unread, and the client,
+    whose request was sent before the signal, got a reset and no answer. It is now
+    read and answered (Connection: close), as a request in flight is."""
+    from http_helpers import echo_model
+
+    async with serving(config(echo_model())) as gw:
+        sock = socket.create_connection(gw.addresses[0])
+        sock.setblocking(False)
+        with sock:
+            await settle()  # accepted; its task waits for a request
+            assert gw.statistics().connections == 1
+            sock.sendall(_ECHO_REQUEST)  # no checkpoint: the server has not read it
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gw.drain, 10.0)
+                data = await _answer_of(sock)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), data
+    assert b"\r\nconnection: close" in head.lower()
+    assert b'"outputs"' in body
+
+
+async def test_a_request_waiting_in_the_listen_backlog_at_the_drain_is_answered():
+    """A connection the kernel had completed but the server not yet accepted when the
+    drain closed its listeners was reset by the close, its request (sent before the
+    signal) unanswered. The listeners now take what is waiting in their backlog as
+    they close, and such a connection is served as an accepted one is: its request
+    answered, or, with none sent, closed with a FIN rather than a reset."""
+    from http_helpers import echo_model
+
+    async with serving(config(echo_model())) as gw:
+        with socket.create_connection(gw.addresses[0]) as sent, \
+                socket.create_connection(gw.addresses[0]) as silent:
+            sent.setblocking(False)
+            silent.setblocking(False)
+            sent.sendall(_ECHO_REQUEST)
+            # no checkpoint since the connects: both wait in the backlog
+            assert gw.statistics().connections == 0
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gw.drain, 10.0)
+                data = await _answer_of(sent)
+                try:
+                    await trio.lowlevel.wait_readable(silent)
+                    quiet = silent.recv(10)
+                except ConnectionResetError:
+                    quiet = None
+    assert data.startswith(b"HTTP/1.1 200 "), data
+    assert quiet == b""  # closed, not reset

@@ -30,14 +30,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import select
+import socket
 from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
 from ._http import LINGER, _close, _plain_response, serve_connection
 from ._v2 import error_body
-from ._wire import _write_some
+from ._wire import _readable, _write_some
 
 if TYPE_CHECKING:
     from ._gateway import Gateway
@@ -51,6 +51,9 @@ MAX_REFUSING = 64
 #: ``serve_listeners``): wait ``ACCEPT_RETRY_S`` and try again.
 ACCEPT_CAPACITY_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
 ACCEPT_RETRY_S = 0.1
+#: The most connections the drain accepts from a listener's backlog as it closes it
+#: (the kernel's own bound on a backlog, ``net.core.somaxconn``'s default).
+MAX_BACKLOG = 4096
 
 
 def _refusal(limit: int) -> bytes:
@@ -90,35 +93,75 @@ async def _accept_loop(
     limit = gateway.server_config.max_connections
     room = gateway._room
     async with listener:
-        while True:
-            while gateway._refusing >= MAX_REFUSING and gateway._open >= limit:
-                await room.park()  # woken when a refusal or a connection ends
-            try:
-                stream = await listener.accept()
-            except OSError as exc:
-                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
-                    raise
-                log.error(
-                    "accept failed: %s (%s); retrying in %g s",
-                    errno.errorcode[exc.errno], os.strerror(exc.errno), ACCEPT_RETRY_S,
-                )
-                await trio.sleep(ACCEPT_RETRY_S)
-                continue
-            if gateway._open < limit or _make_room(gateway):
-                gateway._open += 1
-                nursery.start_soon(_serve, gateway, stream)
-            else:
-                if not gateway.connections_refused:
-                    log.warning(
-                        "%d connections open (server.max_connections): new ones are "
-                        "refused with 503 until one closes", limit,
+        try:
+            while True:
+                while gateway._refusing >= MAX_REFUSING and gateway._open >= limit:
+                    await room.park()  # woken when a refusal or a connection ends
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                        raise
+                    log.error(
+                        "accept failed: %s (%s); retrying in %g s",
+                        errno.errorcode[exc.errno], os.strerror(exc.errno), ACCEPT_RETRY_S,
                     )
-                gateway._refusing += 1
-                gateway.connections_refused += 1
-                nursery.start_soon(_refuse, gateway, stream, refusal)
+                    await trio.sleep(ACCEPT_RETRY_S)
+                    continue
+                _place(gateway, stream, nursery, refusal)
+        finally:
+            if gateway.draining:
+                _take_backlog(gateway, listener, nursery, refusal)
+
+
+def _place(
+    gateway: Gateway, stream: trio.SocketStream, nursery: trio.Nursery, refusal: bytes
+) -> None:
+    """Serve a connection just accepted, or refuse it at the limit. Not a checkpoint."""
+    limit = gateway.server_config.max_connections
+    if gateway._open < limit or _make_room(gateway):
+        gateway._open += 1
+        gateway._starting += 1
+        nursery.start_soon(_serve, gateway, stream)
+    else:
+        if not gateway.connections_refused:
+            log.warning(
+                "%d connections open (server.max_connections): new ones are "
+                "refused with 503 until one closes", limit,
+            )
+        gateway._refusing += 1
+        gateway.connections_refused += 1
+        nursery.start_soon(_refuse, gateway, stream, refusal)
+
+
+def _take_backlog(
+    gateway: Gateway, listener: trio.SocketListener, nursery: trio.Nursery, refusal: bytes
+) -> None:
+    """As the drain closes a listener: accept the connections waiting in its backlog,
+    which closing it would reset, and serve them as accepted ones (a request already
+    sent is answered, a connection with none is closed: ``serve_connection``).
+
+    Not a checkpoint: nothing is answered meanwhile, so what it takes is what waited
+    when the drain began (and what completed its handshake during these few
+    microseconds each), at most ``MAX_BACKLOG``, not a flood's new arrivals. Past the
+    limit and the refusals under way, the rest is reset by the close, as before."""
+    limit = gateway.server_config.max_connections
+    # A second descriptor of the listening socket, accepted on without waiting.
+    with socket.socket(fileno=os.dup(listener.socket.fileno())) as sock:
+        sock.setblocking(False)  # never wait, whatever socket.setdefaulttimeout says
+        for _ in range(MAX_BACKLOG):
+            if gateway._refusing >= MAX_REFUSING and gateway._open >= limit:
+                return
+            try:
+                client, _ = sock.accept()
+            except OSError:  # nothing waiting (BlockingIOError), or short of descriptors
+                return
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(client))
+            _place(gateway, stream, nursery, refusal)
 
 
 async def _serve(gateway: Gateway, stream: trio.SocketStream) -> None:
+    gateway._starting -= 1  # serve_connection counts it among the open connections
     try:
         await serve_connection(gateway, stream)
     finally:
@@ -164,14 +207,6 @@ def _make_room(gateway: Gateway) -> bool:
         gateway.connections_evicted += 1
         return True
     return False
-
-
-def _readable(fd: int) -> bool:
-    """Whether ``fd`` has input waiting (a request that its task has not read yet) or
-    has hung up or failed."""
-    poll = select.poll()
-    poll.register(fd, select.POLLIN)
-    return bool(poll.poll(0))
 
 
 def _warn_past_open_files(limit: int) -> None:

@@ -11,6 +11,7 @@ import attrs
 import trio
 
 from ._listeners import open_listeners
+from ._wire import _readable
 
 if TYPE_CHECKING:
     from trioserve import Config, Runtime
@@ -122,6 +123,10 @@ class Connections:
         self._streams = 0
         self._all_closed = trio.Event()
         self._accept_scope: trio.CancelScope | None = None
+        #: set when the listeners have closed (the drain's take of their backlogs done)
+        self._accept_done = trio.Event()
+        #: connections accepted whose task has not begun yet (not in ``_conns``)
+        self._starting = 0
         #: Writes the data plane's keep-alive answers (``serve`` starts it).
         self.outbox: Outbox | None = None
         #: Cancels the infer of a client that hangs up (``serve`` starts it; None
@@ -136,7 +141,7 @@ class Connections:
 
     def _close_conn(self, conn: _Conn) -> None:
         self._conns.pop(conn, None)
-        if self.draining and not self._conns:
+        if self.draining and not self._conns and not self._starting:
             self._all_closed.set()
 
     @property
@@ -189,10 +194,13 @@ class Connections:
                 if hangups is not None:
                     flushing.start_soon(hangups.run)
                 async with trio.open_nursery() as connections:
-                    with trio.CancelScope() as accept:
-                        self._accept_scope = accept
-                        task_status.started(self.addresses)
-                        await accept_connections(self, listeners, connections)
+                    try:
+                        with trio.CancelScope() as accept:
+                            self._accept_scope = accept
+                            task_status.started(self.addresses)
+                            await accept_connections(self, listeners, connections)
+                    finally:
+                        self._accept_done.set()
                 # every connection has closed: the flusher has nothing left to write,
                 # the watch nothing left to watch
                 flushing.cancel_scope.cancel("gateway closed")
@@ -202,7 +210,9 @@ class Connections:
                 hangups.close()
 
     async def drain(self, grace: float) -> None:
-        """Stop accepting, close idle connections, give requests in flight up to
+        """Stop accepting, close idle connections (not one whose request is already
+        waiting in its socket, nor one waiting in a listener's backlog: each is served
+        as a request in flight), give requests in flight up to
         ``grace`` seconds (no later than the runtime's ``grace_deadline``, when its
         shutdown has begun), then answer what is left with 503 and close.
 
@@ -212,15 +222,21 @@ class Connections:
         self.draining = True
         self.keep_alive = False
         self.drain_begun.set()
-        if self._accept_scope is not None:
+        accepting = self._accept_scope is not None
+        if accepting:
             self._accept_scope.cancel("gateway draining: stop accepting")
-        if not self._conns:
-            self._all_closed.set()
         for conn in list(self._conns):
             if conn.stop_reading is not None:
                 conn.stop_reading()
-            elif not conn.busy:
+            elif not conn.busy and not (conn.fd >= 0 and _readable(conn.fd)):
+                # Idle. One whose next request is already in its socket, unread, is
+                # not: it reads that request and answers it (Connection: close).
                 conn.scope.cancel("gateway draining: idle connection")
+        if accepting:
+            # the listeners take what waits in their backlogs as they close
+            await self._accept_done.wait()
+        if not self._conns and not self._starting:
+            self._all_closed.set()
         with trio.move_on_at(min(trio.current_time() + grace, self.runtime.grace_deadline)):
             await self._all_closed.wait()
         # Grace over: what is left is answered 503 (HTTP) or with error frames (streams).

@@ -58,6 +58,7 @@ from ._wire import (
     KIB,
     RECEIVE_SIZE,
     _checkpoint,
+    _readable,
     _ReadTimeout,
     _receive,
     _send_all,
@@ -221,8 +222,8 @@ class _Connection:
             deadline = math.inf  # set when a request needs a second read
             if not buf:
                 conn.busy = False
-                if gateway.draining:
-                    return False
+                if gateway.draining and not _readable(fd):
+                    return False  # idle (a request already in its socket is served)
                 buf = await _receive(fd, True, idle, checkpoint=not waited)
                 waited = False
                 conn.busy = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 from typing import Any
 
 import outcome
@@ -20,6 +21,15 @@ _write = os.write
 _wait_readable = trio.lowlevel.wait_readable
 _checkpoint = trio.lowlevel.checkpoint
 _wait_writable = trio.lowlevel.wait_writable
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` has input waiting (a request that its task has not read yet, or
+    a connection a listener has not accepted yet) or has hung up or failed. Not a
+    checkpoint."""
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class Outbox:
