@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._config import ModelConfig
-from ._config_checks import _finite, _shown
+from ._config_checks import _did_you_mean, _finite, _shown
 from ._errors import ConfigError, InvalidInput
 from ._model import CallableBackend, Item, ModelBackend, Runner, TensorSpec, TorchBackend
 
@@ -33,7 +33,8 @@ def _options(
         if k not in allowed:
             raise ConfigError(
                 f"models.{cfg.name}.options.{k}: unknown option for backend "
-                f"{cfg.backend!r}; expected one of {', '.join(allowed) or 'none'}"
+                f"{cfg.backend!r};{_did_you_mean(k, list(allowed))} expected one of "
+                f"{', '.join(allowed) or 'none'}"
             )
         want = allowed[k]
         if isinstance(want, bool):

@@ -9,7 +9,6 @@ Reading a TOML file or mapping into these is runtime/_config_file.py.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 import os
@@ -24,6 +23,7 @@ from ._config_checks import (
     _checked,
     _choice,
     _devices,
+    _did_you_mean,
     _field,
     _fraction,
     _int,
@@ -625,12 +625,6 @@ def check_keys(cls: type, table: Any, path: str, extra: Any = ()) -> None:
         if key not in names:
             raise ConfigError(f"{path}.{key}: unknown key;{_did_you_mean(key, names)} "
                               f"expected one of {', '.join(names)}")
-
-
-def _did_you_mean(key: Any, names: list[str] | tuple[str, ...]) -> str:
-    """`` did you mean 'max_batch_size'?`` for a key close to one of ``names``."""
-    close = difflib.get_close_matches(str(key), names, n=1)
-    return f" did you mean {close[0]!r}?" if close else ""
 
 
 def minilm_available() -> bool:

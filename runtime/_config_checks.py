@@ -4,6 +4,7 @@ value must be; ``_field`` makes an attrs field whose ConfigError names the key
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -168,6 +169,12 @@ def _bool(v: Any) -> None:
 def _mapping(v: Any) -> None:
     if not isinstance(v, Mapping):
         raise ValueError(f"must be a table, got {_shown(v)}")
+
+
+def _did_you_mean(key: Any, names: list[str] | tuple[str, ...]) -> str:
+    """`` did you mean 'max_batch_size'?`` for a key close to one of ``names``."""
+    close = difflib.get_close_matches(str(key), names, n=1)
+    return f" did you mean {close[0]!r}?" if close else ""
 
 
 def _tuple(v: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from ._config_checks import _field, _finite, _number, _shown, _str
+from ._config_checks import _did_you_mean, _field, _finite, _number, _shown, _str
 from ._errors import ConfigError
 
 
@@ -148,7 +148,8 @@ def ray_replica(value: Any, path: str) -> Any:
     for key in value:
         if key not in names:
             raise ConfigError(
-                f"{path}.ray.{key}: unknown key; expected one of {', '.join(names)}"
+                f"{path}.ray.{key}: unknown key;{_did_you_mean(key, names)} "
+                f"expected one of {', '.join(names)}"
             )
     try:
         return RayReplicaConfig(**value)
@@ -163,5 +164,6 @@ def ray_config(value: Any) -> Any:
     names = [f.name for f in attrs.fields(RayConfig)]
     for key in value:
         if key not in names:
-            raise ConfigError(f"ray.{key}: unknown key; expected one of {', '.join(names)}")
+            raise ConfigError(f"ray.{key}: unknown key;{_did_you_mean(key, names)} "
+                              f"expected one of {', '.join(names)}")
     return RayConfig(**value)

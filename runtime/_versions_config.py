@@ -16,7 +16,17 @@ from typing import Any
 
 import attrs
 
-from ._config_checks import _field, _int, _key, _mapping, _number, _segment, _shown, _str
+from ._config_checks import (
+    _did_you_mean,
+    _field,
+    _int,
+    _key,
+    _mapping,
+    _number,
+    _segment,
+    _shown,
+    _str,
+)
 from ._errors import ConfigError
 from ._model import ModelBackend
 
@@ -164,7 +174,8 @@ def version_list(value: Any, path: str) -> Any:
         for key in table:
             if key not in ("backend", "options"):
                 raise ConfigError(
-                    f"{where}.{key}: unknown key; a version may override backend, options"
+                    f"{where}.{key}: unknown key;{_did_you_mean(key, ('backend', 'options'))} "
+                    "a version may override backend, options"
                 )
         try:
             tables[name] = VersionConfig(name=name, **table)
@@ -181,7 +192,8 @@ def rollout_config(value: Any, path: str) -> Any:
     for key in value:
         if key not in names:
             raise ConfigError(
-                f"{path}.rollout.{key}: unknown key; expected one of {', '.join(names)}"
+                f"{path}.rollout.{key}: unknown key;{_did_you_mean(key, names)} "
+                f"expected one of {', '.join(names)}"
             )
     if "stable" not in value:
         raise ConfigError(f"{path}.rollout.stable: is required")

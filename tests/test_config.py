@@ -207,6 +207,41 @@ def test_an_unknown_key_far_from_every_key_gets_no_guess(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ('execution = "ray"\nray = { num_cpu = 1 }',
+         "models.m.ray.num_cpu: unknown key; did you mean 'num_cpus'? expected one of "
+         "num_cpus, "),
+        ('rollout = { stable = "1", stpes = [0.5] }',
+         "models.m.rollout.stpes: unknown key; did you mean 'steps'? expected one of "
+         "stable, "),
+        ('versions = { "1" = { backnd = "echo" } }',
+         "models.m.versions.1.backnd: unknown key; did you mean 'backend'? a version may "
+         "override backend, options"),
+    ],
+)
+def test_an_unknown_key_of_a_models_inner_table_is_guessed_too(tmp_path, lines, message):
+    """The tables within a model's (ray, rollout, a version's) name the nearest key,
+    as every other table does; they only listed the keys."""
+    path = write(tmp_path, f'[models.m]\nbackend = "echo"\n{lines}\n')
+    with pytest.raises(ConfigError) as excinfo:
+        trioserve.load_config(path)
+    assert str(excinfo.value).startswith(message), str(excinfo.value)
+
+
+def test_an_unknown_option_of_a_built_in_backend_is_guessed():
+    from trioserve._builtin import resolve_backend
+
+    m = ModelConfig(name="m", backend="mlp", options={"sed": 1})
+    with pytest.raises(
+        ConfigError,
+        match=r"^models\.m\.options\.sed: unknown option for backend 'mlp'; did you mean "
+        r"'seed'\? expected one of seed$",
+    ):
+        resolve_backend(m)
+
+
+@pytest.mark.parametrize(
     ("line", "message"),
     [
         ("max_batch_size = 0", "models.mlp.max_batch_size: must be an integer >= 1, got 0"),

@@ -55,7 +55,8 @@ def test_defaults_a_local_ray_and_one_cpu_per_replica():
     ("model", "message"),
     [
         ({"execution": "ray", "ray": {"num_cpu": 1}},
-         "models.m.ray.num_cpu: unknown key; expected one of num_cpus, num_gpus"),
+         "models.m.ray.num_cpu: unknown key; did you mean 'num_cpus'? expected one of "
+         "num_cpus, num_gpus"),
         ({"execution": "ray", "ray": {"num_cpus": -1}},
          "models.m.ray.num_cpus: must be a finite number >= 0.0, got -1"),
         ({"execution": "ray", "ray": {"num_gpus": 1.5}},
