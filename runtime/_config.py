@@ -374,6 +374,15 @@ class TenantConfig:
     credit_burst: float | None = _field(_number(0.0, strict=True, optional=True), None)
     queue_share: float = _field(_fraction, 1.0)
 
+    @credit_burst.validator
+    def _check_burst(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and self.credit_rate is None:
+            raise ConfigError(
+                f"{self._path()}.credit_burst: the tenant has no credits (no "
+                "credit_rate: unlimited), so credit_burst would do nothing; set "
+                "credit_rate too, or leave credit_burst out"
+            )
+
     def _path(self) -> str:
         return f"tenants.{_key(self.name)}"
 

@@ -88,6 +88,23 @@ def test_a_tenant_quota_needs_the_result_cache(tmp_path):
     assert trioserve.load_config(path).cache.tenant_quota_bytes == 4096
 
 
+# Regression: a tenant's credit_burst without a credit_rate was accepted and did
+# nothing: the tenant had no bucket at all, its requests unlimited.
+def test_a_credit_burst_needs_a_credit_rate(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        trioserve.TenantConfig(name="t", credit_burst=100)
+    assert str(caught.value) == (
+        "tenants.t.credit_burst: the tenant has no credits (no credit_rate: unlimited), "
+        "so credit_burst would do nothing; set credit_rate too, or leave credit_burst out"
+    )
+    path = tmp_path / "c.toml"
+    path.write_text('[models.m]\nbackend = "echo"\n[tenants.t]\ncredit_burst = 100\n')
+    with pytest.raises(ConfigError, match=r"^tenants\.t\.credit_burst: the tenant has no"):
+        trioserve.load_config(path)
+    path.write_text(path.read_text() + "credit_rate = 10\n")
+    assert trioserve.load_config(path).tenant("t").burst == 100
+
+
 # Regression: an empty [tenants] table (or tenants=() from Python) made a runtime that
 # refused every request (Unauthorized: no tenant given and no default tenant).
 def test_no_tenants_at_all_is_refused(tmp_path):
