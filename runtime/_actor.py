@@ -73,6 +73,26 @@ class Actor:
         restarted), so that what it tells others of its crash counts it out."""
 
 
+class _FirstStart:
+    """An actor's ``task_status`` under :func:`supervise`: each run is in the
+    supervisor's own task (no nursery: its errors arrive unwrapped); every start marks
+    the actor running, and the first is reported to whoever started the supervisor
+    (``outer``, None once told). One class for every actor (a class made per call
+    was two class objects, and their cycles, for each actor started)."""
+
+    __slots__ = ("actor", "outer")
+
+    def __init__(self, actor: Actor, outer: Any) -> None:
+        self.actor = actor
+        self.outer = outer
+
+    def started(self, value: Any = None) -> None:
+        self.actor._transition(ActorState.RUNNING)
+        if self.outer is not None:
+            self.outer.started(self.actor)
+            self.outer = None
+
+
 async def supervise(
     actor: Actor,
     policy: RestartPolicy,
@@ -87,28 +107,17 @@ async def supervise(
     to the last failure.
     """
     crashes: collections.deque[float] = collections.deque()
-    outer = task_status
-
-    class _Status:
-        # Runs the actor in this task (no nursery: its errors arrive unwrapped) and
-        # reports the first start to our own starter.
-        def started(self, value: Any = None) -> None:
-            nonlocal outer
-            actor._transition(ActorState.RUNNING)
-            if outer is not None:
-                outer.started(actor)
-                outer = None
-
+    status = _FirstStart(actor, task_status)
     while True:
         try:
-            await actor.run(task_status=_Status())
+            await actor.run(task_status=status)
             actor._transition(ActorState.STOPPED)
             return
         except trio.Cancelled:
             actor.state = ActorState.STOPPED
             raise
         except Exception as exc:
-            if outer is not None:
+            if status.outer is not None:
                 # It never started: a start-up failure (a model that cannot load) is
                 # reported to whoever started it, not retried.
                 actor._transition(ActorState.BROKEN)
