@@ -39,8 +39,13 @@ from ._cache import Cache, CacheRule
 from ._cachekey import cache_key
 from ._singleflight import LateOutcome, SingleFlight, own_error
 
-#: bytes counted per cached answer besides its arrays (dict, key, bookkeeping)
-OVERHEAD = 256
+#: Bytes counted per cached answer besides its arrays' (and an edge answer's body and
+#: key's) bytes: the key, the entry, its places in the policy's table, segment, model
+#: index and sketch, the answer's dict and array headers. Measured with tracemalloc
+#: (CPython 3.11, 1,000 to 50,000 entries, a full gc before each snapshot): 880 to
+#: 1,030 bytes an item entry (an echo of one float32, of 4 KiB, ``mlp``'s 16 floats),
+#: 900 to 1,000 an edge entry (docs/cache.md, "Sizes of kept answers").
+OVERHEAD = 1024
 
 #: For the edge, which keeps a request's encoded answer: the earliest expiry of the
 #: answers the current task was given since :meth:`CacheActor.track_expiry` (a
@@ -286,12 +291,15 @@ class CacheActor(Actor):
         """``Cache.put`` now (trio time), for a value made outside :meth:`answer` (the
         edge's encoded answers): the actor's timer is moved up if the value expires
         before everything else kept, so that it is dropped when its TTL passes, not at
-        the next lookup. Returns whether it is resident. Not a checkpoint."""
+        the next lookup. ``size``: the value's own bytes (and its key's); it is
+        charged :data:`OVERHEAD` more, as an answer kept by :meth:`answer` is.
+        Returns whether it is resident. Not a checkpoint."""
         cache = self.cache
         assert cache is not None
         before = cache.next_expiry()
         kept = cache.put(
-            key, value, size=size, now=trio.current_time(), tenant=tenant, expires=expires
+            key, value, size=size + OVERHEAD, now=trio.current_time(), tenant=tenant,
+            expires=expires,
         )
         if cache.next_expiry() < before:
             self._wake.unpark_all()

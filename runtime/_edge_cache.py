@@ -51,9 +51,11 @@ class _EdgeCache:
         return hit
 
     def keep_response(self, key: Any, answer: Any, size: int, tenant: str) -> None:
-        """Keep an encoded answer, unless its model was invalidated since ``key`` was
-        made (the answer may come from the weights invalidated), until the first of
-        the results it was made of expires (a cached one may be older than it)."""
+        """Keep an encoded answer of ``size`` bytes (charged with its key's bytes and
+        the cache's per-entry overhead, ``_cache_actor.OVERHEAD``), unless its model
+        was invalidated since ``key`` was made (the answer may come from the weights
+        invalidated), until the first of the results it was made of expires (a cached
+        one may be older than it)."""
         key, generation, until = key
         cache = self.cache.cache
         if cache.generation(key.model) == generation:

@@ -92,9 +92,9 @@ async def test_a_ttl_ends_exactly_ttl_seconds_after_the_result_was_kept(autojump
 
 async def test_the_lru_policy_is_chosen_in_the_configuration_file(tmp_path, autojump_clock):
     path = tmp_path / "trioserve.toml"
-    # one echo answer of a float32 is 256 + 4 bytes: two fit
+    # one echo answer of a float32 is 1024 + 4 bytes: two fit
     path.write_text(
-        '[cache]\ncapacity_bytes = 600\npolicy = "lru"\n\n'
+        '[cache]\ncapacity_bytes = 2400\npolicy = "lru"\n\n'
         '[models.echo]\nbackend = "echo"\nmax_wait_ms = 0\n\n'
         '[tenants.t]\ndefault = true\n'
     )
@@ -237,7 +237,7 @@ async def test_the_cache_counters_on_metrics_move_as_documented(autojump_clock):
     config = cfg(
         callable_model("m", model, max_wait_ms=0),
         callable_model("g", gated, execution="thread", max_wait_ms=0),
-        capacity_bytes=1_000, policy="lru",
+        capacity_bytes=4_000, policy="lru",
     )
     try:
         async with trioserve.open_runtime(config) as rt:
@@ -250,9 +250,9 @@ async def test_the_cache_counters_on_metrics_move_as_documented(autojump_clock):
                         if n.startswith("trioserve_cache_") and not labels}
 
             zero = await metrics()
-            for v in (1.0, 1.0, 2.0, 3.0, 4.0):  # one hit; 4 answers of 260 bytes
+            for v in (1.0, 1.0, 2.0, 3.0, 4.0):  # one hit; 4 answers of 1,028 bytes
                 await rt.infer("m", item(v), tenant="A")
-            await rt.infer("m", item(0.0, n=400), tenant="A")  # 1,856 bytes: refused
+            await rt.infer("m", item(0.0, n=1000), tenant="A")  # 5,024 bytes: refused
             async with trio.open_nursery() as nursery:
                 for _ in range(3):
                     nursery.start_soon(lambda: rt.infer("g", item(1), tenant="A"))
@@ -275,7 +275,7 @@ async def test_the_cache_counters_on_metrics_move_as_documented(autojump_clock):
     assert after["trioserve_cache_reruns_total"] == stats["reruns"] == 0
     assert after["trioserve_cache_late_answers_total"] == stats["late_answers"] == 0
     assert after["trioserve_cache_entries"] == stats["entries"] == 3
-    assert after["trioserve_cache_bytes_used"] == stats["bytes_used"] == 3 * 260
+    assert after["trioserve_cache_bytes_used"] == stats["bytes_used"] == 3 * 1028
     assert after["trioserve_cache_hit_rate"] == 1 / 9
 
 
@@ -283,7 +283,7 @@ async def test_an_edge_answer_whose_item_was_not_kept_is_dropped_when_its_ttl_pa
     autojump_clock,
 ):
     """The cache actor's timer drops an answer kept at the edge when its TTL passes,
-    also when the item it was made of was not kept (here a 8 KiB result over the 1 KB
+    also when the item it was made of was not kept (here a 8 KiB result over the 4 KB
     capacity, asked for as its top class): the timer was armed only by the item
     cache, so the expired answer stayed counted in bytes and entries until a lookup."""
 
@@ -291,7 +291,7 @@ async def test_an_edge_answer_whose_item_was_not_kept_is_dropped_when_its_ttl_pa
         return [{"y": np.arange(2000, dtype=np.float32) + it["x"][0]} for it in items]
 
     config = cfg(callable_model("m", wide, cache_ttl_s=10.0, max_wait_ms=0),
-                 capacity_bytes=1_000)
+                 capacity_bytes=4_000)
     doc = {"inputs": [v2_input([1.0])],
            "outputs": [{"name": "y", "parameters": {"classification": 1}}]}
     async with trioserve.open_runtime(config) as rt:

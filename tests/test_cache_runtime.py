@@ -11,6 +11,7 @@ import trio
 import trioserve
 from runtime_helpers import Recorder, callable_model, item, key
 from trioserve import CacheConfig, InvalidInput, ModelConfig, TenantConfig, UnknownModel
+from trioserve.actors._cache_actor import OVERHEAD
 
 
 class Counting:
@@ -273,10 +274,10 @@ async def test_an_encoded_answer_made_before_an_invalidation_is_not_kept(autojum
     async with trioserve.open_runtime(cfg(callable_model("m", Counting()))) as rt:
         key = rt.response_key("m", None, "a", b"{...}")
         rt.invalidate_cache("m")
-        rt.keep_response(key, (200, [], b"stale"), 256, "a")
+        rt.keep_response(key, (200, [], b"stale"), 5, "a")
         assert rt.cached_response(key) is None
         fresh = rt.response_key("m", None, "a", b"{...}")
-        rt.keep_response(fresh, (200, [], b"fresh"), 256, "a")
+        rt.keep_response(fresh, (200, [], b"fresh"), 5, "a")
         assert rt.cached_response(fresh) == (200, [], b"fresh")
 
 
@@ -286,10 +287,10 @@ async def test_an_edge_answer_is_charged_for_the_body_its_key_holds(autojump_clo
         for raw in (b"x" * 1000, b"y" * 100_000):  # held whole; held by its digest
             before = cache.policy.bytes_used
             key = rt.response_key("m", None, "a", raw)
-            rt.keep_response(key, (200, [], b"answer"), 6 + 256, "a")
+            rt.keep_response(key, (200, [], b"answer"), 6, "a")
             assert rt.cached_response(key) == (200, [], b"answer")
             held = len(raw) if len(raw) <= 4096 else 16
-            assert cache.policy.bytes_used - before == 6 + 256 + held
+            assert cache.policy.bytes_used - before == 6 + OVERHEAD + held
 
 
 class Weights(Counting):
@@ -473,3 +474,37 @@ async def test_invalidating_a_model_or_version_not_served_says_so(autojump_clock
             rt.invalidate_cache("m", 2)
         assert rt.invalidate_cache("m", "2") == 0
         assert rt.invalidate_cache("m") == 0
+
+
+@pytest.mark.parametrize("floats", [1, 1024])  # 4 bytes and 4 KiB answers
+async def test_a_full_cache_holds_about_its_capacity(autojump_clock, floats):
+    """What a cache filled through the runtime really holds (tracemalloc, a full gc
+    before each snapshot) is within 25% of ``capacity_bytes``, for tiny answers as
+    for large ones: the per-entry charge (OVERHEAD) covers the key, the entry, the
+    policy's maps and the answer's headers. At 256 bytes an entry, a cache of tiny
+    answers held ~3.5 times its capacity."""
+    import gc
+    import tracemalloc
+
+    capacity = 1 << 20
+    echo = trioserve.ModelConfig(name="echo", backend="echo", max_wait_ms=0)
+    tracemalloc.start()
+    try:
+        async with trioserve.open_runtime(cfg(echo, capacity=capacity)) as rt:
+            x = np.zeros(floats, np.float32)
+            await rt.infer("echo", {"x": x})  # the code paths' first allocations
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(1, 3 * capacity // (floats * 4 + 200)):  # more than fit
+                x = np.zeros(floats, np.float32)
+                x[0] = i
+                await rt.infer("echo", {"x": x})
+            del x
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+            stats = rt.cache_statistics()
+    finally:
+        tracemalloc.stop()
+    assert stats["evictions"] + stats["admissions_rejected"] > 0  # full
+    assert stats["bytes_used"] <= capacity
+    assert 0.75 * capacity < held < 1.25 * capacity, (held / capacity, stats["entries"])

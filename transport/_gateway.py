@@ -324,7 +324,7 @@ class Gateway(Connections):
         if rkey is not None:
             # kept in a block of its own length: the bytes the cache counts (compact)
             answer = answer[0], answer[1], compact(answer[2])
-            self.runtime.keep_response(rkey, answer, len(answer[2]) + 256, tenant)
+            self.runtime.keep_response(rkey, answer, len(answer[2]), tenant)
         return answer
 
     async def run_request(
