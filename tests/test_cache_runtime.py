@@ -495,7 +495,7 @@ async def test_a_full_cache_holds_about_its_capacity(autojump_clock, floats):
             await rt.infer("echo", {"x": x})  # the code paths' first allocations
             gc.collect()
             before = tracemalloc.get_traced_memory()[0]
-            for i in range(1, 3 * capacity // (floats * 4 + 200)):  # more than fit
+            for i in range(1, 2 * capacity // (floats * 4 + OVERHEAD)):  # twice what fits
                 x = np.zeros(floats, np.float32)
                 x[0] = i
                 await rt.infer("echo", {"x": x})
