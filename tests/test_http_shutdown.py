@@ -18,6 +18,7 @@ import h11
 import numpy as np
 import pytest
 import trio
+import trioserve
 from http_helpers import Gate, config, held_model, serving, settle
 from trio_websocket import ConnectionClosed
 from trioserve.transport import open_http, open_stream
@@ -434,3 +435,77 @@ async def test_a_request_waiting_in_the_listen_backlog_at_the_drain_is_answered(
                     quiet = None
     assert data.startswith(b"HTTP/1.1 200 "), data
     assert quiet == b""  # closed, not reset
+
+
+class _LateListener(trio.abc.Listener[trio.SocketStream]):
+    """A listener that accepts one connection, then leaves the next ones in its
+    backlog, and whose accept loop sees the drain's cancel only when ``late`` is set:
+    the connections' tasks run first (trio may schedule them in either order)."""
+
+    def __init__(self, sock: trio.socket.SocketType, late: trio.Event) -> None:
+        self.inner = trio.SocketListener(sock)
+        self.socket = sock
+        self.late = late
+        self.accepted = False
+
+    async def accept(self) -> trio.SocketStream:
+        if not self.accepted:
+            self.accepted = True
+            return await self.inner.accept()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await self.late.wait()
+            raise
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_connection_closing_before_the_listeners_do_leaves_the_backlog_served():
+    """The last open connection closing during the drain, before the listeners had
+    taken their backlogs, said that every connection had closed: the drain's grace
+    ended at once, and a request waiting in the backlog, taken after, was answered
+    503 at once instead of within the grace. The drain's end now waits for the
+    listeners too."""
+    from trioserve.transport import open_gateway
+
+    gate = Gate()
+    late = trio.Event()
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    body = b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}'
+    request = (
+        b"POST /v2/models/held/infer HTTP/1.1\r\nHost: t\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    async with trioserve.open_runtime(config(held_model(gate, max_batch_size=1))) as rt, \
+            open_gateway(rt, listeners=[_LateListener(sock, late)]) as gw:
+        with socket.create_connection(gw.addresses[0]):
+            await settle()  # accepted; its task waits for a request
+            assert gw.statistics().connections == 1
+            with socket.create_connection(gw.addresses[0]) as sent:
+                sent.setblocking(False)
+                sent.sendall(request)  # no checkpoint: it waits in the backlog
+                left_open: list[int] = []
+
+                async def drain() -> None:
+                    await gw.drain(10.0)
+                    left_open.append(gw.statistics().connections)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(drain)
+                    await settle()  # the idle connection has closed
+                    assert gw.statistics().connections == 0
+                    late.set()  # now the listener closes, taking its backlog
+                    try:
+                        held = await trio.to_thread.run_sync(gate.holding.wait, 10.0)
+                        waited = held and not left_open  # in flight: the drain waits
+                    finally:
+                        gate.release()
+                    data = await _answer_of(sent)
+    assert data.startswith(b"HTTP/1.1 200 "), data
+    assert waited
+    assert left_open == [0]

@@ -141,7 +141,12 @@ class Connections:
 
     def _close_conn(self, conn: _Conn) -> None:
         self._conns.pop(conn, None)
-        if self.draining and not self._conns and not self._starting:
+        if (
+            self.draining and not self._conns and not self._starting
+            and (self._accept_done.is_set() or self._accept_scope is None)
+        ):
+            # not before the listeners have closed: they may yet take a connection
+            # from their backlog (``drain`` decides then)
             self._all_closed.set()
 
     @property
