@@ -509,3 +509,79 @@ async def test_a_connection_closing_before_the_listeners_do_leaves_the_backlog_s
     assert data.startswith(b"HTTP/1.1 200 "), data
     assert waited
     assert left_open == [0]
+
+
+class _AbortsFirst:
+    """The drain's descriptor of a listening socket, whose first accept finds a
+    connection reset while it waited in the backlog (ECONNABORTED), as the kernel
+    reports one."""
+
+    made = 0
+
+    def __init__(self, fileno: int) -> None:
+        self.sock = socket.socket(fileno=fileno)
+        self.aborted = False
+        _AbortsFirst.made += 1
+
+    def __enter__(self) -> _AbortsFirst:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def setblocking(self, flag: bool) -> None:
+        self.sock.setblocking(flag)
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if not self.aborted:
+            self.aborted = True
+            raise ConnectionAbortedError(103, "Software caused connection abort")
+        return self.sock.accept()
+
+
+async def test_a_connection_reset_in_the_backlog_does_not_end_the_drains_take(monkeypatch):
+    """One connection of the backlog reset while it waited (the take's accept fails
+    with ECONNABORTED) does not end the take: the next ones are still served. The
+    take used to stop at any error, and the close reset the rest."""
+    from types import SimpleNamespace
+
+    from http_helpers import echo_model
+    from trioserve.transport import _accept
+
+    monkeypatch.setattr(_accept, "socket", SimpleNamespace(socket=_AbortsFirst))
+    async with serving(config(echo_model())) as gw:
+        # The accept loop, woken with the drain, may accept the first before it sees
+        # the cancel; the second is the take's, after the reset one.
+        with socket.create_connection(gw.addresses[0]) as first, \
+                socket.create_connection(gw.addresses[0]) as sent:
+            first.setblocking(False)
+            sent.setblocking(False)
+            sent.sendall(_ECHO_REQUEST)
+            assert gw.statistics().connections == 0  # in the backlog
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gw.drain, 10.0)
+                data = await _answer_of(sent)
+    assert _AbortsFirst.made == 1  # the take ran
+    assert data.startswith(b"HTTP/1.1 200 "), data
+
+
+async def test_the_drains_take_short_of_descriptors_leaves_the_drain_as_before(monkeypatch):
+    """Out of descriptors for the take's own (EMFILE from dup): the backlog is left
+    to the close, as before the take, and the drain ends as it does without one."""
+    from types import SimpleNamespace
+
+    from http_helpers import echo_model
+    from trioserve.transport import _accept
+
+    def no_dup(fd: int) -> int:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(_accept, "os", SimpleNamespace(dup=no_dup, strerror=os.strerror))
+    async with serving(config(echo_model())) as gw:
+        with socket.create_connection(gw.addresses[0]) as sent:
+            sent.setblocking(False)
+            sent.sendall(_ECHO_REQUEST)
+            with trio.fail_after(5):
+                await gw.drain(10.0)
+            assert gw.statistics().connections == 0
+

@@ -147,13 +147,19 @@ def _take_backlog(
     limit and the refusals under way, the rest is reset by the close, as before."""
     limit = gateway.server_config.max_connections
     # A second descriptor of the listening socket, accepted on without waiting.
-    with socket.socket(fileno=os.dup(listener.socket.fileno())) as sock:
+    try:
+        fd = os.dup(listener.socket.fileno())
+    except OSError:  # short of descriptors: the close resets the backlog, as before
+        return
+    with socket.socket(fileno=fd) as sock:
         sock.setblocking(False)  # never wait, whatever socket.setdefaulttimeout says
         for _ in range(MAX_BACKLOG):
             if gateway._refusing >= MAX_REFUSING and gateway._open >= limit:
                 return
             try:
                 client, _ = sock.accept()
+            except (ConnectionAbortedError, InterruptedError):
+                continue  # that one was reset while it waited; the next may not be
             except OSError:  # nothing waiting (BlockingIOError), or short of descriptors
                 return
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(client))
