@@ -737,12 +737,16 @@ class TorchBackend(ModelBackend):
                 # the CPU a tensor's array shares its memory: one the module keeps (a
                 # buffer it answers from) would be written by the next batch while
                 # this one's answers wait to be sent, so each is copied (once per
-                # output a batch; bfloat16's conversion made a new array already).
+                # output a batch; bfloat16's conversion, or the copy from another
+                # device, made a new array already). The output's device, not the
+                # model's: a module on a GPU may answer from a CPU buffer.
                 answers = {}
                 for name, o in zip(out_names, outs, strict=True):
                     arr = to_numpy(o)
                     answers[name] = (
-                        arr.copy() if on_cpu and o.dtype is not torch.bfloat16 else arr
+                        arr.copy()
+                        if o.device.type == "cpu" and o.dtype is not torch.bfloat16
+                        else arr
                     )
                 return answers
 

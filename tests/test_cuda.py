@@ -317,3 +317,29 @@ async def test_a_batch_that_runs_out_of_gpu_memory_is_split_and_each_part_answer
     assert statuses["retried"] >= 64  # the batch of 64 failed, and was split
     assert statuses.get("model_error", 0) == 0
     assert statuses.get("device_lost", 0) == 0
+
+
+class _CpuBuffered(torch.nn.Module):
+    """On a GPU, answering from a CPU buffer it keeps and writes on every batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.zeros(8, 2)  # not a registered buffer: stays on the CPU
+
+    def forward(self, x):
+        self.out[: len(x)] = x.cpu()
+        return self.out[: len(x)]
+
+
+@needs_cuda
+def test_a_module_on_a_gpu_answering_from_a_cpu_buffer_keeps_earlier_answers():
+    # The output's device decides the copy, not the model's.
+    backend = trioserve.TorchBackend(
+        _CpuBuffered,
+        inputs=[trioserve.TensorSpec(name="x", datatype="FP32", shape=[2])],
+        outputs=[trioserve.TensorSpec(name="y", datatype="FP32", shape=[2])],
+    )
+    run = backend.load("cuda:0")
+    first = run.stacked({"x": np.array([[1.0, 2.0]], np.float32)})
+    run.stacked({"x": np.array([[3.0, 4.0]], np.float32)})
+    assert first["y"].tolist() == [[1.0, 2.0]]
