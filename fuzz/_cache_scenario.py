@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 from hypothesis import strategies as st
+from trioserve.actors._cache_actor import OVERHEAD
 
 #: One tick of scenario time: a power of two, so every sum of ticks is exact.
 TICK = 2.0**-10
@@ -73,9 +74,14 @@ class Invalidate:
     model: int = 0
 
 
+#: What the cache charges for one of the model's answers (five float64s and the
+#: per-entry overhead): the capacities and quotas drawn hold one entry and up.
+ENTRY = OVERHEAD + 5 * 8
+
+
 @attrs.frozen(kw_only=True)
 class CacheScenario:
-    capacity: int = 1200
+    capacity: int = 4 * ENTRY
     policy: str = "tinylfu"
     quota: int | None = None
     replicas: int = 1
@@ -139,9 +145,9 @@ _KEYS = st.tuples(_KEY) | st.lists(_KEY, min_size=1, max_size=4).map(tuple)
 _BATCH = st.sampled_from([False, False, True])
 _CANCEL = st.none() | st.none() | st.sampled_from([0, 1, 2, 4, 16])
 _CANCEL_HOW = st.sampled_from(["deadline", "cancel"])
-_CAPACITY = st.sampled_from([300, 600, 1200, 2400, 100_000])
+_CAPACITY = st.sampled_from([ENTRY, 2 * ENTRY, 4 * ENTRY, 8 * ENTRY, 100_000])
 _POLICY = st.sampled_from(["tinylfu", "lru"])
-_QUOTA = st.sampled_from([None, None, None, 300, 600])
+_QUOTA = st.sampled_from([None, None, None, ENTRY, 2 * ENTRY])
 _LATENCIES = st.lists(_LATENCY, min_size=KEYS, max_size=KEYS)
 _FLAKIES = st.lists(_FLAKY, min_size=KEYS, max_size=KEYS)
 #: Faults of the models off the event loop: cut-offs shorter than the slow keys'

@@ -564,7 +564,7 @@ def test_fuzz_cache_a_request_beside_a_carried_item_did_not_fail_alone():
     ask = functools.partial(fuzz.Ask, tenant=0, keys=(0,))
     fuzz.run_cache_scenario(
         fuzz.CacheScenario(
-            capacity=300,
+            capacity=fuzz._cache_scenario.ENTRY,  # one answer
             replicas=1,
             max_batch_size=2,
             tenants=1,
@@ -614,7 +614,7 @@ def test_fuzz_cache_a_driver_refused_at_once_gets_its_own_rounds_answer():
     late = fuzz.Ask(at=6)
     fuzz.run_cache_scenario(
         fuzz.CacheScenario(
-            capacity=300,
+            capacity=fuzz._cache_scenario.ENTRY,  # one answer
             max_batch_size=1,
             tenants=1,
             models=(fuzz.ModelRule(timeout=4),),
@@ -956,3 +956,20 @@ def test_copy_dropped_while_running_reaches_a_calls_items_too(queue_class):
     else:
         assert copy.reply.state is trioserve.RequestState.DONE  # answered while it runs
         assert a[1].reply.state is trioserve.RequestState.QUEUED
+
+
+@pytest.mark.parametrize(
+    ("capacity", "quota"),
+    [(c, None) for c in fuzz._cache_scenario._CAPACITY.elements]
+    + [(100_000, q) for q in fuzz._cache_scenario._QUOTA.elements if q is not None],
+)
+def test_fuzz_cache_every_capacity_and_quota_it_draws_keeps_an_answer(capacity, quota):
+    """The cache suite's small capacities and quotas are meant to hold one entry and
+    up: sized below the cache's charge for one answer, they keep nothing, and the
+    suite's eviction, quota and hit checks have nothing to check."""
+    from fuzz._cache import play_cache
+
+    again = (fuzz.Ask(at=0), fuzz.Ask(at=1))
+    run = play_cache(fuzz.CacheScenario(capacity=capacity, quota=quota, tenants=1,
+                                        asks=again))
+    assert run.hits == 1, (capacity, quota)
