@@ -585,3 +585,17 @@ async def test_the_drains_take_short_of_descriptors_leaves_the_drain_as_before(m
                 await gw.drain(10.0)
             assert gw.statistics().connections == 0
 
+
+
+def test_an_accept_failure_for_want_of_resources_is_logged_and_another_raised(caplog):
+    # Both accept loops (the gateway's, and the one answering while models load)
+    # retry the first kind after ACCEPT_RETRY_S and stop on the second.
+    import errno
+
+    from trioserve.transport._accept import accept_failed
+
+    with caplog.at_level("ERROR", logger="trioserve"):
+        accept_failed(OSError(errno.EMFILE, "Too many open files"))
+    assert "accept failed: EMFILE (Too many open files); retrying in 0.1 s" in caplog.text
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        accept_failed(OSError(errno.EBADF, "Bad file descriptor"))

@@ -56,6 +56,18 @@ ACCEPT_RETRY_S = 0.1
 MAX_BACKLOG = 4096
 
 
+def accept_failed(exc: OSError) -> None:
+    """After ``accept`` raised ``exc``: log a failure for want of resources
+    (``ACCEPT_CAPACITY_ERRNOS``; the caller waits ``ACCEPT_RETRY_S`` and tries again),
+    raise any other."""
+    if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+        raise exc
+    log.error(
+        "accept failed: %s (%s); retrying in %g s",
+        errno.errorcode[exc.errno], os.strerror(exc.errno), ACCEPT_RETRY_S,
+    )
+
+
 def _refusal(limit: int) -> bytes:
     body = error_body(
         f"the server is at its connection limit ({limit} open connections, "
@@ -100,12 +112,7 @@ async def _accept_loop(
                 try:
                     stream = await listener.accept()
                 except OSError as exc:
-                    if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
-                        raise
-                    log.error(
-                        "accept failed: %s (%s); retrying in %g s",
-                        errno.errorcode[exc.errno], os.strerror(exc.errno), ACCEPT_RETRY_S,
-                    )
+                    accept_failed(exc)
                     await trio.sleep(ACCEPT_RETRY_S)
                     continue
                 _place(gateway, stream, nursery, refusal)

@@ -20,16 +20,14 @@ most ``server.request_timeout_s`` (then ``LINGER`` to close).
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 from typing import Any
 
 import h11
 import trio
 from trioserve import ServerConfig
 
-from ._accept import ACCEPT_CAPACITY_ERRNOS, ACCEPT_RETRY_S
+from ._accept import ACCEPT_RETRY_S, accept_failed
 from ._answers import JSON, Answer
 from ._http import LINGER, _close, _new_h11, _plain_response, _response
 from ._v2 import error_body
@@ -100,12 +98,7 @@ class LoadingAnswers:
                 stream = await listener.accept()
             except OSError as exc:
                 room.release()
-                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
-                    raise
-                log.error(
-                    "accept failed: %s (%s); retrying in %g s",
-                    errno.errorcode[exc.errno], os.strerror(exc.errno), ACCEPT_RETRY_S,
-                )
+                accept_failed(exc)
                 await trio.sleep(ACCEPT_RETRY_S)
                 continue
             except BaseException:
